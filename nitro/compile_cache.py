@@ -1,0 +1,442 @@
+"""The module-level cache of compiled programs: the only place that calls `jax.jit`.
+
+Every handle in the process shares it. A program is looked up by its kind, the experiment
+class, the fingerprint of the code it runs, its static settings, and the shapes, dtypes and
+shardings of its arguments; within that, by the values of the GraphConst fields the program
+actually read while it was traced (recorded by the trace view). Each miss is explained, each
+compile is announced, and `cache_stats()` counts hits, misses and entries.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import os
+import threading
+import time
+from collections.abc import Callable, Hashable, Mapping, Sequence
+from typing import Any
+
+import jax
+
+from . import progress
+from .fingerprint import CodeFingerprint, diff_parts
+
+__all__ = [
+    "CacheStats",
+    "CompileLog",
+    "CompileRecord",
+    "Program",
+    "ProgramKind",
+    "ProgramSpec",
+    "cache_reset",
+    "cache_stats",
+    "explain_compiles",
+    "set_compilation_cache",
+]
+
+
+class ProgramKind(str, enum.Enum):
+    """What a compiled program does. Kinds key the cache and name programs in reports."""
+
+    TRAIN_STEP = "train step"  # forward, loss, gradient and optimizer update, fused
+    GRADIENT = "gradient"  # gradient of one micro-batch (accumulation)
+    OPTIMIZER_APPLY = "optimizer apply"  # apply accumulated gradients
+    MULTI_STEP = "multi-step train"  # K fused steps through lax.scan
+    EVAL_FORWARD = "eval forward"  # forward (+ loss) on an evaluation batch
+    PREDICT = "predict"  # forward alone
+    DEVICE_METRICS = "device metrics"  # a metrics hook traced on device
+    EXPORT = "export"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+@dataclasses.dataclass
+class ProgramSpec:
+    """Everything needed to key, explain and build one program.
+
+    `build(reads)` returns the function to trace; trace views inside it add the names of the
+    GraphConst fields they read to `reads`.
+    """
+
+    kind: ProgramKind
+    owner: str
+    build: Callable[[set[str]], Callable]
+    code: CodeFingerprint
+    static: Mapping[str, Hashable]
+    graphconst: Mapping[str, Any]
+    arg_names: Sequence[str]
+    donate_argnums: tuple[int, ...] = ()
+    label: str = ""
+    leaf_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+
+    @property
+    def title(self) -> str:
+        return f"{self.kind.value}{f' ({self.label})' if self.label else ''}"
+
+
+@dataclasses.dataclass(frozen=True)
+class CompileRecord:
+    program: str
+    owner: str
+    seconds: float
+    reason: str
+    at: float
+
+    def __str__(self) -> str:
+        return f"{self.program} [{self.owner}] {self.seconds:.2f} s: {self.reason}"
+
+
+class CompileLog(list):
+    """The compile records, newest last; prints as a table."""
+
+    def __str__(self) -> str:
+        if not self:
+            return "no programs compiled"
+        return "\n".join(str(r) for r in self)
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        rows = "".join(
+            f"<tr><td>{escape(r.program)}</td><td>{escape(r.owner)}</td>"
+            f"<td>{r.seconds:.2f} s</td><td>{escape(r.reason)}</td></tr>"
+            for r in self
+        )
+        return (
+            "<table><tr><th>program</th><th>experiment</th><th>compile</th><th>why</th></tr>"
+            f"{rows}</table>"
+        )
+
+    def to_frame(self):
+        import pandas as pd
+
+        return pd.DataFrame([dataclasses.asdict(r) for r in self])
+
+
+class Opaque(str):
+    """A static key component that explanations report as "changed" rather than by value."""
+
+
+class Program:
+    """A compiled program. Calling it runs the XLA executable and counts a cache hit."""
+
+    __slots__ = (
+        "kind",
+        "title",
+        "owner",
+        "compiled",
+        "reads",
+        "code",
+        "static",
+        "signature",
+        "graphconst",
+        "compile_seconds",
+        "hits",
+        "aux",
+    )
+
+    def __init__(self, spec: ProgramSpec, compiled, reads, signature, seconds):
+        self.kind = spec.kind
+        self.title = spec.title
+        self.owner = spec.owner
+        self.compiled = compiled
+        self.reads = reads
+        self.code = spec.code
+        self.static = dict(spec.static)
+        self.signature = signature
+        self.graphconst = dict(spec.graphconst)
+        self.compile_seconds = seconds
+        self.hits = 0
+        self.aux = {}
+
+    def __call__(self, *args):
+        _COUNTS[0] += 1
+        self.hits += 1
+        return self.compiled(*args)
+
+    def __repr__(self) -> str:
+        return f"<Program {self.title} of {self.owner}, {self.hits} calls>"
+
+
+_COUNTS = [0, 0]  # hits, misses; plain list cells keep the per-step cost to one add
+
+
+@dataclasses.dataclass
+class CacheStats:
+    hits: int
+    misses: int
+    entries: int
+    programs: list[dict]
+    compiles: CompileLog
+
+    def __getitem__(self, key: str):
+        return getattr(self, key)
+
+    def keys(self):
+        return ("hits", "misses", "entries", "programs", "compiles")
+
+    def __str__(self) -> str:
+        lines = [f"compile cache: {self.hits} hits, {self.misses} misses, {self.entries} entries"]
+        for p in self.programs:
+            reads = ", ".join(p["graphconst_read"]) or "none"
+            lines.append(
+                f"  {p['program']} [{p['owner']}]: {p['calls']} calls, compiled in "
+                f"{p['compile_seconds']:.2f} s, GraphConst read: {reads}"
+            )
+        if self.compiles:
+            lines.append("compiles:")
+            lines.extend(f"  {r}" for r in self.compiles)
+        return "\n".join(lines)
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        return f"<pre>{escape(str(self))}</pre>"
+
+
+def _leaf_signature(path, leaf) -> tuple:
+    shape = tuple(getattr(leaf, "shape", ()))
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None:
+        dtype = jax.numpy.asarray(leaf).dtype
+    sharding = getattr(leaf, "sharding", None) if isinstance(leaf, jax.Array) else None
+    weak = bool(getattr(leaf, "weak_type", False))
+    return (jax.tree_util.keystr(path), shape, str(dtype), sharding, weak)
+
+
+def argument_signature(arg_names: Sequence[str], args: Sequence[Any]) -> tuple:
+    signature = []
+    for name, arg in zip(arg_names, args):
+        leaves, treedef = jax.tree_util.tree_flatten_with_path(arg)
+        signature.append((name, treedef, tuple(_leaf_signature(p, x) for p, x in leaves)))
+    return tuple(signature)
+
+
+def _format_leaf(sig: tuple) -> str:
+    _, shape, dtype, _, _ = sig
+    short = {"float32": "f32", "float64": "f64", "int32": "i32", "int64": "i64", "bool": "bool",
+             "bfloat16": "bf16", "float16": "f16", "uint8": "u8", "uint32": "u32"}.get(dtype, dtype)
+    return f"{short}[{','.join(map(str, shape))}]"
+
+
+def _diff_signatures(old: tuple, new: tuple, labels: Mapping[str, str]) -> list[str]:
+    notes = []
+    for (name, old_tree, old_leaves), (_, new_tree, new_leaves) in zip(old, new):
+        if old_tree != new_tree:
+            notes.append(f"argument {name}: structure changed")
+            continue
+        for o, n in zip(old_leaves, new_leaves):
+            if o != n:
+                where = labels.get(f"{name}{o[0]}") or (f"{name}{o[0]}" if o[0] else name)
+                if o[3] != n[3] and o[1:3] == n[1:3]:
+                    notes.append(f"argument {where}: sharding changed")
+                else:
+                    notes.append(f"argument {where}: {_format_leaf(o)} -> {_format_leaf(n)}")
+    if len(notes) > 3:
+        notes = notes[:3] + [f"and {len(notes) - 3} more argument changes"]
+    return notes
+
+
+class CompileCache:
+    def __init__(self):
+        self._lock = threading.RLock()
+        self._entries: dict[tuple, list[Program]] = {}
+        self._siblings: dict[tuple, list[Program]] = {}  # (kind, owner, title) -> programs
+        self.log = CompileLog()
+
+    def lookup(self, spec: ProgramSpec, args: Sequence[Any]) -> Program:
+        signature = argument_signature(spec.arg_names, args)
+        base = (
+            spec.kind,
+            spec.owner,
+            spec.code.digest,
+            tuple(sorted(spec.static.items())),
+            signature,
+        )
+        with self._lock:
+            for program in self._entries.get(base, ()):
+                if all(spec.graphconst.get(k, _MISSING) == v for k, v in program.reads.items()):
+                    return program
+            reason = self._explain(spec, signature)
+            program = self._compile(spec, args, signature, reason)
+            self._entries.setdefault(base, []).append(program)
+            siblings = self._siblings.setdefault((spec.kind, spec.owner, spec.title), [])
+            siblings.append(program)
+            del siblings[:-8]
+            return program
+
+    def _compile(self, spec: ProgramSpec, args, signature, reason: str) -> Program:
+        configure_persistent_cache()
+        reads: set[str] = set()
+        fn = spec.build(reads)
+        progress.note(f"compiling {spec.title} of {spec.owner.rpartition('.')[2]} ...")
+        start = time.perf_counter()
+        compiled = jax.jit(fn, donate_argnums=spec.donate_argnums).lower(*args).compile()
+        seconds = time.perf_counter() - start
+        progress.note(
+            f"compiled {spec.title} in {seconds:.2f} s ({reason})", done=True
+        )
+        values = {name: spec.graphconst[name] for name in sorted(reads) if name in spec.graphconst}
+        program = Program(spec, compiled, values, signature, seconds)
+        program.aux = getattr(fn, "nitro_aux", {})
+        _COUNTS[1] += 1
+        self.log.append(CompileRecord(spec.title, spec.owner, seconds, reason, time.time()))
+        return program
+
+    def _explain(self, spec: ProgramSpec, signature) -> str:
+        siblings = self._siblings.get((spec.kind, spec.owner, spec.title))
+        if not siblings:
+            return "new program"
+        # Explain against the closest earlier program: the one with the fewest differences.
+        candidates = [_differences(p, spec, signature) for p in reversed(siblings)]
+        notes = min(candidates, key=lambda notes: sum(n.count(",") + 1 for n in notes))
+        return "; ".join(notes) or "new variant (values of GraphConst fields it reads)"
+
+    def reset(self) -> None:
+        with self._lock:
+            self._entries.clear()
+            self._siblings.clear()
+            self.log = CompileLog()
+            _COUNTS[0] = _COUNTS[1] = 0
+
+    def stats(self) -> CacheStats:
+        with self._lock:
+            programs = [p for entries in self._entries.values() for p in entries]
+            return CacheStats(
+                hits=_COUNTS[0] - _COUNTS[1],
+                misses=_COUNTS[1],
+                entries=len(programs),
+                programs=[
+                    {
+                        "program": p.title,
+                        "kind": p.kind.value,
+                        "owner": p.owner,
+                        "calls": p.hits,
+                        "compile_seconds": p.compile_seconds,
+                        "graphconst_read": sorted(p.reads),
+                    }
+                    for p in programs
+                ],
+                compiles=CompileLog(self.log),
+            )
+
+
+def _differences(previous: Program, spec: ProgramSpec, signature) -> list[str]:
+    notes = []
+    changed_code = diff_parts(previous.code.parts, spec.code.parts)
+    if changed_code:
+        notes.append("code changed: " + ", ".join(changed_code))
+    for name in sorted(previous.reads):
+        old, new = previous.reads[name], spec.graphconst.get(name, _MISSING)
+        if old != new:
+            notes.append(f"GraphConst {name}: {old!r} -> {new!r}")
+    shape_notes = _diff_signatures(previous.signature, signature, spec.leaf_labels)
+    static_notes = []
+    for name in sorted(set(previous.static) | set(spec.static)):
+        old, new = previous.static.get(name), spec.static.get(name)
+        if old != new:
+            if isinstance(new, Opaque) or not isinstance(new, (bool, int, float, str, type(None))):
+                static_notes.append(f"{name} changed")
+            else:
+                static_notes.append(f"setting {name}: {old!r} -> {new!r}")
+    if shape_notes or static_notes:
+        # GraphConst fields read outside the trace (by build_model) show up as new shapes
+        moved = [
+            f"GraphConst {k}: {previous.graphconst[k]!r} -> {v!r}"
+            for k, v in spec.graphconst.items()
+            if k in previous.graphconst and previous.graphconst[k] != v
+            and k not in previous.reads
+        ]
+        if moved:
+            notes.append("; ".join(moved) + " (read by build_model)")
+    return notes + static_notes + shape_notes
+
+
+class _Missing:
+    def __repr__(self) -> str:
+        return "<unset>"
+
+
+_MISSING = _Missing()
+
+CACHE = CompileCache()
+
+
+def cache_stats() -> CacheStats:
+    """Hits, misses and entries of the compile cache, with per-program detail and the log of
+    compiles, each with the time it took and why it missed.
+
+    A call of a compiled program counts as a hit, except the call that compiled it.
+    """
+    return CACHE.stats()
+
+
+def cache_reset() -> None:
+    """Empty the compile cache and its counters. Live handles keep the programs they hold."""
+    CACHE.reset()
+
+
+def explain_compiles() -> CompileLog:
+    """Every compile so far: the program, its experiment, the time it took and why it missed."""
+    return CompileLog(CACHE.log)
+
+
+# ---------------------------------------------------------------------------------------------
+# JAX's persistent compilation cache
+
+_PERSISTENT = {"configured": False, "dir": None}
+
+
+def _default_cache_dir() -> str:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "nitro", "jax-compilation-cache")
+
+
+def configure_persistent_cache() -> None:
+    """Turn on JAX's persistent compilation cache once, before the first compile.
+
+    `NITRO_COMPILATION_CACHE` moves it (a path) or disables it (`0`, `off`); a directory the
+    user already configured in JAX wins.
+    """
+    if _PERSISTENT["configured"]:
+        return
+    _PERSISTENT["configured"] = True
+    setting = os.environ.get("NITRO_COMPILATION_CACHE", "").strip()
+    if setting.lower() in {"0", "off", "false", "no", "none"}:
+        return
+    if jax.config.jax_compilation_cache_dir:
+        _PERSISTENT["dir"] = jax.config.jax_compilation_cache_dir
+        return
+    set_compilation_cache(setting or _default_cache_dir())
+
+
+def set_compilation_cache(path: str | os.PathLike | None) -> None:
+    """Move JAX's persistent compilation cache to `path`, or disable it with `None`.
+
+    Programs compiled in one process are then reloaded by the next instead of recompiled.
+    """
+    _PERSISTENT["configured"] = True
+    try:
+        from jax.experimental.compilation_cache import compilation_cache as jax_cc
+
+        jax_cc.reset_cache()
+    except Exception:  # older jax: nothing initialized yet
+        pass
+    if path is None:
+        jax.config.update("jax_compilation_cache_dir", None)
+        jax.config.update("jax_enable_compilation_cache", False)
+        _PERSISTENT["dir"] = None
+        return
+    path = os.fspath(path)
+    os.makedirs(path, exist_ok=True)
+    jax.config.update("jax_enable_compilation_cache", True)
+    jax.config.update("jax_compilation_cache_dir", path)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    _PERSISTENT["dir"] = path
+
+
+def compilation_cache_dir() -> str | None:
+    return _PERSISTENT["dir"]

@@ -1,0 +1,19 @@
+"""Data sources and the prefetcher.
+
+`ArrayLoader` batches in-memory arrays; any restartable iterable of dicts of numpy arrays
+works as a source too. Every split is prefetched by default; wrap a source in `NoPrefetch`
+to opt out.
+"""
+
+from .loaders import ArrayLoader, NoPrefetch, is_index_addressable
+from .prefetch import PrefetchSettings, Prefetcher, StagedBatch, pad_batch
+
+__all__ = [
+    "ArrayLoader",
+    "NoPrefetch",
+    "PrefetchSettings",
+    "Prefetcher",
+    "StagedBatch",
+    "is_index_addressable",
+    "pad_batch",
+]

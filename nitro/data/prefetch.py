@@ -1,0 +1,391 @@
+"""The prefetcher: worker threads build host batches, one transfer stage puts them on the
+device, and a bounded queue feeds the loop.
+
+```
+source --(workers: batch_at)--> host stage (host_batches) --(transfer)--> device queue
+        (device_batches) --> loop
+```
+
+An index-addressable source fans out over several workers; any other iterable gets one
+producer thread. With `ordered=True` (the default) batches arrive in source order, so runs are
+reproducible. A producer's exception is re-raised in the loop with its traceback. Closing an
+epoch stream (normally, on a stop, or on an error) stops the threads and deletes every device
+batch it staged that the loop never received.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import itertools
+import os
+import queue
+import threading
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+
+from .loaders import NoPrefetch, is_index_addressable
+
+__all__ = ["PrefetchSettings", "Prefetcher", "StagedBatch", "pad_batch"]
+
+
+def default_workers() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefetchSettings:
+    workers: int = dataclasses.field(default_factory=default_workers)
+    device_batches: int = 1
+    host_batches: int | None = None  # default 2 x workers
+    ordered: bool = True
+
+    def __post_init__(self):
+        for name in ("workers", "device_batches"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"prefetch setting {name} must be an int >= 1, got {value!r}")
+        if self.host_batches is not None and (
+            not isinstance(self.host_batches, int) or self.host_batches < self.workers
+        ):
+            raise ValueError(
+                f"prefetch setting host_batches must be >= workers ({self.workers}) or it can "
+                f"deadlock; got {self.host_batches!r}"
+            )
+
+    @property
+    def host_depth(self) -> int:
+        return self.host_batches if self.host_batches is not None else 2 * self.workers
+
+
+class StagedBatch:
+    """One batch on its way through the loop: the host fields, the device fields, the number
+    of real samples (the rest is padding) and its index in the epoch."""
+
+    __slots__ = ("index", "host", "device", "n_real", "_freed", "_owner")
+
+    def __init__(self, index, host, device, n_real, owner):
+        self.index = index
+        self.host = host
+        self.device = device
+        self.n_real = n_real
+        self._freed = False
+        self._owner = owner
+
+    def free(self) -> None:
+        """Delete the device buffers now (idempotent); host memory is left to Python."""
+        if self._freed:
+            return
+        self._freed = True
+        for array in self.device.values():
+            if isinstance(array, jax.Array) and not array.is_deleted():
+                array.delete()
+        self._owner.freed += 1
+
+
+def pad_batch(batch: Mapping[str, np.ndarray], width: int) -> tuple[dict[str, np.ndarray], int]:
+    """Pad a short batch to `width` rows by repeating its last sample; return it and the real
+    sample count."""
+    n_real = _batch_length(batch)
+    if n_real == width:
+        return dict(batch), n_real
+    if n_real > width:
+        raise ValueError(
+            f"a batch of {n_real} samples is wider than the compiled width {width}; evaluation "
+            f"batches must not grow"
+        )
+    padded = {}
+    for name, value in batch.items():
+        value = np.asarray(value)
+        filler = np.repeat(value[-1:], width - n_real, axis=0)
+        padded[name] = np.concatenate([value, filler], axis=0)
+    return padded, n_real
+
+
+def _batch_length(batch: Mapping[str, Any]) -> int:
+    lengths = {np.shape(v)[0] if np.ndim(v) else None for v in batch.values()}
+    if len(lengths) != 1 or None in lengths:
+        shapes = {k: np.shape(v) for k, v in batch.items()}
+        raise ValueError(f"batch fields must share their first (batch) axis; shapes: {shapes}")
+    return lengths.pop()
+
+
+class _End:
+    pass
+
+
+class _Failure:
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+_END = _End()
+
+
+class Prefetcher:
+    """Wraps one split's source. `epoch(e, start)` returns a stream of `StagedBatch`es."""
+
+    def __init__(
+        self,
+        source: Any,
+        *,
+        place: Callable[[Mapping[str, np.ndarray]], dict],
+        route: frozenset[str] | None = None,
+        settings: PrefetchSettings | None = None,
+        pad_to: int | None = None,
+        keep_host: bool = False,
+        name: str = "data",
+    ):
+        self.inline = isinstance(source, NoPrefetch)
+        self.source = source.source if self.inline else source
+        self.place = place
+        self.route = route
+        self.settings = settings or PrefetchSettings()
+        self.pad_to = pad_to
+        self.keep_host = keep_host
+        self.name = name
+        self.placed = 0
+        self.freed = 0
+
+    @property
+    def path(self) -> str:
+        if self.inline:
+            return "inline"
+        if is_index_addressable(self.source):
+            if self.settings.workers == 1:
+                return "single"
+            return "fanout" if self.settings.ordered else "fanout_unordered"
+        return "single"
+
+    def describe(self) -> str:
+        s = self.settings
+        if self.path == "inline":
+            return "no prefetch (inline)"
+        workers = s.workers if self.path.startswith("fanout") else 1
+        return (
+            f"{self.path}: {workers} worker{'s' * (workers != 1)}, host_batches={s.host_depth}, "
+            f"device_batches={s.device_batches}, ordered={s.ordered}"
+        )
+
+    def stage(self, index: int, host: Mapping[str, Any]) -> StagedBatch:
+        """Pad (eval splits), route and transfer one host batch."""
+        if self.pad_to is not None:
+            host, n_real = pad_batch(host, self.pad_to)
+        else:
+            n_real = _batch_length(host)
+        routed = host if self.route is None else {k: host[k] for k in self.route if k in host}
+        device = self.place(routed)
+        self.placed += 1
+        return StagedBatch(index, host if self.keep_host else None, device, n_real, self)
+
+    def epoch(self, epoch: int, start: int = 0) -> EpochStream:
+        if self.inline:
+            return _InlineStream(self, epoch, start)
+        return _ThreadedStream(self, epoch, start)
+
+
+class EpochStream:
+    """An iterator of staged batches for one epoch; `close()` (or `with`) releases it."""
+
+    wait_seconds: float = 0.0
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def close(self) -> None:  # pragma: no cover - overridden
+        raise NotImplementedError
+
+
+def _source_iterator(source: Any, epoch: int, start: int) -> Iterator[tuple[int, Any]]:
+    if is_index_addressable(source):
+        plan = source.begin_epoch(epoch)
+        for index in range(start, len(source)):
+            yield index, source.batch_at(index, plan)
+        return
+    iterator = iter(source)
+    for _ in range(start):  # resuming mid-epoch in a plain iterable: skip what was consumed
+        next(iterator, None)
+    yield from zip(itertools.count(start), iterator)
+
+
+class _InlineStream(EpochStream):
+    def __init__(self, owner: Prefetcher, epoch: int, start: int):
+        self.owner = owner
+        self.iterator = _source_iterator(owner.source, epoch, start)
+        self.wait_seconds = 0.0
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> StagedBatch:
+        begin = time.perf_counter()
+        try:
+            index, host = next(self.iterator)
+            return self.owner.stage(index, host)
+        finally:
+            self.wait_seconds += time.perf_counter() - begin
+
+    def close(self) -> None:
+        close = getattr(self.iterator, "close", None)
+        if close is not None:
+            close()
+
+
+class _ThreadedStream(EpochStream):
+    def __init__(self, owner: Prefetcher, epoch: int, start: int):
+        self.owner = owner
+        self.settings = owner.settings
+        self.out: queue.Queue = queue.Queue(maxsize=self.settings.device_batches)
+        self.stopping = threading.Event()
+        self.wait_seconds = 0.0
+        self.finished = False
+        self.executor = None
+        self.producer = None
+        name = f"nitro-prefetch-{owner.name}"
+        source = owner.source
+        if is_index_addressable(source) and self.settings.workers > 1:
+            self.executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=self.settings.workers, thread_name_prefix=f"{name}-worker"
+            )
+            target = self._fan_out
+        else:
+            self.host: queue.Queue = queue.Queue(maxsize=self.settings.host_depth)
+            self.producer = threading.Thread(
+                target=self._produce, args=(source, epoch, start), name=f"{name}-producer",
+                daemon=True,
+            )
+            target = self._transfer_from_producer
+        self.transfer = threading.Thread(
+            target=target, args=(source, epoch, start), name=f"{name}-transfer", daemon=True
+        )
+        if self.producer is not None:
+            self.producer.start()
+        self.transfer.start()
+
+    # producer side ---------------------------------------------------------------------------
+
+    def _put(self, q: queue.Queue, item) -> bool:
+        """Put unless stopping; False when the stream is closing."""
+        while not self.stopping.is_set():
+            try:
+                q.put(item, timeout=0.05)
+                return True
+            except queue.Full:
+                continue
+        return False
+
+    def _emit(self, index: int, host) -> bool:
+        staged = self.owner.stage(index, host)
+        if not self._put(self.out, staged):
+            staged.free()
+            return False
+        return True
+
+    def _fan_out(self, source, epoch: int, start: int) -> None:
+        try:
+            plan = source.begin_epoch(epoch)
+            indices = iter(range(start, len(source)))
+            pending: dict[int, concurrent.futures.Future] = {}
+            depth = self.settings.host_depth
+
+            def submit_more():
+                while len(pending) < depth:
+                    index = next(indices, None)
+                    if index is None:
+                        return
+                    pending[index] = self.executor.submit(source.batch_at, index, plan)
+
+            submit_more()
+            while pending and not self.stopping.is_set():
+                if self.settings.ordered:
+                    index = min(pending)
+                    future = pending.pop(index)
+                    host = future.result()
+                else:
+                    done, _ = concurrent.futures.wait(
+                        pending.values(), return_when=concurrent.futures.FIRST_COMPLETED
+                    )
+                    future = next(iter(done))
+                    index = next(i for i, f in pending.items() if f is future)
+                    pending.pop(index)
+                    host = future.result()
+                submit_more()
+                if not self._emit(index, host):
+                    break
+            self._put(self.out, _END)
+        except BaseException as error:  # noqa: BLE001 - re-raised in the loop
+            self._put(self.out, _Failure(error))
+        finally:
+            self.executor.shutdown(wait=False, cancel_futures=True)
+
+    def _produce(self, source, epoch: int, start: int) -> None:
+        try:
+            for item in _source_iterator(source, epoch, start):
+                if not self._put(self.host, item):
+                    return
+            self._put(self.host, _END)
+        except BaseException as error:  # noqa: BLE001
+            self._put(self.host, _Failure(error))
+
+    def _transfer_from_producer(self, source, epoch: int, start: int) -> None:
+        try:
+            while not self.stopping.is_set():
+                try:
+                    item = self.host.get(timeout=0.05)
+                except queue.Empty:
+                    continue
+                if item is _END or isinstance(item, _Failure):
+                    self._put(self.out, item)
+                    return
+                if not self._emit(*item):
+                    return
+        except BaseException as error:  # noqa: BLE001
+            self._put(self.out, _Failure(error))
+
+    # consumer side ---------------------------------------------------------------------------
+
+    def __iter__(self):
+        return self
+
+    def __next__(self) -> StagedBatch:
+        if self.finished:
+            raise StopIteration
+        begin = time.perf_counter()
+        item = self.out.get()
+        self.wait_seconds += time.perf_counter() - begin
+        if item is _END:
+            self.finished = True
+            raise StopIteration
+        if isinstance(item, _Failure):
+            self.finished = True
+            raise item.error
+        return item
+
+    def close(self) -> None:
+        self.stopping.set()
+        self.finished = True
+        threads = [t for t in (self.transfer, self.producer) if t is not None]
+        deadline = time.monotonic() + 30.0
+        while any(t.is_alive() for t in threads) and time.monotonic() < deadline:
+            self._drain()
+            for t in threads:
+                t.join(timeout=0.02)
+        if self.executor is not None:
+            self.executor.shutdown(wait=True, cancel_futures=True)
+        self._drain()
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                item = self.out.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, StagedBatch):
+                item.free()

@@ -1,0 +1,85 @@
+"""Where arrays live: one device, or a 1-D data-parallel mesh over axis "data".
+
+On a mesh the batch is sharded on its first axis and everything else (parameters, optimizer
+state, Device fields) is replicated; XLA's SPMD partitioner inserts the collectives, so a
+BatchNorm sees the global batch and results match one device to float tolerance. Across hosts
+this is JAX's own runtime: call `jax.distributed.initialize()` first, and each process feeds
+its own share of every global batch.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
+
+__all__ = ["Placement", "PlacementError"]
+
+
+class PlacementError(ValueError):
+    pass
+
+
+class Placement:
+    def __init__(self, n_devs: int | None = None):
+        devices = jax.devices()
+        available = len(devices)
+        if n_devs is None:
+            n_devs = available
+        if not isinstance(n_devs, (int, np.integer)) or n_devs < 1:
+            raise PlacementError(f"n_devs must be a positive int, got {n_devs!r}")
+        if n_devs > available:
+            raise PlacementError(
+                f"n_devs={n_devs} but only {available} {devices[0].platform} device"
+                f"{'s are' if available != 1 else ' is'} visible. Lower n_devs, or on CPU set "
+                f"XLA_FLAGS=--xla_force_host_platform_device_count={n_devs} before JAX starts."
+            )
+        self.n_devs = int(n_devs)
+        self.devices = devices[: self.n_devs]
+        self.multi_process = jax.process_count() > 1
+        if self.n_devs > 1 or self.multi_process:
+            self.mesh = Mesh(np.array(self.devices), ("data",))
+            self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
+            self.replicated = NamedSharding(self.mesh, PartitionSpec())
+        else:
+            self.mesh = None
+            self.batch_sharding = self.replicated = SingleDeviceSharding(self.devices[0])
+
+    @property
+    def local_share(self) -> int:
+        """How many of the mesh's devices this process feeds."""
+        return sum(d.process_index == jax.process_index() for d in self.devices)
+
+    def describe(self) -> str:
+        platform = self.devices[0].platform
+        if self.mesh is None:
+            return f"1 {platform} device, no mesh"
+        hosts = f" across {jax.process_count()} processes" if self.multi_process else ""
+        return f"mesh 'data' over {self.n_devs} {platform} devices{hosts}"
+
+    def check_batch(self, batch_size: int, split: str) -> None:
+        if self.mesh is not None and batch_size % self.n_devs:
+            raise PlacementError(
+                f"the '{split}' batch of {batch_size} samples does not divide across "
+                f"n_devs={self.n_devs} devices. The batch size is global: choose a multiple of "
+                f"{self.n_devs}, or set n_devs to a divisor of {batch_size}."
+            )
+
+    def put_batch(self, batch: Mapping[str, Any]) -> dict[str, jax.Array]:
+        if self.multi_process:
+            return {
+                k: jax.make_array_from_process_local_data(self.batch_sharding, np.asarray(v))
+                for k, v in batch.items()
+            }
+        return jax.device_put(dict(batch), self.batch_sharding)
+
+    def put_replicated(self, tree: Any) -> Any:
+        if self.multi_process:
+            return jax.tree.map(
+                lambda x: jax.make_array_from_process_local_data(self.replicated, np.asarray(x)),
+                tree,
+            )
+        return jax.device_put(tree, self.replicated)

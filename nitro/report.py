@@ -1,0 +1,253 @@
+"""Reports about a handle: the binding report, the stale-handle report and its displays."""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import sys
+from html import escape
+from typing import TYPE_CHECKING, Any
+
+import jax
+import numpy as np
+
+from .fingerprint import Fingerprinter, diff_parts
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .handle import Nitro
+
+__all__ = ["BindingReport", "binding_report", "stale_report", "check_same_tree"]
+
+
+@dataclasses.dataclass
+class BindingReport:
+    sections: list[tuple[str, list[str]]]
+
+    def __str__(self) -> str:
+        out = []
+        for title, lines in self.sections:
+            out.append(title)
+            out.extend(f"  {line}" for line in lines)
+        return "\n".join(out)
+
+    def __contains__(self, text: str) -> bool:
+        return text in str(self)
+
+    def _repr_html_(self) -> str:
+        body = "".join(
+            f"<tr><th colspan=2 style='text-align:left'>{escape(title)}</th></tr>"
+            + "".join(f"<tr><td></td><td style='text-align:left'><code>{escape(line)}</code></td></tr>"
+                      for line in lines)
+            for title, lines in self.sections
+        )
+        return f"<table>{body}</table>"
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if callable(value) and not isinstance(value, type):
+        return getattr(value, "__qualname__", None) or type(value).__name__
+    text = repr(value)
+    return text if len(text) < 60 else text[:57] + "..."
+
+
+def binding_report(h: Nitro) -> BindingReport:
+    sections = []
+    lines = []
+    for split, info in h._split_info.items():
+        batches = info["batches"]
+        counts = f"{batches:,} batches x {info['width']}" if batches is not None else (
+            f"batches of {info['width']} (length unknown)"
+        )
+        detail = []
+        samples = info["samples"]
+        if samples is not None:
+            used = samples - info["dropped"]
+            detail.append(f"{used:,} of {samples:,} samples")
+            if info["dropped"]:
+                detail.append(f"{info['dropped']} dropped by drop_last")
+            elif split != "train" and samples % info["width"]:
+                detail.append(
+                    f"final batch of {samples % info['width']} padded to {info['width']} then "
+                    f"sliced"
+                )
+        prefetcher = h._prefetchers[split]
+        detail.append(f"prefetch {prefetcher.describe()}")
+        lines.append(f"{split}: {counts}; " + "; ".join(detail))
+        lines.append(
+            f"  fields {', '.join(info['fields'])}; to device: "
+            f"{', '.join(info['device_fields']) or 'none'}"
+        )
+    sections.append(("splits", lines))
+
+    lines = []
+    for hook, spec in h._hook_fields.items():
+        residency = ""
+        if hook in ("metrics", "train_metrics"):
+            residency = f" [{h._residency[hook]}]"
+        routed = {split: fields.get(hook) for split, fields in h._fields.items()}
+        where = "; ".join(
+            f"{split}: {', '.join(f) if f else '(none)'}" for split, f in routed.items()
+            if f is not None
+        )
+        lines.append(f"{hook}({spec.describe()}){residency} <- {where or 'no split routes it'}")
+    if "metrics" not in h._hooks:
+        lines.append("metrics: none; validation reports val_loss through loss")
+    sections.append(("hooks receive", lines))
+
+    lines = [
+        f"{name} = {_fmt(resolved.value)}  [{resolved.source}]"
+        for name, resolved in h.run.items()
+        if name not in ("schedules",)
+    ]
+    lines.append(f"devices: {h.placement.describe()}")
+    sections.append(("run keywords", lines))
+
+    lines = []
+    for schedule in h.schedules:
+        lines.append(
+            f"{schedule.key} -> {schedule.qualified} ({schedule.form})  "
+            f"[{h.run['schedules'].source}]"
+        )
+    if not lines:
+        lines.append(f"none  [{h.run['schedules'].source}]")
+    if h.total_steps is not None:
+        lines.append(f"horizon: {h.total_steps:,} optimizer steps")
+    sections.append(("schedules", lines))
+
+    lines = []
+    if h.optimizer is None:
+        lines.append("none (no 'train' split)")
+    else:
+        scheduled = {s.name for s in h.schedules if s.target == "opt"}
+        lines.append(f"{h.optimizer.description}  [{h.run['optimizer'].source}]")
+        for name, value in h._feed.hyperparams_now().items():
+            tag = "scheduled" if name in scheduled else "constant"
+            lines.append(f"{name} = {value:g} ({tag}, fed per step)")
+        if not h.optimizer.hyperparams:
+            lines.append("hyperparameters baked into the program (not injected: unschedulable)")
+    lines.append(f"parameters: {h.param_count:,}")
+    sections.append(("optimizer", lines))
+
+    lines = [
+        f"{s.name}: {type(getattr(h.experiment, s.name)).__name__} = "
+        f"{_fmt(h.device_value(s.name))}"
+        for s in h._device_specs.values()
+    ] or ["none"]
+    sections.append(("Device fields", lines))
+    return BindingReport(sections)
+
+
+# ---------------------------------------------------------------------------------------------
+# staleness
+
+
+def current_class(cls: type) -> type:
+    """The class now bound to `cls`'s module and qualified name (after an edit, a new one)."""
+    module = sys.modules.get(cls.__module__)
+    target = module
+    for part in cls.__qualname__.split("."):
+        target = getattr(target, part, None)
+        if target is None:
+            return cls
+    return target if isinstance(target, type) else cls
+
+
+def stale_report(h: Nitro) -> str | None:
+    live = current_class(h.cls)
+    changed = []
+    for name, frozen in h._code.items():
+        if name in ("model", "optimizer"):
+            continue
+        attr = None
+        try:
+            attr = inspect.getattr_static(live, name)
+        except AttributeError:
+            changed.append(f"{name} (removed)")
+            continue
+        fn = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
+        fp = Fingerprinter(self_class=live)
+        try:
+            fp.hook(name, fn)
+        except Exception:  # noqa: BLE001 - an unreadable hook counts as changed
+            changed.append(name)
+            continue
+        diff = [d for d in diff_parts(frozen.parts, fp.parts) if d != f"hook {name}"]
+        if diff:
+            changed.append(f"{name} ({', '.join(diff)})")
+        elif frozen.digest != fp.fingerprint().digest:
+            changed.append(name)
+    added = [
+        name for name in ("metrics", "train_metrics", "finalize_metrics")
+        if name not in h._hooks and hasattr(live, name)
+    ]
+    changed.extend(f"{name} (added)" for name in added)
+    if not changed:
+        return None
+    held = sorted({p.title for p in h._programs.values()}) or ["none yet"]
+    return (
+        f"{h.cls.__name__} changed since this handle was built: {'; '.join(changed)}. This "
+        f"handle keeps what it froze (programs held: {', '.join(held)}); build a new handle to "
+        f"use the edit, e.g. nitro.Nitro({h.cls.__name__}(...), weights=n)."
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# trees
+
+
+def check_same_tree(what: str, expected, given) -> None:
+    exp_leaves = jax.tree_util.tree_flatten_with_path(expected)[0]
+    got_leaves = jax.tree_util.tree_flatten_with_path(given)[0]
+    exp = {jax.tree_util.keystr(p): (np.shape(x), str(x.dtype)) for p, x in exp_leaves}
+    got = {jax.tree_util.keystr(p): (np.shape(x), str(x.dtype)) for p, x in got_leaves}
+    if exp == got:
+        return
+    lines = []
+    for key in sorted(set(exp) | set(got)):
+        if exp.get(key) != got.get(key):
+            lines.append(f"  {key}: this model {exp.get(key, 'missing')}, weights {got.get(key, 'missing')}")
+    more = f"\n  ... and {len(lines) - 6} more" if len(lines) > 6 else ""
+    from .handle import SetupError
+
+    raise SetupError(
+        f"weights= does not fit: the {what} differ\n" + "\n".join(lines[:6]) + more
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# displays
+
+
+def short_repr(h: Nitro) -> str:
+    return (
+        f"Nitro({h.cls.__name__}, {h.phase}, epoch {h.epoch}/{h.max_epochs}, step {h.step}, "
+        f"{h.param_count:,} params)"
+    )
+
+
+def handle_html(h: Nitro) -> str:
+    rows = [
+        ("experiment", h.owner),
+        ("phase", h.phase),
+        ("epoch", f"{h.epoch} / {h.max_epochs}"),
+        ("step", f"{h.step}" + (f" / {h.total_steps}" if h.total_steps else "")),
+        ("stop reason", h.stop_reason or "-"),
+        ("parameters", f"{h.param_count:,}"),
+        ("devices", h.placement.describe()),
+        ("weights", h.weights_origin),
+        ("seed", h.seed),
+    ]
+    if h.last_metrics:
+        metrics = ", ".join(
+            f"{k} {v:.4g}" for k, v in h.last_metrics.items()
+            if isinstance(v, float) and k not in ("epoch_seconds", "data_wait_frac")
+        )
+        rows.append(("latest", metrics))
+    body = "".join(
+        f"<tr><th style='text-align:left'>{escape(str(k))}</th>"
+        f"<td style='text-align:left'>{escape(str(v))}</td></tr>"
+        for k, v in rows
+    )
+    return f"<table><caption>Nitro: {escape(h.cls.__name__)}</caption>{body}</table>"

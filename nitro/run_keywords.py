@@ -1,0 +1,196 @@
+"""Run keywords: settings of a run, each resolved by name.
+
+Each keyword resolves in this order: the `Nitro(...)` keyword, a method of the same name on
+the experiment (called with no arguments), a Host field of the same name, the framework
+default. Adding a keyword is one `RunKeyword(...)` line in `RUN_KEYWORDS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .experiment import FieldKind, field_specs
+
+__all__ = ["RUN_KEYWORDS", "KEYWORD_ONLY", "RunKeyword", "Resolved", "resolve_run_keywords"]
+
+NITRO_KEYWORD = "Nitro keyword"
+METHOD = "method on experiment"
+FIELD = "field on experiment"
+DEFAULT = "framework default"
+
+
+def _default_workers() -> int:
+    from .data.prefetch import default_workers
+
+    return default_workers()
+
+
+def _default_n_devs() -> int:
+    import jax
+
+    return jax.device_count()
+
+
+def _positive_int(name):
+    def check(value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        return value
+
+    return check
+
+
+def _int(name):
+    def check(value):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+        return value
+
+    return check
+
+
+def _bool(name):
+    def check(value):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+        return value
+
+    return check
+
+
+def _learning_rate(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(
+            f"learning_rate must be a positive number, got {value!r} (schedule it with "
+            f"schedules={{'learning_rate': ...}})"
+        )
+    return float(value)
+
+
+def _schedules(value):
+    if not isinstance(value, Mapping):
+        raise ValueError(f"schedules must be a dict of key -> schedule, got {type(value).__name__}")
+    return dict(value)
+
+
+@dataclasses.dataclass(frozen=True)
+class RunKeyword:
+    name: str
+    default: Any  # a value, or a zero-argument callable computing it (`computed=True`)
+    doc: str
+    check: Callable[[Any], Any] | None = None
+    computed: bool = False
+
+    def default_value(self, experiment: Any) -> Any:
+        if self.computed:
+            return self.default(experiment)
+        return self.default
+
+
+RUN_KEYWORDS: dict[str, RunKeyword] = {
+    k.name: k
+    for k in [
+        RunKeyword("seed", 0, "seeds the model's nnx.Rngs and the data order", _int("seed")),
+        RunKeyword(
+            "run_dir",
+            lambda e: f"runs/{type(e).__name__}",
+            "directory for this run's files",
+            computed=True,
+        ),
+        RunKeyword(
+            "n_devs",
+            lambda e: _default_n_devs(),
+            "devices in the data-parallel mesh (1: no mesh)",
+            _positive_int("n_devs"),
+            computed=True,
+        ),
+        RunKeyword("max_epochs", 1, "epochs `train()` runs to", _positive_int("max_epochs")),
+        RunKeyword(
+            "schedules", {}, "key -> schedule for optimizer hyperparameters or Device fields",
+            _schedules,
+        ),
+        RunKeyword("learning_rate", 1e-3, "learning rate of the default optimizer", _learning_rate),
+        RunKeyword(
+            "optimizer", None, "an optax GradientTransformation or factory (default: adam)"
+        ),
+        RunKeyword(
+            "check_divergence", True, "stop with an error on a non-finite loss",
+            _bool("check_divergence"),
+        ),
+        RunKeyword(
+            "prefetch_workers",
+            lambda e: _default_workers(),
+            "threads building host batches for index-addressable sources",
+            _positive_int("prefetch_workers"),
+            computed=True,
+        ),
+        RunKeyword(
+            "device_batches", 1, "batches staged on the device ahead of the loop",
+            _positive_int("device_batches"),
+        ),
+        RunKeyword(
+            "host_batches", None, "host batches built ahead (default 2 x prefetch_workers)"
+        ),
+        RunKeyword("ordered", True, "deliver batches in source order", _bool("ordered")),
+        RunKeyword("progress", True, "True, False, 'lines', 'bar' or a reporter object"),
+    ]
+}
+
+# Keywords that only exist on Nitro(...): no accessor, no field.
+KEYWORD_ONLY = {
+    "weights": "start from another handle's weights (a Nitro)",
+    "data": "use these splits instead of calling build_data",
+}
+
+
+@dataclasses.dataclass(frozen=True)
+class Resolved:
+    value: Any
+    source: str
+
+
+def check_keywords(kwargs: Mapping[str, Any]) -> None:
+    known = set(RUN_KEYWORDS) | set(KEYWORD_ONLY)
+    for name in kwargs:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.5)
+            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise TypeError(
+                f"Nitro() got an unknown keyword {name!r}.{hint} Run keywords: "
+                f"{', '.join(sorted(known))}."
+            )
+
+
+def resolve_run_keywords(experiment: Any, kwargs: Mapping[str, Any]) -> dict[str, Resolved]:
+    check_keywords(kwargs)
+    cls = type(experiment)
+    specs = {s.name: s for s in field_specs(cls)}
+    resolved: dict[str, Resolved] = {}
+    for name, keyword in RUN_KEYWORDS.items():
+        if name in kwargs:
+            value, source = kwargs[name], NITRO_KEYWORD
+        elif _has_method(cls, name):
+            value, source = getattr(experiment, name)(), METHOD
+        elif name in specs and specs[name].kind is FieldKind.HOST:
+            value, source = getattr(experiment, name), FIELD
+        else:
+            value, source = keyword.default_value(experiment), DEFAULT
+        if keyword.check is not None and value is not None:
+            try:
+                value = keyword.check(value)
+            except ValueError as error:
+                raise ValueError(f"{error} [{source}]") from None
+        resolved[name] = Resolved(value, source)
+    return resolved
+
+
+def _has_method(cls: type, name: str) -> bool:
+    try:
+        attr = inspect.getattr_static(cls, name)
+    except AttributeError:
+        return False
+    return isinstance(attr, (staticmethod, classmethod)) or inspect.isfunction(attr)

@@ -1,0 +1,139 @@
+"""Schedules: values that change with the optimizer step, bound by name.
+
+A schedule is a constant, an optax schedule, any callable of the step (counting optimizer
+steps from 0, as optax does), or a factory called once with the total number of optimizer
+steps that returns one of those. A key binds to an optimizer hyperparameter (by its real optax
+name: `learning_rate`, `b1`, `weight_decay`, ...) or to a Device field. Values are computed on
+the host and cross to the device once per step as arguments of the train step, so switching
+between a constant and a schedule, or between schedules, never recompiles.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import numpy as np
+
+__all__ = ["BoundSchedule", "ScheduleError", "bind_schedules", "normalize_schedule"]
+
+
+class ScheduleError(ValueError):
+    pass
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundSchedule:
+    key: str
+    target: str  # "opt" or "device"
+    name: str
+    fn: Callable[[int], Any]
+    form: str  # "constant", "schedule" or "factory"
+
+    @property
+    def qualified(self) -> str:
+        return f"{self.target}.{self.name}"
+
+
+def normalize_schedule(key: str, value: Any, total_steps: int | None) -> tuple[Callable, str]:
+    if isinstance(value, (int, float, np.number)) and not isinstance(value, bool):
+        constant = float(value)
+        return (lambda step, _c=constant: _c), "constant"
+    if not callable(value):
+        raise ScheduleError(
+            f"schedule {key!r} must be a number, a callable of the step, or a factory of the "
+            f"total step count; got {type(value).__name__}"
+        )
+    if total_steps is None:
+        probe = value(0)
+        if callable(probe):
+            raise ScheduleError(
+                f"schedule {key!r} is a factory of the total step count, but the train split "
+                f"has no len(): give it one, or pass a schedule of the step instead"
+            )
+        return value, "schedule"
+    # A factory returns a schedule when called with the horizon; a schedule returns a number.
+    result = value(total_steps)
+    if callable(result):
+        return result, "factory"
+    return value, "schedule"
+
+
+def _flatten(spec: Mapping[str, Any]) -> list[tuple[str | None, str, Any]]:
+    """(namespace or None, name, schedule) for bare and qualified keys."""
+    items = []
+    for key, value in spec.items():
+        if key in ("opt", "device") and isinstance(value, Mapping):
+            for name, inner in value.items():
+                if isinstance(inner, Mapping):
+                    raise ScheduleError(
+                        f"schedule {key}.{name} is a nested mapping; per-parameter-group keys "
+                        f"are not available yet: schedule {key}.<name> directly"
+                    )
+                items.append((key, name, inner))
+        else:
+            items.append((None, key, value))
+    return items
+
+
+def bind_schedules(
+    spec: Mapping[str, Any],
+    *,
+    hyperparams: Mapping[str, Any],
+    device_fields: Mapping[str, Any],
+    other_fields: Mapping[str, str],
+    total_steps: int | None,
+) -> list[BoundSchedule]:
+    """Bind each key to `opt.<hyperparameter>` or `device.<field>`.
+
+    `other_fields` maps GraphConst/Host field names to their kind, for the error that says they
+    cannot be scheduled.
+    """
+    bound: dict[str, BoundSchedule] = {}
+    for namespace, name, value in _flatten(spec):
+        label = f"{namespace}.{name}" if namespace else name
+        in_opt = name in hyperparams
+        in_device = name in device_fields
+        if namespace is None and in_opt and in_device:
+            raise ScheduleError(
+                f"schedule key {name!r} matches both the optimizer hyperparameter and the "
+                f"Device field {name!r}. Qualify it: schedules={{'opt': {{{name!r}: ...}}}} or "
+                f"schedules={{'device': {{{name!r}: ...}}}}"
+            )
+        if namespace == "opt" or (namespace is None and in_opt):
+            target = "opt"
+            if not in_opt:
+                raise ScheduleError(_no_target(label, "optimizer hyperparameter", hyperparams))
+        elif namespace == "device" or (namespace is None and in_device):
+            target = "device"
+            if not in_device:
+                raise ScheduleError(_no_target(label, "Device field", device_fields))
+        elif name in other_fields:
+            raise ScheduleError(
+                f"schedule key {name!r} names a {other_fields[name]} field; only Device fields "
+                f"and optimizer hyperparameters can be scheduled. Mark it Device[...] to "
+                f"schedule it."
+            )
+        else:
+            candidates = sorted(set(hyperparams) | set(device_fields))
+            close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.5)
+            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise ScheduleError(
+                f"schedule key {name!r} matches no optimizer hyperparameter "
+                f"({', '.join(sorted(hyperparams)) or 'none: the optimizer injects none'}) and "
+                f"no Device field ({', '.join(sorted(device_fields)) or 'none'}).{hint}"
+            )
+        fn, form = normalize_schedule(label, value, total_steps)
+        schedule = BoundSchedule(label, target, name, fn, form)
+        if schedule.qualified in bound:
+            raise ScheduleError(f"{schedule.qualified} is scheduled twice")
+        bound[schedule.qualified] = schedule
+    return list(bound.values())
+
+
+def _no_target(label: str, what: str, names: Mapping[str, Any]) -> str:
+    close = difflib.get_close_matches(label.rpartition(".")[2], sorted(names), n=3, cutoff=0.5)
+    hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+    return f"schedule key {label!r} names no {what} (have: {', '.join(sorted(names)) or 'none'}).{hint}"

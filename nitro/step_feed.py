@@ -1,0 +1,129 @@
+"""Per-step values fed to the train step: optimizer hyperparameters and Device fields.
+
+All numeric optimizer hyperparameters cross as one float32 vector, and every Device field as
+its own array, in the same argument slots whether they are constant or scheduled, so changing
+a schedule never changes a program. A value crosses to the device only when it changes: a
+constant crosses once. Schedules are evaluated on the host, in vectorized chunks when the
+schedule accepts an array of steps (optax schedules do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .schedules import BoundSchedule
+
+__all__ = ["StepFeed"]
+
+_CHUNK = 1024
+
+
+class _Evaluator:
+    """Evaluates one schedule at a step, a chunk of steps at a time when it vectorizes."""
+
+    def __init__(self, fn: Callable[[int], Any]):
+        self.fn = fn
+        self.vectorized: bool | None = None
+        self.start = -1
+        self.values: np.ndarray | None = None
+
+    def __call__(self, step: int) -> float:
+        if self.vectorized is not False:
+            if self.values is None or not self.start <= step < self.start + _CHUNK:
+                self._fill(step)
+            if self.vectorized:
+                return float(self.values[step - self.start])
+        return float(np.asarray(self.fn(step)))
+
+    def _fill(self, step: int) -> None:
+        steps = np.arange(step, step + _CHUNK)
+        try:
+            values = np.asarray(self.fn(steps), dtype=np.float64)
+        except Exception:  # noqa: BLE001 - a schedule written for scalars only
+            self.vectorized = False
+            return
+        if values.shape != steps.shape:
+            self.vectorized = False
+            return
+        if self.vectorized is None:  # trust it only if it agrees with the scalar call
+            self.vectorized = bool(np.isclose(values[0], float(np.asarray(self.fn(step)))))
+        self.start, self.values = step, values
+
+
+class StepFeed:
+    def __init__(
+        self,
+        *,
+        hyper_names: Sequence[str],
+        hyper_constants: Mapping[str, float],
+        schedules: Sequence[BoundSchedule],
+        device_values: Mapping[str, Any],
+        device_dtypes: Mapping[str, Any],
+        placement,
+    ):
+        self.placement = placement
+        self.hyper_names = tuple(hyper_names)
+        self.device_dtypes = dict(device_dtypes)
+        self._opt = {s.name: _Evaluator(s.fn) for s in schedules if s.target == "opt"}
+        self._dev = {s.name: _Evaluator(s.fn) for s in schedules if s.target == "device"}
+        self._constants = np.array(
+            [hyper_constants[name] for name in self.hyper_names], dtype=np.float32
+        )
+        self._hparams_host = self._constants.copy()
+        self._hparams = placement.put_replicated(self._constants)
+        self._device = dict(device_values)
+        self._device_host = {k: np.asarray(v) for k, v in device_values.items()}
+        self.last_values: dict[str, float] = {}
+
+    def hparams(self, step: int):
+        if not self._opt:
+            return self._hparams
+        values = self._constants.copy()
+        for i, name in enumerate(self.hyper_names):
+            evaluator = self._opt.get(name)
+            if evaluator is not None:
+                values[i] = evaluator(step)
+                self.last_values[f"opt.{name}"] = float(values[i])
+        if not np.array_equal(values, self._hparams_host):
+            self._hparams_host = values
+            self._hparams = self.placement.put_replicated(values)
+        return self._hparams
+
+    def device(self, step: int) -> dict[str, Any]:
+        if not self._dev:
+            return self._device
+        for name, evaluator in self._dev.items():
+            value = np.asarray(evaluator(step), dtype=self.device_dtypes[name])
+            self.last_values[f"device.{name}"] = value.item()
+            if not np.array_equal(value, self._device_host[name]):
+                self._device_host[name] = value
+                self._device = {**self._device, name: self.placement.put_replicated(value)}
+        return self._device
+
+    def current_device(self) -> dict[str, Any]:
+        return self._device
+
+    def hyperparams_now(self) -> dict[str, float]:
+        return {name: float(v) for name, v in zip(self.hyper_names, self._hparams_host)}
+
+    def set_constant(self, name: str, value: Any) -> None:
+        """Write a Device field (coerced to its dtype; its shape must not change)."""
+        dtype = self.device_dtypes[name]
+        try:
+            array = np.asarray(value, dtype=dtype)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"Device field {name!r} holds {np.dtype(dtype).name}; cannot convert "
+                f"{value!r} to it"
+            ) from None
+        old = self._device_host[name]
+        if array.shape != old.shape:
+            raise ValueError(
+                f"Device field {name!r} has shape {old.shape}; the new value has shape "
+                f"{array.shape}. A different shape would need a new program: build a new handle"
+            )
+        self._device_host[name] = array
+        self._device = {**self._device, name: self.placement.put_replicated(array)}
