@@ -214,11 +214,26 @@ def argument_signature(arg_names: Sequence[str], args: Sequence[Any]) -> tuple:
     return tuple(signature)
 
 
+_SHORT_DTYPES = {
+    "float32": "f32",
+    "float64": "f64",
+    "float16": "f16",
+    "bfloat16": "bf16",
+    "int32": "i32",
+    "int64": "i64",
+    "uint8": "u8",
+    "uint32": "u32",
+    "bool": "bool",
+}
+
+
+def short_dtype(dtype: str) -> str:
+    return _SHORT_DTYPES.get(dtype, dtype)
+
+
 def _format_leaf(sig: tuple) -> str:
     _, shape, dtype, _, _ = sig
-    short = {"float32": "f32", "float64": "f64", "int32": "i32", "int64": "i64", "bool": "bool",
-             "bfloat16": "bf16", "float16": "f16", "uint8": "u8", "uint32": "u32"}.get(dtype, dtype)
-    return f"{short}[{','.join(map(str, shape))}]"
+    return f"{short_dtype(dtype)}[{','.join(map(str, shape))}]"
 
 
 def _diff_signatures(old: tuple, new: tuple, labels: Mapping[str, str]) -> list[str]:

@@ -205,7 +205,9 @@ def experiment(cls=None, /, **dataclass_options):
     def wrap(cls):
         if not isinstance(cls, type):
             raise ExperimentError("@nitro.experiment decorates a class")
-        user_post_init = cls.__dict__.get("__post_init__")
+        user_post_init = getattr(cls, "__post_init__", None)
+        # an inherited nitro check wraps the user's own __post_init__ (or nothing)
+        user_post_init = getattr(user_post_init, "__nitro_user_post_init__", user_post_init)
 
         def __post_init__(self, *init_vars):
             if user_post_init is not None:
@@ -217,6 +219,7 @@ def experiment(cls=None, /, **dataclass_options):
                     )
 
         # Installed before dataclass() runs, so the generated __init__ calls it.
+        __post_init__.__nitro_user_post_init__ = user_post_init
         cls.__post_init__ = __post_init__
         options = {"kw_only": True, "eq": True, "repr": True, **dataclass_options}
         datacls = dataclasses.dataclass(cls, **options)

@@ -89,9 +89,21 @@ _library_cache: dict[str, bool] = {}
 _version_cache: dict[str, str] = {}
 
 
+def _is_library_path(path: str) -> bool:
+    path = os.path.realpath(path)
+    return (
+        f"{os.sep}site-packages{os.sep}" in path
+        or f"{os.sep}dist-packages{os.sep}" in path
+        or path.startswith(_STDLIB_DIRS)
+    )
+
+
 def is_library_module(module_name: str | None) -> bool:
-    """True for code keyed by package version: installed packages, the stdlib and nitro."""
-    if not module_name:
+    """True for code keyed by package version: installed packages, the stdlib and nitro.
+
+    `__main__` (a script, a notebook, or code run in a namespace of that name) is user code.
+    """
+    if not module_name or module_name == "__main__":
         return False
     top = module_name.partition(".")[0]
     cached = _library_cache.get(top)
@@ -100,19 +112,22 @@ def is_library_module(module_name: str | None) -> bool:
     if top in _LIBRARY_TOPS_ALWAYS or top in sys.stdlib_module_names:
         result = True
     else:
-        module = sys.modules.get(top)
-        path = getattr(module, "__file__", None)
-        if path is None:
-            result = False
-        else:
-            path = os.path.realpath(path)
-            result = (
-                f"{os.sep}site-packages{os.sep}" in path
-                or f"{os.sep}dist-packages{os.sep}" in path
-                or path.startswith(_STDLIB_DIRS)
-            )
+        path = getattr(sys.modules.get(top), "__file__", None)
+        result = path is not None and _is_library_path(path)
     _library_cache[top] = result
     return result
+
+
+def is_library_function(fn: types.FunctionType) -> bool:
+    """Decided by where the code lives, so code run from a cell or `exec` counts as the user's."""
+    module = getattr(fn, "__module__", None)
+    top = (module or "").partition(".")[0]
+    if top in _LIBRARY_TOPS_ALWAYS or top in sys.stdlib_module_names:
+        return True
+    filename = fn.__code__.co_filename
+    if filename.startswith("<"):
+        return filename.startswith("<frozen")
+    return _is_library_path(filename)
 
 
 def library_version(module_name: str) -> str:
@@ -246,7 +261,7 @@ class Fingerprinter:
             token = _hash("callable", str(module), _qualname(fn))
             self._memo[key] = token
             return token
-        if is_library_module(module):
+        if is_library_function(fn):
             self._memo[key] = "pending"
             token = _hash(
                 "library-function",
@@ -319,9 +334,10 @@ class Fingerprinter:
         token = self._value(value)
         if isinstance(value, types.ModuleType):
             return
-        user_code = isinstance(value, (types.FunctionType, type)) and not is_library_module(
-            getattr(value, "__module__", None)
-        )
+        if isinstance(value, types.FunctionType):
+            user_code = not is_library_function(value)
+        else:
+            user_code = isinstance(value, type) and not is_library_module(value.__module__)
         if user_code and getattr(value, "__name__", None) == name.rpartition(".")[2]:
             return  # the object's own part already covers it
         kind = "constant" if not callable(value) or _is_plain_data(value) else "global"

@@ -123,6 +123,11 @@ class Nitro:
     """
 
     def __init__(self, experiment: Any, **keywords: Any):
+        if isinstance(experiment, type) and hasattr(experiment, "__nitro_fields__"):
+            raise ExperimentError(
+                f"Nitro() takes an experiment instance, not the class: "
+                f"Nitro({experiment.__name__}())"
+            )
         cls = type(experiment)
         try:
             field_specs(cls)
@@ -131,10 +136,6 @@ class Nitro:
                 f"Nitro() takes an experiment instance (a class decorated with "
                 f"@nitro.experiment); got {type(experiment).__name__}"
             ) from None
-        if isinstance(experiment, type):
-            raise ExperimentError(
-                f"Nitro() takes an experiment instance, not the class: Nitro({cls.__name__}())"
-            )
         missing = [h for h in REQUIRED_HOOKS if not _is_function_attr(cls, h)]
         if missing:
             raise ExperimentError(
@@ -318,6 +319,7 @@ class Nitro:
                 "model state": _leaf_paths(rest),
                 "optimizer state": _leaf_paths(opt_state) if opt_state is not None else (),
             },
+            device_names=tuple(self._device_specs),
         )
         healthy = self.placement.put_replicated(jnp.asarray(True))
         self._carry = (

@@ -4,7 +4,8 @@ On a mesh the batch is sharded on its first axis and everything else (parameters
 state, Device fields) is replicated; XLA's SPMD partitioner inserts the collectives, so a
 BatchNorm sees the global batch and results match one device to float tolerance. Across hosts
 this is JAX's own runtime: call `jax.distributed.initialize()` first, and each process feeds
-its own share of every global batch.
+its own share of every global batch (`ArrayLoader(..., per_process=True)`); the mesh then spans
+every device of every process.
 """
 
 from __future__ import annotations
@@ -20,16 +21,22 @@ __all__ = ["Placement", "PlacementError"]
 
 
 class PlacementError(ValueError):
-    pass
+    """The requested devices, or a batch, do not fit the visible devices."""
 
 
 class Placement:
+    """The devices of a run and how its arrays are laid out on them.
+
+    `n_devs=None` takes every visible device; `n_devs=1` builds no mesh. In a multi-process
+    run the mesh spans all processes' devices, so `n_devs` must be all of them.
+    """
+
     def __init__(self, n_devs: int | None = None):
         devices = jax.devices()
         available = len(devices)
         if n_devs is None:
             n_devs = available
-        if not isinstance(n_devs, (int, np.integer)) or n_devs < 1:
+        if isinstance(n_devs, bool) or not isinstance(n_devs, (int, np.integer)) or n_devs < 1:
             raise PlacementError(f"n_devs must be a positive int, got {n_devs!r}")
         if n_devs > available:
             raise PlacementError(
@@ -37,9 +44,14 @@ class Placement:
                 f"{'s are' if available != 1 else ' is'} visible. Lower n_devs, or on CPU set "
                 f"XLA_FLAGS=--xla_force_host_platform_device_count={n_devs} before JAX starts."
             )
+        self.multi_process = jax.process_count() > 1
+        if self.multi_process and n_devs != available:
+            raise PlacementError(
+                f"n_devs={n_devs} in a run across {jax.process_count()} processes; the mesh "
+                f"must span every process's devices: leave n_devs unset or set n_devs={available}"
+            )
         self.n_devs = int(n_devs)
         self.devices = devices[: self.n_devs]
-        self.multi_process = jax.process_count() > 1
         if self.n_devs > 1 or self.multi_process:
             self.mesh = Mesh(np.array(self.devices), ("data",))
             self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
@@ -61,7 +73,20 @@ class Placement:
         return f"mesh 'data' over {self.n_devs} {platform} devices{hosts}"
 
     def check_batch(self, batch_size: int, split: str) -> None:
-        if self.mesh is not None and batch_size % self.n_devs:
+        """`batch_size` is what this process's source yields: the global batch in one process,
+        this process's share of it across processes."""
+        if self.mesh is None:
+            return
+        if self.multi_process:
+            local = self.local_share
+            if batch_size % local:
+                raise PlacementError(
+                    f"this process's share of a '{split}' batch has {batch_size} samples, which "
+                    f"does not divide across its {local} devices. Choose a global batch that "
+                    f"is a multiple of n_devs={self.n_devs}."
+                )
+            return
+        if batch_size % self.n_devs:
             raise PlacementError(
                 f"the '{split}' batch of {batch_size} samples does not divide across "
                 f"n_devs={self.n_devs} devices. The batch size is global: choose a multiple of "

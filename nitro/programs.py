@@ -54,6 +54,7 @@ class ProgramContext:
     code: Mapping[str, CodeFingerprint]
     model_structure: Hashable
     leaf_paths: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    device_names: tuple[str, ...] = ()  # Device field names
 
     def view(self, device: Mapping[str, Any], reads: set[str]) -> TraceView:
         return TraceView(self.cls, self.graphconst, device, reads)
@@ -64,9 +65,10 @@ class ProgramContext:
     def fingerprint(self, *units: str) -> CodeFingerprint:
         return CodeFingerprint.combine(*(self.code[u] for u in units if u in self.code))
 
-    def leaf_labels(self, *arguments: tuple[str, str]) -> dict[str, str]:
-        """Readable names for list-of-leaves arguments, for compile explanations."""
-        labels = {}
+    def leaf_labels(self, batch: str, fields, *arguments: tuple[str, str]) -> dict[str, str]:
+        """Readable names for arguments' leaves, for compile explanations."""
+        labels = {f"{batch}['{name}']": name for hook in fields.values() for name in hook}
+        labels.update({f"device fields['{name}']": name for name in self.device_names})
         for prefix, which in arguments:
             for i, path in enumerate(self.leaf_paths.get(which, ())):
                 labels[f"{prefix}[{i}]"] = f"{which} {path}"
@@ -168,7 +170,11 @@ def train_step_spec(ctx: ProgramContext, fields: Mapping[str, tuple[str, ...]]) 
         arg_names=("state", "device fields", "hyperparameters", "batch"),
         donate_argnums=(0,),
         leaf_labels=ctx.leaf_labels(
-            ("state[0]", "parameter"), ("state[1]", "model state"), ("state[2]", "optimizer state")
+            "batch",
+            fields,
+            ("state[0]", "parameter"),
+            ("state[1]", "model state"),
+            ("state[2]", "optimizer state"),
         ),
     )
 
@@ -219,7 +225,9 @@ def eval_spec(
         graphconst=ctx.graphconst,
         arg_names=("parameters", "model state", "device fields", "batch", "real samples"),
         label=label,
-        leaf_labels=ctx.leaf_labels(("parameters", "parameter"), ("model state", "model state")),
+        leaf_labels=ctx.leaf_labels(
+            "batch", fields, ("parameters", "parameter"), ("model state", "model state")
+        ),
     )
 
 

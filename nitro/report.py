@@ -144,13 +144,24 @@ def binding_report(h: Nitro) -> BindingReport:
 
 
 def current_class(cls: type) -> type:
-    """The class now bound to `cls`'s module and qualified name (after an edit, a new one)."""
-    module = sys.modules.get(cls.__module__)
-    target = module
-    for part in cls.__qualname__.split("."):
+    """The class now bound to `cls`'s qualified name in the namespace that defined it.
+
+    After a re-run cell or a module reload that is a new class; the namespace is found through
+    the globals of the class's own functions (a module's dict survives `importlib.reload`).
+    """
+    namespace = None
+    for attr in vars(cls).values():
+        fn = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
+        if inspect.isfunction(fn):
+            namespace = fn.__globals__
+            break
+    if namespace is None:
+        module = sys.modules.get(cls.__module__)
+        namespace = vars(module) if module is not None else {}
+    head, *rest = cls.__qualname__.split(".")
+    target = namespace.get(head)
+    for part in rest:
         target = getattr(target, part, None)
-        if target is None:
-            return cls
     return target if isinstance(target, type) else cls
 
 
@@ -197,22 +208,32 @@ def stale_report(h: Nitro) -> str | None:
 # trees
 
 
+def _tree_summary(tree) -> dict[str, str]:
+    from .compile_cache import short_dtype
+
+    return {
+        jax.tree_util.keystr(p, simple=True, separator=".").removesuffix(".value"): (
+            f"{short_dtype(str(x.dtype))}[{','.join(map(str, np.shape(x)))}]"
+        )
+        for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
 def check_same_tree(what: str, expected, given) -> None:
-    exp_leaves = jax.tree_util.tree_flatten_with_path(expected)[0]
-    got_leaves = jax.tree_util.tree_flatten_with_path(given)[0]
-    exp = {jax.tree_util.keystr(p): (np.shape(x), str(x.dtype)) for p, x in exp_leaves}
-    got = {jax.tree_util.keystr(p): (np.shape(x), str(x.dtype)) for p, x in got_leaves}
+    exp, got = _tree_summary(expected), _tree_summary(given)
     if exp == got:
         return
-    lines = []
-    for key in sorted(set(exp) | set(got)):
-        if exp.get(key) != got.get(key):
-            lines.append(f"  {key}: this model {exp.get(key, 'missing')}, weights {got.get(key, 'missing')}")
+    lines = [
+        f"  {key}: this model {exp.get(key, 'missing')}, weights {got.get(key, 'missing')}"
+        for key in sorted(set(exp) | set(got))
+        if exp.get(key) != got.get(key)
+    ]
     more = f"\n  ... and {len(lines) - 6} more" if len(lines) > 6 else ""
     from .handle import SetupError
 
     raise SetupError(
-        f"weights= does not fit: the {what} differ\n" + "\n".join(lines[:6]) + more
+        f"weights= does not fit: the {what} differ (build the model with the same GraphConst "
+        f"values)\n" + "\n".join(lines[:6]) + more
     )
 
 

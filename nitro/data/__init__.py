@@ -6,7 +6,7 @@ to opt out.
 """
 
 from .loaders import ArrayLoader, NoPrefetch, is_index_addressable
-from .prefetch import PrefetchSettings, Prefetcher, StagedBatch, pad_batch
+from .prefetch import Prefetcher, PrefetchSettings, StagedBatch, pad_batch
 
 __all__ = [
     "ArrayLoader",

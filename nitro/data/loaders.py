@@ -26,6 +26,11 @@ class ArrayLoader:
       drop_last: drop the final partial batch. Training needs it; evaluation splits keep the
         partial batch, which the framework pads to the compiled width and slices back.
       seed: seeds the per-epoch permutations.
+      per_process: in a multi-process run (`jax.distributed`), `batch_size` is the global
+        batch and each process yields its share: the `jax.process_index()`-th of
+        `jax.process_count()` equal slices of every global batch. Every process holds the
+        same arrays and seed, so they agree on the permutation. `batch_size` then reads the
+        local share; `global_batch_size` the whole.
 
     >>> import numpy as np
     >>> loader = ArrayLoader({"x": np.zeros((10, 3)), "y": np.arange(10)}, batch_size=4)
@@ -41,6 +46,7 @@ class ArrayLoader:
         shuffle: bool = True,
         drop_last: bool = True,
         seed: int = 0,
+        per_process: bool = False,
     ):
         if not arrays:
             raise ValueError("ArrayLoader needs at least one array")
@@ -53,7 +59,7 @@ class ArrayLoader:
                 f"ArrayLoader arrays must share their first (batch) axis; lengths: {lengths}"
             )
         self.num_samples = next(iter(lengths.values()))
-        self.batch_size = int(batch_size)
+        self.global_batch_size = int(batch_size)
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.seed = seed
@@ -63,9 +69,24 @@ class ArrayLoader:
                 f"ArrayLoader has {self.num_samples} samples, fewer than one batch of "
                 f"{batch_size} with drop_last=True"
             )
+        self.process, self.processes = _process_share() if per_process else (0, 1)
+        self.batch_size, rest = divmod(self.global_batch_size, self.processes)
+        if rest:
+            raise ValueError(
+                f"ArrayLoader batch_size={batch_size} does not divide across "
+                f"{self.processes} processes; with per_process=True the batch size is global: "
+                f"choose a multiple of {self.processes}"
+            )
+        if self.processes > 1 and not drop_last and self.num_samples % self.global_batch_size:
+            raise ValueError(
+                f"ArrayLoader with per_process=True across {self.processes} processes needs "
+                f"full batches, but {self.num_samples} samples leave a final batch of "
+                f"{self.num_samples % self.global_batch_size}. Use drop_last=True or a sample "
+                f"count that is a multiple of {self.global_batch_size}."
+            )
 
     def __len__(self) -> int:
-        full, rest = divmod(self.num_samples, self.batch_size)
+        full, rest = divmod(self.num_samples, self.global_batch_size)
         return full if (self.drop_last or rest == 0) else full + 1
 
     @property
@@ -75,7 +96,7 @@ class ArrayLoader:
     @property
     def dropped(self) -> int:
         """Samples left out of every epoch by drop_last."""
-        return self.num_samples % self.batch_size if self.drop_last else 0
+        return self.num_samples % self.global_batch_size if self.drop_last else 0
 
     def begin_epoch(self, epoch: int) -> np.ndarray | None:
         if not self.shuffle:
@@ -85,8 +106,11 @@ class ArrayLoader:
     def batch_at(self, index: int, plan: np.ndarray | None = None) -> dict[str, np.ndarray]:
         if not 0 <= index < len(self):
             raise IndexError(f"batch index {index} out of range for {len(self)} batches")
-        start = index * self.batch_size
-        stop = min(start + self.batch_size, self.num_samples)
+        start = index * self.global_batch_size
+        stop = min(start + self.global_batch_size, self.num_samples)
+        if self.processes > 1:  # this process's slice of the global batch
+            start += self.process * self.batch_size
+            stop = start + self.batch_size
         if plan is None:
             return {name: a[start:stop] for name, a in self.arrays.items()}
         rows = plan[start:stop]
@@ -100,9 +124,15 @@ class ArrayLoader:
 
     def __repr__(self) -> str:
         shapes = ", ".join(f"{k}: {v.dtype}{list(v.shape[1:])}" for k, v in self.arrays.items())
+        share = (
+            f" (process {self.process} of {self.processes} yields {self.batch_size})"
+            if self.processes > 1
+            else ""
+        )
         return (
-            f"ArrayLoader({self.num_samples} samples, {len(self)} batches of {self.batch_size}, "
-            f"shuffle={self.shuffle}, drop_last={self.drop_last}; {shapes})"
+            f"ArrayLoader({self.num_samples} samples, {len(self)} batches of "
+            f"{self.global_batch_size}{share}, shuffle={self.shuffle}, "
+            f"drop_last={self.drop_last}; {shapes})"
         )
 
 
@@ -122,7 +152,14 @@ class NoPrefetch:
         return f"NoPrefetch({self.source!r})"
 
 
+def _process_share() -> tuple[int, int]:
+    import jax
+
+    return jax.process_index(), jax.process_count()
+
+
 def is_index_addressable(source: Any) -> bool:
+    """True when `source` has both `begin_epoch(epoch)` and `batch_at(index, plan)`."""
     return callable(getattr(source, "batch_at", None)) and callable(
         getattr(source, "begin_epoch", None)
     )

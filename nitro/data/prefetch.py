@@ -39,22 +39,45 @@ def default_workers() -> int:
 
 @dataclasses.dataclass(frozen=True)
 class PrefetchSettings:
+    """How a split is prefetched.
+
+    Args:
+      workers: threads building host batches of an index-addressable source (Nitro keyword
+        `prefetch_workers`); any other source has one producer thread.
+      device_batches: batches transferred to the device ahead of the loop. Device memory holds
+        about `device_batches + 2` batches: the staged ones, the one in the running step and
+        the one waiting for its loss read-back.
+      host_batches: host batches built ahead (default `2 * workers`); at least `workers`.
+      ordered: deliver batches in source order, so runs are reproducible. False hands each
+        batch to the loop as soon as it is ready.
+    """
+
     workers: int = dataclasses.field(default_factory=default_workers)
     device_batches: int = 1
     host_batches: int | None = None  # default 2 x workers
     ordered: bool = True
 
     def __post_init__(self):
-        for name in ("workers", "device_batches"):
+        for name, keyword in (("workers", "prefetch_workers"), ("device_batches", None)):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"prefetch setting {name} must be an int >= 1, got {value!r}")
-        if self.host_batches is not None and (
-            not isinstance(self.host_batches, int) or self.host_batches < self.workers
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                also = f" (Nitro keyword {keyword})" if keyword else ""
+                raise ValueError(
+                    f"prefetch setting {name}{also} must be an int >= 1, got {value!r}. "
+                    f"To turn prefetching off, wrap the source in nitro.data.NoPrefetch."
+                )
+        host = self.host_batches
+        if host is not None and (
+            isinstance(host, bool) or not isinstance(host, int) or host < self.workers
         ):
             raise ValueError(
-                f"prefetch setting host_batches must be >= workers ({self.workers}) or it can "
-                f"deadlock; got {self.host_batches!r}"
+                f"prefetch setting host_batches must be an int >= workers ({self.workers}), "
+                f"got {host!r}: fewer host slots than workers can deadlock. Raise host_batches, "
+                f"lower prefetch_workers, or leave host_batches unset (2 x workers)."
+            )
+        if not isinstance(self.ordered, bool):
+            raise ValueError(
+                f"prefetch setting ordered must be True or False, got {self.ordered!r}"
             )
 
     @property
@@ -84,7 +107,7 @@ class StagedBatch:
         for array in self.device.values():
             if isinstance(array, jax.Array) and not array.is_deleted():
                 array.delete()
-        self._owner.freed += 1
+        self._owner._count("freed")
 
 
 def pad_batch(batch: Mapping[str, np.ndarray], width: int) -> tuple[dict[str, np.ndarray], int]:
@@ -148,8 +171,13 @@ class Prefetcher:
         self.pad_to = pad_to
         self.keep_host = keep_host
         self.name = name
-        self.placed = 0
-        self.freed = 0
+        self.placed = 0  # batches put on the device
+        self.freed = 0  # of those, batches whose device buffers were deleted
+        self._counter_lock = threading.Lock()
+
+    def _count(self, counter: str) -> None:
+        with self._counter_lock:  # the loop and the transfer thread both free batches
+            setattr(self, counter, getattr(self, counter) + 1)
 
     @property
     def path(self) -> str:
@@ -179,8 +207,26 @@ class Prefetcher:
             n_real = _batch_length(host)
         routed = host if self.route is None else {k: host[k] for k in self.route if k in host}
         device = self.place(routed)
-        self.placed += 1
-        return StagedBatch(index, host if self.keep_host else None, device, n_real, self)
+        self._count("placed")
+        staged = StagedBatch(index, host if self.keep_host else None, device, n_real, self)
+        staged.n_real = self._global_real(staged, _batch_length(routed) if routed else n_real)
+        return staged
+
+    def _global_real(self, staged: StagedBatch, local_rows: int) -> int:
+        """Real samples in the global batch. In a multi-process run each process places its
+        share, so the device batch is `processes x` wider than the host one."""
+        rows = next((a.shape[0] for a in staged.device.values() if np.ndim(a)), local_rows)
+        if rows == local_rows:
+            return staged.n_real
+        if staged.n_real != local_rows:
+            staged.free()
+            raise ValueError(
+                f"'{self.name}' batch {staged.index} has {staged.n_real} real samples of "
+                f"{local_rows}: in a multi-process run every process must feed full batches "
+                f"(padding one process's share would pad the middle of the global batch). "
+                f"Use drop_last=True, or a sample count that divides into global batches."
+            )
+        return rows
 
     def epoch(self, epoch: int, start: int = 0) -> EpochStream:
         if self.inline:
@@ -258,7 +304,9 @@ class _ThreadedStream(EpochStream):
         else:
             self.host: queue.Queue = queue.Queue(maxsize=self.settings.host_depth)
             self.producer = threading.Thread(
-                target=self._produce, args=(source, epoch, start), name=f"{name}-producer",
+                target=self._produce,
+                args=(source, epoch, start),
+                name=f"{name}-producer",
                 daemon=True,
             )
             target = self._transfer_from_producer
