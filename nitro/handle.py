@@ -702,6 +702,7 @@ class Nitro:
     @property
     def model(self) -> nnx.Module:
         """A copy of the current model (eval mode off), safe to keep and modify."""
+        self._guard("copy the model")
         with self._lock:
             params = jax.tree.unflatten(self._ctx.params_def, self._carry[0])
             rest = jax.tree.unflatten(self._ctx.rest_def, self._carry[1])
@@ -709,6 +710,19 @@ class Nitro:
             return nnx.merge(
                 self._ctx.graphdef_train, jax.tree.map(copy, params), jax.tree.map(copy, rest)
             )
+
+    @property
+    def hyperparameters(self) -> dict[str, float]:
+        """The optimizer's injected hyperparameters as the last step used them."""
+        if self.optimizer is None or not self.optimizer.hyperparams:
+            return {}
+        self._guard("read hyperparameters")
+        with self._lock:
+            state = jax.tree.unflatten(self._ctx.opt_def, self._carry[2])
+            return {
+                name: float(np.asarray(state.hyperparams[name]))
+                for name in self.optimizer.names
+            }
 
     def binding_report(self) -> report.BindingReport:
         """Where every value came from: splits, hook fields, run keywords, schedules, optimizer."""

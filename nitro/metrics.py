@@ -47,6 +47,11 @@ def split_modes(values: Any, hook: str) -> tuple[list[tuple[str, str]], list[tup
     def visit(path: str, value: Any, inherited: tuple[str, Any] | None) -> None:
         if _is_mode_pair(value) and inherited is None:
             inner, mode = value
+            if mode is None:
+                raise MetricError(
+                    f"metric {path!r} of `{hook}` has no mode: write (value, 'sum'), "
+                    f"(value, 'max'), (value, 'min'), (value, 'concat') or (value, count)"
+                )
             if isinstance(mode, str):
                 if mode not in MODES:
                     raise MetricError(
@@ -169,11 +174,13 @@ class MetricAccumulator:
 
 def _scalarize(value: Any) -> Any:
     array = np.asarray(value)
-    if array.ndim == 0:
-        return float(array) if array.dtype.kind in "fc" or array.dtype == np.float64 else (
-            int(array) if array.dtype.kind in "iub" else array.item()
-        )
-    return array
+    if array.ndim:
+        return array
+    if array.dtype.kind == "f":
+        return float(array)
+    if array.dtype.kind in "iub":
+        return int(array)
+    return array.item()
 
 
 def flatten_metrics(values: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:

@@ -120,11 +120,14 @@ def binding_report(h: Nitro) -> BindingReport:
     if h.optimizer is None:
         lines.append("none (no 'train' split)")
     else:
-        scheduled = {s.name for s in h.schedules if s.target == "opt"}
+        scheduled = {s.name: s.fn for s in h.schedules if s.target == "opt"}
         lines.append(f"{h.optimizer.description}  [{h.run['optimizer'].source}]")
         for name, value in h._feed.hyperparams_now().items():
-            tag = "scheduled" if name in scheduled else "constant"
-            lines.append(f"{name} = {value:g} ({tag}, fed per step)")
+            if name in scheduled:
+                value = float(np.asarray(scheduled[name](h.step)))
+                lines.append(f"{name} = {value:g} at step {h.step} (scheduled, fed per step)")
+            else:
+                lines.append(f"{name} = {value:g} (constant, fed per step)")
         if not h.optimizer.hyperparams:
             lines.append("hyperparameters baked into the program (not injected: unschedulable)")
     lines.append(f"parameters: {h.param_count:,}")
