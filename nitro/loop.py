@@ -141,18 +141,30 @@ def _train_epoch(h: Nitro, target: int) -> bool:
         if pending is not None:
             previous, pending = pending, None
             _complete(h, previous)
+    except DivergenceError:
+        if pending is not None:  # skipped by the guard: drain it, count nothing
+            _drain(pending)
+            pending = None
+        raise
     finally:
-        if pending is not None:  # an error or a divergence: drain the step in flight
+        if pending is not None:  # another error: the step in flight still counts
             try:
-                jax.block_until_ready(pending[1])
+                _complete(h, pending)
             except Exception:  # noqa: BLE001 - the original error matters more
-                pass
-            pending[3].free()
-            _delete(pending[2])
+                _drain(pending)
         stream.close()
         stats.wait += stream.wait_seconds
         stats.seconds += time.perf_counter() - begin
     return h._position >= batches if batches is not None else not interrupted
+
+
+def _drain(item) -> None:
+    try:
+        jax.block_until_ready(item[1])
+    except Exception:  # noqa: BLE001 - the error being raised matters more
+        pass
+    item[3].free()
+    _delete(item[2])
 
 
 def _complete(h: Nitro, item) -> None:
