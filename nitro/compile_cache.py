@@ -36,7 +36,7 @@ __all__ = [
 ]
 
 
-class ProgramKind(str, enum.Enum):
+class ProgramKind(enum.StrEnum):
     """What a compiled program does. Kinds key the cache and name programs in reports."""
 
     TRAIN_STEP = "train step"  # forward, loss, gradient and optimizer update, fused
@@ -290,9 +290,7 @@ class CompileCache:
         start = time.perf_counter()
         compiled = jax.jit(fn, donate_argnums=spec.donate_argnums).lower(*args).compile()
         seconds = time.perf_counter() - start
-        progress.note(
-            f"compiled {spec.title} in {seconds:.2f} s ({reason})", done=True
-        )
+        progress.note(f"compiled {spec.title} in {seconds:.2f} s ({reason})", done=True)
         values = {name: spec.graphconst[name] for name in sorted(reads) if name in spec.graphconst}
         program = Program(spec, compiled, values, signature, seconds)
         program.aux = getattr(fn, "nitro_aux", {})
@@ -361,8 +359,7 @@ def _differences(previous: Program, spec: ProgramSpec, signature) -> list[str]:
         moved = [
             f"GraphConst {k}: {previous.graphconst[k]!r} -> {v!r}"
             for k, v in spec.graphconst.items()
-            if k in previous.graphconst and previous.graphconst[k] != v
-            and k not in previous.reads
+            if k in previous.graphconst and previous.graphconst[k] != v and k not in previous.reads
         ]
         if moved:
             notes.append("; ".join(moved) + " (read by build_model)")

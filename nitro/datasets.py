@@ -38,8 +38,9 @@ def digits_arrays(seed: int = 0, val_fraction: float = 0.1, test_fraction: float
     }
 
 
-def digits(batch_size: int = 128, seed: int = 0, val_fraction: float = 0.1,
-           test_fraction: float = 0.2) -> dict[str, ArrayLoader]:
+def digits(
+    batch_size: int = 128, seed: int = 0, val_fraction: float = 0.1, test_fraction: float = 0.2
+) -> dict[str, ArrayLoader]:
     """The digits splits as loaders: a shuffled `train` that drops its partial batch, and
     `val` and `test` in order, keeping their final partial batch.
 

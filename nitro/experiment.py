@@ -35,7 +35,7 @@ __all__ = [
 ]
 
 
-class FieldKind(str, enum.Enum):
+class FieldKind(enum.StrEnum):
     GRAPHCONST = "graphconst"
     DEVICE = "device"
     HOST = "host"

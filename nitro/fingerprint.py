@@ -223,17 +223,17 @@ class Fingerprinter:
             return _hash(
                 "struct",
                 type(value).__qualname__,
-                *(f"{f.name}:{self.structure(getattr(value, f.name))}"
-                  for f in dataclasses.fields(value)),
+                *(
+                    f"{f.name}:{self.structure(getattr(value, f.name))}"
+                    for f in dataclasses.fields(value)
+                ),
             )
         if isinstance(value, type):
             return self._class(value)
         if isinstance(value, (tuple, list)):
             return _hash("struct-seq", *(self.structure(v) for v in value))
         if isinstance(value, Mapping):
-            return _hash(
-                "struct-map", *(f"{k!r}:{self.structure(v)}" for k, v in value.items())
-            )
+            return _hash("struct-map", *(f"{k!r}:{self.structure(v)}" for k, v in value.items()))
         if isinstance(value, (types.FunctionType, types.BuiltinFunctionType, functools.partial)):
             return self._value(value)
         if value is None or isinstance(value, (bool, int, float, complex, str, bytes)):

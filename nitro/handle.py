@@ -9,7 +9,6 @@ experiment's configuration and code fingerprints. `train()` runs the loop on a w
 from __future__ import annotations
 
 import dataclasses
-import math
 import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -21,14 +20,14 @@ from flax import nnx
 
 from . import loop, progress, report
 from .compile_cache import CACHE, Program
-from .data import NoPrefetch, PrefetchSettings, Prefetcher, is_index_addressable
+from .data import NoPrefetch, Prefetcher, PrefetchSettings, is_index_addressable
 from .experiment import REQUIRED_HOOKS, ExperimentError, FieldKind, edit_generation, field_specs
 from .fingerprint import CodeFingerprint, Fingerprinter
 from .optimizer import build_optimizer
 from .placement import Placement
 from .programs import ProgramContext, device_metrics_spec, eval_spec, train_step_spec
-from .routing import HookFields, RoutingError, hook_fields, select
-from .run_keywords import NITRO_KEYWORD, resolve_run_keywords
+from .routing import HookFields, RoutingError, hook_fields
+from .run_keywords import resolve_run_keywords
 from .schedules import bind_schedules
 from .step_feed import StepFeed
 
@@ -184,7 +183,9 @@ class Nitro:
 
         specs = field_specs(cls)
         self._graphconst = {
-            s.name: getattr(self.experiment, s.name) for s in specs if s.kind is FieldKind.GRAPHCONST
+            s.name: getattr(self.experiment, s.name)
+            for s in specs
+            if s.kind is FieldKind.GRAPHCONST
         }
         self._hooks = {}
         self._hook_functions = {}
@@ -439,9 +440,7 @@ class Nitro:
 
     def _train_program(self, args) -> Program:
         fields = self._fields["train"]
-        program = self._program(
-            ("train",), lambda: train_step_spec(self._ctx, fields), args
-        )
+        program = self._program(("train",), lambda: train_step_spec(self._ctx, fields), args)
         self._train_program_aux = program.aux
         return program
 
@@ -521,8 +520,7 @@ class Nitro:
         with self._lock:
             if self._run is not None and self._run.running:
                 raise RuntimeError(
-                    f"{self!r} is already {self.phase}; wait with n.wait() or stop it with "
-                    f"n.stop()"
+                    f"{self!r} is already {self.phase}; wait with n.wait() or stop it with n.stop()"
                 )
             self._stop.clear()
             self.stop_reason = None
@@ -619,15 +617,24 @@ class Nitro:
             for start in range(0, n, width):
                 from .data import pad_batch
 
-                part, n_real = pad_batch({k: v[start : start + width] for k, v in host.items()},
-                                         width)
+                part, n_real = pad_batch(
+                    {k: v[start : start + width] for k, v in host.items()}, width
+                )
                 device = self.placement.put_batch(part)
-                args = (self._carry[0], self._carry[1], self._feed.current_device(), device,
-                        np.int32(n_real))
+                args = (
+                    self._carry[0],
+                    self._carry[1],
+                    self._feed.current_device(),
+                    device,
+                    np.int32(n_real),
+                )
                 program = self._program(
                     ("predict", width, fields),
                     lambda: eval_spec(
-                        self._ctx, {"forward": fields}, with_loss=False, return_outputs=True,
+                        self._ctx,
+                        {"forward": fields},
+                        with_loss=False,
+                        return_outputs=True,
                     ),
                     args,
                 )
@@ -635,7 +642,7 @@ class Nitro:
                 outputs = jax.device_get(result["outputs"])
                 loop._delete(result)
                 loop._delete(device)
-                chunks.append(jax.tree.map(lambda a: np.asarray(a)[:n_real], outputs))
+                chunks.append(jax.tree.map(lambda a, n=n_real: np.asarray(a)[:n], outputs))
         if len(chunks) == 1:
             return chunks[0]
         return jax.tree.map(lambda *parts: np.concatenate(parts, axis=0), *chunks)
@@ -673,9 +680,11 @@ class Nitro:
         """The current value of a Device field, as a host value."""
         if name not in self._device_specs:
             raise AttributeError(f"{name!r} is not a Device field of {self.cls.__qualname__}")
-        return np.asarray(self._feed.current_device()[name]).item() if np.ndim(
-            self._feed.current_device()[name]
-        ) == 0 else np.asarray(self._feed.current_device()[name])
+        return (
+            np.asarray(self._feed.current_device()[name]).item()
+            if np.ndim(self._feed.current_device()[name]) == 0
+            else np.asarray(self._feed.current_device()[name])
+        )
 
     # ------------------------------------------------------------------------------------------
     # results
@@ -684,9 +693,7 @@ class Nitro:
         """A pandas DataFrame indexed by epoch: loss, val_loss, metrics, timing."""
         import pandas as pd
 
-        rows = [
-            {k: v for k, v in row.items() if np.ndim(v) == 0} for row in self._history
-        ]
+        rows = [{k: v for k, v in row.items() if np.ndim(v) == 0} for row in self._history]
         frame = pd.DataFrame(rows)
         if not frame.empty:
             frame = frame.set_index("epoch")
@@ -696,8 +703,7 @@ class Nitro:
         """Draw the history (loss and metric curves); save a PNG when `path` is given."""
         from .plotting import plot_history
 
-        return plot_history(self.history(), path=path, metrics=metrics,
-                            title=self.cls.__name__)
+        return plot_history(self.history(), path=path, metrics=metrics, title=self.cls.__name__)
 
     @property
     def model(self) -> nnx.Module:
@@ -720,8 +726,7 @@ class Nitro:
         with self._lock:
             state = jax.tree.unflatten(self._ctx.opt_def, self._carry[2])
             return {
-                name: float(np.asarray(state.hyperparams[name]))
-                for name in self.optimizer.names
+                name: float(np.asarray(state.hyperparams[name])) for name in self.optimizer.names
             }
 
     def binding_report(self) -> report.BindingReport:

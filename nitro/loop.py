@@ -229,8 +229,13 @@ def evaluate_split(h: Nitro, split: str) -> dict[str, Any]:
                 staged.free()
                 break
             n_real = staged.n_real
-            args = (h._carry[0], h._carry[1], h._feed.current_device(), staged.device,
-                    np.int32(n_real))
+            args = (
+                h._carry[0],
+                h._carry[1],
+                h._feed.current_device(),
+                staged.device,
+                np.int32(n_real),
+            )
             if program is None:
                 program = h._eval_program(split, args, with_loss, return_outputs=has_metrics)
             result = program(*args)
@@ -240,8 +245,10 @@ def evaluate_split(h: Nitro, split: str) -> dict[str, Any]:
                 if has_metrics:
                     if residency == "host":
                         outputs = jax.device_get(result["outputs"])
-                        outputs = jax.tree.map(lambda a: a[:n_real], outputs)
-                        host = {k: v[:n_real] for k, v in select(staged.host, fields["metrics"]).items()}
+                        outputs = jax.tree.map(lambda a, n=n_real: a[:n], outputs)
+                        host = {
+                            k: v[:n_real] for k, v in select(staged.host, fields["metrics"]).items()
+                        }
                         values = h._call_host_hook("metrics", outputs, **host)
                         specs, leaves = split_modes(values, "metrics")
                     else:

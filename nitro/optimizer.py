@@ -46,8 +46,10 @@ def _describe_factory(factory: Callable) -> str:
 
     if isinstance(factory, functools.partial):
         kwargs = ", ".join(f"{k}={v!r}" for k, v in factory.keywords.items())
-        return f"{_describe_factory(factory.func)}({kwargs})" if kwargs else _describe_factory(
-            factory.func
+        return (
+            f"{_describe_factory(factory.func)}({kwargs})"
+            if kwargs
+            else _describe_factory(factory.func)
         )
     module = getattr(factory, "__module__", "") or ""
     prefix = "optax." if module.startswith("optax") else ""

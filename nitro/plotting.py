@@ -32,7 +32,7 @@ def plot_history(frame, path=None, metrics: Iterable[str] | None = None, title: 
         base = column
         for prefix in ("val_", "test_"):
             if column.startswith(prefix):
-                base = column[len(prefix):]
+                base = column[len(prefix) :]
         groups.setdefault(base, []).append(column)
     figure = Figure(figsize=(4.2 * len(groups), 3.2), layout="constrained")
     axes = figure.subplots(1, len(groups), squeeze=False)[0]

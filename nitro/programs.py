@@ -112,17 +112,13 @@ def train_step_spec(ctx: ProgramContext, fields: Mapping[str, tuple[str, ...]]) 
                 _, _, new_rest = nnx.split(model, nnx.Param, ...)
                 return loss, (outputs, new_rest)
 
-            (loss, (outputs, new_rest)), grads = jax.value_and_grad(objective, has_aux=True)(
-                params
-            )
+            (loss, (outputs, new_rest)), grads = jax.value_and_grad(objective, has_aux=True)(params)
             if ctx.hyper_names:
                 injected = {
                     name: hparams[i].astype(ctx.hyper_dtypes[name])
                     for i, name in enumerate(ctx.hyper_names)
                 }
-                opt_state = opt_state._replace(
-                    hyperparams={**opt_state.hyperparams, **injected}
-                )
+                opt_state = opt_state._replace(hyperparams={**opt_state.hyperparams, **injected})
             updates, new_opt = ctx.tx.update(grads, opt_state, params)
             new_params = optax.apply_updates(params, updates)
             if ctx.check_divergence:

@@ -36,8 +36,10 @@ class BindingReport:
     def _repr_html_(self) -> str:
         body = "".join(
             f"<tr><th colspan=2 style='text-align:left'>{escape(title)}</th></tr>"
-            + "".join(f"<tr><td></td><td style='text-align:left'><code>{escape(line)}</code></td></tr>"
-                      for line in lines)
+            + "".join(
+                f"<tr><td></td><td style='text-align:left'><code>{escape(line)}</code></td></tr>"
+                for line in lines
+            )
             for title, lines in self.sections
         )
         return f"<table>{body}</table>"
@@ -57,8 +59,10 @@ def binding_report(h: Nitro) -> BindingReport:
     lines = []
     for split, info in h._split_info.items():
         batches = info["batches"]
-        counts = f"{batches:,} batches x {info['width']}" if batches is not None else (
-            f"batches of {info['width']} (length unknown)"
+        counts = (
+            f"{batches:,} batches x {info['width']}"
+            if batches is not None
+            else (f"batches of {info['width']} (length unknown)")
         )
         detail = []
         samples = info["samples"]
@@ -88,7 +92,8 @@ def binding_report(h: Nitro) -> BindingReport:
             residency = f" [{h._residency[hook]}]"
         routed = {split: fields.get(hook) for split, fields in h._fields.items()}
         where = "; ".join(
-            f"{split}: {', '.join(f) if f else '(none)'}" for split, f in routed.items()
+            f"{split}: {', '.join(f) if f else '(none)'}"
+            for split, f in routed.items()
             if f is not None
         )
         lines.append(f"{hook}({spec.describe()}){residency} <- {where or 'no split routes it'}")
@@ -134,8 +139,7 @@ def binding_report(h: Nitro) -> BindingReport:
     sections.append(("optimizer", lines))
 
     lines = [
-        f"{s.name}: {type(getattr(h.experiment, s.name)).__name__} = "
-        f"{_fmt(h.device_value(s.name))}"
+        f"{s.name}: {type(getattr(h.experiment, s.name)).__name__} = {_fmt(h.device_value(s.name))}"
         for s in h._device_specs.values()
     ] or ["none"]
     sections.append(("Device fields", lines))
@@ -193,7 +197,8 @@ def stale_report(h: Nitro) -> str | None:
         elif frozen.digest != fp.fingerprint().digest:
             changed.append(name)
     added = [
-        name for name in ("metrics", "train_metrics", "finalize_metrics")
+        name
+        for name in ("metrics", "train_metrics", "finalize_metrics")
         if name not in h._hooks and hasattr(live, name)
     ]
     changed.extend(f"{name} (added)" for name in added)
@@ -265,7 +270,8 @@ def handle_html(h: Nitro) -> str:
     ]
     if h.last_metrics:
         metrics = ", ".join(
-            f"{k} {v:.4g}" for k, v in h.last_metrics.items()
+            f"{k} {v:.4g}"
+            for k, v in h.last_metrics.items()
             if isinstance(v, float) and k not in ("epoch_seconds", "data_wait_frac")
         )
         rows.append(("latest", metrics))

@@ -66,17 +66,14 @@ def hook_fields(cls: type, hook: str, positional: Iterable[str]) -> HookFields:
     if not is_static:
         params = params[1:]  # self
     positional = tuple(positional)
-    leading = [
-        p for p in params
-        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
-    ]
+    leading = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
     if len(leading) < len(positional) and not any(p.kind is p.VAR_POSITIONAL for p in params):
         raise RoutingError(
             f"hook `{hook}` must accept {len(positional)} positional argument"
             f"{'s' * (len(positional) != 1)} after self ({', '.join(positional)}); its "
             f"signature is {hook}{signature}"
         )
-    extra = [p.name for p in leading[len(positional):] if p.default is p.empty]
+    extra = [p.name for p in leading[len(positional) :] if p.default is p.empty]
     if extra:
         wanted = ", ".join(positional)
         raise RoutingError(

@@ -110,15 +110,17 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
         ),
         RunKeyword("max_epochs", 1, "epochs `train()` runs to", _positive_int("max_epochs")),
         RunKeyword(
-            "schedules", {}, "key -> schedule for optimizer hyperparameters or Device fields",
+            "schedules",
+            {},
+            "key -> schedule for optimizer hyperparameters or Device fields",
             _schedules,
         ),
         RunKeyword("learning_rate", 1e-3, "learning rate of the default optimizer", _learning_rate),
+        RunKeyword("optimizer", None, "an optax GradientTransformation or factory (default: adam)"),
         RunKeyword(
-            "optimizer", None, "an optax GradientTransformation or factory (default: adam)"
-        ),
-        RunKeyword(
-            "check_divergence", True, "stop with an error on a non-finite loss",
+            "check_divergence",
+            True,
+            "stop with an error on a non-finite loss",
             _bool("check_divergence"),
         ),
         RunKeyword(
@@ -129,12 +131,12 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             computed=True,
         ),
         RunKeyword(
-            "device_batches", 1, "batches staged on the device ahead of the loop",
+            "device_batches",
+            1,
+            "batches staged on the device ahead of the loop",
             _positive_int("device_batches"),
         ),
-        RunKeyword(
-            "host_batches", None, "host batches built ahead (default 2 x prefetch_workers)"
-        ),
+        RunKeyword("host_batches", None, "host batches built ahead (default 2 x prefetch_workers)"),
         RunKeyword("ordered", True, "deliver batches in source order", _bool("ordered")),
         RunKeyword("progress", True, "True, False, 'lines', 'bar' or a reporter object"),
     ]

@@ -4,7 +4,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from toys import X, Y, Toy
+from toys import Toy, X, Y
 
 import nitro
 from nitro.metrics import MetricAccumulator, split_modes
@@ -31,7 +31,9 @@ def test_only_routed_fields_reach_the_device_and_bookkeeping_stays_on_the_host()
             return {
                 "train": unshuffled(ids=ids),
                 "val": nitro.data.ArrayLoader(
-                    {"x": X[:20], "y": Y[:20], "ids": ids[:20]}, 16, shuffle=False,
+                    {"x": X[:20], "y": Y[:20], "ids": ids[:20]},
+                    16,
+                    shuffle=False,
                     drop_last=False,
                 ),
             }
@@ -95,14 +97,18 @@ def test_run_keywords_resolve_keyword_then_method_then_field_then_default():
 
 
 def test_bad_run_keyword_values_name_the_keyword_and_source():
-    with pytest.raises(ValueError, match=r"max_epochs must be an int >= 1, got 0 \[Nitro keyword\]"):
+    with pytest.raises(
+        ValueError, match=r"max_epochs must be an int >= 1, got 0 \[Nitro keyword\]"
+    ):
         nitro.Nitro(Toy(), max_epochs=0)
 
     @nitro.experiment
     class BadField(Toy):
         check_divergence: str = "yes"
 
-    with pytest.raises(ValueError, match=r"check_divergence must be True or False.*\[field on experiment\]"):
+    with pytest.raises(
+        ValueError, match=r"check_divergence must be True or False.*\[field on experiment\]"
+    ):
         nitro.Nitro(BadField())
 
 
@@ -191,7 +197,9 @@ def test_schedule_keys_that_match_both_or_neither_are_errors():
         nitro.Nitro(Clash(), schedules={"b1": 0.9})
     n = nitro.Nitro(Clash(), schedules={"device": {"b1": 0.7}}, progress=False)
     assert "b1 -> device.b1 (constant)" in str(n.binding_report())
-    with pytest.raises(nitro.ScheduleError, match=r"'learning_rat' matches no.*Did you mean 'learning_rate'"):
+    with pytest.raises(
+        nitro.ScheduleError, match=r"'learning_rat' matches no.*Did you mean 'learning_rate'"
+    ):
         nitro.Nitro(Toy(), schedules={"learning_rat": 0.1})
     with pytest.raises(nitro.ScheduleError, match="names a graphconst field.*Mark it Device"):
         nitro.Nitro(Toy(), schedules={"width": 4})
@@ -211,10 +219,28 @@ def test_set_device_refuses_a_scheduled_field():
 def test_metric_modes_reduce_leaf_by_leaf():
     acc = MetricAccumulator("metrics")
     for values, n in [
-        ({"acc": 1.0, "hits": (3.0, 4.0), "nested": ({"a": 1.0, "b": 5.0}, "max"),
-          "scores": (np.array([0.1, 0.2]), "concat"), "total": (2, "sum"), "low": (4.0, "min")}, 2),
-        ({"acc": 0.0, "hits": (1.0, 4.0), "nested": ({"a": 3.0, "b": 2.0}, "max"),
-          "scores": (np.array([0.3]), "concat"), "total": (5, "sum"), "low": (1.0, "min")}, 1),
+        (
+            {
+                "acc": 1.0,
+                "hits": (3.0, 4.0),
+                "nested": ({"a": 1.0, "b": 5.0}, "max"),
+                "scores": (np.array([0.1, 0.2]), "concat"),
+                "total": (2, "sum"),
+                "low": (4.0, "min"),
+            },
+            2,
+        ),
+        (
+            {
+                "acc": 0.0,
+                "hits": (1.0, 4.0),
+                "nested": ({"a": 3.0, "b": 2.0}, "max"),
+                "scores": (np.array([0.3]), "concat"),
+                "total": (5, "sum"),
+                "low": (1.0, "min"),
+            },
+            1,
+        ),
     ]:
         specs, leaves = split_modes(values, "metrics")
         acc.add(specs, leaves, n)
@@ -227,7 +253,10 @@ def test_metric_modes_reduce_leaf_by_leaf():
 
 
 def test_metric_errors_name_the_metric():
-    with pytest.raises(nitro.MetricError, match=r"metric 'acc' of `metrics` has unknown mode 'avg'; modes are sum, max, min, concat"):
+    with pytest.raises(
+        nitro.MetricError,
+        match=r"metric 'acc' of `metrics` has unknown mode 'avg'; modes are sum, max, min, concat",
+    ):
         split_modes({"acc": (1.0, "avg")}, "metrics")
     with pytest.raises(nitro.MetricError, match=r"metric 'acc' of `metrics` has no mode"):
         split_modes({"acc": (1.0, None)}, "metrics")
@@ -237,7 +266,9 @@ def test_metric_errors_name_the_metric():
         split_modes({"a": ((1.0, "sum"), "max")}, "metrics")
     acc = MetricAccumulator("metrics")
     acc.add(*split_modes({"a": (1.0, "sum")}, "metrics"), 1)
-    with pytest.raises(nitro.MetricError, match=r"'a' of `metrics` changed mode between batches: 'sum' -> 'max'"):
+    with pytest.raises(
+        nitro.MetricError, match=r"'a' of `metrics` changed mode between batches: 'sum' -> 'max'"
+    ):
         acc.add(*split_modes({"a": (1.0, "max")}, "metrics"), 1)
     with pytest.raises(nitro.MetricError, match="key set is fixed by the first batch"):
         acc.add(*split_modes({"b": (1.0, "sum")}, "metrics"), 1)
@@ -302,7 +333,9 @@ def test_a_bad_residency_is_a_setup_error():
         def metrics_residency(self, hook):
             return "gpu"
 
-    with pytest.raises(nitro.SetupError, match=r"metrics_residency\('train_metrics'\) returned 'gpu'"):
+    with pytest.raises(
+        nitro.SetupError, match=r"metrics_residency\('train_metrics'\) returned 'gpu'"
+    ):
         nitro.Nitro(Odd())
 
 
@@ -319,7 +352,9 @@ def test_binding_report_shows_splits_hooks_keywords_schedules_and_optimizer():
     n = nitro.Nitro(Toy(), seed=3, schedules={"learning_rate": 1e-2}, progress=False)
     report = str(n.binding_report())
     assert "train: 4 batches x 16; 64 of 64 samples; prefetch fanout" in report
-    assert "val: 2 batches x 16; 20 of 20 samples; final batch of 4 padded to 16 then sliced" in report
+    assert (
+        "val: 2 batches x 16; 20 of 20 samples; final batch of 4 padded to 16 then sliced" in report
+    )
     assert "forward(x) <- train: x; val: x; test: x" in report
     assert "seed = 3  [Nitro keyword]" in report
     assert "learning_rate -> opt.learning_rate (constant)  [Nitro keyword]" in report

@@ -8,7 +8,7 @@ import textwrap
 
 import numpy as np
 import pytest
-from toys import X, Toy
+from toys import Toy, X
 
 import nitro
 from nitro.compile_cache import compilation_cache_dir
@@ -52,8 +52,9 @@ def test_what_never_recompiles(fresh_cache):
     nitro.Nitro(Toy(), seed=7, progress=False).train()  # the seed
     nitro.Nitro(Toy(), max_epochs=1, run_dir="elsewhere", progress=False).train()
     nitro.Nitro(Toy(), learning_rate=0.05, progress=False).train()  # a new constant rate
-    nitro.Nitro(Toy(), schedules={"learning_rate": lambda step: 1e-3 / (1 + step)},
-                progress=False).train()  # a schedule
+    nitro.Nitro(
+        Toy(), schedules={"learning_rate": lambda step: 1e-3 / (1 + step)}, progress=False
+    ).train()  # a schedule
     nitro.Nitro(Toy(), schedules={"scale": lambda step: 1.0 + step}, progress=False).train()
     assert misses() == base
 
@@ -103,7 +104,9 @@ def test_a_graphconst_read_by_build_model_recompiles_through_the_shapes(fresh_ca
     nitro.Nitro(Toy(max_epochs=1, width=16), progress=False).train()
     assert misses() == 4
     reason = nitro.explain_compiles()[2].reason
-    assert reason.startswith("GraphConst width: 8 -> 16 (read by build_model); model structure changed")
+    assert reason.startswith(
+        "GraphConst width: 8 -> 16 (read by build_model); model structure changed"
+    )
     assert "argument parameter hidden.kernel: f32[5,8] -> f32[5,16]" in reason
 
 
@@ -127,7 +130,7 @@ def test_a_compile_announces_itself(fresh_cache, capsys):
     assert "nitro: compiled train step in" in err and "(new program)" in err
 
 
-CELL = '''
+CELL = """
 import numpy as np, optax
 from flax import nnx
 import nitro
@@ -162,7 +165,7 @@ class Edited:
     def finalize_metrics(self, acc, split):
         {finalize}
         return acc
-'''
+"""
 BASE = dict(scale=1.0, helper=1.0, build_data="pass", forward="", metrics="", finalize="pass")
 
 
@@ -289,8 +292,9 @@ def test_the_persistent_cache_can_be_moved_or_disabled(tmp_path):
     moved = tmp_path / "xla"
     for setting, expected in [(str(moved), f"{moved} {moved}"), ("0", "None None")]:
         env = {**os.environ, "NITRO_COMPILATION_CACHE": setting}
-        out = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True,
-                             text=True, timeout=120)
+        out = subprocess.run(
+            [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120
+        )
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == expected
     assert any(moved.iterdir())

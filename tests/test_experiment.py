@@ -51,7 +51,9 @@ def test_graphconst_value_must_hash_by_content():
         layers: GraphConst[tuple] = (8, 8)
 
     assert WithList(layers=(4, 4)).layers == (4, 4)
-    with pytest.raises(nitro.ExperimentError, match=r"WithList\.layers is GraphConst .* not hashable.*tuple"):
+    with pytest.raises(
+        nitro.ExperimentError, match=r"WithList\.layers is GraphConst .* not hashable.*tuple"
+    ):
         WithList(layers=[4, 4])
 
     class Opaque:  # hashes by identity
@@ -62,7 +64,9 @@ def test_graphconst_value_must_hash_by_content():
 
 
 def test_graphconst_with_a_driver_only_name_is_refused():
-    with pytest.raises(nitro.ExperimentError, match=r"seed is marked GraphConst.*Leave it unmarked"):
+    with pytest.raises(
+        nitro.ExperimentError, match=r"seed is marked GraphConst.*Leave it unmarked"
+    ):
 
         @nitro.experiment
         class Bad:
@@ -102,8 +106,10 @@ def test_trace_view_exposes_graphconst_and_device_and_refuses_host():
     assert view.width == 8
     assert float(view.scale) == 2.0
     assert reads == {"width"}
-    with pytest.raises(HostFieldError, match=r"`self\.batch_size` is a Host field of Toy.*GraphConst.*Device"):
-        view.batch_size
+    with pytest.raises(
+        HostFieldError, match=r"`self\.batch_size` is a Host field of Toy.*GraphConst.*Device"
+    ):
+        _ = view.batch_size
     with pytest.raises(AttributeError, match="read-only"):
         view.width = 3
 
@@ -153,7 +159,7 @@ def test_a_big_host_array_never_reaches_the_tracer():
     view = TraceView(Holder, {"width": 8, "offset": 0.0}, {})
     assert "table" not in view._nitro_graphconst and "table" not in view._nitro_device
     with pytest.raises(HostFieldError):
-        view.table
+        _ = view.table
     assert Holder(table=big).table is big
 
 

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import optax
 import pytest
-from toys import X, Y, Toy, ToyWithMetrics, loaders
+from toys import Toy, ToyWithMetrics, X, Y, loaders
 
 import nitro
 
@@ -61,7 +61,9 @@ def test_validate_and_evaluate_work_on_a_handle_that_never_trained():
 
 def test_unknown_split_lists_the_available_ones():
     n = nitro.Nitro(Toy(), progress=False)
-    with pytest.raises(KeyError, match="no split 'holdout': this handle has 'train', 'val', 'test'"):
+    with pytest.raises(
+        KeyError, match="no split 'holdout': this handle has 'train', 'val', 'test'"
+    ):
         n.evaluate(split="holdout")
 
 
@@ -102,7 +104,9 @@ def test_predict_refuses_a_bare_array_and_names_forward_fields():
     n = nitro.Nitro(Toy(), progress=False)
     with pytest.raises(TypeError, match=r"forward needs: x.*n\.predict\(\{'x': xs\}\)"):
         n.predict(X[:3])
-    with pytest.raises(nitro.RoutingError, match=r"hook `forward` needs batch field 'x'.*yields \['image'\]"):
+    with pytest.raises(
+        nitro.RoutingError, match=r"hook `forward` needs batch field 'x'.*yields \['image'\]"
+    ):
         n.predict({"image": X[:3]})
 
 
@@ -134,7 +138,10 @@ def test_weights_start_a_new_run_from_another_handle():
     assert warm.step == 0
     warm.train()
     assert n.step == 8  # the source handle is untouched
-    with pytest.raises(nitro.SetupError, match=r"(?s)weights= does not fit.*hidden\.kernel: this model f32\[5,4\], weights f32\[5,8\]"):
+    with pytest.raises(
+        nitro.SetupError,
+        match=r"(?s)weights= does not fit.*hidden\.kernel: this model f32\[5,4\], weights f32\[5,8\]",
+    ):
         nitro.Nitro(Toy(width=4), weights=n, progress=False)
 
 
@@ -200,7 +207,9 @@ def test_batch_fields_must_be_keyword_only():
         def forward(self, model, x):
             return model(x)
 
-    with pytest.raises(nitro.RoutingError, match=r"keyword-only.*def forward\(self, model, \*, x\)"):
+    with pytest.raises(
+        nitro.RoutingError, match=r"keyword-only.*def forward\(self, model, \*, x\)"
+    ):
         nitro.Nitro(Positional(), progress=False)
 
 
@@ -211,7 +220,8 @@ def test_a_missing_batch_field_names_hook_field_and_loader_fields():
             return logits.mean()
 
     with pytest.raises(
-        nitro.RoutingError, match=r"hook `loss` needs batch field 'label', but the 'train' loader yields \['x', 'y'\]"
+        nitro.RoutingError,
+        match=r"hook `loss` needs batch field 'label', but the 'train' loader yields \['x', 'y'\]",
     ):
         nitro.Nitro(WantsLabels(), progress=False)
 
