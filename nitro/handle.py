@@ -156,6 +156,7 @@ class Nitro:
         self._position = 0
         self._dispatched = 0
         self._epoch_stats = loop._EpochStats()
+        self._upcoming = None  # (epoch, stream) started early, during validation
         self._stop = threading.Event()
         self._lock = threading.RLock()
         self._run = None

@@ -69,6 +69,9 @@ def train_epochs(h: Nitro, epochs: int | None) -> None:
             h._epoch_stats = _EpochStats()
             h.epoch += 1
             h._position = 0
+            if h.epoch < target and not h._stop.is_set():
+                # start producing the next epoch now, so validation overlaps with it
+                h._upcoming = (h.epoch, h._prefetchers["train"].epoch(h.epoch))
             row = {"epoch": h.epoch, "step": h.step}
             if stats.loss_count:
                 row["loss"] = stats.loss_sum / stats.loss_count
@@ -99,6 +102,9 @@ def train_epochs(h: Nitro, epochs: int | None) -> None:
                 )
         h.stop_reason = "requested" if h._stop.is_set() else "completed"
     finally:
+        if h._upcoming is not None:
+            h._upcoming[1].close()
+            h._upcoming = None
         reporter.end_run(h)
 
 
@@ -117,7 +123,13 @@ def _train_epoch(h: Nitro, target: int) -> bool:
     pending = None
     interrupted = False
     begin = time.perf_counter()
-    stream = prefetcher.epoch(h.epoch, start=h._position)
+    upcoming, h._upcoming = h._upcoming, None
+    if upcoming is not None and upcoming[0] == h.epoch and h._position == 0:
+        stream = upcoming[1]
+    else:
+        if upcoming is not None:
+            upcoming[1].close()
+        stream = prefetcher.epoch(h.epoch, start=h._position)
     try:
         for staged in stream:
             if stop.is_set():

@@ -103,8 +103,8 @@ def train_step_spec(ctx: ProgramContext, fields: Mapping[str, tuple[str, ...]]) 
             opt_state = jax.tree.unflatten(ctx.opt_def, opt_l)
             view = ctx.view(device, reads)
 
-            def objective(params):
-                model = nnx.merge(ctx.graphdef_train, params, rest)
+            def objective(params, rest):
+                model = nnx.merge(ctx.graphdef_train, params, rest, copy=True)
                 outputs = ctx.call("forward", view, model, **select(batch, fields["forward"]))
                 loss = _check_scalar_loss(
                     ctx.call("loss", view, outputs, **select(batch, fields["loss"]))
@@ -112,7 +112,11 @@ def train_step_spec(ctx: ProgramContext, fields: Mapping[str, tuple[str, ...]]) 
                 _, _, new_rest = nnx.split(model, nnx.Param, ...)
                 return loss, (outputs, new_rest)
 
-            (loss, (outputs, new_rest)), grads = jax.value_and_grad(objective, has_aux=True)(params)
+            # `rest` (batch statistics, RNG counts) is an argument too, so the model's
+            # variables live at one trace level; only `params` is differentiated.
+            (loss, (outputs, new_rest)), grads = jax.value_and_grad(objective, has_aux=True)(
+                params, rest
+            )
             if ctx.hyper_names:
                 injected = {
                     name: hparams[i].astype(ctx.hyper_dtypes[name])
@@ -192,7 +196,7 @@ def eval_spec(
             params = jax.tree.unflatten(ctx.params_def, params_l)
             rest = jax.tree.unflatten(ctx.rest_def, rest_l)
             view = ctx.view(device, reads)
-            model = nnx.merge(ctx.graphdef_eval, params, rest)
+            model = nnx.merge(ctx.graphdef_eval, params, rest, copy=True)
             outputs = ctx.call("forward", view, model, **select(batch, fields["forward"]))
             result = {}
             if return_outputs:

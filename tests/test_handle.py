@@ -334,3 +334,33 @@ def test_the_demo_reaches_095_test_accuracy_and_writes_a_plot(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "history:" in out and "test:" in out and "predicted" in out
     assert len(jax.live_arrays()) < 200
+
+
+def test_batchnorm_statistics_and_dropout_rngs_advance_in_training_only():
+    from flax import nnx
+
+    class DropNorm(nnx.Module):
+        def __init__(self, rngs):
+            self.hidden = nnx.Linear(5, 8, rngs=rngs)
+            self.norm = nnx.BatchNorm(8, rngs=rngs)
+            self.drop = nnx.Dropout(0.5, rngs=rngs)
+            self.out = nnx.Linear(8, 2, rngs=rngs)
+
+        def __call__(self, x):
+            return self.out(self.drop(self.norm(self.hidden(x))))
+
+    @nitro.experiment
+    class Regularized(Toy):
+        def build_model(self, rngs):
+            return DropNorm(rngs)
+
+    n = nitro.Nitro(Regularized(max_epochs=1), progress=False)
+    before = n.model
+    first = n.predict({"x": X[:8]})
+    np.testing.assert_array_equal(first, n.predict({"x": X[:8]}))  # eval: deterministic
+    n.train()
+    after = n.model
+    assert not np.allclose(before.norm.mean[...], after.norm.mean[...])  # running stats moved
+    assert int(after.drop.rngs.count[...]) == int(before.drop.rngs.count[...]) + 4
+    n.validate()
+    assert np.array_equal(n.model.norm.mean[...], after.norm.mean[...])  # eval leaves them
