@@ -102,9 +102,14 @@ class Placement:
         return jax.device_put(dict(batch), self.batch_sharding)
 
     def put_replicated(self, tree: Any) -> Any:
+        """Replicate `tree` over the mesh. Across processes every process passes the same
+        value (the same seed builds the same model everywhere)."""
         if self.multi_process:
-            return jax.tree.map(
-                lambda x: jax.make_array_from_process_local_data(self.replicated, np.asarray(x)),
-                tree,
-            )
+            return jax.tree.map(self._replicate_across_processes, tree)
         return jax.device_put(tree, self.replicated)
+
+    def _replicate_across_processes(self, x: Any) -> jax.Array:
+        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            data = self._replicate_across_processes(jax.random.key_data(x))
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        return jax.make_array_from_process_local_data(self.replicated, np.asarray(x))

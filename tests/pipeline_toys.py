@@ -106,8 +106,10 @@ class PlainBatches:
             self.threads.add(threading.current_thread().name)
             if self.sleep:
                 time.sleep(self.sleep)
-            yield {"x": self.x[start : start + self.batch_size],
-                   "y": self.y[start : start + self.batch_size]}
+            yield {
+                "x": self.x[start : start + self.batch_size],
+                "y": self.y[start : start + self.batch_size],
+            }
 
 
 class BrokenSource(ArrayLoader):

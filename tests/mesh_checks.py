@@ -1,0 +1,137 @@
+"""Runs in a subprocess with 4 fake CPU devices (XLA_FLAGS is set by tests/test_mesh.py before
+JAX starts) and prints one JSON object of results for the tests to assert on."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import jax
+import numpy as np
+import optax
+from flax import nnx
+
+import nitro
+from nitro.data import ArrayLoader
+
+RNG = np.random.default_rng(0)
+X = RNG.normal(size=(64, 6)).astype(np.float32)
+Y = (X[:, 0] + X[:, 1] > 0).astype(np.int32)
+
+
+class Net(nnx.Module):
+    """Linear (no bias: a bias before BatchNorm gets no gradient), BatchNorm, Dropout."""
+
+    def __init__(self, *, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(6, 16, use_bias=False, rngs=rngs)
+        self.norm = nnx.BatchNorm(16, rngs=rngs)
+        self.drop = nnx.Dropout(0.5, rngs=rngs)
+        self.out = nnx.Linear(16, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(self.drop(nnx.relu(self.norm(self.hidden(x)))))
+
+
+@nitro.experiment
+class LossOnly:
+    batch_size: int = 16
+    max_epochs: int = 2
+
+    def build_data(self):
+        return {
+            "train": ArrayLoader({"x": X, "y": Y}, self.batch_size, seed=3),
+            "val": ArrayLoader(
+                {"x": X[:20], "y": Y[:20]}, self.batch_size, shuffle=False, drop_last=False
+            ),
+        }
+
+    def build_model(self, rngs: nnx.Rngs):
+        return Net(rngs=rngs)
+
+    def forward(self, model, *, x):
+        return model(x)
+
+    def loss(self, logits, *, y):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+@nitro.experiment
+class MeshToy(LossOnly):
+    def metrics(self, logits, *, y):
+        return {"acc": (logits.argmax(-1) == y).mean()}
+
+
+@nitro.experiment
+class TwoDevices(MeshToy):
+    n_devs: int = 2
+
+
+def state(n, kind):
+    return [np.asarray(leaf).tolist() for leaf in jax.tree.leaves(nnx.state(n.model, kind))]
+
+
+def rng_counts(n):
+    return [int(leaf) for leaf in jax.tree.leaves(nnx.state(n.model, nnx.RngCount))]
+
+
+def run(n_devs):
+    n = nitro.Nitro(MeshToy(), n_devs=n_devs, progress=False)
+    n.train()
+    history = n.history()
+    return {
+        "describe": n.placement.describe(),
+        "mesh": n.placement.mesh is not None,
+        "loss": history["loss"].tolist(),
+        "val_loss": history["val_loss"].tolist(),
+        "val_acc": history["val_acc"].tolist(),
+        "params": state(n, nnx.Param),
+        "batch_stats": state(n, nnx.BatchStat),
+        "rng_counts": rng_counts(n),
+        "replicated": all(
+            leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == n_devs
+            for leaf in jax.tree.leaves(n._carry)
+        ),
+        "batch_sharding": first_batch_sharding(n),
+        "freed": {s: [p.placed, p.freed] for s, p in n._prefetchers.items()},
+    }
+
+
+def first_batch_sharding(n):
+    with n._prefetchers["train"].epoch(0) as stream:
+        staged = next(stream)
+        x = staged.device["x"]
+        result = {
+            "type": type(x.sharding).__name__,
+            "spec": str(getattr(x.sharding, "spec", None)),
+            "shards": sorted(tuple(s.data.shape) for s in x.addressable_shards),
+        }
+        staged.free()
+    return result
+
+
+def error_of(make):
+    try:
+        make()
+    except Exception as error:  # noqa: BLE001 - reported to the test
+        return f"{type(error).__name__}: {error}"
+    return None
+
+
+def main():
+    results = {"devices": jax.device_count(), "flags": os.environ.get("XLA_FLAGS", "")}
+    results["one"] = run(1)
+    results["four"] = run(4)
+    default = nitro.Nitro(MeshToy(), progress=False)
+    results["default"] = [default.placement.n_devs, default.run["n_devs"].source]
+    field = nitro.Nitro(TwoDevices(), progress=False)
+    results["field"] = [field.placement.n_devs, field.run["n_devs"].source]
+    results["indivisible"] = error_of(
+        lambda: nitro.Nitro(MeshToy(batch_size=10), n_devs=4, progress=False)
+    )
+    results["too_many"] = error_of(lambda: nitro.Nitro(MeshToy(), n_devs=8, progress=False))
+    json.dump(results, sys.stdout)
+
+
+if __name__ == "__main__":
+    main()
