@@ -80,7 +80,13 @@ def _peek(source: Any, split: str) -> Mapping[str, Any]:
         if is_index_addressable(source):
             batch = source.batch_at(0, source.begin_epoch(0))
         else:
-            batch = next(iter(source))
+            iterator = iter(source)
+            try:
+                batch = next(iterator)
+            finally:
+                close = getattr(iterator, "close", None)
+                if close is not None:  # release what the probe started (generators, workers)
+                    close()
     except StopIteration:
         raise SetupError(f"the '{split}' split yields no batches") from None
     if not isinstance(batch, Mapping):
@@ -400,6 +406,9 @@ class Nitro:
         self._split_info[split] = {
             "batches": batches,
             "width": width,
+            "global_width": width * self.placement.n_devs // self.placement.local_share
+            if self.placement.multi_process
+            else width,
             "samples": num_samples,
             "dropped": getattr(inner, "dropped", 0) if training else 0,
             "fields": available,
@@ -604,7 +613,7 @@ class Nitro:
     def _predict_width(self, n: int) -> int:
         for split in ("val", "test", "train"):
             if split in self._split_info:
-                return self._split_info[split]["width"]
+                return self._split_info[split]["global_width"]
         return n
 
     def _predict_batch(self, batch: Mapping[str, Any]):
@@ -621,7 +630,7 @@ class Nitro:
                 part, n_real = pad_batch(
                     {k: v[start : start + width] for k, v in host.items()}, width
                 )
-                device = self.placement.put_batch(part)
+                device = self.placement.put_batch(self.placement.local_rows(part))
                 args = (
                     self._carry[0],
                     self._carry[1],
@@ -640,7 +649,7 @@ class Nitro:
                     args,
                 )
                 result = program(*args)
-                outputs = jax.device_get(result["outputs"])
+                outputs = self.placement.gather(result["outputs"])
                 loop._delete(result)
                 loop._delete(device)
                 chunks.append(jax.tree.map(lambda a, n=n_real: np.asarray(a)[:n], outputs))

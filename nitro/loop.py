@@ -94,9 +94,7 @@ def train_epochs(h: Nitro, epochs: int | None) -> None:
                 _WARNED["data_wait"] = True
                 warnings.warn(
                     f"the training loop waited for data {wait_frac:.0%} of epoch {h.epoch}. "
-                    f"Raise prefetch_workers (now {h._prefetch_settings.workers}), make the "
-                    f"source index-addressable (batch_at/begin_epoch) so several workers build "
-                    f"batches, or do less work per batch in the loader.",
+                    + _data_wait_advice(h),
                     RuntimeWarning,
                     stacklevel=2,
                 )
@@ -106,6 +104,27 @@ def train_epochs(h: Nitro, epochs: int | None) -> None:
             h._upcoming[1].close()
             h._upcoming = None
         reporter.end_run(h)
+
+
+def _data_wait_advice(h: Nitro) -> str:
+    path = h._prefetchers["train"].path
+    if path == "inline":
+        return (
+            "The train split is wrapped in NoPrefetch: remove it so worker threads build "
+            "batches ahead of the loop."
+        )
+    if path == "single":
+        if h._prefetch_settings.workers == 1:
+            return "Raise prefetch_workers (now 1) so several threads build batches."
+        return (
+            "One thread builds its batches: make the source index-addressable "
+            "(begin_epoch/batch_at, see docs/data.md) so prefetch_workers threads build them "
+            "in parallel, or do less work per batch."
+        )
+    return (
+        f"Raise prefetch_workers (now {h._prefetch_settings.workers}) or host_batches, or do "
+        f"less work per batch in batch_at."
+    )
 
 
 def _train_epoch(h: Nitro, target: int) -> bool:
@@ -185,7 +204,7 @@ def _complete(h: Nitro, item) -> None:
     try:
         value = float(loss)
         if h._train_metrics_residency is not None:
-            metrics = jax.device_get(metrics)
+            metrics = h.placement.gather(metrics)
     finally:
         staged.free()
     stats = h._epoch_stats
@@ -207,7 +226,7 @@ def _complete(h: Nitro, item) -> None:
     if h._train_metrics_residency == "device":
         stats.train_metrics.add(h._train_program_aux["specs"], metrics, staged.n_real)
     elif h._train_metrics_residency == "host":
-        fields = select(staged.host, h._fields["train"]["train_metrics"])
+        fields = h.placement.gather(select(staged.host, h._fields["train"]["train_metrics"]))
         values = h._call_host_hook("train_metrics", metrics, **fields)
         specs, leaves = split_modes(values, "train_metrics")
         stats.train_metrics.add(specs, leaves, staged.n_real)
@@ -256,11 +275,10 @@ def evaluate_split(h: Nitro, split: str) -> dict[str, Any]:
                     loss_sum += float(result["loss_sum"])
                 if has_metrics:
                     if residency == "host":
-                        outputs = jax.device_get(result["outputs"])
+                        outputs = h.placement.gather(result["outputs"])
                         outputs = jax.tree.map(lambda a, n=n_real: a[:n], outputs)
-                        host = {
-                            k: v[:n_real] for k, v in select(staged.host, fields["metrics"]).items()
-                        }
+                        host = h.placement.gather(select(staged.host, fields["metrics"]))
+                        host = {k: v[:n_real] for k, v in host.items()}
                         values = h._call_host_hook("metrics", outputs, **host)
                         specs, leaves = split_modes(values, "metrics")
                     else:

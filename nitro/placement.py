@@ -101,6 +101,28 @@ class Placement:
             }
         return jax.device_put(dict(batch), self.batch_sharding)
 
+    def gather(self, tree: Any) -> Any:
+        """Bring device arrays (or this process's host rows) to the host, whole: across
+        processes every process receives the global batch, in process order."""
+        if self.multi_process:
+            from jax.experimental import multihost_utils
+
+            return multihost_utils.process_allgather(tree, tiled=True)
+        return jax.device_get(tree)
+
+    def local_rows(self, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """This process's share of a global host batch (all of it in one process)."""
+        if not self.multi_process:
+            return dict(batch)
+        share = self.local_share
+        out = {}
+        for name, value in batch.items():
+            value = np.asarray(value)
+            per_device = value.shape[0] // self.n_devs
+            start = jax.process_index() * share * per_device
+            out[name] = value[start : start + share * per_device]
+        return out
+
     def put_replicated(self, tree: Any) -> Any:
         """Replicate `tree` over the mesh. Across processes every process passes the same
         value (the same seed builds the same model everywhere)."""

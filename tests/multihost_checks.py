@@ -51,7 +51,18 @@ class SharedToy(LossOnly):
         return "device"
 
 
+@nitro.experiment
+class HostMetrics(SharedToy):
+    """The same metric on the host: every process gathers the global batch's outputs."""
+
+    def metrics_residency(self, hook):
+        return "host"
+
+
 def main():
+    host = nitro.Nitro(HostMetrics(max_epochs=1), progress=False)
+    host_validate = host.validate()
+    host_predict = host.predict({"x": X[:20]})
     n = nitro.Nitro(SharedToy(), progress=False)
     n.train()
     history = n.history()
@@ -69,6 +80,8 @@ def main():
             np.asarray(p).tolist() for p in jax.tree.leaves(nnx.state(n.model, nnx.BatchStat))
         ],
         "freed": {s: [p.placed, p.freed] for s, p in n._prefetchers.items()},
+        "host_validate": host_validate,
+        "host_predict": np.asarray(host_predict).tolist(),
     }
     print(json.dumps(result), flush=True)
 

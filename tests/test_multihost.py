@@ -103,3 +103,14 @@ def test_every_batch_is_freed_in_every_process(runs):
     for run in runs:
         for split, (placed, freed) in run["freed"].items():
             assert placed == freed > 0, (run["process"], split)
+
+
+def test_host_metrics_and_predict_gather_the_global_batch(runs):
+    first, second, single = runs
+    assert first["host_validate"] == second["host_validate"]
+    assert first["host_validate"].keys() == {"val_loss", "val_acc"}
+    for key, value in first["host_validate"].items():
+        assert abs(value - single["host_validate"][key]) < TOLERANCE, key
+    assert np.asarray(first["host_predict"]).shape == (20, 2)
+    assert first["host_predict"] == second["host_predict"]
+    assert_close(first["host_predict"], single["host_predict"])
