@@ -29,7 +29,14 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CodeFingerprint", "Fingerprinter", "diff_parts", "is_library_module"]
+__all__ = [
+    "CodeFingerprint",
+    "Fingerprinter",
+    "code_digest",
+    "diff_parts",
+    "is_library_function",
+    "is_library_module",
+]
 
 _ARRAY_HASH_LIMIT = 64 * 2**20  # bytes; larger arrays are keyed by shape, dtype and identity
 
@@ -149,6 +156,11 @@ def library_version(module_name: str) -> str:
 # the walker
 
 
+def code_digest(code: types.CodeType) -> str:
+    """A digest of what a code object does, blind to line numbers and file names."""
+    return _code_token(code)
+
+
 def _code_token(code: types.CodeType) -> str:
     h = hashlib.blake2b(digest_size=12)
     h.update(code.co_code)
@@ -197,6 +209,7 @@ class Fingerprinter:
     def __init__(self, self_class: type | None = None):
         self.self_class = self_class
         self.parts: dict[str, str] = {}
+        self.classes: list[type] = []  # user classes reached, in order
         self._memo: dict[int, str] = {}
         self._keepalive: list[Any] = []  # ids stay unique while the walk runs
 
@@ -353,6 +366,7 @@ class Fingerprinter:
             self._memo[key] = token
             return token
         self._keepalive.append(cls)
+        self.classes.append(cls)
         self._memo[key] = _hash("cycle-class", cls.__qualname__)
         bases = [self._class(b) for b in cls.__bases__]
         members = []

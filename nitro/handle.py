@@ -62,17 +62,37 @@ def _is_function_attr(cls: type, name: str) -> bool:
     return isinstance(attr, (staticmethod, classmethod)) or inspect.isfunction(attr)
 
 
+def _frozen_copy(fn):
+    """A copy of a function with today's code: an in-place patch of the original (IPython's
+    autoreload swaps `__code__`) does not reach a handle that froze its hooks."""
+    import types
+
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    copy = types.FunctionType(
+        fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    copy.__module__ = fn.__module__
+    copy.__doc__ = fn.__doc__
+    copy.__dict__.update(fn.__dict__)
+    return copy
+
+
 def _hook_function(cls: type, name: str):
+    """(the function to fingerprint, the callable taking the view first), frozen now."""
     import inspect
 
     attr = inspect.getattr_static(cls, name)
     if isinstance(attr, staticmethod):
-        fn = attr.__func__
+        fn = _frozen_copy(attr.__func__)
         return fn, (lambda view, *a, **k: fn(*a, **k))
     if isinstance(attr, classmethod):
-        fn = attr.__func__
+        fn = _frozen_copy(attr.__func__)
         return fn, (lambda view, *a, **k: fn(cls, *a, **k))
-    return attr, attr
+    fn = _frozen_copy(attr)
+    return fn, fn
 
 
 def _peek(source: Any, split: str) -> Mapping[str, Any]:
@@ -299,6 +319,7 @@ class Nitro:
         # code fingerprints, frozen
         fingerprinter = Fingerprinter()
         model_structure = fingerprinter.structure(graphdef_train)
+        self._model_classes = tuple(fingerprinter.classes)
         self._code = self._hook_fingerprints()
         self._code["model"] = fingerprinter.fingerprint()
         if self.optimizer is not None:
@@ -545,7 +566,8 @@ class Nitro:
                         self.stop_reason = "error"
                         raise
 
-            self._run = Run(body, name=f"nitro-{what}-{self.cls.__name__}").start()
+            self._run = Run(body, name=f"nitro-{what}-{self.cls.__name__}", context=self)
+            self._run.start()
 
     def wait(self) -> Nitro:
         """Wait for a background run; Ctrl-C turns into a stop request."""
@@ -746,6 +768,18 @@ class Nitro:
     def stale_report(self) -> str | None:
         """What changed in the experiment's code since this handle was built, or None."""
         return report.stale_report(self)
+
+    def stale_changes(self) -> dict[str, list[str]]:
+        """Code that changed since this handle was built: unit (a hook name or "model") ->
+        the parts that changed in it ("helper mlp_block", "method MLP.__call__"; empty when
+        the hook itself changed). `nitro.programs.programs_using(unit)` names the programs
+        each unit reaches."""
+        return report.stale_changes(self)
+
+    @property
+    def reporter(self) -> progress.Reporter:
+        """The progress reporter this handle's runs report to."""
+        return self._reporter
 
     def _check_stale(self, entry: str) -> None:
         import time

@@ -92,11 +92,13 @@ def train_epochs(h: Nitro, epochs: int | None) -> None:
                 and not _WARNED["data_wait"]
             ):
                 _WARNED["data_wait"] = True
-                warnings.warn(
+                warnings.warn_explicit(
                     f"the training loop waited for data {wait_frac:.0%} of epoch {h.epoch}. "
                     + _data_wait_advice(h),
                     RuntimeWarning,
-                    stacklevel=2,
+                    filename="nitro",
+                    lineno=0,
+                    module="nitro.loop",
                 )
         h.stop_reason = "requested" if h._stop.is_set() else "completed"
     finally:

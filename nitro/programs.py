@@ -30,7 +30,27 @@ from .metrics import split_modes
 from .routing import select
 from .trace_view import TraceView
 
-__all__ = ["ProgramContext", "train_step_spec", "eval_spec", "device_metrics_spec"]
+__all__ = [
+    "PROGRAM_UNITS",
+    "ProgramContext",
+    "device_metrics_spec",
+    "eval_spec",
+    "programs_using",
+    "train_step_spec",
+]
+
+# The code each program kind runs: hooks, the model's classes, the optimizer's update.
+PROGRAM_UNITS: dict[ProgramKind, tuple[str, ...]] = {
+    ProgramKind.TRAIN_STEP: ("forward", "loss", "train_metrics", "model", "optimizer"),
+    ProgramKind.EVAL_FORWARD: ("forward", "loss", "model"),
+    ProgramKind.PREDICT: ("forward", "model"),
+    ProgramKind.DEVICE_METRICS: ("metrics",),
+}
+
+
+def programs_using(unit: str) -> tuple[ProgramKind, ...]:
+    """The program kinds whose code includes `unit` (a hook name, "model" or "optimizer")."""
+    return tuple(kind for kind, units in PROGRAM_UNITS.items() if unit in units)
 
 
 @dataclasses.dataclass
@@ -150,7 +170,7 @@ def train_step_spec(ctx: ProgramContext, fields: Mapping[str, tuple[str, ...]]) 
         train_step.nitro_aux = aux
         return train_step
 
-    units = ["forward", "loss", "model", "optimizer"]
+    units = [u for u in PROGRAM_UNITS[ProgramKind.TRAIN_STEP] if u != "train_metrics"]
     if uses_train_metrics:
         units.append("train_metrics")
     return ProgramSpec(
@@ -210,10 +230,11 @@ def eval_spec(
         evaluate.nitro_aux = aux
         return evaluate
 
-    units = ["forward", "model"] + (["loss"] if with_loss else [])
+    kind = ProgramKind.EVAL_FORWARD if with_loss else ProgramKind.PREDICT
+    units = PROGRAM_UNITS[kind]
     hooks = ("forward", "loss") if with_loss else ("forward",)
     return ProgramSpec(
-        kind=ProgramKind.EVAL_FORWARD if with_loss else ProgramKind.PREDICT,
+        kind=kind,
         owner=ctx.owner,
         build=build,
         code=ctx.fingerprint(*units),
@@ -278,7 +299,7 @@ def device_metrics_spec(ctx: ProgramContext, fields: Mapping[str, tuple[str, ...
         kind=ProgramKind.DEVICE_METRICS,
         owner=ctx.owner,
         build=build,
-        code=ctx.fingerprint("metrics"),
+        code=ctx.fingerprint(*PROGRAM_UNITS[ProgramKind.DEVICE_METRICS]),
         static={"fields": _fields_key(fields, ("metrics",))},
         graphconst=ctx.graphconst,
         arg_names=("outputs", "device fields", "batch"),

@@ -16,7 +16,13 @@ from .fingerprint import Fingerprinter, diff_parts
 if TYPE_CHECKING:  # pragma: no cover
     from .handle import Nitro
 
-__all__ = ["BindingReport", "binding_report", "stale_report", "check_same_tree"]
+__all__ = [
+    "BindingReport",
+    "binding_report",
+    "check_same_tree",
+    "stale_changes",
+    "stale_report",
+]
 
 
 @dataclasses.dataclass
@@ -172,43 +178,70 @@ def current_class(cls: type) -> type:
     return target if isinstance(target, type) else cls
 
 
-def stale_report(h: Nitro) -> str | None:
+def _own_changes(frozen_parts, fp: Fingerprinter, skip: str = "") -> list[str]:
+    return [
+        d for d in diff_parts(frozen_parts, fp.parts)
+        if d != skip and not d.startswith("library ")
+    ]
+
+
+def stale_changes(h: Nitro) -> dict[str, list[str]]:
     live = current_class(h.cls)
-    changed = []
+    changes: dict[str, list[str]] = {}
     for name, frozen in h._code.items():
-        if name in ("model", "optimizer"):
+        if name == "optimizer":
             continue
-        attr = None
+        if name == "model":
+            fp = Fingerprinter()
+            for cls in h._model_classes:
+                fp._class(current_class(cls))
+            diff = _own_changes(frozen.parts, fp)
+            if diff:
+                changes["model"] = diff
+            continue
         try:
             attr = inspect.getattr_static(live, name)
         except AttributeError:
-            changed.append(f"{name} (removed)")
+            changes[name] = ["removed"]
             continue
         fn = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
         fp = Fingerprinter(self_class=live)
         try:
             fp.hook(name, fn)
         except Exception:  # noqa: BLE001 - an unreadable hook counts as changed
-            changed.append(name)
+            changes[name] = []
             continue
-        diff = [d for d in diff_parts(frozen.parts, fp.parts) if d != f"hook {name}"]
-        if diff:
-            changed.append(f"{name} ({', '.join(diff)})")
-        elif frozen.digest != fp.fingerprint().digest:
-            changed.append(name)
-    added = [
-        name
-        for name in ("metrics", "train_metrics", "finalize_metrics")
-        if name not in h._hooks and hasattr(live, name)
-    ]
-    changed.extend(f"{name} (added)" for name in added)
-    if not changed:
+        diff = _own_changes(frozen.parts, fp, skip=f"hook {name}")
+        if diff or frozen.digest != fp.fingerprint().digest:
+            changes[name] = diff
+    for name in ("metrics", "train_metrics", "finalize_metrics"):
+        if name not in h._hooks and hasattr(live, name):
+            changes[name] = ["added"]
+    return changes
+
+
+def stale_report(h: Nitro) -> str | None:
+    from .programs import programs_using
+
+    changes = stale_changes(h)
+    if not changes:
         return None
-    held = sorted({p.title for p in h._programs.values()}) or ["none yet"]
+    what = "; ".join(
+        f"{unit} ({', '.join(parts)})" if parts else unit for unit, parts in changes.items()
+    )
+    affected = []
+    for unit in changes:
+        for kind in programs_using(unit):
+            if kind.value not in affected:
+                affected.append(kind.value)
+    held = sorted({p.title for p in h._programs.copy().values()}) or ["none yet"]
+    reach = f" It reaches the {', '.join(affected)} programs." if affected else (
+        " It runs on the host: no program recompiles."
+    )
     return (
-        f"{h.cls.__name__} changed since this handle was built: {'; '.join(changed)}. This "
-        f"handle keeps what it froze (programs held: {', '.join(held)}); build a new handle to "
-        f"use the edit, e.g. nitro.Nitro({h.cls.__name__}(...), weights=n)."
+        f"{h.cls.__name__} changed since this handle was built: {what}.{reach} This handle "
+        f"keeps what it froze (programs held: {', '.join(held)}); build a new handle to use "
+        f"the edit, e.g. nitro.Nitro({h.cls.__name__}(...), weights=n)."
     )
 
 

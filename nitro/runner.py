@@ -11,15 +11,16 @@ from __future__ import annotations
 import sys
 import threading
 from collections.abc import Callable
+from typing import Any
 
 __all__ = ["Run", "add_worker_initializer", "wait_interruptibly"]
 
-# Each initializer runs on the starting thread and returns a callable run on the worker
-# (notebook integrations route the worker's output to the right cell this way).
-_INITIALIZERS: list[Callable[[], Callable[[], None] | None]] = []
+# Each initializer runs on the starting thread with the run's handle and returns a callable
+# run first on the worker (notebook integrations route the worker's output this way).
+_INITIALIZERS: list[Callable[[Any], Callable[[], None] | None]] = []
 
 
-def add_worker_initializer(initializer: Callable[[], Callable[[], None] | None]) -> None:
+def add_worker_initializer(initializer: Callable[[Any], Callable[[], None] | None]) -> None:
     if initializer not in _INITIALIZERS:
         _INITIALIZERS.append(initializer)
 
@@ -33,11 +34,11 @@ class Run:
     """One piece of work on a worker thread; `done` is set when it ends, `error` holds what it
     raised."""
 
-    def __init__(self, target: Callable[[], None], name: str):
+    def __init__(self, target: Callable[[], None], name: str, context: Any = None):
         self.target = target
         self.done = threading.Event()
         self.error: BaseException | None = None
-        worker_setup = [init() for init in list(_INITIALIZERS)]
+        worker_setup = [init(context) for init in list(_INITIALIZERS)]
         self.thread = threading.Thread(
             target=self._main, args=(worker_setup,), name=name, daemon=True
         )

@@ -1,12 +1,85 @@
 """Notebook integration for Nitro: %nitro magics, background runs, hot reload, live plots.
 
+`%load_ext nitro` (or `%load_ext nitro_ipython`) does four things:
+
+- registers the `%nitro` line magic (`%nitro?` for help; see `magics.py`);
+- makes runs with `progress=True` report into a live widget panel in a notebook, or a tqdm
+  bar in a terminal IPython (`reporters.py`, `panel.py`);
+- routes each training thread's output to the cell that started it (`worker.py`);
+- watches the source files of live experiments and reloads them on save, reporting which
+  compiled programs the edit makes stale (`reload.py`, `staleness.py`).
+
 Uses only nitro's public API; nitro never imports this package at module level.
 """
 
+from __future__ import annotations
 
-def load_ipython_extension(ipython) -> None:  # pragma: no cover - filled in by the magics
-    pass
+from typing import Any
+
+__all__ = ["load_ipython_extension", "unload_ipython_extension", "live_panel", "watcher"]
+
+_STATE: dict[str, Any] = {}
 
 
-def unload_ipython_extension(ipython) -> None:  # pragma: no cover
-    pass
+def load_ipython_extension(ipython) -> None:
+    import nitro.progress
+    import nitro.runner
+
+    from . import worker
+    from .magics import NitroMagics
+    from .reload import CodeWatcher
+    from .reporters import make_factory
+
+    if _STATE.get("shell") is ipython:
+        return
+    code_watcher = CodeWatcher(ipython)
+    code_watcher.register()
+    code_watcher.track()
+    ipython.register_magics(NitroMagics(ipython, watcher=code_watcher))
+    nitro.progress.set_default_factory(make_factory(ipython))
+    nitro.runner.add_worker_initializer(worker.initializer)
+    png = ipython.display_formatter.formatters["image/png"]
+    png.for_type_by_name("matplotlib.figure", "Figure", _figure_png)
+    _STATE.update(shell=ipython, watcher=code_watcher)
+
+
+def unload_ipython_extension(ipython) -> None:
+    import nitro.progress
+    import nitro.runner
+
+    from . import worker
+
+    code_watcher = _STATE.pop("watcher", None)
+    if code_watcher is not None:
+        code_watcher.unregister()
+    _STATE.pop("shell", None)
+    nitro.progress.set_default_factory(None)
+    nitro.runner.remove_worker_initializer(worker.initializer)
+    ipython.magics_manager.magics["line"].pop("nitro", None)
+    png = ipython.display_formatter.formatters["image/png"]
+    try:
+        png.pop("matplotlib.figure.Figure")
+    except KeyError:
+        pass
+
+
+def _figure_png(figure) -> bytes:
+    """Figures returned by `n.plot()` and `%nitro plot` display inline without pyplot."""
+    import io
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png", bbox_inches="tight")
+    return buffer.getvalue()
+
+
+def live_panel(handle):
+    """The live widget panel of `handle`'s latest run in this notebook (None if it has none)."""
+    from .reporters import panel_of
+
+    return panel_of(handle)
+
+
+def watcher():
+    """The code watcher of the loaded extension: `.sources` (watched files), `.reloads`,
+    `.history` (every reload message), `.check()` (check the files now)."""
+    return _STATE.get("watcher")

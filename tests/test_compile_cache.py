@@ -298,3 +298,69 @@ def test_the_persistent_cache_can_be_moved_or_disabled(tmp_path):
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == expected
     assert any(moved.iterdir())
+
+
+MODEL_CELL = '''
+import optax
+from flax import nnx
+import nitro
+from toys import loaders
+
+class Net(nnx.Module):
+    def __init__(self, *, rngs):
+        self.hidden = nnx.Linear(5, 8, rngs=rngs)
+        self.out = nnx.Linear(8, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.{activation}(self.hidden(x)))
+
+@nitro.experiment
+class WithNet:
+    max_epochs: int = 1
+
+    def build_data(self):
+        return loaders()
+
+    def build_model(self, rngs):
+        return Net(rngs=rngs)
+
+    def forward(self, model, *, x):
+        return model(x)
+
+    def loss(self, logits, *, y):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+'''
+
+
+def test_editing_the_model_class_is_stale_and_recompiles_its_programs(fresh_cache):
+    namespace = {"__name__": "__main__"}
+    exec(MODEL_CELL.format(activation="relu"), namespace)
+    old = nitro.Nitro(namespace["WithNet"](), progress=False)
+    old.train()
+    exec(MODEL_CELL.format(activation="relu"), namespace)  # identical: nothing is stale
+    assert old.stale_changes() == {}
+    exec(MODEL_CELL.format(activation="gelu"), namespace)
+    assert old.stale_changes() == {"model": ["method Net.__call__"]}
+    assert "It reaches the train step, eval forward, predict programs" in old.stale_report()
+    before = misses()
+    nitro.Nitro(namespace["WithNet"](), weights=old, progress=False).train()
+    assert misses() - before == 2
+    assert nitro.explain_compiles()[-1].reason == "code changed: method Net.__call__"
+
+
+def test_a_handle_keeps_its_hooks_when_they_are_patched_in_place(fresh_cache):
+    """IPython's autoreload swaps `__code__` on the existing function objects."""
+    cell = Notebook()
+    cls = cell.run()
+    old = nitro.Nitro(cls(), progress=False)
+
+    def zero(self, model, *, x):
+        return model(x) * 0.0
+
+    cls.forward.__code__ = zero.__code__
+    assert old.stale_changes() == {
+        "forward": ["constant SCALE (no longer used)", "helper helper (no longer used)"]
+    }
+    outputs = old.predict({"x": X[:4]})  # compiled now, from the hook it froze
+    assert np.abs(outputs).sum() > 0
+    assert np.abs(nitro.Nitro(cls(), progress=False).predict({"x": X[:4]})).sum() == 0

@@ -1,0 +1,372 @@
+"""The `%nitro` line magic: train, stop and inspect runs by name.
+
+Declared once with `magic_arguments`, so `%nitro?` shows the same help the parser enforces.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+from typing import Any
+
+from IPython.core import magic_arguments
+from IPython.core.error import UsageError
+from IPython.core.magic import Magics, line_magic, magics_class
+
+import nitro
+from nitro.experiment import is_experiment
+
+from . import runs
+
+__all__ = ["NitroMagics"]
+
+COMMANDS = (
+    "train",
+    "stop",
+    "status",
+    "runs",
+    "validate",
+    "evaluate",
+    "predict",
+    "history",
+    "plot",
+    "cache",
+    "bind",
+    "export",
+)
+
+
+def _fields(experiment: Any) -> dict[str, Any]:
+    return {f.name: getattr(experiment, f.name) for f in dataclasses.fields(experiment) if f.init}
+
+
+def _live_class(cls: type) -> type:
+    """The class now bound to `cls`'s module and qualified name (after an edit, the new one)."""
+    target: Any = sys.modules.get(cls.__module__)
+    for part in cls.__qualname__.split("."):
+        target = getattr(target, part, None)
+    return target if isinstance(target, type) and is_experiment(target) else cls
+
+
+def _live_experiment(experiment: Any) -> Any:
+    """`experiment` as an instance of the live class (same field values), for edited code."""
+    cls = _live_class(type(experiment))
+    if cls is type(experiment):
+        return experiment
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    return cls(**{k: v for k, v in _fields(experiment).items() if k in known})
+
+
+class _Shown:
+    """Shows a report as its text in a terminal and as its HTML in a notebook."""
+
+    def __init__(self, report: Any):
+        self.report = report
+
+    def __repr__(self) -> str:
+        return str(self.report)
+
+    def _repr_html_(self) -> str:
+        return self.report._repr_html_()
+
+
+@magics_class
+class NitroMagics(Magics):
+    """`%nitro COMMAND [TARGET] [options]`; see `%nitro?`."""
+
+    def __init__(self, shell, watcher=None):
+        super().__init__(shell)
+        self.watcher = watcher
+
+    @line_magic
+    @magic_arguments.magic_arguments()
+    @magic_arguments.argument(
+        "command",
+        nargs="?",
+        default="status",
+        choices=COMMANDS,
+        metavar="COMMAND",
+        help=f"one of: {', '.join(COMMANDS)} (default: status)",
+    )
+    @magic_arguments.argument(
+        "target",
+        nargs="?",
+        metavar="TARGET",
+        help="train: an experiment instance or a handle; stop, status, validate, evaluate, "
+        "predict, history, plot, bind: a handle (default: the latest, _nitro); export: a "
+        "directory",
+    )
+    @magic_arguments.argument(
+        "--epochs", "-e", type=int, help="train this many more epochs (default: to max_epochs)"
+    )
+    @magic_arguments.argument(
+        "--background",
+        "-b",
+        action="store_true",
+        help="return at once; the run's panel shows progress and `%%nitro stop` ends it",
+    )
+    @magic_arguments.argument(
+        "--fresh",
+        action="store_true",
+        help="start from build_model's weights, not from the previous run of the experiment",
+    )
+    @magic_arguments.argument(
+        "--split", "-s", default="test", help="evaluate: the split to evaluate (default: test)"
+    )
+    @magic_arguments.argument(
+        "--batch",
+        help="predict: a variable holding a batch dict (default: the first batch of the "
+        "handle's test split, else val)",
+    )
+    def nitro(self, line: str = ""):
+        """Train, watch and inspect Nitro runs.
+
+        %nitro train EXP [--epochs N] [--background] [--fresh]
+            EXP is an experiment instance (`exp = Digits()`) or a handle. On an experiment
+            it stores the handle as `EXP_run` (and `_nitro`) and trains it. Training again
+            continues that handle; after an edit of the experiment's code, or with other
+            field values, it builds a new handle that starts from the previous one's weights
+            (unless --fresh). The notebook's interrupt button stops a foreground run after
+            the current step; `%nitro train` again resumes it.
+        %nitro stop [RUN]        stop RUN (default: every running run) after its current step
+        %nitro status [RUN]      phase, epoch, step, latest loss and throughput
+        %nitro runs              every run in the notebook, as a table
+        %nitro validate [RUN]    loss and metrics on the 'val' split
+        %nitro evaluate [RUN] [--split S]
+        %nitro predict [RUN] [--batch VAR]
+        %nitro history [RUN]     the history table
+        %nitro plot [RUN]        the history's curves
+        %nitro cache             compile cache statistics and why each program compiled
+        %nitro bind [RUN]        where every value of the run came from
+        %nitro export DIR        not available yet
+        """
+        args = magic_arguments.parse_argstring(self.nitro, line)
+        return getattr(self, f"_{args.command}")(args)
+
+    # ------------------------------------------------------------------------------------------
+    # lookups
+
+    @property
+    def _ns(self) -> dict[str, Any]:
+        return self.shell.user_ns
+
+    def _value(self, name: str) -> Any:
+        if name.isidentifier():
+            if name not in self._ns:
+                raise UsageError(
+                    f"no variable named {name!r} in the notebook; create it first, e.g. "
+                    f"`exp = Digits()` then `%nitro train exp`"
+                )
+            return self._ns[name]
+        try:
+            return self.shell.ev(name)
+        except Exception as error:
+            raise UsageError(f"cannot evaluate {name!r}: {error}") from None
+
+    def _handle(self, name: str | None, what: str) -> tuple[str, nitro.Nitro]:
+        """The handle named `name`; by default the latest one (`_nitro`)."""
+        if name is None:
+            handle = self._ns.get("_nitro")
+            if not isinstance(handle, nitro.Nitro):
+                handles = runs.live_handles(self._ns)
+                if len(handles) != 1:
+                    raise UsageError(
+                        f"%nitro {what} needs a run: %nitro train EXP first, or name a handle "
+                        f"(%nitro {what} RUN)"
+                        if not handles
+                        else f"%nitro {what}: several runs exist; name one (%nitro {what} RUN)"
+                    )
+                handle = handles[0]
+            names = runs.handle_names(self._ns, handle)
+            return (names[0] if names else "_nitro"), handle
+        value = self._value(name)
+        if isinstance(value, nitro.Nitro):
+            return name, value
+        if is_experiment(value) and isinstance(self._ns.get(f"{name}_run"), nitro.Nitro):
+            return f"{name}_run", self._ns[f"{name}_run"]
+        raise UsageError(
+            f"{name!r} is a {type(value).__name__}, not a run; %nitro {what} takes a handle "
+            f"(a nitro.Nitro, such as the `EXP_run` that %nitro train stores)"
+        )
+
+    # ------------------------------------------------------------------------------------------
+    # train
+
+    def _train(self, args) -> nitro.Nitro:
+        if args.target is None:
+            raise UsageError("%nitro train needs an experiment or a handle: %nitro train exp")
+        if args.epochs is not None and args.epochs < 1:
+            raise UsageError(f"--epochs must be at least 1, got {args.epochs}")
+        value = self._value(args.target)
+        base = args.target if args.target.isidentifier() else None
+        if isinstance(value, nitro.Nitro):
+            name = base if base and base != "_nitro" else self._name_of(value, "_nitro")
+            handle = self._prepare_handle(name, value, value.experiment, value, args.fresh)
+        elif is_experiment(value) and not isinstance(value, type):
+            name = f"{base}_run" if base else f"{type(value).__name__.lower()}_run"
+            previous = self._ns.get(name)
+            if not (isinstance(previous, nitro.Nitro) and previous.owner == _owner(value)):
+                previous = None
+            handle = self._prepare_handle(name, previous, value, previous, args.fresh)
+        elif isinstance(value, type) and is_experiment(value):
+            raise UsageError(
+                f"{args.target} is the experiment class; pass an instance: "
+                f"`exp = {value.__name__}()` then `%nitro train exp`"
+            )
+        else:
+            raise UsageError(
+                f"{args.target!r} is a {type(value).__name__}; %nitro train takes an experiment "
+                f"instance (a class decorated with @nitro.experiment) or a nitro.Nitro handle"
+            )
+        self._ns[name] = handle
+        self._ns["_nitro"] = handle
+        if args.epochs is None and handle.epoch >= handle.max_epochs:
+            print(
+                f"nitro: {name} already trained its {handle.epoch} epochs "
+                f"(max_epochs={handle.max_epochs}); `%nitro train {args.target} --epochs N` "
+                f"trains N more, `--fresh` starts over"
+            )
+            return handle
+        handle.train(epochs=args.epochs, background=args.background)
+        if args.background and handle.running:
+            print(
+                f"nitro: {name} is training in the background; `%nitro status` shows how far "
+                f"it is, `%nitro stop` stops it"
+            )
+            return None
+        return handle
+
+    def _prepare_handle(self, name, handle, experiment, weights, fresh) -> nitro.Nitro:
+        """Continue `handle` when its code and configuration are current; otherwise build a
+        new handle from the live experiment class, starting from `weights` unless fresh."""
+        if handle is not None and handle.running:
+            raise UsageError(
+                f"{name} is already {handle.phase} in the background; `%nitro stop {name}` "
+                f"stops it, `%nitro status {name}` shows how far it is"
+            )
+        live = _live_experiment(experiment)
+        if (
+            handle is not None
+            and not fresh
+            and not handle.stale_changes()
+            and _live_class(handle.cls) is handle.cls
+            and _fields(handle.experiment) == _fields(live)
+        ):
+            return handle
+        source = None if fresh else weights
+        keywords = {}
+        if handle is not None:
+            keywords = {k: r.value for k, r in handle.run.items() if r.source == "Nitro keyword"}
+        try:
+            new = nitro.Nitro(live, weights=source, **keywords)
+        except nitro.SetupError as error:
+            if source is None or "weights=" not in str(error):
+                raise
+            raise UsageError(
+                f"the weights of {name} do not fit the new {type(live).__name__} model:\n"
+                f"{error}\nAdd --fresh to start from newly initialized weights."
+            ) from None
+        if source is not None:
+            print(
+                f"nitro: {name} rebuilt from the current {type(live).__name__}, starting from "
+                f"the weights of the previous run (step {source.step})"
+            )
+        return new
+
+    # ------------------------------------------------------------------------------------------
+    # runs
+
+    def _stop(self, args) -> None:
+        if args.target is not None:
+            targets = [self._handle(args.target, "stop")]
+        else:
+            targets = [(self._name_of(h), h) for h in runs.live_handles(self._ns) if h.running]
+            if not targets:
+                print("nitro: no run is training")
+                return
+        for name, handle in targets:
+            if not handle.running:
+                print(f"nitro: {name} is not running ({handle.phase})")
+                continue
+            began = time.monotonic()
+            handle.stop()
+            handle.wait()
+            print(
+                f"nitro: stopped {name} at epoch {handle.epoch}, step {handle.step} "
+                f"(in {time.monotonic() - began:.1f} s); `%nitro train {name}` resumes it"
+            )
+
+    def _name_of(self, handle, default: str | None = None) -> str:
+        names = runs.handle_names(self._ns, handle)
+        return names[0] if names else default or f"a {handle.cls.__name__} run"
+
+    def _status(self, args) -> None:
+        if args.target is not None:
+            targets = [self._handle(args.target, "status")]
+        else:
+            handles = runs.live_handles(self._ns)
+            running = [h for h in handles if h.running]
+            latest = self._ns.get("_nitro")
+            chosen = running or ([latest] if isinstance(latest, nitro.Nitro) else handles)
+            targets = [(self._name_of(h), h) for h in chosen]
+        if not targets:
+            print("nitro: no runs yet; %nitro train EXP starts one")
+            return
+        for name, handle in targets:
+            print(runs.status_line(handle, name))
+
+    def _runs(self, args):
+        handles = [
+            h for h in runs.live_handles(self._ns) if h.running or runs.handle_names(self._ns, h)
+        ]
+        if not handles:
+            print("nitro: no runs yet; %nitro train EXP starts one")
+            return None
+        return runs.runs_table(self._ns, handles)
+
+    def _validate(self, args) -> dict:
+        return self._handle(args.target, "validate")[1].validate()
+
+    def _evaluate(self, args) -> dict:
+        return self._handle(args.target, "evaluate")[1].evaluate(split=args.split)
+
+    def _predict(self, args):
+        name, handle = self._handle(args.target, "predict")
+        if args.batch is not None:
+            return handle.predict(self._value(args.batch))
+        for split in ("test", "val"):
+            if split in handle.splits:
+                batch = next(iter(handle.splits[split]))
+                print(f"nitro: predicting the first batch of {name}'s {split!r} split")
+                return handle.predict(batch)
+        raise UsageError(
+            f"{name} has no 'test' or 'val' split to take a batch from; pass one: "
+            f"%nitro predict {name} --batch VAR (VAR is a dict of arrays)"
+        )
+
+    def _history(self, args):
+        return self._handle(args.target, "history")[1].history()
+
+    def _plot(self, args):
+        name, handle = self._handle(args.target, "plot")
+        if handle.history().empty:
+            raise UsageError(f"{name} has no history yet: train at least one epoch first")
+        return handle.plot()
+
+    def _cache(self, args):
+        return _Shown(nitro.cache_stats())
+
+    def _bind(self, args):
+        return _Shown(self._handle(args.target, "bind")[1].binding_report())
+
+    def _export(self, args):
+        raise UsageError(
+            "%nitro export is not available yet: this version of nitro has no export API. "
+            "In the notebook, `%nitro predict` and `handle.predict(batch)` serve predictions."
+        )
+
+
+def _owner(experiment: Any) -> str:
+    cls = type(experiment)
+    return f"{cls.__module__}.{cls.__qualname__}"

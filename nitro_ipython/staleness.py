@@ -1,0 +1,83 @@
+"""What an edit makes stale: which programs of a live run recompile, and which are reused.
+
+Built on the engine's structured staleness check (`Nitro.stale_changes()`: each hook, helper
+or model class that changed since the handle was built) and its table of which code each
+program runs (`nitro.programs.programs_using`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Iterable
+from typing import Any
+
+import nitro
+from nitro.programs import PROGRAM_UNITS, programs_using
+
+__all__ = ["EditImpact", "edit_impact", "held_programs"]
+
+EVERY_PROGRAM = tuple(kind.value for kind in PROGRAM_UNITS)
+
+
+def held_programs(owner: str) -> list[str]:
+    """Kinds of the programs compiled so far for an experiment (module.qualname)."""
+    kinds = []
+    for program in nitro.cache_stats().programs:
+        if program["owner"] == owner and program["kind"] not in kinds:
+            kinds.append(program["kind"])
+    return kinds
+
+
+@dataclasses.dataclass
+class EditImpact:
+    name: str
+    experiment: str
+    changes: list[str]
+    recompile: list[str]
+    reused: list[str]
+    host_only: bool
+
+    def __str__(self) -> str:
+        what = "; ".join(self.changes)
+        head = f"{self.name} ({self.experiment}): {what} changed"
+        if self.host_only:
+            return f"{head}; it runs on the host, so nothing recompiles."
+        if not self.recompile:
+            return f"{head}; no program compiled so far uses it."
+        text = f"{head}: {_join(self.recompile)} will recompile"
+        if self.reused:
+            text += f"; {_join(self.reused)} {'is' if len(self.reused) == 1 else 'are'} reused"
+        return (
+            f"{text}. `%nitro train {self.name}` rebuilds the run with the edit and keeps its "
+            f"weights."
+        )
+
+
+def _join(names: Iterable[str]) -> str:
+    names = list(names)
+    if len(names) <= 1:
+        return "".join(names) or "nothing"
+    return ", ".join(names[:-1]) + " and " + names[-1]
+
+
+def edit_impact(handle: Any, name: str) -> EditImpact | None:
+    """The programs an edit makes stale for `handle`, or None when the edit does not reach it."""
+    changes = handle.stale_changes()
+    if not changes:
+        return None
+    described = [
+        f"{unit} ({', '.join(parts)})" if parts else unit for unit, parts in changes.items()
+    ]
+    stale = {kind.value for unit in changes for kind in programs_using(unit)}
+    held = held_programs(handle.owner)
+    order = {kind: i for i, kind in enumerate(EVERY_PROGRAM)}
+    recompile = sorted((k for k in stale if k in held), key=lambda k: order.get(k, 99))
+    reused = [kind for kind in held if kind not in stale]
+    return EditImpact(
+        name=name,
+        experiment=handle.cls.__name__,
+        changes=described,
+        recompile=recompile,
+        reused=reused,
+        host_only=not stale,
+    )

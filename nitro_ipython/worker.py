@@ -1,0 +1,76 @@
+"""What a training thread inherits from the cell that started it.
+
+`nitro.runner` calls `initializer(handle)` on the starting thread and runs what it returns
+first on the worker. On the starting (main) thread it captures the cell's parent message and,
+in a notebook, when the run reports to a panel, displays an empty, hidden `LivePanel` in that
+cell. On the worker it routes the
+thread's output to that cell and leaves the panel for the run's reporter to claim. Without
+the routing, ipykernel sends a thread's output to whichever cell is running at the time (or,
+in some versions, nowhere); with it, a background run writes into the cell that started it.
+"""
+
+from __future__ import annotations
+
+import threading
+import weakref
+from typing import Any
+
+__all__ = ["initializer", "claim_panel", "widgets_available", "panel_reporters"]
+
+_LOCAL = threading.local()
+
+# Reporters that draw into a panel; a panel is displayed only when one of them is idle.
+panel_reporters: weakref.WeakSet = weakref.WeakSet()
+
+
+def _shell():
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover - nitro_ipython is used inside IPython
+        return None
+    return get_ipython()
+
+
+def widgets_available(shell: Any = None) -> bool:
+    """True in a Jupyter kernel with ipywidgets installed (not in a terminal IPython)."""
+    shell = shell if shell is not None else _shell()
+    if shell is None or getattr(shell, "kernel", None) is None:
+        return False
+    try:
+        import ipywidgets  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def initializer(handle: Any = None):
+    shell = _shell()
+    if shell is None:
+        return None
+    get_parent = getattr(shell, "get_parent", None)
+    parent = get_parent() if get_parent is not None else None
+    panel = None
+    on_main = threading.current_thread() is threading.main_thread()
+    reporter = getattr(handle, "reporter", None)
+    if on_main and widgets_available(shell) and reporter in set(panel_reporters):
+        from IPython.display import display
+
+        from .panel import LivePanel
+
+        panel = LivePanel()
+        display(panel)
+
+    def on_worker() -> None:
+        set_thread_parent = getattr(shell, "set_thread_parent", None)
+        if parent and set_thread_parent is not None:
+            set_thread_parent(parent)
+        _LOCAL.panel = panel
+
+    return on_worker
+
+
+def claim_panel():
+    """The panel displayed for the run on this thread, once (None when there is none)."""
+    panel = getattr(_LOCAL, "panel", None)
+    _LOCAL.panel = None
+    return panel

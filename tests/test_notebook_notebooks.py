@@ -1,0 +1,68 @@
+"""The notebooks in notebooks/ run end to end on a real kernel and show what they promise."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from notebook_kernel import REPO, kernel_env
+
+nbformat = pytest.importorskip("nbformat")
+nbclient = pytest.importorskip("nbclient")
+
+
+def _execute(name: str, cwd) -> list[str]:
+    """Run notebooks/<name> in `cwd`; returns each code cell's output text (errors fail)."""
+    notebook = nbformat.read(REPO / "notebooks" / name, as_version=4)
+    client = nbclient.NotebookClient(
+        notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
+    )
+    client.execute(env=kernel_env())
+    texts = []
+    for cell in notebook.cells:
+        if cell.cell_type != "code":
+            continue
+        parts = []
+        for output in cell.outputs:
+            if output.output_type == "stream":
+                parts.append(output.text)
+            elif "data" in output:
+                parts.extend(f"[{mime}] {output.data[mime]}" for mime in sorted(output.data))
+        texts.append("".join(parts))
+    return texts
+
+
+def _find(texts: list[str], pattern: str) -> re.Match:
+    for text in texts:
+        match = re.search(pattern, text)
+        if match:
+            return match
+    raise AssertionError(f"no output matches {pattern!r}")
+
+
+def test_tutorial_runs_from_experiment_to_prediction(tmp_path):
+    texts = _execute("tutorial.ipynb", tmp_path)
+
+    _find(texts, r"\[application/vnd.jupyter.widget-view\+json\]")  # the live panel
+    _find(texts, r"Nitro\(Digits, done, epoch 6/6")
+    _find(texts, r"\[image/png\]")  # %nitro plot
+    _find(texts, r"programs compiled by the extra epochs: 0")
+    _find(texts, r"long_exp_run \(Digits\): (training|validating), epoch \d+/500")
+    _find(texts, r"nitro: stopped long_exp_run at epoch \d+, step \d+")
+    _find(texts, r"programs compiled for scale=0.5: 0")
+    _find(texts, r"'test_acc': 0\.\d+")
+    accuracy = float(_find(texts, r"test accuracy: (\d\.\d+)").group(1))
+    assert accuracy > 0.8
+
+
+def test_interrupt_and_edit_notebook_interrupts_edits_and_retrains(tmp_path):
+    texts = _execute("interrupt_and_edit.ipynb", tmp_path)
+
+    _find(texts, r"interrupted; stopping training after the current step")
+    _find(texts, r"stop reason: requested")
+    _find(texts, r"nitro: reloaded digits_edit_demo: changed Digits.loss\.")
+    _find(texts, r"exp_run \(Digits\): loss changed: train step and eval forward will recompile")
+    _find(texts, r"programs compiled for the edit: 2")
+    _find(texts, r"digits_edit_demo.py line \d+: expected ':'\. Kept the last good code")
+    _find(texts, r"cell_exp_run \(CellDigits\): loss changed")
+    assert (tmp_path / "digits_edit_demo.py").exists()  # written in the notebook's directory

@@ -1,0 +1,170 @@
+"""%nitro in a real kernel: loading, help, interrupting, background runs, the live panel."""
+
+from __future__ import annotations
+
+import ast
+import re
+import time
+
+from notebook_kernel import kernel_fixture  # noqa: F401 - provides the `kernel` fixture
+
+
+def _progress_updates(k, comm_id: str) -> list[tuple[float, dict]]:
+    """(arrival index, state) of every frontend update of the widget `comm_id`."""
+    return [
+        (i, m["content"]["data"]["state"])
+        for i, m in enumerate(k.log)
+        if m["msg_type"] == "comm_msg"
+        and m["content"]["comm_id"] == comm_id
+        and m["content"]["data"].get("method") == "update"
+    ]
+
+
+def _wait_until(kernel, expression: str, accept=lambda value: value == "True", timeout=60):
+    """Poll `expression` (without running a cell) until `accept(its repr)`; returns the repr."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = kernel.eval(expression)
+        if accept(value):
+            return value
+        assert time.monotonic() < deadline, f"{expression} stayed {value}"
+        kernel.pump(0.2)
+
+
+def test_load_ext_registers_the_magic_with_help(kernel):
+    cell = kernel.run("%nitro?")
+    help_text = "".join(p["data"]["text/plain"] for p in cell.reply["content"]["payload"])
+    assert "%nitro train EXP [--epochs N] [--background] [--fresh]" in help_text
+    assert "--split" in help_text and "--batch" in help_text
+
+    wrong = kernel.run("%nitro trian exp", check=False)
+    assert wrong.status == "error" and "invalid choice: 'trian'" in wrong.error
+
+    missing = kernel.run("%nitro train nothing_here", check=False)
+    assert "no variable named 'nothing_here'" in missing.error
+
+    export = kernel.run("%nitro export /tmp/somewhere", check=False)
+    assert "not available yet" in export.error
+
+
+def test_interrupt_stops_a_foreground_run_and_train_resumes_it(kernel):
+    msg_id = kernel.start("exp = tiny_exp.Tiny(batches=300, delay=0.01)\n%nitro train exp")
+
+    def mid_epoch(message):
+        state = message["content"].get("data", {}).get("state", {})
+        value = state.get("value")
+        return message["msg_type"] == "comm_msg" and isinstance(value, float) and value > 0.02
+
+    kernel.wait_for(mid_epoch, timeout=120, what="a progress update in the middle of the epoch")
+    kernel.manager.interrupt_kernel()
+    cell = kernel.finish(msg_id)
+
+    assert cell.status == "ok"  # the interrupt became a stop request, not an error
+    assert "interrupted; stopping training after the current step" in cell.stderr
+    step, epoch, reason = ast.literal_eval(
+        kernel.eval("(exp_run.step, exp_run.epoch, exp_run.stop_reason)")
+    )
+    assert reason == "requested" and epoch == 0 and 0 < step < 300
+    assert f"step {step}" in cell.data()[-1]  # the cell returned the handle
+
+    kernel.run("first = exp_run\n%nitro train exp")  # the kernel is alive; resume
+    resumed = ast.literal_eval(
+        kernel.eval("(exp_run is first, exp_run.step, exp_run.stop_reason, len(exp_run.history()))")
+    )
+    assert resumed == (True, 300, "completed", 1)  # continued mid-epoch, not from step 0
+
+
+def test_background_run_reports_status_and_stops(kernel):
+    started = kernel.run(
+        """
+        @nitro.experiment
+        class Chatty(tiny_exp.Tiny):
+            def metrics(self, logits, *, y):
+                print("metrics from the training thread")
+                return {"acc": (logits.argmax(-1) == y).mean()}
+
+        bg = Chatty(batches=20, delay=0.01, max_epochs=1000)
+        %nitro train bg --background
+        """
+    )
+    assert kernel.eval("bg_run.running") == "True"  # the cell returned while it trains
+    _wait_until(kernel, "bg_run.epoch >= 1")  # compiled and validating every epoch
+
+    # Another cell runs while the background run validates (and prints) several times.
+    before = len(kernel.log)
+    other = kernel.run("import time; time.sleep(1.5); print('other cell')")
+    assert other.stdout == "other cell\n"
+    printed = [
+        m
+        for m in kernel.log
+        if m["msg_type"] == "stream" and "metrics from the training thread" in m["content"]["text"]
+    ]
+    assert any(kernel.log.index(m) > before for m in printed), "nothing printed meanwhile"
+    assert {m["parent_header"]["msg_id"] for m in printed} == {started.msg_id}
+
+    status = kernel.run("%nitro status").stdout
+    assert re.match(r"bg_run \(Chatty\): (training|validating), epoch \d+/1000, step \d+", status)
+    assert re.search(r"loss \d\.\d+, [\d.]+ steps/s", status)
+
+    table = kernel.run("%nitro runs").data()[-1]
+    assert re.search(r"bg_run +Chatty +(training|validating)", table)
+
+    stop = kernel.run("%nitro stop").stdout
+    assert stop.startswith("nitro: stopped bg_run at epoch ")
+    running, reason, phase = ast.literal_eval(
+        kernel.eval("(bg_run.running, bg_run.stop_reason, bg_run.phase)")
+    )
+    assert (running, reason, phase) == (False, "requested", "stopped")
+
+
+def test_live_panel_updates_from_the_training_thread_and_its_stop_button_works(kernel):
+    kernel.run("panel_exp = tiny_exp.Tiny(batches=20, delay=0.01, max_epochs=1000)")
+    cell = kernel.run("%nitro train panel_exp --background")
+    idle_at = len(kernel.log)  # everything after this arrived while no cell was running
+    idle_since = time.monotonic()
+    panel = "nitro_ipython.live_panel(panel_exp_run)"
+    bar_id = ast.literal_eval(kernel.eval(f"{panel}.progress.model_id"))  # claimed at start
+    curves_id = ast.literal_eval(kernel.eval(f"{panel}.curves.model_id"))
+    assert any("LivePanel" in text for text in cell.data())  # displayed in the starting cell
+
+    first = _wait_until(kernel, f"{panel}.progress.value", lambda value: float(value) > 0)
+    later = float(first) + 5 / 1000  # five epochs on
+    second = _wait_until(kernel, f"{panel}.progress.value", lambda v: float(v) > later)
+    assert 0 < float(first) < float(second) < 1
+
+    # The frontend received the updates, sent by the training thread while the kernel idled.
+    updates = [s["value"] for i, s in _progress_updates(kernel, bar_id) if i >= idle_at]
+    assert len(updates) >= 3 and updates == sorted(updates)
+    assert len(updates) <= 4 * (time.monotonic() - idle_since) + 2  # a few per second at most
+    _wait_until(kernel, f"len({panel}.curves.value)", lambda size: int(size) > 0)  # drawn
+    assert any(i >= idle_at for i, _ in _progress_updates(kernel, curves_id))
+    status_html = ast.literal_eval(kernel.eval(f"{panel}.status.value"))
+    assert re.search(r"<b>(training|validating)</b> &middot; epoch \d+/1000", status_html)
+    assert "steps/s" in status_html
+
+    # Click Stop the way a browser does: a comm message to the button's model.
+    button_id = ast.literal_eval(kernel.eval(f"{panel}.stop_button.model_id"))
+    click = kernel.client.session.msg(
+        "comm_msg",
+        {"comm_id": button_id, "data": {"method": "custom", "content": {"event": "click"}}},
+    )
+    kernel.client.shell_channel.send(click)
+    _wait_until(kernel, "panel_exp_run.running", lambda value: value == "False")
+    assert kernel.eval("panel_exp_run.stop_reason") == "'requested'"
+    assert kernel.eval(f"{panel}.progress.bar_style") == "'warning'"
+
+
+def test_fresh_starts_from_new_weights_and_a_finished_run_says_how_to_continue(kernel):
+    kernel.run("short = tiny_exp.Tiny(batches=5)\n%nitro train short\nfirst = short_run")
+
+    again = kernel.run("%nitro train short")
+    assert "short_run already trained its 1 epochs (max_epochs=1)" in again.stdout
+    assert "`%nitro train short --epochs N` trains N more" in again.stdout
+
+    kernel.run("%nitro train short --fresh")
+    fresh = ast.literal_eval(kernel.eval("(short_run is first, short_run.weights_origin)"))
+    assert fresh == (False, "build_model")
+
+    refused = kernel.run("short.width = 16\n%nitro train short", check=False)
+    assert "the weights of short_run do not fit the new Tiny model" in refused.error
+    assert "Add --fresh" in refused.error
