@@ -2,11 +2,24 @@
 
 from __future__ import annotations
 
+import importlib.util
+import os
+
 import numpy as np
 
 from .data import ArrayLoader
 
 __all__ = ["digits", "digits_arrays"]
+
+
+def _bundled_digits() -> np.ndarray:
+    """The digits table scikit-learn ships (64 pixel columns, then the label), read directly:
+    importing scikit-learn itself costs seconds."""
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("nitro.datasets.digits needs scikit-learn: pip install 'nitro[examples]'")
+    path = os.path.join(spec.submodule_search_locations[0], "datasets", "data", "digits.csv.gz")
+    return np.loadtxt(path, delimiter=",", dtype=np.float64)
 
 
 def digits_arrays(seed: int = 0, val_fraction: float = 0.1, test_fraction: float = 0.2):
@@ -15,15 +28,9 @@ def digits_arrays(seed: int = 0, val_fraction: float = 0.1, test_fraction: float
     Returns `{"train": {"x", "y"}, "val": {...}, "test": {...}}` with `x` float32 of shape
     (n, 64) scaled to [0, 1] and `y` int32 labels.
     """
-    try:
-        from sklearn.datasets import load_digits
-    except ImportError as error:  # pragma: no cover - depends on the environment
-        raise ImportError(
-            "nitro.datasets.digits needs scikit-learn: pip install 'nitro[examples]'"
-        ) from error
-    data = load_digits()
-    x = (data.data / 16.0).astype(np.float32)
-    y = data.target.astype(np.int32)
+    raw = _bundled_digits()
+    x = (raw[:, :-1] / 16.0).astype(np.float32)
+    y = raw[:, -1].astype(np.int32)
     order = np.random.default_rng(seed).permutation(len(x))
     x, y = x[order], y[order]
     n_test = int(round(len(x) * test_fraction))

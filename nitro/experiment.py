@@ -84,6 +84,8 @@ DRIVER_ONLY_NAMES = frozenset(
         "device_batches",
         "host_batches",
         "ordered",
+        "prefetch",
+        "progress",
     }
 )
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import threading
+import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -19,7 +20,7 @@ import numpy as np
 from flax import nnx
 
 from . import loop, progress, report
-from .compile_cache import CACHE, Program
+from .compile_cache import CACHE, Program, configure_persistent_cache
 from .data import NoPrefetch, Prefetcher, PrefetchSettings, is_index_addressable
 from .experiment import REQUIRED_HOOKS, ExperimentError, FieldKind, edit_generation, field_specs
 from .fingerprint import CodeFingerprint, Fingerprinter
@@ -95,10 +96,20 @@ def _hook_function(cls: type, name: str):
     return fn, fn
 
 
-def _peek(source: Any, split: str) -> Mapping[str, Any]:
+def _peek(source: Any, split: str) -> tuple[Mapping[str, Any], float | None]:
+    """The first batch, and for an index-addressable source the time one batch takes to
+    build (a cheap first batch is built once more, warm, to measure it)."""
+    build_seconds = None
     try:
         if is_index_addressable(source):
-            batch = source.batch_at(0, source.begin_epoch(0))
+            plan = source.begin_epoch(0)
+            start = time.perf_counter()
+            batch = source.batch_at(0, plan)
+            build_seconds = time.perf_counter() - start
+            if build_seconds < 1e-3:
+                start = time.perf_counter()
+                source.batch_at(0, plan)
+                build_seconds = min(build_seconds, time.perf_counter() - start)
         else:
             iterator = iter(source)
             try:
@@ -114,7 +125,7 @@ def _peek(source: Any, split: str) -> Mapping[str, Any]:
             f"the '{split}' split yields {type(batch).__name__}; a batch is a dict of arrays "
             f"with the batch axis first, e.g. {{'x': images, 'y': labels}}"
         )
-    return batch
+    return batch, build_seconds
 
 
 def _batch_size(batch: Mapping[str, Any], split: str) -> int:
@@ -191,6 +202,7 @@ class Nitro:
         self._stale_seen: tuple = ()
         self._stale_checked = (edit_generation(), 0.0)
 
+        configure_persistent_cache()  # before build_model, so its init ops are cached too
         weights = keywords.pop("weights", None)
         data = keywords.pop("data", None)
         self.run = resolve_run_keywords(self.experiment, keywords)
@@ -201,6 +213,12 @@ class Nitro:
         self._check_divergence = value["check_divergence"]
         self._progress_setting = value["progress"]
         self._reporter = progress.make_reporter(value["progress"])
+        self._prefetch_mode = value["prefetch"]
+        if (
+            self._prefetch_mode == "auto"
+            and self.run["prefetch_workers"].source != "framework default"
+        ):
+            self._prefetch_mode = "threads"  # asking for workers means wanting them
         self._prefetch_settings = PrefetchSettings(
             workers=value["prefetch_workers"],
             device_batches=value["device_batches"],
@@ -273,6 +291,10 @@ class Nitro:
             self.optimizer, opt_state = build_optimizer(
                 value["optimizer"], value["learning_rate"], lr_explicit, params
             )
+            if self.optimizer.hyperparams:
+                # Injected hyperparameters are fed to every step as arguments; carrying them
+                # in the state as well would only add outputs to every step.
+                opt_state = opt_state._replace(hyperparams={})
             opt_state = self.placement.put_replicated(opt_state)
 
         # routing, from the first batch of each split
@@ -382,7 +404,7 @@ class Nitro:
                 f"iterable of batches (dicts of arrays), e.g. nitro.data.ArrayLoader"
             )
         inner = source.source if isinstance(source, NoPrefetch) else source
-        first = _peek(inner, split)
+        first, build_seconds = _peek(inner, split)
         width = getattr(inner, "batch_size", None) or _batch_size(first, split)
         self.placement.check_batch(width, split)
         available = tuple(first)
@@ -418,6 +440,8 @@ class Nitro:
             pad_to=None if training else width,
             keep_host=keep_host,
             name=split,
+            mode=self._prefetch_mode,
+            build_seconds=build_seconds,
         )
         num_samples = getattr(inner, "num_samples", None)
         try:
@@ -456,8 +480,7 @@ class Nitro:
             report.check_same_tree("parameters", params, src_params)
             report.check_same_tree("model state", rest, src_rest)
             self.weights_origin = f"weights of {source!r}"
-            copy = lambda x: jnp.array(x, copy=True)  # noqa: E731
-            return jax.tree.map(copy, src_params), jax.tree.map(copy, src_rest)
+            return jax.tree.map(_copy_array, src_params), jax.tree.map(_copy_array, src_rest)
 
     # ------------------------------------------------------------------------------------------
     # programs
@@ -744,22 +767,18 @@ class Nitro:
         with self._lock:
             params = jax.tree.unflatten(self._ctx.params_def, self._carry[0])
             rest = jax.tree.unflatten(self._ctx.rest_def, self._carry[1])
-            copy = lambda x: jnp.array(x, copy=True)  # noqa: E731
             return nnx.merge(
-                self._ctx.graphdef_train, jax.tree.map(copy, params), jax.tree.map(copy, rest)
+                self._ctx.graphdef_train,
+                jax.tree.map(_copy_array, params),
+                jax.tree.map(_copy_array, rest),
             )
 
     @property
     def hyperparameters(self) -> dict[str, float]:
         """The optimizer's injected hyperparameters as the last step used them."""
-        if self.optimizer is None or not self.optimizer.hyperparams:
+        if self.optimizer is None:
             return {}
-        self._guard("read hyperparameters")
-        with self._lock:
-            state = jax.tree.unflatten(self._ctx.opt_def, self._carry[2])
-            return {
-                name: float(np.asarray(state.hyperparams[name])) for name in self.optimizer.names
-            }
+        return self._feed.hyperparams_now()
 
     def binding_report(self) -> report.BindingReport:
         """Where every value came from: splits, hook fields, run keywords, schedules, optimizer."""
@@ -816,6 +835,13 @@ class Nitro:
 
     def _repr_html_(self) -> str:
         return report.handle_html(self)
+
+
+def _copy_array(x: jax.Array) -> jax.Array:
+    """A fresh copy on the same devices (no compile; across processes a jitted copy)."""
+    if x.is_fully_addressable:
+        return jax.device_put(x, x.sharding, may_alias=False)
+    return jnp.array(x, copy=True)
 
 
 def _leaf_paths(tree: Any) -> tuple[str, ...]:

@@ -105,10 +105,6 @@ def _check_scalar_loss(loss: Any) -> Any:
     return loss
 
 
-def _where(ok, new, old):
-    return jax.tree.map(lambda a, b: jax.lax.select(ok, a, b), new, old)
-
-
 def train_step_spec(ctx: ProgramContext, fields: Mapping[str, tuple[str, ...]]) -> ProgramSpec:
     train_metrics = ctx.residency.get("train_metrics") if "train_metrics" in ctx.hooks else None
     uses_train_metrics = train_metrics == "device"
@@ -142,15 +138,22 @@ def train_step_spec(ctx: ProgramContext, fields: Mapping[str, tuple[str, ...]]) 
                     name: hparams[i].astype(ctx.hyper_dtypes[name])
                     for i, name in enumerate(ctx.hyper_names)
                 }
-                opt_state = opt_state._replace(hyperparams={**opt_state.hyperparams, **injected})
-            updates, new_opt = ctx.tx.update(grads, opt_state, params)
-            new_params = optax.apply_updates(params, updates)
+                opt_state = opt_state._replace(hyperparams=injected)
+
             if ctx.check_divergence:
-                ok = jnp.logical_and(healthy, jnp.isfinite(loss))
-                new_params = _where(ok, new_params, params)
-                new_rest = _where(ok, new_rest, rest)
-                new_opt = _where(ok, new_opt, opt_state)
-                healthy = ok
+                # Once a loss is non-finite, every later step leaves the weights and the model
+                # state as they were, so the handle holds the last good ones. Zeroing the
+                # gradient and the update costs nothing (both fuse into existing loops); the
+                # optimizer's own state sees a zero gradient for the skipped steps.
+                healthy = jnp.logical_and(healthy, jnp.isfinite(loss))
+                grads = jax.tree.map(lambda g: jnp.where(healthy, g, 0), grads)
+                new_rest = jax.tree.map(
+                    lambda new, old: jax.lax.select(healthy, new, old), new_rest, rest
+                )
+            updates, new_opt = ctx.tx.update(grads, opt_state, params)
+            if ctx.check_divergence:
+                updates = jax.tree.map(lambda u: jnp.where(healthy, u, 0), updates)
+            new_params = optax.apply_updates(params, updates)
             metrics = []
             if train_metrics == "host":
                 metrics = outputs  # read back and reduced by the host hook
@@ -159,6 +162,8 @@ def train_step_spec(ctx: ProgramContext, fields: Mapping[str, tuple[str, ...]]) 
                     "train_metrics", view, outputs, **select(batch, fields["train_metrics"])
                 )
                 aux["specs"], metrics = split_modes(values, "train_metrics")
+            if ctx.hyper_names:
+                new_opt = new_opt._replace(hyperparams={})  # fed again next step
             new_carry = (
                 jax.tree.leaves(new_params),
                 jax.tree.leaves(new_rest),

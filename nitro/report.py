@@ -180,8 +180,7 @@ def current_class(cls: type) -> type:
 
 def _own_changes(frozen_parts, fp: Fingerprinter, skip: str = "") -> list[str]:
     return [
-        d for d in diff_parts(frozen_parts, fp.parts)
-        if d != skip and not d.startswith("library ")
+        d for d in diff_parts(frozen_parts, fp.parts) if d != skip and not d.startswith("library ")
     ]
 
 
@@ -235,8 +234,10 @@ def stale_report(h: Nitro) -> str | None:
             if kind.value not in affected:
                 affected.append(kind.value)
     held = sorted({p.title for p in h._programs.copy().values()}) or ["none yet"]
-    reach = f" It reaches the {', '.join(affected)} programs." if affected else (
-        " It runs on the host: no program recompiles."
+    reach = (
+        f" It reaches the {', '.join(affected)} programs."
+        if affected
+        else (" It runs on the host: no program recompiles.")
     )
     return (
         f"{h.cls.__name__} changed since this handle was built: {what}.{reach} This handle "

@@ -62,6 +62,17 @@ def _bool(name):
     return check
 
 
+def _choice(name, choices):
+    def check(value):
+        if value not in choices:
+            raise ValueError(
+                f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}"
+            )
+        return value
+
+    return check
+
+
 def _learning_rate(value):
     if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
         raise ValueError(
@@ -138,6 +149,13 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
         ),
         RunKeyword("host_batches", None, "host batches built ahead (default 2 x prefetch_workers)"),
         RunKeyword("ordered", True, "deliver batches in source order", _bool("ordered")),
+        RunKeyword(
+            "prefetch",
+            "auto",
+            "'threads', 'inline', or 'auto': inline for sources whose batches build in "
+            "microseconds, threads otherwise",
+            _choice("prefetch", ("auto", "threads", "inline")),
+        ),
         RunKeyword("progress", True, "True, False, 'lines', 'bar' or a reporter object"),
     ]
 }

@@ -351,7 +351,7 @@ def test_without_a_metrics_hook_val_loss_comes_from_loss():
 def test_binding_report_shows_splits_hooks_keywords_schedules_and_optimizer():
     n = nitro.Nitro(Toy(), seed=3, schedules={"learning_rate": 1e-2}, progress=False)
     report = str(n.binding_report())
-    assert "train: 4 batches x 16; 64 of 64 samples; prefetch fanout" in report
+    assert "train: 4 batches x 16; 64 of 64 samples; prefetch inline: a batch builds in" in report
     assert (
         "val: 2 batches x 16; 20 of 20 samples; final batch of 4 padded to 16 then sliced" in report
     )

@@ -300,7 +300,7 @@ def test_the_persistent_cache_can_be_moved_or_disabled(tmp_path):
     assert any(moved.iterdir())
 
 
-MODEL_CELL = '''
+MODEL_CELL = """
 import optax
 from flax import nnx
 import nitro
@@ -329,7 +329,7 @@ class WithNet:
 
     def loss(self, logits, *, y):
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-'''
+"""
 
 
 def test_editing_the_model_class_is_stale_and_recompiles_its_programs(fresh_cache):

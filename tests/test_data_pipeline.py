@@ -47,12 +47,35 @@ def test_prefetch_defaults():
     assert settings.host_depth == 2 * workers
     assert settings.ordered is True
 
-    n = nitro.Nitro(Pipe(), progress=False)
+    n = nitro.Nitro(Pipe(), prefetch="threads", progress=False)
     assert n.run["prefetch_workers"].value == workers
     prefetcher = n._prefetchers["train"]
     assert prefetcher.settings == settings
     assert prefetcher.path == ("fanout" if workers > 1 else "single")
     assert f"host_batches={2 * workers}, device_batches=1, ordered=True" in prefetcher.describe()
+
+
+def test_auto_builds_cheap_batches_inline_and_slow_ones_on_workers():
+    cheap = nitro.Nitro(Pipe(), progress=False)  # an ArrayLoader: microseconds per batch
+    assert cheap.run["prefetch"].value == "auto"
+    prefetcher = cheap._prefetchers["train"]
+    assert prefetcher.path == "inline" and prefetcher.build_seconds < 100e-6
+    assert "inline: a batch builds in" in prefetcher.describe()
+    slow = nitro.Nitro(
+        Pipe(), data={"train": RecordingLoader(delay=lambda i: 0.002)}, progress=False
+    )
+    assert slow._prefetchers["train"].path in ("fanout", "single")
+    forced = nitro.Nitro(
+        Pipe(),
+        prefetch="inline",
+        data={"train": RecordingLoader(delay=lambda i: 0.002)},
+        progress=False,
+    )
+    assert forced._prefetchers["train"].path == "inline"
+    asked = nitro.Nitro(Pipe(), prefetch_workers=2, progress=False)  # workers asked for
+    assert asked._prefetchers["train"].path == "fanout"
+    with pytest.raises(ValueError, match="prefetch must be one of 'auto', 'threads', 'inline'"):
+        nitro.Nitro(Pipe(), prefetch="eager")
 
 
 @pytest.mark.parametrize(
@@ -127,7 +150,7 @@ def test_index_addressable_source_is_built_by_several_workers():
     source = RecordingLoader(delay=lambda i: 0.01)
     n = run(source, prefetch_workers=3)
     assert n._prefetchers["train"].path == "fanout"
-    workers = set(source.threads[1:])  # the first call is the setup probe
+    workers = {t for t in source.threads if t != "MainThread"}  # not the setup probe
     assert len(workers) >= 2, workers
     assert all(name.startswith("nitro-prefetch-train-worker") for name in workers)
     assert n.step == len(source)
@@ -170,7 +193,8 @@ def test_no_prefetch_builds_batches_on_the_training_thread():
     n = run(NoPrefetch(source), max_epochs=2)
     prefetcher = n._prefetchers["train"]
     assert prefetcher.path == "inline" and prefetcher.describe() == "no prefetch (inline)"
-    assert {name.split("-")[1] for name in source.threads[1:]} == {"training"}
+    built = [t for t in source.threads if t != "MainThread"]  # not the setup probe
+    assert {name.split("-")[1] for name in built} == {"training"}
     assert n.step == 16 and not all_freed(n)
 
 

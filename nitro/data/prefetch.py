@@ -30,7 +30,19 @@ import numpy as np
 
 from .loaders import NoPrefetch, is_index_addressable
 
-__all__ = ["PrefetchSettings", "Prefetcher", "StagedBatch", "pad_batch"]
+__all__ = [
+    "INLINE_BELOW_SECONDS",
+    "PREFETCH_MODES",
+    "PrefetchSettings",
+    "Prefetcher",
+    "StagedBatch",
+    "pad_batch",
+]
+
+
+PREFETCH_MODES = ("auto", "threads", "inline")
+# Below this build time per batch, "auto" builds batches on the loop thread.
+INLINE_BELOW_SECONDS = 100e-6
 
 
 def default_workers() -> int:
@@ -162,9 +174,17 @@ class Prefetcher:
         pad_to: int | None = None,
         keep_host: bool = False,
         name: str = "data",
+        mode: str = "threads",
+        build_seconds: float | None = None,
     ):
+        if mode not in PREFETCH_MODES:
+            raise ValueError(
+                f"prefetch must be one of {', '.join(map(repr, PREFETCH_MODES))}, got {mode!r}"
+            )
         self.inline = isinstance(source, NoPrefetch)
         self.source = source.source if self.inline else source
+        self.mode = mode
+        self.build_seconds = build_seconds
         self.place = place
         self.route = route
         self.settings = settings or PrefetchSettings()
@@ -180,8 +200,20 @@ class Prefetcher:
             setattr(self, counter, getattr(self, counter) + 1)
 
     @property
+    def auto_inline(self) -> bool:
+        """Cheap in-memory batches are built on the loop thread: handing them over from a
+        worker costs more than building them (thread wake-ups, the interpreter lock)."""
+        return (
+            not self.inline
+            and self.mode == "auto"
+            and is_index_addressable(self.source)
+            and self.build_seconds is not None
+            and self.build_seconds < INLINE_BELOW_SECONDS
+        )
+
+    @property
     def path(self) -> str:
-        if self.inline:
+        if self.inline or self.mode == "inline" or self.auto_inline:
             return "inline"
         if is_index_addressable(self.source):
             if self.settings.workers == 1:
@@ -192,6 +224,12 @@ class Prefetcher:
     def describe(self) -> str:
         s = self.settings
         if self.path == "inline":
+            if self.auto_inline:
+                return (
+                    f"inline: a batch builds in {self.build_seconds * 1e6:.0f} us, cheaper on "
+                    f"the loop thread than handed over from a worker (prefetch='threads' "
+                    f"forces workers)"
+                )
             return "no prefetch (inline)"
         workers = s.workers if self.path.startswith("fanout") else 1
         return (
@@ -229,7 +267,7 @@ class Prefetcher:
         return rows
 
     def epoch(self, epoch: int, start: int = 0) -> EpochStream:
-        if self.inline:
+        if self.path == "inline":
             return _InlineStream(self, epoch, start)
         return _ThreadedStream(self, epoch, start)
 
