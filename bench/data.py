@@ -135,7 +135,7 @@ def main() -> None:
     )
 
     # step-bound: enough workers that t / w < s; data-bound: t / w > s
-    step_bound = max(2, int(np.ceil(2 * t / s)))
+    step_bound = max(2, int(np.ceil(1.25 * t / s)))
     data_bound = max(1, int(t / (1.5 * s)))
     for label, workers in (("step-bound", step_bound), ("data-bound", data_bound)):
         ideal = max(t / workers, s)
