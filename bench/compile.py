@@ -76,40 +76,29 @@ class Cell:
         return self.namespace["DATA_SECONDS"][-1]
 
 
-class FirstStep:
-    """A progress reporter that notes when the first step's loss is read back, then stops."""
+def first_step_reporter(nitro):
+    """A progress reporter that notes when the first step's loss is read back, then stops.
+    (Built on demand: this script imports nitro only where it times the import.)"""
 
-    def __init__(self):
-        self.at = None
-        self.handle = None
+    class FirstStep(nitro.progress.SilentReporter):
+        def __init__(self):
+            self.at = None
+            self.handle = None
 
-    def start_run(self, handle, epochs):
-        self.handle = handle
+        def start_run(self, handle, epochs):
+            self.handle = handle
 
-    def step(self, step, loss):
-        if self.at is None:
-            self.at = time.perf_counter()
-            self.handle.stop()
+        def step(self, step, loss):
+            if self.at is None:
+                self.at = time.perf_counter()
+                self.handle.stop()
 
-    def start_epoch(self, *args):
-        pass
-
-    def phase(self, phase):
-        pass
-
-    def end_epoch(self, row):
-        pass
-
-    def note(self, message, done=False):
-        pass
-
-    def end_run(self, handle):
-        pass
+    return FirstStep()
 
 
 def train_to_first_step(nitro, experiment, **keywords) -> tuple[object, float, float]:
     """(handle, seconds to build it, seconds from train() to the first step's loss)."""
-    reporter = FirstStep()
+    reporter = first_step_reporter(nitro)
     began = time.perf_counter()
     handle = nitro.Nitro(experiment, progress=reporter, **keywords)
     built = time.perf_counter()

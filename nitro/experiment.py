@@ -253,6 +253,15 @@ def experiment(cls=None, /, **dataclass_options):
     return wrap(cls)
 
 
+def has_method(cls: type, name: str) -> bool:
+    """True when `cls` defines (or inherits) a method `name`: a hook or an accessor."""
+    try:
+        attr = inspect.getattr_static(cls, name)
+    except AttributeError:
+        return False
+    return isinstance(attr, (staticmethod, classmethod)) or inspect.isfunction(attr)
+
+
 def is_experiment(obj: Any) -> bool:
     cls = obj if isinstance(obj, type) else type(obj)
     return hasattr(cls, "__nitro_fields__")

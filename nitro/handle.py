@@ -22,7 +22,14 @@ from flax import nnx
 from . import loop, progress, report
 from .compile_cache import CACHE, Program, configure_persistent_cache
 from .data import NoPrefetch, Prefetcher, PrefetchSettings, is_index_addressable
-from .experiment import REQUIRED_HOOKS, ExperimentError, FieldKind, edit_generation, field_specs
+from .experiment import (
+    REQUIRED_HOOKS,
+    ExperimentError,
+    FieldKind,
+    edit_generation,
+    field_specs,
+    has_method,
+)
 from .fingerprint import CodeFingerprint, Fingerprinter
 from .optimizer import build_optimizer
 from .placement import Placement
@@ -51,16 +58,6 @@ class SetupError(ValueError):
 
 def _owner(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _is_function_attr(cls: type, name: str) -> bool:
-    import inspect
-
-    try:
-        attr = inspect.getattr_static(cls, name)
-    except AttributeError:
-        return False
-    return isinstance(attr, (staticmethod, classmethod)) or inspect.isfunction(attr)
 
 
 def _frozen_copy(fn):
@@ -172,7 +169,7 @@ class Nitro:
                 f"Nitro() takes an experiment instance (a class decorated with "
                 f"@nitro.experiment); got {type(experiment).__name__}"
             ) from None
-        missing = [h for h in REQUIRED_HOOKS if not _is_function_attr(cls, h)]
+        missing = [h for h in REQUIRED_HOOKS if not has_method(cls, h)]
         if missing:
             raise ExperimentError(
                 f"{cls.__qualname__} is missing required hook{'s' * (len(missing) > 1)} "
@@ -235,7 +232,7 @@ class Nitro:
         self._hooks = {}
         self._hook_functions = {}
         for name in REQUIRED_HOOKS[2:] + OPTIONAL_HOOKS:
-            if _is_function_attr(cls, name):
+            if has_method(cls, name):
                 self._hook_functions[name], self._hooks[name] = _hook_function(cls, name)
         self._residency = self._resolve_residency()
         self._train_metrics_residency = (
@@ -386,7 +383,7 @@ class Nitro:
 
     def _resolve_residency(self) -> dict[str, str]:
         residency = dict(DEFAULT_RESIDENCY)
-        if _is_function_attr(self.cls, "metrics_residency"):
+        if has_method(self.cls, "metrics_residency"):
             for hook in residency:
                 chosen = self.experiment.metrics_residency(hook)
                 if chosen not in ("host", "device"):

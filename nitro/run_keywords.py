@@ -9,11 +9,10 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
-import inspect
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .experiment import FieldKind, field_specs
+from .experiment import FieldKind, field_specs, has_method
 
 __all__ = ["RUN_KEYWORDS", "KEYWORD_ONLY", "RunKeyword", "Resolved", "resolve_run_keywords"]
 
@@ -193,7 +192,7 @@ def resolve_run_keywords(experiment: Any, kwargs: Mapping[str, Any]) -> dict[str
     for name, keyword in RUN_KEYWORDS.items():
         if name in kwargs:
             value, source = kwargs[name], NITRO_KEYWORD
-        elif _has_method(cls, name):
+        elif has_method(cls, name):
             value, source = getattr(experiment, name)(), METHOD
         elif name in specs and specs[name].kind is FieldKind.HOST:
             value, source = getattr(experiment, name), FIELD
@@ -206,11 +205,3 @@ def resolve_run_keywords(experiment: Any, kwargs: Mapping[str, Any]) -> dict[str
                 raise ValueError(f"{error} [{source}]") from None
         resolved[name] = Resolved(value, source)
     return resolved
-
-
-def _has_method(cls: type, name: str) -> bool:
-    try:
-        attr = inspect.getattr_static(cls, name)
-    except AttributeError:
-        return False
-    return isinstance(attr, (staticmethod, classmethod)) or inspect.isfunction(attr)
