@@ -182,7 +182,8 @@ class CacheStats:
         for p in self.programs:
             reads = ", ".join(p["graphconst_read"]) or "none"
             lines.append(
-                f"  {p['program']} [{p['owner']}]: {p['calls']} calls, compiled in "
+                f"  {p['program']} [{p['owner']}]: {p['calls']} call{'s' * (p['calls'] != 1)}, "
+                f"compiled in "
                 f"{p['compile_seconds']:.2f} s, GraphConst read: {reads}"
             )
         if self.compiles:

@@ -36,16 +36,25 @@ class Reporter(Protocol):
     def end_run(self, handle: Any) -> None: ...
 
 
-def _format_row(row: Mapping[str, Any]) -> str:
-    parts = []
+def format_row(row: Mapping[str, Any], max_epochs: int | None = None) -> str:
+    """`epoch 3/30  loss 0.2051  val_loss 0.1874  val_acc 0.9611  (0.41 s)`: the epoch's
+    scalar results; the data-wait fraction only when it is worth a look."""
+    epoch = f"epoch {row.get('epoch')}" + (f"/{max_epochs}" if max_epochs else "")
+    parts = [epoch]
     for key, value in row.items():
-        if key in {"epoch", "step"}:
+        if key in {"epoch", "step", "epoch_seconds", "data_wait_frac"}:
             continue
         if isinstance(value, float):
             parts.append(f"{key} {value:.4g}")
         elif isinstance(value, int):
             parts.append(f"{key} {value}")
-    return f"epoch {row.get('epoch')}: " + ", ".join(parts)
+    wait = row.get("data_wait_frac")
+    if isinstance(wait, float) and wait > 0.25:
+        parts.append(f"data_wait_frac {wait:.2f}")
+    seconds = row.get("epoch_seconds")
+    if isinstance(seconds, float):
+        parts.append(f"({seconds:.2f} s)")
+    return "  ".join(parts)
 
 
 class SilentReporter:
@@ -76,6 +85,10 @@ class LineReporter(SilentReporter):
 
     def __init__(self, stream=None):
         self.stream = stream
+        self.max_epochs = None
+
+    def start_run(self, handle, epochs):
+        self.max_epochs = epochs
 
     def _write(self, text: str, end: str = "\n") -> None:
         stream = self.stream or sys.stderr
@@ -83,7 +96,7 @@ class LineReporter(SilentReporter):
         stream.flush()
 
     def end_epoch(self, row):
-        self._write(_format_row(row))
+        self._write(format_row(row, self.max_epochs))
 
     def note(self, message, done=False):
         self._write(f"nitro: {message}")

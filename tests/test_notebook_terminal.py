@@ -63,7 +63,7 @@ def test_terminal_ipython_trains_with_a_tqdm_bar_and_reports_status(tmp_path):
     output = b"".join(chunks).decode(errors="replace")
 
     assert "epoch 1/1" in output and "step/s" in output  # tqdm's bar: description and rate
-    assert "epoch 1: loss " in output  # the epoch summary line above the bar
+    assert "epoch 1/1  loss " in output  # the epoch summary line above the bar
     assert "exp_run (Tiny): done, epoch 1/1, step 30, loss " in output
     status = output[output.index("exp_run (Tiny): done") :].splitlines()[0]
     assert "- steps/s" not in status  # the terminal reporter measured the throughput
