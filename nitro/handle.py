@@ -191,6 +191,7 @@ class Nitro:
         self._dispatched = 0
         self._epoch_stats = loop._EpochStats()
         self._upcoming = None  # (epoch, stream) started early, during validation
+        self._serving_width: int | None = None
         self._stop = threading.Event()
         self._lock = threading.RLock()
         self._run = None
@@ -653,10 +654,14 @@ class Nitro:
         return (self._predict_batch(b) for b in batch)
 
     def _predict_width(self, n: int) -> int:
-        for split in ("val", "test", "train"):
+        """The compiled width predictions are padded or split to: an evaluation split's batch
+        width, else the first prediction's size (so later sizes compile nothing new)."""
+        for split in ("val", "test", "train", *self._split_info):
             if split in self._split_info:
                 return self._split_info[split]["global_width"]
-        return n
+        if self._serving_width is None:
+            self._serving_width = n
+        return self._serving_width
 
     def _predict_batch(self, batch: Mapping[str, Any]):
         self._guard("predict")

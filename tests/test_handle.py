@@ -364,3 +364,12 @@ def test_batchnorm_statistics_and_dropout_rngs_advance_in_training_only():
     assert int(after.drop.rngs.count[...]) == int(before.drop.rngs.count[...]) + 4
     n.validate()
     assert np.array_equal(n.model.norm.mean[...], after.norm.mean[...])  # eval leaves them
+
+
+def test_a_handle_without_data_serves_predictions_of_any_size(fresh_cache):
+    n = nitro.Nitro(Toy(), data={}, progress=False)
+    assert n.splits == {} and n.optimizer is None
+    first = n.predict({"x": X[:10]})
+    assert first.shape == (10, 2)
+    assert [o.shape for o in n.predict([{"x": X[:3]}, {"x": X[:25]}])] == [(3, 2), (25, 2)]
+    assert nitro.cache_stats().misses == 1  # padded or split to the first width
