@@ -66,3 +66,28 @@ def test_interrupt_and_edit_notebook_interrupts_edits_and_retrains(tmp_path):
     _find(texts, r"digits_edit_demo.py line \d+: expected ':'\. Kept the last good code")
     _find(texts, r"cell_exp_run \(CellDigits\): loss changed")
     assert (tmp_path / "digits_edit_demo.py").exists()  # written in the notebook's directory
+
+
+def test_plain_train_in_a_notebook_prints_into_its_cell(tmp_path):
+    """Without %load_ext nitro: the training thread's progress lines land in the cell that
+    called train()."""
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell(
+            f"import sys; sys.path.insert(0, {str(REPO / 'tests')!r})\n"
+            "import nitro\nfrom toys import Toy"
+        ),
+        nbformat.v4.new_code_cell("n = nitro.Nitro(Toy(max_epochs=2))\nn.train();"),
+        nbformat.v4.new_code_cell("print(n.step, n.stop_reason)"),
+    ]
+    client = nbclient.NotebookClient(
+        notebook,
+        timeout=300,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    client.execute(env=kernel_env())
+    train_output = "".join(o.get("text", "") for o in notebook.cells[1].outputs)
+    assert "nitro: compiling train step of Toy ..." in train_output
+    assert "epoch 1/2  loss " in train_output and "epoch 2/2  loss " in train_output
+    assert "".join(o.get("text", "") for o in notebook.cells[2].outputs) == "8 completed\n"
