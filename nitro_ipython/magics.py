@@ -6,7 +6,6 @@ Declared once with `magic_arguments`, so `%nitro?` shows the same help the parse
 from __future__ import annotations
 
 import dataclasses
-import sys
 import time
 from typing import Any
 
@@ -16,6 +15,7 @@ from IPython.core.magic import Magics, line_magic, magics_class
 
 import nitro
 from nitro.experiment import is_experiment
+from nitro.report import current_class
 
 from . import runs
 
@@ -42,11 +42,10 @@ def _fields(experiment: Any) -> dict[str, Any]:
 
 
 def _live_class(cls: type) -> type:
-    """The class now bound to `cls`'s module and qualified name (after an edit, the new one)."""
-    target: Any = sys.modules.get(cls.__module__)
-    for part in cls.__qualname__.split("."):
-        target = getattr(target, part, None)
-    return target if isinstance(target, type) and is_experiment(target) else cls
+    """The class now bound to `cls`'s qualified name where it was defined (after an edit, the
+    new one)."""
+    live = current_class(cls)
+    return live if is_experiment(live) else cls
 
 
 def _live_experiment(experiment: Any) -> Any:
