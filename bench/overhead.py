@@ -198,8 +198,8 @@ def bench_model(name: str, tile: int, rounds: int, seconds: float) -> dict[str, 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--rounds", type=int, default=9)
-    parser.add_argument("--seconds", type=float, default=1.5, help="per loop per round")
+    parser.add_argument("--rounds", type=int, default=15)
+    parser.add_argument("--seconds", type=float, default=0.8, help="per loop per round")
     parser.add_argument("--tile", type=int, default=8, help="repeat the train split this often")
     parser.add_argument("--models", default="mlp,cnn")
     args = parser.parse_args(argv)
