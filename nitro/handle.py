@@ -19,9 +19,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import loop, progress, report
-from .compile_cache import CACHE, Program, configure_persistent_cache
-from .data import NoPrefetch, Prefetcher, PrefetchSettings, is_index_addressable
+from . import loop, progress, report, setup
+from .compile_cache import CACHE, Program
+from .data import Prefetcher
 from .experiment import (
     REQUIRED_HOOKS,
     ExperimentError,
@@ -30,119 +30,14 @@ from .experiment import (
     field_specs,
     has_method,
 )
-from .fingerprint import CodeFingerprint, Fingerprinter
-from .optimizer import build_optimizer
-from .placement import Placement
-from .programs import ProgramContext, device_metrics_spec, eval_spec, train_step_spec
-from .routing import HookFields, RoutingError, hook_fields
-from .run_keywords import resolve_run_keywords
-from .schedules import bind_schedules
-from .step_feed import StepFeed
+from .programs import device_metrics_spec, eval_spec, train_step_spec
+from .setup import SetupError, batch_size, copy_array
 
 __all__ = ["Nitro", "SetupError"]
-
-TRACED_HOOKS = ("forward", "loss")
-OPTIONAL_HOOKS = ("metrics", "train_metrics", "finalize_metrics")
-HOOK_POSITIONAL = {
-    "forward": ("model",),
-    "loss": ("outputs",),
-    "metrics": ("outputs",),
-    "train_metrics": ("outputs",),
-}
-DEFAULT_RESIDENCY = {"train_metrics": "device", "metrics": "host"}
-
-
-class SetupError(ValueError):
-    """The experiment, its data or its keywords cannot make a run."""
 
 
 def _owner(cls: type) -> str:
     return f"{cls.__module__}.{cls.__qualname__}"
-
-
-def _frozen_copy(fn):
-    """A copy of a function with today's code: an in-place patch of the original (IPython's
-    autoreload swaps `__code__`) does not reach a handle that froze its hooks."""
-    import types
-
-    if not isinstance(fn, types.FunctionType):
-        return fn
-    copy = types.FunctionType(
-        fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
-    )
-    copy.__kwdefaults__ = fn.__kwdefaults__
-    copy.__qualname__ = fn.__qualname__
-    copy.__module__ = fn.__module__
-    copy.__doc__ = fn.__doc__
-    copy.__dict__.update(fn.__dict__)
-    return copy
-
-
-def _hook_function(cls: type, name: str):
-    """(the function to fingerprint, the callable taking the view first), frozen now."""
-    import inspect
-
-    attr = inspect.getattr_static(cls, name)
-    if isinstance(attr, staticmethod):
-        fn = _frozen_copy(attr.__func__)
-        return fn, (lambda view, *a, **k: fn(*a, **k))
-    if isinstance(attr, classmethod):
-        fn = _frozen_copy(attr.__func__)
-        return fn, (lambda view, *a, **k: fn(cls, *a, **k))
-    fn = _frozen_copy(attr)
-    return fn, fn
-
-
-def _peek(source: Any, split: str) -> tuple[Mapping[str, Any], float | None]:
-    """The first batch, and for an index-addressable source the time one batch takes to
-    build (a cheap first batch is built once more, warm, to measure it)."""
-    build_seconds = None
-    try:
-        if is_index_addressable(source):
-            plan = source.begin_epoch(0)
-            start = time.perf_counter()
-            batch = source.batch_at(0, plan)
-            build_seconds = time.perf_counter() - start
-            if build_seconds < 1e-3:
-                start = time.perf_counter()
-                source.batch_at(0, plan)
-                build_seconds = min(build_seconds, time.perf_counter() - start)
-        else:
-            iterator = iter(source)
-            try:
-                batch = next(iterator)
-            finally:
-                close = getattr(iterator, "close", None)
-                if close is not None:  # release what the probe started (generators, workers)
-                    close()
-    except StopIteration:
-        raise SetupError(f"the '{split}' split yields no batches") from None
-    if not isinstance(batch, Mapping):
-        raise SetupError(
-            f"the '{split}' split yields {type(batch).__name__}; a batch is a dict of arrays "
-            f"with the batch axis first, e.g. {{'x': images, 'y': labels}}"
-        )
-    return batch, build_seconds
-
-
-def _batch_size(batch: Mapping[str, Any], split: str) -> int:
-    lengths = {k: np.shape(v)[0] if np.ndim(v) else None for k, v in batch.items()}
-    if len(set(lengths.values())) != 1 or None in lengths.values():
-        raise SetupError(
-            f"the fields of a '{split}' batch must share their first (batch) axis; lengths: "
-            f"{lengths}"
-        )
-    return next(iter(lengths.values()))
-
-
-def _device_dtype(spec_type: Any, value: Any):
-    if spec_type is float or spec_type == "float":
-        return jnp.float32
-    if spec_type is int or spec_type == "int":
-        return jnp.int32
-    if spec_type is bool or spec_type == "bool":
-        return jnp.bool_
-    return jnp.asarray(value).dtype
 
 
 class Nitro:
@@ -200,285 +95,8 @@ class Nitro:
         self._stale_seen: tuple = ()
         self._stale_checked = (edit_generation(), 0.0)
 
-        configure_persistent_cache()  # before build_model, so its init ops are cached too
-        weights = keywords.pop("weights", None)
-        data = keywords.pop("data", None)
-        self.run = resolve_run_keywords(self.experiment, keywords)
-        value = {k: r.value for k, r in self.run.items()}
-        self.seed = value["seed"]
-        self.max_epochs = value["max_epochs"]
-        self.run_dir = value["run_dir"]
-        self._check_divergence = value["check_divergence"]
-        self._progress_setting = value["progress"]
-        self._reporter = progress.make_reporter(value["progress"])
-        self._prefetch_mode = value["prefetch"]
-        if (
-            self._prefetch_mode == "auto"
-            and self.run["prefetch_workers"].source != "framework default"
-        ):
-            self._prefetch_mode = "threads"  # asking for workers means wanting them
-        self._prefetch_settings = PrefetchSettings(
-            workers=value["prefetch_workers"],
-            device_batches=value["device_batches"],
-            host_batches=value["host_batches"],
-            ordered=value["ordered"],
-        )
-
-        specs = field_specs(cls)
-        self._graphconst = {
-            s.name: getattr(self.experiment, s.name)
-            for s in specs
-            if s.kind is FieldKind.GRAPHCONST
-        }
-        self._hooks = {}
-        self._hook_functions = {}
-        for name in REQUIRED_HOOKS[2:] + OPTIONAL_HOOKS:
-            if has_method(cls, name):
-                self._hook_functions[name], self._hooks[name] = _hook_function(cls, name)
-        self._residency = self._resolve_residency()
-        self._train_metrics_residency = (
-            self._residency["train_metrics"] if "train_metrics" in self._hooks else None
-        )
-
-        # data
-        self.phase = "building data"
-        if data is None:
-            data = self.experiment.build_data()
-        if not isinstance(data, Mapping):
-            raise SetupError(
-                f"build_data must return a dict of split name -> loader, e.g. "
-                f"{{'train': ..., 'val': ...}}; got {type(data).__name__}"
-            )
-        self.splits: dict[str, Any] = dict(data)
-        self.placement = Placement(value["n_devs"])
-
-        # Device fields, converted once and replicated
-        self._device_specs = {s.name: s for s in specs if s.kind is FieldKind.DEVICE}
-        self._device_dtypes = {}
-        device_values = {}
-        for name, spec in self._device_specs.items():
-            raw = getattr(self.experiment, name)
-            dtype = _device_dtype(spec.type, raw)
-            self._device_dtypes[name] = dtype
-            device_values[name] = self.placement.put_replicated(jnp.asarray(raw, dtype=dtype))
-
-        # model
-        self.phase = "building model"
-        model = self.experiment.build_model(nnx.Rngs(self.seed))
-        if not isinstance(model, nnx.Module):
-            raise SetupError(
-                f"build_model must return a flax.nnx.Module; got {type(model).__name__}"
-            )
-        model.train()
-        graphdef_train, params, rest = nnx.split(model, nnx.Param, ...)
-        model.eval()
-        graphdef_eval, _, _ = nnx.split(model, nnx.Param, ...)
-        model.train()
-        self.weights_origin = "build_model"
-        if weights is not None:
-            params, rest = self._weights_from(weights, params, rest)
-        params = self.placement.put_replicated(params)
-        rest = self.placement.put_replicated(rest)
-        self.param_count = int(sum(np.size(x) for x in jax.tree.leaves(params)))
-
-        # optimizer (only when there is something to train)
-        self.optimizer = None
-        opt_state = None
-        if "train" in self.splits:
-            lr_explicit = self.run["learning_rate"].source != "framework default"
-            self.optimizer, opt_state = build_optimizer(
-                value["optimizer"], value["learning_rate"], lr_explicit, params
-            )
-            if self.optimizer.hyperparams:
-                # Injected hyperparameters are fed to every step as arguments; carrying them
-                # in the state as well would only add outputs to every step.
-                opt_state = opt_state._replace(hyperparams={})
-            opt_state = self.placement.put_replicated(opt_state)
-
-        # routing, from the first batch of each split
-        self.phase = "routing"
-        self._hook_fields: dict[str, HookFields] = {
-            name: hook_fields(cls, name, HOOK_POSITIONAL[name])
-            for name in HOOK_POSITIONAL
-            if name in self._hooks
-        }
-        self._fields: dict[str, dict[str, tuple[str, ...]]] = {}
-        self._split_info: dict[str, dict[str, Any]] = {}
-        self._prefetchers: dict[str, Prefetcher] = {}
-        for split, source in self.splits.items():
-            self._setup_split(split, source)
-
-        # schedules
-        total = None
-        if "train" in self.splits:
-            try:
-                total = self.max_epochs * len(self.splits["train"])
-            except TypeError:
-                total = None
-        self.total_steps = total
-        hyperparams = dict(self.optimizer.hyperparams) if self.optimizer else {}
-        self.schedules = bind_schedules(
-            value["schedules"],
-            hyperparams=hyperparams,
-            device_fields=self._device_specs,
-            other_fields={s.name: s.kind.value for s in specs if s.kind is not FieldKind.DEVICE},
-            total_steps=total,
-        )
-        constants = dict(hyperparams)
-        if self.optimizer and self.optimizer.uses_learning_rate and "learning_rate" in constants:
-            constants["learning_rate"] = value["learning_rate"]
-        self._feed = StepFeed(
-            hyper_names=self.optimizer.names if self.optimizer else (),
-            hyper_constants=constants,
-            schedules=self.schedules,
-            device_values=device_values,
-            device_dtypes=self._device_dtypes,
-            placement=self.placement,
-        )
-
-        # code fingerprints, frozen
-        fingerprinter = Fingerprinter()
-        model_structure = fingerprinter.structure(graphdef_train)
-        self._model_classes = tuple(fingerprinter.classes)
-        self._code = self._hook_fingerprints()
-        self._code["model"] = fingerprinter.fingerprint()
-        if self.optimizer is not None:
-            opt_fp = Fingerprinter()
-            opt_fp.value(self.optimizer.tx.update, "optimizer update")
-            self._code["optimizer"] = opt_fp.fingerprint()
-        self._ctx = ProgramContext(
-            cls=cls,
-            owner=self.owner,
-            graphconst=self._graphconst,
-            hooks=self._hooks,
-            graphdef_train=graphdef_train,
-            graphdef_eval=graphdef_eval,
-            params_def=jax.tree.structure(params),
-            rest_def=jax.tree.structure(rest),
-            opt_def=jax.tree.structure(opt_state) if opt_state is not None else None,
-            tx=self.optimizer.tx if self.optimizer else None,
-            hyper_names=self.optimizer.names if self.optimizer else (),
-            hyper_dtypes=self.optimizer.dtypes if self.optimizer else {},
-            check_divergence=self._check_divergence,
-            residency=self._residency,
-            code=self._code,
-            model_structure=model_structure,
-            leaf_paths={
-                "parameter": _leaf_paths(params),
-                "model state": _leaf_paths(rest),
-                "optimizer state": _leaf_paths(opt_state) if opt_state is not None else (),
-            },
-            device_names=tuple(self._device_specs),
-        )
-        healthy = self.placement.put_replicated(jnp.asarray(True))
-        self._carry = (
-            jax.tree.leaves(params),
-            jax.tree.leaves(rest),
-            jax.tree.leaves(opt_state) if opt_state is not None else None,
-            healthy,
-        )
+        setup.build(self, keywords)
         self.phase = "ready"
-
-    # ------------------------------------------------------------------------------------------
-    # setup helpers
-
-    def _resolve_residency(self) -> dict[str, str]:
-        residency = dict(DEFAULT_RESIDENCY)
-        if has_method(self.cls, "metrics_residency"):
-            for hook in residency:
-                chosen = self.experiment.metrics_residency(hook)
-                if chosen not in ("host", "device"):
-                    raise SetupError(
-                        f"metrics_residency({hook!r}) returned {chosen!r}; it must return "
-                        f"'host' or 'device'"
-                    )
-                residency[hook] = chosen
-        return residency
-
-    def _setup_split(self, split: str, source: Any) -> None:
-        if not isinstance(source, Iterable) and not is_index_addressable(source):
-            raise SetupError(
-                f"split '{split}' is a {type(source).__name__}; a split is a restartable "
-                f"iterable of batches (dicts of arrays), e.g. nitro.data.ArrayLoader"
-            )
-        inner = source.source if isinstance(source, NoPrefetch) else source
-        first, build_seconds = _peek(inner, split)
-        width = getattr(inner, "batch_size", None) or _batch_size(first, split)
-        self.placement.check_batch(width, split)
-        available = tuple(first)
-        fields: dict[str, tuple[str, ...]] = {}
-        training = split == "train"
-        for hook, spec in self._hook_fields.items():
-            if hook == "train_metrics" and not training:
-                continue
-            if hook == "metrics" and training:
-                continue
-            if hook == "loss" and not training:
-                try:
-                    fields[hook] = spec.resolve(available, split)
-                except RoutingError:
-                    continue  # no labels on this split: no loss, metrics only
-                continue
-            fields[hook] = spec.resolve(available, split)
-        traced = {"forward", "loss"}
-        if training and self._train_metrics_residency == "device":
-            traced.add("train_metrics")
-        if not training and self._residency.get("metrics") == "device":
-            traced.add("metrics")
-        route = frozenset(f for hook in traced for f in fields.get(hook, ()))
-        keep_host = (not training and "metrics" in self._hooks) or (
-            training and self._train_metrics_residency == "host"
-        )
-        self._fields[split] = fields
-        self._prefetchers[split] = Prefetcher(
-            source,
-            place=self.placement.put_batch,
-            route=route,
-            settings=self._prefetch_settings,
-            pad_to=None if training else width,
-            keep_host=keep_host,
-            name=split,
-            mode=self._prefetch_mode,
-            build_seconds=build_seconds,
-        )
-        num_samples = getattr(inner, "num_samples", None)
-        try:
-            batches = len(source)
-        except TypeError:
-            batches = None
-        self._split_info[split] = {
-            "batches": batches,
-            "width": width,
-            "global_width": width * self.placement.n_devs // self.placement.local_share
-            if self.placement.multi_process
-            else width,
-            "samples": num_samples,
-            "dropped": getattr(inner, "dropped", 0) if training else 0,
-            "fields": available,
-            "device_fields": tuple(sorted(route)),
-        }
-
-    def _hook_fingerprints(self) -> dict[str, CodeFingerprint]:
-        code = {}
-        for name, fn in self._hook_functions.items():
-            if name in ("forward", "loss", "metrics", "train_metrics"):
-                fp = Fingerprinter(self_class=self.cls)
-                fp.hook(name, fn)
-                code[name] = fp.fingerprint()
-        return code
-
-    def _weights_from(self, source: Any, params, rest):
-        if not isinstance(source, Nitro):
-            raise SetupError(
-                f"weights= takes a Nitro handle to start from; got {type(source).__name__}"
-            )
-        with source._lock:
-            src_params = jax.tree.unflatten(source._ctx.params_def, source._carry[0])
-            src_rest = jax.tree.unflatten(source._ctx.rest_def, source._carry[1])
-            report.check_same_tree("parameters", params, src_params)
-            report.check_same_tree("model state", rest, src_rest)
-            self.weights_origin = f"weights of {source!r}"
-            return jax.tree.map(_copy_array, src_params), jax.tree.map(_copy_array, src_rest)
 
     # ------------------------------------------------------------------------------------------
     # programs
@@ -667,7 +285,7 @@ class Nitro:
         self._guard("predict")
         fields = self._hook_fields["forward"].resolve(tuple(batch), "predict")
         host = {k: np.asarray(batch[k]) for k in fields}
-        n = _batch_size(host, "predict")
+        n = batch_size(host, "predict")
         width = self._predict_width(n)
         chunks = []
         with self._lock, progress.using(self._reporter):
@@ -771,8 +389,8 @@ class Nitro:
             rest = jax.tree.unflatten(self._ctx.rest_def, self._carry[1])
             return nnx.merge(
                 self._ctx.graphdef_train,
-                jax.tree.map(_copy_array, params),
-                jax.tree.map(_copy_array, rest),
+                jax.tree.map(copy_array, params),
+                jax.tree.map(copy_array, rest),
             )
 
     @property
@@ -803,7 +421,6 @@ class Nitro:
         return self._reporter
 
     def _check_stale(self, entry: str) -> None:
-        import time
 
         generation, last = self._stale_checked
         now = time.monotonic()
@@ -837,17 +454,3 @@ class Nitro:
 
     def _repr_html_(self) -> str:
         return report.handle_html(self)
-
-
-def _copy_array(x: jax.Array) -> jax.Array:
-    """A fresh copy on the same devices (no compile; across processes a jitted copy)."""
-    if x.is_fully_addressable:
-        return jax.device_put(x, x.sharding, may_alias=False)
-    return jnp.array(x, copy=True)
-
-
-def _leaf_paths(tree: Any) -> tuple[str, ...]:
-    return tuple(
-        jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value")
-        for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
-    )
