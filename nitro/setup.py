@@ -251,7 +251,6 @@ def _freeze_programs(h, graphdefs, params, rest, opt_state) -> None:
         jax.tree.leaves(opt_state) if opt_state is not None else None,
         healthy,
     )
-    h.phase = "ready"
 
 
 def _frozen_copy(fn):
