@@ -4,26 +4,41 @@ An experiment is a class plus hooks; `Nitro(e)` sets it up and compiles nothing;
 runs the loop. Programs live in one module-level cache keyed on shapes, GraphConst values and
 the code of the hooks, so sweeps, schedules, longer runs and rebuilt handles compile nothing,
 and an edit recompiles only the programs it reaches.
+
+Public names load on first use (PEP 562), so `import nitro.bundle` in a serving process
+imports JAX and nothing of Flax or Optax.
 """
 
-from . import data, datasets
-from .compile_cache import (
-    CacheStats,
-    ProgramKind,
-    cache_reset,
-    cache_stats,
-    explain_compiles,
-    set_compilation_cache,
-)
-from .experiment import Device, ExperimentError, FieldKind, GraphConst, experiment, fields
-from .handle import Nitro, SetupError
-from .loop import DivergenceError
-from .metrics import MetricError
-from .routing import RoutingError
-from .schedules import ScheduleError
-from .trace_view import HostFieldError
+from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from typing import TYPE_CHECKING, Any
+
+__version__ = "0.2.0"
+
+# `experiment` is both a module and the decorator: import the (light) module now, so the
+# decorator is what `nitro.experiment` names.
+from .experiment import Device, FieldKind, GraphConst, experiment, fields  # noqa: E402
+
+# public name -> the module that defines it
+_EXPORTS = {
+    "CacheStats": "nitro.compile_cache",
+    "ProgramKind": "nitro.compile_cache",
+    "cache_reset": "nitro.compile_cache",
+    "cache_stats": "nitro.compile_cache",
+    "explain_compiles": "nitro.compile_cache",
+    "set_compilation_cache": "nitro.compile_cache",
+    "Nitro": "nitro.handle",
+    "ExperimentError": "nitro.errors",
+    "SetupError": "nitro.errors",
+    "DivergenceError": "nitro.errors",
+    "MetricError": "nitro.errors",
+    "RoutingError": "nitro.errors",
+    "ScheduleError": "nitro.errors",
+    "HostFieldError": "nitro.errors",
+    "RunningError": "nitro.errors",
+}
+_SUBMODULES = ("data", "datasets", "staleness", "progress", "events")
 
 __all__ = [
     "CacheStats",
@@ -37,19 +52,62 @@ __all__ = [
     "Nitro",
     "ProgramKind",
     "RoutingError",
+    "RunningError",
     "ScheduleError",
     "SetupError",
     "cache_reset",
     "cache_stats",
     "data",
     "datasets",
+    "events",
     "experiment",
     "explain_compiles",
     "fields",
     "load_ipython_extension",
+    "progress",
     "set_compilation_cache",
+    "staleness",
     "unload_ipython_extension",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is not None:
+        value = getattr(importlib.import_module(module), name)
+    elif name in _SUBMODULES:
+        value = importlib.import_module(f"nitro.{name}")
+    else:
+        raise AttributeError(f"module 'nitro' has no attribute {name!r}")
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
+    from . import data, datasets, events, progress, staleness
+    from .compile_cache import (
+        CacheStats,
+        ProgramKind,
+        cache_reset,
+        cache_stats,
+        explain_compiles,
+        set_compilation_cache,
+    )
+    from .errors import (
+        DivergenceError,
+        ExperimentError,
+        HostFieldError,
+        MetricError,
+        RoutingError,
+        RunningError,
+        ScheduleError,
+        SetupError,
+    )
+    from .handle import Nitro
 
 
 def load_ipython_extension(ipython) -> None:

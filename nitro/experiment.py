@@ -20,6 +20,8 @@ import textwrap
 import typing
 from typing import Annotated, Any
 
+from .errors import ExperimentError
+
 __all__ = [
     "Device",
     "FieldKind",
@@ -88,10 +90,6 @@ DRIVER_ONLY_NAMES = frozenset(
         "progress",
     }
 )
-
-
-class ExperimentError(TypeError):
-    """An experiment class or instance is declared or built incorrectly."""
 
 
 _NO_DEFAULT = dataclasses.MISSING

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 import jax
 import numpy as np
 
+from .errors import DivergenceError
 from .metrics import MetricAccumulator, flatten_metrics, split_modes
 from .routing import select
 
@@ -27,10 +28,6 @@ __all__ = ["DivergenceError", "train_epochs", "evaluate_split"]
 DATA_WAIT_WARN = 0.25
 DATA_WAIT_MIN_STEPS = 50  # shorter epochs are dominated by filling the pipeline
 _WARNED = {"data_wait": False}
-
-
-class DivergenceError(FloatingPointError):
-    """The training loss became non-finite; the handle kept the last good weights."""
 
 
 def _delete(tree: Any) -> None:

@@ -18,13 +18,11 @@ from typing import Any
 
 import numpy as np
 
+from .errors import MetricError
+
 __all__ = ["MODES", "MetricError", "MetricAccumulator", "flatten_metrics", "split_modes"]
 
 MODES = ("sum", "max", "min", "concat")
-
-
-class MetricError(ValueError):
-    pass
 
 
 def _is_mode_pair(value: Any) -> bool:

@@ -21,11 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from .errors import OptimizerError
+
 __all__ = ["OptimizerSetup", "build_optimizer", "OptimizerError"]
-
-
-class OptimizerError(TypeError):
-    pass
 
 
 @dataclasses.dataclass

@@ -17,15 +17,13 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from .errors import PlacementError
+
 __all__ = ["Placement", "PlacementError"]
 
 
 def _identity(tree):
     return tree
-
-
-class PlacementError(ValueError):
-    """The requested devices, or a batch, do not fit the visible devices."""
 
 
 class Placement:

@@ -17,11 +17,9 @@ import inspect
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from .errors import RoutingError
+
 __all__ = ["HookFields", "RoutingError", "hook_fields", "select"]
-
-
-class RoutingError(TypeError):
-    pass
 
 
 @dataclasses.dataclass(frozen=True)

@@ -17,11 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from .errors import ScheduleError
+
 __all__ = ["BoundSchedule", "ScheduleError", "bind_schedules", "normalize_schedule"]
-
-
-class ScheduleError(ValueError):
-    pass
 
 
 @dataclasses.dataclass(frozen=True)

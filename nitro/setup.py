@@ -20,6 +20,7 @@ from flax import nnx
 from . import progress, report
 from .compile_cache import configure_persistent_cache
 from .data import NoPrefetch, Prefetcher, PrefetchSettings, is_index_addressable
+from .errors import SetupError
 from .experiment import REQUIRED_HOOKS, FieldKind, field_specs, has_method
 from .fingerprint import CodeFingerprint, Fingerprinter
 from .optimizer import build_optimizer
@@ -40,10 +41,6 @@ HOOK_POSITIONAL = {
     "train_metrics": ("outputs",),
 }
 DEFAULT_RESIDENCY = {"train_metrics": "device", "metrics": "host"}
-
-
-class SetupError(ValueError):
-    """The experiment, its data or its keywords cannot make a run."""
 
 
 def build(h, keywords: dict[str, Any]) -> None:

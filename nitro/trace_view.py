@@ -13,13 +13,10 @@ import types
 from collections.abc import Mapping
 from typing import Any
 
+from .errors import HostFieldError
 from .experiment import FieldKind, field_specs
 
 __all__ = ["HostFieldError", "TraceView"]
-
-
-class HostFieldError(AttributeError):
-    """A traced hook read a Host field."""
 
 
 _SLOTS = ("_nitro_cls", "_nitro_graphconst", "_nitro_device", "_nitro_host", "_nitro_reads")

@@ -1,0 +1,59 @@
+"""Every error the engine raises on purpose, in one leaf module (it imports nothing of nitro).
+
+Each says what was wrong, where (the field, hook, keyword or split) and how to fix it.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DivergenceError",
+    "ExperimentError",
+    "HostFieldError",
+    "MetricError",
+    "OptimizerError",
+    "PlacementError",
+    "RoutingError",
+    "RunningError",
+    "ScheduleError",
+    "SetupError",
+]
+
+
+class ExperimentError(TypeError):
+    """An experiment class or instance is declared or built incorrectly."""
+
+
+class SetupError(ValueError):
+    """The experiment, its data or its keywords cannot make a run."""
+
+
+class DivergenceError(FloatingPointError):
+    """Training produced a non-finite loss or gradient; the handle kept the last good weights."""
+
+
+class HostFieldError(AttributeError):
+    """A traced hook read a Host field."""
+
+
+class MetricError(ValueError):
+    """A metrics hook returned something that cannot be reduced over a split."""
+
+
+class RoutingError(TypeError):
+    """A hook asks for batch fields a split does not yield, or declares them wrongly."""
+
+
+class ScheduleError(ValueError):
+    """A schedule key binds to nothing, or a schedule's values are unusable."""
+
+
+class OptimizerError(TypeError):
+    """The optimizer setting is not an optax transformation or factory."""
+
+
+class PlacementError(ValueError):
+    """The requested devices, or a batch, do not fit the visible devices."""
+
+
+class RunningError(RuntimeError):
+    """The handle is busy (training in the background); the message says how to stop or wait."""
