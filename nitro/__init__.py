@@ -16,10 +16,6 @@ from typing import TYPE_CHECKING, Any
 
 __version__ = "0.2.0"
 
-# `experiment` is both a module and the decorator: import the (light) module now, so the
-# decorator is what `nitro.experiment` names.
-from .experiment import Device, FieldKind, GraphConst, experiment, fields  # noqa: E402
-
 # public name -> the module that defines it
 _EXPORTS = {
     "CacheStats": "nitro.compile_cache",
@@ -29,6 +25,11 @@ _EXPORTS = {
     "explain_compiles": "nitro.compile_cache",
     "set_compilation_cache": "nitro.compile_cache",
     "Nitro": "nitro.handle",
+    "Device": "nitro.experiments",
+    "FieldKind": "nitro.experiments",
+    "GraphConst": "nitro.experiments",
+    "experiment": "nitro.experiments",
+    "fields": "nitro.experiments",
     "ExperimentError": "nitro.errors",
     "SetupError": "nitro.errors",
     "DivergenceError": "nitro.errors",
@@ -107,6 +108,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
         ScheduleError,
         SetupError,
     )
+    from .experiments import Device, FieldKind, GraphConst, experiment, fields
     from .handle import Nitro
 
 

@@ -22,7 +22,7 @@ from flax import nnx
 from . import loop, progress, report, setup
 from .compile_cache import CACHE, Program
 from .data import Prefetcher
-from .experiment import (
+from .experiments import (
     REQUIRED_HOOKS,
     ExperimentError,
     FieldKind,

@@ -12,7 +12,7 @@ import difflib
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from .experiment import FieldKind, field_specs, has_method
+from .experiments import FieldKind, field_specs, has_method
 
 __all__ = ["RUN_KEYWORDS", "KEYWORD_ONLY", "RunKeyword", "Resolved", "resolve_run_keywords"]
 

@@ -21,7 +21,7 @@ from . import progress, report
 from .compile_cache import configure_persistent_cache
 from .data import NoPrefetch, Prefetcher, PrefetchSettings, is_index_addressable
 from .errors import SetupError
-from .experiment import REQUIRED_HOOKS, FieldKind, field_specs, has_method
+from .experiments import REQUIRED_HOOKS, FieldKind, field_specs, has_method
 from .fingerprint import CodeFingerprint, Fingerprinter
 from .optimizer import build_optimizer
 from .placement import Placement

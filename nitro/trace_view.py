@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import HostFieldError
-from .experiment import FieldKind, field_specs
+from .experiments import FieldKind, field_specs
 
 __all__ = ["HostFieldError", "TraceView"]
 

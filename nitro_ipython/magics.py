@@ -14,7 +14,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 
 import nitro
-from nitro.experiment import is_experiment
+from nitro.experiments import is_experiment
 from nitro.report import current_class
 
 from . import runs

@@ -26,7 +26,7 @@ import weakref
 from typing import Any
 
 import nitro
-from nitro.experiment import edit_generation, is_experiment
+from nitro.experiments import edit_generation, is_experiment
 from nitro.fingerprint import code_digest, is_library_module
 
 from .runs import handle_names, live_handles

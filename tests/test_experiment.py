@@ -9,7 +9,7 @@ from toys import Toy
 
 import nitro
 from nitro import Device, GraphConst
-from nitro.experiment import FieldKind, field_specs
+from nitro.experiments import FieldKind, field_specs
 from nitro.trace_view import HostFieldError, TraceView
 
 
