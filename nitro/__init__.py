@@ -39,7 +39,7 @@ _EXPORTS = {
     "HostFieldError": "nitro.errors",
     "RunningError": "nitro.errors",
 }
-_SUBMODULES = ("data", "datasets", "staleness", "progress", "events")
+_SUBMODULES = ("data", "datasets", "events", "progress", "runner", "staleness")
 
 __all__ = [
     "CacheStats",
@@ -66,6 +66,7 @@ __all__ = [
     "fields",
     "load_ipython_extension",
     "progress",
+    "runner",
     "set_compilation_cache",
     "staleness",
     "unload_ipython_extension",
@@ -89,7 +90,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from . import data, datasets, events, progress, staleness
+    from . import data, datasets, events, progress, runner, staleness
     from .compile_cache import (
         CacheStats,
         ProgramKind,

@@ -5,10 +5,15 @@ class, the fingerprint of the code it runs, its static settings, and the shapes,
 shardings of its arguments; within that, by the values of the GraphConst fields the program
 actually read while it was traced (recorded by the trace view). Each miss is explained, each
 compile is announced, and `cache_stats()` counts hits, misses and entries.
+
+Compiles run outside the cache's lock: the first thread to miss a key registers an in-flight
+future and compiles; another thread that needs the same program waits on that future instead
+of compiling it again, and everything else (other lookups, `cache_stats()`) proceeds.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import enum
 import os
@@ -40,13 +45,9 @@ class ProgramKind(enum.StrEnum):
     """What a compiled program does. Kinds key the cache and name programs in reports."""
 
     TRAIN_STEP = "train step"  # forward, loss, gradient and optimizer update, fused
-    GRADIENT = "gradient"  # gradient of one micro-batch (accumulation)
-    OPTIMIZER_APPLY = "optimizer apply"  # apply accumulated gradients
-    MULTI_STEP = "multi-step train"  # K fused steps through lax.scan
     EVAL_FORWARD = "eval forward"  # forward (+ loss) on an evaluation batch
     PREDICT = "predict"  # forward alone
     DEVICE_METRICS = "device metrics"  # a metrics hook traced on device
-    EXPORT = "export"
 
     def __str__(self) -> str:
         return self.value
@@ -68,12 +69,11 @@ class ProgramSpec:
     graphconst: Mapping[str, Any]
     arg_names: Sequence[str]
     donate_argnums: tuple[int, ...] = ()
-    label: str = ""
     leaf_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
 
     @property
     def title(self) -> str:
-        return f"{self.kind.value}{f' ({self.label})' if self.label else ''}"
+        return self.kind.value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,7 +133,7 @@ class Program:
         "signature",
         "graphconst",
         "compile_seconds",
-        "hits",
+        "calls",
         "aux",
     )
 
@@ -148,19 +148,23 @@ class Program:
         self.signature = signature
         self.graphconst = dict(spec.graphconst)
         self.compile_seconds = seconds
-        self.hits = 0
+        self.calls = 0
         self.aux = {}
 
     def __call__(self, *args):
-        _COUNTS[0] += 1
-        self.hits += 1
+        with _COUNT_LOCK:  # exact under threads; an uncontended lock costs ~0.1 us
+            if self.calls:
+                _COUNTS["hits"] += 1
+            self.calls += 1
         return self.compiled(*args)
 
     def __repr__(self) -> str:
-        return f"<Program {self.title} of {self.owner}, {self.hits} calls>"
+        return f"<Program {self.title} of {self.owner}, {self.calls} calls>"
 
 
-_COUNTS = [0, 0]  # hits, misses; plain list cells keep the per-step cost to one add
+# A call counts as a hit unless it is the first call of a program (the call it compiled for).
+_COUNT_LOCK = threading.Lock()
+_COUNTS = {"hits": 0, "misses": 0}
 
 
 @dataclasses.dataclass
@@ -257,9 +261,10 @@ def _diff_signatures(old: tuple, new: tuple, labels: Mapping[str, str]) -> list[
 
 class CompileCache:
     def __init__(self):
-        self._lock = threading.RLock()
+        self._lock = threading.RLock()  # guards the tables below; never held across a compile
         self._entries: dict[tuple, list[Program]] = {}
         self._siblings: dict[tuple, list[Program]] = {}  # (kind, owner, title) -> programs
+        self._inflight: dict[tuple, concurrent.futures.Future] = {}
         self.log = CompileLog()
 
     def lookup(self, spec: ProgramSpec, args: Sequence[Any]) -> Program:
@@ -271,17 +276,49 @@ class CompileCache:
             tuple(sorted(spec.static.items())),
             signature,
         )
-        with self._lock:
-            for program in self._entries.get(base, ()):
-                if all(spec.graphconst.get(k, _MISSING) == v for k, v in program.reads.items()):
+        # Which GraphConst fields the program reads is known only after tracing, so an
+        # in-flight compile is matched on all of the experiment's GraphConst values.
+        flight = (base, tuple(sorted(spec.graphconst.items())))
+        while True:
+            with self._lock:
+                program = self._find(base, spec)
+                if program is not None:
                     return program
-            reason = self._explain(spec, signature)
+                pending = self._inflight.get(flight)
+                if pending is None:
+                    pending = self._inflight[flight] = concurrent.futures.Future()
+                    reason = self._explain(spec, signature)
+                    break
+            try:
+                pending.result()  # another thread compiles this program: use its result
+            except BaseException:  # noqa: BLE001 - its compile failed: try ourselves
+                pass
+        try:
             program = self._compile(spec, args, signature, reason)
+        except BaseException as error:
+            with self._lock:
+                del self._inflight[flight]
+            pending.set_exception(error)
+            raise
+        with self._lock:
             self._entries.setdefault(base, []).append(program)
             siblings = self._siblings.setdefault((spec.kind, spec.owner, spec.title), [])
             siblings.append(program)
             del siblings[:-8]
-            return program
+            del self._inflight[flight]
+            self.log.append(
+                CompileRecord(spec.title, spec.owner, program.compile_seconds, reason, time.time())
+            )
+        with _COUNT_LOCK:
+            _COUNTS["misses"] += 1
+        pending.set_result(program)
+        return program
+
+    def _find(self, base: tuple, spec: ProgramSpec) -> Program | None:
+        for program in self._entries.get(base, ()):
+            if all(spec.graphconst.get(k, _MISSING) == v for k, v in program.reads.items()):
+                return program
+        return None
 
     def _compile(self, spec: ProgramSpec, args, signature, reason: str) -> Program:
         configure_persistent_cache()
@@ -295,8 +332,6 @@ class CompileCache:
         values = {name: spec.graphconst[name] for name in sorted(reads) if name in spec.graphconst}
         program = Program(spec, compiled, values, signature, seconds)
         program.aux = getattr(fn, "nitro_aux", {})
-        _COUNTS[1] += 1
-        self.log.append(CompileRecord(spec.title, spec.owner, seconds, reason, time.time()))
         return program
 
     def _explain(self, spec: ProgramSpec, signature) -> str:
@@ -313,28 +348,32 @@ class CompileCache:
             self._entries.clear()
             self._siblings.clear()
             self.log = CompileLog()
-            _COUNTS[0] = _COUNTS[1] = 0
+        with _COUNT_LOCK:
+            _COUNTS["hits"] = _COUNTS["misses"] = 0
 
     def stats(self) -> CacheStats:
         with self._lock:
             programs = [p for entries in self._entries.values() for p in entries]
-            return CacheStats(
-                hits=_COUNTS[0] - _COUNTS[1],
-                misses=_COUNTS[1],
-                entries=len(programs),
-                programs=[
-                    {
-                        "program": p.title,
-                        "kind": p.kind.value,
-                        "owner": p.owner,
-                        "calls": p.hits,
-                        "compile_seconds": p.compile_seconds,
-                        "graphconst_read": sorted(p.reads),
-                    }
-                    for p in programs
-                ],
-                compiles=CompileLog(self.log),
-            )
+            log = CompileLog(self.log)
+        with _COUNT_LOCK:
+            hits, misses = _COUNTS["hits"], _COUNTS["misses"]
+        return CacheStats(
+            hits=hits,
+            misses=misses,
+            entries=len(programs),
+            programs=[
+                {
+                    "program": p.title,
+                    "kind": p.kind.value,
+                    "owner": p.owner,
+                    "calls": p.calls,
+                    "compile_seconds": p.compile_seconds,
+                    "graphconst_read": sorted(p.reads),
+                }
+                for p in programs
+            ],
+            compiles=log,
+        )
 
 
 def _differences(previous: Program, spec: ProgramSpec, signature) -> list[str]:
@@ -393,7 +432,8 @@ def cache_reset() -> None:
 
 def explain_compiles() -> CompileLog:
     """Every compile so far: the program, its experiment, the time it took and why it missed."""
-    return CompileLog(CACHE.log)
+    with CACHE._lock:
+        return CompileLog(CACHE.log)
 
 
 # ---------------------------------------------------------------------------------------------

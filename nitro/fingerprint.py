@@ -53,10 +53,6 @@ class CodeFingerprint:
             parts.update(fp.parts)
         return cls(_digest_parts(parts), parts)
 
-    def restrict(self, labels: Iterable[str]) -> CodeFingerprint:
-        parts = {k: self.parts[k] for k in labels if k in self.parts}
-        return CodeFingerprint(_digest_parts(parts), parts)
-
 
 def _digest_parts(parts: Mapping[str, str]) -> str:
     h = hashlib.blake2b(digest_size=12)
@@ -156,8 +152,10 @@ def library_version(module_name: str) -> str:
 # the walker
 
 
-def code_digest(code: types.CodeType) -> str:
-    """A digest of what a code object does, blind to line numbers and file names."""
+def code_digest(code: types.CodeType | Callable) -> str:
+    """A digest of what a function's code does, blind to line numbers and file names."""
+    if not isinstance(code, types.CodeType):
+        code = code.__code__
     return _code_token(code)
 
 
@@ -217,6 +215,10 @@ class Fingerprinter:
 
     def hook(self, name: str, fn: Callable) -> str:
         return self._function(fn, label=f"hook {name}")
+
+    def add_class(self, cls: type) -> str:
+        """Walk a class (its methods, bases and class constants) as code a program runs."""
+        return self._class(cls)
 
     def value(self, value: Any, label: str) -> str:
         token = self._value(value)

@@ -1,43 +1,64 @@
 """`Nitro`: the handle of one run of an experiment.
 
-`Nitro(e)` sets up and compiles nothing: it builds the data, the model and the optimizer
-state, resolves the run keywords, the batch routing and the schedules, and freezes the
-experiment's configuration and code fingerprints. `train()` runs the loop on a worker thread;
-`validate`, `evaluate` and `predict` work on a handle that never trained.
+`Nitro(e)` sets up and compiles nothing: it resolves the run keywords and builds a frozen
+`RunSetup` (data, model, optimizer, routing, schedules, code fingerprints) and the initial
+`TrainState`. `train()` runs the loop on a worker thread; `validate`, `evaluate` and `predict`
+work on a handle that never trained. The handle composes a setup, a state, the programs it
+holds, an event path and a run guard; its public attributes read from them.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import threading
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import loop, progress, report, setup
-from .compile_cache import CACHE, Program
-from .data import Prefetcher
-from .experiments import (
-    REQUIRED_HOOKS,
-    ExperimentError,
-    FieldKind,
-    edit_generation,
-    field_specs,
-    has_method,
-)
-from .programs import device_metrics_spec, eval_spec, train_step_spec
-from .setup import SetupError, batch_size, copy_array
+from . import displays, loop, progress
+from . import events as events_module
+from .binding_report import BindingReport, binding_report
+from .data import pad_batch
+from .errors import ExperimentError, RunningError, SetupError
+from .events import Events
+from .experiments import REQUIRED_HOOKS, FieldKind, edit_generation, field_specs, has_method
+from .programs import ProgramSet
+from .run_keywords import Resolved, resolve_run_keywords
+from .run_setup import RunSetup
+from .runner import Run, RunControl, RunGuard, wait_interruptibly
+from .setup import batch_size, build
+from .staleness import stale_changes, stale_report
+from .state import TrainState
+from .weights import WeightsSource, copy_array
 
-__all__ = ["Nitro", "SetupError"]
+__all__ = ["Nitro"]
 
 
-def _owner(cls: type) -> str:
-    return f"{cls.__module__}.{cls.__qualname__}"
+def _check_experiment(experiment: Any) -> type:
+    if isinstance(experiment, type) and hasattr(experiment, "__nitro_fields__"):
+        raise ExperimentError(
+            f"Nitro() takes an experiment instance, not the class: Nitro({experiment.__name__}())"
+        )
+    cls = type(experiment)
+    try:
+        field_specs(cls)
+    except ExperimentError:
+        raise ExperimentError(
+            f"Nitro() takes an experiment instance (a class decorated with "
+            f"@nitro.experiment); got {type(experiment).__name__}"
+        ) from None
+    missing = [h for h in REQUIRED_HOOKS if not has_method(cls, h)]
+    if missing:
+        raise ExperimentError(
+            f"{cls.__qualname__} is missing required hook{'s' * (len(missing) > 1)} "
+            f"{', '.join(missing)}. An experiment defines build_data(self), "
+            f"build_model(self, rngs), forward(self, model, *, <fields>) and "
+            f"loss(self, outputs, *, <fields>)."
+        )
+    return cls
 
 
 class Nitro:
@@ -51,113 +72,159 @@ class Nitro:
     """
 
     def __init__(self, experiment: Any, **keywords: Any):
-        if isinstance(experiment, type) and hasattr(experiment, "__nitro_fields__"):
-            raise ExperimentError(
-                f"Nitro() takes an experiment instance, not the class: "
-                f"Nitro({experiment.__name__}())"
-            )
-        cls = type(experiment)
-        try:
-            field_specs(cls)
-        except ExperimentError:
-            raise ExperimentError(
-                f"Nitro() takes an experiment instance (a class decorated with "
-                f"@nitro.experiment); got {type(experiment).__name__}"
-            ) from None
-        missing = [h for h in REQUIRED_HOOKS if not has_method(cls, h)]
-        if missing:
-            raise ExperimentError(
-                f"{cls.__qualname__} is missing required hook{'s' * (len(missing) > 1)} "
-                f"{', '.join(missing)}. An experiment defines build_data(self), "
-                f"build_model(self, rngs), forward(self, model, *, <fields>) and "
-                f"loss(self, outputs, *, <fields>)."
-            )
-        self._reporter = progress.SilentReporter()
-        self.cls = cls
-        self.owner = _owner(cls)
-        self.experiment = dataclasses.replace(experiment)  # frozen copy of the configuration
-        self.phase = "setup"
-        self.step = 0
-        self.epoch = 0
-        self.stop_reason: str | None = None
-        self.last_metrics: dict[str, Any] = {}
-        self._history: list[dict[str, Any]] = []
-        self._position = 0
-        self._dispatched = 0
-        self._epoch_stats = loop._EpochStats()
-        self._upcoming = None  # (epoch, stream) started early, during validation
+        cls = _check_experiment(experiment)
+        instance = dataclasses.replace(experiment)  # frozen copy of the configuration
+        weights = keywords.pop("weights", None)
+        data = keywords.pop("data", None)
+        resolved = resolve_run_keywords(instance, keywords)
+        self._events = Events([progress.make_reporter(resolved["progress"].value)])
+        self._control = RunControl()
+        self._guard = RunGuard(lambda: f"this {cls.__name__} handle")
+        self._run: Run | None = None
+        self._stop_reason: str | None = None
         self._serving_width: int | None = None
-        self._stop = threading.Event()
-        self._lock = threading.RLock()
-        self._run = None
-        self._programs: dict[tuple, Program] = {}
-        self._train_program_aux: dict = {}
-        self._stale_seen: tuple = ()
+        self._stale_seen: str | None = None
         self._stale_checked = (edit_generation(), 0.0)
-
-        setup.build(self, keywords)
-        self.phase = "ready"
-
-    # ------------------------------------------------------------------------------------------
-    # programs
-
-    def _program(self, slot: tuple, make_spec, args) -> Program:
-        program = self._programs.get(slot)
-        if program is None:
-            program = CACHE.lookup(make_spec(), args)
-            self._programs[slot] = program
-        return program
-
-    def _train_program(self, args) -> Program:
-        fields = self._fields["train"]
-        program = self._program(("train",), lambda: train_step_spec(self._ctx, fields), args)
-        self._train_program_aux = program.aux
-        return program
-
-    def _eval_program(self, split: str, args, with_loss: bool, return_outputs: bool) -> Program:
-        fields = self._fields[split]
-        slot = ("eval", split, self._split_info[split]["width"])
-        return self._program(
-            slot,
-            lambda: eval_spec(
-                self._ctx, fields, with_loss=with_loss, return_outputs=return_outputs
-            ),
-            args,
-        )
-
-    def _metrics_program(self, split: str, args) -> Program:
-        width = jax.tree.leaves(args[0])[0].shape[0]
-        fields = self._fields[split]
-        return self._program(
-            ("metrics", split, width), lambda: device_metrics_spec(self._ctx, fields), args
-        )
-
-    def _train_shape_error(self, staged, error) -> Exception:
-        shapes = {k: tuple(v.shape) for k, v in staged.device.items()}
-        first = self._split_info["train"]
-        return SetupError(
-            f"train batch {staged.index} has shapes {shapes}, but the program was compiled for "
-            f"batches of {first['width']}. Training batches must all have the same shape: "
-            f"drop the partial final batch (ArrayLoader(..., drop_last=True)). ({error})"
-        )
-
-    def _reset_health(self) -> None:
-        params, rest, opt, _ = self._carry
-        self._carry = (params, rest, opt, self.placement.put_replicated(jnp.asarray(True)))
-
-    def _call_host_hook(self, name: str, *args, **kwargs):
-        return self._hook_functions[name](self.experiment, *args, **kwargs)
-
-    def _eval_prefetcher(self, split: str) -> Prefetcher:
-        if split not in self.splits:
-            raise KeyError(
-                f"no split {split!r}: this handle has {', '.join(map(repr, self.splits)) or 'none'}"
-                f" (build_data returns them)"
+        source = _weights_source(weights)
+        with events_module.using(self._events):
+            self._setup, self._state = build(
+                instance, resolved, keywords, events=self._events, data=data, weights=source
             )
-        return self._prefetchers[split]
+        self._programs = ProgramSet(self._setup)
+        self._target_epoch = self._setup.max_epochs
+        self._events.phase("ready")
 
     # ------------------------------------------------------------------------------------------
-    # entry points
+    # what the handle holds
+
+    @property
+    def setup(self) -> RunSetup:
+        """What this run decided at construction (frozen)."""
+        return self._setup
+
+    @property
+    def state(self) -> TrainState:
+        """The train state: variables, counters and the committed history. Read it; while a
+        run trains, the loop updates it."""
+        return self._state
+
+    @property
+    def cls(self) -> type:
+        return self._setup.cls
+
+    @property
+    def owner(self) -> str:
+        """`module.QualName` of the experiment class (how the compile cache names it)."""
+        return self._setup.owner
+
+    @property
+    def experiment(self) -> Any:
+        """The handle's copy of the experiment (Device fields follow `set_device`)."""
+        return self._setup.experiment.instance
+
+    @property
+    def keywords(self) -> Mapping[str, Resolved]:
+        """Every run keyword, resolved: `.value` and `.source` (where it came from)."""
+        return self._setup.keywords
+
+    @property
+    def given_keywords(self) -> dict[str, Any]:
+        """The run keywords passed to `Nitro(...)` (not `weights` or `data`)."""
+        return dict(self._setup.given_keywords)
+
+    @property
+    def splits(self) -> dict[str, Any]:
+        """Split name -> the source `build_data` (or `data=`) gave."""
+        return {name: split.source for name, split in self._setup.splits.items()}
+
+    @property
+    def placement(self):
+        return self._setup.placement
+
+    @property
+    def optimizer(self):
+        return self._setup.optimizer
+
+    @property
+    def schedules(self) -> tuple:
+        return self._setup.schedules
+
+    @property
+    def seed(self) -> int:
+        return self._setup.seed
+
+    @property
+    def max_epochs(self) -> int:
+        return self._setup.max_epochs
+
+    @property
+    def target_epoch(self) -> int:
+        """The epoch the current (or latest) run trains to: `max_epochs`, or the epoch
+        `train(epochs=N)` aimed at."""
+        return self._target_epoch
+
+    @property
+    def run_dir(self) -> str:
+        return self._setup.run_dir
+
+    @property
+    def total_steps(self) -> int | None:
+        """The schedules' horizon: max_epochs x batches per epoch."""
+        return self._setup.total_steps
+
+    @property
+    def param_count(self) -> int:
+        return self._setup.model.param_count
+
+    @property
+    def weights_origin(self) -> str:
+        """Where the initial weights came from: "build_model" or the `weights=` source."""
+        return self._setup.model.weights_origin
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed."""
+        return self._state.step
+
+    @property
+    def epoch(self) -> int:
+        """Epochs completed."""
+        return self._state.epoch
+
+    @property
+    def phase(self) -> str:
+        """Where the handle is: setup, building data, building model, routing, ready,
+        training, validating, evaluating <split>, predicting, done, stopped or failed."""
+        return self._events.current_phase
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the latest run ended: "completed", "requested" or "error" (None before)."""
+        return self._stop_reason
+
+    @property
+    def last_metrics(self) -> dict[str, Any]:
+        """The latest history row (loss, validation metrics, timing)."""
+        return dict(self._state.last_row)
+
+    @property
+    def reporter(self) -> Any:
+        """The progress reporter this handle's runs report to (None when silent)."""
+        reporters = self._events.reporters
+        return reporters[0] if reporters else None
+
+    @property
+    def events(self) -> Events:
+        """The event path of this handle's runs; `events.add(reporter)` adds a reporter."""
+        return self._events
+
+    @property
+    def running(self) -> bool:
+        """True while a training run is in progress (in the foreground or the background)."""
+        return self._run is not None and self._run.running
+
+    # ------------------------------------------------------------------------------------------
+    # training
 
     def train(self, epochs: int | None = None, *, background: bool = False) -> Nitro:
         """Train until `max_epochs` (or for `epochs` more epochs) on a worker thread.
@@ -166,52 +233,66 @@ class Nitro:
         stays usable and `train()` again continues from where it stopped.
         """
         self._check_stale("train")
-        if "train" not in self.splits:
+        if "train" not in self._setup.splits:
             raise SetupError(
-                f"this handle has no 'train' split (splits: {', '.join(self.splits) or 'none'}); "
-                f"it can validate, evaluate and predict"
+                f"this handle has no 'train' split (splits: "
+                f"{', '.join(self._setup.splits) or 'none'}); it can validate, evaluate and "
+                f"predict"
             )
-        if epochs is not None and (not isinstance(epochs, int) or epochs < 1):
+        if epochs is not None and (
+            isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1
+        ):
             raise ValueError(f"epochs must be a positive int, got {epochs!r}")
-        if epochs is None and self.epoch >= self.max_epochs:
-            progress.note(
-                f"already trained {self.epoch} of max_epochs={self.max_epochs} epochs; "
-                f"n.train(epochs=N) trains N more"
-            )
-            return self
-        self._start(lambda: loop.train_epochs(self, epochs), "training")
+        self._guard.claim("training", background=background)
+        try:
+            target = self.max_epochs if epochs is None else self.epoch + epochs
+            if epochs is None and self.epoch >= self.max_epochs:
+                self._guard.release()
+                progress.note(
+                    f"already trained {self.epoch} of max_epochs={self.max_epochs} epochs; "
+                    f"n.train(epochs=N) trains N more"
+                )
+                return self
+            self._target_epoch = target
+            self._control.stop.clear()
+            self._stop_reason = None
+            self._run = Run(
+                lambda: self._train_body(target),
+                name=f"nitro-training-{self.cls.__name__}",
+                context=self,
+            ).start()
+        except BaseException:
+            if self._run is None or not self._run.running:
+                self._guard.release()
+            raise
         if not background:
             self.wait()
         return self
 
-    def _start(self, target, what: str) -> None:
-        from .runner import Run
-
-        with self._lock:
-            if self._run is not None and self._run.running:
-                raise RuntimeError(
-                    f"{self!r} is already {self.phase}; wait with n.wait() or stop it with n.stop()"
-                )
-            self._stop.clear()
-            self.stop_reason = None
-
-            def body():
-                with self._lock, progress.using(self._reporter):
-                    try:
-                        target()
-                        self.phase = "done" if self.stop_reason == "completed" else "stopped"
-                    except BaseException:
-                        self.phase = "failed"
-                        self.stop_reason = "error"
-                        raise
-
-            self._run = Run(body, name=f"nitro-{what}-{self.cls.__name__}", context=self)
-            self._run.start()
+    def _train_body(self, target: int) -> None:
+        """The worker thread's work: the loop between start_run and end_run, then the phase."""
+        events = self._events
+        try:
+            with events_module.using(events):
+                events.start_run(self, target)
+                try:
+                    self._state, reason = loop.train_epochs(
+                        self._setup, self._state, self._programs, events, self._control, target
+                    )
+                finally:
+                    events.end_run(self)
+                self._stop_reason = reason
+                events.phase("done" if reason == "completed" else "stopped")
+        except BaseException:
+            self._stop_reason = "error"
+            events.phase("failed")
+            raise
+        finally:
+            self._guard.release()
 
     def wait(self) -> Nitro:
-        """Wait for a background run; Ctrl-C turns into a stop request."""
-        from .runner import wait_interruptibly
-
+        """Wait for a background run; Ctrl-C turns into a stop request. Re-raises the run's
+        error, if it failed."""
         run = self._run
         if run is None:
             return self
@@ -223,21 +304,11 @@ class Nitro:
 
     def stop(self) -> Nitro:
         """Ask a running loop to stop after the current step (returns at once)."""
-        self._stop.set()
+        self._control.stop.set()
         return self
 
-    request_stop = stop
-
-    @property
-    def running(self) -> bool:
-        return self._run is not None and self._run.running
-
-    def _guard(self, what: str) -> None:
-        if self.running:
-            raise RuntimeError(
-                f"cannot {what} while this handle is {self.phase} in the background; "
-                f"n.stop() then n.wait(), or wait for it to finish"
-            )
+    # ------------------------------------------------------------------------------------------
+    # evaluation and prediction
 
     def validate(self) -> dict[str, Any]:
         """Loss and metrics on the 'val' split, e.g. {'val_loss': ..., 'val_acc': ...}."""
@@ -246,90 +317,84 @@ class Nitro:
     def evaluate(self, split: str = "test") -> dict[str, Any]:
         """Loss and metrics on any split, prefixed with the split's name."""
         self._check_stale("evaluate")
-        self._guard("evaluate")
-        self._eval_prefetcher(split)
-        with self._lock, progress.using(self._reporter):
-            self._stop.clear()
-            previous, self.phase = self.phase, f"evaluating {split}"
+        with self._guard.hold(f"evaluating {split}"), events_module.using(self._events):
+            self._setup.split(split)
+            self._control.stop.clear()
+            previous = self.phase
+            self._events.phase(f"evaluating {split}")
             try:
-                return loop.evaluate_split(self, split)
+                return loop.evaluate_split(
+                    self._setup, self._state, self._programs, self._control, split
+                )
             finally:
-                self.phase = previous
+                self._events.phase(previous)
 
     def predict(self, batch: Any):
         """Run `forward` in eval mode. A dict of arrays -> host numpy outputs; an iterable of
         such dicts -> an iterator of outputs, one per batch."""
         self._check_stale("predict")
+        forward = self._setup.experiment.hook_fields["forward"]
         if isinstance(batch, Mapping):
             return self._predict_batch(batch)
         if isinstance(batch, (np.ndarray, jax.Array)) or not isinstance(batch, Iterable):
-            needed = self._hook_fields["forward"].describe()
             raise TypeError(
-                f"predict takes a dict of batch fields (forward needs: {needed}) or an iterable "
-                f"of such dicts; got {type(batch).__name__}. For example: n.predict({{"
-                f"'{(self._hook_fields['forward'].required or ('x',))[0]}': xs}})"
+                f"predict takes a dict of batch fields (forward needs: {forward.describe()}) or "
+                f"an iterable of such dicts; got {type(batch).__name__}. For example: "
+                f"n.predict({{'{(forward.required or ('x',))[0]}': xs}})"
             )
         return (self._predict_batch(b) for b in batch)
 
     def _predict_width(self, n: int) -> int:
         """The compiled width predictions are padded or split to: an evaluation split's batch
         width, else the first prediction's size (so later sizes compile nothing new)."""
-        for split in ("val", "test", "train", *self._split_info):
-            if split in self._split_info:
-                return self._split_info[split]["global_width"]
+        splits = self._setup.splits
+        for name in ("val", "test", "train", *splits):
+            if name in splits:
+                return splits[name].global_width
         if self._serving_width is None:
             self._serving_width = n
         return self._serving_width
 
     def _predict_batch(self, batch: Mapping[str, Any]):
-        self._guard("predict")
-        fields = self._hook_fields["forward"].resolve(tuple(batch), "predict")
-        host = {k: np.asarray(batch[k]) for k in fields}
-        n = batch_size(host, "predict")
-        width = self._predict_width(n)
-        chunks = []
-        with self._lock, progress.using(self._reporter):
+        setup = self._setup
+        with self._guard.hold("predicting"), events_module.using(self._events):
+            fields = setup.experiment.hook_fields["forward"].resolve(tuple(batch), "predict")
+            host = {k: np.asarray(batch[k]) for k in fields}
+            n = batch_size(host, "predict")
+            width = self._predict_width(n)
+            chunks = []
             for start in range(0, n, width):
-                from .data import pad_batch
-
                 part, n_real = pad_batch(
                     {k: v[start : start + width] for k, v in host.items()}, width
                 )
-                device = self.placement.put_batch(self.placement.local_rows(part))
+                device = setup.placement.put_batch(setup.placement.local_rows(part))
                 args = (
-                    self._carry[0],
-                    self._carry[1],
-                    self._feed.current_device(),
+                    self._state.variables,
+                    setup.feed.current_device(),
                     device,
                     np.int32(n_real),
                 )
-                program = self._program(
-                    ("predict", width, fields),
-                    lambda: eval_spec(
-                        self._ctx,
-                        {"forward": fields},
-                        with_loss=False,
-                        return_outputs=True,
-                    ),
-                    args,
-                )
-                result = program(*args)
-                outputs = self.placement.gather(result["outputs"])
-                loop._delete(result)
-                loop._delete(device)
+                result = self._programs.predict(width, fields, args)(*args)
+                outputs = setup.placement.gather(result["outputs"])
+                loop.delete(result)
+                loop.delete(device)
                 chunks.append(jax.tree.map(lambda a, n=n_real: np.asarray(a)[:n], outputs))
         if len(chunks) == 1:
             return chunks[0]
         return jax.tree.map(lambda *parts: np.concatenate(parts, axis=0), *chunks)
 
+    # ------------------------------------------------------------------------------------------
+    # Device fields
+
     def set_device(self, **values: Any) -> Nitro:
-        """Change Device fields on the live handle; never recompiles."""
+        """Change Device fields on the live handle (also while it trains); never recompiles."""
+        experiment = self._setup.experiment
         for name, value in values.items():
             spec = next((s for s in field_specs(self.cls) if s.name == name), None)
             if spec is None:
                 raise AttributeError(
                     f"{self.cls.__qualname__} has no field {name!r}; Device fields: "
-                    f"{', '.join(self._device_specs) or 'none'}"
+                    f"{', '.join(experiment.device_specs) or 'none'}"
                 )
             if spec.kind is not FieldKind.DEVICE:
                 hint = (
@@ -347,28 +412,80 @@ class Nitro:
                 raise TypeError(
                     f"Device field {name!r} is scheduled; its value comes from the schedule"
                 )
-            self._feed.set_constant(name, value)
-            setattr(self.experiment, name, value)
+            self._setup.feed.set_constant(name, value)
+            setattr(experiment.instance, name, value)
         return self
 
     def device_value(self, name: str) -> Any:
         """The current value of a Device field, as a host value."""
-        if name not in self._device_specs:
+        if name not in self._setup.experiment.device_specs:
             raise AttributeError(f"{name!r} is not a Device field of {self.cls.__qualname__}")
-        return (
-            np.asarray(self._feed.current_device()[name]).item()
-            if np.ndim(self._feed.current_device()[name]) == 0
-            else np.asarray(self._feed.current_device()[name])
-        )
+        return self._setup.feed.device_value(name)
 
     # ------------------------------------------------------------------------------------------
-    # results
+    # weights
+
+    def _trees(self):
+        model = self._setup.model
+        variables = self._state.variables
+        params = jax.tree.unflatten(model.params_def, variables.params)
+        rest = jax.tree.unflatten(model.model_state_def, variables.model_state)
+        return params, rest
+
+    def _at_step_boundary(self, fn, what: str):
+        """Run `fn` when no work holds the handle, or at the next step boundary of a training
+        run (on its thread, before the next step donates the state)."""
+        try:
+            with self._guard.hold(what):
+                return fn()
+        except RunningError:
+            if self._guard.activity != "training":
+                raise
+        future = self._control.request_copy(fn)
+        while not future.done():
+            try:
+                with self._guard.hold(what):
+                    self._control.serve_copies()
+            except RunningError:
+                try:
+                    future.exception(timeout=0.05)
+                except TimeoutError:
+                    pass
+        return future.result()
+
+    def _weights_copy(self) -> WeightsSource:
+        def copy():
+            params, rest = self._trees()
+            return WeightsSource(
+                jax.tree.map(copy_array, params),
+                jax.tree.map(copy_array, rest),
+                f"weights of {self!r} at step {self.step}",
+            )
+
+        return self._at_step_boundary(copy, "copying its weights")
+
+    @property
+    def model(self) -> nnx.Module:
+        """A copy of the current model (train mode), safe to keep and modify. While the
+        handle trains, taken at the next step boundary."""
+        source = self._weights_copy()
+        return nnx.merge(self._setup.model.graphdef_train, source.params, source.model_state)
+
+    @property
+    def hyperparameters(self) -> dict[str, float]:
+        """The optimizer's injected hyperparameters as the last step used them."""
+        if self.optimizer is None:
+            return {}
+        return self._setup.feed.hyperparams_now()
+
+    # ------------------------------------------------------------------------------------------
+    # results and reports
 
     def history(self):
         """A pandas DataFrame indexed by epoch: loss, val_loss, metrics, timing."""
         import pandas as pd
 
-        rows = [{k: v for k, v in row.items() if np.ndim(v) == 0} for row in self._history]
+        rows = [{k: v for k, v in row.items() if np.ndim(v) == 0} for row in self._state.history]
         frame = pd.DataFrame(rows)
         if not frame.empty:
             frame = frame.set_index("epoch")
@@ -380,77 +497,48 @@ class Nitro:
 
         return plot_history(self.history(), path=path, metrics=metrics, title=self.cls.__name__)
 
-    @property
-    def model(self) -> nnx.Module:
-        """A copy of the current model (eval mode off), safe to keep and modify."""
-        self._guard("copy the model")
-        with self._lock:
-            params = jax.tree.unflatten(self._ctx.params_def, self._carry[0])
-            rest = jax.tree.unflatten(self._ctx.rest_def, self._carry[1])
-            return nnx.merge(
-                self._ctx.graphdef_train,
-                jax.tree.map(copy_array, params),
-                jax.tree.map(copy_array, rest),
-            )
-
-    @property
-    def hyperparameters(self) -> dict[str, float]:
-        """The optimizer's injected hyperparameters as the last step used them."""
-        if self.optimizer is None:
-            return {}
-        return self._feed.hyperparams_now()
-
-    def binding_report(self) -> report.BindingReport:
+    def binding_report(self) -> BindingReport:
         """Where every value came from: splits, hook fields, run keywords, schedules, optimizer."""
-        return report.binding_report(self)
-
-    def stale_report(self) -> str | None:
-        """What changed in the experiment's code since this handle was built, or None."""
-        return report.stale_report(self)
+        return binding_report(self._setup, self.step)
 
     def stale_changes(self) -> dict[str, list[str]]:
         """Code that changed since this handle was built: unit (a hook name or "model") ->
         the parts that changed in it ("helper mlp_block", "method MLP.__call__"; empty when
-        the hook itself changed). `nitro.programs.programs_using(unit)` names the programs
+        the hook itself changed). `nitro.staleness.programs_using(unit)` names the programs
         each unit reaches."""
-        return report.stale_changes(self)
+        return stale_changes(self._setup)
 
-    @property
-    def reporter(self) -> progress.Reporter:
-        """The progress reporter this handle's runs report to."""
-        return self._reporter
+    def stale_report(self) -> str | None:
+        """What changed in the experiment's code since this handle was built, or None."""
+        return stale_report(self._setup, self._programs.held())
+
+    def held_programs(self) -> list[str]:
+        """The kinds of the compiled programs this handle holds."""
+        return self._programs.held()
 
     def _check_stale(self, entry: str) -> None:
-
         generation, last = self._stale_checked
         now = time.monotonic()
         if generation == edit_generation() and now - last < 1.0:
             return
         self._stale_checked = (edit_generation(), now)
-        text = report.stale_report(self)
-        key = (text,)
-        if text and key != self._stale_seen:
-            self._stale_seen = key
+        text = self.stale_report()
+        if text and text != self._stale_seen:
             progress.note(text)
-        elif not text:
-            self._stale_seen = ()
-
-    @property
-    def phase(self) -> str:
-        """Where the handle is: setup, ready, training, validating, evaluating <split>,
-        predicting, done, stopped or failed."""
-        return self._phase
-
-    @phase.setter
-    def phase(self, value: str) -> None:
-        self._phase = value
-        try:
-            self._reporter.phase(value)
-        except Exception:  # noqa: BLE001 - a display must never break a run
-            pass
+        self._stale_seen = text
 
     def __repr__(self) -> str:
-        return report.short_repr(self)
+        return displays.short_repr(self)
 
     def _repr_html_(self) -> str:
-        return report.handle_html(self)
+        return displays.handle_html(self)
+
+
+def _weights_source(weights: Any) -> WeightsSource | None:
+    if weights is None:
+        return None
+    if isinstance(weights, Nitro):
+        return weights._weights_copy()
+    if isinstance(weights, WeightsSource):
+        return weights
+    raise SetupError(f"weights= takes a Nitro handle to start from; got {type(weights).__name__}")

@@ -1,22 +1,24 @@
 """The programs a handle runs, as traceable functions plus the specs that key them.
 
-Each program takes flat lists of leaves (model parameters, other model state, optimizer
-state) so a call flattens nothing but lists, merges the NNX model inside the trace, and gives
-hooks a `TraceView` of the experiment. Programs:
+Each program takes the run's `Variables` (flat leaf lists, so a call flattens nothing but
+lists), merges the NNX model inside the trace, and gives hooks a `TraceView` of the
+experiment. Programs:
 
 - train step: forward, loss, gradient, optimizer update and (device) train metrics, fused into
-  one program over donated state. A non-finite loss leaves the state untouched from then on,
-  so the handle keeps the last good weights.
+  one program over donated variables. A non-finite loss leaves the variables untouched from
+  then on, so the handle keeps the last good weights.
 - eval forward: forward and the per-sample loss of an evaluation batch, masked to the real
   samples (the final short batch is padded to the compiled width).
 - predict: forward alone.
 - device metrics: a metrics hook traced on device.
+
+`ProgramSet` holds the programs one handle uses, each looked up in the module-level cache
+once.
 """
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Callable, Hashable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
@@ -24,15 +26,17 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from .compile_cache import Opaque, ProgramKind, ProgramSpec
+from .compile_cache import CACHE, Opaque, Program, ProgramKind, ProgramSpec
 from .fingerprint import CodeFingerprint
 from .metrics import split_modes
 from .routing import select
+from .run_setup import RunSetup
+from .state import StepOutput, Variables
 from .trace_view import TraceView
 
 __all__ = [
     "PROGRAM_UNITS",
-    "ProgramContext",
+    "ProgramSet",
     "device_metrics_spec",
     "eval_spec",
     "programs_using",
@@ -53,46 +57,38 @@ def programs_using(unit: str) -> tuple[ProgramKind, ...]:
     return tuple(kind for kind, units in PROGRAM_UNITS.items() if unit in units)
 
 
-@dataclasses.dataclass
-class ProgramContext:
-    """What a handle froze at construction that its programs need."""
+# ---------------------------------------------------------------------------------------------
+# what every program needs from the setup
 
-    cls: type
-    owner: str
-    graphconst: Mapping[str, Any]
-    hooks: Mapping[str, Callable]
-    graphdef_train: Any
-    graphdef_eval: Any
-    params_def: Any
-    rest_def: Any
-    opt_def: Any
-    tx: optax.GradientTransformation | None
-    hyper_names: tuple[str, ...]
-    hyper_dtypes: Mapping[str, Any]
-    check_divergence: bool
-    residency: Mapping[str, str]
-    code: Mapping[str, CodeFingerprint]
-    model_structure: Hashable
-    leaf_paths: Mapping[str, tuple[str, ...]] = dataclasses.field(default_factory=dict)
-    device_names: tuple[str, ...] = ()  # Device field names
 
-    def view(self, device: Mapping[str, Any], reads: set[str]) -> TraceView:
-        return TraceView(self.cls, self.graphconst, device, reads)
+def _view(setup: RunSetup, device: Mapping[str, Any], reads: set[str]) -> TraceView:
+    return TraceView(setup.cls, setup.experiment.graphconst, device, reads)
 
-    def call(self, hook: str, view: TraceView, *args, **kwargs):
-        return self.hooks[hook](view, *args, **kwargs)
 
-    def fingerprint(self, *units: str) -> CodeFingerprint:
-        return CodeFingerprint.combine(*(self.code[u] for u in units if u in self.code))
+def _call(setup: RunSetup, hook: str, view: TraceView, *args, **kwargs):
+    return setup.experiment.hooks[hook](view, *args, **kwargs)
 
-    def leaf_labels(self, batch: str, fields, *arguments: tuple[str, str]) -> dict[str, str]:
-        """Readable names for arguments' leaves, for compile explanations."""
-        labels = {f"{batch}['{name}']": name for hook in fields.values() for name in hook}
-        labels.update({f"device fields['{name}']": name for name in self.device_names})
-        for prefix, which in arguments:
-            for i, path in enumerate(self.leaf_paths.get(which, ())):
-                labels[f"{prefix}[{i}]"] = f"{which} {path}"
-        return labels
+
+def _fingerprint(setup: RunSetup, *units: str) -> CodeFingerprint:
+    code = setup.experiment.code
+    return CodeFingerprint.combine(*(code[u] for u in units if u in code))
+
+
+def _leaf_labels(setup: RunSetup, batch: str, fields, *arguments: tuple[str, str]):
+    """Readable names for arguments' leaves, for compile explanations."""
+    labels = {f"{batch}['{name}']": name for hook in fields.values() for name in hook}
+    labels.update({f"device fields['{name}']": name for name in setup.experiment.device_specs})
+    for prefix, which in arguments:
+        for i, path in enumerate(setup.model.leaf_paths.get(which, ())):
+            labels[f"{prefix}[{i}]"] = f"{which} {path}"
+    return labels
+
+
+def _unflatten(setup: RunSetup, variables: Variables):
+    model = setup.model
+    params = jax.tree.unflatten(model.params_def, variables.params)
+    rest = jax.tree.unflatten(model.model_state_def, variables.model_state)
+    return params, rest
 
 
 def _check_scalar_loss(loss: Any) -> Any:
@@ -105,27 +101,35 @@ def _check_scalar_loss(loss: Any) -> Any:
     return loss
 
 
-def train_step_spec(ctx: ProgramContext, fields: Mapping[str, tuple[str, ...]]) -> ProgramSpec:
-    train_metrics = ctx.residency.get("train_metrics") if "train_metrics" in ctx.hooks else None
-    uses_train_metrics = train_metrics == "device"
+def _fields_key(fields: Mapping[str, tuple[str, ...]], hooks) -> tuple:
+    return tuple((hook, tuple(fields.get(hook, ()))) for hook in hooks)
+
+
+# ---------------------------------------------------------------------------------------------
+# train step
+
+
+def train_step_spec(setup: RunSetup, fields: Mapping[str, tuple[str, ...]]) -> ProgramSpec:
+    residency = setup.experiment.train_metrics_residency
+    optimizer = setup.optimizer
+    check = setup.check_divergence
+    model = setup.model
 
     def build(reads: set[str]):
         aux: dict[str, Any] = {}
 
-        def train_step(carry, device, hparams, batch):
-            params_l, rest_l, opt_l, healthy = carry
-            params = jax.tree.unflatten(ctx.params_def, params_l)
-            rest = jax.tree.unflatten(ctx.rest_def, rest_l)
-            opt_state = jax.tree.unflatten(ctx.opt_def, opt_l)
-            view = ctx.view(device, reads)
+        def train_step(variables: Variables, healthy, device, hparams, batch) -> StepOutput:
+            params, rest = _unflatten(setup, variables)
+            opt_state = jax.tree.unflatten(model.opt_state_def, variables.opt_state)
+            view = _view(setup, device, reads)
 
             def objective(params, rest):
-                model = nnx.merge(ctx.graphdef_train, params, rest, copy=True)
-                outputs = ctx.call("forward", view, model, **select(batch, fields["forward"]))
+                module = nnx.merge(model.graphdef_train, params, rest, copy=True)
+                outputs = _call(setup, "forward", view, module, **select(batch, fields["forward"]))
                 loss = _check_scalar_loss(
-                    ctx.call("loss", view, outputs, **select(batch, fields["loss"]))
+                    _call(setup, "loss", view, outputs, **select(batch, fields["loss"]))
                 )
-                _, _, new_rest = nnx.split(model, nnx.Param, ...)
+                _, _, new_rest = nnx.split(module, nnx.Param, ...)
                 return loss, (outputs, new_rest)
 
             # `rest` (batch statistics, RNG counts) is an argument too, so the model's
@@ -133,14 +137,14 @@ def train_step_spec(ctx: ProgramContext, fields: Mapping[str, tuple[str, ...]]) 
             (loss, (outputs, new_rest)), grads = jax.value_and_grad(objective, has_aux=True)(
                 params, rest
             )
-            if ctx.hyper_names:
+            if optimizer.names:
                 injected = {
-                    name: hparams[i].astype(ctx.hyper_dtypes[name])
-                    for i, name in enumerate(ctx.hyper_names)
+                    name: hparams[i].astype(optimizer.dtypes[name])
+                    for i, name in enumerate(optimizer.names)
                 }
                 opt_state = opt_state._replace(hyperparams=injected)
 
-            if ctx.check_divergence:
+            if check:
                 # Once a loss is non-finite, every later step leaves the weights and the model
                 # state as they were, so the handle holds the last good ones. Zeroing the
                 # gradient and the update costs nothing (both fuse into existing loops); the
@@ -150,85 +154,86 @@ def train_step_spec(ctx: ProgramContext, fields: Mapping[str, tuple[str, ...]]) 
                 new_rest = jax.tree.map(
                     lambda new, old: jax.lax.select(healthy, new, old), new_rest, rest
                 )
-            updates, new_opt = ctx.tx.update(grads, opt_state, params)
-            if ctx.check_divergence:
+            updates, new_opt = optimizer.tx.update(grads, opt_state, params)
+            if check:
                 updates = jax.tree.map(lambda u: jnp.where(healthy, u, 0), updates)
             new_params = optax.apply_updates(params, updates)
             metrics = []
-            if train_metrics == "host":
+            if residency == "host":
                 metrics = outputs  # read back and reduced by the host hook
-            elif uses_train_metrics:
-                values = ctx.call(
-                    "train_metrics", view, outputs, **select(batch, fields["train_metrics"])
+            elif residency == "device":
+                values = _call(
+                    setup, "train_metrics", view, outputs, **select(batch, fields["train_metrics"])
                 )
                 aux["specs"], metrics = split_modes(values, "train_metrics")
-            if ctx.hyper_names:
+            if optimizer.names:
                 new_opt = new_opt._replace(hyperparams={})  # fed again next step
-            new_carry = (
-                jax.tree.leaves(new_params),
-                jax.tree.leaves(new_rest),
-                jax.tree.leaves(new_opt),
-                healthy,
+            new_variables = Variables(
+                params=jax.tree.leaves(new_params),
+                model_state=jax.tree.leaves(new_rest),
+                opt_state=jax.tree.leaves(new_opt),
             )
-            return new_carry, loss, metrics
+            return StepOutput(new_variables, healthy, loss, metrics)
 
         train_step.nitro_aux = aux
         return train_step
 
     units = [u for u in PROGRAM_UNITS[ProgramKind.TRAIN_STEP] if u != "train_metrics"]
-    if uses_train_metrics:
+    if residency == "device":
         units.append("train_metrics")
     return ProgramSpec(
         kind=ProgramKind.TRAIN_STEP,
-        owner=ctx.owner,
+        owner=setup.owner,
         build=build,
-        code=ctx.fingerprint(*units),
+        code=_fingerprint(setup, *units),
         static={
-            "model structure": Opaque(ctx.model_structure),
-            "check_divergence": ctx.check_divergence,
-            "train_metrics residency": ctx.residency.get("train_metrics", "none")
-            if "train_metrics" in ctx.hooks
-            else "none",
+            "model structure": Opaque(model.structure),
+            "check_divergence": check,
+            "train_metrics residency": residency or "none",
             "fields": _fields_key(fields, ("forward", "loss", "train_metrics")),
         },
-        graphconst=ctx.graphconst,
-        arg_names=("state", "device fields", "hyperparameters", "batch"),
+        graphconst=setup.experiment.graphconst,
+        arg_names=("variables", "healthy", "device fields", "hyperparameters", "batch"),
         donate_argnums=(0,),
-        leaf_labels=ctx.leaf_labels(
+        leaf_labels=_leaf_labels(
+            setup,
             "batch",
             fields,
-            ("state[0]", "parameter"),
-            ("state[1]", "model state"),
-            ("state[2]", "optimizer state"),
+            ("variables.params", "parameter"),
+            ("variables.model_state", "model state"),
+            ("variables.opt_state", "optimizer state"),
         ),
     )
 
 
+# ---------------------------------------------------------------------------------------------
+# eval forward and predict
+
+
 def eval_spec(
-    ctx: ProgramContext,
+    setup: RunSetup,
     fields: Mapping[str, tuple[str, ...]],
     *,
     with_loss: bool,
     return_outputs: bool,
-    label: str = "",
 ) -> ProgramSpec:
     """Eval forward (`with_loss`) or predict (forward alone)."""
+    model = setup.model
 
     def build(reads: set[str]):
         aux: dict[str, Any] = {}
 
-        def evaluate(params_l, rest_l, device, batch, n_real):
-            params = jax.tree.unflatten(ctx.params_def, params_l)
-            rest = jax.tree.unflatten(ctx.rest_def, rest_l)
-            view = ctx.view(device, reads)
-            model = nnx.merge(ctx.graphdef_eval, params, rest, copy=True)
-            outputs = ctx.call("forward", view, model, **select(batch, fields["forward"]))
+        def evaluate(variables: Variables, device, batch, n_real):
+            params, rest = _unflatten(setup, variables)
+            view = _view(setup, device, reads)
+            module = nnx.merge(model.graphdef_eval, params, rest, copy=True)
+            outputs = _call(setup, "forward", view, module, **select(batch, fields["forward"]))
             result = {}
             if return_outputs:
                 result["outputs"] = outputs
             if with_loss:
                 result["loss_sum"], aux["exact"] = _masked_loss_sum(
-                    ctx, view, outputs, select(batch, fields["loss"]), n_real
+                    setup, view, outputs, select(batch, fields["loss"]), n_real
                 )
             return result
 
@@ -236,28 +241,30 @@ def eval_spec(
         return evaluate
 
     kind = ProgramKind.EVAL_FORWARD if with_loss else ProgramKind.PREDICT
-    units = PROGRAM_UNITS[kind]
     hooks = ("forward", "loss") if with_loss else ("forward",)
     return ProgramSpec(
         kind=kind,
-        owner=ctx.owner,
+        owner=setup.owner,
         build=build,
-        code=ctx.fingerprint(*units),
+        code=_fingerprint(setup, *PROGRAM_UNITS[kind]),
         static={
-            "model structure": Opaque(ctx.model_structure),
+            "model structure": Opaque(model.structure),
             "returns outputs": return_outputs,
             "fields": _fields_key(fields, hooks),
         },
-        graphconst=ctx.graphconst,
-        arg_names=("parameters", "model state", "device fields", "batch", "real samples"),
-        label=label,
-        leaf_labels=ctx.leaf_labels(
-            "batch", fields, ("parameters", "parameter"), ("model state", "model state")
+        graphconst=setup.experiment.graphconst,
+        arg_names=("variables", "device fields", "batch", "real samples"),
+        leaf_labels=_leaf_labels(
+            setup,
+            "batch",
+            fields,
+            ("variables.params", "parameter"),
+            ("variables.model_state", "model state"),
         ),
     )
 
 
-def _masked_loss_sum(ctx, view, outputs, fields, n_real):
+def _masked_loss_sum(setup, view, outputs, fields, n_real):
     """Sum of per-sample losses over the real samples of a (padded) batch.
 
     Each sample's loss is the `loss` hook applied to a batch of one, which is exact for a loss
@@ -271,7 +278,8 @@ def _masked_loss_sum(ctx, view, outputs, fields, n_real):
     def one(sample_outputs, sample_fields):
         expand = lambda a: a[None]  # noqa: E731
         return _check_scalar_loss(
-            ctx.call(
+            _call(
+                setup,
                 "loss",
                 view,
                 jax.tree.map(expand, sample_outputs),
@@ -283,17 +291,21 @@ def _masked_loss_sum(ctx, view, outputs, fields, n_real):
         per_sample = jax.vmap(one)(outputs, fields)
         return jnp.sum(jnp.where(mask, per_sample.astype(jnp.float32), 0.0)), True
     except (TypeError, ValueError, IndexError):
-        whole = _check_scalar_loss(ctx.call("loss", view, outputs, **fields))
+        whole = _check_scalar_loss(_call(setup, "loss", view, outputs, **fields))
         return whole.astype(jnp.float32) * n_real, False
 
 
-def device_metrics_spec(ctx: ProgramContext, fields: Mapping[str, tuple[str, ...]]) -> ProgramSpec:
+# ---------------------------------------------------------------------------------------------
+# device metrics
+
+
+def device_metrics_spec(setup: RunSetup, fields: Mapping[str, tuple[str, ...]]) -> ProgramSpec:
     def build(reads: set[str]):
         aux: dict[str, Any] = {}
 
-        def metrics(outputs, device, fields):
-            view = ctx.view(device, reads)
-            values = ctx.call("metrics", view, outputs, **fields)
+        def metrics(outputs, device, batch):
+            view = _view(setup, device, reads)
+            values = _call(setup, "metrics", view, outputs, **batch)
             aux["specs"], leaves = split_modes(values, "metrics")
             return leaves
 
@@ -302,14 +314,64 @@ def device_metrics_spec(ctx: ProgramContext, fields: Mapping[str, tuple[str, ...
 
     return ProgramSpec(
         kind=ProgramKind.DEVICE_METRICS,
-        owner=ctx.owner,
+        owner=setup.owner,
         build=build,
-        code=ctx.fingerprint(*PROGRAM_UNITS[ProgramKind.DEVICE_METRICS]),
+        code=_fingerprint(setup, *PROGRAM_UNITS[ProgramKind.DEVICE_METRICS]),
         static={"fields": _fields_key(fields, ("metrics",))},
-        graphconst=ctx.graphconst,
+        graphconst=setup.experiment.graphconst,
         arg_names=("outputs", "device fields", "batch"),
     )
 
 
-def _fields_key(fields: Mapping[str, tuple[str, ...]], hooks) -> tuple:
-    return tuple((hook, tuple(fields.get(hook, ()))) for hook in hooks)
+# ---------------------------------------------------------------------------------------------
+# one handle's programs
+
+
+class ProgramSet:
+    """The programs one handle uses. Each slot is looked up in the module cache once; later
+    calls reuse the program the slot holds."""
+
+    def __init__(self, setup: RunSetup):
+        self.setup = setup
+        self._slots: dict[tuple, Program] = {}
+
+    def _get(self, slot: tuple, make_spec: Callable[[], ProgramSpec], args) -> Program:
+        program = self._slots.get(slot)
+        if program is None:
+            program = CACHE.lookup(make_spec(), args)
+            self._slots[slot] = program
+        return program
+
+    def train_step(self, args) -> Program:
+        fields = self.setup.splits["train"].hook_fields
+        return self._get(("train",), lambda: train_step_spec(self.setup, fields), args)
+
+    def eval_forward(self, split: str, args, *, with_loss: bool, return_outputs: bool) -> Program:
+        info = self.setup.splits[split]
+        return self._get(
+            ("eval", split, info.width),
+            lambda: eval_spec(
+                self.setup, info.hook_fields, with_loss=with_loss, return_outputs=return_outputs
+            ),
+            args,
+        )
+
+    def device_metrics(self, split: str, args) -> Program:
+        width = jax.tree.leaves(args[0])[0].shape[0]
+        fields = self.setup.splits[split].hook_fields
+        return self._get(
+            ("metrics", split, width), lambda: device_metrics_spec(self.setup, fields), args
+        )
+
+    def predict(self, width: int, fields: tuple[str, ...], args) -> Program:
+        return self._get(
+            ("predict", width, fields),
+            lambda: eval_spec(
+                self.setup, {"forward": fields}, with_loss=False, return_outputs=True
+            ),
+            args,
+        )
+
+    def held(self) -> list[str]:
+        """Titles of the programs this handle holds, sorted."""
+        return sorted({p.title for p in list(self._slots.values())})

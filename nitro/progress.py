@@ -1,18 +1,19 @@
-"""Progress reporting: what a run shows while it works.
+"""Progress reporters: what a run shows while it works.
 
-A reporter receives a handful of events from the loop (run start, epoch start, each read-back
-step, epoch end with the history row, notes such as compiles, run end). The default is a tqdm
-bar on a terminal and one line per epoch elsewhere; `progress=False` silences a run, and
-notebook integrations install their own reporter factory with `set_default_factory`.
+The reporters here implement the protocol of `nitro.events.Reporter`: a tqdm bar on a
+terminal, one line per epoch elsewhere, and silence with `progress=False`. Notebook
+integrations install their own reporter factory with `set_default_factory`.
 """
 
 from __future__ import annotations
 
 import sys
-import threading
 import time
-from collections.abc import Callable, Mapping
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any
+
+from . import events as _events
+from .events import EVENT_NAMES, Reporter
 
 __all__ = [
     "LineReporter",
@@ -22,21 +23,10 @@ __all__ = [
     "make_reporter",
     "note",
     "set_default_factory",
-    "using",
 ]
 
 
-class Reporter(Protocol):
-    def start_run(self, handle: Any, epochs: int) -> None: ...
-    def start_epoch(self, epoch: int, max_epochs: int, batches: int, start: int) -> None: ...
-    def step(self, step: int, loss: float) -> None: ...
-    def phase(self, phase: str) -> None: ...
-    def end_epoch(self, row: Mapping[str, Any]) -> None: ...
-    def note(self, message: str, done: bool = False) -> None: ...
-    def end_run(self, handle: Any) -> None: ...
-
-
-def format_row(row: Mapping[str, Any], max_epochs: int | None = None) -> str:
+def format_row(row: dict[str, Any], max_epochs: int | None = None) -> str:
     """`epoch 3/30  loss 0.2051  val_loss 0.1874  val_acc 0.9611  (0.41 s)`: the epoch's
     scalar results; the data-wait fraction only when it is worth a look."""
     epoch = f"epoch {row.get('epoch')}" + (f"/{max_epochs}" if max_epochs else "")
@@ -58,6 +48,8 @@ def format_row(row: Mapping[str, Any], max_epochs: int | None = None) -> str:
 
 
 class SilentReporter:
+    """Every event ignored: a base class for reporters that handle a few of them."""
+
     def start_run(self, handle, epochs):
         pass
 
@@ -162,58 +154,44 @@ def _default_factory() -> Reporter:
     return LineReporter()
 
 
-_FACTORY: list[Callable[[], Reporter]] = [_default_factory]
-_LOCAL = threading.local()
+_FACTORY: list[Callable[[], Any]] = [_default_factory]
 
 
-def set_default_factory(factory: Callable[[], Reporter] | None) -> None:
+def set_default_factory(factory: Callable[[], Any] | None) -> None:
     """Install the factory that builds a reporter for each run (`None` restores the default)."""
     _FACTORY[0] = factory or _default_factory
 
 
-def make_reporter(setting: Any) -> Reporter:
-    """`True` -> the default reporter, `False`/`None` -> silent, `"lines"`/`"bar"`, or a reporter."""
+def make_reporter(setting: Any) -> Any:
+    """`True` -> the default reporter, `False`/`None` -> None (silent), `"lines"`/`"bar"`, or
+    an object implementing any of the `nitro.events.Reporter` methods."""
     if setting is True:
         return _FACTORY[0]()
     if setting is False or setting is None:
-        return SilentReporter()
+        return None
     if setting == "lines":
         return LineReporter()
     if setting == "bar":
         return TqdmReporter()
-    if all(hasattr(setting, m) for m in ("start_epoch", "step", "end_epoch", "note")):
+    if not isinstance(setting, (str, bool, int, float)) and any(
+        callable(getattr(setting, m, None)) for m in EVENT_NAMES
+    ):
         return setting
     raise ValueError(
-        f"progress={setting!r} is not a progress setting: use True, False, 'lines', 'bar' "
-        f"or an object with start_epoch/step/end_epoch/note methods"
+        f"progress={setting!r} is not a progress setting: use True, False, 'lines', 'bar' or a "
+        f"reporter, an object with any of the methods {', '.join(EVENT_NAMES)} "
+        f"(see nitro.events.Reporter)"
     )
 
 
-class using:
-    """Context manager: make `reporter` the current thread's reporter."""
-
-    def __init__(self, reporter: Reporter):
-        self.reporter = reporter
-
-    def __enter__(self):
-        self.previous = getattr(_LOCAL, "reporter", None)
-        _LOCAL.reporter = self.reporter
-        return self.reporter
-
-    def __exit__(self, *exc):
-        _LOCAL.reporter = self.previous
-
-
-def current() -> Reporter | None:
-    return getattr(_LOCAL, "reporter", None)
-
-
 def note(message: str, done: bool = False) -> None:
-    """A short progress note ("compiling train step ..."), shown by the current reporter."""
-    reporter = current()
-    if reporter is None:
-        reporter = _NOTE_FALLBACK[0]
-    reporter.note(message, done)
+    """A short progress note ("compiling train step ..."), shown by the current run's
+    reporters, or on stderr outside a run."""
+    events = _events.current()
+    if events is not None:
+        events.note(message, done)
+    else:
+        _NOTE_FALLBACK[0].note(message, done)
 
 
-_NOTE_FALLBACK: list[Reporter] = [LineReporter()]
+_NOTE_FALLBACK: list[Any] = [LineReporter()]

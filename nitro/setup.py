@@ -1,14 +1,16 @@
-"""Setup: what `Nitro(e)` does before anything compiles.
+"""Setup: what `Nitro(e)` does before anything compiles, one function per step.
 
-In order: resolve the run keywords, freeze the hooks, build the data, convert the Device
-fields, build the model (and copy `weights=`), build the optimizer state, route batch fields
-from each split's first batch, bind schedules, and freeze the code fingerprints the compile
-cache keys programs on.
+In order: freeze the hooks, build the data, convert the Device fields, build the model (and
+copy `weights=`), build the optimizer state, route batch fields from each split's first batch,
+bind schedules, and freeze the code fingerprints the compile cache keys programs on. The result
+is a frozen `RunSetup` and the initial `TrainState`; nothing is written anywhere else.
 """
 
 from __future__ import annotations
 
+import inspect
 import time
+import types
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -17,21 +19,23 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from . import progress, report
 from .compile_cache import configure_persistent_cache
 from .data import NoPrefetch, Prefetcher, PrefetchSettings, is_index_addressable
-from .errors import SetupError
+from .errors import RoutingError, SetupError
+from .events import Events
 from .experiments import REQUIRED_HOOKS, FieldKind, field_specs, has_method
 from .fingerprint import CodeFingerprint, Fingerprinter
 from .optimizer import build_optimizer
 from .placement import Placement
-from .programs import ProgramContext
-from .routing import RoutingError, hook_fields
-from .run_keywords import resolve_run_keywords
+from .routing import hook_fields
+from .run_keywords import Resolved
+from .run_setup import ExperimentSetup, ModelSetup, RunSetup, SplitSetup
 from .schedules import bind_schedules
+from .state import TrainState, Variables
 from .step_feed import StepFeed
+from .weights import WeightsSource, check_same_tree, copy_array
 
-__all__ = ["SetupError", "batch_size", "build", "copy_array"]
+__all__ = ["batch_size", "build"]
 
 OPTIONAL_HOOKS = ("metrics", "train_metrics", "finalize_metrics")
 HOOK_POSITIONAL = {
@@ -41,220 +45,113 @@ HOOK_POSITIONAL = {
     "train_metrics": ("outputs",),
 }
 DEFAULT_RESIDENCY = {"train_metrics": "device", "metrics": "host"}
+TRACED_CODE_HOOKS = ("forward", "loss", "metrics", "train_metrics")
 
 
-def build(h, keywords: dict[str, Any]) -> None:
+def build(
+    instance: Any,
+    keywords: Mapping[str, Resolved],
+    given: Mapping[str, Any],
+    *,
+    events: Events,
+    data: Mapping[str, Any] | None = None,
+    weights: WeightsSource | None = None,
+) -> tuple[RunSetup, TrainState]:
     """The setup sequence of `Nitro(e, **keywords)`: nothing compiles here."""
     configure_persistent_cache()  # before build_model, so its init ops are cached too
-    weights = keywords.pop("weights", None)
-    data = keywords.pop("data", None)
-    value = _configure(h, keywords)
-    _freeze_hooks(h)
-    _build_data(h, data, value["n_devs"])
-    device_values = _device_fields(h)
-    graphdefs, params, rest = _build_model(h, weights)
-    opt_state = _build_optimizer(h, value, params)
-    _route(h)
-    _bind_schedules(h, value, device_values)
-    _freeze_programs(h, graphdefs, params, rest, opt_state)
-
-
-def _configure(h, keywords: dict[str, Any]) -> dict[str, Any]:
-    """Resolve the run keywords; returns their values by name."""
-    h.run = resolve_run_keywords(h.experiment, keywords)
-    value = {k: r.value for k, r in h.run.items()}
-    h.seed = value["seed"]
-    h.max_epochs = value["max_epochs"]
-    h.run_dir = value["run_dir"]
-    h._check_divergence = value["check_divergence"]
-    h._reporter = progress.make_reporter(value["progress"])
-    h._prefetch_mode = value["prefetch"]
-    if h._prefetch_mode == "auto" and h.run["prefetch_workers"].source != "framework default":
-        h._prefetch_mode = "threads"  # asking for workers means wanting them
-    h._prefetch_settings = PrefetchSettings(
+    value = {k: r.value for k, r in keywords.items()}
+    cls = type(instance)
+    hooks, hook_functions = _freeze_hooks(cls)
+    residency = _resolve_residency(instance)
+    hooks_fields = {
+        name: hook_fields(cls, name, HOOK_POSITIONAL[name])
+        for name in HOOK_POSITIONAL
+        if name in hooks
+    }
+    splits_given = _build_data(instance, data, events)
+    placement = Placement(value["n_devs"])
+    device_specs, device_dtypes, device_values = _device_fields(instance, placement)
+    graphdefs, params, rest, origin = _build_model(instance, value["seed"], weights, events)
+    params = placement.put_replicated(params)
+    rest = placement.put_replicated(rest)
+    optimizer, opt_state = _build_optimizer(keywords, splits_given, params, placement)
+    prefetch_mode = value["prefetch"]
+    if prefetch_mode == "auto" and keywords["prefetch_workers"].source != "framework default":
+        prefetch_mode = "threads"  # asking for workers means wanting them
+    prefetch = PrefetchSettings(
         workers=value["prefetch_workers"],
         device_batches=value["device_batches"],
         host_batches=value["host_batches"],
         ordered=value["ordered"],
     )
-    return value
-
-
-def _freeze_hooks(h) -> None:
-    """GraphConst values and copies of the hook functions, as they are now."""
-    h._graphconst = {
-        s.name: getattr(h.experiment, s.name)
-        for s in field_specs(h.cls)
-        if s.kind is FieldKind.GRAPHCONST
-    }
-    h._hooks = {}
-    h._hook_functions = {}
-    for name in REQUIRED_HOOKS[2:] + OPTIONAL_HOOKS:
-        if has_method(h.cls, name):
-            h._hook_functions[name], h._hooks[name] = _hook_function(h.cls, name)
-    h._residency = _resolve_residency(h)
-    h._train_metrics_residency = (
-        h._residency["train_metrics"] if "train_metrics" in h._hooks else None
-    )
-
-
-def _build_data(h, data: Any, n_devs: int) -> None:
-    h.phase = "building data"
-    if data is None:
-        data = h.experiment.build_data()
-    if not isinstance(data, Mapping):
-        raise SetupError(
-            f"build_data must return a dict of split name -> loader, e.g. "
-            f"{{'train': ..., 'val': ...}}; got {type(data).__name__}"
+    events.phase("routing")
+    splits = {
+        name: _setup_split(
+            name, source, placement, hooks, hooks_fields, residency, prefetch, prefetch_mode
         )
-    h.splits = dict(data)
-    h.placement = Placement(n_devs)
-
-
-def _device_fields(h) -> dict[str, jax.Array]:
-    """Device fields, converted to their declared dtype once and replicated."""
-    h._device_specs = {s.name: s for s in field_specs(h.cls) if s.kind is FieldKind.DEVICE}
-    h._device_dtypes = {}
-    values = {}
-    for name, spec in h._device_specs.items():
-        raw = getattr(h.experiment, name)
-        dtype = _device_dtype(spec.type, raw)
-        h._device_dtypes[name] = dtype
-        values[name] = h.placement.put_replicated(jnp.asarray(raw, dtype=dtype))
-    return values
-
-
-def _build_model(h, weights: Any):
-    """(train and eval graph definitions), parameters, other model state."""
-    h.phase = "building model"
-    model = h.experiment.build_model(nnx.Rngs(h.seed))
-    if not isinstance(model, nnx.Module):
-        raise SetupError(f"build_model must return a flax.nnx.Module; got {type(model).__name__}")
-    model.train()
-    graphdef_train, params, rest = nnx.split(model, nnx.Param, ...)
-    model.eval()
-    graphdef_eval, _, _ = nnx.split(model, nnx.Param, ...)
-    model.train()
-    h.weights_origin = "build_model"
-    if weights is not None:
-        params, rest = _weights_from(h, weights, params, rest)
-    params = h.placement.put_replicated(params)
-    rest = h.placement.put_replicated(rest)
-    h.param_count = int(sum(np.size(x) for x in jax.tree.leaves(params)))
-    return (graphdef_train, graphdef_eval), params, rest
-
-
-def _build_optimizer(h, value: dict[str, Any], params):
-    """The optimizer and its state, when there is a train split to use them."""
-    h.optimizer = None
-    if "train" not in h.splits:
-        return None
-    lr_explicit = h.run["learning_rate"].source != "framework default"
-    h.optimizer, opt_state = build_optimizer(
-        value["optimizer"], value["learning_rate"], lr_explicit, params
-    )
-    if h.optimizer.hyperparams:
-        # Injected hyperparameters are fed to every step as arguments; carrying them in the
-        # state as well would only add outputs to every step.
-        opt_state = opt_state._replace(hyperparams={})
-    return h.placement.put_replicated(opt_state)
-
-
-def _route(h) -> None:
-    """Which batch fields each hook receives, from the first batch of each split."""
-    h.phase = "routing"
-    h._hook_fields = {
-        name: hook_fields(h.cls, name, HOOK_POSITIONAL[name])
-        for name in HOOK_POSITIONAL
-        if name in h._hooks
+        for name, source in splits_given.items()
     }
-    h._fields = {}
-    h._split_info = {}
-    h._prefetchers = {}
-    for split, source in h.splits.items():
-        _setup_split(h, split, source)
-
-
-def _bind_schedules(h, value: dict[str, Any], device_values) -> None:
-    total = None
-    if "train" in h.splits:
-        try:
-            total = h.max_epochs * len(h.splits["train"])
-        except TypeError:
-            total = None
-    h.total_steps = total
-    hyperparams = dict(h.optimizer.hyperparams) if h.optimizer else {}
-    h.schedules = bind_schedules(
-        value["schedules"],
-        hyperparams=hyperparams,
-        device_fields=h._device_specs,
-        other_fields={
-            s.name: s.kind.value for s in field_specs(h.cls) if s.kind is not FieldKind.DEVICE
+    total_steps, schedules, feed = _bind_schedules(
+        instance, keywords, splits, optimizer, device_specs, device_dtypes, device_values, placement
+    )
+    code, model = _freeze_code(cls, hook_functions, graphdefs, params, rest, opt_state, optimizer)
+    experiment = ExperimentSetup(
+        cls=cls,
+        owner=f"{cls.__module__}.{cls.__qualname__}",
+        instance=instance,
+        graphconst={
+            s.name: getattr(instance, s.name)
+            for s in field_specs(cls)
+            if s.kind is FieldKind.GRAPHCONST
         },
-        total_steps=total,
+        device_specs=device_specs,
+        device_dtypes=device_dtypes,
+        hooks=hooks,
+        hook_functions=hook_functions,
+        hook_fields=hooks_fields,
+        residency=residency,
+        code=code,
+        model_classes=model.pop("classes"),
     )
-    constants = dict(hyperparams)
-    if h.optimizer and h.optimizer.uses_learning_rate and "learning_rate" in constants:
-        constants["learning_rate"] = value["learning_rate"]
-    h._feed = StepFeed(
-        hyper_names=h.optimizer.names if h.optimizer else (),
-        hyper_constants=constants,
-        schedules=h.schedules,
-        device_values=device_values,
-        device_dtypes=h._device_dtypes,
-        placement=h.placement,
+    setup = RunSetup(
+        experiment=experiment,
+        keywords=dict(keywords),
+        given_keywords=dict(given),
+        seed=value["seed"],
+        max_epochs=value["max_epochs"],
+        run_dir=value["run_dir"],
+        check_divergence=value["check_divergence"],
+        splits=splits,
+        placement=placement,
+        model=ModelSetup(
+            **model,
+            param_count=int(sum(np.size(x) for x in jax.tree.leaves(params))),
+            weights_origin=origin,
+        ),
+        optimizer=optimizer,
+        schedules=tuple(schedules),
+        total_steps=total_steps,
+        feed=feed,
+        prefetch=prefetch,
     )
+    state = TrainState(
+        variables=Variables(
+            params=jax.tree.leaves(params),
+            model_state=jax.tree.leaves(rest),
+            opt_state=jax.tree.leaves(opt_state) if opt_state is not None else None,
+        ),
+        seed=value["seed"],
+    )
+    return setup, state
 
 
-def _freeze_programs(h, graphdefs, params, rest, opt_state) -> None:
-    """Code fingerprints and everything the programs need; the initial train carry."""
-    fingerprinter = Fingerprinter()
-    model_structure = fingerprinter.structure(graphdefs[0])
-    h._model_classes = tuple(fingerprinter.classes)
-    h._code = _hook_fingerprints(h)
-    h._code["model"] = fingerprinter.fingerprint()
-    if h.optimizer is not None:
-        opt_fp = Fingerprinter()
-        opt_fp.value(h.optimizer.tx.update, "optimizer update")
-        h._code["optimizer"] = opt_fp.fingerprint()
-    h._ctx = ProgramContext(
-        cls=h.cls,
-        owner=h.owner,
-        graphconst=h._graphconst,
-        hooks=h._hooks,
-        graphdef_train=graphdefs[0],
-        graphdef_eval=graphdefs[1],
-        params_def=jax.tree.structure(params),
-        rest_def=jax.tree.structure(rest),
-        opt_def=jax.tree.structure(opt_state) if opt_state is not None else None,
-        tx=h.optimizer.tx if h.optimizer else None,
-        hyper_names=h.optimizer.names if h.optimizer else (),
-        hyper_dtypes=h.optimizer.dtypes if h.optimizer else {},
-        check_divergence=h._check_divergence,
-        residency=h._residency,
-        code=h._code,
-        model_structure=model_structure,
-        leaf_paths={
-            "parameter": _leaf_paths(params),
-            "model state": _leaf_paths(rest),
-            "optimizer state": _leaf_paths(opt_state) if opt_state is not None else (),
-        },
-        device_names=tuple(h._device_specs),
-    )
-    healthy = h.placement.put_replicated(jnp.asarray(True))
-    h._carry = (
-        jax.tree.leaves(params),
-        jax.tree.leaves(rest),
-        jax.tree.leaves(opt_state) if opt_state is not None else None,
-        healthy,
-    )
+# ---------------------------------------------------------------------------------------------
+# hooks
 
 
 def _frozen_copy(fn):
     """A copy of a function with today's code: an in-place patch of the original (IPython's
     autoreload swaps `__code__`) does not reach a handle that froze its hooks."""
-    import types
-
     if not isinstance(fn, types.FunctionType):
         return fn
     copy = types.FunctionType(
@@ -270,8 +167,6 @@ def _frozen_copy(fn):
 
 def _hook_function(cls: type, name: str):
     """(the function to fingerprint, the callable taking the view first), frozen now."""
-    import inspect
-
     attr = inspect.getattr_static(cls, name)
     if isinstance(attr, staticmethod):
         fn = _frozen_copy(attr.__func__)
@@ -281,6 +176,106 @@ def _hook_function(cls: type, name: str):
         return fn, (lambda view, *a, **k: fn(cls, *a, **k))
     fn = _frozen_copy(attr)
     return fn, fn
+
+
+def _freeze_hooks(cls: type) -> tuple[dict, dict]:
+    """Copies of the hook functions as they are now: (callables, functions)."""
+    hooks, functions = {}, {}
+    for name in REQUIRED_HOOKS[2:] + OPTIONAL_HOOKS:
+        if has_method(cls, name):
+            functions[name], hooks[name] = _hook_function(cls, name)
+    return hooks, functions
+
+
+def _resolve_residency(instance: Any) -> dict[str, str]:
+    residency = dict(DEFAULT_RESIDENCY)
+    if has_method(type(instance), "metrics_residency"):
+        for hook in residency:
+            chosen = instance.metrics_residency(hook)
+            if chosen not in ("host", "device"):
+                raise SetupError(
+                    f"metrics_residency({hook!r}) returned {chosen!r}; it must return "
+                    f"'host' or 'device'"
+                )
+            residency[hook] = chosen
+    return residency
+
+
+# ---------------------------------------------------------------------------------------------
+# data, Device fields, model, optimizer
+
+
+def _build_data(instance: Any, data: Any, events: Events) -> dict[str, Any]:
+    events.phase("building data")
+    if data is None:
+        data = instance.build_data()
+    if not isinstance(data, Mapping):
+        raise SetupError(
+            f"build_data must return a dict of split name -> loader, e.g. "
+            f"{{'train': ..., 'val': ...}}; got {type(data).__name__}"
+        )
+    return dict(data)
+
+
+def _device_dtype(spec_type: Any, value: Any):
+    if spec_type is float or spec_type == "float":
+        return jnp.float32
+    if spec_type is int or spec_type == "int":
+        return jnp.int32
+    if spec_type is bool or spec_type == "bool":
+        return jnp.bool_
+    return jnp.asarray(value).dtype
+
+
+def _device_fields(instance: Any, placement: Placement):
+    """Device fields, converted to their declared dtype once and replicated."""
+    specs = {s.name: s for s in field_specs(type(instance)) if s.kind is FieldKind.DEVICE}
+    dtypes, values = {}, {}
+    for name, spec in specs.items():
+        raw = getattr(instance, name)
+        dtypes[name] = _device_dtype(spec.type, raw)
+        values[name] = placement.put_replicated(jnp.asarray(raw, dtype=dtypes[name]))
+    return specs, dtypes, values
+
+
+def _build_model(instance: Any, seed: int, weights: WeightsSource | None, events: Events):
+    """(train and eval graph definitions), parameters, other model state, weights origin."""
+    events.phase("building model")
+    model = instance.build_model(nnx.Rngs(seed))
+    if not isinstance(model, nnx.Module):
+        raise SetupError(f"build_model must return a flax.nnx.Module; got {type(model).__name__}")
+    model.train()
+    graphdef_train, params, rest = nnx.split(model, nnx.Param, ...)
+    model.eval()
+    graphdef_eval, _, _ = nnx.split(model, nnx.Param, ...)
+    model.train()
+    origin = "build_model"
+    if weights is not None:
+        check_same_tree("parameters", params, weights.params)
+        check_same_tree("model state", rest, weights.model_state)
+        params = jax.tree.map(copy_array, weights.params)
+        rest = jax.tree.map(copy_array, weights.model_state)
+        origin = weights.origin
+    return (graphdef_train, graphdef_eval), params, rest, origin
+
+
+def _build_optimizer(keywords, splits, params, placement):
+    """The optimizer and its state, when there is a train split to use them."""
+    if "train" not in splits:
+        return None, None
+    lr_explicit = keywords["learning_rate"].source != "framework default"
+    optimizer, opt_state = build_optimizer(
+        keywords["optimizer"].value, keywords["learning_rate"].value, lr_explicit, params
+    )
+    if optimizer.hyperparams:
+        # Injected hyperparameters are fed to every step as arguments; carrying them in the
+        # state as well would only add outputs to every step.
+        opt_state = opt_state._replace(hyperparams={})
+    return optimizer, placement.put_replicated(opt_state)
+
+
+# ---------------------------------------------------------------------------------------------
+# splits and routing
 
 
 def _peek(source: Any, split: str) -> tuple[Mapping[str, Any], float | None]:
@@ -325,31 +320,16 @@ def batch_size(batch: Mapping[str, Any], split: str) -> int:
     return next(iter(lengths.values()))
 
 
-def _device_dtype(spec_type: Any, value: Any):
-    if spec_type is float or spec_type == "float":
-        return jnp.float32
-    if spec_type is int or spec_type == "int":
-        return jnp.int32
-    if spec_type is bool or spec_type == "bool":
-        return jnp.bool_
-    return jnp.asarray(value).dtype
-
-
-def _resolve_residency(h) -> dict[str, str]:
-    residency = dict(DEFAULT_RESIDENCY)
-    if has_method(h.cls, "metrics_residency"):
-        for hook in residency:
-            chosen = h.experiment.metrics_residency(hook)
-            if chosen not in ("host", "device"):
-                raise SetupError(
-                    f"metrics_residency({hook!r}) returned {chosen!r}; it must return "
-                    f"'host' or 'device'"
-                )
-            residency[hook] = chosen
-    return residency
-
-
-def _setup_split(h, split: str, source: Any) -> None:
+def _setup_split(
+    split: str,
+    source: Any,
+    placement: Placement,
+    hooks: Mapping[str, Any],
+    hooks_fields: Mapping[str, Any],
+    residency: Mapping[str, str],
+    prefetch: PrefetchSettings,
+    prefetch_mode: str,
+) -> SplitSetup:
     if not isinstance(source, Iterable) and not is_index_addressable(source):
         raise SetupError(
             f"split '{split}' is a {type(source).__name__}; a split is a restartable "
@@ -358,11 +338,12 @@ def _setup_split(h, split: str, source: Any) -> None:
     inner = source.source if isinstance(source, NoPrefetch) else source
     first, build_seconds = _peek(inner, split)
     width = getattr(inner, "batch_size", None) or batch_size(first, split)
-    h.placement.check_batch(width, split)
+    placement.check_batch(width, split)
     available = tuple(first)
-    fields: dict[str, tuple[str, ...]] = {}
     training = split == "train"
-    for hook, spec in h._hook_fields.items():
+    train_metrics = residency["train_metrics"] if "train_metrics" in hooks else None
+    fields: dict[str, tuple[str, ...]] = {}
+    for hook, spec in hooks_fields.items():
         if hook == "train_metrics" and not training:
             continue
         if hook == "metrics" and training:
@@ -375,73 +356,79 @@ def _setup_split(h, split: str, source: Any) -> None:
             continue
         fields[hook] = spec.resolve(available, split)
     traced = {"forward", "loss"}
-    if training and h._train_metrics_residency == "device":
+    if training and train_metrics == "device":
         traced.add("train_metrics")
-    if not training and h._residency.get("metrics") == "device":
+    if not training and residency.get("metrics") == "device":
         traced.add("metrics")
     route = frozenset(f for hook in traced for f in fields.get(hook, ()))
-    keep_host = (not training and "metrics" in h._hooks) or (
-        training and h._train_metrics_residency == "host"
-    )
-    h._fields[split] = fields
-    h._prefetchers[split] = Prefetcher(
+    keep_host = (not training and "metrics" in hooks) or (training and train_metrics == "host")
+    prefetcher = Prefetcher(
         source,
-        place=h.placement.put_batch,
+        place=placement.put_batch,
         route=route,
-        settings=h._prefetch_settings,
+        settings=prefetch,
         pad_to=None if training else width,
         keep_host=keep_host,
         name=split,
-        mode=h._prefetch_mode,
+        mode=prefetch_mode,
         build_seconds=build_seconds,
     )
-    num_samples = getattr(inner, "num_samples", None)
     try:
         batches = len(source)
     except TypeError:
         batches = None
-    h._split_info[split] = {
-        "batches": batches,
-        "width": width,
-        "global_width": width * h.placement.n_devs // h.placement.local_share
-        if h.placement.multi_process
+    return SplitSetup(
+        name=split,
+        source=source,
+        batches=batches,
+        width=width,
+        global_width=width * placement.n_devs // placement.local_share
+        if placement.multi_process
         else width,
-        "samples": num_samples,
-        "dropped": getattr(inner, "dropped", 0) if training else 0,
-        "fields": available,
-        "device_fields": tuple(sorted(route)),
-    }
+        samples=getattr(inner, "num_samples", None),
+        dropped=getattr(inner, "dropped", 0) if training else 0,
+        fields=available,
+        device_fields=tuple(sorted(route)),
+        hook_fields=fields,
+        prefetcher=prefetcher,
+    )
 
 
-def _hook_fingerprints(h) -> dict[str, CodeFingerprint]:
-    code = {}
-    for name, fn in h._hook_functions.items():
-        if name in ("forward", "loss", "metrics", "train_metrics"):
-            fp = Fingerprinter(self_class=h.cls)
-            fp.hook(name, fn)
-            code[name] = fp.fingerprint()
-    return code
+# ---------------------------------------------------------------------------------------------
+# schedules, code fingerprints
 
 
-def _weights_from(h, source: Any, params, rest):
-    if type(source).__name__ != "Nitro" or not hasattr(source, "_carry"):
-        raise SetupError(
-            f"weights= takes a Nitro handle to start from; got {type(source).__name__}"
-        )
-    with source._lock:
-        src_params = jax.tree.unflatten(source._ctx.params_def, source._carry[0])
-        src_rest = jax.tree.unflatten(source._ctx.rest_def, source._carry[1])
-        report.check_same_tree("parameters", params, src_params)
-        report.check_same_tree("model state", rest, src_rest)
-        h.weights_origin = f"weights of {source!r}"
-        return jax.tree.map(copy_array, src_params), jax.tree.map(copy_array, src_rest)
-
-
-def copy_array(x: jax.Array) -> jax.Array:
-    """A fresh copy on the same devices (no compile; across processes a jitted copy)."""
-    if x.is_fully_addressable:
-        return jax.device_put(x, x.sharding, may_alias=False)
-    return jnp.array(x, copy=True)
+def _bind_schedules(
+    instance, keywords, splits, optimizer, device_specs, device_dtypes, device_values, placement
+):
+    total = None
+    train = splits.get("train")
+    if train is not None and train.batches is not None:
+        total = keywords["max_epochs"].value * train.batches
+    hyperparams = dict(optimizer.hyperparams) if optimizer else {}
+    schedules = bind_schedules(
+        keywords["schedules"].value,
+        hyperparams=hyperparams,
+        device_fields=device_specs,
+        other_fields={
+            s.name: s.kind.value
+            for s in field_specs(type(instance))
+            if s.kind is not FieldKind.DEVICE
+        },
+        total_steps=total,
+    )
+    constants = dict(hyperparams)
+    if optimizer and optimizer.uses_learning_rate and "learning_rate" in constants:
+        constants["learning_rate"] = keywords["learning_rate"].value
+    feed = StepFeed(
+        hyper_names=optimizer.names if optimizer else (),
+        hyper_constants=constants,
+        schedules=schedules,
+        device_values=device_values,
+        device_dtypes=device_dtypes,
+        placement=placement,
+    )
+    return total, schedules, feed
 
 
 def _leaf_paths(tree: Any) -> tuple[str, ...]:
@@ -449,3 +436,36 @@ def _leaf_paths(tree: Any) -> tuple[str, ...]:
         jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value")
         for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
     )
+
+
+def _freeze_code(cls, hook_functions, graphdefs, params, rest, opt_state, optimizer):
+    """Code fingerprints (hooks, model classes, optimizer update) and the model's tree
+    definitions; returns (code, model fields)."""
+    code: dict[str, CodeFingerprint] = {}
+    for name, fn in hook_functions.items():
+        if name in TRACED_CODE_HOOKS:
+            fp = Fingerprinter(self_class=cls)
+            fp.hook(name, fn)
+            code[name] = fp.fingerprint()
+    fingerprinter = Fingerprinter()
+    structure = fingerprinter.structure(graphdefs[0])
+    code["model"] = fingerprinter.fingerprint()
+    if optimizer is not None:
+        opt_fp = Fingerprinter()
+        opt_fp.value(optimizer.tx.update, "optimizer update")
+        code["optimizer"] = opt_fp.fingerprint()
+    model = {
+        "graphdef_train": graphdefs[0],
+        "graphdef_eval": graphdefs[1],
+        "params_def": jax.tree.structure(params),
+        "model_state_def": jax.tree.structure(rest),
+        "opt_state_def": jax.tree.structure(opt_state) if opt_state is not None else None,
+        "structure": structure,
+        "leaf_paths": {
+            "parameter": _leaf_paths(params),
+            "model state": _leaf_paths(rest),
+            "optimizer state": _leaf_paths(opt_state) if opt_state is not None else (),
+        },
+        "classes": tuple(fingerprinter.classes),
+    }
+    return code, model

@@ -76,7 +76,6 @@ class StepFeed:
         self._hparams = placement.put_replicated(self._constants)
         self._device = dict(device_values)
         self._device_host = {k: np.asarray(v) for k, v in device_values.items()}
-        self.last_values: dict[str, float] = {}
 
     def hparams(self, step: int):
         if not self._opt:
@@ -86,7 +85,6 @@ class StepFeed:
             evaluator = self._opt.get(name)
             if evaluator is not None:
                 values[i] = evaluator(step)
-                self.last_values[f"opt.{name}"] = float(values[i])
         if not np.array_equal(values, self._hparams_host):
             self._hparams_host = values
             self._hparams = self.placement.put_replicated(values)
@@ -97,7 +95,6 @@ class StepFeed:
             return self._device
         for name, evaluator in self._dev.items():
             value = np.asarray(evaluator(step), dtype=self.device_dtypes[name])
-            self.last_values[f"device.{name}"] = value.item()
             if not np.array_equal(value, self._device_host[name]):
                 self._device_host[name] = value
                 self._device = {**self._device, name: self.placement.put_replicated(value)}
@@ -105,6 +102,11 @@ class StepFeed:
 
     def current_device(self) -> dict[str, Any]:
         return self._device
+
+    def device_value(self, name: str) -> Any:
+        """A Device field's current value on the host (a Python scalar for 0-d values)."""
+        value = self._device_host[name]
+        return value.item() if np.ndim(value) == 0 else np.array(value)
 
     def hyperparams_now(self) -> dict[str, float]:
         return {name: float(v) for name, v in zip(self.hyper_names, self._hparams_host)}

@@ -14,8 +14,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 
 import nitro
-from nitro.experiments import is_experiment
-from nitro.report import current_class
+from nitro.staleness import current_class, is_experiment
 
 from . import runs
 
@@ -254,9 +253,7 @@ class NitroMagics(Magics):
         ):
             return handle
         source = None if fresh else weights
-        keywords = {}
-        if handle is not None:
-            keywords = {k: r.value for k, r in handle.run.items() if r.source == "Nitro keyword"}
+        keywords = handle.given_keywords if handle is not None else {}
         try:
             new = nitro.Nitro(live, weights=source, **keywords)
         except nitro.SetupError as error:

@@ -8,8 +8,9 @@ never runs under a cell. A module whose experiments are training reloads after t
 
 Without IPython's `%autoreload`, Nitro reloads the module itself (`importlib.reload`); a file
 that does not compile, or a reload that raises, leaves the module exactly as it was and shows
-the error. With `%autoreload` active for the module, autoreload reloads it and Nitro only
-reports. Either way, each live handle gets one report of the programs the edit makes stale.
+the error. With the autoreload extension loaded, Nitro lets it reload first (before each cell)
+and only reports; a changed file that autoreload left alone (not covered by its mode, or its
+reload failed) Nitro reloads itself, with the same guarantees. Either way, each live handle gets one report of the programs the edit makes stale.
 Cells that redefine an experiment class are reported the same way (the `post_run_cell` event).
 """
 
@@ -26,8 +27,7 @@ import weakref
 from typing import Any
 
 import nitro
-from nitro.experiments import edit_generation, is_experiment
-from nitro.fingerprint import code_digest, is_library_module
+from nitro.staleness import code_digest, edit_generation, is_experiment, is_library_module
 
 from .runs import handle_names, live_handles
 from .staleness import edit_impact
@@ -254,23 +254,9 @@ class CodeWatcher:
     # ------------------------------------------------------------------------------------------
     # reloading
 
-    def _autoreloader(self):
-        magics = self.shell.magics_manager.registry.get("AutoreloadMagics")
-        return getattr(magics, "_reloader", None)
-
-    def _autoreload_failed(self, path: str) -> bool:
-        failed = getattr(self._autoreloader(), "failed", None) or {}
-        return any(os.path.realpath(p) == path for p in failed)
-
-    def _autoreload_handles(self, module_name: str) -> bool:
-        reloader = self._autoreloader()
-        if reloader is None or not getattr(reloader, "enabled", False):
-            return False
-        if module_name in getattr(reloader, "skip_modules", {}):
-            return False
-        return bool(getattr(reloader, "check_all", False)) or module_name in getattr(
-            reloader, "modules", {}
-        )
+    def _autoreload_loaded(self) -> bool:
+        loaded = getattr(getattr(self.shell, "extension_manager", None), "loaded", ())
+        return "autoreload" in loaded or "IPython.extensions.autoreload" in loaded
 
     def check(self, after_autoreload: bool = True) -> list[str]:
         """Reload the watched modules whose source changed; return the messages to show."""
@@ -317,20 +303,11 @@ class CodeWatcher:
                     source.deferred = True
                     continue
                 source.deferred = False
-                if self._autoreload_handles(source.module):
-                    if not after_autoreload:
-                        continue  # autoreload reloads it before the next cell; report then
-                    if self._autoreload_failed(source.path):
-                        _restore(module, source.snapshot)
-                        source.stamp, source.failed = stamp, digest
-                        messages.append(
-                            f"autoreload could not reload {source.module} (its error is "
-                            f"above); restored the last good code. Fix the file and save it "
-                            f"again."
-                        )
-                        continue
-                else:
-                    error = self._reload(module)
+                autoreload = self._autoreload_loaded()
+                if autoreload and not after_autoreload:
+                    continue  # autoreload reloads it before the next cell; report then
+                if not (autoreload and code_tokens(module) != source.tokens):
+                    error = self._reload(module, source.snapshot)
                     if error is not None:
                         source.stamp, source.failed = stamp, digest
                         messages.append(
@@ -344,8 +321,6 @@ class CodeWatcher:
                 changed = _changed(source.tokens, tokens)
                 source.stamp, source.digest, source.failed = stamp, digest, None
                 source.tokens, source.snapshot = tokens, dict(vars(module))
-                if not changed and self._autoreload_handles(source.module):
-                    continue  # autoreload may not have reloaded it: nothing to say
                 self.reloads += 1
                 reloaded.append((source, changed))
         for source, changed in reloaded:
@@ -356,12 +331,14 @@ class CodeWatcher:
         self.history.extend(messages)
         return messages
 
-    def _reload(self, module: types.ModuleType) -> BaseException | None:
+    def _reload(self, module: types.ModuleType, good: dict[str, Any]) -> BaseException | None:
+        """Reload `module`; when that raises, restore `good` (its namespace after its last
+        good load) and return the error."""
         old = dict(vars(module))
         try:
             importlib.reload(module)
         except Exception as error:  # noqa: BLE001 - shown to the user, module restored
-            _restore(module, old)
+            _restore(module, good)
             return error
         self._rebind(module, old)
         return None

@@ -1,8 +1,8 @@
 """What an edit makes stale: which programs of a live run recompile, and which are reused.
 
-Built on the engine's structured staleness check (`Nitro.stale_changes()`: each hook, helper
-or model class that changed since the handle was built) and its table of which code each
-program runs (`nitro.programs.programs_using`).
+Built on the engine's public staleness API (`Nitro.stale_changes()`: each hook, helper or model
+class that changed since the handle was built; `nitro.staleness.programs_using`: which programs
+each unit of code reaches).
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from collections.abc import Iterable
 from typing import Any
 
 import nitro
-from nitro.programs import PROGRAM_UNITS, programs_using
+from nitro.staleness import PROGRAM_KINDS, programs_using
 
 __all__ = ["EditImpact", "edit_impact", "held_programs"]
 
-EVERY_PROGRAM = tuple(kind.value for kind in PROGRAM_UNITS)
+EVERY_PROGRAM = tuple(kind.value for kind in PROGRAM_KINDS)
 
 
 def held_programs(owner: str) -> list[str]:

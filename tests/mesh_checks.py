@@ -90,15 +90,18 @@ def run(n_devs):
         "rng_counts": rng_counts(n),
         "replicated": all(
             leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == n_devs
-            for leaf in jax.tree.leaves(n._carry)
+            for leaf in jax.tree.leaves(n.state.variables)
         ),
         "batch_sharding": first_batch_sharding(n),
-        "freed": {s: [p.placed, p.freed] for s, p in n._prefetchers.items()},
+        "freed": {
+            s: [p.placed, p.freed]
+            for s, p in ((s, i.prefetcher) for s, i in n.setup.splits.items())
+        },
     }
 
 
 def first_batch_sharding(n):
-    with n._prefetchers["train"].epoch(0) as stream:
+    with n.setup.splits["train"].prefetcher.epoch(0) as stream:
         staged = next(stream)
         x = staged.device["x"]
         result = {
@@ -123,9 +126,9 @@ def main():
     results["one"] = run(1)
     results["four"] = run(4)
     default = nitro.Nitro(MeshToy(), progress=False)
-    results["default"] = [default.placement.n_devs, default.run["n_devs"].source]
+    results["default"] = [default.placement.n_devs, default.keywords["n_devs"].source]
     field = nitro.Nitro(TwoDevices(), progress=False)
-    results["field"] = [field.placement.n_devs, field.run["n_devs"].source]
+    results["field"] = [field.placement.n_devs, field.keywords["n_devs"].source]
     results["indivisible"] = error_of(
         lambda: nitro.Nitro(MeshToy(batch_size=10), n_devs=4, progress=False)
     )

@@ -16,7 +16,7 @@ def unshuffled(samples=64, batch_size=16, **extra):
 
 
 def params_of(n):
-    return [np.asarray(a) for a in n._carry[0]]
+    return [np.asarray(a) for a in n.state.variables.params]
 
 
 # --------------------------------------------------------------------------------- routing
@@ -84,7 +84,7 @@ def test_run_keywords_resolve_keyword_then_method_then_field_then_default():
             return 0.02
 
     n = nitro.Nitro(Configured(), max_epochs=1, progress=False)
-    sources = {name: (r.value, r.source) for name, r in n.run.items()}
+    sources = {name: (r.value, r.source) for name, r in n.keywords.items()}
     assert sources["max_epochs"] == (1, "Nitro keyword")
     assert sources["learning_rate"] == (0.02, "method on experiment")
     assert sources["seed"] == (11, "field on experiment")
@@ -158,7 +158,7 @@ def test_a_scheduled_device_field_takes_each_steps_value_and_its_dtype():
         progress=False,
     )
     n.train()
-    used = n._history[1]["scale_used"]
+    used = n.state.history[1]["scale_used"]
     np.testing.assert_array_equal(used, np.repeat([2.0, 2.5, 3.0, 3.5], 16))
     assert used.dtype == np.float32
 

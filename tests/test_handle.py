@@ -15,7 +15,7 @@ import nitro
 
 
 def params_of(n):
-    return [np.asarray(a) for a in n._carry[0]]
+    return [np.asarray(a) for a in n.state.variables.params]
 
 
 def test_setup_compiles_nothing(fresh_cache):

@@ -1,0 +1,88 @@
+"""The train state: everything a run changes, in one typed record.
+
+`TrainState` is what the loop takes and returns, what checkpoints save and restore whole, and
+what export reads. Its arrays travel through the compiled programs as `Variables` (named
+fields of flat leaf lists, in the order of the tree definitions in `RunSetup.model`), so a
+step flattens nothing but lists. Everything else is host data: counters, the seed and the
+committed history.
+
+The data order is a function of the seed and the epoch (`ArrayLoader` draws epoch `e`'s
+permutation from `(seed, e)`), so `(epoch, position)` locates the next batch exactly, and the
+model's RNG streams are variables in `model_state`: nothing else is needed to resume.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+__all__ = ["EpochTotals", "StepOutput", "TrainState", "Variables"]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Variables:
+    """The arrays a train step takes and returns (flat leaf lists)."""
+
+    params: list
+    model_state: list
+    opt_state: list | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class StepOutput:
+    """What one train step returns: the new variables, whether every step so far was finite,
+    the step's loss and its device train metrics (or the outputs for host train metrics)."""
+
+    variables: Variables
+    healthy: Any
+    loss: Any
+    metrics: Any
+
+
+@dataclasses.dataclass
+class EpochTotals:
+    """Running sums of the epoch under way; kept across a stop, so a resumed epoch reports
+    the mean over all of its steps. Owned by the loop."""
+
+    loss_sum: float = 0.0
+    loss_count: int = 0
+    nonfinite: int = 0
+    steps: int = 0
+    wait_seconds: float = 0.0
+    seconds: float = 0.0
+    train_metrics: Any = None  # a MetricAccumulator, created by the loop
+
+
+@dataclasses.dataclass(slots=True)
+class TrainState:
+    """Parameters, model variables, optimizer state, counters, seed and committed history.
+
+    The loop updates it in place as steps complete and returns it; read it, do not write it,
+    while the handle runs.
+
+    Attributes:
+      variables: the arrays (`Variables`).
+      step: optimizer steps completed.
+      epoch: epochs completed (committed to the history).
+      position: batches completed in the epoch under way.
+      seed: seeds the model's initialization and the data order.
+      history: one row per committed epoch (loss, validation metrics, timing).
+      totals: the running sums of the epoch under way (None at an epoch boundary).
+    """
+
+    variables: Variables
+    step: int = 0
+    epoch: int = 0
+    position: int = 0
+    seed: int = 0
+    history: list[Mapping[str, Any]] = dataclasses.field(default_factory=list)
+    totals: EpochTotals | None = None
+
+    @property
+    def last_row(self) -> Mapping[str, Any]:
+        return self.history[-1] if self.history else {}
