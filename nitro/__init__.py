@@ -38,6 +38,7 @@ _EXPORTS = {
     "ScheduleError": "nitro.errors",
     "HostFieldError": "nitro.errors",
     "RunningError": "nitro.errors",
+    "WeightsError": "nitro.errors",
 }
 _SUBMODULES = ("data", "datasets", "events", "progress", "runner", "staleness")
 
@@ -70,6 +71,7 @@ __all__ = [
     "set_compilation_cache",
     "staleness",
     "unload_ipython_extension",
+    "WeightsError",
 ]
 
 
@@ -108,6 +110,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
         RunningError,
         ScheduleError,
         SetupError,
+        WeightsError,
     )
     from .experiments import Device, FieldKind, GraphConst, experiment, fields
     from .handle import Nitro

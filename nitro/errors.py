@@ -16,6 +16,7 @@ __all__ = [
     "RunningError",
     "ScheduleError",
     "SetupError",
+    "WeightsError",
 ]
 
 
@@ -25,6 +26,10 @@ class ExperimentError(TypeError):
 
 class SetupError(ValueError):
     """The experiment, its data or its keywords cannot make a run."""
+
+
+class WeightsError(SetupError):
+    """Weights given to a run (`weights=`) do not fit its model; the message lists the leaves."""
 
 
 class DivergenceError(FloatingPointError):

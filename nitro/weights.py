@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from .errors import SetupError
+from .errors import WeightsError
 
 __all__ = ["WeightsSource", "check_same_tree", "copy_array", "tree_summary"]
 
@@ -54,7 +54,7 @@ def check_same_tree(what: str, expected: Any, given: Any) -> None:
         if exp.get(key) != got.get(key)
     ]
     more = f"\n  ... and {len(lines) - 6} more" if len(lines) > 6 else ""
-    raise SetupError(
+    raise WeightsError(
         f"weights= does not fit: the {what} differ (build the model with the same GraphConst "
         f"values)\n" + "\n".join(lines[:6]) + more
     )

@@ -256,8 +256,8 @@ class NitroMagics(Magics):
         keywords = handle.given_keywords if handle is not None else {}
         try:
             new = nitro.Nitro(live, weights=source, **keywords)
-        except nitro.SetupError as error:
-            if source is None or "weights=" not in str(error):
+        except nitro.WeightsError as error:
+            if source is None:
                 raise
             raise UsageError(
                 f"the weights of {name} do not fit the new {type(live).__name__} model:\n"

@@ -1,0 +1,295 @@
+"""The run state: the running guard, weights taken at a step boundary, the compile cache under
+threads, and the event path's isolation of reporters."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import threading
+import time
+import warnings
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+from toys import TinyMLP, Toy, ToyWithMetrics, X, loaders
+
+import nitro
+
+ENGINE = pathlib.Path(nitro.__file__).parent
+
+
+def background_run(**fields) -> nitro.Nitro:
+    n = nitro.Nitro(Toy(max_epochs=100_000, with_val=False, **fields), progress=False)
+    n.train(background=True)
+    deadline = time.monotonic() + 60
+    while n.step < 5:  # past the compile: the loop is stepping
+        assert time.monotonic() < deadline, "the background run did not start"
+        time.sleep(0.01)
+    return n
+
+
+# ---------------------------------------------------------------------------------------------
+# the running guard
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda n: n.train(),
+        lambda n: n.train(epochs=1, background=True),
+        lambda n: n.validate(),
+        lambda n: n.evaluate(split="test"),
+        lambda n: n.predict({"x": X[:3]}),
+    ],
+    ids=["train", "train-background", "validate", "evaluate", "predict"],
+)
+def test_every_entry_point_answers_at_once_while_the_handle_trains(call):
+    n = background_run()
+    try:
+        began = time.perf_counter()
+        with pytest.raises(nitro.RunningError) as raised:
+            call(n)
+        elapsed = time.perf_counter() - began
+        assert elapsed < 0.05, f"answered in {elapsed * 1e3:.1f} ms"
+        message = str(raised.value)
+        assert "is training in the background" in message
+        assert "n.stop()" in message and "n.wait()" in message and "%nitro stop" in message
+        assert n.running  # the refused call left the run alone
+    finally:
+        n.stop().wait()
+    assert n.stop_reason == "requested"
+    assert set(n.evaluate(split="test")) == {"test_loss"}  # once stopped, it answers again
+
+
+def test_weights_from_a_training_handle_are_taken_at_the_next_step_boundary():
+    n = background_run()
+    try:
+        began = time.perf_counter()
+        forked = nitro.Nitro(Toy(), weights=n, progress=False)
+        assert time.perf_counter() - began < 5.0
+        step = int(forked.weights_origin.rpartition("at step ")[2])
+        assert 5 <= step <= n.step
+        model = n.model  # a copy of the current model, also taken between two steps
+        assert isinstance(model, nnx.Module)
+        assert n.running
+    finally:
+        n.stop().wait()
+    assert n.stop_reason == "requested" and n.step > step
+    outputs = forked.predict({"x": X[:4]})
+    assert outputs.shape == (4, 2) and np.isfinite(outputs).all()
+    # the copy is its own: training the fork leaves the source's weights alone
+    before = [np.asarray(a) for a in n.state.variables.params]
+    forked.train(epochs=1)
+    assert all(np.array_equal(a, b) for a, b in zip(before, n.state.variables.params))
+
+
+def test_weights_and_model_of_an_idle_handle_are_copies():
+    n = nitro.Nitro(Toy(max_epochs=1), progress=False)
+    n.train()
+    forked = nitro.Nitro(Toy(), weights=n, progress=False)
+    assert forked.weights_origin.startswith("weights of Nitro(Toy")
+    mine = [np.asarray(a) for a in n.state.variables.params]
+    theirs = [np.asarray(a) for a in forked.state.variables.params]
+    assert all(np.array_equal(a, b) for a, b in zip(mine, theirs))
+    before = np.asarray(n.model.out.bias[...])
+    model = n.model
+    model.out.bias[...] = model.out.bias[...] + 1.0
+    assert np.array_equal(np.asarray(n.model.out.bias[...]), before)
+
+
+# ---------------------------------------------------------------------------------------------
+# the compile cache under threads
+
+TRACING = threading.Event()
+TRACE_SECONDS = 2.0
+
+
+@nitro.experiment
+class SlowToTrace:
+    """A forward that takes seconds to trace: a compile that takes seconds."""
+
+    width: nitro.GraphConst[int] = 8
+    max_epochs: int = 1
+
+    def build_data(self):
+        splits = loaders()
+        del splits["val"]
+        return splits
+
+    def build_model(self, rngs):
+        return TinyMLP(5, self.width, 2, rngs=rngs)
+
+    def forward(self, model, *, x):
+        TRACING.set()
+        time.sleep(TRACE_SECONDS)  # runs at trace time only
+        return model(x)
+
+    def loss(self, logits, *, y):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def test_cache_stats_answer_at_once_while_another_thread_compiles(fresh_cache):
+    TRACING.clear()
+    n = nitro.Nitro(SlowToTrace(width=9), progress=False)
+    n.train(background=True)
+    assert TRACING.wait(30), "the compile did not start"
+    timings = []
+    for _ in range(5):
+        began = time.perf_counter()
+        stats = nitro.cache_stats()
+        nitro.explain_compiles()
+        timings.append(time.perf_counter() - began)
+    assert n.running and stats.misses == 0  # the compile was still under way
+    n.wait()
+    assert max(timings) < 0.01, [f"{t * 1e3:.2f} ms" for t in timings]
+    assert nitro.cache_stats().misses == 1
+
+
+def test_two_handles_that_need_the_same_new_program_compile_it_once(fresh_cache):
+    handles = [nitro.Nitro(SlowToTrace(width=11), progress=False) for _ in range(2)]
+    for n in handles:
+        n.train(background=True)
+    for n in handles:
+        n.wait()
+    stats = nitro.cache_stats()
+    assert [n.stop_reason for n in handles] == ["completed", "completed"]
+    assert stats.misses == 1 and stats.entries == 1
+    assert [p["calls"] for p in stats.programs] == [8]  # 4 steps each, one program
+    assert stats.hits == 7  # every call but the one the program was compiled for
+
+
+def test_hit_counts_are_exact_when_threads_call_programs_at_once(fresh_cache):
+    handles = [nitro.Nitro(Toy(), progress=False) for _ in range(4)]
+    handles[0].predict({"x": X[:16]})  # compile once
+    calls_each = 200
+
+    def predict_many(n):
+        for _ in range(calls_each):
+            n.predict({"x": X[:16]})
+
+    threads = [threading.Thread(target=predict_many, args=(n,)) for n in handles]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    stats = nitro.cache_stats()
+    assert stats.misses == 1
+    assert stats.programs[0]["calls"] == 1 + 4 * calls_each
+    assert stats.hits == 4 * calls_each
+
+
+# ---------------------------------------------------------------------------------------------
+# the event path
+
+
+class Raises:
+    def __init__(self, where: str):
+        self.where = where
+        self.calls: list[str] = []
+
+    def __getattr__(self, name):
+        if name not in nitro.events.EVENT_NAMES:
+            raise AttributeError(name)
+
+        def method(*args):
+            self.calls.append(name)
+            if name == self.where:
+                raise ValueError(f"broken {name}")
+
+        return method
+
+
+@pytest.mark.parametrize("where", ["start_run", "start_epoch", "step", "end_epoch", "end_run"])
+def test_a_reporter_that_raises_is_switched_off_with_one_warning_and_training_goes_on(where):
+    reporter = Raises(where)
+    n = nitro.Nitro(ToyWithMetrics(max_epochs=2), progress=reporter)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        n.train()
+    mine = [w for w in caught if "progress reporter Raises" in str(w.message)]
+    assert len(mine) == 1, [str(w.message) for w in caught]
+    assert f"broken {where}" in str(mine[0].message) and f"in {where}()" in str(mine[0].message)
+    assert (n.epoch, n.step, n.stop_reason, n.phase) == (2, 8, "completed", "done")
+    assert reporter.calls[-1] == where  # nothing reached it after it raised
+    assert len(n.history()) == 2
+
+
+def test_a_reporter_needs_only_the_methods_it_uses():
+    rows = []
+
+    class Rows:
+        def end_epoch(self, row):
+            rows.append(dict(row))
+
+    n = nitro.Nitro(ToyWithMetrics(max_epochs=2), progress=Rows())
+    n.train()
+    assert [r["epoch"] for r in rows] == [1, 2]
+    assert {"loss", "val_loss", "val_acc"} <= set(rows[-1])
+
+
+def test_a_progress_setting_that_is_no_reporter_is_refused():
+    with pytest.raises(ValueError, match="progress=42 is not a progress setting"):
+        nitro.Nitro(Toy(), progress=42)
+
+
+def test_phases_reach_reporters_in_order():
+    phases = []
+
+    class Phases:
+        def phase(self, phase):
+            phases.append(phase)
+
+    n = nitro.Nitro(ToyWithMetrics(max_epochs=1), progress=Phases())
+    n.train()
+    n.evaluate(split="test")
+    assert phases == [
+        "building data",
+        "building model",
+        "routing",
+        "ready",
+        "training",
+        "validating",
+        "done",
+        "evaluating test",
+        "done",
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# the state and the setup
+
+
+def test_the_train_state_holds_counters_history_and_arrays_and_the_setup_is_frozen():
+    n = nitro.Nitro(ToyWithMetrics(max_epochs=2), seed=3, progress=False)
+    n.train()
+    state, setup = n.state, n.setup
+    assert (state.step, state.epoch, state.position, state.seed) == (8, 2, 0, 3)
+    assert [row["epoch"] for row in state.history] == [1, 2]
+    assert len(state.variables.params) == len(setup.model.leaf_paths["parameter"]) == 4
+    assert setup.splits["train"].batches == 4 and setup.splits["val"].width == 16
+    assert setup.splits["train"].hook_fields == {"forward": ("x",), "loss": ("y",)}
+    params = jax.tree.unflatten(setup.model.params_def, state.variables.params)
+    assert params["out"]["kernel"][...].shape == (8, 2)
+    with pytest.raises(AttributeError):
+        setup.max_epochs = 5
+
+
+def test_no_engine_module_imports_the_handle_or_the_notebook_layer():
+    for path in ENGINE.rglob("*.py"):
+        if path.name == "__init__.py" and path.parent == ENGINE:
+            continue  # the %load_ext shim
+        tree = ast.parse(path.read_text())
+        imported = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                imported.add((node.module or "") + "." + ".".join(a.name for a in node.names))
+            elif isinstance(node, ast.Import):
+                imported.update(a.name for a in node.names)
+        if path.name != "handle.py":
+            assert not any("handle" in name.split(".") for name in imported), path
+        assert not any(
+            name.split(".")[0] in ("IPython", "ipywidgets", "nitro_ipython") for name in imported
+        ), path
