@@ -38,6 +38,7 @@ _EXPORTS = {
     "ScheduleError": "nitro.errors",
     "HostFieldError": "nitro.errors",
     "RunningError": "nitro.errors",
+    "Interrupted": "nitro.errors",
     "WeightsError": "nitro.errors",
 }
 _SUBMODULES = ("data", "datasets", "events", "progress", "runner", "staleness")
@@ -50,6 +51,7 @@ __all__ = [
     "FieldKind",
     "GraphConst",
     "HostFieldError",
+    "Interrupted",
     "MetricError",
     "Nitro",
     "ProgramKind",
@@ -105,6 +107,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
         DivergenceError,
         ExperimentError,
         HostFieldError,
+        Interrupted,
         MetricError,
         RoutingError,
         RunningError,

@@ -9,6 +9,7 @@ __all__ = [
     "DivergenceError",
     "ExperimentError",
     "HostFieldError",
+    "Interrupted",
     "MetricError",
     "OptimizerError",
     "PlacementError",
@@ -58,6 +59,11 @@ class OptimizerError(TypeError):
 
 class PlacementError(ValueError):
     """The requested devices, or a batch, do not fit the visible devices."""
+
+
+class Interrupted(KeyboardInterrupt):
+    """Ctrl-C (or a notebook's interrupt) stopped `validate`, `evaluate` or `predict` cleanly:
+    every batch was freed, nothing was recorded, and the handle is ready for the next call."""
 
 
 class RunningError(RuntimeError):

@@ -22,13 +22,13 @@ from . import displays, loop, progress
 from . import events as events_module
 from .binding_report import BindingReport, binding_report
 from .data import pad_batch
-from .errors import ExperimentError, RunningError, SetupError
+from .errors import ExperimentError, Interrupted, RunningError, SetupError
 from .events import Events
 from .experiments import REQUIRED_HOOKS, FieldKind, edit_generation, field_specs, has_method
 from .programs import ProgramSet
 from .run_keywords import Resolved, resolve_run_keywords
 from .run_setup import RunSetup
-from .runner import Run, RunControl, RunGuard, wait_interruptibly
+from .runner import Run, RunControl, RunGuard, sigint_requests_stop, wait_for
 from .setup import batch_size, build
 from .staleness import stale_changes, stale_report
 from .state import TrainState
@@ -230,44 +230,51 @@ class Nitro:
         """Train until `max_epochs` (or for `epochs` more epochs) on a worker thread.
 
         Blocks unless `background=True`. Ctrl-C stops after the current step; the handle
-        stays usable and `train()` again continues from where it stopped.
+        stays usable and `train()` again continues from where it stopped. An epoch trained
+        but not yet validated (a stop during validation) is validated first.
         """
-        self._check_stale("train")
-        if "train" not in self._setup.splits:
-            raise SetupError(
-                f"this handle has no 'train' split (splits: "
-                f"{', '.join(self._setup.splits) or 'none'}); it can validate, evaluate and "
-                f"predict"
-            )
-        if epochs is not None and (
-            isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1
-        ):
-            raise ValueError(f"epochs must be a positive int, got {epochs!r}")
-        self._guard.claim("training", background=background)
-        try:
-            target = self.max_epochs if epochs is None else self.epoch + epochs
-            if epochs is None and self.epoch >= self.max_epochs:
-                self._guard.release()
-                progress.note(
-                    f"already trained {self.epoch} of max_epochs={self.max_epochs} epochs; "
-                    f"n.train(epochs=N) trains N more"
+        with sigint_requests_stop(self._control):
+            self._check_stale("train")
+            if "train" not in self._setup.splits:
+                raise SetupError(
+                    f"this handle has no 'train' split (splits: "
+                    f"{', '.join(self._setup.splits) or 'none'}); it can validate, evaluate "
+                    f"and predict"
                 )
-                return self
-            self._target_epoch = target
-            self._control.stop.clear()
-            self._stop_reason = None
-            self._run = Run(
-                lambda: self._train_body(target),
-                name=f"nitro-training-{self.cls.__name__}",
-                context=self,
-            ).start()
-        except BaseException:
-            if self._run is None or not self._run.running:
-                self._guard.release()
-            raise
-        if not background:
-            self.wait()
+            if epochs is not None and (
+                isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1
+            ):
+                raise ValueError(f"epochs must be a positive int, got {epochs!r}")
+            self._guard.claim("training", background=background)
+            started = False
+            try:
+                target = self.max_epochs if epochs is None else self.epoch + epochs
+                if epochs is None and self.epoch >= self.max_epochs and not self._pending():
+                    progress.note(
+                        f"already trained {self.epoch} of max_epochs={self.max_epochs} epochs; "
+                        f"n.train(epochs=N) trains N more"
+                    )
+                    return self
+                self._target_epoch = target
+                self._control.stop.clear()
+                self._stop_reason = None
+                run = Run(
+                    lambda: self._train_body(target),
+                    name=f"nitro-training-{self.cls.__name__}",
+                    context=self,
+                )
+                self._run = run
+                run.start()
+                started = True
+            finally:
+                if not started:
+                    self._guard.release()
+            if not background:
+                self._wait(run)
         return self
+
+    def _pending(self) -> bool:
+        return self._state.epoch_trained
 
     def _train_body(self, target: int) -> None:
         """The worker thread's work: the loop between start_run and end_run, then the phase."""
@@ -296,11 +303,24 @@ class Nitro:
         run = self._run
         if run is None:
             return self
-        wait_interruptibly(run, self.stop)
+        with sigint_requests_stop(self._control):
+            self._wait(run)
+        return self
+
+    def _wait(self, run: Run) -> None:
+        wait_for(run, self._control, self._say, "training")
         if run.error is not None:
             error, run.error = run.error, None
             raise error
-        return self
+
+    def _say(self, message: str) -> None:
+        """A note for the person at the keyboard: through the reporters, or on stderr."""
+        if self._events.reporters:
+            self._events.note(message)
+        else:
+            import sys
+
+            print(f"nitro: {message}", file=sys.stderr, flush=True)
 
     def stop(self) -> Nitro:
         """Ask a running loop to stop after the current step (returns at once)."""
@@ -315,19 +335,37 @@ class Nitro:
         return self.evaluate(split="val")
 
     def evaluate(self, split: str = "test") -> dict[str, Any]:
-        """Loss and metrics on any split, prefixed with the split's name."""
-        self._check_stale("evaluate")
-        with self._guard.hold(f"evaluating {split}"), events_module.using(self._events):
-            self._setup.split(split)
-            self._control.stop.clear()
-            previous = self.phase
-            self._events.phase(f"evaluating {split}")
-            try:
-                return loop.evaluate_split(
-                    self._setup, self._state, self._programs, self._control, split
-                )
-            finally:
-                self._events.phase(previous)
+        """Loss and metrics on any split, prefixed with the split's name.
+
+        On 'val', an epoch trained but not yet validated (a stop during its validation) is
+        validated and its history row committed. Ctrl-C stops cleanly between batches and
+        raises `nitro.Interrupted`; nothing is recorded.
+        """
+        with sigint_requests_stop(self._control):
+            self._check_stale("evaluate")
+            with self._guard.hold(f"evaluating {split}"), events_module.using(self._events):
+                self._setup.split(split)
+                self._control.stop.clear()
+                previous = self.phase
+                try:
+                    if split == "val" and self._pending():
+                        row = loop.finish_epoch(
+                            self._setup, self._state, self._programs, self._events, self._control
+                        )
+                        result = None if row is None else _prefixed(row, "val_")
+                    else:
+                        self._events.phase(f"evaluating {split}")
+                        result = loop.evaluate_split(
+                            self._setup, self._state, self._programs, self._control, split
+                        )
+                finally:
+                    self._events.phase(previous)
+                if result is None:
+                    raise Interrupted(
+                        f"evaluating the {split!r} split was interrupted; it stopped cleanly "
+                        f"between batches and recorded nothing"
+                    )
+                return result
 
     def predict(self, batch: Any):
         """Run `forward` in eval mode. A dict of arrays -> host numpy outputs; an iterable of
@@ -357,31 +395,44 @@ class Nitro:
 
     def _predict_batch(self, batch: Mapping[str, Any]):
         setup = self._setup
-        with self._guard.hold("predicting"), events_module.using(self._events):
-            fields = setup.experiment.hook_fields["forward"].resolve(tuple(batch), "predict")
-            host = {k: np.asarray(batch[k]) for k in fields}
-            n = batch_size(host, "predict")
-            width = self._predict_width(n)
-            chunks = []
-            for start in range(0, n, width):
-                part, n_real = pad_batch(
-                    {k: v[start : start + width] for k, v in host.items()}, width
-                )
-                device = setup.placement.put_batch(setup.placement.local_rows(part))
-                args = (
-                    self._state.variables,
-                    setup.feed.current_device(),
-                    device,
-                    np.int32(n_real),
-                )
-                result = self._programs.predict(width, fields, args)(*args)
-                outputs = setup.placement.gather(result["outputs"])
-                loop.delete(result)
-                loop.delete(device)
-                chunks.append(jax.tree.map(lambda a, n=n_real: np.asarray(a)[:n], outputs))
+        with sigint_requests_stop(self._control), self._guard.hold("predicting"):
+            self._control.stop.clear()
+            with events_module.using(self._events):
+                chunks = self._predict_chunks(setup, batch)
         if len(chunks) == 1:
             return chunks[0]
         return jax.tree.map(lambda *parts: np.concatenate(parts, axis=0), *chunks)
+
+    def _predict_chunks(self, setup: RunSetup, batch: Mapping[str, Any]) -> list:
+        fields = setup.experiment.hook_fields["forward"].resolve(tuple(batch), "predict")
+        host = {k: np.asarray(batch[k]) for k in fields}
+        n = batch_size(host, "predict")
+        width = self._predict_width(max(n, 1))
+        chunks = []
+        for start in range(0, max(n, 1), width):
+            if self._control.stop.is_set():
+                raise Interrupted(
+                    f"predict was interrupted after {start} of {n} rows; it stopped cleanly "
+                    f"between chunks"
+                )
+            part = {k: v[start : start + width] for k, v in host.items()}
+            if n == 0:  # no rows: run one zero batch for the outputs' trailing shapes
+                part = {k: np.zeros((1, *v.shape[1:]), v.dtype) for k, v in host.items()}
+            part, n_real = pad_batch(part, width)
+            device = setup.placement.put_batch(setup.placement.local_rows(part))
+            args = (
+                self._state.variables,
+                setup.feed.current_device(),
+                device,
+                np.int32(n_real),
+            )
+            result = self._programs.predict(width, fields, args)(*args)
+            outputs = setup.placement.gather(result["outputs"])
+            loop.delete(result)
+            loop.delete(device)
+            keep = n_real if n else 0
+            chunks.append(jax.tree.map(lambda a, k=keep: np.asarray(a)[:k], outputs))
+        return chunks
 
     # ------------------------------------------------------------------------------------------
     # Device fields
@@ -532,6 +583,10 @@ class Nitro:
 
     def _repr_html_(self) -> str:
         return displays.handle_html(self)
+
+
+def _prefixed(row: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if k.startswith(prefix)}
 
 
 def _weights_source(weights: Any) -> WeightsSource | None:

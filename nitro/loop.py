@@ -49,7 +49,7 @@ class _Pending:
     """A dispatched step whose loss has not been read back yet."""
 
     index: int  # the step's global index (0-based)
-    loss: Any
+    report: Any  # f32[2]: the loss and the finiteness code (see StepOutput)
     metrics: Any
     staged: Any  # data.StagedBatch
 
@@ -77,51 +77,34 @@ def train_epochs(
     target: int,
 ) -> tuple[TrainState, str]:
     """Train until epoch `target` or a stop request; returns the state and the stop reason
-    ("completed" or "requested")."""
+    ("completed" or "requested").
+
+    An epoch is a transaction: its history row is committed (and `state.epoch` moves) once
+    its training and its validation are both complete. An epoch trained but not validated
+    (a stop or an error during validation) is validated first by the next call.
+    """
     run = _Epoch(setup, programs, events, control)
     run.dispatched = state.step
     stop = control.stop
     try:
-        while state.epoch < target:
-            if stop.is_set():
+        while True:
+            if state.epoch_trained:
+                if finish_epoch(setup, state, programs, events, control) is None:
+                    break  # validation stopped: the epoch stays trained, not committed
+                continue
+            if state.epoch >= target or stop.is_set():
                 break
             events.phase("training")
             if state.totals is None:
                 state.totals = EpochTotals(train_metrics=MetricAccumulator("train_metrics"))
             if not _train_epoch(run, state, target):
                 break
-            totals, state.totals = state.totals, None
-            state.epoch += 1
-            state.position = 0
-            if state.epoch < target and not stop.is_set():
+            state.epoch_trained = True
+            if state.epoch + 1 < target and not stop.is_set():
                 # start producing the next epoch now, so validation overlaps with it
-                run.upcoming = (state.epoch, setup.splits["train"].prefetcher.epoch(state.epoch))
-            row: dict[str, Any] = {"epoch": state.epoch, "step": state.step}
-            if totals.loss_count:
-                row["loss"] = totals.loss_sum / totals.loss_count
-            if not totals.train_metrics.empty:
-                row.update(_finalize(setup, totals.train_metrics.result(), "train"))
-            if "val" in setup.splits and not stop.is_set():
-                events.phase("validating")
-                row.update(evaluate_split(setup, state, programs, control, "val"))
-            wait_frac = totals.wait_seconds / totals.seconds if totals.seconds > 0 else 0.0
-            row["data_wait_frac"] = wait_frac
-            row["epoch_seconds"] = totals.seconds
-            state.history.append(row)
-            events.end_epoch(row)
-            if (
-                wait_frac > DATA_WAIT_WARN
-                and totals.steps >= DATA_WAIT_MIN_STEPS
-                and not _WARNED["data_wait"]
-            ):
-                _WARNED["data_wait"] = True
-                warnings.warn_explicit(
-                    f"the training loop waited for data {wait_frac:.0%} of epoch {state.epoch}. "
-                    + _data_wait_advice(setup),
-                    RuntimeWarning,
-                    filename="nitro",
-                    lineno=0,
-                    module="nitro.loop",
+                run.upcoming = (
+                    state.epoch + 1,
+                    setup.splits["train"].prefetcher.epoch(state.epoch + 1),
                 )
         return state, ("requested" if stop.is_set() else "completed")
     finally:
@@ -131,14 +114,71 @@ def train_epochs(
         control.serve_copies()
 
 
+def finish_epoch(
+    setup: RunSetup,
+    state: TrainState,
+    programs: ProgramSet,
+    events: Events,
+    control: RunControl,
+) -> dict[str, Any] | None:
+    """Validate a trained epoch and commit its history row; returns the row, or None when a
+    stop request cut validation short (then nothing is recorded and the epoch stays trained)."""
+    totals = state.totals
+    row: dict[str, Any] = {"epoch": state.epoch + 1, "step": state.step}
+    if totals.loss_count:
+        row["loss"] = totals.loss_sum / totals.loss_count
+    if not totals.train_metrics.empty:
+        row.update(_finalize(setup, totals.train_metrics.result(), "train"))
+    if "val" in setup.splits:
+        if control.stop.is_set():
+            return None
+        events.phase("validating")
+        metrics = evaluate_split(setup, state, programs, control, "val")
+        if metrics is None:
+            return None
+        row.update(metrics)
+    wait_frac = totals.wait_seconds / totals.seconds if totals.seconds > 0 else 0.0
+    row["data_wait_frac"] = wait_frac
+    row["epoch_seconds"] = totals.seconds
+    # commit
+    state.history.append(row)
+    state.epoch += 1
+    state.position = 0
+    state.totals = None
+    state.epoch_trained = False
+    events.end_epoch(row)
+    if (
+        wait_frac > DATA_WAIT_WARN
+        and totals.steps >= DATA_WAIT_MIN_STEPS
+        and not _WARNED["data_wait"]
+    ):
+        _WARNED["data_wait"] = True
+        warnings.warn_explicit(
+            f"the training loop waited for data {wait_frac:.0%} of epoch {state.epoch}. "
+            + _data_wait_advice(setup),
+            RuntimeWarning,
+            filename="nitro",
+            lineno=0,
+            module="nitro.loop",
+        )
+    return row
+
+
 def _data_wait_advice(setup: RunSetup) -> str:
     prefetcher = setup.splits["train"].prefetcher
     path = prefetcher.path
     if path == "inline":
-        return (
-            "The train split is wrapped in NoPrefetch: remove it so worker threads build "
-            "batches ahead of the loop."
-        )
+        if prefetcher.inline:
+            return (
+                "The train split is wrapped in NoPrefetch: remove it so worker threads build "
+                "batches ahead of the loop."
+            )
+        if prefetcher.auto_inline:
+            return (
+                "Its batches are built on the loop thread because the first one built in "
+                "microseconds (prefetch='auto'); prefetch='threads' builds them on workers."
+            )
+        return "prefetch='inline' builds batches on the loop thread: use 'threads' or 'auto'."
     if path == "single":
         if setup.prefetch.workers == 1:
             return "Raise prefetch_workers (now 1) so several threads build batches."
@@ -154,11 +194,40 @@ def _data_wait_advice(setup: RunSetup) -> str:
 
 
 def _shape_error(setup: RunSetup, staged, error) -> Exception:
-    shapes = {k: tuple(v.shape) for k, v in staged.device.items()}
+    """Say which field of a training batch differs from the first batch (whose shapes and
+    dtypes the train step was compiled for)."""
+    from .compile_cache import short_dtype
+
+    split = setup.splits["train"]
+
+    def fmt(shape, dtype):
+        return f"{short_dtype(str(dtype))}[{','.join(map(str, shape))}]"
+
+    changes = []
+    for name, (shape, dtype) in split.batch_spec.items():
+        array = staged.device.get(name)
+        if array is None:
+            continue
+        if tuple(array.shape) != tuple(shape) or str(array.dtype) != dtype:
+            changes.append(f"{name!r} {fmt(shape, dtype)} -> {fmt(array.shape, array.dtype)}")
+    if not changes:
+        return error
+    only_rows = all(
+        tuple(staged.device[n].shape[1:]) == tuple(split.batch_spec[n][0][1:])
+        and str(staged.device[n].dtype) == split.batch_spec[n][1]
+        for n in split.batch_spec
+        if n in staged.device
+    )
+    fix = (
+        "a partial final batch: drop it (ArrayLoader(..., drop_last=True))"
+        if only_rows
+        else "make the loader yield the same shapes and dtypes on every batch (cast in the "
+        "loader, e.g. x.astype(np.float32))"
+    )
     return SetupError(
-        f"train batch {staged.index} has shapes {shapes}, but the program was compiled for "
-        f"batches of {setup.splits['train'].width}. Training batches must all have the same "
-        f"shape: drop the partial final batch (ArrayLoader(..., drop_last=True)). ({error})"
+        f"train batch {staged.index} differs from the first batch, whose shapes and dtypes the "
+        f"train step was compiled for: {'; '.join(changes)}. Every training batch must match; "
+        f"this looks like {fix}."
     )
 
 
@@ -205,7 +274,7 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
             run.dispatched += 1
             if control.copies_pending:  # before the next step donates these variables
                 control.serve_copies()
-            previous, pending = pending, _Pending(index, out.loss, out.metrics, staged)
+            previous, pending = pending, _Pending(index, out.report, out.metrics, staged)
             if previous is not None:
                 _complete(run, state, previous)
         if pending is not None:
@@ -225,14 +294,22 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
         stream.close()
         totals.wait_seconds += stream.wait_seconds
         totals.seconds += time.perf_counter() - begin
-    if split.batches is not None:
-        return state.position >= split.batches
-    return not interrupted
+    if interrupted:
+        return False
+    if split.batches is not None and state.position < split.batches:
+        warnings.warn(
+            f"the 'train' split's len() says {split.batches} batches, but its iterator ended "
+            f"after {state.position}; the epoch ended there. Make len() match what it yields "
+            f"(schedules use it for their horizon).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return True
 
 
 def _drain(item: _Pending) -> None:
     try:
-        jax.block_until_ready(item.loss)
+        jax.block_until_ready(item.report)
     except Exception:  # noqa: BLE001 - the error being raised matters more
         pass
     item.staged.free()
@@ -245,20 +322,16 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
     residency = setup.experiment.train_metrics_residency
     metrics = item.metrics
     try:
-        value = float(item.loss)
+        report = np.asarray(item.report)
         if residency is not None:
             metrics = setup.placement.gather(metrics)
     finally:
         item.staged.free()
+    value, code = float(report[0]), int(report[1])
     totals = state.totals
-    if not math.isfinite(value):
-        if setup.check_divergence:
-            raise DivergenceError(
-                f"the training loss is {value} at step {item.index + 1} (epoch "
-                f"{state.epoch + 1}, batch {state.position + 1}). The handle keeps the weights "
-                f"from before that step (n.step == {state.step}). Lower the learning rate or "
-                f"check the data; check_divergence=False trains on regardless."
-            )
+    if code:
+        raise DivergenceError(_divergence_message(setup, state, item.index, value, code))
+    if not math.isfinite(value):  # check_divergence=False: train on, count it
         totals.nonfinite += 1
     else:
         totals.loss_sum += value
@@ -277,6 +350,34 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
     run.events.step(state.step, value)
 
 
+_STAGES = {
+    1: "the training loss is {loss}",
+    2: "a gradient is non-finite (the loss, {loss}, is finite)",
+    3: "an update is non-finite (the loss, {loss}, and the gradients are finite)",
+    4: "the step is non-finite",
+}
+_ADVICE = {
+    1: "Lower the learning rate or check the data",
+    2: "Look for sqrt, log, division or pow at 0 in the loss or the model (their gradients "
+    "are infinite there), or lower the learning rate",
+    3: "Check the optimizer's hyperparameters and schedules at that step",
+}
+
+
+def _divergence_message(setup: RunSetup, state: TrainState, index: int, loss: float, code: int):
+    what = _STAGES.get(code, _STAGES[4]).format(loss=loss)
+    advice = _ADVICE.get(code, _ADVICE[1])
+    if code == 3 and setup.optimizer is not None:
+        values = setup.feed.hyperparams_at(index)
+        shown = ", ".join(f"{k} = {v:g}" for k, v in values.items())
+        advice += f" ({shown} at step {index + 1})"
+    return (
+        f"{what} at step {index + 1} (epoch {state.epoch + 1}, batch {state.position + 1}). "
+        f"The handle keeps the weights from before that step (n.step == {state.step}). "
+        f"{advice}; check_divergence=False trains on regardless."
+    )
+
+
 def _finalize(setup: RunSetup, results: dict, split: str) -> dict:
     if "finalize_metrics" in setup.experiment.hooks:
         results = setup.experiment.call_host_hook("finalize_metrics", dict(results), split)
@@ -290,7 +391,8 @@ def _finalize(setup: RunSetup, results: dict, split: str) -> dict:
 def evaluate_split(
     setup: RunSetup, state: TrainState, programs: ProgramSet, control: RunControl, split: str
 ) -> dict[str, Any]:
-    """Loss and metrics over one split, prefixed with its name (`val_loss`, `val_acc`)."""
+    """Loss and metrics over one split, prefixed with its name (`val_loss`, `val_acc`); None
+    when a stop request cut it short (partial results are never returned)."""
     info = setup.split(split)
     fields = info.hook_fields
     with_loss = "loss" in fields
@@ -300,10 +402,12 @@ def evaluate_split(
     loss_sum, samples = 0.0, 0
     program = None
     stream = info.prefetcher.epoch(0)
+    stopped = False
     try:
         for staged in stream:
             if control.stop.is_set():
                 staged.free()
+                stopped = True
                 break
             n_real = staged.n_real
             args = (state.variables, setup.feed.current_device(), staged.device, np.int32(n_real))
@@ -334,6 +438,8 @@ def evaluate_split(
                 delete(result)
     finally:
         stream.close()
+    if stopped:
+        return None
     results: dict[str, Any] = {}
     if with_loss and samples:
         results["loss"] = loss_sum / samples

@@ -27,6 +27,7 @@ import optax
 from flax import nnx
 
 from .compile_cache import CACHE, Opaque, Program, ProgramKind, ProgramSpec
+from .errors import SetupError
 from .fingerprint import CodeFingerprint
 from .metrics import split_modes
 from .routing import select
@@ -101,6 +102,29 @@ def _check_scalar_loss(loss: Any) -> Any:
     return loss
 
 
+def _check_batch_axis(outputs: Any, batch: Mapping[str, Any]) -> None:
+    """Outputs are sliced per sample (padding, metrics, predict): each leaf needs the batch
+    axis first. Checked at trace time, so the first compile says it, not an epoch later."""
+    width = next((v.shape[0] for v in batch.values() if getattr(v, "ndim", 0)), None)
+    if width is None:
+        return
+    for path, leaf in jax.tree_util.tree_flatten_with_path(outputs)[0]:
+        shape = tuple(getattr(leaf, "shape", ()))
+        if not shape or shape[0] != width:
+            where = jax.tree_util.keystr(path) or "its output"
+            inputs = ", ".join(f"{k}: {tuple(v.shape)}" for k, v in batch.items())
+            raise SetupError(
+                f"hook `forward` must return outputs with the batch axis first, but "
+                f"{where} has shape {shape} for a batch of {width} ({inputs}). Return one row "
+                f"per sample (e.g. `model(x)`, not `model(x).mean(0)`)."
+            )
+
+
+def _all_finite(tree: Any) -> jax.Array:
+    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
+    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
+
+
 def _fields_key(fields: Mapping[str, tuple[str, ...]], hooks) -> tuple:
     return tuple((hook, tuple(fields.get(hook, ()))) for hook in hooks)
 
@@ -145,21 +169,41 @@ def train_step_spec(setup: RunSetup, fields: Mapping[str, tuple[str, ...]]) -> P
                 opt_state = opt_state._replace(hyperparams=injected)
 
             if check:
-                # Once a loss is non-finite, every later step leaves the weights and the model
-                # state as they were, so the handle holds the last good ones. Zeroing the
-                # gradient and the update costs nothing (both fuse into existing loops); the
-                # optimizer's own state sees a zero gradient for the skipped steps.
-                healthy = jnp.logical_and(healthy, jnp.isfinite(loss))
+                # From the first non-finite step on, every later step leaves the weights, the
+                # model state and the optimizer's moments as they were, so the handle holds the
+                # last good ones. A step is non-finite when its loss, a gradient or an update is
+                # (a NaN learning rate makes finite gradients into NaN updates). Zeroing the
+                # gradient and selecting the new parameters fuse into existing loops; the two
+                # finiteness reductions read the gradients and updates once more.
+                loss_ok = jnp.isfinite(loss)
+                grads_ok = _all_finite(grads)
+                healthy_in = healthy
+                healthy = healthy_in & loss_ok & grads_ok
                 grads = jax.tree.map(lambda g: jnp.where(healthy, g, 0), grads)
                 new_rest = jax.tree.map(
                     lambda new, old: jax.lax.select(healthy, new, old), new_rest, rest
                 )
             updates, new_opt = optimizer.tx.update(grads, opt_state, params)
             if check:
-                updates = jax.tree.map(lambda u: jnp.where(healthy, u, 0), updates)
-            new_params = optax.apply_updates(params, updates)
+                updates_ok = _all_finite(updates)
+                healthy = healthy & updates_ok
+                new_params = jax.tree.map(
+                    lambda p, u: jnp.where(healthy, p + u, p).astype(p.dtype), params, updates
+                )
+                # 0: finite; else the first failing stage: 1 loss, 2 gradient, 3 update;
+                # 4: an earlier step in flight was already non-finite
+                code = jnp.where(
+                    ~healthy_in,
+                    4,
+                    jnp.where(~loss_ok, 1, jnp.where(~grads_ok, 2, jnp.where(~updates_ok, 3, 0))),
+                )
+                report = jnp.stack([loss.astype(jnp.float32), code.astype(jnp.float32)])
+            else:
+                new_params = optax.apply_updates(params, updates)
+                report = jnp.stack([loss.astype(jnp.float32), jnp.zeros((), jnp.float32)])
             metrics = []
             if residency == "host":
+                _check_batch_axis(outputs, select(batch, fields["forward"]))
                 metrics = outputs  # read back and reduced by the host hook
             elif residency == "device":
                 values = _call(
@@ -173,7 +217,7 @@ def train_step_spec(setup: RunSetup, fields: Mapping[str, tuple[str, ...]]) -> P
                 model_state=jax.tree.leaves(new_rest),
                 opt_state=jax.tree.leaves(new_opt),
             )
-            return StepOutput(new_variables, healthy, loss, metrics)
+            return StepOutput(new_variables, healthy, report, metrics)
 
         train_step.nitro_aux = aux
         return train_step
@@ -227,9 +271,11 @@ def eval_spec(
             params, rest = _unflatten(setup, variables)
             view = _view(setup, device, reads)
             module = nnx.merge(model.graphdef_eval, params, rest, copy=True)
-            outputs = _call(setup, "forward", view, module, **select(batch, fields["forward"]))
+            inputs = select(batch, fields["forward"])
+            outputs = _call(setup, "forward", view, module, **inputs)
             result = {}
             if return_outputs:
+                _check_batch_axis(outputs, inputs)
                 result["outputs"] = outputs
             if with_loss:
                 result["loss_sum"], aux["exact"] = _masked_loss_sum(

@@ -73,6 +73,7 @@ class SplitSetup:
     dropped: int  # samples left out by drop_last (train only)
     fields: tuple[str, ...]  # fields a batch has
     device_fields: tuple[str, ...]  # fields moved to the device
+    batch_spec: Mapping[str, tuple[tuple[int, ...], str]]  # device field -> (shape, dtype)
     hook_fields: Mapping[str, tuple[str, ...]]  # hook -> fields it receives from this split
     prefetcher: Any  # data.Prefetcher
 

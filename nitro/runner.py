@@ -1,9 +1,12 @@
 """Running work on a worker thread, so an interrupt never lands inside a donated step.
 
 The caller waits on an Event (never `Thread.join`, which misbehaves under interrupts on
-Python 3.11). Ctrl-C, or a notebook's interrupt, raises KeyboardInterrupt in the waiting
-thread; it becomes a stop request: the current step finishes, its loss is read back, its batch
-is freed, and the call returns with the handle intact.
+Python 3.11). While a call of the handle runs on the main thread, `sigint_requests_stop`
+replaces the SIGINT handler with one that only sets the stop request, so Ctrl-C, or a
+notebook's interrupt, can never land between two bytecodes of the engine's bookkeeping: the
+current step finishes, its loss is read back, its batch is freed, and the call returns with
+the handle intact. A third Ctrl-C while `train()` waits gives up waiting (the run still stops
+cleanly in the background).
 
 `RunGuard` says what a handle is doing. Work that needs the handle's state claims it; a second
 claim while the first holds answers at once with a `RunningError` that says how to stop or
@@ -14,7 +17,7 @@ request, and requests for a copy of the weights at the next step boundary.
 from __future__ import annotations
 
 import concurrent.futures
-import sys
+import signal
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -28,7 +31,8 @@ __all__ = [
     "RunGuard",
     "add_worker_initializer",
     "remove_worker_initializer",
-    "wait_interruptibly",
+    "sigint_requests_stop",
+    "wait_for",
 ]
 
 # Each initializer runs on the starting thread with the run's handle and returns a callable
@@ -89,6 +93,7 @@ class RunControl:
 
     def __init__(self) -> None:
         self.stop = threading.Event()
+        self.interrupts = 0  # Ctrl-C presses while a call of the handle ran on the main thread
         self.copies_pending = False  # read once per step by the loop: a plain attribute
         self._copies: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
         self._lock = threading.Lock()
@@ -152,35 +157,61 @@ class RunGuard:
         )
 
 
-def wait_interruptibly(run: Run, request_stop: Callable[[], None], what: str = "training") -> None:
-    """Wait for `run`; turn Ctrl-C into `request_stop()`. A third Ctrl-C gives up waiting (the
-    run still stops cleanly in the background)."""
-    interrupts = 0
+@contextmanager
+def sigint_requests_stop(control: RunControl) -> Iterator[None]:
+    """While active on the main thread, SIGINT sets `control.stop` (and counts the press)
+    instead of raising KeyboardInterrupt wherever the main thread happens to be. Elsewhere,
+    or where Python does not own SIGINT, it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    try:
+        previous = signal.getsignal(signal.SIGINT)
+    except (ValueError, OSError):  # pragma: no cover - no signals here
+        yield
+        return
+    if previous in (signal.SIG_IGN, None):  # SIGINT is not Python's to handle right now
+        yield
+        return
+
+    def handler(signum, frame):  # runs between two bytecodes of the main thread: set flags only
+        control.interrupts += 1
+        control.stop.set()
+
+    control.interrupts = 0
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def wait_for(run: Run, control: RunControl, note: Callable[[str], None], what: str) -> None:
+    """Wait for `run`. Under `sigint_requests_stop` Ctrl-C arrives as `control.interrupts`;
+    elsewhere as KeyboardInterrupt, turned into the same count. The first press asks the run to
+    stop after the current step, the second says it is still stopping, the third stops waiting
+    (KeyboardInterrupt; the run finishes its stop in the background)."""
+    seen = control.interrupts
     while True:
         try:
-            while not run.done.wait(0.1):
-                pass
-            return
-        except KeyboardInterrupt:
-            interrupts += 1
-            request_stop()
-            try:
-                if interrupts == 1:
-                    print(
-                        f"nitro: interrupted; stopping {what} after the current step ...",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                elif interrupts == 2:
-                    print(
-                        "nitro: still stopping (the current step or compile is finishing); "
-                        "interrupt again to stop waiting",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-            except KeyboardInterrupt:
-                interrupts += 1
-            if interrupts >= 3:
+            finished = run.done.wait(0.05)
+        except KeyboardInterrupt:  # not on the main thread's handler: count it ourselves
+            control.interrupts += 1
+            control.stop.set()
+            finished = False
+        if control.interrupts != seen:
+            seen = control.interrupts
+            if seen == 1:
+                note(f"interrupted; stopping {what} after the current step ...")
+            elif seen == 2:
+                note(
+                    "still stopping (the current step or compile is finishing); interrupt "
+                    "again to stop waiting"
+                )
+            elif not finished:
                 raise KeyboardInterrupt(
-                    f"stopped waiting; {what} finishes its stop in the background"
-                ) from None
+                    f"stopped waiting; {what} finishes its stop in the background (n.wait() "
+                    f"waits for it)"
+                )
+        if finished:
+            return

@@ -19,7 +19,13 @@ import numpy as np
 
 from .errors import ScheduleError
 
-__all__ = ["BoundSchedule", "ScheduleError", "bind_schedules", "normalize_schedule"]
+__all__ = [
+    "BoundSchedule",
+    "ScheduleError",
+    "bind_schedules",
+    "check_schedule_values",
+    "normalize_schedule",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,3 +141,63 @@ def _no_target(label: str, what: str, names: Mapping[str, Any]) -> str:
     close = difflib.get_close_matches(label.rpartition(".")[2], sorted(names), n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
     return f"schedule key {label!r} names no {what} (have: {', '.join(sorted(names)) or 'none'}).{hint}"
+
+
+def _describe(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_schedule_values(
+    schedules: list[BoundSchedule],
+    *,
+    total_steps: int | None,
+    device_shapes: Mapping[str, tuple[int, ...]],
+    device_dtypes: Mapping[str, Any],
+) -> None:
+    """Evaluate every schedule at step 0 and at the horizon's last step, and refuse values a
+    step cannot use, naming the key: not a real number, not finite, a negative learning rate,
+    or a Device value of the wrong shape or kind."""
+    steps = [0] if not total_steps else sorted({0, total_steps - 1})
+    for schedule in schedules:
+        for step in steps:
+            try:
+                value = schedule.fn(step)
+            except Exception as error:  # noqa: BLE001 - reported with the key
+                raise ScheduleError(
+                    f"schedule {schedule.key!r} raised {type(error).__name__} at step {step}: "
+                    f"{error}"
+                ) from error
+            where = f"schedule {schedule.key!r} gives {_describe(value)} at step {step}"
+            if isinstance(value, (str, bytes)) or value is None:
+                raise ScheduleError(f"{where}; a schedule returns a number")
+            array = np.asarray(value)
+            if array.dtype.kind not in "biuf":
+                kind = "a complex number" if array.dtype.kind == "c" else f"dtype {array.dtype}"
+                raise ScheduleError(f"{where} ({kind}); a schedule returns a real number")
+            if schedule.target == "opt":
+                if array.ndim:
+                    raise ScheduleError(
+                        f"{where} (shape {array.shape}); an optimizer hyperparameter is one "
+                        f"number per step"
+                    )
+                number = float(array)
+                if not np.isfinite(number):
+                    raise ScheduleError(f"{where}; it must be finite")
+                if schedule.name == "learning_rate" and number < 0:
+                    raise ScheduleError(
+                        f"{where}; a learning rate must be >= 0 (a negative one climbs the loss)"
+                    )
+            else:
+                shape = tuple(device_shapes.get(schedule.name, ()))
+                if array.shape != shape:
+                    raise ScheduleError(
+                        f"{where} (shape {array.shape}); Device field {schedule.name!r} has "
+                        f"shape {shape}, and a schedule cannot change it"
+                    )
+                if array.dtype.kind == "f" and np.dtype(device_dtypes[schedule.name]).kind in "iub":
+                    if not np.all(np.equal(np.mod(array, 1), 0)):
+                        raise ScheduleError(
+                            f"{where}; Device field {schedule.name!r} holds "
+                            f"{np.dtype(device_dtypes[schedule.name]).name}"
+                        )

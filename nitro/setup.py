@@ -20,7 +20,14 @@ import numpy as np
 from flax import nnx
 
 from .compile_cache import configure_persistent_cache
-from .data import NoPrefetch, Prefetcher, PrefetchSettings, is_index_addressable
+from .data import (
+    FromFactory,
+    NoPrefetch,
+    Prefetcher,
+    PrefetchSettings,
+    is_index_addressable,
+    is_one_shot,
+)
 from .errors import RoutingError, SetupError
 from .events import Events
 from .experiments import REQUIRED_HOOKS, FieldKind, field_specs, has_method
@@ -30,7 +37,7 @@ from .placement import Placement
 from .routing import hook_fields
 from .run_keywords import Resolved
 from .run_setup import ExperimentSetup, ModelSetup, RunSetup, SplitSetup
-from .schedules import bind_schedules
+from .schedules import bind_schedules, check_schedule_values
 from .state import TrainState, Variables
 from .step_feed import StepFeed
 from .weights import WeightsSource, check_same_tree, copy_array
@@ -214,7 +221,26 @@ def _build_data(instance: Any, data: Any, events: Events) -> dict[str, Any]:
             f"build_data must return a dict of split name -> loader, e.g. "
             f"{{'train': ..., 'val': ...}}; got {type(data).__name__}"
         )
-    return dict(data)
+    return {split: _restartable(split, source) for split, source in data.items()}
+
+
+def _restartable(split: str, source: Any) -> Any:
+    """Every epoch iterates a split again: refuse one-shot iterators, and turn a function that
+    returns a fresh iterator into a source."""
+    if isinstance(source, NoPrefetch):
+        return NoPrefetch(_restartable(split, source.source))
+    if is_index_addressable(source):
+        return source
+    if is_one_shot(source):
+        raise SetupError(
+            f"split '{split}' is a one-shot iterator ({type(source).__name__}): it can be "
+            f"iterated once, but setup reads its first batch and every epoch iterates it "
+            f"again. Give a list of batches, a nitro.data.ArrayLoader, or a function that "
+            f"returns a fresh iterator (e.g. {{'{split}': lambda: make_batches()}})."
+        )
+    if callable(source) and not isinstance(source, Iterable):
+        return FromFactory(source)
+    return source
 
 
 def _device_dtype(spec_type: Any, value: Any):
@@ -310,6 +336,21 @@ def _peek(source: Any, split: str) -> tuple[Mapping[str, Any], float | None]:
     return batch, build_seconds
 
 
+def _check_device_dtype(split: str, name: str, value: Any, fields: Mapping) -> None:
+    dtype = np.asarray(value).dtype
+    if dtype.kind in "biufc":
+        return
+    hooks = [hook for hook, names in fields.items() if name in names]
+    what = {"U": "strings", "S": "bytes", "O": "Python objects"}.get(dtype.kind, dtype.name)
+    raise SetupError(
+        f"field {name!r} of the '{split}' split has dtype {dtype} ({what}), but "
+        f"{' and '.join(hooks)} run{'s' * (len(hooks) == 1)} on the device, which takes numbers "
+        f"and booleans only. Encode it as integers in the loader (e.g. "
+        f"labels, {name} = np.unique({name}, return_inverse=True)), or read it only in a host "
+        f"metrics hook."
+    )
+
+
 def batch_size(batch: Mapping[str, Any], split: str) -> int:
     lengths = {k: np.shape(v)[0] if np.ndim(v) else None for k, v in batch.items()}
     if len(set(lengths.values())) != 1 or None in lengths.values():
@@ -337,6 +378,11 @@ def _setup_split(
         )
     inner = source.source if isinstance(source, NoPrefetch) else source
     first, build_seconds = _peek(inner, split)
+    if batch_size(first, split) == 0:
+        raise SetupError(
+            f"the first batch of the '{split}' split has 0 rows; a batch needs at least one "
+            f"sample (filter empty batches out of the source)"
+        )
     width = getattr(inner, "batch_size", None) or batch_size(first, split)
     placement.check_batch(width, split)
     available = tuple(first)
@@ -361,6 +407,8 @@ def _setup_split(
     if not training and residency.get("metrics") == "device":
         traced.add("metrics")
     route = frozenset(f for hook in traced for f in fields.get(hook, ()))
+    for name in sorted(route):
+        _check_device_dtype(split, name, first[name], fields)
     keep_host = (not training and "metrics" in hooks) or (training and train_metrics == "host")
     prefetcher = Prefetcher(
         source,
@@ -389,6 +437,10 @@ def _setup_split(
         dropped=getattr(inner, "dropped", 0) if training else 0,
         fields=available,
         device_fields=tuple(sorted(route)),
+        batch_spec={
+            name: (tuple(np.shape(first[name])), str(np.asarray(first[name]).dtype))
+            for name in sorted(route)
+        },
         hook_fields=fields,
         prefetcher=prefetcher,
     )
@@ -416,6 +468,12 @@ def _bind_schedules(
             if s.kind is not FieldKind.DEVICE
         },
         total_steps=total,
+    )
+    check_schedule_values(
+        schedules,
+        total_steps=total,
+        device_shapes={name: np.shape(value) for name, value in device_values.items()},
+        device_dtypes=device_dtypes,
     )
     constants = dict(hyperparams)
     if optimizer and optimizer.uses_learning_rate and "learning_rate" in constants:

@@ -36,11 +36,13 @@ class Variables:
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
     """What one train step returns: the new variables, whether every step so far was finite,
-    the step's loss and its device train metrics (or the outputs for host train metrics)."""
+    its report (f32[2]: the loss, and 0 when the step was finite or the stage that was not:
+    1 loss, 2 gradient, 3 update, 4 an earlier step) read back in one transfer, and its device
+    train metrics (or the outputs, for host train metrics)."""
 
     variables: Variables
     healthy: Any
-    loss: Any
+    report: Any
     metrics: Any
 
 
@@ -73,6 +75,9 @@ class TrainState:
       seed: seeds the model's initialization and the data order.
       history: one row per committed epoch (loss, validation metrics, timing).
       totals: the running sums of the epoch under way (None at an epoch boundary).
+      epoch_trained: the epoch under way has trained all its batches but is not committed
+        yet (its validation has not completed); the next `train()` or `validate()` validates
+        it first.
     """
 
     variables: Variables
@@ -82,6 +87,7 @@ class TrainState:
     seed: int = 0
     history: list[Mapping[str, Any]] = dataclasses.field(default_factory=list)
     totals: EpochTotals | None = None
+    epoch_trained: bool = False
 
     @property
     def last_row(self) -> Mapping[str, Any]:

@@ -90,6 +90,13 @@ class StepFeed:
             self._hparams = self.placement.put_replicated(values)
         return self._hparams
 
+    def hyperparams_at(self, step: int) -> dict[str, float]:
+        """The hyperparameters a step uses (schedules evaluated at `step`), on the host."""
+        values = {name: float(v) for name, v in zip(self.hyper_names, self._constants)}
+        for name, evaluator in self._opt.items():
+            values[name] = evaluator(step)
+        return values
+
     def device(self, step: int) -> dict[str, Any]:
         if not self._dev:
             return self._device

@@ -60,7 +60,8 @@ def test_interrupt_stops_a_foreground_run_and_train_resumes_it(kernel):
     cell = kernel.finish(msg_id)
 
     assert cell.status == "ok"  # the interrupt became a stop request, not an error
-    assert "interrupted; stopping training after the current step" in cell.stderr
+    notes = kernel.eval("nitro_ipython.live_panel(exp_run).notes.value")
+    assert "interrupted; stopping training after the current step" in notes
     step, epoch, reason = ast.literal_eval(
         kernel.eval("(exp_run.step, exp_run.epoch, exp_run.stop_reason)")
     )

@@ -5,15 +5,17 @@ works as a source too. Every split is prefetched by default; wrap a source in `N
 to opt out.
 """
 
-from .loaders import ArrayLoader, NoPrefetch, is_index_addressable
+from .loaders import ArrayLoader, FromFactory, NoPrefetch, is_index_addressable, is_one_shot
 from .prefetch import Prefetcher, PrefetchSettings, StagedBatch, pad_batch
 
 __all__ = [
     "ArrayLoader",
+    "FromFactory",
     "NoPrefetch",
     "PrefetchSettings",
     "Prefetcher",
     "StagedBatch",
     "is_index_addressable",
+    "is_one_shot",
     "pad_batch",
 ]

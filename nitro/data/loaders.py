@@ -13,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ArrayLoader", "NoPrefetch", "is_index_addressable"]
+__all__ = ["ArrayLoader", "FromFactory", "NoPrefetch", "is_index_addressable", "is_one_shot"]
 
 
 class ArrayLoader:
@@ -150,6 +150,43 @@ class NoPrefetch:
 
     def __repr__(self) -> str:
         return f"NoPrefetch({self.source!r})"
+
+
+class FromFactory:
+    """A source from a function that returns a fresh iterator of batches each time it is
+    called: every epoch calls it again. `Nitro` wraps a callable given as a split in it.
+
+    >>> def batches():
+    ...     for i in range(3):
+    ...         yield {"x": np.full((2, 1), i)}
+    >>> source = FromFactory(batches)
+    >>> [int(b["x"][0, 0]) for b in source], [int(b["x"][0, 0]) for b in source]
+    ([0, 1, 2], [0, 1, 2])
+    """
+
+    def __init__(self, factory: Any, length: int | None = None):
+        if not callable(factory):
+            raise TypeError(f"FromFactory takes a callable; got {type(factory).__name__}")
+        self.factory = factory
+        self.length = length
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.factory())
+
+    def __len__(self) -> int:
+        if self.length is None:
+            raise TypeError("this source does not know its length")
+        return self.length
+
+    def __repr__(self) -> str:
+        name = getattr(self.factory, "__qualname__", type(self.factory).__name__)
+        return f"FromFactory({name})"
+
+
+def is_one_shot(source: Any) -> bool:
+    """True for an iterator (a generator object, `iter(list)`, an open file): it can be
+    iterated once, so it cannot feed more than one epoch."""
+    return isinstance(source, Iterator)
 
 
 def _process_share() -> tuple[int, int]:

@@ -28,6 +28,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from ..errors import SetupError
 from .loaders import NoPrefetch, is_index_addressable
 
 __all__ = [
@@ -239,6 +240,12 @@ class Prefetcher:
 
     def stage(self, index: int, host: Mapping[str, Any]) -> StagedBatch:
         """Pad (eval splits), route and transfer one host batch."""
+        if _batch_length(host) == 0:
+            raise SetupError(
+                f"the '{self.name}' split yielded a batch with 0 rows (batch {index} of the "
+                f"epoch); a batch needs at least one sample: filter empty batches out of the "
+                f"source"
+            )
         if self.pad_to is not None:
             host, n_real = pad_batch(host, self.pad_to)
         else:
