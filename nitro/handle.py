@@ -286,9 +286,12 @@ class Nitro:
                     self._state, reason = loop.train_epochs(
                         self._setup, self._state, self._programs, events, self._control, target
                     )
+                    self._stop_reason = reason
+                except BaseException:
+                    self._stop_reason = "error"
+                    raise
                 finally:
-                    events.end_run(self)
-                self._stop_reason = reason
+                    events.end_run(self)  # the stop reason is known here
                 events.phase("done" if reason == "completed" else "stopped")
         except BaseException:
             self._stop_reason = "error"
