@@ -53,7 +53,9 @@ def _fmt(value: Any) -> str:
     return text if len(text) < 60 else text[:57] + "..."
 
 
-def binding_report(setup: RunSetup, step: int) -> BindingReport:
+def binding_report(
+    setup: RunSetup, step: int, run_dir: str | None = None, run_id: str | None = None
+) -> BindingReport:
     """Where every value came from: splits, hook fields, run keywords, schedules, optimizer,
     Device fields."""
     experiment = setup.experiment
@@ -104,6 +106,14 @@ def binding_report(setup: RunSetup, step: int) -> BindingReport:
         for name, resolved in setup.keywords.items()
         if name not in ("schedules",)
     ]
+    if run_dir is not None:
+        lines = [
+            f"run_dir = {run_dir}  [{setup.keywords['run_dir'].source}]"
+            if line.startswith("run_dir = ")
+            else line
+            for line in lines
+        ]
+        lines.append(f"run id: {run_id}")
     lines.append(f"devices: {setup.placement.describe()}")
     sections.append(("run keywords", lines))
 

@@ -78,6 +78,7 @@ DRIVER_ONLY_NAMES = frozenset(
         "logger",
         "checkpointer",
         "early_stop",
+        "resume",
         "schedules",
         "learning_rate",
         "optimizer",

@@ -10,6 +10,7 @@ holds, an event path and a run guard; its public attributes read from them.
 from __future__ import annotations
 
 import dataclasses
+import os
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -25,6 +26,7 @@ from .data import pad_batch
 from .errors import ExperimentError, Interrupted, RunningError, SetupError
 from .events import Events
 from .experiments import REQUIRED_HOOKS, FieldKind, edit_generation, field_specs, has_method
+from .lifecycle import RunFiles, metric_names
 from .programs import ProgramSet
 from .run_keywords import Resolved, resolve_run_keywords
 from .run_setup import RunSetup
@@ -32,7 +34,7 @@ from .runner import Run, RunControl, RunGuard, sigint_requests_stop, wait_for
 from .setup import batch_size, build
 from .staleness import stale_changes, stale_report
 from .state import TrainState
-from .weights import WeightsSource, copy_array
+from .weights import CheckpointWeights, WeightsSource, copy_array
 
 __all__ = ["Nitro"]
 
@@ -91,8 +93,21 @@ class Nitro:
                 instance, resolved, keywords, events=self._events, data=data, weights=source
             )
         self._programs = ProgramSet(self._setup)
-        self._target_epoch = self._setup.max_epochs
+        self._check_early_stop()
+        self._files = RunFiles.plan(self._setup, self._events)
+        if self._files.resume_from is not None:
+            with events_module.using(self._events):
+                self._files.restore(self._setup, self._state, self._events)
+        self._target_epoch = max(self._setup.max_epochs, self._state.epoch)
         self._events.phase("ready")
+
+    def _check_early_stop(self) -> None:
+        early_stop = self._setup.early_stop
+        if early_stop is None:
+            return
+        known = {"loss", "val_loss"}
+        names = None if early_stop.metric in known else metric_names(self._setup, self._state)
+        early_stop.check(tuple(self._setup.splits), names)
 
     # ------------------------------------------------------------------------------------------
     # what the handle holds
@@ -165,7 +180,13 @@ class Nitro:
 
     @property
     def run_dir(self) -> str:
-        return self._setup.run_dir
+        """This run's directory: checkpoints, logs and run.json live there."""
+        return str(self._files.run_dir)
+
+    @property
+    def run_id(self) -> str:
+        """A sortable timestamp plus a short random suffix; a resumed run keeps its id."""
+        return self._files.run_id
 
     @property
     def total_steps(self) -> int | None:
@@ -276,6 +297,9 @@ class Nitro:
     def _pending(self) -> bool:
         return self._state.epoch_trained
 
+    def _after_epoch(self, state: TrainState, row: dict[str, Any]) -> str | None:
+        return self._files.after_epoch(self._setup, state, row, self._events)
+
     def _train_body(self, target: int) -> None:
         """The worker thread's work: the loop between start_run and end_run, then the phase."""
         events = self._events
@@ -283,16 +307,24 @@ class Nitro:
             with events_module.using(events):
                 events.start_run(self, target)
                 try:
+                    self._files.open(self._setup, events)
                     self._state, reason = loop.train_epochs(
-                        self._setup, self._state, self._programs, events, self._control, target
+                        self._setup,
+                        self._state,
+                        self._programs,
+                        events,
+                        self._control,
+                        target,
+                        after_epoch=self._after_epoch,
                     )
+                    self._files.end_run(self._setup, self._state, events, reason)
                     self._stop_reason = reason
                 except BaseException:
                     self._stop_reason = "error"
                     raise
                 finally:
                     events.end_run(self)  # the stop reason is known here
-                events.phase("done" if reason == "completed" else "stopped")
+                events.phase("stopped" if reason == "requested" else "done")
         except BaseException:
             self._stop_reason = "error"
             events.phase("failed")
@@ -356,6 +388,9 @@ class Nitro:
                             self._setup, self._state, self._programs, self._events, self._control
                         )
                         result = None if row is None else _prefixed(row, "val_")
+                        if row is not None:
+                            self._files.open(self._setup, self._events)
+                            self._after_epoch(self._state, row)
                     else:
                         self._events.phase(f"evaluating {split}")
                         result = loop.evaluate_split(
@@ -525,6 +560,35 @@ class Nitro:
         source = self._weights_copy()
         return nnx.merge(self._setup.model.graphdef_train, source.params, source.model_state)
 
+    def restore_best(self) -> Nitro:
+        """Load the weights (parameters and model state) of this run's best checkpoint by the
+        checkpointer's metric; the optimizer state, counters and history stay."""
+        with self._guard.hold("restoring its best weights"):
+            if self._files.store is not None:
+                self._files.store.wait()
+            source = CheckpointWeights((str(self._files.run_dir), "best"))
+            params, rest = self._trees()
+            params, rest, origin = source.resolve(params, rest)
+            place = self._setup.placement.put_replicated
+            self._state.variables = dataclasses.replace(
+                self._state.variables,
+                params=[place(x) for x in jax.tree.leaves(params)],
+                model_state=[place(x) for x in jax.tree.leaves(rest)],
+            )
+        self._say(f"restored the weights of {origin}")
+        return self
+
+    def checkpoints(self):
+        """This run's saved checkpoints: a DataFrame of step, epoch and the checkpointer's
+        metric (empty when none are saved yet)."""
+        import pandas as pd
+
+        from .checkpoints import describe_saved
+
+        if self._files.store is not None:
+            self._files.store.wait()
+        return pd.DataFrame(describe_saved(self._files.run_dir))
+
     @property
     def hyperparameters(self) -> dict[str, float]:
         """The optimizer's injected hyperparameters as the last step used them."""
@@ -553,7 +617,7 @@ class Nitro:
 
     def binding_report(self) -> BindingReport:
         """Where every value came from: splits, hook fields, run keywords, schedules, optimizer."""
-        return binding_report(self._setup, self.step)
+        return binding_report(self._setup, self.step, self.run_dir, self.run_id)
 
     def stale_changes(self) -> dict[str, list[str]]:
         """Code that changed since this handle was built: unit (a hook name or "model") ->
@@ -592,11 +656,16 @@ def _prefixed(row: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     return {k: v for k, v in row.items() if k.startswith(prefix)}
 
 
-def _weights_source(weights: Any) -> WeightsSource | None:
+def _weights_source(weights: Any):
     if weights is None:
         return None
     if isinstance(weights, Nitro):
         return weights._weights_copy()
-    if isinstance(weights, WeightsSource):
+    if isinstance(weights, (WeightsSource, CheckpointWeights)):
         return weights
-    raise SetupError(f"weights= takes a Nitro handle to start from; got {type(weights).__name__}")
+    if isinstance(weights, (str, os.PathLike, tuple)):
+        return CheckpointWeights(weights if isinstance(weights, tuple) else os.fspath(weights))
+    raise SetupError(
+        f"weights= takes a Nitro handle, a run directory or checkpoint path, or (run_dir, "
+        f"'best' | 'latest'); got {type(weights).__name__}"
+    )

@@ -15,6 +15,7 @@ import dataclasses
 import math
 import time
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -75,9 +76,13 @@ def train_epochs(
     events: Events,
     control: RunControl,
     target: int,
+    after_epoch: Callable[[TrainState, dict[str, Any]], str | None] | None = None,
 ) -> tuple[TrainState, str]:
     """Train until epoch `target` or a stop request; returns the state and the stop reason
-    ("completed" or "requested").
+    ("completed", "requested", or what `after_epoch` returned, e.g. "early_stop").
+
+    `after_epoch(state, row)` runs once an epoch's row is committed (checkpoints, early
+    stopping); a reason it returns ends the run.
 
     An epoch is a transaction: its history row is committed (and `state.epoch` moves) once
     its training and its validation are both complete. An epoch trained but not validated
@@ -89,8 +94,12 @@ def train_epochs(
     try:
         while True:
             if state.epoch_trained:
-                if finish_epoch(setup, state, programs, events, control) is None:
+                row = finish_epoch(setup, state, programs, events, control)
+                if row is None:
                     break  # validation stopped: the epoch stays trained, not committed
+                verdict = after_epoch(state, row) if after_epoch is not None else None
+                if verdict is not None and state.epoch < target:
+                    return state, verdict
                 continue
             if state.epoch >= target or stop.is_set():
                 break

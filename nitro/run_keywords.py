@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -81,10 +82,70 @@ def _learning_rate(value):
     return float(value)
 
 
+def _path(name):
+    def check(value):
+        if not isinstance(value, (str, os.PathLike)) or not str(value):
+            raise ValueError(f"{name} must be a path, got {value!r}")
+        return os.fspath(value)
+
+    return check
+
+
+def _checkpointer(value):
+    from .checkpoints import Checkpointer
+
+    if value is True:
+        return Checkpointer()
+    if value is False:
+        return None
+    if not isinstance(value, Checkpointer):
+        raise ValueError(
+            f"checkpointer must be a nitro.Checkpointer(k=, metric=, mode=, every=) or None, "
+            f"got {value!r}"
+        )
+    return value
+
+
+def _early_stop(value):
+    from .early_stopping import EarlyStopping
+
+    if not isinstance(value, EarlyStopping):
+        raise ValueError(
+            f"early_stop must be a nitro.EarlyStopping(metric=, mode=, patience=, min_delta=) "
+            f"or None, got {value!r}"
+        )
+    return value
+
+
+def _resume(value):
+    if value is False or value == "auto":
+        return value
+    if value is True:
+        return "auto"
+    if isinstance(value, (str, os.PathLike)):
+        return os.fspath(value)
+    if isinstance(value, tuple) and len(value) == 2 and value[1] in ("best", "latest"):
+        return (os.fspath(value[0]), value[1])
+    raise ValueError(
+        f"resume must be 'auto', a run directory or checkpoint path, (run_dir, 'latest'), or "
+        f"False; got {value!r}"
+    )
+
+
 def _schedules(value):
     if not isinstance(value, Mapping):
         raise ValueError(f"schedules must be a dict of key -> schedule, got {type(value).__name__}")
     return dict(value)
+
+
+class _DefaultCheckpointer:
+    """The framework default: Checkpointer() (a marker, so the table needs no import)."""
+
+    def __repr__(self) -> str:
+        return "Checkpointer()"
+
+
+_DEFAULT_CHECKPOINTER = _DefaultCheckpointer()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,9 +168,27 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
         RunKeyword("seed", 0, "seeds the model's nnx.Rngs and the data order", _int("seed")),
         RunKeyword(
             "run_dir",
-            lambda e: f"runs/{type(e).__name__}",
-            "directory for this run's files",
-            computed=True,
+            None,
+            "this run's directory (default runs/<Experiment>/<run id>)",
+            _path("run_dir"),
+        ),
+        RunKeyword(
+            "checkpointer",
+            _DEFAULT_CHECKPOINTER,
+            "a nitro.Checkpointer, or None to save no checkpoints",
+            _checkpointer,
+        ),
+        RunKeyword(
+            "early_stop",
+            None,
+            "a nitro.EarlyStopping, or None",
+            _early_stop,
+        ),
+        RunKeyword(
+            "resume",
+            False,
+            "'auto' (the newest run of this experiment), a run directory or checkpoint, or False",
+            _resume,
         ),
         RunKeyword(
             "n_devs",
@@ -161,7 +240,8 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
 
 # Keywords that only exist on Nitro(...): no accessor, no field.
 KEYWORD_ONLY = {
-    "weights": "start from another handle's weights (a Nitro)",
+    "weights": "start from these weights: a Nitro handle, a run directory or checkpoint, or "
+    "(run_dir, 'best' | 'latest')",
     "data": "use these splits instead of calling build_data",
 }
 
@@ -198,7 +278,11 @@ def resolve_run_keywords(experiment: Any, kwargs: Mapping[str, Any]) -> dict[str
             value, source = getattr(experiment, name), FIELD
         else:
             value, source = keyword.default_value(experiment), DEFAULT
-        if keyword.check is not None and value is not None:
+        if value is _DEFAULT_CHECKPOINTER:
+            from .checkpoints import Checkpointer
+
+            value = Checkpointer()
+        elif keyword.check is not None and value is not None:
             try:
                 value = keyword.check(value)
             except ValueError as error:

@@ -91,8 +91,11 @@ class RunSetup:
     given_keywords: Mapping[str, Any]  # the run keywords passed to Nitro(...)
     seed: int
     max_epochs: int
-    run_dir: str
+    run_dir: str | None  # the run_dir keyword; None: runs/<Experiment>/<run id>
     check_divergence: bool
+    checkpointer: Any  # checkpoints.Checkpointer, or None
+    early_stop: Any  # early_stopping.EarlyStopping, or None
+    resume: Any  # False, "auto", a path, or (path, "best" | "latest")
     splits: Mapping[str, SplitSetup]
     placement: Any  # placement.Placement
     model: ModelSetup

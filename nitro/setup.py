@@ -40,7 +40,7 @@ from .run_setup import ExperimentSetup, ModelSetup, RunSetup, SplitSetup
 from .schedules import bind_schedules, check_schedule_values
 from .state import TrainState, Variables
 from .step_feed import StepFeed
-from .weights import WeightsSource, check_same_tree, copy_array
+from .weights import leaf_paths
 
 __all__ = ["batch_size", "build"]
 
@@ -62,7 +62,7 @@ def build(
     *,
     events: Events,
     data: Mapping[str, Any] | None = None,
-    weights: WeightsSource | None = None,
+    weights: Any = None,
 ) -> tuple[RunSetup, TrainState]:
     """The setup sequence of `Nitro(e, **keywords)`: nothing compiles here."""
     configure_persistent_cache()  # before build_model, so its init ops are cached too
@@ -128,6 +128,9 @@ def build(
         max_epochs=value["max_epochs"],
         run_dir=value["run_dir"],
         check_divergence=value["check_divergence"],
+        checkpointer=value["checkpointer"],
+        early_stop=value["early_stop"],
+        resume=value["resume"],
         splits=splits,
         placement=placement,
         model=ModelSetup(
@@ -264,7 +267,7 @@ def _device_fields(instance: Any, placement: Placement):
     return specs, dtypes, values
 
 
-def _build_model(instance: Any, seed: int, weights: WeightsSource | None, events: Events):
+def _build_model(instance: Any, seed: int, weights: Any, events: Events):
     """(train and eval graph definitions), parameters, other model state, weights origin."""
     events.phase("building model")
     model = instance.build_model(nnx.Rngs(seed))
@@ -277,11 +280,7 @@ def _build_model(instance: Any, seed: int, weights: WeightsSource | None, events
     model.train()
     origin = "build_model"
     if weights is not None:
-        check_same_tree("parameters", params, weights.params)
-        check_same_tree("model state", rest, weights.model_state)
-        params = jax.tree.map(copy_array, weights.params)
-        rest = jax.tree.map(copy_array, weights.model_state)
-        origin = weights.origin
+        params, rest, origin = weights.resolve(params, rest)
     return (graphdef_train, graphdef_eval), params, rest, origin
 
 
@@ -489,13 +488,6 @@ def _bind_schedules(
     return total, schedules, feed
 
 
-def _leaf_paths(tree: Any) -> tuple[str, ...]:
-    return tuple(
-        jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value")
-        for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
-    )
-
-
 def _freeze_code(cls, hook_functions, graphdefs, params, rest, opt_state, optimizer):
     """Code fingerprints (hooks, model classes, optimizer update) and the model's tree
     definitions; returns (code, model fields)."""
@@ -520,9 +512,9 @@ def _freeze_code(cls, hook_functions, graphdefs, params, rest, opt_state, optimi
         "opt_state_def": jax.tree.structure(opt_state) if opt_state is not None else None,
         "structure": structure,
         "leaf_paths": {
-            "parameter": _leaf_paths(params),
-            "model state": _leaf_paths(rest),
-            "optimizer state": _leaf_paths(opt_state) if opt_state is not None else (),
+            "parameter": leaf_paths(params),
+            "model state": leaf_paths(rest),
+            "optimizer state": leaf_paths(opt_state) if opt_state is not None else (),
         },
         "classes": tuple(fingerprinter.classes),
     }

@@ -1,4 +1,10 @@
-"""Weights a run starts from (`weights=`), and the check that they fit the model."""
+"""Weights a run starts from (`weights=`), and the check that they fit the model.
+
+`weights=` takes another handle (its weights, copied; at the next step boundary if it is
+training), a run directory or one checkpoint (`runs/Digits/<run id>`, its newest checkpoint),
+or `(run_dir, "best" | "latest")`. Weights are the parameters and the model's other variables;
+the optimizer state, counters and history start fresh (`resume=` continues a run instead).
+"""
 
 from __future__ import annotations
 
@@ -11,7 +17,14 @@ import numpy as np
 
 from .errors import WeightsError
 
-__all__ = ["WeightsSource", "check_same_tree", "copy_array", "tree_summary"]
+__all__ = [
+    "CheckpointWeights",
+    "WeightsSource",
+    "check_same_tree",
+    "copy_array",
+    "leaf_paths",
+    "tree_summary",
+]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -22,6 +35,51 @@ class WeightsSource:
     params: Any
     model_state: Any
     origin: str
+
+    def resolve(self, params: Any, model_state: Any) -> tuple[Any, Any, str]:
+        """(parameters, model state, origin) shaped like the given model's, copied."""
+        check_same_tree("parameters", params, self.params)
+        check_same_tree("model state", model_state, self.model_state)
+        return (
+            jax.tree.map(copy_array, self.params),
+            jax.tree.map(copy_array, self.model_state),
+            self.origin,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointWeights:
+    """The weights of a saved checkpoint: a path, or (run_dir, "best" | "latest")."""
+
+    source: Any
+
+    def resolve(self, params: Any, model_state: Any) -> tuple[Any, Any, str]:
+        from .checkpoints import leaves_from, read_checkpoint, resolve_checkpoint
+
+        directory, step = resolve_checkpoint(self.source)
+        saved, meta = read_checkpoint(directory, step)
+        restored = []
+        for what, key, tree in (
+            ("parameters", "params", params),
+            ("model state", "model_state", model_state),
+        ):
+            template = jax.tree.leaves(tree)
+            leaves = leaves_from(what, saved.get(key, {}), leaf_paths(tree), template)
+            leaves = [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in leaves]
+            restored.append(jax.tree.unflatten(jax.tree.structure(tree), leaves))
+        origin = (
+            f"checkpoint {directory.parent.name or directory}/step {step} (epoch "
+            f"{meta.get('epoch')})"
+        )
+        return restored[0], restored[1], origin
+
+
+def leaf_paths(tree: Any) -> tuple[str, ...]:
+    """Dotted paths of a tree's leaves (`hidden1.kernel`), in leaf order."""
+    return tuple(
+        jax.tree_util.keystr(path, simple=True, separator=".").removesuffix(".value")
+        for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+    )
 
 
 def copy_array(x: jax.Array) -> jax.Array:

@@ -14,3 +14,10 @@ def fresh_cache():
     nitro.cache_reset()
     yield
     nitro.cache_reset()
+
+
+@pytest.fixture(autouse=True)
+def _runs_in_a_temporary_directory(tmp_path, monkeypatch):
+    """Runs write their directories (runs/<Experiment>/<run id>) under the working directory:
+    keep each test's in its own temporary directory."""
+    monkeypatch.chdir(tmp_path)

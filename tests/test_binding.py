@@ -93,7 +93,8 @@ def test_run_keywords_resolve_keyword_then_method_then_field_then_default():
     assert "max_epochs = 1  [Nitro keyword]" in report
     assert "learning_rate = 0.02  [method on experiment]" in report
     assert "seed = 11  [field on experiment]" in report
-    assert "run_dir = 'runs/Configured'  [framework default]" in report
+    assert f"run_dir = {n.run_dir}  [framework default]" in report
+    assert n.run_dir.endswith(f"runs/Configured/{n.run_id}")
 
 
 def test_bad_run_keyword_values_name_the_keyword_and_source():

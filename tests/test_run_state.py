@@ -252,6 +252,7 @@ def test_phases_reach_reporters_in_order():
         "ready",
         "training",
         "validating",
+        "checkpointing",
         "done",
         "evaluating test",
         "done",

@@ -1,0 +1,423 @@
+"""Checkpoints: the whole `TrainState` saved with orbax after an epoch's validation.
+
+`Checkpointer(k=3, metric="val_loss", mode="min", every=1, budget=0.05)` configures the
+default checkpointer, an orbax `CheckpointManager` in `<run_dir>/checkpoints`. It keeps the
+best `k` checkpoints by `metric` plus the newest, and saves asynchronously (orbax writes in
+the background while training goes on). A save is the parameters, the model's other
+variables and the optimizer state as nested dicts of numpy arrays (item `state`), and a JSON
+record (item `meta`): step, epoch, seed, history, the GraphConst configuration, the Device
+values, the code fingerprints, the run id and the epoch's metrics. Plain orbax reads them:
+
+```python
+import orbax.checkpoint as ocp
+manager = ocp.CheckpointManager("runs/Digits/20261130-181500-a3f9/checkpoints")
+saved = manager.restore(manager.latest_step())
+saved["state"]["params"]["hidden1"]["kernel"]        # a numpy array
+saved["meta"]["epoch"], saved["meta"]["history"][-1]
+```
+
+`budget` bounds what checkpoints cost: a save is skipped when the time since the last one,
+times `budget`, is less than what the last one cost, so tiny epochs (the digits demo's take
+milliseconds) do not spend their time in orbax. The newest committed epoch is always saved
+when a run ends at an epoch boundary; `budget=None` saves every `every` epochs regardless.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import math
+import os
+import threading
+import time
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from .errors import SetupError
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "Checkpointer",
+    "CheckpointStore",
+    "describe_checkpoints",
+    "describe_saved",
+    "host_tree",
+    "resolve_checkpoint",
+]
+
+CHECKPOINT_FORMAT = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpointer:
+    """How a run saves checkpoints (the `checkpointer=` run keyword; `None` turns them off).
+
+    Args:
+      k: keep the best `k` checkpoints by `metric` (plus the newest).
+      metric: the history column that ranks checkpoints (`val_loss`, `val_acc`, `loss`, ...).
+      mode: "min" or "max": which way is better.
+      every: consider a save every `every` epochs.
+      budget: the largest fraction of training time checkpoints may take (saves are skipped
+        while the last one's cost exceeds `budget` x the time since it); None saves every
+        `every` epochs.
+
+    >>> Checkpointer(k=5, metric="val_acc", mode="max")
+    Checkpointer(k=5, metric='val_acc', mode='max', every=1, budget=0.05)
+    """
+
+    k: int = 3
+    metric: str = "val_loss"
+    mode: str = "min"
+    every: int = 1
+    budget: float | None = 0.05
+
+    def __post_init__(self) -> None:
+        for name in ("k", "every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SetupError(f"Checkpointer({name}={value!r}): {name} must be an int >= 1")
+        if self.mode not in ("min", "max"):
+            raise SetupError(f"Checkpointer(mode={self.mode!r}): mode must be 'min' or 'max'")
+        if not isinstance(self.metric, str) or not self.metric:
+            raise SetupError(f"Checkpointer(metric={self.metric!r}): name a history column")
+        if self.budget is not None and not (
+            isinstance(self.budget, (int, float)) and 0 < self.budget <= 1
+        ):
+            raise SetupError(
+                f"Checkpointer(budget={self.budget!r}): a fraction in (0, 1], or None to save "
+                f"every `every` epochs"
+            )
+
+    def better(self, a: float, b: float) -> bool:
+        return a < b if self.mode == "min" else a > b
+
+
+# ---------------------------------------------------------------------------------------------
+# trees of host arrays
+
+
+def _host(x: Any) -> np.ndarray:
+    """A host copy of a (replicated) array; PRNG keys as their key data."""
+    if isinstance(x, jax.Array):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        if not x.is_fully_addressable:
+            x = x.addressable_data(0)
+    return np.array(x, copy=True)
+
+
+def _nest(paths: tuple[str, ...], leaves: list) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for path, leaf in zip(paths, leaves, strict=True):
+        node = tree
+        *parents, last = path.split(".") if path else ["value"]
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = leaf
+    return tree
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, path))
+        else:
+            flat[path] = value
+    return flat
+
+
+def host_tree(setup: Any, variables: Any) -> dict[str, Any]:
+    """The variables as nested dicts of numpy arrays, keyed by the model's leaf paths."""
+    paths = setup.model.leaf_paths
+    tree = {
+        "params": _nest(paths["parameter"], [_host(x) for x in variables.params]),
+        "model_state": _nest(paths["model state"], [_host(x) for x in variables.model_state]),
+    }
+    if variables.opt_state is not None:
+        tree["opt_state"] = _nest(paths["optimizer state"], [_host(x) for x in variables.opt_state])
+    return tree
+
+
+def leaves_from(what: str, saved: Mapping[str, Any], paths, template: list) -> list:
+    """Leaves in the template's order from a saved nested dict; a mismatch names the leaves."""
+    flat = _flatten(saved) if paths != ("",) else {"": saved.get("value")}
+    missing = [p for p in paths if p not in flat]
+    extra = [p for p in flat if p not in set(paths)]
+    problems = [f"  {p}: missing from the checkpoint" for p in missing[:6]]
+    problems += [f"  {p}: in the checkpoint, not in this model" for p in extra[:6]]
+    leaves = []
+    for path, like in zip(paths, template, strict=True):
+        value = flat.get(path)
+        if value is None:
+            continue
+        is_key = isinstance(like, jax.Array) and jax.dtypes.issubdtype(
+            like.dtype, jax.dtypes.prng_key
+        )
+        expected = np.shape(jax.random.key_data(like)) if is_key else np.shape(like)
+        dtype = jax.random.key_data(like).dtype if is_key else np.asarray(like).dtype
+        if tuple(np.shape(value)) != tuple(expected) or np.asarray(value).dtype != dtype:
+            problems.append(
+                f"  {path}: this model {dtype}{list(expected)}, checkpoint "
+                f"{np.asarray(value).dtype}{list(np.shape(value))}"
+            )
+            continue
+        if is_key:
+            value = jax.random.wrap_key_data(np.asarray(value), impl=jax.random.key_impl(like))
+        leaves.append(value)
+    if problems:
+        raise SetupError(
+            f"the checkpoint's {what} do not fit this model (build it with the same GraphConst "
+            f"values and model code):\n" + "\n".join(problems)
+        )
+    return leaves
+
+
+# ---------------------------------------------------------------------------------------------
+# the store
+
+
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all() -> None:  # pragma: no cover - runs at interpreter exit
+    for store in list(_OPEN):
+        store.close()
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, np.generic):
+        return _json_safe(value.item())
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    return repr(value)
+
+
+class CheckpointStore:
+    """One run's orbax `CheckpointManager`, opened on first use, closed when the run's
+    handle goes away (or at exit), with the budget that decides which epochs are saved."""
+
+    def __init__(self, directory: str | os.PathLike, config: Checkpointer, deterministic: bool):
+        self.directory = Path(directory)
+        self.config = config
+        self.deterministic = deterministic  # across processes: decide by epoch count only
+        self._manager = None
+        self._lock = threading.Lock()
+        self._last_start: float | None = None
+        self._last_cost = 0.0
+        self.saved_epoch: int | None = None
+        self.costs: list[float] = []  # seconds each save blocked the loop
+        _OPEN.add(self)
+
+    def _open(self):
+        if self._manager is None:
+            import orbax.checkpoint as ocp
+            from orbax.checkpoint import checkpoint_managers as managers
+
+            config = self.config
+            metric = config.metric
+            policy = managers.AnyPreservationPolicy(
+                [
+                    managers.LatestN(n=1),
+                    managers.BestN(
+                        get_metric_fn=lambda m: m[metric],
+                        reverse=config.mode == "min",
+                        n=config.k,
+                        keep_checkpoints_without_metrics=False,
+                    ),
+                ]
+            )
+            options = ocp.CheckpointManagerOptions(
+                preservation_policy=policy,
+                best_fn=lambda m: m[metric],
+                best_mode=config.mode,
+                enable_async_checkpointing=True,
+                cleanup_tmp_directories=True,
+            )
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options, item_names=("state", "meta")
+            )
+        return self._manager
+
+    def due(self, epoch: int) -> bool:
+        """Whether the epoch just committed should be saved now."""
+        config = self.config
+        if epoch % config.every:
+            return False
+        if config.budget is None or self.deterministic or self._last_start is None:
+            return True
+        return (time.perf_counter() - self._last_start) * config.budget >= self._last_cost
+
+    def save(self, step: int, tree: Mapping[str, Any], meta: Mapping[str, Any], value) -> None:
+        import orbax.checkpoint as ocp
+
+        began = time.perf_counter()
+        metrics = (
+            {self.config.metric: float(value)}
+            if value is not None and math.isfinite(value)
+            else None
+        )
+        with self._lock:
+            manager = self._open()
+            if step in manager.all_steps():  # saved already (e.g. a run ending at a boundary)
+                return
+            manager.save(
+                step,
+                args=ocp.args.Composite(
+                    state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(_json_safe(meta))
+                ),
+                metrics=metrics,
+                force=True,
+            )
+        cost = time.perf_counter() - began
+        self._last_start, self._last_cost = began, cost
+        self.costs.append(cost)
+        self.saved_epoch = meta.get("epoch")
+
+    def wait(self) -> None:
+        with self._lock:
+            if self._manager is not None:
+                self._manager.wait_until_finished()
+
+    def close(self) -> None:
+        with self._lock:
+            manager, self._manager = self._manager, None
+        if manager is not None:
+            manager.wait_until_finished()
+            manager.close()
+
+    def steps(self) -> list[int]:
+        with self._lock:
+            if self._manager is None and not self.directory.is_dir():
+                return []
+            return list(self._open().all_steps())
+
+
+def _reader(directory: Path):
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
+
+
+def _meta_args():
+    import orbax.checkpoint as ocp
+
+    return ocp.args.Composite(meta=ocp.args.JsonRestore())
+
+
+def _best(manager, steps: list[int]) -> tuple[int | None, str | None, float | None, dict]:
+    """(best step, metric, its value, the newest meta) by the checkpointer's own metric and
+    mode, as recorded in the newest checkpoint."""
+    meta = manager.restore(steps[-1], args=_meta_args()).meta
+    config = meta.get("checkpointer") or {}
+    metric, mode = config.get("metric"), config.get("mode", "min")
+    best_step, best = None, None
+    for step in steps:
+        value = (manager.metrics(step) or {}).get(metric)
+        if value is None:
+            continue
+        if best is None or (value < best if mode == "min" else value > best):
+            best_step, best = step, value
+    return best_step, metric, best, meta
+
+
+def describe_checkpoints(directory: str | os.PathLike):
+    """(saved steps, latest epoch, metric name, best value) of a checkpoint directory, read
+    from orbax's metadata and the newest JSON record, without loading any array."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return [], None, None, None
+    manager = _reader(directory)
+    try:
+        steps = list(manager.all_steps())
+        if not steps:
+            return [], None, None, None
+        _, metric, best, meta = _best(manager, steps)
+        return steps, meta.get("epoch"), metric, best
+    finally:
+        manager.close()
+
+
+def describe_saved(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """One row per saved checkpoint of a run: step, epoch, the metric and the path."""
+    directory = Path(run_dir) / "checkpoints"
+    if not directory.is_dir():
+        return []
+    manager = _reader(directory)
+    try:
+        rows = []
+        for step in manager.all_steps():
+            meta = manager.restore(step, args=_meta_args()).meta
+            row = {"step": step, "epoch": meta.get("epoch")}
+            row.update(manager.metrics(step) or {})
+            row["path"] = str(directory / str(step))
+            rows.append(row)
+        return rows
+    finally:
+        manager.close()
+
+
+def read_checkpoint(directory: Path, step: int, weights_only: bool = False):
+    """(state tree of numpy arrays, meta) of one saved step."""
+    import orbax.checkpoint as ocp
+
+    manager = _reader(directory)
+    try:
+        restored = manager.restore(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()),
+        )
+        return restored.state, restored.meta
+    finally:
+        manager.close()
+
+
+def resolve_checkpoint(source: Any, which: str = "latest") -> tuple[Path, int]:
+    """Where a checkpoint is: a run directory (its newest or best checkpoint), a checkpoints
+    directory, or one step's directory; `(run_dir, "best" | "latest")` chooses."""
+    if isinstance(source, tuple):
+        if len(source) != 2 or source[1] not in ("best", "latest"):
+            raise SetupError(
+                f"a checkpoint is a path or (run_dir, 'best' | 'latest'); got {source!r}"
+            )
+        source, which = source
+    path = Path(source)
+    if not path.exists():
+        raise SetupError(f"no checkpoint at {str(path)!r}: the path does not exist")
+    step = None
+    if (path / "checkpoints").is_dir():
+        directory = path / "checkpoints"
+    elif path.name.isdigit() and path.parent.is_dir() and (path / "state").exists():
+        directory, step = path.parent, int(path.name)
+    else:
+        directory = path
+    manager = _reader(directory)
+    try:
+        steps = list(manager.all_steps())
+        if step is None:
+            if not steps:
+                raise SetupError(
+                    f"no checkpoint in {str(directory)!r}: it holds no saved steps (a run "
+                    f"saves after each epoch's validation)"
+                )
+            step = steps[-1]
+            if which == "best":
+                step = _best(manager, steps)[0] or step
+        elif step not in steps:
+            raise SetupError(f"{str(path)!r} is not a finished checkpoint (saved steps: {steps})")
+    finally:
+        manager.close()
+    return directory, step
