@@ -31,6 +31,7 @@ COMMANDS = (
     "predict",
     "history",
     "plot",
+    "panel",
     "cache",
     "bind",
     "export",
@@ -94,7 +95,7 @@ class NitroMagics(Magics):
         nargs="?",
         metavar="TARGET",
         help="train: an experiment instance or a handle; stop, status, validate, evaluate, "
-        "predict, history, plot, bind: a handle (default: the latest, _nitro); export: a "
+        "predict, history, plot, panel, bind: a handle (default: the latest, _nitro); export: a "
         "directory; mcp: start or stop",
     )
     @magic_arguments.argument(
@@ -143,6 +144,8 @@ class NitroMagics(Magics):
         %nitro predict [RUN] [--batch VAR]
         %nitro history [RUN]     the history table
         %nitro plot [RUN]        the history's curves
+        %nitro panel [RUN]       RUN's live panel in this cell (for a run started elsewhere,
+                                 such as by an agent)
         %nitro cache             compile cache statistics and why each program compiled
         %nitro bind [RUN]        where every value of the run came from
         %nitro export DIR        not available yet
@@ -367,6 +370,17 @@ class NitroMagics(Magics):
         if handle.history().empty:
             raise UsageError(f"{name} has no history yet: train at least one epoch first")
         return handle.plot()
+
+    def _panel(self, args):
+        from .reporters import show_panel
+
+        name, handle = self._handle(args.target, "panel")
+        panel = show_panel(handle)
+        if panel is None:
+            raise UsageError(
+                f"{name} has no live panel: it has not run in this notebook with progress=True"
+            )
+        return panel
 
     def _cache(self, args):
         return _Shown(nitro.cache_stats())

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import ast
 import re
+import time
 
 import anyio
 import httpx2
@@ -51,6 +52,35 @@ def test_an_agent_trains_in_the_kernel_and_the_run_shows_in_nitro_runs(kernel):
         if m["msg_type"] == "stream" and m["parent_header"].get("msg_id") == start_cell
     )
     assert re.search(r"epoch 2\S*  loss", printed)  # reported in the cell that serves
+    kernel.run("%nitro mcp stop")
+
+
+def test_an_agents_run_gets_a_live_panel_when_the_person_shows_it(kernel):
+    _, url, token = _serve(kernel)
+
+    async def start():
+        async with http_session(url, token) as session:
+            started = await call(
+                session,
+                "nitro_train",
+                experiment="tiny_exp.Tiny",
+                overrides={"batches": 400, "delay": 0.02},
+            )
+            await poll(session, started["run_id"], lambda s: s["step"] >= 2)
+            return started["run_id"]
+
+    run_id = anyio.run(start)
+    cell = kernel.run(f"%nitro panel {run_id}")
+    assert any("LivePanel" in text for text in cell.data())
+    panel = f"nitro_ipython.live_panel(nitro_ipython.agents.agent_runs()[{run_id!r}])"
+    first = float(kernel.eval(f"{panel}.progress.value"))
+    deadline = time.monotonic() + 60
+    while float(kernel.eval(f"{panel}.progress.value")) <= first:
+        assert time.monotonic() < deadline, "the panel did not move"
+        kernel.pump(0.2)
+    assert "Tiny" in ast.literal_eval(kernel.eval(f"{panel}.title.value"))
+    kernel.run(f"%nitro stop {run_id}")
+    assert kernel.eval(f"{panel}.progress.bar_style") == "'warning'"  # stopped
     kernel.run("%nitro mcp stop")
 
 
