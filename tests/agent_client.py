@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("mcp")
 
-import httpx2  # noqa: E402 - the SDK's HTTP client
+import httpx2  # noqa: E402 - the SDK's HTTP client (tests import it from here)
 from mcp import ClientSession, StdioServerParameters  # noqa: E402
 from mcp.client.stdio import stdio_client  # noqa: E402
 from mcp.client.streamable_http import streamable_http_client  # noqa: E402

@@ -3,9 +3,8 @@
 from __future__ import annotations
 
 import anyio
-import httpx2
 import pytest
-from agent_client import call, http_session
+from agent_client import call, http_session, httpx2
 from mcp import MCPError
 
 from nitro.mcp import HttpServer, RunRegistry, ToolSession, build_server

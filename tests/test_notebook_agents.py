@@ -8,9 +8,8 @@ import re
 import time
 
 import anyio
-import httpx2
 import pytest
-from agent_client import call, http_session, poll, refusal
+from agent_client import call, http_session, httpx2, poll, refusal
 from notebook_kernel import kernel_fixture  # noqa: F401 - provides the `kernel` fixture
 
 
