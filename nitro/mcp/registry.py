@@ -52,7 +52,6 @@ class RunRecord:
     finished: float | None = None
     stop_requested: bool = False
     done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
-    extra: dict[str, Any] = dataclasses.field(default_factory=dict, repr=False)
 
 
 class RunRegistry:

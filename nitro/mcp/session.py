@@ -184,9 +184,9 @@ class ToolSession:
         if handle is None:
             row.update(phase="setup", epoch=0, step=0, loss=None)
         else:
-            reporter = record.extra.get("reporter") if record is not None else None
+            reporter = handle.reporter
             loss = handle.last_metrics.get("loss")
-            if reporter is not None and reporter.step_seen is not None:
+            if isinstance(reporter, RecordingReporter) and reporter.step_seen is not None:
                 loss = reporter.loss
             row.update(
                 phase=handle.phase,
@@ -302,7 +302,6 @@ class ToolSession:
     def _build(self, record: RunRecord, instance: Any, keywords: dict[str, Any]) -> Nitro:
         keywords = dict(keywords)
         reporter = RecordingReporter(make_reporter(keywords.pop("progress", True)))
-        record.extra["reporter"] = reporter
         handle = Nitro(instance, progress=reporter, **keywords)
         record.handle = handle
         return handle

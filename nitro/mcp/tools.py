@@ -28,7 +28,7 @@ from nitro.run_keywords import KEYWORD_ONLY, RUN_KEYWORDS
 from .lookup import OBJECT_KEYWORDS, ToolFailure
 from .session import ToolSession
 
-__all__ = ["TOOLS", "Tool", "build_server", "call"]
+__all__ = ["TOOLS", "ToolSpec", "build_server", "call"]
 
 RUN_ID = "a run id from nitro_train or nitro_runs (a notebook's run: its variable name)"
 WAIT = "seconds to wait for the result; a longer job answers its run id to poll with nitro_status"
@@ -125,7 +125,7 @@ class StopArguments(_Arguments):
 
 
 @dataclasses.dataclass(frozen=True)
-class Tool:
+class ToolSpec:
     name: str
     description: str
     arguments: type[_Arguments]
@@ -135,17 +135,17 @@ class Tool:
         return self.arguments.model_json_schema()
 
 
-TOOLS: dict[str, Tool] = {
+TOOLS: dict[str, ToolSpec] = {
     t.name: t
     for t in [
-        Tool(
+        ToolSpec(
             "nitro_setup",
             "The devices runs use: backend, device count, the mesh size (n_devs) of new runs. "
             "With no arguments it only reports; n_devs sets the mesh size of later runs.",
             SetupArguments,
             "setup",
         ),
-        Tool(
+        ToolSpec(
             "nitro_train",
             "Start training an experiment on a background thread and answer its run id at "
             "once; poll nitro_status. Field overrides and run keywords are checked first. With "
@@ -153,54 +153,54 @@ TOOLS: dict[str, Tool] = {
             TrainArguments,
             "train",
         ),
-        Tool(
+        ToolSpec(
             "nitro_validate",
             "Loss and metrics on the 'val' split of a run (run_id), or of a new handle of an "
             "experiment (e.g. one that resumes from a run directory).",
             ValidateArguments,
             "validate",
         ),
-        Tool(
+        ToolSpec(
             "nitro_evaluate",
             "Loss and metrics on any split (default 'test') of a run, or of a new handle.",
             EvaluateArguments,
             "evaluate",
         ),
-        Tool(
+        ToolSpec(
             "nitro_predict",
             "Run the model of a run on inputs given as JSON arrays (batch axis first); answers "
             "the outputs as JSON arrays.",
             PredictArguments,
             "predict",
         ),
-        Tool(
+        ToolSpec(
             "nitro_export",
             "Write a run's model as a serving bundle into dir (when this version of nitro can "
             "export).",
             ExportArguments,
             "export",
         ),
-        Tool(
+        ToolSpec(
             "nitro_runs",
             "Every run: the agent's (id, kind, status) and the notebook's, with phase, epoch, "
             "step and latest loss.",
             RunsArguments,
             "runs",
         ),
-        Tool(
+        ToolSpec(
             "nitro_status",
             "One run in detail: status, phase, epoch, step, latest loss and metrics, run "
             "directory, result or error text; history=true adds every epoch.",
             StatusArguments,
             "status",
         ),
-        Tool(
+        ToolSpec(
             "nitro_logger",
             "The run's logger: its type and identifying information.",
             RunIdArguments,
             "logger",
         ),
-        Tool(
+        ToolSpec(
             "nitro_stop",
             "Stop a run cleanly: the current step finishes and nothing is lost "
             "(stop_reason 'requested'); it can be continued with nitro_train(run_id=...).",
@@ -211,7 +211,7 @@ TOOLS: dict[str, Tool] = {
 }
 
 
-def _argument_errors(tool: Tool, error: ValidationError) -> str:
+def _argument_errors(tool: ToolSpec, error: ValidationError) -> str:
     """`nitro_train: argument 'max_epochs': ...`, one clause per problem."""
     allowed = ", ".join(tool.arguments.model_fields) or "none"
     problems = []
