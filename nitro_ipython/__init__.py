@@ -9,6 +9,8 @@
 - watches the source files of live experiments and reloads them on save, reporting which
   compiled programs the edit makes stale (`reload.py`, `staleness.py`).
 
+`%nitro mcp start` serves the kernel's runs to a coding agent (`agents.py`).
+
 Uses only nitro's public API; nitro never imports this package at module level.
 """
 
@@ -47,8 +49,10 @@ def unload_ipython_extension(ipython) -> None:
     import nitro.progress
     import nitro.runner
 
-    from . import worker
+    from . import agents, worker
 
+    if agents.serving() is not None:
+        agents.stop()
     code_watcher = _STATE.pop("watcher", None)
     if code_watcher is not None:
         code_watcher.unregister()

@@ -16,7 +16,7 @@ from IPython.core.magic import Magics, line_magic, magics_class
 import nitro
 from nitro.staleness import current_class, is_experiment
 
-from . import runs
+from . import agents, runs
 
 __all__ = ["NitroMagics"]
 
@@ -30,9 +30,11 @@ COMMANDS = (
     "predict",
     "history",
     "plot",
+    "panel",
     "cache",
     "bind",
     "export",
+    "mcp",
 )
 
 
@@ -92,8 +94,8 @@ class NitroMagics(Magics):
         nargs="?",
         metavar="TARGET",
         help="train: an experiment instance or a handle; stop, status, validate, evaluate, "
-        "predict, history, plot, bind: a handle (default: the latest, _nitro); export: a "
-        "directory",
+        "predict, history, plot, panel, bind: a handle (default: the latest, _nitro); export: a "
+        "directory; mcp: start or stop",
     )
     @magic_arguments.argument(
         "--epochs", "-e", type=int, help="train this many more epochs (default: to max_epochs)"
@@ -117,6 +119,12 @@ class NitroMagics(Magics):
         help="predict: a variable holding a batch dict (default: the first batch of the "
         "handle's test split, else val)",
     )
+    @magic_arguments.argument(
+        "--port",
+        type=int,
+        default=0,
+        help="mcp start: the loopback port to serve on (default: any free port)",
+    )
     def nitro(self, line: str = ""):
         """Train, watch and inspect Nitro runs.
 
@@ -135,9 +143,16 @@ class NitroMagics(Magics):
         %nitro predict [RUN] [--batch VAR]
         %nitro history [RUN]     the history table
         %nitro plot [RUN]        the history's curves
+        %nitro panel [RUN]       RUN's live panel in this cell (for a run started elsewhere,
+                                 such as by an agent)
         %nitro cache             compile cache statistics and why each program compiled
         %nitro bind [RUN]        where every value of the run came from
         %nitro export DIR        not available yet
+        %nitro mcp start [--port P]
+            serve this kernel's runs to a coding agent over MCP (loopback only; prints a
+            token once and client configuration); `%nitro mcp stop` stops serving,
+            `%nitro mcp` says where it serves. Runs the agent starts show in %nitro runs
+            under their run ids.
         """
         args = magic_arguments.parse_argstring(self.nitro, line)
         return getattr(self, f"_{args.command}")(args)
@@ -164,6 +179,9 @@ class NitroMagics(Magics):
 
     def _handle(self, name: str | None, what: str) -> tuple[str, nitro.Nitro]:
         """The handle named `name`; by default the latest one (`_nitro`)."""
+        agent_handle = agents.agent_runs().get(name) if name is not None else None
+        if agent_handle is not None:
+            return name, agent_handle
         if name is None:
             handle = self._ns.get("_nitro")
             if not isinstance(handle, nitro.Nitro):
@@ -350,11 +368,33 @@ class NitroMagics(Magics):
             raise UsageError(f"{name} has no history yet: train at least one epoch first")
         return handle.plot()
 
+    def _panel(self, args):
+        from .reporters import show_panel
+
+        name, handle = self._handle(args.target, "panel")
+        panel = show_panel(handle)
+        if panel is None:
+            raise UsageError(
+                f"{name} has no live panel: it has not run in this notebook with progress=True"
+            )
+        return panel
+
     def _cache(self, args):
         return _Shown(nitro.cache_stats())
 
     def _bind(self, args):
         return _Shown(self._handle(args.target, "bind")[1].binding_report())
+
+    def _mcp(self, args) -> None:
+        if args.target == "start":
+            print(agents.start(self.shell, port=args.port))
+        elif args.target == "stop":
+            print(agents.stop())
+        elif args.target is None:
+            server = agents.serving()
+            print(f"nitro: serving at {server.url}" if server else "nitro: not serving")
+        else:
+            raise UsageError(f"%nitro mcp takes start or stop, got {args.target!r}")
 
     def _export(self, args):
         raise UsageError(

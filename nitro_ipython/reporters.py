@@ -26,6 +26,7 @@ __all__ = [
     "add_note",
     "make_factory",
     "panel_of",
+    "show_panel",
 ]
 
 _PANELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
@@ -35,6 +36,19 @@ def panel_of(handle: Any):
     """The live panel of `handle`'s latest run in this notebook, or None."""
     reporter = _PANELS.get(handle)
     return reporter.panel if reporter is not None else None
+
+
+def show_panel(handle: Any):
+    """The live panel of `handle`'s latest run, made for it if the run has none yet (a run
+    started off the main thread, e.g. by an agent); None when the run reports no panel."""
+    reporter = _PANELS.get(handle)
+    if reporter is None:
+        return None
+    if reporter.panel is None:
+        from .panel import LivePanel
+
+        reporter.attach(LivePanel())
+    return reporter.panel
 
 
 class _Tracking:
@@ -184,6 +198,18 @@ class PanelReporter:
                 self._notes.append(message)
             del self._notes[:-5]
             panel.notes.value = notes_html(self._notes)
+
+    def attach(self, panel) -> None:
+        """Draw into `panel` from now on (a run started without one, e.g. by an agent); the
+        curves show the whole run so far."""
+        handle = self._handle()
+        panel.claim(self._title, handle.stop if handle is not None else None)
+        self.panel = panel
+        self._refresh(force=True)
+        if not self.active:
+            panel.finish()
+        if self.curves.rows or self.curves.steps:
+            self.renderer.request()
 
     def end_run(self, handle):
         self.active = False

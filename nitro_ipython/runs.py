@@ -2,7 +2,8 @@
 
 Every reporter this package installs keeps a `RunStats` per handle (latest loss, throughput,
 elapsed time), so `%nitro status` and `%nitro runs` can answer while a run trains in the
-background. Handles built outside the magics are found in the user namespace.
+background. Handles built outside the magics are found in the user namespace, and the runs a
+coding agent started (`%nitro mcp start`) in the agent tools' registry, under their run ids.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import nitro
+
+from .agents import agent_runs
 
 __all__ = [
     "RunStats",
@@ -81,20 +84,23 @@ def stats_of(handle: Any, create: bool = False) -> RunStats | None:
 
 
 def handle_names(user_ns: Mapping[str, Any], handle: Any) -> list[str]:
-    """The names the notebook uses for `handle` (public names first)."""
+    """The names the notebook uses for `handle` (public names first), else the run ids agent
+    tools gave it."""
     names = [k for k, v in user_ns.items() if v is handle and not k.startswith("_")]
-    return names or [k for k, v in user_ns.items() if v is handle and k == "_nitro"]
+    names = names or [k for k, v in user_ns.items() if v is handle and k == "_nitro"]
+    return names or [run_id for run_id, h in agent_runs().items() if h is handle]
 
 
 def live_handles(user_ns: Mapping[str, Any]) -> list[Any]:
-    """Handles bound to names in the notebook, then handles known only to a reporter."""
+    """Handles bound to names in the notebook, then handles of agents' runs, then handles
+    known only to a reporter."""
     seen: dict[int, Any] = {}
     for value in list(user_ns.values()):
         if isinstance(value, nitro.Nitro):
             seen.setdefault(id(value), value)
     with _LOCK:
         tracked = list(_STATS.keys())
-    for handle in tracked:
+    for handle in [*agent_runs().values(), *tracked]:
         seen.setdefault(id(handle), handle)
     return list(seen.values())
 

@@ -1,0 +1,45 @@
+"""Agent tools over the Model Context Protocol: a coding agent drives runs in a live session.
+
+Ten tools (`nitro_setup`, `nitro_train`, `nitro_validate`, `nitro_evaluate`, `nitro_predict`,
+`nitro_export`, `nitro_runs`, `nitro_status`, `nitro_logger`, `nitro_stop`) on the official
+MCP SDK (`pip install 'nitro[agents]'`):
+
+- from a shell, `python -m nitro.mcp` serves them over stdio;
+- in a notebook, `%nitro mcp start` serves the live kernel's session over streamable HTTP on
+  loopback, behind a random bearer token (`HttpServer`).
+
+Modules: `registry` (the runs the tools started), `lookup` (experiments by name, checked
+overrides and run keywords), `convert` (JSON in and out), `session` (what each tool does),
+`tools` (argument schemas and the MCP server), `http` (the loopback server). Only `registry`
+loads without the SDK; the rest load on first use.
+
+>>> from nitro.mcp import ToolSession, HttpServer        # doctest: +SKIP
+>>> server = HttpServer(ToolSession(namespace=globals())).start()   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "RUNS": "nitro.mcp.registry",
+    "RunRegistry": "nitro.mcp.registry",
+    "RunRecord": "nitro.mcp.registry",
+    "ToolFailure": "nitro.mcp.lookup",
+    "ToolSession": "nitro.mcp.session",
+    "TOOLS": "nitro.mcp.tools",
+    "build_server": "nitro.mcp.tools",
+    "HttpServer": "nitro.mcp.http",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'nitro.mcp' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value

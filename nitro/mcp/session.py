@@ -1,0 +1,552 @@
+"""What the agent tools do, on the runs of one session.
+
+A `ToolSession` acts on two kinds of runs:
+
+- runs the tools started, kept in a `RunRegistry` under 8-hex-digit run ids;
+- handles (`nitro.Nitro`) bound to names in the session's namespace, such as the runs a person
+  started in the notebook; their run id is the variable name.
+
+Each method takes the tool's arguments and returns plain data (the tool's JSON answer), or
+raises `ToolFailure` with a message for the agent. Only the handle's public API is used.
+
+>>> session = ToolSession()
+>>> run = session.train(experiment="nitro.examples.digits.Digits", max_epochs=1)
+>>> session.status(run["run_id"])["phase"]          # doctest: +SKIP
+'training'
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from nitro.experiments import field_specs, has_method
+from nitro.handle import Nitro
+from nitro.progress import make_reporter
+
+from .convert import as_batch, jsonable
+from .lookup import ToolFailure, build_experiment, check_run_keywords, find_experiment
+from .registry import RUNS, RunRecord, RunRegistry, RunStatus
+
+__all__ = ["RecordingReporter", "ToolSession"]
+
+
+class RecordingReporter:
+    """Passes a run's progress events on to the reporter it would have had, and keeps the latest
+    step and loss, so a status between epochs shows the current loss."""
+
+    def __init__(self, inner: Any):
+        self.inner = inner
+        self.step_seen: int | None = None
+        self.loss: float | None = None
+
+    def _forward(self, event: str, *args) -> None:
+        method = getattr(self.inner, event, None)
+        if method is not None:
+            method(*args)
+
+    def start_run(self, handle, epochs):
+        self._forward("start_run", handle, epochs)
+
+    def start_epoch(self, epoch, max_epochs, batches, start):
+        self._forward("start_epoch", epoch, max_epochs, batches, start)
+
+    def step(self, step, loss):
+        self.step_seen, self.loss = step, loss
+        self._forward("step", step, loss)
+
+    def phase(self, phase):
+        self._forward("phase", phase)
+
+    def end_epoch(self, row):
+        self._forward("end_epoch", row)
+
+    def note(self, message, done=False):
+        self._forward("note", message, done)
+
+    def end_run(self, handle):
+        self._forward("end_run", handle)
+
+
+def _summary(handle: Nitro) -> dict[str, Any]:
+    return {"epoch": handle.epoch, "step": handle.step, "stop_reason": handle.stop_reason}
+
+
+def _training(
+    build: Callable[[RunRecord], Nitro], epochs: int | None
+) -> Callable[[RunRecord], dict[str, Any]]:
+    """The work of a training run: get the handle, train it, wait for the end."""
+
+    def work(record: RunRecord) -> dict[str, Any]:
+        handle = build(record)
+        if not record.stop_requested:
+            handle.train(epochs, background=True)
+            if record.stop_requested:  # asked while the run was starting
+                handle.stop()
+            handle.wait()
+        return _summary(handle)
+
+    return work
+
+
+@dataclasses.dataclass
+class _Found:
+    run_id: str
+    record: RunRecord | None
+    handle: Nitro | None
+
+
+class ToolSession:
+    """The runs and experiments the tools see.
+
+    `namespace` is where experiment names and notebook handles are looked up (a kernel's user
+    namespace; empty for a server started from a shell). `before_run` runs first on the thread
+    of every run a tool starts (a notebook uses it to send the run's output to one cell).
+    """
+
+    def __init__(
+        self,
+        registry: RunRegistry | None = None,
+        namespace: Mapping[str, Any] | None = None,
+        before_run: Callable[[], None] | None = None,
+    ):
+        self.registry = registry if registry is not None else RUNS
+        self.namespace = namespace if namespace is not None else {}
+        self.before_run = before_run
+        self.n_devs: int | None = None  # the default `nitro_setup` set for new runs
+
+    # ------------------------------------------------------------------------------------------
+    # finding runs
+
+    def _notebook_runs(self) -> dict[str, Nitro]:
+        """Name -> handle for handles in the namespace that no tool run holds."""
+        held = {id(h) for h in self.registry.handles().values()}
+        found: dict[str, Nitro] = {}
+        for name, value in list(self.namespace.items()):
+            if name.startswith("_") or not isinstance(value, Nitro) or id(value) in held:
+                continue
+            if all(other is not value for other in found.values()):
+                found[name] = value
+        return found
+
+    def _find(self, run_id: str) -> _Found:
+        record = self.registry.get(run_id)
+        if record is not None:
+            return _Found(run_id, record, record.handle)
+        value = self.namespace.get(run_id)
+        if isinstance(value, Nitro):
+            return _Found(run_id, None, value)
+        known = [r.run_id for r in self.registry.records()] + list(self._notebook_runs())
+        listing = f"runs: {', '.join(known)}" if known else "there are no runs yet"
+        raise ToolFailure(f"run_id: no run {run_id!r}; {listing} (nitro_runs lists them)")
+
+    def _handle(self, run_id: str, what: str, idle: bool = True) -> _Found:
+        found = self._find(run_id)
+        if found.handle is None:
+            raise ToolFailure(
+                f"run_id: run {run_id} is still setting up; {what} once nitro_status shows "
+                f"phase 'training' or later"
+            )
+        if idle and found.handle.running:
+            handle = found.handle
+            raise ToolFailure(
+                f"run_id: run {run_id} is {handle.phase} (epoch {handle.epoch}/"
+                f"{handle.max_epochs}); {what} after it finishes, or nitro_stop it first"
+            )
+        return found
+
+    def _names(self, handle: Any) -> list[str]:
+        return [k for k, v in list(self.namespace.items()) if v is handle and not k.startswith("_")]
+
+    # ------------------------------------------------------------------------------------------
+    # describing runs
+
+    def _describe(self, found: _Found, brief: bool = False) -> dict[str, Any]:
+        record, handle = found.record, found.handle
+        row: dict[str, Any] = {"run_id": found.run_id}
+        if record is not None:
+            running = record.status is RunStatus.RUNNING or (handle is not None and handle.running)
+            row.update(
+                kind=record.kind,
+                experiment=record.experiment,
+                status="running" if running else record.status.value,
+                started_by="agent",
+            )
+        else:
+            row.update(
+                kind="notebook",
+                experiment=handle.cls.__qualname__,
+                status="running" if handle.running else handle.phase,
+                started_by="notebook",
+            )
+        if handle is None:
+            row.update(phase="setup", epoch=0, step=0, loss=None)
+        else:
+            reporter = handle.reporter
+            loss = handle.last_metrics.get("loss")
+            if isinstance(reporter, RecordingReporter) and reporter.step_seen is not None:
+                loss = reporter.loss
+            row.update(
+                phase=handle.phase,
+                epoch=handle.epoch,
+                max_epochs=handle.max_epochs,
+                step=handle.step,
+                loss=jsonable(loss),
+            )
+        if brief:
+            return row
+        if handle is not None:
+            metrics = {k: v for k, v in handle.last_metrics.items() if k not in ("epoch", "step")}
+            row.update(
+                running=handle.running,
+                stop_reason=handle.stop_reason,
+                metrics=jsonable(metrics),
+                run_dir=str(handle.run_dir) if handle.run_dir is not None else None,
+                logger=self._logger_summary(handle),
+                names=self._names(handle),
+            )
+        if record is not None:
+            row.update(
+                result=jsonable(record.result),
+                error=record.error,
+                source=record.source,
+                seconds=round((record.finished or time.time()) - record.started, 3),
+            )
+        return row
+
+    @staticmethod
+    def _logger_summary(handle: Nitro) -> str | None:
+        logger = getattr(handle, "logger", None)
+        return None if logger is None else type(logger).__name__
+
+    # ------------------------------------------------------------------------------------------
+    # the tools
+
+    def setup(self, backend: str | None = None, n_devs: int | None = None) -> dict[str, Any]:
+        import jax
+
+        import nitro
+
+        current = jax.default_backend()
+        if backend is not None and backend != current:
+            raise ToolFailure(
+                f"backend: JAX chose the {current!r} backend when it started and cannot switch "
+                f"in a running session; start the session with JAX_PLATFORMS={backend} instead"
+            )
+        count = jax.device_count()
+        if n_devs is not None:
+            if n_devs > count:
+                raise ToolFailure(
+                    f"n_devs: {n_devs} devices asked for, but this session has {count} "
+                    f"({current}); use n_devs between 1 and {count}"
+                )
+            self.n_devs = n_devs
+        devices = jax.devices()
+        return {
+            "backend": current,
+            "device_count": count,
+            "local_device_count": jax.local_device_count(),
+            "process_count": jax.process_count(),
+            "devices": [f"{d.platform}:{d.id} {d.device_kind}" for d in devices[:16]],
+            "n_devs": self.n_devs if self.n_devs is not None else count,
+            "n_devs_source": "nitro_setup" if self.n_devs is not None else "all devices (default)",
+            "jax_version": jax.__version__,
+            "nitro_version": nitro.__version__,
+        }
+
+    def _new_handle_plan(
+        self,
+        experiment: str | None,
+        overrides: Mapping[str, Any] | None,
+        keywords: Mapping[str, Any] | None,
+        typed: Mapping[str, Any],
+    ) -> tuple[Any, dict[str, Any]]:
+        """The experiment instance and checked run keywords for a new handle, refusing
+        anything wrong before a thread starts."""
+        if experiment is None:
+            raise ToolFailure(
+                "experiment: required: an experiment class name ('Digits' in a notebook) or a "
+                "module-qualified one ('nitro.examples.digits.Digits'); or run_id for a run "
+                "that exists"
+            )
+        typed = {k: v for k, v in typed.items() if v is not None}
+        extra = dict(keywords or {})
+        for name in typed:
+            if name in extra:
+                raise ToolFailure(
+                    f"{name}: given both as the {name} argument and in keywords; give it once"
+                )
+        run_keywords = {**extra, **typed}
+        for name in overrides or {}:
+            if name in run_keywords:
+                raise ToolFailure(
+                    f"overrides.{name}: {name!r} is given both as a field override and as the run "
+                    f"keyword {name}; give it once"
+                )
+        target = find_experiment(experiment, self.namespace)
+        weights = run_keywords.pop("weights", None)
+        checked = check_run_keywords(run_keywords, {name: name for name in typed})
+        if weights is not None:
+            if not isinstance(weights, str):
+                raise ToolFailure("keywords.weights: give the run id of the run to start from")
+            checked["weights"] = self._handle(weights, "start from its weights").handle
+        instance = build_experiment(target, overrides)
+        cls = type(instance)
+        declares = has_method(cls, "n_devs") or any(s.name == "n_devs" for s in field_specs(cls))
+        if self.n_devs is not None and "n_devs" not in checked and not declares:
+            checked["n_devs"] = self.n_devs
+        return instance, checked
+
+    def _build(self, record: RunRecord, instance: Any, keywords: dict[str, Any]) -> Nitro:
+        keywords = dict(keywords)
+        reporter = RecordingReporter(make_reporter(keywords.pop("progress", True)))
+        handle = Nitro(instance, progress=reporter, **keywords)
+        record.handle = handle
+        return handle
+
+    def train(
+        self,
+        experiment: str | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        epochs: int | None = None,
+        run_id: str | None = None,
+        keywords: Mapping[str, Any] | None = None,
+        **typed: Any,
+    ) -> dict[str, Any]:
+        if run_id is not None:
+            others = {"experiment": experiment, "overrides": overrides, "keywords": keywords}
+            given = [n for n, v in {**others, **typed}.items() if v is not None]
+            if given:
+                raise ToolFailure(
+                    f"{given[0]}: run_id continues run {run_id} as it is; leave out "
+                    f"{', '.join(given)}, or start a new run from experiment instead"
+                )
+            return self._continue(run_id, epochs)
+        instance, checked = self._new_handle_plan(experiment, overrides, keywords, typed)
+        record = self.registry.start(
+            "train",
+            _training(lambda record: self._build(record, instance, checked), epochs),
+            experiment=type(instance).__qualname__,
+            before=self.before_run,
+        )
+        return {
+            "run_id": record.run_id,
+            "status": "running",
+            "experiment": record.experiment,
+            "note": "training on a background thread; poll nitro_status with this run_id",
+        }
+
+    def _continue(self, run_id: str, epochs: int | None) -> dict[str, Any]:
+        found = self._handle(run_id, "train it")
+        handle = found.handle
+        if epochs is None and handle.epoch >= handle.max_epochs:
+            raise ToolFailure(
+                f"epochs: run {run_id} already trained its {handle.epoch} epochs "
+                f"(max_epochs={handle.max_epochs}); pass epochs=N to train N more"
+            )
+        experiment = handle.cls.__qualname__
+        record = self.registry.start(
+            "train",
+            _training(lambda record: handle, epochs),
+            experiment=experiment,
+            handle=handle,
+            source=run_id,
+            before=self.before_run,
+        )
+        return {
+            "run_id": record.run_id,
+            "status": "running",
+            "experiment": experiment,
+            "note": f"continues run {run_id} on a background thread; poll nitro_status",
+        }
+
+    def _job(
+        self,
+        kind: str,
+        action: Callable[[Nitro], Any],
+        run_id: str | None,
+        experiment: str | None,
+        overrides: Mapping[str, Any] | None,
+        keywords: Mapping[str, Any] | None,
+        wait_seconds: float,
+    ) -> dict[str, Any]:
+        """Run `action(handle)` on a thread, on the handle of `run_id` or on a new handle of
+        `experiment`; answer its result if it finishes within `wait_seconds`."""
+        if run_id is not None:
+            if experiment is not None or overrides is not None or keywords is not None:
+                raise ToolFailure(
+                    "run_id: give either run_id (an existing run) or experiment (a new handle), "
+                    "not both"
+                )
+            found = self._handle(run_id, kind)
+            handle = found.handle
+            record = self.registry.start(
+                kind,
+                lambda record: jsonable(action(handle)),
+                experiment=handle.cls.__qualname__,
+                handle=handle,
+                source=run_id,
+                before=self.before_run,
+            )
+        else:
+            instance, checked = self._new_handle_plan(experiment, overrides, keywords, {})
+
+            def work(record: RunRecord) -> Any:
+                return jsonable(action(self._build(record, instance, checked)))
+
+            record = self.registry.start(
+                kind, work, experiment=type(instance).__qualname__, before=self.before_run
+            )
+        self.registry.wait(record.run_id, wait_seconds)
+        if record.status is RunStatus.FAILED:
+            raise ToolFailure(f"{kind} (run {record.run_id}) failed: {record.error}")
+        if record.status is RunStatus.RUNNING:
+            return {
+                "run_id": record.run_id,
+                "status": "running",
+                "note": f"still running after {wait_seconds:g} s; nitro_status with this run_id "
+                f"shows the result when it finishes",
+            }
+        return {"run_id": record.run_id, "status": record.status.value, "result": record.result}
+
+    def validate(
+        self,
+        run_id: str | None = None,
+        experiment: str | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        keywords: Mapping[str, Any] | None = None,
+        wait_seconds: float = 60.0,
+    ) -> dict[str, Any]:
+        return self._job(
+            "validate",
+            lambda h: h.validate(),
+            run_id,
+            experiment,
+            overrides,
+            keywords,
+            wait_seconds,
+        )
+
+    def evaluate(
+        self,
+        split: str = "test",
+        run_id: str | None = None,
+        experiment: str | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        keywords: Mapping[str, Any] | None = None,
+        wait_seconds: float = 60.0,
+    ) -> dict[str, Any]:
+        if run_id is not None:
+            splits = getattr(self._handle(run_id, "evaluate").handle, "splits", None)
+            if splits is not None and split not in splits:
+                raise ToolFailure(
+                    f"split: run {run_id} has no split {split!r}; its splits: "
+                    f"{', '.join(splits) or 'none'}"
+                )
+        return self._job(
+            "evaluate",
+            lambda h: h.evaluate(split=split),
+            run_id,
+            experiment,
+            overrides,
+            keywords,
+            wait_seconds,
+        )
+
+    def predict(self, run_id: str, inputs: Mapping[str, Any]) -> dict[str, Any]:
+        handle = self._handle(run_id, "predict").handle
+        batch = as_batch(inputs)
+        try:
+            outputs = handle.predict(batch)
+        except (TypeError, ValueError, KeyError) as error:
+            raise ToolFailure(f"inputs: {error}") from None
+        rows = next(iter(batch.values())).shape[0]
+        return {"run_id": run_id, "rows": rows, "outputs": jsonable(outputs)}
+
+    def export(
+        self,
+        run_id: str,
+        dir: str,
+        options: Mapping[str, Any] | None = None,
+        wait_seconds: float = 300.0,
+    ) -> dict[str, Any]:
+        handle = self._handle(run_id, "export").handle
+        if not callable(getattr(handle, "export", None)):
+            raise ToolFailure(
+                "nitro_export is not available in this version of nitro: handles have no "
+                "export() yet. nitro_predict serves predictions from the live run meanwhile."
+            )
+        return self._job(
+            "export",
+            lambda h: h.export(dir, **dict(options or {})),
+            run_id,
+            None,
+            None,
+            None,
+            wait_seconds,
+        )
+
+    def runs(self) -> dict[str, Any]:
+        rows = [
+            self._describe(_Found(r.run_id, r, r.handle), brief=True)
+            for r in self.registry.records()
+        ]
+        rows += [
+            self._describe(_Found(name, None, handle), brief=True)
+            for name, handle in self._notebook_runs().items()
+        ]
+        return {"runs": rows, "kept_finished": self.registry.max_finished}
+
+    def status(self, run_id: str, history: bool = False) -> dict[str, Any]:
+        found = self._find(run_id)
+        row = self._describe(found)
+        if history and found.handle is not None:
+            frame = found.handle.history()
+            row["history"] = jsonable(frame.reset_index().to_dict("records"))
+        return row
+
+    def logger(self, run_id: str) -> dict[str, Any]:
+        handle = self._handle(run_id, "read its logger", idle=False).handle
+        logger = getattr(handle, "logger", None)
+        info = getattr(handle, "logger_info", None)
+        if logger is None and not callable(info):
+            return {
+                "run_id": run_id,
+                "logger": None,
+                "note": "this version of nitro has no run loggers; nitro_status shows the run's "
+                "latest metrics and, with history=true, every epoch",
+            }
+        return {
+            "run_id": run_id,
+            "logger": None if logger is None else type(logger).__name__,
+            "info": jsonable(info()) if callable(info) else {},
+        }
+
+    def stop(self, run_id: str, wait_seconds: float = 30.0) -> dict[str, Any]:
+        found = self._find(run_id)
+        record, handle = found.record, found.handle
+        record_running = record is not None and record.status is RunStatus.RUNNING
+        if record_running:
+            record.stop_requested = True
+        if handle is not None and handle.running:
+            handle.stop()
+        elif not record_running:
+            row = self._describe(found)
+            row["note"] = f"run {run_id} is not running ({row['phase']}); nothing to stop"
+            return row
+        deadline = time.monotonic() + wait_seconds
+        while time.monotonic() < deadline:
+            idle = found.handle is None or not found.handle.running
+            if record.done.is_set() if record is not None else idle:
+                break
+            time.sleep(0.05)
+            found = self._find(run_id)
+        row = self._describe(found)
+        if row["status"] == "running":
+            row["note"] = (
+                f"asked to stop; still finishing after {wait_seconds:g} s (the current step or "
+                f"compile); poll nitro_status"
+            )
+        return row

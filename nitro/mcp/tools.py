@@ -1,0 +1,285 @@
+"""The ten agent tools as an MCP server: argument schemas, descriptions, dispatch.
+
+Each tool is declared once: a name, a description for the agent, and a pydantic model of its
+arguments; the model gives the input schema the client lists and checks every call (an unknown
+argument or a value of the wrong type is an error naming the argument). The work happens in
+`ToolSession`, on a worker thread, so a slow call never blocks the server.
+
+>>> server = build_server(ToolSession())
+>>> sorted(TOOLS)[:3]
+['nitro_evaluate', 'nitro_export', 'nitro_logger']
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+from collections.abc import Callable
+from typing import Any
+
+import anyio.to_thread
+import mcp.types as types
+from mcp.server.lowlevel import Server
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from nitro.run_keywords import KEYWORD_ONLY, RUN_KEYWORDS
+
+from .lookup import OBJECT_KEYWORDS, ToolFailure
+from .session import ToolSession
+
+__all__ = ["TOOLS", "ToolSpec", "build_server", "call"]
+
+RUN_ID = "a run id from nitro_train or nitro_runs (a notebook's run: its variable name)"
+WAIT = "seconds to wait for the result; a longer job answers its run id to poll with nitro_status"
+
+
+class _Arguments(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class SetupArguments(_Arguments):
+    backend: str | None = Field(
+        None, description="the JAX backend expected ('cpu', 'gpu', 'tpu'); fixed at start-up"
+    )
+    n_devs: int | None = Field(
+        None, ge=1, description="devices in the data-parallel mesh of runs started from now on"
+    )
+
+
+class _NewHandle(_Arguments):
+    experiment: str | None = Field(
+        None,
+        description="an experiment class by name: 'Digits' (defined in the notebook) or "
+        "module-qualified, 'nitro.examples.digits.Digits'",
+    )
+    overrides: dict[str, Any] | None = Field(
+        None, description='field values, e.g. {"width": 256}; checked against the fields'
+    )
+    keywords: dict[str, Any] | None = Field(
+        None,
+        description="other run keywords for nitro.Nitro(...): "
+        + ", ".join(sorted((set(RUN_KEYWORDS) | set(KEYWORD_ONLY)) - OBJECT_KEYWORDS))
+        + " (weights: a run id to start from)",
+    )
+
+
+class TrainArguments(_NewHandle):
+    max_epochs: int | None = Field(None, ge=1, description="epochs the run trains to")
+    epochs: int | None = Field(None, ge=1, description="train this many epochs (more)")
+    seed: int | None = Field(None, description="seeds the model's initialization and data order")
+    run_dir: str | None = Field(None, description="directory for the run's files")
+    n_devs: int | None = Field(None, ge=1, description="devices in the data-parallel mesh")
+    learning_rate: float | None = Field(
+        None, gt=0, description="learning rate of the default optimizer"
+    )
+    resume: str | bool | None = Field(
+        None, description="resume from a checkpoint: 'auto', false, or a run directory"
+    )
+    run_id: str | None = Field(
+        None, description="continue this run (stopped or finished) instead of starting one"
+    )
+
+
+class ValidateArguments(_NewHandle):
+    run_id: str | None = Field(None, description=RUN_ID)
+    wait_seconds: float = Field(60.0, ge=0, le=600, description=WAIT)
+
+
+class EvaluateArguments(ValidateArguments):
+    split: str = Field("test", description="the split to evaluate")
+
+
+class PredictArguments(_Arguments):
+    run_id: str = Field(description=RUN_ID)
+    inputs: dict[str, list[Any]] = Field(
+        description='batch fields as JSON arrays, batch axis first: {"x": [[...], [...]]}'
+    )
+
+
+class ExportArguments(_Arguments):
+    run_id: str = Field(description=RUN_ID)
+    dir: str = Field(description="directory to write the bundle to")
+    options: dict[str, Any] | None = Field(None, description="further export options")
+    wait_seconds: float = Field(300.0, ge=0, le=600, description=WAIT)
+
+
+class RunsArguments(_Arguments):
+    pass
+
+
+class StatusArguments(_Arguments):
+    run_id: str = Field(description=RUN_ID)
+    history: bool = Field(False, description="include every epoch's history row")
+
+
+class RunIdArguments(_Arguments):
+    run_id: str = Field(description=RUN_ID)
+
+
+class StopArguments(_Arguments):
+    run_id: str = Field(description=RUN_ID)
+    wait_seconds: float = Field(
+        30.0, ge=0, le=600, description="seconds to wait for the run to stop"
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    description: str
+    arguments: type[_Arguments]
+    method: str  # the ToolSession method
+
+    def schema(self) -> dict[str, Any]:
+        return self.arguments.model_json_schema()
+
+
+TOOLS: dict[str, ToolSpec] = {
+    t.name: t
+    for t in [
+        ToolSpec(
+            "nitro_setup",
+            "The devices runs use: backend, device count, the mesh size (n_devs) of new runs. "
+            "With no arguments it only reports; n_devs sets the mesh size of later runs.",
+            SetupArguments,
+            "setup",
+        ),
+        ToolSpec(
+            "nitro_train",
+            "Start training an experiment on a background thread and answer its run id at "
+            "once; poll nitro_status. Field overrides and run keywords are checked first. With "
+            "run_id (and optionally epochs) it continues an existing run instead.",
+            TrainArguments,
+            "train",
+        ),
+        ToolSpec(
+            "nitro_validate",
+            "Loss and metrics on the 'val' split of a run (run_id), or of a new handle of an "
+            "experiment (e.g. one that resumes from a run directory).",
+            ValidateArguments,
+            "validate",
+        ),
+        ToolSpec(
+            "nitro_evaluate",
+            "Loss and metrics on any split (default 'test') of a run, or of a new handle.",
+            EvaluateArguments,
+            "evaluate",
+        ),
+        ToolSpec(
+            "nitro_predict",
+            "Run the model of a run on inputs given as JSON arrays (batch axis first); answers "
+            "the outputs as JSON arrays.",
+            PredictArguments,
+            "predict",
+        ),
+        ToolSpec(
+            "nitro_export",
+            "Write a run's model as a serving bundle into dir (when this version of nitro can "
+            "export).",
+            ExportArguments,
+            "export",
+        ),
+        ToolSpec(
+            "nitro_runs",
+            "Every run: the agent's (id, kind, status) and the notebook's, with phase, epoch, "
+            "step and latest loss.",
+            RunsArguments,
+            "runs",
+        ),
+        ToolSpec(
+            "nitro_status",
+            "One run in detail: status, phase, epoch, step, latest loss and metrics, run "
+            "directory, result or error text; history=true adds every epoch.",
+            StatusArguments,
+            "status",
+        ),
+        ToolSpec(
+            "nitro_logger",
+            "The run's logger: its type and identifying information.",
+            RunIdArguments,
+            "logger",
+        ),
+        ToolSpec(
+            "nitro_stop",
+            "Stop a run cleanly: the current step finishes and nothing is lost "
+            "(stop_reason 'requested'); it can be continued with nitro_train(run_id=...).",
+            StopArguments,
+            "stop",
+        ),
+    ]
+}
+
+
+def _argument_errors(tool: ToolSpec, error: ValidationError) -> str:
+    """`nitro_train: argument 'max_epochs': ...`, one clause per problem."""
+    allowed = ", ".join(tool.arguments.model_fields) or "none"
+    problems = []
+    for item in error.errors():
+        name = ".".join(str(part) for part in item["loc"]) or "arguments"
+        if item["type"] == "extra_forbidden":
+            problems.append(f"unknown argument {name!r} (arguments: {allowed})")
+        elif item["type"] == "missing":
+            problems.append(f"argument {name!r} is required")
+        else:
+            problems.append(f"argument {name!r}: {item['msg']} (got {item['input']!r})")
+    return f"{tool.name}: " + "; ".join(problems)
+
+
+def call(session: ToolSession, name: str, arguments: dict[str, Any] | None) -> dict[str, Any]:
+    """Check `arguments` and run tool `name` on `session` (blocking); raises ToolFailure."""
+    tool = TOOLS.get(name)
+    if tool is None:
+        raise ToolFailure(f"no tool {name!r}; tools: {', '.join(TOOLS)}")
+    try:
+        parsed = tool.arguments.model_validate(arguments or {})
+    except ValidationError as error:
+        raise ToolFailure(_argument_errors(tool, error)) from None
+    method: Callable[..., dict[str, Any]] = getattr(session, tool.method)
+    try:
+        return method(**parsed.model_dump())
+    except ToolFailure as failure:
+        raise ToolFailure(f"{name}: {failure}") from None
+    except Exception as error:  # noqa: BLE001 - the agent reads what went wrong
+        raise ToolFailure(f"{name}: {type(error).__name__}: {error}") from None
+
+
+def _text(value: Any) -> list[types.TextContent]:
+    return [types.TextContent(type="text", text=json.dumps(value, indent=1))]
+
+
+INSTRUCTIONS = (
+    "Nitro trains JAX/Flax experiments in the session this server belongs to. nitro_train "
+    "answers a run id at once; poll nitro_status until status is not 'running', then read "
+    "the metrics, nitro_evaluate or nitro_predict. nitro_stop stops a run cleanly."
+)
+
+
+def build_server(session: ToolSession) -> Server:
+    """An MCP server (the SDK's low-level `Server`) offering the ten tools on `session`."""
+    import nitro
+
+    async def list_tools(ctx, params) -> types.ListToolsResult:
+        return types.ListToolsResult(
+            tools=[
+                types.Tool(name=t.name, description=t.description, input_schema=t.schema())
+                for t in TOOLS.values()
+            ]
+        )
+
+    async def call_tool(ctx, params: types.CallToolRequestParams) -> types.CallToolResult:
+        work = functools.partial(call, session, params.name, params.arguments)
+        try:
+            result = await anyio.to_thread.run_sync(work)
+        except ToolFailure as failure:
+            message = types.TextContent(type="text", text=str(failure))
+            return types.CallToolResult(content=[message], is_error=True)
+        return types.CallToolResult(content=_text(result), structured_content=result)
+
+    return Server(
+        "nitro",
+        version=nitro.__version__,
+        instructions=INSTRUCTIONS,
+        on_list_tools=list_tools,
+        on_call_tool=call_tool,
+    )

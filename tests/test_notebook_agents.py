@@ -1,0 +1,117 @@
+"""`%nitro mcp` in a real kernel: an agent drives runs in the live session, and the person and
+the agent see each other's runs."""
+
+from __future__ import annotations
+
+import ast
+import re
+import time
+
+import anyio
+import pytest
+from agent_client import call, http_session, httpx2, poll, refusal
+from notebook_kernel import kernel_fixture  # noqa: F401 - provides the `kernel` fixture
+
+
+def _serve(kernel) -> tuple[str, str, str]:
+    """Start serving; the cell's msg_id, the URL and the token it printed."""
+    cell = kernel.run("%nitro mcp start")
+    url = re.search(r"at (http://127\.0\.0\.1:\d+/mcp) \(loopback only\)", cell.stdout).group(1)
+    token = re.search(r"token \(shown once\): (\S+)", cell.stdout).group(1)
+    assert f'--header "Authorization: Bearer {token}"' in cell.stdout  # Claude Code
+    assert '"mcpServers": {"nitro": {"type": "http"' in cell.stdout
+    return cell.msg_id, url, token
+
+
+def test_an_agent_trains_in_the_kernel_and_the_run_shows_in_nitro_runs(kernel):
+    start_cell, url, token = _serve(kernel)
+    kernel.run("from tiny_exp import Tiny")
+    again = kernel.run("%nitro mcp start", check=False)
+    assert f"already serving at {url}" in again.error
+
+    async def agent():
+        async with http_session(url, token) as session:
+            started = await call(
+                session, "nitro_train", experiment="Tiny", overrides={"batches": 6}, max_epochs=2
+            )
+            done = await poll(session, started["run_id"], lambda s: s["status"] != "running")
+            return started["run_id"], done
+
+    run_id, done = anyio.run(agent)
+    assert (done["status"], done["epoch"], done["step"]) == ("done", 2, 12)
+    assert 0 <= done["metrics"]["val_acc"] <= 1
+
+    table = kernel.run("%nitro runs").data()[-1]
+    assert re.search(rf"{run_id} +Tiny +done +2/2 +12", table)
+    status = kernel.run(f"%nitro status {run_id}").stdout
+    assert status.startswith(f"{run_id} (Tiny): done, epoch 2/2, step 12")
+    printed = "".join(
+        m["content"]["text"]
+        for m in kernel.log
+        if m["msg_type"] == "stream" and m["parent_header"].get("msg_id") == start_cell
+    )
+    assert re.search(r"epoch 2\S*  loss", printed)  # reported in the cell that serves
+    kernel.run("%nitro mcp stop")
+
+
+def test_an_agents_run_gets_a_live_panel_when_the_person_shows_it(kernel):
+    _, url, token = _serve(kernel)
+
+    async def start():
+        async with http_session(url, token) as session:
+            started = await call(
+                session,
+                "nitro_train",
+                experiment="tiny_exp.Tiny",
+                overrides={"batches": 400, "delay": 0.02},
+            )
+            await poll(session, started["run_id"], lambda s: s["step"] >= 2)
+            return started["run_id"]
+
+    run_id = anyio.run(start)
+    cell = kernel.run(f"%nitro panel {run_id}")
+    assert any("LivePanel" in text for text in cell.data())
+    panel = f"nitro_ipython.live_panel(nitro_ipython.agents.agent_runs()[{run_id!r}])"
+    first = float(kernel.eval(f"{panel}.progress.value"))
+    deadline = time.monotonic() + 60
+    while float(kernel.eval(f"{panel}.progress.value")) <= first:
+        assert time.monotonic() < deadline, "the panel did not move"
+        kernel.pump(0.2)
+    assert "Tiny" in ast.literal_eval(kernel.eval(f"{panel}.title.value"))
+    kernel.run(f"%nitro stop {run_id}")
+    assert kernel.eval(f"{panel}.progress.bar_style") == "'warning'"  # stopped
+    kernel.run("%nitro mcp stop")
+
+
+def test_the_agent_sees_and_stops_the_persons_runs_and_stop_ends_serving(kernel):
+    _, url, token = _serve(kernel)
+    kernel.run(
+        """
+        mine = tiny_exp.Tiny(batches=400, delay=0.02)
+        %nitro train mine --background
+        """
+    )
+
+    async def agent():
+        async with http_session(url, token) as session:
+            listed = await call(session, "nitro_runs")
+            running = await poll(session, "mine_run", lambda s: s["step"] >= 2)
+            stopped = await call(session, "nitro_stop", run_id="mine_run")
+            wrong_split = await refusal(session, "nitro_evaluate", run_id="mine_run", split="x")
+            return listed, running, stopped, wrong_split
+
+    listed, running, stopped, wrong_split = anyio.run(agent)
+    rows = {row["run_id"]: row for row in listed["runs"]}
+    assert rows["mine_run"]["kind"] == "notebook" and rows["mine_run"]["started_by"] == "notebook"
+    assert running["names"] == ["mine_run"]
+    assert (stopped["status"], stopped["stop_reason"]) == ("stopped", "requested")
+    assert "split: run mine_run has no split 'x'; its splits: train, val" in wrong_split
+    assert ast.literal_eval(kernel.eval("(mine_run.stop_reason, mine_run.running)")) == (
+        "requested",
+        False,
+    )
+
+    assert kernel.run("%nitro mcp").stdout == f"nitro: serving at {url}\n"  # no token again
+    assert kernel.run("%nitro mcp stop").stdout.startswith(f"nitro: stopped serving {url}")
+    with pytest.raises(httpx2.ConnectError):
+        httpx2.post(url, json={}, timeout=5)
