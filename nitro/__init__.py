@@ -38,6 +38,10 @@ _EXPORTS = {
     "ScheduleError": "nitro.errors",
     "HostFieldError": "nitro.errors",
     "RunningError": "nitro.errors",
+    "Checkpointer": "nitro.checkpoints",
+    "EarlyStopping": "nitro.early_stopping",
+    "on_phase": "nitro.events",
+    "saved_runs": "nitro.run_dirs",
     "Interrupted": "nitro.errors",
     "WeightsError": "nitro.errors",
 }
@@ -45,8 +49,10 @@ _SUBMODULES = ("data", "datasets", "events", "progress", "runner", "staleness")
 
 __all__ = [
     "CacheStats",
+    "Checkpointer",
     "Device",
     "DivergenceError",
+    "EarlyStopping",
     "ExperimentError",
     "FieldKind",
     "GraphConst",
@@ -68,8 +74,10 @@ __all__ = [
     "explain_compiles",
     "fields",
     "load_ipython_extension",
+    "on_phase",
     "progress",
     "runner",
+    "saved_runs",
     "set_compilation_cache",
     "staleness",
     "unload_ipython_extension",
@@ -95,6 +103,7 @@ def __dir__() -> list[str]:
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from . import data, datasets, events, progress, runner, staleness
+    from .checkpoints import Checkpointer
     from .compile_cache import (
         CacheStats,
         ProgramKind,
@@ -103,6 +112,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
         explain_compiles,
         set_compilation_cache,
     )
+    from .early_stopping import EarlyStopping
     from .errors import (
         DivergenceError,
         ExperimentError,
@@ -115,8 +125,10 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
         SetupError,
         WeightsError,
     )
+    from .events import on_phase
     from .experiments import Device, FieldKind, GraphConst, experiment, fields
     from .handle import Nitro
+    from .run_dirs import saved_runs
 
 
 def load_ipython_extension(ipython) -> None:

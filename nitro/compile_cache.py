@@ -24,7 +24,7 @@ from typing import Any
 
 import jax
 
-from . import progress
+from . import events, progress
 from .fingerprint import CodeFingerprint, diff_parts
 
 __all__ = [
@@ -325,8 +325,16 @@ class CompileCache:
         reads: set[str] = set()
         fn = spec.build(reads)
         progress.note(f"compiling {spec.title} of {spec.owner.rpartition('.')[2]} ...")
+        run_events = events.current()
+        previous = run_events.current_phase if run_events is not None else None
+        if run_events is not None:
+            run_events.phase(f"compiling {spec.title}")
         start = time.perf_counter()
-        compiled = jax.jit(fn, donate_argnums=spec.donate_argnums).lower(*args).compile()
+        try:
+            compiled = jax.jit(fn, donate_argnums=spec.donate_argnums).lower(*args).compile()
+        finally:
+            if run_events is not None:
+                run_events.phase(previous)
         seconds = time.perf_counter() - start
         progress.note(f"compiled {spec.title} in {seconds:.2f} s ({reason})", done=True)
         values = {name: spec.graphconst[name] for name in sorted(reads) if name in spec.graphconst}

@@ -1,4 +1,4 @@
-"""One path for what a run reports: progress, phases, epoch rows and notes.
+"""One path for what a run reports: progress, phases, epoch rows and notes; phase monitors.
 
 The loop and the handle emit events through an `Events` object; it delivers each to every
 reporter, isolated: a reporter that raises is switched off for the rest of the run with one
@@ -18,12 +18,71 @@ nitro.Nitro(exp, progress=Printer())
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol
 
-__all__ = ["EVENT_NAMES", "Events", "Reporter", "current", "using"]
+__all__ = [
+    "EVENT_NAMES",
+    "PHASES",
+    "Events",
+    "PhaseChange",
+    "Reporter",
+    "current",
+    "on_phase",
+    "remove_monitor",
+    "using",
+]
+
+# The phases a handle goes through. "compiling <program>" names the program kind
+# ("compiling train step"); "evaluating <split>" the split.
+PHASES = (
+    "building data",
+    "building model",
+    "routing",
+    "ready",
+    "compiling <program>",
+    "training",
+    "validating",
+    "checkpointing",
+    "evaluating <split>",
+    "predicting",
+    "done",
+    "stopped",
+    "failed",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseChange:
+    """What a phase monitor receives on each transition."""
+
+    phase: str
+    previous: str
+    step: int | None
+    epoch: int | None
+    metrics: Mapping[str, Any] | None  # the epoch's history row, on the first change after it
+    handle: Any
+
+
+_MONITORS: list[Callable[[PhaseChange], Any]] = []
+_DISABLED_MONITORS: set[int] = set()
+
+
+def on_phase(fn: Callable[[PhaseChange], Any]) -> Callable[[PhaseChange], Any]:
+    """Call `fn(change)` on every phase transition of every handle (also a decorator).
+    `Nitro.on_phase(fn)` watches one handle. A monitor that raises is warned about once and
+    switched off; the run goes on."""
+    if fn not in _MONITORS:
+        _MONITORS.append(fn)
+    return fn
+
+
+def remove_monitor(fn: Callable[[PhaseChange], Any]) -> None:
+    if fn in _MONITORS:
+        _MONITORS.remove(fn)
 
 
 class Reporter(Protocol):
@@ -48,10 +107,18 @@ EVENT_NAMES = ("start_run", "start_epoch", "step", "phase", "end_epoch", "note",
 class Events:
     """Delivers events to reporters, each call isolated."""
 
-    def __init__(self, reporters: Iterable[Any] = (), phase: str = "setup"):
+    def __init__(
+        self,
+        reporters: Iterable[Any] = (),
+        phase: str = "setup",
+        context: Callable[[], tuple[Any, int | None, int | None]] | None = None,
+    ):
         self._reporters: list[Any] = []
         self._disabled: set[int] = set()
         self._phase = phase
+        self._context = context  # () -> (handle, step, epoch), for phase monitors
+        self._monitors: list[Callable[[PhaseChange], Any]] = []
+        self._metrics: Mapping[str, Any] | None = None
         self._bound: dict[str, tuple] = {}
         for reporter in reporters:
             self.add(reporter)
@@ -124,10 +191,36 @@ class Events:
                 self._disable(reporter, "step", error)
 
     def phase(self, phase: str) -> None:
-        self._phase = phase
+        previous, self._phase = self._phase, phase
         self._deliver("phase", phase)
+        if phase != previous and (self._monitors or _MONITORS):
+            self._notify(phase, previous)
+
+    def add_monitor(self, fn: Callable[[PhaseChange], Any]) -> None:
+        if fn not in self._monitors:
+            self._monitors.append(fn)
+
+    def _notify(self, phase: str, previous: str) -> None:
+        handle, step, epoch = self._context() if self._context else (None, None, None)
+        metrics, self._metrics = self._metrics, None
+        change = PhaseChange(phase, previous, step, epoch, metrics, handle)
+        for monitor in [*_MONITORS, *self._monitors]:
+            if id(monitor) in _DISABLED_MONITORS:
+                continue
+            try:
+                monitor(change)
+            except Exception as error:  # noqa: BLE001 - a monitor must never break a run
+                _DISABLED_MONITORS.add(id(monitor))
+                warnings.warn(
+                    f"phase monitor {getattr(monitor, '__qualname__', monitor)!s} raised "
+                    f"{type(error).__name__}: {error} on {previous!r} -> {phase!r}; it is "
+                    f"switched off, and the run goes on",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
 
     def end_epoch(self, row: Mapping[str, Any]) -> None:
+        self._metrics = row  # the next phase change carries it to monitors
         self._deliver("end_epoch", row)
 
     def note(self, message: str, done: bool = False) -> None:

@@ -79,11 +79,15 @@ class Nitro:
         weights = keywords.pop("weights", None)
         data = keywords.pop("data", None)
         resolved = resolve_run_keywords(instance, keywords)
-        self._events = Events([progress.make_reporter(resolved["progress"].value)])
+        self._events = Events(
+            [progress.make_reporter(resolved["progress"].value)],
+            context=lambda: (self, self._state.step, self._state.epoch),
+        )
         self._control = RunControl()
         self._guard = RunGuard(lambda: f"this {cls.__name__} handle")
         self._run: Run | None = None
         self._stop_reason: str | None = None
+        self._error: BaseException | None = None
         self._serving_width: int | None = None
         self._stale_seen: str | None = None
         self._stale_checked = (edit_generation(), 0.0)
@@ -234,6 +238,17 @@ class Nitro:
         reporters = self._events.reporters
         return reporters[0] if reporters else None
 
+    def on_phase(self, fn) -> Nitro:
+        """Call `fn(change)` (a `nitro.events.PhaseChange`: phase, previous, step, epoch and,
+        after validation, the epoch's metrics) on every phase transition of this handle."""
+        self._events.add_monitor(fn)
+        return self
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception the latest run failed with (None when it did not fail)."""
+        return self._error
+
     @property
     def events(self) -> Events:
         """The event path of this handle's runs; `events.add(reporter)` adds a reporter."""
@@ -279,6 +294,7 @@ class Nitro:
                 self._target_epoch = target
                 self._control.stop.clear()
                 self._stop_reason = None
+                self._error = None
                 run = Run(
                     lambda: self._train_body(target),
                     name=f"nitro-training-{self.cls.__name__}",
@@ -325,8 +341,9 @@ class Nitro:
                 finally:
                     events.end_run(self)  # the stop reason is known here
                 events.phase("stopped" if reason == "requested" else "done")
-        except BaseException:
+        except BaseException as error:
             self._stop_reason = "error"
+            self._error = error
             events.phase("failed")
             raise
         finally:

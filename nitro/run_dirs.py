@@ -30,6 +30,7 @@ __all__ = [
     "list_runs",
     "new_run_id",
     "read_run_json",
+    "saved_runs",
     "write_run_json",
 ]
 
@@ -128,3 +129,25 @@ def list_runs(root: str | os.PathLike) -> list[RunInfo]:
             )
         )
     return runs
+
+
+def saved_runs(where: Any = None):
+    """The runs on disk of an experiment (a class, an instance or its name, under `runs/`),
+    or under a directory: a DataFrame with one row per run (id, start, checkpoints, latest
+    epoch, best metric, path), oldest first.
+
+    >>> nitro.saved_runs("Digits")          # doctest: +SKIP
+    """
+    import pandas as pd
+
+    if where is None:
+        root = Path(RUNS_ROOT)
+    elif isinstance(where, (str, os.PathLike)) and (Path(where).is_dir() or os.sep in str(where)):
+        root = Path(where)
+    else:
+        name = where if isinstance(where, str) else getattr(where, "__name__", None)
+        name = name or type(where).__name__
+        root = experiment_root(name)
+    rows = [run.as_row() for run in list_runs(root)]
+    columns = ["run id", "started", "checkpoints", "latest epoch", "best", "path"]
+    return pd.DataFrame(rows, columns=columns).set_index("run id")
