@@ -41,7 +41,7 @@ _EXPORTS = {
     "Interrupted": "nitro.errors",
     "WeightsError": "nitro.errors",
 }
-_SUBMODULES = ("data", "datasets", "events", "progress", "runner", "staleness")
+_SUBMODULES = ("data", "datasets", "events", "loggers", "progress", "runner", "staleness")
 
 __all__ = [
     "CacheStats",
@@ -68,6 +68,7 @@ __all__ = [
     "explain_compiles",
     "fields",
     "load_ipython_extension",
+    "loggers",
     "progress",
     "runner",
     "set_compilation_cache",
@@ -94,7 +95,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from . import data, datasets, events, progress, runner, staleness
+    from . import data, datasets, events, loggers, progress, runner, staleness
     from .compile_cache import (
         CacheStats,
         ProgramKind,
