@@ -45,7 +45,7 @@ _EXPORTS = {
     "Interrupted": "nitro.errors",
     "WeightsError": "nitro.errors",
 }
-_SUBMODULES = ("data", "datasets", "events", "progress", "runner", "staleness")
+_SUBMODULES = ("data", "datasets", "events", "loggers", "progress", "runner", "staleness")
 
 __all__ = [
     "CacheStats",
@@ -74,6 +74,7 @@ __all__ = [
     "explain_compiles",
     "fields",
     "load_ipython_extension",
+    "loggers",
     "on_phase",
     "progress",
     "runner",
@@ -102,7 +103,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from . import data, datasets, events, progress, runner, staleness
+    from . import data, datasets, events, loggers, progress, runner, staleness
     from .checkpoints import Checkpointer
     from .compile_cache import (
         CacheStats,

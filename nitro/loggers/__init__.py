@@ -1,0 +1,49 @@
+"""Logging: metrics, parameters and run facts, written to files that real tools read.
+
+A logger implements ten verbs (`Logger`; `BaseLogger` gives no-op defaults):
+`log_metrics(metrics, *, step, epoch, context)` with context "train" (each optimizer
+step), "validate" or "data" (each epoch); `log_params`; `log_tags`; `log_other`;
+`log_confusion`; `finish(status)`; `run_id`; `run_url`; `state()` and `reattach(state)`
+for resume. `LoggingReporter` turns a run's events into these calls; `LoggerGroup` (or a
+list) fans out. Backends: `JSONLinesLogger` (the default, `<run_dir>/metrics.jsonl`),
+`TensorBoardLogger` (needs `nitro[logging]`) and `CSVLogger`. See docs/logging.md.
+
+```python
+from nitro.loggers import JSONLinesLogger, LoggingReporter, TensorBoardLogger
+
+n = nitro.Nitro(exp, progress=LoggingReporter([JSONLinesLogger(), TensorBoardLogger()]))
+```
+"""
+
+from .files import CSVLogger, JSONLinesLogger
+from .protocol import (
+    CONTEXTS,
+    FINISH_STATUSES,
+    LOGGER_VERBS,
+    BaseLogger,
+    Logger,
+    LoggerGroup,
+    as_logger,
+    finite_metrics,
+    logger_info,
+)
+from .reporter import LoggingReporter, finish_status, run_params
+from .tensorboard_events import TensorBoardLogger
+
+__all__ = [
+    "CONTEXTS",
+    "FINISH_STATUSES",
+    "LOGGER_VERBS",
+    "BaseLogger",
+    "CSVLogger",
+    "JSONLinesLogger",
+    "Logger",
+    "LoggerGroup",
+    "LoggingReporter",
+    "TensorBoardLogger",
+    "as_logger",
+    "finish_status",
+    "finite_metrics",
+    "logger_info",
+    "run_params",
+]

@@ -1,0 +1,144 @@
+"""`LoggingReporter`: a run's events, as logger calls.
+
+It is a reporter of the event path (`nitro.events`), and it reads the handle through its
+public API only:
+
+| event | logger calls |
+|---|---|
+| `start_run(handle, target)` | `bind_run(run_dir, run_id)` (once per run directory), `log_params(run_params(handle))`, `log_tags`, `log_other("binding_report", text)` |
+| `step(step, loss)` | `log_metrics({"loss": loss}, context="train")`, the epoch under way, the step |
+| `end_epoch(row)` | "train": the epoch's mean loss and train metrics as `epoch_<name>`, and `epoch_seconds`; "validate": the `val_*` entries; "data": `data_wait_frac`; all at the row's epoch and step |
+| `end_run(handle)` | `finish(status)`: the stop reason, one of `FINISH_STATUSES` |
+
+Non-finite values never reach a logger: a NaN loss (with `check_divergence=False`) writes no
+train line, and non-finite or non-scalar row entries are left out. The logger is wrapped in
+a `LoggerGroup`, so a logger that raises is switched off with one warning naming it, and the
+run goes on.
+
+```python
+n = nitro.Nitro(exp, progress=LoggingReporter(JSONLinesLogger()))
+n.events.add(LoggingReporter([JSONLinesLogger(), TensorBoardLogger()]))
+```
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from ..experiments import FieldKind, field_specs
+from .protocol import FINISH_STATUSES, LoggerGroup, as_logger, finite_metrics, plain_value
+
+__all__ = ["LoggingReporter", "finish_status", "run_params"]
+
+# run keywords that are objects of the session, not parameters of the run
+_NOT_PARAMETERS = ("progress", "logger", "checkpointer", "early_stop")
+
+
+def finish_status(stop_reason: str | None) -> str:
+    """The `finish` status for a handle's `stop_reason`: "completed", "early_stop" and
+    "requested" as they are; "error", None (the run never said) and anything else: "error"."""
+    return stop_reason if stop_reason in FINISH_STATUSES else "error"
+
+
+def run_params(handle: Any) -> dict[str, Any]:
+    """The parameters of a run as a flat table: every field of the experiment (Device fields
+    at their current value), the seed, the run keywords (schedules as `schedules.<key>`),
+    the optimizer with its initial hyperparameters, and the parameter count."""
+    params: dict[str, Any] = {}
+    experiment = handle.experiment
+    for spec in field_specs(experiment):
+        if spec.kind is FieldKind.DEVICE:
+            value = handle.device_value(spec.name)
+        else:
+            value = getattr(experiment, spec.name)
+        params[spec.name] = plain_value(value)
+    for name, resolved in handle.keywords.items():
+        if name in _NOT_PARAMETERS or name in ("schedules", "optimizer"):
+            continue
+        params[name] = plain_value(resolved.value)
+    params["seed"] = handle.seed
+    for schedule in handle.schedules:
+        params[f"schedules.{schedule.key}"] = schedule.qualified
+    optimizer = handle.optimizer
+    if optimizer is not None:
+        params["optimizer"] = optimizer.description
+        for name, value in optimizer.hyperparams.items():
+            # in the dtype the step is fed (float32 0.9 shows as 0.9)
+            value = np.asarray(value, optimizer.dtypes.get(name))[()]
+            params[f"optimizer.{name}"] = plain_value(value)
+    params["param_count"] = handle.param_count
+    return params
+
+
+def _split_row(row: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    """A history row's entries by context (see the module docstring)."""
+    parts: dict[str, dict[str, Any]] = {"train": {}, "validate": {}, "data": {}}
+    for name, value in row.items():
+        if name in ("epoch", "step"):
+            continue
+        if name == "data_wait_frac":
+            parts["data"][name] = value
+        elif name.startswith("val_"):
+            parts["validate"][name] = value
+        elif name == "epoch_seconds":
+            parts["train"][name] = value
+        else:
+            parts["train"][f"epoch_{name}"] = value
+    return parts
+
+
+class LoggingReporter:
+    """Sends a run's events to a logger, a list of loggers or a `LoggerGroup`.
+
+    >>> reporter = LoggingReporter(JSONLinesLogger())              # doctest: +SKIP
+    >>> nitro.Nitro(exp, progress=reporter).train()                 # doctest: +SKIP
+    """
+
+    def __init__(self, logger: Any):
+        logger = as_logger(logger)
+        if logger is None:
+            raise TypeError("LoggingReporter needs a logger (or a list of loggers), not None")
+        self.logger: LoggerGroup = (
+            logger if isinstance(logger, LoggerGroup) else LoggerGroup([logger])
+        )
+        self._bound: tuple[str, str | None] | None = None
+        self._epoch: int | None = None
+        self._log_metrics = self.logger.log_metrics
+
+    def __repr__(self) -> str:
+        loggers = self.logger.loggers
+        return f"LoggingReporter({loggers[0] if len(loggers) == 1 else list(loggers)!r})"
+
+    def start_run(self, handle: Any, target_epoch: int) -> None:
+        logger = self.logger
+        logger.reset()
+        binding = (os.fspath(handle.run_dir), getattr(handle, "run_id", None))
+        if binding != self._bound:
+            logger.bind_run(*binding)
+            self._bound = binding
+        logger.log_params(run_params(handle))
+        logger.log_tags({"experiment": handle.owner})
+        logger.log_other("binding_report", str(handle.binding_report()))
+        self._epoch = handle.epoch + 1
+
+    def start_epoch(self, epoch: int, target_epoch: int, batches: int | None, start: int) -> None:
+        self._epoch = epoch + 1  # the epoch under way, as its history row will number it
+
+    def step(self, step: int, loss: float) -> None:
+        if math.isfinite(loss):
+            self._log_metrics({"loss": loss}, step=step, epoch=self._epoch, context="train")
+
+    def end_epoch(self, row: Mapping[str, Any]) -> None:
+        epoch, step = row.get("epoch"), row.get("step")
+        for context, values in _split_row(row).items():
+            values = finite_metrics(values)
+            if values:
+                self._log_metrics(values, step=step, epoch=epoch, context=context)
+
+    def end_run(self, handle: Any) -> None:
+        self.logger.finish(finish_status(handle.stop_reason))
