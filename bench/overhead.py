@@ -146,6 +146,8 @@ class WithNitro:
             seed=seed,
             progress=False,
             check_divergence=guard,
+            logger=None,  # the hand-written loop writes no logs and saves no checkpoints;
+            checkpointer=None,  # bench/loggers.py and bench/lifecycle.py measure those
         )
         self.batches = len(self.handle.splits["train"])
 
@@ -235,7 +237,8 @@ def main(argv: list[str] | None = None) -> None:
     print(
         f"  batch {BATCH}, optax.adam({LEARNING_RATE:g}); hand-written: params/opt_state "
         f"donated, numpy batches, loss read back once per epoch (device_get of the epoch's "
-        f"losses); nitro: train split only (no validation), progress=False, defaults otherwise"
+        f"losses); nitro: train split only (no validation), progress=False, no logger, no "
+        f"checkpointer, defaults otherwise"
     )
     print("  'nitro' times the whole train() call; 'nitro (loop)' sums the loop's epoch times")
     results = {}

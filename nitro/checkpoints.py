@@ -242,8 +242,6 @@ class CheckpointStore:
             )
             options = ocp.CheckpointManagerOptions(
                 preservation_policy=policy,
-                best_fn=lambda m: m[metric],
-                best_mode=config.mode,
                 enable_async_checkpointing=True,
                 cleanup_tmp_directories=True,
             )

@@ -79,10 +79,17 @@ class Nitro:
         weights = keywords.pop("weights", None)
         data = keywords.pop("data", None)
         resolved = resolve_run_keywords(instance, keywords)
+        self._progress = progress.make_reporter(resolved["progress"].value)
         self._events = Events(
-            [progress.make_reporter(resolved["progress"].value)],
+            [self._progress],
             context=lambda: (self, self._state.step, self._state.epoch),
         )
+        self._logging = None
+        if resolved["logger"].value is not None:
+            from .loggers import LoggingReporter
+
+            self._logging = LoggingReporter(resolved["logger"].value)
+            self._events.add(self._logging)
         self._control = RunControl()
         self._guard = RunGuard(lambda: f"this {cls.__name__} handle")
         self._run: Run | None = None
@@ -99,11 +106,37 @@ class Nitro:
         self._programs = ProgramSet(self._setup)
         self._check_early_stop()
         self._files = RunFiles.plan(self._setup, self._events)
+        if self._logging is not None:
+            self._files.logger_state = self._logging.logger.state
         if self._files.resume_from is not None:
             with events_module.using(self._events):
-                self._files.restore(self._setup, self._state, self._events)
+                meta = self._files.restore(self._setup, self._state, self._events)
+            self._reattach_logger(meta)
         self._target_epoch = max(self._setup.max_epochs, self._state.epoch)
         self._events.phase("ready")
+
+    def _reattach_logger(self, meta: Mapping[str, Any]) -> None:
+        saved = meta.get("logger")
+        if saved is None or self._logging is None:
+            return
+        try:
+            self._logging.logger.reattach(saved)
+        except (TypeError, ValueError) as error:
+            raise SetupError(
+                f"cannot resume into this logger: {error}. Resume with the logger the run "
+                f"was started with (its checkpoint recorded {saved!r}), or logger=None"
+            ) from None
+
+    @property
+    def logger(self):
+        """The run's logger (a `nitro.loggers.LoggerGroup`), or None when it logs nothing."""
+        return self._logging.logger if self._logging is not None else None
+
+    def logger_info(self) -> dict[str, Any]:
+        """What identifies the run's logger(s): type, path, run id."""
+        from .loggers import logger_info
+
+        return logger_info(self.logger) if self.logger is not None else {}
 
     def _check_early_stop(self) -> None:
         early_stop = self._setup.early_stop
@@ -235,8 +268,7 @@ class Nitro:
     @property
     def reporter(self) -> Any:
         """The progress reporter this handle's runs report to (None when silent)."""
-        reporters = self._events.reporters
-        return reporters[0] if reporters else None
+        return self._progress
 
     def on_phase(self, fn) -> Nitro:
         """Call `fn(change)` (a `nitro.events.PhaseChange`: phase, previous, step, epoch and,
@@ -337,6 +369,7 @@ class Nitro:
                     self._stop_reason = reason
                 except BaseException:
                     self._stop_reason = "error"
+                    self._files.wait()  # saves already begun finish; nothing partial is added
                     raise
                 finally:
                     events.end_run(self)  # the stop reason is known here
@@ -367,7 +400,7 @@ class Nitro:
 
     def _say(self, message: str) -> None:
         """A note for the person at the keyboard: through the reporters, or on stderr."""
-        if self._events.reporters:
+        if self._progress is not None:
             self._events.note(message)
         else:
             import sys

@@ -170,6 +170,8 @@ class RunFiles:
         self.opened = True
         events.note(f"run {self.run_id} in {self.run_dir}")
 
+    logger_state: Any = None  # () -> the logger's state(), stored in each checkpoint
+
     def after_epoch(
         self, setup: RunSetup, state: TrainState, row: dict[str, Any], events: Events
     ) -> str | None:
@@ -182,12 +184,16 @@ class RunFiles:
         return None
 
     def end_run(self, setup: RunSetup, state: TrainState, events: Events, reason: str) -> None:
-        """A run that ends at an epoch boundary leaves its newest epoch saved."""
+        """A run that ends at an epoch boundary leaves its newest epoch saved; every save of
+        the run is on disk when `train()` returns (orbax finishes writing in the background
+        while the run goes on, not after it)."""
         store = self.store
-        if store is None or state.epoch == 0 or state.position or state.epoch_trained:
+        if store is None:
             return
-        if store.saved_epoch != state.epoch:
+        at_boundary = not (state.epoch == 0 or state.position or state.epoch_trained)
+        if at_boundary and store.saved_epoch != state.epoch:
             self._save(setup, state, state.last_row, events, reason)
+        store.wait()
 
     def _save(self, setup, state, row, events, reason: str | None = None) -> None:
         events.phase("checkpointing")  # the loop (or the run's end) sets the next phase
@@ -195,9 +201,20 @@ class RunFiles:
         self.store.save(
             state.step,
             host_tree(setup, state.variables),
-            checkpoint_meta(setup, state, self.run_id, row, reason),
+            checkpoint_meta(
+                setup,
+                state,
+                self.run_id,
+                row,
+                reason,
+                self.logger_state() if self.logger_state is not None else None,
+            ),
             metric if isinstance(metric, (int, float)) else None,
         )
+
+    def wait(self) -> None:
+        if self.store is not None:
+            self.store.wait()
 
     def close(self) -> None:
         if self.store is not None:
@@ -205,7 +222,12 @@ class RunFiles:
 
 
 def checkpoint_meta(
-    setup: RunSetup, state: TrainState, run_id: str, row: dict[str, Any], reason: str | None
+    setup: RunSetup,
+    state: TrainState,
+    run_id: str,
+    row: dict[str, Any],
+    reason: str | None,
+    logger_state: Any = None,
 ) -> dict[str, Any]:
     checkpointer = setup.checkpointer
     scalar = lambda r: {k: v for k, v in r.items() if np.ndim(v) == 0}  # noqa: E731
@@ -225,6 +247,7 @@ def checkpoint_meta(
         "device": {name: setup.feed.device_value(name) for name in setup.experiment.device_specs},
         "code": {unit: fp.digest for unit, fp in setup.experiment.code.items()},
         "checkpointer": dataclasses.asdict(checkpointer) if checkpointer else None,
+        "logger": logger_state,
     }
 
 

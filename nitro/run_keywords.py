@@ -91,6 +91,21 @@ def _path(name):
     return check
 
 
+def _default_logger():
+    from .loggers import JSONLinesLogger
+
+    return JSONLinesLogger()
+
+
+def _logger(value):
+    from .loggers import as_logger
+
+    try:
+        return as_logger(value)
+    except TypeError as error:
+        raise ValueError(str(error)) from None
+
+
 def _checkpointer(value):
     from .checkpoints import Checkpointer
 
@@ -177,6 +192,14 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             _DEFAULT_CHECKPOINTER,
             "a nitro.Checkpointer, or None to save no checkpoints",
             _checkpointer,
+        ),
+        RunKeyword(
+            "logger",
+            lambda e: _default_logger(),
+            "where metrics go: a logger, a list of loggers, or None (default: JSON Lines in "
+            "<run_dir>/metrics.jsonl)",
+            _logger,
+            computed=True,
         ),
         RunKeyword(
             "early_stop",

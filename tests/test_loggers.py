@@ -63,7 +63,7 @@ def text_of(accumulator, tag):
 
 def train_logged(tmp_path, logger, experiment=None, **keywords):
     experiment = experiment or ToyWithMetrics(max_epochs=2)
-    n = nitro.Nitro(experiment, run_dir=str(tmp_path), progress=LoggingReporter(logger), **keywords)
+    n = nitro.Nitro(experiment, run_dir=str(tmp_path), logger=logger, progress=False, **keywords)
     return n.train()
 
 
@@ -110,7 +110,8 @@ def test_params_tags_and_the_binding_report_are_written_before_the_first_compile
         run_dir=str(tmp_path),
         seed=3,
         learning_rate=0.01,
-        progress=LoggingReporter(JSONLinesLogger()),
+        logger=JSONLinesLogger(),
+        progress=False,
     )
     n.events.add(CompileWatcher())
     n.train()
@@ -141,7 +142,8 @@ def test_every_line_is_on_disk_when_the_next_step_is_reported(tmp_path):
     n = nitro.Nitro(
         Toy(max_epochs=1, with_val=False),
         run_dir=str(tmp_path),
-        progress=LoggingReporter(JSONLinesLogger()),
+        logger=JSONLinesLogger(),
+        progress=False,
     )
     n.events.add(Reader())  # after the logging reporter: it hears each step second
     n.train()
@@ -226,7 +228,11 @@ def test_a_logger_called_directly_writes_non_finite_values_as_null_or_empty(tmp_
 def test_a_second_train_appends_to_the_same_files_and_the_steps_continue(tmp_path):
     loggers = [JSONLinesLogger(), CSVLogger(), TensorBoardLogger()]
     n = nitro.Nitro(
-        ToyWithMetrics(max_epochs=1), run_dir=str(tmp_path), progress=LoggingReporter(loggers)
+        ToyWithMetrics(max_epochs=1),
+        run_dir=str(tmp_path),
+        logger=loggers,
+        progress=False,
+        checkpointer=None,  # a directory holding checkpoints takes a new run only by resuming
     )
     n.train()
     n.train(epochs=1)
@@ -248,7 +254,9 @@ def test_a_second_train_appends_to_the_same_files_and_the_steps_continue(tmp_pat
     m = nitro.Nitro(
         ToyWithMetrics(max_epochs=1),
         run_dir=str(tmp_path),
-        progress=LoggingReporter(JSONLinesLogger()),
+        logger=JSONLinesLogger(),
+        progress=False,
+        checkpointer=None,
     )
     m.train()
     again = read_jsonl(tmp_path / "metrics.jsonl")
@@ -360,7 +368,8 @@ def test_finish_says_requested_after_a_stop_and_error_after_a_failure(tmp_path):
     handle = nitro.Nitro(
         Toy(max_epochs=2),
         run_dir=str(tmp_path / "stopped"),
-        progress=LoggingReporter(JSONLinesLogger()),
+        logger=JSONLinesLogger(),
+        progress=False,
     )
     handle.events.add(StopAtTwo())
     handle.train()

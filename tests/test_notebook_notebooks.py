@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 
 import pytest
@@ -12,7 +13,8 @@ nbclient = pytest.importorskip("nbclient")
 
 
 def _execute(name: str, cwd) -> list[str]:
-    """Run notebooks/<name> in `cwd`; returns each code cell's output text (errors fail)."""
+    """Run notebooks/<name> in `cwd`; returns each code cell's output text (errors fail), and
+    last the saved widget state (the live panels' values, notes included)."""
     notebook = nbformat.read(REPO / "notebooks" / name, as_version=4)
     client = nbclient.NotebookClient(
         notebook, timeout=300, kernel_name="python3", resources={"metadata": {"path": str(cwd)}}
@@ -29,6 +31,7 @@ def _execute(name: str, cwd) -> list[str]:
             elif "data" in output:
                 parts.extend(f"[{mime}] {output.data[mime]}" for mime in sorted(output.data))
         texts.append("".join(parts))
+    texts.append(json.dumps(notebook.metadata.get("widgets", {})))
     return texts
 
 
@@ -47,7 +50,11 @@ def test_tutorial_runs_from_experiment_to_prediction(tmp_path):
     _find(texts, r"Nitro\(Digits, done, epoch 6/6")
     _find(texts, r"\[image/png\]")  # %nitro plot
     _find(texts, r"programs compiled by the extra epochs: 0")
-    _find(texts, r"long_exp_run \(Digits\): (training|validating), epoch \d+/500")
+    _find(
+        texts,
+        r"long_exp_run \(Digits\): (training|validating|checkpointing|compiling [a-z ]+), "
+        r"epoch \d+/500",
+    )
     _find(texts, r"nitro: stopped long_exp_run at epoch \d+, step \d+")
     _find(texts, r"programs compiled for scale=0.5: 0")
     _find(texts, r"'test_acc': 0\.\d+")
