@@ -24,7 +24,14 @@ from .binding_report import BindingReport, binding_report
 from .data import pad_batch
 from .errors import ExperimentError, RunningError, SetupError
 from .events import Events
-from .experiments import REQUIRED_HOOKS, FieldKind, edit_generation, field_specs, has_method
+from .experiments import (
+    REQUIRED_HOOKS,
+    FieldKind,
+    check_field_type,
+    edit_generation,
+    field_specs,
+    has_method,
+)
 from .programs import ProgramSet
 from .run_keywords import Resolved, resolve_run_keywords
 from .run_setup import RunSetup
@@ -412,6 +419,7 @@ class Nitro:
                 raise TypeError(
                     f"Device field {name!r} is scheduled; its value comes from the schedule"
                 )
+            check_field_type(self.cls, spec, value, call="set_device")
             self._setup.feed.set_constant(name, value)
             setattr(experiment.instance, name, value)
         return self
