@@ -18,11 +18,13 @@ import enum
 import inspect
 import sys
 import textwrap
+import types
 import typing
 from typing import Annotated, Any
 
 from .errors import ExperimentError
 from .field_types import check_field_value
+from .fingerprint import is_function_like
 
 __all__ = [
     "Device",
@@ -163,6 +165,8 @@ def _field_docs(cls) -> dict[str, str]:
 
 
 def _check_hashable_by_content(owner: str, name: str, value: Any) -> None:
+    if is_function_like(value) and not isinstance(value, types.MethodType):
+        return  # the compile cache keys functions by their code and closure, as hooks
     fix = (
         f"GraphConst values key the compile cache, so they must hash by content. "
         f"Use an immutable value (a tuple instead of a list, a frozen dataclass), or mark "

@@ -1,11 +1,15 @@
-"""Faults in configuration: field values of the wrong type."""
+"""Faults in configuration: field values of the wrong type, functions as GraphConst values."""
 
+import functools
+from collections.abc import Callable
 from typing import Literal
 
+import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
-from toys import Toy, X
+from toys import TinyMLP, Toy, X, loaders
 
 import nitro
 from nitro import Device, GraphConst
@@ -95,3 +99,80 @@ def test_the_shipped_experiments_still_construct():
     for cls in (Toy, Digits):
         experiment = cls()
         assert type(experiment) is cls
+
+
+# ---------------------------------------------------------------------------------------------
+# functions as GraphConst values
+
+
+@nitro.experiment
+class Activated:
+    act: GraphConst[Callable] = jnp.tanh
+    max_epochs: int = 1
+
+    def build_data(self):
+        splits = loaders(16)
+        del splits["test"]
+        return splits
+
+    def build_model(self, rngs):
+        return TinyMLP(5, 8, 2, rngs=rngs)
+
+    def forward(self, model, *, x):
+        return self.act(model(x))
+
+    def loss(self, logits, *, y):
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+def _scaled_by(c):
+    return lambda x: x * c
+
+
+def test_equal_lambdas_compile_once(fresh_cache):
+    for act in (lambda x: x * 2, lambda x: x * 2, lambda x: x * 2):
+        nitro.Nitro(Activated(act=act), progress=False).train()
+    stats = nitro.cache_stats()
+    assert (stats.misses, stats.entries) == (2, 2)  # the train step and the eval forward
+    assert sorted(p["program"] for p in stats.programs) == ["eval forward", "train step"]
+
+
+def test_a_function_with_other_code_or_another_closure_value_recompiles_naming_the_field(
+    fresh_cache,
+):
+    nitro.Nitro(Activated(act=_scaled_by(2.0)), progress=False).train()
+    nitro.Nitro(Activated(act=_scaled_by(2.0)), progress=False).train()
+    assert nitro.cache_stats().misses == 2
+    nitro.Nitro(Activated(act=_scaled_by(3.0)), progress=False).train()
+    nitro.Nitro(Activated(act=lambda x: x - 1.0), progress=False).train()
+    assert nitro.cache_stats().misses == 6
+    reasons = [(r.program, r.reason) for r in nitro.explain_compiles()[2:]]
+    closure = "_scaled_by.<locals>.<lambda> changed (its closure, defaults or what it calls)"
+    assert reasons[:2] == [("train step", f"GraphConst act: {closure}")] + [
+        ("eval forward", f"GraphConst act: {closure}")
+    ]
+    assert reasons[2][1].startswith("GraphConst act: ")
+    assert "<lambda>" in reasons[2][1]
+
+
+def test_the_traced_hook_calls_the_function_given(fresh_cache):
+    zeroed = nitro.Nitro(Activated(act=lambda x: x * 0.0), progress=False)
+    np.testing.assert_array_equal(zeroed.predict({"x": X[:4]}), np.zeros((4, 2), np.float32))
+    tanh = nitro.Nitro(Activated(), progress=False).predict({"x": X[:4]})
+    identity = nitro.Nitro(Activated(act=lambda x: x), progress=False).predict({"x": X[:4]})
+    np.testing.assert_allclose(tanh, np.tanh(identity), rtol=1e-5)
+
+
+def test_library_functions_and_partials_are_accepted_and_keyed_by_content(fresh_cache):
+    for act in (jax.nn.relu, jax.nn.relu, jnp.tanh):  # refused before: a copy hashed differently
+        nitro.Nitro(Activated(act=act), progress=False).predict({"x": X[:4]})
+    assert nitro.cache_stats().misses == 2
+    for _ in range(2):
+        clip = functools.partial(jnp.clip, min=0.0)
+        nitro.Nitro(Activated(act=clip), progress=False).predict({"x": X[:4]})
+    nitro.Nitro(Activated(act=functools.partial(jnp.clip, min=1.0)), progress=False).predict(
+        {"x": X[:4]}
+    )
+    assert nitro.cache_stats().misses == 4
+    assert nitro.explain_compiles()[-1].reason.startswith("GraphConst act: ")
+    assert nitro.explain_compiles()[-1].reason.endswith(" -> partial(clip, min=1.0)")
