@@ -30,6 +30,7 @@ _EXPORTS = {
     "GraphConst": "nitro.experiments",
     "experiment": "nitro.experiments",
     "fields": "nitro.experiments",
+    "CompilationCacheError": "nitro.errors",
     "ExperimentError": "nitro.errors",
     "SetupError": "nitro.errors",
     "DivergenceError": "nitro.errors",
@@ -44,6 +45,7 @@ _SUBMODULES = ("data", "datasets", "events", "progress", "runner", "staleness")
 
 __all__ = [
     "CacheStats",
+    "CompilationCacheError",
     "Device",
     "DivergenceError",
     "ExperimentError",
@@ -102,6 +104,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
         set_compilation_cache,
     )
     from .errors import (
+        CompilationCacheError,
         DivergenceError,
         ExperimentError,
         HostFieldError,

@@ -18,7 +18,6 @@ import concurrent.futures
 import dataclasses
 import enum
 import functools
-import os
 import reprlib
 import threading
 import time
@@ -30,6 +29,11 @@ import jax
 
 from . import progress
 from .fingerprint import CodeFingerprint, callable_token, code_digest, diff_parts, is_function_like
+from .persistent_cache import (  # noqa: F401 - compilation_cache_dir is re-exported
+    compilation_cache_dir,
+    configure_persistent_cache,
+    set_compilation_cache,
+)
 
 __all__ = [
     "CacheStats",
@@ -490,62 +494,3 @@ def explain_compiles() -> CompileLog:
     """Every compile so far: the program, its experiment, the time it took and why it missed."""
     with CACHE._lock:
         return CompileLog(CACHE.log)
-
-
-# ---------------------------------------------------------------------------------------------
-# JAX's persistent compilation cache
-
-_PERSISTENT = {"configured": False, "dir": None}
-
-
-def _default_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "nitro", "jax-compilation-cache")
-
-
-def configure_persistent_cache() -> None:
-    """Turn on JAX's persistent compilation cache once, before the first compile.
-
-    `NITRO_COMPILATION_CACHE` moves it (a path) or disables it (`0`, `off`); a directory the
-    user already configured in JAX wins.
-    """
-    if _PERSISTENT["configured"]:
-        return
-    _PERSISTENT["configured"] = True
-    setting = os.environ.get("NITRO_COMPILATION_CACHE", "").strip()
-    if setting.lower() in {"0", "off", "false", "no", "none"}:
-        return
-    if jax.config.jax_compilation_cache_dir:
-        _PERSISTENT["dir"] = jax.config.jax_compilation_cache_dir
-        return
-    set_compilation_cache(setting or _default_cache_dir())
-
-
-def set_compilation_cache(path: str | os.PathLike | None) -> None:
-    """Move JAX's persistent compilation cache to `path`, or disable it with `None`.
-
-    Programs compiled in one process are then reloaded by the next instead of recompiled.
-    """
-    _PERSISTENT["configured"] = True
-    try:
-        from jax.experimental.compilation_cache import compilation_cache as jax_cc
-
-        jax_cc.reset_cache()
-    except Exception:  # older jax: nothing initialized yet
-        pass
-    if path is None:
-        jax.config.update("jax_compilation_cache_dir", None)
-        jax.config.update("jax_enable_compilation_cache", False)
-        _PERSISTENT["dir"] = None
-        return
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_enable_compilation_cache", True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    _PERSISTENT["dir"] = path
-
-
-def compilation_cache_dir() -> str | None:
-    return _PERSISTENT["dir"]

@@ -1,6 +1,11 @@
-"""Faults in configuration: field values of the wrong type, functions as GraphConst values."""
+"""Faults in configuration: field values of the wrong type, functions as GraphConst values, and
+a compilation cache directory that cannot be used or holds broken entries."""
 
 import functools
+import os
+import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
 from typing import Literal
 
@@ -176,3 +181,123 @@ def test_library_functions_and_partials_are_accepted_and_keyed_by_content(fresh_
     assert nitro.cache_stats().misses == 4
     assert nitro.explain_compiles()[-1].reason.startswith("GraphConst act: ")
     assert nitro.explain_compiles()[-1].reason.endswith(" -> partial(clip, min=1.0)")
+
+
+# ---------------------------------------------------------------------------------------------
+# the persistent compilation cache (configured once per process: each case runs in its own)
+
+PRELUDE = f"""
+import sys, warnings
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+import nitro
+from nitro.compile_cache import compilation_cache_dir
+from toys import Toy
+warnings.simplefilter("default")
+"""
+BUILD_TWICE = (
+    PRELUDE
+    + """
+for _ in range(2):
+    nitro.Nitro(Toy(max_epochs=1, with_val=False), progress=False)
+print("cache:", compilation_cache_dir())
+"""
+)
+TRAIN = (
+    PRELUDE
+    + """
+nitro.Nitro(Toy(max_epochs=1, with_val=False), progress=False).train()
+print("cache:", compilation_cache_dir())
+"""
+)
+
+
+def _run(script: str, cache: str, limit_bytes: int | None = None) -> subprocess.CompletedProcess:
+    if limit_bytes is not None:  # files this process writes stop at that size (EFBIG)
+        script = (
+            "import resource, signal\n"
+            "signal.signal(signal.SIGXFSZ, signal.SIG_IGN)\n"
+            f"resource.setrlimit(resource.RLIMIT_FSIZE, ({limit_bytes}, {limit_bytes}))\n"
+        ) + script
+    env = {**os.environ, "NITRO_COMPILATION_CACHE": cache, "JAX_PLATFORMS": "cpu"}
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert out.returncode == 0, out.stderr
+    return out
+
+
+def _assert_warned_once_and_ran_without_cache(out, directory: str) -> None:
+    assert out.stdout.strip().endswith("cache: None")
+    assert out.stderr.count("RuntimeWarning") == 1, out.stderr
+    assert f"the compilation cache directory {directory} (set by NITRO_COMPILATION_CACHE)" in (
+        out.stderr
+    )
+    assert "NITRO_COMPILATION_CACHE=/some/dir" in out.stderr
+    assert "NITRO_COMPILATION_CACHE=off" in out.stderr
+
+
+def test_a_file_where_the_cache_directory_should_be_warns_once_and_runs_without_cache(tmp_path):
+    (tmp_path / "afile").write_text("not a directory")
+    directory = str(tmp_path / "afile" / "cache")
+    out = _run(
+        BUILD_TWICE
+        + textwrap.dedent(
+            f"""
+            try:
+                nitro.set_compilation_cache({directory!r})
+            except nitro.CompilationCacheError as error:
+                print("refused:", error)
+            print("cache:", compilation_cache_dir())
+            """
+        ),
+        directory,
+    )
+    _assert_warned_once_and_ran_without_cache(out, directory)
+    assert "NotADirectoryError" in out.stderr
+    # asked for explicitly, the same directory is an error, and the cache stays off
+    assert f"refused: the compilation cache directory {directory} (given to " in out.stdout
+    assert out.stdout.strip().endswith("cache: None")
+
+
+@pytest.mark.skipif(not os.path.isdir("/sys"), reason="needs Linux's /sys")
+def test_a_directory_that_cannot_be_written_warns_once_and_runs_without_cache():
+    # chmod does not stop root (these tests may run as root), but no one may create a file in
+    # sysfs: /sys is an existing directory that really refuses writes, for root too.
+    out = _run(BUILD_TWICE, "/sys")
+    _assert_warned_once_and_ran_without_cache(out, "/sys")
+    assert "PermissionError" in out.stderr
+
+
+def _entries(directory) -> list:
+    return [p for p in directory.iterdir() if p.name.endswith("-cache")]
+
+
+def test_empty_entries_left_by_a_full_disk_are_removed_and_written_again(tmp_path):
+    _run(TRAIN, str(tmp_path))
+    entries = _entries(tmp_path)
+    assert entries
+    for entry in entries:  # what a full disk leaves: the file, with nothing in it
+        entry.write_bytes(b"")
+
+    out = _run(TRAIN, str(tmp_path))
+    assert "Error reading persistent compilation cache" not in out.stderr
+    assert out.stdout.strip().endswith(f"cache: {tmp_path}")
+    assert sorted(e.name for e in _entries(tmp_path)) == sorted(e.name for e in entries)
+    assert all(e.stat().st_size > 0 for e in _entries(tmp_path))
+
+
+def test_a_failed_write_leaves_no_entry_behind(tmp_path):
+    # A file-size limit makes every write past 3000 bytes fail, as a full disk does; written in
+    # place, the train step's entry (about 28 KB) would be left truncated at 3000 bytes.
+    out = _run(TRAIN, str(tmp_path), limit_bytes=3000)
+    assert "Error writing persistent compilation cache entry" in out.stderr
+    assert all(0 < e.stat().st_size < 3000 for e in _entries(tmp_path))
+    assert not [p.name for p in tmp_path.iterdir() if not p.name.endswith("-cache")]
+
+    out = _run(TRAIN, str(tmp_path))  # a later process reads and completes the cache
+    assert "Error reading persistent compilation cache" not in out.stderr
+    assert max(e.stat().st_size for e in _entries(tmp_path)) > 3000
