@@ -30,6 +30,7 @@ _EXPORTS = {
     "GraphConst": "nitro.experiments",
     "experiment": "nitro.experiments",
     "fields": "nitro.experiments",
+    "CompilationCacheError": "nitro.errors",
     "ExperimentError": "nitro.errors",
     "SetupError": "nitro.errors",
     "DivergenceError": "nitro.errors",
@@ -50,6 +51,7 @@ _SUBMODULES = ("data", "datasets", "events", "loggers", "progress", "runner", "s
 __all__ = [
     "CacheStats",
     "Checkpointer",
+    "CompilationCacheError",
     "Device",
     "DivergenceError",
     "EarlyStopping",
@@ -115,6 +117,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     )
     from .early_stopping import EarlyStopping
     from .errors import (
+        CompilationCacheError,
         DivergenceError,
         ExperimentError,
         HostFieldError,

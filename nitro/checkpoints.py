@@ -30,6 +30,7 @@ import math
 import os
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -185,6 +186,33 @@ def leaves_from(what: str, saved: Mapping[str, Any], paths, template: list) -> l
 
 _OPEN: weakref.WeakSet = weakref.WeakSet()
 
+# Orbax is not safe to drive from several threads at once: two managers saving in parallel
+# (two handles training in the background) corrupt each other's OCDBT writes. Every orbax
+# call goes through this lock, and a manager's background write is finished before another
+# manager starts; one run's own saves still overlap its training.
+_ORBAX_LOCK = threading.RLock()
+_LAST_WRITER: list[Any] = [None]
+
+
+def _exclusive(manager: Any = None):
+    """Hold the orbax lock; finish another manager's background write first."""
+
+    class _Held:
+        def __enter__(self):
+            _ORBAX_LOCK.acquire()
+            last = _LAST_WRITER[0]
+            if last is not None and last is not manager:
+                try:
+                    last.wait_until_finished()
+                finally:
+                    _LAST_WRITER[0] = None
+            return self
+
+        def __exit__(self, *exc):
+            _ORBAX_LOCK.release()
+
+    return _Held()
+
 
 @atexit.register
 def _close_all() -> None:  # pragma: no cover - runs at interpreter exit
@@ -220,6 +248,7 @@ class CheckpointStore:
         self._last_cost = 0.0
         self.saved_epoch: int | None = None
         self.costs: list[float] = []  # seconds each save blocked the loop
+        self.failures: list[str] = []
         _OPEN.add(self)
 
     def _open(self):
@@ -269,33 +298,61 @@ class CheckpointStore:
             else None
         )
         with self._lock:
-            manager = self._open()
-            if step in manager.all_steps():  # saved already (e.g. a run ending at a boundary)
+            try:
+                manager = self._open()
+                if step in manager.all_steps():  # saved already (a run ending at a boundary)
+                    return
+                with _exclusive(manager):
+                    _LAST_WRITER[0] = manager
+                    manager.save(
+                        step,
+                        args=ocp.args.Composite(
+                            state=ocp.args.StandardSave(tree),
+                            meta=ocp.args.JsonSave(_json_safe(meta)),
+                        ),
+                        metrics=metrics,
+                        force=True,
+                    )
+            except Exception as error:  # noqa: BLE001 - a full disk must not end the run
+                self._failed(error, step)
                 return
-            manager.save(
-                step,
-                args=ocp.args.Composite(
-                    state=ocp.args.StandardSave(tree), meta=ocp.args.JsonSave(_json_safe(meta))
-                ),
-                metrics=metrics,
-                force=True,
-            )
         cost = time.perf_counter() - began
         self._last_start, self._last_cost = began, cost
         self.costs.append(cost)
         self.saved_epoch = meta.get("epoch")
 
+    def _failed(self, error: Exception, step: int | None) -> None:
+        """A save that fails (a full disk, a vanished directory) leaves the earlier
+        checkpoints as they were (orbax finalizes a step only once all of it is written);
+        training goes on, and the first failure is reported."""
+        if not self.failures:
+            warnings.warn(
+                f"a checkpoint could not be saved in {self.directory} "
+                f"({type(error).__name__}: {error}); the earlier checkpoints are intact and "
+                f"training goes on. Free space, or move the run with run_dir=.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        self.failures.append(f"step {step}: {type(error).__name__}: {error}")
+
     def wait(self) -> None:
         with self._lock:
             if self._manager is not None:
-                self._manager.wait_until_finished()
+                try:
+                    with _exclusive(self._manager):
+                        self._manager.wait_until_finished()
+                except Exception as error:  # noqa: BLE001
+                    self._failed(error, None)
 
     def close(self) -> None:
         with self._lock:
             manager, self._manager = self._manager, None
         if manager is not None:
-            manager.wait_until_finished()
-            manager.close()
+            with _exclusive(manager):
+                manager.wait_until_finished()
+                manager.close()
+                if _LAST_WRITER[0] is manager:
+                    _LAST_WRITER[0] = None
 
     def steps(self) -> list[int]:
         with self._lock:
@@ -304,10 +361,31 @@ class CheckpointStore:
             return list(self._open().all_steps())
 
 
-def _reader(directory: Path):
-    import orbax.checkpoint as ocp
+class _reader:
+    """A read-only manager, used under the orbax lock: `with _reader(dir) as manager:`."""
 
-    return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(read_only=True))
+    def __init__(self, directory: Path):
+        self.directory = directory
+
+    def __enter__(self):
+        import orbax.checkpoint as ocp
+
+        self._held = _exclusive()
+        self._held.__enter__()
+        try:
+            self.manager = ocp.CheckpointManager(
+                self.directory, options=ocp.CheckpointManagerOptions(read_only=True)
+            )
+        except BaseException:
+            self._held.__exit__(None, None, None)
+            raise
+        return self.manager
+
+    def __exit__(self, *exc):
+        try:
+            self.manager.close()
+        finally:
+            self._held.__exit__(*exc)
 
 
 def _meta_args():
@@ -338,15 +416,12 @@ def describe_checkpoints(directory: str | os.PathLike):
     directory = Path(directory)
     if not directory.is_dir():
         return [], None, None, None
-    manager = _reader(directory)
-    try:
+    with _reader(directory) as manager:
         steps = list(manager.all_steps())
         if not steps:
             return [], None, None, None
         _, metric, best, meta = _best(manager, steps)
         return steps, meta.get("epoch"), metric, best
-    finally:
-        manager.close()
 
 
 def describe_saved(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
@@ -354,8 +429,7 @@ def describe_saved(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     directory = Path(run_dir) / "checkpoints"
     if not directory.is_dir():
         return []
-    manager = _reader(directory)
-    try:
+    with _reader(directory) as manager:
         rows = []
         for step in manager.all_steps():
             meta = manager.restore(step, args=_meta_args()).meta
@@ -364,23 +438,18 @@ def describe_saved(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
             row["path"] = str(directory / str(step))
             rows.append(row)
         return rows
-    finally:
-        manager.close()
 
 
 def read_checkpoint(directory: Path, step: int, weights_only: bool = False):
     """(state tree of numpy arrays, meta) of one saved step."""
     import orbax.checkpoint as ocp
 
-    manager = _reader(directory)
-    try:
+    with _reader(directory) as manager:
         restored = manager.restore(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()),
         )
         return restored.state, restored.meta
-    finally:
-        manager.close()
 
 
 def resolve_checkpoint(source: Any, which: str = "latest") -> tuple[Path, int]:
@@ -402,8 +471,7 @@ def resolve_checkpoint(source: Any, which: str = "latest") -> tuple[Path, int]:
         directory, step = path.parent, int(path.name)
     else:
         directory = path
-    manager = _reader(directory)
-    try:
+    with _reader(directory) as manager:
         steps = list(manager.all_steps())
         if step is None:
             if not steps:
@@ -416,6 +484,4 @@ def resolve_checkpoint(source: Any, which: str = "latest") -> tuple[Path, int]:
                 step = _best(manager, steps)[0] or step
         elif step not in steps:
             raise SetupError(f"{str(path)!r} is not a finished checkpoint (saved steps: {steps})")
-    finally:
-        manager.close()
     return directory, step

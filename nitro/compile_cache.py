@@ -3,8 +3,9 @@
 Every handle in the process shares it. A program is looked up by its kind, the experiment
 class, the fingerprint of the code it runs, its static settings, and the shapes, dtypes and
 shardings of its arguments; within that, by the values of the GraphConst fields the program
-actually read while it was traced (recorded by the trace view). Each miss is explained, each
-compile is announced, and `cache_stats()` counts hits, misses and entries.
+actually read while it was traced (recorded by the trace view), functions among them by their
+code and closure, as hooks are. Each miss is explained, each compile is announced, and
+`cache_stats()` counts hits, misses and entries.
 
 Compiles run outside the cache's lock: the first thread to miss a key registers an in-flight
 future and compiles; another thread that needs the same program waits on that future instead
@@ -16,16 +17,23 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import enum
-import os
+import functools
+import reprlib
 import threading
 import time
+import types
 from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any
 
 import jax
 
 from . import events, progress
-from .fingerprint import CodeFingerprint, diff_parts
+from .fingerprint import CodeFingerprint, callable_token, code_digest, diff_parts, is_function_like
+from .persistent_cache import (  # noqa: F401 - compilation_cache_dir is re-exported
+    compilation_cache_dir,
+    configure_persistent_cache,
+    set_compilation_cache,
+)
 
 __all__ = [
     "CacheStats",
@@ -119,6 +127,57 @@ class Opaque(str):
     """A static key component that explanations report as "changed" rather than by value."""
 
 
+class FunctionValue:
+    """A function given as a GraphConst value, as the cache keys it: by what it does.
+
+    A new lambda is a new object, equal to no other; keyed by its code, closure and what it
+    references (as hooks are), equal code compiles once. The trace still sees the function.
+    """
+
+    __slots__ = ("function", "token")
+
+    def __init__(self, function):
+        self.function = function
+        self.token = callable_token(function)
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, FunctionValue) and other.token == self.token
+
+    def __hash__(self) -> int:
+        return hash(self.token)
+
+    def __repr__(self) -> str:
+        return _callable_name(self.function)
+
+
+def _callable_name(fn) -> str:
+    if isinstance(fn, functools.partial):
+        args = [_callable_name(fn.func), *map(reprlib.repr, fn.args)]
+        args += [f"{k}={reprlib.repr(v)}" for k, v in fn.keywords.items()]
+        return f"partial({', '.join(args)})"
+    if isinstance(fn, types.MethodType):
+        return f"{type(fn.__self__).__qualname__}.{fn.__func__.__name__}"
+    return getattr(fn, "__qualname__", None) or getattr(fn, "__name__", None) or repr(fn)
+
+
+def graphconst_keys(values: Mapping[str, Any]) -> dict[str, Any]:
+    """GraphConst values as the cache compares them: functions by their code and closure."""
+    return {k: FunctionValue(v) if is_function_like(v) else v for k, v in values.items()}
+
+
+def _show_change(old: Any, new: Any) -> str:
+    if isinstance(old, FunctionValue) and isinstance(new, FunctionValue):
+        if repr(old) == repr(new):
+            functions = old.function, new.function
+            if all(isinstance(f, types.FunctionType) for f in functions):
+                same_code = code_digest(functions[0]) == code_digest(functions[1])
+                what = "its closure, defaults or what it calls" if same_code else "its code"
+            else:
+                what = "what it calls or binds"
+            return f"{old!r} changed ({what})"
+    return f"{old!r} -> {new!r}"
+
+
 class Program:
     """A compiled program. Calling it runs the XLA executable and counts a cache hit."""
 
@@ -137,7 +196,7 @@ class Program:
         "aux",
     )
 
-    def __init__(self, spec: ProgramSpec, compiled, reads, signature, seconds):
+    def __init__(self, spec: ProgramSpec, compiled, reads, signature, seconds, graphconst):
         self.kind = spec.kind
         self.title = spec.title
         self.owner = spec.owner
@@ -146,7 +205,7 @@ class Program:
         self.code = spec.code
         self.static = dict(spec.static)
         self.signature = signature
-        self.graphconst = dict(spec.graphconst)
+        self.graphconst = dict(graphconst)  # as the cache compares them (`graphconst_keys`)
         self.compile_seconds = seconds
         self.calls = 0
         self.aux = {}
@@ -276,25 +335,26 @@ class CompileCache:
             tuple(sorted(spec.static.items())),
             signature,
         )
+        graphconst = graphconst_keys(spec.graphconst)
         # Which GraphConst fields the program reads is known only after tracing, so an
         # in-flight compile is matched on all of the experiment's GraphConst values.
-        flight = (base, tuple(sorted(spec.graphconst.items())))
+        flight = (base, tuple(sorted(graphconst.items())))
         while True:
             with self._lock:
-                program = self._find(base, spec)
+                program = self._find(base, graphconst)
                 if program is not None:
                     return program
                 pending = self._inflight.get(flight)
                 if pending is None:
                     pending = self._inflight[flight] = concurrent.futures.Future()
-                    reason = self._explain(spec, signature)
+                    reason = self._explain(spec, signature, graphconst)
                     break
             try:
                 pending.result()  # another thread compiles this program: use its result
             except BaseException:  # noqa: BLE001 - its compile failed: try ourselves
                 pass
         try:
-            program = self._compile(spec, args, signature, reason)
+            program = self._compile(spec, args, signature, reason, graphconst)
         except BaseException as error:
             with self._lock:
                 del self._inflight[flight]
@@ -314,13 +374,13 @@ class CompileCache:
         pending.set_result(program)
         return program
 
-    def _find(self, base: tuple, spec: ProgramSpec) -> Program | None:
+    def _find(self, base: tuple, graphconst: Mapping[str, Any]) -> Program | None:
         for program in self._entries.get(base, ()):
-            if all(spec.graphconst.get(k, _MISSING) == v for k, v in program.reads.items()):
+            if all(graphconst.get(k, _MISSING) == v for k, v in program.reads.items()):
                 return program
         return None
 
-    def _compile(self, spec: ProgramSpec, args, signature, reason: str) -> Program:
+    def _compile(self, spec: ProgramSpec, args, signature, reason: str, graphconst) -> Program:
         configure_persistent_cache()
         reads: set[str] = set()
         fn = spec.build(reads)
@@ -337,17 +397,17 @@ class CompileCache:
                 run_events.phase(previous)
         seconds = time.perf_counter() - start
         progress.note(f"compiled {spec.title} in {seconds:.2f} s ({reason})", done=True)
-        values = {name: spec.graphconst[name] for name in sorted(reads) if name in spec.graphconst}
-        program = Program(spec, compiled, values, signature, seconds)
+        values = {name: graphconst[name] for name in sorted(reads) if name in graphconst}
+        program = Program(spec, compiled, values, signature, seconds, graphconst)
         program.aux = getattr(fn, "nitro_aux", {})
         return program
 
-    def _explain(self, spec: ProgramSpec, signature) -> str:
+    def _explain(self, spec: ProgramSpec, signature, graphconst) -> str:
         siblings = self._siblings.get((spec.kind, spec.owner, spec.title))
         if not siblings:
             return "new program"
         # Explain against the closest earlier program: the one with the fewest differences.
-        candidates = [_differences(p, spec, signature) for p in reversed(siblings)]
+        candidates = [_differences(p, spec, signature, graphconst) for p in reversed(siblings)]
         notes = min(candidates, key=lambda notes: sum(n.count(",") + 1 for n in notes))
         return "; ".join(notes) or "new variant (values of GraphConst fields it reads)"
 
@@ -384,15 +444,15 @@ class CompileCache:
         )
 
 
-def _differences(previous: Program, spec: ProgramSpec, signature) -> list[str]:
+def _differences(previous: Program, spec: ProgramSpec, signature, graphconst) -> list[str]:
     notes = []
     changed_code = diff_parts(previous.code.parts, spec.code.parts)
     if changed_code:
         notes.append("code changed: " + ", ".join(changed_code))
     for name in sorted(previous.reads):
-        old, new = previous.reads[name], spec.graphconst.get(name, _MISSING)
+        old, new = previous.reads[name], graphconst.get(name, _MISSING)
         if old != new:
-            notes.append(f"GraphConst {name}: {old!r} -> {new!r}")
+            notes.append(f"GraphConst {name}: {_show_change(old, new)}")
     shape_notes = _diff_signatures(previous.signature, signature, spec.leaf_labels)
     static_notes = []
     for name in sorted(set(previous.static) | set(spec.static)):
@@ -405,8 +465,8 @@ def _differences(previous: Program, spec: ProgramSpec, signature) -> list[str]:
     if shape_notes or static_notes:
         # GraphConst fields read outside the trace (by build_model) show up as new shapes
         moved = [
-            f"GraphConst {k}: {previous.graphconst[k]!r} -> {v!r}"
-            for k, v in spec.graphconst.items()
+            f"GraphConst {k}: {_show_change(previous.graphconst[k], v)}"
+            for k, v in graphconst.items()
             if k in previous.graphconst and previous.graphconst[k] != v and k not in previous.reads
         ]
         if moved:
@@ -442,62 +502,3 @@ def explain_compiles() -> CompileLog:
     """Every compile so far: the program, its experiment, the time it took and why it missed."""
     with CACHE._lock:
         return CompileLog(CACHE.log)
-
-
-# ---------------------------------------------------------------------------------------------
-# JAX's persistent compilation cache
-
-_PERSISTENT = {"configured": False, "dir": None}
-
-
-def _default_cache_dir() -> str:
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return os.path.join(base, "nitro", "jax-compilation-cache")
-
-
-def configure_persistent_cache() -> None:
-    """Turn on JAX's persistent compilation cache once, before the first compile.
-
-    `NITRO_COMPILATION_CACHE` moves it (a path) or disables it (`0`, `off`); a directory the
-    user already configured in JAX wins.
-    """
-    if _PERSISTENT["configured"]:
-        return
-    _PERSISTENT["configured"] = True
-    setting = os.environ.get("NITRO_COMPILATION_CACHE", "").strip()
-    if setting.lower() in {"0", "off", "false", "no", "none"}:
-        return
-    if jax.config.jax_compilation_cache_dir:
-        _PERSISTENT["dir"] = jax.config.jax_compilation_cache_dir
-        return
-    set_compilation_cache(setting or _default_cache_dir())
-
-
-def set_compilation_cache(path: str | os.PathLike | None) -> None:
-    """Move JAX's persistent compilation cache to `path`, or disable it with `None`.
-
-    Programs compiled in one process are then reloaded by the next instead of recompiled.
-    """
-    _PERSISTENT["configured"] = True
-    try:
-        from jax.experimental.compilation_cache import compilation_cache as jax_cc
-
-        jax_cc.reset_cache()
-    except Exception:  # older jax: nothing initialized yet
-        pass
-    if path is None:
-        jax.config.update("jax_compilation_cache_dir", None)
-        jax.config.update("jax_enable_compilation_cache", False)
-        _PERSISTENT["dir"] = None
-        return
-    path = os.fspath(path)
-    os.makedirs(path, exist_ok=True)
-    jax.config.update("jax_enable_compilation_cache", True)
-    jax.config.update("jax_compilation_cache_dir", path)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
-    _PERSISTENT["dir"] = path
-
-
-def compilation_cache_dir() -> str | None:
-    return _PERSISTENT["dir"]

@@ -6,6 +6,7 @@ Each says what was wrong, where (the field, hook, keyword or split) and how to f
 from __future__ import annotations
 
 __all__ = [
+    "CompilationCacheError",
     "DivergenceError",
     "ExperimentError",
     "HostFieldError",
@@ -23,6 +24,10 @@ __all__ = [
 
 class ExperimentError(TypeError):
     """An experiment class or instance is declared or built incorrectly."""
+
+
+class CompilationCacheError(OSError):
+    """The persistent compilation cache directory cannot be created or written."""
 
 
 class SetupError(ValueError):

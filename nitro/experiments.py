@@ -16,11 +16,15 @@ import copy
 import dataclasses
 import enum
 import inspect
+import sys
 import textwrap
+import types
 import typing
 from typing import Annotated, Any
 
 from .errors import ExperimentError
+from .field_types import check_field_value
+from .fingerprint import is_function_like
 
 __all__ = [
     "Device",
@@ -162,6 +166,8 @@ def _field_docs(cls) -> dict[str, str]:
 
 
 def _check_hashable_by_content(owner: str, name: str, value: Any) -> None:
+    if is_function_like(value) and not isinstance(value, types.MethodType):
+        return  # the compile cache keys functions by their code and closure, as hooks
     fix = (
         f"GraphConst values key the compile cache, so they must hash by content. "
         f"Use an immutable value (a tuple instead of a list, a frozen dataclass), or mark "
@@ -213,11 +219,7 @@ def experiment(cls=None, /, **dataclass_options):
         def __post_init__(self, *init_vars):
             if user_post_init is not None:
                 user_post_init(self, *init_vars)
-            for spec in type(self).__nitro_fields__:
-                if spec.kind is FieldKind.GRAPHCONST:
-                    _check_hashable_by_content(
-                        type(self).__qualname__, spec.name, getattr(self, spec.name)
-                    )
+            check_values(self)
 
         # Installed before dataclass() runs, so the generated __init__ calls it.
         __post_init__.__nitro_user_post_init__ = user_post_init
@@ -250,6 +252,27 @@ def experiment(cls=None, /, **dataclass_options):
     if cls is None:
         return wrap
     return wrap(cls)
+
+
+def check_values(instance: Any) -> None:
+    """Refuse GraphConst and Device values of the wrong type, and GraphConst values that do not
+    hash by content, naming the field, the expected type and the value."""
+    cls = type(instance)
+    for spec in cls.__nitro_fields__:
+        if spec.kind is FieldKind.HOST:
+            continue
+        value = getattr(instance, spec.name)
+        if spec.kind is FieldKind.GRAPHCONST:
+            _check_hashable_by_content(cls.__qualname__, spec.name, value)
+        check_field_type(cls, spec, value, call=cls.__name__)
+
+
+def check_field_type(cls: type, spec: FieldSpec, value: Any, *, call: str) -> None:
+    """Refuse a GraphConst or Device value that does not fit the field's declared type; `call`
+    is how the value was given ("Toy", "set_device"), for the example in the message."""
+    module = sys.modules.get(cls.__module__)
+    namespace = vars(module) if module is not None else None
+    check_field_value(cls.__qualname__, spec, value, call=call, namespace=namespace)
 
 
 def has_method(cls: type, name: str) -> bool:

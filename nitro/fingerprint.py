@@ -32,8 +32,10 @@ import numpy as np
 __all__ = [
     "CodeFingerprint",
     "Fingerprinter",
+    "callable_token",
     "code_digest",
     "diff_parts",
+    "is_function_like",
     "is_library_function",
     "is_library_module",
 ]
@@ -479,6 +481,38 @@ _SKIPPED_CLASS_ATTRS = frozenset(
         "__parameters__",
     }
 )
+
+
+def is_function_like(value: Any) -> bool:
+    """True for the callables `callable_token` keys without their `==` and `hash`: functions
+    and lambdas, builtin functions, `functools.partial` objects, bound methods, and library
+    function objects such as `jnp.tanh` or `jax.nn.relu` (a copy of which is a new object)."""
+    if isinstance(value, (types.FunctionType, types.MethodType, functools.partial)):
+        return True
+    if isinstance(value, types.BuiltinFunctionType):  # `abs`, not `[].append`
+        return value.__self__ is None or isinstance(value.__self__, types.ModuleType)
+    return (
+        callable(value)
+        and not isinstance(value, type)
+        and hasattr(value, "__wrapped__")
+        and is_library_module(type(value).__module__)
+    )
+
+
+def callable_token(value: Callable) -> str:
+    """A token for a callable given as a value (a GraphConst function).
+
+    Functions are keyed as hooks are: by their code, defaults and closure values, and the code
+    and constants they reference, so two lambdas written alike give the same token and another
+    closure value another token. Partials and bound methods add their arguments and `self`.
+    Library function objects (`jnp.tanh`) are keyed by identity: the same object each time.
+
+    >>> callable_token(lambda x: x * 2) == callable_token(lambda x: x * 2)
+    True
+    """
+    fingerprinter = Fingerprinter()
+    fingerprinter.value(value, "value")
+    return fingerprinter.fingerprint().digest
 
 
 def _is_plain_data(value: Any) -> bool:

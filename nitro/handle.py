@@ -25,7 +25,14 @@ from .binding_report import BindingReport, binding_report
 from .data import pad_batch
 from .errors import ExperimentError, Interrupted, RunningError, SetupError
 from .events import Events
-from .experiments import REQUIRED_HOOKS, FieldKind, edit_generation, field_specs, has_method
+from .experiments import (
+    REQUIRED_HOOKS,
+    FieldKind,
+    check_field_type,
+    edit_generation,
+    field_specs,
+    has_method,
+)
 from .lifecycle import RunFiles, metric_names
 from .programs import ProgramSet
 from .run_keywords import Resolved, resolve_run_keywords
@@ -551,6 +558,7 @@ class Nitro:
                 raise TypeError(
                     f"Device field {name!r} is scheduled; its value comes from the schedule"
                 )
+            check_field_type(self.cls, spec, value, call="set_device")
             self._setup.feed.set_constant(name, value)
             setattr(experiment.instance, name, value)
         return self

@@ -25,6 +25,7 @@ from .run_setup import RunSetup
 
 __all__ = [
     "PROGRAM_KINDS",
+    "class_is_gone",
     "code_digest",
     "current_class",
     "edit_generation",
@@ -44,8 +45,27 @@ def current_class(cls: type) -> type:
 
     After a re-run cell or a module reload that is a new class; the namespace is found through
     the globals of the class's own functions (a module's dict survives `importlib.reload`).
-    Returns `cls` itself when the name is gone or bound to something else.
+    Returns `cls` itself when the name is gone or bound to something else (`class_is_gone`).
     """
+    target = _bound_to_name(cls)
+    return target if isinstance(target, type) else cls
+
+
+def class_is_gone(cls: type) -> bool:
+    """True when an edit removed `cls`: its qualified name no longer names a class in the
+    namespace that defined it (the class was renamed or deleted). A class defined inside a
+    function cannot be looked up again, and is never reported gone.
+
+    >>> import nitro
+    >>> class_is_gone(nitro.Nitro)
+    False
+    """
+    if "<locals>" in cls.__qualname__:
+        return False
+    return not isinstance(_bound_to_name(cls), type)
+
+
+def _bound_to_name(cls: type):
     namespace = None
     for attr in vars(cls).values():
         fn = attr.__func__ if isinstance(attr, (staticmethod, classmethod)) else attr
@@ -59,7 +79,7 @@ def current_class(cls: type) -> type:
     target = namespace.get(head)
     for part in rest:
         target = getattr(target, part, None)
-    return target if isinstance(target, type) else cls
+    return target
 
 
 def _own_changes(frozen: CodeFingerprint, fp: Fingerprinter, skip: str = "") -> list[str]:

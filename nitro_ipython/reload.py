@@ -6,7 +6,8 @@ notices a save at once; the reload itself runs on the kernel's main thread, when
 running (a callback on the kernel's event loop) or else before the next cell, so a reload
 never runs under a cell. A module whose experiments are training reloads after the run stops.
 
-Without IPython's `%autoreload`, Nitro reloads the module itself (`importlib.reload`); a file
+Without IPython's `%autoreload`, Nitro reloads the module itself (`importlib.reload` into an
+emptied namespace, as autoreload does, so a name the file no longer defines is gone); a file
 that does not compile, or a reload that raises, leaves the module exactly as it was and shows
 the error. With the autoreload extension loaded, Nitro lets it reload first (before each cell)
 and only reports; a changed file that autoreload left alone (not covered by its mode, or its
@@ -27,7 +28,13 @@ import weakref
 from typing import Any
 
 import nitro
-from nitro.staleness import code_digest, edit_generation, is_experiment, is_library_module
+from nitro.staleness import (
+    class_is_gone,
+    code_digest,
+    edit_generation,
+    is_experiment,
+    is_library_module,
+)
 
 from .runs import handle_names, live_handles
 from .staleness import edit_impact
@@ -35,6 +42,11 @@ from .staleness import edit_impact
 __all__ = ["CodeWatcher", "code_tokens"]
 
 _SIMPLE = (int, float, complex, str, bytes, bool, type(None), tuple, frozenset)
+
+# What a module keeps across a reload into an emptied namespace (the import system's own names)
+_MODULE_ATTRIBUTES = frozenset(
+    {"__name__", "__loader__", "__spec__", "__file__", "__package__", "__path__", "__cached__"}
+)
 
 
 def _member_token(member: Any, filename: str) -> str | None:
@@ -89,6 +101,8 @@ class _Source:
     snapshot: dict[str, Any]  # the module's namespace after its last good load
     failed: str | None = None
     deferred: bool = False
+    deleted: bool = False  # reported as deleted; watched again if it comes back
+    gone: set[str] = dataclasses.field(default_factory=set)  # classes reported gone
 
 
 def _stamp(path: str) -> tuple[int, int]:
@@ -266,8 +280,17 @@ class CodeWatcher:
             for source in list(self.sources.values()):
                 try:
                     stamp = _stamp(source.path)
-                    if stamp == source.stamp:
-                        continue
+                except FileNotFoundError:
+                    if not source.deleted:
+                        source.deleted = True
+                        messages.append(self._deleted(source))
+                    continue
+                except OSError:
+                    continue
+                source.deleted = False
+                if stamp == source.stamp:
+                    continue
+                try:
                     with open(source.path, "rb") as file:
                         data = file.read()
                 except OSError:
@@ -326,6 +349,7 @@ class CodeWatcher:
         for source, changed in reloaded:
             what = ", ".join(changed) or "nothing that runs (comments or formatting)"
             messages.append(f"reloaded {source.module}: changed {what}.")
+            messages.extend(self._gone_classes(source))
         if reloaded:
             messages.extend(self.report_stale())
         self.history.extend(messages)
@@ -335,6 +359,9 @@ class CodeWatcher:
         """Reload `module`; when that raises, restore `good` (its namespace after its last
         good load) and return the error."""
         old = dict(vars(module))
+        namespace = vars(module)
+        namespace.clear()  # a class renamed or deleted in the file is gone from the module too
+        namespace.update({k: v for k, v in old.items() if k in _MODULE_ATTRIBUTES})
         try:
             importlib.reload(module)
         except Exception as error:  # noqa: BLE001 - shown to the user, module restored
@@ -360,6 +387,79 @@ class CodeWatcher:
     # ------------------------------------------------------------------------------------------
     # reports
 
+    def _holders(self, held) -> list[str]:
+        """Names the notebook gives to the values `held(value)` accepts; a handle by its first
+        name."""
+        ns = self.shell.user_ns
+        names = [
+            name
+            for name, value in list(ns.items())
+            if not name.startswith("_") and not isinstance(value, nitro.Nitro) and held(value)
+        ]
+        for handle in live_handles(ns):
+            handle_name = handle_names(ns, handle)
+            if handle_name and handle_name != ["_nitro"] and held(handle):
+                names.append(handle_name[0])
+        return names
+
+    def _deleted(self, source: _Source) -> str:
+        """The message for a watched module whose file is gone."""
+
+        def held(value: Any) -> bool:
+            if isinstance(value, types.ModuleType):
+                return value.__name__ == source.module
+            if isinstance(value, nitro.Nitro):
+                return value.cls.__module__ == source.module
+            if is_experiment(value):
+                cls = value if isinstance(value, type) else type(value)
+                return cls.__module__ == source.module
+            return False
+
+        names = self._holders(held) or [source.module]
+        verb = "keeps the code it has" if len(names) == 1 else "keep the code they have"
+        return f"{os.path.basename(source.path)} was deleted; {_join(names)} {verb}."
+
+    def _gone_classes(self, source: _Source) -> list[str]:
+        """One message per experiment class of `source` that the reload removed (renamed or
+        deleted) while the notebook holds it."""
+        ns = self.shell.user_ns
+        classes: dict[str, type] = {}
+        for value in [*list(ns.values()), *live_handles(ns)]:
+            cls = value.cls if isinstance(value, nitro.Nitro) else value
+            if is_experiment(cls):
+                cls = cls if isinstance(cls, type) else type(cls)
+                if cls.__module__ == source.module:
+                    classes.setdefault(cls.__qualname__, cls)
+        messages = []
+        for qualname, cls in classes.items():
+            if not class_is_gone(cls):
+                source.gone.discard(qualname)
+                continue
+            if qualname in source.gone:
+                continue
+            source.gone.add(qualname)
+
+            def held(value: Any, qualname=qualname) -> bool:
+                if isinstance(value, nitro.Nitro):
+                    cls = value.cls
+                elif is_experiment(value) and not isinstance(value, type):
+                    cls = type(value)
+                else:
+                    return False
+                return cls.__module__ == source.module and cls.__qualname__ == qualname
+
+            names = self._holders(held)
+            if not names:
+                continue
+            one = len(names) == 1
+            messages.append(
+                f"{os.path.basename(source.path)}: class {qualname} is gone (renamed or "
+                f"deleted); {_join(names)} keep{'s' if one else ''} using the {qualname} "
+                f"{'it was' if one else 'they were'} built with. Rename it back, or build a new "
+                f"handle from the new class."
+            )
+        return messages
+
     def report_stale(self) -> list[str]:
         """One message per named handle whose staleness changed since it was last reported
         (handles the notebook no longer names, such as replaced runs, are not reported)."""
@@ -380,6 +480,10 @@ class CodeWatcher:
                     messages.append(str(impact))
                     add_note(handle, str(impact))
         return messages
+
+
+def _join(names: list[str]) -> str:
+    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
 
 
 def _restore(module: types.ModuleType, namespace: dict[str, Any]) -> None:

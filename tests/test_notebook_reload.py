@@ -142,3 +142,30 @@ def test_with_autoreload_the_edit_is_reported_and_retrained_the_same_way(tmp_pat
         assert _misses(k) - before == 2
     finally:
         k.close()
+
+
+def test_a_renamed_class_and_a_deleted_file_are_reported_and_the_handle_keeps_its_code(kernel):
+    _write(kernel, "edit_e", TINY_MODULE)
+    kernel.run("import edit_e\nee_run = nitro.Nitro(edit_e.Tiny(), progress=False)")
+    expected = kernel.eval(f"ee_run.predict({BATCH}).tolist()")
+
+    _write(kernel, "edit_e", TINY_MODULE.replace("class Tiny:", "class Small:"))
+    cell = kernel.run("pass")
+    assert "nitro: reloaded edit_e: changed Small.width, " in cell.stdout
+    assert "Tiny.width (removed)" in cell.stdout
+    assert (
+        "nitro: edit_e.py: class Tiny is gone (renamed or deleted); ee_run keeps using the Tiny "
+        "it was built with. Rename it back, or build a new handle from the new class.\n"
+    ) in cell.stdout
+    assert kernel.eval("(hasattr(edit_e, 'Tiny'), ee_run.cls.__name__)") == "(False, 'Tiny')"
+    assert kernel.eval(f"ee_run.predict({BATCH}).tolist()") == expected
+    assert "Tiny is gone" not in kernel.run("pass").stdout  # said once
+
+    (kernel.cwd / "edit_e.py").unlink()
+    cell = kernel.run("pass")
+    assert "nitro: edit_e.py was deleted; edit_e and ee_run keep the code they have.\n" in (
+        cell.stdout
+    )
+    assert kernel.eval("edit_e.Small.__name__") == "'Small'"
+    assert kernel.eval(f"ee_run.predict({BATCH}).tolist()") == expected
+    assert "deleted" not in kernel.run("pass").stdout  # said once
