@@ -96,6 +96,9 @@ class Nitro:
         self._stale_checked = (edit_generation(), 0.0)
 
         setup.build(self, keywords)
+        # The epoch the current (or last) run trains to: max_epochs until train(epochs=N)
+        # moves it; progress displays and status lines count against it.
+        self.target_epoch = self.max_epochs
         self.phase = "ready"
 
     # ------------------------------------------------------------------------------------------
@@ -163,7 +166,8 @@ class Nitro:
         """Train until `max_epochs` (or for `epochs` more epochs) on a worker thread.
 
         Blocks unless `background=True`. Ctrl-C stops after the current step; the handle
-        stays usable and `train()` again continues from where it stopped.
+        stays usable and `train()` again continues from where it stopped, to the same target
+        (`n.target_epoch`: `max_epochs`, or the epoch `train(epochs=N)` aimed at).
         """
         self._check_stale("train")
         if "train" not in self.splits:
@@ -173,13 +177,20 @@ class Nitro:
             )
         if epochs is not None and (not isinstance(epochs, int) or epochs < 1):
             raise ValueError(f"epochs must be a positive int, got {epochs!r}")
-        if epochs is None and self.epoch >= self.max_epochs:
+        if epochs is not None:
+            target = self.epoch + epochs
+        elif self.epoch < self.target_epoch:
+            target = self.target_epoch  # resume a stopped run to where it was going
+        else:
+            target = self.max_epochs
+        if target <= self.epoch:
             progress.note(
                 f"already trained {self.epoch} of max_epochs={self.max_epochs} epochs; "
                 f"n.train(epochs=N) trains N more"
             )
             return self
-        self._start(lambda: loop.train_epochs(self, epochs), "training")
+        self.target_epoch = target
+        self._start(lambda: loop.train_epochs(self, target - self.epoch), "training")
         if not background:
             self.wait()
         return self
@@ -215,7 +226,7 @@ class Nitro:
         run = self._run
         if run is None:
             return self
-        wait_interruptibly(run, self.stop)
+        wait_interruptibly(run, self.stop, note=self._reporter.note)
         if run.error is not None:
             error, run.error = run.error, None
             raise error

@@ -285,7 +285,7 @@ def check_same_tree(what: str, expected, given) -> None:
 
 def short_repr(h: Nitro) -> str:
     return (
-        f"Nitro({h.cls.__name__}, {h.phase}, epoch {h.epoch}/{h.max_epochs}, step {h.step}, "
+        f"Nitro({h.cls.__name__}, {h.phase}, epoch {h.epoch}/{h.target_epoch}, step {h.step}, "
         f"{h.param_count:,} params)"
     )
 
@@ -294,7 +294,7 @@ def handle_html(h: Nitro) -> str:
     rows = [
         ("experiment", h.owner),
         ("phase", h.phase),
-        ("epoch", f"{h.epoch} / {h.max_epochs}"),
+        ("epoch", f"{h.epoch} / {h.target_epoch}"),
         ("step", f"{h.step}" + (f" / {h.total_steps}" if h.total_steps else "")),
         ("stop reason", h.stop_reason or "-"),
         ("parameters", f"{h.param_count:,}"),

@@ -63,9 +63,20 @@ class Run:
         return not self.done.is_set()
 
 
-def wait_interruptibly(run: Run, request_stop: Callable[[], None], what: str = "training") -> None:
+def _note_to_stderr(message: str) -> None:
+    print(f"nitro: {message}", file=sys.stderr, flush=True)
+
+
+def wait_interruptibly(
+    run: Run,
+    request_stop: Callable[[], None],
+    what: str = "training",
+    note: Callable[[str], None] | None = None,
+) -> None:
     """Wait for `run`; turn Ctrl-C into `request_stop()`. A third Ctrl-C gives up waiting (the
-    run still stops cleanly in the background)."""
+    run still stops cleanly in the background). `note` shows what happens (a reporter's
+    `note`, so a notebook shows it as progress, not as an error); stderr by default."""
+    note = note or _note_to_stderr
     interrupts = 0
     while True:
         try:
@@ -77,17 +88,11 @@ def wait_interruptibly(run: Run, request_stop: Callable[[], None], what: str = "
             request_stop()
             try:
                 if interrupts == 1:
-                    print(
-                        f"nitro: interrupted; stopping {what} after the current step ...",
-                        file=sys.stderr,
-                        flush=True,
-                    )
+                    note(f"interrupted; stopping {what} after the current step ...")
                 elif interrupts == 2:
-                    print(
-                        "nitro: still stopping (the current step or compile is finishing); "
-                        "interrupt again to stop waiting",
-                        file=sys.stderr,
-                        flush=True,
+                    note(
+                        "still stopping (the current step or compile is finishing); "
+                        "interrupt again to stop waiting"
                     )
             except KeyboardInterrupt:
                 interrupts += 1

@@ -433,7 +433,10 @@ def _weights_from(h, source: Any, params, rest):
         src_rest = jax.tree.unflatten(source._ctx.rest_def, source._carry[1])
         report.check_same_tree("parameters", params, src_params)
         report.check_same_tree("model state", rest, src_rest)
-        h.weights_origin = f"weights of {source!r}"
+        h.weights_origin = (
+            f"the weights of a {source.cls.__name__} run at epoch {source.epoch}, "
+            f"step {source.step}"
+        )
         return jax.tree.map(copy_array, src_params), jax.tree.map(copy_array, src_rest)
 
 

@@ -47,7 +47,7 @@ def test_tutorial_runs_from_experiment_to_prediction(tmp_path):
     _find(texts, r"Nitro\(Digits, done, epoch 6/6")
     _find(texts, r"\[image/png\]")  # %nitro plot
     _find(texts, r"programs compiled by the extra epochs: 0")
-    _find(texts, r"long_exp_run \(Digits\): (training|validating), epoch \d+/500")
+    _find(texts, r"long_exp_run \(Digits\): (training|validating), epoch \d+/10000")
     _find(texts, r"nitro: stopped long_exp_run at epoch \d+, step \d+")
     _find(texts, r"programs compiled for scale=0.5: 0")
     _find(texts, r"'test_acc': 0\.\d+")
