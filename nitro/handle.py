@@ -226,7 +226,10 @@ class Nitro:
         run = self._run
         if run is None:
             return self
-        wait_interruptibly(run, self.stop, note=self._reporter.note)
+        # The reporter shows the interrupt's notes (a notebook panel shows them as progress);
+        # a silent run still says on stderr that it is stopping.
+        silent = type(self._reporter) is progress.SilentReporter
+        wait_interruptibly(run, self.stop, note=None if silent else self._reporter.note)
         if run.error is not None:
             error, run.error = run.error, None
             raise error

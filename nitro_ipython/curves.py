@@ -13,7 +13,15 @@ import threading
 import time
 from typing import Any
 
-__all__ = ["CSS_HEIGHT", "CSS_PANEL_WIDTH", "CurveData", "CurveFigure", "CurveRenderer"]
+__all__ = [
+    "CSS_HEIGHT",
+    "CSS_PANEL_WIDTH",
+    "CurveData",
+    "CurveFigure",
+    "CurveRenderer",
+    "acquire_figure",
+    "release_figure",
+]
 
 CSS_PANEL_WIDTH = 380  # displayed pixels per plot
 CSS_HEIGHT = 230
@@ -82,6 +90,7 @@ class CurveFigure:
         self._figure = None
         self._layout: tuple | None = None
         self._lines: dict[tuple[int, str], Any] = {}
+        self._legends: dict[int, tuple] = {}
 
     @property
     def css_width(self) -> int:
@@ -103,6 +112,7 @@ class CurveFigure:
             (lines[0, "step loss"],) = axes[0].plot([], [], lw=0.8, alpha=0.5, label="step loss")
         for key, style in (("loss", "o-"), ("val_loss", "s-")):
             (lines[0, key],) = axes[0].plot([], [], style, markersize=3, label=key)
+        self._legends = {}
         axes[0].set_xlabel("step", fontsize=8)
         axes[0].set_title("loss", fontsize=9)
         for index, (base, names) in enumerate(groups, start=1):
@@ -129,16 +139,37 @@ class CurveFigure:
                 continue
             x = "step" if index == 0 else "epoch"
             points = [(r[x], r[name]) for r in rows if name in r and x in r]
-            line.set_data(*zip(*points)) if points else line.set_data([], [])
-        for ax in self._figure.axes:
+            line.set_data([p[0] for p in points], [p[1] for p in points])
+            line.set_markersize(3 if len(points) <= 40 else 0)  # markers while they are few
+        for index, ax in enumerate(self._figure.axes):
             ax.relim()
             ax.autoscale_view()
-            handles = [h for h in ax.get_lines() if len(h.get_xdata())]
-            if handles:
-                ax.legend(handles=handles, fontsize=7, loc="best")
+            shown = tuple(h for h in ax.get_lines() if len(h.get_xdata()))
+            if shown and self._legends.get(index) != shown:
+                self._legends[index] = shown
+                ax.legend(
+                    handles=shown, fontsize=7, loc="upper right" if index == 0 else "lower right"
+                )
         buffer = io.BytesIO()
         self._figure.savefig(buffer, format="png", pil_kwargs={"compress_level": 1})
         return buffer.getvalue()
+
+
+_IDLE_FIGURES: list[CurveFigure] = []
+_POOL_LOCK = threading.Lock()
+
+
+def acquire_figure() -> CurveFigure:
+    """A figure for one run: an idle one when there is one (building one costs ~0.1 s)."""
+    with _POOL_LOCK:
+        return _IDLE_FIGURES.pop() if _IDLE_FIGURES else CurveFigure()
+
+
+def release_figure(figure: CurveFigure) -> None:
+    """Give a run's figure back; a few are kept (each holds a few MB of pixels)."""
+    with _POOL_LOCK:
+        if len(_IDLE_FIGURES) < 2:
+            _IDLE_FIGURES.append(figure)
 
 
 class CurveRenderer:
@@ -165,17 +196,15 @@ class CurveRenderer:
         self.thread.start()
 
     def _main(self, figure: CurveFigure) -> None:
-        drawn = -1
+        drawn = self.data.version  # a run shorter than `interval` is drawn by its record
+        deadline = time.monotonic() + self.interval
         try:
-            while True:
-                began = time.monotonic()
+            while not self._stop.wait(max(0.0, deadline - time.monotonic())):
+                deadline = time.monotonic() + self.interval  # every interval, or back to back
                 version = self.data.version
                 if version != drawn:
                     drawn = version
                     self._draw(figure)
-                wait = self.interval - (time.monotonic() - began)
-                if self._stop.wait(max(wait, 0.05)):
-                    return
         finally:
             self._ended.set()
 

@@ -217,4 +217,7 @@ def metrics_html(row: dict[str, Any] | None) -> str:
 
 
 def notes_html(notes: list[str]) -> str:
-    return "<br>".join(f"<code style='font-size:85%'>{escape(note)}</code>" for note in notes)
+    return "".join(
+        f"<div style='font-family:monospace;font-size:85%;line-height:1.4'>{escape(note)}</div>"
+        for note in notes
+    )

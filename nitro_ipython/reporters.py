@@ -114,7 +114,7 @@ class PanelReporter:
     # reporter events
 
     def start_run(self, handle, epochs):
-        from .curves import CurveFigure
+        from .curves import acquire_figure
 
         self.active, self._ended = True, False
         self._phase = "starting"
@@ -133,7 +133,7 @@ class PanelReporter:
         if self.panel is not None:
             self.panel.claim(self._title, handle.stop)
             self._refresh(force=True)
-            self._figure = CurveFigure()
+            self._figure = acquire_figure()
             self.renderer.start(self._figure)
 
     def start_epoch(self, epoch, max_epochs, batches, start):
@@ -262,7 +262,7 @@ class PanelReporter:
 
     def _finish(self, phase: str) -> None:
         """The run ended (done, stopped, failed): stop drawing, leave the static record."""
-        from .curves import CurveFigure
+        from .curves import acquire_figure, release_figure
         from .panel import BAR_STYLE
         from .record import record_html, record_text
 
@@ -274,15 +274,17 @@ class PanelReporter:
         panel.progress.bar_style = BAR_STYLE[phase]
         panel.finish()
         parts = self._status_parts()
-        figure, self._figure = self._figure or CurveFigure(), None
+        figure, self._figure = self._figure or acquire_figure(), None
         png = figure.png(self.curves)
+        css_width = figure.css_width
+        release_figure(figure)
         with self._lock:
             notes = list(self._notes)
         panel.replace_with_record(
             record_html(self._title, parts, self._fraction(), self._row, notes),
             record_text(self._title, parts),
             png,
-            figure.css_width,
+            css_width,
         )
 
 
