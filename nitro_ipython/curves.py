@@ -174,13 +174,14 @@ def release_figure(figure: CurveFigure) -> None:
 
 class CurveRenderer:
     """Redraws the curves on its own thread while a run trains, so the training thread never
-    waits for matplotlib: every `interval` seconds when the data changed. `stop()` ends the
-    thread; a run starts a new one."""
+    waits for matplotlib: every `interval` seconds when the data changed (calling `tick`
+    first). `stop()` ends the thread; a run starts a new one."""
 
-    def __init__(self, data: CurveData, show, interval: float = 0.5):
+    def __init__(self, data: CurveData, show, interval: float = 0.5, tick=None):
         self.data = data
         self.interval = interval
         self._show = show
+        self._tick = tick
         self._stop = threading.Event()
         self._ended = threading.Event()
         self._ended.set()
@@ -201,6 +202,8 @@ class CurveRenderer:
         try:
             while not self._stop.wait(max(0.0, deadline - time.monotonic())):
                 deadline = time.monotonic() + self.interval  # every interval, or back to back
+                if self._tick is not None:
+                    self._tick()
                 version = self.data.version
                 if version != drawn:
                     drawn = version

@@ -53,7 +53,6 @@ class LivePanel(widgets.VBox):
         self.title = widgets.HTML("<b>nitro</b>")
         self.stop_button = widgets.Button(
             description=FOREGROUND_STOP,
-            icon="stop",
             button_style="danger",
             disabled=True,
             tooltip=FOREGROUND_TIP,
@@ -119,6 +118,7 @@ class LivePanel(widgets.VBox):
             self.progress.bar_style = "info"
             if self._cell_running:
                 self.stop_button.description = FOREGROUND_STOP
+                self.stop_button.icon = ""
                 self.stop_button.tooltip = FOREGROUND_TIP
                 self.stop_button.disabled = True
             else:
@@ -127,6 +127,7 @@ class LivePanel(widgets.VBox):
 
     def _enable_stop(self) -> None:
         self.stop_button.description = "Stop"
+        self.stop_button.icon = "stop"
         self.stop_button.tooltip = BACKGROUND_TIP
         self.stop_button.disabled = False
 

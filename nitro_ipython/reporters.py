@@ -92,7 +92,9 @@ class PanelReporter:
         self.panel = None
         self.stats = RunStats()
         self.curves = CurveData()
-        self.renderer = CurveRenderer(self.curves, self._show_curves, interval=curve_interval)
+        self.renderer = CurveRenderer(
+            self.curves, self._show_curves, interval=curve_interval, tick=self._tick
+        )
         self._lines = LineReporter(stream=sys.stdout)  # notes are progress, not errors
         self._title = "nitro"
         self._notes: list[str] = []
@@ -107,6 +109,7 @@ class PanelReporter:
         self._figure = None
         self._ended = False  # the run ended and its panel still awaits the final phase
         self._last_refresh = 0.0
+        self._stale = False
         self._lock = threading.Lock()
         worker.panel_reporters.add(self)
 
@@ -138,10 +141,10 @@ class PanelReporter:
 
     def start_epoch(self, epoch, max_epochs, batches, start):
         self._epoch, self._target, self._batches, self._position = epoch, max_epochs, batches, start
-        self._in_epoch = True
+        first, self._in_epoch = not self._in_epoch and self._phase == "starting", True
         self._phase = "training"
         self.stats.resume()
-        self._refresh(force=True)  # shows "training" while the first step compiles
+        self._refresh(force=first)  # shows "training" while the first step compiles
 
     def step(self, step, loss):
         self._position += 1
@@ -162,7 +165,7 @@ class PanelReporter:
                 self.note(f"failed: {type(error).__name__}: {error}")
         if self.active:
             self._phase = phase
-            self._refresh(force=True)
+            self._refresh()
         elif phase not in BAR_STYLE:  # setting up: the panel `%nitro train` showed for it
             panel = worker.reserved_panel()
             if panel is not None and phase != "ready":
@@ -183,7 +186,7 @@ class PanelReporter:
         if self.panel is None:
             self._lines.end_epoch(row)
             return
-        self._refresh(force=True)
+        self._refresh()
 
     def note(self, message, done=False):
         if self.panel is None or not self.active:
@@ -244,13 +247,20 @@ class PanelReporter:
 
         now = now if now is not None else time.monotonic()
         if not force and now - self._last_refresh < self.refresh_interval:
+            self._stale = True  # the curve thread's next tick shows it
             return
-        self._last_refresh = now
+        self._last_refresh, self._stale = now, False
         if self._row is not self._shown_row:
             self._shown_row = self._row
             panel.metrics.value = metrics_html(self._row)
         panel.progress.value = self._fraction()
         panel.status.value = status_html(self._status_parts())
+
+    def _tick(self) -> None:
+        """On the curve thread, twice a second: show what a throttled refresh skipped (a
+        phase change, an epoch's end) even when no step follows soon."""
+        if self._stale and self.active:
+            self._refresh()
 
     def _show_curves(self, png: bytes, css_width: int) -> None:
         panel = self.panel

@@ -287,7 +287,8 @@ class Lab:
 
     def panel(self, index: int) -> dict:
         """What cell `index`'s run panel shows: live widgets (bar width in %, its style,
-        status text, Stop button) or the static record (its text, images)."""
+        status text, Stop button, how many pixels its content overflows its box) or the static
+        record (its text, images)."""
         return self.js(
             r"""
             const area = nb.content.widgets[args[0]].node.querySelector('.jp-OutputArea');
@@ -296,10 +297,13 @@ class Lab:
             const button = [...area.querySelectorAll('button')].find(
                 b => /Stop|Interrupt/.test(b.textContent));
             const record = area.querySelector('.nitro-record');
+            const panel = area.querySelector('.widget-vbox');
+            const boxes = panel ? [panel, panel.closest('.jp-OutputArea-output')] : [];
             const status = [...area.querySelectorAll('.widget-html-content')].map(
                 e => e.innerText).find(t => / step \d+/.test(t)) || '';
             return {
                 widgets: !!area.querySelector('.jupyter-widgets'),
+                overflow: Math.max(0, ...boxes.map(b => b.scrollWidth - b.clientWidth)),
                 bar: bar ? parseFloat(bar.style.width) : null,
                 barClass: bar ? bar.className : '',
                 status: status,

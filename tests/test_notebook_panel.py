@@ -167,6 +167,8 @@ def test_notebook_commands_during_a_background_run_answer_in_one_line(kernel):
     waited = kernel.run("%nitro wait busy_run").stdout
     assert waited.startswith("busy_run (Tiny): done, epoch 30/30")
     assert "val_loss" in kernel.run("%nitro validate busy_run").data()[-1]
+    predicted = kernel.run("%nitro predict busy_run")  # compiles: a note, not an error
+    assert "nitro: compiling predict" in predicted.stdout and predicted.stderr == ""
 
 
 def test_cache_shows_tables_and_a_cell_class_shows_its_field_docs(kernel):
