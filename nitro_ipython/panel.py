@@ -17,11 +17,11 @@ from html import escape
 from typing import Any
 
 import ipywidgets as widgets
-from IPython.display import HTML, display
+from IPython.display import display
 
 from .runs import RunStats
 
-__all__ = ["BAR_STYLE", "LivePanel", "metrics_html", "notes_html", "status_text"]
+__all__ = ["BAR_STYLE", "LivePanel", "metrics_html", "notes_html", "status_html", "status_text"]
 
 _SKIP_COLUMNS = {"epoch", "step", "epoch_seconds", "data_wait_frac"}
 BAR_STYLE = {"done": "success", "stopped": "warning", "failed": "danger"}
@@ -47,7 +47,12 @@ class _Record:
 
 
 class LivePanel(widgets.VBox):
-    """One run's panel. Hidden until a run (or its setup) shows it."""
+    """One run's panel. Hidden until a run (or its setup) shows it.
+
+    >>> panel = nitro_ipython.live_panel(exp_run)         # doctest: +SKIP
+    >>> panel.progress.value, panel.stop_button.description  # doctest: +SKIP
+    (0.42, 'Stop')
+    """
 
     def __init__(self) -> None:
         self.title = widgets.HTML("<b>nitro</b>")
@@ -97,7 +102,7 @@ class LivePanel(widgets.VBox):
             self.layout.display = ""
         self._displays = (
             display(self, display_id=True),
-            display(HTML(""), display_id=True),
+            display(_Record({"text/html": ""}), display_id=True),
         )
 
     def cell_finished(self) -> None:
@@ -161,7 +166,7 @@ class LivePanel(widgets.VBox):
     def discard(self) -> None:
         """Remove a panel no run used (its setup failed): empty its output, close it."""
         if self._displays is not None:
-            self._displays[0].update(HTML(""))
+            self._displays[0].update(_Record({"text/html": ""}))
         self.close_all()
 
     def close_all(self) -> None:

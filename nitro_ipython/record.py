@@ -10,7 +10,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from .panel import BAR_STYLE, metrics_html, notes_html
+from .panel import BAR_STYLE, metrics_html, notes_html, status_html
 
 __all__ = ["record_html", "record_text"]
 
@@ -36,12 +36,11 @@ def record_html(
         "<div style='background:#eee;height:8px;margin:4px 0'>"
         f"<div style='background:{colour};width:{percent:.1f}%;height:8px'></div></div>"
     )
-    status = " &middot; ".join([f"<b>{escape(parts[0])}</b>", *map(escape, parts[1:])])
     pieces = [
         "<div class='nitro-record' style='border:1px solid #ddd;padding:4px 8px'>",
         f"<b>{escape(title)}</b>",
         bar,
-        f"<div>{status}</div>",
+        f"<div>{status_html(parts)}</div>",
         metrics_html(row),
         f"<div>{notes_html(notes)}</div>" if notes else "",
         "</div>",

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 import time
 
+import browser
 import pytest
 from browser import Lab, copy_notebooks, require_browser
 
@@ -190,3 +191,9 @@ def test_interrupt_button_stops_a_foreground_run_and_the_kernel_goes_on(lab):
     assert "done" in lab.panel(EDIT_RETRAIN)["record"]
     lab.screenshot("interrupt-3-retrained", lab.cell(EDIT_RETRAIN))
     lab.save_and_close()
+
+
+def test_without_chromium_the_browser_tests_skip_and_say_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(browser, "CHROMIUM", "/nonexistent/chromium")
+    with pytest.raises(pytest.skip.Exception, match=r"make browser.*apt-get install chromium"):
+        require_browser()
