@@ -4,7 +4,7 @@ VENV   ?= .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.nitro-installed
 
-.PHONY: setup demo test lint bench clean
+.PHONY: setup demo test lint bench browser clean
 
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,21 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check nitro nitro_ipython tests bench
 	$(PY) -m ruff format --check nitro nitro_ipython tests bench
+
+# Chromium and its driver for the browser tests (tests/test_notebook_browser.py), from the
+# system's packages: installed when missing, as root with apt-get (CI). Elsewhere those tests
+# skip and say how to install them.
+browser:
+	@if [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; then \
+		echo "browser: chromium and chromedriver are installed"; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && \
+		DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null && \
+		echo "browser: installed chromium and chromium-driver"; \
+	else \
+		echo "browser: install Chromium and its driver as root: apt-get install chromium chromium-driver"; \
+		exit 1; \
+	fi
 
 bench: $(STAMP)
 	$(PY) bench/overhead.py

@@ -349,10 +349,14 @@ class CheckpointStore:
             manager, self._manager = self._manager, None
         if manager is not None:
             with _exclusive(manager):
-                manager.wait_until_finished()
-                manager.close()
-                if _LAST_WRITER[0] is manager:
-                    _LAST_WRITER[0] = None
+                try:
+                    manager.wait_until_finished()
+                except Exception as error:  # noqa: BLE001
+                    self._failed(error, None)
+                finally:
+                    manager.close()
+                    if _LAST_WRITER[0] is manager:
+                        _LAST_WRITER[0] = None
 
     def steps(self) -> list[int]:
         with self._lock:

@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import enum
 import inspect
+import linecache
 import sys
 import textwrap
 import types
@@ -141,18 +142,49 @@ def _resolved_annotations(cls) -> dict[str, Any]:
     return {name: hints.get(name, ann) for name, ann in raw.items()}
 
 
+def _class_node(klass: type) -> ast.ClassDef | None:
+    """The class statement that defined `klass`, from its module's source or, for a class
+    defined in a notebook cell (whose module `__main__` has no file), from the cell's source,
+    which IPython keeps in `linecache`."""
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(klass)))
+        return next((n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)), None)
+    except (OSError, TypeError, SyntaxError, IndentationError):
+        pass
+    # The class's own methods name the file and the lines its body spans. (Methods that
+    # dataclasses generated or wrapped name other files, which hold no such class.)
+    prefix = f"{klass.__qualname__}."
+    lines_by_file: dict[str, set[int]] = {}
+    for value in vars(klass).values():
+        function = getattr(value, "__func__", getattr(value, "fget", value))
+        code = getattr(function, "__code__", None)
+        if code is not None and getattr(function, "__qualname__", "").startswith(prefix):
+            lines_by_file.setdefault(code.co_filename, set()).add(code.co_firstlineno)
+    for filename, firstlines in lines_by_file.items():
+        try:
+            tree = ast.parse("".join(linecache.getlines(filename)))
+        except (SyntaxError, ValueError):
+            continue
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ClassDef) and node.name == klass.__name__:
+                starts = {
+                    min([n.lineno, *(d.lineno for d in n.decorator_list)])
+                    for n in node.body
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))
+                }
+                if firstlines <= starts:
+                    return node
+    return None
+
+
 def _field_docs(cls) -> dict[str, str]:
     """Attribute docstrings: a string literal on the line after a field, as Sphinx reads them."""
     docs: dict[str, str] = {}
     for klass in reversed(cls.__mro__):
         if klass is object:
             continue
-        try:
-            source = textwrap.dedent(inspect.getsource(klass))
-            tree = ast.parse(source)
-        except (OSError, TypeError, SyntaxError, IndentationError):
-            continue
-        body = next((n.body for n in ast.walk(tree) if isinstance(n, ast.ClassDef)), [])
+        node = _class_node(klass)
+        body = node.body if node is not None else []
         for node, following in zip(body, body[1:] + [None]):
             if (
                 isinstance(node, ast.AnnAssign)

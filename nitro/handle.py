@@ -323,8 +323,13 @@ class Nitro:
             self._guard.claim("training", background=background)
             started = False
             try:
-                target = self.max_epochs if epochs is None else self.epoch + epochs
-                if epochs is None and self.epoch >= self.max_epochs and not self._pending():
+                if epochs is not None:
+                    target = self.epoch + epochs
+                elif self.epoch < self._target_epoch:
+                    target = self._target_epoch  # a stopped run resumes to where it was going
+                else:
+                    target = self.max_epochs
+                if target <= self.epoch and not self._pending():
                     progress.note(
                         f"already trained {self.epoch} of max_epochs={self.max_epochs} epochs; "
                         f"n.train(epochs=N) trains N more"
@@ -376,7 +381,7 @@ class Nitro:
                     self._stop_reason = reason
                 except BaseException:
                     self._stop_reason = "error"
-                    self._files.wait()  # saves already begun finish; nothing partial is added
+                    self._files.close()  # saves already begun finish; nothing partial is added
                     raise
                 finally:
                     events.end_run(self)  # the stop reason is known here
@@ -606,7 +611,7 @@ class Nitro:
             return WeightsSource(
                 jax.tree.map(copy_array, params),
                 jax.tree.map(copy_array, rest),
-                f"weights of {self!r} at step {self.step}",
+                f"the weights of a {self.cls.__name__} run at epoch {self.epoch}, step {self.step}",
             )
 
         return self._at_step_boundary(copy, "copying its weights")

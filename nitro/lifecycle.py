@@ -193,7 +193,7 @@ class RunFiles:
         at_boundary = not (state.epoch == 0 or state.position or state.epoch_trained)
         if at_boundary and store.saved_epoch != state.epoch:
             self._save(setup, state, state.last_row, events, reason)
-        store.wait()
+        store.close()  # finishes the writes; the manager's threads end (a later save reopens)
 
     def _save(self, setup, state, row, events, reason: str | None = None) -> None:
         events.phase("checkpointing")  # the loop (or the run's end) sets the next phase
@@ -211,10 +211,6 @@ class RunFiles:
             ),
             metric if isinstance(metric, (int, float)) else None,
         )
-
-    def wait(self) -> None:
-        if self.store is not None:
-            self.store.wait()
 
     def close(self) -> None:
         if self.store is not None:

@@ -38,6 +38,7 @@ def load_ipython_extension(ipython) -> None:
     code_watcher.register()
     code_watcher.track()
     ipython.register_magics(NitroMagics(ipython, watcher=code_watcher))
+    ipython.events.register("post_run_cell", worker.cell_finished)
     nitro.progress.set_default_factory(make_factory(ipython))
     nitro.runner.add_worker_initializer(worker.initializer)
     png = ipython.display_formatter.formatters["image/png"]
@@ -57,6 +58,8 @@ def unload_ipython_extension(ipython) -> None:
     if code_watcher is not None:
         code_watcher.unregister()
     _STATE.pop("shell", None)
+    if worker.cell_finished in ipython.events.callbacks["post_run_cell"]:
+        ipython.events.unregister("post_run_cell", worker.cell_finished)
     nitro.progress.set_default_factory(None)
     nitro.runner.remove_worker_initializer(worker.initializer)
     ipython.magics_manager.magics["line"].pop("nitro", None)

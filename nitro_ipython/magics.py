@@ -16,13 +16,15 @@ from IPython.core.magic import Magics, line_magic, magics_class
 import nitro
 from nitro.staleness import current_class, is_experiment
 
-from . import agents, runs
+from . import agents, runs, worker
+from .cache_table import CacheTable
 
 __all__ = ["NitroMagics"]
 
 COMMANDS = (
     "train",
     "stop",
+    "wait",
     "status",
     "runs",
     "validate",
@@ -93,9 +95,9 @@ class NitroMagics(Magics):
         "target",
         nargs="?",
         metavar="TARGET",
-        help="train: an experiment instance or a handle; stop, status, validate, evaluate, "
-        "predict, history, plot, panel, bind: a handle (default: the latest, _nitro); export: a "
-        "directory; mcp: start or stop",
+        help="train: an experiment instance or a handle; stop, wait, status, validate, "
+        "evaluate, predict, history, plot, panel, bind: a handle (default: the latest, "
+        "_nitro); export: a directory; mcp: start or stop",
     )
     @magic_arguments.argument(
         "--epochs", "-e", type=int, help="train this many more epochs (default: to max_epochs)"
@@ -136,6 +138,7 @@ class NitroMagics(Magics):
             (unless --fresh). The notebook's interrupt button stops a foreground run after
             the current step; `%nitro train` again resumes it.
         %nitro stop [RUN]        stop RUN (default: every running run) after its current step
+        %nitro wait [RUN]        wait until RUN (default: every running run) finishes
         %nitro status [RUN]      phase, epoch, step, latest loss and throughput
         %nitro runs              every run in the notebook, as a table
         %nitro validate [RUN]    loss and metrics on the 'val' split
@@ -237,14 +240,18 @@ class NitroMagics(Magics):
             )
         self._ns[name] = handle
         self._ns["_nitro"] = handle
-        if args.epochs is None and handle.epoch >= handle.max_epochs:
+        # train() without epochs resumes to target_epoch, else trains to max_epochs
+        if args.epochs is None and handle.epoch >= max(handle.target_epoch, handle.max_epochs):
             print(
                 f"nitro: {name} already trained its {handle.epoch} epochs "
                 f"(max_epochs={handle.max_epochs}); `%nitro train {args.target} --epochs N` "
                 f"trains N more, `--fresh` starts over"
             )
             return handle
-        handle.train(epochs=args.epochs, background=args.background)
+        try:
+            handle.train(epochs=args.epochs, background=args.background)
+        finally:
+            worker.reserve_panel(None)  # a setup panel no run took
         if args.background and handle.running:
             print(
                 f"nitro: {name} is training in the background; `%nitro status` shows how far "
@@ -272,15 +279,22 @@ class NitroMagics(Magics):
             return handle
         source = None if fresh else weights
         keywords = handle.given_keywords if handle is not None else {}
+        panel = _setup_panel(type(live).__name__)
         try:
             new = nitro.Nitro(live, weights=source, **keywords)
         except nitro.WeightsError as error:
+            worker.reserve_panel(None)
             if source is None:
                 raise
             raise UsageError(
                 f"the weights of {name} do not fit the new {type(live).__name__} model:\n"
                 f"{error}\nAdd --fresh to start from newly initialized weights."
             ) from None
+        except BaseException:
+            worker.reserve_panel(None)
+            raise
+        if panel is not None and new.reporter not in set(worker.panel_reporters):
+            worker.reserve_panel(None)  # this run reports another way (progress=...)
         if source is not None:
             print(
                 f"nitro: {name} rebuilt from the current {type(live).__name__}, starting from "
@@ -311,6 +325,27 @@ class NitroMagics(Magics):
                 f"(in {time.monotonic() - began:.1f} s); `%nitro train {name}` resumes it"
             )
 
+    def _wait(self, args) -> None:
+        if args.target is not None:
+            targets = [self._handle(args.target, "wait")]
+        else:
+            targets = [(self._name_of(h), h) for h in runs.live_handles(self._ns) if h.running]
+            if not targets:
+                print("nitro: no run is training")
+                return
+        for name, handle in targets:
+            handle.wait()
+            print(runs.status_line(handle, name))
+
+    def _idle(self, name: str, handle: nitro.Nitro, what: str) -> nitro.Nitro:
+        """`handle`, unless it is training in the background (then a one-line error)."""
+        if handle.running:
+            raise UsageError(
+                f"{name} is {handle.phase} in the background; `%nitro stop {name}` stops it, "
+                f"`%nitro wait {name}` waits for it to finish; then `%nitro {what}` again"
+            )
+        return handle
+
     def _name_of(self, handle, default: str | None = None) -> str:
         names = runs.handle_names(self._ns, handle)
         return names[0] if names else default or f"a {handle.cls.__name__} run"
@@ -340,13 +375,15 @@ class NitroMagics(Magics):
         return runs.runs_table(self._ns, handles)
 
     def _validate(self, args) -> dict:
-        return self._handle(args.target, "validate")[1].validate()
+        return self._idle(*self._handle(args.target, "validate"), "validate").validate()
 
     def _evaluate(self, args) -> dict:
-        return self._handle(args.target, "evaluate")[1].evaluate(split=args.split)
+        handle = self._idle(*self._handle(args.target, "evaluate"), "evaluate")
+        return handle.evaluate(split=args.split)
 
     def _predict(self, args):
         name, handle = self._handle(args.target, "predict")
+        self._idle(name, handle, "predict")
         if args.batch is not None:
             return handle.predict(self._value(args.batch))
         for split in ("test", "val"):
@@ -377,10 +414,9 @@ class NitroMagics(Magics):
             raise UsageError(
                 f"{name} has no live panel: it has not run in this notebook with progress=True"
             )
-        return panel
 
     def _cache(self, args):
-        return _Shown(nitro.cache_stats())
+        return CacheTable(nitro.cache_stats())
 
     def _bind(self, args):
         return _Shown(self._handle(args.target, "bind")[1].binding_report())
@@ -401,6 +437,21 @@ class NitroMagics(Magics):
             "%nitro export is not available yet: this version of nitro has no export API. "
             "In the notebook, `%nitro predict` and `handle.predict(batch)` serve predictions."
         )
+
+
+def _setup_panel(title: str):
+    """In a notebook, a panel that shows the setup while a new handle builds its data and
+    model (seconds, on a first run), then serves the run."""
+    if not worker.widgets_available():
+        return None
+    from .panel import LivePanel
+
+    panel = LivePanel()
+    panel.title.value = f"<b>{title}</b>"
+    panel.status.value = "<b>setting up</b> &middot; the data, the model, the optimizer ..."
+    panel.show(visible=True)
+    worker.reserve_panel(panel)
+    return panel
 
 
 def _owner(experiment: Any) -> str:

@@ -1,215 +1,210 @@
 """The live training panel: progress bar, phase, epoch/step, throughput, metrics, curves, Stop.
 
-The panel is built and displayed on the main thread, in the cell that starts the run (see
-`worker.py`). After that, the training thread and the curve renderer only assign widget traits
-(`value`, `disabled`, `bar_style`, `layout.display`): never `with out:`, never `display()`.
-Trait updates reach the frontend from any thread; output contexts do not.
+The panel is displayed on the main thread, in the cell that starts the run (see `worker.py`).
+After that, the training thread and the curve renderer only assign widget traits (`value`,
+`disabled`, `bar_style`, `layout.display`): never `with out:`, never a new `display()`. Trait
+updates reach the frontend from any thread; output contexts do not.
+
+When the run ends, the panel replaces its own output with a static record (the summary as
+HTML, the final curves as a PNG) and closes its widgets: a saved notebook, nbconvert's HTML
+and GitHub show the record, and a kernel that runs many trainings keeps no widgets behind.
 """
 
 from __future__ import annotations
 
-import io
-import sys
 import threading
-import time
 from html import escape
 from typing import Any
 
 import ipywidgets as widgets
+from IPython.display import display
 
 from .runs import RunStats
 
-__all__ = ["BAR_STYLE", "CurveData", "CurveRenderer", "LivePanel", "render_curves"]
+__all__ = ["BAR_STYLE", "LivePanel", "metrics_html", "notes_html", "status_html", "status_text"]
 
 _SKIP_COLUMNS = {"epoch", "step", "epoch_seconds", "data_wait_frac"}
 BAR_STYLE = {"done": "success", "stopped": "warning", "failed": "danger"}
 
+# What the Stop button says while the cell that started the run still runs: the kernel reads
+# widget messages only between cells, so a click would wait for the run to end.
+FOREGROUND_STOP = "Interrupt ■ to stop"
+FOREGROUND_TIP = (
+    "This cell is still running, and the kernel handles widget clicks only between cells: "
+    "stop the run with the notebook's interrupt button (■). It stops after the current step."
+)
+BACKGROUND_TIP = "Stop the run after the current step."
+
+
+class _Record:
+    """A display bundle: the static record that replaces a panel's output."""
+
+    def __init__(self, data: dict[str, Any], metadata: dict[str, Any] | None = None):
+        self.data, self.metadata = data, metadata or {}
+
+    def _repr_mimebundle_(self, **kwargs):
+        return self.data, self.metadata
+
 
 class LivePanel(widgets.VBox):
-    """One run's panel. Hidden until a run claims it, so an unused panel shows nothing."""
+    """One run's panel. Hidden until a run (or its setup) shows it.
+
+    >>> panel = nitro_ipython.live_panel(exp_run)         # doctest: +SKIP
+    >>> panel.progress.value, panel.stop_button.description  # doctest: +SKIP
+    (0.42, 'Stop')
+    """
 
     def __init__(self) -> None:
         self.title = widgets.HTML("<b>nitro</b>")
         self.stop_button = widgets.Button(
-            description="Stop",
-            icon="stop",
+            description=FOREGROUND_STOP,
             button_style="danger",
             disabled=True,
-            tooltip="stop after the current step; a run in a cell that is still running "
-            "stops with the kernel's interrupt button instead",
-            layout=widgets.Layout(width="90px"),
+            tooltip=FOREGROUND_TIP,
+            layout=widgets.Layout(width="auto"),
         )
         self.progress = widgets.FloatProgress(
-            value=0.0, min=0.0, max=1.0, bar_style="info", layout=widgets.Layout(width="100%")
+            value=0.0, min=0.0, max=1.0, bar_style="info", layout=widgets.Layout(width="auto")
         )
         self.status = widgets.HTML()
         self.metrics = widgets.HTML()
         self.curves = widgets.Image(format="png", layout=widgets.Layout(display="none"))
         self.notes = widgets.HTML()
-        header = widgets.HBox(
+        self.header = widgets.HBox(
             [self.title, self.stop_button],
             layout=widgets.Layout(justify_content="space-between", align_items="center"),
         )
         super().__init__(
-            [header, self.progress, self.status, self.metrics, self.curves, self.notes],
-            layout=widgets.Layout(display="none", border="1px solid #ddd", padding="4px 8px"),
+            [self.header, self.progress, self.status, self.metrics, self.curves, self.notes],
+            layout=widgets.Layout(
+                display="none", border="1px solid #ddd", padding="4px 8px", overflow="hidden"
+            ),
         )
+        self._lock = threading.Lock()
         self._stop_callback = None
+        self._cell_running = True
+        self._displays: tuple[Any, Any] | None = None
         self.stop_button.on_click(self._on_stop)
 
-    def _on_stop(self, _button) -> None:
-        if self._stop_callback is not None:
-            self._stop_callback()
-            self.stop_button.disabled = True
-            self.stop_button.description = "Stopping"
+    def _repr_mimebundle_(self, **kwargs):
+        data = super()._repr_mimebundle_(**kwargs)
+        if data:  # what a viewer without the live kernel shows until the run leaves its record
+            data["text/plain"] = "nitro: live training panel"
+        return data
+
+    # ------------------------------------------------------------------------------------------
+    # main thread
+
+    def show(self, visible: bool = False) -> None:
+        """Display the panel (hidden until a run claims it, unless `visible`) and, below it,
+        an empty output that the run's final curves will fill."""
+        if visible:
+            self.layout.display = ""
+        self._displays = (
+            display(self, display_id=True),
+            display(_Record({"text/html": ""}), display_id=True),
+        )
+
+    def cell_finished(self) -> None:
+        """The cell that displayed the panel ended: from now on a click reaches the kernel."""
+        with self._lock:
+            self._cell_running = False
+            if self._stop_callback is not None:
+                self._enable_stop()
+
+    # ------------------------------------------------------------------------------------------
+    # training thread
 
     def claim(self, title: str, stop) -> None:
-        """Show the panel for a run; called from the training thread (trait updates only)."""
-        self._stop_callback = stop
-        self.title.value = f"<b>{escape(title)}</b>"
-        self.stop_button.disabled = False
-        self.stop_button.description = "Stop"
+        """Show the panel for a run (trait updates only)."""
+        with self._lock:
+            self._stop_callback = stop
+            self.title.value = f"<b>{escape(title)}</b>"
+            self.progress.bar_style = "info"
+            if self._cell_running:
+                self.stop_button.description = FOREGROUND_STOP
+                self.stop_button.icon = ""
+                self.stop_button.tooltip = FOREGROUND_TIP
+                self.stop_button.disabled = True
+            else:
+                self._enable_stop()
         self.layout.display = ""
 
-    def finish(self) -> None:
-        self._stop_callback = None
-        self.stop_button.disabled = True
-        if self.stop_button.description == "Stopping":
-            self.stop_button.description = "Stopped"
+    def _enable_stop(self) -> None:
+        self.stop_button.description = "Stop"
+        self.stop_button.icon = "stop"
+        self.stop_button.tooltip = BACKGROUND_TIP
+        self.stop_button.disabled = False
 
-
-class CurveData:
-    """Loss per step (thinned to a bounded size) and history rows, for the curves."""
-
-    MAX_POINTS = 2000
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.steps: list[int] = []
-        self.losses: list[float] = []
-        self.rows: list[dict[str, Any]] = []
-        self._stride = 1
-        self._skipped = 0
-
-    def add_step(self, step: int, loss: float) -> None:
-        self._skipped += 1
-        if self._skipped < self._stride:
-            return
-        self._skipped = 0
-        with self.lock:
-            self.steps.append(step)
-            self.losses.append(loss)
-            if len(self.steps) > self.MAX_POINTS:
-                del self.steps[::2], self.losses[::2]
-                self._stride *= 2
-
-    def add_row(self, row: dict[str, Any]) -> None:
-        with self.lock:
-            self.rows.append({k: v for k, v in row.items() if isinstance(v, (int, float))})
-
-    def snapshot(self):
-        with self.lock:
-            return list(self.steps), list(self.losses), list(self.rows)
-
-
-def render_curves(data: CurveData) -> bytes | None:
-    """PNG bytes of the loss curve (per step, with epoch means and validation) and one panel
-    per metric (per epoch). Uses matplotlib's object API, so it is safe off the main thread."""
-    from matplotlib.figure import Figure
-
-    steps, losses, rows = data.snapshot()
-    if not steps and not rows:
-        return None
-    metric_groups: dict[str, list[str]] = {}
-    for row in rows:
-        for key in row:
-            if key in _SKIP_COLUMNS or key in ("loss", "val_loss"):
-                continue
-            base = key.removeprefix("val_").removeprefix("test_")
-            names = metric_groups.setdefault(base, [])
-            if key not in names:
-                names.append(key)
-    groups = list(metric_groups.items())[:2]
-    figure = Figure(figsize=(3.6 * (1 + len(groups)), 2.5), dpi=80, layout="constrained")
-    axes = figure.subplots(1, 1 + len(groups), squeeze=False)[0]
-    ax = axes[0]
-    if steps:
-        ax.plot(steps, losses, lw=0.8, alpha=0.5, label="step loss")
-    for key, style in (("loss", "o-"), ("val_loss", "s-")):
-        points = [(r["step"], r[key]) for r in rows if key in r and "step" in r]
-        if points:
-            xs, ys = zip(*points)
-            ax.plot(xs, ys, style, markersize=3, label=key)
-    ax.set_xlabel("step")
-    ax.set_title("loss")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
-    for ax, (base, names) in zip(axes[1:], groups):
-        for name in names:
-            points = [(r["epoch"], r[name]) for r in rows if name in r]
-            if points:
-                xs, ys = zip(*points)
-                ax.plot(xs, ys, "o-", markersize=3, label=name)
-        ax.set_xlabel("epoch")
-        ax.set_title(base)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    buffer = io.BytesIO()
-    figure.savefig(buffer, format="png")
-    return buffer.getvalue()
-
-
-class CurveRenderer:
-    """Redraws the curves on its own thread, at most once per `min_interval` seconds, so the
-    training thread never waits for matplotlib. `request()` marks the curves out of date; the
-    thread ends after `idle_exit` seconds without requests and restarts on the next one."""
-
-    def __init__(self, draw, min_interval: float = 0.5, idle_exit: float = 30.0):
-        self._draw = draw
-        self.min_interval = min_interval
-        self.idle_exit = idle_exit
-        self._wake = threading.Event()
-        self._lock = threading.Lock()
-        self._thread: threading.Thread | None = None
-
-    def request(self) -> None:
-        self._wake.set()
+    def _on_stop(self, _button) -> None:
         with self._lock:
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._main, name="nitro-curves", daemon=True)
-                self._thread.start()
+            callback = self._stop_callback
+        if callback is not None:
+            self.stop_button.disabled = True
+            self.stop_button.description = "Stopping"
+            callback()
 
-    def _main(self) -> None:
-        while True:
-            if not self._wake.wait(self.idle_exit):
-                with self._lock:
-                    if not self._wake.is_set():
-                        self._thread = None
-                        return
-            self._wake.clear()
-            try:
-                self._draw()
-            except Exception as error:  # noqa: BLE001 - a plot must never break a run
-                print(f"nitro: could not draw the curves: {error!r}", file=sys.stderr)
-            time.sleep(self.min_interval)
+    def finish(self) -> None:
+        """The run ended: nothing left to stop."""
+        with self._lock:
+            self._stop_callback = None
+        self.stop_button.disabled = True
+
+    def replace_with_record(
+        self, html: str, text: str, png: bytes | None, png_width: int | None = None
+    ) -> None:
+        """Replace the panel's output by its static record (the PNG shown `png_width` pixels
+        wide) and close the widgets."""
+        if self._displays is not None:
+            summary, curves = self._displays
+            summary.update(_Record({"text/html": html, "text/plain": text}))
+            if png is not None:
+                size = {"image/png": {"width": png_width}} if png_width else {}
+                curves.update(_Record({"image/png": png, "text/plain": "[training curves]"}, size))
+        self.close_all()
+
+    def discard(self) -> None:
+        """Remove a panel no run used (its setup failed): empty its output, close it."""
+        if self._displays is not None:
+            self._displays[0].update(_Record({"text/html": ""}))
+        self.close_all()
+
+    def close_all(self) -> None:
+        """Close every widget of the panel, with their layouts and styles."""
+        parts = [self, self.header, *self.header.children, *self.children]
+        for part in parts:
+            for extra in (getattr(part, "layout", None), getattr(part, "style", None)):
+                if isinstance(extra, widgets.Widget):
+                    extra.close()
+            part.close()
 
 
-def status_html(
-    phase: str, epoch: int, epochs: int, position: int, batches: int | None, stats: RunStats
-) -> str:
+def status_text(
+    phase: str,
+    epoch: int,
+    target: int,
+    position: int,
+    batches: int | None,
+    stats: RunStats,
+    in_epoch: bool,
+) -> list[str]:
+    """The status line's parts: phase, epochs finished of the target, the batch under way,
+    step, loss, throughput, elapsed time."""
     rate = stats.steps_per_second
-    parts = [
-        f"<b>{escape(phase)}</b>",
-        f"epoch {min(epoch + 1, max(epochs, 1))}/{epochs}",  # the epoch under way
-        f"batch {position}/{batches}" if batches else f"batch {position}",
-        f"step {stats.step}",
-    ]
+    parts = [phase, f"epoch {epoch}/{target}"]
+    if in_epoch:
+        parts.append(f"batch {position}/{batches}" if batches else f"batch {position}")
+    parts.append(f"step {stats.step}")
     if stats.loss == stats.loss:
         parts.append(f"loss {stats.loss:.4g}")
     if rate == rate:
-        parts.append(f"{rate:,.1f} steps/s")
+        parts.append(f"{rate:,.0f} steps/s")
     parts.append(f"{stats.elapsed:.1f} s")
-    return " &middot; ".join(parts)
+    return parts
+
+
+def status_html(parts: list[str]) -> str:
+    return " &middot; ".join([f"<b>{escape(parts[0])}</b>", *map(escape, parts[1:])])
 
 
 def metrics_html(row: dict[str, Any] | None) -> str:
@@ -228,4 +223,7 @@ def metrics_html(row: dict[str, Any] | None) -> str:
 
 
 def notes_html(notes: list[str]) -> str:
-    return "<br>".join(f"<code style='font-size:85%'>{escape(note)}</code>" for note in notes)
+    return "".join(
+        f"<div style='font-family:monospace;font-size:85%;line-height:1.4'>{escape(note)}</div>"
+        for note in notes
+    )

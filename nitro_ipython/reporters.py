@@ -2,7 +2,9 @@
 
 Both keep the `RunStats` that `%nitro status` reads. `step()` runs once per training step on
 the training thread, so it only stores numbers; the panel is refreshed at most `refresh` times
-a second and the curves are drawn on their own thread (`panel.CurveRenderer`).
+a second and the curves are drawn on their own thread (`curves.CurveRenderer`). Notes (compile
+messages, interrupts) go to the panel, or to stdout without one: a notebook paints stderr as
+errors, and these are not.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from html import escape
 from typing import Any
 
 from nitro.progress import LineReporter, TqdmReporter
@@ -47,7 +50,10 @@ def show_panel(handle: Any):
     if reporter.panel is None:
         from .panel import LivePanel
 
-        reporter.attach(LivePanel())
+        panel = LivePanel()
+        panel.show(visible=True)
+        panel.cell_finished()  # the magic's cell ends at once: Stop reaches the kernel
+        reporter.attach(panel)
     return reporter.panel
 
 
@@ -62,16 +68,21 @@ class _Tracking:
         super().start_run(handle, epochs)
 
     def start_epoch(self, epoch, max_epochs, batches, start):
-        self.stats.start_epoch()
+        self.stats.resume()
         super().start_epoch(epoch, max_epochs, batches, start)
 
     def step(self, step, loss):
         self.stats.observe(step, loss)
         super().step(step, loss)
 
-    def end_epoch(self, row):
-        self.stats.refresh_rate()
-        super().end_epoch(row)
+    def phase(self, phase):
+        if phase != "training" and self.stats is not None:
+            self.stats.pause()
+        super().phase(phase)
+
+    def end_run(self, handle):
+        self.stats.end_run()
+        super().end_run(handle)
 
 
 class TerminalReporter(_Tracking, TqdmReporter):
@@ -83,65 +94,75 @@ class LineTracker(_Tracking, LineReporter):
 
 
 class PanelReporter:
-    """Draws one handle's runs into `LivePanel`s; falls back to lines without a panel."""
+    """Draws one handle's runs into `LivePanel`s; falls back to lines on stdout without one.
+
+    Each run gets its own panel, in the cell that started it. The reporter follows the run by
+    its events alone (it never reads the handle's phase, which still holds the previous run's
+    at the start of the next). When the run ends, the panel is replaced by its static record.
+    """
 
     def __init__(self, refresh: float = 4.0, curve_interval: float = 0.5):
-        from .panel import CurveData, CurveRenderer
+        from .curves import CurveData, CurveRenderer
 
         self.refresh_interval = 1.0 / refresh
         self.active = False
         self.panel = None
         self.stats = RunStats()
         self.curves = CurveData()
-        self.renderer = CurveRenderer(self._draw_curves, min_interval=curve_interval)
-        self._lines = LineReporter()
-        self._handle: Callable[[], Any] = lambda: None
-        self._notes: list[str] = []
+        self.renderer = CurveRenderer(
+            self.curves, self._show_curves, interval=curve_interval, tick=self._tick
+        )
+        self._lines = LineReporter(stream=sys.stdout)  # notes are progress, not errors
         self._title = "nitro"
+        self._notes: list[str] = []
         self._epoch = 0
-        self._epochs = 0
+        self._target = 0
         self._position = 0
         self._batches: int | None = None
         self._in_epoch = False
-        self._in_run_epochs = False
         self._row: dict[str, Any] | None = None
         self._shown_row: dict[str, Any] | None = None
         self._phase = "ready"
+        self._figure = None
+        self._ended = False  # the run ended and its panel still awaits the final phase
         self._last_refresh = 0.0
-        self._last_curves = 0.0
+        self._stale = False
         self._lock = threading.Lock()
+        self._handle: Callable[[], Any] = lambda: None
         worker.panel_reporters.add(self)
 
     # ------------------------------------------------------------------------------------------
     # reporter events
 
     def start_run(self, handle, epochs):
-        self.active = True
+        from .curves import acquire_figure
+
         self._handle = weakref.ref(handle)
+        self.active, self._ended = True, False
+        self._phase = "starting"
+        self._lines.start_run(handle, epochs)
         self.stats = stats_of(handle, create=True)
         self.stats.start_run()
         self._title = handle.cls.__name__
-        self._epochs = epochs
+        self._target = epochs
         self._epoch = handle.epoch
-        if self.panel is not None:
-            self.panel.finish()
+        self._position = 0
+        self._in_epoch = False
+        self._notes = []
+        self._shown_row = None
         self.panel = worker.claim_panel()
         _PANELS[handle] = self
         if self.panel is not None:
             self.panel.claim(self._title, handle.stop)
-            self.panel.progress.bar_style = "info"
-            self._notes = []
-            self._shown_row = None
-            self._in_run_epochs = False
             self._refresh(force=True)
-            if self.curves.rows:
-                self.renderer.request()
+            self._figure = acquire_figure()
+            self.renderer.start(self._figure)
 
     def start_epoch(self, epoch, max_epochs, batches, start):
-        self._epoch, self._epochs, self._batches, self._position = epoch, max_epochs, batches, start
-        first = not self._in_run_epochs
-        self._in_epoch = self._in_run_epochs = True
-        self.stats.start_epoch()
+        self._epoch, self._target, self._batches, self._position = epoch, max_epochs, batches, start
+        first, self._in_epoch = not self._in_epoch and self._phase == "starting", True
+        self._phase = "training"
+        self.stats.resume()
         self._refresh(force=first)  # shows "training" while the first step compiles
 
     def step(self, step, loss):
@@ -151,31 +172,40 @@ class PanelReporter:
         now = time.monotonic()
         if now - self._last_refresh >= self.refresh_interval:
             self._refresh(now=now)
-            if now - self._last_curves >= 4 * self.renderer.min_interval:
-                self._last_curves = now
-                self.renderer.request()  # the step-loss curve, during long epochs
 
     def phase(self, phase):
-        self._phase = phase
-        if phase == "failed":
-            error = sys.exc_info()[1]  # called from the run's `except` clause
-            if error is not None:  # the cell that waits re-raises it; the panel shows it
-                self.show_note(f"failed: {type(error).__name__}: {error}")
         from .panel import BAR_STYLE
 
-        self._refresh(force=phase in BAR_STYLE)
+        if phase != "training":
+            self.stats.pause()
+        if phase == "failed":
+            error = sys.exc_info()[1]  # called from the run's `except` clause
+            if error is not None:  # the cell that waits re-raises it; the record shows it
+                self.note(f"failed: {type(error).__name__}: {error}")
+        if self.active:
+            self._phase = phase
+            self._refresh()
+        elif phase not in BAR_STYLE:  # setting up: the panel `%nitro train` showed for it
+            panel = worker.reserved_panel()
+            if panel is not None and phase != "ready":
+                panel.status.value = f"<b>setting up</b> &middot; {escape(phase)} ..."
+        elif self._ended:
+            self._finish(phase)
+        elif phase in BAR_STYLE:  # a run that failed before it started: its unused panel
+            panel = worker.claim_panel()
+            if panel is not None:
+                self.panel = panel
+                panel.claim(self._title, None)
+                self._finish(phase)
 
     def end_epoch(self, row):
         self._epoch, self._in_epoch = row.get("epoch", self._epoch + 1), False
-        self.stats.refresh_rate()
         self.curves.add_row(dict(row))
         self._row = dict(row)
         if self.panel is None:
             self._lines.end_epoch(row)
             return
         self._refresh()
-        self._last_curves = time.monotonic()
-        self.renderer.request()
 
     def note(self, message, done=False):
         if self.panel is None or not self.active:
@@ -202,63 +232,105 @@ class PanelReporter:
     def attach(self, panel) -> None:
         """Draw into `panel` from now on (a run started without one, e.g. by an agent); the
         curves show the whole run so far."""
+        from .curves import acquire_figure
+
         handle = self._handle()
         panel.claim(self._title, handle.stop if handle is not None else None)
         self.panel = panel
         self._refresh(force=True)
-        if not self.active:
-            panel.finish()
-        if self.curves.rows or self.curves.steps:
-            self.renderer.request()
+        if self.active:
+            if self._figure is None:
+                self._figure = acquire_figure()
+            self.renderer.start(self._figure)
+        else:  # the run has ended: show its record with the curves so far
+            self._finish(self._phase if self._phase in ("done", "stopped", "failed") else "done")
 
     def end_run(self, handle):
-        self.active = False
-        if self.panel is not None:
-            self._refresh(force=True)
-            self.renderer.request()
+        self.active, self._ended = False, self.panel is not None
+        self._in_epoch = False
+        self.stats.end_run()
 
     # ------------------------------------------------------------------------------------------
     # drawing
 
-    def _refresh(self, now: float | None = None, force: bool = False) -> None:
-        """Update the panel's widgets, at most `refresh` times a second unless forced (the
-        start and the end of a run), so short epochs do not flood the frontend."""
-        panel = self.panel
-        if panel is None:
-            return
-        from .panel import BAR_STYLE, metrics_html, status_html
+    def _status_parts(self) -> list[str]:
+        from .panel import status_text
 
-        now = now if now is not None else time.monotonic()
-        if not force and now - self._last_refresh < self.refresh_interval:
-            return
-        self._last_refresh = now
-        self.stats.refresh_rate()
-        if self._row is not self._shown_row:
-            self._shown_row = self._row
-            panel.metrics.value = metrics_html(self._row)
-        handle = self._handle()
-        phase = handle.phase if handle is not None else self._phase
+        return status_text(
+            self._phase,
+            self._epoch,
+            self._target,
+            self._position,
+            self._batches,
+            self.stats,
+            self._in_epoch,
+        )
+
+    def _fraction(self) -> float:
         done = float(self._epoch)
         if self._in_epoch and self._batches:
             done += min(self._position, self._batches) / self._batches
-        if phase == "done":
-            done = float(self._epochs)
-        panel.progress.value = min(1.0, done / self._epochs) if self._epochs else 0.0
-        panel.status.value = status_html(
-            phase, self._epoch, self._epochs, self._position, self._batches, self.stats
-        )
-        if phase in BAR_STYLE:
-            panel.progress.bar_style = BAR_STYLE[phase]
-            panel.finish()
+        return min(1.0, done / self._target) if self._target else 0.0
 
-    def _draw_curves(self) -> None:
-        from .panel import render_curves
+    def _refresh(self, now: float | None = None, force: bool = False) -> None:
+        """Update the panel's widgets, at most `refresh` times a second unless forced, so
+        short epochs do not flood the frontend."""
+        panel = self.panel
+        if panel is None:
+            return
+        from .panel import metrics_html, status_html
+
+        now = now if now is not None else time.monotonic()
+        if not force and now - self._last_refresh < self.refresh_interval:
+            self._stale = True  # the curve thread's next tick shows it
+            return
+        self._last_refresh, self._stale = now, False
+        if self._row is not self._shown_row:
+            self._shown_row = self._row
+            panel.metrics.value = metrics_html(self._row)
+        panel.progress.value = self._fraction()
+        panel.status.value = status_html(self._status_parts())
+
+    def _tick(self) -> None:
+        """On the curve thread, twice a second: show what a throttled refresh skipped (a
+        phase change, an epoch's end) even when no step follows soon."""
+        if self._stale and self.active:
+            self._refresh()
+
+    def _show_curves(self, png: bytes, css_width: int) -> None:
+        panel = self.panel
+        if panel is not None:
+            panel.curves.value = png
+            panel.curves.layout.width = f"{css_width}px"
+            panel.curves.layout.max_width = "100%"
+            panel.curves.layout.display = ""
+
+    def _finish(self, phase: str) -> None:
+        """The run ended (done, stopped, failed): stop drawing, leave the static record."""
+        from .curves import acquire_figure, release_figure
+        from .panel import BAR_STYLE
+        from .record import record_html, record_text
 
         panel = self.panel
-        png = render_curves(self.curves)
-        if panel is not None and png is not None:
-            panel.curves.value = png
-            panel.curves.layout.display = ""
+        self._ended = False
+        self.renderer.stop()
+        self._phase = phase
+        self._refresh(force=True)
+        panel.progress.bar_style = BAR_STYLE[phase]
+        panel.finish()
+        parts = self._status_parts()
+        figure, self._figure = self._figure or acquire_figure(), None
+        png = figure.png(self.curves)
+        css_width = figure.css_width
+        release_figure(figure)
+        with self._lock:
+            notes = list(self._notes)
+        panel.replace_with_record(
+            record_html(self._title, parts, self._fraction(), self._row, notes),
+            record_text(self._title, parts),
+            png,
+            css_width,
+        )
 
 
 def make_factory(shell: Any) -> Callable[[], Any]:

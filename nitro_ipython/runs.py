@@ -11,6 +11,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
+from collections import deque
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -30,45 +31,77 @@ __all__ = [
 
 
 class RunStats:
-    """What a reporter saw of one handle: kept cheap, since `observe` runs once per step."""
+    """What a reporter saw of one handle's latest run: step, loss, throughput, elapsed time.
+
+    Throughput is measured on a training clock that runs only while an epoch trains (not
+    during validation, not between runs), over a sliding window of the last few seconds of
+    it, across epoch boundaries. So it agrees with the history's `epoch_seconds` and follows
+    changes within a few seconds. `observe` runs once per step on the training thread: it
+    stores two numbers and, every few milliseconds, one sample.
+    """
+
+    WINDOW = 3.0  # seconds of training clock the rate is measured over
+    SAMPLE_EVERY = 0.02
 
     def __init__(self) -> None:
         self.started = time.monotonic()
+        self.ended: float | None = None
         self.step = 0
         self.loss = float("nan")
-        self.steps_per_second = float("nan")
-        self._mark: tuple[int, float] | None = None
+        self._samples: deque[tuple[int, float]] = deque(maxlen=512)  # (step, training clock)
+        self._latest: tuple[int, float] | None = None
+        self._clock_base = 0.0  # training seconds before the current stretch
+        self._stretch: float | None = None  # perf_counter at the start of the current stretch
 
     def start_run(self) -> None:
-        self.started = time.monotonic()
-        self._mark = None
+        self.started, self.ended = time.monotonic(), None
+        self._samples.clear()
+        self._latest, self._clock_base, self._stretch = None, 0.0, None
 
-    def start_epoch(self) -> None:
-        self._mark = None  # throughput is measured within epochs, after the first step
+    def resume(self) -> None:
+        """An epoch starts (or resumes) training: the training clock runs."""
+        if self._stretch is None:
+            self._stretch = time.perf_counter()
+
+    def pause(self) -> None:
+        """Training pauses (validation, the end of the run): the training clock stops."""
+        if self._stretch is not None:
+            self._clock_base += time.perf_counter() - self._stretch
+            self._stretch = None
+
+    def end_run(self) -> None:
+        self.pause()
+        self.ended = time.monotonic()
+
+    def _clock(self) -> float:
+        stretch = self._stretch
+        return self._clock_base + (time.perf_counter() - stretch if stretch is not None else 0.0)
 
     def observe(self, step: int, loss: float) -> None:
-        self.step = step
-        self.loss = loss
-        if self._mark is None:
-            self._mark = (step, time.perf_counter())
+        self.step, self.loss = step, loss
+        clock = self._clock()
+        self._latest = (step, clock)
+        if not self._samples or clock - self._samples[-1][1] >= self.SAMPLE_EVERY:
+            self._samples.append((step, clock))
 
-    def refresh_rate(self) -> float:
-        """Steps per second since the last refresh (smoothed); called a few times a second."""
-        mark = self._mark
-        if mark is None:
-            return self.steps_per_second
-        now = time.perf_counter()
-        steps, seconds = self.step - mark[0], now - mark[1]
-        if steps > 0 and seconds > 0.05:
-            rate = steps / seconds
-            old = self.steps_per_second
-            self.steps_per_second = rate if old != old else 0.5 * old + 0.5 * rate  # nan check
-            self._mark = (self.step, now)
-        return self.steps_per_second
+    @property
+    def steps_per_second(self) -> float:
+        """Steps per training second over the last `WINDOW` seconds (nan before two samples)."""
+        latest, samples = self._latest, list(self._samples)
+        if latest is None or not samples:
+            return float("nan")
+        oldest = samples[0]
+        for sample in samples:  # the newest sample at or before the window's start
+            if sample[1] > latest[1] - self.WINDOW:
+                break
+            oldest = sample
+        steps, seconds = latest[0] - oldest[0], latest[1] - oldest[1]
+        return steps / seconds if steps > 0 and seconds > 0 else float("nan")
 
     @property
     def elapsed(self) -> float:
-        return time.monotonic() - self.started
+        """Seconds since the run started; frozen when it ended."""
+        return (self.ended if self.ended is not None else time.monotonic()) - self.started
 
 
 _STATS: weakref.WeakKeyDictionary[Any, RunStats] = weakref.WeakKeyDictionary()
@@ -113,7 +146,7 @@ def _fmt(value: Any, spec: str = ".4g") -> str:
 
 def _throughput(handle: Any, stats: RunStats | None) -> float:
     if stats is not None:
-        rate = stats.refresh_rate() if handle.running else stats.steps_per_second
+        rate = stats.steps_per_second
         if rate == rate:  # not nan
             return rate
     rows = handle.history()
@@ -134,7 +167,7 @@ def status_row(handle: Any, name: str = "") -> dict[str, Any]:
         "run": name,
         "experiment": handle.cls.__name__,
         "phase": handle.phase,
-        "epoch": f"{handle.epoch}/{handle.max_epochs}",
+        "epoch": f"{handle.epoch}/{handle.target_epoch}",
         "step": handle.step,
         "loss": loss,
         "steps/s": _throughput(handle, stats),

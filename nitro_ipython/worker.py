@@ -2,11 +2,15 @@
 
 `nitro.runner` calls `initializer(handle)` on the starting thread and runs what it returns
 first on the worker. On the starting (main) thread it captures the cell's parent message and,
-in a notebook, when the run reports to a panel, displays an empty, hidden `LivePanel` in that
-cell. On the worker it routes the
-thread's output to that cell and leaves the panel for the run's reporter to claim. Without
-the routing, ipykernel sends a thread's output to whichever cell is running at the time (or,
-in some versions, nowhere); with it, a background run writes into the cell that started it.
+in a notebook, when the run reports to a panel, displays a hidden `LivePanel` in that cell
+(or the panel `%nitro train` already showed while it set the run up). On the worker it routes
+the thread's output to that cell and leaves the panel for the run's reporter to claim.
+Without the routing, ipykernel sends a thread's output to whichever cell is running at the
+time (or, in some versions, nowhere); with it, a background run writes into the cell that
+started it, and its panel's final record replaces the panel there.
+
+`cell_finished` runs after every cell (IPython's `post_run_cell` event): from then on the
+panels that cell displayed get clicks, so their Stop buttons turn on.
 """
 
 from __future__ import annotations
@@ -15,12 +19,22 @@ import threading
 import weakref
 from typing import Any
 
-__all__ = ["initializer", "claim_panel", "widgets_available", "panel_reporters"]
+__all__ = [
+    "cell_finished",
+    "claim_panel",
+    "initializer",
+    "panel_reporters",
+    "reserve_panel",
+    "reserved_panel",
+    "widgets_available",
+]
 
 _LOCAL = threading.local()
 
-# Reporters that draw into a panel; a panel is displayed only when one of them is idle.
+# Reporters that draw into a panel; a panel is displayed only for a run of one of them.
 panel_reporters: weakref.WeakSet = weakref.WeakSet()
+# Panels displayed by the cell running now (main thread only).
+_IN_CELL: list[Any] = []
 
 
 def _shell():
@@ -53,12 +67,14 @@ def initializer(handle: Any = None):
     on_main = threading.current_thread() is threading.main_thread()
     reporter = getattr(handle, "reporter", None)
     if on_main and widgets_available(shell) and reporter in set(panel_reporters):
-        from IPython.display import display
+        panel = getattr(_LOCAL, "reserved", None)
+        _LOCAL.reserved = None
+        if panel is None:
+            from .panel import LivePanel
 
-        from .panel import LivePanel
-
-        panel = LivePanel()
-        display(panel)
+            panel = LivePanel()
+            panel.show()
+            _IN_CELL.append(panel)
 
     def on_worker() -> None:
         set_thread_parent = getattr(shell, "set_thread_parent", None)
@@ -69,8 +85,30 @@ def initializer(handle: Any = None):
     return on_worker
 
 
+def reserve_panel(panel: Any) -> None:
+    """Show `panel` now (a run's setup takes seconds) and give it to the next run started on
+    this thread; `reserve_panel(None)` discards a panel no run took."""
+    previous = getattr(_LOCAL, "reserved", None)
+    _LOCAL.reserved = panel
+    if panel is not None:
+        _IN_CELL.append(panel)
+    elif previous is not None:
+        previous.discard()
+
+
+def reserved_panel():
+    """The panel `reserve_panel` holds for the next run on this thread, or None."""
+    return getattr(_LOCAL, "reserved", None)
+
+
 def claim_panel():
     """The panel displayed for the run on this thread, once (None when there is none)."""
     panel = getattr(_LOCAL, "panel", None)
     _LOCAL.panel = None
     return panel
+
+
+def cell_finished(*_result) -> None:
+    """After a cell: the panels it displayed now receive clicks."""
+    while _IN_CELL:
+        _IN_CELL.pop().cell_finished()

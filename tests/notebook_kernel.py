@@ -126,6 +126,15 @@ class Cell:
             if m["msg_type"] in ("execute_result", "display_data") and mime in m["content"]["data"]
         ]
 
+    def updates(self, mime: str = "text/html") -> list[str]:
+        """The `mime` data of every display update the cell received (a run's final record
+        replaces its panel this way)."""
+        return [
+            m["content"]["data"][mime]
+            for m in self.messages
+            if m["msg_type"] == "update_display_data" and mime in m["content"]["data"]
+        ]
+
     @property
     def error(self) -> str:
         content = self.reply["content"]

@@ -286,6 +286,24 @@ def test_training_in_the_background_can_be_stopped_and_resumed():
     assert n.stop_reason == "completed" and n.step > reached
 
 
+def test_a_stopped_run_resumes_to_the_epoch_it_was_training_to():
+    n = nitro.Nitro(Toy(max_epochs=2, with_val=False), progress=False)
+    assert n.target_epoch == 2
+    n.train(epochs=10_000, background=True)  # past max_epochs
+    while n.step < 20:
+        pass
+    n.stop().wait()
+    assert n.target_epoch == 10_000 and 2 <= n.epoch < 10_000
+    assert f"/{n.target_epoch}," in repr(n)  # the handle counts against the same target
+    n.train(background=True)  # no epochs: resumes the stopped run, to the same target
+    assert n.running and n.target_epoch == 10_000
+    n.stop().wait()
+    n.train(epochs=1)
+    assert n.target_epoch == n.epoch and n.stop_reason == "completed"
+    n.train()  # its target reached and past max_epochs: nothing to do
+    assert n.target_epoch == n.epoch
+
+
 INTERRUPT_SCRIPT = textwrap.dedent(
     """
     import os, signal, sys, threading, time

@@ -70,7 +70,7 @@ def test_an_agents_run_gets_a_live_panel_when_the_person_shows_it(kernel):
 
     run_id = anyio.run(start)
     cell = kernel.run(f"%nitro panel {run_id}")
-    assert any("LivePanel" in text for text in cell.data())
+    assert any("nitro: live training panel" in text for text in cell.data())
     panel = f"nitro_ipython.live_panel(nitro_ipython.agents.agent_runs()[{run_id!r}])"
     first = float(kernel.eval(f"{panel}.progress.value"))
     deadline = time.monotonic() + 60

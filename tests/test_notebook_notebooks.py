@@ -53,7 +53,7 @@ def test_tutorial_runs_from_experiment_to_prediction(tmp_path):
     _find(
         texts,
         r"long_exp_run \(Digits\): (training|validating|checkpointing|compiling [a-z ]+), "
-        r"epoch \d+/500",
+        r"epoch \d+/30000",
     )
     _find(texts, r"nitro: stopped long_exp_run at epoch \d+, step \d+")
     _find(texts, r"programs compiled for scale=0.5: 0")
@@ -98,3 +98,33 @@ def test_plain_train_in_a_notebook_prints_into_its_cell(tmp_path):
     assert "nitro: compiling train step of Toy ..." in train_output
     assert "epoch 1/2  loss " in train_output and "epoch 2/2  loss " in train_output
     assert "".join(o.get("text", "") for o in notebook.cells[2].outputs) == "8 completed\n"
+
+
+def test_a_saved_run_shows_its_record_in_nbconvert_html_without_widgets(tmp_path):
+    """What a reopened notebook, nbconvert and GitHub render: the record, never a widget."""
+    nbconvert = pytest.importorskip("nbconvert")
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [
+        nbformat.v4.new_code_cell(
+            f"import sys; sys.path.insert(0, {str(REPO / 'tests')!r})\n"
+            "%load_ext nitro\nfrom toys import Toy"
+        ),
+        nbformat.v4.new_code_cell("exp = Toy(max_epochs=2)\n%nitro train exp"),
+    ]
+    client = nbclient.NotebookClient(
+        notebook,
+        timeout=300,
+        kernel_name="python3",
+        resources={"metadata": {"path": str(tmp_path)}},
+    )
+    client.execute(env=kernel_env())
+    outputs = notebook.cells[1].outputs
+    mimes = [sorted(o.get("data", {})) for o in outputs]
+    assert mimes[:2] == [["text/html", "text/plain"], ["image/png", "text/plain"]], mimes
+    assert not any("application/vnd.jupyter.widget-view+json" in m for m in mimes)
+    assert outputs[0].data["text/plain"].startswith("Toy: done · epoch 2/2 · step 8")
+
+    html, _ = nbconvert.HTMLExporter().from_notebook_node(notebook)
+    assert "<b>done</b> · epoch 2/2 · step 8" in html
+    assert "data:image/png;base64," in html  # the final curves
+    assert "LivePanel(" not in html and "live training panel" not in html

@@ -47,7 +47,7 @@ def test_edit_of_a_module_file_recompiles_only_the_programs_it_reaches(kernel):
         ("train step", "code changed: hook loss"),
         ("eval forward", "code changed: hook loss"),
     ]
-    assert kernel.eval("ea_run.weights_origin").startswith("'weights of Nitro(Tiny")
+    assert kernel.eval("ea_run.weights_origin").startswith("'the weights of a Tiny run at epoch")
 
     kernel.run(f"_ = ea_run.predict({BATCH})")
     assert _misses(kernel) - before == 2  # predict's program did not change: reused

@@ -70,7 +70,7 @@ def test_weights_from_a_training_handle_are_taken_at_the_next_step_boundary():
         began = time.perf_counter()
         forked = nitro.Nitro(Toy(), weights=n, progress=False)
         assert time.perf_counter() - began < 5.0
-        step = int(forked.weights_origin.rpartition("at step ")[2])
+        step = int(forked.weights_origin.rpartition(", step ")[2])
         assert 5 <= step <= n.step
         model = n.model  # a copy of the current model, also taken between two steps
         assert isinstance(model, nnx.Module)
@@ -90,7 +90,7 @@ def test_weights_and_model_of_an_idle_handle_are_copies():
     n = nitro.Nitro(Toy(max_epochs=1), progress=False)
     n.train()
     forked = nitro.Nitro(Toy(), weights=n, progress=False)
-    assert forked.weights_origin.startswith("weights of Nitro(Toy")
+    assert forked.weights_origin == "the weights of a Toy run at epoch 1, step 4"
     mine = [np.asarray(a) for a in n.state.variables.params]
     theirs = [np.asarray(a) for a in forked.state.variables.params]
     assert all(np.array_equal(a, b) for a, b in zip(mine, theirs))

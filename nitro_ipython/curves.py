@@ -1,0 +1,225 @@
+"""Training curves: what a run collects, a figure redrawn in place, and the thread that redraws it.
+
+The curves are a PNG in an `ipywidgets.Image`, drawn with matplotlib's object API (no pyplot,
+safe off the main thread) at twice the size they are displayed at, so they stay sharp on
+high-density screens and are never stretched. The figure is built once per run and its lines
+are moved as data arrives; a redraw costs a few tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import io
+import threading
+import time
+from typing import Any
+
+__all__ = [
+    "CSS_HEIGHT",
+    "CSS_PANEL_WIDTH",
+    "CurveData",
+    "CurveFigure",
+    "CurveRenderer",
+    "acquire_figure",
+    "release_figure",
+]
+
+CSS_PANEL_WIDTH = 380  # displayed pixels per plot
+CSS_HEIGHT = 230
+PIXEL_RATIO = 2
+_SKIP = {"epoch", "step", "epoch_seconds", "data_wait_frac", "loss", "val_loss"}
+
+
+class CurveData:
+    """Loss per step (thinned to a bounded size) and history rows; `version` counts changes."""
+
+    MAX_POINTS = 2000
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.steps: list[int] = []
+        self.losses: list[float] = []
+        self.rows: list[dict[str, Any]] = []
+        self.version = 0
+        self._stride = 1
+        self._skipped = 0
+
+    def add_step(self, step: int, loss: float) -> None:
+        self._skipped += 1
+        if self._skipped < self._stride:
+            return
+        self._skipped = 0
+        with self.lock:
+            self.steps.append(step)
+            self.losses.append(loss)
+            if len(self.steps) > self.MAX_POINTS:
+                del self.steps[::2], self.losses[::2]
+                self._stride *= 2
+            self.version += 1
+
+    def add_row(self, row: dict[str, Any]) -> None:
+        with self.lock:
+            self.rows.append({k: v for k, v in row.items() if isinstance(v, (int, float))})
+            self.version += 1
+
+    def snapshot(self):
+        with self.lock:
+            return list(self.steps), list(self.losses), list(self.rows), self.version
+
+
+def metric_groups(rows: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
+    """Up to two metrics with their split variants: [("acc", ["acc", "val_acc"]), ...]."""
+    groups: dict[str, list[str]] = {}
+    for row in rows:
+        for key in row:
+            if key in _SKIP:
+                continue
+            names = groups.setdefault(key.removeprefix("val_").removeprefix("test_"), [])
+            if key not in names:
+                names.append(key)
+    return list(groups.items())[:2]
+
+
+class CurveFigure:
+    """The loss per step with the epoch means and `val_loss`, and one plot per metric by epoch.
+
+    `png(data)` redraws in place; the figure is rebuilt only when the set of curves changes.
+    """
+
+    def __init__(self, pixel_ratio: int = PIXEL_RATIO):
+        self.pixel_ratio = pixel_ratio
+        self._figure = None
+        self._layout: tuple | None = None
+        self._lines: dict[tuple[int, str], Any] = {}
+        self._legends: dict[int, tuple] = {}
+
+    @property
+    def css_width(self) -> int:
+        return CSS_PANEL_WIDTH * (1 + len(self._layout[1]) if self._layout else 1)
+
+    def _build(self, layout: tuple) -> None:
+        from matplotlib.figure import Figure
+
+        has_steps, groups = layout
+        panels = 1 + len(groups)
+        dpi = 100 * self.pixel_ratio
+        figure = Figure(figsize=(CSS_PANEL_WIDTH * panels / 100, CSS_HEIGHT / 100), dpi=dpi)
+        axes = figure.subplots(1, panels, squeeze=False)[0]
+        figure.subplots_adjust(
+            left=0.16 / panels, right=1 - 0.02 / panels, bottom=0.2, top=0.88, wspace=0.3
+        )
+        lines: dict[tuple[int, str], Any] = {}
+        if has_steps:
+            (lines[0, "step loss"],) = axes[0].plot([], [], lw=0.8, alpha=0.5, label="step loss")
+        for key, style in (("loss", "o-"), ("val_loss", "s-")):
+            (lines[0, key],) = axes[0].plot([], [], style, markersize=3, label=key)
+        self._legends = {}
+        axes[0].set_xlabel("step", fontsize=8)
+        axes[0].set_title("loss", fontsize=9)
+        for index, (base, names) in enumerate(groups, start=1):
+            for name in names:
+                (lines[index, name],) = axes[index].plot([], [], "o-", markersize=3, label=name)
+            axes[index].set_xlabel("epoch", fontsize=8)
+            axes[index].set_title(base, fontsize=9)
+        for ax in axes:
+            ax.grid(alpha=0.3)
+            ax.tick_params(labelsize=7)
+        self._figure, self._layout, self._lines = figure, layout, lines
+
+    def png(self, data: CurveData) -> bytes | None:
+        steps, losses, rows, _ = data.snapshot()
+        if not steps and not rows:
+            return None
+        layout = (bool(steps), tuple((b, tuple(n)) for b, n in metric_groups(rows)))
+        if layout != self._layout:
+            self._build(layout)
+        if steps:
+            self._lines[0, "step loss"].set_data(steps, losses)
+        for (index, name), line in self._lines.items():
+            if name == "step loss":
+                continue
+            x = "step" if index == 0 else "epoch"
+            points = [(r[x], r[name]) for r in rows if name in r and x in r]
+            line.set_data([p[0] for p in points], [p[1] for p in points])
+            line.set_markersize(3 if len(points) <= 40 else 0)  # markers while they are few
+        for index, ax in enumerate(self._figure.axes):
+            ax.relim()
+            ax.autoscale_view()
+            shown = tuple(h for h in ax.get_lines() if len(h.get_xdata()))
+            if shown and self._legends.get(index) != shown:
+                self._legends[index] = shown
+                ax.legend(
+                    handles=shown, fontsize=7, loc="upper right" if index == 0 else "lower right"
+                )
+        buffer = io.BytesIO()
+        self._figure.savefig(buffer, format="png", pil_kwargs={"compress_level": 1})
+        return buffer.getvalue()
+
+
+_IDLE_FIGURES: list[CurveFigure] = []
+_POOL_LOCK = threading.Lock()
+
+
+def acquire_figure() -> CurveFigure:
+    """A figure for one run: an idle one when there is one (building one costs ~0.1 s)."""
+    with _POOL_LOCK:
+        return _IDLE_FIGURES.pop() if _IDLE_FIGURES else CurveFigure()
+
+
+def release_figure(figure: CurveFigure) -> None:
+    """Give a run's figure back; a few are kept (each holds a few MB of pixels)."""
+    with _POOL_LOCK:
+        if len(_IDLE_FIGURES) < 2:
+            _IDLE_FIGURES.append(figure)
+
+
+class CurveRenderer:
+    """Redraws the curves on its own thread while a run trains, so the training thread never
+    waits for matplotlib: every `interval` seconds when the data changed (calling `tick`
+    first). `stop()` ends the thread; a run starts a new one."""
+
+    def __init__(self, data: CurveData, show, interval: float = 0.5, tick=None):
+        self.data = data
+        self.interval = interval
+        self._show = show
+        self._tick = tick
+        self._stop = threading.Event()
+        self._ended = threading.Event()
+        self._ended.set()
+        self.thread: threading.Thread | None = None
+
+    def start(self, figure: CurveFigure) -> None:
+        self.stop()
+        self._stop.clear()
+        self._ended.clear()
+        self.thread = threading.Thread(
+            target=self._main, args=(figure,), name="nitro-curves", daemon=True
+        )
+        self.thread.start()
+
+    def _main(self, figure: CurveFigure) -> None:
+        drawn = self.data.version  # a run shorter than `interval` is drawn by its record
+        deadline = time.monotonic() + self.interval
+        try:
+            while not self._stop.wait(max(0.0, deadline - time.monotonic())):
+                deadline = time.monotonic() + self.interval  # every interval, or back to back
+                if self._tick is not None:
+                    self._tick()
+                version = self.data.version
+                if version != drawn:
+                    drawn = version
+                    self._draw(figure)
+        finally:
+            self._ended.set()
+
+    def _draw(self, figure: CurveFigure) -> None:
+        try:
+            png = figure.png(self.data)
+            if png is not None:
+                self._show(png, figure.css_width)
+        except Exception as error:  # noqa: BLE001 - a plot must never break a run
+            print(f"nitro: could not draw the curves: {error!r}")
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """End the thread (after the draw under way) and wait for it."""
+        self._stop.set()
+        self._ended.wait(timeout)

@@ -1,0 +1,48 @@
+"""The static record a run leaves in its cell: the summary as HTML and text, the curves as PNG.
+
+Plain HTML (a table, a bar drawn with a `div`, no scripts, no widgets), so a reopened
+notebook, nbconvert's HTML and GitHub's renderer all show it; the curves are a separate
+`image/png` output, which every viewer shows.
+"""
+
+from __future__ import annotations
+
+from html import escape
+from typing import Any
+
+from .panel import BAR_STYLE, metrics_html, notes_html, status_html
+
+__all__ = ["record_html", "record_text"]
+
+_BAR_COLOURS = {"success": "#4caf50", "warning": "#ff9800", "danger": "#f44336", "info": "#2196f3"}
+
+
+def record_text(title: str, parts: list[str]) -> str:
+    """`Digits: done · epoch 6/6 · step 168 · loss 0.1234 · 930 steps/s · 4.2 s`."""
+    return f"{title}: " + " · ".join(parts)
+
+
+def record_html(
+    title: str,
+    parts: list[str],
+    fraction: float,
+    row: dict[str, Any] | None,
+    notes: list[str],
+) -> str:
+    """The final panel as static HTML: title, bar, status line, latest metrics, notes."""
+    colour = _BAR_COLOURS[BAR_STYLE.get(parts[0], "info")]
+    percent = max(0.0, min(1.0, fraction)) * 100
+    bar = (
+        "<div style='background:#eee;height:8px;margin:4px 0'>"
+        f"<div style='background:{colour};width:{percent:.1f}%;height:8px'></div></div>"
+    )
+    pieces = [
+        "<div class='nitro-record' style='border:1px solid #ddd;padding:4px 8px'>",
+        f"<b>{escape(title)}</b>",
+        bar,
+        f"<div>{status_html(parts)}</div>",
+        metrics_html(row),
+        f"<div>{notes_html(notes)}</div>" if notes else "",
+        "</div>",
+    ]
+    return "".join(pieces)

@@ -1,0 +1,199 @@
+"""The notebooks in a real browser: JupyterLab in headless Chromium, driven like a person would.
+
+What a kernel-level test cannot see: that the panel renders as widgets, that its numbers move
+on screen, that the Stop button and the toolbar's interrupt stop runs, and that a saved and
+reopened notebook shows each run's static record. Screenshots go to tests/artifacts/ (or
+$NITRO_TEST_ARTIFACTS); docs/*.png are taken from them.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+
+import browser
+import pytest
+from browser import Lab, copy_notebooks, require_browser
+
+# tutorial.ipynb and interrupt_and_edit.ipynb: the cells the tests run, by index
+LOAD, FIELDS, TRAIN, HISTORY, PLOT, MORE, CACHE, BACKGROUND, RUNS = 2, 4, 6, 8, 9, 11, 12, 14, 17
+EDIT_SETUP, EDIT_MODULE, EDIT_IMPORT, EDIT_TRAIN, EDIT_REPORT, EDIT_SAVE, EDIT_RETRAIN = (
+    1,
+    3,
+    4,
+    7,
+    8,
+    10,
+    12,
+)
+
+
+@pytest.fixture(scope="module")
+def lab(tmp_path_factory):
+    require_browser()
+    root = tmp_path_factory.mktemp("lab")
+    copy_notebooks(root)
+    lab = Lab(root)
+    try:
+        yield lab
+    finally:
+        lab.close()
+
+
+_LIVE_CURVES = (
+    "[...window.jupyterapp.shell.currentWidget.content.widgets[arguments[0]].node"
+    ".querySelectorAll('.jp-OutputArea img')].some(i => i.naturalWidth > 0)"
+)
+
+
+def _stop_within_a_second(lab: Lab, cell: int) -> float:
+    """Click Stop in `cell`'s panel; the seconds until the page shows the run stopped."""
+    began = time.monotonic()
+    lab.click_stop(cell)
+    lab.wait_for(
+        "(window.jupyterapp.shell.currentWidget.content.widgets[arguments[0]].node"
+        ".querySelector('.nitro-record')?.innerText || '').includes('stopped')",
+        10,
+        cell,
+        what="the stopped run's record",
+    )
+    return time.monotonic() - began
+
+
+def _redraws(lab: Lab, cell: int, seconds: float) -> int:
+    """How many times the curves image of `cell` changed within `seconds`."""
+    images = "return [...nb.content.widgets[args[0]].node.querySelectorAll('img')].map(i => i.src)"
+    seen, changes = lab.js(images, cell), 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.05)
+        now = lab.js(images, cell)
+        changes, seen = changes + (now != seen), now
+    return changes
+
+
+def _advancing(lab: Lab, cell: int) -> tuple[dict, dict]:
+    """Two reads of a training panel a second apart."""
+    first = lab.panel(cell)
+    time.sleep(1.0)
+    return first, lab.panel(cell)
+
+
+def test_tutorial_panels_render_update_stop_and_survive_a_reopen(lab):
+    lab.open("tutorial.ipynb")
+    lab.run(LOAD)
+    assert "hidden width; bakes into the program" in lab.run(FIELDS)  # docs of a cell's class
+
+    lab.run(TRAIN)
+    done = lab.panel(TRAIN)
+    assert not done["widgets"] and done["images"] == 1  # the record replaced the live panel
+    assert re.search(r"done · epoch 6/6 · step 114 · loss [\d.]+ · [\d,]+ steps/s", done["record"])
+    assert "Nitro: Digits" in done["text"]  # then the handle as a table
+    lab.screenshot("tutorial-train-record", lab.cell(TRAIN))
+    lab.run(HISTORY)
+    lab.run(PLOT)
+    lab.run(MORE)
+    assert "epoch 9/9" in lab.panel(MORE)["record"]  # trained 3 more: the target moved
+    cache = lab.run(CACHE)
+    assert "why each program compiled" in cache and "train step" in cache
+
+    # A background run: live widgets, moving numbers, a working Stop button.
+    lab.start(BACKGROUND)
+    lab.wait_done(BACKGROUND)
+    lab.wait_for(
+        "window.jupyterapp.shell.currentWidget.content.widgets[arguments[0]].node"
+        ".querySelector('.progress-bar')",
+        30,
+        BACKGROUND,
+        what="the live panel's progress bar",
+    )
+    lab.wait_for(_LIVE_CURVES, 30, BACKGROUND, what="the live curves")
+    assert _redraws(lab, BACKGROUND, seconds=2.0) >= 3  # the curves redraw twice a second
+    first, second = _advancing(lab, BACKGROUND)
+    assert first["widgets"] and "live training panel" not in first["text"]
+    assert first["overflow"] <= 0  # no horizontal scrollbar
+    assert first["button"] == "Stop" and first["buttonEnabled"]
+    assert second["bar"] > first["bar"] and second["step"] > first["step"]
+    assert re.search(r"training|validating", second["status"])
+    lab.screenshot("live-panel", lab.cell(BACKGROUND))
+    assert _stop_within_a_second(lab, BACKGROUND) < 1.0
+
+    # The same run continued: a fresh panel whose Stop button works.
+    lab.start(BACKGROUND)
+    lab.wait_done(BACKGROUND)
+    lab.wait_for(
+        "window.jupyterapp.shell.currentWidget.content.widgets[arguments[0]].node"
+        ".querySelector('.progress-bar')",
+        30,
+        BACKGROUND,
+        what="the continued run's panel",
+    )
+    first, second = _advancing(lab, BACKGROUND)
+    assert first["button"] == "Stop" and first["buttonEnabled"]
+    assert "progress-bar-info" in first["barClass"]
+    assert second["step"] > first["step"] > 0
+    assert _stop_within_a_second(lab, BACKGROUND) < 1.0
+    runs = lab.run(RUNS)
+    assert re.search(r"exp_run\s+Digits\s+done\s+9/9", runs)
+    assert re.search(r"long_exp_run\s+Digits\s+stopped\s+\d+/30000", runs)
+
+    # Saved and reopened (a new kernel): the records are still there, no widget errors.
+    lab.save_and_close()
+    lab.open("tutorial.ipynb")
+    for cell, phase in ((TRAIN, "done"), (BACKGROUND, "stopped")):
+        shown = lab.panel(cell)
+        assert phase in shown["record"] and shown["images"] == 1, shown
+    page = lab.js("return nb.content.node.innerText;")
+    assert "Error displaying widget" not in page and "model not found" not in page
+    lab.screenshot("tutorial-reopened", lab.cell(TRAIN))
+    lab.save_and_close()
+
+
+def test_interrupt_button_stops_a_foreground_run_and_the_kernel_goes_on(lab):
+    lab.open("interrupt_and_edit.ipynb")
+    lab.run(EDIT_SETUP)
+    lab.run(EDIT_MODULE)
+    lab.run(EDIT_IMPORT)
+
+    lab.start(EDIT_TRAIN)  # 2000 epochs: press the interrupt button while it trains
+    lab.wait_for(
+        "(window.jupyterapp.shell.currentWidget.content.widgets[arguments[0]].node"
+        ".querySelector('.jp-OutputArea')?.innerText || '').match(/ step ([1-9]\\d{2,})/)",
+        60,
+        EDIT_TRAIN,
+        what="a few hundred steps",
+    )
+    lab.wait_for(_LIVE_CURVES, 30, EDIT_TRAIN, what="the live curves")
+    time.sleep(1.0)  # a few more epochs on the curves
+    training = lab.panel(EDIT_TRAIN)
+    assert training["widgets"] and training["button"] == "Interrupt ■ to stop"
+    assert not training["buttonEnabled"]  # a click would wait for the cell
+    lab.screenshot("interrupt-1-training", lab.cell(EDIT_TRAIN))
+
+    began = time.monotonic()
+    lab.click_interrupt()
+    lab.wait_done(EDIT_TRAIN, timeout=30)
+    assert time.monotonic() - began < 5
+    stopped = lab.panel(EDIT_TRAIN)
+    assert "stopped" in stopped["record"]
+    assert "interrupted; stopping training after the current step" in stopped["record"]
+    assert "Traceback" not in stopped["text"] and "KeyboardInterrupt" not in stopped["text"]
+    step = int(re.search(r"step (\d+)", stopped["record"]).group(1))
+    lab.screenshot("interrupt-2-stopped", lab.cell(EDIT_TRAIN))
+
+    report = lab.run(EDIT_REPORT)  # the kernel is alive and the handle says where it stopped
+    assert "stop reason: requested" in report and f"stopped at step {step}:" in report
+
+    lab.run(EDIT_SAVE)
+    retrained = lab.run(EDIT_RETRAIN)
+    assert "reloaded digits_edit_demo: changed Digits.loss" in retrained
+    assert "programs compiled for the edit: 2" in retrained
+    assert "done" in lab.panel(EDIT_RETRAIN)["record"]
+    lab.screenshot("interrupt-3-retrained", lab.cell(EDIT_RETRAIN))
+    lab.save_and_close()
+
+
+def test_without_chromium_the_browser_tests_skip_and_say_how_to_install_it(monkeypatch):
+    monkeypatch.setattr(browser, "CHROMIUM", "/nonexistent/chromium")
+    with pytest.raises(pytest.skip.Exception, match=r"make browser.*apt-get install chromium"):
+        require_browser()

@@ -1,0 +1,221 @@
+"""The live panel's life in a real kernel: setup, Stop, the static record, counts, resources."""
+
+from __future__ import annotations
+
+import ast
+import re
+import time
+
+from notebook_kernel import kernel_fixture  # noqa: F401 - provides the `kernel` fixture
+
+PANEL = "nitro_ipython.live_panel({})"
+
+
+def _wait_until(kernel, expression: str, accept=lambda value: value == "True", timeout=60):
+    """Poll `expression` (without running a cell) until `accept(its repr)`; returns the repr."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = kernel.eval(expression)
+        if accept(value):
+            return value
+        assert time.monotonic() < deadline, f"{expression} stayed {value}"
+        kernel.pump(0.1)
+
+
+def _click(kernel, model_id: str) -> None:
+    """A click on a button, sent the way a browser sends it."""
+    message = kernel.client.session.msg(
+        "comm_msg",
+        {"comm_id": model_id, "data": {"method": "custom", "content": {"event": "click"}}},
+    )
+    kernel.client.shell_channel.send(message)
+
+
+def _opened(cell, model: str) -> list[dict]:
+    """The initial states of the widgets of `model` (e.g. "ButtonModel") the cell opened."""
+    return [
+        m["content"]["data"]["state"]
+        for m in cell.messages
+        if m["msg_type"] == "comm_open" and m["content"]["data"]["state"]["_model_name"] == model
+    ]
+
+
+def _records(kernel, cell_id: str, mime: str = "text/html") -> list[str]:
+    """What replaced the panels of the cell `cell_id` (also after the cell ended)."""
+    return [
+        m["content"]["data"][mime]
+        for m in kernel.log
+        if m["msg_type"] == "update_display_data"
+        and m["parent_header"].get("msg_id") == cell_id
+        and mime in m["content"]["data"]
+    ]
+
+
+def _comms(kernel) -> int:
+    return int(kernel.eval("len(__import__('comm').get_comm_manager().comms)"))
+
+
+def test_a_first_run_shows_its_setup_then_leaves_a_record_and_closes_its_widgets(kernel):
+    before = _comms(kernel)
+    cell = kernel.run("rec = tiny_exp.Tiny(batches=5)\n%nitro train rec")
+
+    updates = [
+        m["content"]["data"]["state"].get("value", "")
+        for m in cell.messages
+        if m["msg_type"] == "comm_msg" and m["content"]["data"].get("method") == "update"
+    ]
+    assert "<b>setting up</b> &middot; the data, the model, the optimizer ..." in updates
+    assert "<b>setting up</b> &middot; building model ..." in updates  # the setup's phases
+
+    (record,) = cell.updates("text/html")
+    assert re.search(r"<b>done</b> &middot; epoch 1/1 &middot; step 5 &middot; loss [\d.]+", record)
+    summary, curves = cell.updates("text/plain")
+    assert summary.startswith("Tiny: done · epoch 1/1 · step 5") and curves == "[training curves]"
+    assert len(cell.updates("image/png")) == 1  # the final curves
+    assert _comms(kernel) == before  # every widget of the panel closed
+
+
+def test_the_stop_button_of_a_foreground_run_points_to_the_interrupt_button(kernel):
+    cell = kernel.run("fg = tiny_exp.Tiny(batches=30, delay=0.01)\n%nitro train fg")
+    (button,) = _opened(cell, "ButtonModel")
+    assert button["description"] == "Interrupt ■ to stop" and button["disabled"]
+    assert "interrupt button" in button["tooltip"]
+    enabled = [
+        m
+        for m in cell.messages
+        if m["msg_type"] == "comm_msg"
+        and m["content"]["data"].get("state", {}).get("disabled") is False
+    ]
+    assert not enabled  # never offered a click that would wait for the cell
+
+
+def test_a_continued_background_run_gets_a_panel_whose_stop_button_works(kernel):
+    kernel.run("cont = tiny_exp.Tiny(batches=20, delay=0.01, max_epochs=1000)")
+    first = kernel.run("%nitro train cont --background")
+    _wait_until(kernel, "cont_run.step > 25")
+    _click(
+        kernel, ast.literal_eval(kernel.eval(f"{PANEL.format('cont_run')}.stop_button.model_id"))
+    )
+    _wait_until(kernel, "cont_run.running", lambda value: value == "False")
+    kernel.pump(0.5)
+    assert any("<b>stopped</b>" in r for r in _records(kernel, first.msg_id))
+
+    again = kernel.run("%nitro train cont --background")  # continues the same handle
+    panel = PANEL.format("cont_run")
+    state = ast.literal_eval(
+        kernel.eval(
+            f"({panel}.stop_button.disabled, {panel}.stop_button.description, "
+            f"{panel}.progress.bar_style, cont_run.running)"
+        )
+    )
+    assert state == (False, "Stop", "info", True)
+    step = int(kernel.eval("cont_run.step"))
+    _wait_until(kernel, f"cont_run.step > {step + 10}")
+    _click(kernel, ast.literal_eval(kernel.eval(f"{panel}.stop_button.model_id")))
+    _wait_until(kernel, "cont_run.running", lambda value: value == "False")
+    assert kernel.eval("cont_run.stop_reason") == "'requested'"
+    kernel.pump(0.5)
+    (record,) = _records(kernel, again.msg_id)
+    assert "<b>stopped</b> &middot; epoch " in record and "/1000" in record
+
+
+def test_epoch_counts_agree_everywhere_and_the_stop_advice_resumes(kernel):
+    kernel.run("cnt = tiny_exp.Tiny(batches=5, delay=0.002, max_epochs=2)\n%nitro train cnt")
+    kernel.run("%nitro train cnt --epochs 1000 --background")
+    _wait_until(kernel, "cnt_run.epoch > 3")
+    stop = kernel.run("%nitro stop cnt_run").stdout
+    assert "`%nitro train cnt_run` resumes it" in stop
+    epoch = int(kernel.eval("cnt_run.epoch"))
+    counted = f"{epoch}/1002"
+    assert f"epoch {counted}," in kernel.run("%nitro status cnt_run").stdout
+    assert re.search(rf"cnt_run +Tiny +stopped +{counted}", kernel.run("%nitro runs").data()[-1])
+    assert f"epoch {counted}," in kernel.eval("repr(cnt_run)")
+    assert f"epoch {counted} " in kernel.eval(f"{PANEL.format('cnt_run')}.status.value").replace(
+        " &middot;", ""
+    )
+
+    kernel.run("%nitro train cnt_run --background")  # the advice works: it resumes
+    assert ast.literal_eval(kernel.eval("(cnt_run.running, cnt_run.target_epoch)")) == (True, 1002)
+    kernel.run("%nitro stop cnt_run")
+
+
+def test_steps_per_second_follows_each_run_and_agrees_with_the_history(kernel):
+    rates = {}
+    for name, delay in (("fast", 0.004), ("slow", 0.012)):
+        kernel.run(
+            f"{name} = tiny_exp.Tiny(batches=40, delay={delay}, max_epochs=4)\n%nitro train {name}"
+        )
+        status = kernel.run(f"%nitro status {name}_run").stdout
+        rates[name] = float(re.search(r"([\d.]+) steps/s", status).group(1))
+        history = ast.literal_eval(
+            kernel.eval(f"{name}_run.history()[['step', 'epoch_seconds']].values.tolist()")
+        )
+        (_, first), *later = history  # the first epoch's time includes the compile
+        steps = history[-1][0] - history[0][0]
+        expected = steps / sum(seconds for _, seconds in later)
+        assert abs(rates[name] / expected - 1) < 0.10, (name, rates[name], expected)
+    assert rates["fast"] > 1.5 * rates["slow"]
+
+
+def test_notebook_commands_during_a_background_run_answer_in_one_line(kernel):
+    kernel.run("busy = tiny_exp.Tiny(batches=20, delay=0.005, max_epochs=30)")
+    kernel.run("%nitro train busy --background")
+    refused = kernel.run("%nitro validate busy_run", check=False)
+    assert refused.reply["content"]["ename"] == "UsageError"
+    assert refused.reply["content"]["traceback"] == []  # no traceback, one line
+    assert "`%nitro stop busy_run`" in refused.error and "`%nitro wait busy_run`" in refused.error
+    waited = kernel.run("%nitro wait busy_run").stdout
+    assert waited.startswith("busy_run (Tiny): done, epoch 30/30")
+    assert "val_loss" in kernel.run("%nitro validate busy_run").data()[-1]
+    predicted = kernel.run("%nitro predict busy_run")  # compiles: a note, not an error
+    assert "nitro: compiling predict" in predicted.stdout and predicted.stderr == ""
+
+
+def test_cache_shows_tables_and_a_cell_class_shows_its_field_docs(kernel):
+    cache = kernel.run("%nitro cache").data("text/html")[-1]
+    assert cache.count("<table>") == 2 and "why each program compiled" in cache
+    assert re.search(r"<td[^>]*>train step</td>", cache)
+
+    fields = kernel.run(
+        """
+        @nitro.experiment
+        class Documented(tiny_exp.Tiny):
+            rate: float = 0.1
+            "how fast it learns"
+
+            def loss(self, logits, *, y):
+                return super().loss(logits, y=y)
+
+        nitro.fields(Documented)["doc"].to_dict()
+        """
+    ).data()[-1]
+    assert ast.literal_eval(fields)["rate"] == "how fast it learns"
+
+
+def test_two_hundred_runs_leave_no_widgets_threads_or_memory_behind(kernel):
+    """A kernel that trains many times keeps no panels, curve threads or figures behind."""
+    measure = (
+        "(len(__import__('comm').get_comm_manager().comms), __import__('threading').active_count(),"
+        " int(open('/proc/self/statm').read().split()[1]) * __import__('os').sysconf('SC_PAGESIZE'))"
+    )
+    hundred = """
+        for _ in range(50):
+            many.train(epochs=1)                        # the same handle again
+            nitro.Nitro(tiny_exp.Tiny(batches=2)).train()  # a new handle each time
+        """
+    kernel.run(
+        """
+        many = nitro.Nitro(tiny_exp.Tiny(batches=2))
+        for _ in range(10):  # warm up: programs, fonts, caches
+            many.train(epochs=1)
+            nitro.Nitro(tiny_exp.Tiny(batches=2)).train()
+        """
+    )
+    start = ast.literal_eval(kernel.eval(measure))
+    kernel.run(hundred, timeout=600)
+    middle = ast.literal_eval(kernel.eval(measure))
+    kernel.run(hundred, timeout=600)
+    end = ast.literal_eval(kernel.eval(measure))
+    assert start[:2] == middle[:2] == end[:2]  # widgets (their comms) and threads
+    grown = (end[2] - middle[2]) / 1e6  # the second hundred, once caches are warm
+    assert grown < 20, f"{grown:.0f} MB more over 100 runs"
