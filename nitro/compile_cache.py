@@ -32,6 +32,7 @@ __all__ = [
     "cache_reset",
     "cache_stats",
     "explain_compiles",
+    "record_compile",
     "set_compilation_cache",
 ]
 
@@ -394,6 +395,18 @@ def cache_reset() -> None:
 def explain_compiles() -> CompileLog:
     """Every compile so far: the program, its experiment, the time it took and why it missed."""
     return CompileLog(CACHE.log)
+
+
+def record_compile(program: str, owner: str, seconds: float, reason: str) -> CompileRecord:
+    """Add work compiled outside the program cache (an export, say) to the compile log, so
+    `explain_compiles()` lists it too; cache hits and misses do not change.
+
+    >>> record_compile("export", "my.Experiment", 0.05, "outside the program cache")  # doctest: +SKIP
+    """
+    record = CompileRecord(program, owner, seconds, reason, time.time())
+    with CACHE._lock:
+        CACHE.log.append(record)
+    return record
 
 
 # ---------------------------------------------------------------------------------------------

@@ -322,6 +322,21 @@ class Nitro:
             return chunks[0]
         return jax.tree.map(lambda *parts: np.concatenate(parts, axis=0), *chunks)
 
+    def export(
+        self, directory: str, name: str | None = None, *, platforms: tuple[str, ...] | None = None
+    ) -> dict[str, Any]:
+        """Write the current weights and eval-mode forward as a bundle that runs without Nitro
+        (`nitro.bundle.load(directory)`) and serves with `nitro serve`; returns its manifest.
+
+        `name` names the bundle (default: the experiment class, lower case); `platforms`
+        defaults to cpu, cuda, rocm and tpu. See docs/export.md.
+        """
+        from .export import DEFAULT_PLATFORMS, export_handle
+
+        self._check_stale("export")
+        self._guard("export")
+        return export_handle(self, directory, name, platforms=platforms or DEFAULT_PLATFORMS)
+
     def set_device(self, **values: Any) -> Nitro:
         """Change Device fields on the live handle; never recompiles."""
         for name, value in values.items():
