@@ -16,7 +16,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     serve_parser = commands.add_parser(
         "serve",
         help="serve exported bundles over the Open Inference Protocol (REST and gRPC)",
-        description=serve.__doc__.split("\n")[0],
+        description=serve.DESCRIPTION,
     )
     serve.add_arguments(serve_parser)
     args = parser.parse_args(argv)

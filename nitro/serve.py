@@ -13,7 +13,12 @@ import argparse
 import sys
 from collections.abc import Sequence
 
-__all__ = ["add_arguments", "main"]
+__all__ = ["DESCRIPTION", "add_arguments", "main"]
+
+DESCRIPTION = (
+    "Serve exported bundles over the Open Inference Protocol (KServe V2), REST and gRPC, with "
+    "KServe's model server. Binds 127.0.0.1 unless --host says otherwise."
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -53,7 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "python -m nitro.serve") -> None:
-    parser = add_arguments(argparse.ArgumentParser(prog=prog, description=__doc__.split("\n")[0]))
+    parser = add_arguments(argparse.ArgumentParser(prog=prog, description=DESCRIPTION))
     run(parser.parse_args(argv), parser)
 
 

@@ -178,10 +178,9 @@ class BundleModel(kserve.Model):
             )
             if not valid:
                 raise InvalidInput(f"input {item.name!r} must be {want}; got shape {shape!r}")
-            rows = shape[0] if spec.shape[:1] == (bundles.BATCH,) else 1
-            if not 1 <= rows <= self.max_batch:
+            if not 1 <= shape[0] <= self.max_batch:
                 raise InvalidInput(
-                    f"input {item.name!r} has {rows} rows; this server takes 1 to "
+                    f"input {item.name!r} has {shape[0]} rows; this server takes 1 to "
                     f"{self.max_batch} per request (nitro serve --max-batch)"
                 )
             try:
@@ -198,19 +197,14 @@ class BundleModel(kserve.Model):
             checked = current.check_inputs(arrays)
         except bundles.BundleError as error:
             raise InvalidInput(str(error)) from None
-        batched = [
-            v.shape[0]
-            for s, v in zip(current.inputs, checked.values())
-            if s.shape[:1] == (bundles.BATCH,)
-        ]
-        return checked, (batched[0] if batched else 1)
+        return checked, next(iter(checked.values())).shape[0]  # inputs share a batch axis
 
 
 class BundleRepository(ModelRepository):
     """The served bundles; `load(name)` (the model repository API) re-reads one from disk."""
 
     def __init__(self, models: Sequence[BundleModel]):
-        super().__init__(models_dir=os.getcwd())
+        super().__init__()
         self.directories: dict[str, str] = {}
         for model in models:
             if model.name in self.directories:
