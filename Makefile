@@ -9,7 +9,7 @@ STAMP  := $(VENV)/.nitro-installed
 $(STAMP): pyproject.toml
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[notebook,examples,agents,dev]"
+	$(PY) -m pip install --quiet -e ".[notebook,examples,agents,dev,serve]"
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	@touch $(STAMP)
 

@@ -251,28 +251,33 @@ class CheckpointStore:
         self.failures: list[str] = []
         _OPEN.add(self)
 
-    def _open(self):
+    def _open(self, ranked: bool = True):
+        """The manager. `ranked`: this run produces the metric, so orbax records it with each
+        step and keeps the best k by it plus the newest; a run without it (no 'val' split for
+        'val_loss') keeps the newest only."""
         if self._manager is None:
             import orbax.checkpoint as ocp
             from orbax.checkpoint import checkpoint_managers as managers
 
             config = self.config
             metric = config.metric
-            policy = managers.AnyPreservationPolicy(
-                [
-                    managers.LatestN(n=1),
+            keep = [managers.LatestN(n=1)]
+            ranking = {}
+            if ranked:
+                keep.append(
                     managers.BestN(
                         get_metric_fn=lambda m: m[metric],
                         reverse=config.mode == "min",
                         n=config.k,
                         keep_checkpoints_without_metrics=False,
-                    ),
-                ]
-            )
+                    )
+                )
+                ranking = {"best_fn": lambda m: m[metric], "best_mode": config.mode}
             options = ocp.CheckpointManagerOptions(
-                preservation_policy=policy,
+                preservation_policy=managers.AnyPreservationPolicy(keep),
                 enable_async_checkpointing=True,
                 cleanup_tmp_directories=True,
+                **ranking,
             )
             self._manager = ocp.CheckpointManager(
                 self.directory, options=options, item_names=("state", "meta")
@@ -299,7 +304,7 @@ class CheckpointStore:
         )
         with self._lock:
             try:
-                manager = self._open()
+                manager = self._open(ranked=metrics is not None)
                 if step in manager.all_steps():  # saved already (a run ending at a boundary)
                     return
                 with _exclusive(manager):

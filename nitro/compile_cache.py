@@ -45,6 +45,7 @@ __all__ = [
     "cache_reset",
     "cache_stats",
     "explain_compiles",
+    "record_compile",
     "set_compilation_cache",
 ]
 
@@ -56,6 +57,7 @@ class ProgramKind(enum.StrEnum):
     EVAL_FORWARD = "eval forward"  # forward (+ loss) on an evaluation batch
     PREDICT = "predict"  # forward alone
     DEVICE_METRICS = "device metrics"  # a metrics hook traced on device
+    EXPORT = "export"  # jax.export of forward: outside the cache, listed in its compile log
 
     def __str__(self) -> str:
         return self.value
@@ -502,3 +504,15 @@ def explain_compiles() -> CompileLog:
     """Every compile so far: the program, its experiment, the time it took and why it missed."""
     with CACHE._lock:
         return CompileLog(CACHE.log)
+
+
+def record_compile(program: str, owner: str, seconds: float, reason: str) -> CompileRecord:
+    """Add work compiled outside the program cache (an export, say) to the compile log, so
+    `explain_compiles()` lists it too; cache hits and misses do not change.
+
+    >>> record_compile("export", "my.Experiment", 0.05, "outside the program cache")  # doctest: +SKIP
+    """
+    record = CompileRecord(program, owner, seconds, reason, time.time())
+    with CACHE._lock:
+        CACHE.log.append(record)
+    return record

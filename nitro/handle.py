@@ -102,6 +102,7 @@ class Nitro:
         self._run: Run | None = None
         self._stop_reason: str | None = None
         self._error: BaseException | None = None
+        self._checkpoint: dict[str, Any] | None = None
         self._serving_width: int | None = None
         self._stale_seen: str | None = None
         self._stale_checked = (edit_generation(), 0.0)
@@ -115,10 +116,19 @@ class Nitro:
         self._files = RunFiles.plan(self._setup, self._events)
         if self._logging is not None:
             self._files.logger_state = self._logging.logger.state
+        self._checkpoint = self._setup.model.weights_checkpoint
         if self._files.resume_from is not None:
             with events_module.using(self._events):
                 meta = self._files.restore(self._setup, self._state, self._events)
             self._reattach_logger(meta)
+            directory, step = self._files.resume_from
+            self._checkpoint = {
+                "path": str(directory / str(step)),
+                "run_id": meta.get("run_id"),
+                "step": step,
+                "epoch": meta.get("epoch"),
+                "metrics": meta.get("metrics"),
+            }
         self._target_epoch = max(self._setup.max_epochs, self._state.epoch)
         self._events.phase("ready")
 
@@ -240,6 +250,12 @@ class Nitro:
     @property
     def param_count(self) -> int:
         return self._setup.model.param_count
+
+    @property
+    def weights_checkpoint(self) -> dict[str, Any] | None:
+        """The checkpoint the current weights came from (path, run id, step, epoch, metrics):
+        `weights=` a checkpoint, `resume=`, or `restore_best()`; None otherwise."""
+        return self._checkpoint
 
     @property
     def weights_origin(self) -> str:
@@ -534,6 +550,21 @@ class Nitro:
             chunks.append(jax.tree.map(lambda a, k=keep: np.asarray(a)[:k], outputs))
         return chunks
 
+    def export(
+        self, directory: str, name: str | None = None, *, platforms: tuple[str, ...] | None = None
+    ) -> dict[str, Any]:
+        """Write the current weights and eval-mode forward as a bundle that runs without Nitro
+        (`nitro.bundle.load(directory)`) and serves with `nitro serve`; returns its manifest.
+
+        `name` names the bundle (default: the experiment class, lower case); `platforms`
+        defaults to cpu, cuda, rocm and tpu. See docs/export.md.
+        """
+        from .export import DEFAULT_PLATFORMS, export_handle
+
+        self._check_stale("export")
+        with self._guard.hold("exporting"):
+            return export_handle(self, directory, name, platforms=platforms or DEFAULT_PLATFORMS)
+
     # ------------------------------------------------------------------------------------------
     # Device fields
 
@@ -631,7 +662,7 @@ class Nitro:
                 self._files.store.wait()
             source = CheckpointWeights((str(self._files.run_dir), "best"))
             params, rest = self._trees()
-            params, rest, origin = source.resolve(params, rest)
+            params, rest, origin, self._checkpoint = source.resolve(params, rest)
             place = self._setup.placement.put_replicated
             self._state.variables = dataclasses.replace(
                 self._state.variables,

@@ -58,6 +58,7 @@ class ModelSetup:
     leaf_paths: Mapping[str, tuple[str, ...]]  # "parameter", ... -> dotted leaf paths
     param_count: int
     weights_origin: str  # "build_model", or where `weights=` came from
+    weights_checkpoint: Mapping[str, Any] | None = None  # when they came from a checkpoint
 
 
 @dataclasses.dataclass(frozen=True)

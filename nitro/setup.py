@@ -136,7 +136,8 @@ def build(
         model=ModelSetup(
             **model,
             param_count=int(sum(np.size(x) for x in jax.tree.leaves(params))),
-            weights_origin=origin,
+            weights_origin=origin[0],
+            weights_checkpoint=origin[1],
         ),
         optimizer=optimizer,
         schedules=tuple(schedules),
@@ -278,10 +279,10 @@ def _build_model(instance: Any, seed: int, weights: Any, events: Events):
     model.eval()
     graphdef_eval, _, _ = nnx.split(model, nnx.Param, ...)
     model.train()
-    origin = "build_model"
+    origin, checkpoint = "build_model", None
     if weights is not None:
-        params, rest, origin = weights.resolve(params, rest)
-    return (graphdef_train, graphdef_eval), params, rest, origin
+        params, rest, origin, checkpoint = weights.resolve(params, rest)
+    return (graphdef_train, graphdef_eval), params, rest, (origin, checkpoint)
 
 
 def _build_optimizer(keywords, splits, params, placement):

@@ -36,14 +36,16 @@ class WeightsSource:
     model_state: Any
     origin: str
 
-    def resolve(self, params: Any, model_state: Any) -> tuple[Any, Any, str]:
-        """(parameters, model state, origin) shaped like the given model's, copied."""
+    def resolve(self, params: Any, model_state: Any) -> tuple[Any, Any, str, None]:
+        """(parameters, model state, origin, checkpoint: None) shaped like the given
+        model's, copied."""
         check_same_tree("parameters", params, self.params)
         check_same_tree("model state", model_state, self.model_state)
         return (
             jax.tree.map(copy_array, self.params),
             jax.tree.map(copy_array, self.model_state),
             self.origin,
+            None,
         )
 
 
@@ -53,7 +55,9 @@ class CheckpointWeights:
 
     source: Any
 
-    def resolve(self, params: Any, model_state: Any) -> tuple[Any, Any, str]:
+    def resolve(self, params: Any, model_state: Any) -> tuple[Any, Any, str, dict[str, Any]]:
+        """(parameters, model state, origin, the checkpoint's step, epoch, metrics, run id
+        and path)."""
         from .checkpoints import leaves_from, read_checkpoint, resolve_checkpoint
 
         directory, step = resolve_checkpoint(self.source)
@@ -71,7 +75,14 @@ class CheckpointWeights:
             f"checkpoint {directory.parent.name or directory}/step {step} (epoch "
             f"{meta.get('epoch')})"
         )
-        return restored[0], restored[1], origin
+        checkpoint = {
+            "path": str(directory / str(step)),
+            "run_id": meta.get("run_id"),
+            "step": step,
+            "epoch": meta.get("epoch"),
+            "metrics": meta.get("metrics"),
+        }
+        return restored[0], restored[1], origin, checkpoint
 
 
 def leaf_paths(tree: Any) -> tuple[str, ...]:

@@ -100,6 +100,12 @@ class NitroMagics(Magics):
         "_nitro); export: a directory; mcp: start or stop",
     )
     @magic_arguments.argument(
+        "--run", "-r", help="export: the handle to export (default: the latest, _nitro)"
+    )
+    @magic_arguments.argument(
+        "--name", help="export: the bundle's name (default: the experiment class, lower case)"
+    )
+    @magic_arguments.argument(
         "--epochs", "-e", type=int, help="train this many more epochs (default: to max_epochs)"
     )
     @magic_arguments.argument(
@@ -150,7 +156,9 @@ class NitroMagics(Magics):
                                  such as by an agent)
         %nitro cache             compile cache statistics and why each program compiled
         %nitro bind [RUN]        where every value of the run came from
-        %nitro export DIR        not available yet
+        %nitro export DIR [--run RUN] [--name NAME]
+            write RUN's current weights and eval-mode forward as a bundle that runs without
+            Nitro (nitro.bundle.load(DIR)) and serves with `nitro serve DIR`
         %nitro mcp start [--port P]
             serve this kernel's runs to a coding agent over MCP (loopback only; prints a
             token once and client configuration); `%nitro mcp stop` stops serving,
@@ -432,10 +440,16 @@ class NitroMagics(Magics):
         else:
             raise UsageError(f"%nitro mcp takes start or stop, got {args.target!r}")
 
-    def _export(self, args):
-        raise UsageError(
-            "%nitro export is not available yet: this version of nitro has no export API. "
-            "In the notebook, `%nitro predict` and `handle.predict(batch)` serve predictions."
+    def _export(self, args) -> None:
+        if args.target is None:
+            raise UsageError("%nitro export needs a directory: %nitro export exports/digits")
+        name, handle = self._handle(args.run, "export")
+        manifest = handle.export(args.target, name=args.name)
+        wire = ", ".join(f"{i['name']} {i['dtype']}{i['shape']}" for i in manifest["inputs"])
+        print(
+            f"nitro: exported {name} (step {handle.step}) to {args.target} as bundle "
+            f"{manifest['name']!r} ({wire}); load it with nitro.bundle.load({args.target!r}) or "
+            f"serve it with `nitro serve {args.target}`"
         )
 
 

@@ -364,3 +364,13 @@ def test_a_handle_keeps_its_hooks_when_they_are_patched_in_place(fresh_cache):
     outputs = old.predict({"x": X[:4]})  # compiled now, from the hook it froze
     assert np.abs(outputs).sum() > 0
     assert np.abs(nitro.Nitro(cls(), progress=False).predict({"x": X[:4]})).sum() == 0
+
+
+def test_record_compile_logs_work_outside_the_cache_without_counting_a_miss(fresh_cache):
+    from nitro.compile_cache import record_compile
+
+    record = record_compile("export", "my.Experiment", 0.25, "outside the program cache")
+    assert nitro.explain_compiles()[-1] == record
+    assert str(record) == "export [my.Experiment] 0.25 s: outside the program cache"
+    stats = nitro.cache_stats()
+    assert (stats.hits, stats.misses, stats.entries) == (0, 0, 0)

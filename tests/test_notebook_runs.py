@@ -43,8 +43,8 @@ def test_load_ext_registers_the_magic_with_help(kernel):
     missing = kernel.run("%nitro train nothing_here", check=False)
     assert "no variable named 'nothing_here'" in missing.error
 
-    export = kernel.run("%nitro export /tmp/somewhere", check=False)
-    assert "not available yet" in export.error
+    export = kernel.run("%nitro export", check=False)
+    assert "%nitro export needs a directory" in export.error
 
 
 def test_interrupt_stops_a_foreground_run_and_train_resumes_it(kernel):
@@ -173,3 +173,25 @@ def test_fresh_starts_from_new_weights_and_a_finished_run_says_how_to_continue(k
     refused = kernel.run("short.width = 16\n%nitro train short", check=False)
     assert "the weights of short_run do not fit the new Tiny model" in refused.error
     assert "Add --fresh" in refused.error
+
+
+def test_export_writes_a_bundle_of_the_latest_run_that_matches_predict(kernel, tmp_path):
+    target = tmp_path / "tiny"
+    kernel.run("bundled = tiny_exp.Tiny(batches=4)\n%nitro train bundled")
+    cell = kernel.run(f"%nitro export {target} --name tiny-net")
+    assert f"nitro: exported bundled_run (step 4) to {target} as bundle 'tiny-net'" in cell.stdout
+    assert f"serve it with `nitro serve {target}`" in cell.stdout
+    kernel.run(
+        "import numpy as np, nitro.bundle\n"
+        "probe = np.ones((3, 4), np.float32)\n"
+        f"served = nitro.bundle.load({str(target)!r})(x=probe)['output']"
+    )
+    assert (
+        kernel.eval("bool(np.abs(served - bundled_run.predict({'x': probe})).max() < 1e-6)")
+        == "True"
+    )
+    assert sorted(p.name for p in target.iterdir()) == [
+        "manifest.json",
+        "program.jaxexport",
+        "weights.safetensors",
+    ]

@@ -1,0 +1,200 @@
+"""Serving throughput: `nitro serve` on loopback against calling the same bundle in-process.
+
+Exports the digits MLP (64-256-256-10), starts `python -m nitro.serve` on free loopback ports,
+and drives it with Triton's clients (`tritonclient`): `--clients` threads, each with its own
+client, send `--requests` requests in all (after a short warm-up) for each protocol and batch
+size. Prints p50 and p99 latency, requests/s, rows/s and the error count, and the ratio of the
+served requests/s to calls/s of the loaded bundle called in this process, one call at a time,
+on the same batches. Clients, server and baseline share this machine's cores.
+
+    python bench/serve.py [--clients 16] [--requests 2000] [--batches 1,32] [--protocols http,grpc]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+import numpy as np
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def export_digits(directory: str) -> None:
+    import nitro
+    from nitro.examples.digits import Digits
+
+    nitro.Nitro(Digits(), seed=0, progress=False).export(directory, name="digits")
+
+
+def start_server(directory: str, log) -> tuple[subprocess.Popen, int, int]:
+    import tritonclient.http as http_client
+
+    port, grpc_port = free_port(), free_port()
+    process = subprocess.Popen(
+        [sys.executable, "-m", "nitro.serve", directory, "--port", str(port)]
+        + ["--grpc-port", str(grpc_port), "--log-level", "error"],
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    client = http_client.InferenceServerClient(f"127.0.0.1:{port}")
+    deadline = time.monotonic() + 120
+    while True:
+        if process.poll() is not None:
+            raise RuntimeError("the server exited; see its log")
+        try:
+            if client.is_server_ready():
+                return process, port, grpc_port
+        except Exception:  # noqa: BLE001 - not listening yet
+            pass
+        if time.monotonic() > deadline:
+            raise RuntimeError("the server did not become ready in 120 s")
+        time.sleep(0.1)
+
+
+def make_caller(protocol: str, port: int, grpc_port: int, x: np.ndarray):
+    """A function sending one request with `x`, for one thread."""
+    if protocol == "http":
+        import tritonclient.http as module
+
+        client = module.InferenceServerClient(f"127.0.0.1:{port}")
+    else:
+        import tritonclient.grpc as module
+
+        client = module.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+    tensor = module.InferInput("x", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    wanted = [module.InferRequestedOutput("output")]
+
+    def call():
+        return client.infer("digits", [tensor], outputs=wanted).as_numpy("output")
+
+    return call
+
+
+def load(protocol, port, grpc_port, x, clients: int, requests: int, max_seconds: float):
+    """Latencies (s), errors and wall time of `requests` requests from `clients` threads."""
+    remaining = [requests]
+    lock = threading.Lock()
+    latencies: list[float] = []
+    errors: list[str] = []
+    deadline = time.monotonic() + max_seconds
+
+    def worker():
+        call = make_caller(protocol, port, grpc_port, x)
+        for _ in range(3):  # warm up this client's connection
+            call()
+        mine = []
+        while time.monotonic() < deadline:
+            with lock:  # one counter shared by all threads bounds the total
+                if remaining[0] == 0:
+                    break
+                remaining[0] -= 1
+            start = time.perf_counter()
+            try:
+                call()
+                mine.append(time.perf_counter() - start)
+            except Exception as error:  # noqa: BLE001 - counted and reported
+                errors.append(f"{type(error).__name__}: {error}")
+        with lock:
+            latencies.extend(mine)
+
+    threads = [threading.Thread(target=worker) for _ in range(clients)]
+    start = time.perf_counter()
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    return latencies, errors, time.perf_counter() - start
+
+
+def in_process_rate(bundle, x: np.ndarray, seconds: float = 2.0) -> float:
+    for _ in range(20):
+        bundle(x=x)
+    calls, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        bundle(x=x)
+        calls += 1
+    return calls / (time.perf_counter() - start)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--clients", type=int, default=16)
+    parser.add_argument("--requests", type=int, default=2000)
+    parser.add_argument("--batches", default="1,32")
+    parser.add_argument("--protocols", default="http,grpc")
+    parser.add_argument("--max-seconds", type=float, default=120.0, help="per configuration")
+    args = parser.parse_args(argv)
+
+    import nitro.bundle
+
+    rows = []
+    with tempfile.TemporaryDirectory() as root:
+        directory = os.path.join(root, "digits")
+        export_digits(directory)
+        bundle = nitro.bundle.load(directory)
+        with open(os.path.join(root, "server.log"), "w") as log:
+            process, port, grpc_port = start_server(directory, log)
+            try:
+                print(
+                    f"digits MLP bundle, {args.clients} clients, {args.requests} requests per "
+                    f"row, loopback, {os.cpu_count()} cores shared by clients and server"
+                )
+                print(
+                    f"{'protocol':>8} {'batch':>5} {'p50 ms':>7} {'p99 ms':>7} {'req/s':>7} "
+                    f"{'rows/s':>8} {'errors':>6} {'in-process calls/s':>18} {'served/in-process':>17}"
+                )
+                for batch in [int(b) for b in args.batches.split(",")]:
+                    x = np.random.default_rng(batch).normal(size=(batch, 64)).astype(np.float32)
+                    baseline = in_process_rate(bundle, x)
+                    for protocol in args.protocols.split(","):
+                        latencies, errors, seconds = load(
+                            protocol, port, grpc_port, x, args.clients, args.requests,
+                            args.max_seconds,
+                        )  # fmt: skip
+                        done = len(latencies)
+                        q = statistics.quantiles(latencies, n=100) if done > 1 else [0.0] * 99
+                        row = {
+                            "protocol": protocol,
+                            "batch": batch,
+                            "p50_ms": 1e3 * q[49],
+                            "p99_ms": 1e3 * q[98],
+                            "requests_per_s": done / seconds,
+                            "errors": len(errors),
+                            "completed": done,
+                            "in_process_calls_per_s": baseline,
+                        }
+                        row["ratio"] = row["requests_per_s"] / baseline
+                        rows.append(row)
+                        print(
+                            f"{protocol:>8} {batch:>5} {row['p50_ms']:7.2f} {row['p99_ms']:7.2f} "
+                            f"{row['requests_per_s']:7.0f} {row['requests_per_s'] * batch:8.0f} "
+                            f"{len(errors):>6} {baseline:18.0f} {row['ratio']:17.3f}"
+                        )
+                        if errors:
+                            print(f"         first error: {errors[0]}")
+                        if done + len(errors) < args.requests:
+                            print(f"         stopped after {args.max_seconds:.0f} s: {done} done")
+            finally:
+                process.terminate()
+                try:
+                    process.wait(timeout=20)
+                except subprocess.TimeoutExpired:
+                    process.kill()
+    return rows
+
+
+if __name__ == "__main__":
+    main()

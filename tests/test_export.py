@@ -1,0 +1,350 @@
+"""Export: a handle becomes a bundle that runs with JAX, NumPy and safetensors alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from toys import Toy, X
+
+import nitro
+import nitro.bundle
+from nitro.export import ExportError
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RNG = np.random.default_rng(1)
+
+
+def batch(rows: int) -> np.ndarray:
+    return RNG.normal(size=(rows, 5)).astype(np.float32)
+
+
+@nitro.experiment
+class Pixels(Toy):
+    """Takes uint8 pixels on the wire, scales them in the bundle, returns float16 logits."""
+
+    def export_inputs(self):
+        return {"pixels": jax.ShapeDtypeStruct((5,), jnp.uint8)}
+
+    def export_preprocess(self, *, pixels):
+        return {"x": pixels.astype(jnp.float32) / 255.0}
+
+    def export_outputs(self):
+        return {"logits": "float16"}
+
+
+@nitro.experiment
+class Doubled(Toy):
+    def export_preprocess(self, *, x):  # the wire input takes its dtype and shape from the data
+        return {"x": x * 2.0}
+
+
+@nitro.experiment
+class Declared(Toy):
+    def export_inputs(self):
+        return {"x": jax.ShapeDtypeStruct((5,), jnp.float32)}
+
+
+@nitro.experiment
+class FixedBatch(Toy):
+    def forward(self, model, *, x):
+        return model(x.reshape(16, 5))
+
+
+@nitro.experiment
+class TwoOutputs(Toy):
+    def export_outputs(self):
+        return {"a": None, "b": None}
+
+
+@pytest.fixture(scope="module")
+def trained():
+    n = nitro.Nitro(Toy(), seed=0, progress=False)
+    n.train()
+    return n
+
+
+@pytest.fixture(scope="module")
+def exported(trained, tmp_path_factory):
+    directory = tmp_path_factory.mktemp("bundles") / "toy"
+    trained.export(str(directory))
+    return directory
+
+
+def test_a_bundle_loads_without_nitro_flax_or_optax_and_matches_predict(
+    trained, exported, tmp_path
+):
+    for rows in (1, 7, 300):
+        np.save(tmp_path / f"in{rows}.npy", batch(rows))
+    child = textwrap.dedent(
+        f"""
+        import json, sys
+        import numpy as np
+        import nitro.bundle
+        model = nitro.bundle.load({str(exported)!r})
+        for rows in (1, 7, 300):
+            x = np.load({str(tmp_path)!r} + f"/in{{rows}}.npy")
+            np.save({str(tmp_path)!r} + f"/out{{rows}}.npy", model(x=x)["output"])
+        roots = ("flax", "optax", "orbax", "nitro")
+        print(json.dumps(sorted(m for m in sys.modules if m.split(".")[0] in roots)))
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", child], capture_output=True, text=True, timeout=120, cwd=HERE
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads(done.stdout) == ["nitro", "nitro.bundle"]
+    for rows in (1, 7, 300):
+        x = np.load(tmp_path / f"in{rows}.npy")
+        served = np.load(tmp_path / f"out{rows}.npy")
+        assert served.shape == (rows, 2)
+        np.testing.assert_allclose(served, trained.predict({"x": x}), rtol=0, atol=1e-6)
+
+
+def test_the_manifest_records_the_wire_device_values_and_provenance(trained, exported):
+    manifest = json.loads((exported / "manifest.json").read_text())
+    assert (manifest["format"], manifest["format_version"], manifest["name"]) == (
+        "nitro-bundle",
+        1,
+        "toy",
+    )
+    assert manifest["inputs"] == [{"name": "x", "dtype": "float32", "shape": [-1, 5]}]
+    assert manifest["outputs"] == [{"name": "output", "dtype": "float32", "shape": [-1, 2]}]
+    assert manifest["device_values"] == {"scale": 1.0}
+    assert manifest["program"]["platforms"] == ["cpu", "cuda", "rocm", "tpu"]
+    assert manifest["weights"] == {"tensors": 4, "elements": trained.param_count}
+    provenance = manifest["provenance"]
+    assert provenance["experiment"] == "toys.Toy"
+    assert provenance["graphconst"] == {"width": 8, "offset": 0.0}
+    assert (provenance["seed"], provenance["step"], provenance["epoch"]) == (0, 8, 2)
+    assert provenance["versions"] == {"nitro": nitro.__version__, "jax": jax.__version__}
+    assert len(provenance["git_commit"]) == 40 and isinstance(provenance["git_dirty"], bool)
+    assert provenance["run_id"] == trained.run_id
+    assert provenance["checkpoint"] is None  # its weights came from build_model and training
+    assert sorted(os.listdir(exported)) == [
+        "manifest.json",
+        "program.jaxexport",
+        "weights.safetensors",
+    ]
+
+
+def test_weights_are_arguments_of_the_program_not_constants(tmp_path):
+    sizes = {}
+    for width in (8, 2048):
+        n = nitro.Nitro(Toy(width=width), progress=False)
+        n.export(str(tmp_path / str(width)))
+        sizes[width] = [
+            os.path.getsize(tmp_path / str(width) / f)
+            for f in ("program.jaxexport", "weights.safetensors")
+        ]
+    assert abs(sizes[2048][0] - sizes[8][0]) < 200  # the program does not grow with the model
+    assert sizes[2048][1] - sizes[8][1] >= (2048 - 8) * (5 + 1 + 2) * 4
+
+
+def test_export_compiles_outside_the_program_cache_and_says_so(trained, tmp_path, fresh_cache):
+    trained.export(str(tmp_path / "logged"))
+    stats = nitro.cache_stats()
+    assert (stats.misses, stats.entries) == (0, 0)
+    record = nitro.explain_compiles()[-1]
+    assert (record.program, record.owner) == ("export", "toys.Toy")
+    assert (
+        "outside the program cache" in record.reason and str(tmp_path / "logged") in record.reason
+    )
+
+
+def test_an_untrained_handle_exports_the_weights_build_model_made(tmp_path):
+    n = nitro.Nitro(Toy(), seed=3, progress=False)
+    n.export(str(tmp_path / "fresh"), name="fresh-toy")
+    model = nitro.bundle.load(tmp_path / "fresh")
+    x = batch(9)
+    assert model.name == "fresh-toy" and model.manifest["provenance"]["step"] == 0
+    np.testing.assert_allclose(model(x=x)["output"], n.predict({"x": x}), atol=1e-6)
+
+
+def test_a_device_field_is_frozen_into_the_bundle(trained, tmp_path):
+    n = nitro.Nitro(Toy(), weights=trained, progress=False).set_device(scale=2.0)
+    n.export(str(tmp_path / "scaled"))
+    model = nitro.bundle.load(tmp_path / "scaled")
+    x = batch(5)
+    assert model.manifest["device_values"] == {"scale": 2.0}
+    np.testing.assert_allclose(model(x=x)["output"], n.predict({"x": x}), atol=1e-6)
+    assert np.abs(model(x=x)["output"] - trained.predict({"x": x})).max() > 1e-3
+
+
+def test_a_handle_without_data_exports_with_export_inputs(trained, tmp_path):
+    n = nitro.Nitro(Declared(), weights=trained, data={}, progress=False)
+    n.export(str(tmp_path / "nodata"))
+    model = nitro.bundle.load(tmp_path / "nodata")
+    x = batch(7)
+    np.testing.assert_allclose(model(x=x)["output"], trained.predict({"x": x}), atol=1e-6)
+
+    bare = nitro.Nitro(Toy(), weights=trained, data={}, progress=False)
+    with pytest.raises(ExportError, match=r"no data to take the input shapes from.*export_inputs"):
+        bare.export(str(tmp_path / "bare"))
+
+
+def test_a_handle_built_from_a_checkpoint_without_data_exports_with_its_provenance(tmp_path):
+    source = nitro.Nitro(Declared(max_epochs=3), progress=False)
+    source.train()
+    best = source.checkpoints().sort_values("val_loss").iloc[0]
+    n = nitro.Nitro(Declared(), weights=(source.run_dir, "best"), data={}, progress=False)
+    manifest = n.export(str(tmp_path / "from_checkpoint"))
+    checkpoint = manifest["provenance"]["checkpoint"]
+    assert checkpoint["run_id"] == source.run_id and checkpoint["step"] == best["step"]
+    assert checkpoint["metrics"]["val_loss"] == pytest.approx(best["val_loss"])
+    source.restore_best()
+    x = batch(9)
+    model = nitro.bundle.load(tmp_path / "from_checkpoint")
+    np.testing.assert_allclose(model(x=x)["output"], source.predict({"x": x}), atol=1e-6)
+
+
+def test_export_hooks_name_type_and_preprocess_the_wire(trained, tmp_path):
+    n = nitro.Nitro(Pixels(), weights=trained, progress=False)
+    n.export(str(tmp_path / "pixels"))
+    model = nitro.bundle.load(tmp_path / "pixels")
+    assert [str(s) for s in model.inputs] == ["pixels: uint8[batch, 5]"]
+    assert [str(s) for s in model.outputs] == ["logits: float16[batch, 2]"]
+    pixels = RNG.integers(0, 256, size=(6, 5), dtype=np.uint8)
+    expected = trained.predict({"x": pixels.astype(np.float32) / 255.0}).astype(np.float16)
+    np.testing.assert_allclose(model(pixels=pixels)["logits"], expected, atol=1e-3)
+
+    doubled = nitro.Nitro(Doubled(), weights=trained, progress=False)
+    doubled.export(str(tmp_path / "doubled"))
+    model = nitro.bundle.load(tmp_path / "doubled")
+    x = batch(4)
+    assert [str(s) for s in model.inputs] == ["x: float32[batch, 5]"]
+    np.testing.assert_allclose(model(x=x)["output"], trained.predict({"x": 2 * x}), atol=1e-6)
+
+
+def test_export_errors_name_the_hook_or_argument_and_the_fix(trained, tmp_path):
+    with pytest.raises(ExportError, match=r"does not trace for a batch of 1.*Python int"):
+        nitro.Nitro(FixedBatch(), progress=False).export(str(tmp_path / "fixed"))
+    with pytest.raises(
+        ExportError, match=r"export_outputs\(\) names 2 outputs but forward returns 1 array"
+    ):
+        nitro.Nitro(TwoOutputs(), progress=False).export(str(tmp_path / "two"))
+    with pytest.raises(ExportError, match=r"bundle name 'my model' must start"):
+        trained.export(str(tmp_path / "named"), name="my model")
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match=r"busy is not empty and holds no bundle"):
+        trained.export(str(tmp_path / "busy"))
+
+
+def test_reexporting_to_the_same_directory_replaces_the_bundle(tmp_path):
+    n = nitro.Nitro(Toy(max_epochs=1), seed=0, progress=False)
+    n.export(str(tmp_path / "again"))
+    before = nitro.bundle.load(tmp_path / "again")
+    n.train()
+    n.export(str(tmp_path / "again"))
+    after = nitro.bundle.load(tmp_path / "again")
+    x = batch(3)
+    assert sorted(os.listdir(tmp_path / "again")) == [
+        "manifest.json",
+        "program.jaxexport",
+        "weights.safetensors",
+    ]
+    assert after.manifest["provenance"]["step"] == 4 and before.manifest["provenance"]["step"] == 0
+    np.testing.assert_allclose(after(x=x)["output"], n.predict({"x": x}), atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# damaged bundles and bad calls
+
+
+@pytest.fixture
+def damaged(exported, tmp_path):
+    copy = tmp_path / "copy"
+    shutil.copytree(exported, copy)
+    return copy
+
+
+def test_a_missing_file_is_named(damaged):
+    os.remove(damaged / "weights.safetensors")
+    with pytest.raises(nitro.bundle.BundleError, match=r"weights\.safetensors is missing"):
+        nitro.bundle.load(damaged)
+    os.remove(damaged / "manifest.json")
+    with pytest.raises(nitro.bundle.BundleError, match=r"manifest\.json is missing"):
+        nitro.bundle.load(damaged)
+
+
+def test_truncated_weights_are_named_with_the_expected_size(damaged):
+    path = damaged / "weights.safetensors"
+    data = path.read_bytes()
+    path.write_bytes(data[:-10])
+    message = f"has {len(data) - 10} bytes but the manifest expects {len(data)}"
+    with pytest.raises(nitro.bundle.BundleError, match=message):
+        nitro.bundle.load(damaged)
+
+
+def test_a_changed_program_fails_its_checksum(damaged):
+    path = damaged / "program.jaxexport"
+    data = bytearray(path.read_bytes())
+    data[100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(
+        nitro.bundle.BundleError, match=r"program\.jaxexport does not match the sha256"
+    ):
+        nitro.bundle.load(damaged)
+
+
+def test_a_manifest_from_a_newer_format_says_to_upgrade(damaged):
+    manifest = json.loads((damaged / "manifest.json").read_text())
+    manifest["format_version"] = 2
+    (damaged / "manifest.json").write_text(json.dumps(manifest))
+    with pytest.raises(
+        nitro.bundle.BundleError, match=r"format 2; this nitro\.bundle reads format 1.*Upgrade"
+    ):
+        nitro.bundle.load(damaged)
+
+
+def test_wrong_inputs_at_call_time_name_the_input_and_what_was_expected(exported):
+    model = nitro.bundle.load(exported)
+    error = nitro.bundle.BundleError
+    with pytest.raises(error, match=r"input 'x' must be float32\[batch, 5\]; got float64\[3, 5\]"):
+        model(x=np.zeros((3, 5)))
+    with pytest.raises(error, match=r"input 'x' must have shape \[batch, 5\]; got float32\[3, 4\]"):
+        model(x=np.zeros((3, 4), np.float32))
+    with pytest.raises(error, match=r"toy has no input 'y'; it takes x: float32\[batch, 5\]"):
+        model(x=X[:2], y=X[:2])
+    with pytest.raises(error, match=r"toy needs input 'x'"):
+        model()
+    with pytest.raises(error, match=r"input 'x' has no rows"):
+        model(x=np.zeros((0, 5), np.float32))
+    assert model({"x": [[0.0] * 5]})["output"].shape == (1, 2)  # a list takes the input's dtype
+
+
+# ---------------------------------------------------------------------------------------------
+# a mesh-trained handle exports for one device
+
+
+def test_a_handle_trained_on_a_mesh_exports_for_one_device(tmp_path):
+    env = dict(
+        os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu"
+    )
+    done = subprocess.run(
+        [sys.executable, os.path.join(HERE, "export_mesh_checks.py"), str(tmp_path)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        cwd=os.path.dirname(HERE),
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert json.loads(done.stdout) == {"devices": 4, "n_devs": 4}
+    model = nitro.bundle.load(tmp_path / "bundle")
+    x = np.load(tmp_path / "x.npy")
+    assert len(jax.devices()) == 1
+    np.testing.assert_allclose(model(x=x)["output"], np.load(tmp_path / "predicted.npy"), atol=1e-5)
+    names = {
+        name for name in nitro.bundle.read_weights(str(tmp_path / "bundle" / "weights.safetensors"))
+    }
+    assert {"norm.mean", "norm.var", "hidden.kernel"} <= names  # BatchNorm statistics travel too

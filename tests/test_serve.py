@@ -1,0 +1,495 @@
+"""`nitro serve`: bundles behind KServe's model server, tested with Triton's own clients.
+
+The servers run in subprocesses on free loopback ports and are always stopped.
+"""
+
+from __future__ import annotations
+
+import http.client
+import importlib.util
+import json
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+from toys import Toy
+
+import nitro
+
+# kserve and tritonclient.grpc register the same protobuf messages: only the server imports kserve
+if importlib.util.find_spec("kserve") is None:
+    pytest.skip(
+        "serving needs the serve extra: pip install 'nitro[serve]'", allow_module_level=True
+    )
+http_client = pytest.importorskip("tritonclient.http")
+grpc_client = pytest.importorskip("tritonclient.grpc")
+from tritonclient.utils import InferenceServerException  # noqa: E402
+
+RNG = np.random.default_rng(2)
+X7 = RNG.normal(size=(7, 5)).astype(np.float32)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m nitro.serve DIR ...` in a subprocess, stopped by `stop()`."""
+
+    def __init__(self, directories, log_path, *extra: str):
+        self.port, self.grpc_port = free_port(), free_port()
+        self.log = open(log_path, "w")  # noqa: SIM115 - closed in stop()
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "nitro.serve", *map(str, directories)]
+            + ["--port", str(self.port), "--grpc-port", str(self.grpc_port)]
+            + ["--log-level", "error", *extra],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+        )
+        self.url, self.grpc_url = f"127.0.0.1:{self.port}", f"127.0.0.1:{self.grpc_port}"
+        deadline = time.monotonic() + 90
+        client = http_client.InferenceServerClient(self.url)
+        while True:
+            assert self.process.poll() is None, open(log_path).read()[-3000:]
+            try:
+                if client.is_server_ready():
+                    break
+            except Exception:  # noqa: BLE001 - not listening yet
+                pass
+            assert time.monotonic() < deadline, "the server did not become ready in 90 s"
+            time.sleep(0.1)
+
+    def request(self, method: str, path: str, body: bytes = b"", headers=None):
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        try:
+            connection.request(method, path, body=body, headers=headers or {})
+            response = connection.getresponse()
+            return response.status, response.read()
+        finally:
+            connection.close()
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+        self.log.close()
+
+
+def infer_http(url: str, model: str, x: np.ndarray, binary: bool = True) -> np.ndarray:
+    client = http_client.InferenceServerClient(url)
+    tensor = http_client.InferInput("x", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x, binary_data=binary)
+    wanted = [http_client.InferRequestedOutput("output", binary_data=binary)]
+    return client.infer(model, [tensor], outputs=wanted).as_numpy("output")
+
+
+def infer_grpc(url: str, model: str, x: np.ndarray) -> np.ndarray:
+    client = grpc_client.InferenceServerClient(url)
+    tensor = grpc_client.InferInput("x", list(x.shape), "FP32")
+    tensor.set_data_from_numpy(x)
+    return client.infer(model, [tensor]).as_numpy("output")
+
+
+@pytest.fixture(scope="module")
+def handles():
+    toy = nitro.Nitro(Toy(), seed=0, progress=False)
+    toy.train()
+    wide = nitro.Nitro(Toy(width=32), seed=1, progress=False)
+    reloaded = nitro.Nitro(Toy(max_epochs=1), seed=2, progress=False)
+    return {"toy": toy, "wide": wide, "reload": reloaded}
+
+
+@pytest.fixture(scope="module")
+def served(handles, tmp_path_factory):
+    root = tmp_path_factory.mktemp("served")
+    for name, handle in handles.items():
+        handle.export(str(root / name), name=name)
+    server = Server([root / n for n in handles], root / "server.log", "--max-request-mb", "1")
+    server.root = root
+    yield server
+    server.stop()
+
+
+def test_http_and_grpc_clients_get_the_outputs_of_predict(handles, served):
+    for rows in (1, 7, 300):
+        x = RNG.normal(size=(rows, 5)).astype(np.float32)
+        expected = handles["toy"].predict({"x": x})
+        np.testing.assert_allclose(infer_http(served.url, "toy", x), expected, atol=1e-6)
+        np.testing.assert_allclose(
+            infer_http(served.url, "toy", x, binary=False), expected, atol=1e-6
+        )
+        np.testing.assert_allclose(infer_grpc(served.grpc_url, "toy", x), expected, atol=1e-6)
+
+
+def test_health_readiness_and_metadata_come_from_the_manifest(served):
+    client = http_client.InferenceServerClient(served.url)
+    assert client.is_server_live() and client.is_server_ready() and client.is_model_ready("toy")
+    metadata = client.get_model_metadata("toy")
+    assert metadata["inputs"] == [{"name": "x", "datatype": "FP32", "shape": [-1, 5]}]
+    assert metadata["outputs"] == [{"name": "output", "datatype": "FP32", "shape": [-1, 2]}]
+    grpc_metadata = grpc_client.InferenceServerClient(served.grpc_url).get_model_metadata("toy")
+    assert [(t.name, t.datatype, list(t.shape)) for t in grpc_metadata.inputs] == [
+        ("x", "FP32", [-1, 5])
+    ]
+    status, body = served.request("GET", "/v2/models/nothing")
+    assert status == 404 and b"nothing" in body
+
+
+def test_several_bundles_are_served_at_once(handles, served):
+    status, body = served.request("GET", "/v2/models")
+    assert status == 200 and sorted(json.loads(body)["models"]) == ["reload", "toy", "wide"]
+    np.testing.assert_allclose(
+        infer_grpc(served.grpc_url, "wide", X7), handles["wide"].predict({"x": X7}), atol=1e-6
+    )
+
+
+def test_a_wrong_input_name_shape_or_dtype_is_a_4xx_naming_the_input(served):
+    cases = [
+        (("y", [7, 5], "FP32"), "toy has no input 'y'; it takes x FP32[batch, 5]"),
+        (("x", [7, 4], "FP32"), "input 'x' must be FP32[batch, 5]; got shape [7, 4]"),
+        (("x", [7, 5], "FP64"), "input 'x' must be FP32[batch, 5]; got datatype 'FP64'"),
+    ]
+    for (name, shape, datatype), message in cases:
+        data = np.zeros(shape, np.float64 if datatype == "FP64" else np.float32)
+        for module, url, status in (
+            (http_client, served.url, "400"),
+            (grpc_client, served.grpc_url, "StatusCode.INVALID_ARGUMENT"),
+        ):
+            tensor = module.InferInput(name, shape, datatype)
+            tensor.set_data_from_numpy(data)
+            with pytest.raises(InferenceServerException) as raised:
+                module.InferenceServerClient(url).infer("toy", [tensor])
+            assert raised.value.status() == status and message in raised.value.message()
+
+
+def test_request_bodies_over_the_limit_are_refused(served):
+    limit = 1 << 20
+    connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+    connection.putrequest("POST", "/v2/models/toy/infer")
+    connection.putheader("Content-Length", str(limit + 1))
+    connection.endheaders()  # the declared length alone is refused, before any body is sent
+    response = connection.getresponse()
+    assert response.status == 413 and b"over the limit of 1048576 bytes" in response.read()
+    connection.close()
+    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as raw:
+        chunk = b"0" * (limit + 10)  # no length declared: counted while it arrives
+        raw.sendall(
+            b"POST /v2/models/toy/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
+            + f"{len(chunk):x}\r\n".encode()
+            + chunk
+            + b"\r\n0\r\n\r\n"
+        )
+        assert raw.recv(4096).startswith(b"HTTP/1.1 413")
+    big = np.zeros((60_000, 5), np.float32)  # 1.2 MB of raw tensor data
+    with pytest.raises(InferenceServerException) as raised:
+        infer_grpc(served.grpc_url, "toy", big)
+    assert raised.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+
+
+def test_the_server_listens_on_loopback_only_by_default(served):
+    psutil = pytest.importorskip("psutil")
+    process = psutil.Process(served.process.pid)
+    sockets = getattr(process, "net_connections", process.connections)(kind="inet")
+    listening = {c.laddr.ip for c in sockets if c.status == psutil.CONN_LISTEN}
+    assert listening and listening <= {"127.0.0.1", "::ffff:127.0.0.1"}, listening
+
+
+# ---------------------------------------------------------------------------------------------
+# malformed requests
+
+
+def _good_body(rows: int = 2) -> dict:
+    return {
+        "inputs": [
+            {"name": "x", "shape": [rows, 5], "datatype": "FP32", "data": [0.5] * (rows * 5)}
+        ]
+    }
+
+
+def _binary(header: dict, raw: bytes, length: int | str | None = None) -> tuple[bytes, dict]:
+    text = json.dumps(header).encode()
+    headers = {"Inference-Header-Content-Length": str(len(text) if length is None else length)}
+    headers["Content-Type"] = "application/octet-stream"
+    return text + raw, headers
+
+
+def malformed_requests() -> list[tuple[str, str, bytes, dict]]:
+    """(method, path, body, headers) of requests that are all wrong, in many ways."""
+    infer = "/v2/models/toy/infer"
+    json_headers = {"Content-Type": "application/json"}
+    good = json.dumps(_good_body()).encode()
+    cases = []
+    # bad JSON: truncated bodies and random bytes, with and without a content type
+    for cut in range(1, len(good) - 1, max(1, len(good) // 45)):
+        cases.append(("POST", infer, good[:cut], json_headers))
+    noise = np.random.default_rng(7)
+    for size in noise.integers(1, 400, size=30):
+        raw = bytes(noise.integers(0, 256, size=int(size), dtype=np.uint8))
+        cases.append(("POST", infer, b"\xff" + raw, {} if size % 2 else json_headers))
+
+    # wrong types and missing fields
+    def mutate(change) -> bytes:
+        body = _good_body()
+        change(body, body["inputs"][0])
+        return json.dumps(body).encode()
+
+    for value in (5, "x", None, {}, [5], [[1]], ["x"], [None]):
+        cases.append(
+            ("POST", infer, mutate(lambda b, i, v=value: b.update(inputs=v)), json_headers)
+        )
+    for key in ("name", "shape", "datatype", "data"):
+        cases.append(("POST", infer, mutate(lambda b, i, k=key: i.pop(k)), json_headers))
+    for key, value in [
+        ("name", 5), ("name", None), ("name", ["x"]), ("name", "z"), ("name", ""),
+        ("shape", "2,5"), ("shape", ["2", "x"]), ("shape", [2.5, 5]), ("shape", [[2], 5]),
+        ("shape", [2, 5, 1]), ("shape", [10]), ("shape", []), ("shape", None), ("shape", [True, 5]),
+        ("datatype", 3), ("datatype", "FP33"), ("datatype", "BYTES"), ("datatype", "FP16"),
+        ("datatype", "INT32"), ("datatype", "F32"), ("datatype", None),
+        ("data", "0.5"), ("data", {"a": 1}), ("data", [0.5] * 9), ("data", [0.5] * 11),
+        ("data", ["a"] * 10), ("data", [None] * 10), ("data", [[0.5] * 5, [0.5] * 4]),
+        ("data", [{"v": 1}] * 10), ("data", []), ("data", None), ("parameters", 5),
+        ("parameters", "binary"),
+    ]:  # fmt: skip
+        cases.append(
+            ("POST", infer, mutate(lambda b, i, k=key, v=value: i.update({k: v})), json_headers)
+        )
+    for key, value in [
+        ("id", {}),
+        ("parameters", [1]),
+        ("outputs", [{"name": "nope"}]),
+        ("outputs", 7),
+    ]:
+        cases.append(
+            ("POST", infer, mutate(lambda b, i, k=key, v=value: b.update({k: v})), json_headers)
+        )
+    cases.append(
+        (
+            "POST",
+            infer,
+            json.dumps({"inputs": [_good_body()["inputs"][0]] * 2}).encode(),
+            json_headers,
+        )
+    )
+    # huge, empty and negative shapes
+    for shape in ([10**12, 5], [2**63, 5], [2**64, 5], [10**6, 5], [1, 10**9], [2000, 5],
+                  [0, 5], [-1, 5], [-(2**63), 5], [3, 5, 5], [5, 2]):  # fmt: skip
+        cases.append(("POST", infer, mutate(lambda b, i, s=shape: i.update(shape=s)), json_headers))
+    # truncated and inconsistent binary payloads
+    raw = np.ones((2, 5), np.float32).tobytes()
+    header = {
+        "inputs": [
+            {
+                "name": "x",
+                "shape": [2, 5],
+                "datatype": "FP32",
+                "parameters": {"binary_data_size": 40},
+            }
+        ]
+    }
+    for cut in (0, 1, 3, 4, 17, 20, 36, 39):
+        cases.append(("POST", infer, *_binary(header, raw[:cut])))
+    text_length = len(json.dumps(header))
+    for length in (0, 1, text_length - 1, text_length + 1, 10**9, -5, "abc", "", "1e3"):
+        cases.append(("POST", infer, *_binary(header, raw, length)))
+    for size in (39, 41, 0, -8, 10**12, "40", None, 4.5):
+        changed = json.loads(json.dumps(header))
+        changed["inputs"][0]["parameters"]["binary_data_size"] = size
+        cases.append(("POST", infer, *_binary(changed, raw)))
+    for shape in ([10**12, 5], [2, 6], [2, 5, 1], ["2", 5], [2.0, 5], [-2, -5], None, "x"):
+        changed = json.loads(json.dumps(header))
+        changed["inputs"][0]["shape"] = shape
+        cases.append(("POST", infer, *_binary(changed, raw)))
+    for datatype in ("FP64", "INT8", "BOOL", "BYTES", "NOPE", 1):
+        changed = json.loads(json.dumps(header))
+        changed["inputs"][0]["datatype"] = datatype
+        cases.append(("POST", infer, *_binary(changed, raw)))
+    cases.append(("POST", infer, *_binary({"inputs": 5}, raw)))
+    cases.append(("POST", infer, *_binary([1, 2], raw)))
+    cases.append(("POST", infer, *_binary({"inputs": [{"name": "x"}]}, raw)))
+    cases.append(("POST", infer, *_binary({"inputs": ["x"]}, raw)))
+    # wrong routes, methods and protocol versions
+    cases += [
+        ("GET", infer, b"", {}),
+        ("PUT", infer, good, json_headers),
+        ("POST", "/v2/models/nothing/infer", good, json_headers),
+        ("POST", "/v2/models/toy/infer?x=1", b"{}", json_headers),
+        (
+            "POST",
+            "/v1/models/toy:predict",
+            b'{"instances": [[0.5, 0.5, 0.5, 0.5, 0.5]]}',
+            json_headers,
+        ),
+        ("POST", "/v2/repository/models/nothing/unload", b"", {}),
+        ("GET", "/v2/models/toy/ready/extra", b"", {}),
+    ]
+    return cases
+
+
+def test_a_run_of_malformed_requests_gets_4xx_each_and_good_requests_still_work(handles, served):
+    cases = malformed_requests()
+    assert len(cases) >= 200
+    good = json.dumps(_good_body()).encode()
+    expected = handles["toy"].predict({"x": np.full((2, 5), 0.5, np.float32)})
+    answers = []
+    for index, (method, path, body, headers) in enumerate(cases):
+        status, text = served.request(method, path, body, headers)
+        answers.append(status)
+        assert 400 <= status < 500, (index, method, path, body[:200], headers, status, text[:500])
+        if index % 25 == 0:
+            status, text = served.request(
+                "POST", "/v2/models/toy/infer", good, {"Content-Type": "application/json"}
+            )
+            assert status == 200, text
+            output = json.loads(text)["outputs"][0]
+            np.testing.assert_allclose(
+                np.reshape(output["data"], output["shape"]), expected, atol=1e-6
+            )
+    assert served.process.poll() is None
+    assert set(answers) <= {400, 404, 405, 422} and answers.count(400) > len(answers) // 2
+    np.testing.assert_allclose(
+        infer_http(served.url, "toy", X7), handles["toy"].predict({"x": X7}), atol=1e-6
+    )
+
+
+def test_malformed_grpc_requests_get_invalid_argument(served):
+    import grpc
+    from tritonclient.grpc import service_pb2, service_pb2_grpc
+
+    channel = grpc.insecure_channel(served.grpc_url)
+    stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
+    raw = np.ones((2, 5), np.float32).tobytes()
+
+    def request(shape, datatype="FP32", contents=raw, name="x"):
+        tensor = service_pb2.ModelInferRequest().InferInputTensor(
+            name=name, datatype=datatype, shape=shape
+        )
+        return service_pb2.ModelInferRequest(
+            model_name="toy", inputs=[tensor], raw_input_contents=[contents]
+        )
+
+    cases = [
+        request([2, 5], contents=raw[:17]),
+        request([2, 5], contents=b""),
+        request([10**12, 5]),
+        request([2, 5, 1]),
+        request([2, 5], datatype="FP64"),
+        request([2, 5], datatype="NOPE"),
+        request([2, 5], name="y"),
+        request([-1, 5]),
+    ]
+    for case in cases:
+        with pytest.raises(grpc.RpcError) as raised:
+            stub.ModelInfer(case, timeout=30)
+        assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()
+    answer = stub.ModelInfer(request([2, 5]), timeout=30)
+    assert list(answer.outputs[0].shape) == [2, 2]
+    channel.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# reloading
+
+
+class Hammer:
+    """Threads that send the same request over and over, recording outputs and errors."""
+
+    def __init__(self, url: str, model: str, x: np.ndarray, threads: int = 3):
+        self.outputs, self.errors, self.stop = [], [], threading.Event()
+        self.threads = [
+            threading.Thread(target=self._run, args=(url, model, x), daemon=True)
+            for _ in range(threads)
+        ]
+        for thread in self.threads:
+            thread.start()
+
+    def _run(self, url, model, x):
+        while not self.stop.is_set():
+            try:
+                self.outputs.append(infer_http(url, model, x))
+            except Exception as error:  # noqa: BLE001 - reported by the test
+                self.errors.append(error)
+
+    def finish(self):
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(timeout=30)
+
+
+def _wait_for(predicate, what: str, timeout: float = 60.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+def test_a_reexported_bundle_reloads_through_the_repository_api_without_failing_requests(
+    handles, served
+):
+    handle = handles["reload"]
+    before = handle.predict({"x": X7})
+    hammer = Hammer(served.url, "reload", X7)
+    try:
+        _wait_for(lambda: len(hammer.outputs) > 5, "requests before the re-export")
+        handle.train()
+        handle.export(str(served.root / "reload"), name="reload")
+        after = handle.predict({"x": X7})
+        assert np.abs(after - before).max() > 1e-3
+        time.sleep(0.3)
+        np.testing.assert_allclose(
+            infer_http(served.url, "reload", X7), before, atol=1e-6
+        )  # no watch
+        http_client.InferenceServerClient(served.url).load_model("reload")
+        _wait_for(
+            lambda: np.allclose(hammer.outputs[-1], after, atol=1e-6), "the new bundle's outputs"
+        )
+        count = len(hammer.outputs)
+        _wait_for(lambda: len(hammer.outputs) > count + 5, "requests after the reload")
+    finally:
+        hammer.finish()
+    assert hammer.errors == []
+    old = sum(np.allclose(o, before, atol=1e-6) for o in hammer.outputs)
+    new = sum(np.allclose(o, after, atol=1e-6) for o in hammer.outputs)
+    assert old > 0 and new > 0 and old + new == len(hammer.outputs)
+
+
+def test_watch_reloads_a_bundle_exported_again_to_its_directory(tmp_path):
+    handle = nitro.Nitro(Toy(max_epochs=1), seed=4, progress=False)
+    handle.export(str(tmp_path / "watched"))
+    before = handle.predict({"x": X7})
+    server = Server([tmp_path / "watched"], tmp_path / "server.log", "--watch", "--no-grpc")
+    try:
+        hammer = Hammer(server.url, "toy", X7, threads=2)
+        try:
+            _wait_for(lambda: len(hammer.outputs) > 5, "requests before the re-export")
+            handle.train()
+            handle.export(str(tmp_path / "watched"))
+            after = handle.predict({"x": X7})
+            _wait_for(lambda: np.allclose(hammer.outputs[-1], after, atol=1e-6), "the reload")
+        finally:
+            hammer.finish()
+        assert hammer.errors == []
+        assert all(
+            np.allclose(o, before, atol=1e-6) or np.allclose(o, after, atol=1e-6)
+            for o in hammer.outputs
+        )
+    finally:
+        server.stop()
+
+
+def test_nitro_serve_names_a_directory_that_holds_no_bundle(tmp_path):
+    command = os.path.join(os.path.dirname(sys.executable), "nitro")
+    done = subprocess.run(
+        [command, "serve", str(tmp_path / "missing")], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 2
+    assert f"no bundle at {tmp_path / 'missing'}: the directory does not exist" in done.stderr
