@@ -363,12 +363,6 @@ class CheckpointStore:
                     if _LAST_WRITER[0] is manager:
                         _LAST_WRITER[0] = None
 
-    def steps(self) -> list[int]:
-        with self._lock:
-            if self._manager is None and not self.directory.is_dir():
-                return []
-            return list(self._open().all_steps())
-
 
 class _reader:
     """A read-only manager, used under the orbax lock: `with _reader(dir) as manager:`."""

@@ -98,6 +98,7 @@ class Nitro:
             self._logging = LoggingReporter(resolved["logger"].value)
             self._events.add(self._logging)
         self._control = RunControl()
+        self._control.say = self._say
         self._guard = RunGuard(lambda: f"this {cls.__name__} handle")
         self._run: Run | None = None
         self._stop_reason: str | None = None

@@ -263,6 +263,9 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
             if stop.is_set():
                 staged.free()
                 interrupted = True
+                if control.interrupts and not control.acknowledged:
+                    control.acknowledged = 1  # said here, before the run's reporters close
+                    control.say("interrupted; stopping training after the current step ...")
                 break
             index = run.dispatched
             args = (

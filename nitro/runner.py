@@ -83,6 +83,12 @@ class Run:
         return not self.done.is_set()
 
 
+def _to_stderr(message: str) -> None:
+    import sys
+
+    print(f"nitro: {message}", file=sys.stderr, flush=True)
+
+
 class RunControl:
     """What the loop checks between steps: a stop request, and weight-copy requests.
 
@@ -94,6 +100,8 @@ class RunControl:
     def __init__(self) -> None:
         self.stop = threading.Event()
         self.interrupts = 0  # Ctrl-C presses while a call of the handle ran on the main thread
+        self.acknowledged = 0  # presses already answered with a note
+        self.say: Callable[[str], None] = _to_stderr  # notes for the person at the keyboard
         self.copies_pending = False  # read once per step by the loop: a plain attribute
         self._copies: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
         self._lock = threading.Lock()
@@ -178,7 +186,7 @@ def sigint_requests_stop(control: RunControl) -> Iterator[None]:
         control.interrupts += 1
         control.stop.set()
 
-    control.interrupts = 0
+    control.interrupts = control.acknowledged = 0
     signal.signal(signal.SIGINT, handler)
     try:
         yield
@@ -202,7 +210,9 @@ def wait_for(run: Run, control: RunControl, note: Callable[[str], None], what: s
         if control.interrupts != seen:
             seen = control.interrupts
             if seen == 1:
-                note(f"interrupted; stopping {what} after the current step ...")
+                if not control.acknowledged:  # the loop may have said it already
+                    control.acknowledged = 1
+                    note(f"interrupted; stopping {what} after the current step ...")
             elif seen == 2:
                 note(
                     "still stopping (the current step or compile is finishing); interrupt "
