@@ -36,7 +36,25 @@ class OptimizerSetup:
 
     @property
     def names(self) -> tuple[str, ...]:
+        """The fed hyperparameters, in the order of the vector the train step receives."""
         return tuple(sorted(self.hyperparams))
+
+    def inject(self, opt_state: Any, hparams: Any) -> Any:
+        """Inside the trace: put this step's hyperparameters (`hparams[i]` is `names[i]`)
+        into the optimizer state the update reads."""
+        if not self.names:
+            return opt_state
+        injected = {
+            name: hparams[i].astype(self.dtypes[name]) for i, name in enumerate(self.names)
+        }
+        return opt_state._replace(hyperparams=injected)
+
+    def strip(self, opt_state: Any) -> Any:
+        """Inside the trace: drop the injected hyperparameters from the new state (they are
+        fed again next step; carrying them would only add outputs to every step)."""
+        if not self.names:
+            return opt_state
+        return opt_state._replace(hyperparams={})
 
 
 def _describe_factory(factory: Callable) -> str:

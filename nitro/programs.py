@@ -161,12 +161,7 @@ def train_step_spec(setup: RunSetup, fields: Mapping[str, tuple[str, ...]]) -> P
             (loss, (outputs, new_rest)), grads = jax.value_and_grad(objective, has_aux=True)(
                 params, rest
             )
-            if optimizer.names:
-                injected = {
-                    name: hparams[i].astype(optimizer.dtypes[name])
-                    for i, name in enumerate(optimizer.names)
-                }
-                opt_state = opt_state._replace(hyperparams=injected)
+            opt_state = optimizer.inject(opt_state, hparams)
 
             if check:
                 # From the first non-finite step on, every later step leaves the weights, the
@@ -210,8 +205,7 @@ def train_step_spec(setup: RunSetup, fields: Mapping[str, tuple[str, ...]]) -> P
                     setup, "train_metrics", view, outputs, **select(batch, fields["train_metrics"])
                 )
                 aux["specs"], metrics = split_modes(values, "train_metrics")
-            if optimizer.names:
-                new_opt = new_opt._replace(hyperparams={})  # fed again next step
+            new_opt = optimizer.strip(new_opt)
             new_variables = Variables(
                 params=jax.tree.leaves(new_params),
                 model_state=jax.tree.leaves(new_rest),

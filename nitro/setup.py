@@ -293,10 +293,8 @@ def _build_optimizer(keywords, splits, params, placement):
     optimizer, opt_state = build_optimizer(
         keywords["optimizer"].value, keywords["learning_rate"].value, lr_explicit, params
     )
-    if optimizer.hyperparams:
-        # Injected hyperparameters are fed to every step as arguments; carrying them in the
-        # state as well would only add outputs to every step.
-        opt_state = opt_state._replace(hyperparams={})
+    # Injected hyperparameters are fed to every step as arguments, not carried in the state.
+    opt_state = optimizer.strip(opt_state)
     return optimizer, placement.put_replicated(opt_state)
 
 
