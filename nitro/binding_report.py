@@ -115,6 +115,7 @@ def binding_report(
         ]
         lines.append(f"run id: {run_id}")
     lines.append(f"devices: {setup.placement.describe()}")
+    lines.append(f"steps per dispatch: {setup.dispatch.describe()}")
     sections.append(("run keywords", lines))
 
     lines = []

@@ -54,6 +54,7 @@ class ProgramKind(enum.StrEnum):
     """What a compiled program does. Kinds key the cache and name programs in reports."""
 
     TRAIN_STEP = "train step"  # forward, loss, gradient and optimizer update, fused
+    MULTI_STEP = "multi-step train"  # K train steps in one program (lax.scan)
     EVAL_FORWARD = "eval forward"  # forward (+ loss) on an evaluation batch
     PREDICT = "predict"  # forward alone
     DEVICE_METRICS = "device metrics"  # a metrics hook traced on device

@@ -94,6 +94,7 @@ DRIVER_ONLY_NAMES = frozenset(
         "ordered",
         "prefetch",
         "progress",
+        "steps_per_dispatch",
     }
 )
 

@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from .data import is_index_addressable
 from .errors import DivergenceError, SetupError
 from .events import Events
 from .metrics import MetricAccumulator, flatten_metrics, split_modes
@@ -47,12 +48,12 @@ def delete(tree: Any) -> None:
 
 @dataclasses.dataclass
 class _Pending:
-    """A dispatched step whose loss has not been read back yet."""
+    """A dispatched call (one step, or a block of fused steps) not read back yet."""
 
-    index: int  # the step's global index (0-based)
-    report: Any  # f32[2]: the loss and the finiteness code (see StepOutput)
+    index: int  # the global index (0-based) of its first step
+    report: Any  # f32[2], or f32[count, 2]: the loss and the finiteness code per step
     metrics: Any
-    staged: Any  # data.StagedBatch
+    staged: Any  # data.StagedBatch (count > 1: a block)
 
 
 class _Epoch:
@@ -65,8 +66,9 @@ class _Epoch:
         self.control = control
         self.healthy = setup.placement.put_replicated(jnp.asarray(True))
         self.dispatched = 0
-        self.upcoming = None  # (epoch, stream) started early, during validation
-        self.program = None
+        self.target = 0  # the epoch this run trains to
+        self.upcoming = None  # (epoch, block, stream) started early, during validation
+        self.programs_by_count: dict[int, Any] = {}  # steps per call -> its program
 
 
 def train_epochs(
@@ -90,6 +92,7 @@ def train_epochs(
     """
     run = _Epoch(setup, programs, events, control)
     run.dispatched = state.step
+    run.target = target
     stop = control.stop
     try:
         while True:
@@ -111,14 +114,17 @@ def train_epochs(
             state.epoch_trained = True
             if state.epoch + 1 < target and not stop.is_set():
                 # start producing the next epoch now, so validation overlaps with it
+                split = setup.splits["train"]
+                block = setup.dispatch.block(split.batches)
                 run.upcoming = (
                     state.epoch + 1,
-                    setup.splits["train"].prefetcher.epoch(state.epoch + 1),
+                    block,
+                    split.prefetcher.epoch(state.epoch + 1, block=block),
                 )
         return state, ("requested" if stop.is_set() else "completed")
     finally:
         if run.upcoming is not None:
-            run.upcoming[1].close()
+            run.upcoming[2].close()
             run.upcoming = None
         control.serve_copies()
 
@@ -213,19 +219,22 @@ def _shape_error(setup: RunSetup, staged, error) -> Exception:
         return f"{short_dtype(str(dtype))}[{','.join(map(str, shape))}]"
 
     changes = []
+    device = {
+        name: (tuple(a.shape[1:]) if staged.stacked else tuple(a.shape), str(a.dtype))
+        for name, a in staged.device.items()
+    }
     for name, (shape, dtype) in split.batch_spec.items():
-        array = staged.device.get(name)
-        if array is None:
+        if name not in device:
             continue
-        if tuple(array.shape) != tuple(shape) or str(array.dtype) != dtype:
-            changes.append(f"{name!r} {fmt(shape, dtype)} -> {fmt(array.shape, array.dtype)}")
+        if device[name] != (tuple(shape), dtype):
+            changes.append(f"{name!r} {fmt(shape, dtype)} -> {fmt(*device[name])}")
     if not changes:
         return error
     only_rows = all(
-        tuple(staged.device[n].shape[1:]) == tuple(split.batch_spec[n][0][1:])
-        and str(staged.device[n].dtype) == split.batch_spec[n][1]
+        device[n][0][1:] == tuple(split.batch_spec[n][0][1:])
+        and device[n][1] == split.batch_spec[n][1]
         for n in split.batch_spec
-        if n in staged.device
+        if n in device
     )
     fix = (
         "a partial final batch: drop it (ArrayLoader(..., drop_last=True))"
@@ -242,53 +251,114 @@ def _shape_error(setup: RunSetup, staged, error) -> Exception:
 
 def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
     """One (possibly resumed) epoch. False when a stop request cut it short."""
-    setup, control = run.setup, run.control
+    setup = run.setup
     split = setup.splits["train"]
     totals = state.totals
     run.events.start_epoch(state.epoch, target, split.batches, state.position)
-    feed = setup.feed
-    stop = control.stop
-    pending: _Pending | None = None
-    interrupted = False
     begin = time.perf_counter()
     upcoming, run.upcoming = run.upcoming, None
-    if upcoming is not None and upcoming[0] == state.epoch and state.position == 0:
-        stream = upcoming[1]
-    else:
+    try:
+        while True:
+            block = setup.dispatch.block(split.batches)
+            if (
+                upcoming is not None
+                and upcoming[:2] == (state.epoch, block)
+                and (state.position == 0)
+            ):
+                stream = upcoming[2]
+            else:
+                if upcoming is not None:
+                    upcoming[2].close()
+                stream = split.prefetcher.epoch(state.epoch, start=state.position, block=block)
+            upcoming = None
+            try:
+                ended = _run_stream(run, state, stream)
+            finally:
+                stream.close()
+                totals.wait_seconds += stream.wait_seconds
+            if ended != "switch":  # "switch": steps per call decided; reopen with blocks
+                break
+    finally:
         if upcoming is not None:
-            upcoming[1].close()
-        stream = split.prefetcher.epoch(state.epoch, start=state.position)
+            upcoming[2].close()
+        totals.seconds += time.perf_counter() - begin
+    if ended == "interrupted":
+        return False
+    if split.batches is not None and state.position < split.batches:
+        warnings.warn(
+            f"the 'train' split's len() says {split.batches} batches, but its iterator ended "
+            f"after {state.position}; the epoch ended there. Make len() match what it yields "
+            f"(schedules use it for their horizon).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return True
+
+
+def _remaining(run: _Epoch, state: TrainState) -> int | None:
+    """Steps left until the run's target epoch (None when the epoch length is unknown)."""
+    batches = run.setup.splits["train"].batches
+    if batches is None:
+        return None
+    return max(0, (run.target - state.epoch) * batches - state.position)
+
+
+def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
+    """Dispatch every staged call of `stream`, reading each back one call late. Returns
+    "ended" (the stream ended), "interrupted" (a stop request) or "switch" (the dispatch plan
+    just decided K > 1: reopen the stream in blocks)."""
+    setup, control = run.setup, run.control
+    feed, stop, plan = setup.feed, control.stop, setup.dispatch
+    batches = setup.splits["train"].batches
+    switchable = is_index_addressable(setup.splits["train"].prefetcher.source)
+    plan.start_stream()
+    pending: _Pending | None = None
+    ended = "ended"
     try:
         for staged in stream:
             if stop.is_set():
                 staged.free()
-                interrupted = True
+                ended = "interrupted"
                 if control.interrupts and not control.acknowledged:
                     control.acknowledged = 1  # said here, before the run's reporters close
                     control.say("interrupted; stopping training after the current step ...")
                 break
-            index = run.dispatched
-            args = (
-                state.variables,
-                run.healthy,
-                feed.device(index),
-                feed.hparams(index),
-                staged.device,
-            )
-            if run.program is None:
-                run.program = run.programs.train_step(args)
+            index, count = run.dispatched, staged.count
+            if count == 1:
+                args = (
+                    state.variables,
+                    run.healthy,
+                    feed.device(index),
+                    feed.hparams(index),
+                    staged.device,
+                )
+            else:
+                args = (
+                    state.variables,
+                    run.healthy,
+                    feed.device_block(index, count),
+                    feed.hparams_block(index, count),
+                    staged.device,
+                )
+            program = run.programs_by_count.get(count)
+            if program is None:
+                program = run.programs_by_count[count] = run.programs.train_step(args, count)
             try:
-                out = run.program(*args)
+                out = program(*args)
             except TypeError as error:
                 staged.free()
                 raise _shape_error(setup, staged, error) from None
             state.variables, run.healthy = out.variables, out.healthy
-            run.dispatched += 1
+            run.dispatched += count
             if control.copies_pending:  # before the next step donates these variables
                 control.serve_copies()
             previous, pending = pending, _Pending(index, out.report, out.metrics, staged)
             if previous is not None:
                 _complete(run, state, previous)
+                if plan.probing and plan.observe(batches):
+                    if plan.decide(batches, _remaining(run, state)) > 1 and switchable:
+                        ended = "switch"
+                        break
         if pending is not None:
             previous, pending = pending, None
             _complete(run, state, previous)
@@ -303,20 +373,7 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
                 _complete(run, state, pending)
             except Exception:  # noqa: BLE001 - the original error matters more
                 _drain(pending)
-        stream.close()
-        totals.wait_seconds += stream.wait_seconds
-        totals.seconds += time.perf_counter() - begin
-    if interrupted:
-        return False
-    if split.batches is not None and state.position < split.batches:
-        warnings.warn(
-            f"the 'train' split's len() says {split.batches} batches, but its iterator ended "
-            f"after {state.position}; the epoch ended there. Make len() match what it yields "
-            f"(schedules use it for their horizon).",
-            RuntimeWarning,
-            stacklevel=2,
-        )
-    return True
+    return ended
 
 
 def _drain(item: _Pending) -> None:
@@ -329,37 +386,53 @@ def _drain(item: _Pending) -> None:
 
 
 def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
-    """Read back one step (it has finished once its loss arrives), free its batch, account."""
+    """Read back one call (it has finished once its report arrives), free its batch or block,
+    and account each of its steps."""
     setup = run.setup
     residency = setup.experiment.train_metrics_residency
     metrics = item.metrics
+    staged = item.staged
     try:
-        report = np.asarray(item.report)
+        reports = np.asarray(item.report).reshape(-1, 2)
         if residency is not None:
             metrics = setup.placement.gather(metrics)
     finally:
-        item.staged.free()
-    value, code = float(report[0]), int(report[1])
+        staged.free()
     totals = state.totals
-    if code:
-        raise DivergenceError(_divergence_message(setup, state, item.index, value, code))
-    if not math.isfinite(value):  # check_divergence=False: train on, count it
-        totals.nonfinite += 1
-    else:
-        totals.loss_sum += value
-        totals.loss_count += 1
-    state.step += 1
-    state.position += 1
-    totals.steps += 1
-    if residency == "device":
-        totals.train_metrics.add(run.program.aux["specs"], metrics, item.staged.n_real)
-    elif residency == "host":
-        batch = setup.splits["train"].hook_fields["train_metrics"]
-        fields = setup.placement.gather(select(item.staged.host, batch))
-        values = setup.experiment.call_host_hook("train_metrics", metrics, **fields)
-        specs, leaves = split_modes(values, "train_metrics")
-        totals.train_metrics.add(specs, leaves, item.staged.n_real)
-    run.events.step(state.step, value)
+    count = staged.count
+    program = run.programs_by_count.get(count)
+    for offset, (value, code) in enumerate(reports.tolist()):
+        if code:
+            raise DivergenceError(
+                _divergence_message(setup, state, item.index + offset, value, int(code))
+            )
+        if not math.isfinite(value):  # check_divergence=False: train on, count it
+            totals.nonfinite += 1
+        else:
+            totals.loss_sum += value
+            totals.loss_count += 1
+        state.step += 1
+        state.position += 1
+        totals.steps += 1
+        if residency is not None:
+            step_metrics = (
+                metrics if count == 1 else jax.tree.map(lambda a, i=offset: a[i], metrics)
+            )
+            _train_metrics(run, totals, program, step_metrics, staged, offset)
+        run.events.step(state.step, value)
+
+
+def _train_metrics(run: _Epoch, totals, program, metrics, staged, offset: int) -> None:
+    setup = run.setup
+    if setup.experiment.train_metrics_residency == "device":
+        totals.train_metrics.add(program.aux["specs"], metrics, staged.n_real)
+        return
+    host = staged.host if staged.count == 1 else staged.host[offset]
+    batch = setup.splits["train"].hook_fields["train_metrics"]
+    fields = setup.placement.gather(select(host, batch))
+    values = setup.experiment.call_host_hook("train_metrics", metrics, **fields)
+    specs, leaves = split_modes(values, "train_metrics")
+    totals.train_metrics.add(specs, leaves, staged.n_real)
 
 
 _STAGES = {

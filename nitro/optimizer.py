@@ -44,9 +44,7 @@ class OptimizerSetup:
         into the optimizer state the update reads."""
         if not self.names:
             return opt_state
-        injected = {
-            name: hparams[i].astype(self.dtypes[name]) for i, name in enumerate(self.names)
-        }
+        injected = {name: hparams[i].astype(self.dtypes[name]) for i, name in enumerate(self.names)}
         return opt_state._replace(hyperparams=injected)
 
     def strip(self, opt_state: Any) -> Any:

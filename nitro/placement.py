@@ -58,12 +58,18 @@ class Placement:
         if self.n_devs > 1 or self.multi_process:
             self.mesh = Mesh(np.array(self.devices), ("data",))
             self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
+            # K stacked batches (fused steps): the stacked axis is not sharded
+            self.block_sharding = NamedSharding(self.mesh, PartitionSpec(None, "data"))
             self.replicated = NamedSharding(self.mesh, PartitionSpec())
         else:
             self.mesh = None
             self.batch_sharding = self.replicated = SingleDeviceSharding(self.devices[0])
+            self.block_sharding = self.batch_sharding
         self._transfer = jax.jit(
             _identity, in_shardings=self.batch_sharding, out_shardings=self.batch_sharding
+        )
+        self._block_transfer = jax.jit(
+            _identity, in_shardings=self.block_sharding, out_shardings=self.block_sharding
         )
 
     @property
@@ -111,6 +117,16 @@ class Placement:
                 for k, v in batch.items()
             }
         return self._transfer(dict(batch))
+
+    def put_block(self, block: Mapping[str, Any]) -> dict[str, jax.Array]:
+        """Copy K stacked host batches (`[K, batch, ...]`) to the device(s), each batch sharded
+        on its batch axis as `put_batch` does, the stacked axis not."""
+        if self.multi_process:
+            return {
+                k: jax.make_array_from_process_local_data(self.block_sharding, np.asarray(v))
+                for k, v in block.items()
+            }
+        return self._block_transfer(dict(block))
 
     def gather(self, tree: Any) -> Any:
         """Bring device arrays (or this process's host rows) to the host, whole: across

@@ -4,9 +4,9 @@ Each program takes the run's `Variables` (flat leaf lists, so a call flattens no
 lists), merges the NNX model inside the trace, and gives hooks a `TraceView` of the
 experiment. Programs:
 
-- train step: forward, loss, gradient, optimizer update and (device) train metrics, fused into
-  one program over donated variables. A non-finite loss leaves the variables untouched from
-  then on, so the handle keeps the last good weights.
+- train step (`train_step.py`): forward, loss, gradient, optimizer update and (device) train
+  metrics, fused into one program over donated variables; K of them in one program through
+  `lax.scan` (multi-step train).
 - eval forward: forward and the per-sample loss of an evaluation batch, masked to the real
   samples (the final short batch is padded to the compiled width).
 - predict: forward alone.
@@ -23,17 +23,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
+from . import tracing
 from .compile_cache import CACHE, Opaque, Program, ProgramKind, ProgramSpec
-from .errors import SetupError
-from .fingerprint import CodeFingerprint
 from .metrics import split_modes
 from .routing import select
 from .run_setup import RunSetup
-from .state import StepOutput, Variables
-from .trace_view import TraceView
+from .state import Variables
+from .train_step import TRAIN_UNITS, train_step_spec
 
 __all__ = [
     "PROGRAM_UNITS",
@@ -41,12 +39,12 @@ __all__ = [
     "device_metrics_spec",
     "eval_spec",
     "programs_using",
-    "train_step_spec",
 ]
 
 # The code each program kind runs: hooks, the model's classes, the optimizer's update.
 PROGRAM_UNITS: dict[ProgramKind, tuple[str, ...]] = {
-    ProgramKind.TRAIN_STEP: ("forward", "loss", "train_metrics", "model", "optimizer"),
+    ProgramKind.TRAIN_STEP: TRAIN_UNITS,
+    ProgramKind.MULTI_STEP: TRAIN_UNITS,
     ProgramKind.EVAL_FORWARD: ("forward", "loss", "model"),
     ProgramKind.PREDICT: ("forward", "model"),
     ProgramKind.DEVICE_METRICS: ("metrics",),
@@ -56,192 +54,6 @@ PROGRAM_UNITS: dict[ProgramKind, tuple[str, ...]] = {
 def programs_using(unit: str) -> tuple[ProgramKind, ...]:
     """The program kinds whose code includes `unit` (a hook name, "model" or "optimizer")."""
     return tuple(kind for kind, units in PROGRAM_UNITS.items() if unit in units)
-
-
-# ---------------------------------------------------------------------------------------------
-# what every program needs from the setup
-
-
-def _view(setup: RunSetup, device: Mapping[str, Any], reads: set[str]) -> TraceView:
-    return TraceView(setup.cls, setup.experiment.graphconst, device, reads)
-
-
-def _call(setup: RunSetup, hook: str, view: TraceView, *args, **kwargs):
-    return setup.experiment.hooks[hook](view, *args, **kwargs)
-
-
-def _fingerprint(setup: RunSetup, *units: str) -> CodeFingerprint:
-    code = setup.experiment.code
-    return CodeFingerprint.combine(*(code[u] for u in units if u in code))
-
-
-def _leaf_labels(setup: RunSetup, batch: str, fields, *arguments: tuple[str, str]):
-    """Readable names for arguments' leaves, for compile explanations."""
-    labels = {f"{batch}['{name}']": name for hook in fields.values() for name in hook}
-    labels.update({f"device fields['{name}']": name for name in setup.experiment.device_specs})
-    for prefix, which in arguments:
-        for i, path in enumerate(setup.model.leaf_paths.get(which, ())):
-            labels[f"{prefix}[{i}]"] = f"{which} {path}"
-    return labels
-
-
-def _unflatten(setup: RunSetup, variables: Variables):
-    model = setup.model
-    params = jax.tree.unflatten(model.params_def, variables.params)
-    rest = jax.tree.unflatten(model.model_state_def, variables.model_state)
-    return params, rest
-
-
-def _check_scalar_loss(loss: Any) -> Any:
-    if not hasattr(loss, "shape") or loss.shape != ():
-        shape = getattr(loss, "shape", type(loss).__name__)
-        raise TypeError(
-            f"hook `loss` must return a scalar (reduce over the batch, e.g. `.mean()`); it "
-            f"returned shape {shape}"
-        )
-    return loss
-
-
-def _check_batch_axis(outputs: Any, batch: Mapping[str, Any]) -> None:
-    """Outputs are sliced per sample (padding, metrics, predict): each leaf needs the batch
-    axis first. Checked at trace time, so the first compile says it, not an epoch later."""
-    width = next((v.shape[0] for v in batch.values() if getattr(v, "ndim", 0)), None)
-    if width is None:
-        return
-    for path, leaf in jax.tree_util.tree_flatten_with_path(outputs)[0]:
-        shape = tuple(getattr(leaf, "shape", ()))
-        if not shape or shape[0] != width:
-            where = jax.tree_util.keystr(path) or "its output"
-            inputs = ", ".join(f"{k}: {tuple(v.shape)}" for k, v in batch.items())
-            raise SetupError(
-                f"hook `forward` must return outputs with the batch axis first, but "
-                f"{where} has shape {shape} for a batch of {width} ({inputs}). Return one row "
-                f"per sample (e.g. `model(x)`, not `model(x).mean(0)`)."
-            )
-
-
-def _all_finite(tree: Any) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
-
-
-def _fields_key(fields: Mapping[str, tuple[str, ...]], hooks) -> tuple:
-    return tuple((hook, tuple(fields.get(hook, ()))) for hook in hooks)
-
-
-# ---------------------------------------------------------------------------------------------
-# train step
-
-
-def train_step_spec(setup: RunSetup, fields: Mapping[str, tuple[str, ...]]) -> ProgramSpec:
-    residency = setup.experiment.train_metrics_residency
-    optimizer = setup.optimizer
-    check = setup.check_divergence
-    model = setup.model
-
-    def build(reads: set[str]):
-        aux: dict[str, Any] = {}
-
-        def train_step(variables: Variables, healthy, device, hparams, batch) -> StepOutput:
-            params, rest = _unflatten(setup, variables)
-            opt_state = jax.tree.unflatten(model.opt_state_def, variables.opt_state)
-            view = _view(setup, device, reads)
-
-            def objective(params, rest):
-                module = nnx.merge(model.graphdef_train, params, rest, copy=True)
-                outputs = _call(setup, "forward", view, module, **select(batch, fields["forward"]))
-                loss = _check_scalar_loss(
-                    _call(setup, "loss", view, outputs, **select(batch, fields["loss"]))
-                )
-                _, _, new_rest = nnx.split(module, nnx.Param, ...)
-                return loss, (outputs, new_rest)
-
-            # `rest` (batch statistics, RNG counts) is an argument too, so the model's
-            # variables live at one trace level; only `params` is differentiated.
-            (loss, (outputs, new_rest)), grads = jax.value_and_grad(objective, has_aux=True)(
-                params, rest
-            )
-            opt_state = optimizer.inject(opt_state, hparams)
-
-            if check:
-                # From the first non-finite step on, every later step leaves the weights, the
-                # model state and the optimizer's moments as they were, so the handle holds the
-                # last good ones. A step is non-finite when its loss, a gradient or an update is
-                # (a NaN learning rate makes finite gradients into NaN updates). Zeroing the
-                # gradient and selecting the new parameters fuse into existing loops; the two
-                # finiteness reductions read the gradients and updates once more.
-                loss_ok = jnp.isfinite(loss)
-                grads_ok = _all_finite(grads)
-                healthy_in = healthy
-                healthy = healthy_in & loss_ok & grads_ok
-                grads = jax.tree.map(lambda g: jnp.where(healthy, g, 0), grads)
-                new_rest = jax.tree.map(
-                    lambda new, old: jax.lax.select(healthy, new, old), new_rest, rest
-                )
-            updates, new_opt = optimizer.tx.update(grads, opt_state, params)
-            if check:
-                updates_ok = _all_finite(updates)
-                healthy = healthy & updates_ok
-                new_params = jax.tree.map(
-                    lambda p, u: jnp.where(healthy, p + u, p).astype(p.dtype), params, updates
-                )
-                # 0: finite; else the first failing stage: 1 loss, 2 gradient, 3 update;
-                # 4: an earlier step in flight was already non-finite
-                code = jnp.where(
-                    ~healthy_in,
-                    4,
-                    jnp.where(~loss_ok, 1, jnp.where(~grads_ok, 2, jnp.where(~updates_ok, 3, 0))),
-                )
-                report = jnp.stack([loss.astype(jnp.float32), code.astype(jnp.float32)])
-            else:
-                new_params = optax.apply_updates(params, updates)
-                report = jnp.stack([loss.astype(jnp.float32), jnp.zeros((), jnp.float32)])
-            metrics = []
-            if residency == "host":
-                _check_batch_axis(outputs, select(batch, fields["forward"]))
-                metrics = outputs  # read back and reduced by the host hook
-            elif residency == "device":
-                values = _call(
-                    setup, "train_metrics", view, outputs, **select(batch, fields["train_metrics"])
-                )
-                aux["specs"], metrics = split_modes(values, "train_metrics")
-            new_opt = optimizer.strip(new_opt)
-            new_variables = Variables(
-                params=jax.tree.leaves(new_params),
-                model_state=jax.tree.leaves(new_rest),
-                opt_state=jax.tree.leaves(new_opt),
-            )
-            return StepOutput(new_variables, healthy, report, metrics)
-
-        train_step.nitro_aux = aux
-        return train_step
-
-    units = [u for u in PROGRAM_UNITS[ProgramKind.TRAIN_STEP] if u != "train_metrics"]
-    if residency == "device":
-        units.append("train_metrics")
-    return ProgramSpec(
-        kind=ProgramKind.TRAIN_STEP,
-        owner=setup.owner,
-        build=build,
-        code=_fingerprint(setup, *units),
-        static={
-            "model structure": Opaque(model.structure),
-            "check_divergence": check,
-            "train_metrics residency": residency or "none",
-            "fields": _fields_key(fields, ("forward", "loss", "train_metrics")),
-        },
-        graphconst=setup.experiment.graphconst,
-        arg_names=("variables", "healthy", "device fields", "hyperparameters", "batch"),
-        donate_argnums=(0,),
-        leaf_labels=_leaf_labels(
-            setup,
-            "batch",
-            fields,
-            ("variables.params", "parameter"),
-            ("variables.model_state", "model state"),
-            ("variables.opt_state", "optimizer state"),
-        ),
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -262,14 +74,14 @@ def eval_spec(
         aux: dict[str, Any] = {}
 
         def evaluate(variables: Variables, device, batch, n_real):
-            params, rest = _unflatten(setup, variables)
-            view = _view(setup, device, reads)
+            params, rest = tracing.unflatten(setup, variables)
+            view = tracing.view(setup, device, reads)
             module = nnx.merge(model.graphdef_eval, params, rest, copy=True)
             inputs = select(batch, fields["forward"])
-            outputs = _call(setup, "forward", view, module, **inputs)
+            outputs = tracing.call(setup, "forward", view, module, **inputs)
             result = {}
             if return_outputs:
-                _check_batch_axis(outputs, inputs)
+                tracing.check_batch_axis(outputs, inputs)
                 result["outputs"] = outputs
             if with_loss:
                 result["loss_sum"], aux["exact"] = _masked_loss_sum(
@@ -286,15 +98,15 @@ def eval_spec(
         kind=kind,
         owner=setup.owner,
         build=build,
-        code=_fingerprint(setup, *PROGRAM_UNITS[kind]),
+        code=tracing.fingerprint(setup, *PROGRAM_UNITS[kind]),
         static={
             "model structure": Opaque(model.structure),
             "returns outputs": return_outputs,
-            "fields": _fields_key(fields, hooks),
+            "fields": tracing.fields_key(fields, hooks),
         },
         graphconst=setup.experiment.graphconst,
         arg_names=("variables", "device fields", "batch", "real samples"),
-        leaf_labels=_leaf_labels(
+        leaf_labels=tracing.leaf_labels(
             setup,
             "batch",
             fields,
@@ -317,8 +129,8 @@ def _masked_loss_sum(setup, view, outputs, fields, n_real):
 
     def one(sample_outputs, sample_fields):
         expand = lambda a: a[None]  # noqa: E731
-        return _check_scalar_loss(
-            _call(
+        return tracing.check_scalar_loss(
+            tracing.call(
                 setup,
                 "loss",
                 view,
@@ -331,7 +143,7 @@ def _masked_loss_sum(setup, view, outputs, fields, n_real):
         per_sample = jax.vmap(one)(outputs, fields)
         return jnp.sum(jnp.where(mask, per_sample.astype(jnp.float32), 0.0)), True
     except (TypeError, ValueError, IndexError):
-        whole = _check_scalar_loss(_call(setup, "loss", view, outputs, **fields))
+        whole = tracing.check_scalar_loss(tracing.call(setup, "loss", view, outputs, **fields))
         return whole.astype(jnp.float32) * n_real, False
 
 
@@ -344,8 +156,8 @@ def device_metrics_spec(setup: RunSetup, fields: Mapping[str, tuple[str, ...]]) 
         aux: dict[str, Any] = {}
 
         def metrics(outputs, device, batch):
-            view = _view(setup, device, reads)
-            values = _call(setup, "metrics", view, outputs, **batch)
+            view = tracing.view(setup, device, reads)
+            values = tracing.call(setup, "metrics", view, outputs, **batch)
             aux["specs"], leaves = split_modes(values, "metrics")
             return leaves
 
@@ -356,8 +168,8 @@ def device_metrics_spec(setup: RunSetup, fields: Mapping[str, tuple[str, ...]]) 
         kind=ProgramKind.DEVICE_METRICS,
         owner=setup.owner,
         build=build,
-        code=_fingerprint(setup, *PROGRAM_UNITS[ProgramKind.DEVICE_METRICS]),
-        static={"fields": _fields_key(fields, ("metrics",))},
+        code=tracing.fingerprint(setup, *PROGRAM_UNITS[ProgramKind.DEVICE_METRICS]),
+        static={"fields": tracing.fields_key(fields, ("metrics",))},
         graphconst=setup.experiment.graphconst,
         arg_names=("outputs", "device fields", "batch"),
     )
@@ -382,9 +194,10 @@ class ProgramSet:
             self._slots[slot] = program
         return program
 
-    def train_step(self, args) -> Program:
+    def train_step(self, args, steps: int = 1) -> Program:
+        """The train step (`steps == 1`), or `steps` of them fused in one program."""
         fields = self.setup.splits["train"].hook_fields
-        return self._get(("train",), lambda: train_step_spec(self.setup, fields), args)
+        return self._get(("train", steps), lambda: train_step_spec(self.setup, fields, steps), args)
 
     def eval_forward(self, split: str, args, *, with_loss: bool, return_outputs: bool) -> Program:
         info = self.setup.splits[split]

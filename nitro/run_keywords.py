@@ -147,6 +147,14 @@ def _resume(value):
     )
 
 
+def _steps_per_dispatch(value):
+    if value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"steps_per_dispatch must be 'auto' or an int >= 1, got {value!r}")
+    return value
+
+
 def _schedules(value):
     if not isinstance(value, Mapping):
         raise ValueError(f"schedules must be a dict of key -> schedule, got {type(value).__name__}")
@@ -250,6 +258,13 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
         ),
         RunKeyword("host_batches", None, "host batches built ahead (default 2 x prefetch_workers)"),
         RunKeyword("ordered", True, "deliver batches in source order", _bool("ordered")),
+        RunKeyword(
+            "steps_per_dispatch",
+            "auto",
+            "training steps per program call: an int K, or 'auto' (measure the first steps "
+            "and pick K so one call does a few milliseconds of work)",
+            _steps_per_dispatch,
+        ),
         RunKeyword(
             "prefetch",
             "auto",

@@ -105,6 +105,7 @@ class RunSetup:
     total_steps: int | None  # the schedules' horizon
     feed: Any  # step_feed.StepFeed: per-step hyperparameters and Device values
     prefetch: Any  # data.PrefetchSettings
+    dispatch: Any  # dispatch.DispatchPlan: training steps per program call
 
     @property
     def cls(self) -> type:

@@ -28,6 +28,7 @@ from .data import (
     is_index_addressable,
     is_one_shot,
 )
+from .dispatch import DispatchPlan
 from .errors import RoutingError, SetupError
 from .events import Events
 from .experiments import REQUIRED_HOOKS, FieldKind, field_specs, has_method
@@ -144,6 +145,7 @@ def build(
         total_steps=total_steps,
         feed=feed,
         prefetch=prefetch,
+        dispatch=DispatchPlan(value["steps_per_dispatch"]),
     )
     state = TrainState(
         variables=Variables(
@@ -411,6 +413,7 @@ def _setup_split(
     prefetcher = Prefetcher(
         source,
         place=placement.put_batch,
+        place_block=placement.put_block,
         route=route,
         settings=prefetch,
         pad_to=None if training else width,

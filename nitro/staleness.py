@@ -143,6 +143,8 @@ def describe_changes(name: str, changes: Mapping[str, list[str]], held: list[str
     affected = []
     for unit in changes:
         for kind in programs_using(unit):
+            if kind is ProgramKind.MULTI_STEP:
+                kind = ProgramKind.TRAIN_STEP  # the fused steps are train steps too
             if kind.value not in affected:
                 affected.append(kind.value)
     reach = (

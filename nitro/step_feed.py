@@ -30,6 +30,18 @@ class _Evaluator:
         self.start = -1
         self.values: np.ndarray | None = None
 
+    def block(self, start: int, count: int) -> np.ndarray:
+        """The values of steps start .. start + count - 1."""
+        if self.vectorized is not False:
+            if self.values is None or not (
+                self.start <= start and start + count <= self.start + _CHUNK
+            ):
+                self._fill(start)
+            if self.vectorized:
+                offset = start - self.start
+                return self.values[offset : offset + count]
+        return np.array([float(np.asarray(self.fn(s))) for s in range(start, start + count)])
+
     def __call__(self, step: int) -> float:
         if self.vectorized is not False:
             if self.values is None or not self.start <= step < self.start + _CHUNK:
@@ -76,6 +88,8 @@ class StepFeed:
         self._hparams = placement.put_replicated(self._constants)
         self._device = dict(device_values)
         self._device_host = {k: np.asarray(v) for k, v in device_values.items()}
+        self._version = 0  # bumped when a constant changes: cached blocks are stale
+        self._blocks: dict[tuple, Any] = {}
 
     def hparams(self, step: int):
         if not self._opt:
@@ -107,6 +121,54 @@ class StepFeed:
                 self._device = {**self._device, name: self.placement.put_replicated(value)}
         return self._device
 
+    def hparams_block(self, start: int, count: int):
+        """The hyperparameters of `count` steps from `start`, as one f32[count, H] array."""
+        key = ("hparams", count, self._version)
+        if not self._opt:
+            block = self._blocks.get(key)
+            if block is None:
+                self._blocks = {k: v for k, v in self._blocks.items() if k[0] != "hparams"}
+                values = np.broadcast_to(self._constants, (count, len(self._constants)))
+                block = self._blocks[key] = self.placement.put_replicated(np.array(values))
+            return block
+        values = np.tile(self._constants, (count, 1))
+        for i, name in enumerate(self.hyper_names):
+            evaluator = self._opt.get(name)
+            if evaluator is not None:
+                values[:, i] = evaluator.block(start, count)
+        self._hparams_host = values[-1].copy()
+        return self.placement.put_replicated(values)
+
+    def device_block(self, start: int, count: int) -> dict[str, Any]:
+        """Every Device field for `count` steps from `start`, each with a leading axis of
+        `count`: scheduled ones step by step, the others repeated."""
+        key = ("device", count, self._version)
+        constant = self._blocks.get(key)
+        if constant is None:
+            self._blocks = {k: v for k, v in self._blocks.items() if k[0] != "device"}
+            constant = self._blocks[key] = {
+                name: self.placement.put_replicated(
+                    np.array(np.broadcast_to(value, (count, *np.shape(value))))
+                )
+                for name, value in self._device_host.items()
+                if name not in self._dev
+            }
+        if not self._dev:
+            return constant
+        block = dict(constant)
+        for name, evaluator in self._dev.items():
+            shape = self._device_host[name].shape
+            if shape:  # an array-valued schedule: step by step
+                values = np.stack(
+                    [np.asarray(evaluator.fn(s)) for s in range(start, start + count)]
+                )
+            else:
+                values = evaluator.block(start, count)
+            values = np.asarray(values, dtype=self.device_dtypes[name]).reshape((count, *shape))
+            self._device_host[name] = values[-1].copy()
+            block[name] = self.placement.put_replicated(values)
+        return block
+
     def current_device(self) -> dict[str, Any]:
         return self._device
 
@@ -136,3 +198,4 @@ class StepFeed:
             )
         self._device_host[name] = array
         self._device = {**self._device, name: self.placement.put_replicated(array)}
+        self._version += 1

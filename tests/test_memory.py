@@ -236,5 +236,6 @@ def test_live_arrays_stay_bounded_over_2000_steps():
     samples = source.live
     assert len(samples) == 2000
     assert max(samples) <= baseline + LIVE_ARRAY_BOUND, (baseline, max(samples))
-    assert len(jax.live_arrays()) <= baseline
+    # + the step feed's two cached blocks (hyperparameters, Device values) for fused steps
+    assert len(jax.live_arrays()) <= baseline + 2
     assert_all_batches_freed(n)

@@ -100,17 +100,24 @@ class PrefetchSettings:
 
 class StagedBatch:
     """One batch on its way through the loop: the host fields, the device fields, the number
-    of real samples (the rest is padding) and its index in the epoch."""
+    of real samples (the rest is padding) and its index in the epoch. A block of `count`
+    stacked batches (fused steps) has device fields `[count, batch, ...]`, `index` of its
+    first batch, and `host` a list of the batches' host fields."""
 
-    __slots__ = ("index", "host", "device", "n_real", "_freed", "_owner")
+    __slots__ = ("index", "host", "device", "n_real", "count", "_freed", "_owner")
 
-    def __init__(self, index, host, device, n_real, owner):
+    def __init__(self, index, host, device, n_real, owner, count=1):
         self.index = index
         self.host = host
         self.device = device
         self.n_real = n_real
+        self.count = count
         self._freed = False
         self._owner = owner
+
+    @property
+    def stacked(self) -> bool:
+        return self.count > 1
 
     def free(self) -> None:
         """Delete the device buffers now (idempotent); host memory is left to Python."""
@@ -177,6 +184,7 @@ class Prefetcher:
         name: str = "data",
         mode: str = "threads",
         build_seconds: float | None = None,
+        place_block: Callable[[Mapping[str, np.ndarray]], dict] | None = None,
     ):
         if mode not in PREFETCH_MODES:
             raise ValueError(
@@ -187,6 +195,7 @@ class Prefetcher:
         self.mode = mode
         self.build_seconds = build_seconds
         self.place = place
+        self.place_block = place_block
         self.route = route
         self.settings = settings or PrefetchSettings()
         self.pad_to = pad_to
@@ -257,6 +266,42 @@ class Prefetcher:
         staged.n_real = self._global_real(staged, _batch_length(routed) if routed else n_real)
         return staged
 
+    def stage_block(self, index: int, hosts: list) -> StagedBatch:
+        """Route, stack and transfer `len(hosts)` consecutive training batches as one block
+        (fused steps); one batch is staged as usual."""
+        if len(hosts) == 1:
+            return self.stage(index, hosts[0])
+        routed = []
+        for offset, host in enumerate(hosts):
+            if _batch_length(host) == 0:
+                raise SetupError(
+                    f"the '{self.name}' split yielded a batch with 0 rows (batch "
+                    f"{index + offset} of the epoch); a batch needs at least one sample: "
+                    f"filter empty batches out of the source"
+                )
+            routed.append(
+                host if self.route is None else {k: host[k] for k in self.route if k in host}
+            )
+        first = routed[0]
+        for offset, batch in enumerate(routed[1:], start=1):
+            for name, value in batch.items():
+                value, like = np.asarray(value), np.asarray(first[name])
+                if value.shape != like.shape or value.dtype != like.dtype:
+                    raise SetupError(
+                        f"{self.name} batch {index + offset} differs from batch {index}: "
+                        f"{name!r} {like.dtype}{list(like.shape)} -> "
+                        f"{value.dtype}{list(value.shape)}. Every training batch must have the "
+                        f"same shapes and dtypes (drop a partial final batch with "
+                        f"drop_last=True; cast in the loader)"
+                    )
+        stacked = {name: np.stack([b[name] for b in routed]) for name in first}
+        device = (self.place_block or self.place)(stacked)
+        self._count("placed")
+        rows = _batch_length(routed[0]) if routed[0] else _batch_length(hosts[0])
+        return StagedBatch(
+            index, hosts if self.keep_host else None, device, rows, self, count=len(hosts)
+        )
+
     def _global_real(self, staged: StagedBatch, local_rows: int) -> int:
         """Real samples in the global batch. In a multi-process run each process places its
         share, so the device batch is `processes x` wider than the host one."""
@@ -273,10 +318,12 @@ class Prefetcher:
             )
         return rows
 
-    def epoch(self, epoch: int, start: int = 0) -> EpochStream:
+    def epoch(self, epoch: int, start: int = 0, block: int = 1) -> EpochStream:
+        """The staged batches of one epoch from batch `start`; with `block > 1`, blocks of
+        `block` stacked batches (the last one shorter when the epoch does not divide)."""
         if self.path == "inline":
-            return _InlineStream(self, epoch, start)
-        return _ThreadedStream(self, epoch, start)
+            return _InlineStream(self, epoch, start, block)
+        return _ThreadedStream(self, epoch, start, block)
 
 
 class EpochStream:
@@ -307,9 +354,11 @@ def _source_iterator(source: Any, epoch: int, start: int) -> Iterator[tuple[int,
 
 
 class _InlineStream(EpochStream):
-    def __init__(self, owner: Prefetcher, epoch: int, start: int):
+    def __init__(self, owner: Prefetcher, epoch: int, start: int, block: int = 1):
         self.owner = owner
         self.iterator = _source_iterator(owner.source, epoch, start)
+        self.block = block
+        self._short: list = []
         self.wait_seconds = 0.0
 
     def __iter__(self):
@@ -318,8 +367,19 @@ class _InlineStream(EpochStream):
     def __next__(self) -> StagedBatch:
         begin = time.perf_counter()
         try:
-            index, host = next(self.iterator)
-            return self.owner.stage(index, host)
+            if self.block == 1:
+                index, host = next(self.iterator)
+                return self.owner.stage(index, host)
+            if self._short:  # the epoch's remainder: one step per call
+                index, host = self._short.pop(0)
+                return self.owner.stage(index, host)
+            items = list(itertools.islice(self.iterator, self.block))
+            if not items:
+                raise StopIteration
+            if len(items) < self.block:
+                self._short = items[1:]
+                return self.owner.stage(*items[0])
+            return self.owner.stage_block(items[0][0], [host for _, host in items])
         finally:
             self.wait_seconds += time.perf_counter() - begin
 
@@ -330,8 +390,10 @@ class _InlineStream(EpochStream):
 
 
 class _ThreadedStream(EpochStream):
-    def __init__(self, owner: Prefetcher, epoch: int, start: int):
+    def __init__(self, owner: Prefetcher, epoch: int, start: int, block: int = 1):
         self.owner = owner
+        self.block = block
+        self._pending: list[tuple[int, Any]] = []  # host batches waiting to fill a block
         self.settings = owner.settings
         self.out: queue.Queue = queue.Queue(maxsize=self.settings.device_batches)
         self.stopping = threading.Event()
@@ -375,10 +437,32 @@ class _ThreadedStream(EpochStream):
         return False
 
     def _emit(self, index: int, host) -> bool:
+        if self.block > 1:
+            self._pending.append((index, host))
+            if len(self._pending) < self.block:
+                return True
+            return self._flush()
         staged = self.owner.stage(index, host)
         if not self._put(self.out, staged):
             staged.free()
             return False
+        return True
+
+    def _flush(self) -> bool:
+        """Stage the block gathered so far; a short one (the epoch's remainder) goes one
+        batch per call, so it needs no program of its own."""
+        if not self._pending:
+            return True
+        items, self._pending = self._pending, []
+        if len(items) < self.block:
+            staged_list = [self.owner.stage(index, host) for index, host in items]
+        else:
+            staged_list = [self.owner.stage_block(items[0][0], [host for _, host in items])]
+        for number, staged in enumerate(staged_list):
+            if not self._put(self.out, staged):
+                for rest in staged_list[number:]:
+                    rest.free()
+                return False
         return True
 
     def _fan_out(self, source, epoch: int, start: int) -> None:
@@ -412,6 +496,9 @@ class _ThreadedStream(EpochStream):
                 submit_more()
                 if not self._emit(index, host):
                     break
+            else:
+                if not self._flush():
+                    return
             self._put(self.out, _END)
         except BaseException as error:  # noqa: BLE001 - re-raised in the loop
             self._put(self.out, _Failure(error))
@@ -434,6 +521,8 @@ class _ThreadedStream(EpochStream):
                     item = self.host.get(timeout=0.05)
                 except queue.Empty:
                     continue
+                if item is _END and not self._flush():
+                    return
                 if item is _END or isinstance(item, _Failure):
                     self._put(self.out, item)
                     return

@@ -1,0 +1,181 @@
+"""The train step: forward, loss, gradient, the divergence guard and the optimizer update,
+traced into one program over donated variables; and K of them fused with `lax.scan`.
+
+One step is a pure function `step(variables, healthy, device, hparams, batch) -> StepOutput`.
+The train-step program is that function; the multi-step program scans it over K stacked
+batches, with the Device fields and hyperparameters given per step (arrays of length K), so a
+schedule changes values, never programs. The guard works per step inside the scan: from the
+first non-finite step on, the later ones leave the variables as they were, and each step's
+report (loss, finiteness code) comes back in one array.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from . import tracing
+from .compile_cache import Opaque, ProgramKind, ProgramSpec
+from .metrics import split_modes
+from .routing import select
+from .run_setup import RunSetup
+from .state import StepOutput, Variables
+
+__all__ = ["TRAIN_UNITS", "step_function", "train_step_spec"]
+
+# The code a train step runs: hooks, the model's classes, the optimizer's update.
+TRAIN_UNITS = ("forward", "loss", "train_metrics", "model", "optimizer")
+
+
+def step_function(
+    setup: RunSetup, fields: Mapping[str, tuple[str, ...]], reads: set[str], aux: dict
+) -> Callable[..., StepOutput]:
+    """One training step as a traceable function of (variables, healthy, device fields,
+    hyperparameters, batch)."""
+    residency = setup.experiment.train_metrics_residency
+    optimizer = setup.optimizer
+    check = setup.check_divergence
+    model = setup.model
+
+    def step(variables: Variables, healthy, device, hparams, batch) -> StepOutput:
+        params, rest = tracing.unflatten(setup, variables)
+        opt_state = jax.tree.unflatten(model.opt_state_def, variables.opt_state)
+        view = tracing.view(setup, device, reads)
+
+        def objective(params, rest):
+            module = nnx.merge(model.graphdef_train, params, rest, copy=True)
+            outputs = tracing.call(
+                setup, "forward", view, module, **select(batch, fields["forward"])
+            )
+            loss = tracing.check_scalar_loss(
+                tracing.call(setup, "loss", view, outputs, **select(batch, fields["loss"]))
+            )
+            _, _, new_rest = nnx.split(module, nnx.Param, ...)
+            return loss, (outputs, new_rest)
+
+        # `rest` (batch statistics, RNG counts) is an argument too, so the model's variables
+        # live at one trace level; only `params` is differentiated.
+        (loss, (outputs, new_rest)), grads = jax.value_and_grad(objective, has_aux=True)(
+            params, rest
+        )
+        opt_state = optimizer.inject(opt_state, hparams)
+
+        if check:
+            # From the first non-finite step on, every later step leaves the weights, the
+            # model state and the optimizer's moments as they were, so the handle holds the
+            # last good ones. A step is non-finite when its loss, a gradient or an update is
+            # (a NaN learning rate makes finite gradients into NaN updates). Zeroing the
+            # gradient and selecting the new parameters fuse into existing loops; the two
+            # finiteness reductions read the gradients and updates once more.
+            loss_ok = jnp.isfinite(loss)
+            grads_ok = tracing.all_finite(grads)
+            healthy_in = healthy
+            healthy = healthy_in & loss_ok & grads_ok
+            grads = jax.tree.map(lambda g: jnp.where(healthy, g, 0), grads)
+            new_rest = jax.tree.map(
+                lambda new, old: jax.lax.select(healthy, new, old), new_rest, rest
+            )
+        updates, new_opt = optimizer.tx.update(grads, opt_state, params)
+        if check:
+            updates_ok = tracing.all_finite(updates)
+            healthy = healthy & updates_ok
+            new_params = jax.tree.map(
+                lambda p, u: jnp.where(healthy, p + u, p).astype(p.dtype), params, updates
+            )
+            # 0: finite; else the first failing stage: 1 loss, 2 gradient, 3 update;
+            # 4: an earlier step in flight was already non-finite
+            code = jnp.where(
+                ~healthy_in,
+                4,
+                jnp.where(~loss_ok, 1, jnp.where(~grads_ok, 2, jnp.where(~updates_ok, 3, 0))),
+            )
+            report = jnp.stack([loss.astype(jnp.float32), code.astype(jnp.float32)])
+        else:
+            new_params = optax.apply_updates(params, updates)
+            report = jnp.stack([loss.astype(jnp.float32), jnp.zeros((), jnp.float32)])
+        metrics = []
+        if residency == "host":
+            tracing.check_batch_axis(outputs, select(batch, fields["forward"]))
+            metrics = outputs  # read back and reduced by the host hook
+        elif residency == "device":
+            values = tracing.call(
+                setup, "train_metrics", view, outputs, **select(batch, fields["train_metrics"])
+            )
+            aux["specs"], metrics = split_modes(values, "train_metrics")
+        new_opt = optimizer.strip(new_opt)
+        new_variables = Variables(
+            params=jax.tree.leaves(new_params),
+            model_state=jax.tree.leaves(new_rest),
+            opt_state=jax.tree.leaves(new_opt),
+        )
+        return StepOutput(new_variables, healthy, report, metrics)
+
+    return step
+
+
+def _scanned(step: Callable[..., StepOutput]) -> Callable[..., StepOutput]:
+    """K steps in one program: `devices`, `hparams` and `batches` have a leading axis of K;
+    the report and the metrics come back stacked the same way."""
+
+    def train_steps(variables: Variables, healthy, devices, hparams, batches) -> StepOutput:
+        def body(carry, per_step):
+            variables, healthy = carry
+            device, hp, batch = per_step
+            out = step(variables, healthy, device, hp, batch)
+            return (out.variables, out.healthy), (out.report, out.metrics)
+
+        (variables, healthy), (reports, metrics) = jax.lax.scan(
+            body, (variables, healthy), (devices, hparams, batches)
+        )
+        return StepOutput(variables, healthy, reports, metrics)
+
+    return train_steps
+
+
+def train_step_spec(
+    setup: RunSetup, fields: Mapping[str, tuple[str, ...]], steps: int = 1
+) -> ProgramSpec:
+    """The train step (`steps == 1`), or `steps` fused steps (the multi-step train)."""
+    residency = setup.experiment.train_metrics_residency
+    model = setup.model
+
+    def build(reads: set[str]):
+        aux: dict[str, Any] = {}
+        step = step_function(setup, fields, reads, aux)
+        fn = step if steps == 1 else _scanned(step)
+        fn.nitro_aux = aux
+        return fn
+
+    units = [u for u in TRAIN_UNITS if u != "train_metrics"]
+    if residency == "device":
+        units.append("train_metrics")
+    batch = "batch" if steps == 1 else "batches"
+    return ProgramSpec(
+        kind=ProgramKind.TRAIN_STEP if steps == 1 else ProgramKind.MULTI_STEP,
+        owner=setup.owner,
+        build=build,
+        code=tracing.fingerprint(setup, *units),
+        static={
+            "model structure": Opaque(model.structure),
+            "check_divergence": setup.check_divergence,
+            "train_metrics residency": residency or "none",
+            "fields": tracing.fields_key(fields, ("forward", "loss", "train_metrics")),
+            "steps per program": steps,
+        },
+        graphconst=setup.experiment.graphconst,
+        arg_names=("variables", "healthy", "device fields", "hyperparameters", batch),
+        donate_argnums=(0,),
+        leaf_labels=tracing.leaf_labels(
+            setup,
+            batch,
+            fields,
+            ("variables.params", "parameter"),
+            ("variables.model_state", "model state"),
+            ("variables.opt_state", "optimizer state"),
+        ),
+    )
