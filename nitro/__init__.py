@@ -46,7 +46,16 @@ _EXPORTS = {
     "Interrupted": "nitro.errors",
     "WeightsError": "nitro.errors",
 }
-_SUBMODULES = ("data", "datasets", "events", "loggers", "progress", "runner", "staleness")
+_SUBMODULES = (
+    "data",
+    "datasets",
+    "dispatch",
+    "events",
+    "loggers",
+    "progress",
+    "runner",
+    "staleness",
+)
 
 __all__ = [
     "CacheStats",
@@ -54,6 +63,7 @@ __all__ = [
     "CompilationCacheError",
     "Device",
     "DivergenceError",
+    "dispatch",
     "EarlyStopping",
     "ExperimentError",
     "FieldKind",

@@ -85,7 +85,7 @@ class DispatchPlan:
             # not worth it for this run; a longer run of the same handle decides again
             self.reason = (
                 f"undecided: a step took {seconds * 1e3:.3f} ms, and the {remaining} steps "
-                f"left in the run were too little work to pay for compiling a fused program"
+                f"left to max_epochs were too little work to pay for compiling a fused program"
             )
             self._intervals = []
             return 1

@@ -296,11 +296,14 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
 
 
 def _remaining(run: _Epoch, state: TrainState) -> int | None:
-    """Steps left until the run's target epoch (None when the epoch length is unknown)."""
+    """Steps the handle has left to train: to this run's target or `max_epochs`, whichever
+    is further (notebook runs often train a few epochs at a time toward max_epochs). None
+    when the epoch length is unknown."""
     batches = run.setup.splits["train"].batches
     if batches is None:
         return None
-    return max(0, (run.target - state.epoch) * batches - state.position)
+    horizon = max(run.target, run.setup.max_epochs)
+    return max(0, (horizon - state.epoch) * batches - state.position)
 
 
 def _run_stream(run: _Epoch, state: TrainState, stream) -> str:

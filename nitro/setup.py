@@ -414,6 +414,7 @@ def _setup_split(
         source,
         place=placement.put_batch,
         place_block=placement.put_block,
+        direct=placement.mesh is None and not placement.multi_process,
         route=route,
         settings=prefetch,
         pad_to=None if training else width,

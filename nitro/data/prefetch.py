@@ -185,6 +185,7 @@ class Prefetcher:
         mode: str = "threads",
         build_seconds: float | None = None,
         place_block: Callable[[Mapping[str, np.ndarray]], dict] | None = None,
+        direct: bool = False,
     ):
         if mode not in PREFETCH_MODES:
             raise ValueError(
@@ -196,6 +197,7 @@ class Prefetcher:
         self.build_seconds = build_seconds
         self.place = place
         self.place_block = place_block
+        self.direct_allowed = direct  # one device, one process
         self.route = route
         self.settings = settings or PrefetchSettings()
         self.pad_to = pad_to
@@ -247,9 +249,16 @@ class Prefetcher:
             f"device_batches={s.device_batches}, ordered={s.ordered}"
         )
 
+    @property
+    def direct(self) -> bool:
+        """Inline batches on one device go into the program call as host arrays: the call's
+        own transfer is cheaper than staging them first (there is nothing to overlap)."""
+        return self.direct_allowed and self.path == "inline"
+
     def stage(self, index: int, host: Mapping[str, Any]) -> StagedBatch:
         """Pad (eval splits), route and transfer one host batch."""
-        if _batch_length(host) == 0:
+        rows = _batch_length(host)
+        if rows == 0:
             raise SetupError(
                 f"the '{self.name}' split yielded a batch with 0 rows (batch {index} of the "
                 f"epoch); a batch needs at least one sample: filter empty batches out of the "
@@ -258,10 +267,12 @@ class Prefetcher:
         if self.pad_to is not None:
             host, n_real = pad_batch(host, self.pad_to)
         else:
-            n_real = _batch_length(host)
+            n_real = rows
         routed = host if self.route is None else {k: host[k] for k in self.route if k in host}
-        device = self.place(routed)
         self._count("placed")
+        if self.direct:
+            return StagedBatch(index, host if self.keep_host else None, routed, n_real, self)
+        device = self.place(routed)
         staged = StagedBatch(index, host if self.keep_host else None, device, n_real, self)
         staged.n_real = self._global_real(staged, _batch_length(routed) if routed else n_real)
         return staged
@@ -295,7 +306,7 @@ class Prefetcher:
                         f"drop_last=True; cast in the loader)"
                     )
         stacked = {name: np.stack([b[name] for b in routed]) for name in first}
-        device = (self.place_block or self.place)(stacked)
+        device = stacked if self.direct else (self.place_block or self.place)(stacked)
         self._count("placed")
         rows = _batch_length(routed[0]) if routed[0] else _batch_length(hosts[0])
         return StagedBatch(

@@ -1,0 +1,228 @@
+"""Fused multi-step dispatch: K training steps per program call, identical to one at a time."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from toys import TinyMLP, Toy, ToyWithMetrics, X, Y
+
+import nitro
+from nitro.data import ArrayLoader
+
+X9, Y9 = np.resize(X, (144, 5)), np.resize(Y, 144)  # 9 batches of 16
+
+
+@nitro.experiment
+class Nine(ToyWithMetrics):
+    """9 training batches per epoch (a count 3 divides and 8 does not)."""
+
+    def build_data(self):
+        splits = super().build_data()
+        splits["train"] = ArrayLoader({"x": X9, "y": Y9}, 16)
+        return splits
+
+    def train_metrics(self, logits, *, y):
+        return {"hit": (logits.argmax(-1) == y).mean()}
+
+
+SCHEDULES = {
+    "learning_rate": lambda step: 1e-2 * (1.0 + (step % 5) / 5),
+    "scale": lambda step: 1.0 + 0.25 * (step % 3),
+}
+
+
+def trained(steps_per_dispatch, epochs=3, **keywords):
+    n = nitro.Nitro(
+        Nine(max_epochs=epochs),
+        steps_per_dispatch=steps_per_dispatch,
+        schedules=SCHEDULES,
+        progress=False,
+        **keywords,
+    )
+    n.train()
+    return n
+
+
+def params_of(n):
+    return [np.asarray(a) for a in n.state.variables.params]
+
+
+def test_three_epochs_with_k_1_3_8_are_bitwise_identical_with_schedules(fresh_cache):
+    one = trained(1)
+    history = one.history()[["loss", "hit", "val_loss"]]
+    for k in (3, 8):
+        fused = trained(k)
+        assert fused.step == one.step == 27
+        for a, b in zip(params_of(one), params_of(fused), strict=True):
+            np.testing.assert_array_equal(a, b)
+        assert fused.history()[["loss", "hit", "val_loss"]].equals(history)
+
+
+def test_compile_counts_are_exact_and_a_remainder_runs_one_step_per_call(fresh_cache):
+    def compiled():
+        return sorted((p["program"], p["calls"]) for p in nitro.cache_stats().programs)
+
+    trained(3, epochs=2)  # 9 = 3 x 3: the fused program alone
+    assert compiled() == [("eval forward", 4), ("multi-step train", 6)]
+    nitro.cache_reset()
+    trained(8, epochs=2)  # 9 = 8 + 1: the fused program, and one step for the remainder
+    assert compiled() == [("eval forward", 4), ("multi-step train", 2), ("train step", 2)]
+    nitro.cache_reset()
+    trained(64, epochs=2)  # capped by the epoch: 9 per call
+    assert compiled() == [("eval forward", 4), ("multi-step train", 2)]
+    reasons = [r.reason for r in nitro.explain_compiles()]
+    assert reasons[0] == "new program"
+
+
+def test_a_schedule_change_recompiles_nothing_with_fused_steps(fresh_cache):
+    trained(3, epochs=1)
+    before = nitro.cache_stats().misses
+    n = nitro.Nitro(
+        Nine(max_epochs=1),
+        steps_per_dispatch=3,
+        schedules={"learning_rate": optax.cosine_decay_schedule(1e-2, 9), "scale": 0.5},
+        progress=False,
+    )
+    n.train()
+    assert nitro.cache_stats().misses == before
+
+
+@nitro.experiment
+class Gated(Toy):
+    """A gradient that is NaN at one step (sqrt at 0), with a finite loss."""
+
+    gate: nitro.Device[float] = 1.0
+    with_val: bool = False
+
+    def build_data(self):
+        return {"train": ArrayLoader({"x": X9, "y": Y9}, 16, shuffle=False)}
+
+    def build_model(self, rngs):
+        return TinyMLP(5, 8, 2, rngs=rngs)
+
+    def loss(self, logits, *, y):
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return ce + 0.0 * jnp.sqrt(self.gate * jnp.sum(logits**2))
+
+
+def test_the_guard_stops_at_the_exact_step_inside_a_fused_call():
+    bad_step = 13  # the 14th step, inside the second fused call of epoch 2
+    n = nitro.Nitro(
+        Gated(max_epochs=3),
+        steps_per_dispatch=3,
+        schedules={"gate": lambda step: 0.0 if step == bad_step else 1.0},
+        progress=False,
+    )
+    with pytest.raises(nitro.DivergenceError) as raised:
+        n.train()
+    assert "a gradient is non-finite" in str(raised.value)
+    assert f"at step {bad_step + 1} (epoch 2, batch {bad_step - 9 + 1})" in str(raised.value)
+    assert n.step == bad_step and n.epoch == 1
+    # the same steps one at a time, stopped before the bad one, hold the same weights
+    same = nitro.Nitro(
+        Gated(max_epochs=3),
+        steps_per_dispatch=1,
+        schedules={"gate": lambda step: 0.0 if step == bad_step else 1.0},
+        progress=False,
+    )
+    with pytest.raises(nitro.DivergenceError):
+        same.train()
+    assert same.step == bad_step
+    for a, b in zip(params_of(n), params_of(same), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_per_step_losses_reach_reporters_and_a_stop_lands_on_a_call_boundary():
+    seen = []
+
+    class Steps:
+        def __init__(self):
+            self.handle = None
+
+        def step(self, step, loss):
+            seen.append((step, loss))
+            if step == 5 and self.handle is not None:
+                self.handle.stop()
+
+    reporter = Steps()
+    n = nitro.Nitro(Nine(max_epochs=3), steps_per_dispatch=3, progress=reporter)
+    reporter.handle = n
+    n.train()
+    # the stop arrives while call 2 (steps 4-6) is read back; call 3 (steps 7-9) is already
+    # in flight, so the run stops after step 9, a call boundary, and reports every step
+    assert n.stop_reason == "requested" and n.step == 9
+    assert [s for s, _ in seen] == list(range(1, 10))
+    assert all(np.isfinite(loss) for _, loss in seen)
+    n.train()  # resumes mid-epoch and finishes
+    assert n.step == 27 and n.epoch == 3
+
+
+def test_auto_measures_then_fuses_and_says_why_in_the_binding_report(monkeypatch):
+    monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", 0.0)  # however fast this machine is
+    x, y = np.resize(X, (16 * 200, 5)), np.resize(Y, 16 * 200)
+    n = nitro.Nitro(
+        Toy(max_epochs=20, with_val=False),
+        data={"train": ArrayLoader({"x": x, "y": y}, 16)},
+        progress=False,
+        checkpointer=None,
+        logger=None,
+    )
+    assert "steps per dispatch: auto (the first 9 steps run one at a time" in str(
+        n.binding_report()
+    )
+    n.train()
+    plan = n.setup.dispatch
+    assert plan.steps is not None and plan.steps > 1, plan.describe()
+    assert 200 % plan.steps == 0  # a divisor of the epoch: no remainder
+    report = str(n.binding_report())
+    assert f"steps per dispatch: {plan.steps} (auto: a step took" in report
+    programs = {p["program"] for p in nitro.cache_stats().programs if p["owner"] == n.owner}
+    assert "multi-step train" in programs
+
+
+def test_a_short_run_keeps_one_step_per_call_and_decides_again_later():
+    n = nitro.Nitro(Nine(max_epochs=1), progress=False)
+    n.train()
+    assert n.setup.dispatch.steps is None
+    assert "undecided" in n.setup.dispatch.describe()
+
+
+def test_steps_per_dispatch_is_checked():
+    with pytest.raises(ValueError, match="steps_per_dispatch must be 'auto' or an int >= 1"):
+        nitro.Nitro(Toy(), steps_per_dispatch=0, progress=False)
+
+
+MESH = textwrap.dedent(
+    """
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=4"
+    sys.path.insert(0, {tests!r})
+    import numpy as np, nitro
+    from test_dispatch import Nine, SCHEDULES
+    out = []
+    for k in (1, 3):
+        n = nitro.Nitro(Nine(max_epochs=2, batch_size=16), n_devs=4, steps_per_dispatch=k,
+                        schedules=SCHEDULES, progress=False, checkpointer=None, logger=None)
+        n.train()
+        out.append([np.asarray(p) for p in n.state.variables.params])
+        print("loss", k, n.history()["loss"].tolist())
+    print("max difference", max(np.abs(a - b).max() for a, b in zip(*out)))
+    """
+)
+
+
+def test_fused_steps_on_a_mesh_match_one_at_a_time(tmp_path):
+    script = MESH.format(tests=os.path.dirname(__file__))
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
+    assert float(lines["max"].split()[-1]) <= 1e-6
