@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import re
+from pathlib import Path
 
 import anyio
 import numpy as np
@@ -10,6 +12,7 @@ import pytest
 from agent_client import call, http_session, poll, refusal, stdio_session
 
 import nitro
+import nitro.bundle
 from nitro.mcp import HttpServer, RunRegistry, ToolSession
 
 TOOL_NAMES = {
@@ -58,6 +61,15 @@ def test_the_ten_tools_are_listed_with_their_input_schemas(connect):
     )
     max_epochs = train["properties"]["max_epochs"]["anyOf"][0]
     assert max_epochs == {"type": "integer", "minimum": 1}
+    resume = train["properties"]["resume"]["anyOf"]
+    assert {"type": "boolean"} in resume and {"type": "string"} in resume
+    pair = next(t for t in resume if t.get("type") == "array")["prefixItems"]
+    assert pair[1]["enum"] == ["best", "latest"]
+    assert {"weights", "keywords"} <= set(schemas["nitro_evaluate"]["properties"])
+    assert schemas["nitro_export"]["required"] == ["dir"]
+    assert {"run_id", "experiment", "weights", "name", "platforms"} <= set(
+        schemas["nitro_export"]["properties"]
+    )
     assert schemas["nitro_predict"]["required"] == ["run_id", "inputs"]
     assert schemas["nitro_status"]["required"] == ["run_id"]
     assert schemas["nitro_stop"]["properties"]["wait_seconds"]["default"] == 30.0
@@ -76,7 +88,9 @@ def test_a_run_trains_in_the_background_and_status_reports_its_metrics(connect):
             )
             run_id = started["run_id"]
             done = await poll(session, run_id, lambda s: s["status"] != "running")
-            history = await call(session, "nitro_status", run_id=run_id, history=True)
+            history = await call(
+                session, "nitro_status", run_id=done["handle_run_id"], history=True
+            )
             validated = await call(session, "nitro_validate", run_id=run_id)
             tested = await call(session, "nitro_evaluate", run_id=run_id, split="test")
             x = np.linspace(-1, 1, 15).reshape(3, 5).tolist()
@@ -93,6 +107,11 @@ def test_a_run_trains_in_the_background_and_status_reports_its_metrics(connect):
     assert 0 < done["loss"] < 5 and 0 <= done["metrics"]["val_acc"] <= 1
     assert done["result"] == {"epoch": 3, "step": 12, "stop_reason": "completed"}
     assert done["error"] is None
+    assert re.fullmatch(r"\d{8}-\d{6}-[0-9a-f]{4}", done["handle_run_id"])
+    run_dir = Path(done["run_dir"])
+    assert run_dir.name == done["handle_run_id"] and run_dir.parent.name == "Quick"
+    assert json.loads((run_dir / "run.json").read_text())["run_id"] == done["handle_run_id"]
+    assert history["run_id"] == started["run_id"]  # found by the handle's run id too
     assert [row["epoch"] for row in history["history"]] == [1, 2, 3]
     assert validated["result"]["val_loss"] == pytest.approx(done["metrics"]["val_loss"])
     assert set(tested["result"]) == {"test_loss", "test_acc"}
@@ -146,11 +165,39 @@ def test_bad_arguments_are_tool_errors_naming_the_argument(connect):
                 await refusal(session, "nitro_train", experiment=quick, epochz=2),
                 await refusal(session, "nitro_train", experiment=quick, keywords={"warmup": 5}),
                 await refusal(session, "nitro_train", experiment="Quick"),
+                await refusal(session, "nitro_train", experiment="agent_toys.Quik"),
                 await refusal(session, "nitro_status", run_id="nope"),
                 await refusal(session, "nitro_setup", n_devs=64),
+                await refusal(
+                    session,
+                    "nitro_train",
+                    experiment=quick,
+                    keywords={"early_stop": {"patience": 0}},
+                ),
+                await refusal(
+                    session, "nitro_train", experiment=quick, keywords={"checkpointer": {"kk": 1}}
+                ),
+                await refusal(
+                    session, "nitro_train", experiment=quick, keywords={"logger": "wandb"}
+                ),
+                await refusal(session, "nitro_train", experiment=quick, weights="nope"),
+                await refusal(session, "nitro_train", experiment=quick, resume=["runs", "worst"]),
             ]
 
-    (field, kind, both, bound, unknown, keyword, name, run, devices) = anyio.run(scenario)
+    (field, kind, both, bound, unknown, keyword, name, module, run, devices, *objects) = anyio.run(
+        scenario
+    )
+    early_stop, checkpointer, logger, weights, resume = objects
+    assert "keywords.early_stop: EarlyStopping(patience=0): patience counts epochs" in early_stop
+    assert (
+        "keywords.checkpointer: Checkpointer has no field 'kk' (did you mean 'k'?)" in checkpointer
+    )
+    assert "keywords.logger: no logger named 'wandb'; loggers: jsonl, csv, tensorboard" in logger
+    assert "weights: no run 'nope' (nitro_runs lists them) and no run directory or checkpoint" in (
+        weights
+    )
+    assert "argument 'resume.1': Input should be 'best' or 'latest' (got 'worst')" in resume
+    assert "; resume: continue from a checkpoint: 'auto'" in resume  # one clause, with the forms
     assert "overrides: Quick has no field 'widht' (did you mean 'width'?)" in field
     assert "field 'width' of Quick is int; got '4'" in kind
     assert "overrides.max_epochs: 'max_epochs' is given both as a field override" in both
@@ -158,11 +205,12 @@ def test_bad_arguments_are_tool_errors_naming_the_argument(connect):
     assert "unknown argument 'epochz'" in unknown
     assert "keywords.warmup: this version of nitro has no run keyword 'warmup'" in keyword
     assert "experiment: no experiment named 'Quick'" in name and "module-qualified" in name
+    assert "module 'agent_toys' has no 'Quik' (did you mean 'Quick'?); its experiments:" in module
     assert "run_id: no run 'nope'" in run
     assert "n_devs: 64 devices asked for" in devices
 
 
-def test_predict_refuses_ragged_inputs_and_export_says_when_it_is_missing(connect):
+def test_predict_refuses_ragged_inputs_and_names_a_missing_field(connect):
     async def scenario():
         async with connect() as session:
             started = await call(session, "nitro_train", experiment="agent_toys.Quick")
@@ -174,15 +222,59 @@ def test_predict_refuses_ragged_inputs_and_export_says_when_it_is_missing(connec
             missing = await refusal(
                 session, "nitro_predict", run_id=run_id, inputs={"z": [[1.0] * 5]}
             )
-            exported = await session.call_tool("nitro_export", {"run_id": run_id, "dir": "out"})
-            return ragged, missing, exported
+            return ragged, missing
 
-    ragged, missing, exported = anyio.run(scenario)
+    ragged, missing = anyio.run(scenario)
     assert "inputs.x: not a rectangular array" in ragged
     assert missing.startswith("nitro_predict: inputs:") and "'x'" in missing
-    if not hasattr(nitro.Nitro, "export"):
-        assert exported.is_error
-        assert "not available in this version of nitro" in exported.content[0].text
+
+
+def test_export_writes_bundles_that_predict_what_the_run_predicts(connect, tmp_path):
+    x = np.linspace(-2, 2, 20).reshape(4, 5).astype(np.float32)
+
+    async def scenario():
+        async with connect() as session:
+            started = await call(session, "nitro_train", experiment="agent_toys.Quick", seed=4)
+            done = await poll(session, started["run_id"], lambda s: s["status"] != "running")
+            predicted = await call(
+                session, "nitro_predict", run_id=started["run_id"], inputs={"x": x.tolist()}
+            )
+            from_run = await call(
+                session,
+                "nitro_export",
+                run_id=started["run_id"],
+                dir=str(tmp_path / "from_run"),
+                name="quick-agent",
+            )
+            from_checkpoint = await call(
+                session,
+                "nitro_export",
+                experiment="agent_toys.Quick",
+                weights=done["run_dir"],
+                dir=str(tmp_path / "from_checkpoint"),
+                platforms=["cpu"],
+            )
+            neither = await refusal(session, "nitro_export", dir=str(tmp_path / "x"))
+            platform = await refusal(
+                session, "nitro_export", run_id=started["run_id"], dir="x", platforms=["gpu"]
+            )
+            return done, predicted, from_run, from_checkpoint, neither, platform
+
+    done, predicted, from_run, from_checkpoint, neither, platform = anyio.run(scenario)
+    expected = np.asarray(predicted["outputs"], dtype=np.float32)
+    for answer, name in ((from_run, "quick-agent"), (from_checkpoint, "quick")):
+        assert answer["status"] == "done"
+        bundle = nitro.bundle.load(answer["result"]["directory"])
+        assert bundle.manifest == answer["result"]["manifest"]
+        assert bundle.manifest["name"] == name
+        np.testing.assert_allclose(bundle(x=x)["output"], expected, rtol=1e-5, atol=1e-6)
+    run_provenance = from_run["result"]["manifest"]["provenance"]
+    assert (run_provenance["run_id"], run_provenance["step"]) == (done["handle_run_id"], 8)
+    checkpoint = from_checkpoint["result"]["manifest"]["provenance"]["checkpoint"]
+    assert (checkpoint["run_id"], checkpoint["step"]) == (done["handle_run_id"], 8)
+    assert from_checkpoint["result"]["manifest"]["program"]["platforms"] == ["cpu"]
+    assert "nitro_export: run_id: give the run to export (run_id), or an experiment" in neither
+    assert "argument 'platforms.0': Input should be 'cpu', 'cuda', 'rocm' or 'tpu'" in platform
 
 
 def test_a_finished_run_continues_for_more_epochs_under_a_new_run_id(connect):
@@ -205,11 +297,11 @@ def test_a_finished_run_continues_for_more_epochs_under_a_new_run_id(connect):
     assert (done["status"], done["epoch"], done["step"]) == ("done", 3, 12)
 
 
-def test_a_new_handle_evaluates_with_the_weights_of_an_earlier_run(connect):
+def test_a_new_handle_evaluates_with_the_weights_of_a_run_or_of_its_checkpoint(connect):
     async def scenario():
         async with connect() as session:
             first = await call(session, "nitro_train", experiment="agent_toys.Quick", seed=3)
-            await poll(session, first["run_id"], lambda s: s["status"] != "running")
+            done = await poll(session, first["run_id"], lambda s: s["status"] != "running")
             trained = await call(session, "nitro_evaluate", run_id=first["run_id"])
             copied = await call(
                 session,
@@ -217,9 +309,105 @@ def test_a_new_handle_evaluates_with_the_weights_of_an_earlier_run(connect):
                 experiment="agent_toys.Quick",
                 keywords={"weights": first["run_id"]},
             )
+            from_dir = await call(
+                session, "nitro_evaluate", experiment="agent_toys.Quick", weights=done["run_dir"]
+            )
+            validated = await call(
+                session,
+                "nitro_validate",
+                experiment="agent_toys.Quick",
+                weights=[done["run_dir"], "latest"],
+            )
             fresh = await call(session, "nitro_evaluate", experiment="agent_toys.Quick")
-            return trained, copied, fresh
+            return done, trained, copied, from_dir, validated, fresh
 
-    trained, copied, fresh = anyio.run(scenario)
+    done, trained, copied, from_dir, validated, fresh = anyio.run(scenario)
     assert copied["result"] == pytest.approx(trained["result"])
+    assert from_dir["result"] == pytest.approx(trained["result"])
+    assert validated["result"]["val_loss"] == pytest.approx(done["metrics"]["val_loss"])
     assert fresh["result"]["test_loss"] != pytest.approx(trained["result"]["test_loss"])
+
+
+def test_a_stopped_run_resumes_from_its_checkpoint_with_resume_auto(connect):
+    slow = {"batches": 20, "delay": 0.05}
+
+    async def scenario():
+        async with connect() as session:
+            first = await call(
+                session, "nitro_train", experiment="agent_toys.Slow", overrides=slow, max_epochs=3
+            )
+            await poll(session, first["run_id"], lambda s: s["epoch"] >= 1)
+            stopped = await call(session, "nitro_stop", run_id=first["run_id"])
+            again = await call(
+                session,
+                "nitro_train",
+                experiment="agent_toys.Slow",
+                overrides=slow,
+                max_epochs=3,
+                resume="auto",
+            )
+            done = await poll(session, again["run_id"], lambda s: s["status"] != "running")
+            history = await call(session, "nitro_status", run_id=again["run_id"], history=True)
+            return stopped, done, history
+
+    stopped, done, history = anyio.run(scenario)
+    assert (stopped["stop_reason"], stopped["epoch"]) == ("requested", 1)
+    assert 20 <= stopped["step"] < 40  # stopped in epoch 2, after epoch 1's checkpoint
+    resumed_from = done["weights_checkpoint"]
+    assert (resumed_from["epoch"], resumed_from["step"]) == (1, 20)
+    assert resumed_from["run_id"] == stopped["handle_run_id"]
+    assert (done["handle_run_id"], done["run_dir"]) == (
+        stopped["handle_run_id"],
+        stopped["run_dir"],
+    )  # the resumed run keeps its id and directory
+    assert (done["status"], done["stop_reason"], done["epoch"], done["step"]) == (
+        "done",
+        "completed",
+        3,
+        60,
+    )
+    rows = history["history"]
+    assert [row["epoch"] for row in rows] == [1, 2, 3] and [row["step"] for row in rows] == [
+        20,
+        40,
+        60,
+    ]
+    assert rows[0]["val_loss"] == stopped["metrics"]["val_loss"]  # epoch 1 as it was saved
+
+
+def test_early_stopping_and_loggers_given_as_json_show_in_status_and_logger(connect):
+    async def scenario():
+        async with connect() as session:
+            started = await call(
+                session,
+                "nitro_train",
+                experiment="agent_toys.Quick",
+                max_epochs=6,
+                keywords={
+                    "early_stop": {"metric": "val_loss", "patience": 1, "min_delta": 10.0},
+                    "logger": ["jsonl", "csv"],
+                    "checkpointer": False,
+                },
+            )
+            done = await poll(session, started["run_id"], lambda s: s["status"] != "running")
+            logger = await call(session, "nitro_logger", run_id=started["run_id"])
+            silent = await call(
+                session, "nitro_evaluate", experiment="agent_toys.Quick", keywords={"logger": None}
+            )
+            none = await call(session, "nitro_logger", run_id=silent["run_id"])
+            return done, logger, none
+
+    done, logger, none = anyio.run(scenario)
+    assert none["logger"] is None and "logs nothing (logger=None)" in none["note"]
+    assert (done["status"], done["stop_reason"], done["epoch"]) == ("done", "early_stop", 2)
+    assert done["logger"] == ["JSONLinesLogger", "CSVLogger"]
+    run_dir = Path(done["run_dir"])
+    assert logger["logger"] == "LoggerGroup" and logger["run_dir"] == done["run_dir"]
+    assert logger["info"]["loggers"] == [
+        {"type": "JSONLinesLogger", "path": str(run_dir / "metrics.jsonl")},
+        {"type": "CSVLogger", "path": str(run_dir / "metrics.csv")},
+    ]
+    assert logger["run_url"] == (run_dir / "metrics.jsonl").as_uri()
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert lines[-1]["type"] == "finish" and lines[-1]["status"] == "early_stop"
+    assert (run_dir / "metrics.csv").is_file() and not (run_dir / "checkpoints").exists()

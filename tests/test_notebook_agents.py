@@ -115,3 +115,58 @@ def test_the_agent_sees_and_stops_the_persons_runs_and_stop_ends_serving(kernel)
     assert kernel.run("%nitro mcp stop").stdout.startswith(f"nitro: stopped serving {url}")
     with pytest.raises(httpx2.ConnectError):
         httpx2.post(url, json={}, timeout=5)
+
+
+def test_the_person_continuing_an_agents_run_gets_the_usual_panel(kernel):
+    _, url, token = _serve(kernel)
+
+    async def agent():
+        async with http_session(url, token) as session:
+            started = await call(
+                session, "nitro_train", experiment="tiny_exp.Tiny", overrides={"batches": 4}
+            )
+            await poll(session, started["run_id"], lambda s: s["status"] != "running")
+            return started["run_id"]
+
+    run_id = anyio.run(agent)
+    cell = kernel.run(
+        f"agents_run = nitro_ipython.agents.agent_runs()[{run_id!r}]\n"
+        f"%nitro train agents_run --epochs 1"
+    )
+    (record,) = cell.updates("text/html")  # the panel, replaced by its record at the end
+    assert re.search(r"<b>done</b> &middot; epoch 2/2 &middot; step 8 &middot; loss", record)
+    kernel.run("%nitro mcp stop")
+
+
+def test_the_agent_reads_the_error_a_persons_run_failed_with(kernel):
+    _, url, token = _serve(kernel)
+    kernel.run(
+        """
+        class DroppedFeed(tiny_exp.SlowBatches):
+            def __iter__(self):
+                yield from list(super().__iter__())[:2]
+                raise OSError("the sensor feed dropped")
+
+        @nitro.experiment
+        class Feed(tiny_exp.Tiny):
+            def build_data(self):
+                return {"train": DroppedFeed(4, 8, 0.0), "val": tiny_exp.SlowBatches(2, 8, 0.0)}
+
+        feed = Feed()
+        """
+    )
+    failed = kernel.run("%nitro train feed", check=False)
+    assert "the sensor feed dropped" in failed.error
+
+    async def agent():
+        async with http_session(url, token) as session:
+            return await call(session, "nitro_status", run_id="feed_run")
+
+    status = anyio.run(agent)
+    assert (status["status"], status["phase"], status["stop_reason"]) == (
+        "failed",
+        "failed",
+        "error",
+    )
+    assert status["error"] == "OSError: the sensor feed dropped"
+    kernel.run("%nitro mcp stop")

@@ -9,9 +9,10 @@ MCP SDK (`pip install 'nitro[agents]'`):
   loopback, behind a random bearer token (`HttpServer`).
 
 Modules: `registry` (the runs the tools started), `lookup` (experiments by name, checked
-overrides and run keywords), `convert` (JSON in and out), `session` (what each tool does),
-`tools` (argument schemas and the MCP server), `http` (the loopback server). Only `registry`
-loads without the SDK; the rest load on first use.
+overrides), `keywords` (run keywords from JSON), `convert` (JSON in and out), `describe` (what
+status says about a run), `session` (what each tool does), `tools` (argument schemas and the
+MCP server), `http` (the loopback server). Only `registry` loads without the SDK; the rest
+load on first use.
 
 >>> from nitro.mcp import ToolSession, HttpServer        # doctest: +SKIP
 >>> server = HttpServer(ToolSession(namespace=globals())).start()   # doctest: +SKIP

@@ -1,5 +1,4 @@
-"""From an agent's JSON arguments to Nitro values: experiments by name, checked field overrides,
-checked run keywords.
+"""From an agent's JSON arguments to Nitro values: experiments by name, checked field overrides.
 
 Every refusal is a `ToolFailure` that names the argument, says what was expected and how to fix
 it; the agent reads the text.
@@ -19,25 +18,17 @@ from collections.abc import Mapping
 from typing import Any
 
 from nitro.experiments import ExperimentError, field_specs, is_experiment
-from nitro.run_keywords import KEYWORD_ONLY, RUN_KEYWORDS
+from nitro.run_keywords import RUN_KEYWORDS
 
-__all__ = [
-    "OBJECT_KEYWORDS",
-    "ToolFailure",
-    "build_experiment",
-    "check_run_keywords",
-    "find_experiment",
-]
-
-# Run keywords whose values are Python objects: an agent cannot write them as JSON.
-OBJECT_KEYWORDS = {"optimizer", "schedules", "data"}
+__all__ = ["ToolFailure", "build_experiment", "close_matches", "find_experiment"]
 
 
 class ToolFailure(Exception):
     """A refusal the agent can act on; its text is the tool's error message."""
 
 
-def _hint(name: str, choices) -> str:
+def close_matches(name: str, choices) -> str:
+    """` (did you mean 'a', 'b'?)` for the choices close to `name`, or nothing."""
     close = difflib.get_close_matches(name, sorted(choices), n=3, cutoff=0.5)
     return f" (did you mean {', '.join(map(repr, close))}?)" if close else ""
 
@@ -71,8 +62,12 @@ def _import_qualified(name: str) -> Any:
         try:
             return _attribute_path(module, parts[cut:])
         except AttributeError:
+            wanted = ".".join(parts[cut:])
+            known = _experiments_in(vars(module))
+            listing = f"; its experiments: {', '.join(known)}" if known else ""
             raise ToolFailure(
-                f"experiment: module {module_name!r} has no {'.'.join(parts[cut:])!r}"
+                f"experiment: module {module_name!r} has no {wanted!r}"
+                f"{close_matches(wanted, known)}{listing}"
             ) from None
     raise ToolFailure(f"experiment: no module found for {name!r}")
 
@@ -105,7 +100,7 @@ def find_experiment(name: str, namespace: Mapping[str, Any]) -> Any:
             else "this session defines none by name"
         )
         raise ToolFailure(
-            f"experiment: no experiment named {name!r}{_hint(name, known)}; {where}. "
+            f"experiment: no experiment named {name!r}{close_matches(name, known)}; {where}. "
             f"Use a module-qualified name such as 'nitro.examples.digits.Digits'."
         )
     if not is_experiment(value):
@@ -161,7 +156,7 @@ def build_experiment(target: Any, overrides: Mapping[str, Any] | None) -> Any:
                     f"a run keyword instead (the {name} argument, or keywords)"
                 )
             raise ToolFailure(
-                f"overrides: {owner} has no field {name!r}{_hint(name, specs)}; its fields: "
+                f"overrides: {owner} has no field {name!r}{close_matches(name, specs)}; its fields: "
                 f"{', '.join(specs)}"
             )
         values[name] = _convert(owner, name, spec.type, value)
@@ -176,30 +171,3 @@ def build_experiment(target: Any, overrides: Mapping[str, Any] | None) -> Any:
             f"overrides: {owner} could not be built ({error}); give every required field in "
             f"overrides"
         ) from None
-
-
-def check_run_keywords(keywords: Mapping[str, Any], argument: Mapping[str, str]) -> dict[str, Any]:
-    """Refuse unknown run keywords and bad values before anything is built. `argument` maps
-    a keyword to the tool argument that gave it, for the message."""
-    known = set(RUN_KEYWORDS) | set(KEYWORD_ONLY)
-    checked = {}
-    for name, value in keywords.items():
-        where = argument.get(name, f"keywords.{name}")
-        if name not in known:
-            raise ToolFailure(
-                f"{where}: this version of nitro has no run keyword {name!r}"
-                f"{_hint(name, known)}; run keywords: {', '.join(sorted(known - OBJECT_KEYWORDS))}"
-            )
-        if name in OBJECT_KEYWORDS:
-            raise ToolFailure(
-                f"{where}: {name!r} takes a Python object, which cannot be written as JSON; "
-                f"define it on the experiment (a method named {name}) instead"
-            )
-        keyword = RUN_KEYWORDS.get(name)
-        if keyword is not None and keyword.check is not None and value is not None:
-            try:
-                value = keyword.check(value)
-            except ValueError as error:
-                raise ToolFailure(f"{where}: {error}") from None
-        checked[name] = value
-    return checked

@@ -6,6 +6,9 @@ A `ToolSession` acts on two kinds of runs:
 - handles (`nitro.Nitro`) bound to names in the session's namespace, such as the runs a person
   started in the notebook; their run id is the variable name.
 
+Either is also found by its handle's own id (`n.run_id`, the run directory's name); see
+`describe` for why the tools keep ids of their own.
+
 Each method takes the tool's arguments and returns plain data (the tool's JSON answer), or
 raises `ToolFailure` with a message for the agent. Only the handle's public API is used.
 
@@ -20,54 +23,19 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from typing import Any
 
 from nitro.experiments import field_specs, has_method
 from nitro.handle import Nitro
-from nitro.progress import make_reporter
 
 from .convert import as_batch, jsonable
-from .lookup import ToolFailure, build_experiment, check_run_keywords, find_experiment
+from .describe import describe_run, latest_step
+from .keywords import check_run_keywords, checkpoint_pair
+from .lookup import ToolFailure, build_experiment, find_experiment
 from .registry import RUNS, RunRecord, RunRegistry, RunStatus
 
-__all__ = ["RecordingReporter", "ToolSession"]
-
-
-class RecordingReporter:
-    """Passes a run's progress events on to the reporter it would have had, and keeps the latest
-    step and loss, so a status between epochs shows the current loss."""
-
-    def __init__(self, inner: Any):
-        self.inner = inner
-        self.step_seen: int | None = None
-        self.loss: float | None = None
-
-    def _forward(self, event: str, *args) -> None:
-        method = getattr(self.inner, event, None)
-        if method is not None:
-            method(*args)
-
-    def start_run(self, handle, epochs):
-        self._forward("start_run", handle, epochs)
-
-    def start_epoch(self, epoch, max_epochs, batches, start):
-        self._forward("start_epoch", epoch, max_epochs, batches, start)
-
-    def step(self, step, loss):
-        self.step_seen, self.loss = step, loss
-        self._forward("step", step, loss)
-
-    def phase(self, phase):
-        self._forward("phase", phase)
-
-    def end_epoch(self, row):
-        self._forward("end_epoch", row)
-
-    def note(self, message, done=False):
-        self._forward("note", message, done)
-
-    def end_run(self, handle):
-        self._forward("end_run", handle)
+__all__ = ["ToolSession"]
 
 
 def _summary(handle: Nitro) -> dict[str, Any]:
@@ -81,6 +49,7 @@ def _training(
 
     def work(record: RunRecord) -> dict[str, Any]:
         handle = build(record)
+        latest_step(handle, create=True)
         if not record.stop_requested:
             handle.train(epochs, background=True)
             if record.stop_requested:  # asked while the run was starting
@@ -131,13 +100,28 @@ class ToolSession:
                 found[name] = value
         return found
 
-    def _find(self, run_id: str) -> _Found:
+    def _lookup(self, run_id: str) -> _Found | None:
+        """A tool run by its id, a notebook handle by its name, or either by the handle's
+        own run id (`n.run_id`; the newest training run holding it)."""
         record = self.registry.get(run_id)
         if record is not None:
             return _Found(run_id, record, record.handle)
         value = self.namespace.get(run_id)
         if isinstance(value, Nitro):
             return _Found(run_id, None, value)
+        records = [r for r in self.registry.records() if r.handle and r.handle.run_id == run_id]
+        if records:
+            record = ([r for r in records if r.kind == "train"] or records)[-1]
+            return _Found(record.run_id, record, record.handle)
+        for name, handle in self._notebook_runs().items():
+            if handle.run_id == run_id:
+                return _Found(name, None, handle)
+        return None
+
+    def _find(self, run_id: str) -> _Found:
+        found = self._lookup(run_id)
+        if found is not None:
+            return found
         known = [r.run_id for r in self.registry.records()] + list(self._notebook_runs())
         listing = f"runs: {', '.join(known)}" if known else "there are no runs yet"
         raise ToolFailure(f"run_id: no run {run_id!r}; {listing} (nitro_runs lists them)")
@@ -157,69 +141,12 @@ class ToolSession:
             )
         return found
 
+    def _describe(self, found: _Found, brief: bool = False) -> dict[str, Any]:
+        names = [] if found.handle is None else self._names(found.handle)
+        return describe_run(found.run_id, found.record, found.handle, names, brief)
+
     def _names(self, handle: Any) -> list[str]:
         return [k for k, v in list(self.namespace.items()) if v is handle and not k.startswith("_")]
-
-    # ------------------------------------------------------------------------------------------
-    # describing runs
-
-    def _describe(self, found: _Found, brief: bool = False) -> dict[str, Any]:
-        record, handle = found.record, found.handle
-        row: dict[str, Any] = {"run_id": found.run_id}
-        if record is not None:
-            running = record.status is RunStatus.RUNNING or (handle is not None and handle.running)
-            row.update(
-                kind=record.kind,
-                experiment=record.experiment,
-                status="running" if running else record.status.value,
-                started_by="agent",
-            )
-        else:
-            row.update(
-                kind="notebook",
-                experiment=handle.cls.__qualname__,
-                status="running" if handle.running else handle.phase,
-                started_by="notebook",
-            )
-        if handle is None:
-            row.update(phase="setup", epoch=0, step=0, loss=None)
-        else:
-            reporter = handle.reporter
-            loss = handle.last_metrics.get("loss")
-            if isinstance(reporter, RecordingReporter) and reporter.step_seen is not None:
-                loss = reporter.loss
-            row.update(
-                phase=handle.phase,
-                epoch=handle.epoch,
-                max_epochs=handle.max_epochs,
-                step=handle.step,
-                loss=jsonable(loss),
-            )
-        if brief:
-            return row
-        if handle is not None:
-            metrics = {k: v for k, v in handle.last_metrics.items() if k not in ("epoch", "step")}
-            row.update(
-                running=handle.running,
-                stop_reason=handle.stop_reason,
-                metrics=jsonable(metrics),
-                run_dir=str(handle.run_dir) if handle.run_dir is not None else None,
-                logger=self._logger_summary(handle),
-                names=self._names(handle),
-            )
-        if record is not None:
-            row.update(
-                result=jsonable(record.result),
-                error=record.error,
-                source=record.source,
-                seconds=round((record.finished or time.time()) - record.started, 3),
-            )
-        return row
-
-    @staticmethod
-    def _logger_summary(handle: Nitro) -> str | None:
-        logger = getattr(handle, "logger", None)
-        return None if logger is None else type(logger).__name__
 
     # ------------------------------------------------------------------------------------------
     # the tools
@@ -286,12 +213,11 @@ class ToolSession:
                     f"keyword {name}; give it once"
                 )
         target = find_experiment(experiment, self.namespace)
+        where = {name: name for name in typed}
         weights = run_keywords.pop("weights", None)
-        checked = check_run_keywords(run_keywords, {name: name for name in typed})
+        checked = check_run_keywords(run_keywords, where)
         if weights is not None:
-            if not isinstance(weights, str):
-                raise ToolFailure("keywords.weights: give the run id of the run to start from")
-            checked["weights"] = self._handle(weights, "start from its weights").handle
+            checked["weights"] = self._weights(weights, where.get("weights", "keywords.weights"))
         instance = build_experiment(target, overrides)
         cls = type(instance)
         declares = has_method(cls, "n_devs") or any(s.name == "n_devs" for s in field_specs(cls))
@@ -299,10 +225,28 @@ class ToolSession:
             checked["n_devs"] = self.n_devs
         return instance, checked
 
+    def _weights(self, value: Any, where: str) -> Any:
+        """`weights`: a run's handle by its run id, a run directory or checkpoint path, or
+        (run_dir, "best" | "latest")."""
+        value = checkpoint_pair(where, value)
+        if isinstance(value, tuple):
+            return value
+        if not isinstance(value, str):
+            raise ToolFailure(
+                f'{where}: give a run id, a run directory or checkpoint path, or [run_dir, "best"]; '
+                f"got {value!r}"
+            )
+        if self._lookup(value) is not None:  # a handle copies its weights even while training
+            return self._handle(value, "start from its weights", idle=False).handle
+        if Path(value).exists():
+            return value
+        raise ToolFailure(
+            f"{where}: no run {value!r} (nitro_runs lists them) and no run directory or "
+            f"checkpoint at {str(Path(value).absolute())!r}"
+        )
+
     def _build(self, record: RunRecord, instance: Any, keywords: dict[str, Any]) -> Nitro:
-        keywords = dict(keywords)
-        reporter = RecordingReporter(make_reporter(keywords.pop("progress", True)))
-        handle = Nitro(instance, progress=reporter, **keywords)
+        handle = Nitro(instance, **keywords)
         record.handle = handle
         return handle
 
@@ -335,7 +279,8 @@ class ToolSession:
             "run_id": record.run_id,
             "status": "running",
             "experiment": record.experiment,
-            "note": "training on a background thread; poll nitro_status with this run_id",
+            "note": "training on a background thread; poll nitro_status with this run_id (it "
+            "shows handle_run_id and run_dir once the run is set up)",
         }
 
     def _continue(self, run_id: str, epochs: int | None) -> dict[str, Any]:
@@ -352,14 +297,16 @@ class ToolSession:
             _training(lambda record: handle, epochs),
             experiment=experiment,
             handle=handle,
-            source=run_id,
+            source=found.run_id,
             before=self.before_run,
         )
         return {
             "run_id": record.run_id,
             "status": "running",
             "experiment": experiment,
-            "note": f"continues run {run_id} on a background thread; poll nitro_status",
+            "handle_run_id": handle.run_id,
+            "run_dir": handle.run_dir,
+            "note": f"continues run {found.run_id} on a background thread; poll nitro_status",
         }
 
     def _job(
@@ -367,18 +314,18 @@ class ToolSession:
         kind: str,
         action: Callable[[Nitro], Any],
         run_id: str | None,
-        experiment: str | None,
-        overrides: Mapping[str, Any] | None,
-        keywords: Mapping[str, Any] | None,
+        new_handle: Mapping[str, Any],
         wait_seconds: float,
     ) -> dict[str, Any]:
-        """Run `action(handle)` on a thread, on the handle of `run_id` or on a new handle of
-        `experiment`; answer its result if it finishes within `wait_seconds`."""
+        """Run `action(handle)` on a thread, on the handle of `run_id` or on a new handle
+        (`new_handle`: experiment, overrides, keywords, weights); answer its result if it
+        finishes within `wait_seconds`."""
         if run_id is not None:
-            if experiment is not None or overrides is not None or keywords is not None:
+            given = [name for name, value in new_handle.items() if value is not None]
+            if given:
                 raise ToolFailure(
-                    "run_id: give either run_id (an existing run) or experiment (a new handle), "
-                    "not both"
+                    f"run_id: give either run_id (an existing run) or experiment (a new handle, "
+                    f"with {', '.join(new_handle)}), not both; {', '.join(given)} given too"
                 )
             found = self._handle(run_id, kind)
             handle = found.handle
@@ -387,11 +334,14 @@ class ToolSession:
                 lambda record: jsonable(action(handle)),
                 experiment=handle.cls.__qualname__,
                 handle=handle,
-                source=run_id,
+                source=found.run_id,
                 before=self.before_run,
             )
         else:
-            instance, checked = self._new_handle_plan(experiment, overrides, keywords, {})
+            fields = dict(new_handle)
+            instance, checked = self._new_handle_plan(
+                fields.pop("experiment"), fields.pop("overrides"), fields.pop("keywords"), fields
+            )
 
             def work(record: RunRecord) -> Any:
                 return jsonable(action(self._build(record, instance, checked)))
@@ -414,45 +364,27 @@ class ToolSession:
     def validate(
         self,
         run_id: str | None = None,
-        experiment: str | None = None,
-        overrides: Mapping[str, Any] | None = None,
-        keywords: Mapping[str, Any] | None = None,
         wait_seconds: float = 60.0,
+        **new_handle: Any,
     ) -> dict[str, Any]:
-        return self._job(
-            "validate",
-            lambda h: h.validate(),
-            run_id,
-            experiment,
-            overrides,
-            keywords,
-            wait_seconds,
-        )
+        return self._job("validate", lambda h: h.validate(), run_id, new_handle, wait_seconds)
 
     def evaluate(
         self,
         split: str = "test",
         run_id: str | None = None,
-        experiment: str | None = None,
-        overrides: Mapping[str, Any] | None = None,
-        keywords: Mapping[str, Any] | None = None,
         wait_seconds: float = 60.0,
+        **new_handle: Any,
     ) -> dict[str, Any]:
         if run_id is not None:
-            splits = getattr(self._handle(run_id, "evaluate").handle, "splits", None)
-            if splits is not None and split not in splits:
+            splits = self._handle(run_id, "evaluate").handle.splits
+            if split not in splits:
                 raise ToolFailure(
                     f"split: run {run_id} has no split {split!r}; its splits: "
                     f"{', '.join(splits) or 'none'}"
                 )
         return self._job(
-            "evaluate",
-            lambda h: h.evaluate(split=split),
-            run_id,
-            experiment,
-            overrides,
-            keywords,
-            wait_seconds,
+            "evaluate", lambda h: h.evaluate(split=split), run_id, new_handle, wait_seconds
         )
 
     def predict(self, run_id: str, inputs: Mapping[str, Any]) -> dict[str, Any]:
@@ -467,26 +399,26 @@ class ToolSession:
 
     def export(
         self,
-        run_id: str,
         dir: str,
-        options: Mapping[str, Any] | None = None,
+        name: str | None = None,
+        platforms: list[str] | None = None,
+        run_id: str | None = None,
         wait_seconds: float = 300.0,
+        **new_handle: Any,
     ) -> dict[str, Any]:
-        handle = self._handle(run_id, "export").handle
-        if not callable(getattr(handle, "export", None)):
+        directory = Path(dir).absolute()
+
+        def action(handle: Nitro) -> dict[str, Any]:
+            chosen = tuple(platforms) if platforms else None
+            manifest = handle.export(str(directory), name, platforms=chosen)
+            return {"directory": str(directory), "manifest": manifest}
+
+        if run_id is None and new_handle.get("experiment") is None:
             raise ToolFailure(
-                "nitro_export is not available in this version of nitro: handles have no "
-                "export() yet. nitro_predict serves predictions from the live run meanwhile."
+                "run_id: give the run to export (run_id), or an experiment to build with "
+                "weights (a checkpoint path, a run directory or a run id)"
             )
-        return self._job(
-            "export",
-            lambda h: h.export(dir, **dict(options or {})),
-            run_id,
-            None,
-            None,
-            None,
-            wait_seconds,
-        )
+        return self._job("export", action, run_id, new_handle, wait_seconds)
 
     def runs(self) -> dict[str, Any]:
         rows = [
@@ -508,20 +440,23 @@ class ToolSession:
         return row
 
     def logger(self, run_id: str) -> dict[str, Any]:
-        handle = self._handle(run_id, "read its logger", idle=False).handle
-        logger = getattr(handle, "logger", None)
-        info = getattr(handle, "logger_info", None)
-        if logger is None and not callable(info):
+        found = self._handle(run_id, "read its logger", idle=False)
+        handle = found.handle
+        logger = handle.logger
+        answer = {"run_id": found.run_id, "handle_run_id": handle.run_id, "run_dir": handle.run_dir}
+        if logger is None:
             return {
-                "run_id": run_id,
+                **answer,
                 "logger": None,
-                "note": "this version of nitro has no run loggers; nitro_status shows the run's "
-                "latest metrics and, with history=true, every epoch",
+                "info": {},
+                "note": "this run logs nothing (logger=None); nitro_status shows its latest "
+                "metrics and, with history=true, every epoch",
             }
         return {
-            "run_id": run_id,
-            "logger": None if logger is None else type(logger).__name__,
-            "info": jsonable(info()) if callable(info) else {},
+            **answer,
+            "logger": type(logger).__name__,
+            "info": jsonable(handle.logger_info()),
+            "run_url": logger.run_url,
         }
 
     def stop(self, run_id: str, wait_seconds: float = 30.0) -> dict[str, Any]:

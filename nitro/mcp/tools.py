@@ -16,7 +16,7 @@ import dataclasses
 import functools
 import json
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Literal
 
 import anyio.to_thread
 import mcp.types as types
@@ -25,12 +25,16 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from nitro.run_keywords import KEYWORD_ONLY, RUN_KEYWORDS
 
-from .lookup import OBJECT_KEYWORDS, ToolFailure
+from .keywords import OBJECT_KEYWORDS
+from .lookup import ToolFailure
 from .session import ToolSession
 
 __all__ = ["TOOLS", "ToolSpec", "build_server", "call"]
 
-RUN_ID = "a run id from nitro_train or nitro_runs (a notebook's run: its variable name)"
+RUN_ID = (
+    "a run id from nitro_train or nitro_runs (a notebook's run: its variable name), or a "
+    "handle_run_id (the run directory's id)"
+)
 WAIT = "seconds to wait for the result; a longer job answers its run id to poll with nitro_status"
 
 
@@ -47,6 +51,9 @@ class SetupArguments(_Arguments):
     )
 
 
+CHECKPOINT = 'a run directory or checkpoint path, or [run_dir, "best" | "latest"]'
+
+
 class _NewHandle(_Arguments):
     experiment: str | None = Field(
         None,
@@ -56,11 +63,16 @@ class _NewHandle(_Arguments):
     overrides: dict[str, Any] | None = Field(
         None, description='field values, e.g. {"width": 256}; checked against the fields'
     )
+    weights: str | tuple[str, Literal["best", "latest"]] | None = Field(
+        None, description=f"start from these weights: a run id (nitro_runs), {CHECKPOINT}"
+    )
     keywords: dict[str, Any] | None = Field(
         None,
         description="other run keywords for nitro.Nitro(...): "
         + ", ".join(sorted((set(RUN_KEYWORDS) | set(KEYWORD_ONLY)) - OBJECT_KEYWORDS))
-        + " (weights: a run id to start from)",
+        + '. JSON forms: checkpointer true, false or {"k": 3, "metric": "val_acc", "mode": '
+        '"max", "every": 1}; early_stop {"metric": "val_loss", "patience": 5, "min_delta": '
+        '1e-4}; logger null, "jsonl", "csv", "tensorboard" or a list of them',
     )
 
 
@@ -68,13 +80,17 @@ class TrainArguments(_NewHandle):
     max_epochs: int | None = Field(None, ge=1, description="epochs the run trains to")
     epochs: int | None = Field(None, ge=1, description="train this many epochs (more)")
     seed: int | None = Field(None, description="seeds the model's initialization and data order")
-    run_dir: str | None = Field(None, description="directory for the run's files")
+    run_dir: str | None = Field(
+        None, description="directory for the run's files (default runs/<Experiment>/<id>)"
+    )
     n_devs: int | None = Field(None, ge=1, description="devices in the data-parallel mesh")
     learning_rate: float | None = Field(
         None, gt=0, description="learning rate of the default optimizer"
     )
-    resume: str | bool | None = Field(
-        None, description="resume from a checkpoint: 'auto', false, or a run directory"
+    resume: str | bool | tuple[str, Literal["best", "latest"]] | None = Field(
+        None,
+        description="continue from a checkpoint: 'auto' (the newest run of this experiment "
+        f"under runs/, or under run_dir), {CHECKPOINT}; false starts afresh",
     )
     run_id: str | None = Field(
         None, description="continue this run (stopped or finished) instead of starting one"
@@ -97,10 +113,15 @@ class PredictArguments(_Arguments):
     )
 
 
-class ExportArguments(_Arguments):
-    run_id: str = Field(description=RUN_ID)
+class ExportArguments(_NewHandle):
+    run_id: str | None = Field(None, description=RUN_ID + "; or give experiment and weights")
     dir: str = Field(description="directory to write the bundle to")
-    options: dict[str, Any] | None = Field(None, description="further export options")
+    name: str | None = Field(
+        None, description="the bundle's (and served model's) name; default: the class, lower case"
+    )
+    platforms: list[Literal["cpu", "cuda", "rocm", "tpu"]] | None = Field(
+        None, min_length=1, description="platforms to lower for; default all four"
+    )
     wait_seconds: float = Field(300.0, ge=0, le=600, description=WAIT)
 
 
@@ -156,7 +177,7 @@ TOOLS: dict[str, ToolSpec] = {
         ToolSpec(
             "nitro_validate",
             "Loss and metrics on the 'val' split of a run (run_id), or of a new handle of an "
-            "experiment (e.g. one that resumes from a run directory).",
+            "experiment (e.g. with weights from a checkpoint path or run directory).",
             ValidateArguments,
             "validate",
         ),
@@ -175,8 +196,8 @@ TOOLS: dict[str, ToolSpec] = {
         ),
         ToolSpec(
             "nitro_export",
-            "Write a run's model as a serving bundle into dir (when this version of nitro can "
-            "export).",
+            "Write a run's model (run_id), or an experiment's with weights from a checkpoint, as "
+            "a serving bundle into dir (nitro.bundle.load, nitro serve); answers its manifest.",
             ExportArguments,
             "export",
         ),
@@ -189,14 +210,17 @@ TOOLS: dict[str, ToolSpec] = {
         ),
         ToolSpec(
             "nitro_status",
-            "One run in detail: status, phase, epoch, step, latest loss and metrics, run "
-            "directory, result or error text; history=true adds every epoch.",
+            "One run in detail: status, phase, epoch, step, latest loss and metrics, "
+            "stop_reason (completed, early_stop, requested, error), run directory and "
+            "handle_run_id, where its weights came from, result or error text; history=true "
+            "adds every epoch.",
             StatusArguments,
             "status",
         ),
         ToolSpec(
             "nitro_logger",
-            "The run's logger: its type and identifying information.",
+            "The run's loggers: their types and files (metrics.jsonl in the run directory by "
+            "default), and where to look at them.",
             RunIdArguments,
             "logger",
         ),
@@ -212,17 +236,27 @@ TOOLS: dict[str, ToolSpec] = {
 
 
 def _argument_errors(tool: ToolSpec, error: ValidationError) -> str:
-    """`nitro_train: argument 'max_epochs': ...`, one clause per problem."""
+    """`nitro_train: argument 'max_epochs': ...`, one clause per argument. An argument of
+    several accepted forms (`resume`) gets its most specific problem and the forms it takes,
+    rather than one complaint per form."""
     allowed = ", ".join(tool.arguments.model_fields) or "none"
-    problems = []
+    by_argument: dict[str, list[dict[str, Any]]] = {}
     for item in error.errors():
-        name = ".".join(str(part) for part in item["loc"]) or "arguments"
+        by_argument.setdefault(str(item["loc"][0]) if item["loc"] else "arguments", []).append(item)
+    problems = []
+    for name, items in by_argument.items():
+        item = max(items, key=lambda i: len(i["loc"]))
         if item["type"] == "extra_forbidden":
             problems.append(f"unknown argument {name!r} (arguments: {allowed})")
         elif item["type"] == "missing":
             problems.append(f"argument {name!r} is required")
         else:
-            problems.append(f"argument {name!r}: {item['msg']} (got {item['input']!r})")
+            where = ".".join(str(p) for p in item["loc"] if isinstance(p, int) or p == name)
+            problem = f"argument {where!r}: {item['msg']} (got {item['input']!r})"
+            field = tool.arguments.model_fields.get(name)
+            if len(items) > 1 and field is not None and field.description:
+                problem += f"; {name}: {field.description}"
+            problems.append(problem)
     return f"{tool.name}: " + "; ".join(problems)
 
 

@@ -1,0 +1,132 @@
+"""What `nitro_status` and `nitro_runs` say about a run, from the handle's public API.
+
+A row names the run two ways: `run_id`, the id the tools know it by (a tool run's 8 hex
+digits, or a notebook variable's name), and `handle_run_id`, the handle's own `n.run_id`
+(a sortable timestamp plus 4 hex digits, the name of its run directory). They differ because
+a tool answers its id before the handle exists, one handle serves several tool runs (training,
+continuing, validating, exporting), and a resumed handle takes the id of the run it resumes.
+
+>>> row = describe_run("e5c6c5b4", record, record.handle, names=[])   # doctest: +SKIP
+>>> row["status"], row["handle_run_id"]                               # doctest: +SKIP
+('done', '20261130-181500-a3f9')
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from nitro.handle import Nitro
+
+from .convert import jsonable
+from .registry import RunRecord, RunStatus
+
+__all__ = ["LatestStep", "describe_run", "error_text", "latest_step"]
+
+# A handle's latest stop_reason -> the status of a run the person started.
+_STATUS = {
+    None: "ready",
+    "completed": "done",
+    "early_stop": "done",
+    "requested": "stopped",
+    "error": "failed",
+}
+
+
+class LatestStep:
+    """A reporter keeping a run's latest step and loss: the history has whole epochs only, so
+    a status in the middle of an epoch reads the current loss here."""
+
+    def __init__(self) -> None:
+        self.latest_step: int | None = None
+        self.latest_loss: float | None = None
+
+    def step(self, step: int, loss: float) -> None:
+        self.latest_step, self.latest_loss = step, loss
+
+
+def latest_step(handle: Nitro, create: bool = False) -> LatestStep | None:
+    """The `LatestStep` on `handle`'s event path; with `create`, added when there is none."""
+    for reporter in handle.events.reporters:
+        if isinstance(reporter, LatestStep):
+            return reporter
+    if not create:
+        return None
+    recorder = LatestStep()
+    handle.events.add(recorder)
+    return recorder
+
+
+def error_text(error: BaseException | None) -> str | None:
+    return None if error is None else f"{type(error).__name__}: {error}"
+
+
+def _loggers(handle: Nitro) -> list[str] | None:
+    logger = handle.logger
+    return None if logger is None else [type(lg).__name__ for lg in logger.loggers]
+
+
+def describe_run(
+    run_id: str,
+    record: RunRecord | None,
+    handle: Nitro | None,
+    names: list[str],
+    brief: bool = False,
+) -> dict[str, Any]:
+    """The run's row: identity, status and progress; unless `brief`, its metrics, files,
+    weights, result and error too."""
+    row: dict[str, Any] = {"run_id": run_id}
+    if record is not None:
+        running = record.status is RunStatus.RUNNING or (handle is not None and handle.running)
+        row.update(
+            kind=record.kind,
+            experiment=record.experiment,
+            status="running" if running else record.status.value,
+            started_by="agent",
+        )
+    else:
+        row.update(
+            kind="notebook",
+            experiment=handle.cls.__qualname__,
+            status="running" if handle.running else _STATUS.get(handle.stop_reason, "done"),
+            started_by="notebook",
+        )
+    if handle is None:
+        row.update(handle_run_id=None, phase="setup", epoch=0, step=0, loss=None)
+    else:
+        loss = handle.last_metrics.get("loss")
+        recorder = latest_step(handle)
+        if recorder is not None and recorder.latest_step is not None:
+            loss = recorder.latest_loss
+        row.update(
+            handle_run_id=handle.run_id,
+            phase=handle.phase,
+            epoch=handle.epoch,
+            max_epochs=handle.max_epochs,
+            step=handle.step,
+            loss=jsonable(loss),
+        )
+    if brief:
+        return row
+    if handle is not None:
+        metrics = {k: v for k, v in handle.last_metrics.items() if k not in ("epoch", "step")}
+        row.update(
+            running=handle.running,
+            stop_reason=handle.stop_reason,
+            metrics=jsonable(metrics),
+            run_dir=handle.run_dir,
+            weights_origin=handle.weights_origin,
+            weights_checkpoint=jsonable(handle.weights_checkpoint),
+            logger=_loggers(handle),
+            names=names,
+        )
+    if record is not None:
+        row.update(
+            result=jsonable(record.result),
+            error=record.error,
+            source=record.source,
+            seconds=round((record.finished or time.time()) - record.started, 3),
+        )
+    else:
+        row["error"] = error_text(handle.error)
+    return row
