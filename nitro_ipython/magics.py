@@ -176,6 +176,8 @@ class NitroMagics(Magics):
         return self.shell.user_ns
 
     def _value(self, name: str) -> Any:
+        if name not in self._ns and name in agents.agent_runs():  # a coding agent's run id
+            return agents.agent_runs()[name]
         if name.isidentifier():
             if name not in self._ns:
                 raise UsageError(
