@@ -40,6 +40,9 @@ _EXPORTS = {
     "HostFieldError": "nitro.errors",
     "RunningError": "nitro.errors",
     "Checkpointer": "nitro.checkpoints",
+    "EMA": "nitro.ema",
+    "SAM": "nitro.sam",
+    "ASAM": "nitro.sam",
     "EarlyStopping": "nitro.early_stopping",
     "on_phase": "nitro.events",
     "saved_runs": "nitro.run_dirs",
@@ -58,6 +61,9 @@ _SUBMODULES = (
 )
 
 __all__ = [
+    "ASAM",
+    "EMA",
+    "SAM",
     "CacheStats",
     "Checkpointer",
     "CompilationCacheError",
@@ -126,6 +132,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
         set_compilation_cache,
     )
     from .early_stopping import EarlyStopping
+    from .ema import EMA
     from .errors import (
         CompilationCacheError,
         DivergenceError,
@@ -143,6 +150,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .experiments import Device, FieldKind, GraphConst, experiment, fields
     from .handle import Nitro
     from .run_dirs import saved_runs
+    from .sam import ASAM, SAM
 
 
 def load_ipython_extension(ipython) -> None:

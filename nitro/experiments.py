@@ -95,6 +95,9 @@ DRIVER_ONLY_NAMES = frozenset(
         "prefetch",
         "progress",
         "steps_per_dispatch",
+        "accum",
+        "ema",
+        "sam",
     }
 )
 

@@ -271,8 +271,10 @@ def export_handle(
     name: str | None = None,
     *,
     platforms: tuple[str, ...] = DEFAULT_PLATFORMS,
+    variables: Any = None,
 ) -> dict[str, Any]:
-    """Export a handle's current weights and eval-mode forward; returns the manifest.
+    """Export a handle's current weights (or `variables`: e.g. the moving average) and its
+    eval-mode forward; returns the manifest.
 
     >>> export_handle(n, "exports/digits")["inputs"]     # doctest: +SKIP
     [{'name': 'x', 'dtype': 'float32', 'shape': [-1, 64]}]
@@ -284,6 +286,7 @@ def export_handle(
     from .trace_view import TraceView
 
     setup, state = handle.setup, handle.state
+    variables = variables if variables is not None else state.variables
     model_setup = setup.model
     cls, experiment = handle.cls, handle.experiment
     preprocess = has_method(cls, "export_preprocess")
@@ -293,8 +296,8 @@ def export_handle(
     # Weights: parameters then other model state, as host arrays named by their model path.
     # The caller holds the handle (no step runs meanwhile).
     trees = [
-        jax.tree.unflatten(model_setup.params_def, state.variables.params),
-        jax.tree.unflatten(model_setup.model_state_def, state.variables.model_state),
+        jax.tree.unflatten(model_setup.params_def, variables.params),
+        jax.tree.unflatten(model_setup.model_state_def, variables.model_state),
     ]
     device = {k: np.asarray(v) for k, v in setup.feed.current_device().items()}
     names, weights, key_impls = [], {}, {}

@@ -444,11 +444,12 @@ class Nitro:
     # ------------------------------------------------------------------------------------------
     # evaluation and prediction
 
-    def validate(self) -> dict[str, Any]:
-        """Loss and metrics on the 'val' split, e.g. {'val_loss': ..., 'val_acc': ...}."""
-        return self.evaluate(split="val")
+    def validate(self, *, weights: str | None = None) -> dict[str, Any]:
+        """Loss and metrics on the 'val' split, e.g. {'val_loss': ..., 'val_acc': ...}.
+        `weights="ema"` evaluates the moving average of the weights (`ema=`)."""
+        return self.evaluate(split="val", weights=weights)
 
-    def evaluate(self, split: str = "test") -> dict[str, Any]:
+    def evaluate(self, split: str = "test", *, weights: str | None = None) -> dict[str, Any]:
         """Loss and metrics on any split, prefixed with the split's name.
 
         On 'val', an epoch trained but not yet validated (a stop during its validation) is
@@ -462,7 +463,7 @@ class Nitro:
                 self._control.stop.clear()
                 previous = self.phase
                 try:
-                    if split == "val" and self._pending():
+                    if split == "val" and self._pending() and weights is None:
                         row = loop.finish_epoch(
                             self._setup, self._state, self._programs, self._events, self._control
                         )
@@ -473,7 +474,7 @@ class Nitro:
                     else:
                         self._events.phase(f"evaluating {split}")
                         result = loop.evaluate_split(
-                            self._setup, self._state, self._programs, self._control, split
+                            self._setup, self._state, self._programs, self._control, split, weights
                         )
                 finally:
                     self._events.phase(previous)
@@ -484,20 +485,21 @@ class Nitro:
                     )
                 return result
 
-    def predict(self, batch: Any):
+    def predict(self, batch: Any, *, weights: str | None = None):
         """Run `forward` in eval mode. A dict of arrays -> host numpy outputs; an iterable of
-        such dicts -> an iterator of outputs, one per batch."""
+        such dicts -> an iterator of outputs, one per batch. `weights="ema"` predicts with the
+        moving average of the weights."""
         self._check_stale("predict")
         forward = self._setup.experiment.hook_fields["forward"]
         if isinstance(batch, Mapping):
-            return self._predict_batch(batch)
+            return self._predict_batch(batch, weights)
         if isinstance(batch, (np.ndarray, jax.Array)) or not isinstance(batch, Iterable):
             raise TypeError(
                 f"predict takes a dict of batch fields (forward needs: {forward.describe()}) or "
                 f"an iterable of such dicts; got {type(batch).__name__}. For example: "
                 f"n.predict({{'{(forward.required or ('x',))[0]}': xs}})"
             )
-        return (self._predict_batch(b) for b in batch)
+        return (self._predict_batch(b, weights) for b in batch)
 
     def _predict_width(self, n: int) -> int:
         """The compiled width predictions are padded or split to: an evaluation split's batch
@@ -510,17 +512,20 @@ class Nitro:
             self._serving_width = n
         return self._serving_width
 
-    def _predict_batch(self, batch: Mapping[str, Any]):
+    def _predict_batch(self, batch: Mapping[str, Any], weights: str | None = None):
         setup = self._setup
         with sigint_requests_stop(self._control), self._guard.hold("predicting"):
             self._control.stop.clear()
             with events_module.using(self._events):
-                chunks = self._predict_chunks(setup, batch)
+                chunks = self._predict_chunks(setup, batch, weights)
         if len(chunks) == 1:
             return chunks[0]
         return jax.tree.map(lambda *parts: np.concatenate(parts, axis=0), *chunks)
 
-    def _predict_chunks(self, setup: RunSetup, batch: Mapping[str, Any]) -> list:
+    def _predict_chunks(
+        self, setup: RunSetup, batch: Mapping[str, Any], weights: str | None = None
+    ) -> list:
+        variables = loop.weights_of(setup, self._state, weights)
         fields = setup.experiment.hook_fields["forward"].resolve(tuple(batch), "predict")
         host = {k: np.asarray(batch[k]) for k in fields}
         n = batch_size(host, "predict")
@@ -537,12 +542,7 @@ class Nitro:
                 part = {k: np.zeros((1, *v.shape[1:]), v.dtype) for k, v in host.items()}
             part, n_real = pad_batch(part, width)
             device = setup.placement.put_batch(setup.placement.local_rows(part))
-            args = (
-                self._state.variables,
-                setup.feed.current_device(),
-                device,
-                np.int32(n_real),
-            )
+            args = (variables, setup.feed.current_device(), device, np.int32(n_real))
             result = self._programs.predict(width, fields, args)(*args)
             outputs = setup.placement.gather(result["outputs"])
             loop.delete(result)
@@ -552,19 +552,32 @@ class Nitro:
         return chunks
 
     def export(
-        self, directory: str, name: str | None = None, *, platforms: tuple[str, ...] | None = None
+        self,
+        directory: str,
+        name: str | None = None,
+        *,
+        platforms: tuple[str, ...] | None = None,
+        weights: str | None = None,
     ) -> dict[str, Any]:
         """Write the current weights and eval-mode forward as a bundle that runs without Nitro
         (`nitro.bundle.load(directory)`) and serves with `nitro serve`; returns its manifest.
 
         `name` names the bundle (default: the experiment class, lower case); `platforms`
-        defaults to cpu, cuda, rocm and tpu. See docs/export.md.
+        defaults to cpu, cuda, rocm and tpu; `weights="ema"` exports the moving average of
+        the weights. See docs/export.md.
         """
         from .export import DEFAULT_PLATFORMS, export_handle
 
         self._check_stale("export")
         with self._guard.hold("exporting"):
-            return export_handle(self, directory, name, platforms=platforms or DEFAULT_PLATFORMS)
+            variables = loop.weights_of(self._setup, self._state, weights)
+            return export_handle(
+                self,
+                directory,
+                name,
+                platforms=platforms or DEFAULT_PLATFORMS,
+                variables=variables,
+            )
 
     # ------------------------------------------------------------------------------------------
     # Device fields

@@ -68,7 +68,7 @@ class _Epoch:
         self.dispatched = 0
         self.target = 0  # the epoch this run trains to
         self.upcoming = None  # (epoch, block, stream) started early, during validation
-        self.programs_by_count: dict[int, Any] = {}  # steps per call -> its program
+        self.programs_by_count: dict[tuple, Any] = {}  # (steps, micro) per call -> program
 
 
 def train_epochs(
@@ -115,11 +115,11 @@ def train_epochs(
             if state.epoch + 1 < target and not stop.is_set():
                 # start producing the next epoch now, so validation overlaps with it
                 split = setup.splits["train"]
-                block = setup.dispatch.block(split.batches)
+                block = setup.dispatch.block(_updates(setup))
                 run.upcoming = (
                     state.epoch + 1,
                     block,
-                    split.prefetcher.epoch(state.epoch + 1, block=block),
+                    split.prefetcher.epoch(state.epoch + 1, block=block, group=setup.accum),
                 )
         return state, ("requested" if stop.is_set() else "completed")
     finally:
@@ -259,7 +259,7 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
     upcoming, run.upcoming = run.upcoming, None
     try:
         while True:
-            block = setup.dispatch.block(split.batches)
+            block = setup.dispatch.block(_updates(setup))
             if (
                 upcoming is not None
                 and upcoming[:2] == (state.epoch, block)
@@ -269,7 +269,9 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
             else:
                 if upcoming is not None:
                     upcoming[2].close()
-                stream = split.prefetcher.epoch(state.epoch, start=state.position, block=block)
+                stream = split.prefetcher.epoch(
+                    state.epoch, start=state.position, block=block, group=setup.accum
+                )
             upcoming = None
             try:
                 ended = _run_stream(run, state, stream)
@@ -295,15 +297,21 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
     return True
 
 
+def _updates(setup: RunSetup) -> int | None:
+    """Optimizer steps per epoch: batches, or batches / accum."""
+    batches = setup.splits["train"].batches
+    return batches // setup.accum if batches is not None else None
+
+
 def _remaining(run: _Epoch, state: TrainState) -> int | None:
     """Steps the handle has left to train: to this run's target or `max_epochs`, whichever
     is further (notebook runs often train a few epochs at a time toward max_epochs). None
     when the epoch length is unknown."""
-    batches = run.setup.splits["train"].batches
-    if batches is None:
+    updates = _updates(run.setup)
+    if updates is None:
         return None
     horizon = max(run.target, run.setup.max_epochs)
-    return max(0, (horizon - state.epoch) * batches - state.position)
+    return max(0, (horizon - state.epoch) * updates - state.position // run.setup.accum)
 
 
 def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
@@ -312,7 +320,7 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
     just decided K > 1: reopen the stream in blocks)."""
     setup, control = run.setup, run.control
     feed, stop, plan = setup.feed, control.stop, setup.dispatch
-    batches = setup.splits["train"].batches
+    updates = _updates(setup)
     switchable = is_index_addressable(setup.splits["train"].prefetcher.source)
     plan.start_stream()
     pending: _Pending | None = None
@@ -326,7 +334,7 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
                     control.acknowledged = 1  # said here, before the run's reporters close
                     control.say("interrupted; stopping training after the current step ...")
                 break
-            index, count = run.dispatched, staged.count
+            index, count, micro = run.dispatched, staged.count, staged.group
             if count == 1:
                 args = (
                     state.variables,
@@ -343,9 +351,10 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
                     feed.hparams_block(index, count),
                     staged.device,
                 )
-            program = run.programs_by_count.get(count)
+            program = run.programs_by_count.get((count, micro))
             if program is None:
-                program = run.programs_by_count[count] = run.programs.train_step(args, count)
+                program = run.programs.train_step(args, count, micro)
+                run.programs_by_count[(count, micro)] = program
             try:
                 out = program(*args)
             except TypeError as error:
@@ -358,8 +367,8 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
             previous, pending = pending, _Pending(index, out.report, out.metrics, staged)
             if previous is not None:
                 _complete(run, state, previous)
-                if plan.probing and plan.observe(batches):
-                    if plan.decide(batches, _remaining(run, state)) > 1 and switchable:
+                if plan.probing and plan.observe(updates):
+                    if plan.decide(updates, _remaining(run, state)) > 1 and switchable:
                         ended = "switch"
                         break
         if pending is not None:
@@ -389,8 +398,8 @@ def _drain(item: _Pending) -> None:
 
 
 def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
-    """Read back one call (it has finished once its report arrives), free its batch or block,
-    and account each of its steps."""
+    """Read back one call (it has finished once its report arrives), free its batches, and
+    account each of its steps."""
     setup = run.setup
     residency = setup.experiment.train_metrics_residency
     metrics = item.metrics
@@ -402,8 +411,8 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
     finally:
         staged.free()
     totals = state.totals
-    count = staged.count
-    program = run.programs_by_count.get(count)
+    count, micro = staged.count, staged.group
+    program = run.programs_by_count.get((count, micro))
     for offset, (value, code) in enumerate(reports.tolist()):
         if code:
             raise DivergenceError(
@@ -415,13 +424,19 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
             totals.loss_sum += value
             totals.loss_count += 1
         state.step += 1
-        state.position += 1
+        state.position += micro
         totals.steps += 1
         if residency is not None:
             step_metrics = (
                 metrics if count == 1 else jax.tree.map(lambda a, i=offset: a[i], metrics)
             )
-            _train_metrics(run, totals, program, step_metrics, staged, offset)
+            for part in range(micro):  # each micro-batch's train metrics
+                batch_metrics = (
+                    step_metrics
+                    if micro == 1
+                    else jax.tree.map(lambda a, m=part: a[m], step_metrics)
+                )
+                _train_metrics(run, totals, program, batch_metrics, staged, offset * micro + part)
         run.events.step(state.step, value)
 
 
@@ -430,7 +445,7 @@ def _train_metrics(run: _Epoch, totals, program, metrics, staged, offset: int) -
     if setup.experiment.train_metrics_residency == "device":
         totals.train_metrics.add(program.aux["specs"], metrics, staged.n_real)
         return
-    host = staged.host if staged.count == 1 else staged.host[offset]
+    host = staged.host if not staged.stacked else staged.host[offset]
     batch = setup.splits["train"].hook_fields["train_metrics"]
     fields = setup.placement.gather(select(host, batch))
     values = setup.experiment.call_host_hook("train_metrics", metrics, **fields)
@@ -476,9 +491,33 @@ def _finalize(setup: RunSetup, results: dict, split: str) -> dict:
     return flatten_metrics(results)
 
 
+def weights_of(setup: RunSetup, state: TrainState, weights: str | None = None):
+    """The variables evaluation uses: the trained weights ("current"), their moving
+    average ("ema"), or by default the average when `EMA(evaluate=True)`. Same structure
+    either way, so the same programs run."""
+    variables = state.variables
+    if weights is None:
+        weights = "ema" if setup.ema is not None and setup.ema.evaluate else "current"
+    if weights == "current":
+        return variables
+    if weights != "ema":
+        raise ValueError(f"weights must be 'current' or 'ema', got {weights!r}")
+    if variables.ema is None:
+        raise SetupError(
+            "weights='ema' needs a moving average of the weights: build the handle with "
+            "ema=0.999 (or nitro.EMA(...)); it is kept while the handle trains"
+        )
+    return dataclasses.replace(variables, params=variables.ema)
+
+
 def evaluate_split(
-    setup: RunSetup, state: TrainState, programs: ProgramSet, control: RunControl, split: str
-) -> dict[str, Any]:
+    setup: RunSetup,
+    state: TrainState,
+    programs: ProgramSet,
+    control: RunControl,
+    split: str,
+    weights: str | None = None,
+) -> dict[str, Any] | None:
     """Loss and metrics over one split, prefixed with its name (`val_loss`, `val_acc`); None
     when a stop request cut it short (partial results are never returned)."""
     info = setup.split(split)
@@ -489,6 +528,7 @@ def evaluate_split(
     accumulator = MetricAccumulator("metrics")
     loss_sum, samples = 0.0, 0
     program = None
+    variables = weights_of(setup, state, weights)
     stream = info.prefetcher.epoch(0)
     stopped = False
     try:
@@ -498,7 +538,7 @@ def evaluate_split(
                 stopped = True
                 break
             n_real = staged.n_real
-            args = (state.variables, setup.feed.current_device(), staged.device, np.int32(n_real))
+            args = (variables, setup.feed.current_device(), staged.device, np.int32(n_real))
             if program is None:
                 program = programs.eval_forward(
                     split, args, with_loss=with_loss, return_outputs=has_metrics

@@ -194,10 +194,15 @@ class ProgramSet:
             self._slots[slot] = program
         return program
 
-    def train_step(self, args, steps: int = 1) -> Program:
-        """The train step (`steps == 1`), or `steps` of them fused in one program."""
+    def train_step(self, args, steps: int = 1, micro: int = 1) -> Program:
+        """The train step (`steps == 1`), or `steps` of them fused in one program; each step
+        accumulates `micro` micro-batches."""
         fields = self.setup.splits["train"].hook_fields
-        return self._get(("train", steps), lambda: train_step_spec(self.setup, fields, steps), args)
+        return self._get(
+            ("train", steps, micro),
+            lambda: train_step_spec(self.setup, fields, steps, micro),
+            args,
+        )
 
     def eval_forward(self, split: str, args, *, with_loss: bool, return_outputs: bool) -> Program:
         info = self.setup.splits[split]

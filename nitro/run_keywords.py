@@ -147,6 +147,24 @@ def _resume(value):
     )
 
 
+def _ema(value):
+    from .ema import EMA
+
+    try:
+        return EMA.of(value)
+    except ValueError as error:
+        raise ValueError(str(error)) from None
+
+
+def _sam(value):
+    from .sam import SAM
+
+    try:
+        return SAM.of(value)
+    except ValueError as error:
+        raise ValueError(str(error)) from None
+
+
 def _steps_per_dispatch(value):
     if value == "auto":
         return value
@@ -258,6 +276,24 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
         ),
         RunKeyword("host_batches", None, "host batches built ahead (default 2 x prefetch_workers)"),
         RunKeyword("ordered", True, "deliver batches in source order", _bool("ordered")),
+        RunKeyword(
+            "accum",
+            1,
+            "micro-batches per optimizer step (gradient accumulation; schedules count steps)",
+            _positive_int("accum"),
+        ),
+        RunKeyword(
+            "ema",
+            None,
+            "keep a moving average of the weights: a decay in (0, 1), a nitro.EMA, or None",
+            _ema,
+        ),
+        RunKeyword(
+            "sam",
+            None,
+            "sharpness-aware minimization: a radius, nitro.SAM(rho=), nitro.ASAM(rho=, eta=)",
+            _sam,
+        ),
         RunKeyword(
             "steps_per_dispatch",
             "auto",

@@ -106,6 +106,9 @@ class RunSetup:
     feed: Any  # step_feed.StepFeed: per-step hyperparameters and Device values
     prefetch: Any  # data.PrefetchSettings
     dispatch: Any  # dispatch.DispatchPlan: training steps per program call
+    accum: int = 1  # micro-batches per optimizer step
+    ema: Any = None  # ema.EMA, or None
+    sam: Any = None  # sam.SAM or ASAM, or None
 
     @property
     def cls(self) -> type:

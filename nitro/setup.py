@@ -41,7 +41,7 @@ from .run_setup import ExperimentSetup, ModelSetup, RunSetup, SplitSetup
 from .schedules import bind_schedules, check_schedule_values
 from .state import TrainState, Variables
 from .step_feed import StepFeed
-from .weights import leaf_paths
+from .weights import copy_array, leaf_paths
 
 __all__ = ["batch_size", "build"]
 
@@ -146,12 +146,18 @@ def build(
         feed=feed,
         prefetch=prefetch,
         dispatch=DispatchPlan(value["steps_per_dispatch"]),
+        accum=value["accum"],
+        ema=value["ema"],
+        sam=value["sam"],
     )
+    with_ema = value["ema"] is not None and optimizer is not None
     state = TrainState(
         variables=Variables(
             params=jax.tree.leaves(params),
             model_state=jax.tree.leaves(rest),
             opt_state=jax.tree.leaves(opt_state) if opt_state is not None else None,
+            ema=[copy_array(x) for x in jax.tree.leaves(params)] if with_ema else None,
+            ema_steps=placement.put_replicated(jnp.zeros((), jnp.int32)) if with_ema else None,
         ),
         seed=value["seed"],
     )
@@ -457,8 +463,16 @@ def _bind_schedules(
 ):
     total = None
     train = splits.get("train")
+    accum = keywords["accum"].value
     if train is not None and train.batches is not None:
-        total = keywords["max_epochs"].value * train.batches
+        if train.batches % accum:
+            raise SetupError(
+                f"accum={accum} does not divide the {train.batches} batches of an epoch of the "
+                f"'train' split, so an epoch would end inside an optimizer step: choose accum "
+                f"among {_divisors(train.batches)}, or change the batch count (batch size, "
+                f"drop_last) [{keywords['accum'].source}]"
+            )
+        total = keywords["max_epochs"].value * train.batches // accum  # optimizer steps
     hyperparams = dict(optimizer.hyperparams) if optimizer else {}
     schedules = bind_schedules(
         keywords["schedules"].value,
@@ -489,6 +503,11 @@ def _bind_schedules(
         placement=placement,
     )
     return total, schedules, feed
+
+
+def _divisors(n: int) -> str:
+    found = [d for d in range(1, n + 1) if not n % d]
+    return ", ".join(map(str, found[:12])) + (" ..." if len(found) > 12 else "")
 
 
 def _freeze_code(cls, hook_functions, graphdefs, params, rest, opt_state, optimizer):

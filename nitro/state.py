@@ -30,6 +30,8 @@ class Variables:
     params: list
     model_state: list
     opt_state: list | None = None
+    ema: list | None = None  # the moving average of `params` (`ema=`), same leaves
+    ema_steps: Any = None  # int32: steps averaged so far (for the EMA's warmup)
 
 
 @jax.tree_util.register_dataclass

@@ -33,21 +33,29 @@ TRAIN_UNITS = ("forward", "loss", "train_metrics", "model", "optimizer")
 
 
 def step_function(
-    setup: RunSetup, fields: Mapping[str, tuple[str, ...]], reads: set[str], aux: dict
+    setup: RunSetup,
+    fields: Mapping[str, tuple[str, ...]],
+    reads: set[str],
+    aux: dict,
+    micro: int = 1,
 ) -> Callable[..., StepOutput]:
     """One training step as a traceable function of (variables, healthy, device fields,
-    hyperparameters, batch)."""
+    hyperparameters, batch). With `micro > 1` the batch holds `micro` stacked micro-batches
+    and the step accumulates their gradients (a scan: the memory of one micro-batch), then
+    updates once: for a loss that is a mean over its batch, exactly one step on the merged
+    batch."""
     residency = setup.experiment.train_metrics_residency
     optimizer = setup.optimizer
     check = setup.check_divergence
     model = setup.model
+    ema, sam = setup.ema, setup.sam
 
     def step(variables: Variables, healthy, device, hparams, batch) -> StepOutput:
         params, rest = tracing.unflatten(setup, variables)
         opt_state = jax.tree.unflatten(model.opt_state_def, variables.opt_state)
         view = tracing.view(setup, device, reads)
 
-        def objective(params, rest):
+        def objective(params, rest, batch):
             module = nnx.merge(model.graphdef_train, params, rest, copy=True)
             outputs = tracing.call(
                 setup, "forward", view, module, **select(batch, fields["forward"])
@@ -58,11 +66,49 @@ def step_function(
             _, _, new_rest = nnx.split(module, nnx.Param, ...)
             return loss, (outputs, new_rest)
 
+        def measured(outputs, batch):
+            """What the step reports besides its loss: device train metrics, or the outputs
+            for a host train-metrics hook."""
+            if residency == "host":
+                tracing.check_batch_axis(outputs, select(batch, fields["forward"]))
+                return outputs
+            if residency == "device":
+                values = tracing.call(
+                    setup, "train_metrics", view, outputs, **select(batch, fields["train_metrics"])
+                )
+                aux["specs"], leaves = split_modes(values, "train_metrics")
+                return leaves
+            return []
+
         # `rest` (batch statistics, RNG counts) is an argument too, so the model's variables
         # live at one trace level; only `params` is differentiated.
-        (loss, (outputs, new_rest)), grads = jax.value_and_grad(objective, has_aux=True)(
-            params, rest
-        )
+        grad_fn = jax.value_and_grad(objective, has_aux=True)
+
+        def gradients(params, rest):
+            """(loss, new model state, gradient, what to report): of the whole batch, or
+            accumulated over its micro-batches."""
+            if micro == 1:
+                (loss, (outputs, new_rest)), grads = grad_fn(params, rest, batch)
+                return loss, new_rest, grads, measured(outputs, batch)
+
+            def accumulate(carry, micro_batch):
+                rest, grad_sum, loss_sum = carry
+                (loss, (outputs, rest)), grads = grad_fn(params, rest, micro_batch)
+                grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
+                return (rest, grad_sum, loss_sum + loss), measured(outputs, micro_batch)
+
+            zeros = jax.tree.map(jnp.zeros_like, params)
+            start = (rest, zeros, jnp.zeros((), jnp.float32))
+            (new_rest, grad_sum, loss_sum), metrics = jax.lax.scan(accumulate, start, batch)
+            grads = jax.tree.map(lambda g: g / micro, grad_sum)
+            return loss_sum / micro, new_rest, grads, metrics
+
+        loss, new_rest, grads, metrics = gradients(params, rest)
+        if sam is not None:
+            # the gradient again, at the weights nudged uphill; the model state and the
+            # reported loss stay those of the first pass
+            nudged = jax.tree.map(jnp.add, params, sam.perturbation(params, grads))
+            grads = gradients(nudged, rest)[2]
         opt_state = optimizer.inject(opt_state, hparams)
 
         if check:
@@ -98,20 +144,26 @@ def step_function(
         else:
             new_params = optax.apply_updates(params, updates)
             report = jnp.stack([loss.astype(jnp.float32), jnp.zeros((), jnp.float32)])
-        metrics = []
-        if residency == "host":
-            tracing.check_batch_axis(outputs, select(batch, fields["forward"]))
-            metrics = outputs  # read back and reduced by the host hook
-        elif residency == "device":
-            values = tracing.call(
-                setup, "train_metrics", view, outputs, **select(batch, fields["train_metrics"])
-            )
-            aux["specs"], metrics = split_modes(values, "train_metrics")
         new_opt = optimizer.strip(new_opt)
+        ema_leaves, ema_steps = variables.ema, variables.ema_steps
+        if ema is not None:
+            average = jax.tree.unflatten(model.params_def, variables.ema)
+            decay = ema.decay_at(ema_steps)
+            moved = jax.tree.map(
+                lambda a, p: (decay * a + (1 - decay) * p).astype(a.dtype), average, new_params
+            )
+            if check:
+                moved = jax.tree.map(lambda m, a: jnp.where(healthy, m, a), moved, average)
+                ema_steps = ema_steps + healthy.astype(ema_steps.dtype)
+            else:
+                ema_steps = ema_steps + 1
+            ema_leaves = jax.tree.leaves(moved)
         new_variables = Variables(
             params=jax.tree.leaves(new_params),
             model_state=jax.tree.leaves(new_rest),
             opt_state=jax.tree.leaves(new_opt),
+            ema=ema_leaves,
+            ema_steps=ema_steps,
         )
         return StepOutput(new_variables, healthy, report, metrics)
 
@@ -137,17 +189,31 @@ def _scanned(step: Callable[..., StepOutput]) -> Callable[..., StepOutput]:
     return train_steps
 
 
+def _regrouped(fn: Callable[..., StepOutput], steps: int, micro: int):
+    """`[steps * micro, batch, ...]` batches as `[steps, micro, batch, ...]`."""
+
+    def train_steps(variables, healthy, devices, hparams, batches):
+        batches = jax.tree.map(lambda b: b.reshape(steps, micro, *b.shape[1:]), batches)
+        return fn(variables, healthy, devices, hparams, batches)
+
+    return train_steps
+
+
 def train_step_spec(
-    setup: RunSetup, fields: Mapping[str, tuple[str, ...]], steps: int = 1
+    setup: RunSetup, fields: Mapping[str, tuple[str, ...]], steps: int = 1, micro: int = 1
 ) -> ProgramSpec:
-    """The train step (`steps == 1`), or `steps` fused steps (the multi-step train)."""
+    """The train step (`steps == 1`), or `steps` fused steps (the multi-step train); each
+    step accumulates `micro` micro-batches. The batches arrive stacked as
+    `[steps * micro, batch, ...]` (unstacked for one step of one batch)."""
     residency = setup.experiment.train_metrics_residency
     model = setup.model
 
     def build(reads: set[str]):
         aux: dict[str, Any] = {}
-        step = step_function(setup, fields, reads, aux)
+        step = step_function(setup, fields, reads, aux, micro)
         fn = step if steps == 1 else _scanned(step)
+        if steps > 1 and micro > 1:
+            fn = _regrouped(fn, steps, micro)
         fn.nitro_aux = aux
         return fn
 
@@ -166,6 +232,9 @@ def train_step_spec(
             "train_metrics residency": residency or "none",
             "fields": tracing.fields_key(fields, ("forward", "loss", "train_metrics")),
             "steps per program": steps,
+            "micro-batches per step": micro,
+            "ema": repr(setup.ema),
+            "sam": repr(setup.sam),
         },
         graphconst=setup.experiment.graphconst,
         arg_names=("variables", "healthy", "device fields", "hyperparameters", batch),

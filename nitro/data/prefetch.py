@@ -104,20 +104,21 @@ class StagedBatch:
     stacked batches (fused steps) has device fields `[count, batch, ...]`, `index` of its
     first batch, and `host` a list of the batches' host fields."""
 
-    __slots__ = ("index", "host", "device", "n_real", "count", "_freed", "_owner")
+    __slots__ = ("index", "host", "device", "n_real", "count", "group", "_freed", "_owner")
 
-    def __init__(self, index, host, device, n_real, owner, count=1):
+    def __init__(self, index, host, device, n_real, owner, count=1, group=1):
         self.index = index
         self.host = host
         self.device = device
         self.n_real = n_real
-        self.count = count
+        self.count = count  # training steps (optimizer updates) in this call
+        self.group = group  # batches per step (micro-batches of gradient accumulation)
         self._freed = False
         self._owner = owner
 
     @property
     def stacked(self) -> bool:
-        return self.count > 1
+        return self.count * self.group > 1
 
     def free(self) -> None:
         """Delete the device buffers now (idempotent); host memory is left to Python."""
@@ -277,9 +278,10 @@ class Prefetcher:
         staged.n_real = self._global_real(staged, _batch_length(routed) if routed else n_real)
         return staged
 
-    def stage_block(self, index: int, hosts: list) -> StagedBatch:
-        """Route, stack and transfer `len(hosts)` consecutive training batches as one block
-        (fused steps); one batch is staged as usual."""
+    def stage_block(self, index: int, hosts: list, group: int = 1) -> StagedBatch:
+        """Route, stack and transfer `len(hosts)` consecutive training batches as one block:
+        `len(hosts) // group` steps of `group` batches each (fused steps, micro-batches of
+        gradient accumulation); one batch is staged as usual."""
         if len(hosts) == 1:
             return self.stage(index, hosts[0])
         routed = []
@@ -310,7 +312,13 @@ class Prefetcher:
         self._count("placed")
         rows = _batch_length(routed[0]) if routed[0] else _batch_length(hosts[0])
         return StagedBatch(
-            index, hosts if self.keep_host else None, device, rows, self, count=len(hosts)
+            index,
+            hosts if self.keep_host else None,
+            device,
+            rows,
+            self,
+            count=len(hosts) // group,
+            group=group,
         )
 
     def _global_real(self, staged: StagedBatch, local_rows: int) -> int:
@@ -329,12 +337,13 @@ class Prefetcher:
             )
         return rows
 
-    def epoch(self, epoch: int, start: int = 0, block: int = 1) -> EpochStream:
-        """The staged batches of one epoch from batch `start`; with `block > 1`, blocks of
-        `block` stacked batches (the last one shorter when the epoch does not divide)."""
+    def epoch(self, epoch: int, start: int = 0, block: int = 1, group: int = 1) -> EpochStream:
+        """The staged batches of one epoch from batch `start`. With `block > 1` or
+        `group > 1`: calls of `block` steps of `group` stacked batches each; the epoch's
+        remainder goes one step per call."""
         if self.path == "inline":
-            return _InlineStream(self, epoch, start, block)
-        return _ThreadedStream(self, epoch, start, block)
+            return _InlineStream(self, epoch, start, block, group)
+        return _ThreadedStream(self, epoch, start, block, group)
 
 
 class EpochStream:
@@ -364,12 +373,28 @@ def _source_iterator(source: Any, epoch: int, start: int) -> Iterator[tuple[int,
     yield from zip(itertools.count(start), iterator)
 
 
+def _steps_of(items: list, group: int, name: str) -> list[list]:
+    """The epoch's remainder as single steps of `group` batches; a partial last step (the
+    source ended inside one) is dropped with a warning."""
+    whole = len(items) - len(items) % group
+    if whole < len(items):
+        import warnings
+
+        warnings.warn(
+            f"the '{name}' split ended {len(items) - whole} batches into a step of {group} "
+            f"micro-batches (accum={group}); those batches are not used",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+    return [items[i : i + group] for i in range(0, whole, group)]
+
+
 class _InlineStream(EpochStream):
-    def __init__(self, owner: Prefetcher, epoch: int, start: int, block: int = 1):
+    def __init__(self, owner: Prefetcher, epoch: int, start: int, block: int = 1, group: int = 1):
         self.owner = owner
         self.iterator = _source_iterator(owner.source, epoch, start)
-        self.block = block
-        self._short: list = []
+        self.block, self.group = block, group
+        self._short: list = []  # the epoch's remainder: one step per call
         self.wait_seconds = 0.0
 
     def __iter__(self):
@@ -378,19 +403,23 @@ class _InlineStream(EpochStream):
     def __next__(self) -> StagedBatch:
         begin = time.perf_counter()
         try:
-            if self.block == 1:
+            if self.block == 1 and self.group == 1:
                 index, host = next(self.iterator)
                 return self.owner.stage(index, host)
-            if self._short:  # the epoch's remainder: one step per call
-                index, host = self._short.pop(0)
-                return self.owner.stage(index, host)
-            items = list(itertools.islice(self.iterator, self.block))
-            if not items:
-                raise StopIteration
-            if len(items) < self.block:
-                self._short = items[1:]
-                return self.owner.stage(*items[0])
-            return self.owner.stage_block(items[0][0], [host for _, host in items])
+            if not self._short:
+                units = self.block * self.group
+                items = list(itertools.islice(self.iterator, units))
+                if not items:
+                    raise StopIteration
+                if len(items) == units:
+                    return self.owner.stage_block(
+                        items[0][0], [host for _, host in items], self.group
+                    )
+                self._short = _steps_of(items, self.group, self.owner.name)
+                if not self._short:
+                    raise StopIteration
+            items = self._short.pop(0)
+            return self.owner.stage_block(items[0][0], [host for _, host in items], self.group)
         finally:
             self.wait_seconds += time.perf_counter() - begin
 
@@ -401,9 +430,9 @@ class _InlineStream(EpochStream):
 
 
 class _ThreadedStream(EpochStream):
-    def __init__(self, owner: Prefetcher, epoch: int, start: int, block: int = 1):
+    def __init__(self, owner: Prefetcher, epoch: int, start: int, block: int = 1, group: int = 1):
         self.owner = owner
-        self.block = block
+        self.block, self.group = block, group
         self._pending: list[tuple[int, Any]] = []  # host batches waiting to fill a block
         self.settings = owner.settings
         self.out: queue.Queue = queue.Queue(maxsize=self.settings.device_batches)
@@ -448,9 +477,9 @@ class _ThreadedStream(EpochStream):
         return False
 
     def _emit(self, index: int, host) -> bool:
-        if self.block > 1:
+        if self.block > 1 or self.group > 1:
             self._pending.append((index, host))
-            if len(self._pending) < self.block:
+            if len(self._pending) < self.block * self.group:
                 return True
             return self._flush()
         staged = self.owner.stage(index, host)
@@ -465,10 +494,14 @@ class _ThreadedStream(EpochStream):
         if not self._pending:
             return True
         items, self._pending = self._pending, []
-        if len(items) < self.block:
-            staged_list = [self.owner.stage(index, host) for index, host in items]
+        if len(items) < self.block * self.group:
+            steps = _steps_of(items, self.group, self.owner.name)
         else:
-            staged_list = [self.owner.stage_block(items[0][0], [host for _, host in items])]
+            steps = [items]
+        staged_list = [
+            self.owner.stage_block(step[0][0], [host for _, host in step], self.group)
+            for step in steps
+        ]
         for number, staged in enumerate(staged_list):
             if not self._put(self.out, staged):
                 for rest in staged_list[number:]:
