@@ -104,11 +104,14 @@ def first_batch_sharding(n):
     with n.setup.splits["train"].prefetcher.epoch(0) as stream:
         staged = next(stream)
         x = staged.device["x"]
-        result = {
-            "type": type(x.sharding).__name__,
-            "spec": str(getattr(x.sharding, "spec", None)),
-            "shards": sorted(tuple(s.data.shape) for s in x.addressable_shards),
-        }
+        if not hasattr(x, "sharding"):  # one device: inline batches go into the call as is
+            result = {"type": "host array", "spec": "None", "shards": [list(x.shape)]}
+        else:
+            result = {
+                "type": type(x.sharding).__name__,
+                "spec": str(getattr(x.sharding, "spec", None)),
+                "shards": sorted(tuple(s.data.shape) for s in x.addressable_shards),
+            }
         staged.free()
     return result
 
