@@ -9,6 +9,7 @@ import sys
 import textwrap
 import threading
 import time
+import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -365,3 +366,22 @@ def test_interrupts_at_random_moments_always_end_cleanly():
     names = {name for (name, _), _ in outcomes}
     assert names == {"train", "validate", "evaluate", "predict"}
     assert any(outcome == "Interrupted" for (_, outcome), _ in outcomes)
+
+
+def test_a_checkpoint_that_cannot_be_saved_warns_once_and_training_goes_on(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "checkpoints").write_text("a file where the checkpoints directory should be")
+    n = nitro.Nitro(
+        ToyWithMetrics(max_epochs=3),
+        run_dir=str(run_dir),
+        checkpointer=nitro.Checkpointer(budget=None),
+        progress=False,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        n.train()
+    mine = [w for w in caught if "a checkpoint could not be saved" in str(w.message)]
+    assert len(mine) == 1 and str(run_dir / "checkpoints") in str(mine[0].message)
+    assert (n.epoch, n.stop_reason) == (3, "completed")
+    assert len(n.history()) == 3
