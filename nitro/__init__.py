@@ -45,6 +45,8 @@ _EXPORTS = {
     "saved_runs": "nitro.run_dirs",
     "Interrupted": "nitro.errors",
     "WeightsError": "nitro.errors",
+    "average": "nitro.weights",
+    "OptimizerError": "nitro.errors",
 }
 _SUBMODULES = ("data", "datasets", "events", "loggers", "progress", "runner", "staleness")
 
@@ -62,11 +64,13 @@ __all__ = [
     "Interrupted",
     "MetricError",
     "Nitro",
+    "OptimizerError",
     "ProgramKind",
     "RoutingError",
     "RunningError",
     "ScheduleError",
     "SetupError",
+    "average",
     "cache_reset",
     "cache_stats",
     "data",
@@ -123,6 +127,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
         HostFieldError,
         Interrupted,
         MetricError,
+        OptimizerError,
         RoutingError,
         RunningError,
         ScheduleError,
@@ -133,6 +138,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .experiments import Device, FieldKind, GraphConst, experiment, fields
     from .handle import Nitro
     from .run_dirs import saved_runs
+    from .weights import average
 
 
 def load_ipython_extension(ipython) -> None:

@@ -48,6 +48,7 @@ __all__ = [
     "describe_checkpoints",
     "describe_saved",
     "host_tree",
+    "ranked_steps",
     "resolve_checkpoint",
 ]
 
@@ -411,6 +412,25 @@ def _best(manager, steps: list[int]) -> tuple[int | None, str | None, float | No
         if best is None or (value < best if mode == "min" else value > best):
             best_step, best = step, value
     return best_step, metric, best, meta
+
+
+def ranked_steps(directory: str | os.PathLike) -> tuple[str | None, list[tuple[int, float]]]:
+    """(the checkpointer's metric, [(step, value)] best first) of a checkpoints directory:
+    the saved steps that recorded the metric, ranked by its mode."""
+    with _reader(Path(directory)) as manager:
+        steps = list(manager.all_steps())
+        if not steps:
+            return None, []
+        meta = manager.restore(steps[-1], args=_meta_args()).meta
+        config = meta.get("checkpointer") or {}
+        metric, mode = config.get("metric"), config.get("mode", "min")
+        ranked = [
+            (step, value)
+            for step in steps
+            if (value := (manager.metrics(step) or {}).get(metric)) is not None
+        ]
+    ranked.sort(key=lambda item: item[1], reverse=mode == "max")
+    return metric, ranked
 
 
 def describe_checkpoints(directory: str | os.PathLike):

@@ -239,7 +239,7 @@ class Fingerprinter:
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return _hash(
                 "struct",
-                type(value).__qualname__,
+                self._class(type(value)),  # its code: a Linen module inside a bridged model
                 *(
                     f"{f.name}:{self.structure(getattr(value, f.name))}"
                     for f in dataclasses.fields(value)
