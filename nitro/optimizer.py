@@ -30,7 +30,6 @@ The train step's contract: `opt_state = setup.inject(opt_state, hparams)`, then
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import functools
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -41,7 +40,8 @@ import numpy as np
 import optax
 
 from .errors import OptimizerError, ScheduleError
-from .weight_decay import DecoupledDecayState, decoupled_weight_decay, default_decays
+from .param_groups import ParamGroup, group_labels, group_prefix, param_groups
+from .weight_decay import DecoupledDecayState, anchor_leaves, decay_flags, decoupled_weight_decay
 from .weights import leaf_paths
 
 __all__ = [
@@ -104,18 +104,10 @@ class FedHyperparameter:
 
 
 @dataclasses.dataclass(frozen=True)
-class ParamGroup:
-    """A parameter group: its leaves, its learning-rate ratio and its decayed leaves."""
-
-    name: str
-    paths: tuple[str, ...]
-    size: int  # parameters
-    lr_ratio: float | None  # from group_lr; None: 1, unless the group has its own schedule
-    decayed: tuple[str, ...]
-
-
-@dataclasses.dataclass(frozen=True)
 class OptimizerSetup:
+    """The run's optimizer: the composed transformation, the hyperparameters fed to every
+    step (in the order of the fed vector), and the parameter groups."""
+
     tx: optax.GradientTransformation
     description: str
     fed: tuple[FedHyperparameter, ...]  # sorted by name
@@ -201,15 +193,6 @@ def _map_injected(tree: Any, fn: Callable[[Any], Any]) -> Any:
     return jax.tree.unflatten(treedef, [fn(x) if _is_injected(x) else x for x in leaves])
 
 
-def _group_prefix(path: tuple) -> str:
-    """`backbone/` for a state under `optax.partition`'s group "backbone"; "" outside."""
-    parts = []
-    for before, key in zip(path, path[1:]):
-        if getattr(before, "name", None) == "inner_states" and hasattr(key, "key"):
-            parts.append(f"{key.key}/")
-    return "".join(parts)
-
-
 def _numeric(hyperparams: Mapping[str, Any]) -> dict[str, Any]:
     return {
         name: value
@@ -229,14 +212,6 @@ def _describe_factory(factory: Callable) -> str:
     module = getattr(factory, "__module__", "") or ""
     prefix = "optax." if module.startswith("optax") else ""
     return prefix + getattr(factory, "__qualname__", repr(factory))
-
-
-def injected_hyperparams(opt_state: Any) -> dict[str, Any]:
-    """Numeric hyperparameters of a top-level `inject_hyperparams` state."""
-    hyperparams = getattr(opt_state, "hyperparams", None)
-    if not isinstance(hyperparams, dict):
-        return {}
-    return _numeric(hyperparams)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,43 +256,11 @@ def _base(settings: OptimizerSettings):
     return make, f"{description}(learning_rate={settings.learning_rate:g})", True
 
 
-def _labels(settings: OptimizerSettings, paths: tuple[str, ...]) -> list[str] | None:
-    """Each leaf's group from the `param_group` hook, or None without groups."""
-    if settings.param_group is None:
-        if settings.group_lr:
-            raise OptimizerError(
-                f"group_lr={dict(settings.group_lr)!r} needs parameter groups: define a "
-                f"`param_group(self, path) -> str` method on the experiment that names each "
-                f"parameter's group (e.g. `return 'backbone' if path.startswith('encoder') "
-                f"else 'head'`)"
-            )
-        return None
-    labels = []
-    for path in paths:
-        label = settings.param_group(path)
-        if not isinstance(label, str) or not label or "/" in label:
-            raise OptimizerError(
-                f"param_group({path!r}) returned {label!r}; it must return a group name: a "
-                f"non-empty str without '/'"
-            )
-        labels.append(label)
-    unknown = sorted(set(settings.group_lr or ()) - set(labels))
-    if unknown:
-        have = sorted(set(labels))
-        close = difflib.get_close_matches(unknown[0], have, n=1, cutoff=0.5)
-        hint = f" Did you mean {close[0]!r}?" if close else ""
-        raise OptimizerError(
-            f"group_lr names {', '.join(map(repr, unknown))}, but no parameter belongs to "
-            f"{'it' if len(unknown) == 1 else 'them'}: param_group puts the parameters in "
-            f"{', '.join(map(repr, have))}.{hint}"
-        )
-    return labels
-
-
 def _decayed(settings: OptimizerSettings, paths, leaves) -> tuple[bool, ...] | None:
+    """Each leaf's decay flag, or None with weight decay off (then its settings are errors)."""
     if settings.weight_decay is None:
         for name, given in (
-            ("decay_to", settings.decay_to != "zero"),
+            ("decay_to", not (isinstance(settings.decay_to, str) and settings.decay_to == "zero")),
             ("decay_mask", settings.decay_mask is not None),
         ):
             if given:
@@ -326,46 +269,7 @@ def _decayed(settings: OptimizerSettings, paths, leaves) -> tuple[bool, ...] | N
                     f"weight_decay=1e-4) to turn on decoupled weight decay"
                 )
         return None
-    rule = settings.decay_mask or default_decays
-    flags = []
-    for path, leaf in zip(paths, leaves, strict=True):
-        flag = rule(path, leaf)
-        if not isinstance(flag, (bool, np.bool_)):
-            raise OptimizerError(
-                f"decay_mask({path!r}, leaf) returned {flag!r}; it must return True (the "
-                f"leaf decays) or False"
-            )
-        flags.append(bool(flag))
-    return tuple(flags)
-
-
-def _anchor_leaves(decay_to: Any, params: Any) -> list:
-    """The leaves of a given anchor, in the parameters' leaf order, checked against them."""
-    from flax import nnx
-
-    if isinstance(decay_to, nnx.Module):
-        decay_to = nnx.state(decay_to, nnx.Param)
-    given = dict(zip(leaf_paths(decay_to), jax.tree.leaves(decay_to), strict=True))
-    paths = leaf_paths(params)
-    problems = [f"  {p}: missing from decay_to" for p in paths if p not in given]
-    problems += [f"  {p}: in decay_to, not a parameter" for p in given if p not in set(paths)]
-    leaves = []
-    for path, param in zip(paths, jax.tree.leaves(params), strict=True):
-        anchor = given.get(path)
-        if anchor is None:
-            continue
-        if np.shape(anchor) != np.shape(param):
-            problems.append(
-                f"  {path}: parameter shape {np.shape(param)}, decay_to {np.shape(anchor)}"
-            )
-            continue
-        leaves.append(jnp.array(anchor, dtype=param.dtype, copy=True))
-    if problems:
-        raise OptimizerError(
-            "decay_to does not fit the parameters (give 'zero', 'init', a model, or a tree "
-            "shaped like the parameters):\n" + "\n".join(problems[:8])
-        )
-    return leaves
+    return decay_flags(settings.decay_mask, paths, leaves)
 
 
 def _write_anchor(state: Any, leaves: list, decayed, labels) -> Any:
@@ -374,7 +278,7 @@ def _write_anchor(state: Any, leaves: list, decayed, labels) -> Any:
     def fill(path, node):
         if not isinstance(node, DecoupledDecayState):
             return node
-        group = _group_prefix(path).removesuffix("/") or None
+        group = group_prefix(path).removesuffix("/") or None
         return node._replace(
             anchor=tuple(
                 leaf
@@ -397,7 +301,7 @@ def build_optimizer(settings: OptimizerSettings, params: Any) -> tuple[Optimizer
     caller strips them)."""
     make_base, description, uses_lr = _base(settings)
     paths, leaves = leaf_paths(params), jax.tree.leaves(params)
-    labels = _labels(settings, paths)
+    labels = group_labels(settings.param_group, settings.group_lr, paths)
     decayed = _decayed(settings, paths, leaves)
     toward = settings.decay_to if isinstance(settings.decay_to, str) else "given"
 
@@ -430,7 +334,7 @@ def build_optimizer(settings: OptimizerSettings, params: Any) -> tuple[Optimizer
     opt_state = tx.init(params)
     if toward == "given":
         opt_state = _write_anchor(
-            opt_state, _anchor_leaves(settings.decay_to, params), decayed, labels
+            opt_state, anchor_leaves(settings.decay_to, params), decayed, labels
         )
     fed, slots = _fed(settings, opt_state, labels, uses_lr)
     if description is None:  # a given transformation
@@ -446,22 +350,9 @@ def build_optimizer(settings: OptimizerSettings, params: Any) -> tuple[Optimizer
                 "so Nitro injects the rate, or wrap it in optax.inject_hyperparams."
             )
         description = f"inject_hyperparams({', '.join(keys)})" if keys else "GradientTransformation"
-    groups = ()
-    if labels is not None:
-        groups = tuple(
-            ParamGroup(
-                name=group,
-                paths=tuple(p for p, label in zip(paths, labels) if label == group),
-                size=int(sum(np.size(x) for x, label in zip(leaves, labels) if label == group)),
-                lr_ratio=(settings.group_lr or {}).get(group),
-                decayed=tuple(
-                    p
-                    for p, label, d in zip(paths, labels, decayed or [False] * len(paths))
-                    if label == group and d
-                ),
-            )
-            for group in sorted(set(labels))
-        )
+    groups = (
+        () if labels is None else param_groups(labels, paths, leaves, settings.group_lr, decayed)
+    )
     setup = OptimizerSetup(
         tx=tx,
         description=description,
@@ -487,7 +378,7 @@ def _fed(settings: OptimizerSettings, opt_state: Any, labels, uses_lr: bool):
     for path, node in flat:
         if not _is_injected(node):
             continue
-        prefix = _group_prefix(path)
+        prefix = group_prefix(path)
         hyperparams = _numeric(node.hyperparams)
         slots.append((prefix, tuple(sorted(hyperparams))))
         is_decay = isinstance(node.inner_state, DecoupledDecayState)

@@ -23,14 +23,24 @@ saved with checkpoints and restored on resume.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
-__all__ = ["DecoupledDecayState", "decoupled_weight_decay", "default_decays"]
+from .errors import OptimizerError
+from .weights import leaf_paths
+
+__all__ = [
+    "DecoupledDecayState",
+    "anchor_leaves",
+    "decay_flags",
+    "decoupled_weight_decay",
+    "default_decays",
+]
 
 TOWARD = ("zero", "init")
 
@@ -108,3 +118,50 @@ def decoupled_weight_decay(
         return jax.tree.unflatten(treedef, out), state
 
     return optax.GradientTransformation(init, update)
+
+
+def decay_flags(
+    rule: Callable[[str, Any], bool] | None, paths: Sequence[str], leaves: Sequence[Any]
+) -> tuple[bool, ...]:
+    """Whether each leaf decays, by `rule(path, leaf)` (the `decay_mask` keyword; default
+    `default_decays`)."""
+    rule = rule or default_decays
+    flags = []
+    for path, leaf in zip(paths, leaves, strict=True):
+        flag = rule(path, leaf)
+        if not isinstance(flag, (bool, np.bool_)):
+            raise OptimizerError(
+                f"decay_mask({path!r}, leaf) returned {flag!r}; it must return True (the "
+                f"leaf decays) or False"
+            )
+        flags.append(bool(flag))
+    return tuple(flags)
+
+
+def anchor_leaves(decay_to: Any, params: Any) -> list:
+    """The leaves of a given anchor, in the parameters' leaf order, checked against them."""
+    from flax import nnx
+
+    if isinstance(decay_to, nnx.Module):
+        decay_to = nnx.state(decay_to, nnx.Param)
+    given = dict(zip(leaf_paths(decay_to), jax.tree.leaves(decay_to), strict=True))
+    paths = leaf_paths(params)
+    problems = [f"  {p}: missing from decay_to" for p in paths if p not in given]
+    problems += [f"  {p}: in decay_to, not a parameter" for p in given if p not in set(paths)]
+    leaves = []
+    for path, param in zip(paths, jax.tree.leaves(params), strict=True):
+        anchor = given.get(path)
+        if anchor is None:
+            continue
+        if np.shape(anchor) != np.shape(param):
+            problems.append(
+                f"  {path}: parameter shape {np.shape(param)}, decay_to {np.shape(anchor)}"
+            )
+            continue
+        leaves.append(jnp.array(anchor, dtype=param.dtype, copy=True))
+    if problems:
+        raise OptimizerError(
+            "decay_to does not fit the parameters (give 'zero', 'init', a model, or a tree "
+            "shaped like the parameters):\n" + "\n".join(problems[:8])
+        )
+    return leaves

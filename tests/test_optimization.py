@@ -511,3 +511,28 @@ def test_a_linen_model_with_batchnorm_and_dropout_trains_in_train_mode_and_evalu
     first, again = n.predict({"x": X[:8]}), n.predict({"x": X[:8]})
     np.testing.assert_array_equal(first, again)
     assert np.isfinite(n.history()["val_loss"]).all()
+
+
+def linen_experiment(activation):
+    """An experiment whose Linen module is defined anew, as a re-run notebook cell does."""
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(2)(activation(nn.Dense(8)(x)))
+
+    @nitro.experiment
+    class Edited(Plain):
+        def build_model(self, rngs):
+            return Net()
+
+    return Edited(max_epochs=1)
+
+
+def test_a_redefined_linen_module_recompiles_only_when_its_code_changed(fresh_cache):
+    nitro.Nitro(linen_experiment(nn.relu), progress=False).train()
+    nitro.Nitro(linen_experiment(nn.relu), progress=False).train()
+    assert nitro.cache_stats().misses == 1  # the same code: the program is reused
+    nitro.Nitro(linen_experiment(nn.tanh), progress=False).train()
+    assert nitro.cache_stats().misses == 2
+    assert "method linen_experiment.<locals>.Net.__call__" in nitro.explain_compiles()[-1].reason
