@@ -144,6 +144,13 @@ def anchor_leaves(decay_to: Any, params: Any) -> list:
 
     if isinstance(decay_to, nnx.Module):
         decay_to = nnx.state(decay_to, nnx.Param)
+    if not all(hasattr(leaf, "shape") for leaf in jax.tree.leaves(decay_to)) or not jax.tree.leaves(
+        decay_to
+    ):
+        raise OptimizerError(
+            f"decay_to is a {type(decay_to).__name__}; give 'zero', 'init', a model (e.g. "
+            f"another handle's `.model`), or a tree of arrays shaped like the parameters"
+        )
     given = dict(zip(leaf_paths(decay_to), jax.tree.leaves(decay_to), strict=True))
     paths = leaf_paths(params)
     problems = [f"  {p}: missing from decay_to" for p in paths if p not in given]

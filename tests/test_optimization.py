@@ -361,6 +361,8 @@ def test_decay_to_a_tree_that_does_not_fit_names_the_leaves():
         nitro.OptimizerError, match=r"(?s)decay_to does not fit.*hidden.kernel: parameter shape"
     ):
         nitro.Nitro(Plain(), weight_decay=0.1, decay_to=wider)
+    with pytest.raises(nitro.OptimizerError, match=r"decay_to is a Nitro; give 'zero', 'init'"):
+        nitro.Nitro(Plain(), weight_decay=0.1, decay_to=nitro.Nitro(Plain(), progress=False))
 
 
 # ---------------------------------------------------------------------------- binding report
