@@ -48,6 +48,8 @@ _EXPORTS = {
     "saved_runs": "nitro.run_dirs",
     "Interrupted": "nitro.errors",
     "WeightsError": "nitro.errors",
+    "average": "nitro.weights",
+    "OptimizerError": "nitro.errors",
 }
 _SUBMODULES = (
     "data",
@@ -78,11 +80,13 @@ __all__ = [
     "Interrupted",
     "MetricError",
     "Nitro",
+    "OptimizerError",
     "ProgramKind",
     "RoutingError",
     "RunningError",
     "ScheduleError",
     "SetupError",
+    "average",
     "cache_reset",
     "cache_stats",
     "data",
@@ -140,6 +144,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
         HostFieldError,
         Interrupted,
         MetricError,
+        OptimizerError,
         RoutingError,
         RunningError,
         ScheduleError,
@@ -151,6 +156,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from .handle import Nitro
     from .run_dirs import saved_runs
     from .sam import ASAM, SAM
+    from .weights import average
 
 
 def load_ipython_extension(ipython) -> None:

@@ -11,8 +11,6 @@ import dataclasses
 from html import escape
 from typing import Any
 
-import numpy as np
-
 from .run_setup import RunSetup
 
 __all__ = ["BindingReport", "binding_report"]
@@ -51,6 +49,34 @@ def _fmt(value: Any) -> str:
         return getattr(value, "__qualname__", None) or type(value).__name__
     text = repr(value)
     return text if len(text) < 60 else text[:57] + "..."
+
+
+def _paths(paths, limit: int = 6) -> str:
+    shown = ", ".join(paths[:limit])
+    return shown + (f", ... ({len(paths) - limit} more)" if len(paths) > limit else "")
+
+
+def _fed_line(label: str, fed: Any, value: float, feed: Any, step: int) -> str:
+    """`learning_rate = 0.001 (constant, fed per step)`, or how a schedule reaches it."""
+    schedule = feed.schedule_of(fed.name)
+    if schedule is None:
+        ratio = f"{fed.scale:g} x learning_rate, " if fed.scale != 1.0 else ""
+        return f"{label} = {value:g} ({ratio}constant, fed per step)"
+    if schedule == fed.name or fed.scale == 1.0:
+        how = "scheduled" if schedule == fed.name else f"the {schedule} schedule"
+        return f"{label} = {value:g} at step {step} ({how}, fed per step)"
+    return f"{label} = {value:g} at step {step} ({fed.scale:g} x the {schedule} schedule, fed per step)"
+
+
+def _decay_line(setup: RunSetup, decayed, paths) -> str:
+    rule = "decay_mask" if setup.keywords["decay_mask"].value is not None else "ndim > 1"
+    anchor = {"zero": "zero", "init": "the initial weights", "given": "the given anchor"}
+    kept = [p for p in paths if p not in set(decayed)]
+    return (
+        f"decoupled weight decay toward {anchor[setup.optimizer.decay_to]}: "
+        f"{len(decayed)} of {len(paths)} leaves ({rule}): {_paths(decayed) or 'none'}"
+        + (f"; not {_paths(kept)}" if kept else "")
+    )
 
 
 def binding_report(
@@ -130,21 +156,33 @@ def binding_report(
 
     lines = []
     optimizer = setup.optimizer
+    groups = []
     if optimizer is None:
         lines.append("none (no 'train' split)")
     else:
-        scheduled = {s.name: s.fn for s in setup.schedules if s.target == "opt"}
         lines.append(f"{optimizer.description}  [{setup.keywords['optimizer'].source}]")
-        for name, value in setup.feed.hyperparams_now().items():
-            if name in scheduled:
-                value = float(np.asarray(scheduled[name](step)))
-                lines.append(f"{name} = {value:g} at step {step} (scheduled, fed per step)")
-            else:
-                lines.append(f"{name} = {value:g} (constant, fed per step)")
+        values = setup.feed.hyperparams_at(step)
+        for f in optimizer.fed:
+            if f.group is None:
+                lines.append(_fed_line(f.name, f, values[f.name], setup.feed, step))
+        if optimizer.decay_to is not None and not optimizer.groups:
+            lines.append(_decay_line(setup, optimizer.decayed, setup.model.leaf_paths["parameter"]))
         if not optimizer.hyperparams:
             lines.append("hyperparameters baked into the program (not injected: unschedulable)")
+        for group in optimizer.groups:
+            groups.append(
+                f"{group.name}: {len(group.paths)} leaves, {group.size:,} parameters: "
+                f"{_paths(group.paths)}"
+            )
+            for f in optimizer.fed:
+                if f.group == group.name:
+                    groups.append("  " + _fed_line(f.key, f, values[f.name], setup.feed, step))
+            if optimizer.decay_to is not None:
+                groups.append("  " + _decay_line(setup, group.decayed, group.paths))
     lines.append(f"parameters: {setup.model.param_count:,}")
     sections.append(("optimizer", lines))
+    if groups:
+        sections.append(("parameter groups  [param_group method]", groups))
 
     lines = [
         f"{name}: {type(getattr(experiment.instance, name)).__name__} = "

@@ -48,6 +48,7 @@ __all__ = [
     "describe_checkpoints",
     "describe_saved",
     "host_tree",
+    "ranked_steps",
     "resolve_checkpoint",
 ]
 
@@ -413,6 +414,25 @@ def _best(manager, steps: list[int]) -> tuple[int | None, str | None, float | No
     return best_step, metric, best, meta
 
 
+def ranked_steps(directory: str | os.PathLike) -> tuple[str | None, list[tuple[int, float]]]:
+    """(the checkpointer's metric, [(step, value)] best first) of a checkpoints directory:
+    the saved steps that recorded the metric, ranked by its mode."""
+    with _reader(Path(directory)) as manager:
+        steps = list(manager.all_steps())
+        if not steps:
+            return None, []
+        meta = manager.restore(steps[-1], args=_meta_args()).meta
+        config = meta.get("checkpointer") or {}
+        metric, mode = config.get("metric"), config.get("mode", "min")
+        ranked = [
+            (step, value)
+            for step in steps
+            if (value := (manager.metrics(step) or {}).get(metric)) is not None
+        ]
+    ranked.sort(key=lambda item: item[1], reverse=mode == "max")
+    return metric, ranked
+
+
 def describe_checkpoints(directory: str | os.PathLike):
     """(saved steps, latest epoch, metric name, best value) of a checkpoint directory, read
     from orbax's metadata and the newest JSON record, without loading any array."""
@@ -464,7 +484,7 @@ def resolve_checkpoint(source: Any, which: str = "latest") -> tuple[Path, int]:
                 f"a checkpoint is a path or (run_dir, 'best' | 'latest'); got {source!r}"
             )
         source, which = source
-    path = Path(source)
+    path = Path(source).absolute()  # orbax needs absolute paths
     if not path.exists():
         raise SetupError(f"no checkpoint at {str(path)!r}: the path does not exist")
     step = None

@@ -239,7 +239,7 @@ class Fingerprinter:
         if dataclasses.is_dataclass(value) and not isinstance(value, type):
             return _hash(
                 "struct",
-                type(value).__qualname__,
+                self._class(type(value)),  # its code: a Linen module inside a bridged model
                 *(
                     f"{f.name}:{self.structure(getattr(value, f.name))}"
                     for f in dataclasses.fields(value)
@@ -450,6 +450,9 @@ class Fingerprinter:
                 self._class(type(value)),
                 self._mapping({f.name: getattr(value, f.name) for f in dataclasses.fields(value)}),
             )
+        if _stateless_library_object(value):
+            # e.g. the descriptor Linen installs on every Module subclass: its class says all
+            return _hash("stateless", self._class(type(value)))
         key = id(value)
         if key in self._memo:
             return self._memo[key]
@@ -513,6 +516,14 @@ def callable_token(value: Callable) -> str:
     fingerprinter = Fingerprinter()
     fingerprinter.value(value, "value")
     return fingerprinter.fingerprint().digest
+
+
+def _stateless_library_object(value: Any) -> bool:
+    """An instance of a library class that holds no attributes of its own."""
+    cls = type(value)
+    if not is_library_module(cls.__module__) or getattr(value, "__dict__", None) != {}:
+        return False
+    return not any(getattr(c, "__slots__", ()) for c in cls.__mro__)
 
 
 def _is_plain_data(value: Any) -> bool:

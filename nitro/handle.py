@@ -41,7 +41,7 @@ from .runner import Run, RunControl, RunGuard, sigint_requests_stop, wait_for
 from .setup import batch_size, build
 from .staleness import stale_changes, stale_report
 from .state import TrainState
-from .weights import CheckpointWeights, WeightsSource, copy_array
+from .weights import AveragedWeights, CheckpointWeights, WeightsSource, copy_array
 
 __all__ = ["Nitro"]
 
@@ -769,11 +769,11 @@ def _weights_source(weights: Any):
         return None
     if isinstance(weights, Nitro):
         return weights._weights_copy()
-    if isinstance(weights, (WeightsSource, CheckpointWeights)):
+    if isinstance(weights, (WeightsSource, CheckpointWeights, AveragedWeights)):
         return weights
     if isinstance(weights, (str, os.PathLike, tuple)):
         return CheckpointWeights(weights if isinstance(weights, tuple) else os.fspath(weights))
     raise SetupError(
-        f"weights= takes a Nitro handle, a run directory or checkpoint path, or (run_dir, "
-        f"'best' | 'latest'); got {type(weights).__name__}"
+        f"weights= takes a Nitro handle, a run directory or checkpoint path, (run_dir, "
+        f"'best' | 'latest'), or nitro.average(run_dir, k=3); got {type(weights).__name__}"
     )

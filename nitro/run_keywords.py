@@ -82,6 +82,55 @@ def _learning_rate(value):
     return float(value)
 
 
+def _number(name, *, positive: bool, hint: str):
+    def check(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name} must be a number or None, got {value!r}")
+        if value < 0 or (positive and value == 0) or value != value:
+            bound = "> 0" if positive else ">= 0"
+            raise ValueError(f"{name} must be {bound}, got {value!r} ({hint})")
+        return float(value)
+
+    return check
+
+
+def _group_lr(value):
+    if not isinstance(value, Mapping) or not value:
+        raise ValueError(
+            f"group_lr must be a dict of parameter group -> learning-rate ratio, e.g. "
+            f"{{'backbone': 0.1, 'head': 1.0}}; got {value!r}"
+        )
+    ratios = {}
+    for group, ratio in value.items():
+        if not isinstance(group, str):
+            raise ValueError(f"group_lr keys are group names (str); got {group!r}")
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio >= 0:
+            raise ValueError(
+                f"group_lr[{group!r}] must be a ratio >= 0 of the learning rate (0 freezes the "
+                f"group), got {ratio!r}"
+            )
+        ratios[group] = float(ratio)
+    return ratios
+
+
+def _decay_to(value):
+    if isinstance(value, str) and value not in ("zero", "init"):
+        raise ValueError(
+            f"decay_to must be 'zero', 'init' (the weights the run starts from), or a model or "
+            f"tree of anchor weights shaped like the parameters; got {value!r}"
+        )
+    return value
+
+
+def _predicate(name, signature):
+    def check(value):
+        if not callable(value):
+            raise ValueError(f"{name} must be a function {signature}, got {value!r}")
+        return value
+
+    return check
+
+
 def _path(name):
     def check(value):
         if not isinstance(value, (str, os.PathLike)) or not str(value):
@@ -256,6 +305,37 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
         RunKeyword("learning_rate", 1e-3, "learning rate of the default optimizer", _learning_rate),
         RunKeyword("optimizer", None, "an optax GradientTransformation or factory (default: adam)"),
         RunKeyword(
+            "group_lr",
+            None,
+            "parameter group -> learning-rate ratio (groups come from a param_group(self, path) "
+            "method)",
+            _group_lr,
+        ),
+        RunKeyword(
+            "weight_decay",
+            None,
+            "decoupled weight decay, scaled by the learning rate (None: off)",
+            _number("weight_decay", positive=False, hint="None turns weight decay off"),
+        ),
+        RunKeyword(
+            "decay_to",
+            "zero",
+            "where weight decay pulls: 'zero', 'init' (L2-SP), or a model or tree of anchors",
+            _decay_to,
+        ),
+        RunKeyword(
+            "decay_mask",
+            None,
+            "(path, leaf) -> bool: the leaves that decay (default: those with ndim > 1)",
+            _predicate("decay_mask", "(path, leaf) -> bool"),
+        ),
+        RunKeyword(
+            "gradient_clip_norm",
+            None,
+            "clip the gradient to this global norm before the optimizer (None: off)",
+            _number("gradient_clip_norm", positive=True, hint="None turns clipping off"),
+        ),
+        RunKeyword(
             "check_divergence",
             True,
             "stop with an error on a non-finite loss",
@@ -314,8 +394,8 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
 
 # Keywords that only exist on Nitro(...): no accessor, no field.
 KEYWORD_ONLY = {
-    "weights": "start from these weights: a Nitro handle, a run directory or checkpoint, or "
-    "(run_dir, 'best' | 'latest')",
+    "weights": "start from these weights: a Nitro handle, a run directory or checkpoint, "
+    "(run_dir, 'best' | 'latest'), or nitro.average(run_dir, k=3)",
     "data": "use these splits instead of calling build_data",
 }
 

@@ -3,7 +3,8 @@
 A schedule is a constant, an optax schedule, any callable of the step (counting optimizer
 steps from 0, as optax does), or a factory called once with the total number of optimizer
 steps that returns one of those. A key binds to an optimizer hyperparameter (by its real optax
-name: `learning_rate`, `b1`, `weight_decay`, ...) or to a Device field. Values are computed on
+name: `learning_rate`, `b1`, `weight_decay`, ...; with parameter groups, `<group>/<name>` for
+one group's, and the bare name for every group's) or to a Device field. Values are computed on
 the host and cross to the device once per step as arguments of the train step, so switching
 between a constant and a schedule, or between schedules, never recompiles.
 """
@@ -73,8 +74,9 @@ def _flatten(spec: Mapping[str, Any]) -> list[tuple[str | None, str, Any]]:
             for name, inner in value.items():
                 if isinstance(inner, Mapping):
                     raise ScheduleError(
-                        f"schedule {key}.{name} is a nested mapping; per-parameter-group keys "
-                        f"are not available yet: schedule {key}.<name> directly"
+                        f"schedule {key}.{name} is a nested mapping; a parameter group's "
+                        f"hyperparameter is scheduled as '<group>/<name>' (e.g. "
+                        f"'head/learning_rate')"
                     )
                 items.append((key, name, inner))
         else:
@@ -124,6 +126,7 @@ def bind_schedules(
             candidates = sorted(set(hyperparams) | set(device_fields))
             close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.5)
             hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+            hint += _switch_hint(name)
             raise ScheduleError(
                 f"schedule key {name!r} matches no optimizer hyperparameter "
                 f"({', '.join(sorted(hyperparams)) or 'none: the optimizer injects none'}) and "
@@ -137,9 +140,23 @@ def bind_schedules(
     return list(bound.values())
 
 
+# Hyperparameters a run keyword adds to the optimizer, for the hint when they are off.
+_SWITCHED = {
+    "weight_decay": "weight_decay= turns on decoupled weight decay",
+    "gradient_clip_norm": "gradient_clip_norm= turns on global-norm clipping",
+}
+
+
+def _switch_hint(name: str) -> str:
+    key = name.rpartition("/")[2]
+    return f" ({_SWITCHED[key]}, then schedule it)" if key in _SWITCHED else ""
+
+
 def _no_target(label: str, what: str, names: Mapping[str, Any]) -> str:
     close = difflib.get_close_matches(label.rpartition(".")[2], sorted(names), n=3, cutoff=0.5)
     hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+    if what == "optimizer hyperparameter":
+        hint += _switch_hint(label.rpartition(".")[2])
     return f"schedule key {label!r} names no {what} (have: {', '.join(sorted(names)) or 'none'}).{hint}"
 
 
@@ -184,9 +201,17 @@ def check_schedule_values(
                 number = float(array)
                 if not np.isfinite(number):
                     raise ScheduleError(f"{where}; it must be finite")
-                if schedule.name == "learning_rate" and number < 0:
+                key = schedule.name.rpartition("/")[2]
+                if key == "learning_rate" and number < 0:
                     raise ScheduleError(
                         f"{where}; a learning rate must be >= 0 (a negative one climbs the loss)"
+                    )
+                if key == "weight_decay" and number < 0:
+                    raise ScheduleError(f"{where}; a weight decay must be >= 0")
+                if key == "gradient_clip_norm" and number <= 0:
+                    raise ScheduleError(
+                        f"{where}; a clipping norm must be > 0 (to stop clipping, build the "
+                        f"run with gradient_clip_norm=None)"
                     )
             else:
                 shape = tuple(device_shapes.get(schedule.name, ()))

@@ -33,7 +33,8 @@ from .errors import RoutingError, SetupError
 from .events import Events
 from .experiments import REQUIRED_HOOKS, FieldKind, field_specs, has_method
 from .fingerprint import CodeFingerprint, Fingerprinter
-from .optimizer import build_optimizer
+from .linen import bridge_linen, is_linen
+from .optimizer import OptimizerSettings, build_optimizer
 from .placement import Placement
 from .routing import hook_fields
 from .run_keywords import Resolved
@@ -79,10 +80,12 @@ def build(
     splits_given = _build_data(instance, data, events)
     placement = Placement(value["n_devs"])
     device_specs, device_dtypes, device_values = _device_fields(instance, placement)
-    graphdefs, params, rest, origin = _build_model(instance, value["seed"], weights, events)
+    graphdefs, params, rest, origin = _build_model(
+        instance, value["seed"], weights, events, linen_init=(splits_given, hooks, hooks_fields)
+    )
     params = placement.put_replicated(params)
     rest = placement.put_replicated(rest)
-    optimizer, opt_state = _build_optimizer(keywords, splits_given, params, placement)
+    optimizer, opt_state = _build_optimizer(instance, keywords, splits_given, params, placement)
     prefetch_mode = value["prefetch"]
     if prefetch_mode == "auto" and keywords["prefetch_workers"].source != "framework default":
         prefetch_mode = "threads"  # asking for workers means wanting them
@@ -276,12 +279,17 @@ def _device_fields(instance: Any, placement: Placement):
     return specs, dtypes, values
 
 
-def _build_model(instance: Any, seed: int, weights: Any, events: Events):
+def _build_model(instance: Any, seed: int, weights: Any, events: Events, linen_init):
     """(train and eval graph definitions), parameters, other model state, weights origin."""
     events.phase("building model")
     model = instance.build_model(nnx.Rngs(seed))
+    if is_linen(model):
+        model = bridge_linen(model, nnx.Rngs(seed), _first_forward(instance, *linen_init))
     if not isinstance(model, nnx.Module):
-        raise SetupError(f"build_model must return a flax.nnx.Module; got {type(model).__name__}")
+        raise SetupError(
+            f"build_model must return a flax.nnx.Module or a flax.linen.Module; got "
+            f"{type(model).__name__}"
+        )
     model.train()
     graphdef_train, params, rest = nnx.split(model, nnx.Param, ...)
     model.eval()
@@ -293,13 +301,29 @@ def _build_model(instance: Any, seed: int, weights: Any, events: Events):
     return (graphdef_train, graphdef_eval), params, rest, (origin, checkpoint)
 
 
-def _build_optimizer(keywords, splits, params, placement):
+def _first_forward(instance: Any, splits: Mapping[str, Any], hooks, hooks_fields):
+    """A call of `forward` on the first batch (of 'train', else the first split): how a Linen
+    module learns its input shapes."""
+    if not splits:
+        raise SetupError(
+            "build_model returned a Linen module, which is initialized from the shapes of the "
+            "first batch, but build_data returns no splits"
+        )
+    split = "train" if "train" in splits else next(iter(splits))
+    source = splits[split]
+    batch, _ = _peek(source.source if isinstance(source, NoPrefetch) else source, split)
+    fields = hooks_fields["forward"].resolve(tuple(batch), split)
+    inputs = {name: jnp.asarray(batch[name]) for name in fields}
+    return lambda model: hooks["forward"](instance, model, **inputs)
+
+
+def _build_optimizer(instance, keywords, splits, params, placement):
     """The optimizer and its state, when there is a train split to use them."""
     if "train" not in splits:
         return None, None
-    lr_explicit = keywords["learning_rate"].source != "framework default"
+    param_group = instance.param_group if has_method(type(instance), "param_group") else None
     optimizer, opt_state = build_optimizer(
-        keywords["optimizer"].value, keywords["learning_rate"].value, lr_explicit, params
+        OptimizerSettings.from_keywords(keywords, param_group), params
     )
     # Injected hyperparameters are fed to every step as arguments, not carried in the state.
     opt_state = optimizer.strip(opt_state)
@@ -473,10 +497,9 @@ def _bind_schedules(
                 f"drop_last) [{keywords['accum'].source}]"
             )
         total = keywords["max_epochs"].value * train.batches // accum  # optimizer steps
-    hyperparams = dict(optimizer.hyperparams) if optimizer else {}
     schedules = bind_schedules(
         keywords["schedules"].value,
-        hyperparams=hyperparams,
+        hyperparams=optimizer.schedulable if optimizer else {},
         device_fields=device_specs,
         other_fields={
             s.name: s.kind.value
@@ -491,12 +514,12 @@ def _bind_schedules(
         device_shapes={name: np.shape(value) for name, value in device_values.items()},
         device_dtypes=device_dtypes,
     )
-    constants = dict(hyperparams)
-    if optimizer and optimizer.uses_learning_rate and "learning_rate" in constants:
-        constants["learning_rate"] = keywords["learning_rate"].value
+    if optimizer:
+        optimizer.check_schedules(s.name for s in schedules if s.target == "opt")
     feed = StepFeed(
         hyper_names=optimizer.names if optimizer else (),
-        hyper_constants=constants,
+        hyper_constants=optimizer.hyperparams if optimizer else {},
+        hyper_sources=optimizer.sources() if optimizer else None,
         schedules=schedules,
         device_values=device_values,
         device_dtypes=device_dtypes,

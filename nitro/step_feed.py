@@ -5,6 +5,10 @@ its own array, in the same argument slots whether they are constant or scheduled
 a schedule never changes a program. A value crosses to the device only when it changes: a
 constant crosses once. Schedules are evaluated on the host, in vectorized chunks when the
 schedule accepts an array of steps (optax schedules do).
+
+A fed hyperparameter takes the schedule bound to its own name (`head/learning_rate`), else
+the schedule of its bare name (`learning_rate`) times its factor (the group's `group_lr`
+ratio), else its constant.
 """
 
 from __future__ import annotations
@@ -72,6 +76,7 @@ class StepFeed:
         hyper_names: Sequence[str],
         hyper_constants: Mapping[str, float],
         schedules: Sequence[BoundSchedule],
+        hyper_sources: Mapping[str, tuple[str, float]] | None = None,
         device_values: Mapping[str, Any],
         device_dtypes: Mapping[str, Any],
         placement,
@@ -79,7 +84,21 @@ class StepFeed:
         self.placement = placement
         self.hyper_names = tuple(hyper_names)
         self.device_dtypes = dict(device_dtypes)
-        self._opt = {s.name: _Evaluator(s.fn) for s in schedules if s.target == "opt"}
+        evaluators = {s.name: _Evaluator(s.fn) for s in schedules if s.target == "opt"}
+        sources = hyper_sources or {}
+        # fed name -> (evaluator, factor, the schedule's key) for the scheduled ones
+        self._opt: dict[str, tuple[_Evaluator, float, str]] = {}
+        for name in self.hyper_names:
+            if name in evaluators:
+                self._opt[name] = (evaluators[name], 1.0, name)
+            elif name in sources and sources[name][0] in evaluators:
+                key, factor = sources[name]
+                self._opt[name] = (evaluators[key], factor, key)
+        self._scheduled = [
+            (i, *self._opt[name][:2])
+            for i, name in enumerate(self.hyper_names)
+            if name in self._opt
+        ]
         self._dev = {s.name: _Evaluator(s.fn) for s in schedules if s.target == "device"}
         self._constants = np.array(
             [hyper_constants[name] for name in self.hyper_names], dtype=np.float32
@@ -95,10 +114,8 @@ class StepFeed:
         if not self._opt:
             return self._hparams
         values = self._constants.copy()
-        for i, name in enumerate(self.hyper_names):
-            evaluator = self._opt.get(name)
-            if evaluator is not None:
-                values[i] = evaluator(step)
+        for i, evaluator, factor in self._scheduled:
+            values[i] = evaluator(step) * factor
         if not np.array_equal(values, self._hparams_host):
             self._hparams_host = values
             self._hparams = self.placement.put_replicated(values)
@@ -107,9 +124,15 @@ class StepFeed:
     def hyperparams_at(self, step: int) -> dict[str, float]:
         """The hyperparameters a step uses (schedules evaluated at `step`), on the host."""
         values = {name: float(v) for name, v in zip(self.hyper_names, self._constants)}
-        for name, evaluator in self._opt.items():
-            values[name] = evaluator(step)
+        for name, (evaluator, factor, _) in self._opt.items():
+            values[name] = evaluator(step) * factor
         return values
+
+    def schedule_of(self, name: str) -> str | None:
+        """The schedule a fed hyperparameter follows (its own name or its bare name), or None
+        for a constant."""
+        scheduled = self._opt.get(name)
+        return None if scheduled is None else scheduled[2]
 
     def device(self, step: int) -> dict[str, Any]:
         if not self._dev:
@@ -132,10 +155,8 @@ class StepFeed:
                 block = self._blocks[key] = self.placement.put_replicated(np.array(values))
             return block
         values = np.tile(self._constants, (count, 1))
-        for i, name in enumerate(self.hyper_names):
-            evaluator = self._opt.get(name)
-            if evaluator is not None:
-                values[:, i] = evaluator.block(start, count)
+        for i, evaluator, factor in self._scheduled:
+            values[:, i] = evaluator.block(start, count) * factor
         self._hparams_host = values[-1].copy()
         return self.placement.put_replicated(values)
 

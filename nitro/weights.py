@@ -2,7 +2,8 @@
 
 `weights=` takes another handle (its weights, copied; at the next step boundary if it is
 training), a run directory or one checkpoint (`runs/Digits/<run id>`, its newest checkpoint),
-or `(run_dir, "best" | "latest")`. Weights are the parameters and the model's other variables;
+`(run_dir, "best" | "latest")`, or `nitro.average(run_dir, k=3)` (the mean of the best three
+checkpoints). Weights are the parameters and the model's other variables;
 the optimizer state, counters and history start fresh (`resume=` continues a run instead).
 """
 
@@ -18,8 +19,10 @@ import numpy as np
 from .errors import WeightsError
 
 __all__ = [
+    "AveragedWeights",
     "CheckpointWeights",
     "WeightsSource",
+    "average",
     "check_same_tree",
     "copy_array",
     "leaf_paths",
@@ -83,6 +86,117 @@ class CheckpointWeights:
             "metrics": meta.get("metrics"),
         }
         return restored[0], restored[1], origin, checkpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class AveragedWeights:
+    """The mean of the weights of several saved checkpoints (`nitro.average` builds it).
+
+    Floating-point leaves (parameters, batch statistics) are averaged; other leaves (RNG
+    counts and keys) come from the first checkpoint, the best one.
+    """
+
+    checkpoints: tuple[tuple[str, int], ...]  # (checkpoints directory, step), best first
+    ranking: str  # how they were chosen, for the origin
+
+    def resolve(self, params: Any, model_state: Any) -> tuple[Any, Any, str, dict[str, Any]]:
+        """(parameters, model state, origin, the checkpoints averaged)."""
+        from pathlib import Path
+
+        from .checkpoints import leaves_from, read_checkpoint
+
+        trees = {"parameters": ("params", params), "model state": ("model_state", model_state)}
+        sums: dict[str, list] = {}
+        firsts: dict[str, list] = {}
+        metas = []
+        for directory, step in self.checkpoints:
+            saved, meta = read_checkpoint(Path(directory), step)
+            metas.append(meta)
+            for what, (key, tree) in trees.items():
+                leaves = leaves_from(
+                    what, saved.get(key, {}), leaf_paths(tree), jax.tree.leaves(tree)
+                )
+                if what not in sums:
+                    firsts[what] = leaves
+                    sums[what] = [np.array(x, np.float64) if _floating(x) else None for x in leaves]
+                    continue
+                for total, x in zip(sums[what], leaves):
+                    if total is not None:
+                        total += np.asarray(x, np.float64)
+        k = len(self.checkpoints)
+        averaged = []
+        for what, (_, tree) in trees.items():
+            leaves = [
+                jnp.asarray((total / k).astype(np.asarray(first).dtype))
+                if total is not None
+                else (first if isinstance(first, jax.Array) else jnp.asarray(first))
+                for total, first in zip(sums[what], firsts[what])
+            ]
+            averaged.append(jax.tree.unflatten(jax.tree.structure(tree), leaves))
+        run_dir = Path(self.checkpoints[0][0]).parent
+        steps = [step for _, step in self.checkpoints]
+        origin = (
+            f"the mean of {k} checkpoint{'s' * (k != 1)} of {run_dir.name or run_dir} "
+            f"({self.ranking}): steps {', '.join(map(str, steps))}"
+        )
+        checkpoint = {
+            "averaged": k,
+            "paths": [str(Path(d) / str(s)) for d, s in self.checkpoints],
+            "run_id": metas[0].get("run_id"),
+            "steps": steps,
+            "epochs": [m.get("epoch") for m in metas],
+            "metrics": [m.get("metrics") for m in metas],
+        }
+        return averaged[0], averaged[1], origin, checkpoint
+
+
+def _floating(x: Any) -> bool:
+    dtype = np.asarray(x).dtype if not isinstance(x, jax.Array) else x.dtype
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def average(source: Any, k: int = 3) -> AveragedWeights:
+    """Weights that are the mean of `k` checkpoints: the best `k` of a run by its
+    checkpointer's metric (`source` is a run directory or its `checkpoints` folder), or the
+    checkpoints listed (`source` is a list of checkpoint paths; `k` is then ignored). Start a
+    handle from them with `weights=`:
+
+    >>> n = nitro.Nitro(Digits(), weights=nitro.average("runs/Digits/<run id>", k=3))  # doctest: +SKIP
+    >>> n.weights_origin                                                              # doctest: +SKIP
+    'the mean of 3 checkpoints of <run id> (best 3 by val_loss): steps 270, 243, 216'
+
+    Averaging checkpoints of one run (as in stochastic weight averaging) tends to find a
+    flatter, better-generalizing point than any one of them. Batch statistics are averaged
+    too; re-estimating them on training data can help a model with batch normalization.
+    """
+    from pathlib import Path
+
+    from .checkpoints import ranked_steps, resolve_checkpoint
+
+    if isinstance(source, (list, tuple)) and not (
+        len(source) == 2 and source[1] in ("best", "latest")
+    ):
+        if not source:
+            raise WeightsError("average() got an empty list; give checkpoint paths to average")
+        found = [resolve_checkpoint(path) for path in source]
+        return AveragedWeights(tuple((str(d), s) for d, s in found), f"{len(found)} given")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise WeightsError(f"average(k={k!r}): k must be an int >= 1")
+    path = Path(source)
+    directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if not directory.is_dir():
+        raise WeightsError(f"average(): no checkpoints at {str(path)!r} (give a run directory)")
+    metric, ranked = ranked_steps(directory)
+    if len(ranked) < k:
+        have = f"{len(ranked)} ranked by {metric}" if metric else "none ranked"
+        raise WeightsError(
+            f"average(k={k}) needs {k} checkpoints ranked by the run's metric, but "
+            f"{str(directory)!r} has {have} (a run keeps its best Checkpointer(k=...) "
+            f"checkpoints plus the newest). Lower k, or give a list of checkpoint paths."
+        )
+    return AveragedWeights(
+        tuple((str(directory), step) for step, _ in ranked[:k]), f"best {k} by {metric}"
+    )
 
 
 def leaf_paths(tree: Any) -> tuple[str, ...]:

@@ -67,6 +67,22 @@ class TwoDevices(MeshToy):
     n_devs: int = 2
 
 
+@nitro.experiment
+class Grouped(MeshToy):
+    def param_group(self, path):
+        return "body" if path.startswith(("hidden", "norm")) else "head"
+
+
+SWITCHES = dict(group_lr={"body": 0.5}, weight_decay=0.1, decay_to="init", gradient_clip_norm=0.5)
+
+
+def switched(n_devs):
+    """Parameters after training with groups, decay toward init and clipping."""
+    n = nitro.Nitro(Grouped(), n_devs=n_devs, progress=False, **SWITCHES)
+    n.train()
+    return state(n, nnx.Param)
+
+
 def state(n, kind):
     return [np.asarray(leaf).tolist() for leaf in jax.tree.leaves(nnx.state(n.model, kind))]
 
@@ -128,6 +144,7 @@ def main():
     results = {"devices": jax.device_count(), "flags": os.environ.get("XLA_FLAGS", "")}
     results["one"] = run(1)
     results["four"] = run(4)
+    results["switched"] = {"one": switched(1), "four": switched(4)}
     default = nitro.Nitro(MeshToy(), progress=False)
     results["default"] = [default.placement.n_devs, default.keywords["n_devs"].source]
     field = nitro.Nitro(TwoDevices(), progress=False)

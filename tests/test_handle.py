@@ -247,7 +247,9 @@ def test_build_model_must_return_an_nnx_module():
         def build_model(self, rngs):
             return lambda x: x
 
-    with pytest.raises(nitro.SetupError, match="flax.nnx.Module; got function"):
+    with pytest.raises(
+        nitro.SetupError, match="flax.nnx.Module or a flax.linen.Module; got function"
+    ):
         nitro.Nitro(NotAModule(), progress=False)
 
 

@@ -69,6 +69,10 @@ def test_parameters_after_several_steps_match_one_device(mesh):
     assert_close(mesh["one"]["params"], mesh["four"]["params"])
 
 
+def test_groups_decay_and_clipping_on_a_mesh_match_one_device(mesh):
+    assert_close(mesh["switched"]["one"], mesh["switched"]["four"])
+
+
 def test_batchnorm_statistics_use_the_global_batch(mesh):
     stats = mesh["four"]["batch_stats"]
     assert any(np.abs(np.asarray(s) - np.round(np.asarray(s))).max() > 1e-3 for s in stats)
