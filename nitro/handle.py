@@ -59,7 +59,8 @@ def _check_experiment(experiment: Any) -> type:
             f"Nitro() takes an experiment instance (a class decorated with "
             f"@nitro.experiment); got {type(experiment).__name__}"
         ) from None
-    missing = [h for h in REQUIRED_HOOKS if not has_method(cls, h)]
+    required = [h for h in REQUIRED_HOOKS if h != "loss" or not has_method(cls, "train_step")]
+    missing = [h for h in required if not has_method(cls, h)]
     if missing:
         raise ExperimentError(
             f"{cls.__qualname__} is missing required hook{'s' * (len(missing) > 1)} "

@@ -35,6 +35,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
+import numpy as np
 import optax
 from flax import nnx
 
@@ -110,38 +111,67 @@ class Step:
 
 
 class ModelOptimizers:
-    """One `OptimizerSetup` per model, seen as one: hyperparameters named `model/name`, fed
-    as one vector; the state a dict of the models' optimizer states."""
+    """One `OptimizerSetup` per model, seen as one by the rest of the engine: hyperparameters
+    named `model/name` fed as one vector, the state a dict of the models' optimizer states."""
 
     def __init__(self, setups: Mapping[str, Any]):
+        from .optimizer import FedHyperparameter
+
         self.setups = dict(setups)
-        self.hyperparams = {
-            f"{model}/{name}": value
-            for model, setup in self.setups.items()
-            for name, value in setup.hyperparams.items()
-        }
-        self.dtypes = {
-            f"{model}/{name}": dtype
-            for model, setup in self.setups.items()
-            for name, dtype in setup.dtypes.items()
-        }
+        self.fed = tuple(
+            sorted(
+                (
+                    FedHyperparameter(
+                        name=f"{model}/{f.name}",
+                        key=f.key,
+                        group=None,
+                        constant=f.constant,
+                        scale=1.0,
+                        dtype=f.dtype,
+                    )
+                    for model, setup in self.setups.items()
+                    for f in setup.fed
+                ),
+                key=lambda f: f.name,
+            )
+        )
         self.uses_learning_rate = any(s.uses_learning_rate for s in self.setups.values())
         self.description = "; ".join(f"{m}: {s.description}" for m, s in self.setups.items())
         self.tx = None  # manual training applies each model's optimizer itself
+        self.groups, self.decayed, self.decay_to, self.gradient_clip_norm = (), (), None, None
 
     @property
     def names(self) -> tuple[str, ...]:
-        return tuple(sorted(self.hyperparams))
+        return tuple(f.name for f in self.fed)
+
+    @property
+    def hyperparams(self) -> dict[str, float]:
+        return {f.name: f.constant for f in self.fed}
+
+    @property
+    def dtypes(self) -> dict[str, Any]:
+        return {f.name: f.dtype for f in self.fed}
+
+    @property
+    def schedulable(self) -> dict[str, float]:
+        return self.hyperparams
+
+    def sources(self) -> dict[str, tuple[str, float]]:
+        return {}
+
+    def check_schedules(self, keys) -> None:
+        pass
 
     def transformations(self) -> dict[str, optax.GradientTransformation]:
         return {model: setup.tx for model, setup in self.setups.items()}
 
     def inject(self, opt_state: Mapping[str, Any], hparams: Any) -> dict[str, Any]:
-        names = self.names
+        position = {name: i for i, name in enumerate(self.names)}
         out = {}
         for model, setup in self.setups.items():
-            index = [names.index(f"{model}/{name}") for name in setup.names]
-            out[model] = setup.inject(opt_state[model], hparams[index] if index else hparams)
+            index = [position[f"{model}/{name}"] for name in setup.names]
+            sub = hparams[np.asarray(index, dtype=np.int32)] if index else hparams
+            out[model] = setup.inject(opt_state[model], sub)
         return out
 
     def strip(self, opt_state: Mapping[str, Any]) -> dict[str, Any]:

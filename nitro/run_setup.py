@@ -38,7 +38,14 @@ class ExperimentSetup:
     model_classes: tuple[type, ...]
 
     @property
+    def manual(self) -> bool:
+        """True when a `train_step` hook trains the models itself."""
+        return "train_step" in self.hooks
+
+    @property
     def train_metrics_residency(self) -> str | None:
+        if self.manual:
+            return "device"  # what train_step returns besides its loss
         return self.residency["train_metrics"] if "train_metrics" in self.hooks else None
 
     def call_host_hook(self, name: str, *args, **kwargs):

@@ -31,7 +31,7 @@ from .data import (
 from .dispatch import DispatchPlan
 from .errors import RoutingError, SetupError
 from .events import Events
-from .experiments import REQUIRED_HOOKS, FieldKind, field_specs, has_method
+from .experiments import FieldKind, field_specs, has_method
 from .fingerprint import CodeFingerprint, Fingerprinter
 from .linen import bridge_linen, is_linen
 from .optimizer import OptimizerSettings, build_optimizer
@@ -46,15 +46,16 @@ from .weights import copy_array, leaf_paths
 
 __all__ = ["batch_size", "build"]
 
-OPTIONAL_HOOKS = ("metrics", "train_metrics", "finalize_metrics")
+OPTIONAL_HOOKS = ("metrics", "train_metrics", "finalize_metrics", "train_step")
 HOOK_POSITIONAL = {
+    "train_step": ("step",),
     "forward": ("model",),
     "loss": ("outputs",),
     "metrics": ("outputs",),
     "train_metrics": ("outputs",),
 }
 DEFAULT_RESIDENCY = {"train_metrics": "device", "metrics": "host"}
-TRACED_CODE_HOOKS = ("forward", "loss", "metrics", "train_metrics")
+TRACED_CODE_HOOKS = ("forward", "loss", "metrics", "train_metrics", "train_step")
 
 
 def build(
@@ -203,7 +204,7 @@ def _hook_function(cls: type, name: str):
 def _freeze_hooks(cls: type) -> tuple[dict, dict]:
     """Copies of the hook functions as they are now: (callables, functions)."""
     hooks, functions = {}, {}
-    for name in REQUIRED_HOOKS[2:] + OPTIONAL_HOOKS:
+    for name in ("forward", "loss") + OPTIONAL_HOOKS:
         if has_method(cls, name):
             functions[name], hooks[name] = _hook_function(cls, name)
     return hooks, functions
@@ -283,6 +284,20 @@ def _build_model(instance: Any, seed: int, weights: Any, events: Events, linen_i
     """(train and eval graph definitions), parameters, other model state, weights origin."""
     events.phase("building model")
     model = instance.build_model(nnx.Rngs(seed))
+    if isinstance(model, Mapping):  # several models, by name (GANs, teacher and student, ...)
+        bad = {k: type(v).__name__ for k, v in model.items() if not isinstance(v, nnx.Module)}
+        if not model or bad:
+            raise SetupError(
+                f"build_model returned a dict, which must map names to flax.nnx.Modules; "
+                f"got {bad or 'an empty dict'}"
+            )
+        model = nnx.Dict({str(k): v for k, v in model.items()})
+    elif has_method(type(instance), "train_step"):
+        raise SetupError(
+            f"{type(instance).__qualname__} defines train_step, which trains models by name: "
+            f"build_model must return a dict of them, e.g. {{'gen': Generator(...), "
+            f"'disc': Critic(...)}} (or {{'model': model}} for one)"
+        )
     if is_linen(model):
         model = bridge_linen(model, nnx.Rngs(seed), _first_forward(instance, *linen_init))
     if not isinstance(model, nnx.Module):
@@ -322,12 +337,53 @@ def _build_optimizer(instance, keywords, splits, params, placement):
     if "train" not in splits:
         return None, None
     param_group = instance.param_group if has_method(type(instance), "param_group") else None
-    optimizer, opt_state = build_optimizer(
-        OptimizerSettings.from_keywords(keywords, param_group), params
-    )
+    settings = OptimizerSettings.from_keywords(keywords, param_group)
+    if has_method(type(instance), "train_step"):
+        return _model_optimizers(settings, keywords, params, placement)
+    if isinstance(settings.optimizer, Mapping):
+        raise SetupError(
+            "optimizer returned a dict of optimizers by model, which only a train_step hook "
+            "can apply; define train_step(self, step, **fields), or return one optimizer"
+        )
+    optimizer, opt_state = build_optimizer(settings, params)
     # Injected hyperparameters are fed to every step as arguments, not carried in the state.
     opt_state = optimizer.strip(opt_state)
     return optimizer, placement.put_replicated(opt_state)
+
+
+def _model_optimizers(settings, keywords, params, placement):
+    """Manual training: one optimizer per model (a dict by model name, or one optimizer for
+    each), with its own state and hyperparameters (`gen/learning_rate`)."""
+    import dataclasses as _dc
+
+    from .manual import ModelOptimizers
+
+    models = list(params.keys())
+    given = settings.optimizer
+    if isinstance(given, Mapping):
+        unknown = sorted(set(given) - set(models))
+        missing = sorted(set(models) - set(given))
+        if unknown or missing:
+            raise SetupError(
+                f"optimizer returned optimizers for {sorted(given)}, but the models are "
+                f"{models}"
+                + (f": no model {unknown}" if unknown else "")
+                + (f": none for {missing}" if missing else "")
+            )
+    for name in ("accum", "sam"):
+        if keywords[name].value not in (None, 1):
+            raise SetupError(
+                f"{name}= does not combine with a train_step hook, which computes its own "
+                f"gradients: accumulate or perturb inside train_step [{keywords[name].source}]"
+            )
+    setups, states = {}, {}
+    for model in models:
+        spec = given[model] if isinstance(given, Mapping) else given
+        setups[model], states[model] = build_optimizer(
+            _dc.replace(settings, optimizer=spec), params[model]
+        )
+    optimizer = ModelOptimizers(setups)
+    return optimizer, placement.put_replicated(optimizer.strip(states))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -420,8 +476,10 @@ def _setup_split(
     train_metrics = residency["train_metrics"] if "train_metrics" in hooks else None
     fields: dict[str, tuple[str, ...]] = {}
     for hook, spec in hooks_fields.items():
-        if hook == "train_metrics" and not training:
+        if hook in ("train_metrics", "train_step") and not training:
             continue
+        if hook == "loss" and training and "train_step" in hooks:
+            continue  # train_step computes its own losses
         if hook == "metrics" and training:
             continue
         if hook == "loss" and not training:
@@ -434,6 +492,8 @@ def _setup_split(
     traced = {"forward", "loss"}
     if training and train_metrics == "device":
         traced.add("train_metrics")
+    if training and "train_step" in hooks:
+        traced.add("train_step")
     if not training and residency.get("metrics") == "device":
         traced.add("metrics")
     route = frozenset(f for hook in traced for f in fields.get(hook, ()))
@@ -547,7 +607,11 @@ def _freeze_code(cls, hook_functions, graphdefs, params, rest, opt_state, optimi
     code["model"] = fingerprinter.fingerprint()
     if optimizer is not None:
         opt_fp = Fingerprinter()
-        opt_fp.value(optimizer.tx.update, "optimizer update")
+        if optimizer.tx is not None:
+            opt_fp.value(optimizer.tx.update, "optimizer update")
+        else:  # one optimizer per model (train_step)
+            for model, tx in optimizer.transformations().items():
+                opt_fp.value(tx.update, f"optimizer update of {model}")
         code["optimizer"] = opt_fp.fingerprint()
     model = {
         "graphdef_train": graphdefs[0],

@@ -29,7 +29,7 @@ from .state import StepOutput, Variables
 __all__ = ["TRAIN_UNITS", "step_function", "train_step_spec"]
 
 # The code a train step runs: hooks, the model's classes, the optimizer's update.
-TRAIN_UNITS = ("forward", "loss", "train_metrics", "model", "optimizer")
+TRAIN_UNITS = ("forward", "loss", "train_metrics", "train_step", "model", "optimizer")
 
 
 def step_function(
@@ -145,19 +145,7 @@ def step_function(
             new_params = optax.apply_updates(params, updates)
             report = jnp.stack([loss.astype(jnp.float32), jnp.zeros((), jnp.float32)])
         new_opt = optimizer.strip(new_opt)
-        ema_leaves, ema_steps = variables.ema, variables.ema_steps
-        if ema is not None:
-            average = jax.tree.unflatten(model.params_def, variables.ema)
-            decay = ema.decay_at(ema_steps)
-            moved = jax.tree.map(
-                lambda a, p: (decay * a + (1 - decay) * p).astype(a.dtype), average, new_params
-            )
-            if check:
-                moved = jax.tree.map(lambda m, a: jnp.where(healthy, m, a), moved, average)
-                ema_steps = ema_steps + healthy.astype(ema_steps.dtype)
-            else:
-                ema_steps = ema_steps + 1
-            ema_leaves = jax.tree.leaves(moved)
+        ema_leaves, ema_steps = _moving_average(ema, model, variables, new_params, healthy, check)
         new_variables = Variables(
             params=jax.tree.leaves(new_params),
             model_state=jax.tree.leaves(new_rest),
@@ -168,6 +156,93 @@ def step_function(
         return StepOutput(new_variables, healthy, report, metrics)
 
     return step
+
+
+def manual_step_function(
+    setup: RunSetup, fields: Mapping[str, tuple[str, ...]], reads: set[str], aux: dict
+) -> Callable[..., StepOutput]:
+    """A step of a `train_step` hook: the hook gets a `nitro.manual.Step` (the models, their
+    gradients, their optimizers) and the batch fields it names; the guard keeps the models,
+    their state and the optimizers' states as they were from the first non-finite step on."""
+    from .manual import Step
+
+    optimizer = setup.optimizer
+    check = setup.check_divergence
+    model = setup.model
+    ema = setup.ema
+
+    def step(variables: Variables, healthy, device, hparams, batch) -> StepOutput:
+        params, rest = tracing.unflatten(setup, variables)
+        opt_state = jax.tree.unflatten(model.opt_state_def, variables.opt_state)
+        opt_state = optimizer.inject(opt_state, hparams)
+        view = tracing.view(setup, device, reads)
+        work = Step(
+            model.graphdef_train,
+            {name: params[name] for name in params.keys()},
+            rest,
+            dict(opt_state),
+            optimizer.transformations(),
+        )
+        values = tracing.call(
+            setup, "train_step", view, work, **select(batch, fields["train_step"])
+        )
+        if not isinstance(values, Mapping) or "loss" not in values:
+            raise TypeError(
+                f"hook `train_step` must return a dict with a scalar 'loss' (and any other "
+                f"scalars to track); it returned {type(values).__name__}"
+                + (f" with keys {sorted(values)}" if isinstance(values, Mapping) else "")
+            )
+        loss = tracing.check_scalar_loss(values["loss"])
+        aux["specs"], metrics = split_modes(
+            {k: v for k, v in values.items() if k != "loss"}, "train_step"
+        )
+        new_params = jax.tree.map(lambda x: x, params)  # same structure, new values below
+        for name, tree in work.params.items():
+            new_params[name] = tree
+        new_rest, new_opt = work.rest, work.opt_states
+        if check:
+            loss_ok = jnp.isfinite(loss)
+            params_ok = tracing.all_finite(new_params)
+            healthy_in = healthy
+            healthy = healthy_in & loss_ok & params_ok
+            keep = lambda new, old: jax.tree.map(  # noqa: E731
+                lambda n, o: jnp.where(healthy, n, o), new, old
+            )
+            new_params, new_rest = keep(new_params, params), keep(new_rest, rest)
+            new_opt = keep(new_opt, opt_state)
+            code = jnp.where(~healthy_in, 4, jnp.where(~loss_ok, 1, jnp.where(~params_ok, 3, 0)))
+        else:
+            code = jnp.zeros((), jnp.int32)
+        report = jnp.stack([loss.astype(jnp.float32), code.astype(jnp.float32)])
+        ema_leaves, ema_steps = _moving_average(ema, model, variables, new_params, healthy, check)
+        new_variables = Variables(
+            params=jax.tree.leaves(new_params),
+            model_state=jax.tree.leaves(new_rest),
+            opt_state=jax.tree.leaves(optimizer.strip(new_opt)),
+            ema=ema_leaves,
+            ema_steps=ema_steps,
+        )
+        return StepOutput(new_variables, healthy, report, metrics)
+
+    return step
+
+
+def _moving_average(ema, model, variables: Variables, new_params, healthy, check):
+    """The EMA of the weights after a step (unchanged by a skipped one)."""
+    if ema is None:
+        return variables.ema, variables.ema_steps
+    average = jax.tree.unflatten(model.params_def, variables.ema)
+    steps = variables.ema_steps
+    decay = ema.decay_at(steps)
+    moved = jax.tree.map(
+        lambda a, p: (decay * a + (1 - decay) * p).astype(a.dtype), average, new_params
+    )
+    if check:
+        moved = jax.tree.map(lambda m, a: jnp.where(healthy, m, a), moved, average)
+        steps = steps + healthy.astype(steps.dtype)
+    else:
+        steps = steps + 1
+    return jax.tree.leaves(moved), steps
 
 
 def _scanned(step: Callable[..., StepOutput]) -> Callable[..., StepOutput]:
@@ -210,7 +285,10 @@ def train_step_spec(
 
     def build(reads: set[str]):
         aux: dict[str, Any] = {}
-        step = step_function(setup, fields, reads, aux, micro)
+        if setup.experiment.manual:
+            step = manual_step_function(setup, fields, reads, aux)
+        else:
+            step = step_function(setup, fields, reads, aux, micro)
         fn = step if steps == 1 else _scanned(step)
         if steps > 1 and micro > 1:
             fn = _regrouped(fn, steps, micro)

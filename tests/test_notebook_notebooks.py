@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 
+import numpy as np
 import pytest
 from notebook_kernel import REPO, kernel_env
 
@@ -77,6 +78,16 @@ def test_interrupt_and_edit_notebook_interrupts_edits_and_retrains(tmp_path):
     _find(texts, r"digits_edit_demo.py line \d+: expected ':'\. Kept the last good code")
     _find(texts, r"cell_exp_run \(CellDigits\): loss changed")
     assert (tmp_path / "digits_edit_demo.py").exists()  # written in the notebook's directory
+
+
+def test_the_gan_notebook_trains_two_models_with_a_train_step_hook(tmp_path):
+    texts = _execute("gan.ipynb", tmp_path)
+    match = _find(texts, r"generated mean \[ *(-?\d\.\d*) +(-?\d\.\d*) *\] data mean")
+    generated = np.array([float(match.group(1)), float(match.group(2))])
+    assert np.linalg.norm(generated - np.array([2.0, -1.0])) < 1.0
+    _find(texts, r"gen/learning_rate = 0.003")
+    _find(texts, r"\[image/png\]")
+    _find(texts, r"d_loss")
 
 
 def test_plain_train_in_a_notebook_prints_into_its_cell(tmp_path):
