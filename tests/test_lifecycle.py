@@ -313,8 +313,10 @@ def check_after_kill(run_dir: Path) -> tuple[int, str | None]:
 def test_sigkill_at_random_moments_during_saves_leaves_earlier_checkpoints_restorable(tmp_path):
     """Each child saves a 3 MB state every epoch (an epoch is two steps, so it spends most of
     its time saving, and deleting what the best-2-plus-newest policy drops); it is killed
-    between 0 and 1.5 s after its first step. Measured: about 2.3 s a try on 2 busy cores (a
-    forked child starts training in ~1 s); 15 of 20 kills cut a save short, 4 a deletion."""
+    between 0 and 1.2 s after its first step. Measured on 2 shared cores: a forked child
+    starts training in about 1 s, a try takes 2-2.5 s; 14-16 of 20 kills cut a save short,
+    0-4 land between a deletion and the removal of what it moved aside, and the others
+    before the first save."""
     zygote = Zygote(tmp_path)
     draw = random.Random(12)
     tries = []
@@ -322,7 +324,7 @@ def test_sigkill_at_random_moments_during_saves_leaves_earlier_checkpoints_resto
         for attempt in range(KILL_TRIES):
             run_dir = tmp_path / f"try{attempt}"
             pid = zygote.train(run_dir)
-            time.sleep(draw.uniform(0.0, 1.5))
+            time.sleep(draw.uniform(0.0, 1.2))
             kill(pid)
             tries.append((run_dir, *check_after_kill(run_dir)))
     finally:
