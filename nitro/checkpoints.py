@@ -26,8 +26,10 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import logging
 import math
 import os
+import shutil
 import threading
 import time
 import warnings
@@ -53,6 +55,11 @@ __all__ = [
 ]
 
 CHECKPOINT_FORMAT = 1
+
+# Orbax deletes a step by removing its files one by one: a process killed meanwhile would
+# leave a step directory that still lists as saved but no longer restores. So steps are moved
+# into this subdirectory first (one atomic rename) and removed from there.
+DELETING = "deleting"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -240,7 +247,7 @@ class CheckpointStore:
     handle goes away (or at exit), with the budget that decides which epochs are saved."""
 
     def __init__(self, directory: str | os.PathLike, config: Checkpointer, deterministic: bool):
-        self.directory = Path(directory)
+        self.directory = Path(directory).absolute()  # orbax writes absolute paths only
         self.config = config
         self.deterministic = deterministic  # across processes: decide by epoch count only
         self._manager = None
@@ -278,8 +285,10 @@ class CheckpointStore:
                 preservation_policy=managers.AnyPreservationPolicy(keep),
                 enable_async_checkpointing=True,
                 cleanup_tmp_directories=True,
+                todelete_subdir=DELETING,
                 **ranking,
             )
+            self._empty_trash()  # what a killed process was deleting
             self._manager = ocp.CheckpointManager(
                 self.directory, options=options, item_names=("state", "meta")
             )
@@ -306,9 +315,13 @@ class CheckpointStore:
         with self._lock:
             try:
                 manager = self._open(ranked=metrics is not None)
-                if step in manager.all_steps():  # saved already (a run ending at a boundary)
-                    return
                 with _exclusive(manager):
+                    if step in manager.all_steps():  # saved already (a run ending at a boundary)
+                        return
+                    # save() waits for the previous save (and its deletions) anyway: wait
+                    # here, so the steps it moved aside can be removed before the next ones
+                    manager.wait_until_finished()
+                    self._empty_trash()
                     _LAST_WRITER[0] = manager
                     manager.save(
                         step,
@@ -326,6 +339,10 @@ class CheckpointStore:
         self._last_start, self._last_cost = began, cost
         self.costs.append(cost)
         self.saved_epoch = meta.get("epoch")
+
+    def _empty_trash(self) -> None:
+        """Remove the steps orbax moved aside for deletion (call with no save in flight)."""
+        shutil.rmtree(self.directory / DELETING, ignore_errors=True)
 
     def _failed(self, error: Exception, step: int | None) -> None:
         """A save that fails (a full disk, a vanished directory) leaves the earlier
@@ -361,28 +378,39 @@ class CheckpointStore:
                     self._failed(error, None)
                 finally:
                     manager.close()
+                    self._empty_trash()
                     if _LAST_WRITER[0] is manager:
                         _LAST_WRITER[0] = None
+
+
+def _quiet_read_only(record: logging.LogRecord) -> bool:
+    """Drop the warning orbax logs for every read-only manager ("Given directory is read
+    only"): reading checkpoints is routine here, not something to warn about. Installed only
+    while a reader is built, under the orbax lock."""
+    return not (record.levelno == logging.WARNING and record.module == "checkpoint_manager")
 
 
 class _reader:
     """A read-only manager, used under the orbax lock: `with _reader(dir) as manager:`."""
 
     def __init__(self, directory: Path):
-        self.directory = directory
+        self.directory = Path(directory).absolute()  # orbax reads absolute paths only
 
     def __enter__(self):
         import orbax.checkpoint as ocp
 
         self._held = _exclusive()
         self._held.__enter__()
+        options = ocp.CheckpointManagerOptions(read_only=True, save_interval_steps=0, create=False)
+        absl = logging.getLogger("absl")
+        absl.addFilter(_quiet_read_only)
         try:
-            self.manager = ocp.CheckpointManager(
-                self.directory, options=ocp.CheckpointManagerOptions(read_only=True)
-            )
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
         except BaseException:
             self._held.__exit__(None, None, None)
             raise
+        finally:
+            absl.removeFilter(_quiet_read_only)
         return self.manager
 
     def __exit__(self, *exc):
@@ -484,7 +512,7 @@ def resolve_checkpoint(source: Any, which: str = "latest") -> tuple[Path, int]:
                 f"a checkpoint is a path or (run_dir, 'best' | 'latest'); got {source!r}"
             )
         source, which = source
-    path = Path(source).absolute()  # orbax needs absolute paths
+    path = Path(source).absolute()  # orbax reads absolute paths only
     if not path.exists():
         raise SetupError(f"no checkpoint at {str(path)!r}: the path does not exist")
     step = None

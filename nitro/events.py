@@ -64,11 +64,10 @@ class PhaseChange:
     step: int | None
     epoch: int | None
     metrics: Mapping[str, Any] | None  # the epoch's history row, on the first change after it
-    handle: Any
+    handle: Any  # the Nitro handle; None while it is being built (setup phases)
 
 
 _MONITORS: list[Callable[[PhaseChange], Any]] = []
-_DISABLED_MONITORS: set[int] = set()
 
 
 def on_phase(fn: Callable[[PhaseChange], Any]) -> Callable[[PhaseChange], Any]:
@@ -205,12 +204,13 @@ class Events:
         metrics, self._metrics = self._metrics, None
         change = PhaseChange(phase, previous, step, epoch, metrics, handle)
         for monitor in [*_MONITORS, *self._monitors]:
-            if id(monitor) in _DISABLED_MONITORS:
-                continue
             try:
                 monitor(change)
             except Exception as error:  # noqa: BLE001 - a monitor must never break a run
-                _DISABLED_MONITORS.add(id(monitor))
+                # switched off by removing it (a module-level one from every handle)
+                if monitor in self._monitors:
+                    self._monitors.remove(monitor)
+                remove_monitor(monitor)
                 warnings.warn(
                     f"phase monitor {getattr(monitor, '__qualname__', monitor)!s} raised "
                     f"{type(error).__name__}: {error} on {previous!r} -> {phase!r}; it is "

@@ -33,7 +33,7 @@ from .experiments import (
     field_specs,
     has_method,
 )
-from .lifecycle import RunFiles, metric_names
+from .lifecycle import RunFiles, check_watched_metrics
 from .programs import ProgramSet
 from .run_keywords import Resolved, resolve_run_keywords
 from .run_setup import RunSetup
@@ -87,11 +87,15 @@ class Nitro:
         weights = keywords.pop("weights", None)
         data = keywords.pop("data", None)
         resolved = resolve_run_keywords(instance, keywords)
+        if weights is not None and resolved["resume"].value:
+            raise SetupError(
+                "resume= and weights= are exclusive: resume= continues a run (its weights, "
+                "optimizer state, counters and history); weights= starts a new run from "
+                "weights only. Pass one of them."
+            )
         self._progress = progress.make_reporter(resolved["progress"].value)
-        self._events = Events(
-            [self._progress],
-            context=lambda: (self, self._state.step, self._state.epoch),
-        )
+        self._state: TrainState | None = None  # built below; monitors see setup phases first
+        self._events = Events([self._progress], context=self._phase_context)
         self._logging = None
         if resolved["logger"].value is not None:
             from .loggers import LoggingReporter
@@ -114,7 +118,7 @@ class Nitro:
                 instance, resolved, keywords, events=self._events, data=data, weights=source
             )
         self._programs = ProgramSet(self._setup)
-        self._check_early_stop()
+        check_watched_metrics(self._setup, self._state)
         self._files = RunFiles.plan(self._setup, self._events)
         if self._logging is not None:
             self._files.logger_state = self._logging.logger.state
@@ -133,6 +137,11 @@ class Nitro:
             }
         self._target_epoch = max(self._setup.max_epochs, self._state.epoch)
         self._events.phase("ready")
+
+    def _phase_context(self) -> tuple[Nitro | None, int | None, int | None]:
+        """(handle, step, epoch) for phase monitors; nothing while the handle is built."""
+        state = self._state
+        return (None, None, None) if state is None else (self, state.step, state.epoch)
 
     def _reattach_logger(self, meta: Mapping[str, Any]) -> None:
         saved = meta.get("logger")
@@ -156,14 +165,6 @@ class Nitro:
         from .loggers import logger_info
 
         return logger_info(self.logger) if self.logger is not None else {}
-
-    def _check_early_stop(self) -> None:
-        early_stop = self._setup.early_stop
-        if early_stop is None:
-            return
-        known = {"loss", "val_loss"}
-        names = None if early_stop.metric in known else metric_names(self._setup, self._state)
-        early_stop.check(tuple(self._setup.splits), names)
 
     # ------------------------------------------------------------------------------------------
     # what the handle holds

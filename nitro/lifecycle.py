@@ -38,7 +38,7 @@ from .run_dirs import (
 from .run_setup import RunSetup
 from .state import TrainState, Variables
 
-__all__ = ["RunFiles", "config_of", "metric_names"]
+__all__ = ["RunFiles", "check_watched_metrics", "config_of", "metric_names"]
 
 
 def config_token(value: Any) -> Any:
@@ -61,28 +61,23 @@ class RunFiles:
     resume_from: tuple[Path, int] | None
     store: CheckpointStore | None
     opened: bool = False
+    branched_from: str | None = None  # resumed from an earlier checkpoint of this run
 
     @classmethod
     def plan(cls, setup: RunSetup, events: Events) -> RunFiles:
         """Decide the run's directory and id (nothing is written yet)."""
         found = _resume_source(setup, events) if setup.resume else None
+        branched_from = None
         if found is not None:
-            run_dir = found[0].parent
+            directory, step = found
+            run_dir = directory.parent
             run_id = read_run_json(run_dir).get("run_id") or run_dir.name
-        elif setup.run_dir is not None:
-            run_dir = Path(setup.run_dir).absolute()
-            existing = read_run_json(run_dir)
-            steps = _saved_steps(checkpoint_dir(run_dir))
-            if steps:
-                raise SetupError(
-                    f"run_dir {str(run_dir)!r} already holds checkpoints of run "
-                    f"{existing.get('run_id', run_dir.name)} (steps {steps[0]}..{steps[-1]}): "
-                    f"resume='auto' continues it; choose another run_dir for a new run"
-                )
-            run_id = existing.get("run_id") or new_run_id()
+            if step < max(_saved_steps(directory), default=step):
+                # an earlier checkpoint: its run's later ones stay; this run goes on elsewhere
+                branched_from, origin = run_id, run_dir
+                run_dir, run_id = _new_run_dir(setup, besides=origin)
         else:
-            run_id = new_run_id()
-            run_dir = default_run_dir(setup.cls.__name__, run_id)
+            run_dir, run_id = _new_run_dir(setup)
         store = None
         if setup.checkpointer is not None:
             store = CheckpointStore(
@@ -90,7 +85,7 @@ class RunFiles:
                 setup.checkpointer,
                 deterministic=setup.placement.multi_process,
             )
-        return cls(run_id, run_dir, found, store)
+        return cls(run_id, run_dir, found, store, branched_from=branched_from)
 
     # ------------------------------------------------------------------------------------------
     # resume
@@ -140,10 +135,15 @@ class RunFiles:
         state.history = [dict(row) for row in meta.get("history", [])]
         if self.store is not None:
             self.store.saved_epoch = state.epoch
-        events.note(
-            f"resumed run {self.run_id} from its checkpoint at epoch {state.epoch}, step "
-            f"{state.step} ({directory})"
-        )
+        if self.branched_from is None:
+            said = f"resumed run {self.run_id} from its checkpoint"
+        else:
+            said = (
+                f"resumed from run {self.branched_from}'s earlier checkpoint as a new run "
+                f"{self.run_id} (the later checkpoints of {self.branched_from} stay as they "
+                f"were);"
+            )
+        events.note(f"{said} at epoch {state.epoch}, step {state.step} ({directory / str(step)})")
         return meta
 
     # ------------------------------------------------------------------------------------------
@@ -165,6 +165,11 @@ class RunFiles:
                     "seed": setup.seed,
                     "graphconst": config_of(setup),
                     "nitro": __version__,
+                    "resumed_from": (
+                        str(self.resume_from[0] / str(self.resume_from[1]))
+                        if self.resume_from is not None
+                        else None
+                    ),
                 },
             )
         self.opened = True
@@ -247,6 +252,25 @@ def checkpoint_meta(
     }
 
 
+def _new_run_dir(setup: RunSetup, besides: Path | None = None) -> tuple[Path, str]:
+    """(directory, run id) of a new run: `run_dir=`, refused when it holds checkpoints
+    already, or `runs/<Experiment>/<new run id>` (also when `run_dir=` names `besides`, the
+    run an earlier checkpoint is resumed from)."""
+    if setup.run_dir is None or Path(setup.run_dir).absolute() == besides:
+        run_id = new_run_id()
+        return default_run_dir(setup.cls.__name__, run_id), run_id
+    run_dir = Path(setup.run_dir).absolute()
+    existing = read_run_json(run_dir)
+    steps = _saved_steps(checkpoint_dir(run_dir))
+    if steps:
+        raise SetupError(
+            f"run_dir {str(run_dir)!r} already holds checkpoints of run "
+            f"{existing.get('run_id', run_dir.name)} (steps {steps[0]}..{steps[-1]}): "
+            f"resume='auto' continues it; choose another run_dir for a new run"
+        )
+    return run_dir, existing.get("run_id") or new_run_id()
+
+
 def _saved_steps(directory: Path) -> list[int]:
     if not directory.is_dir():
         return []
@@ -268,7 +292,11 @@ def _resume_source(setup: RunSetup, events: Events) -> tuple[Path, int] | None:
             stacklevel=4,
         )
         return None
-    return resolve_checkpoint(candidates[-1].path)
+    # the newest run with this configuration (an older one with other GraphConst values
+    # cannot resume here); when none matches, the newest, whose refusal shows the difference
+    now = config_of(setup)
+    matching = [run for run in candidates if read_run_json(run.path).get("graphconst") == now]
+    return resolve_checkpoint((matching or candidates)[-1].path)
 
 
 def _check_config(setup: RunSetup, meta: dict[str, Any]) -> None:
@@ -322,6 +350,26 @@ def _drift_notes(setup: RunSetup, meta: dict[str, Any]) -> list[str]:
             f"continues as it began)"
         )
     return notes
+
+
+def check_watched_metrics(setup: RunSetup, state: TrainState) -> None:
+    """Refuse at setup an early stop or a checkpointer watching a metric the run does not
+    produce (the metrics hook's names are probed; see `metric_names`). A checkpointer on
+    `val_loss` in a run without a 'val' split keeps the newest checkpoint only."""
+    early_stop, checkpointer = setup.early_stop, setup.checkpointer
+    known = {"loss", "val_loss"}
+    names: set[str] | None = None
+    watched = [w.metric for w in (early_stop, checkpointer) if w is not None]
+    if any(metric not in known for metric in watched):
+        names = metric_names(setup, state)
+    if early_stop is not None:
+        early_stop.check(tuple(setup.splits), names if early_stop.metric not in known else None)
+    if checkpointer is None or names is None or checkpointer.metric in known | names:
+        return
+    raise SetupError(
+        f"Checkpointer(metric={checkpointer.metric!r}) ranks checkpoints by a column this run "
+        f"does not produce; its metrics are {', '.join(sorted(names))}"
+    )
 
 
 def metric_names(setup: RunSetup, state: TrainState) -> set[str] | None:

@@ -120,6 +120,12 @@ class NitroMagics(Magics):
         help="start from build_model's weights, not from the previous run of the experiment",
     )
     @magic_arguments.argument(
+        "--resume",
+        action="store_true",
+        help="continue the newest run of the experiment on disk from its newest checkpoint "
+        "(after a kernel restart; resume='auto')",
+    )
+    @magic_arguments.argument(
         "--split", "-s", default="test", help="evaluate: the split to evaluate (default: test)"
     )
     @magic_arguments.argument(
@@ -136,17 +142,21 @@ class NitroMagics(Magics):
     def nitro(self, line: str = ""):
         """Train, watch and inspect Nitro runs.
 
-        %nitro train EXP [--epochs N] [--background] [--fresh]
+        %nitro train EXP [--epochs N] [--background] [--fresh] [--resume]
             EXP is an experiment instance (`exp = Digits()`) or a handle. On an experiment
             it stores the handle as `EXP_run` (and `_nitro`) and trains it. Training again
             continues that handle; after an edit of the experiment's code, or with other
             field values, it builds a new handle that starts from the previous one's weights
             (unless --fresh). The notebook's interrupt button stops a foreground run after
-            the current step; `%nitro train` again resumes it.
+            the current step; `%nitro train` again resumes it. After a kernel restart,
+            --resume continues the experiment's newest run on disk from its newest
+            checkpoint (its epoch, step, history, optimizer state).
         %nitro stop [RUN]        stop RUN (default: every running run) after its current step
         %nitro wait [RUN]        wait until RUN (default: every running run) finishes
         %nitro status [RUN]      phase, epoch, step, latest loss and throughput
-        %nitro runs              every run in the notebook, as a table
+        %nitro runs              every run in the notebook, as a table, and the run
+                                 directories of its experiments on disk (best metric,
+                                 checkpoints)
         %nitro validate [RUN]    loss and metrics on the 'val' split
         %nitro evaluate [RUN] [--split S]
         %nitro predict [RUN] [--batch VAR]
@@ -227,17 +237,21 @@ class NitroMagics(Magics):
             raise UsageError("%nitro train needs an experiment or a handle: %nitro train exp")
         if args.epochs is not None and args.epochs < 1:
             raise UsageError(f"--epochs must be at least 1, got {args.epochs}")
+        if args.resume and args.fresh:
+            raise UsageError(
+                "--resume continues the newest run on disk, --fresh starts over: pass one"
+            )
         value = self._value(args.target)
         base = args.target if args.target.isidentifier() else None
         if isinstance(value, nitro.Nitro):
             name = base if base and base != "_nitro" else self._name_of(value, "_nitro")
-            handle = self._prepare_handle(name, value, value.experiment, value, args.fresh)
+            handle = self._prepare_handle(name, value, value.experiment, value, args)
         elif is_experiment(value) and not isinstance(value, type):
             name = f"{base}_run" if base else f"{type(value).__name__.lower()}_run"
             previous = self._ns.get(name)
             if not (isinstance(previous, nitro.Nitro) and previous.owner == _owner(value)):
                 previous = None
-            handle = self._prepare_handle(name, previous, value, previous, args.fresh)
+            handle = self._prepare_handle(name, previous, value, previous, args)
         elif isinstance(value, type) and is_experiment(value):
             raise UsageError(
                 f"{args.target} is the experiment class; pass an instance: "
@@ -270,9 +284,13 @@ class NitroMagics(Magics):
             return None
         return handle
 
-    def _prepare_handle(self, name, handle, experiment, weights, fresh) -> nitro.Nitro:
+    def _prepare_handle(self, name, handle, experiment, weights, args) -> nitro.Nitro:
         """Continue `handle` when its code and configuration are current; otherwise build a
-        new handle from the live experiment class, starting from `weights` unless fresh."""
+        new handle from the live experiment class, starting from `weights` unless --fresh,
+        or continuing the newest run on disk with --resume."""
+        fresh = args.fresh
+        if handle is not None and handle.running and handle.stop_reason is not None:
+            _finish(handle)  # the run has ended (its panel says so); its thread is finishing
         if handle is not None and handle.running:
             raise UsageError(
                 f"{name} is already {handle.phase} in the background; `%nitro stop {name}` "
@@ -287,13 +305,16 @@ class NitroMagics(Magics):
             and _fields(handle.experiment) == _fields(live)
         ):
             return handle
-        source = None if fresh else weights
+        source = None if fresh or args.resume else weights
         keywords = handle.given_keywords if handle is not None else {}
         decided = handle.setup.dispatch.steps if handle is not None else None
         if decided is not None and "steps_per_dispatch" not in keywords:
             # keep the measured steps per call: an edit rarely changes how long a step takes,
             # and measuring again would compile the single step as well
             keywords = {**keywords, "steps_per_dispatch": decided}
+        keywords.pop("resume", None)  # a rebuilt handle starts from the previous weights
+        if args.resume:
+            keywords["resume"] = "auto"
         panel = _setup_panel(type(live).__name__)
         try:
             new = nitro.Nitro(live, weights=source, **keywords)
@@ -314,6 +335,11 @@ class NitroMagics(Magics):
             print(
                 f"nitro: {name} rebuilt from the current {type(live).__name__}, starting from "
                 f"the weights of the previous run (step {source.step})"
+            )
+        if args.resume and new.weights_checkpoint is not None:
+            print(
+                f"nitro: {name} continues run {new.run_id} from its checkpoint at epoch "
+                f"{new.epoch}, step {new.step}"
             )
         return new
 
@@ -384,10 +410,12 @@ class NitroMagics(Magics):
         handles = [
             h for h in runs.live_handles(self._ns) if h.running or runs.handle_names(self._ns, h)
         ]
-        if not handles:
+        on_disk = runs.runs_on_disk(self._ns, handles)
+        if not handles and on_disk.empty:
             print("nitro: no runs yet; %nitro train EXP starts one")
             return None
-        return runs.runs_table(self._ns, handles)
+        live = runs.runs_table(self._ns, handles) if handles else None
+        return runs.RunTables(live, on_disk)
 
     def _validate(self, args) -> dict:
         return self._idle(*self._handle(args.target, "validate"), "validate").validate()
@@ -458,6 +486,13 @@ class NitroMagics(Magics):
             f"{manifest['name']!r} ({wire}); load it with nitro.bundle.load({args.target!r}) or "
             f"serve it with `nitro serve {args.target}`"
         )
+
+
+def _finish(handle: nitro.Nitro, timeout: float = 10.0) -> None:
+    """Wait for the thread of a run that has ended to finish (it reports the end first)."""
+    deadline = time.monotonic() + timeout
+    while handle.running and time.monotonic() < deadline:
+        time.sleep(0.005)
 
 
 def _setup_panel(title: str):

@@ -4,10 +4,13 @@ Every reporter this package installs keeps a `RunStats` per handle (latest loss,
 elapsed time), so `%nitro status` and `%nitro runs` can answer while a run trains in the
 background. Handles built outside the magics are found in the user namespace, and the runs a
 coding agent started (`%nitro mcp start`) in the agent tools' registry, under their run ids.
+`%nitro runs` also lists the run directories of the notebook's experiments on disk
+(`nitro.saved_runs`), so a restarted kernel sees what it can resume.
 """
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import weakref
@@ -16,13 +19,16 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import nitro
+from nitro.staleness import is_experiment
 
 from .agents import agent_runs
 
 __all__ = [
     "RunStats",
+    "RunTables",
     "handle_names",
     "live_handles",
+    "runs_on_disk",
     "runs_table",
     "stats_of",
     "status_line",
@@ -205,3 +211,64 @@ def runs_table(user_ns: Mapping[str, Any], handles: Iterable[Any]):
         "stop reason",
     ]
     return pd.DataFrame(rows, columns=columns).set_index("run")
+
+
+DISK_RUNS_SHOWN = 10  # newest run directories shown per experiment
+
+
+def _experiment_names(user_ns: Mapping[str, Any], handles: Iterable[Any]) -> list[str]:
+    """Class names of the experiments the notebook holds (instances, classes, handles)."""
+    names: dict[str, None] = {}
+    for key, value in list(user_ns.items()):
+        if key.startswith("_") or not is_experiment(value):
+            continue
+        names[(value if isinstance(value, type) else type(value)).__name__] = None
+    for handle in handles:
+        names[handle.cls.__name__] = None
+    return list(names)
+
+
+def runs_on_disk(user_ns: Mapping[str, Any], handles: Iterable[Any]):
+    """One row per run directory of the notebook's experiments under `runs/` (the newest
+    `DISK_RUNS_SHOWN` of each) and of its handles elsewhere (`run_dir=`): experiment,
+    started, checkpoints, latest epoch, best metric, path, and the notebook's name for it
+    when a handle here is that run."""
+    import pandas as pd
+
+    handles = list(handles)
+    names_by_id = {h.run_id: ", ".join(handle_names(user_ns, h)) for h in handles}
+    frames = []
+    for name in _experiment_names(user_ns, handles):
+        frame = nitro.saved_runs(name).tail(DISK_RUNS_SHOWN)
+        frames.append(frame.assign(experiment=name))
+    shown = {path for frame in frames for path in frame["path"]}
+    for handle in handles:
+        if handle.run_dir not in shown and os.path.isdir(handle.run_dir):
+            frame = nitro.saved_runs(handle.run_dir)
+            frames.append(frame.assign(experiment=handle.cls.__name__))
+    columns = ["experiment", "started", "checkpoints", "latest epoch", "best", "path"]
+    frames = [f for f in frames if not f.empty]
+    if not frames:
+        return pd.DataFrame(columns=["in this kernel", *columns])
+    table = pd.concat(frames)[columns]
+    table.insert(0, "in this kernel", [names_by_id.get(i, "") for i in table.index])
+    return table
+
+
+class RunTables:
+    """`%nitro runs`: the notebook's live runs, then the run directories on disk."""
+
+    def __init__(self, live, on_disk):
+        self.live, self.on_disk = live, on_disk
+
+    def __repr__(self) -> str:
+        parts = [self.live.to_string() if self.live is not None else "no runs in this kernel"]
+        if not self.on_disk.empty:
+            parts.append("on disk:\n" + self.on_disk.to_string())
+        return "\n\n".join(parts)
+
+    def _repr_html_(self) -> str:
+        parts = [self.live.to_html() if self.live is not None else "<p>no runs in this kernel</p>"]
+        if not self.on_disk.empty:
+            parts.append("<p><b>on disk</b></p>" + self.on_disk.to_html())
+        return "\n".join(parts)

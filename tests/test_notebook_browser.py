@@ -16,7 +16,7 @@ import pytest
 from browser import Lab, copy_notebooks, require_browser
 
 # tutorial.ipynb and interrupt_and_edit.ipynb: the cells the tests run, by index
-LOAD, FIELDS, TRAIN, HISTORY, PLOT, MORE, CACHE, BACKGROUND, RUNS = 2, 4, 6, 8, 9, 11, 12, 14, 17
+LOAD, FIELDS, TRAIN, HISTORY, PLOT, MORE, CACHE, BACKGROUND, RUNS = 2, 4, 6, 8, 9, 11, 12, 19, 22
 EDIT_SETUP, EDIT_MODULE, EDIT_IMPORT, EDIT_TRAIN, EDIT_REPORT, EDIT_SAVE, EDIT_RETRAIN = (
     1,
     3,

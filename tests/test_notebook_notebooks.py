@@ -51,6 +51,10 @@ def test_tutorial_runs_from_experiment_to_prediction(tmp_path):
     _find(texts, r"Nitro\(Digits, done, epoch 6/6")
     _find(texts, r"\[image/png\]")  # %nitro plot
     _find(texts, r"programs compiled by the extra epochs: 0")
+    _find(texts, r"runs/Digits/\d{8}-\d{6}-[0-9a-f]{4}\n")  # the run directory
+    resumed = _find(texts, r"resumed run (\d{8}-\d{6}-[0-9a-f]{4}) at epoch 9, step (\d+)")
+    assert f"/runs/Digits/{resumed.group(1)}" in "".join(texts)
+    _find(texts, rf"Nitro\(Digits, done, epoch 11/11, step {int(resumed.group(2)) // 9 * 11}")
     _find(
         texts,
         r"long_exp_run \(Digits\): (training|validating|checkpointing|compiling [a-z ]+), "
