@@ -106,11 +106,12 @@ def test_background_run_reports_status_and_stops(kernel):
     assert {m["parent_header"]["msg_id"] for m in printed} == {started.msg_id}
 
     status = kernel.run("%nitro status").stdout
-    assert re.match(r"bg_run \(Chatty\): (training|validating), epoch \d+/1000, step \d+", status)
+    busy = r"(training|validating|checkpointing|compiling [a-z -]+)"
+    assert re.match(rf"bg_run \(Chatty\): {busy}, epoch \d+/1000, step \d+", status)
     assert re.search(r"loss \d\.\d+, [\d.]+ steps/s", status)
 
     table = kernel.run("%nitro runs").data()[-1]
-    assert re.search(r"bg_run +Chatty +(training|validating)", table)
+    assert re.search(rf"bg_run +Chatty +{busy}", table)
 
     stop = kernel.run("%nitro stop").stdout
     assert stop.startswith("nitro: stopped bg_run at epoch ")
