@@ -151,6 +151,9 @@ def host_tree(setup: Any, variables: Any) -> dict[str, Any]:
     }
     if variables.opt_state is not None:
         tree["opt_state"] = _nest(paths["optimizer state"], [_host(x) for x in variables.opt_state])
+    if variables.ema is not None:  # the moving average of the weights (ema=)
+        tree["ema"] = _nest(paths["parameter"], [_host(x) for x in variables.ema])
+        tree["ema_steps"] = _host(variables.ema_steps)
     return tree
 
 

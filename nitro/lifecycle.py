@@ -122,11 +122,26 @@ class RunFiles:
                 model.leaf_paths["optimizer state"],
                 variables.opt_state,
             )
+        ema = ema_steps = None
+        if variables.ema is not None:
+            if "ema" in saved:
+                ema = leaves_from(
+                    "moving average of the weights",
+                    saved["ema"],
+                    model.leaf_paths["parameter"],
+                    variables.ema,
+                )
+                ema_steps = np.asarray(saved["ema_steps"], dtype=np.int32)
+            else:  # a run that did not average before: start the average here
+                ema, ema_steps = list(params), np.zeros((), np.int32)
+                events.note("the checkpoint holds no moving average: it starts from its weights")
         place = setup.placement.put_replicated
         state.variables = Variables(
             params=[place(x) for x in params],
             model_state=[place(x) for x in rest],
             opt_state=[place(x) for x in opt] if opt is not None else None,
+            ema=[place(x) for x in ema] if ema is not None else None,
+            ema_steps=place(ema_steps) if ema_steps is not None else None,
         )
         state.step = int(meta["step"])
         state.epoch = int(meta["epoch"])

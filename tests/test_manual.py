@@ -142,3 +142,19 @@ def test_manual_mode_mistakes_are_named():
 
     with pytest.raises(KeyError, match="no model 'critic'; the models are 'disc', 'gen'"):
         nitro.Nitro(WrongName(max_epochs=1), progress=False).train()
+
+
+def test_a_manual_run_checkpoints_and_resumes_exactly():
+    whole = nitro.Nitro(GAN(max_epochs=4), checkpointer=None, progress=False)
+    whole.train()
+    first = nitro.Nitro(
+        GAN(max_epochs=2), checkpointer=nitro.Checkpointer(budget=None), progress=False
+    )
+    first.train()
+    resumed = nitro.Nitro(GAN(max_epochs=4), resume=first.run_dir, progress=False)
+    assert (resumed.epoch, resumed.step) == (2, 16)
+    resumed.train()
+    for name in ("gen", "disc"):
+        for a, b in zip(gen_params(resumed)[name], gen_params(whole)[name], strict=True):
+            np.testing.assert_array_equal(a, b)
+    assert resumed.history()["d_loss"].tolist() == whole.history()["d_loss"].tolist()

@@ -250,3 +250,25 @@ def test_asam_follows_its_formula_and_sam_accumulates_every_micro_batch():
     accumulated.train()
     for a, b in zip(params_of(accumulated), params_of(merged), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
+
+
+def test_the_moving_average_is_checkpointed_and_resumed_exactly():
+    every_epoch = nitro.Checkpointer(budget=None)
+    whole = nitro.Nitro(ToyWithMetrics(max_epochs=4), ema=0.9, checkpointer=None, progress=False)
+    whole.train()
+    first = nitro.Nitro(
+        ToyWithMetrics(max_epochs=2), ema=0.9, checkpointer=every_epoch, progress=False
+    )
+    first.train()
+    resumed = nitro.Nitro(
+        ToyWithMetrics(max_epochs=4),
+        ema=0.9,
+        checkpointer=every_epoch,
+        resume=first.run_dir,
+        progress=False,
+    )
+    assert resumed.epoch == 2
+    resumed.train()
+    for a, b in zip(resumed.state.variables.ema, whole.state.variables.ema, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    assert int(resumed.state.variables.ema_steps) == 16
