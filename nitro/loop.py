@@ -456,14 +456,18 @@ def _train_metrics(run: _Epoch, totals, program, metrics, staged, offset: int) -
 _STAGES = {
     1: "the training loss is {loss}",
     2: "a gradient is non-finite (the loss, {loss}, is finite)",
-    3: "an update is non-finite (the loss, {loss}, and the gradients are finite)",
+    3: "a scheduled hyperparameter is non-finite (the loss, {loss}, and the gradients are "
+    "finite)",
     4: "the step is non-finite",
+    5: "the weights after the step are non-finite (the loss, {loss}, is finite)",
 }
 _ADVICE = {
     1: "Lower the learning rate or check the data",
     2: "Look for sqrt, log, division or pow at 0 in the loss or the model (their gradients "
     "are infinite there), or lower the learning rate",
-    3: "Check the optimizer's hyperparameters and schedules at that step",
+    3: "Check the optimizer's schedules at that step",
+    5: "Look for a non-finite gradient or update in the train_step hook, or lower the "
+    "learning rate",
 }
 
 

@@ -112,33 +112,34 @@ def step_function(
         opt_state = optimizer.inject(opt_state, hparams)
 
         if check:
-            # From the first non-finite step on, every later step leaves the weights, the
-            # model state and the optimizer's moments as they were, so the handle holds the
-            # last good ones. A step is non-finite when its loss, a gradient or an update is
-            # (a NaN learning rate makes finite gradients into NaN updates). Zeroing the
-            # gradient and selecting the new parameters fuse into existing loops; the two
-            # finiteness reductions read the gradients and updates once more.
+            # From the first non-finite step on, every later step leaves the weights and the
+            # model state as they were, so the handle holds the last good ones. A step is
+            # non-finite when its loss, a gradient or a fed hyperparameter is (a NaN learning
+            # rate from a schedule). The gate is known before the optimizer runs, so it zeroes
+            # the gradient and the update inside the kernels that compute them (in place, no
+            # select of the state): the guard costs one reduction over the gradients. The
+            # optimizer sees a zero gradient at a gated step (its moments decay by one step).
+            # An update that overflows from finite inputs shows at the next step's loss.
             loss_ok = jnp.isfinite(loss)
             grads_ok = tracing.all_finite(grads)
+            hparams_ok = jnp.all(jnp.isfinite(hparams)) if optimizer.names else True
             healthy_in = healthy
-            healthy = healthy_in & loss_ok & grads_ok
+            healthy = healthy_in & loss_ok & grads_ok & hparams_ok
             grads = jax.tree.map(lambda g: jnp.where(healthy, g, 0), grads)
             new_rest = jax.tree.map(
                 lambda new, old: jax.lax.select(healthy, new, old), new_rest, rest
             )
         updates, new_opt = optimizer.tx.update(grads, opt_state, params)
         if check:
-            updates_ok = tracing.all_finite(updates)
-            healthy = healthy & updates_ok
             new_params = jax.tree.map(
-                lambda p, u: jnp.where(healthy, p + u, p).astype(p.dtype), params, updates
+                lambda p, u: (p + jnp.where(healthy, u, 0)).astype(p.dtype), params, updates
             )
-            # 0: finite; else the first failing stage: 1 loss, 2 gradient, 3 update;
+            # 0: finite; else the first failing stage: 1 loss, 2 gradient, 3 hyperparameter;
             # 4: an earlier step in flight was already non-finite
             code = jnp.where(
                 ~healthy_in,
                 4,
-                jnp.where(~loss_ok, 1, jnp.where(~grads_ok, 2, jnp.where(~updates_ok, 3, 0))),
+                jnp.where(~loss_ok, 1, jnp.where(~grads_ok, 2, jnp.where(~hparams_ok, 3, 0))),
             )
             report = jnp.stack([loss.astype(jnp.float32), code.astype(jnp.float32)])
         else:
@@ -210,7 +211,7 @@ def manual_step_function(
             )
             new_params, new_rest = keep(new_params, params), keep(new_rest, rest)
             new_opt = keep(new_opt, opt_state)
-            code = jnp.where(~healthy_in, 4, jnp.where(~loss_ok, 1, jnp.where(~params_ok, 3, 0)))
+            code = jnp.where(~healthy_in, 4, jnp.where(~loss_ok, 1, jnp.where(~params_ok, 5, 0)))
         else:
             code = jnp.zeros((), jnp.int32)
         report = jnp.stack([loss.astype(jnp.float32), code.astype(jnp.float32)])

@@ -81,7 +81,7 @@ def test_a_nan_learning_rate_at_one_step_stops_naming_it_and_keeps_the_weights()
     with pytest.raises(nitro.DivergenceError) as raised:
         n.train()
     message = str(raised.value)
-    assert "an update is non-finite" in message and "at step 6" in message
+    assert "a scheduled hyperparameter is non-finite" in message and "at step 6" in message
     assert "learning_rate = nan at step 6" in message
     assert n.step == 5
     for got, want in zip(params_of(n), params_of(reference), strict=True):
