@@ -11,7 +11,8 @@ loss of every step kept on the device and read back once at the end of each epoc
 epoch's mean loss). Both loops use `optax.adam(1e-3)`, Nitro's default.
 
 A third loop, Nitro with `check_divergence=False`, measures what the divergence guard
-(finiteness of the loss, every gradient and every update, checked on the device) costs.
+(finiteness of the loss, every gradient and the fed hyperparameters, checked on the device)
+costs.
 
     python bench/overhead.py [--rounds 9] [--seconds 1.5] [--models mlp,cnn]
 """

@@ -5,8 +5,10 @@ launch the program than the program computes. Nitro owns the loop, so it can run
 one compiled program (`lax.scan` over K stacked batches). `steps_per_dispatch=K` fixes K;
 `"auto"` (the default) runs the first steps one at a time, measures them, and picks K so
 that one call does at least `TARGET_SECONDS` of work (K=1 where steps are already long),
-capped by the epoch length and `MAX_STEPS`. A stop takes effect at the next dispatch
-boundary, so it waits at most K steps.
+capped by the epoch length and `MAX_STEPS`, then times the first fused calls and goes back to
+one step per call if fusing did not make a step faster (XLA's CPU backend, for one, runs
+convolutions inside a loop body about ten times slower than alone). A stop takes effect at the
+next dispatch boundary, so it waits at most K steps.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ TARGET_SECONDS = 0.004  # of work per program call, for "auto"
 MAX_STEPS = 64
 PROBE_STEPS = 8  # single steps timed, after the first (which compiles)
 WORTH_SECONDS = 2.0  # a run with less work than this left keeps one step per call
+CHECK_CALLS = 3  # fused calls timed (after the first) to confirm that fusing pays
 
 
 @dataclasses.dataclass
@@ -32,6 +35,8 @@ class DispatchPlan:
     setting: int | str
     steps: int | None = None  # K; None while "auto" has not measured yet
     reason: str = ""
+    checking: bool = False  # "auto" decided K > 1 and is timing the first fused calls
+    _single: float | None = dataclasses.field(default=None, repr=False)
     _last: float | None = dataclasses.field(default=None, repr=False)
     _intervals: list[float] = dataclasses.field(default_factory=list, repr=False)
 
@@ -43,6 +48,11 @@ class DispatchPlan:
     @property
     def probing(self) -> bool:
         return self.steps is None
+
+    @property
+    def settled(self) -> int | None:
+        """K once it is fixed or measured and confirmed; None while "auto" still measures."""
+        return None if self.probing or self.checking else self.steps
 
     def block(self, batches: int | None) -> int:
         """Steps per call in an epoch of `batches` (1 while measuring)."""
@@ -63,6 +73,35 @@ class DispatchPlan:
         self._last = now
         needed = PROBE_STEPS if not batches else max(1, min(PROBE_STEPS, batches - 2))
         return len(self._intervals) >= needed
+
+    def observe_fused(self, count: int) -> bool:
+        """A call of `count` steps completed while checking; True once `CHECK_CALLS` full
+        calls were timed."""
+        now = time.perf_counter()
+        if count != self.steps:  # a remainder: not comparable, and breaks the interval
+            self._last = None
+            return False
+        if self._last is not None:
+            self._intervals.append(now - self._last)
+        self._last = now
+        return len(self._intervals) >= CHECK_CALLS
+
+    def confirm(self) -> int:
+        """Keep K if a fused call's steps were faster than single steps; else go back to 1."""
+        intervals = sorted(self._intervals)
+        fused = intervals[len(intervals) // 2] / self.steps
+        single = self._single or 0.0
+        self._intervals, self.checking = [], False
+        if fused < single:
+            self.reason += f"; confirmed: {fused * 1e3:.3f} ms per step fused"
+            return self.steps
+        self.reason = (
+            f"auto: a step took {single * 1e3:.3f} ms alone and {fused * 1e3:.3f} ms inside a "
+            f"fused call of {self.steps} (this backend runs the step slower in a loop); one "
+            f"step per call"
+        )
+        self.steps = 1
+        return 1
 
     def decide(self, batches: int | None, remaining: int | None = None) -> int:
         """Pick K from the timed steps (the median interval between completions): enough
@@ -99,7 +138,7 @@ class DispatchPlan:
             if steps == cap and steps < wanted:
                 why += f" (capped by {'the epoch length' if cap == batches else MAX_STEPS})"
         self.steps, self.reason = steps, f"auto: {why}"
-        self._intervals = []
+        self._intervals, self._single, self.checking = [], seconds, steps > 1
         return steps
 
     def describe(self) -> str:
@@ -110,4 +149,6 @@ class DispatchPlan:
                 f"auto (the first {PROBE_STEPS + 1} steps run one at a time and are timed; "
                 f"then K steps per call, about {TARGET_SECONDS * 1e3:.0f} ms of work each)"
             )
+        if self.checking:
+            return f"{self.steps} ({self.reason}; checking that the fused calls are faster)"
         return f"{self.steps} ({self.reason})"

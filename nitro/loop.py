@@ -278,7 +278,7 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
             finally:
                 stream.close()
                 totals.wait_seconds += stream.wait_seconds
-            if ended != "switch":  # "switch": steps per call decided; reopen with blocks
+            if ended != "switch":  # "switch": steps per call decided; reopen with K
                 break
     finally:
         if upcoming is not None:
@@ -369,6 +369,10 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
                 _complete(run, state, previous)
                 if plan.probing and plan.observe(updates):
                     if plan.decide(updates, _remaining(run, state)) > 1 and switchable:
+                        ended = "switch"
+                        break
+                elif plan.checking and plan.observe_fused(previous.staged.count):
+                    if plan.confirm() == 1 and switchable:
                         ended = "switch"
                         break
         if pending is not None:

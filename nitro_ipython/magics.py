@@ -307,7 +307,7 @@ class NitroMagics(Magics):
             return handle
         source = None if fresh or args.resume else weights
         keywords = handle.given_keywords if handle is not None else {}
-        decided = handle.setup.dispatch.steps if handle is not None else None
+        decided = handle.setup.dispatch.settled if handle is not None else None
         if decided is not None and "steps_per_dispatch" not in keywords:
             # keep the measured steps per call: an edit rarely changes how long a step takes,
             # and measuring again would compile the single step as well
