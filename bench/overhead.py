@@ -140,11 +140,17 @@ def make_experiment(model_name: str, arrays: dict[str, np.ndarray]):
 
 class WithNitro:
     def __init__(
-        self, model_name: str, arrays: dict[str, np.ndarray], seed: int = 0, guard: bool = True
+        self,
+        model_name: str,
+        arrays: dict[str, np.ndarray],
+        seed: int = 0,
+        guard: bool = True,
+        steps_per_dispatch: int | str = "auto",
     ):
         self.handle = nitro.Nitro(
             make_experiment(model_name, arrays),
             seed=seed,
+            steps_per_dispatch=steps_per_dispatch,
             progress=False,
             check_divergence=guard,
             logger=None,  # the hand-written loop writes no logs and saves no checkpoints;
@@ -168,16 +174,19 @@ def bench_model(name: str, tile: int, rounds: int, seconds: float) -> dict[str, 
     arrays = train_arrays(tile)
     hand = HandWritten(name, arrays)
     framed = WithNitro(name, arrays)
-    unguarded = WithNitro(name, arrays, guard=False)
     # warm up: compile each, and let each run an epoch at speed
     hand.run(2)
     framed.run(2)
+    # the guard's cost is measured at the steps per call Nitro chose with it
+    plan = framed.handle.setup.dispatch
+    unguarded = WithNitro(name, arrays, guard=False, steps_per_dispatch=plan.steps or 1)
     unguarded.run(2)
     steps, elapsed = hand.run(1)
     epochs = max(1, round(seconds * steps / elapsed / hand.batches))
     print(
         f"\n{name}: {len(arrays['x'])} samples, {hand.batches} batches of {BATCH} per epoch, "
-        f"{epochs} epochs ({epochs * hand.batches} steps) per loop per round"
+        f"{epochs} epochs ({epochs * hand.batches} steps) per loop per round; steps per "
+        f"dispatch {plan.describe()}"
     )
     print(
         f"  {'round':>5}  {'hand-written':>13}  {'nitro':>13}  {'nitro (loop)':>13}  "

@@ -23,7 +23,8 @@ TARGET_SECONDS = 0.004  # of work per program call, for "auto"
 MAX_STEPS = 64
 PROBE_STEPS = 8  # single steps timed, after the first (which compiles)
 WORTH_SECONDS = 2.0  # a run with less work than this left keeps one step per call
-CHECK_CALLS = 3  # fused calls timed (after the first) to confirm that fusing pays
+CHECK_CALLS = 5  # fused calls timed to confirm that fusing pays (after two settle)
+CHECK_SETTLE = 2
 
 
 @dataclasses.dataclass
@@ -76,7 +77,7 @@ class DispatchPlan:
 
     def observe_fused(self, count: int) -> bool:
         """A call of `count` steps completed while checking; True once `CHECK_CALLS` full
-        calls were timed."""
+        calls were timed (the first `CHECK_SETTLE` intervals, still warming up, are not)."""
         now = time.perf_counter()
         if count != self.steps:  # a remainder: not comparable, and breaks the interval
             self._last = None
@@ -84,11 +85,11 @@ class DispatchPlan:
         if self._last is not None:
             self._intervals.append(now - self._last)
         self._last = now
-        return len(self._intervals) >= CHECK_CALLS
+        return len(self._intervals) >= CHECK_SETTLE + CHECK_CALLS
 
     def confirm(self) -> int:
         """Keep K if a fused call's steps were faster than single steps; else go back to 1."""
-        intervals = sorted(self._intervals)
+        intervals = sorted(self._intervals[CHECK_SETTLE:])
         fused = intervals[len(intervals) // 2] / self.steps
         single = self._single or 0.0
         self._intervals, self.checking = [], False

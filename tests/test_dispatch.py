@@ -209,8 +209,8 @@ class Convolutional:
 
     def build_data(self):
         rng = np.random.default_rng(0)
-        x = rng.normal(size=(16 * 60, 64)).astype(np.float32)
-        return {"train": ArrayLoader({"x": x, "y": rng.integers(0, 10, 16 * 60)}, 16)}
+        x = rng.normal(size=(16 * 200, 64)).astype(np.float32)
+        return {"train": ArrayLoader({"x": x, "y": rng.integers(0, 10, 16 * 200)}, 16)}
 
     def build_model(self, rngs):
         return TinyConv(rngs)
@@ -226,12 +226,12 @@ class Convolutional:
 def test_auto_goes_back_to_one_step_per_call_when_fusing_is_slower(monkeypatch):
     monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", 0.0)
     n = nitro.Nitro(Convolutional(), progress=False, checkpointer=None, logger=None)
-    n.train(epochs=3)
+    n.train(epochs=3)  # the probe, then 7 fused calls timed
     plan = n.setup.dispatch
     assert plan.steps == 1 and not plan.checking, plan.describe()
     assert "inside a fused call of" in plan.reason, plan.reason
     assert "one step per call" in str(n.binding_report())
-    assert n.step == 3 * 60  # every step ran once, across the switches
+    assert n.step == 3 * 200  # every step ran once, across the switches
 
 
 def test_a_short_run_keeps_one_step_per_call_and_decides_again_later():
