@@ -460,8 +460,7 @@ def _train_metrics(run: _Epoch, totals, program, metrics, staged, offset: int) -
 _STAGES = {
     1: "the training loss is {loss}",
     2: "a gradient is non-finite (the loss, {loss}, is finite)",
-    3: "a scheduled hyperparameter is non-finite (the loss, {loss}, and the gradients are "
-    "finite)",
+    3: "a scheduled hyperparameter is non-finite (the loss, {loss}, and the gradients are finite)",
     4: "the step is non-finite",
     5: "the weights after the step are non-finite (the loss, {loss}, is finite)",
 }

@@ -99,7 +99,9 @@ def jax_tree_scale(tree, factor):
 def test_a_non_finite_manual_step_stops_and_keeps_the_models():
     n = nitro.Nitro(Exploding(max_epochs=1), optimizer=optax.sgd, progress=False)
     before = gen_params(n)
-    with pytest.raises(nitro.DivergenceError, match="the weights after the step are non-finite .* at step 1"):
+    with pytest.raises(
+        nitro.DivergenceError, match="the weights after the step are non-finite .* at step 1"
+    ):
         n.train()
     after = gen_params(n)
     for name in ("gen", "disc"):

@@ -538,3 +538,39 @@ def test_a_redefined_linen_module_recompiles_only_when_its_code_changed(fresh_ca
     nitro.Nitro(linen_experiment(nn.tanh), progress=False).train()
     assert nitro.cache_stats().misses == 2
     assert "method linen_experiment.<locals>.Net.__call__" in nitro.explain_compiles()[-1].reason
+
+
+def test_groups_decay_clipping_accumulation_and_ema_fuse_bitwise(fresh_cache):
+    """Per-group schedules, decay toward the initial weights, clipping, accumulation and the
+    moving average give bitwise the same weights with 2 updates per call as with one."""
+    keywords = dict(
+        group_lr={"body": 0.5},
+        weight_decay=1e-2,
+        decay_to="init",
+        gradient_clip_norm=0.5,
+        accum=2,
+        ema=0.9,
+        schedules={
+            "learning_rate": lambda step: 1e-2 / (1 + step),
+            "head/weight_decay": lambda step: 1e-3 * step,
+        },
+        progress=False,
+        checkpointer=None,
+        logger=None,
+    )
+    runs = {}
+    for k in (1, 2):
+        n = nitro.Nitro(Grouped(max_epochs=3), steps_per_dispatch=k, **keywords)
+        n.train()
+        runs[k] = (
+            params_of(n),
+            n.history()["loss"].to_numpy(),
+            n.evaluate(split="train", weights="ema"),
+        )
+    assert runs[2][0] and len(runs[2][1]) == 3
+    for a, b in zip(runs[1][0], runs[2][0], strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(runs[1][1], runs[2][1])
+    assert runs[1][2] == runs[2][2]
+    kinds = {p["program"] for p in nitro.cache_stats().programs}
+    assert "multi-step train" in kinds
