@@ -11,7 +11,10 @@ epoch's losses read back once per epoch):
   `nnx.MultiMetric`), the baseline most Flax users start from;
 - Keras 3 `fit` with the JAX backend, when keras is installed (optional).
 
-Also printed: the compile time of the K=8 program against the K=1 program.
+Also printed: the compile time of the K=8 program against the K=1 program, and for evaluation
+(not fused) batches/s of `n.evaluate` over the tiled split against a hand-written per-batch
+`jax.jit` evaluation and a hand-written `lax.scan` of 8 batches per call (what fusing
+evaluation could gain).
 
     python bench/dispatch.py [--rounds 7] [--seconds 1.0] [--models small,medium,cnn]
 """
@@ -296,7 +299,57 @@ def bench_model(name: str, rounds: int, seconds: float, tile: int) -> dict[str, 
     k8 = compile_seconds(name, arrays, 8)
     print(f"  compile: K=8 {k8:.2f} s, K=1 {k1:.2f} s ({k8 / k1:.2f}x)")
     result["compile ratio"] = k8 / k1
+    evaluation = bench_eval(name, loops["nitro K=1"].handle, arrays, rounds)
+    result["eval nitro"], result["eval scan"] = evaluation["nitro"], evaluation["hand scan 8"]
     del base
+    return result
+
+
+def bench_eval(name: str, handle, arrays, rounds: int) -> dict[str, float]:
+    """Batches/s of evaluation over `arrays`: Nitro's `evaluate` (one call per batch), a
+    hand-written per-batch jit and a hand-written scan over 8 batches per call."""
+    _, batch, _ = MODELS[name]
+    graphdef, params, rest = nnx.split(handle.model, nnx.Param, ...)
+    batches = len(arrays["x"]) // batch
+    x = arrays["x"][: batches * batch].reshape(batches, batch, -1)
+    y = arrays["y"][: batches * batch].reshape(batches, batch)
+
+    def one(params, x, y):
+        return loss_of(nnx.merge(graphdef, params, rest)(x), y)
+
+    per_batch = jax.jit(one)
+    scanned = jax.jit(lambda p, xs, ys: jax.lax.scan(lambda c, b: (c, one(p, *b)), 0, (xs, ys))[1])
+
+    def hand(scan):
+        losses = []
+        if scan == 1:
+            for i in range(batches):
+                losses.append(per_batch(params, x[i], y[i]))
+        else:
+            for i in range(0, batches - scan + 1, scan):
+                losses.append(scanned(params, x[i : i + scan], y[i : i + scan]))
+        float(np.mean([np.mean(v) for v in jax.device_get(losses)]))
+        return batches // scan * scan
+
+    def nitro_eval():
+        handle.evaluate(split="train")
+        return batches
+
+    loops = {"hand-written": lambda: hand(1), "hand scan 8": lambda: hand(8), "nitro": nitro_eval}
+    for run in loops.values():
+        run()
+    rates: dict[str, list[float]] = {key: [] for key in loops}
+    for _ in range(rounds):
+        for key, run in loops.items():
+            start = time.perf_counter()
+            done = run()
+            rates[key].append(done / (time.perf_counter() - start))
+    base = statistics.median(rates["hand-written"])
+    result = {key: statistics.median(v) / base for key, v in rates.items()}
+    print(
+        f"  evaluation ({batches} batches): hand-written {base:.0f} batches/s, nitro "
+        f"{result['nitro']:.2f}x, hand scan 8 {result['hand scan 8']:.2f}x"
+    )
     return result
 
 
@@ -326,7 +379,8 @@ def main(argv: list[str] | None = None) -> None:
         print(
             f"  {name}: auto {r['nitro auto']:.2f}x (goal >= {GOALS[name]:g}), "
             f"K=1 {r['nitro K=1']:.2f}x, K=8 {r['nitro K=8']:.2f}x, hand scan 8 "
-            f"{r['hand-written scan 8']:.2f}x, NNX tutorial {r['NNX tutorial']:.2f}x"
+            f"{r['hand-written scan 8']:.2f}x, NNX tutorial {r['NNX tutorial']:.2f}x; "
+            f"evaluation: nitro {r['eval nitro']:.2f}x, hand scan 8 {r['eval scan']:.2f}x"
         )
 
 

@@ -50,11 +50,6 @@ class DispatchPlan:
     def probing(self) -> bool:
         return self.steps is None
 
-    @property
-    def settled(self) -> int | None:
-        """K once it is fixed or measured and confirmed; None while "auto" still measures."""
-        return None if self.probing or self.checking else self.steps
-
     def block(self, batches: int | None) -> int:
         """Steps per call in an epoch of `batches` (1 while measuring)."""
         steps = self.steps or 1
@@ -74,6 +69,15 @@ class DispatchPlan:
         self._last = now
         needed = PROBE_STEPS if not batches else max(1, min(PROBE_STEPS, batches - 2))
         return len(self._intervals) >= needed
+
+    def inherit(self, previous: DispatchPlan) -> None:
+        """Continue what `previous` (a plan of an earlier handle of the same experiment)
+        measured: its K and reason, and a check of the fused calls still under way."""
+        if previous.probing:
+            return
+        self.setting, self.steps, self.reason = previous.setting, previous.steps, previous.reason
+        self.checking, self._single = previous.checking, previous._single
+        self._intervals, self._last = [], None
 
     def observe_fused(self, count: int) -> bool:
         """A call of `count` steps completed while checking; True once `CHECK_CALLS` full

@@ -122,7 +122,7 @@ def step_function(
             # An update that overflows from finite inputs shows at the next step's loss.
             loss_ok = jnp.isfinite(loss)
             grads_ok = tracing.all_finite(grads)
-            hparams_ok = jnp.all(jnp.isfinite(hparams)) if optimizer.names else True
+            hparams_ok = jnp.all(jnp.isfinite(hparams)) if optimizer.names else jnp.bool_(True)
             healthy_in = healthy
             healthy = healthy_in & loss_ok & grads_ok & hparams_ok
             grads = jax.tree.map(lambda g: jnp.where(healthy, g, 0), grads)

@@ -307,11 +307,12 @@ class NitroMagics(Magics):
             return handle
         source = None if fresh or args.resume else weights
         keywords = handle.given_keywords if handle is not None else {}
-        decided = handle.setup.dispatch.settled if handle is not None else None
-        if decided is not None and "steps_per_dispatch" not in keywords:
+        plan = handle.setup.dispatch if handle is not None else None
+        carried = plan is not None and not plan.probing and "steps_per_dispatch" not in keywords
+        if carried:
             # keep the measured steps per call: an edit rarely changes how long a step takes,
             # and measuring again would compile the single step as well
-            keywords = {**keywords, "steps_per_dispatch": decided}
+            keywords = {**keywords, "steps_per_dispatch": plan.steps}
         keywords.pop("resume", None)  # a rebuilt handle starts from the previous weights
         if args.resume:
             keywords["resume"] = "auto"
@@ -329,6 +330,8 @@ class NitroMagics(Magics):
         except BaseException:
             worker.reserve_panel(None)
             raise
+        if carried:
+            new.setup.dispatch.inherit(plan)  # its reason, and a check still under way
         if panel is not None and new.reporter not in set(worker.panel_reporters):
             worker.reserve_panel(None)  # this run reports another way (progress=...)
         if source is not None:
