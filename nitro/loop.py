@@ -30,7 +30,7 @@ from .programs import ProgramSet
 from .routing import select
 from .run_setup import RunSetup
 from .runner import RunControl
-from .state import EpochTotals, TrainState
+from .state import EpochTotals, TrainState, Variables
 
 __all__ = ["evaluate_split", "train_epochs"]
 
@@ -500,13 +500,14 @@ def _finalize(setup: RunSetup, results: dict, split: str) -> dict:
 
 def weights_of(setup: RunSetup, state: TrainState, weights: str | None = None):
     """The variables evaluation uses: the trained weights ("current"), their moving
-    average ("ema"), or by default the average when `EMA(evaluate=True)`. Same structure
-    either way, so the same programs run."""
+    average ("ema"), or by default the average when `EMA(evaluate=True)`; with the model
+    state, and without the optimizer state (evaluation never reads it, and every array
+    passed costs dispatch time). Same structure either way, so the same programs run."""
     variables = state.variables
     if weights is None:
         weights = "ema" if setup.ema is not None and setup.ema.evaluate else "current"
     if weights == "current":
-        return variables
+        return Variables(params=variables.params, model_state=variables.model_state)
     if weights != "ema":
         raise ValueError(f"weights must be 'current' or 'ema', got {weights!r}")
     if variables.ema is None:
@@ -514,7 +515,7 @@ def weights_of(setup: RunSetup, state: TrainState, weights: str | None = None):
             "weights='ema' needs a moving average of the weights: build the handle with "
             "ema=0.999 (or nitro.EMA(...)); it is kept while the handle trains"
         )
-    return dataclasses.replace(variables, params=variables.ema)
+    return Variables(params=variables.ema, model_state=variables.model_state)
 
 
 def evaluate_split(
@@ -538,6 +539,34 @@ def evaluate_split(
     variables = weights_of(setup, state, weights)
     stream = info.prefetcher.epoch(0)
     stopped = False
+
+    def account(staged, result, n_real: int) -> None:
+        """Read one batch's results back (its loss sum, its metrics) and free it."""
+        nonlocal loss_sum, samples
+        try:
+            if with_loss:
+                loss_sum += float(result["loss_sum"])
+            if has_metrics:
+                if residency == "host":
+                    outputs = setup.placement.gather(result["outputs"])
+                    outputs = jax.tree.map(lambda a, n=n_real: a[:n], outputs)
+                    host = setup.placement.gather(select(staged.host, fields["metrics"]))
+                    host = {k: v[:n_real] for k, v in host.items()}
+                    values = setup.experiment.call_host_hook("metrics", outputs, **host)
+                    specs, leaves = split_modes(values, "metrics")
+                else:
+                    specs, leaves = _device_metrics(
+                        setup, programs, split, result["outputs"], staged, n_real
+                    )
+                accumulator.add(specs, leaves, n_real)
+            samples += n_real
+        finally:
+            staged.free()
+            delete(result)
+
+    # Each batch is read back after the next one is dispatched (one batch late, like
+    # training), so the device computes while the host reads and accounts.
+    pending = None
     try:
         for staged in stream:
             if control.stop.is_set():
@@ -550,28 +579,21 @@ def evaluate_split(
                 program = programs.eval_forward(
                     split, args, with_loss=with_loss, return_outputs=has_metrics
                 )
-            result = program(*args)
             try:
-                if with_loss:
-                    loss_sum += float(result["loss_sum"])
-                if has_metrics:
-                    if residency == "host":
-                        outputs = setup.placement.gather(result["outputs"])
-                        outputs = jax.tree.map(lambda a, n=n_real: a[:n], outputs)
-                        host = setup.placement.gather(select(staged.host, fields["metrics"]))
-                        host = {k: v[:n_real] for k, v in host.items()}
-                        values = setup.experiment.call_host_hook("metrics", outputs, **host)
-                        specs, leaves = split_modes(values, "metrics")
-                    else:
-                        specs, leaves = _device_metrics(
-                            setup, programs, split, result["outputs"], staged, n_real
-                        )
-                    accumulator.add(specs, leaves, n_real)
-                samples += n_real
-            finally:
+                result = program(*args)
+            except BaseException:
                 staged.free()
-                delete(result)
+                raise
+            previous, pending = pending, (staged, result, n_real)
+            if previous is not None:
+                account(*previous)
+        if pending is not None and not stopped:
+            previous, pending = pending, None
+            account(*previous)
     finally:
+        if pending is not None:  # a stop, an error or an interrupt: drop it unread
+            pending[0].free()
+            delete(pending[1])
         stream.close()
     if stopped:
         return None
