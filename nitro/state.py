@@ -38,9 +38,10 @@ class Variables:
 @dataclasses.dataclass(frozen=True)
 class StepOutput:
     """What one train step returns: the new variables, whether every step so far was finite,
-    its report (f32[2]: the loss, and 0 when the step was finite or the stage that was not:
-    1 loss, 2 gradient, 3 update, 4 an earlier step) read back in one transfer, and its device
-    train metrics (or the outputs, for host train metrics)."""
+    its report (f32[2]: the loss, and 0 when the step was finite or what was not: 1 the loss,
+    2 a gradient, 3 a fed hyperparameter, 4 an earlier step, 5 the weights after a manual
+    step) read back in one transfer, and its device train metrics (or the outputs, for host
+    train metrics)."""
 
     variables: Variables
     healthy: Any
