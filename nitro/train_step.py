@@ -119,7 +119,8 @@ def step_function(
             # the gradient and the update inside the kernels that compute them (in place, no
             # select of the state): the guard costs one reduction over the gradients. The
             # optimizer sees a zero gradient at a gated step (its moments decay by one step).
-            # An update that overflows from finite inputs shows at the next step's loss.
+            # An update that overflows from finite inputs (an absurd learning rate) is applied,
+            # and the next step's loss stops the run.
             loss_ok = jnp.isfinite(loss)
             grads_ok = tracing.all_finite(grads)
             hparams_ok = jnp.all(jnp.isfinite(hparams)) if optimizer.names else jnp.bool_(True)
