@@ -299,7 +299,7 @@ def bench_model(name: str, rounds: int, seconds: float, tile: int) -> dict[str, 
     k8 = compile_seconds(name, arrays, 8)
     print(f"  compile: K=8 {k8:.2f} s, K=1 {k1:.2f} s ({k8 / k1:.2f}x)")
     result["compile ratio"] = k8 / k1
-    evaluation = bench_eval(name, loops["nitro K=1"].handle, arrays, rounds)
+    evaluation = bench_eval(name, loops["nitro auto"].handle, arrays, rounds)
     result["eval nitro"], result["eval scan"] = evaluation["nitro"], evaluation["hand scan 8"]
     del base
     return result

@@ -535,34 +535,52 @@ def evaluate_split(
     residency = setup.experiment.residency.get("metrics", "host")
     accumulator = MetricAccumulator("metrics")
     loss_sum, samples = 0.0, 0
-    program = None
+    programs_by_count: dict[int, Any] = {}
     variables = weights_of(setup, state, weights)
-    stream = info.prefetcher.epoch(0)
+    block = _eval_block(setup, info, has_metrics and residency == "device")
+    stream = info.prefetcher.epoch(0, block=block)
     stopped = False
 
-    def account(staged, result, n_real: int) -> None:
-        """Read one batch's results back (its loss sum, its metrics) and free it."""
+    def account_batch(result, host_fields, n_real: int, outputs=None) -> None:
         nonlocal loss_sum, samples
+        if with_loss:
+            loss_sum += float(result["loss_sum"])
+        if has_metrics:
+            if residency == "host":
+                outputs = jax.tree.map(lambda a, n=n_real: a[:n], outputs)
+                host = setup.placement.gather(select(host_fields, fields["metrics"]))
+                host = {k: v[:n_real] for k, v in host.items()}
+                values = setup.experiment.call_host_hook("metrics", outputs, **host)
+                specs, leaves = split_modes(values, "metrics")
+            else:
+                specs, leaves = _device_metrics(
+                    setup, programs, split, result["outputs"], staged_now, n_real
+                )
+            accumulator.add(specs, leaves, n_real)
+        samples += n_real
+
+    def account(staged, result, n_real) -> None:
+        """Read one call's results back (loss sums, metrics: of one batch or a block of
+        them, in order) and free it."""
+        nonlocal staged_now
+        staged_now = staged
         try:
-            if with_loss:
-                loss_sum += float(result["loss_sum"])
-            if has_metrics:
-                if residency == "host":
+            if staged.count == 1:
+                outputs = None
+                if has_metrics and residency == "host":
                     outputs = setup.placement.gather(result["outputs"])
-                    outputs = jax.tree.map(lambda a, n=n_real: a[:n], outputs)
-                    host = setup.placement.gather(select(staged.host, fields["metrics"]))
-                    host = {k: v[:n_real] for k, v in host.items()}
-                    values = setup.experiment.call_host_hook("metrics", outputs, **host)
-                    specs, leaves = split_modes(values, "metrics")
-                else:
-                    specs, leaves = _device_metrics(
-                        setup, programs, split, result["outputs"], staged, n_real
-                    )
-                accumulator.add(specs, leaves, n_real)
-            samples += n_real
+                account_batch(result, staged.host, int(n_real), outputs)
+                return
+            read = jax.device_get(result)  # one transfer for the block
+            for i, real in enumerate(np.asarray(n_real).tolist()):
+                one = jax.tree.map(lambda a, i=i: a[i], read)
+                host_fields = staged.host[i] if staged.host is not None else None
+                account_batch(one, host_fields, real, one.get("outputs"))
         finally:
             staged.free()
             delete(result)
+
+    staged_now = None
 
     # Each batch is read back after the next one is dispatched (one batch late, like
     # training), so the device computes while the host reads and accounts.
@@ -574,10 +592,16 @@ def evaluate_split(
                 stopped = True
                 break
             n_real = staged.n_real
-            args = (variables, setup.feed.current_device(), staged.device, np.int32(n_real))
+            count = staged.count
+            if count == 1:
+                real = np.int32(n_real)
+            else:  # per batch; a training split's blocks are full batches, counted once
+                n_real = real = np.broadcast_to(np.asarray(n_real, np.int32), (count,))
+            args = (variables, setup.feed.current_device(), staged.device, real)
+            program = programs_by_count.get(count)
             if program is None:
-                program = programs.eval_forward(
-                    split, args, with_loss=with_loss, return_outputs=has_metrics
+                program = programs_by_count[count] = programs.eval_forward(
+                    split, args, with_loss=with_loss, return_outputs=has_metrics, batches=count
                 )
             try:
                 result = program(*args)
@@ -604,6 +628,24 @@ def evaluate_split(
         results.update(accumulator.result())
     results = _finalize(setup, results, split)
     return {f"{split}_{k}": v for k, v in results.items()}
+
+
+EVAL_BLOCK_MIN_CALLS = 4  # a split fuses its batches when that makes at least this many calls
+
+
+def _eval_block(setup: RunSetup, info, device_metrics: bool) -> int:
+    """Evaluation batches per program call: the steps per call the training measured (or was
+    given), where it fuses, for splits long enough to make at least `EVAL_BLOCK_MIN_CALLS`
+    fused calls; else 1. A forward pass costs less than a train step, so a K worth fusing
+    for training is worth it here too. Not with device-resident metrics (their program runs
+    per batch) or across processes."""
+    plan = setup.dispatch
+    steps = plan.steps or 1
+    if steps == 1 or plan.checking or device_metrics or setup.placement.multi_process:
+        return 1
+    if info.batches is None or info.batches < EVAL_BLOCK_MIN_CALLS * steps:
+        return 1
+    return steps
 
 
 def _device_metrics(setup: RunSetup, programs: ProgramSet, split: str, outputs, staged, n_real):

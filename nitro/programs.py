@@ -66,8 +66,10 @@ def eval_spec(
     *,
     with_loss: bool,
     return_outputs: bool,
+    batches: int = 1,
 ) -> ProgramSpec:
-    """Eval forward (`with_loss`) or predict (forward alone)."""
+    """Eval forward (`with_loss`) or predict (forward alone); with `batches > 1`, that many
+    stacked evaluation batches in one call (`lax.scan`), each with its real sample count."""
     model = setup.model
 
     def build(reads: set[str]):
@@ -89,8 +91,18 @@ def eval_spec(
                 )
             return result
 
-        evaluate.nitro_aux = aux
-        return evaluate
+        if batches == 1:
+            evaluate.nitro_aux = aux
+            return evaluate
+
+        def evaluate_block(variables: Variables, device, batch, n_real):
+            def one(carry, inputs):
+                return carry, evaluate(variables, device, *inputs)
+
+            return jax.lax.scan(one, None, (batch, n_real))[1]
+
+        evaluate_block.nitro_aux = aux
+        return evaluate_block
 
     kind = ProgramKind.EVAL_FORWARD if with_loss else ProgramKind.PREDICT
     hooks = ("forward", "loss") if with_loss else ("forward",)
@@ -103,6 +115,7 @@ def eval_spec(
             "model structure": Opaque(model.structure),
             "returns outputs": return_outputs,
             "fields": tracing.fields_key(fields, hooks),
+            "batches per call": batches,
         },
         graphconst=setup.experiment.graphconst,
         arg_names=("variables", "device fields", "batch", "real samples"),
@@ -204,12 +217,18 @@ class ProgramSet:
             args,
         )
 
-    def eval_forward(self, split: str, args, *, with_loss: bool, return_outputs: bool) -> Program:
+    def eval_forward(
+        self, split: str, args, *, with_loss: bool, return_outputs: bool, batches: int = 1
+    ) -> Program:
         info = self.setup.splits[split]
         return self._get(
-            ("eval", split, info.width),
+            ("eval", split, info.width, batches),
             lambda: eval_spec(
-                self.setup, info.hook_fields, with_loss=with_loss, return_outputs=return_outputs
+                self.setup,
+                info.hook_fields,
+                with_loss=with_loss,
+                return_outputs=return_outputs,
+                batches=batches,
             ),
             args,
         )

@@ -192,11 +192,13 @@ def test_auto_measures_then_fuses_and_says_why_in_the_binding_report(monkeypatch
 
 class TinyConv(nnx.Module):
     def __init__(self, rngs):
-        self.conv = nnx.Conv(1, 32, kernel_size=(3, 3), rngs=rngs)
+        self.conv1 = nnx.Conv(1, 16, kernel_size=(3, 3), rngs=rngs)
+        self.conv2 = nnx.Conv(16, 32, kernel_size=(3, 3), rngs=rngs)
         self.out = nnx.Linear(8 * 8 * 32, 10, rngs=rngs)
 
     def __call__(self, x):
-        x = nnx.relu(self.conv(x.reshape(x.shape[0], 8, 8, 1)))
+        x = nnx.relu(self.conv1(x.reshape(x.shape[0], 8, 8, 1)))
+        x = nnx.relu(self.conv2(x))
         return self.out(x.reshape(x.shape[0], -1))
 
 
@@ -209,8 +211,8 @@ class Convolutional:
 
     def build_data(self):
         rng = np.random.default_rng(0)
-        x = rng.normal(size=(16 * 200, 64)).astype(np.float32)
-        return {"train": ArrayLoader({"x": x, "y": rng.integers(0, 10, 16 * 200)}, 16)}
+        x = rng.normal(size=(32 * 120, 64)).astype(np.float32)
+        return {"train": ArrayLoader({"x": x, "y": rng.integers(0, 10, 32 * 120)}, 32)}
 
     def build_model(self, rngs):
         return TinyConv(rngs)
@@ -231,7 +233,7 @@ def test_auto_goes_back_to_one_step_per_call_when_fusing_is_slower(monkeypatch):
     assert plan.steps == 1 and not plan.checking, plan.describe()
     assert "inside a fused call of" in plan.reason, plan.reason
     assert "one step per call" in str(n.binding_report())
-    assert n.step == 3 * 200  # every step ran once, across the switches
+    assert n.step == 3 * 120  # every step ran once, across the switches
 
 
 def test_a_short_run_keeps_one_step_per_call_and_decides_again_later():
@@ -273,3 +275,47 @@ def test_fused_steps_on_a_mesh_match_one_at_a_time(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
     assert float(lines["max"].split()[-1]) <= 1e-6
+
+
+def _long_validation(rows):
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(rows, 5)).astype(np.float32)
+    y = rng.integers(0, 2, rows)
+
+    @nitro.experiment
+    class LongValidation(ToyWithMetrics):
+        def build_data(self):
+            return {
+                "train": ArrayLoader({"x": x[:64], "y": y[:64]}, 16),
+                "val": ArrayLoader({"x": x, "y": y}, 16, shuffle=False, drop_last=False),
+            }
+
+    return LongValidation()
+
+
+def eval_programs(n):
+    return [
+        p
+        for p in nitro.cache_stats().programs
+        if p["owner"] == n.owner and p["program"] == "eval forward"
+    ]
+
+
+def test_evaluation_fuses_with_the_training_k_and_matches_one_batch_per_call(fresh_cache):
+    experiment = _long_validation(16 * 40 + 5)  # 41 batches, the last one of 5 samples
+    one = nitro.Nitro(experiment, steps_per_dispatch=1, progress=False, checkpointer=None)
+    fused = nitro.Nitro(experiment, steps_per_dispatch=4, progress=False, checkpointer=None)
+    expected = one.validate()
+    assert len(eval_programs(one)) == 1
+    assert fused.validate() == expected  # host metrics and the padded batch, bitwise
+    assert fused.evaluate(split="val", weights="current") == expected
+    # 10 calls of 4 batches, then 1 of one (the one-batch program is shared with `one`)
+    assert sorted(p["calls"] for p in eval_programs(fused)) == [10 + 10, 1 + 1 + 41]
+
+
+def test_a_short_split_is_evaluated_one_batch_per_call(fresh_cache):
+    fused = nitro.Nitro(
+        _long_validation(16 * 10), steps_per_dispatch=4, progress=False, checkpointer=None
+    )
+    fused.validate()  # 10 batches: fewer than 4 calls of 4
+    assert len(eval_programs(fused)) == 1

@@ -279,12 +279,13 @@ class Prefetcher:
         return staged
 
     def stage_block(self, index: int, hosts: list, group: int = 1) -> StagedBatch:
-        """Route, stack and transfer `len(hosts)` consecutive training batches as one block:
+        """Route, stack and transfer `len(hosts)` consecutive batches as one block:
         `len(hosts) // group` steps of `group` batches each (fused steps, micro-batches of
-        gradient accumulation); one batch is staged as usual."""
+        gradient accumulation), or evaluation batches (padded like single ones, with their
+        real sample counts as an array); one batch is staged as usual."""
         if len(hosts) == 1:
             return self.stage(index, hosts[0])
-        routed = []
+        routed, n_reals = [], []
         for offset, host in enumerate(hosts):
             if _batch_length(host) == 0:
                 raise SetupError(
@@ -292,6 +293,10 @@ class Prefetcher:
                     f"{index + offset} of the epoch); a batch needs at least one sample: "
                     f"filter empty batches out of the source"
                 )
+            if self.pad_to is not None:  # evaluation: a short batch is padded, as alone
+                host, n_real = pad_batch(host, self.pad_to)
+                hosts[offset] = host
+                n_reals.append(n_real)
             routed.append(
                 host if self.route is None else {k: host[k] for k in self.route if k in host}
             )
@@ -315,7 +320,7 @@ class Prefetcher:
             index,
             hosts if self.keep_host else None,
             device,
-            rows,
+            np.asarray(n_reals, np.int32) if n_reals else rows,  # per batch, when evaluating
             self,
             count=len(hosts) // group,
             group=group,
