@@ -263,6 +263,11 @@ MESH = textwrap.dedent(
         out.append([np.asarray(p) for p in n.state.variables.params])
         print("loss", k, n.history()["loss"].tolist())
     print("max difference", max(np.abs(a - b).max() for a, b in zip(*out)))
+    from test_dispatch import _long_validation
+    long = _long_validation(16 * 40 + 5)
+    scores = [nitro.Nitro(long, n_devs=4, steps_per_dispatch=k, progress=False,
+                          checkpointer=None, logger=None).validate() for k in (1, 4)]
+    print("validation", scores[0] == scores[1], scores)
     """
 )
 
@@ -275,6 +280,7 @@ def test_fused_steps_on_a_mesh_match_one_at_a_time(tmp_path):
     assert done.returncode == 0, done.stderr[-3000:]
     lines = dict(line.split(" ", 1) for line in done.stdout.splitlines())
     assert float(lines["max"].split()[-1]) <= 1e-6
+    assert lines["validation"].startswith("True"), lines["validation"]  # fused on the mesh too
 
 
 def _long_validation(rows):
