@@ -121,6 +121,8 @@ def train_epochs(
                     block,
                     split.prefetcher.epoch(state.epoch + 1, block=block, group=setup.accum),
                 )
+        if stop.is_set():
+            _acknowledge_interrupt(control)  # between steps: at an epoch's end, say
         return state, ("requested" if stop.is_set() else "completed")
     finally:
         if run.upcoming is not None:
@@ -150,6 +152,7 @@ def finish_epoch(
         events.phase("validating")
         metrics = evaluate_split(setup, state, programs, control, "val")
         if metrics is None:
+            _acknowledge_interrupt(control)  # an interrupt during the epoch's validation
             return None
         row.update(metrics)
     wait_frac = totals.wait_seconds / totals.seconds if totals.seconds > 0 else 0.0
@@ -249,6 +252,14 @@ def _shape_error(setup: RunSetup, staged, error) -> Exception:
     )
 
 
+def _acknowledge_interrupt(control: RunControl) -> None:
+    """Say once that an interrupt was heard, here in the run, before its reporters close (so
+    the live panel's record shows it)."""
+    if control.interrupts and not control.acknowledged:
+        control.acknowledged = 1
+        control.say("interrupted; stopping training after the current step ...")
+
+
 def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
     """One (possibly resumed) epoch. False when a stop request cut it short."""
     setup = run.setup
@@ -330,9 +341,7 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
             if stop.is_set():
                 staged.free()
                 ended = "interrupted"
-                if control.interrupts and not control.acknowledged:
-                    control.acknowledged = 1  # said here, before the run's reporters close
-                    control.say("interrupted; stopping training after the current step ...")
+                _acknowledge_interrupt(control)
                 break
             index, count, micro = run.dispatched, staged.count, staged.group
             if count == 1:
