@@ -207,7 +207,13 @@ class Lab:
     # notebooks
 
     def open(self, name: str) -> None:
-        """Open a notebook and wait until its kernel is idle."""
+        """Open a notebook and wait until its kernel is idle. A notebook an earlier test left
+        open (one that failed before closing it) is shut down first, so that its kernel stops
+        competing for the CPU and its toolbar can't be the one a click finds."""
+        self.js(
+            "for (const w of [...app.shell.widgets('main')]) {"
+            "  if (w.sessionContext) { await w.sessionContext.shutdown(); } w.dispose(); }"
+        )
         self.js(
             "const panel = await app.commands.execute('docmanager:open', {path: args[0]});"
             "await panel.context.ready; await panel.sessionContext.ready;"
@@ -332,7 +338,8 @@ class Lab:
         """The notebook toolbar's interrupt button (■)."""
         from selenium.webdriver.common.by import By
 
-        self.driver.find_element(
+        panel = self.driver.execute_script("return window.jupyterapp.shell.currentWidget.node;")
+        panel.find_element(
             By.CSS_SELECTOR, '.jp-NotebookPanel-toolbar [data-command="notebook:interrupt-kernel"]'
         ).click()
 

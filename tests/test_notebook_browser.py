@@ -114,7 +114,8 @@ def test_tutorial_panels_render_update_stop_and_survive_a_reopen(lab):
     assert first["overflow"] <= 0  # no horizontal scrollbar
     assert first["button"] == "Stop" and first["buttonEnabled"]
     assert second["bar"] > first["bar"] and second["step"] > first["step"]
-    assert re.search(r"training|validating", second["status"])
+    # the phase of the moment: a save (about 5% of the time) shows as checkpointing
+    assert re.match(r"(training|validating|checkpointing) · epoch \d+/30000", second["status"])
     lab.screenshot("live-panel", lab.cell(BACKGROUND))
     assert _stop_within_a_second(lab, BACKGROUND) < 1.0
 
