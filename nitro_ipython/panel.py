@@ -84,6 +84,7 @@ class LivePanel(widgets.VBox):
         self._stop_callback = None
         self._cell_running = True
         self._displays: tuple[Any, Any] | None = None
+        self.closed = False  # its widgets are closed: the run left its record, or none ran
         self.stop_button.on_click(self._on_stop)
 
     def _repr_mimebundle_(self, **kwargs):
@@ -171,6 +172,7 @@ class LivePanel(widgets.VBox):
 
     def close_all(self) -> None:
         """Close every widget of the panel, with their layouts and styles."""
+        self.closed = True
         parts = [self, self.header, *self.header.children, *self.children]
         for part in parts:
             for extra in (getattr(part, "layout", None), getattr(part, "style", None)):

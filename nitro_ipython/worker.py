@@ -74,7 +74,7 @@ def initializer(handle: Any = None):
 
             panel = LivePanel()
             panel.show()
-            _IN_CELL.append(panel)
+            _hold_until_cell_ends(panel)
 
     def on_worker() -> None:
         set_thread_parent = getattr(shell, "set_thread_parent", None)
@@ -91,7 +91,7 @@ def reserve_panel(panel: Any) -> None:
     previous = getattr(_LOCAL, "reserved", None)
     _LOCAL.reserved = panel
     if panel is not None:
-        _IN_CELL.append(panel)
+        _hold_until_cell_ends(panel)
     elif previous is not None:
         previous.discard()
 
@@ -106,6 +106,13 @@ def claim_panel():
     panel = getattr(_LOCAL, "panel", None)
     _LOCAL.panel = None
     return panel
+
+
+def _hold_until_cell_ends(panel: Any) -> None:
+    """Keep `panel` for `cell_finished`; panels whose runs already left their record are let go
+    (a cell that trains a hundred times holds one panel, not a hundred)."""
+    _IN_CELL[:] = [held for held in _IN_CELL if not held.closed]
+    _IN_CELL.append(panel)
 
 
 def cell_finished(*_result) -> None:

@@ -26,7 +26,7 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start(process_id: int, processes: int, port: int, devices: int) -> subprocess.Popen:
+def start(process_id: int, processes: int, port: int, devices: int, cwd) -> subprocess.Popen:
     env = dict(
         os.environ,
         JAX_PLATFORMS="cpu",
@@ -41,7 +41,7 @@ def start(process_id: int, processes: int, port: int, devices: int) -> subproces
             str(port),
         ],
         env=env,
-        cwd=HERE,
+        cwd=cwd,  # the run directories go there, not into the source tree
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
@@ -49,9 +49,10 @@ def start(process_id: int, processes: int, port: int, devices: int) -> subproces
 
 
 @pytest.fixture(scope="module")
-def runs():
+def runs(tmp_path_factory):
     port = free_port()
-    procs = [start(0, 2, port, 2), start(1, 2, port, 2), start(0, 1, 0, 1)]
+    cwd = tmp_path_factory.mktemp("multihost")
+    procs = [start(0, 2, port, 2, cwd), start(1, 2, port, 2, cwd), start(0, 1, 0, 1, cwd)]
     outputs = []
     try:
         for proc in procs:
