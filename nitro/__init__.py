@@ -5,7 +5,7 @@ runs the loop. Programs live in one module-level cache keyed on shapes, GraphCon
 the code of the hooks, so sweeps, schedules, longer runs and rebuilt handles compile nothing,
 and an edit recompiles only the programs it reaches.
 
-Public names load on first use (PEP 562), so `import nitro.bundle` in a serving process
+Public names load on first use (PEP 562), so `import nitro.serving.bundle` in a serving process
 imports JAX and nothing of Flax or Optax.
 """
 
@@ -18,12 +18,12 @@ __version__ = "0.2.0"
 
 # public name -> the module that defines it
 _EXPORTS = {
-    "CacheStats": "nitro.compile_cache",
-    "ProgramKind": "nitro.compile_cache",
-    "cache_reset": "nitro.compile_cache",
-    "cache_stats": "nitro.compile_cache",
-    "explain_compiles": "nitro.compile_cache",
-    "set_compilation_cache": "nitro.compile_cache",
+    "CacheStats": "nitro.programs.compile_cache",
+    "ProgramKind": "nitro.programs.compile_cache",
+    "cache_reset": "nitro.programs.compile_cache",
+    "cache_stats": "nitro.programs.compile_cache",
+    "explain_compiles": "nitro.programs.compile_cache",
+    "set_compilation_cache": "nitro.programs.compile_cache",
     "Nitro": "nitro.handle",
     "Device": "nitro.experiments",
     "FieldKind": "nitro.experiments",
@@ -39,16 +39,16 @@ _EXPORTS = {
     "ScheduleError": "nitro.errors",
     "HostFieldError": "nitro.errors",
     "RunningError": "nitro.errors",
-    "Checkpointer": "nitro.checkpoints",
-    "EMA": "nitro.ema",
-    "SAM": "nitro.sam",
-    "ASAM": "nitro.sam",
-    "EarlyStopping": "nitro.early_stopping",
-    "on_phase": "nitro.events",
-    "saved_runs": "nitro.run_dirs",
+    "Checkpointer": "nitro.runs.checkpoints",
+    "EMA": "nitro.optim.ema",
+    "SAM": "nitro.optim.sam",
+    "ASAM": "nitro.optim.sam",
+    "EarlyStopping": "nitro.runs.early_stopping",
+    "on_phase": "nitro.core.events",
+    "saved_runs": "nitro.runs.run_dirs",
     "Interrupted": "nitro.errors",
     "WeightsError": "nitro.errors",
-    "average": "nitro.weights",
+    "average": "nitro.runs.weights",
     "OptimizerError": "nitro.errors",
 }
 _SUBMODULES = (
@@ -125,19 +125,12 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from . import data, datasets, events, loggers, progress, runner, staleness
-    from .checkpoints import Checkpointer
-    from .compile_cache import (
-        CacheStats,
-        ProgramKind,
-        cache_reset,
-        cache_stats,
-        explain_compiles,
-        set_compilation_cache,
-    )
-    from .early_stopping import EarlyStopping
-    from .ema import EMA
-    from .errors import (
+    from nitro import data, loggers
+    from nitro.core import events, progress
+    from nitro.core.events import on_phase
+    from nitro.data import datasets
+    from nitro.engine import runner
+    from nitro.errors import (
         CompilationCacheError,
         DivergenceError,
         ExperimentError,
@@ -151,12 +144,23 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
         SetupError,
         WeightsError,
     )
-    from .events import on_phase
-    from .experiments import Device, FieldKind, GraphConst, experiment, fields
-    from .handle import Nitro
-    from .run_dirs import saved_runs
-    from .sam import ASAM, SAM
-    from .weights import average
+    from nitro.experiments.declaration import Device, FieldKind, GraphConst, experiment, fields
+    from nitro.handle.handle import Nitro
+    from nitro.optim.ema import EMA
+    from nitro.optim.sam import ASAM, SAM
+    from nitro.programs import staleness
+    from nitro.programs.compile_cache import (
+        CacheStats,
+        ProgramKind,
+        cache_reset,
+        cache_stats,
+        explain_compiles,
+        set_compilation_cache,
+    )
+    from nitro.runs.checkpoints import Checkpointer
+    from nitro.runs.early_stopping import EarlyStopping
+    from nitro.runs.run_dirs import saved_runs
+    from nitro.runs.weights import average
 
 
 def load_ipython_extension(ipython) -> None:

@@ -9,7 +9,7 @@ __all__ = ["main"]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
-    from . import serve
+    from nitro.serving import serve
 
     parser = argparse.ArgumentParser(prog="nitro", description="Nitro's command line.")
     commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")

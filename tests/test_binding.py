@@ -7,7 +7,7 @@ import pytest
 from toys import Toy, X, Y
 
 import nitro
-from nitro.metrics import MetricAccumulator, split_modes
+from nitro.core.metrics import MetricAccumulator, split_modes
 
 
 def unshuffled(samples=64, batch_size=16, **extra):

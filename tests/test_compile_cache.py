@@ -11,7 +11,7 @@ import pytest
 from toys import Toy, X
 
 import nitro
-from nitro.compile_cache import compilation_cache_dir
+from nitro.programs.compile_cache import compilation_cache_dir
 
 
 def misses() -> int:
@@ -283,7 +283,7 @@ def test_the_persistent_cache_can_be_moved_or_disabled(tmp_path):
         f"""
         import sys; sys.path.insert(0, {os.path.dirname(__file__)!r})
         import jax, nitro
-        from nitro.compile_cache import compilation_cache_dir
+        from nitro.programs.compile_cache import compilation_cache_dir
         from toys import Toy
         nitro.Nitro(Toy(max_epochs=1, with_val=False), progress=False).train()
         print(compilation_cache_dir(), jax.config.jax_compilation_cache_dir)
@@ -367,7 +367,7 @@ def test_a_handle_keeps_its_hooks_when_they_are_patched_in_place(fresh_cache):
 
 
 def test_record_compile_logs_work_outside_the_cache_without_counting_a_miss(fresh_cache):
-    from nitro.compile_cache import record_compile
+    from nitro.programs.compile_cache import record_compile
 
     record = record_compile("export", "my.Experiment", 0.25, "outside the program cache")
     assert nitro.explain_compiles()[-1] == record

@@ -10,7 +10,7 @@ from toys import Toy
 import nitro
 from nitro import Device, GraphConst
 from nitro.experiments import FieldKind, field_specs
-from nitro.trace_view import HostFieldError, TraceView
+from nitro.experiments.trace_view import HostFieldError, TraceView
 
 
 def test_experiment_is_a_keyword_dataclass_with_defaults():

@@ -17,7 +17,7 @@ from toys import Toy, X
 
 import nitro
 import nitro.bundle
-from nitro.export import ExportError
+from nitro.serving.export import ExportError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RNG = np.random.default_rng(1)

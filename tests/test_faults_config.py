@@ -191,7 +191,7 @@ PRELUDE = f"""
 import sys, warnings
 sys.path.insert(0, {os.path.dirname(__file__)!r})
 import nitro
-from nitro.compile_cache import compilation_cache_dir
+from nitro.programs.compile_cache import compilation_cache_dir
 from toys import Toy
 warnings.simplefilter("default")
 """

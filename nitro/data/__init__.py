@@ -5,8 +5,14 @@ works as a source too. Every split is prefetched by default; wrap a source in `N
 to opt out.
 """
 
-from .loaders import ArrayLoader, FromFactory, NoPrefetch, is_index_addressable, is_one_shot
-from .prefetch import Prefetcher, PrefetchSettings, StagedBatch, pad_batch
+from nitro.data.loaders import (
+    ArrayLoader,
+    FromFactory,
+    NoPrefetch,
+    is_index_addressable,
+    is_one_shot,
+)
+from nitro.data.prefetch import Prefetcher, PrefetchSettings, StagedBatch, pad_batch
 
 __all__ = [
     "ArrayLoader",

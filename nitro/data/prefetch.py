@@ -28,8 +28,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from ..errors import SetupError
-from .loaders import NoPrefetch, is_index_addressable
+from nitro.data.loaders import NoPrefetch, is_index_addressable
+from nitro.errors import SetupError
 
 __all__ = [
     "INLINE_BELOW_SECONDS",

@@ -15,8 +15,8 @@ n = nitro.Nitro(exp, progress=LoggingReporter([JSONLinesLogger(), TensorBoardLog
 ```
 """
 
-from .files import CSVLogger, JSONLinesLogger
-from .protocol import (
+from nitro.loggers.files import CSVLogger, JSONLinesLogger
+from nitro.loggers.protocol import (
     CONTEXTS,
     FINISH_STATUSES,
     LOGGER_VERBS,
@@ -27,8 +27,8 @@ from .protocol import (
     finite_metrics,
     logger_info,
 )
-from .reporter import LoggingReporter, finish_status, run_params
-from .tensorboard_events import TensorBoardLogger
+from nitro.loggers.reporter import LoggingReporter, finish_status, run_params
+from nitro.loggers.tensorboard_events import TensorBoardLogger
 
 __all__ = [
     "CONTEXTS",

@@ -21,7 +21,7 @@ from typing import IO, Any
 
 import numpy as np
 
-from .protocol import BaseLogger, confusion_rows, plain_value
+from nitro.loggers.protocol import BaseLogger, confusion_rows, plain_value
 
 __all__ = ["CSVLogger", "JSONLinesLogger"]
 

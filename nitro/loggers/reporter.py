@@ -1,6 +1,6 @@
 """`LoggingReporter`: a run's events, as logger calls.
 
-It is a reporter of the event path (`nitro.events`), and it reads the handle through its
+It is a reporter of the event path (`nitro.core.events`), and it reads the handle through its
 public API only:
 
 | event | logger calls |
@@ -30,8 +30,14 @@ from typing import Any
 
 import numpy as np
 
-from ..experiments import FieldKind, field_specs
-from .protocol import FINISH_STATUSES, LoggerGroup, as_logger, finite_metrics, plain_value
+from nitro.experiments.declaration import FieldKind, field_specs
+from nitro.loggers.protocol import (
+    FINISH_STATUSES,
+    LoggerGroup,
+    as_logger,
+    finite_metrics,
+    plain_value,
+)
 
 __all__ = ["LoggingReporter", "finish_status", "run_params"]
 

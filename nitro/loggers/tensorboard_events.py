@@ -25,7 +25,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from .protocol import BaseLogger, confusion_rows, plain_value
+from nitro.loggers.protocol import BaseLogger, confusion_rows, plain_value
 
 __all__ = ["TensorBoardLogger"]
 

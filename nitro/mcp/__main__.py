@@ -20,8 +20,8 @@ def main(argv: list[str] | None = None) -> None:
 
     from mcp.server.stdio import stdio_server
 
-    from .session import ToolSession
-    from .tools import build_server
+    from nitro.mcp.session import ToolSession
+    from nitro.mcp.tools import build_server
 
     server = build_server(ToolSession())
 

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from .lookup import ToolFailure
+from nitro.mcp.lookup import ToolFailure
 
 __all__ = ["as_batch", "jsonable"]
 

@@ -17,9 +17,8 @@ import time
 from typing import Any
 
 from nitro.handle import Nitro
-
-from .convert import jsonable
-from .registry import RunRecord, RunStatus
+from nitro.mcp.convert import jsonable
+from nitro.mcp.registry import RunRecord, RunStatus
 
 __all__ = ["LatestStep", "describe_run", "error_text", "latest_step"]
 

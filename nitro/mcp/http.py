@@ -24,8 +24,8 @@ import threading
 import time
 from typing import Any
 
-from .session import ToolSession
-from .tools import build_server
+from nitro.mcp.session import ToolSession
+from nitro.mcp.tools import build_server
 
 __all__ = ["HOST", "HttpServer", "LoopbackBearerGuard", "is_loopback"]
 

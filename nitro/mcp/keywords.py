@@ -21,10 +21,9 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from nitro.engine.keywords import KEYWORD_ONLY, RUN_KEYWORDS
 from nitro.errors import SetupError
-from nitro.run_keywords import KEYWORD_ONLY, RUN_KEYWORDS
-
-from .lookup import ToolFailure, close_matches
+from nitro.mcp.lookup import ToolFailure, close_matches
 
 __all__ = ["LOGGERS", "OBJECT_KEYWORDS", "check_run_keywords", "checkpoint_pair"]
 
@@ -79,7 +78,7 @@ def _from_fields(where: str, cls: type, value: Any) -> Any:
 
 
 def _checkpointer(where: str, value: Any) -> Any:
-    from nitro.checkpoints import Checkpointer
+    from nitro.runs.checkpoints import Checkpointer
 
     if value is None or isinstance(value, bool):
         return value is True  # the engine's check: True -> Checkpointer(), False -> none
@@ -87,7 +86,7 @@ def _checkpointer(where: str, value: Any) -> Any:
 
 
 def _early_stop(where: str, value: Any) -> Any:
-    from nitro.early_stopping import EarlyStopping
+    from nitro.runs.early_stopping import EarlyStopping
 
     return None if value is None else _from_fields(where, EarlyStopping, value)
 

@@ -17,8 +17,8 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
+from nitro.engine.keywords import RUN_KEYWORDS
 from nitro.experiments import ExperimentError, field_specs, is_experiment
-from nitro.run_keywords import RUN_KEYWORDS
 
 __all__ = ["ToolFailure", "build_experiment", "close_matches", "find_experiment"]
 

@@ -28,12 +28,11 @@ from typing import Any
 
 from nitro.experiments import field_specs, has_method
 from nitro.handle import Nitro
-
-from .convert import as_batch, jsonable
-from .describe import describe_run, latest_step
-from .keywords import check_run_keywords, checkpoint_pair
-from .lookup import ToolFailure, build_experiment, find_experiment
-from .registry import RUNS, RunRecord, RunRegistry, RunStatus
+from nitro.mcp.convert import as_batch, jsonable
+from nitro.mcp.describe import describe_run, latest_step
+from nitro.mcp.keywords import check_run_keywords, checkpoint_pair
+from nitro.mcp.lookup import ToolFailure, build_experiment, find_experiment
+from nitro.mcp.registry import RUNS, RunRecord, RunRegistry, RunStatus
 
 __all__ = ["ToolSession"]
 

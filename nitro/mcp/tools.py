@@ -23,11 +23,10 @@ import mcp.types as types
 from mcp.server.lowlevel import Server
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from nitro.run_keywords import KEYWORD_ONLY, RUN_KEYWORDS
-
-from .keywords import OBJECT_KEYWORDS
-from .lookup import ToolFailure
-from .session import ToolSession
+from nitro.engine.keywords import KEYWORD_ONLY, RUN_KEYWORDS
+from nitro.mcp.keywords import OBJECT_KEYWORDS
+from nitro.mcp.lookup import ToolFailure
+from nitro.mcp.session import ToolSession
 
 __all__ = ["TOOLS", "ToolSpec", "build_server", "call"]
 
@@ -197,7 +196,7 @@ TOOLS: dict[str, ToolSpec] = {
         ToolSpec(
             "nitro_export",
             "Write a run's model (run_id), or an experiment's with weights from a checkpoint, as "
-            "a serving bundle into dir (nitro.bundle.load, nitro serve); answers its manifest.",
+            "a serving bundle into dir (nitro.serving.bundle.load, nitro serve); answers its manifest.",
             ExportArguments,
             "export",
         ),

@@ -1,0 +1,253 @@
+"""One path for what a run reports: progress, phases, epoch rows and notes; phase monitors.
+
+The loop and the handle emit events through an `Events` object; it delivers each to every
+reporter, isolated: a reporter that raises is switched off for the rest of the run with one
+warning naming it, and training goes on. Events also remembers the current phase, which is
+what `Nitro.phase` reads.
+
+A reporter implements any of the seven methods of `Reporter` (missing ones are skipped):
+
+```python
+class Printer:
+    def end_epoch(self, row):
+        print(row["epoch"], row.get("loss"))
+
+nitro.Nitro(exp, progress=Printer())
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Protocol
+
+__all__ = [
+    "EVENT_NAMES",
+    "PHASES",
+    "Events",
+    "PhaseChange",
+    "Reporter",
+    "current",
+    "on_phase",
+    "remove_monitor",
+    "using",
+]
+
+# The phases a handle goes through. "compiling <program>" names the program kind
+# ("compiling train step"); "evaluating <split>" the split.
+PHASES = (
+    "building data",
+    "building model",
+    "routing",
+    "ready",
+    "compiling <program>",
+    "training",
+    "validating",
+    "checkpointing",
+    "evaluating <split>",
+    "predicting",
+    "done",
+    "stopped",
+    "failed",
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class PhaseChange:
+    """What a phase monitor receives on each transition."""
+
+    phase: str
+    previous: str
+    step: int | None
+    epoch: int | None
+    metrics: Mapping[str, Any] | None  # the epoch's history row, on the first change after it
+    handle: Any  # the Nitro handle; None while it is being built (setup phases)
+
+
+_MONITORS: list[Callable[[PhaseChange], Any]] = []
+
+
+def on_phase(fn: Callable[[PhaseChange], Any]) -> Callable[[PhaseChange], Any]:
+    """Call `fn(change)` on every phase transition of every handle (also a decorator).
+    `Nitro.on_phase(fn)` watches one handle. A monitor that raises is warned about once and
+    switched off; the run goes on."""
+    if fn not in _MONITORS:
+        _MONITORS.append(fn)
+    return fn
+
+
+def remove_monitor(fn: Callable[[PhaseChange], Any]) -> None:
+    if fn in _MONITORS:
+        _MONITORS.remove(fn)
+
+
+class Reporter(Protocol):
+    """What a run reports, in order: `start_run`, then per epoch `start_epoch`, `step` for
+    each read-back step and `end_epoch` with the epoch's history row; `phase` on every phase
+    change; `note` for short messages (compiles, advice); `end_run` when the run ends."""
+
+    def start_run(self, handle: Any, target_epoch: int) -> None: ...
+    def start_epoch(
+        self, epoch: int, target_epoch: int, batches: int | None, start: int
+    ) -> None: ...
+    def step(self, step: int, loss: float) -> None: ...
+    def phase(self, phase: str) -> None: ...
+    def end_epoch(self, row: Mapping[str, Any]) -> None: ...
+    def note(self, message: str, done: bool = False) -> None: ...
+    def end_run(self, handle: Any) -> None: ...
+
+
+EVENT_NAMES = ("start_run", "start_epoch", "step", "phase", "end_epoch", "note", "end_run")
+
+
+class Events:
+    """Delivers events to reporters, each call isolated."""
+
+    def __init__(
+        self,
+        reporters: Iterable[Any] = (),
+        phase: str = "setup",
+        context: Callable[[], tuple[Any, int | None, int | None]] | None = None,
+    ):
+        self._reporters: list[Any] = []
+        self._disabled: set[int] = set()
+        self._phase = phase
+        self._context = context  # () -> (handle, step, epoch), for phase monitors
+        self._monitors: list[Callable[[PhaseChange], Any]] = []
+        self._metrics: Mapping[str, Any] | None = None
+        self._bound: dict[str, tuple] = {}
+        for reporter in reporters:
+            self.add(reporter)
+        self._rebind()
+
+    @property
+    def reporters(self) -> tuple[Any, ...]:
+        return tuple(self._reporters)
+
+    @property
+    def current_phase(self) -> str:
+        return self._phase
+
+    def add(self, reporter: Any) -> None:
+        if reporter is not None and reporter not in self._reporters:
+            self._reporters.append(reporter)
+            self._rebind()
+
+    def remove(self, reporter: Any) -> None:
+        if reporter in self._reporters:
+            self._reporters.remove(reporter)
+            self._rebind()
+
+    def reset(self) -> None:
+        """Switch every reporter back on (a new run)."""
+        self._disabled.clear()
+        self._rebind()
+
+    def _rebind(self) -> None:
+        live = [r for r in self._reporters if id(r) not in self._disabled]
+        self._bound = {
+            name: tuple((r, getattr(r, name)) for r in live if callable(getattr(r, name, None)))
+            for name in EVENT_NAMES
+        }
+
+    def _deliver(self, name: str, *args: Any) -> None:
+        for reporter, method in self._bound[name]:
+            try:
+                method(*args)
+            except Exception as error:  # noqa: BLE001 - a display must never break a run
+                self._disable(reporter, name, error)
+
+    def _disable(self, reporter: Any, name: str, error: Exception) -> None:
+        if id(reporter) in self._disabled:
+            return
+        self._disabled.add(id(reporter))
+        self._rebind()
+        warnings.warn(
+            f"progress reporter {type(reporter).__qualname__} raised "
+            f"{type(error).__name__}: {error} in {name}(); it is switched off for the rest of "
+            f"this run, which goes on",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+
+    # events ------------------------------------------------------------------------------
+
+    def start_run(self, handle: Any, target_epoch: int) -> None:
+        self.reset()
+        self._deliver("start_run", handle, target_epoch)
+
+    def start_epoch(self, epoch: int, target_epoch: int, batches: int | None, start: int) -> None:
+        self._deliver("start_epoch", epoch, target_epoch, batches, start)
+
+    def step(self, step: int, loss: float) -> None:
+        for reporter, method in self._bound["step"]:
+            try:
+                method(step, loss)
+            except Exception as error:  # noqa: BLE001
+                self._disable(reporter, "step", error)
+
+    def phase(self, phase: str) -> None:
+        previous, self._phase = self._phase, phase
+        self._deliver("phase", phase)
+        if phase != previous and (self._monitors or _MONITORS):
+            self._notify(phase, previous)
+
+    def add_monitor(self, fn: Callable[[PhaseChange], Any]) -> None:
+        if fn not in self._monitors:
+            self._monitors.append(fn)
+
+    def _notify(self, phase: str, previous: str) -> None:
+        handle, step, epoch = self._context() if self._context else (None, None, None)
+        metrics, self._metrics = self._metrics, None
+        change = PhaseChange(phase, previous, step, epoch, metrics, handle)
+        for monitor in [*_MONITORS, *self._monitors]:
+            try:
+                monitor(change)
+            except Exception as error:  # noqa: BLE001 - a monitor must never break a run
+                # switched off by removing it (a module-level one from every handle)
+                if monitor in self._monitors:
+                    self._monitors.remove(monitor)
+                remove_monitor(monitor)
+                warnings.warn(
+                    f"phase monitor {getattr(monitor, '__qualname__', monitor)!s} raised "
+                    f"{type(error).__name__}: {error} on {previous!r} -> {phase!r}; it is "
+                    f"switched off, and the run goes on",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+
+    def end_epoch(self, row: Mapping[str, Any]) -> None:
+        self._metrics = row  # the next phase change carries it to monitors
+        self._deliver("end_epoch", row)
+
+    def note(self, message: str, done: bool = False) -> None:
+        self._deliver("note", message, done)
+
+    def end_run(self, handle: Any) -> None:
+        self._deliver("end_run", handle)
+
+
+_LOCAL = threading.local()
+
+
+class using:
+    """Context manager: make `events` the current thread's destination for `progress.note`."""
+
+    def __init__(self, events: Events):
+        self.events = events
+
+    def __enter__(self) -> Events:
+        self.previous = getattr(_LOCAL, "events", None)
+        _LOCAL.events = self.events
+        return self.events
+
+    def __exit__(self, *exc: Any) -> None:
+        _LOCAL.events = self.previous
+
+
+def current() -> Events | None:
+    """The events of the run on this thread, if any."""
+    return getattr(_LOCAL, "events", None)

@@ -1,0 +1,228 @@
+"""Per-step values fed to the train step: optimizer hyperparameters and Device fields.
+
+All numeric optimizer hyperparameters cross as one float32 vector, and every Device field as
+its own array, in the same argument slots whether they are constant or scheduled, so changing
+a schedule never changes a program. A value crosses to the device only when it changes: a
+constant crosses once. Schedules are evaluated on the host, in vectorized chunks when the
+schedule accepts an array of steps (optax schedules do).
+
+A fed hyperparameter takes the schedule bound to its own name (`head/learning_rate`), else
+the schedule of its bare name (`learning_rate`) times its factor (the group's `group_lr`
+ratio), else its constant.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from nitro.optim.schedules import BoundSchedule
+
+__all__ = ["StepFeed"]
+
+_CHUNK = 1024
+
+
+class _Evaluator:
+    """Evaluates one schedule at a step, a chunk of steps at a time when it vectorizes."""
+
+    def __init__(self, fn: Callable[[int], Any]):
+        self.fn = fn
+        self.vectorized: bool | None = None
+        self.start = -1
+        self.values: np.ndarray | None = None
+
+    def block(self, start: int, count: int) -> np.ndarray:
+        """The values of steps start .. start + count - 1."""
+        if self.vectorized is not False:
+            if self.values is None or not (
+                self.start <= start and start + count <= self.start + _CHUNK
+            ):
+                self._fill(start)
+            if self.vectorized:
+                offset = start - self.start
+                return self.values[offset : offset + count]
+        return np.array([float(np.asarray(self.fn(s))) for s in range(start, start + count)])
+
+    def __call__(self, step: int) -> float:
+        if self.vectorized is not False:
+            if self.values is None or not self.start <= step < self.start + _CHUNK:
+                self._fill(step)
+            if self.vectorized:
+                return float(self.values[step - self.start])
+        return float(np.asarray(self.fn(step)))
+
+    def _fill(self, step: int) -> None:
+        steps = np.arange(step, step + _CHUNK)
+        try:
+            values = np.asarray(self.fn(steps), dtype=np.float64)
+        except Exception:  # noqa: BLE001 - a schedule written for scalars only
+            self.vectorized = False
+            return
+        if values.shape != steps.shape:
+            self.vectorized = False
+            return
+        if self.vectorized is None:  # trust it only if it agrees with the scalar call
+            self.vectorized = bool(np.isclose(values[0], float(np.asarray(self.fn(step)))))
+        self.start, self.values = step, values
+
+
+class StepFeed:
+    def __init__(
+        self,
+        *,
+        hyper_names: Sequence[str],
+        hyper_constants: Mapping[str, float],
+        schedules: Sequence[BoundSchedule],
+        hyper_sources: Mapping[str, tuple[str, float]] | None = None,
+        device_values: Mapping[str, Any],
+        device_dtypes: Mapping[str, Any],
+        placement,
+    ):
+        self.placement = placement
+        self.hyper_names = tuple(hyper_names)
+        self.device_dtypes = dict(device_dtypes)
+        evaluators = {s.name: _Evaluator(s.fn) for s in schedules if s.target == "opt"}
+        sources = hyper_sources or {}
+        # fed name -> (evaluator, factor, the schedule's key) for the scheduled ones
+        self._opt: dict[str, tuple[_Evaluator, float, str]] = {}
+        for name in self.hyper_names:
+            if name in evaluators:
+                self._opt[name] = (evaluators[name], 1.0, name)
+            elif name in sources and sources[name][0] in evaluators:
+                key, factor = sources[name]
+                self._opt[name] = (evaluators[key], factor, key)
+        self._scheduled = [
+            (i, *self._opt[name][:2])
+            for i, name in enumerate(self.hyper_names)
+            if name in self._opt
+        ]
+        self._dev = {s.name: _Evaluator(s.fn) for s in schedules if s.target == "device"}
+        self._constants = np.array(
+            [hyper_constants[name] for name in self.hyper_names], dtype=np.float32
+        )
+        self._hparams_host = self._constants.copy()
+        self._hparams = placement.put_replicated(self._constants)
+        self._device = dict(device_values)
+        self._device_host = {k: np.asarray(v) for k, v in device_values.items()}
+        self._version = 0  # bumped when a constant changes: cached blocks are stale
+        self._blocks: dict[tuple, Any] = {}
+
+    def hparams(self, step: int):
+        if not self._opt:
+            return self._hparams
+        values = self._constants.copy()
+        for i, evaluator, factor in self._scheduled:
+            values[i] = evaluator(step) * factor
+        if not np.array_equal(values, self._hparams_host):
+            self._hparams_host = values
+            self._hparams = self.placement.put_replicated(values)
+        return self._hparams
+
+    def hyperparams_at(self, step: int) -> dict[str, float]:
+        """The hyperparameters a step uses (schedules evaluated at `step`), on the host."""
+        values = {name: float(v) for name, v in zip(self.hyper_names, self._constants)}
+        for name, (evaluator, factor, _) in self._opt.items():
+            values[name] = evaluator(step) * factor
+        return values
+
+    def schedule_of(self, name: str) -> str | None:
+        """The schedule a fed hyperparameter follows (its own name or its bare name), or None
+        for a constant."""
+        scheduled = self._opt.get(name)
+        return None if scheduled is None else scheduled[2]
+
+    def device(self, step: int) -> dict[str, Any]:
+        if not self._dev:
+            return self._device
+        for name, evaluator in self._dev.items():
+            value = np.asarray(evaluator(step), dtype=self.device_dtypes[name])
+            if not np.array_equal(value, self._device_host[name]):
+                self._device_host[name] = value
+                self._device = {**self._device, name: self.placement.put_replicated(value)}
+        return self._device
+
+    def hparams_block(self, start: int, count: int):
+        """The hyperparameters of `count` steps from `start`, as one f32[count, H] array."""
+        key = ("hparams", count, self._version)
+        if not self._opt:
+            block = self._blocks.get(key)
+            if block is None:
+                self._blocks = {k: v for k, v in self._blocks.items() if k[0] != "hparams"}
+                values = np.broadcast_to(self._constants, (count, len(self._constants)))
+                block = self._blocks[key] = self.placement.put_replicated(np.array(values))
+            return block
+        values = np.tile(self._constants, (count, 1))
+        for i, evaluator, factor in self._scheduled:
+            values[:, i] = evaluator.block(start, count) * factor
+        self._hparams_host = values[-1].copy()
+        return self.placement.put_replicated(values)
+
+    def device_block(self, start: int, count: int) -> dict[str, Any]:
+        """Every Device field for `count` steps from `start`, each with a leading axis of
+        `count`: scheduled ones step by step, the others repeated."""
+        key = ("device", count, self._version)
+        constant = self._blocks.get(key)
+        if constant is None:
+            self._blocks = {k: v for k, v in self._blocks.items() if k[0] != "device"}
+            constant = self._blocks[key] = {
+                name: self.placement.put_replicated(
+                    np.array(np.broadcast_to(value, (count, *np.shape(value))))
+                )
+                for name, value in self._device_host.items()
+                if name not in self._dev
+            }
+        if not self._dev:
+            return constant
+        block = dict(constant)
+        for name, evaluator in self._dev.items():
+            shape = self._device_host[name].shape
+            if shape:  # an array-valued schedule: step by step
+                values = np.stack(
+                    [np.asarray(evaluator.fn(s)) for s in range(start, start + count)]
+                )
+            else:
+                values = evaluator.block(start, count)
+            values = np.asarray(values, dtype=self.device_dtypes[name]).reshape((count, *shape))
+            if not np.array_equal(values[-1], self._device_host[name]):
+                # what evaluation after this call sees, as after single steps
+                self._device_host[name] = values[-1].copy()
+                self._device = {
+                    **self._device,
+                    name: self.placement.put_replicated(self._device_host[name]),
+                }
+            block[name] = self.placement.put_replicated(values)
+        return block
+
+    def current_device(self) -> dict[str, Any]:
+        return self._device
+
+    def device_value(self, name: str) -> Any:
+        """A Device field's current value on the host (a Python scalar for 0-d values)."""
+        value = self._device_host[name]
+        return value.item() if np.ndim(value) == 0 else np.array(value)
+
+    def hyperparams_now(self) -> dict[str, float]:
+        return {name: float(v) for name, v in zip(self.hyper_names, self._hparams_host)}
+
+    def set_constant(self, name: str, value: Any) -> None:
+        """Write a Device field (coerced to its dtype; its shape must not change)."""
+        dtype = self.device_dtypes[name]
+        try:
+            array = np.asarray(value, dtype=dtype)
+        except (TypeError, ValueError):
+            raise TypeError(
+                f"Device field {name!r} holds {np.dtype(dtype).name}; cannot convert "
+                f"{value!r} to it"
+            ) from None
+        old = self._device_host[name]
+        if array.shape != old.shape:
+            raise ValueError(
+                f"Device field {name!r} has shape {old.shape}; the new value has shape "
+                f"{array.shape}. A different shape would need a new program: build a new handle"
+            )
+        self._device_host[name] = array
+        self._device = {**self._device, name: self.placement.put_replicated(array)}
+        self._version += 1

@@ -1,0 +1,440 @@
+"""Run keywords: settings of a run, each resolved by name.
+
+Each keyword resolves in this order: the `Nitro(...)` keyword, a method of the same name on
+the experiment (called with no arguments), a Host field of the same name, the framework
+default. Adding a keyword is one `RunKeyword(...)` line in `RUN_KEYWORDS`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from nitro.core.keywords import Resolved
+from nitro.experiments.declaration import FieldKind, field_specs, has_method
+
+__all__ = ["RUN_KEYWORDS", "KEYWORD_ONLY", "RunKeyword", "Resolved", "resolve_run_keywords"]
+
+NITRO_KEYWORD = "Nitro keyword"
+METHOD = "method on experiment"
+FIELD = "field on experiment"
+DEFAULT = "framework default"
+
+
+def _default_workers() -> int:
+    from nitro.data.prefetch import default_workers
+
+    return default_workers()
+
+
+def _default_n_devs() -> int:
+    import jax
+
+    return jax.device_count()
+
+
+def _positive_int(name):
+    def check(value):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an int >= 1, got {value!r}")
+        return value
+
+    return check
+
+
+def _int(name):
+    def check(value):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ValueError(f"{name} must be an int, got {value!r}")
+        return value
+
+    return check
+
+
+def _bool(name):
+    def check(value):
+        if not isinstance(value, bool):
+            raise ValueError(f"{name} must be True or False, got {value!r}")
+        return value
+
+    return check
+
+
+def _choice(name, choices):
+    def check(value):
+        if value not in choices:
+            raise ValueError(
+                f"{name} must be one of {', '.join(map(repr, choices))}, got {value!r}"
+            )
+        return value
+
+    return check
+
+
+def _learning_rate(value):
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(
+            f"learning_rate must be a positive number, got {value!r} (schedule it with "
+            f"schedules={{'learning_rate': ...}})"
+        )
+    return float(value)
+
+
+def _number(name, *, positive: bool, hint: str):
+    def check(value):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ValueError(f"{name} must be a number or None, got {value!r}")
+        if value < 0 or (positive and value == 0) or value != value:
+            bound = "> 0" if positive else ">= 0"
+            raise ValueError(f"{name} must be {bound}, got {value!r} ({hint})")
+        return float(value)
+
+    return check
+
+
+def _group_lr(value):
+    if not isinstance(value, Mapping) or not value:
+        raise ValueError(
+            f"group_lr must be a dict of parameter group -> learning-rate ratio, e.g. "
+            f"{{'backbone': 0.1, 'head': 1.0}}; got {value!r}"
+        )
+    ratios = {}
+    for group, ratio in value.items():
+        if not isinstance(group, str):
+            raise ValueError(f"group_lr keys are group names (str); got {group!r}")
+        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio >= 0:
+            raise ValueError(
+                f"group_lr[{group!r}] must be a ratio >= 0 of the learning rate (0 freezes the "
+                f"group), got {ratio!r}"
+            )
+        ratios[group] = float(ratio)
+    return ratios
+
+
+def _decay_to(value):
+    if isinstance(value, str) and value not in ("zero", "init"):
+        raise ValueError(
+            f"decay_to must be 'zero', 'init' (the weights the run starts from), or a model or "
+            f"tree of anchor weights shaped like the parameters; got {value!r}"
+        )
+    return value
+
+
+def _predicate(name, signature):
+    def check(value):
+        if not callable(value):
+            raise ValueError(f"{name} must be a function {signature}, got {value!r}")
+        return value
+
+    return check
+
+
+def _path(name):
+    def check(value):
+        if not isinstance(value, (str, os.PathLike)) or not str(value):
+            raise ValueError(f"{name} must be a path, got {value!r}")
+        return os.fspath(value)
+
+    return check
+
+
+def _default_logger():
+    from nitro.loggers import JSONLinesLogger
+
+    return JSONLinesLogger()
+
+
+def _logger(value):
+    from nitro.loggers import as_logger
+
+    try:
+        return as_logger(value)
+    except TypeError as error:
+        raise ValueError(str(error)) from None
+
+
+def _checkpointer(value):
+    from nitro.runs.checkpoints import Checkpointer
+
+    if value is True:
+        return Checkpointer()
+    if value is False:
+        return None
+    if not isinstance(value, Checkpointer):
+        raise ValueError(
+            f"checkpointer must be a nitro.Checkpointer(k=, metric=, mode=, every=) or None, "
+            f"got {value!r}"
+        )
+    return value
+
+
+def _early_stop(value):
+    from nitro.runs.early_stopping import EarlyStopping
+
+    if not isinstance(value, EarlyStopping):
+        raise ValueError(
+            f"early_stop must be a nitro.EarlyStopping(metric=, mode=, patience=, min_delta=) "
+            f"or None, got {value!r}"
+        )
+    return value
+
+
+def _resume(value):
+    if value is False or value == "auto":
+        return value
+    if value is True:
+        return "auto"
+    if isinstance(value, (str, os.PathLike)):
+        return os.fspath(value)
+    if isinstance(value, tuple) and len(value) == 2 and value[1] in ("best", "latest"):
+        return (os.fspath(value[0]), value[1])
+    raise ValueError(
+        f"resume must be 'auto', a run directory or checkpoint path, (run_dir, 'latest'), or "
+        f"False; got {value!r}"
+    )
+
+
+def _ema(value):
+    from nitro.optim.ema import EMA
+
+    try:
+        return EMA.of(value)
+    except ValueError as error:
+        raise ValueError(str(error)) from None
+
+
+def _sam(value):
+    from nitro.optim.sam import SAM
+
+    try:
+        return SAM.of(value)
+    except ValueError as error:
+        raise ValueError(str(error)) from None
+
+
+def _steps_per_dispatch(value):
+    if value == "auto":
+        return value
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"steps_per_dispatch must be 'auto' or an int >= 1, got {value!r}")
+    return value
+
+
+def _schedules(value):
+    if not isinstance(value, Mapping):
+        raise ValueError(f"schedules must be a dict of key -> schedule, got {type(value).__name__}")
+    return dict(value)
+
+
+class _DefaultCheckpointer:
+    """The framework default: Checkpointer() (a marker, so the table needs no import)."""
+
+    def __repr__(self) -> str:
+        return "Checkpointer()"
+
+
+_DEFAULT_CHECKPOINTER = _DefaultCheckpointer()
+
+
+@dataclasses.dataclass(frozen=True)
+class RunKeyword:
+    name: str
+    default: Any  # a value, or a zero-argument callable computing it (`computed=True`)
+    doc: str
+    check: Callable[[Any], Any] | None = None
+    computed: bool = False
+
+    def default_value(self, experiment: Any) -> Any:
+        if self.computed:
+            return self.default(experiment)
+        return self.default
+
+
+RUN_KEYWORDS: dict[str, RunKeyword] = {
+    k.name: k
+    for k in [
+        RunKeyword("seed", 0, "seeds the model's nnx.Rngs and the data order", _int("seed")),
+        RunKeyword(
+            "run_dir",
+            None,
+            "this run's directory (default runs/<Experiment>/<run id>)",
+            _path("run_dir"),
+        ),
+        RunKeyword(
+            "checkpointer",
+            _DEFAULT_CHECKPOINTER,
+            "a nitro.Checkpointer, or None to save no checkpoints",
+            _checkpointer,
+        ),
+        RunKeyword(
+            "logger",
+            lambda e: _default_logger(),
+            "where metrics go: a logger, a list of loggers, or None (default: JSON Lines in "
+            "<run_dir>/metrics.jsonl)",
+            _logger,
+            computed=True,
+        ),
+        RunKeyword(
+            "early_stop",
+            None,
+            "a nitro.EarlyStopping, or None",
+            _early_stop,
+        ),
+        RunKeyword(
+            "resume",
+            False,
+            "'auto' (the newest run of this experiment), a run directory or checkpoint, or False",
+            _resume,
+        ),
+        RunKeyword(
+            "n_devs",
+            lambda e: _default_n_devs(),
+            "devices in the data-parallel mesh (1: no mesh)",
+            _positive_int("n_devs"),
+            computed=True,
+        ),
+        RunKeyword("max_epochs", 1, "epochs `train()` runs to", _positive_int("max_epochs")),
+        RunKeyword(
+            "schedules",
+            {},
+            "key -> schedule for optimizer hyperparameters or Device fields",
+            _schedules,
+        ),
+        RunKeyword("learning_rate", 1e-3, "learning rate of the default optimizer", _learning_rate),
+        RunKeyword("optimizer", None, "an optax GradientTransformation or factory (default: adam)"),
+        RunKeyword(
+            "group_lr",
+            None,
+            "parameter group -> learning-rate ratio (groups come from a param_group(self, path) "
+            "method)",
+            _group_lr,
+        ),
+        RunKeyword(
+            "weight_decay",
+            None,
+            "decoupled weight decay, scaled by the learning rate (None: off)",
+            _number("weight_decay", positive=False, hint="None turns weight decay off"),
+        ),
+        RunKeyword(
+            "decay_to",
+            "zero",
+            "where weight decay pulls: 'zero', 'init' (L2-SP), or a model or tree of anchors",
+            _decay_to,
+        ),
+        RunKeyword(
+            "decay_mask",
+            None,
+            "(path, leaf) -> bool: the leaves that decay (default: those with ndim > 1)",
+            _predicate("decay_mask", "(path, leaf) -> bool"),
+        ),
+        RunKeyword(
+            "gradient_clip_norm",
+            None,
+            "clip the gradient to this global norm before the optimizer (None: off)",
+            _number("gradient_clip_norm", positive=True, hint="None turns clipping off"),
+        ),
+        RunKeyword(
+            "check_divergence",
+            True,
+            "stop with an error on a non-finite loss",
+            _bool("check_divergence"),
+        ),
+        RunKeyword(
+            "prefetch_workers",
+            lambda e: _default_workers(),
+            "threads building host batches for index-addressable sources",
+            _positive_int("prefetch_workers"),
+            computed=True,
+        ),
+        RunKeyword(
+            "device_batches",
+            1,
+            "batches staged on the device ahead of the loop",
+            _positive_int("device_batches"),
+        ),
+        RunKeyword("host_batches", None, "host batches built ahead (default 2 x prefetch_workers)"),
+        RunKeyword("ordered", True, "deliver batches in source order", _bool("ordered")),
+        RunKeyword(
+            "accum",
+            1,
+            "micro-batches per optimizer step (gradient accumulation; schedules count steps)",
+            _positive_int("accum"),
+        ),
+        RunKeyword(
+            "ema",
+            None,
+            "keep a moving average of the weights: a decay in (0, 1), a nitro.EMA, or None",
+            _ema,
+        ),
+        RunKeyword(
+            "sam",
+            None,
+            "sharpness-aware minimization: a radius, nitro.SAM(rho=), nitro.ASAM(rho=, eta=)",
+            _sam,
+        ),
+        RunKeyword(
+            "steps_per_dispatch",
+            "auto",
+            "training steps per program call: an int K, or 'auto' (measure the first steps "
+            "and pick K so one call does a few milliseconds of work)",
+            _steps_per_dispatch,
+        ),
+        RunKeyword(
+            "prefetch",
+            "auto",
+            "'threads', 'inline', or 'auto': inline for sources whose batches build in "
+            "microseconds, threads otherwise",
+            _choice("prefetch", ("auto", "threads", "inline")),
+        ),
+        RunKeyword("progress", True, "True, False, 'lines', 'bar' or a reporter object"),
+    ]
+}
+
+# Keywords that only exist on Nitro(...): no accessor, no field.
+KEYWORD_ONLY = {
+    "weights": "start from these weights: a Nitro handle, a run directory or checkpoint, "
+    "(run_dir, 'best' | 'latest'), or nitro.average(run_dir, k=3)",
+    "data": "use these splits instead of calling build_data",
+}
+
+
+def check_keywords(kwargs: Mapping[str, Any]) -> None:
+    known = set(RUN_KEYWORDS) | set(KEYWORD_ONLY)
+    for name in kwargs:
+        if name not in known:
+            close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.5)
+            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
+            raise TypeError(
+                f"Nitro() got an unknown keyword {name!r}.{hint} Run keywords: "
+                f"{', '.join(sorted(known))}."
+            )
+
+
+def resolve_run_keywords(experiment: Any, kwargs: Mapping[str, Any]) -> dict[str, Resolved]:
+    check_keywords(kwargs)
+    cls = type(experiment)
+    specs = {s.name: s for s in field_specs(cls)}
+    resolved: dict[str, Resolved] = {}
+    for name, keyword in RUN_KEYWORDS.items():
+        if name in kwargs:
+            value, source = kwargs[name], NITRO_KEYWORD
+        elif has_method(cls, name):
+            value, source = getattr(experiment, name)(), METHOD
+        elif name in specs and specs[name].kind is FieldKind.HOST:
+            value, source = getattr(experiment, name), FIELD
+        else:
+            value, source = keyword.default_value(experiment), DEFAULT
+        if value is _DEFAULT_CHECKPOINTER:
+            from nitro.runs.checkpoints import Checkpointer
+
+            value = Checkpointer()
+        elif keyword.check is not None and value is not None:
+            try:
+                value = keyword.check(value)
+            except ValueError as error:
+                raise ValueError(f"{error} [{source}]") from None
+        resolved[name] = Resolved(value, source)
+    return resolved

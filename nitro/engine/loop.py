@@ -1,0 +1,676 @@
+"""The training and evaluation loops: functions over (setup, state, events, control).
+
+The loss of step k is read back while the device runs step k+1, which also bounds the steps
+in flight. Once a step's loss is read back, that step's batch buffers are deleted; an eval
+batch's inputs and outputs are deleted once its metrics have their values. A stop, an error or
+an interrupt drains the step in flight and frees its batch.
+
+The loop updates the `TrainState` it is given as steps complete (the handle reads its
+counters live) and returns it; it never sees the handle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+import warnings
+from collections.abc import Callable
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nitro.core.events import Events
+from nitro.core.metrics import MetricAccumulator, flatten_metrics, split_modes
+from nitro.core.run_setup import RunSetup
+from nitro.core.train_state import EpochTotals, TrainState, Variables
+from nitro.data import is_index_addressable
+from nitro.engine.runner import RunControl
+from nitro.errors import DivergenceError, SetupError
+from nitro.experiments.routing import select
+from nitro.programs.specs import ProgramSet
+
+__all__ = ["evaluate_split", "train_epochs"]
+
+DATA_WAIT_WARN = 0.25
+DATA_WAIT_MIN_STEPS = 50  # shorter epochs are dominated by filling the pipeline
+_WARNED = {"data_wait": False}
+
+
+def delete(tree: Any) -> None:
+    """Delete the device buffers of every array in `tree` now."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()
+
+
+@dataclasses.dataclass
+class _Pending:
+    """A dispatched call (one step, or a block of fused steps) not read back yet."""
+
+    index: int  # the global index (0-based) of its first step
+    report: Any  # f32[2], or f32[count, 2]: the loss and the finiteness code per step
+    metrics: Any
+    staged: Any  # data.StagedBatch (count > 1: a block)
+
+
+class _Epoch:
+    """What one train_epochs call carries between steps and epochs."""
+
+    def __init__(self, setup: RunSetup, programs: ProgramSet, events: Events, control):
+        self.setup = setup
+        self.programs = programs
+        self.events = events
+        self.control = control
+        self.healthy = setup.placement.put_replicated(jnp.asarray(True))
+        self.dispatched = 0
+        self.target = 0  # the epoch this run trains to
+        self.upcoming = None  # (epoch, block, stream) started early, during validation
+        self.programs_by_count: dict[tuple, Any] = {}  # (steps, micro) per call -> program
+
+
+def train_epochs(
+    setup: RunSetup,
+    state: TrainState,
+    programs: ProgramSet,
+    events: Events,
+    control: RunControl,
+    target: int,
+    after_epoch: Callable[[TrainState, dict[str, Any]], str | None] | None = None,
+) -> tuple[TrainState, str]:
+    """Train until epoch `target` or a stop request; returns the state and the stop reason
+    ("completed", "requested", or what `after_epoch` returned, e.g. "early_stop").
+
+    `after_epoch(state, row)` runs once an epoch's row is committed (checkpoints, early
+    stopping); a reason it returns ends the run.
+
+    An epoch is a transaction: its history row is committed (and `state.epoch` moves) once
+    its training and its validation are both complete. An epoch trained but not validated
+    (a stop or an error during validation) is validated first by the next call.
+    """
+    run = _Epoch(setup, programs, events, control)
+    run.dispatched = state.step
+    run.target = target
+    stop = control.stop
+    try:
+        while True:
+            if state.epoch_trained:
+                row = finish_epoch(setup, state, programs, events, control)
+                if row is None:
+                    break  # validation stopped: the epoch stays trained, not committed
+                verdict = after_epoch(state, row) if after_epoch is not None else None
+                if verdict is not None and state.epoch < target:
+                    return state, verdict
+                continue
+            if state.epoch >= target or stop.is_set():
+                break
+            events.phase("training")
+            if state.totals is None:
+                state.totals = EpochTotals(train_metrics=MetricAccumulator("train_metrics"))
+            if not _train_epoch(run, state, target):
+                break
+            state.epoch_trained = True
+            if state.epoch + 1 < target and not stop.is_set():
+                # start producing the next epoch now, so validation overlaps with it
+                split = setup.splits["train"]
+                block = setup.dispatch.block(_updates(setup))
+                run.upcoming = (
+                    state.epoch + 1,
+                    block,
+                    split.prefetcher.epoch(state.epoch + 1, block=block, group=setup.accum),
+                )
+        if stop.is_set():
+            _acknowledge_interrupt(control)  # between steps: at an epoch's end, say
+        return state, ("requested" if stop.is_set() else "completed")
+    finally:
+        if run.upcoming is not None:
+            run.upcoming[2].close()
+            run.upcoming = None
+        control.serve_copies()
+
+
+def finish_epoch(
+    setup: RunSetup,
+    state: TrainState,
+    programs: ProgramSet,
+    events: Events,
+    control: RunControl,
+) -> dict[str, Any] | None:
+    """Validate a trained epoch and commit its history row; returns the row, or None when a
+    stop request cut validation short (then nothing is recorded and the epoch stays trained)."""
+    totals = state.totals
+    row: dict[str, Any] = {"epoch": state.epoch + 1, "step": state.step}
+    if totals.loss_count:
+        row["loss"] = totals.loss_sum / totals.loss_count
+    if not totals.train_metrics.empty:
+        row.update(_finalize(setup, totals.train_metrics.result(), "train"))
+    if "val" in setup.splits:
+        if control.stop.is_set():
+            return None
+        events.phase("validating")
+        metrics = evaluate_split(setup, state, programs, control, "val")
+        if metrics is None:
+            _acknowledge_interrupt(control)  # an interrupt during the epoch's validation
+            return None
+        row.update(metrics)
+    wait_frac = totals.wait_seconds / totals.seconds if totals.seconds > 0 else 0.0
+    row["data_wait_frac"] = wait_frac
+    row["epoch_seconds"] = totals.seconds
+    # commit
+    state.history.append(row)
+    state.epoch += 1
+    state.position = 0
+    state.totals = None
+    state.epoch_trained = False
+    events.end_epoch(row)
+    prefetcher = setup.splits["train"].prefetcher
+    # batches "auto" chose to build on the loop thread took microseconds each: worker threads
+    # would cost more in hand-overs than they save (measured), so their share is not advice
+    cheap = prefetcher.path == "inline" and prefetcher.auto_inline
+    if (
+        wait_frac > DATA_WAIT_WARN
+        and totals.steps >= DATA_WAIT_MIN_STEPS
+        and not cheap
+        and not _WARNED["data_wait"]
+    ):
+        _WARNED["data_wait"] = True
+        warnings.warn_explicit(
+            f"the training loop waited for data {wait_frac:.0%} of epoch {state.epoch}. "
+            + _data_wait_advice(setup),
+            RuntimeWarning,
+            filename="nitro",
+            lineno=0,
+            module="nitro.engine.loop",
+        )
+    return row
+
+
+def _data_wait_advice(setup: RunSetup) -> str:
+    prefetcher = setup.splits["train"].prefetcher
+    path = prefetcher.path
+    if path == "inline":
+        if prefetcher.inline:
+            return (
+                "The train split is wrapped in NoPrefetch: remove it so worker threads build "
+                "batches ahead of the loop."
+            )
+        return "prefetch='inline' builds batches on the loop thread: use 'threads' or 'auto'."
+    if path == "single":
+        if setup.prefetch.workers == 1:
+            return "Raise prefetch_workers (now 1) so several threads build batches."
+        return (
+            "One thread builds its batches: make the source index-addressable "
+            "(begin_epoch/batch_at, see docs/data.md) so prefetch_workers threads build them "
+            "in parallel, or do less work per batch."
+        )
+    return (
+        f"Raise prefetch_workers (now {setup.prefetch.workers}) or host_batches, or do "
+        f"less work per batch in batch_at."
+    )
+
+
+def _shape_error(setup: RunSetup, staged, error) -> Exception:
+    """Say which field of a training batch differs from the first batch (whose shapes and
+    dtypes the train step was compiled for)."""
+    from nitro.programs.compile_cache import short_dtype
+
+    split = setup.splits["train"]
+
+    def fmt(shape, dtype):
+        return f"{short_dtype(str(dtype))}[{','.join(map(str, shape))}]"
+
+    changes = []
+    device = {
+        name: (tuple(a.shape[1:]) if staged.stacked else tuple(a.shape), str(a.dtype))
+        for name, a in staged.device.items()
+    }
+    for name, (shape, dtype) in split.batch_spec.items():
+        if name not in device:
+            continue
+        if device[name] != (tuple(shape), dtype):
+            changes.append(f"{name!r} {fmt(shape, dtype)} -> {fmt(*device[name])}")
+    if not changes:
+        return error
+    only_rows = all(
+        device[n][0][1:] == tuple(split.batch_spec[n][0][1:])
+        and device[n][1] == split.batch_spec[n][1]
+        for n in split.batch_spec
+        if n in device
+    )
+    fix = (
+        "a partial final batch: drop it (ArrayLoader(..., drop_last=True))"
+        if only_rows
+        else "make the loader yield the same shapes and dtypes on every batch (cast in the "
+        "loader, e.g. x.astype(np.float32))"
+    )
+    return SetupError(
+        f"train batch {staged.index} differs from the first batch, whose shapes and dtypes the "
+        f"train step was compiled for: {'; '.join(changes)}. Every training batch must match; "
+        f"this looks like {fix}."
+    )
+
+
+def _acknowledge_interrupt(control: RunControl) -> None:
+    """Say once that an interrupt was heard, here in the run, before its reporters close (so
+    the live panel's record shows it)."""
+    if control.interrupts and not control.acknowledged:
+        control.acknowledged = 1
+        control.say("interrupted; stopping training after the current step ...")
+
+
+def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
+    """One (possibly resumed) epoch. False when a stop request cut it short."""
+    setup = run.setup
+    split = setup.splits["train"]
+    totals = state.totals
+    run.events.start_epoch(state.epoch, target, split.batches, state.position)
+    begin = time.perf_counter()
+    upcoming, run.upcoming = run.upcoming, None
+    try:
+        while True:
+            block = setup.dispatch.block(_updates(setup))
+            if (
+                upcoming is not None
+                and upcoming[:2] == (state.epoch, block)
+                and (state.position == 0)
+            ):
+                stream = upcoming[2]
+            else:
+                if upcoming is not None:
+                    upcoming[2].close()
+                stream = split.prefetcher.epoch(
+                    state.epoch, start=state.position, block=block, group=setup.accum
+                )
+            upcoming = None
+            try:
+                ended = _run_stream(run, state, stream)
+            finally:
+                stream.close()
+                totals.wait_seconds += stream.wait_seconds
+            if ended != "switch":  # "switch": steps per call decided; reopen with K
+                break
+    finally:
+        if upcoming is not None:
+            upcoming[2].close()
+        totals.seconds += time.perf_counter() - begin
+    if ended == "interrupted":
+        return False
+    if split.batches is not None and state.position < split.batches:
+        warnings.warn(
+            f"the 'train' split's len() says {split.batches} batches, but its iterator ended "
+            f"after {state.position}; the epoch ended there. Make len() match what it yields "
+            f"(schedules use it for their horizon).",
+            RuntimeWarning,
+            stacklevel=2,
+        )
+    return True
+
+
+def _updates(setup: RunSetup) -> int | None:
+    """Optimizer steps per epoch: batches, or batches / accum."""
+    batches = setup.splits["train"].batches
+    return batches // setup.accum if batches is not None else None
+
+
+def _remaining(run: _Epoch, state: TrainState) -> int | None:
+    """Steps the handle has left to train: to this run's target or `max_epochs`, whichever
+    is further (notebook runs often train a few epochs at a time toward max_epochs). None
+    when the epoch length is unknown."""
+    updates = _updates(run.setup)
+    if updates is None:
+        return None
+    horizon = max(run.target, run.setup.max_epochs)
+    return max(0, (horizon - state.epoch) * updates - state.position // run.setup.accum)
+
+
+def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
+    """Dispatch every staged call of `stream`, reading each back one call late. Returns
+    "ended" (the stream ended), "interrupted" (a stop request) or "switch" (the dispatch plan
+    just decided K > 1: reopen the stream in blocks)."""
+    setup, control = run.setup, run.control
+    feed, stop, plan = setup.feed, control.stop, setup.dispatch
+    updates = _updates(setup)
+    switchable = is_index_addressable(setup.splits["train"].prefetcher.source)
+    plan.start_stream()
+    pending: _Pending | None = None
+    ended = "ended"
+    try:
+        for staged in stream:
+            if stop.is_set():
+                staged.free()
+                ended = "interrupted"
+                _acknowledge_interrupt(control)
+                break
+            index, count, micro = run.dispatched, staged.count, staged.group
+            if count == 1:
+                args = (
+                    state.variables,
+                    run.healthy,
+                    feed.device(index),
+                    feed.hparams(index),
+                    staged.device,
+                )
+            else:
+                args = (
+                    state.variables,
+                    run.healthy,
+                    feed.device_block(index, count),
+                    feed.hparams_block(index, count),
+                    staged.device,
+                )
+            program = run.programs_by_count.get((count, micro))
+            if program is None:
+                program = run.programs.train_step(args, count, micro)
+                run.programs_by_count[(count, micro)] = program
+            try:
+                out = program(*args)
+            except TypeError as error:
+                staged.free()
+                raise _shape_error(setup, staged, error) from None
+            state.variables, run.healthy = out.variables, out.healthy
+            run.dispatched += count
+            if control.copies_pending:  # before the next step donates these variables
+                control.serve_copies()
+            previous, pending = pending, _Pending(index, out.report, out.metrics, staged)
+            if previous is not None:
+                _complete(run, state, previous)
+                if plan.probing and plan.observe(updates):
+                    if plan.decide(updates, _remaining(run, state)) > 1 and switchable:
+                        ended = "switch"
+                        break
+                elif plan.checking and plan.observe_fused(previous.staged.count):
+                    if plan.confirm() == 1 and switchable:
+                        ended = "switch"
+                        break
+        if pending is not None:
+            previous, pending = pending, None
+            _complete(run, state, previous)
+    except DivergenceError:
+        if pending is not None:  # skipped by the guard: drain it, count nothing
+            _drain(pending)
+            pending = None
+        raise
+    finally:
+        if pending is not None:  # another error: the step in flight still counts
+            try:
+                _complete(run, state, pending)
+            except Exception:  # noqa: BLE001 - the original error matters more
+                _drain(pending)
+    return ended
+
+
+def _drain(item: _Pending) -> None:
+    try:
+        jax.block_until_ready(item.report)
+    except Exception:  # noqa: BLE001 - the error being raised matters more
+        pass
+    item.staged.free()
+    delete(item.metrics)
+
+
+def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
+    """Read back one call (it has finished once its report arrives), free its batches, and
+    account each of its steps."""
+    setup = run.setup
+    residency = setup.experiment.train_metrics_residency
+    metrics = item.metrics
+    staged = item.staged
+    try:
+        reports = np.asarray(item.report).reshape(-1, 2)
+        if residency is not None:
+            metrics = setup.placement.gather(metrics)
+    finally:
+        staged.free()
+    totals = state.totals
+    count, micro = staged.count, staged.group
+    program = run.programs_by_count.get((count, micro))
+    for offset, (value, code) in enumerate(reports.tolist()):
+        if code:
+            raise DivergenceError(
+                _divergence_message(setup, state, item.index + offset, value, int(code))
+            )
+        if not math.isfinite(value):  # check_divergence=False: train on, count it
+            totals.nonfinite += 1
+        else:
+            totals.loss_sum += value
+            totals.loss_count += 1
+        state.step += 1
+        state.position += micro
+        totals.steps += 1
+        if residency is not None:
+            step_metrics = (
+                metrics if count == 1 else jax.tree.map(lambda a, i=offset: a[i], metrics)
+            )
+            for part in range(micro):  # each micro-batch's train metrics
+                batch_metrics = (
+                    step_metrics
+                    if micro == 1
+                    else jax.tree.map(lambda a, m=part: a[m], step_metrics)
+                )
+                _train_metrics(run, totals, program, batch_metrics, staged, offset * micro + part)
+        run.events.step(state.step, value)
+
+
+def _train_metrics(run: _Epoch, totals, program, metrics, staged, offset: int) -> None:
+    setup = run.setup
+    if setup.experiment.train_metrics_residency == "device":
+        totals.train_metrics.add(program.aux["specs"], metrics, staged.n_real)
+        return
+    host = staged.host if not staged.stacked else staged.host[offset]
+    batch = setup.splits["train"].hook_fields["train_metrics"]
+    fields = setup.placement.gather(select(host, batch))
+    values = setup.experiment.call_host_hook("train_metrics", metrics, **fields)
+    specs, leaves = split_modes(values, "train_metrics")
+    totals.train_metrics.add(specs, leaves, staged.n_real)
+
+
+_STAGES = {
+    1: "the training loss is {loss}",
+    2: "a gradient is non-finite (the loss, {loss}, is finite)",
+    3: "a scheduled hyperparameter is non-finite (the loss, {loss}, and the gradients are finite)",
+    4: "the step is non-finite",
+    5: "the weights after the step are non-finite (the loss, {loss}, is finite)",
+}
+_ADVICE = {
+    1: "Lower the learning rate or check the data",
+    2: "Look for sqrt, log, division or pow at 0 in the loss or the model (their gradients "
+    "are infinite there), or lower the learning rate",
+    3: "Check the optimizer's schedules at that step",
+    5: "Look for a non-finite gradient or update in the train_step hook, or lower the "
+    "learning rate",
+}
+
+
+def _divergence_message(setup: RunSetup, state: TrainState, index: int, loss: float, code: int):
+    what = _STAGES.get(code, _STAGES[4]).format(loss=loss)
+    advice = _ADVICE.get(code, _ADVICE[1])
+    if code == 3 and setup.optimizer is not None:
+        values = setup.feed.hyperparams_at(index)
+        shown = ", ".join(f"{k} = {v:g}" for k, v in values.items())
+        advice += f" ({shown} at step {index + 1})"
+    return (
+        f"{what} at step {index + 1} (epoch {state.epoch + 1}, batch {state.position + 1}). "
+        f"The handle keeps the weights from before that step (n.step == {state.step}). "
+        f"{advice}; check_divergence=False trains on regardless."
+    )
+
+
+def _finalize(setup: RunSetup, results: dict, split: str) -> dict:
+    if "finalize_metrics" in setup.experiment.hooks:
+        results = setup.experiment.call_host_hook("finalize_metrics", dict(results), split)
+        if not isinstance(results, dict):
+            raise TypeError(
+                f"finalize_metrics must return a dict of metrics, got {type(results).__name__}"
+            )
+    return flatten_metrics(results)
+
+
+def weights_of(setup: RunSetup, state: TrainState, weights: str | None = None):
+    """The variables evaluation uses: the trained weights ("current"), their moving
+    average ("ema"), or by default the average when `EMA(evaluate=True)`; with the model
+    state, and without the optimizer state (evaluation never reads it, and every array
+    passed costs dispatch time). Same structure either way, so the same programs run."""
+    variables = state.variables
+    if weights is None:
+        weights = "ema" if setup.ema is not None and setup.ema.evaluate else "current"
+    if weights == "current":
+        return Variables(params=variables.params, model_state=variables.model_state)
+    if weights != "ema":
+        raise ValueError(f"weights must be 'current' or 'ema', got {weights!r}")
+    if variables.ema is None:
+        raise SetupError(
+            "weights='ema' needs a moving average of the weights: build the handle with "
+            "ema=0.999 (or nitro.EMA(...)); it is kept while the handle trains"
+        )
+    return Variables(params=variables.ema, model_state=variables.model_state)
+
+
+def evaluate_split(
+    setup: RunSetup,
+    state: TrainState,
+    programs: ProgramSet,
+    control: RunControl,
+    split: str,
+    weights: str | None = None,
+) -> dict[str, Any] | None:
+    """Loss and metrics over one split, prefixed with its name (`val_loss`, `val_acc`); None
+    when a stop request cut it short (partial results are never returned)."""
+    info = setup.split(split)
+    fields = info.hook_fields
+    with_loss = "loss" in fields
+    has_metrics = "metrics" in setup.experiment.hooks
+    residency = setup.experiment.residency.get("metrics", "host")
+    accumulator = MetricAccumulator("metrics")
+    loss_sum, samples = 0.0, 0
+    programs_by_count: dict[int, Any] = {}
+    variables = weights_of(setup, state, weights)
+    block = _eval_block(setup, info, has_metrics and residency == "device")
+    stream = info.prefetcher.epoch(0, block=block)
+    stopped = False
+
+    def account_batch(result, host_fields, n_real: int, outputs=None) -> None:
+        nonlocal loss_sum, samples
+        if with_loss:
+            loss_sum += float(result["loss_sum"])
+        if has_metrics:
+            if residency == "host":
+                outputs = jax.tree.map(lambda a, n=n_real: a[:n], outputs)
+                host = setup.placement.gather(select(host_fields, fields["metrics"]))
+                host = {k: v[:n_real] for k, v in host.items()}
+                values = setup.experiment.call_host_hook("metrics", outputs, **host)
+                specs, leaves = split_modes(values, "metrics")
+            else:
+                specs, leaves = _device_metrics(
+                    setup, programs, split, result["outputs"], staged_now, n_real
+                )
+            accumulator.add(specs, leaves, n_real)
+        samples += n_real
+
+    def account(staged, result, n_real) -> None:
+        """Read one call's results back (loss sums, metrics: of one batch or a block of
+        them, in order) and free it."""
+        nonlocal staged_now
+        staged_now = staged
+        try:
+            if staged.count == 1:
+                outputs = None
+                if has_metrics and residency == "host":
+                    outputs = setup.placement.gather(result["outputs"])
+                account_batch(result, staged.host, int(n_real), outputs)
+                return
+            read = jax.device_get(result)  # one transfer for the block
+            for i, real in enumerate(np.asarray(n_real).tolist()):
+                one = jax.tree.map(lambda a, i=i: a[i], read)
+                host_fields = staged.host[i] if staged.host is not None else None
+                account_batch(one, host_fields, real, one.get("outputs"))
+        finally:
+            staged.free()
+            delete(result)
+
+    staged_now = None
+
+    # Each batch is read back after the next one is dispatched (one batch late, like
+    # training), so the device computes while the host reads and accounts.
+    pending = None
+    try:
+        for staged in stream:
+            if control.stop.is_set():
+                staged.free()
+                stopped = True
+                break
+            n_real = staged.n_real
+            count = staged.count
+            if count == 1:
+                real = np.int32(n_real)
+            else:  # per batch; a training split's blocks are full batches, counted once
+                n_real = real = np.broadcast_to(np.asarray(n_real, np.int32), (count,))
+            args = (variables, setup.feed.current_device(), staged.device, real)
+            program = programs_by_count.get(count)
+            if program is None:
+                program = programs_by_count[count] = programs.eval_forward(
+                    split, args, with_loss=with_loss, return_outputs=has_metrics, batches=count
+                )
+            try:
+                result = program(*args)
+            except BaseException:
+                staged.free()
+                raise
+            previous, pending = pending, (staged, result, n_real)
+            if previous is not None:
+                account(*previous)
+        if pending is not None and not stopped:
+            previous, pending = pending, None
+            account(*previous)
+    finally:
+        if pending is not None:  # a stop, an error or an interrupt: drop it unread
+            pending[0].free()
+            delete(pending[1])
+        stream.close()
+    if stopped:
+        return None
+    results: dict[str, Any] = {}
+    if with_loss and samples:
+        results["loss"] = loss_sum / samples
+    if not accumulator.empty:
+        results.update(accumulator.result())
+    results = _finalize(setup, results, split)
+    return {f"{split}_{k}": v for k, v in results.items()}
+
+
+EVAL_BLOCK_MIN_CALLS = 4  # a split fuses its batches when that makes at least this many calls
+
+
+def _eval_block(setup: RunSetup, info, device_metrics: bool) -> int:
+    """Evaluation batches per program call: the steps per call the training measured (or was
+    given), where it fuses, for splits long enough to make at least `EVAL_BLOCK_MIN_CALLS`
+    fused calls; else 1. A forward pass costs less than a train step, so a K worth fusing
+    for training is worth it here too. Not with device-resident metrics (their program runs
+    per batch) or across processes."""
+    plan = setup.dispatch
+    steps = plan.steps or 1
+    if steps == 1 or plan.checking or device_metrics or setup.placement.multi_process:
+        return 1
+    if info.batches is None or info.batches < EVAL_BLOCK_MIN_CALLS * steps:
+        return 1
+    return steps
+
+
+def _device_metrics(setup: RunSetup, programs: ProgramSet, split: str, outputs, staged, n_real):
+    width = jax.tree.leaves(outputs)[0].shape[0]
+    names = setup.splits[split].hook_fields["metrics"]
+    fields = {k: staged.device[k] for k in names}
+    sliced = []
+    if n_real < width:
+        outputs = jax.tree.map(lambda a: a[:n_real], outputs)
+        fields = {k: v[:n_real] for k, v in fields.items()}
+        sliced = [outputs, fields]
+    args = (outputs, setup.feed.current_device(), fields)
+    program = programs.device_metrics(split, args)
+    values = program(*args)
+    leaves = jax.device_get(values)
+    delete(values)
+    for tree in sliced:
+        delete(tree)
+    return program.aux["specs"], leaves

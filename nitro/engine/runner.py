@@ -1,0 +1,227 @@
+"""Running work on a worker thread, so an interrupt never lands inside a donated step.
+
+The caller waits on an Event (never `Thread.join`, which misbehaves under interrupts on
+Python 3.11). While a call of the handle runs on the main thread, `sigint_requests_stop`
+replaces the SIGINT handler with one that only sets the stop request, so Ctrl-C, or a
+notebook's interrupt, can never land between two bytecodes of the engine's bookkeeping: the
+current step finishes, its loss is read back, its batch is freed, and the call returns with
+the handle intact. A third Ctrl-C while `train()` waits gives up waiting (the run still stops
+cleanly in the background).
+
+`RunGuard` says what a handle is doing. Work that needs the handle's state claims it; a second
+claim while the first holds answers at once with a `RunningError` that says how to stop or
+wait, instead of blocking. `RunControl` is what the loop polls between steps: the stop
+request, and requests for a copy of the weights at the next step boundary.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import threading
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from nitro.errors import RunningError
+
+__all__ = [
+    "Run",
+    "RunControl",
+    "RunGuard",
+    "add_worker_initializer",
+    "remove_worker_initializer",
+    "sigint_requests_stop",
+    "wait_for",
+]
+
+# Each initializer runs on the starting thread with the run's handle and returns a callable
+# run first on the worker (notebook integrations route the worker's output this way).
+_INITIALIZERS: list[Callable[[Any], Callable[[], None] | None]] = []
+
+
+def add_worker_initializer(initializer: Callable[[Any], Callable[[], None] | None]) -> None:
+    if initializer not in _INITIALIZERS:
+        _INITIALIZERS.append(initializer)
+
+
+def remove_worker_initializer(initializer) -> None:
+    if initializer in _INITIALIZERS:
+        _INITIALIZERS.remove(initializer)
+
+
+class Run:
+    """One piece of work on a worker thread; `done` is set when it ends, `error` holds what it
+    raised."""
+
+    def __init__(self, target: Callable[[], None], name: str, context: Any = None):
+        self.target = target
+        self.done = threading.Event()
+        self.error: BaseException | None = None
+        worker_setup = [init(context) for init in list(_INITIALIZERS)]
+        self.thread = threading.Thread(
+            target=self._main, args=(worker_setup,), name=name, daemon=True
+        )
+
+    def _main(self, worker_setup) -> None:
+        try:
+            for setup in worker_setup:
+                if setup is not None:
+                    setup()
+            self.target()
+        except BaseException as error:  # noqa: BLE001 - handed to the waiting thread
+            self.error = error
+        finally:
+            self.done.set()
+
+    def start(self) -> Run:
+        self.thread.start()
+        return self
+
+    @property
+    def running(self) -> bool:
+        return not self.done.is_set()
+
+
+def _to_stderr(message: str) -> None:
+    import sys
+
+    print(f"nitro: {message}", file=sys.stderr, flush=True)
+
+
+class RunControl:
+    """What the loop checks between steps: a stop request, and weight-copy requests.
+
+    `request_copy(fn)` asks the loop to call `fn()` at its next step boundary, on its own
+    thread, before the next step donates the state; when no loop is running it is served by
+    whoever ends the run (`serve_copies`).
+    """
+
+    def __init__(self) -> None:
+        self.stop = threading.Event()
+        self.interrupts = 0  # Ctrl-C presses while a call of the handle ran on the main thread
+        self.acknowledged = 0  # presses already answered with a note
+        self.say: Callable[[str], None] = _to_stderr  # notes for the person at the keyboard
+        self.copies_pending = False  # read once per step by the loop: a plain attribute
+        self._copies: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
+        self._lock = threading.Lock()
+
+    def request_copy(self, fn: Callable[[], Any]) -> concurrent.futures.Future:
+        future: concurrent.futures.Future = concurrent.futures.Future()
+        with self._lock:
+            self._copies.append((fn, future))
+            self.copies_pending = True
+        return future
+
+    def serve_copies(self) -> None:
+        with self._lock:
+            copies, self._copies = self._copies, []
+            self.copies_pending = False
+        for fn, future in copies:
+            try:
+                future.set_result(fn())
+            except BaseException as error:  # noqa: BLE001 - handed to the requester
+                future.set_exception(error)
+
+
+class RunGuard:
+    """What the handle is doing now ("training", "validating", ...), or None when idle.
+
+    `hold(activity)` claims the handle for work on the calling thread; `claim`/`release`
+    span work handed to a worker thread. A claim while another holds raises `RunningError`
+    at once, naming what runs and how to stop or wait for it.
+    """
+
+    def __init__(self, describe: Callable[[], str] = lambda: "this handle") -> None:
+        self._lock = threading.Lock()
+        self._describe = describe
+        self.activity: str | None = None
+        self.background = False
+
+    def claim(self, activity: str, background: bool = False) -> None:
+        with self._lock:
+            if self.activity is not None:
+                raise RunningError(self.busy_message(activity))
+            self.activity, self.background = activity, background
+
+    def release(self) -> None:
+        with self._lock:
+            self.activity, self.background = None, False
+
+    @contextmanager
+    def hold(self, activity: str) -> Iterator[None]:
+        self.claim(activity)
+        try:
+            yield
+        finally:
+            self.release()
+
+    def busy_message(self, wanted: str) -> str:
+        where = " in the background" if self.background else ""
+        return (
+            f"cannot {wanted}: {self._describe()} is {self.activity}{where}. n.stop() stops it "
+            f"after the current step and n.wait() waits for it to end (in a notebook: %nitro "
+            f"stop or %nitro wait)"
+        )
+
+
+@contextmanager
+def sigint_requests_stop(control: RunControl) -> Iterator[None]:
+    """While active on the main thread, SIGINT sets `control.stop` (and counts the press)
+    instead of raising KeyboardInterrupt wherever the main thread happens to be. Elsewhere,
+    or where Python does not own SIGINT, it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    try:
+        previous = signal.getsignal(signal.SIGINT)
+    except (ValueError, OSError):  # pragma: no cover - no signals here
+        yield
+        return
+    if previous in (signal.SIG_IGN, None):  # SIGINT is not Python's to handle right now
+        yield
+        return
+
+    def handler(signum, frame):  # runs between two bytecodes of the main thread: set flags only
+        control.interrupts += 1
+        control.stop.set()
+
+    control.interrupts = control.acknowledged = 0
+    signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def wait_for(run: Run, control: RunControl, note: Callable[[str], None], what: str) -> None:
+    """Wait for `run`. Under `sigint_requests_stop` Ctrl-C arrives as `control.interrupts`;
+    elsewhere as KeyboardInterrupt, turned into the same count. The first press asks the run to
+    stop after the current step, the second says it is still stopping, the third stops waiting
+    (KeyboardInterrupt; the run finishes its stop in the background)."""
+    seen = control.interrupts
+    while True:
+        try:
+            finished = run.done.wait(0.05)
+        except KeyboardInterrupt:  # not on the main thread's handler: count it ourselves
+            control.interrupts += 1
+            control.stop.set()
+            finished = False
+        if control.interrupts != seen:
+            seen = control.interrupts
+            if seen == 1:
+                if not control.acknowledged:  # the loop may have said it already
+                    control.acknowledged = 1
+                    note(f"interrupted; stopping {what} after the current step ...")
+            elif seen == 2:
+                note(
+                    "still stopping (the current step or compile is finishing); interrupt "
+                    "again to stop waiting"
+                )
+            elif not finished:
+                raise KeyboardInterrupt(
+                    f"stopped waiting; {what} finishes its stop in the background (n.wait() "
+                    f"waits for it)"
+                )
+        if finished:
+            return

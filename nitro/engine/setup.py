@@ -1,0 +1,631 @@
+"""Setup: what `Nitro(e)` does before anything compiles, one function per step.
+
+In order: freeze the hooks, build the data, convert the Device fields, build the model (and
+copy `weights=`), build the optimizer state, route batch fields from each split's first batch,
+bind schedules, and freeze the code fingerprints the compile cache keys programs on. The result
+is a frozen `RunSetup` and the initial `TrainState`; nothing is written anywhere else.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+import types
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from nitro.core.events import Events
+from nitro.core.keywords import Resolved
+from nitro.core.run_setup import ExperimentSetup, ModelSetup, RunSetup, SplitSetup
+from nitro.core.train_state import TrainState, Variables
+from nitro.data import (
+    FromFactory,
+    NoPrefetch,
+    Prefetcher,
+    PrefetchSettings,
+    is_index_addressable,
+    is_one_shot,
+)
+from nitro.engine.dispatch import DispatchPlan
+from nitro.engine.feed import StepFeed
+from nitro.engine.placement import Placement
+from nitro.errors import RoutingError, SetupError
+from nitro.experiments.declaration import FieldKind, field_specs, has_method
+from nitro.experiments.fingerprint import CodeFingerprint, Fingerprinter
+from nitro.experiments.linen import bridge_linen, is_linen
+from nitro.experiments.routing import hook_fields
+from nitro.optim.optimizer import OptimizerSettings, build_optimizer
+from nitro.optim.param_groups import leaf_paths
+from nitro.optim.schedules import bind_schedules, check_schedule_values
+from nitro.programs.compile_cache import configure_persistent_cache
+from nitro.runs.weights import copy_array
+
+__all__ = ["batch_size", "build"]
+
+OPTIONAL_HOOKS = ("metrics", "train_metrics", "finalize_metrics", "train_step")
+HOOK_POSITIONAL = {
+    "train_step": ("step",),
+    "forward": ("model",),
+    "loss": ("outputs",),
+    "metrics": ("outputs",),
+    "train_metrics": ("outputs",),
+}
+DEFAULT_RESIDENCY = {"train_metrics": "device", "metrics": "host"}
+TRACED_CODE_HOOKS = ("forward", "loss", "metrics", "train_metrics", "train_step")
+
+
+def build(
+    instance: Any,
+    keywords: Mapping[str, Resolved],
+    given: Mapping[str, Any],
+    *,
+    events: Events,
+    data: Mapping[str, Any] | None = None,
+    weights: Any = None,
+) -> tuple[RunSetup, TrainState]:
+    """The setup sequence of `Nitro(e, **keywords)`: nothing compiles here."""
+    configure_persistent_cache()  # before build_model, so its init ops are cached too
+    value = {k: r.value for k, r in keywords.items()}
+    cls = type(instance)
+    hooks, hook_functions = _freeze_hooks(cls)
+    residency = _resolve_residency(instance)
+    hooks_fields = {
+        name: hook_fields(cls, name, HOOK_POSITIONAL[name])
+        for name in HOOK_POSITIONAL
+        if name in hooks
+    }
+    splits_given = _build_data(instance, data, events)
+    placement = Placement(value["n_devs"])
+    device_specs, device_dtypes, device_values = _device_fields(instance, placement)
+    graphdefs, params, rest, origin = _build_model(
+        instance, value["seed"], weights, events, linen_init=(splits_given, hooks, hooks_fields)
+    )
+    params = placement.put_replicated(params)
+    rest = placement.put_replicated(rest)
+    optimizer, opt_state = _build_optimizer(instance, keywords, splits_given, params, placement)
+    prefetch_mode = value["prefetch"]
+    if prefetch_mode == "auto" and keywords["prefetch_workers"].source != "framework default":
+        prefetch_mode = "threads"  # asking for workers means wanting them
+    prefetch = PrefetchSettings(
+        workers=value["prefetch_workers"],
+        device_batches=value["device_batches"],
+        host_batches=value["host_batches"],
+        ordered=value["ordered"],
+    )
+    events.phase("routing")
+    splits = {
+        name: _setup_split(
+            name, source, placement, hooks, hooks_fields, residency, prefetch, prefetch_mode
+        )
+        for name, source in splits_given.items()
+    }
+    total_steps, schedules, feed = _bind_schedules(
+        instance, keywords, splits, optimizer, device_specs, device_dtypes, device_values, placement
+    )
+    code, model = _freeze_code(cls, hook_functions, graphdefs, params, rest, opt_state, optimizer)
+    experiment = ExperimentSetup(
+        cls=cls,
+        owner=f"{cls.__module__}.{cls.__qualname__}",
+        instance=instance,
+        graphconst={
+            s.name: getattr(instance, s.name)
+            for s in field_specs(cls)
+            if s.kind is FieldKind.GRAPHCONST
+        },
+        device_specs=device_specs,
+        device_dtypes=device_dtypes,
+        hooks=hooks,
+        hook_functions=hook_functions,
+        hook_fields=hooks_fields,
+        residency=residency,
+        code=code,
+        model_classes=model.pop("classes"),
+    )
+    setup = RunSetup(
+        experiment=experiment,
+        keywords=dict(keywords),
+        given_keywords=dict(given),
+        seed=value["seed"],
+        max_epochs=value["max_epochs"],
+        run_dir=value["run_dir"],
+        check_divergence=value["check_divergence"],
+        checkpointer=value["checkpointer"],
+        early_stop=value["early_stop"],
+        resume=value["resume"],
+        splits=splits,
+        placement=placement,
+        model=ModelSetup(
+            **model,
+            param_count=int(sum(np.size(x) for x in jax.tree.leaves(params))),
+            weights_origin=origin[0],
+            weights_checkpoint=origin[1],
+        ),
+        optimizer=optimizer,
+        schedules=tuple(schedules),
+        total_steps=total_steps,
+        feed=feed,
+        prefetch=prefetch,
+        dispatch=DispatchPlan(value["steps_per_dispatch"]),
+        accum=value["accum"],
+        ema=value["ema"],
+        sam=value["sam"],
+    )
+    with_ema = value["ema"] is not None and optimizer is not None
+    state = TrainState(
+        variables=Variables(
+            params=jax.tree.leaves(params),
+            model_state=jax.tree.leaves(rest),
+            opt_state=jax.tree.leaves(opt_state) if opt_state is not None else None,
+            ema=[copy_array(x) for x in jax.tree.leaves(params)] if with_ema else None,
+            ema_steps=placement.put_replicated(jnp.zeros((), jnp.int32)) if with_ema else None,
+        ),
+        seed=value["seed"],
+    )
+    return setup, state
+
+
+# ---------------------------------------------------------------------------------------------
+# hooks
+
+
+def _frozen_copy(fn):
+    """A copy of a function with today's code: an in-place patch of the original (IPython's
+    autoreload swaps `__code__`) does not reach a handle that froze its hooks."""
+    if not isinstance(fn, types.FunctionType):
+        return fn
+    copy = types.FunctionType(
+        fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__
+    )
+    copy.__kwdefaults__ = fn.__kwdefaults__
+    copy.__qualname__ = fn.__qualname__
+    copy.__module__ = fn.__module__
+    copy.__doc__ = fn.__doc__
+    copy.__dict__.update(fn.__dict__)
+    return copy
+
+
+def _hook_function(cls: type, name: str):
+    """(the function to fingerprint, the callable taking the view first), frozen now."""
+    attr = inspect.getattr_static(cls, name)
+    if isinstance(attr, staticmethod):
+        fn = _frozen_copy(attr.__func__)
+        return fn, (lambda view, *a, **k: fn(*a, **k))
+    if isinstance(attr, classmethod):
+        fn = _frozen_copy(attr.__func__)
+        return fn, (lambda view, *a, **k: fn(cls, *a, **k))
+    fn = _frozen_copy(attr)
+    return fn, fn
+
+
+def _freeze_hooks(cls: type) -> tuple[dict, dict]:
+    """Copies of the hook functions as they are now: (callables, functions)."""
+    hooks, functions = {}, {}
+    for name in ("forward", "loss") + OPTIONAL_HOOKS:
+        if has_method(cls, name):
+            functions[name], hooks[name] = _hook_function(cls, name)
+    return hooks, functions
+
+
+def _resolve_residency(instance: Any) -> dict[str, str]:
+    residency = dict(DEFAULT_RESIDENCY)
+    if has_method(type(instance), "metrics_residency"):
+        for hook in residency:
+            chosen = instance.metrics_residency(hook)
+            if chosen not in ("host", "device"):
+                raise SetupError(
+                    f"metrics_residency({hook!r}) returned {chosen!r}; it must return "
+                    f"'host' or 'device'"
+                )
+            residency[hook] = chosen
+    return residency
+
+
+# ---------------------------------------------------------------------------------------------
+# data, Device fields, model, optimizer
+
+
+def _build_data(instance: Any, data: Any, events: Events) -> dict[str, Any]:
+    events.phase("building data")
+    if data is None:
+        data = instance.build_data()
+    if not isinstance(data, Mapping):
+        raise SetupError(
+            f"build_data must return a dict of split name -> loader, e.g. "
+            f"{{'train': ..., 'val': ...}}; got {type(data).__name__}"
+        )
+    return {split: _restartable(split, source) for split, source in data.items()}
+
+
+def _restartable(split: str, source: Any) -> Any:
+    """Every epoch iterates a split again: refuse one-shot iterators, and turn a function that
+    returns a fresh iterator into a source."""
+    if isinstance(source, NoPrefetch):
+        return NoPrefetch(_restartable(split, source.source))
+    if is_index_addressable(source):
+        return source
+    if is_one_shot(source):
+        raise SetupError(
+            f"split '{split}' is a one-shot iterator ({type(source).__name__}): it can be "
+            f"iterated once, but setup reads its first batch and every epoch iterates it "
+            f"again. Give a list of batches, a nitro.data.ArrayLoader, or a function that "
+            f"returns a fresh iterator (e.g. {{'{split}': lambda: make_batches()}})."
+        )
+    if callable(source) and not isinstance(source, Iterable):
+        return FromFactory(source)
+    return source
+
+
+def _device_dtype(spec_type: Any, value: Any):
+    if spec_type is float or spec_type == "float":
+        return jnp.float32
+    if spec_type is int or spec_type == "int":
+        return jnp.int32
+    if spec_type is bool or spec_type == "bool":
+        return jnp.bool_
+    return jnp.asarray(value).dtype
+
+
+def _device_fields(instance: Any, placement: Placement):
+    """Device fields, converted to their declared dtype once and replicated."""
+    specs = {s.name: s for s in field_specs(type(instance)) if s.kind is FieldKind.DEVICE}
+    dtypes, values = {}, {}
+    for name, spec in specs.items():
+        raw = getattr(instance, name)
+        dtypes[name] = _device_dtype(spec.type, raw)
+        values[name] = placement.put_replicated(jnp.asarray(raw, dtype=dtypes[name]))
+    return specs, dtypes, values
+
+
+def _build_model(instance: Any, seed: int, weights: Any, events: Events, linen_init):
+    """(train and eval graph definitions), parameters, other model state, weights origin."""
+    events.phase("building model")
+    model = instance.build_model(nnx.Rngs(seed))
+    if isinstance(model, Mapping):  # several models, by name (GANs, teacher and student, ...)
+        bad = {k: type(v).__name__ for k, v in model.items() if not isinstance(v, nnx.Module)}
+        if not model or bad:
+            raise SetupError(
+                f"build_model returned a dict, which must map names to flax.nnx.Modules; "
+                f"got {bad or 'an empty dict'}"
+            )
+        model = nnx.Dict({str(k): v for k, v in model.items()})
+    elif has_method(type(instance), "train_step"):
+        raise SetupError(
+            f"{type(instance).__qualname__} defines train_step, which trains models by name: "
+            f"build_model must return a dict of them, e.g. {{'gen': Generator(...), "
+            f"'disc': Critic(...)}} (or {{'model': model}} for one)"
+        )
+    if is_linen(model):
+        model = bridge_linen(model, nnx.Rngs(seed), _first_forward(instance, *linen_init))
+    if not isinstance(model, nnx.Module):
+        raise SetupError(
+            f"build_model must return a flax.nnx.Module or a flax.linen.Module; got "
+            f"{type(model).__name__}"
+        )
+    model.train()
+    graphdef_train, params, rest = nnx.split(model, nnx.Param, ...)
+    model.eval()
+    graphdef_eval, _, _ = nnx.split(model, nnx.Param, ...)
+    model.train()
+    origin, checkpoint = "build_model", None
+    if weights is not None:
+        params, rest, origin, checkpoint = weights.resolve(params, rest)
+    return (graphdef_train, graphdef_eval), params, rest, (origin, checkpoint)
+
+
+def _first_forward(instance: Any, splits: Mapping[str, Any], hooks, hooks_fields):
+    """A call of `forward` on the first batch (of 'train', else the first split): how a Linen
+    module learns its input shapes."""
+    if not splits:
+        raise SetupError(
+            "build_model returned a Linen module, which is initialized from the shapes of the "
+            "first batch, but build_data returns no splits"
+        )
+    split = "train" if "train" in splits else next(iter(splits))
+    source = splits[split]
+    batch, _ = _peek(source.source if isinstance(source, NoPrefetch) else source, split)
+    fields = hooks_fields["forward"].resolve(tuple(batch), split)
+    inputs = {name: jnp.asarray(batch[name]) for name in fields}
+    return lambda model: hooks["forward"](instance, model, **inputs)
+
+
+def _build_optimizer(instance, keywords, splits, params, placement):
+    """The optimizer and its state, when there is a train split to use them."""
+    if "train" not in splits:
+        return None, None
+    param_group = instance.param_group if has_method(type(instance), "param_group") else None
+    settings = OptimizerSettings.from_keywords(keywords, param_group)
+    if has_method(type(instance), "train_step"):
+        return _model_optimizers(settings, keywords, params, placement)
+    if isinstance(settings.optimizer, Mapping):
+        raise SetupError(
+            "optimizer returned a dict of optimizers by model, which only a train_step hook "
+            "can apply; define train_step(self, step, **fields), or return one optimizer"
+        )
+    optimizer, opt_state = build_optimizer(settings, params)
+    # Injected hyperparameters are fed to every step as arguments, not carried in the state.
+    opt_state = optimizer.strip(opt_state)
+    return optimizer, placement.put_replicated(opt_state)
+
+
+def _model_optimizers(settings, keywords, params, placement):
+    """Manual training: one optimizer per model (a dict by model name, or one optimizer for
+    each), with its own state and hyperparameters (`gen/learning_rate`)."""
+    import dataclasses as _dc
+
+    from nitro.programs.manual import ModelOptimizers
+
+    models = list(params.keys())
+    given = settings.optimizer
+    if isinstance(given, Mapping):
+        unknown = sorted(set(given) - set(models))
+        missing = sorted(set(models) - set(given))
+        if unknown or missing:
+            raise SetupError(
+                f"optimizer returned optimizers for {sorted(given)}, but the models are "
+                f"{models}"
+                + (f": no model {unknown}" if unknown else "")
+                + (f": none for {missing}" if missing else "")
+            )
+    for name in ("accum", "sam"):
+        if keywords[name].value not in (None, 1):
+            raise SetupError(
+                f"{name}= does not combine with a train_step hook, which computes its own "
+                f"gradients: accumulate or perturb inside train_step [{keywords[name].source}]"
+            )
+    setups, states = {}, {}
+    for model in models:
+        spec = given[model] if isinstance(given, Mapping) else given
+        setups[model], states[model] = build_optimizer(
+            _dc.replace(settings, optimizer=spec), params[model]
+        )
+    optimizer = ModelOptimizers(setups)
+    return optimizer, placement.put_replicated(optimizer.strip(states))
+
+
+# ---------------------------------------------------------------------------------------------
+# splits and routing
+
+
+def _peek(source: Any, split: str) -> tuple[Mapping[str, Any], float | None]:
+    """The first batch, and for an index-addressable source the time one batch takes to
+    build (a cheap first batch is built once more, warm, to measure it)."""
+    build_seconds = None
+    try:
+        if is_index_addressable(source):
+            plan = source.begin_epoch(0)
+            start = time.perf_counter()
+            batch = source.batch_at(0, plan)
+            build_seconds = time.perf_counter() - start
+            if build_seconds < 1e-3:
+                start = time.perf_counter()
+                source.batch_at(0, plan)
+                build_seconds = min(build_seconds, time.perf_counter() - start)
+        else:
+            iterator = iter(source)
+            try:
+                batch = next(iterator)
+            finally:
+                close = getattr(iterator, "close", None)
+                if close is not None:  # release what the probe started (generators, workers)
+                    close()
+    except StopIteration:
+        raise SetupError(f"the '{split}' split yields no batches") from None
+    if not isinstance(batch, Mapping):
+        raise SetupError(
+            f"the '{split}' split yields {type(batch).__name__}; a batch is a dict of arrays "
+            f"with the batch axis first, e.g. {{'x': images, 'y': labels}}"
+        )
+    return batch, build_seconds
+
+
+def _check_device_dtype(split: str, name: str, value: Any, fields: Mapping) -> None:
+    dtype = np.asarray(value).dtype
+    if dtype.kind in "biufc":
+        return
+    hooks = [hook for hook, names in fields.items() if name in names]
+    what = {"U": "strings", "S": "bytes", "O": "Python objects"}.get(dtype.kind, dtype.name)
+    raise SetupError(
+        f"field {name!r} of the '{split}' split has dtype {dtype} ({what}), but "
+        f"{' and '.join(hooks)} run{'s' * (len(hooks) == 1)} on the device, which takes numbers "
+        f"and booleans only. Encode it as integers in the loader (e.g. "
+        f"labels, {name} = np.unique({name}, return_inverse=True)), or read it only in a host "
+        f"metrics hook."
+    )
+
+
+def batch_size(batch: Mapping[str, Any], split: str) -> int:
+    lengths = {k: np.shape(v)[0] if np.ndim(v) else None for k, v in batch.items()}
+    if len(set(lengths.values())) != 1 or None in lengths.values():
+        raise SetupError(
+            f"the fields of a '{split}' batch must share their first (batch) axis; lengths: "
+            f"{lengths}"
+        )
+    return next(iter(lengths.values()))
+
+
+def _setup_split(
+    split: str,
+    source: Any,
+    placement: Placement,
+    hooks: Mapping[str, Any],
+    hooks_fields: Mapping[str, Any],
+    residency: Mapping[str, str],
+    prefetch: PrefetchSettings,
+    prefetch_mode: str,
+) -> SplitSetup:
+    if not isinstance(source, Iterable) and not is_index_addressable(source):
+        raise SetupError(
+            f"split '{split}' is a {type(source).__name__}; a split is a restartable "
+            f"iterable of batches (dicts of arrays), e.g. nitro.data.ArrayLoader"
+        )
+    inner = source.source if isinstance(source, NoPrefetch) else source
+    first, build_seconds = _peek(inner, split)
+    if batch_size(first, split) == 0:
+        raise SetupError(
+            f"the first batch of the '{split}' split has 0 rows; a batch needs at least one "
+            f"sample (filter empty batches out of the source)"
+        )
+    width = getattr(inner, "batch_size", None) or batch_size(first, split)
+    placement.check_batch(width, split)
+    available = tuple(first)
+    training = split == "train"
+    train_metrics = residency["train_metrics"] if "train_metrics" in hooks else None
+    fields: dict[str, tuple[str, ...]] = {}
+    for hook, spec in hooks_fields.items():
+        if hook in ("train_metrics", "train_step") and not training:
+            continue
+        if hook == "loss" and training and "train_step" in hooks:
+            continue  # train_step computes its own losses
+        if hook == "metrics" and training:
+            continue
+        if hook == "loss" and not training:
+            try:
+                fields[hook] = spec.resolve(available, split)
+            except RoutingError:
+                continue  # no labels on this split: no loss, metrics only
+            continue
+        fields[hook] = spec.resolve(available, split)
+    traced = {"forward", "loss"}
+    if training and train_metrics == "device":
+        traced.add("train_metrics")
+    if training and "train_step" in hooks:
+        traced.add("train_step")
+    if not training and residency.get("metrics") == "device":
+        traced.add("metrics")
+    route = frozenset(f for hook in traced for f in fields.get(hook, ()))
+    for name in sorted(route):
+        _check_device_dtype(split, name, first[name], fields)
+    keep_host = (not training and "metrics" in hooks) or (training and train_metrics == "host")
+    prefetcher = Prefetcher(
+        source,
+        place=placement.put_batch,
+        place_block=placement.put_block,
+        direct=placement.mesh is None and not placement.multi_process,
+        route=route,
+        settings=prefetch,
+        pad_to=None if training else width,
+        keep_host=keep_host,
+        name=split,
+        mode=prefetch_mode,
+        build_seconds=build_seconds,
+    )
+    try:
+        batches = len(source)
+    except TypeError:
+        batches = None
+    return SplitSetup(
+        name=split,
+        source=source,
+        batches=batches,
+        width=width,
+        global_width=width * placement.n_devs // placement.local_share
+        if placement.multi_process
+        else width,
+        samples=getattr(inner, "num_samples", None),
+        dropped=getattr(inner, "dropped", 0) if training else 0,
+        fields=available,
+        device_fields=tuple(sorted(route)),
+        batch_spec={
+            name: (tuple(np.shape(first[name])), str(np.asarray(first[name]).dtype))
+            for name in sorted(route)
+        },
+        hook_fields=fields,
+        prefetcher=prefetcher,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# schedules, code fingerprints
+
+
+def _bind_schedules(
+    instance, keywords, splits, optimizer, device_specs, device_dtypes, device_values, placement
+):
+    total = None
+    train = splits.get("train")
+    accum = keywords["accum"].value
+    if train is not None and train.batches is not None:
+        if train.batches % accum:
+            raise SetupError(
+                f"accum={accum} does not divide the {train.batches} batches of an epoch of the "
+                f"'train' split, so an epoch would end inside an optimizer step: choose accum "
+                f"among {_divisors(train.batches)}, or change the batch count (batch size, "
+                f"drop_last) [{keywords['accum'].source}]"
+            )
+        total = keywords["max_epochs"].value * train.batches // accum  # optimizer steps
+    schedules = bind_schedules(
+        keywords["schedules"].value,
+        hyperparams=optimizer.schedulable if optimizer else {},
+        device_fields=device_specs,
+        other_fields={
+            s.name: s.kind.value
+            for s in field_specs(type(instance))
+            if s.kind is not FieldKind.DEVICE
+        },
+        total_steps=total,
+    )
+    check_schedule_values(
+        schedules,
+        total_steps=total,
+        device_shapes={name: np.shape(value) for name, value in device_values.items()},
+        device_dtypes=device_dtypes,
+    )
+    if optimizer:
+        optimizer.check_schedules(s.name for s in schedules if s.target == "opt")
+    feed = StepFeed(
+        hyper_names=optimizer.names if optimizer else (),
+        hyper_constants=optimizer.hyperparams if optimizer else {},
+        hyper_sources=optimizer.sources() if optimizer else None,
+        schedules=schedules,
+        device_values=device_values,
+        device_dtypes=device_dtypes,
+        placement=placement,
+    )
+    return total, schedules, feed
+
+
+def _divisors(n: int) -> str:
+    found = [d for d in range(1, n + 1) if not n % d]
+    return ", ".join(map(str, found[:12])) + (" ..." if len(found) > 12 else "")
+
+
+def _freeze_code(cls, hook_functions, graphdefs, params, rest, opt_state, optimizer):
+    """Code fingerprints (hooks, model classes, optimizer update) and the model's tree
+    definitions; returns (code, model fields)."""
+    code: dict[str, CodeFingerprint] = {}
+    for name, fn in hook_functions.items():
+        if name in TRACED_CODE_HOOKS:
+            fp = Fingerprinter(self_class=cls)
+            fp.hook(name, fn)
+            code[name] = fp.fingerprint()
+    fingerprinter = Fingerprinter()
+    structure = fingerprinter.structure(graphdefs[0])
+    code["model"] = fingerprinter.fingerprint()
+    if optimizer is not None:
+        opt_fp = Fingerprinter()
+        if optimizer.tx is not None:
+            opt_fp.value(optimizer.tx.update, "optimizer update")
+        else:  # one optimizer per model (train_step)
+            for model, tx in optimizer.transformations().items():
+                opt_fp.value(tx.update, f"optimizer update of {model}")
+        code["optimizer"] = opt_fp.fingerprint()
+    model = {
+        "graphdef_train": graphdefs[0],
+        "graphdef_eval": graphdefs[1],
+        "params_def": jax.tree.structure(params),
+        "model_state_def": jax.tree.structure(rest),
+        "opt_state_def": jax.tree.structure(opt_state) if opt_state is not None else None,
+        "structure": structure,
+        "leaf_paths": {
+            "parameter": leaf_paths(params),
+            "model state": leaf_paths(rest),
+            "optimizer state": leaf_paths(opt_state) if opt_state is not None else (),
+        },
+        "classes": tuple(fingerprinter.classes),
+    }
+    return code, model

@@ -1,0 +1,193 @@
+"""The binding report: where every value of a run came from.
+
+Splits and their batch geometry, which batch fields each hook receives, every run keyword with
+its source (a `Nitro(...)` keyword, a method or field of the experiment, or the framework
+default), the schedules, the optimizer's hyperparameters and the Device fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from html import escape
+from typing import Any
+
+from nitro.core.run_setup import RunSetup
+
+__all__ = ["BindingReport", "binding_report"]
+
+
+@dataclasses.dataclass
+class BindingReport:
+    sections: list[tuple[str, list[str]]]
+
+    def __str__(self) -> str:
+        out = []
+        for title, lines in self.sections:
+            out.append(title)
+            out.extend(f"  {line}" for line in lines)
+        return "\n".join(out)
+
+    def __contains__(self, text: str) -> bool:
+        return text in str(self)
+
+    def _repr_html_(self) -> str:
+        body = "".join(
+            f"<tr><th colspan=2 style='text-align:left'>{escape(title)}</th></tr>"
+            + "".join(
+                f"<tr><td></td><td style='text-align:left'><code>{escape(line)}</code></td></tr>"
+                for line in lines
+            )
+            for title, lines in self.sections
+        )
+        return f"<table>{body}</table>"
+
+
+def _fmt(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if callable(value) and not isinstance(value, type):
+        return getattr(value, "__qualname__", None) or type(value).__name__
+    text = repr(value)
+    return text if len(text) < 60 else text[:57] + "..."
+
+
+def _paths(paths, limit: int = 6) -> str:
+    shown = ", ".join(paths[:limit])
+    return shown + (f", ... ({len(paths) - limit} more)" if len(paths) > limit else "")
+
+
+def _fed_line(label: str, fed: Any, value: float, feed: Any, step: int) -> str:
+    """`learning_rate = 0.001 (constant, fed per step)`, or how a schedule reaches it."""
+    schedule = feed.schedule_of(fed.name)
+    if schedule is None:
+        ratio = f"{fed.scale:g} x learning_rate, " if fed.scale != 1.0 else ""
+        return f"{label} = {value:g} ({ratio}constant, fed per step)"
+    if schedule == fed.name or fed.scale == 1.0:
+        how = "scheduled" if schedule == fed.name else f"the {schedule} schedule"
+        return f"{label} = {value:g} at step {step} ({how}, fed per step)"
+    return f"{label} = {value:g} at step {step} ({fed.scale:g} x the {schedule} schedule, fed per step)"
+
+
+def _decay_line(setup: RunSetup, decayed, paths) -> str:
+    rule = "decay_mask" if setup.keywords["decay_mask"].value is not None else "ndim > 1"
+    anchor = {"zero": "zero", "init": "the initial weights", "given": "the given anchor"}
+    kept = [p for p in paths if p not in set(decayed)]
+    return (
+        f"decoupled weight decay toward {anchor[setup.optimizer.decay_to]}: "
+        f"{len(decayed)} of {len(paths)} leaves ({rule}): {_paths(decayed) or 'none'}"
+        + (f"; not {_paths(kept)}" if kept else "")
+    )
+
+
+def binding_report(
+    setup: RunSetup, step: int, run_dir: str | None = None, run_id: str | None = None
+) -> BindingReport:
+    """Where every value came from: splits, hook fields, run keywords, schedules, optimizer,
+    Device fields."""
+    experiment = setup.experiment
+    sections = []
+    lines = []
+    for split, info in setup.splits.items():
+        counts = (
+            f"{info.batches:,} batches x {info.width}"
+            if info.batches is not None
+            else f"batches of {info.width} (length unknown)"
+        )
+        detail = []
+        if info.samples is not None:
+            used = info.samples - info.dropped
+            detail.append(f"{used:,} of {info.samples:,} samples")
+            if info.dropped:
+                detail.append(f"{info.dropped} dropped by drop_last")
+            elif split != "train" and info.samples % info.width:
+                detail.append(
+                    f"final batch of {info.samples % info.width} padded to {info.width} then sliced"
+                )
+        detail.append(f"prefetch {info.prefetcher.describe()}")
+        lines.append(f"{split}: {counts}; " + "; ".join(detail))
+        lines.append(
+            f"  fields {', '.join(info.fields)}; to device: "
+            f"{', '.join(info.device_fields) or 'none'}"
+        )
+    sections.append(("splits", lines))
+
+    lines = []
+    for hook, spec in experiment.hook_fields.items():
+        residency = ""
+        if hook in ("metrics", "train_metrics"):
+            residency = f" [{experiment.residency[hook]}]"
+        routed = {name: info.hook_fields.get(hook) for name, info in setup.splits.items()}
+        where = "; ".join(
+            f"{split}: {', '.join(f) if f else '(none)'}"
+            for split, f in routed.items()
+            if f is not None
+        )
+        lines.append(f"{hook}({spec.describe()}){residency} <- {where or 'no split routes it'}")
+    if "metrics" not in experiment.hooks:
+        lines.append("metrics: none; validation reports val_loss through loss")
+    sections.append(("hooks receive", lines))
+
+    lines = [
+        f"{name} = {_fmt(resolved.value)}  [{resolved.source}]"
+        for name, resolved in setup.keywords.items()
+        if name not in ("schedules",)
+    ]
+    if run_dir is not None:
+        lines = [
+            f"run_dir = {run_dir}  [{setup.keywords['run_dir'].source}]"
+            if line.startswith("run_dir = ")
+            else line
+            for line in lines
+        ]
+        lines.append(f"run id: {run_id}")
+    lines.append(f"devices: {setup.placement.describe()}")
+    lines.append(f"steps per dispatch: {setup.dispatch.describe()}")
+    sections.append(("run keywords", lines))
+
+    lines = []
+    source = setup.keywords["schedules"].source
+    for schedule in setup.schedules:
+        lines.append(f"{schedule.key} -> {schedule.qualified} ({schedule.form})  [{source}]")
+    if not lines:
+        lines.append(f"none  [{source}]")
+    if setup.total_steps is not None:
+        lines.append(f"horizon: {setup.total_steps:,} optimizer steps")
+    sections.append(("schedules", lines))
+
+    lines = []
+    optimizer = setup.optimizer
+    groups = []
+    if optimizer is None:
+        lines.append("none (no 'train' split)")
+    else:
+        lines.append(f"{optimizer.description}  [{setup.keywords['optimizer'].source}]")
+        values = setup.feed.hyperparams_at(step)
+        for f in optimizer.fed:
+            if f.group is None:
+                lines.append(_fed_line(f.name, f, values[f.name], setup.feed, step))
+        if optimizer.decay_to is not None and not optimizer.groups:
+            lines.append(_decay_line(setup, optimizer.decayed, setup.model.leaf_paths["parameter"]))
+        if not optimizer.hyperparams:
+            lines.append("hyperparameters baked into the program (not injected: unschedulable)")
+        for group in optimizer.groups:
+            groups.append(
+                f"{group.name}: {len(group.paths)} leaves, {group.size:,} parameters: "
+                f"{_paths(group.paths)}"
+            )
+            for f in optimizer.fed:
+                if f.group == group.name:
+                    groups.append("  " + _fed_line(f.key, f, values[f.name], setup.feed, step))
+            if optimizer.decay_to is not None:
+                groups.append("  " + _decay_line(setup, group.decayed, group.paths))
+    lines.append(f"parameters: {setup.model.param_count:,}")
+    sections.append(("optimizer", lines))
+    if groups:
+        sections.append(("parameter groups  [param_group method]", groups))
+
+    lines = [
+        f"{name}: {type(getattr(experiment.instance, name)).__name__} = "
+        f"{_fmt(setup.feed.device_value(name))}"
+        for name in experiment.device_specs
+    ] or ["none"]
+    sections.append(("Device fields", lines))
+    return BindingReport(sections)

@@ -1,0 +1,784 @@
+"""`Nitro`: the handle of one run of an experiment.
+
+`Nitro(e)` sets up and compiles nothing: it resolves the run keywords and builds a frozen
+`RunSetup` (data, model, optimizer, routing, schedules, code fingerprints) and the initial
+`TrainState`. `train()` runs the loop on a worker thread; `validate`, `evaluate` and `predict`
+work on a handle that never trained. The handle composes a setup, a state, the programs it
+holds, an event path and a run guard; its public attributes read from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from nitro.core import events as events_module
+from nitro.core import progress
+from nitro.core.events import Events
+from nitro.core.keywords import Resolved
+from nitro.core.run_setup import RunSetup
+from nitro.core.train_state import TrainState
+from nitro.data import pad_batch
+from nitro.engine import loop
+from nitro.engine.keywords import resolve_run_keywords
+from nitro.engine.runner import Run, RunControl, RunGuard, sigint_requests_stop, wait_for
+from nitro.engine.setup import batch_size, build
+from nitro.errors import ExperimentError, Interrupted, RunningError, SetupError
+from nitro.experiments.declaration import (
+    REQUIRED_HOOKS,
+    FieldKind,
+    check_field_type,
+    edit_generation,
+    field_specs,
+    has_method,
+)
+from nitro.handle.binding_report import BindingReport, binding_report
+from nitro.handle.displays import handle_html, short_repr
+from nitro.programs.specs import ProgramSet
+from nitro.programs.staleness import stale_changes, stale_report
+from nitro.runs.lifecycle import RunFiles, check_watched_metrics
+from nitro.runs.weights import AveragedWeights, CheckpointWeights, WeightsSource, copy_array
+
+__all__ = ["Nitro"]
+
+
+def _check_experiment(experiment: Any) -> type:
+    if isinstance(experiment, type) and hasattr(experiment, "__nitro_fields__"):
+        raise ExperimentError(
+            f"Nitro() takes an experiment instance, not the class: Nitro({experiment.__name__}())"
+        )
+    cls = type(experiment)
+    try:
+        field_specs(cls)
+    except ExperimentError:
+        raise ExperimentError(
+            f"Nitro() takes an experiment instance (a class decorated with "
+            f"@nitro.experiment); got {type(experiment).__name__}"
+        ) from None
+    required = [h for h in REQUIRED_HOOKS if h != "loss" or not has_method(cls, "train_step")]
+    missing = [h for h in required if not has_method(cls, h)]
+    if missing:
+        raise ExperimentError(
+            f"{cls.__qualname__} is missing required hook{'s' * (len(missing) > 1)} "
+            f"{', '.join(missing)}. An experiment defines build_data(self), "
+            f"build_model(self, rngs), forward(self, model, *, <fields>) and "
+            f"loss(self, outputs, *, <fields>)."
+        )
+    return cls
+
+
+class Nitro:
+    """The handle of one run of an experiment.
+
+    >>> import nitro
+    >>> from nitro.examples.digits import Digits
+    >>> n = nitro.Nitro(Digits(max_epochs=1), seed=0, progress=False)   # compiles nothing
+    >>> n.train().step                                                   # doctest: +SKIP
+    9
+    """
+
+    def __init__(self, experiment: Any, **keywords: Any):
+        cls = _check_experiment(experiment)
+        instance = dataclasses.replace(experiment)  # frozen copy of the configuration
+        weights = keywords.pop("weights", None)
+        data = keywords.pop("data", None)
+        resolved = resolve_run_keywords(instance, keywords)
+        if weights is not None and resolved["resume"].value:
+            raise SetupError(
+                "resume= and weights= are exclusive: resume= continues a run (its weights, "
+                "optimizer state, counters and history); weights= starts a new run from "
+                "weights only. Pass one of them."
+            )
+        self._progress = progress.make_reporter(resolved["progress"].value)
+        self._state: TrainState | None = None  # built below; monitors see setup phases first
+        self._events = Events([self._progress], context=self._phase_context)
+        self._logging = None
+        if resolved["logger"].value is not None:
+            from nitro.loggers import LoggingReporter
+
+            self._logging = LoggingReporter(resolved["logger"].value)
+            self._events.add(self._logging)
+        self._control = RunControl()
+        self._control.say = self._say
+        self._guard = RunGuard(lambda: f"this {cls.__name__} handle")
+        self._run: Run | None = None
+        self._stop_reason: str | None = None
+        self._error: BaseException | None = None
+        self._checkpoint: dict[str, Any] | None = None
+        self._serving_width: int | None = None
+        self._stale_seen: str | None = None
+        self._stale_checked = (edit_generation(), 0.0)
+        source = _weights_source(weights)
+        with events_module.using(self._events):
+            self._setup, self._state = build(
+                instance, resolved, keywords, events=self._events, data=data, weights=source
+            )
+        self._programs = ProgramSet(self._setup)
+        check_watched_metrics(self._setup, self._state)
+        self._files = RunFiles.plan(self._setup, self._events)
+        if self._logging is not None:
+            self._files.logger_state = self._logging.logger.state
+        self._checkpoint = self._setup.model.weights_checkpoint
+        if self._files.resume_from is not None:
+            with events_module.using(self._events):
+                meta = self._files.restore(self._setup, self._state, self._events)
+            self._reattach_logger(meta)
+            directory, step = self._files.resume_from
+            self._checkpoint = {
+                "path": str(directory / str(step)),
+                "run_id": meta.get("run_id"),
+                "step": step,
+                "epoch": meta.get("epoch"),
+                "metrics": meta.get("metrics"),
+            }
+        self._target_epoch = max(self._setup.max_epochs, self._state.epoch)
+        self._events.phase("ready")
+
+    def _phase_context(self) -> tuple[Nitro | None, int | None, int | None]:
+        """(handle, step, epoch) for phase monitors; nothing while the handle is built."""
+        state = self._state
+        return (None, None, None) if state is None else (self, state.step, state.epoch)
+
+    def _reattach_logger(self, meta: Mapping[str, Any]) -> None:
+        saved = meta.get("logger")
+        if saved is None or self._logging is None:
+            return
+        try:
+            self._logging.logger.reattach(saved)
+        except (TypeError, ValueError) as error:
+            raise SetupError(
+                f"cannot resume into this logger: {error}. Resume with the logger the run "
+                f"was started with (its checkpoint recorded {saved!r}), or logger=None"
+            ) from None
+
+    @property
+    def logger(self):
+        """The run's logger (a `nitro.loggers.LoggerGroup`), or None when it logs nothing."""
+        return self._logging.logger if self._logging is not None else None
+
+    def logger_info(self) -> dict[str, Any]:
+        """What identifies the run's logger(s): type, path, run id."""
+        from nitro.loggers import logger_info
+
+        return logger_info(self.logger) if self.logger is not None else {}
+
+    # ------------------------------------------------------------------------------------------
+    # what the handle holds
+
+    @property
+    def setup(self) -> RunSetup:
+        """What this run decided at construction (frozen)."""
+        return self._setup
+
+    @property
+    def state(self) -> TrainState:
+        """The train state: variables, counters and the committed history. Read it; while a
+        run trains, the loop updates it."""
+        return self._state
+
+    @property
+    def cls(self) -> type:
+        return self._setup.cls
+
+    @property
+    def owner(self) -> str:
+        """`module.QualName` of the experiment class (how the compile cache names it)."""
+        return self._setup.owner
+
+    @property
+    def experiment(self) -> Any:
+        """The handle's copy of the experiment (Device fields follow `set_device`)."""
+        return self._setup.experiment.instance
+
+    @property
+    def keywords(self) -> Mapping[str, Resolved]:
+        """Every run keyword, resolved: `.value` and `.source` (where it came from)."""
+        return self._setup.keywords
+
+    @property
+    def given_keywords(self) -> dict[str, Any]:
+        """The run keywords passed to `Nitro(...)` (not `weights` or `data`)."""
+        return dict(self._setup.given_keywords)
+
+    @property
+    def splits(self) -> dict[str, Any]:
+        """Split name -> the source `build_data` (or `data=`) gave."""
+        return {name: split.source for name, split in self._setup.splits.items()}
+
+    @property
+    def placement(self):
+        return self._setup.placement
+
+    @property
+    def optimizer(self):
+        return self._setup.optimizer
+
+    @property
+    def schedules(self) -> tuple:
+        return self._setup.schedules
+
+    @property
+    def seed(self) -> int:
+        return self._setup.seed
+
+    @property
+    def max_epochs(self) -> int:
+        return self._setup.max_epochs
+
+    @property
+    def target_epoch(self) -> int:
+        """The epoch the current (or latest) run trains to: `max_epochs`, or the epoch
+        `train(epochs=N)` aimed at."""
+        return self._target_epoch
+
+    @property
+    def run_dir(self) -> str:
+        """This run's directory: checkpoints, logs and run.json live there."""
+        return str(self._files.run_dir)
+
+    @property
+    def run_id(self) -> str:
+        """A sortable timestamp plus a short random suffix; a resumed run keeps its id."""
+        return self._files.run_id
+
+    @property
+    def total_steps(self) -> int | None:
+        """The schedules' horizon: max_epochs x batches per epoch."""
+        return self._setup.total_steps
+
+    @property
+    def param_count(self) -> int:
+        return self._setup.model.param_count
+
+    @property
+    def weights_checkpoint(self) -> dict[str, Any] | None:
+        """The checkpoint the current weights came from (path, run id, step, epoch, metrics):
+        `weights=` a checkpoint, `resume=`, or `restore_best()`; None otherwise."""
+        return self._checkpoint
+
+    @property
+    def weights_origin(self) -> str:
+        """Where the initial weights came from: "build_model" or the `weights=` source."""
+        return self._setup.model.weights_origin
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps completed."""
+        return self._state.step
+
+    @property
+    def epoch(self) -> int:
+        """Epochs completed."""
+        return self._state.epoch
+
+    @property
+    def phase(self) -> str:
+        """Where the handle is: setup, building data, building model, routing, ready,
+        training, validating, evaluating <split>, predicting, done, stopped or failed."""
+        return self._events.current_phase
+
+    @property
+    def stop_reason(self) -> str | None:
+        """Why the latest run ended: "completed", "requested" or "error" (None before)."""
+        return self._stop_reason
+
+    @property
+    def last_metrics(self) -> dict[str, Any]:
+        """The latest history row (loss, validation metrics, timing)."""
+        return dict(self._state.last_row)
+
+    @property
+    def reporter(self) -> Any:
+        """The progress reporter this handle's runs report to (None when silent)."""
+        return self._progress
+
+    def on_phase(self, fn) -> Nitro:
+        """Call `fn(change)` (a `nitro.core.events.PhaseChange`: phase, previous, step, epoch and,
+        after validation, the epoch's metrics) on every phase transition of this handle."""
+        self._events.add_monitor(fn)
+        return self
+
+    @property
+    def error(self) -> BaseException | None:
+        """The exception the latest run failed with (None when it did not fail)."""
+        return self._error
+
+    @property
+    def events(self) -> Events:
+        """The event path of this handle's runs; `events.add(reporter)` adds a reporter."""
+        return self._events
+
+    @property
+    def running(self) -> bool:
+        """True while a training run is in progress (in the foreground or the background)."""
+        return self._run is not None and self._run.running
+
+    # ------------------------------------------------------------------------------------------
+    # training
+
+    def train(self, epochs: int | None = None, *, background: bool = False) -> Nitro:
+        """Train until `max_epochs` (or for `epochs` more epochs) on a worker thread.
+
+        Blocks unless `background=True`. Ctrl-C stops after the current step; the handle
+        stays usable and `train()` again continues from where it stopped. An epoch trained
+        but not yet validated (a stop during validation) is validated first.
+        """
+        with sigint_requests_stop(self._control):
+            self._check_stale("train")
+            if "train" not in self._setup.splits:
+                raise SetupError(
+                    f"this handle has no 'train' split (splits: "
+                    f"{', '.join(self._setup.splits) or 'none'}); it can validate, evaluate "
+                    f"and predict"
+                )
+            if epochs is not None and (
+                isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1
+            ):
+                raise ValueError(f"epochs must be a positive int, got {epochs!r}")
+            self._guard.claim("training", background=background)
+            started = False
+            try:
+                if epochs is not None:
+                    target = self.epoch + epochs
+                elif self.epoch < self._target_epoch:
+                    target = self._target_epoch  # a stopped run resumes to where it was going
+                else:
+                    target = self.max_epochs
+                if target <= self.epoch and not self._pending():
+                    progress.note(
+                        f"already trained {self.epoch} of max_epochs={self.max_epochs} epochs; "
+                        f"n.train(epochs=N) trains N more"
+                    )
+                    return self
+                self._target_epoch = target
+                self._control.stop.clear()
+                self._stop_reason = None
+                self._error = None
+                run = Run(
+                    lambda: self._train_body(target),
+                    name=f"nitro-training-{self.cls.__name__}",
+                    context=self,
+                )
+                self._run = run
+                run.start()
+                started = True
+            finally:
+                if not started:
+                    self._guard.release()
+            if not background:
+                self._wait(run)
+        return self
+
+    def _pending(self) -> bool:
+        return self._state.epoch_trained
+
+    def _after_epoch(self, state: TrainState, row: dict[str, Any]) -> str | None:
+        return self._files.after_epoch(self._setup, state, row, self._events)
+
+    def _train_body(self, target: int) -> None:
+        """The worker thread's work: the loop between start_run and end_run, then the phase."""
+        events = self._events
+        try:
+            with events_module.using(events):
+                events.start_run(self, target)
+                try:
+                    self._files.open(self._setup, events)
+                    self._state, reason = loop.train_epochs(
+                        self._setup,
+                        self._state,
+                        self._programs,
+                        events,
+                        self._control,
+                        target,
+                        after_epoch=self._after_epoch,
+                    )
+                    self._files.end_run(self._setup, self._state, events, reason)
+                    self._stop_reason = reason
+                except BaseException:
+                    self._stop_reason = "error"
+                    self._files.close()  # saves already begun finish; nothing partial is added
+                    raise
+                finally:
+                    events.end_run(self)  # the stop reason is known here
+                events.phase("stopped" if reason == "requested" else "done")
+        except BaseException as error:
+            self._stop_reason = "error"
+            self._error = error
+            events.phase("failed")
+            raise
+        finally:
+            self._guard.release()
+
+    def wait(self) -> Nitro:
+        """Wait for a background run; Ctrl-C turns into a stop request. Re-raises the run's
+        error, if it failed."""
+        run = self._run
+        if run is None:
+            return self
+        with sigint_requests_stop(self._control):
+            self._wait(run)
+        return self
+
+    def _wait(self, run: Run) -> None:
+        wait_for(run, self._control, self._say, "training")
+        if run.error is not None:
+            error, run.error = run.error, None
+            raise error
+
+    def _say(self, message: str) -> None:
+        """A note for the person at the keyboard: through the reporters, or on stderr."""
+        if self._progress is not None:
+            self._events.note(message)
+        else:
+            import sys
+
+            print(f"nitro: {message}", file=sys.stderr, flush=True)
+
+    def stop(self) -> Nitro:
+        """Ask a running loop to stop after the current step (returns at once)."""
+        self._control.stop.set()
+        return self
+
+    # ------------------------------------------------------------------------------------------
+    # evaluation and prediction
+
+    def validate(self, *, weights: str | None = None) -> dict[str, Any]:
+        """Loss and metrics on the 'val' split, e.g. {'val_loss': ..., 'val_acc': ...}.
+        `weights="ema"` evaluates the moving average of the weights (`ema=`)."""
+        return self.evaluate(split="val", weights=weights)
+
+    def evaluate(self, split: str = "test", *, weights: str | None = None) -> dict[str, Any]:
+        """Loss and metrics on any split, prefixed with the split's name.
+
+        On 'val', an epoch trained but not yet validated (a stop during its validation) is
+        validated and its history row committed. Ctrl-C stops cleanly between batches and
+        raises `nitro.Interrupted`; nothing is recorded.
+        """
+        with sigint_requests_stop(self._control):
+            self._check_stale("evaluate")
+            with self._guard.hold(f"evaluating {split}"), events_module.using(self._events):
+                self._setup.split(split)
+                self._control.stop.clear()
+                previous = self.phase
+                try:
+                    if split == "val" and self._pending() and weights is None:
+                        row = loop.finish_epoch(
+                            self._setup, self._state, self._programs, self._events, self._control
+                        )
+                        result = None if row is None else _prefixed(row, "val_")
+                        if row is not None:
+                            self._files.open(self._setup, self._events)
+                            self._after_epoch(self._state, row)
+                    else:
+                        self._events.phase(f"evaluating {split}")
+                        result = loop.evaluate_split(
+                            self._setup, self._state, self._programs, self._control, split, weights
+                        )
+                finally:
+                    self._events.phase(previous)
+                if result is None:
+                    raise Interrupted(
+                        f"evaluating the {split!r} split was interrupted; it stopped cleanly "
+                        f"between batches and recorded nothing"
+                    )
+                return result
+
+    def predict(self, batch: Any, *, weights: str | None = None):
+        """Run `forward` in eval mode. A dict of arrays -> host numpy outputs; an iterable of
+        such dicts -> an iterator of outputs, one per batch. `weights="ema"` predicts with the
+        moving average of the weights."""
+        self._check_stale("predict")
+        forward = self._setup.experiment.hook_fields["forward"]
+        if isinstance(batch, Mapping):
+            return self._predict_batch(batch, weights)
+        if isinstance(batch, (np.ndarray, jax.Array)) or not isinstance(batch, Iterable):
+            raise TypeError(
+                f"predict takes a dict of batch fields (forward needs: {forward.describe()}) or "
+                f"an iterable of such dicts; got {type(batch).__name__}. For example: "
+                f"n.predict({{'{(forward.required or ('x',))[0]}': xs}})"
+            )
+        return (self._predict_batch(b, weights) for b in batch)
+
+    def _predict_width(self, n: int) -> int:
+        """The compiled width predictions are padded or split to: an evaluation split's batch
+        width, else the first prediction's size (so later sizes compile nothing new)."""
+        splits = self._setup.splits
+        for name in ("val", "test", "train", *splits):
+            if name in splits:
+                return splits[name].global_width
+        if self._serving_width is None:
+            self._serving_width = n
+        return self._serving_width
+
+    def _predict_batch(self, batch: Mapping[str, Any], weights: str | None = None):
+        setup = self._setup
+        with sigint_requests_stop(self._control), self._guard.hold("predicting"):
+            self._control.stop.clear()
+            with events_module.using(self._events):
+                chunks = self._predict_chunks(setup, batch, weights)
+        if len(chunks) == 1:
+            return chunks[0]
+        return jax.tree.map(lambda *parts: np.concatenate(parts, axis=0), *chunks)
+
+    def _predict_chunks(
+        self, setup: RunSetup, batch: Mapping[str, Any], weights: str | None = None
+    ) -> list:
+        variables = loop.weights_of(setup, self._state, weights)
+        fields = setup.experiment.hook_fields["forward"].resolve(tuple(batch), "predict")
+        host = {k: np.asarray(batch[k]) for k in fields}
+        n = batch_size(host, "predict")
+        width = self._predict_width(max(n, 1))
+        chunks = []
+        for start in range(0, max(n, 1), width):
+            if self._control.stop.is_set():
+                raise Interrupted(
+                    f"predict was interrupted after {start} of {n} rows; it stopped cleanly "
+                    f"between chunks"
+                )
+            part = {k: v[start : start + width] for k, v in host.items()}
+            if n == 0:  # no rows: run one zero batch for the outputs' trailing shapes
+                part = {k: np.zeros((1, *v.shape[1:]), v.dtype) for k, v in host.items()}
+            part, n_real = pad_batch(part, width)
+            device = setup.placement.put_batch(setup.placement.local_rows(part))
+            args = (variables, setup.feed.current_device(), device, np.int32(n_real))
+            result = self._programs.predict(width, fields, args)(*args)
+            outputs = setup.placement.gather(result["outputs"])
+            loop.delete(result)
+            loop.delete(device)
+            keep = n_real if n else 0
+            chunks.append(jax.tree.map(lambda a, k=keep: np.asarray(a)[:k], outputs))
+        return chunks
+
+    def export(
+        self,
+        directory: str,
+        name: str | None = None,
+        *,
+        platforms: tuple[str, ...] | None = None,
+        weights: str | None = None,
+    ) -> dict[str, Any]:
+        """Write the current weights and eval-mode forward as a bundle that runs without Nitro
+        (`nitro.serving.bundle.load(directory)`) and serves with `nitro serve`; returns its manifest.
+
+        `name` names the bundle (default: the experiment class, lower case); `platforms`
+        defaults to cpu, cuda, rocm and tpu; `weights="ema"` exports the moving average of
+        the weights. See docs/export.md.
+        """
+        from nitro.serving.export import DEFAULT_PLATFORMS, export_handle
+
+        self._check_stale("export")
+        with self._guard.hold("exporting"):
+            variables = loop.weights_of(self._setup, self._state, weights)
+            return export_handle(
+                self,
+                directory,
+                name,
+                platforms=platforms or DEFAULT_PLATFORMS,
+                variables=variables,
+            )
+
+    # ------------------------------------------------------------------------------------------
+    # Device fields
+
+    def set_device(self, **values: Any) -> Nitro:
+        """Change Device fields on the live handle (also while it trains); never recompiles."""
+        experiment = self._setup.experiment
+        for name, value in values.items():
+            spec = next((s for s in field_specs(self.cls) if s.name == name), None)
+            if spec is None:
+                raise AttributeError(
+                    f"{self.cls.__qualname__} has no field {name!r}; Device fields: "
+                    f"{', '.join(experiment.device_specs) or 'none'}"
+                )
+            if spec.kind is not FieldKind.DEVICE:
+                hint = (
+                    "it bakes into the program: build a new handle, "
+                    f"Nitro({self.cls.__name__}({name}=...), weights=n)"
+                    if spec.kind is FieldKind.GRAPHCONST
+                    else "the tracer never sees it: change it on the experiment and build a new "
+                    "handle"
+                )
+                raise TypeError(
+                    f"set_device({name}=...) changes Device fields only; {name!r} is "
+                    f"{spec.kind.value} ({hint})"
+                )
+            if any(s.target == "device" and s.name == name for s in self.schedules):
+                raise TypeError(
+                    f"Device field {name!r} is scheduled; its value comes from the schedule"
+                )
+            check_field_type(self.cls, spec, value, call="set_device")
+            self._setup.feed.set_constant(name, value)
+            setattr(experiment.instance, name, value)
+        return self
+
+    def device_value(self, name: str) -> Any:
+        """The current value of a Device field, as a host value."""
+        if name not in self._setup.experiment.device_specs:
+            raise AttributeError(f"{name!r} is not a Device field of {self.cls.__qualname__}")
+        return self._setup.feed.device_value(name)
+
+    # ------------------------------------------------------------------------------------------
+    # weights
+
+    def _trees(self):
+        model = self._setup.model
+        variables = self._state.variables
+        params = jax.tree.unflatten(model.params_def, variables.params)
+        rest = jax.tree.unflatten(model.model_state_def, variables.model_state)
+        return params, rest
+
+    def _at_step_boundary(self, fn, what: str):
+        """Run `fn` when no work holds the handle, or at the next step boundary of a training
+        run (on its thread, before the next step donates the state)."""
+        try:
+            with self._guard.hold(what):
+                return fn()
+        except RunningError:
+            if self._guard.activity != "training":
+                raise
+        future = self._control.request_copy(fn)
+        while not future.done():
+            try:
+                with self._guard.hold(what):
+                    self._control.serve_copies()
+            except RunningError:
+                try:
+                    future.exception(timeout=0.05)
+                except TimeoutError:
+                    pass
+        return future.result()
+
+    def _weights_copy(self) -> WeightsSource:
+        def copy():
+            params, rest = self._trees()
+            return WeightsSource(
+                jax.tree.map(copy_array, params),
+                jax.tree.map(copy_array, rest),
+                f"the weights of a {self.cls.__name__} run at epoch {self.epoch}, step {self.step}",
+            )
+
+        return self._at_step_boundary(copy, "copying its weights")
+
+    @property
+    def model(self) -> nnx.Module:
+        """A copy of the current model (train mode), safe to keep and modify. While the
+        handle trains, taken at the next step boundary."""
+        source = self._weights_copy()
+        return nnx.merge(self._setup.model.graphdef_train, source.params, source.model_state)
+
+    def restore_best(self) -> Nitro:
+        """Load the weights (parameters and model state) of this run's best checkpoint by the
+        checkpointer's metric; the optimizer state, counters and history stay."""
+        with self._guard.hold("restoring its best weights"):
+            if self._files.store is not None:
+                self._files.store.wait()
+            source = CheckpointWeights((str(self._files.run_dir), "best"))
+            params, rest = self._trees()
+            params, rest, origin, self._checkpoint = source.resolve(params, rest)
+            place = self._setup.placement.put_replicated
+            self._state.variables = dataclasses.replace(
+                self._state.variables,
+                params=[place(x) for x in jax.tree.leaves(params)],
+                model_state=[place(x) for x in jax.tree.leaves(rest)],
+            )
+        self._say(f"restored the weights of {origin}")
+        return self
+
+    def checkpoints(self):
+        """This run's saved checkpoints: a DataFrame of step, epoch and the checkpointer's
+        metric (empty when none are saved yet)."""
+        import pandas as pd
+
+        from nitro.runs.checkpoints import describe_saved
+
+        if self._files.store is not None:
+            self._files.store.wait()
+        return pd.DataFrame(describe_saved(self._files.run_dir))
+
+    @property
+    def hyperparameters(self) -> dict[str, float]:
+        """The optimizer's injected hyperparameters as the last step used them."""
+        if self.optimizer is None:
+            return {}
+        return self._setup.feed.hyperparams_now()
+
+    # ------------------------------------------------------------------------------------------
+    # results and reports
+
+    def history(self):
+        """A pandas DataFrame indexed by epoch: loss, val_loss, metrics, timing."""
+        import pandas as pd
+
+        rows = [{k: v for k, v in row.items() if np.ndim(v) == 0} for row in self._state.history]
+        frame = pd.DataFrame(rows)
+        if not frame.empty:
+            frame = frame.set_index("epoch")
+        return frame
+
+    def plot(self, path: str | None = None, metrics: Iterable[str] | None = None):
+        """Draw the history (loss and metric curves); save a PNG when `path` is given."""
+        from nitro.handle.plotting import plot_history
+
+        return plot_history(self.history(), path=path, metrics=metrics, title=self.cls.__name__)
+
+    def binding_report(self) -> BindingReport:
+        """Where every value came from: splits, hook fields, run keywords, schedules, optimizer."""
+        return binding_report(self._setup, self.step, self.run_dir, self.run_id)
+
+    def stale_changes(self) -> dict[str, list[str]]:
+        """Code that changed since this handle was built: unit (a hook name or "model") ->
+        the parts that changed in it ("helper mlp_block", "method MLP.__call__"; empty when
+        the hook itself changed). `nitro.programs.staleness.programs_using(unit)` names the programs
+        each unit reaches."""
+        return stale_changes(self._setup)
+
+    def stale_report(self) -> str | None:
+        """What changed in the experiment's code since this handle was built, or None."""
+        return stale_report(self._setup, self._programs.held())
+
+    def held_programs(self) -> list[str]:
+        """The kinds of the compiled programs this handle holds."""
+        return self._programs.held()
+
+    def _check_stale(self, entry: str) -> None:
+        generation, last = self._stale_checked
+        now = time.monotonic()
+        if generation == edit_generation() and now - last < 1.0:
+            return
+        self._stale_checked = (edit_generation(), now)
+        text = self.stale_report()
+        if text and text != self._stale_seen:
+            progress.note(text)
+        self._stale_seen = text
+
+    def __repr__(self) -> str:
+        return short_repr(self)
+
+    def _repr_html_(self) -> str:
+        return handle_html(self)
+
+
+def _prefixed(row: Mapping[str, Any], prefix: str) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if k.startswith(prefix)}
+
+
+def _weights_source(weights: Any):
+    if weights is None:
+        return None
+    if isinstance(weights, Nitro):
+        return weights._weights_copy()
+    if isinstance(weights, (WeightsSource, CheckpointWeights, AveragedWeights)):
+        return weights
+    if isinstance(weights, (str, os.PathLike, tuple)):
+        return CheckpointWeights(weights if isinstance(weights, tuple) else os.fspath(weights))
+    raise SetupError(
+        f"weights= takes a Nitro handle, a run directory or checkpoint path, (run_dir, "
+        f"'best' | 'latest'), or nitro.average(run_dir, k=3); got {type(weights).__name__}"
+    )

@@ -1,0 +1,14 @@
+"""The optimizer, built from optax stages: parameter groups, decoupled weight decay, clipping,
+schedules bound by name, the moving average of the weights (EMA) and SAM/ASAM.
+
+Internal: users reach these through `nitro.EMA`, `nitro.SAM`, `nitro.ASAM` and the run keywords.
+Imports only `nitro.errors` and `nitro.experiments`.
+
+- `optimizer`: the default optimizer, groups, clipping and decay composed; fed hyperparameters
+- `param_groups`: the `param_group` hook; dotted leaf paths
+- `weight_decay`: decoupled decay toward zero, the initial weights or an anchor
+- `schedules`: schedules bound to hyperparameters by name
+- `ema`, `sam`: the moving average; SAM and ASAM perturbations
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,61 @@
+"""An exponential moving average of the weights, kept in the train state.
+
+`ema=0.999` (or `nitro.EMA(decay=0.999, warmup=True, evaluate=True)`) keeps, next to the
+parameters, their average `ema = d * ema + (1 - d) * params` updated after every optimizer
+step (skipped steps leave it alone). With `warmup`, the decay starts low and rises as
+`min(decay, (1 + t) / (10 + t))` over the first steps, so early weights fade fast. It is
+checkpointed with the rest of the state; `validate`, `evaluate`, `predict` and `export` take
+`weights="ema"`, and `evaluate=True` makes the average what validation reports.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from nitro.errors import SetupError
+
+__all__ = ["EMA"]
+
+
+@dataclasses.dataclass(frozen=True)
+class EMA:
+    """Average the weights: `decay` in (0, 1); `warmup` ramps it up over the first steps;
+    `evaluate` makes validation (and evaluate/predict/export by default) use the average.
+
+    >>> EMA(0.999).decay_at(0), round(EMA(0.999, warmup=True).decay_at(0), 3)
+    (0.999, 0.1)
+    """
+
+    decay: float = 0.999
+    warmup: bool = False
+    evaluate: bool = False
+
+    def __post_init__(self) -> None:
+        if (
+            isinstance(self.decay, bool)
+            or not isinstance(self.decay, (int, float))
+            or not (0.0 < self.decay < 1.0)
+        ):
+            raise SetupError(
+                f"ema decay must be a number in (0, 1), e.g. ema=0.999; got {self.decay!r}"
+            )
+
+    def decay_at(self, step):
+        """The decay used by optimizer step `step` (0-based); works on traced values too."""
+        if not self.warmup:
+            return self.decay
+        import jax.numpy as jnp
+
+        return jnp.minimum(self.decay, (1.0 + step) / (10.0 + step))
+
+    @classmethod
+    def of(cls, value) -> EMA | None:
+        """What the `ema` run keyword accepts: None, a decay in (0, 1), or an EMA."""
+        if value is None or isinstance(value, EMA):
+            return value
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise SetupError(
+                f"ema must be a decay in (0, 1) such as 0.999, a nitro.EMA(...), or None; got "
+                f"{value!r}"
+            )
+        return cls(float(value))

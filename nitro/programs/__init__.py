@@ -1,0 +1,16 @@
+"""The compiled programs: the compile cache (the only place that calls `jax.jit`), JAX's persistent
+cache, tracing, the program specs (train step, evaluation, prediction) and what an edit reaches.
+
+Internal, except `nitro.staleness` and `nitro.manual` (public import paths of `staleness` and
+`manual`). Imports `core` and below.
+
+- `compile_cache`: the module-level cache, its keys, explanations and statistics
+- `persistent_cache`: JAX's persistent compilation cache: its directory, safe writes
+- `tracing`: what every program needs while traced: the view, hook calls, checks
+- `train_step`: the train step and K of them fused with `lax.scan`
+- `manual`: `nitro.manual.Step` for `train_step` hooks, one optimizer per model
+- `specs`: evaluation, prediction and device-metric specs; `ProgramSet`
+- `staleness`: what an edit changed and which programs it reaches
+"""
+
+__all__: list[str] = []

@@ -1,0 +1,254 @@
+"""The programs a handle runs, as traceable functions plus the specs that key them.
+
+Each program takes the run's `Variables` (flat leaf lists, so a call flattens nothing but
+lists), merges the NNX model inside the trace, and gives hooks a `TraceView` of the
+experiment. Programs:
+
+- train step (`train_step.py`): forward, loss, gradient, optimizer update and (device) train
+  metrics, fused into one program over donated variables; K of them in one program through
+  `lax.scan` (multi-step train).
+- eval forward: forward and the per-sample loss of an evaluation batch, masked to the real
+  samples (the final short batch is padded to the compiled width).
+- predict: forward alone.
+- device metrics: a metrics hook traced on device.
+
+`ProgramSet` holds the programs one handle uses, each looked up in the module-level cache
+once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from nitro.core.metrics import split_modes
+from nitro.core.run_setup import RunSetup
+from nitro.core.train_state import Variables
+from nitro.experiments.routing import select
+from nitro.programs import tracing
+from nitro.programs.compile_cache import CACHE, Opaque, Program, ProgramKind, ProgramSpec
+from nitro.programs.train_step import TRAIN_UNITS, train_step_spec
+
+__all__ = [
+    "PROGRAM_UNITS",
+    "ProgramSet",
+    "device_metrics_spec",
+    "eval_spec",
+    "programs_using",
+]
+
+# The code each program kind runs: hooks, the model's classes, the optimizer's update.
+PROGRAM_UNITS: dict[ProgramKind, tuple[str, ...]] = {
+    ProgramKind.TRAIN_STEP: TRAIN_UNITS,
+    ProgramKind.MULTI_STEP: TRAIN_UNITS,
+    ProgramKind.EVAL_FORWARD: ("forward", "loss", "model"),
+    ProgramKind.PREDICT: ("forward", "model"),
+    ProgramKind.DEVICE_METRICS: ("metrics",),
+}
+
+
+def programs_using(unit: str) -> tuple[ProgramKind, ...]:
+    """The program kinds whose code includes `unit` (a hook name, "model" or "optimizer")."""
+    return tuple(kind for kind, units in PROGRAM_UNITS.items() if unit in units)
+
+
+# ---------------------------------------------------------------------------------------------
+# eval forward and predict
+
+
+def eval_spec(
+    setup: RunSetup,
+    fields: Mapping[str, tuple[str, ...]],
+    *,
+    with_loss: bool,
+    return_outputs: bool,
+    batches: int = 1,
+) -> ProgramSpec:
+    """Eval forward (`with_loss`) or predict (forward alone); with `batches > 1`, that many
+    stacked evaluation batches in one call (`lax.scan`), each with its real sample count."""
+    model = setup.model
+
+    def build(reads: set[str]):
+        aux: dict[str, Any] = {}
+
+        def evaluate(variables: Variables, device, batch, n_real):
+            params, rest = tracing.unflatten(setup, variables)
+            view = tracing.view(setup, device, reads)
+            module = nnx.merge(model.graphdef_eval, params, rest, copy=True)
+            inputs = select(batch, fields["forward"])
+            outputs = tracing.call(setup, "forward", view, module, **inputs)
+            result = {}
+            if return_outputs:
+                tracing.check_batch_axis(outputs, inputs)
+                result["outputs"] = outputs
+            if with_loss:
+                result["loss_sum"], aux["exact"] = _masked_loss_sum(
+                    setup, view, outputs, select(batch, fields["loss"]), n_real
+                )
+            return result
+
+        if batches == 1:
+            evaluate.nitro_aux = aux
+            return evaluate
+
+        def evaluate_block(variables: Variables, device, batch, n_real):
+            def one(carry, inputs):
+                return carry, evaluate(variables, device, *inputs)
+
+            return jax.lax.scan(one, None, (batch, n_real))[1]
+
+        evaluate_block.nitro_aux = aux
+        return evaluate_block
+
+    kind = ProgramKind.EVAL_FORWARD if with_loss else ProgramKind.PREDICT
+    hooks = ("forward", "loss") if with_loss else ("forward",)
+    return ProgramSpec(
+        kind=kind,
+        owner=setup.owner,
+        build=build,
+        code=tracing.fingerprint(setup, *PROGRAM_UNITS[kind]),
+        static={
+            "model structure": Opaque(model.structure),
+            "returns outputs": return_outputs,
+            "fields": tracing.fields_key(fields, hooks),
+            "batches per call": batches,
+        },
+        graphconst=setup.experiment.graphconst,
+        arg_names=("variables", "device fields", "batch", "real samples"),
+        leaf_labels=tracing.leaf_labels(
+            setup,
+            "batch",
+            fields,
+            ("variables.params", "parameter"),
+            ("variables.model_state", "model state"),
+        ),
+    )
+
+
+def _masked_loss_sum(setup, view, outputs, fields, n_real):
+    """Sum of per-sample losses over the real samples of a (padded) batch.
+
+    Each sample's loss is the `loss` hook applied to a batch of one, which is exact for a loss
+    that is a mean of per-sample terms; the padded rows are masked out. A loss that couples
+    samples cannot be split per sample: it is then applied to the whole batch and weighted by
+    the real count (exact for every full batch).
+    """
+    width = jax.tree.leaves(fields or outputs)[0].shape[0]
+    mask = jnp.arange(width) < n_real
+
+    def one(sample_outputs, sample_fields):
+        expand = lambda a: a[None]  # noqa: E731
+        return tracing.check_scalar_loss(
+            tracing.call(
+                setup,
+                "loss",
+                view,
+                jax.tree.map(expand, sample_outputs),
+                **jax.tree.map(expand, sample_fields),
+            )
+        )
+
+    try:
+        per_sample = jax.vmap(one)(outputs, fields)
+        return jnp.sum(jnp.where(mask, per_sample.astype(jnp.float32), 0.0)), True
+    except (TypeError, ValueError, IndexError):
+        whole = tracing.check_scalar_loss(tracing.call(setup, "loss", view, outputs, **fields))
+        return whole.astype(jnp.float32) * n_real, False
+
+
+# ---------------------------------------------------------------------------------------------
+# device metrics
+
+
+def device_metrics_spec(setup: RunSetup, fields: Mapping[str, tuple[str, ...]]) -> ProgramSpec:
+    def build(reads: set[str]):
+        aux: dict[str, Any] = {}
+
+        def metrics(outputs, device, batch):
+            view = tracing.view(setup, device, reads)
+            values = tracing.call(setup, "metrics", view, outputs, **batch)
+            aux["specs"], leaves = split_modes(values, "metrics")
+            return leaves
+
+        metrics.nitro_aux = aux
+        return metrics
+
+    return ProgramSpec(
+        kind=ProgramKind.DEVICE_METRICS,
+        owner=setup.owner,
+        build=build,
+        code=tracing.fingerprint(setup, *PROGRAM_UNITS[ProgramKind.DEVICE_METRICS]),
+        static={"fields": tracing.fields_key(fields, ("metrics",))},
+        graphconst=setup.experiment.graphconst,
+        arg_names=("outputs", "device fields", "batch"),
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# one handle's programs
+
+
+class ProgramSet:
+    """The programs one handle uses. Each slot is looked up in the module cache once; later
+    calls reuse the program the slot holds."""
+
+    def __init__(self, setup: RunSetup):
+        self.setup = setup
+        self._slots: dict[tuple, Program] = {}
+
+    def _get(self, slot: tuple, make_spec: Callable[[], ProgramSpec], args) -> Program:
+        program = self._slots.get(slot)
+        if program is None:
+            program = CACHE.lookup(make_spec(), args)
+            self._slots[slot] = program
+        return program
+
+    def train_step(self, args, steps: int = 1, micro: int = 1) -> Program:
+        """The train step (`steps == 1`), or `steps` of them fused in one program; each step
+        accumulates `micro` micro-batches."""
+        fields = self.setup.splits["train"].hook_fields
+        return self._get(
+            ("train", steps, micro),
+            lambda: train_step_spec(self.setup, fields, steps, micro),
+            args,
+        )
+
+    def eval_forward(
+        self, split: str, args, *, with_loss: bool, return_outputs: bool, batches: int = 1
+    ) -> Program:
+        info = self.setup.splits[split]
+        return self._get(
+            ("eval", split, info.width, batches),
+            lambda: eval_spec(
+                self.setup,
+                info.hook_fields,
+                with_loss=with_loss,
+                return_outputs=return_outputs,
+                batches=batches,
+            ),
+            args,
+        )
+
+    def device_metrics(self, split: str, args) -> Program:
+        width = jax.tree.leaves(args[0])[0].shape[0]
+        fields = self.setup.splits[split].hook_fields
+        return self._get(
+            ("metrics", split, width), lambda: device_metrics_spec(self.setup, fields), args
+        )
+
+    def predict(self, width: int, fields: tuple[str, ...], args) -> Program:
+        return self._get(
+            ("predict", width, fields),
+            lambda: eval_spec(
+                self.setup, {"forward": fields}, with_loss=False, return_outputs=True
+            ),
+            args,
+        )
+
+    def held(self) -> list[str]:
+        """Titles of the programs this handle holds, sorted."""
+        return sorted({p.title for p in list(self._slots.values())})

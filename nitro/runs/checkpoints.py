@@ -1,0 +1,541 @@
+"""Checkpoints: the whole `TrainState` saved with orbax after an epoch's validation.
+
+`Checkpointer(k=3, metric="val_loss", mode="min", every=1, budget=0.05)` configures the
+default checkpointer, an orbax `CheckpointManager` in `<run_dir>/checkpoints`. It keeps the
+best `k` checkpoints by `metric` plus the newest, and saves asynchronously (orbax writes in
+the background while training goes on). A save is the parameters, the model's other
+variables and the optimizer state as nested dicts of numpy arrays (item `state`), and a JSON
+record (item `meta`): step, epoch, seed, history, the GraphConst configuration, the Device
+values, the code fingerprints, the run id and the epoch's metrics. Plain orbax reads them:
+
+```python
+import orbax.checkpoint as ocp
+manager = ocp.CheckpointManager("runs/Digits/20261130-181500-a3f9/checkpoints")
+saved = manager.restore(manager.latest_step())
+saved["state"]["params"]["hidden1"]["kernel"]        # a numpy array
+saved["meta"]["epoch"], saved["meta"]["history"][-1]
+```
+
+`budget` bounds what checkpoints cost: a save is skipped when the time since the last one,
+times `budget`, is less than what the last one cost, so tiny epochs (the digits demo's take
+milliseconds) do not spend their time in orbax. The newest committed epoch is always saved
+when a run ends at an epoch boundary; `budget=None` saves every `every` epochs regardless.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import math
+import os
+import shutil
+import threading
+import time
+import warnings
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from nitro.errors import SetupError
+
+__all__ = [
+    "CHECKPOINT_FORMAT",
+    "Checkpointer",
+    "CheckpointStore",
+    "describe_checkpoints",
+    "describe_saved",
+    "host_tree",
+    "ranked_steps",
+    "resolve_checkpoint",
+]
+
+CHECKPOINT_FORMAT = 1
+
+# Orbax deletes a step by removing its files one by one: a process killed meanwhile would
+# leave a step directory that still lists as saved but no longer restores. So steps are moved
+# into this subdirectory first (one atomic rename) and removed from there.
+DELETING = "deleting"
+
+
+@dataclasses.dataclass(frozen=True)
+class Checkpointer:
+    """How a run saves checkpoints (the `checkpointer=` run keyword; `None` turns them off).
+
+    Args:
+      k: keep the best `k` checkpoints by `metric` (plus the newest).
+      metric: the history column that ranks checkpoints (`val_loss`, `val_acc`, `loss`, ...).
+      mode: "min" or "max": which way is better.
+      every: consider a save every `every` epochs.
+      budget: the largest fraction of training time checkpoints may take (saves are skipped
+        while the last one's cost exceeds `budget` x the time since it); None saves every
+        `every` epochs.
+
+    >>> Checkpointer(k=5, metric="val_acc", mode="max")
+    Checkpointer(k=5, metric='val_acc', mode='max', every=1, budget=0.05)
+    """
+
+    k: int = 3
+    metric: str = "val_loss"
+    mode: str = "min"
+    every: int = 1
+    budget: float | None = 0.05
+
+    def __post_init__(self) -> None:
+        for name in ("k", "every"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise SetupError(f"Checkpointer({name}={value!r}): {name} must be an int >= 1")
+        if self.mode not in ("min", "max"):
+            raise SetupError(f"Checkpointer(mode={self.mode!r}): mode must be 'min' or 'max'")
+        if not isinstance(self.metric, str) or not self.metric:
+            raise SetupError(f"Checkpointer(metric={self.metric!r}): name a history column")
+        if self.budget is not None and not (
+            isinstance(self.budget, (int, float)) and 0 < self.budget <= 1
+        ):
+            raise SetupError(
+                f"Checkpointer(budget={self.budget!r}): a fraction in (0, 1], or None to save "
+                f"every `every` epochs"
+            )
+
+    def better(self, a: float, b: float) -> bool:
+        return a < b if self.mode == "min" else a > b
+
+
+# ---------------------------------------------------------------------------------------------
+# trees of host arrays
+
+
+def _host(x: Any) -> np.ndarray:
+    """A host copy of a (replicated) array; PRNG keys as their key data."""
+    if isinstance(x, jax.Array):
+        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        if not x.is_fully_addressable:
+            x = x.addressable_data(0)
+    return np.array(x, copy=True)
+
+
+def _nest(paths: tuple[str, ...], leaves: list) -> dict[str, Any]:
+    tree: dict[str, Any] = {}
+    for path, leaf in zip(paths, leaves, strict=True):
+        node = tree
+        *parents, last = path.split(".") if path else ["value"]
+        for part in parents:
+            node = node.setdefault(part, {})
+        node[last] = leaf
+    return tree
+
+
+def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    flat: dict[str, Any] = {}
+    for key, value in tree.items():
+        path = f"{prefix}.{key}" if prefix else str(key)
+        if isinstance(value, Mapping):
+            flat.update(_flatten(value, path))
+        else:
+            flat[path] = value
+    return flat
+
+
+def host_tree(setup: Any, variables: Any) -> dict[str, Any]:
+    """The variables as nested dicts of numpy arrays, keyed by the model's leaf paths."""
+    paths = setup.model.leaf_paths
+    tree = {
+        "params": _nest(paths["parameter"], [_host(x) for x in variables.params]),
+        "model_state": _nest(paths["model state"], [_host(x) for x in variables.model_state]),
+    }
+    if variables.opt_state is not None:
+        tree["opt_state"] = _nest(paths["optimizer state"], [_host(x) for x in variables.opt_state])
+    if variables.ema is not None:  # the moving average of the weights (ema=)
+        tree["ema"] = _nest(paths["parameter"], [_host(x) for x in variables.ema])
+        tree["ema_steps"] = _host(variables.ema_steps)
+    return tree
+
+
+def leaves_from(what: str, saved: Mapping[str, Any], paths, template: list) -> list:
+    """Leaves in the template's order from a saved nested dict; a mismatch names the leaves."""
+    flat = _flatten(saved) if paths != ("",) else {"": saved.get("value")}
+    missing = [p for p in paths if p not in flat]
+    extra = [p for p in flat if p not in set(paths)]
+    problems = [f"  {p}: missing from the checkpoint" for p in missing[:6]]
+    problems += [f"  {p}: in the checkpoint, not in this model" for p in extra[:6]]
+    leaves = []
+    for path, like in zip(paths, template, strict=True):
+        value = flat.get(path)
+        if value is None:
+            continue
+        is_key = isinstance(like, jax.Array) and jax.dtypes.issubdtype(
+            like.dtype, jax.dtypes.prng_key
+        )
+        expected = np.shape(jax.random.key_data(like)) if is_key else np.shape(like)
+        dtype = jax.random.key_data(like).dtype if is_key else np.asarray(like).dtype
+        if tuple(np.shape(value)) != tuple(expected) or np.asarray(value).dtype != dtype:
+            problems.append(
+                f"  {path}: this model {dtype}{list(expected)}, checkpoint "
+                f"{np.asarray(value).dtype}{list(np.shape(value))}"
+            )
+            continue
+        if is_key:
+            value = jax.random.wrap_key_data(np.asarray(value), impl=jax.random.key_impl(like))
+        leaves.append(value)
+    if problems:
+        raise SetupError(
+            f"the checkpoint's {what} do not fit this model (build it with the same GraphConst "
+            f"values and model code):\n" + "\n".join(problems)
+        )
+    return leaves
+
+
+# ---------------------------------------------------------------------------------------------
+# the store
+
+
+_OPEN: weakref.WeakSet = weakref.WeakSet()
+
+# Orbax is not safe to drive from several threads at once: two managers saving in parallel
+# (two handles training in the background) corrupt each other's OCDBT writes. Every orbax
+# call goes through this lock, and a manager's background write is finished before another
+# manager starts; one run's own saves still overlap its training.
+_ORBAX_LOCK = threading.RLock()
+_LAST_WRITER: list[Any] = [None]
+
+
+def _exclusive(manager: Any = None):
+    """Hold the orbax lock; finish another manager's background write first."""
+
+    class _Held:
+        def __enter__(self):
+            _ORBAX_LOCK.acquire()
+            last = _LAST_WRITER[0]
+            if last is not None and last is not manager:
+                try:
+                    last.wait_until_finished()
+                finally:
+                    _LAST_WRITER[0] = None
+            return self
+
+        def __exit__(self, *exc):
+            _ORBAX_LOCK.release()
+
+    return _Held()
+
+
+@atexit.register
+def _close_all() -> None:  # pragma: no cover - runs at interpreter exit
+    for store in list(_OPEN):
+        store.close()
+
+
+def _json_safe(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, (bool, int, float, str)) or value is None:
+        return value
+    if isinstance(value, np.generic):
+        return _json_safe(value.item())
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(v) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): _json_safe(v) for k, v in value.items()}
+    return repr(value)
+
+
+class CheckpointStore:
+    """One run's orbax `CheckpointManager`, opened on first use, closed when the run's
+    handle goes away (or at exit), with the budget that decides which epochs are saved."""
+
+    def __init__(self, directory: str | os.PathLike, config: Checkpointer, deterministic: bool):
+        self.directory = Path(directory).absolute()  # orbax writes absolute paths only
+        self.config = config
+        self.deterministic = deterministic  # across processes: decide by epoch count only
+        self._manager = None
+        self._lock = threading.Lock()
+        self._last_start: float | None = None
+        self._last_cost = 0.0
+        self.saved_epoch: int | None = None
+        self.costs: list[float] = []  # seconds each save blocked the loop
+        self.failures: list[str] = []
+        _OPEN.add(self)
+
+    def _open(self, ranked: bool = True):
+        """The manager. `ranked`: this run produces the metric, so orbax records it with each
+        step and keeps the best k by it plus the newest; a run without it (no 'val' split for
+        'val_loss') keeps the newest only."""
+        if self._manager is None:
+            import orbax.checkpoint as ocp
+            from orbax.checkpoint import checkpoint_managers as managers
+
+            config = self.config
+            metric = config.metric
+            keep = [managers.LatestN(n=1)]
+            ranking = {}
+            if ranked:
+                keep.append(
+                    managers.BestN(
+                        get_metric_fn=lambda m: m[metric],
+                        reverse=config.mode == "min",
+                        n=config.k,
+                        keep_checkpoints_without_metrics=False,
+                    )
+                )
+                ranking = {"best_fn": lambda m: m[metric], "best_mode": config.mode}
+            options = ocp.CheckpointManagerOptions(
+                preservation_policy=managers.AnyPreservationPolicy(keep),
+                enable_async_checkpointing=True,
+                cleanup_tmp_directories=True,
+                todelete_subdir=DELETING,
+                **ranking,
+            )
+            self._empty_trash()  # what a killed process was deleting
+            self._manager = ocp.CheckpointManager(
+                self.directory, options=options, item_names=("state", "meta")
+            )
+        return self._manager
+
+    def due(self, epoch: int) -> bool:
+        """Whether the epoch just committed should be saved now."""
+        config = self.config
+        if epoch % config.every:
+            return False
+        if config.budget is None or self.deterministic or self._last_start is None:
+            return True
+        return (time.perf_counter() - self._last_start) * config.budget >= self._last_cost
+
+    def save(self, step: int, tree: Mapping[str, Any], meta: Mapping[str, Any], value) -> None:
+        import orbax.checkpoint as ocp
+
+        began = time.perf_counter()
+        metrics = (
+            {self.config.metric: float(value)}
+            if value is not None and math.isfinite(value)
+            else None
+        )
+        with self._lock:
+            try:
+                manager = self._open(ranked=metrics is not None)
+                with _exclusive(manager):
+                    if step in manager.all_steps():  # saved already (a run ending at a boundary)
+                        return
+                    # save() waits for the previous save (and its deletions) anyway: wait
+                    # here, so the steps it moved aside can be removed before the next ones
+                    manager.wait_until_finished()
+                    self._empty_trash()
+                    _LAST_WRITER[0] = manager
+                    manager.save(
+                        step,
+                        args=ocp.args.Composite(
+                            state=ocp.args.StandardSave(tree),
+                            meta=ocp.args.JsonSave(_json_safe(meta)),
+                        ),
+                        metrics=metrics,
+                        force=True,
+                    )
+            except Exception as error:  # noqa: BLE001 - a full disk must not end the run
+                self._failed(error, step)
+                return
+        cost = time.perf_counter() - began
+        self._last_start, self._last_cost = began, cost
+        self.costs.append(cost)
+        self.saved_epoch = meta.get("epoch")
+
+    def _empty_trash(self) -> None:
+        """Remove the steps orbax moved aside for deletion (call with no save in flight)."""
+        shutil.rmtree(self.directory / DELETING, ignore_errors=True)
+
+    def _failed(self, error: Exception, step: int | None) -> None:
+        """A save that fails (a full disk, a vanished directory) leaves the earlier
+        checkpoints as they were (orbax finalizes a step only once all of it is written);
+        training goes on, and the first failure is reported."""
+        if not self.failures:
+            warnings.warn(
+                f"a checkpoint could not be saved in {self.directory} "
+                f"({type(error).__name__}: {error}); the earlier checkpoints are intact and "
+                f"training goes on. Free space, or move the run with run_dir=.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        self.failures.append(f"step {step}: {type(error).__name__}: {error}")
+
+    def wait(self) -> None:
+        with self._lock:
+            if self._manager is not None:
+                try:
+                    with _exclusive(self._manager):
+                        self._manager.wait_until_finished()
+                except Exception as error:  # noqa: BLE001
+                    self._failed(error, None)
+
+    def close(self) -> None:
+        with self._lock:
+            manager, self._manager = self._manager, None
+        if manager is not None:
+            with _exclusive(manager):
+                try:
+                    manager.wait_until_finished()
+                except Exception as error:  # noqa: BLE001
+                    self._failed(error, None)
+                finally:
+                    manager.close()
+                    self._empty_trash()
+                    if _LAST_WRITER[0] is manager:
+                        _LAST_WRITER[0] = None
+
+
+def _quiet_read_only(record: logging.LogRecord) -> bool:
+    """Drop the warning orbax logs for every read-only manager ("Given directory is read
+    only"): reading checkpoints is routine here, not something to warn about. Installed only
+    while a reader is built, under the orbax lock."""
+    return not (record.levelno == logging.WARNING and record.module == "checkpoint_manager")
+
+
+class _reader:
+    """A read-only manager, used under the orbax lock: `with _reader(dir) as manager:`."""
+
+    def __init__(self, directory: Path):
+        self.directory = Path(directory).absolute()  # orbax reads absolute paths only
+
+    def __enter__(self):
+        import orbax.checkpoint as ocp
+
+        self._held = _exclusive()
+        self._held.__enter__()
+        options = ocp.CheckpointManagerOptions(read_only=True, save_interval_steps=0, create=False)
+        absl = logging.getLogger("absl")
+        absl.addFilter(_quiet_read_only)
+        try:
+            self.manager = ocp.CheckpointManager(self.directory, options=options)
+        except BaseException:
+            self._held.__exit__(None, None, None)
+            raise
+        finally:
+            absl.removeFilter(_quiet_read_only)
+        return self.manager
+
+    def __exit__(self, *exc):
+        try:
+            self.manager.close()
+        finally:
+            self._held.__exit__(*exc)
+
+
+def _meta_args():
+    import orbax.checkpoint as ocp
+
+    return ocp.args.Composite(meta=ocp.args.JsonRestore())
+
+
+def _best(manager, steps: list[int]) -> tuple[int | None, str | None, float | None, dict]:
+    """(best step, metric, its value, the newest meta) by the checkpointer's own metric and
+    mode, as recorded in the newest checkpoint."""
+    meta = manager.restore(steps[-1], args=_meta_args()).meta
+    config = meta.get("checkpointer") or {}
+    metric, mode = config.get("metric"), config.get("mode", "min")
+    best_step, best = None, None
+    for step in steps:
+        value = (manager.metrics(step) or {}).get(metric)
+        if value is None:
+            continue
+        if best is None or (value < best if mode == "min" else value > best):
+            best_step, best = step, value
+    return best_step, metric, best, meta
+
+
+def ranked_steps(directory: str | os.PathLike) -> tuple[str | None, list[tuple[int, float]]]:
+    """(the checkpointer's metric, [(step, value)] best first) of a checkpoints directory:
+    the saved steps that recorded the metric, ranked by its mode."""
+    with _reader(Path(directory)) as manager:
+        steps = list(manager.all_steps())
+        if not steps:
+            return None, []
+        meta = manager.restore(steps[-1], args=_meta_args()).meta
+        config = meta.get("checkpointer") or {}
+        metric, mode = config.get("metric"), config.get("mode", "min")
+        ranked = [
+            (step, value)
+            for step in steps
+            if (value := (manager.metrics(step) or {}).get(metric)) is not None
+        ]
+    ranked.sort(key=lambda item: item[1], reverse=mode == "max")
+    return metric, ranked
+
+
+def describe_checkpoints(directory: str | os.PathLike):
+    """(saved steps, latest epoch, metric name, best value) of a checkpoint directory, read
+    from orbax's metadata and the newest JSON record, without loading any array."""
+    directory = Path(directory)
+    if not directory.is_dir():
+        return [], None, None, None
+    with _reader(directory) as manager:
+        steps = list(manager.all_steps())
+        if not steps:
+            return [], None, None, None
+        _, metric, best, meta = _best(manager, steps)
+        return steps, meta.get("epoch"), metric, best
+
+
+def describe_saved(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """One row per saved checkpoint of a run: step, epoch, the metric and the path."""
+    directory = Path(run_dir) / "checkpoints"
+    if not directory.is_dir():
+        return []
+    with _reader(directory) as manager:
+        rows = []
+        for step in manager.all_steps():
+            meta = manager.restore(step, args=_meta_args()).meta
+            row = {"step": step, "epoch": meta.get("epoch")}
+            row.update(manager.metrics(step) or {})
+            row["path"] = str(directory / str(step))
+            rows.append(row)
+        return rows
+
+
+def read_checkpoint(directory: Path, step: int, weights_only: bool = False):
+    """(state tree of numpy arrays, meta) of one saved step."""
+    import orbax.checkpoint as ocp
+
+    with _reader(directory) as manager:
+        restored = manager.restore(
+            step,
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()),
+        )
+        return restored.state, restored.meta
+
+
+def resolve_checkpoint(source: Any, which: str = "latest") -> tuple[Path, int]:
+    """Where a checkpoint is: a run directory (its newest or best checkpoint), a checkpoints
+    directory, or one step's directory; `(run_dir, "best" | "latest")` chooses."""
+    if isinstance(source, tuple):
+        if len(source) != 2 or source[1] not in ("best", "latest"):
+            raise SetupError(
+                f"a checkpoint is a path or (run_dir, 'best' | 'latest'); got {source!r}"
+            )
+        source, which = source
+    path = Path(source).absolute()  # orbax reads absolute paths only
+    if not path.exists():
+        raise SetupError(f"no checkpoint at {str(path)!r}: the path does not exist")
+    step = None
+    if (path / "checkpoints").is_dir():
+        directory = path / "checkpoints"
+    elif path.name.isdigit() and path.parent.is_dir() and (path / "state").exists():
+        directory, step = path.parent, int(path.name)
+    else:
+        directory = path
+    with _reader(directory) as manager:
+        steps = list(manager.all_steps())
+        if step is None:
+            if not steps:
+                raise SetupError(
+                    f"no checkpoint in {str(directory)!r}: it holds no saved steps (a run "
+                    f"saves after each epoch's validation)"
+                )
+            step = steps[-1]
+            if which == "best":
+                step = _best(manager, steps)[0] or step
+        elif step not in steps:
+            raise SetupError(f"{str(path)!r} is not a finished checkpoint (saved steps: {steps})")
+    return directory, step

@@ -1,0 +1,441 @@
+"""A run's life on disk: its directory and id, checkpoints after each epoch, resume, early
+stopping. The handle composes one `RunFiles`; the loop calls `after_epoch` once an epoch's
+row is committed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+import warnings
+from pathlib import Path
+from typing import Any
+
+import jax
+import numpy as np
+
+from nitro import __version__
+from nitro.runs.checkpoints import (
+    CheckpointStore,
+    _json_safe,
+    host_tree,
+    leaves_from,
+    read_checkpoint,
+    resolve_checkpoint,
+)
+from nitro.errors import SetupError
+from nitro.core.events import Events
+from nitro.experiments.fingerprint import code_digest
+from nitro.runs.run_dirs import (
+    checkpoint_dir,
+    default_run_dir,
+    experiment_root,
+    list_runs,
+    new_run_id,
+    read_run_json,
+    write_run_json,
+)
+from nitro.core.run_setup import RunSetup
+from nitro.core.train_state import TrainState, Variables
+
+__all__ = ["RunFiles", "check_watched_metrics", "config_of", "metric_names"]
+
+
+def config_token(value: Any) -> Any:
+    """A JSON value standing for a GraphConst value; functions stand for their code."""
+    if callable(value) and not isinstance(value, type) and hasattr(value, "__code__"):
+        return f"<code {code_digest(value)}>"
+    return _json_safe(value)
+
+
+def config_of(setup: RunSetup) -> dict[str, Any]:
+    return {name: config_token(v) for name, v in setup.experiment.graphconst.items()}
+
+
+@dataclasses.dataclass
+class RunFiles:
+    """Where this run lives and what it saves there."""
+
+    run_id: str
+    run_dir: Path
+    resume_from: tuple[Path, int] | None
+    store: CheckpointStore | None
+    opened: bool = False
+    branched_from: str | None = None  # resumed from an earlier checkpoint of this run
+
+    @classmethod
+    def plan(cls, setup: RunSetup, events: Events) -> RunFiles:
+        """Decide the run's directory and id (nothing is written yet)."""
+        found = _resume_source(setup, events) if setup.resume else None
+        branched_from = None
+        if found is not None:
+            directory, step = found
+            run_dir = directory.parent
+            run_id = read_run_json(run_dir).get("run_id") or run_dir.name
+            if step < max(_saved_steps(directory), default=step):
+                # an earlier checkpoint: its run's later ones stay; this run goes on elsewhere
+                branched_from, origin = run_id, run_dir
+                run_dir, run_id = _new_run_dir(setup, besides=origin)
+        else:
+            run_dir, run_id = _new_run_dir(setup)
+        store = None
+        if setup.checkpointer is not None:
+            store = CheckpointStore(
+                checkpoint_dir(run_dir),
+                setup.checkpointer,
+                deterministic=setup.placement.multi_process,
+            )
+        return cls(run_id, run_dir, found, store, branched_from=branched_from)
+
+    # ------------------------------------------------------------------------------------------
+    # resume
+
+    def restore(self, setup: RunSetup, state: TrainState, events: Events) -> dict[str, Any]:
+        """Load the checkpoint to resume from into `state`; returns its JSON record."""
+        directory, step = self.resume_from
+        saved, meta = read_checkpoint(directory, step)
+        _check_config(setup, meta)
+        for note in _drift_notes(setup, meta):
+            events.note(note)
+        model = setup.model
+        variables = state.variables
+        params = leaves_from(
+            "parameters", saved["params"], model.leaf_paths["parameter"], variables.params
+        )
+        rest = leaves_from(
+            "model state",
+            saved.get("model_state", {}),
+            model.leaf_paths["model state"],
+            variables.model_state,
+        )
+        opt = None
+        if variables.opt_state is not None:
+            if "opt_state" not in saved:
+                raise SetupError(
+                    f"the checkpoint at {str(directory)!r} step {step} holds no optimizer state "
+                    f"(it was saved by a run without a 'train' split); resume needs one: use "
+                    f"weights= to start from its weights instead"
+                )
+            opt = leaves_from(
+                "optimizer state",
+                saved["opt_state"],
+                model.leaf_paths["optimizer state"],
+                variables.opt_state,
+            )
+        ema = ema_steps = None
+        if variables.ema is not None:
+            if "ema" in saved:
+                ema = leaves_from(
+                    "moving average of the weights",
+                    saved["ema"],
+                    model.leaf_paths["parameter"],
+                    variables.ema,
+                )
+                ema_steps = np.asarray(saved["ema_steps"], dtype=np.int32)
+            else:  # a run that did not average before: start the average here
+                ema, ema_steps = list(params), np.zeros((), np.int32)
+                events.note("the checkpoint holds no moving average: it starts from its weights")
+        place = setup.placement.put_replicated
+        state.variables = Variables(
+            params=[place(x) for x in params],
+            model_state=[place(x) for x in rest],
+            opt_state=[place(x) for x in opt] if opt is not None else None,
+            ema=[place(x) for x in ema] if ema is not None else None,
+            ema_steps=place(ema_steps) if ema_steps is not None else None,
+        )
+        state.step = int(meta["step"])
+        state.epoch = int(meta["epoch"])
+        state.position, state.totals, state.epoch_trained = 0, None, False
+        state.seed = int(meta.get("seed", state.seed))
+        state.history = [dict(row) for row in meta.get("history", [])]
+        if self.store is not None:
+            self.store.saved_epoch = state.epoch
+        if self.branched_from is None:
+            said = f"resumed run {self.run_id} from its checkpoint"
+        else:
+            said = (
+                f"resumed from run {self.branched_from}'s earlier checkpoint as a new run "
+                f"{self.run_id} (the later checkpoints of {self.branched_from} stay as they "
+                f"were);"
+            )
+        events.note(f"{said} at epoch {state.epoch}, step {state.step} ({directory / str(step)})")
+        return meta
+
+    # ------------------------------------------------------------------------------------------
+    # during a run
+
+    def open(self, setup: RunSetup, events: Events) -> None:
+        """Create the run directory and its run.json; the first line of a run names them."""
+        if self.opened:
+            return
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        info = read_run_json(self.run_dir)
+        if not info:
+            write_run_json(
+                self.run_dir,
+                {
+                    "run_id": self.run_id,
+                    "experiment": setup.owner,
+                    "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                    "seed": setup.seed,
+                    "graphconst": config_of(setup),
+                    "nitro": __version__,
+                    "resumed_from": (
+                        str(self.resume_from[0] / str(self.resume_from[1]))
+                        if self.resume_from is not None
+                        else None
+                    ),
+                },
+            )
+        self.opened = True
+        events.note(f"run {self.run_id} in {self.run_dir}")
+
+    logger_state: Any = None  # () -> the logger's state(), stored in each checkpoint
+
+    def after_epoch(
+        self, setup: RunSetup, state: TrainState, row: dict[str, Any], events: Events
+    ) -> str | None:
+        """Checkpoint the committed epoch (when due), then ask early stopping."""
+        store = self.store
+        if store is not None and store.due(state.epoch):
+            self._save(setup, state, row, events)
+        if setup.early_stop is not None and setup.early_stop.should_stop(state.history):
+            return "early_stop"
+        return None
+
+    def end_run(self, setup: RunSetup, state: TrainState, events: Events, reason: str) -> None:
+        """A run that ends at an epoch boundary leaves its newest epoch saved; every save of
+        the run is on disk when `train()` returns (orbax finishes writing in the background
+        while the run goes on, not after it)."""
+        store = self.store
+        if store is None:
+            return
+        at_boundary = not (state.epoch == 0 or state.position or state.epoch_trained)
+        if at_boundary and store.saved_epoch != state.epoch:
+            self._save(setup, state, state.last_row, events, reason)
+        store.close()  # finishes the writes; the manager's threads end (a later save reopens)
+
+    def _save(self, setup, state, row, events, reason: str | None = None) -> None:
+        events.phase("checkpointing")  # the loop (or the run's end) sets the next phase
+        metric = row.get(self.store.config.metric)
+        self.store.save(
+            state.step,
+            host_tree(setup, state.variables),
+            checkpoint_meta(
+                setup,
+                state,
+                self.run_id,
+                row,
+                reason,
+                self.logger_state() if self.logger_state is not None else None,
+            ),
+            metric if isinstance(metric, (int, float)) else None,
+        )
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+
+def checkpoint_meta(
+    setup: RunSetup,
+    state: TrainState,
+    run_id: str,
+    row: dict[str, Any],
+    reason: str | None,
+    logger_state: Any = None,
+) -> dict[str, Any]:
+    checkpointer = setup.checkpointer
+    scalar = lambda r: {k: v for k, v in r.items() if np.ndim(v) == 0}  # noqa: E731
+    return {
+        "format": 1,
+        "nitro": __version__,
+        "jax": jax.__version__,
+        "run_id": run_id,
+        "experiment": setup.owner,
+        "step": state.step,
+        "epoch": state.epoch,
+        "seed": state.seed,
+        "history": [scalar(r) for r in state.history],
+        "metrics": scalar(row),
+        "stop_reason": reason,
+        "graphconst": config_of(setup),
+        "device": {name: setup.feed.device_value(name) for name in setup.experiment.device_specs},
+        "code": {unit: fp.digest for unit, fp in setup.experiment.code.items()},
+        "checkpointer": dataclasses.asdict(checkpointer) if checkpointer else None,
+        "logger": logger_state,
+    }
+
+
+def _new_run_dir(setup: RunSetup, besides: Path | None = None) -> tuple[Path, str]:
+    """(directory, run id) of a new run: `run_dir=`, refused when it holds checkpoints
+    already, or `runs/<Experiment>/<new run id>` (also when `run_dir=` names `besides`, the
+    run an earlier checkpoint is resumed from)."""
+    if setup.run_dir is None or Path(setup.run_dir).absolute() == besides:
+        run_id = new_run_id()
+        return default_run_dir(setup.cls.__name__, run_id), run_id
+    run_dir = Path(setup.run_dir).absolute()
+    existing = read_run_json(run_dir)
+    steps = _saved_steps(checkpoint_dir(run_dir))
+    if steps:
+        raise SetupError(
+            f"run_dir {str(run_dir)!r} already holds checkpoints of run "
+            f"{existing.get('run_id', run_dir.name)} (steps {steps[0]}..{steps[-1]}): "
+            f"resume='auto' continues it; choose another run_dir for a new run"
+        )
+    return run_dir, existing.get("run_id") or new_run_id()
+
+
+def _saved_steps(directory: Path) -> list[int]:
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+def _resume_source(setup: RunSetup, events: Events) -> tuple[Path, int] | None:
+    resume = setup.resume
+    if resume != "auto":
+        return resolve_checkpoint(resume)
+    name = setup.cls.__name__
+    root = Path(setup.run_dir) if setup.run_dir is not None else experiment_root(name)
+    candidates = [run for run in list_runs(root) if run.checkpoints]
+    if not candidates:
+        warnings.warn(
+            f"resume='auto' found no checkpoint under {str(root.absolute())!r}; starting a "
+            f"fresh run",
+            RuntimeWarning,
+            stacklevel=4,
+        )
+        return None
+    # the newest run with this configuration (an older one with other GraphConst values
+    # cannot resume here); when none matches, the newest, whose refusal shows the difference
+    now = config_of(setup)
+    matching = [run for run in candidates if read_run_json(run.path).get("graphconst") == now]
+    return resolve_checkpoint((matching or candidates)[-1].path)
+
+
+def _check_config(setup: RunSetup, meta: dict[str, Any]) -> None:
+    saved = meta.get("graphconst") or {}
+    now = config_of(setup)
+    changed = [
+        f"  {name}: checkpoint {saved.get(name, '<unset>')!r}, now {now.get(name, '<unset>')!r}"
+        for name in sorted(set(saved) | set(now))
+        if saved.get(name) != now.get(name)
+    ]
+    if changed:
+        raise SetupError(
+            "cannot resume: GraphConst fields differ from the checkpoint's, so its state does "
+            "not fit the programs this experiment builds:\n"
+            + "\n".join(changed)
+            + "\nBuild the experiment with the checkpoint's values, or start a new run from its "
+            "weights with weights= (the model must still fit)."
+        )
+    if meta.get("experiment") and meta["experiment"] != setup.owner:
+        warnings.warn(
+            f"resuming a checkpoint of {meta['experiment']} into {setup.owner}",
+            RuntimeWarning,
+            stacklevel=5,
+        )
+
+
+def _drift_notes(setup: RunSetup, meta: dict[str, Any]) -> list[str]:
+    notes = []
+    saved = meta.get("code") or {}
+    changed = [
+        unit
+        for unit, fp in setup.experiment.code.items()
+        if unit in saved and saved[unit] != fp.digest and unit != "optimizer"
+    ]
+    if changed:
+        notes.append(
+            f"resuming with changed code: {', '.join(changed)} differ from the code the "
+            f"checkpoint was trained with"
+        )
+    devices = meta.get("device") or {}
+    for name in setup.experiment.device_specs:
+        if name in devices and devices[name] != _json_safe(setup.feed.device_value(name)):
+            notes.append(
+                f"Device field {name!r} is {setup.feed.device_value(name)!r} here and was "
+                f"{devices[name]!r} in the checkpoint; the run continues with "
+                f"{setup.feed.device_value(name)!r}"
+            )
+    if int(meta.get("seed", setup.seed)) != setup.seed:
+        notes.append(
+            f"the checkpoint's seed {meta['seed']} replaces seed={setup.seed} (the data order "
+            f"continues as it began)"
+        )
+    return notes
+
+
+def check_watched_metrics(setup: RunSetup, state: TrainState) -> None:
+    """Refuse at setup an early stop or a checkpointer watching a metric the run does not
+    produce (the metrics hook's names are probed; see `metric_names`). A checkpointer on
+    `val_loss` in a run without a 'val' split keeps the newest checkpoint only."""
+    early_stop, checkpointer = setup.early_stop, setup.checkpointer
+    known = {"loss", "val_loss"}
+    names: set[str] | None = None
+    watched = [w.metric for w in (early_stop, checkpointer) if w is not None]
+    if any(metric not in known for metric in watched):
+        names = metric_names(setup, state)
+    if early_stop is not None:
+        early_stop.check(tuple(setup.splits), names if early_stop.metric not in known else None)
+    if checkpointer is None or names is None or checkpointer.metric in known | names:
+        return
+    raise SetupError(
+        f"Checkpointer(metric={checkpointer.metric!r}) ranks checkpoints by a column this run "
+        f"does not produce; its metrics are {', '.join(sorted(names))}"
+    )
+
+
+def metric_names(setup: RunSetup, state: TrainState) -> set[str] | None:
+    """The history columns a run produces, when they can be known without training: loss,
+    val_loss and, by tracing forward on the first batch's shapes and calling the metrics hook
+    on zeros, the metrics' names. None when they cannot be determined."""
+    names = set()
+    if "train" in setup.splits:
+        names.add("loss")
+    val = setup.splits.get("val")
+    if val is not None and "loss" in val.hook_fields:
+        names.add("val_loss")
+    hooks = setup.experiment.hooks
+    if "train_metrics" in hooks or "finalize_metrics" in hooks:
+        return None  # their names can depend on the data: checked when the first row arrives
+    if "metrics" in hooks and val is not None:
+        found = _probe_metrics(setup, state, val)
+        if found is None:
+            return None
+        names |= {f"val_{k}" for k in found}
+    return names
+
+
+def _probe_metrics(setup: RunSetup, state: TrainState, val) -> set[str] | None:
+    """The keys the metrics hook returns: forward traced abstractly for the outputs' shapes,
+    then the hook called on zeros of those shapes (host) or traced (device)."""
+    from nitro.core.metrics import split_modes
+    from nitro.programs.specs import eval_spec
+
+    wanted = val.hook_fields.get("metrics", ())
+    if not set(wanted) <= set(val.batch_spec):
+        return None  # host-only fields: their shapes are not recorded
+    abstract = lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype)  # noqa: E731
+    try:
+        evaluate = eval_spec(setup, val.hook_fields, with_loss=False, return_outputs=True).build(
+            set()
+        )
+        variables = Variables(
+            params=[abstract(x) for x in state.variables.params],
+            model_state=[abstract(x) for x in state.variables.model_state],
+        )
+        device = {k: abstract(v) for k, v in setup.feed.current_device().items()}
+        batch = {
+            name: jax.ShapeDtypeStruct(shape, np.dtype(dtype))
+            for name, (shape, dtype) in val.batch_spec.items()
+        }
+        result = jax.eval_shape(evaluate, variables, device, batch, np.int32(1))
+        outputs = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), result["outputs"])
+        fields = {k: np.zeros(*val.batch_spec[k]) for k in wanted}
+        values = setup.experiment.call_host_hook("metrics", outputs, **fields)
+        specs, _ = split_modes(values, "metrics")
+        return {path for path, _ in specs}
+    except Exception:  # noqa: BLE001 - unknown here: checked at the first validation instead
+        return None

@@ -1,0 +1,153 @@
+"""Run directories: where a run's files live, and the runs of an experiment on disk.
+
+Every run gets a directory, by default `runs/<Experiment>/<run id>` under the working
+directory; the run id is a sortable timestamp plus a short random suffix
+(`20261130-181500-a3f9`), so listing a folder lists its runs in the order they started.
+
+```
+runs/Digits/20261130-181500-a3f9/
+    run.json          the run id, the experiment, when it started, its configuration
+    checkpoints/      orbax: one directory per saved step
+    metrics.jsonl     the default logger's lines
+```
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import secrets
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "RUNS_ROOT",
+    "RunInfo",
+    "checkpoint_dir",
+    "default_run_dir",
+    "list_runs",
+    "new_run_id",
+    "read_run_json",
+    "saved_runs",
+    "write_run_json",
+]
+
+RUNS_ROOT = "runs"
+RUN_JSON = "run.json"
+
+
+def new_run_id() -> str:
+    """A sortable timestamp plus a short random suffix: `20261130-181500-a3f9`."""
+    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+
+
+def experiment_root(experiment_name: str, root: str | os.PathLike = RUNS_ROOT) -> Path:
+    return Path(root) / experiment_name
+
+
+def default_run_dir(experiment_name: str, run_id: str) -> Path:
+    return (experiment_root(experiment_name) / run_id).absolute()
+
+
+def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def write_run_json(run_dir: str | os.PathLike, info: dict[str, Any]) -> None:
+    """Write `run.json` atomically (a temporary file, then a rename)."""
+    path = Path(run_dir) / RUN_JSON
+    path.parent.mkdir(parents=True, exist_ok=True)
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps(info, indent=2, default=repr))
+    os.replace(temporary, path)
+
+
+def read_run_json(run_dir: str | os.PathLike) -> dict[str, Any]:
+    try:
+        return json.loads((Path(run_dir) / RUN_JSON).read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+@dataclasses.dataclass(frozen=True)
+class RunInfo:
+    """One run directory on disk."""
+
+    run_id: str
+    path: Path
+    experiment: str
+    started: str
+    checkpoints: tuple[int, ...]  # saved optimizer steps
+    latest_epoch: int | None
+    best_metric: str | None
+    best_value: float | None
+
+    def as_row(self) -> dict[str, Any]:
+        return {
+            "run id": self.run_id,
+            "started": self.started,
+            "checkpoints": len(self.checkpoints),
+            "latest epoch": self.latest_epoch,
+            "best": (
+                f"{self.best_metric} {self.best_value:.4g}" if self.best_value is not None else "-"
+            ),
+            "path": str(self.path),
+        }
+
+
+def _is_run_dir(path: Path) -> bool:
+    return (path / RUN_JSON).is_file() or (path / "checkpoints").is_dir()
+
+
+def list_runs(root: str | os.PathLike) -> list[RunInfo]:
+    """The runs under `root` (an experiment's folder such as `runs/Digits`, or one run
+    directory), oldest first, with their checkpoints and best metric."""
+    from nitro.runs.checkpoints import describe_checkpoints
+
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    candidates = [root] if _is_run_dir(root) else sorted(p for p in root.iterdir() if p.is_dir())
+    runs = []
+    for path in candidates:
+        if not _is_run_dir(path):
+            continue
+        info = read_run_json(path)
+        steps, latest_epoch, metric, best = describe_checkpoints(checkpoint_dir(path))
+        runs.append(
+            RunInfo(
+                run_id=info.get("run_id", path.name),
+                path=path.absolute(),
+                experiment=info.get("experiment", ""),
+                started=info.get("started", ""),
+                checkpoints=tuple(steps),
+                latest_epoch=latest_epoch,
+                best_metric=metric,
+                best_value=best,
+            )
+        )
+    return runs
+
+
+def saved_runs(where: Any = None):
+    """The runs on disk of an experiment (a class, an instance or its name, under `runs/`),
+    or under a directory: a DataFrame with one row per run (id, start, checkpoints, latest
+    epoch, best metric, path), oldest first.
+
+    >>> nitro.saved_runs("Digits")          # doctest: +SKIP
+    """
+    import pandas as pd
+
+    if where is None:
+        root = Path(RUNS_ROOT)
+    elif isinstance(where, (str, os.PathLike)) and (Path(where).is_dir() or os.sep in str(where)):
+        root = Path(where)
+    else:
+        name = where if isinstance(where, str) else getattr(where, "__name__", None)
+        name = name or type(where).__name__
+        root = experiment_root(name)
+    rows = [run.as_row() for run in list_runs(root)]
+    columns = ["run id", "started", "checkpoints", "latest epoch", "best", "path"]
+    return pd.DataFrame(rows, columns=columns).set_index("run id")

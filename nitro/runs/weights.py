@@ -1,0 +1,235 @@
+"""Weights a run starts from (`weights=`), and the check that they fit the model.
+
+`weights=` takes another handle (its weights, copied; at the next step boundary if it is
+training), a run directory or one checkpoint (`runs/Digits/<run id>`, its newest checkpoint),
+`(run_dir, "best" | "latest")`, or `nitro.average(run_dir, k=3)` (the mean of the best three
+checkpoints). Weights are the parameters and the model's other variables;
+the optimizer state, counters and history start fresh (`resume=` continues a run instead).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nitro.errors import WeightsError
+from nitro.optim.param_groups import leaf_paths
+
+__all__ = [
+    "AveragedWeights",
+    "CheckpointWeights",
+    "WeightsSource",
+    "average",
+    "check_same_tree",
+    "copy_array",
+    "tree_summary",
+]
+
+
+@dataclasses.dataclass(frozen=True)
+class WeightsSource:
+    """Parameters and other model variables (trees shaped like the model's), and a sentence
+    saying where they came from (shown as the handle's `weights_origin`)."""
+
+    params: Any
+    model_state: Any
+    origin: str
+
+    def resolve(self, params: Any, model_state: Any) -> tuple[Any, Any, str, None]:
+        """(parameters, model state, origin, checkpoint: None) shaped like the given
+        model's, copied."""
+        check_same_tree("parameters", params, self.params)
+        check_same_tree("model state", model_state, self.model_state)
+        return (
+            jax.tree.map(copy_array, self.params),
+            jax.tree.map(copy_array, self.model_state),
+            self.origin,
+            None,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointWeights:
+    """The weights of a saved checkpoint: a path, or (run_dir, "best" | "latest")."""
+
+    source: Any
+
+    def resolve(self, params: Any, model_state: Any) -> tuple[Any, Any, str, dict[str, Any]]:
+        """(parameters, model state, origin, the checkpoint's step, epoch, metrics, run id
+        and path)."""
+        from nitro.runs.checkpoints import leaves_from, read_checkpoint, resolve_checkpoint
+
+        directory, step = resolve_checkpoint(self.source)
+        saved, meta = read_checkpoint(directory, step)
+        restored = []
+        for what, key, tree in (
+            ("parameters", "params", params),
+            ("model state", "model_state", model_state),
+        ):
+            template = jax.tree.leaves(tree)
+            leaves = leaves_from(what, saved.get(key, {}), leaf_paths(tree), template)
+            leaves = [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in leaves]
+            restored.append(jax.tree.unflatten(jax.tree.structure(tree), leaves))
+        origin = (
+            f"checkpoint {directory.parent.name or directory}/step {step} (epoch "
+            f"{meta.get('epoch')})"
+        )
+        checkpoint = {
+            "path": str(directory / str(step)),
+            "run_id": meta.get("run_id"),
+            "step": step,
+            "epoch": meta.get("epoch"),
+            "metrics": meta.get("metrics"),
+        }
+        return restored[0], restored[1], origin, checkpoint
+
+
+@dataclasses.dataclass(frozen=True)
+class AveragedWeights:
+    """The mean of the weights of several saved checkpoints (`nitro.average` builds it).
+
+    Floating-point leaves (parameters, batch statistics) are averaged; other leaves (RNG
+    counts and keys) come from the first checkpoint, the best one.
+    """
+
+    checkpoints: tuple[tuple[str, int], ...]  # (checkpoints directory, step), best first
+    ranking: str  # how they were chosen, for the origin
+
+    def resolve(self, params: Any, model_state: Any) -> tuple[Any, Any, str, dict[str, Any]]:
+        """(parameters, model state, origin, the checkpoints averaged)."""
+        from pathlib import Path
+
+        from nitro.runs.checkpoints import leaves_from, read_checkpoint
+
+        trees = {"parameters": ("params", params), "model state": ("model_state", model_state)}
+        sums: dict[str, list] = {}
+        firsts: dict[str, list] = {}
+        metas = []
+        for directory, step in self.checkpoints:
+            saved, meta = read_checkpoint(Path(directory), step)
+            metas.append(meta)
+            for what, (key, tree) in trees.items():
+                leaves = leaves_from(
+                    what, saved.get(key, {}), leaf_paths(tree), jax.tree.leaves(tree)
+                )
+                if what not in sums:
+                    firsts[what] = leaves
+                    sums[what] = [np.array(x, np.float64) if _floating(x) else None for x in leaves]
+                    continue
+                for total, x in zip(sums[what], leaves):
+                    if total is not None:
+                        total += np.asarray(x, np.float64)
+        k = len(self.checkpoints)
+        averaged = []
+        for what, (_, tree) in trees.items():
+            leaves = [
+                jnp.asarray((total / k).astype(np.asarray(first).dtype))
+                if total is not None
+                else (first if isinstance(first, jax.Array) else jnp.asarray(first))
+                for total, first in zip(sums[what], firsts[what])
+            ]
+            averaged.append(jax.tree.unflatten(jax.tree.structure(tree), leaves))
+        run_dir = Path(self.checkpoints[0][0]).parent
+        steps = [step for _, step in self.checkpoints]
+        origin = (
+            f"the mean of {k} checkpoint{'s' * (k != 1)} of {run_dir.name or run_dir} "
+            f"({self.ranking}): steps {', '.join(map(str, steps))}"
+        )
+        checkpoint = {
+            "averaged": k,
+            "paths": [str(Path(d) / str(s)) for d, s in self.checkpoints],
+            "run_id": metas[0].get("run_id"),
+            "steps": steps,
+            "epochs": [m.get("epoch") for m in metas],
+            "metrics": [m.get("metrics") for m in metas],
+        }
+        return averaged[0], averaged[1], origin, checkpoint
+
+
+def _floating(x: Any) -> bool:
+    dtype = np.asarray(x).dtype if not isinstance(x, jax.Array) else x.dtype
+    return jnp.issubdtype(dtype, jnp.floating)
+
+
+def average(source: Any, k: int = 3) -> AveragedWeights:
+    """Weights that are the mean of `k` checkpoints: the best `k` of a run by its
+    checkpointer's metric (`source` is a run directory or its `checkpoints` folder), or the
+    checkpoints listed (`source` is a list of checkpoint paths; `k` is then ignored). Start a
+    handle from them with `weights=`:
+
+    >>> n = nitro.Nitro(Digits(), weights=nitro.average("runs/Digits/<run id>", k=3))  # doctest: +SKIP
+    >>> n.weights_origin                                                              # doctest: +SKIP
+    'the mean of 3 checkpoints of <run id> (best 3 by val_loss): steps 270, 243, 216'
+
+    Averaging checkpoints of one run (as in stochastic weight averaging) tends to find a
+    flatter, better-generalizing point than any one of them. Batch statistics are averaged
+    too; re-estimating them on training data can help a model with batch normalization.
+    """
+    from pathlib import Path
+
+    from nitro.runs.checkpoints import ranked_steps, resolve_checkpoint
+
+    if isinstance(source, (list, tuple)) and not (
+        len(source) == 2 and source[1] in ("best", "latest")
+    ):
+        if not source:
+            raise WeightsError("average() got an empty list; give checkpoint paths to average")
+        found = [resolve_checkpoint(path) for path in source]
+        return AveragedWeights(tuple((str(d), s) for d, s in found), f"{len(found)} given")
+    if isinstance(k, bool) or not isinstance(k, int) or k < 1:
+        raise WeightsError(f"average(k={k!r}): k must be an int >= 1")
+    path = Path(source)
+    directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
+    if not directory.is_dir():
+        raise WeightsError(f"average(): no checkpoints at {str(path)!r} (give a run directory)")
+    metric, ranked = ranked_steps(directory)
+    if len(ranked) < k:
+        have = f"{len(ranked)} ranked by {metric}" if metric else "none ranked"
+        raise WeightsError(
+            f"average(k={k}) needs {k} checkpoints ranked by the run's metric, but "
+            f"{str(directory)!r} has {have} (a run keeps its best Checkpointer(k=...) "
+            f"checkpoints plus the newest). Lower k, or give a list of checkpoint paths."
+        )
+    return AveragedWeights(
+        tuple((str(directory), step) for step, _ in ranked[:k]), f"best {k} by {metric}"
+    )
+
+
+def copy_array(x: jax.Array) -> jax.Array:
+    """A fresh copy on the same devices (no compile; across processes a jitted copy)."""
+    if x.is_fully_addressable:
+        return jax.device_put(x, x.sharding, may_alias=False)
+    return jnp.array(x, copy=True)
+
+
+def tree_summary(tree: Any) -> dict[str, str]:
+    """Dotted leaf path -> `f32[64,256]`."""
+    from nitro.programs.compile_cache import short_dtype
+
+    return {
+        jax.tree_util.keystr(p, simple=True, separator=".").removesuffix(".value"): (
+            f"{short_dtype(str(x.dtype))}[{','.join(map(str, np.shape(x)))}]"
+        )
+        for p, x in jax.tree_util.tree_flatten_with_path(tree)[0]
+    }
+
+
+def check_same_tree(what: str, expected: Any, given: Any) -> None:
+    """Refuse weights whose leaves differ from the model's, naming each differing leaf."""
+    exp, got = tree_summary(expected), tree_summary(given)
+    if exp == got:
+        return
+    lines = [
+        f"  {key}: this model {exp.get(key, 'missing')}, weights {got.get(key, 'missing')}"
+        for key in sorted(set(exp) | set(got))
+        if exp.get(key) != got.get(key)
+    ]
+    more = f"\n  ... and {len(lines) - 6} more" if len(lines) > 6 else ""
+    raise WeightsError(
+        f"weights= does not fit: the {what} differ (build the model with the same GraphConst "
+        f"values)\n" + "\n".join(lines[:6]) + more
+    )

@@ -1,0 +1,13 @@
+"""Export and serving: StableHLO bundles written with `jax.export`, loaded with nothing but JAX,
+NumPy and safetensors, and served with KServe's model server.
+
+Public import paths: `nitro.bundle` (loading) and `nitro.serve` (`nitro serve`). Imports
+`programs` and below (export traces the experiment's hooks).
+
+- `export`: writing a bundle (`Nitro.export`)
+- `bundle`: loading a bundle
+- `server`: the KServe adapters and the transport's hardening
+- `serve`: the `nitro serve` command
+"""
+
+__all__: list[str] = []

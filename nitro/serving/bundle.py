@@ -1,0 +1,296 @@
+"""Load and run an exported bundle with nothing of Nitro, Flax or Optax.
+
+A bundle is a directory written by `Nitro.export` (see docs/export.md):
+
+```
+DIR/
+  manifest.json          inputs, outputs, frozen Device values, provenance, file checksums
+  program.jaxexport      jax.export serialization of forward, with a symbolic batch axis
+  weights.safetensors    the model's weights, passed to the program as arguments
+```
+
+This module imports only the standard library, NumPy, JAX and safetensors, so a serving process
+loads a bundle without the training stack (`import nitro.serving.bundle` runs no other nitro module).
+One bundle serves every batch size; each new size compiles once in this process.
+
+>>> import nitro.serving.bundle
+>>> model = nitro.serving.bundle.load("exports/digits")                 # doctest: +SKIP
+>>> [str(spec) for spec in model.inputs]                        # doctest: +SKIP
+['x: float32[batch, 64]']
+>>> model(x=images)["output"].shape                             # doctest: +SKIP
+(300, 10)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import numpy as np
+from jax import export as jax_export
+
+__all__ = [
+    "BATCH",
+    "FORMAT",
+    "FORMAT_VERSION",
+    "MANIFEST",
+    "PROGRAM",
+    "WEIGHTS",
+    "Bundle",
+    "BundleError",
+    "TensorSpec",
+    "load",
+    "read_weights",
+]
+
+FORMAT = "nitro-bundle"
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+PROGRAM = "program.jaxexport"
+WEIGHTS = "weights.safetensors"
+BATCH = -1  # a symbolic (batch) dimension in a manifest shape, as in KServe V2 metadata
+
+
+class BundleError(ValueError):
+    """A bundle is damaged, or a call passed inputs the bundle does not take."""
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """One input or output on the wire: its name, NumPy dtype name and shape (BATCH = -1)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+
+    @classmethod
+    def from_json(cls, entry: Mapping[str, Any]) -> TensorSpec:
+        return cls(str(entry["name"]), str(entry["dtype"]), tuple(int(d) for d in entry["shape"]))
+
+    def to_json(self) -> dict[str, Any]:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+
+    def shape_text(self) -> str:
+        return "[" + ", ".join("batch" if d == BATCH else str(d) for d in self.shape) + "]"
+
+    def __str__(self) -> str:
+        return f"{self.name}: {self.dtype}{self.shape_text()}"
+
+
+# safetensors' NumPy reader knows no bfloat16; JAX's ml_dtypes does.
+_SAFETENSORS_DTYPES = {
+    "F64": np.float64,
+    "F32": np.float32,
+    "F16": np.float16,
+    "BF16": jax.numpy.bfloat16,
+    "I64": np.int64,
+    "I32": np.int32,
+    "I16": np.int16,
+    "I8": np.int8,
+    "U64": np.uint64,
+    "U32": np.uint32,
+    "U16": np.uint16,
+    "U8": np.uint8,
+    "BOOL": np.bool_,
+}
+
+
+def read_weights(path: str) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file as NumPy arrays (bfloat16 included)."""
+    from safetensors import SafetensorError, deserialize
+
+    with open(path, "rb") as file:
+        data = file.read()
+    try:
+        tensors = deserialize(data)
+    except SafetensorError as error:
+        raise BundleError(
+            f"{path} is not a readable safetensors file ({error}); re-export the bundle"
+        ) from None
+    weights = {}
+    for name, view in tensors:
+        dtype = _SAFETENSORS_DTYPES.get(view["dtype"])
+        if dtype is None:
+            raise BundleError(f"{path}: tensor {name!r} has unsupported dtype {view['dtype']}")
+        weights[name] = np.frombuffer(view["data"], dtype=dtype).reshape(view["shape"])
+    return weights
+
+
+def _file_digest(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _read_manifest(directory: str) -> dict[str, Any]:
+    path = os.path.join(directory, MANIFEST)
+    if not os.path.isdir(directory):
+        raise BundleError(f"no bundle at {directory}: the directory does not exist")
+    if not os.path.isfile(path):
+        raise BundleError(
+            f"no bundle at {directory}: {MANIFEST} is missing (write one with n.export(dir))"
+        )
+    try:
+        with open(path, encoding="utf-8") as file:
+            manifest = json.load(file)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise BundleError(f"{path} is not valid JSON ({error}); re-export the bundle") from None
+    if not isinstance(manifest, dict) or manifest.get("format") != FORMAT:
+        raise BundleError(f'{path} is not a Nitro bundle manifest (no "format": "{FORMAT}")')
+    version = manifest.get("format_version")
+    if not isinstance(version, int) or version > FORMAT_VERSION:
+        raise BundleError(
+            f"{path} is bundle format {version!r}; this nitro.serving.bundle reads format "
+            f"{FORMAT_VERSION} and older. Upgrade nitro where the bundle is loaded."
+        )
+    for key in ("name", "inputs", "outputs", "files"):
+        if key not in manifest:
+            raise BundleError(f"{path} has no {key!r} entry; re-export the bundle")
+    return manifest
+
+
+def _check_file(directory: str, name: str, manifest: Mapping[str, Any]) -> str:
+    path = os.path.join(directory, name)
+    expected = manifest["files"].get(name)
+    if expected is None:
+        raise BundleError(f"{os.path.join(directory, MANIFEST)} does not list {name}")
+    if not os.path.isfile(path):
+        raise BundleError(f"{path} is missing; the manifest expects it ({expected['bytes']} bytes)")
+    size = os.path.getsize(path)
+    if size != expected["bytes"]:
+        raise BundleError(
+            f"{path} has {size} bytes but the manifest expects {expected['bytes']} "
+            f"(truncated, or written by another export); re-export the bundle"
+        )
+    if _file_digest(path) != expected["sha256"]:
+        raise BundleError(
+            f"{path} does not match the sha256 in the manifest (changed after the export, or "
+            f"an export was still writing it); re-export the bundle"
+        )
+    return path
+
+
+class Bundle:
+    """A loaded bundle: call it with its inputs by name; it returns its outputs by name.
+
+    `inputs` and `outputs` are `TensorSpec`s (BATCH, -1, marks the batch axis); `manifest` is
+    the parsed manifest.json, with the frozen Device values and the provenance of the export.
+    """
+
+    def __init__(self, directory: str, manifest: dict[str, Any], exported, weights):
+        self.directory = directory
+        self.manifest = manifest
+        self.name: str = manifest["name"]
+        self.inputs = tuple(TensorSpec.from_json(e) for e in manifest["inputs"])
+        self.outputs = tuple(TensorSpec.from_json(e) for e in manifest["outputs"])
+        self._exported = exported
+        self._weights = jax.device_put(weights)
+        self._call = jax.jit(exported.call)
+
+    def __call__(
+        self, inputs: Mapping[str, Any] | None = None, /, **named: Any
+    ) -> dict[str, np.ndarray]:
+        """Run the program: `bundle(x=xs)` or `bundle({"x": xs})` -> {"output": array}."""
+        given = {**(inputs or {}), **named}
+        arrays = self.check_inputs(given)
+        results = self._call(self._weights, arrays)
+        return {spec.name: np.asarray(results[spec.name]) for spec in self.outputs}
+
+    def check_inputs(self, given: Mapping[str, Any]) -> dict[str, np.ndarray]:
+        """The inputs as arrays, after checking names, dtypes and shapes (BundleError names
+        the input and what was expected)."""
+        expected = ", ".join(str(s) for s in self.inputs)
+        unknown = sorted(set(given) - {s.name for s in self.inputs})
+        if unknown:
+            raise BundleError(
+                f"{self.name} has no input {', '.join(map(repr, unknown))}; it takes {expected}"
+            )
+        arrays = {}
+        batch = None
+        for spec in self.inputs:
+            if spec.name not in given:
+                raise BundleError(
+                    f"{self.name} needs input {spec.name!r} ({spec}); it takes {expected}"
+                )
+            value = given[spec.name]
+            if not hasattr(value, "dtype"):  # a list or a number carries no dtype to check
+                try:
+                    value = np.asarray(value, dtype=spec.dtype)
+                except (TypeError, ValueError) as error:
+                    raise BundleError(
+                        f"input {spec.name!r} must be {spec.dtype}{spec.shape_text()}: {error}"
+                    ) from None
+            shape = tuple(value.shape)
+            got = f"got {np.dtype(value.dtype).name}{list(shape)}"
+            if np.dtype(value.dtype) != np.dtype(spec.dtype):
+                raise BundleError(
+                    f"input {spec.name!r} must be {spec.dtype}{spec.shape_text()}; {got}. "
+                    f"Convert it, e.g. x.astype('{spec.dtype}')"
+                )
+            fits = len(shape) == len(spec.shape) and all(
+                want == BATCH or want == have for want, have in zip(spec.shape, shape)
+            )
+            if not fits:
+                raise BundleError(f"input {spec.name!r} must have shape {spec.shape_text()}; {got}")
+            for want, have in zip(spec.shape, shape):
+                if want == BATCH and have < 1:
+                    raise BundleError(f"input {spec.name!r} has no rows; give at least one")
+                if want == BATCH:
+                    if batch is not None and have != batch[1]:
+                        raise BundleError(
+                            f"inputs {batch[0]!r} and {spec.name!r} must share the batch size; "
+                            f"they have {batch[1]} and {have} rows"
+                        )
+                    batch = (spec.name, have)
+            arrays[spec.name] = np.asarray(value)
+        return arrays
+
+    def __repr__(self) -> str:
+        ins = ", ".join(map(str, self.inputs))
+        outs = ", ".join(map(str, self.outputs))
+        return f"<nitro bundle {self.name!r} ({ins}) -> ({outs}) from {self.directory}>"
+
+
+def load(directory: str | os.PathLike) -> Bundle:
+    """Load the bundle in `directory`, checking every file against the manifest.
+
+    A missing or damaged file, or a manifest from a newer format, raises `BundleError` naming
+    the file and what was expected.
+    """
+    directory = os.fspath(directory)
+    manifest = _read_manifest(directory)
+    program_path = _check_file(directory, PROGRAM, manifest)
+    weights_path = _check_file(directory, WEIGHTS, manifest)
+    with open(program_path, "rb") as file:
+        blob = file.read()
+    try:
+        exported = jax_export.deserialize(bytearray(blob))
+    except Exception as error:  # noqa: BLE001 - any failure means an unreadable program
+        raise BundleError(
+            f"{program_path} cannot be deserialized by jax {jax.__version__} ({error}); "
+            f"re-export with a jax version close to this one"
+        ) from None
+    weights = read_weights(weights_path)
+    (expected, _), _ = jax.tree.unflatten(exported.in_tree, exported.in_avals)
+    if set(weights) != set(expected):
+        missing = sorted(set(expected) - set(weights))[:3]
+        extra = sorted(set(weights) - set(expected))[:3]
+        raise BundleError(
+            f"{weights_path} does not hold the tensors {program_path} takes (missing: "
+            f"{missing or 'none'}, unexpected: {extra or 'none'}); re-export the bundle"
+        )
+    for name, aval in expected.items():
+        tensor = weights[name]
+        if tuple(tensor.shape) != tuple(aval.shape) or tensor.dtype != aval.dtype:
+            raise BundleError(
+                f"{weights_path}: tensor {name!r} is {tensor.dtype}{list(tensor.shape)}, but the "
+                f"program expects {aval.dtype}{list(aval.shape)}; re-export the bundle"
+            )
+    return Bundle(directory, manifest, exported, weights)

@@ -1,0 +1,473 @@
+"""Export: a handle's eval-mode forward as a bundle that runs wherever JAX runs.
+
+```
+handle ──export_handle──► ExportSource ──write_bundle──► DIR/manifest.json
+         (the only code        (pure forward,              DIR/program.jaxexport
+          that reads a          weights by name,           DIR/weights.safetensors
+          handle)               wire specs, provenance)
+```
+
+`write_bundle` lowers `export_preprocess` (when defined) then `forward` with `jax.export`, with
+a symbolic batch axis, so one bundle serves every batch size, for CPU, CUDA, ROCm and TPU by
+default. The weights are arguments of the program (not constants), written as safetensors;
+Device fields are frozen into the program as constants. Nothing is pickled. `nitro.serving.bundle`
+loads the result without Nitro, Flax or Optax.
+
+Optional experiment hooks shape the wire:
+
+- `export_inputs(self)`: {name: one sample's shape and dtype}, e.g.
+  `{"image": jax.ShapeDtypeStruct((28, 28), jnp.uint8)}`. Default: the fields `forward` (or
+  `export_preprocess`) takes, with the dtypes and trailing shapes of the first split's batch.
+- `export_preprocess(self, **wire)`: traced into the bundle; returns the fields `forward` takes.
+- `export_outputs(self)`: {name: dtype or None} naming `forward`'s outputs (one entry per output
+  array, the keys of a dict output) and optionally casting them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime
+import hashlib
+import json
+import os
+import re
+import subprocess
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import export as jax_export
+
+from nitro.programs.compile_cache import ProgramKind, record_compile
+from nitro.serving import bundle
+
+__all__ = ["DEFAULT_PLATFORMS", "ExportError", "ExportSource", "export_handle", "write_bundle"]
+
+DEFAULT_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
+
+
+class ExportError(ValueError):
+    """An experiment or handle cannot be exported as it is; the message says how to fix it."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ExportSource:
+    """What a bundle is made of, independent of how the model was built or trained.
+
+    `forward(weights, **inputs)` is pure and in eval mode: `weights` maps the names in
+    `weights` to arrays, `inputs` the wire inputs (batch axis first) to arrays. `inputs` gives
+    one sample's shape and dtype per wire input; `outputs` optionally names and types the
+    outputs ({name: dtype or None}).
+    """
+
+    name: str
+    forward: Callable[..., Any]
+    weights: Mapping[str, np.ndarray]
+    inputs: Mapping[str, jax.ShapeDtypeStruct]
+    outputs: Mapping[str, Any] | None = None
+    device_values: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    provenance: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    owner: str = ""
+
+
+def _dims(shape) -> list[int]:
+    return [d if isinstance(d, int) else bundle.BATCH for d in shape]
+
+
+def _output_names(outputs: Any, wanted: Mapping[str, Any] | None) -> dict[str, Any]:
+    """forward's outputs as {wire name: array}, named by `export_outputs` or by default."""
+    leaves = jax.tree_util.tree_flatten_with_path(outputs)[0]
+    if isinstance(outputs, Mapping):
+        names = [jax.tree_util.keystr(p, simple=True, separator=".") for p, _ in leaves]
+    elif len(leaves) == 1:
+        names = ["output"]
+    else:
+        names = [f"output_{i}" for i in range(len(leaves))]
+    arrays = dict(zip(names, (leaf for _, leaf in leaves)))
+    if wanted is None:
+        return arrays
+    wanted = dict(wanted)
+    if isinstance(outputs, Mapping):
+        if set(wanted) != set(arrays):
+            raise ExportError(
+                f"export_outputs() names {sorted(wanted)}, but forward returns a dict with "
+                f"{sorted(arrays)}; name exactly forward's outputs (a dtype or None for each)"
+            )
+        order = list(wanted)
+        chosen = {name: arrays[name] for name in order}
+    else:
+        if len(wanted) != len(arrays):
+            raise ExportError(
+                f"export_outputs() names {len(wanted)} output{'s' * (len(wanted) != 1)} but "
+                f"forward returns {len(arrays)} array{'s' * (len(arrays) != 1)}; give one "
+                f"name per array, in order"
+            )
+        chosen = dict(zip(wanted, arrays.values()))
+    return {
+        name: value if wanted[name] is None else jnp.asarray(value).astype(wanted[name])
+        for name, value in chosen.items()
+    }
+
+
+def _serialize_weights(weights: Mapping[str, np.ndarray]) -> bytes:
+    from safetensors.numpy import save
+
+    return save({name: np.asarray(value, order="C") for name, value in weights.items()})
+
+
+def _write_atomically(directory: str, name: str, data: bytes) -> dict[str, Any]:
+    """Write `name` so a reader sees the old file or the new one, never a part."""
+    temporary = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
+    with open(temporary, "wb") as file:
+        file.write(data)
+    os.replace(temporary, os.path.join(directory, name))
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+def _prepare_directory(directory: str) -> None:
+    if os.path.exists(directory) and not os.path.isdir(directory):
+        raise ExportError(f"cannot export to {directory}: it is a file; choose a directory")
+    if os.path.isdir(directory) and os.listdir(directory):
+        if not os.path.isfile(os.path.join(directory, bundle.MANIFEST)):
+            raise ExportError(
+                f"{directory} is not empty and holds no bundle; export to a new or empty "
+                f"directory, or to an earlier export's directory to replace it"
+            )
+    os.makedirs(directory, exist_ok=True)
+
+
+def _jsonable(value: Any) -> Any:
+    if isinstance(value, (np.ndarray, np.generic, jax.Array)):
+        return np.asarray(value).tolist()
+    try:
+        json.dumps(value)
+        return value
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def write_bundle(
+    source: ExportSource,
+    directory: str | os.PathLike,
+    *,
+    platforms: tuple[str, ...] = DEFAULT_PLATFORMS,
+) -> dict[str, Any]:
+    """Lower `source` with a symbolic batch axis and write the bundle; returns the manifest.
+
+    Re-exporting to the same directory replaces each file atomically, the manifest last, so a
+    server watching the directory never reads a half-written bundle.
+    """
+    directory = os.fspath(directory)
+    if not _NAME.match(source.name):
+        raise ExportError(
+            f"bundle name {source.name!r} must start with a letter or digit and hold only "
+            f"letters, digits, '.', '_' and '-' (it becomes part of the serving URL)"
+        )
+    _prepare_directory(directory)
+    (batch,) = jax_export.symbolic_shape("batch")
+    weight_specs = {
+        name: jax.ShapeDtypeStruct(np.shape(value), np.asarray(value).dtype)
+        for name, value in source.weights.items()
+    }
+    input_specs = {
+        name: jax.ShapeDtypeStruct((batch, *spec.shape), spec.dtype)
+        for name, spec in source.inputs.items()
+    }
+    order: list[str] = []
+
+    def program(weights, inputs):
+        named = _output_names(source.forward(weights, **inputs), source.outputs)
+        order[:] = named
+        return named
+
+    start = time.perf_counter()
+    fix = (
+        "A bundle serves every batch size, so forward must not depend on the batch size as a "
+        "Python int (write x.reshape(x.shape[0], -1), not a fixed batch width)."
+    )
+    try:
+        exported = jax_export.export(jax.jit(program), platforms=platforms)(
+            weight_specs, input_specs
+        )
+    except Exception as error:
+        kind = type(error).__name__
+        if "Dimension" in kind or "symbolic" in str(error).lower():
+            raise ExportError(
+                f"forward does not trace with a symbolic batch size ({kind}: {error}). {fix}"
+            ) from error
+        raise
+    # A fixed batch width can pass the symbolic trace and fail only when the program is
+    # compiled for another size: trace two concrete sizes too (no compile).
+    for rows in (1, 2):
+        concrete = {
+            name: jax.ShapeDtypeStruct((rows, *spec.shape), spec.dtype)
+            for name, spec in source.inputs.items()
+        }
+        try:
+            jax.eval_shape(program, weight_specs, concrete)
+        except Exception as error:
+            raise ExportError(
+                f"forward does not trace for a batch of {rows} ({type(error).__name__}: "
+                f"{error}). {fix}"
+            ) from error
+    blob = exported.serialize()
+    seconds = time.perf_counter() - start
+
+    outputs = jax.tree.unflatten(exported.out_tree, exported.out_avals)
+    manifest = {
+        "format": bundle.FORMAT,
+        "format_version": bundle.FORMAT_VERSION,
+        "name": source.name,
+        "inputs": [
+            bundle.TensorSpec(n, np.dtype(s.dtype).name, (bundle.BATCH, *s.shape)).to_json()
+            for n, s in source.inputs.items()
+        ],
+        "outputs": [
+            bundle.TensorSpec(
+                n, np.dtype(outputs[n].dtype).name, tuple(_dims(outputs[n].shape))
+            ).to_json()
+            for n in order
+        ],
+        "device_values": {k: _jsonable(v) for k, v in source.device_values.items()},
+        "program": {
+            "platforms": list(exported.platforms),
+            "calling_convention_version": exported.calling_convention_version,
+            "batch_symbol": "batch",
+        },
+        "weights": {
+            "tensors": len(source.weights),
+            "elements": int(sum(np.size(v) for v in source.weights.values())),
+        },
+        "provenance": {k: _jsonable(v) for k, v in source.provenance.items()},
+        "files": {},
+    }
+    manifest["files"][bundle.PROGRAM] = _write_atomically(directory, bundle.PROGRAM, bytes(blob))
+    manifest["files"][bundle.WEIGHTS] = _write_atomically(
+        directory, bundle.WEIGHTS, _serialize_weights(source.weights)
+    )
+    text = json.dumps(manifest, indent=2, sort_keys=False).encode()
+    _write_atomically(directory, bundle.MANIFEST, text + b"\n")
+    record_compile(
+        ProgramKind.EXPORT.value,
+        source.owner or source.name,
+        seconds,
+        f"exported outside the program cache (jax.export for {', '.join(exported.platforms)}, "
+        f"symbolic batch) to {directory}",
+    )
+    return manifest
+
+
+# ---------------------------------------------------------------------------------------------
+# From a handle. Everything that reads a handle's internals is in export_handle.
+
+
+def export_handle(
+    handle: Any,
+    directory: str | os.PathLike,
+    name: str | None = None,
+    *,
+    platforms: tuple[str, ...] = DEFAULT_PLATFORMS,
+    variables: Any = None,
+) -> dict[str, Any]:
+    """Export a handle's current weights (or `variables`: e.g. the moving average) and its
+    eval-mode forward; returns the manifest.
+
+    >>> export_handle(n, "exports/digits")["inputs"]     # doctest: +SKIP
+    [{'name': 'x', 'dtype': 'float32', 'shape': [-1, 64]}]
+    """
+    from flax import nnx
+
+    from nitro.experiments.declaration import FieldKind, field_specs, has_method
+    from nitro.experiments.routing import hook_fields
+    from nitro.experiments.trace_view import TraceView
+
+    setup, state = handle.setup, handle.state
+    variables = variables if variables is not None else state.variables
+    model_setup = setup.model
+    cls, experiment = handle.cls, handle.experiment
+    preprocess = has_method(cls, "export_preprocess")
+    forward_fields = setup.experiment.hook_fields["forward"]
+    forward_hook = setup.experiment.hooks["forward"]
+
+    # Weights: parameters then other model state, as host arrays named by their model path.
+    # The caller holds the handle (no step runs meanwhile).
+    trees = [
+        jax.tree.unflatten(model_setup.params_def, variables.params),
+        jax.tree.unflatten(model_setup.model_state_def, variables.model_state),
+    ]
+    device = {k: np.asarray(v) for k, v in setup.feed.current_device().items()}
+    names, weights, key_impls = [], {}, {}
+    for tree in trees:
+        group = []
+        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
+            key = jax.tree_util.keystr(path, simple=True, separator=".")
+            key = key.removesuffix(".value")
+            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                key_impls[key] = jax.random.key_impl(leaf)
+                leaf = jax.random.key_data(leaf)
+            weights[key] = np.array(leaf)  # a host copy: training may go on
+            group.append(key)
+        names.append(group)
+    if len(weights) != sum(map(len, names)):
+        raise ExportError(f"{cls.__qualname__}'s model has two state entries with one path")
+
+    def forward(weights: Mapping[str, jax.Array], **inputs: jax.Array):
+        def leaves(group):
+            return [
+                jax.random.wrap_key_data(weights[k], impl=key_impls[k])
+                if k in key_impls
+                else weights[k]
+                for k in group
+            ]
+
+        params = jax.tree.unflatten(model_setup.params_def, leaves(names[0]))
+        rest = jax.tree.unflatten(model_setup.model_state_def, leaves(names[1]))
+        view = TraceView(
+            cls, setup.experiment.graphconst, {k: jnp.asarray(v) for k, v in device.items()}
+        )
+        model = nnx.merge(model_setup.graphdef_eval, params, rest, copy=True)
+        fields = view.export_preprocess(**inputs) if preprocess else inputs
+        if not isinstance(fields, Mapping):
+            raise ExportError(
+                f"export_preprocess must return a dict of the fields forward takes "
+                f"({forward_fields.describe()}); it returned {type(fields).__name__}"
+            )
+        missing = [f for f in forward_fields.required if f not in fields]
+        if missing:
+            where = "export_preprocess returns" if preprocess else "export_inputs() declares"
+            raise ExportError(
+                f"forward needs {', '.join(map(repr, missing))}, but {where} "
+                f"{sorted(fields)}; name the fields forward takes ({forward_fields.describe()})"
+            )
+        chosen = (
+            fields
+            if forward_fields.takes_all
+            else {
+                f: fields[f]
+                for f in forward_fields.required + forward_fields.optional
+                if f in fields
+            }
+        )
+        return forward_hook(view, model, **chosen)
+
+    # The wire: export_inputs, else the first split's batch for the fields the wire takes.
+    if has_method(cls, "export_inputs"):
+        declared = experiment.export_inputs()
+        if not isinstance(declared, Mapping) or not declared:
+            raise ExportError(
+                "export_inputs() must return a non-empty dict {name: one sample's shape and "
+                "dtype}, e.g. {'x': jax.ShapeDtypeStruct((64,), jnp.float32)}"
+            )
+        inputs = {}
+        for key, spec in declared.items():
+            if not (hasattr(spec, "shape") and hasattr(spec, "dtype")):
+                raise ExportError(
+                    f"export_inputs()[{key!r}] is a {type(spec).__name__}; give one sample's "
+                    f"shape and dtype, e.g. jax.ShapeDtypeStruct((64,), jnp.float32)"
+                )
+            inputs[str(key)] = jax.ShapeDtypeStruct(tuple(spec.shape), spec.dtype)
+    else:
+        wire = hook_fields(cls, "export_preprocess", ()) if preprocess else forward_fields
+        split = next((s for s in ("train", *handle.splits) if s in handle.splits), None)
+        if split is None:
+            raise ExportError(
+                f"this handle has no data to take the input shapes from (built with data={{}}); "
+                f"define export_inputs(self) on {cls.__qualname__}, returning e.g. "
+                f"{{'{(wire.required or ('x',))[0]}': jax.ShapeDtypeStruct((64,), jnp.float32)}} "
+                f"(one sample's shape)"
+            )
+        first = _first_batch(handle.splits[split], split)
+        chosen = wire.resolve(tuple(first), split)
+        inputs = {
+            k: jax.ShapeDtypeStruct(np.shape(first[k])[1:], np.asarray(first[k]).dtype)
+            for k in chosen
+        }
+    outputs = experiment.export_outputs() if has_method(cls, "export_outputs") else None
+    if outputs is not None and (not isinstance(outputs, Mapping) or not outputs):
+        raise ExportError(
+            "export_outputs() must return a non-empty dict {name: dtype or None}, e.g. "
+            "{'logits': None} or {'probabilities': 'float16'}"
+        )
+
+    graphconst = {
+        s.name: getattr(experiment, s.name)
+        for s in field_specs(cls)
+        if s.kind is FieldKind.GRAPHCONST
+    }
+    source = ExportSource(
+        name=name or cls.__name__.lower(),
+        forward=forward,
+        weights=weights,
+        inputs=inputs,
+        outputs=outputs,
+        device_values=device,
+        provenance=_provenance(handle, graphconst),
+        owner=handle.owner,
+    )
+    return write_bundle(source, directory, platforms=platforms)
+
+
+def _first_batch(source: Any, split: str) -> Mapping[str, Any]:
+    from nitro.data import NoPrefetch, is_index_addressable
+
+    source = source.source if isinstance(source, NoPrefetch) else source
+    if is_index_addressable(source):
+        return source.batch_at(0, source.begin_epoch(0))
+    iterator = iter(source)
+    try:
+        return next(iterator)
+    except StopIteration:
+        raise ExportError(
+            f"the '{split}' split yields no batch to take input shapes from"
+        ) from None
+    finally:
+        close = getattr(iterator, "close", None)
+        if close is not None:  # release what the iterator started (generators, workers)
+            close()
+
+
+def _provenance(handle: Any, graphconst: Mapping[str, Any]) -> dict[str, Any]:
+    import inspect
+
+    import nitro
+
+    try:
+        where = os.path.dirname(inspect.getsourcefile(handle.cls) or "") or os.getcwd()
+    except TypeError:  # defined in a notebook cell or the REPL: the working directory
+        where = os.getcwd()
+    return {
+        "experiment": handle.owner,
+        "graphconst": dict(graphconst),
+        "seed": handle.seed,
+        "step": handle.step,
+        "epoch": handle.epoch,
+        "weights_origin": getattr(handle, "weights_origin", None),
+        "run_id": getattr(handle, "run_id", None),
+        "checkpoint": getattr(handle, "weights_checkpoint", None),
+        "versions": {"nitro": nitro.__version__, "jax": jax.__version__},
+        **_git_state(where),
+        "exported_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+    }
+
+
+def _git_state(directory: str) -> dict[str, Any]:
+    """The commit and dirty flag of the git work tree holding `directory`, if any."""
+
+    def git(*args: str) -> str | None:
+        try:
+            done = subprocess.run(
+                ["git", "-C", directory, *args], capture_output=True, text=True, timeout=10
+            )
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return done.stdout.strip() if done.returncode == 0 else None
+
+    commit = git("rev-parse", "HEAD")
+    if commit is None:
+        return {}
+    status = git("status", "--porcelain", "--untracked-files=no")
+    return {"git_commit": commit, "git_dirty": bool(status)}
