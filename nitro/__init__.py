@@ -5,7 +5,7 @@ runs the loop. Programs live in one module-level cache keyed on shapes, GraphCon
 the code of the hooks, so sweeps, schedules, longer runs and rebuilt handles compile nothing,
 and an edit recompiles only the programs it reaches.
 
-Public names load on first use (PEP 562), so `import nitro.serving.bundle` in a serving process
+Public names load on first use (PEP 562), so `import nitro.bundle` in a serving process
 imports JAX and nothing of Flax or Optax.
 """
 

@@ -27,8 +27,8 @@ from pipeline_toys import (
 )
 
 import nitro
-from nitro import loop
 from nitro.data import ArrayLoader, NoPrefetch, Prefetcher, PrefetchSettings
+from nitro.engine import loop
 
 
 def run(source, max_epochs=1, **keywords):

@@ -289,7 +289,7 @@ def test_no_engine_module_imports_the_handle_or_the_notebook_layer():
                 imported.add((node.module or "") + "." + ".".join(a.name for a in node.names))
             elif isinstance(node, ast.Import):
                 imported.update(a.name for a in node.names)
-        if path.name != "handle.py" and "mcp" not in path.parts:  # mcp serves handles
+        if "handle" not in path.relative_to(ENGINE).parts and "mcp" not in path.parts:  # mcp serves handles
             assert not any("handle" in name.split(".") for name in imported), path
         assert not any(
             name.split(".")[0] in ("IPython", "ipywidgets", "nitro_ipython") for name in imported

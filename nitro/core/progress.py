@@ -1,6 +1,6 @@
 """Progress reporters: what a run shows while it works.
 
-The reporters here implement the protocol of `nitro.core.events.Reporter`: a tqdm bar on a
+The reporters here implement the protocol of `nitro.events.Reporter`: a tqdm bar on a
 terminal, one line per epoch elsewhere, and silence with `progress=False`. Notebook
 integrations install their own reporter factory with `set_default_factory`.
 """
@@ -164,7 +164,7 @@ def set_default_factory(factory: Callable[[], Any] | None) -> None:
 
 def make_reporter(setting: Any) -> Any:
     """`True` -> the default reporter, `False`/`None` -> None (silent), `"lines"`/`"bar"`, or
-    an object implementing any of the `nitro.core.events.Reporter` methods."""
+    an object implementing any of the `nitro.events.Reporter` methods."""
     if setting is True:
         return _FACTORY[0]()
     if setting is False or setting is None:
@@ -180,7 +180,7 @@ def make_reporter(setting: Any) -> Any:
     raise ValueError(
         f"progress={setting!r} is not a progress setting: use True, False, 'lines', 'bar' or a "
         f"reporter, an object with any of the methods {', '.join(EVENT_NAMES)} "
-        f"(see nitro.core.events.Reporter)"
+        f"(see nitro.events.Reporter)"
     )
 
 

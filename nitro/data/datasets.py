@@ -17,9 +17,7 @@ def _bundled_digits() -> np.ndarray:
     importing scikit-learn itself costs seconds."""
     spec = importlib.util.find_spec("sklearn")
     if spec is None or not spec.submodule_search_locations:
-        raise ImportError(
-            "nitro.data.datasets.digits needs scikit-learn: pip install 'nitro[examples]'"
-        )
+        raise ImportError("nitro.datasets.digits needs scikit-learn: pip install 'nitro[examples]'")
     path = os.path.join(spec.submodule_search_locations[0], "datasets", "data", "digits.csv.gz")
     return np.loadtxt(path, delimiter=",", dtype=np.float64)
 

@@ -1,4 +1,4 @@
-"""The training and evaluation loops: functions over (setup, state, events, control).
+"""The training loop: functions over (setup, state, events, control).
 
 The loss of step k is read back while the device runs step k+1, which also bounds the steps
 in flight. Once a step's loss is read back, that step's batch buffers are deleted; an eval
@@ -23,27 +23,22 @@ import jax.numpy as jnp
 import numpy as np
 
 from nitro.core.events import Events
-from nitro.core.metrics import MetricAccumulator, flatten_metrics, split_modes
+from nitro.core.metrics import MetricAccumulator, split_modes
 from nitro.core.run_setup import RunSetup
-from nitro.core.train_state import EpochTotals, TrainState, Variables
+from nitro.core.train_state import EpochTotals, TrainState
 from nitro.data import is_index_addressable
+from nitro.engine.diagnostics import data_wait_advice, divergence_message, shape_error
+from nitro.engine.evaluation import delete, evaluate_split, finalize_metrics
 from nitro.engine.runner import RunControl
-from nitro.errors import DivergenceError, SetupError
+from nitro.errors import DivergenceError
 from nitro.experiments.routing import select
 from nitro.programs.specs import ProgramSet
 
-__all__ = ["evaluate_split", "train_epochs"]
+__all__ = ["finish_epoch", "train_epochs"]
 
 DATA_WAIT_WARN = 0.25
 DATA_WAIT_MIN_STEPS = 50  # shorter epochs are dominated by filling the pipeline
 _WARNED = {"data_wait": False}
-
-
-def delete(tree: Any) -> None:
-    """Delete the device buffers of every array in `tree` now."""
-    for leaf in jax.tree.leaves(tree):
-        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
-            leaf.delete()
 
 
 @dataclasses.dataclass
@@ -145,7 +140,7 @@ def finish_epoch(
     if totals.loss_count:
         row["loss"] = totals.loss_sum / totals.loss_count
     if not totals.train_metrics.empty:
-        row.update(_finalize(setup, totals.train_metrics.result(), "train"))
+        row.update(finalize_metrics(setup, totals.train_metrics.result(), "train"))
     if "val" in setup.splits:
         if control.stop.is_set():
             return None
@@ -178,78 +173,13 @@ def finish_epoch(
         _WARNED["data_wait"] = True
         warnings.warn_explicit(
             f"the training loop waited for data {wait_frac:.0%} of epoch {state.epoch}. "
-            + _data_wait_advice(setup),
+            + data_wait_advice(setup),
             RuntimeWarning,
             filename="nitro",
             lineno=0,
             module="nitro.engine.loop",
         )
     return row
-
-
-def _data_wait_advice(setup: RunSetup) -> str:
-    prefetcher = setup.splits["train"].prefetcher
-    path = prefetcher.path
-    if path == "inline":
-        if prefetcher.inline:
-            return (
-                "The train split is wrapped in NoPrefetch: remove it so worker threads build "
-                "batches ahead of the loop."
-            )
-        return "prefetch='inline' builds batches on the loop thread: use 'threads' or 'auto'."
-    if path == "single":
-        if setup.prefetch.workers == 1:
-            return "Raise prefetch_workers (now 1) so several threads build batches."
-        return (
-            "One thread builds its batches: make the source index-addressable "
-            "(begin_epoch/batch_at, see docs/data.md) so prefetch_workers threads build them "
-            "in parallel, or do less work per batch."
-        )
-    return (
-        f"Raise prefetch_workers (now {setup.prefetch.workers}) or host_batches, or do "
-        f"less work per batch in batch_at."
-    )
-
-
-def _shape_error(setup: RunSetup, staged, error) -> Exception:
-    """Say which field of a training batch differs from the first batch (whose shapes and
-    dtypes the train step was compiled for)."""
-    from nitro.programs.compile_cache import short_dtype
-
-    split = setup.splits["train"]
-
-    def fmt(shape, dtype):
-        return f"{short_dtype(str(dtype))}[{','.join(map(str, shape))}]"
-
-    changes = []
-    device = {
-        name: (tuple(a.shape[1:]) if staged.stacked else tuple(a.shape), str(a.dtype))
-        for name, a in staged.device.items()
-    }
-    for name, (shape, dtype) in split.batch_spec.items():
-        if name not in device:
-            continue
-        if device[name] != (tuple(shape), dtype):
-            changes.append(f"{name!r} {fmt(shape, dtype)} -> {fmt(*device[name])}")
-    if not changes:
-        return error
-    only_rows = all(
-        device[n][0][1:] == tuple(split.batch_spec[n][0][1:])
-        and device[n][1] == split.batch_spec[n][1]
-        for n in split.batch_spec
-        if n in device
-    )
-    fix = (
-        "a partial final batch: drop it (ArrayLoader(..., drop_last=True))"
-        if only_rows
-        else "make the loader yield the same shapes and dtypes on every batch (cast in the "
-        "loader, e.g. x.astype(np.float32))"
-    )
-    return SetupError(
-        f"train batch {staged.index} differs from the first batch, whose shapes and dtypes the "
-        f"train step was compiled for: {'; '.join(changes)}. Every training batch must match; "
-        f"this looks like {fix}."
-    )
 
 
 def _acknowledge_interrupt(control: RunControl) -> None:
@@ -368,7 +298,7 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
                 out = program(*args)
             except TypeError as error:
                 staged.free()
-                raise _shape_error(setup, staged, error) from None
+                raise shape_error(setup, staged, error) from None
             state.variables, run.healthy = out.variables, out.healthy
             run.dispatched += count
             if control.copies_pending:  # before the next step donates these variables
@@ -429,7 +359,7 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
     for offset, (value, code) in enumerate(reports.tolist()):
         if code:
             raise DivergenceError(
-                _divergence_message(setup, state, item.index + offset, value, int(code))
+                divergence_message(setup, state, item.index + offset, value, int(code))
             )
         if not math.isfinite(value):  # check_divergence=False: train on, count it
             totals.nonfinite += 1
@@ -464,213 +394,3 @@ def _train_metrics(run: _Epoch, totals, program, metrics, staged, offset: int) -
     values = setup.experiment.call_host_hook("train_metrics", metrics, **fields)
     specs, leaves = split_modes(values, "train_metrics")
     totals.train_metrics.add(specs, leaves, staged.n_real)
-
-
-_STAGES = {
-    1: "the training loss is {loss}",
-    2: "a gradient is non-finite (the loss, {loss}, is finite)",
-    3: "a scheduled hyperparameter is non-finite (the loss, {loss}, and the gradients are finite)",
-    4: "the step is non-finite",
-    5: "the weights after the step are non-finite (the loss, {loss}, is finite)",
-}
-_ADVICE = {
-    1: "Lower the learning rate or check the data",
-    2: "Look for sqrt, log, division or pow at 0 in the loss or the model (their gradients "
-    "are infinite there), or lower the learning rate",
-    3: "Check the optimizer's schedules at that step",
-    5: "Look for a non-finite gradient or update in the train_step hook, or lower the "
-    "learning rate",
-}
-
-
-def _divergence_message(setup: RunSetup, state: TrainState, index: int, loss: float, code: int):
-    what = _STAGES.get(code, _STAGES[4]).format(loss=loss)
-    advice = _ADVICE.get(code, _ADVICE[1])
-    if code == 3 and setup.optimizer is not None:
-        values = setup.feed.hyperparams_at(index)
-        shown = ", ".join(f"{k} = {v:g}" for k, v in values.items())
-        advice += f" ({shown} at step {index + 1})"
-    return (
-        f"{what} at step {index + 1} (epoch {state.epoch + 1}, batch {state.position + 1}). "
-        f"The handle keeps the weights from before that step (n.step == {state.step}). "
-        f"{advice}; check_divergence=False trains on regardless."
-    )
-
-
-def _finalize(setup: RunSetup, results: dict, split: str) -> dict:
-    if "finalize_metrics" in setup.experiment.hooks:
-        results = setup.experiment.call_host_hook("finalize_metrics", dict(results), split)
-        if not isinstance(results, dict):
-            raise TypeError(
-                f"finalize_metrics must return a dict of metrics, got {type(results).__name__}"
-            )
-    return flatten_metrics(results)
-
-
-def weights_of(setup: RunSetup, state: TrainState, weights: str | None = None):
-    """The variables evaluation uses: the trained weights ("current"), their moving
-    average ("ema"), or by default the average when `EMA(evaluate=True)`; with the model
-    state, and without the optimizer state (evaluation never reads it, and every array
-    passed costs dispatch time). Same structure either way, so the same programs run."""
-    variables = state.variables
-    if weights is None:
-        weights = "ema" if setup.ema is not None and setup.ema.evaluate else "current"
-    if weights == "current":
-        return Variables(params=variables.params, model_state=variables.model_state)
-    if weights != "ema":
-        raise ValueError(f"weights must be 'current' or 'ema', got {weights!r}")
-    if variables.ema is None:
-        raise SetupError(
-            "weights='ema' needs a moving average of the weights: build the handle with "
-            "ema=0.999 (or nitro.EMA(...)); it is kept while the handle trains"
-        )
-    return Variables(params=variables.ema, model_state=variables.model_state)
-
-
-def evaluate_split(
-    setup: RunSetup,
-    state: TrainState,
-    programs: ProgramSet,
-    control: RunControl,
-    split: str,
-    weights: str | None = None,
-) -> dict[str, Any] | None:
-    """Loss and metrics over one split, prefixed with its name (`val_loss`, `val_acc`); None
-    when a stop request cut it short (partial results are never returned)."""
-    info = setup.split(split)
-    fields = info.hook_fields
-    with_loss = "loss" in fields
-    has_metrics = "metrics" in setup.experiment.hooks
-    residency = setup.experiment.residency.get("metrics", "host")
-    accumulator = MetricAccumulator("metrics")
-    loss_sum, samples = 0.0, 0
-    programs_by_count: dict[int, Any] = {}
-    variables = weights_of(setup, state, weights)
-    block = _eval_block(setup, info, has_metrics and residency == "device")
-    stream = info.prefetcher.epoch(0, block=block)
-    stopped = False
-
-    def account_batch(result, host_fields, n_real: int, outputs=None) -> None:
-        nonlocal loss_sum, samples
-        if with_loss:
-            loss_sum += float(result["loss_sum"])
-        if has_metrics:
-            if residency == "host":
-                outputs = jax.tree.map(lambda a, n=n_real: a[:n], outputs)
-                host = setup.placement.gather(select(host_fields, fields["metrics"]))
-                host = {k: v[:n_real] for k, v in host.items()}
-                values = setup.experiment.call_host_hook("metrics", outputs, **host)
-                specs, leaves = split_modes(values, "metrics")
-            else:
-                specs, leaves = _device_metrics(
-                    setup, programs, split, result["outputs"], staged_now, n_real
-                )
-            accumulator.add(specs, leaves, n_real)
-        samples += n_real
-
-    def account(staged, result, n_real) -> None:
-        """Read one call's results back (loss sums, metrics: of one batch or a block of
-        them, in order) and free it."""
-        nonlocal staged_now
-        staged_now = staged
-        try:
-            if staged.count == 1:
-                outputs = None
-                if has_metrics and residency == "host":
-                    outputs = setup.placement.gather(result["outputs"])
-                account_batch(result, staged.host, int(n_real), outputs)
-                return
-            read = jax.device_get(result)  # one transfer for the block
-            for i, real in enumerate(np.asarray(n_real).tolist()):
-                one = jax.tree.map(lambda a, i=i: a[i], read)
-                host_fields = staged.host[i] if staged.host is not None else None
-                account_batch(one, host_fields, real, one.get("outputs"))
-        finally:
-            staged.free()
-            delete(result)
-
-    staged_now = None
-
-    # Each batch is read back after the next one is dispatched (one batch late, like
-    # training), so the device computes while the host reads and accounts.
-    pending = None
-    try:
-        for staged in stream:
-            if control.stop.is_set():
-                staged.free()
-                stopped = True
-                break
-            n_real = staged.n_real
-            count = staged.count
-            if count == 1:
-                real = np.int32(n_real)
-            else:  # per batch; a training split's blocks are full batches, counted once
-                n_real = real = np.broadcast_to(np.asarray(n_real, np.int32), (count,))
-            args = (variables, setup.feed.current_device(), staged.device, real)
-            program = programs_by_count.get(count)
-            if program is None:
-                program = programs_by_count[count] = programs.eval_forward(
-                    split, args, with_loss=with_loss, return_outputs=has_metrics, batches=count
-                )
-            try:
-                result = program(*args)
-            except BaseException:
-                staged.free()
-                raise
-            previous, pending = pending, (staged, result, n_real)
-            if previous is not None:
-                account(*previous)
-        if pending is not None and not stopped:
-            previous, pending = pending, None
-            account(*previous)
-    finally:
-        if pending is not None:  # a stop, an error or an interrupt: drop it unread
-            pending[0].free()
-            delete(pending[1])
-        stream.close()
-    if stopped:
-        return None
-    results: dict[str, Any] = {}
-    if with_loss and samples:
-        results["loss"] = loss_sum / samples
-    if not accumulator.empty:
-        results.update(accumulator.result())
-    results = _finalize(setup, results, split)
-    return {f"{split}_{k}": v for k, v in results.items()}
-
-
-EVAL_BLOCK_MIN_CALLS = 4  # a split fuses its batches when that makes at least this many calls
-
-
-def _eval_block(setup: RunSetup, info, device_metrics: bool) -> int:
-    """Evaluation batches per program call: the steps per call the training measured (or was
-    given), where it fuses, for splits long enough to make at least `EVAL_BLOCK_MIN_CALLS`
-    fused calls; else 1. A forward pass costs less than a train step, so a K worth fusing
-    for training is worth it here too. Not with device-resident metrics (their program runs
-    per batch) or across processes."""
-    plan = setup.dispatch
-    steps = plan.steps or 1
-    if steps == 1 or plan.checking or device_metrics or setup.placement.multi_process:
-        return 1
-    if info.batches is None or info.batches < EVAL_BLOCK_MIN_CALLS * steps:
-        return 1
-    return steps
-
-
-def _device_metrics(setup: RunSetup, programs: ProgramSet, split: str, outputs, staged, n_real):
-    width = jax.tree.leaves(outputs)[0].shape[0]
-    names = setup.splits[split].hook_fields["metrics"]
-    fields = {k: staged.device[k] for k in names}
-    sliced = []
-    if n_real < width:
-        outputs = jax.tree.map(lambda a: a[:n_real], outputs)
-        fields = {k: v[:n_real] for k, v in fields.items()}
-        sliced = [outputs, fields]
-    args = (outputs, setup.feed.current_device(), fields)
-    program = programs.device_metrics(split, args)
-    values = program(*args)
-    leaves = jax.device_get(values)
-    delete(values)
-    for tree in sliced:
-        delete(tree)
-    return program.aux["specs"], leaves

@@ -43,7 +43,7 @@ class Digits:
     "epochs train() runs to"
 
     def build_data(self):
-        return nitro.data.datasets.digits(batch_size=self.batch_size)
+        return nitro.datasets.digits(batch_size=self.batch_size)
 
     def build_model(self, rngs: nnx.Rngs):
         return MLP(64, self.width, 10, rngs=rngs)
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> dict:
     test = n.evaluate(split="test")
     print(f"\nvalidation: {_fmt(val)}")
     print(f"test:       {_fmt(test)}")
-    samples = nitro.data.datasets.digits_arrays()["test"]
+    samples = nitro.datasets.digits_arrays()["test"]
     logits = n.predict({"x": samples["x"][:8]})
     print(f"\npredicted {logits.argmax(-1).tolist()}")
     print(f"actual    {samples['y'][:8].tolist()}")

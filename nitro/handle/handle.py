@@ -26,7 +26,7 @@ from nitro.core.keywords import Resolved
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState
 from nitro.data import pad_batch
-from nitro.engine import loop
+from nitro.engine import evaluation, loop
 from nitro.engine.keywords import resolve_run_keywords
 from nitro.engine.runner import Run, RunControl, RunGuard, sigint_requests_stop, wait_for
 from nitro.engine.setup import batch_size, build
@@ -300,7 +300,7 @@ class Nitro:
         return self._progress
 
     def on_phase(self, fn) -> Nitro:
-        """Call `fn(change)` (a `nitro.core.events.PhaseChange`: phase, previous, step, epoch and,
+        """Call `fn(change)` (a `nitro.events.PhaseChange`: phase, previous, step, epoch and,
         after validation, the epoch's metrics) on every phase transition of this handle."""
         self._events.add_monitor(fn)
         return self
@@ -478,7 +478,7 @@ class Nitro:
                             self._after_epoch(self._state, row)
                     else:
                         self._events.phase(f"evaluating {split}")
-                        result = loop.evaluate_split(
+                        result = evaluation.evaluate_split(
                             self._setup, self._state, self._programs, self._control, split, weights
                         )
                 finally:
@@ -530,7 +530,7 @@ class Nitro:
     def _predict_chunks(
         self, setup: RunSetup, batch: Mapping[str, Any], weights: str | None = None
     ) -> list:
-        variables = loop.weights_of(setup, self._state, weights)
+        variables = evaluation.weights_of(setup, self._state, weights)
         fields = setup.experiment.hook_fields["forward"].resolve(tuple(batch), "predict")
         host = {k: np.asarray(batch[k]) for k in fields}
         n = batch_size(host, "predict")
@@ -550,8 +550,8 @@ class Nitro:
             args = (variables, setup.feed.current_device(), device, np.int32(n_real))
             result = self._programs.predict(width, fields, args)(*args)
             outputs = setup.placement.gather(result["outputs"])
-            loop.delete(result)
-            loop.delete(device)
+            evaluation.delete(result)
+            evaluation.delete(device)
             keep = n_real if n else 0
             chunks.append(jax.tree.map(lambda a, k=keep: np.asarray(a)[:k], outputs))
         return chunks
@@ -565,7 +565,7 @@ class Nitro:
         weights: str | None = None,
     ) -> dict[str, Any]:
         """Write the current weights and eval-mode forward as a bundle that runs without Nitro
-        (`nitro.serving.bundle.load(directory)`) and serves with `nitro serve`; returns its manifest.
+        (`nitro.bundle.load(directory)`) and serves with `nitro serve`; returns its manifest.
 
         `name` names the bundle (default: the experiment class, lower case); `platforms`
         defaults to cpu, cuda, rocm and tpu; `weights="ema"` exports the moving average of
@@ -575,7 +575,7 @@ class Nitro:
 
         self._check_stale("export")
         with self._guard.hold("exporting"):
-            variables = loop.weights_of(self._setup, self._state, weights)
+            variables = evaluation.weights_of(self._setup, self._state, weights)
             return export_handle(
                 self,
                 directory,
@@ -735,7 +735,7 @@ class Nitro:
     def stale_changes(self) -> dict[str, list[str]]:
         """Code that changed since this handle was built: unit (a hook name or "model") ->
         the parts that changed in it ("helper mlp_block", "method MLP.__call__"; empty when
-        the hook itself changed). `nitro.programs.staleness.programs_using(unit)` names the programs
+        the hook itself changed). `nitro.staleness.programs_using(unit)` names the programs
         each unit reaches."""
         return stale_changes(self._setup)
 

@@ -1,6 +1,6 @@
 """`LoggingReporter`: a run's events, as logger calls.
 
-It is a reporter of the event path (`nitro.core.events`), and it reads the handle through its
+It is a reporter of the event path (`nitro.events`), and it reads the handle through its
 public API only:
 
 | event | logger calls |

@@ -196,7 +196,7 @@ TOOLS: dict[str, ToolSpec] = {
         ToolSpec(
             "nitro_export",
             "Write a run's model (run_id), or an experiment's with weights from a checkpoint, as "
-            "a serving bundle into dir (nitro.serving.bundle.load, nitro serve); answers its manifest.",
+            "a serving bundle into dir (nitro.bundle.load, nitro serve); answers its manifest.",
             ExportArguments,
             "export",
         ),

@@ -7,7 +7,7 @@ programs a unit reaches. This is the public API the notebook layer builds its re
 on; it is documented in docs/architecture.md.
 
 >>> import nitro
->>> nitro.programs.staleness.programs_using("loss")
+>>> nitro.staleness.programs_using("loss")
 (<ProgramKind.TRAIN_STEP: 'train step'>, <ProgramKind.EVAL_FORWARD: 'eval forward'>)
 """
 

@@ -163,7 +163,7 @@ def step_function(
 def manual_step_function(
     setup: RunSetup, fields: Mapping[str, tuple[str, ...]], reads: set[str], aux: dict
 ) -> Callable[..., StepOutput]:
-    """A step of a `train_step` hook: the hook gets a `nitro.programs.manual.Step` (the models, their
+    """A step of a `train_step` hook: the hook gets a `nitro.manual.Step` (the models, their
     gradients, their optimizers) and the batch fields it names; the guard keeps the models,
     their state and the optimizers' states as they were from the first non-finite step on."""
     from nitro.programs.manual import Step

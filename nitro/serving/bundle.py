@@ -10,11 +10,11 @@ DIR/
 ```
 
 This module imports only the standard library, NumPy, JAX and safetensors, so a serving process
-loads a bundle without the training stack (`import nitro.serving.bundle` runs no other nitro module).
+loads a bundle without the training stack (`import nitro.bundle` runs no other nitro module).
 One bundle serves every batch size; each new size compiles once in this process.
 
->>> import nitro.serving.bundle
->>> model = nitro.serving.bundle.load("exports/digits")                 # doctest: +SKIP
+>>> import nitro.bundle
+>>> model = nitro.bundle.load("exports/digits")                 # doctest: +SKIP
 >>> [str(spec) for spec in model.inputs]                        # doctest: +SKIP
 ['x: float32[batch, 64]']
 >>> model(x=images)["output"].shape                             # doctest: +SKIP
@@ -147,7 +147,7 @@ def _read_manifest(directory: str) -> dict[str, Any]:
     version = manifest.get("format_version")
     if not isinstance(version, int) or version > FORMAT_VERSION:
         raise BundleError(
-            f"{path} is bundle format {version!r}; this nitro.serving.bundle reads format "
+            f"{path} is bundle format {version!r}; this nitro.bundle reads format "
             f"{FORMAT_VERSION} and older. Upgrade nitro where the bundle is loaded."
         )
     for key in ("name", "inputs", "outputs", "files"):

@@ -10,7 +10,7 @@ handle ──export_handle──► ExportSource ──write_bundle──► DIR
 `write_bundle` lowers `export_preprocess` (when defined) then `forward` with `jax.export`, with
 a symbolic batch axis, so one bundle serves every batch size, for CPU, CUDA, ROCm and TPU by
 default. The weights are arguments of the program (not constants), written as safetensors;
-Device fields are frozen into the program as constants. Nothing is pickled. `nitro.serving.bundle`
+Device fields are frozen into the program as constants. Nothing is pickled. `nitro.bundle`
 loads the result without Nitro, Flax or Optax.
 
 Optional experiment hooks shape the wire:

@@ -1,4 +1,4 @@
-"""`nitro serve DIR [DIR ...]` (also `python -m nitro.serving.serve`): serve exported bundles over the
+"""`nitro serve DIR [DIR ...]` (also `python -m nitro.serve`): serve exported bundles over the
 Open Inference Protocol (KServe V2), REST and gRPC, with KServe's model server.
 
     nitro serve exports/digits exports/mnist --port 8080 --grpc-port 8081
@@ -57,7 +57,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: Sequence[str] | None = None, prog: str = "python -m nitro.serving.serve") -> None:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m nitro.serve") -> None:
     parser = add_arguments(argparse.ArgumentParser(prog=prog, description=DESCRIPTION))
     run(parser.parse_args(argv), parser)
 

@@ -19,7 +19,7 @@ inference and the model repository API. This module adds what a bundle needs on 
   reloads it when its manifest changes. A request holds the bundle it started with, so a
   reload never fails a request in flight.
 
-Imports nothing of Nitro beyond `nitro.serving.bundle`.
+Imports nothing of Nitro beyond `nitro.bundle`.
 """
 
 from __future__ import annotations

@@ -1,0 +1,208 @@
+"""The evaluation loop: a split's batches through the eval programs, K fused per call on long
+splits, each batch read back one call late; the weights evaluation uses; metrics finalized.
+
+An eval batch's inputs and outputs are deleted once its metrics have their values.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from nitro.core.metrics import MetricAccumulator, flatten_metrics, split_modes
+from nitro.core.run_setup import RunSetup
+from nitro.core.train_state import TrainState, Variables
+from nitro.engine.runner import RunControl
+from nitro.errors import SetupError
+from nitro.experiments.routing import select
+from nitro.programs.specs import ProgramSet
+
+__all__ = ["delete", "evaluate_split", "finalize_metrics", "weights_of"]
+
+
+def delete(tree: Any) -> None:
+    """Delete the device buffers of every array in `tree` now."""
+    for leaf in jax.tree.leaves(tree):
+        if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+            leaf.delete()
+
+
+def finalize_metrics(setup: RunSetup, results: dict, split: str) -> dict:
+    if "finalize_metrics" in setup.experiment.hooks:
+        results = setup.experiment.call_host_hook("finalize_metrics", dict(results), split)
+        if not isinstance(results, dict):
+            raise TypeError(
+                f"finalize_metrics must return a dict of metrics, got {type(results).__name__}"
+            )
+    return flatten_metrics(results)
+
+
+def weights_of(setup: RunSetup, state: TrainState, weights: str | None = None):
+    """The variables evaluation uses: the trained weights ("current"), their moving
+    average ("ema"), or by default the average when `EMA(evaluate=True)`; with the model
+    state, and without the optimizer state (evaluation never reads it, and every array
+    passed costs dispatch time). Same structure either way, so the same programs run."""
+    variables = state.variables
+    if weights is None:
+        weights = "ema" if setup.ema is not None and setup.ema.evaluate else "current"
+    if weights == "current":
+        return Variables(params=variables.params, model_state=variables.model_state)
+    if weights != "ema":
+        raise ValueError(f"weights must be 'current' or 'ema', got {weights!r}")
+    if variables.ema is None:
+        raise SetupError(
+            "weights='ema' needs a moving average of the weights: build the handle with "
+            "ema=0.999 (or nitro.EMA(...)); it is kept while the handle trains"
+        )
+    return Variables(params=variables.ema, model_state=variables.model_state)
+
+
+def evaluate_split(
+    setup: RunSetup,
+    state: TrainState,
+    programs: ProgramSet,
+    control: RunControl,
+    split: str,
+    weights: str | None = None,
+) -> dict[str, Any] | None:
+    """Loss and metrics over one split, prefixed with its name (`val_loss`, `val_acc`); None
+    when a stop request cut it short (partial results are never returned)."""
+    info = setup.split(split)
+    fields = info.hook_fields
+    with_loss = "loss" in fields
+    has_metrics = "metrics" in setup.experiment.hooks
+    residency = setup.experiment.residency.get("metrics", "host")
+    accumulator = MetricAccumulator("metrics")
+    loss_sum, samples = 0.0, 0
+    programs_by_count: dict[int, Any] = {}
+    variables = weights_of(setup, state, weights)
+    block = _eval_block(setup, info, has_metrics and residency == "device")
+    stream = info.prefetcher.epoch(0, block=block)
+    stopped = False
+
+    def account_batch(result, host_fields, n_real: int, outputs=None) -> None:
+        nonlocal loss_sum, samples
+        if with_loss:
+            loss_sum += float(result["loss_sum"])
+        if has_metrics:
+            if residency == "host":
+                outputs = jax.tree.map(lambda a, n=n_real: a[:n], outputs)
+                host = setup.placement.gather(select(host_fields, fields["metrics"]))
+                host = {k: v[:n_real] for k, v in host.items()}
+                values = setup.experiment.call_host_hook("metrics", outputs, **host)
+                specs, leaves = split_modes(values, "metrics")
+            else:
+                specs, leaves = _device_metrics(
+                    setup, programs, split, result["outputs"], staged_now, n_real
+                )
+            accumulator.add(specs, leaves, n_real)
+        samples += n_real
+
+    def account(staged, result, n_real) -> None:
+        """Read one call's results back (loss sums, metrics: of one batch or a block of
+        them, in order) and free it."""
+        nonlocal staged_now
+        staged_now = staged
+        try:
+            if staged.count == 1:
+                outputs = None
+                if has_metrics and residency == "host":
+                    outputs = setup.placement.gather(result["outputs"])
+                account_batch(result, staged.host, int(n_real), outputs)
+                return
+            read = jax.device_get(result)  # one transfer for the block
+            for i, real in enumerate(np.asarray(n_real).tolist()):
+                one = jax.tree.map(lambda a, i=i: a[i], read)
+                host_fields = staged.host[i] if staged.host is not None else None
+                account_batch(one, host_fields, real, one.get("outputs"))
+        finally:
+            staged.free()
+            delete(result)
+
+    staged_now = None
+
+    # Each batch is read back after the next one is dispatched (one batch late, like
+    # training), so the device computes while the host reads and accounts.
+    pending = None
+    try:
+        for staged in stream:
+            if control.stop.is_set():
+                staged.free()
+                stopped = True
+                break
+            n_real = staged.n_real
+            count = staged.count
+            if count == 1:
+                real = np.int32(n_real)
+            else:  # per batch; a training split's blocks are full batches, counted once
+                n_real = real = np.broadcast_to(np.asarray(n_real, np.int32), (count,))
+            args = (variables, setup.feed.current_device(), staged.device, real)
+            program = programs_by_count.get(count)
+            if program is None:
+                program = programs_by_count[count] = programs.eval_forward(
+                    split, args, with_loss=with_loss, return_outputs=has_metrics, batches=count
+                )
+            try:
+                result = program(*args)
+            except BaseException:
+                staged.free()
+                raise
+            previous, pending = pending, (staged, result, n_real)
+            if previous is not None:
+                account(*previous)
+        if pending is not None and not stopped:
+            previous, pending = pending, None
+            account(*previous)
+    finally:
+        if pending is not None:  # a stop, an error or an interrupt: drop it unread
+            pending[0].free()
+            delete(pending[1])
+        stream.close()
+    if stopped:
+        return None
+    results: dict[str, Any] = {}
+    if with_loss and samples:
+        results["loss"] = loss_sum / samples
+    if not accumulator.empty:
+        results.update(accumulator.result())
+    results = finalize_metrics(setup, results, split)
+    return {f"{split}_{k}": v for k, v in results.items()}
+
+
+EVAL_BLOCK_MIN_CALLS = 4  # a split fuses its batches when that makes at least this many calls
+
+
+def _eval_block(setup: RunSetup, info, device_metrics: bool) -> int:
+    """Evaluation batches per program call: the steps per call the training measured (or was
+    given), where it fuses, for splits long enough to make at least `EVAL_BLOCK_MIN_CALLS`
+    fused calls; else 1. A forward pass costs less than a train step, so a K worth fusing
+    for training is worth it here too. Not with device-resident metrics (their program runs
+    per batch) or across processes."""
+    plan = setup.dispatch
+    steps = plan.steps or 1
+    if steps == 1 or plan.checking or device_metrics or setup.placement.multi_process:
+        return 1
+    if info.batches is None or info.batches < EVAL_BLOCK_MIN_CALLS * steps:
+        return 1
+    return steps
+
+
+def _device_metrics(setup: RunSetup, programs: ProgramSet, split: str, outputs, staged, n_real):
+    width = jax.tree.leaves(outputs)[0].shape[0]
+    names = setup.splits[split].hook_fields["metrics"]
+    fields = {k: staged.device[k] for k in names}
+    sliced = []
+    if n_real < width:
+        outputs = jax.tree.map(lambda a: a[:n_real], outputs)
+        fields = {k: v[:n_real] for k, v in fields.items()}
+        sliced = [outputs, fields]
+    args = (outputs, setup.feed.current_device(), fields)
+    program = programs.device_metrics(split, args)
+    values = program(*args)
+    leaves = jax.device_get(values)
+    delete(values)
+    for tree in sliced:
+        delete(tree)
+    return program.aux["specs"], leaves

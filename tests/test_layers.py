@@ -1,0 +1,93 @@
+"""The house by layers: nitro's packages import only the packages below them."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+
+import nitro
+
+ROOT = pathlib.Path(nitro.__file__).parent
+
+# bottom-up; a package may import any package listed before it, never one after it
+LAYERS = [
+    "errors",
+    "experiments",
+    "data",
+    "optim",
+    "core",
+    "programs",
+    "runs",
+    "loggers",
+    "engine",
+    "serving",
+    "handle",
+    "mcp",
+    "examples",
+]
+# public import paths kept at the top level: each is the module of a package (`nitro.bundle` is
+# `nitro.serving.bundle`)
+ALIASES = {
+    "bundle": "serving",
+    "serve": "serving",
+    "manual": "programs",
+    "staleness": "programs",
+    "events": "core",
+    "progress": "core",
+    "runner": "engine",
+    "dispatch": "engine",
+    "datasets": "data",
+    "cli": "serving",
+}
+
+
+def _unit(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[0] != "nitro" or len(parts) < 2:
+        return None
+    return ALIASES.get(parts[1], parts[1])
+
+
+def _imports(path: pathlib.Path):
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield alias.name, node.lineno
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            yield node.module, node.lineno
+            for alias in node.names:
+                yield f"{node.module}.{alias.name}", node.lineno
+
+
+def test_every_package_and_top_level_module_has_a_layer():
+    units = {p.stem if p.is_file() else p.name for p in ROOT.iterdir()}
+    units = {u for u in units if not u.startswith("__")} - {"py"}
+    assert units - set(LAYERS) - set(ALIASES) == set()
+
+
+def test_no_package_imports_a_higher_one():
+    breaches = []
+    for path in ROOT.rglob("*.py"):
+        relative = path.relative_to(ROOT)
+        if relative == pathlib.Path("__init__.py"):
+            continue  # the lazy facade: it names every public module
+        own = ALIASES.get(
+            relative.parts[0].removesuffix(".py"), relative.parts[0].removesuffix(".py")
+        )
+        for module, line in _imports(path):
+            other = _unit(module)
+            if other is None or other == own or other not in LAYERS:
+                continue
+            if LAYERS.index(other) > LAYERS.index(own):
+                breaches.append(f"nitro/{relative}:{line} ({own}) imports {module} ({other})")
+    assert breaches == []
+
+
+def test_relative_imports_are_not_used_so_a_moved_module_cannot_silently_change_meaning():
+    relative = [
+        f"{path.relative_to(ROOT)}:{node.lineno}"
+        for path in ROOT.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.ImportFrom) and node.level
+    ]
+    assert relative == []
