@@ -16,7 +16,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from nitro.handle import Nitro
+from nitro.handle.handle import Nitro
 from nitro.mcp.convert import jsonable
 from nitro.mcp.registry import RunRecord, RunStatus
 

@@ -26,8 +26,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from nitro.experiments import field_specs, has_method
-from nitro.handle import Nitro
+from nitro.experiments.declaration import field_specs, has_method
+from nitro.handle.handle import Nitro
 from nitro.mcp.convert import as_batch, jsonable
 from nitro.mcp.describe import describe_run, latest_step
 from nitro.mcp.keywords import check_run_keywords, checkpoint_pair
