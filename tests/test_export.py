@@ -101,7 +101,12 @@ def test_a_bundle_loads_without_nitro_flax_or_optax_and_matches_predict(
         [sys.executable, "-c", child], capture_output=True, text=True, timeout=120, cwd=HERE
     )
     assert done.returncode == 0, done.stderr[-3000:]
-    assert json.loads(done.stdout) == ["nitro", "nitro.bundle"]
+    assert json.loads(done.stdout) == [
+        "nitro",
+        "nitro.bundle",
+        "nitro.serving",
+        "nitro.serving.bundle",
+    ]
     for rows in (1, 7, 300):
         x = np.load(tmp_path / f"in{rows}.npy")
         served = np.load(tmp_path / f"out{rows}.npy")
