@@ -80,7 +80,7 @@ class Nitro:
     >>> import nitro
     >>> from nitro.examples.digits import Digits
     >>> n = nitro.Nitro(Digits(max_epochs=1), seed=0, progress=False)   # compiles nothing
-    >>> n.train().step                                                   # doctest: +SKIP
+    >>> n.train().step
     9
     """
 

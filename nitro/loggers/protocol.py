@@ -234,7 +234,10 @@ class LoggerGroup(BaseLogger):
     switched off for the rest of the run with one warning naming it; the others go on.
     `reset()` (the start of a run) switches them back on.
 
-    >>> group = LoggerGroup([JSONLinesLogger("a.jsonl"), CSVLogger("a.csv")])  # doctest: +SKIP
+    >>> from nitro.loggers import CSVLogger, JSONLinesLogger
+    >>> group = LoggerGroup([JSONLinesLogger("a.jsonl"), CSVLogger("a.csv")])
+    >>> group.log_metrics({"loss": 0.5}, step=1, epoch=1, context="train")  # to both files
+    >>> group.finish("done")
     """
 
     def __init__(self, loggers: Iterable[Any]):

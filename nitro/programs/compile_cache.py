@@ -517,7 +517,9 @@ def record_compile(program: str, owner: str, seconds: float, reason: str) -> Com
     """Add work compiled outside the program cache (an export, say) to the compile log, so
     `explain_compiles()` lists it too; cache hits and misses do not change.
 
-    >>> record_compile("export", "my.Experiment", 0.05, "outside the program cache")  # doctest: +SKIP
+    >>> record = record_compile("export", "my.Experiment", 0.05, "outside the program cache")
+    >>> explain_compiles()[-1] is record
+    True
     """
     record = CompileRecord(program, owner, seconds, reason, time.time())
     with CACHE._lock:

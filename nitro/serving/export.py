@@ -276,7 +276,10 @@ def export_handle(
     """Export a handle's current weights (or `variables`: e.g. the moving average) and its
     eval-mode forward; returns the manifest.
 
-    >>> export_handle(n, "exports/digits")["inputs"]     # doctest: +SKIP
+    >>> import nitro
+    >>> from nitro.examples.digits import Digits
+    >>> n = nitro.Nitro(Digits(), progress=False)
+    >>> export_handle(n, "exports/digits")["inputs"]
     [{'name': 'x', 'dtype': 'float32', 'shape': [-1, 64]}]
     """
     from flax import nnx
