@@ -156,7 +156,7 @@ def test_a_learning_rate_schedule_reaches_the_optimizer():
     frozen = nitro.Nitro(Plain(max_epochs=1), schedules={"learning_rate": 0.0}, progress=False)
     start = params_of(frozen)
     frozen.train()
-    assert all(np.array_equal(a, b) for a, b in zip(start, params_of(frozen)))
+    assert all(np.array_equal(a, b) for a, b in zip(start, params_of(frozen), strict=True))
 
     # 1e-2 for two steps, then 0: the same weights as two steps at 1e-2
     stepped = nitro.Nitro(
@@ -167,7 +167,7 @@ def test_a_learning_rate_schedule_reaches_the_optimizer():
     stepped.train()
     short = nitro.Nitro(Plain(samples=32, max_epochs=1), learning_rate=1e-2, progress=False)
     short.train()
-    for a, b in zip(params_of(stepped), params_of(short)):
+    for a, b in zip(params_of(stepped), params_of(short), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
     assert stepped.hyperparameters["learning_rate"] == 0.0
     assert short.hyperparameters["learning_rate"] == pytest.approx(1e-2)

@@ -83,7 +83,7 @@ def test_weights_from_a_training_handle_are_taken_at_the_next_step_boundary():
     # the copy is its own: training the fork leaves the source's weights alone
     before = [np.asarray(a) for a in n.state.variables.params]
     forked.train(epochs=1)
-    assert all(np.array_equal(a, b) for a, b in zip(before, n.state.variables.params))
+    assert all(np.array_equal(a, b) for a, b in zip(before, n.state.variables.params, strict=True))
 
 
 def test_weights_and_model_of_an_idle_handle_are_copies():
@@ -93,7 +93,7 @@ def test_weights_and_model_of_an_idle_handle_are_copies():
     assert forked.weights_origin == "the weights of a Toy run at epoch 1, step 4"
     mine = [np.asarray(a) for a in n.state.variables.params]
     theirs = [np.asarray(a) for a in forked.state.variables.params]
-    assert all(np.array_equal(a, b) for a, b in zip(mine, theirs))
+    assert all(np.array_equal(a, b) for a, b in zip(mine, theirs, strict=True))
     before = np.asarray(n.model.out.bias[...])
     model = n.model
     model.out.bias[...] = model.out.bias[...] + 1.0
@@ -289,7 +289,8 @@ def test_no_engine_module_imports_the_handle_or_the_notebook_layer():
                 imported.add((node.module or "") + "." + ".".join(a.name for a in node.names))
             elif isinstance(node, ast.Import):
                 imported.update(a.name for a in node.names)
-        if "handle" not in path.relative_to(ENGINE).parts and "mcp" not in path.parts:  # mcp serves handles
+        # mcp serves handles
+        if "handle" not in path.relative_to(ENGINE).parts and "mcp" not in path.parts:
             assert not any("handle" in name.split(".") for name in imported), path
         assert not any(
             name.split(".")[0] in ("IPython", "ipywidgets", "nitro_ipython") for name in imported

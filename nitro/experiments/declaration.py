@@ -189,7 +189,7 @@ def _field_docs(cls) -> dict[str, str]:
             continue
         node = _class_node(klass)
         body = node.body if node is not None else []
-        for node, following in zip(body, body[1:] + [None]):
+        for node, following in zip(body, body[1:] + [None], strict=True):
             if (
                 isinstance(node, ast.AnnAssign)
                 and isinstance(node.target, ast.Name)

@@ -393,7 +393,7 @@ class Fingerprinter:
     def _closure(self, fn: types.FunctionType) -> str:
         cells = fn.__closure__ or ()
         tokens = []
-        for name, cell in zip(fn.__code__.co_freevars, cells):
+        for name, cell in zip(fn.__code__.co_freevars, cells, strict=True):
             try:
                 contents = cell.cell_contents
             except ValueError:  # an empty cell

@@ -183,7 +183,10 @@ class TensorBoardLogger(BaseLogger):
             "| | " + " | ".join(names) + " |",
             "|---" * (len(names) + 1) + "|",
         ]
-        lines += [f"| **{n}** | " + " | ".join(map(str, r)) + " |" for n, r in zip(names, rows)]
+        lines += [
+            f"| **{n}** | " + " | ".join(map(str, r)) + " |"
+            for n, r in zip(names, rows, strict=True)
+        ]
         self._text("confusion", "\n".join(lines))
 
     def finish(self, status: str) -> None:

@@ -281,7 +281,7 @@ def _leaf_signature(path, leaf) -> tuple:
 
 def argument_signature(arg_names: Sequence[str], args: Sequence[Any]) -> tuple:
     signature = []
-    for name, arg in zip(arg_names, args):
+    for name, arg in zip(arg_names, args, strict=True):
         leaves, treedef = jax.tree_util.tree_flatten_with_path(arg)
         signature.append((name, treedef, tuple(_leaf_signature(p, x) for p, x in leaves)))
     return tuple(signature)
@@ -311,11 +311,11 @@ def _format_leaf(sig: tuple) -> str:
 
 def _diff_signatures(old: tuple, new: tuple, labels: Mapping[str, str]) -> list[str]:
     notes = []
-    for (name, old_tree, old_leaves), (_, new_tree, new_leaves) in zip(old, new):
+    for (name, old_tree, old_leaves), (_, new_tree, new_leaves) in zip(old, new, strict=True):
         if old_tree != new_tree:
             notes.append(f"argument {name}: structure changed")
             continue
-        for o, n in zip(old_leaves, new_leaves):
+        for o, n in zip(old_leaves, new_leaves, strict=True):
             if o != n:
                 where = labels.get(f"{name}{o[0]}") or (f"{name}{o[0]}" if o[0] else name)
                 if o[3] != n[3] and o[1:3] == n[1:3]:

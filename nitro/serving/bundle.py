@@ -239,11 +239,11 @@ class Bundle:
                     f"Convert it, e.g. x.astype('{spec.dtype}')"
                 )
             fits = len(shape) == len(spec.shape) and all(
-                want == BATCH or want == have for want, have in zip(spec.shape, shape)
+                want == BATCH or want == have for want, have in zip(spec.shape, shape, strict=True)
             )
             if not fits:
                 raise BundleError(f"input {spec.name!r} must have shape {spec.shape_text()}; {got}")
-            for want, have in zip(spec.shape, shape):
+            for want, have in zip(spec.shape, shape, strict=True):
                 if want == BATCH and have < 1:
                     raise BundleError(f"input {spec.name!r} has no rows; give at least one")
                 if want == BATCH:
