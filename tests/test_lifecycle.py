@@ -99,6 +99,7 @@ def test_every_run_gets_a_directory_named_by_a_sortable_run_id_and_its_first_lin
     info = json.loads((Path(n.run_dir) / "run.json").read_text())
     assert (info["run_id"], info["experiment"]) == (n.run_id, n.owner)
     assert info["graphconst"] == {"width": 8, "offset": 0.0}
+    assert info["nitro"] == nitro.__version__  # the one version; pyproject reads it too
     first = capsys.readouterr().err.splitlines()[0]
     assert first == f"nitro: run {n.run_id} in {n.run_dir}"
 

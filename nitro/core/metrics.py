@@ -140,7 +140,7 @@ class MetricAccumulator:
                 self.totals[i] = [value] if previous is None else previous + [value]
 
     def _raise_changed(self, specs) -> None:
-        old, new = dict(self.specs), dict(specs)
+        old, new = dict(self.specs or ()), dict(specs)
         if set(old) != set(new):
             raise MetricError(
                 f"`{self.hook}` returned keys {sorted(new)} but the first batch returned "

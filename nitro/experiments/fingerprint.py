@@ -284,7 +284,7 @@ class Fingerprinter:
                 "library-function",
                 str(module),
                 _qualname(fn),
-                self._library(module),
+                self._library(str(module)),
                 self._closure(fn),
             )
             self._memo[key] = token

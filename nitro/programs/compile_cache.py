@@ -395,7 +395,7 @@ class CompileCache:
         fn = spec.build(reads)
         progress.note(f"compiling {spec.title} of {spec.owner.rpartition('.')[2]} ...")
         run_events = events.current()
-        previous = run_events.current_phase if run_events is not None else None
+        previous = run_events.current_phase if run_events is not None else ""
         if run_events is not None:
             run_events.phase(f"compiling {spec.title}")
         start = time.perf_counter()
