@@ -274,8 +274,8 @@ class LoggerGroup(BaseLogger):
         self._off.add(id(logger))
         self._rebind()
         warnings.warn(
-            f"logger {type(logger).__qualname__} raised {type(error).__name__}: {error} in "
-            f"{verb}(); it is switched off for the rest of this run, which goes on",
+            f"logger {type(logger).__qualname__} raised {type(error).__name__} in {verb}(): "
+            f"{error}; it is switched off for the rest of this run, which goes on",
             RuntimeWarning,
             stacklevel=3,
         )
