@@ -768,7 +768,7 @@ class Nitro:
 
 
 # `help(Nitro)` and `inspect.signature(Nitro)` name every run keyword, from its declaration
-Nitro.__init__.__signature__ = keyword_signature(Nitro.__init__)  # type: ignore[attr-defined]
+Nitro.__init__.__signature__ = keyword_signature(Nitro.__init__)
 if Nitro.__doc__ is not None:  # None under python -OO
     Nitro.__doc__ = f"{inspect.cleandoc(Nitro.__doc__)}\n\n{keywords_doc()}"
 
