@@ -2,7 +2,8 @@
 doctests of every module under nitro/ (pyproject's `testpaths`).
 
 Collected here rather than with `--doctest-modules`, which would import every helper module in
-tests/ too (some read sys.argv or set device flags when imported).
+tests/ too: some are scripts for subprocesses (they read sys.argv, or expect fake devices set
+up before JAX starts).
 """
 
 from __future__ import annotations

@@ -16,7 +16,8 @@ __all__ = ["keyword_signature", "keywords_doc"]
 
 
 class _Shown:
-    """A default shown as text (`jax.device_count()`): computed when a run resolves it."""
+    """A default as the signature shows it: `0`, `'auto'`, or `jax.device_count()` for one
+    computed when a run resolves it."""
 
     def __init__(self, text: str):
         self.text = text
