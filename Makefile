@@ -21,9 +21,12 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest -q
 
+LINTED := nitro nitro_ipython tests bench notebooks conftest.py
+
 lint: $(STAMP)
-	$(PY) -m ruff check nitro nitro_ipython tests bench
-	$(PY) -m ruff format --check nitro nitro_ipython tests bench
+	$(PY) -m ruff check $(LINTED)
+	$(PY) -m ruff format --check $(LINTED)
+	$(VENV)/bin/basedpyright --pythonpath $(PY)
 
 # Chromium and its driver for the browser tests (tests/test_notebook_browser.py), from the
 # system's packages: installed when missing, as root with apt-get (CI). Elsewhere those tests

@@ -159,9 +159,15 @@ def bench_persistent_cache(repeats: int) -> float:
                     f"  {label} #{r + 1:<6} {t['import']:>7.2f}s {t['setup']:>7.2f}s "
                     f"{t['compile']:>7.3f}s {t['first_step']:>8.3f}s {t['process']:>7.2f}s"
                 )
-    ratio = statistics.median(w["first_step"] / c["first_step"] for c, w in zip(cold, warm))
-    compile_ratio = statistics.median(w["compile"] / c["compile"] for c, w in zip(cold, warm))
-    process_ratio = statistics.median(w["process"] / c["process"] for c, w in zip(cold, warm))
+    ratio = statistics.median(
+        w["first_step"] / c["first_step"] for c, w in zip(cold, warm, strict=True)
+    )
+    compile_ratio = statistics.median(
+        w["compile"] / c["compile"] for c, w in zip(cold, warm, strict=True)
+    )
+    process_ratio = statistics.median(
+        w["process"] / c["process"] for c, w in zip(cold, warm, strict=True)
+    )
     print(
         f"  median time to first step: cold {statistics.median(c['first_step'] for c in cold):.3f}"
         f" s, warm {statistics.median(w['first_step'] for w in warm):.3f} s"
@@ -202,7 +208,7 @@ def bench_host_blob(pairs: int, blob_mb: int) -> float:
                 f"{compiled.seconds:>7.3f}s {first:>8.3f}s"
             )
     # compile times drift with the machine's load: compare each pair, run back to back
-    ratio = statistics.median(w / wo for w, wo in zip(rows["with"], rows["without"]))
+    ratio = statistics.median(w / wo for w, wo in zip(rows["with"], rows["without"], strict=True))
     print(
         f"  median compile: without {statistics.median(rows['without']):.3f} s, with "
         f"{statistics.median(rows['with']):.3f} s; median of the paired ratios with / without "

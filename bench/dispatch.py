@@ -45,7 +45,7 @@ LEARNING_RATE = 1e-3
 class MLP(nnx.Module):
     def __init__(self, widths, *, rngs):
         self.layers = nnx.List(
-            [nnx.Linear(a, b, rngs=rngs) for a, b in zip(widths[:-1], widths[1:])]
+            [nnx.Linear(a, b, rngs=rngs) for a, b in zip(widths[:-1], widths[1:], strict=True)]
         )
 
     def __call__(self, x):
@@ -292,7 +292,7 @@ def bench_model(name: str, rounds: int, seconds: float, tile: int) -> dict[str, 
     result = {}
     for key, values in rates.items():
         rate = statistics.median(values)
-        ratio = statistics.median(v / h for v, h in zip(values, rates["hand-written"]))
+        ratio = statistics.median(v / h for v, h in zip(values, rates["hand-written"], strict=True))
         result[key] = ratio
         print(f"  {key:<20} {rate:>9.0f} steps/s  {ratio:>6.2f}x")
     k1 = compile_seconds(name, arrays, 1)

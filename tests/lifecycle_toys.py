@@ -107,7 +107,9 @@ class Dropped:
 def parameters(n: nitro.Nitro) -> dict[str, np.ndarray]:
     """The handle's parameters by dotted path, as numpy arrays."""
     paths = n.setup.model.leaf_paths["parameter"]
-    return {path: np.asarray(leaf) for path, leaf in zip(paths, n.state.variables.params)}
+    return {
+        path: np.asarray(leaf) for path, leaf in zip(paths, n.state.variables.params, strict=True)
+    }
 
 
 def write_result(n: nitro.Nitro, out: str) -> None:

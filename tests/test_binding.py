@@ -1,5 +1,8 @@
 """Binding by name: batch routing, run keywords, schedules, metrics and the binding report."""
 
+import inspect
+import pydoc
+
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -8,6 +11,7 @@ from toys import Toy, X, Y
 
 import nitro
 from nitro.core.metrics import MetricAccumulator, split_modes
+from nitro.engine.keywords import KEYWORD_ONLY, RUN_KEYWORDS
 
 
 def unshuffled(samples=64, batch_size=16, **extra):
@@ -113,6 +117,31 @@ def test_bad_run_keyword_values_name_the_keyword_and_source():
         nitro.Nitro(BadField())
 
 
+def test_help_and_the_signature_of_nitro_show_every_run_keyword_with_its_default_and_doc():
+    signature = inspect.signature(nitro.Nitro)
+    help_text = pydoc.render_doc(nitro.Nitro, renderer=pydoc.plaintext)
+    names = [*RUN_KEYWORDS, *KEYWORD_ONLY]
+    assert list(signature.parameters) == ["experiment", *names]
+    assert list(nitro.Nitro(Toy(), progress=False).keywords) == list(RUN_KEYWORDS)
+    for name in names:
+        parameter = signature.parameters[name]
+        assert parameter.kind is inspect.Parameter.KEYWORD_ONLY
+        assert f" |    {name}={parameter.default!r}\n" in help_text
+    lines = (line.removeprefix(" |") for line in help_text.splitlines())
+    help_words = " ".join(" ".join(lines).split())  # the docs unwrapped
+    for name, keyword in RUN_KEYWORDS.items():
+        assert repr(signature.parameters[name].default) == keyword.default_text
+        assert f"{name}={keyword.default_text} {' '.join(keyword.doc.split())}" in help_words
+    for name, doc in KEYWORD_ONLY.items():
+        assert f"{name}=None {' '.join(doc.split())}" in help_words
+    assert "seed=0, run_dir=None, checkpointer=Checkpointer()," in str(signature)
+    assert "n_devs=jax.device_count()" in str(signature)
+    assert "steps_per_dispatch='auto'" in str(signature)
+    assert str(signature).endswith("progress=True, weights=None, data=None)")
+    assert " |    seed=0\n |        seeds the model's nnx.Rngs and the data order\n" in help_text
+    assert " |    weights=None\n |        start from these weights: a Nitro handle" in help_text
+
+
 # ------------------------------------------------------------------------------- schedules
 
 
@@ -127,7 +156,7 @@ def test_a_learning_rate_schedule_reaches_the_optimizer():
     frozen = nitro.Nitro(Plain(max_epochs=1), schedules={"learning_rate": 0.0}, progress=False)
     start = params_of(frozen)
     frozen.train()
-    assert all(np.array_equal(a, b) for a, b in zip(start, params_of(frozen)))
+    assert all(np.array_equal(a, b) for a, b in zip(start, params_of(frozen), strict=True))
 
     # 1e-2 for two steps, then 0: the same weights as two steps at 1e-2
     stepped = nitro.Nitro(
@@ -138,7 +167,7 @@ def test_a_learning_rate_schedule_reaches_the_optimizer():
     stepped.train()
     short = nitro.Nitro(Plain(samples=32, max_epochs=1), learning_rate=1e-2, progress=False)
     short.train()
-    for a, b in zip(params_of(stepped), params_of(short)):
+    for a, b in zip(params_of(stepped), params_of(short), strict=True):
         np.testing.assert_allclose(a, b, rtol=1e-6)
     assert stepped.hyperparameters["learning_rate"] == 0.0
     assert short.hyperparameters["learning_rate"] == pytest.approx(1e-2)

@@ -142,7 +142,7 @@ def test_ordered_prefetch_makes_runs_reproducible_and_equal_to_no_prefetch():
         results.append((n.history()["loss"].tolist(), params_of(n)))
     for losses, params in results[1:]:
         assert losses == results[0][0]
-        for a, b in zip(params, results[0][1]):
+        for a, b in zip(params, results[0][1], strict=True):
             np.testing.assert_array_equal(a, b)
 
 

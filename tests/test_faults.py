@@ -263,8 +263,25 @@ def test_a_batch_whose_dtype_changes_mid_epoch_says_what_changed():
         n.train()
     message = str(raised.value)
     assert "train batch 2 differs from the first batch" in message
-    assert "'x' f32[16,5] -> f16[16,5]" in message and "x.astype(np.float32)" in message
+    assert "'x' f32[16,5] -> f16[16,5]" in message
+    assert message.endswith(
+        "Every training batch must match; make the loader yield the same shapes and dtypes on "
+        "every batch (cast in the loader, e.g. x.astype(np.float32))."
+    )
     assert n.step == 2 and n.epoch == 0
+
+
+def test_a_short_final_training_batch_is_named_as_one_with_the_fix():
+    source = ArrayLoader({"x": X[:40], "y": Y[:40]}, 16, shuffle=False, drop_last=False)
+    n = nitro.Nitro(Toy(), data={"train": source}, progress=False)
+    with pytest.raises(nitro.SetupError) as raised:
+        n.train()
+    assert str(raised.value) == (
+        "train batch 2 differs from the first batch, whose shapes and dtypes the train step was "
+        "compiled for: 'x' f32[16,5] -> f32[8,5]; 'y' i32[16] -> i32[8]. Every training batch "
+        "must match; this looks like a partial final batch: drop it "
+        "(ArrayLoader(..., drop_last=True))."
+    )
 
 
 class EmptyThird(ArrayLoader):

@@ -44,7 +44,7 @@ def test_train_again_continues_and_epochs_trains_more():
     before = params_of(n)
     n.train()  # already at max_epochs: nothing to do
     assert (n.epoch, n.step) == (1, 4)
-    assert all(np.array_equal(a, b) for a, b in zip(before, params_of(n)))
+    assert all(np.array_equal(a, b) for a, b in zip(before, params_of(n), strict=True))
     n.train(epochs=2)
     assert (n.epoch, n.step) == (3, 12)
     assert len(n.history()) == 3
@@ -192,7 +192,7 @@ def test_a_non_finite_loss_stops_and_keeps_the_last_good_weights():
     assert (n.step, n.phase, n.stop_reason) == (2, "failed", "error")
     clean = nitro.Nitro(Poisoned(samples=32, max_epochs=1), progress=False)
     clean.train()
-    for a, b in zip(params_of(n), params_of(clean)):
+    for a, b in zip(params_of(n), params_of(clean), strict=True):
         np.testing.assert_array_equal(a, b)
     assert np.isfinite(n.predict({"x": X[:4]})).all()
 

@@ -324,7 +324,7 @@ def test_a_logger_that_raises_is_switched_off_with_one_warning_and_the_others_go
         n = train_logged(tmp_path, [broken, JSONLinesLogger()])
     messages = [str(w.message) for w in warned if "logger" in str(w.message)]
     assert messages == [
-        "logger Broken raised OSError: disk full in log_metrics(); it is switched off for the "
+        "logger Broken raised OSError in log_metrics(): disk full; it is switched off for the "
         "rest of this run, which goes on"
     ]
     assert broken.calls == 3

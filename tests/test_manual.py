@@ -48,8 +48,8 @@ def test_each_model_has_its_own_optimizer_and_scheduled_hyperparameters():
     before = gen_params(n)
     n.train()
     after = gen_params(n)
-    assert all(np.array_equal(a, b) for a, b in zip(before["gen"], after["gen"]))
-    assert not all(np.array_equal(a, b) for a, b in zip(before["disc"], after["disc"]))
+    assert all(np.array_equal(a, b) for a, b in zip(before["gen"], after["gen"], strict=True))
+    assert not all(np.array_equal(a, b) for a, b in zip(before["disc"], after["disc"], strict=True))
     report = str(n.binding_report())
     assert "gen/learning_rate = 0 at step" in report and "disc/learning_rate = 0.001" in report
 

@@ -39,7 +39,7 @@ def mesh():
 
 def assert_close(one, four):
     assert len(one) == len(four)
-    for a, b in zip(one, four):
+    for a, b in zip(one, four, strict=True):
         np.testing.assert_allclose(np.asarray(b), np.asarray(a), rtol=0, atol=TOLERANCE)
 
 

@@ -69,7 +69,7 @@ def runs(tmp_path_factory):
 
 def assert_close(a, b):
     assert len(a) == len(b)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=0, atol=TOLERANCE)
 
 

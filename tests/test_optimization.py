@@ -77,7 +77,7 @@ def params_of(n):
 def assert_close(a, b, rtol=1e-5, atol=2e-6):
     """Equal up to float32 rounding of a different but equivalent order of operations."""
     assert len(a) == len(b)
-    for x, y in zip(a, b):
+    for x, y in zip(a, b, strict=True):
         np.testing.assert_allclose(x, y, rtol=rtol, atol=atol)
 
 
@@ -251,7 +251,7 @@ def test_a_group_schedule_moves_only_that_group():
     n = trained(Grouped(), learning_rate=LR, schedules={"head/learning_rate": 0.0})
     after = params_of(n)
     paths = n.setup.model.leaf_paths["parameter"]
-    for path, a, b in zip(paths, start, after):
+    for path, a, b in zip(paths, start, after, strict=True):
         assert np.array_equal(a, b) == path.startswith("out"), path
 
 
@@ -501,10 +501,14 @@ def test_a_linen_model_with_batchnorm_and_dropout_trains_in_train_mode_and_evalu
 
     n = nitro.Nitro(Normed(max_epochs=2), learning_rate=LR, progress=False)
     paths = n.setup.model.leaf_paths["model state"]
-    stats = {p: np.asarray(x) for p, x in zip(paths, n.state.variables.model_state) if "Batch" in p}
+    stats = {
+        p: np.asarray(x)
+        for p, x in zip(paths, n.state.variables.model_state, strict=True)
+        if "Batch" in p
+    }
     assert sorted(stats) == ["linen.BatchNorm_0.mean", "linen.BatchNorm_0.var"]
     n.train()
-    after = dict(zip(paths, n.state.variables.model_state))
+    after = dict(zip(paths, n.state.variables.model_state, strict=True))
     for path, before in stats.items():  # the running statistics moved in training
         assert not np.allclose(before, np.asarray(after[path])), path
     model = n.model  # a copy in train mode: dropout draws new keys at each call

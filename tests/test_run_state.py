@@ -64,6 +64,23 @@ def test_every_entry_point_answers_at_once_while_the_handle_trains(call):
     assert set(n.evaluate(split="test")) == {"test_loss"}  # once stopped, it answers again
 
 
+def test_a_refused_call_says_what_it_cannot_start_and_what_the_handle_is_doing():
+    n = background_run()
+    try:
+        with pytest.raises(nitro.RunningError) as training:
+            n.train()
+        with pytest.raises(nitro.RunningError) as validating:
+            n.validate()
+    finally:
+        n.stop().wait()
+    running = (
+        "this Toy handle is training in the background. n.stop() stops it after the current "
+        "step and n.wait() waits for it to end (in a notebook: %nitro stop or %nitro wait)"
+    )
+    assert str(training.value) == f"cannot start training: {running}"
+    assert str(validating.value) == f"cannot start evaluating val: {running}"
+
+
 def test_weights_from_a_training_handle_are_taken_at_the_next_step_boundary():
     n = background_run()
     try:
@@ -83,7 +100,7 @@ def test_weights_from_a_training_handle_are_taken_at_the_next_step_boundary():
     # the copy is its own: training the fork leaves the source's weights alone
     before = [np.asarray(a) for a in n.state.variables.params]
     forked.train(epochs=1)
-    assert all(np.array_equal(a, b) for a, b in zip(before, n.state.variables.params))
+    assert all(np.array_equal(a, b) for a, b in zip(before, n.state.variables.params, strict=True))
 
 
 def test_weights_and_model_of_an_idle_handle_are_copies():
@@ -93,7 +110,7 @@ def test_weights_and_model_of_an_idle_handle_are_copies():
     assert forked.weights_origin == "the weights of a Toy run at epoch 1, step 4"
     mine = [np.asarray(a) for a in n.state.variables.params]
     theirs = [np.asarray(a) for a in forked.state.variables.params]
-    assert all(np.array_equal(a, b) for a, b in zip(mine, theirs))
+    assert all(np.array_equal(a, b) for a, b in zip(mine, theirs, strict=True))
     before = np.asarray(n.model.out.bias[...])
     model = n.model
     model.out.bias[...] = model.out.bias[...] + 1.0
@@ -202,16 +219,22 @@ class Raises:
         return method
 
 
-@pytest.mark.parametrize("where", ["start_run", "start_epoch", "step", "end_epoch", "end_run"])
+@pytest.mark.parametrize(
+    "where", ["start_run", "start_epoch", "step", "phase", "end_epoch", "end_run"]
+)
 def test_a_reporter_that_raises_is_switched_off_with_one_warning_and_training_goes_on(where):
     reporter = Raises(where)
-    n = nitro.Nitro(ToyWithMetrics(max_epochs=2), progress=reporter)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
+        n = nitro.Nitro(ToyWithMetrics(max_epochs=2), progress=reporter)  # phases from setup on
         n.train()
-    mine = [w for w in caught if "progress reporter Raises" in str(w.message)]
-    assert len(mine) == 1, [str(w.message) for w in caught]
-    assert f"broken {where}" in str(mine[0].message) and f"in {where}()" in str(mine[0].message)
+    mine = [str(w.message) for w in caught if "progress reporter Raises" in str(w.message)]
+    warning = (
+        f"progress reporter Raises raised ValueError in {where}(): broken {where}; it is "
+        f"switched off for the rest of this run, which goes on"
+    )
+    # phase: once while the handle sets up, and once in the run, which switches it back on
+    assert mine == [warning] * (2 if where == "phase" else 1), [str(w.message) for w in caught]
     assert (n.epoch, n.step, n.stop_reason, n.phase) == (2, 8, "completed", "done")
     assert reporter.calls[-1] == where  # nothing reached it after it raised
     assert len(n.history()) == 2
@@ -289,7 +312,8 @@ def test_no_engine_module_imports_the_handle_or_the_notebook_layer():
                 imported.add((node.module or "") + "." + ".".join(a.name for a in node.names))
             elif isinstance(node, ast.Import):
                 imported.update(a.name for a in node.names)
-        if "handle" not in path.relative_to(ENGINE).parts and "mcp" not in path.parts:  # mcp serves handles
+        # mcp serves handles
+        if "handle" not in path.relative_to(ENGINE).parts and "mcp" not in path.parts:
             assert not any("handle" in name.split(".") for name in imported), path
         assert not any(
             name.split(".")[0] in ("IPython", "ipywidgets", "nitro_ipython") for name in imported

@@ -124,7 +124,7 @@ def test_the_moving_average_follows_its_formula(warmup):
     for t in range(5):
         plain.train(epochs=1)
         d = min(decay, (1 + t) / (10 + t)) if warmup else decay
-        expected = [d * e + (1 - d) * p for e, p in zip(expected, params_of(plain))]
+        expected = [d * e + (1 - d) * p for e, p in zip(expected, params_of(plain), strict=True)]
     averaged.train(epochs=5)
     ema = [np.asarray(a) for a in averaged.state.variables.ema]
     for a, b in zip(ema, expected, strict=True):

@@ -167,7 +167,7 @@ class Events:
         self._rebind()
         warnings.warn(
             f"progress reporter {type(reporter).__qualname__} raised "
-            f"{type(error).__name__}: {error} in {name}(); it is switched off for the rest of "
+            f"{type(error).__name__} in {name}(): {error}; it is switched off for the rest of "
             f"this run, which goes on",
             RuntimeWarning,
             stacklevel=3,
@@ -213,7 +213,7 @@ class Events:
                 remove_monitor(monitor)
                 warnings.warn(
                     f"phase monitor {getattr(monitor, '__qualname__', monitor)!s} raised "
-                    f"{type(error).__name__}: {error} on {previous!r} -> {phase!r}; it is "
+                    f"{type(error).__name__} on {previous!r} -> {phase!r}: {error}; it is "
                     f"switched off, and the run goes on",
                     RuntimeWarning,
                     stacklevel=3,

@@ -103,7 +103,7 @@ class MetricAccumulator:
             self.counts = [0.0] * len(specs)
         elif specs != self.specs:
             self._raise_changed(specs)
-        for i, ((path, mode), (value, count)) in enumerate(zip(specs, leaves)):
+        for i, ((path, mode), (value, count)) in enumerate(zip(specs, leaves, strict=True)):
             value = np.asarray(value)
             previous = self.totals[i]
             if previous is not None and mode != "concat" and np.shape(previous) != value.shape:
@@ -140,7 +140,7 @@ class MetricAccumulator:
                 self.totals[i] = [value] if previous is None else previous + [value]
 
     def _raise_changed(self, specs) -> None:
-        old, new = dict(self.specs), dict(specs)
+        old, new = dict(self.specs or ()), dict(specs)
         if set(old) != set(new):
             raise MetricError(
                 f"`{self.hook}` returned keys {sorted(new)} but the first batch returned "
@@ -159,7 +159,9 @@ class MetricAccumulator:
 
     def result(self) -> dict[str, Any]:
         out: dict[str, Any] = {}
-        for (path, mode), total, count in zip(self.specs or [], self.totals, self.counts):
+        for (path, mode), total, count in zip(
+            self.specs or [], self.totals, self.counts, strict=True
+        ):
             if mode in ("mean", "count"):
                 value = total / count
             elif mode == "concat":

@@ -50,10 +50,10 @@ def format_row(row: dict[str, Any], max_epochs: int | None = None) -> str:
 class SilentReporter:
     """Every event ignored: a base class for reporters that handle a few of them."""
 
-    def start_run(self, handle, epochs):
+    def start_run(self, handle, target_epoch):
         pass
 
-    def start_epoch(self, epoch, max_epochs, batches, start):
+    def start_epoch(self, epoch, target_epoch, batches, start):
         pass
 
     def step(self, step, loss):
@@ -79,8 +79,8 @@ class LineReporter(SilentReporter):
         self.stream = stream
         self.max_epochs = None
 
-    def start_run(self, handle, epochs):
-        self.max_epochs = epochs
+    def start_run(self, handle, target_epoch):
+        self.max_epochs = target_epoch
 
     def _write(self, text: str, end: str = "\n") -> None:
         stream = self.stream or sys.stderr
@@ -103,14 +103,14 @@ class TqdmReporter(LineReporter):
         self.min_interval = min_interval
         self._last = 0.0
 
-    def start_epoch(self, epoch, max_epochs, batches, start):
+    def start_epoch(self, epoch, target_epoch, batches, start):
         from tqdm import tqdm
 
         self.close()
         self.bar = tqdm(
             total=batches,
             initial=start,
-            desc=f"epoch {epoch + 1}/{max_epochs}",
+            desc=f"epoch {epoch + 1}/{target_epoch}",
             unit="step",
             file=self.stream or sys.stderr,
             leave=False,

@@ -63,7 +63,7 @@ def shape_error(setup: RunSetup, staged, error) -> Exception:
         if n in device
     )
     fix = (
-        "a partial final batch: drop it (ArrayLoader(..., drop_last=True))"
+        "this looks like a partial final batch: drop it (ArrayLoader(..., drop_last=True))"
         if only_rows
         else "make the loader yield the same shapes and dtypes on every batch (cast in the "
         "loader, e.g. x.astype(np.float32))"
@@ -71,7 +71,7 @@ def shape_error(setup: RunSetup, staged, error) -> Exception:
     return SetupError(
         f"train batch {staged.index} differs from the first batch, whose shapes and dtypes the "
         f"train step was compiled for: {'; '.join(changes)}. Every training batch must match; "
-        f"this looks like {fix}."
+        f"{fix}."
     )
 
 

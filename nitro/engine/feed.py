@@ -123,7 +123,7 @@ class StepFeed:
 
     def hyperparams_at(self, step: int) -> dict[str, float]:
         """The hyperparameters a step uses (schedules evaluated at `step`), on the host."""
-        values = {name: float(v) for name, v in zip(self.hyper_names, self._constants)}
+        values = {name: float(v) for name, v in zip(self.hyper_names, self._constants, strict=True)}
         for name, (evaluator, factor, _) in self._opt.items():
             values[name] = evaluator(step) * factor
         return values
@@ -205,7 +205,9 @@ class StepFeed:
         return value.item() if np.ndim(value) == 0 else np.array(value)
 
     def hyperparams_now(self) -> dict[str, float]:
-        return {name: float(v) for name, v in zip(self.hyper_names, self._hparams_host)}
+        return {
+            name: float(v) for name, v in zip(self.hyper_names, self._hparams_host, strict=True)
+        }
 
     def set_constant(self, name: str, value: Any) -> None:
         """Write a Device field (coerced to its dtype; its shape must not change)."""

@@ -246,6 +246,12 @@ class RunKeyword:
     doc: str
     check: Callable[[Any], Any] | None = None
     computed: bool = False
+    shown_default: str = ""  # how `help(Nitro)` shows a computed default
+
+    @property
+    def default_text(self) -> str:
+        """The default as `help(Nitro)` and `inspect.signature(Nitro)` show it."""
+        return self.shown_default if self.computed else repr(self.default)
 
     def default_value(self, experiment: Any) -> Any:
         if self.computed:
@@ -276,6 +282,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "<run_dir>/metrics.jsonl)",
             _logger,
             computed=True,
+            shown_default="JSONLinesLogger()",
         ),
         RunKeyword(
             "early_stop",
@@ -295,6 +302,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "devices in the data-parallel mesh (1: no mesh)",
             _positive_int("n_devs"),
             computed=True,
+            shown_default="jax.device_count()",
         ),
         RunKeyword("max_epochs", 1, "epochs `train()` runs to", _positive_int("max_epochs")),
         RunKeyword(
@@ -348,6 +356,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "threads building host batches for index-addressable sources",
             _positive_int("prefetch_workers"),
             computed=True,
+            shown_default="min(4, os.cpu_count())",
         ),
         RunKeyword(
             "device_batches",

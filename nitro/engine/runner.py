@@ -159,9 +159,9 @@ class RunGuard:
     def busy_message(self, wanted: str) -> str:
         where = " in the background" if self.background else ""
         return (
-            f"cannot {wanted}: {self._describe()} is {self.activity}{where}. n.stop() stops it "
-            f"after the current step and n.wait() waits for it to end (in a notebook: %nitro "
-            f"stop or %nitro wait)"
+            f"cannot start {wanted}: {self._describe()} is {self.activity}{where}. n.stop() "
+            f"stops it after the current step and n.wait() waits for it to end (in a notebook: "
+            f"%nitro stop or %nitro wait)"
         )
 
 

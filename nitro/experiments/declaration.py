@@ -16,6 +16,7 @@ import copy
 import dataclasses
 import enum
 import inspect
+import itertools
 import linecache
 import sys
 import textwrap
@@ -189,7 +190,7 @@ def _field_docs(cls) -> dict[str, str]:
             continue
         node = _class_node(klass)
         body = node.body if node is not None else []
-        for node, following in zip(body, body[1:] + [None]):
+        for node, following in itertools.pairwise([*body, None]):
             if (
                 isinstance(node, ast.AnnAssign)
                 and isinstance(node.target, ast.Name)
@@ -358,7 +359,7 @@ def fields(obj: Any):
     columns = ["name", "type", "default", "kind", "doc"] + (
         [] if isinstance(obj, type) else ["value"]
     )
-    return pd.DataFrame(rows, columns=columns, dtype=object).set_index("name")
+    return pd.DataFrame(rows, columns=pd.Index(columns), dtype=object).set_index("name")
 
 
 def _type_name(tp: Any) -> str:

@@ -284,7 +284,7 @@ class Fingerprinter:
                 "library-function",
                 str(module),
                 _qualname(fn),
-                self._library(module),
+                self._library(str(module)),
                 self._closure(fn),
             )
             self._memo[key] = token
@@ -393,7 +393,7 @@ class Fingerprinter:
     def _closure(self, fn: types.FunctionType) -> str:
         cells = fn.__closure__ or ()
         tokens = []
-        for name, cell in zip(fn.__code__.co_freevars, cells):
+        for name, cell in zip(fn.__code__.co_freevars, cells, strict=True):
             try:
                 contents = cell.cell_contents
             except ValueError:  # an empty cell

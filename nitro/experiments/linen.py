@@ -32,8 +32,8 @@ class Digits:
 
 from __future__ import annotations
 
-import functools
 import inspect
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -87,9 +87,8 @@ def bridge_linen(
     """Wrap a Linen module and initialize its variables by running `call_forward(model)`
     once (the experiment's `forward` on the first batch)."""
     model = LinenModel(module, rngs)
-    call = functools.partial(call_forward, model)
-    call.__self__ = model  # `lazy_init` takes a method of the module it initializes
-    nnx.bridge.lazy_init(call)
+    # `lazy_init` takes a method of the module it initializes: bind `call_forward` to it
+    nnx.bridge.lazy_init(types.MethodType(call_forward, model))
     _, _, _, rest = nnx.split(model, nnx.Param, nnx.RngState, ...)
     variables = jax.tree.leaves(rest, is_leaf=lambda x: isinstance(x, nnx.Variable))
     model.mutable_collections = tuple(

@@ -66,7 +66,7 @@ class TraceView:
         if isinstance(attr, classmethod):
             return types.MethodType(attr.__func__, cls)
         if isinstance(attr, property):
-            return attr.fget(self)
+            return attr.__get__(self, cls)
         if isinstance(attr, types.FunctionType):
             return types.MethodType(attr, self)
         if hasattr(attr, "__get__") and not isinstance(attr, type):

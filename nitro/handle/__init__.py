@@ -5,6 +5,7 @@
 - `handle`: `Nitro`
 - `binding_report`: where every value came from
 - `displays`, `plotting`: the handle's repr and HTML; history plots
+- `signature`: `Nitro(...)`'s signature and keyword help, generated from the run keywords
 """
 
 from nitro.handle.handle import Nitro

@@ -10,6 +10,7 @@ holds, an event path and a run guard; its public attributes read from them.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import time
 from collections.abc import Iterable, Mapping
@@ -41,6 +42,7 @@ from nitro.experiments.declaration import (
 )
 from nitro.handle.binding_report import BindingReport, binding_report
 from nitro.handle.displays import handle_html, short_repr
+from nitro.handle.signature import keyword_signature, keywords_doc
 from nitro.programs.specs import ProgramSet
 from nitro.programs.staleness import stale_changes, stale_report
 from nitro.runs.lifecycle import RunFiles, check_watched_metrics
@@ -80,7 +82,7 @@ class Nitro:
     >>> import nitro
     >>> from nitro.examples.digits import Digits
     >>> n = nitro.Nitro(Digits(max_epochs=1), seed=0, progress=False)   # compiles nothing
-    >>> n.train().step                                                   # doctest: +SKIP
+    >>> n.train().step
     9
     """
 
@@ -763,6 +765,12 @@ class Nitro:
 
     def _repr_html_(self) -> str:
         return handle_html(self)
+
+
+# `help(Nitro)` and `inspect.signature(Nitro)` name every run keyword, from its declaration
+Nitro.__init__.__signature__ = keyword_signature(Nitro.__init__)
+if Nitro.__doc__ is not None:  # None under python -OO
+    Nitro.__doc__ = f"{inspect.cleandoc(Nitro.__doc__)}\n\n{keywords_doc()}"
 
 
 def _prefixed(row: Mapping[str, Any], prefix: str) -> dict[str, Any]:

@@ -36,7 +36,7 @@ def plot_history(frame, path=None, metrics: Iterable[str] | None = None, title: 
         groups.setdefault(base, []).append(column)
     figure = Figure(figsize=(4.2 * len(groups), 3.2), layout="constrained")
     axes = figure.subplots(1, len(groups), squeeze=False)[0]
-    for ax, (base, names) in zip(axes, groups.items()):
+    for ax, (base, names) in zip(axes, groups.items(), strict=True):
         for name in names:
             series = frame[name].dropna()
             ax.plot(series.index, series.values, marker="o", markersize=3, label=name)

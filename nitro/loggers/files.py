@@ -108,10 +108,11 @@ class JSONLinesLogger(_FileLogger):
     `labels`, `matrix`, rows true, columns predicted) or "finish" (`status`), and a Unix
     `time`. Non-finite numbers are written as null.
 
-    >>> lg = JSONLinesLogger("metrics.jsonl")                         # doctest: +SKIP
-    >>> lg.log_metrics({"loss": 0.25}, step=1, epoch=1, context="train")  # doctest: +SKIP
-    >>> open("metrics.jsonl").read()                                  # doctest: +SKIP
-    '{"type": "metrics", "time": ..., "context": "train", "epoch": 1, "step": 1, "metrics": {"loss": 0.25}}\\n'
+    >>> lg = JSONLinesLogger("metrics.jsonl")
+    >>> lg.log_metrics({"loss": 0.25}, step=1, epoch=1, context="train")
+    >>> lg.close()
+    >>> print(open("metrics.jsonl").read(), end="")
+    {"type": "metrics", "time": ..., "context": "train", "epoch": 1, "step": 1, "metrics": {"loss": 0.25}}
     """
 
     filename = "metrics.jsonl"
@@ -169,8 +170,17 @@ class CSVLogger(_FileLogger):
     metric) needs no rewrite; `pandas.pivot_table` gives the wide view. Parameters, tags,
     other values and confusion matrices are not written (use JSON Lines alongside).
 
-    >>> frame = pandas.read_csv("runs/Toy/.../metrics.csv")            # doctest: +SKIP
+    >>> lg = CSVLogger("metrics.csv")
+    >>> lg.log_metrics({"loss": 0.5, "acc": 0.75}, step=1, epoch=1, context="train")
+    >>> lg.log_metrics({"loss": 0.25, "acc": 0.875}, step=2, epoch=1, context="train")
+    >>> lg.close()
+    >>> import pandas
+    >>> frame = pandas.read_csv("metrics.csv")
     >>> frame[frame.context == "train"].pivot_table(index="step", columns="name", values="value")
+    name    acc  loss
+    step
+    1     0.750  0.50
+    2     0.875  0.25
     """
 
     filename = "metrics.csv"

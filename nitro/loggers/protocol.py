@@ -234,7 +234,10 @@ class LoggerGroup(BaseLogger):
     switched off for the rest of the run with one warning naming it; the others go on.
     `reset()` (the start of a run) switches them back on.
 
-    >>> group = LoggerGroup([JSONLinesLogger("a.jsonl"), CSVLogger("a.csv")])  # doctest: +SKIP
+    >>> from nitro.loggers import CSVLogger, JSONLinesLogger
+    >>> group = LoggerGroup([JSONLinesLogger("a.jsonl"), CSVLogger("a.csv")])
+    >>> group.log_metrics({"loss": 0.5}, step=1, epoch=1, context="train")  # to both files
+    >>> group.finish("done")
     """
 
     def __init__(self, loggers: Iterable[Any]):
@@ -271,8 +274,8 @@ class LoggerGroup(BaseLogger):
         self._off.add(id(logger))
         self._rebind()
         warnings.warn(
-            f"logger {type(logger).__qualname__} raised {type(error).__name__}: {error} in "
-            f"{verb}(); it is switched off for the rest of this run, which goes on",
+            f"logger {type(logger).__qualname__} raised {type(error).__name__} in {verb}(): "
+            f"{error}; it is switched off for the rest of this run, which goes on",
             RuntimeWarning,
             stacklevel=3,
         )

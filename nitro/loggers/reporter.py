@@ -101,8 +101,12 @@ def _split_row(row: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
 class LoggingReporter:
     """Sends a run's events to a logger, a list of loggers or a `LoggerGroup`.
 
-    >>> reporter = LoggingReporter(JSONLinesLogger())              # doctest: +SKIP
-    >>> nitro.Nitro(exp, progress=reporter).train()                 # doctest: +SKIP
+    >>> import nitro
+    >>> from nitro.examples.digits import Digits
+    >>> from nitro.loggers import JSONLinesLogger
+    >>> reporter = LoggingReporter(JSONLinesLogger())
+    >>> nitro.Nitro(Digits(max_epochs=1), progress=reporter).train().step
+    9
     """
 
     def __init__(self, logger: Any):

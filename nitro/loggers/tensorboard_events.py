@@ -57,7 +57,11 @@ def _markdown_table(rows: Mapping[str, Any], header: tuple[str, str]) -> str:
 class TensorBoardLogger(BaseLogger):
     """Logs to TensorBoard event files in `logdir` (default: the run directory).
 
-    >>> n = nitro.Nitro(exp, logger=nitro.loggers.TensorBoardLogger())   # doctest: +SKIP
+    >>> import nitro
+    >>> from nitro.examples.digits import Digits
+    >>> n = nitro.Nitro(Digits(max_epochs=1), logger=nitro.loggers.TensorBoardLogger(), progress=False)
+    >>> n.train().step
+    9
     >>> # tensorboard --logdir runs/
     """
 
@@ -179,7 +183,10 @@ class TensorBoardLogger(BaseLogger):
             "| | " + " | ".join(names) + " |",
             "|---" * (len(names) + 1) + "|",
         ]
-        lines += [f"| **{n}** | " + " | ".join(map(str, r)) + " |" for n, r in zip(names, rows)]
+        lines += [
+            f"| **{n}** | " + " | ".join(map(str, r)) + " |"
+            for n, r in zip(names, rows, strict=True)
+        ]
         self._text("confusion", "\n".join(lines))
 
     def finish(self, status: str) -> None:

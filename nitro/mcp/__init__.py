@@ -14,7 +14,7 @@ status says about a run), `session` (what each tool does), `tools` (argument sch
 MCP server), `http` (the loopback server). Only `registry` loads without the SDK; the rest
 load on first use.
 
->>> from nitro.mcp import ToolSession, HttpServer        # doctest: +SKIP
+>>> from nitro.mcp import ToolSession, HttpServer
 >>> server = HttpServer(ToolSession(namespace=globals())).start()   # doctest: +SKIP
 """
 

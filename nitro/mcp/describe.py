@@ -6,9 +6,12 @@ digits, or a notebook variable's name), and `handle_run_id`, the handle's own `n
 a tool answers its id before the handle exists, one handle serves several tool runs (training,
 continuing, validating, exporting), and a resumed handle takes the id of the run it resumes.
 
->>> row = describe_run("e5c6c5b4", record, record.handle, names=[])   # doctest: +SKIP
->>> row["status"], row["handle_run_id"]                               # doctest: +SKIP
-('done', '20261130-181500-a3f9')
+>>> import nitro
+>>> from nitro.examples.digits import Digits
+>>> n = nitro.Nitro(Digits(max_epochs=1), progress=False).train()   # a notebook's run
+>>> row = describe_run("n", None, n, names=["n"])
+>>> row["run_id"], row["status"], row["handle_run_id"] == n.run_id
+('n', 'done', True)
 """
 
 from __future__ import annotations

@@ -14,8 +14,12 @@ raises `ToolFailure` with a message for the agent. Only the handle's public API 
 
 >>> session = ToolSession()
 >>> run = session.train(experiment="nitro.examples.digits.Digits", max_epochs=1)
->>> session.status(run["run_id"])["phase"]          # doctest: +SKIP
-'training'
+>>> run["status"]                                   # it trains on a background thread
+'running'
+>>> _ = session.registry.wait(run["run_id"], timeout=120)
+>>> status = session.status(run["run_id"])
+>>> status["status"], status["epoch"], status["step"]
+('done', 1, 9)
 """
 
 from __future__ import annotations

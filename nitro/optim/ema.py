@@ -22,7 +22,7 @@ class EMA:
     """Average the weights: `decay` in (0, 1); `warmup` ramps it up over the first steps;
     `evaluate` makes validation (and evaluate/predict/export by default) use the average.
 
-    >>> EMA(0.999).decay_at(0), round(EMA(0.999, warmup=True).decay_at(0), 3)
+    >>> EMA(0.999).decay_at(0), round(float(EMA(0.999, warmup=True).decay_at(0)), 3)
     (0.999, 0.1)
     """
 

@@ -318,7 +318,7 @@ def build_optimizer(settings: OptimizerSettings, params: Any) -> tuple[Optimizer
     def stage(group: str | None) -> optax.GradientTransformation:
         base = make_base()
         in_group = [labels is None or label == group for label in labels or paths]
-        if decayed is None or not any(d and g for d, g in zip(decayed, in_group)):
+        if decayed is None or not any(d and g for d, g in zip(decayed, in_group, strict=True)):
             return base
         decay = optax.inject_hyperparams(decoupled_weight_decay, static_args=("decayed", "toward"))(
             learning_rate=_PLACEHOLDER["learning_rate"],
@@ -363,6 +363,9 @@ def build_optimizer(settings: OptimizerSettings, params: Any) -> tuple[Optimizer
     groups = (
         () if labels is None else param_groups(labels, paths, leaves, settings.group_lr, decayed)
     )
+    decayed_paths = (
+        () if decayed is None else tuple(p for p, d in zip(paths, decayed, strict=True) if d)
+    )
     setup = OptimizerSetup(
         tx=tx,
         description=description,
@@ -370,7 +373,7 @@ def build_optimizer(settings: OptimizerSettings, params: Any) -> tuple[Optimizer
         slots=slots,
         uses_learning_rate=uses_lr,
         groups=groups,
-        decayed=tuple(p for p, d in zip(paths, decayed or ()) if d),
+        decayed=decayed_paths,
         decay_to=None if decayed is None else toward,
         gradient_clip_norm=settings.gradient_clip_norm,
     )

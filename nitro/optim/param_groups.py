@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import itertools
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -82,10 +83,16 @@ def param_groups(
     return tuple(
         ParamGroup(
             name=group,
-            paths=tuple(p for p, label in zip(paths, labels) if label == group),
-            size=int(sum(np.size(x) for x, label in zip(leaves, labels) if label == group)),
+            paths=tuple(p for p, label in zip(paths, labels, strict=True) if label == group),
+            size=int(
+                sum(np.size(x) for x, label in zip(leaves, labels, strict=True) if label == group)
+            ),
             lr_ratio=(group_lr or {}).get(group),
-            decayed=tuple(p for p, label, d in zip(paths, labels, decayed) if label == group and d),
+            decayed=tuple(
+                p
+                for p, label, d in zip(paths, labels, decayed, strict=True)
+                if label == group and d
+            ),
         )
         for group in sorted(set(labels))
     )
@@ -94,7 +101,7 @@ def param_groups(
 def group_prefix(path: tuple) -> str:
     """`backbone/` for a state under `optax.partition`'s group "backbone"; "" outside."""
     parts = []
-    for before, key in zip(path, path[1:]):
+    for before, key in itertools.pairwise(path):
         if getattr(before, "name", None) == "inner_states" and hasattr(key, "key"):
             parts.append(f"{key.key}/")
     return "".join(parts)

@@ -281,7 +281,7 @@ def _leaf_signature(path, leaf) -> tuple:
 
 def argument_signature(arg_names: Sequence[str], args: Sequence[Any]) -> tuple:
     signature = []
-    for name, arg in zip(arg_names, args):
+    for name, arg in zip(arg_names, args, strict=True):
         leaves, treedef = jax.tree_util.tree_flatten_with_path(arg)
         signature.append((name, treedef, tuple(_leaf_signature(p, x) for p, x in leaves)))
     return tuple(signature)
@@ -311,11 +311,11 @@ def _format_leaf(sig: tuple) -> str:
 
 def _diff_signatures(old: tuple, new: tuple, labels: Mapping[str, str]) -> list[str]:
     notes = []
-    for (name, old_tree, old_leaves), (_, new_tree, new_leaves) in zip(old, new):
+    for (name, old_tree, old_leaves), (_, new_tree, new_leaves) in zip(old, new, strict=True):
         if old_tree != new_tree:
             notes.append(f"argument {name}: structure changed")
             continue
-        for o, n in zip(old_leaves, new_leaves):
+        for o, n in zip(old_leaves, new_leaves, strict=True):
             if o != n:
                 where = labels.get(f"{name}{o[0]}") or (f"{name}{o[0]}" if o[0] else name)
                 if o[3] != n[3] and o[1:3] == n[1:3]:
@@ -395,7 +395,7 @@ class CompileCache:
         fn = spec.build(reads)
         progress.note(f"compiling {spec.title} of {spec.owner.rpartition('.')[2]} ...")
         run_events = events.current()
-        previous = run_events.current_phase if run_events is not None else None
+        previous = run_events.current_phase if run_events is not None else ""
         if run_events is not None:
             run_events.phase(f"compiling {spec.title}")
         start = time.perf_counter()
@@ -517,7 +517,9 @@ def record_compile(program: str, owner: str, seconds: float, reason: str) -> Com
     """Add work compiled outside the program cache (an export, say) to the compile log, so
     `explain_compiles()` lists it too; cache hits and misses do not change.
 
-    >>> record_compile("export", "my.Experiment", 0.05, "outside the program cache")  # doctest: +SKIP
+    >>> record = record_compile("export", "my.Experiment", 0.05, "outside the program cache")
+    >>> explain_compiles()[-1] is record
+    True
     """
     record = CompileRecord(program, owner, seconds, reason, time.time())
     with CACHE._lock:

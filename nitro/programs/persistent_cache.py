@@ -29,10 +29,14 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Any
 
 import jax
 
 from nitro.errors import CompilationCacheError
+
+# JAX's options are attributes set at run time, which type checkers cannot see
+_JAX_OPTIONS: Any = jax.config
 
 __all__ = ["compilation_cache_dir", "configure_persistent_cache", "set_compilation_cache"]
 
@@ -64,8 +68,8 @@ def configure_persistent_cache() -> None:
         setting = os.environ.get("NITRO_COMPILATION_CACHE", "").strip()
         if setting.lower() in {"0", "off", "false", "no", "none"}:
             return
-        if jax.config.jax_compilation_cache_dir:
-            _STATE["dir"] = jax.config.jax_compilation_cache_dir
+        if _JAX_OPTIONS.jax_compilation_cache_dir:
+            _STATE["dir"] = _JAX_OPTIONS.jax_compilation_cache_dir
             return
         path = setting or _default_cache_dir()
         error = _usable(path)
@@ -203,7 +207,7 @@ def _install_safe_writes(path: str) -> None:
         from jax._src import compilation_cache as jax_cache
         from jax._src.lru_cache import LRUCache
 
-        if jax.config.jax_compilation_cache_check_contents:
+        if _JAX_OPTIONS.jax_compilation_cache_check_contents:
             return  # JAX wraps its cache in a verifying one: leave it to JAX
 
         class SafeWrites(LRUCache):
@@ -216,7 +220,7 @@ def _install_safe_writes(path: str) -> None:
                 if not entry.exists():
                     write_entry(entry, value)
 
-        cache = SafeWrites(path, max_size=jax.config.jax_compilation_cache_max_size)
+        cache = SafeWrites(path, max_size=_JAX_OPTIONS.jax_compilation_cache_max_size)
         with jax_cache._cache_initialized_mutex:
             jax_cache._cache = cache
             jax_cache._cache_initialized = True

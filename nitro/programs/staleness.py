@@ -7,8 +7,8 @@ programs a unit reaches. This is the public API the notebook layer builds its re
 on; it is documented in docs/architecture.md.
 
 >>> import nitro
->>> nitro.staleness.programs_using("loss")
-(<ProgramKind.TRAIN_STEP: 'train step'>, <ProgramKind.EVAL_FORWARD: 'eval forward'>)
+>>> [kind.value for kind in nitro.staleness.programs_using("loss")]
+['train step', 'multi-step train', 'eval forward']
 """
 
 from __future__ import annotations

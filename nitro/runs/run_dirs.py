@@ -136,7 +136,12 @@ def saved_runs(where: Any = None):
     or under a directory: a DataFrame with one row per run (id, start, checkpoints, latest
     epoch, best metric, path), oldest first.
 
-    >>> nitro.saved_runs("Digits")          # doctest: +SKIP
+    >>> import nitro
+    >>> from nitro.examples.digits import Digits
+    >>> n = nitro.Nitro(Digits(max_epochs=1), progress=False).train()
+    >>> runs = nitro.saved_runs("Digits")
+    >>> runs.columns.tolist(), runs.index.tolist() == [n.run_id]
+    (['started', 'checkpoints', 'latest epoch', 'best', 'path'], True)
     """
     import pandas as pd
 

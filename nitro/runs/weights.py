@@ -161,9 +161,12 @@ def average(source: Any, k: int = 3) -> AveragedWeights:
     checkpoints listed (`source` is a list of checkpoint paths; `k` is then ignored). Start a
     handle from them with `weights=`:
 
-    >>> n = nitro.Nitro(Digits(), weights=nitro.average("runs/Digits/<run id>", k=3))  # doctest: +SKIP
-    >>> n.weights_origin                                                              # doctest: +SKIP
-    'the mean of 3 checkpoints of <run id> (best 3 by val_loss): steps 270, 243, 216'
+    >>> import nitro
+    >>> from nitro.examples.digits import Digits
+    >>> run = nitro.Nitro(Digits(max_epochs=3), progress=False).train()
+    >>> n = nitro.Nitro(Digits(), weights=nitro.average(run.run_dir, k=2))
+    >>> n.weights_origin
+    'the mean of 2 checkpoints of ... (best 2 by val_loss): steps ...'
 
     Averaging checkpoints of one run (as in stochastic weight averaging) tends to find a
     flatter, better-generalizing point than any one of them. Batch statistics are averaged

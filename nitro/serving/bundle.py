@@ -13,11 +13,15 @@ This module imports only the standard library, NumPy, JAX and safetensors, so a 
 loads a bundle without the training stack (`import nitro.bundle` runs no other nitro module).
 One bundle serves every batch size; each new size compiles once in this process.
 
->>> import nitro.bundle
->>> model = nitro.bundle.load("exports/digits")                 # doctest: +SKIP
->>> [str(spec) for spec in model.inputs]                        # doctest: +SKIP
+>>> import nitro                                   # the training process exports
+>>> from nitro.examples.digits import Digits
+>>> _ = nitro.Nitro(Digits(), progress=False).export("exports/digits")
+>>> import nitro.bundle                            # the serving process loads
+>>> model = nitro.bundle.load("exports/digits")
+>>> [str(spec) for spec in model.inputs]
 ['x: float32[batch, 64]']
->>> model(x=images)["output"].shape                             # doctest: +SKIP
+>>> import numpy as np
+>>> model(x=np.zeros((300, 64), np.float32))["output"].shape
 (300, 10)
 """
 
@@ -235,11 +239,11 @@ class Bundle:
                     f"Convert it, e.g. x.astype('{spec.dtype}')"
                 )
             fits = len(shape) == len(spec.shape) and all(
-                want == BATCH or want == have for want, have in zip(spec.shape, shape)
+                want == BATCH or want == have for want, have in zip(spec.shape, shape, strict=True)
             )
             if not fits:
                 raise BundleError(f"input {spec.name!r} must have shape {spec.shape_text()}; {got}")
-            for want, have in zip(spec.shape, shape):
+            for want, have in zip(spec.shape, shape, strict=True):
                 if want == BATCH and have < 1:
                     raise BundleError(f"input {spec.name!r} has no rows; give at least one")
                 if want == BATCH:

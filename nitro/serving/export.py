@@ -87,7 +87,7 @@ def _output_names(outputs: Any, wanted: Mapping[str, Any] | None) -> dict[str, A
         names = ["output"]
     else:
         names = [f"output_{i}" for i in range(len(leaves))]
-    arrays = dict(zip(names, (leaf for _, leaf in leaves)))
+    arrays = dict(zip(names, (leaf for _, leaf in leaves), strict=True))
     if wanted is None:
         return arrays
     wanted = dict(wanted)
@@ -106,7 +106,7 @@ def _output_names(outputs: Any, wanted: Mapping[str, Any] | None) -> dict[str, A
                 f"forward returns {len(arrays)} array{'s' * (len(arrays) != 1)}; give one "
                 f"name per array, in order"
             )
-        chosen = dict(zip(wanted, arrays.values()))
+        chosen = dict(zip(wanted, arrays.values(), strict=True))
     return {
         name: value if wanted[name] is None else jnp.asarray(value).astype(wanted[name])
         for name, value in chosen.items()
@@ -276,7 +276,10 @@ def export_handle(
     """Export a handle's current weights (or `variables`: e.g. the moving average) and its
     eval-mode forward; returns the manifest.
 
-    >>> export_handle(n, "exports/digits")["inputs"]     # doctest: +SKIP
+    >>> import nitro
+    >>> from nitro.examples.digits import Digits
+    >>> n = nitro.Nitro(Digits(), progress=False)
+    >>> export_handle(n, "exports/digits")["inputs"]
     [{'name': 'x', 'dtype': 'float32', 'shape': [-1, 64]}]
     """
     from flax import nnx

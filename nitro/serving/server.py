@@ -174,7 +174,7 @@ class BundleModel(kserve.Model):
                 isinstance(shape, (list, tuple))
                 and len(shape) == len(spec.shape)
                 and all(isinstance(d, int) and not isinstance(d, bool) for d in shape)
-                and all(w in (bundles.BATCH, d) for w, d in zip(spec.shape, shape))
+                and all(w in (bundles.BATCH, d) for w, d in zip(spec.shape, shape, strict=True))
             )
             if not valid:
                 raise InvalidInput(f"input {item.name!r} must be {want}; got shape {shape!r}")
