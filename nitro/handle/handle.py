@@ -549,7 +549,7 @@ class Nitro:
             device = setup.placement.put_batch(setup.placement.local_rows(part))
             args = (variables, setup.feed.current_device(), device, np.int32(n_real))
             result = self._programs.predict(width, fields, args)(*args)
-            outputs = setup.placement.gather(result["outputs"])
+            outputs = setup.placement.gather(result.outputs)
             evaluation.delete(result)
             evaluation.delete(device)
             keep = n_real if n else 0
