@@ -2,7 +2,8 @@
 
 `%load_ext nitro` (or `%load_ext nitro_ipython`) does four things:
 
-- registers the `%nitro` line magic (`%nitro?` for help; see `magics.py`);
+- registers the `%nitro` line magic (`%nitro?` for help; see `magics.py`, and `rebuild.py`
+  for when `%nitro train` builds a new handle after an edit);
 - makes runs with `progress=True` report into a live widget panel in a notebook, or a tqdm
   bar in a terminal IPython (`reporters.py`, `panel.py`);
 - routes each training thread's output to the cell that started it (`worker.py`);
