@@ -8,7 +8,7 @@
   bar in a terminal IPython (`reporters.py`, `panel.py`);
 - routes each training thread's output to the cell that started it (`worker.py`);
 - watches the source files of live experiments and reloads them on save, reporting which
-  compiled programs the edit makes stale (`watcher.py`; the safe reload itself in
+  compiled programs the edit makes stale (`code_watcher.py`; the safe reload itself in
   `reload.py`; `staleness.py`).
 
 `%nitro mcp start` serves the kernel's runs to a coding agent (`agents.py`).
@@ -30,9 +30,9 @@ def load_ipython_extension(ipython) -> None:
     import nitro.runner
 
     from . import worker
+    from .code_watcher import CodeWatcher
     from .magics import NitroMagics
     from .reporters import make_factory
-    from .watcher import CodeWatcher
 
     if _STATE.get("shell") is ipython:
         return

@@ -7,7 +7,7 @@ and a reload that raises puts back the namespace of the module's last good load:
 the module is exactly as it was. `code_tokens` fingerprints what a module defines, so two
 loads diff into "changed Tiny.loss, scale".
 
-When to reload (a file saved, no run training, autoreload loaded or not) is `watcher.py`'s.
+When to reload (a file saved, no run training, autoreload loaded or not) is `code_watcher.py`'s.
 """
 
 from __future__ import annotations

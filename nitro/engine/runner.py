@@ -95,7 +95,8 @@ class RunControl:
 
     `request_copy(fn)` asks the loop to call `fn()` at its next step boundary, on its own
     thread, before the next step donates the state; when no loop is running it is served by
-    whoever ends the run (`serve_copies`).
+    whoever ends the run (`serve_copies`), or by the requester once the handle is free
+    (`at_step_boundary`).
     """
 
     def __init__(self) -> None:
