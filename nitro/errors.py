@@ -1,9 +1,13 @@
-"""Every error the engine raises on purpose, in one leaf module (it imports nothing of nitro).
+"""Every error the engine raises on purpose, in one leaf module (it imports nothing of nitro),
+and `Once`, for a warning (or a configuration) given once per process.
 
-Each says what was wrong, where (the field, hook, keyword or split) and how to fix it.
+Each error says what was wrong, where (the field, hook, keyword or split) and how to fix it.
 """
 
 from __future__ import annotations
+
+import threading
+import warnings
 
 __all__ = [
     "CompilationCacheError",
@@ -12,6 +16,7 @@ __all__ = [
     "HostFieldError",
     "Interrupted",
     "MetricError",
+    "Once",
     "OptimizerError",
     "PlacementError",
     "RoutingError",
@@ -73,3 +78,43 @@ class Interrupted(KeyboardInterrupt):
 
 class RunningError(RuntimeError):
     """The handle is busy (training in the background); the message says how to stop or wait."""
+
+
+class Once:
+    """Something done at most once per process, such as a warning; thread-safe.
+
+    `claim()` is True the first time only; `reset()` lets it happen again (tests use it).
+
+    >>> advice = Once()
+    >>> advice.claim(), advice.claim()
+    (True, False)
+    >>> advice.reset()
+    >>> advice.claim()
+    True
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done = False
+
+    @property
+    def done(self) -> bool:
+        return self._done
+
+    def claim(self) -> bool:
+        """True for the first caller; False once claimed."""
+        with self._lock:
+            first, self._done = not self._done, True
+            return first
+
+    def reset(self) -> None:
+        with self._lock:
+            self._done = False
+
+    def warn(self, message: str, category: type[Warning] = RuntimeWarning, *, module: str) -> bool:
+        """Issue the warning the first time only, attributed to Nitro (`module`) rather than
+        to the user's line that happened to run; True when it was issued."""
+        if not self.claim():
+            return False
+        warnings.warn_explicit(message, category, filename="nitro", lineno=0, module=module)
+        return True

@@ -2,12 +2,14 @@
 
 `%load_ext nitro` (or `%load_ext nitro_ipython`) does four things:
 
-- registers the `%nitro` line magic (`%nitro?` for help; see `magics.py`);
+- registers the `%nitro` line magic (`%nitro?` for help; see `magics.py`, and `rebuild.py`
+  for when `%nitro train` builds a new handle after an edit);
 - makes runs with `progress=True` report into a live widget panel in a notebook, or a tqdm
   bar in a terminal IPython (`reporters.py`, `panel.py`);
 - routes each training thread's output to the cell that started it (`worker.py`);
 - watches the source files of live experiments and reloads them on save, reporting which
-  compiled programs the edit makes stale (`reload.py`, `staleness.py`).
+  compiled programs the edit makes stale (`code_watcher.py`; the safe reload itself in
+  `reload.py`; `staleness.py`).
 
 `%nitro mcp start` serves the kernel's runs to a coding agent (`agents.py`).
 
@@ -28,8 +30,8 @@ def load_ipython_extension(ipython) -> None:
     import nitro.runner
 
     from . import worker
+    from .code_watcher import CodeWatcher
     from .magics import NitroMagics
-    from .reload import CodeWatcher
     from .reporters import make_factory
 
     if _STATE.get("shell") is ipython:

@@ -1,11 +1,12 @@
 """The `%nitro` line magic: train, stop and inspect runs by name.
 
 Declared once with `magic_arguments`, so `%nitro?` shows the same help the parser enforces.
+The magics parse and dispatch; when and how `%nitro train` builds a new handle after an edit
+is `rebuild.py`'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import Any
 
@@ -14,9 +15,9 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 
 import nitro
-from nitro.staleness import current_class, is_experiment
+from nitro.staleness import is_experiment
 
-from . import agents, runs, worker
+from . import agents, rebuild, runs, worker
 from .cache_table import CacheTable
 
 __all__ = ["NitroMagics"]
@@ -38,26 +39,6 @@ COMMANDS = (
     "export",
     "mcp",
 )
-
-
-def _fields(experiment: Any) -> dict[str, Any]:
-    return {f.name: getattr(experiment, f.name) for f in dataclasses.fields(experiment) if f.init}
-
-
-def _live_class(cls: type) -> type:
-    """The class now bound to `cls`'s qualified name where it was defined (after an edit, the
-    new one)."""
-    live = current_class(cls)
-    return live if is_experiment(live) else cls
-
-
-def _live_experiment(experiment: Any) -> Any:
-    """`experiment` as an instance of the live class (same field values), for edited code."""
-    cls = _live_class(type(experiment))
-    if cls is type(experiment):
-        return experiment
-    known = {f.name for f in dataclasses.fields(cls) if f.init}
-    return cls(**{k: v for k, v in _fields(experiment).items() if k in known})
 
 
 class _Shown:
@@ -245,13 +226,17 @@ class NitroMagics(Magics):
         base = args.target if args.target.isidentifier() else None
         if isinstance(value, nitro.Nitro):
             name = base if base and base != "_nitro" else self._name_of(value, "_nitro")
-            handle = self._prepare_handle(name, value, value.experiment, value, args)
+            handle = rebuild.handle_to_train(
+                name, value, value.experiment, value, fresh=args.fresh, resume=args.resume
+            )
         elif is_experiment(value) and not isinstance(value, type):
             name = f"{base}_run" if base else f"{type(value).__name__.lower()}_run"
             previous = self._ns.get(name)
-            if not (isinstance(previous, nitro.Nitro) and previous.owner == _owner(value)):
+            if not rebuild.runs_experiment(previous, value):
                 previous = None
-            handle = self._prepare_handle(name, previous, value, previous, args)
+            handle = rebuild.handle_to_train(
+                name, previous, value, previous, fresh=args.fresh, resume=args.resume
+            )
         elif isinstance(value, type) and is_experiment(value):
             raise UsageError(
                 f"{args.target} is the experiment class; pass an instance: "
@@ -283,68 +268,6 @@ class NitroMagics(Magics):
             )
             return None
         return handle
-
-    def _prepare_handle(self, name, handle, experiment, weights, args) -> nitro.Nitro:
-        """Continue `handle` when its code and configuration are current; otherwise build a
-        new handle from the live experiment class, starting from `weights` unless --fresh,
-        or continuing the newest run on disk with --resume."""
-        fresh = args.fresh
-        if handle is not None and handle.running and handle.stop_reason is not None:
-            _finish(handle)  # the run has ended (its panel says so); its thread is finishing
-        if handle is not None and handle.running:
-            raise UsageError(
-                f"{name} is already {handle.phase} in the background; `%nitro stop {name}` "
-                f"stops it, `%nitro status {name}` shows how far it is"
-            )
-        live = _live_experiment(experiment)
-        if (
-            handle is not None
-            and not fresh
-            and not handle.stale_changes()
-            and _live_class(handle.cls) is handle.cls
-            and _fields(handle.experiment) == _fields(live)
-        ):
-            return handle
-        source = None if fresh or args.resume else weights
-        keywords = handle.given_keywords if handle is not None else {}
-        plan = handle.setup.dispatch if handle is not None else None
-        carried = plan is not None and not plan.probing and "steps_per_dispatch" not in keywords
-        if carried:
-            # keep the measured steps per call: an edit rarely changes how long a step takes,
-            # and measuring again would compile the single step as well
-            keywords = {**keywords, "steps_per_dispatch": plan.steps}
-        keywords.pop("resume", None)  # a rebuilt handle starts from the previous weights
-        if args.resume:
-            keywords["resume"] = "auto"
-        panel = _setup_panel(type(live).__name__)
-        try:
-            new = nitro.Nitro(live, weights=source, **keywords)
-        except nitro.WeightsError as error:
-            worker.reserve_panel(None)
-            if source is None:
-                raise
-            raise UsageError(
-                f"the weights of {name} do not fit the new {type(live).__name__} model:\n"
-                f"{error}\nAdd --fresh to start from newly initialized weights."
-            ) from None
-        except BaseException:
-            worker.reserve_panel(None)
-            raise
-        if carried:
-            new.setup.dispatch.inherit(plan)  # its reason, and a check still under way
-        if panel is not None and new.reporter not in set(worker.panel_reporters):
-            worker.reserve_panel(None)  # this run reports another way (progress=...)
-        if source is not None:
-            print(
-                f"nitro: {name} rebuilt from the current {type(live).__name__}, starting from "
-                f"the weights of the previous run (step {source.step})"
-            )
-        if args.resume and new.weights_checkpoint is not None:
-            print(
-                f"nitro: {name} continues run {new.run_id} from its checkpoint at epoch "
-                f"{new.epoch}, step {new.step}"
-            )
-        return new
 
     # ------------------------------------------------------------------------------------------
     # runs
@@ -489,30 +412,3 @@ class NitroMagics(Magics):
             f"{manifest['name']!r} ({wire}); load it with nitro.bundle.load({args.target!r}) or "
             f"serve it with `nitro serve {args.target}`"
         )
-
-
-def _finish(handle: nitro.Nitro, timeout: float = 10.0) -> None:
-    """Wait for the thread of a run that has ended to finish (it reports the end first)."""
-    deadline = time.monotonic() + timeout
-    while handle.running and time.monotonic() < deadline:
-        time.sleep(0.005)
-
-
-def _setup_panel(title: str):
-    """In a notebook, a panel that shows the setup while a new handle builds its data and
-    model (seconds, on a first run), then serves the run."""
-    if not worker.widgets_available():
-        return None
-    from .panel import LivePanel
-
-    panel = LivePanel()
-    panel.title.value = f"<b>{title}</b>"
-    panel.status.value = "<b>setting up</b> &middot; the data, the model, the optimizer ..."
-    panel.show(visible=True)
-    worker.reserve_panel(panel)
-    return panel
-
-
-def _owner(experiment: Any) -> str:
-    cls = type(experiment)
-    return f"{cls.__module__}.{cls.__qualname__}"

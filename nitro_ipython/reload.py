@@ -1,45 +1,24 @@
-"""Hot reload: watch the source files of live experiments, reload them, report what is stale.
+"""The safe reload: applying an edit of a module's file to the live module.
 
-The modules watched are those defining an experiment the notebook holds (an experiment class,
-an instance, or a handle), plus the user modules those import (their helpers). watchdog
-notices a save at once; the reload itself runs on the kernel's main thread, when no cell is
-running (a callback on the kernel's event loop) or else before the next cell, so a reload
-never runs under a cell. A module whose experiments are training reloads after the run stops.
+Nitro reloads a module the way `%autoreload` does (`importlib.reload` into an emptied
+namespace, so a name the file no longer defines is gone), and the names the notebook imported
+from it (`from m import Tiny`) follow the edit. A file that does not compile is never loaded,
+and a reload that raises puts back the namespace of the module's last good load: either way
+the module is exactly as it was. `code_tokens` fingerprints what a module defines, so two
+loads diff into "changed Tiny.loss, scale".
 
-Without IPython's `%autoreload`, Nitro reloads the module itself (`importlib.reload` into an
-emptied namespace, as autoreload does, so a name the file no longer defines is gone); a file
-that does not compile, or a reload that raises, leaves the module exactly as it was and shows
-the error. With the autoreload extension loaded, Nitro lets it reload first (before each cell)
-and only reports; a changed file that autoreload left alone (not covered by its mode, or its
-reload failed) Nitro reloads itself, with the same guarantees. Either way, each live handle gets one report of the programs the edit makes stale.
-Cells that redefine an experiment class are reported the same way (the `post_run_cell` event).
+When to reload (a file saved, no run training, autoreload loaded or not) is `code_watcher.py`'s.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import hashlib
 import importlib
-import os
-import sys
-import threading
 import types
-import weakref
 from typing import Any
 
-import nitro
-from nitro.staleness import (
-    class_is_gone,
-    code_digest,
-    edit_generation,
-    is_experiment,
-    is_library_module,
-)
+from nitro.staleness import code_digest
 
-from .runs import handle_names, live_handles
-from .staleness import edit_impact
-
-__all__ = ["CodeWatcher", "code_tokens"]
+__all__ = ["changed_names", "code_tokens", "reload_module", "syntax_error"]
 
 _SIMPLE = (int, float, complex, str, bytes, bool, type(None), tuple, frozenset)
 
@@ -85,405 +64,52 @@ def code_tokens(module: types.ModuleType) -> dict[str, str]:
     return tokens
 
 
-def _changed(old: dict[str, str], new: dict[str, str]) -> list[str]:
+def changed_names(old: dict[str, str], new: dict[str, str]) -> list[str]:
+    """What differs between two `code_tokens` of a module (removed names marked so)."""
     names = [k for k in new if old.get(k) != new[k]]
     names += [f"{k} (removed)" for k in old if k not in new]
     return names
 
 
-@dataclasses.dataclass
-class _Source:
-    module: str
-    path: str
-    stamp: tuple[int, int]
-    digest: str
-    tokens: dict[str, str]
-    snapshot: dict[str, Any]  # the module's namespace after its last good load
-    failed: str | None = None
-    deferred: bool = False
-    deleted: bool = False  # reported as deleted; watched again if it comes back
-    gone: set[str] = dataclasses.field(default_factory=set)  # classes reported gone
+def syntax_error(data: bytes, path: str) -> SyntaxError | None:
+    """The error that keeps the file's new code from compiling, or None."""
+    try:
+        compile(data, path, "exec")
+    except SyntaxError as error:
+        return error
+    return None
 
 
-def _stamp(path: str) -> tuple[int, int]:
-    st = os.stat(path)
-    return (st.st_mtime_ns, st.st_size)
+def reload_module(
+    module: types.ModuleType, good: dict[str, Any], user_ns: dict[str, Any]
+) -> BaseException | None:
+    """Reload `module` and rebind the names `user_ns` imported from it; when the reload
+    raises, restore `good` (its namespace after its last good load) and return the error."""
+    old = dict(vars(module))
+    namespace = vars(module)
+    namespace.clear()  # a class renamed or deleted in the file is gone from the module too
+    namespace.update({k: v for k, v in old.items() if k in _MODULE_ATTRIBUTES})
+    try:
+        importlib.reload(module)
+    except Exception as error:  # noqa: BLE001 - shown to the user, module restored
+        _restore(module, good)
+        return error
+    _rebind(module, old, user_ns)
+    return None
 
 
-def _digest(data: bytes) -> str:
-    return hashlib.blake2b(data, digest_size=16).hexdigest()
-
-
-class CodeWatcher:
-    def __init__(self, shell: Any):
-        self.shell = shell
-        self.sources: dict[str, _Source] = {}
-        self.reloads = 0
-        self.history: list[str] = []  # every reload and staleness message, newest last
-        self._lock = threading.RLock()
-        self._pending: list[str] = []
-        self._seen: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self._generation = edit_generation()
-        self._observer = None
-        self._observed: set[str] = set()
-        self._scheduled = False
-
-    # ------------------------------------------------------------------------------------------
-    # IPython events
-
-    def register(self) -> None:
-        self.shell.events.register("pre_run_cell", self.pre_run_cell)
-        self.shell.events.register("post_run_cell", self.post_run_cell)
-
-    def unregister(self) -> None:
-        for event, callback in (
-            ("pre_run_cell", self.pre_run_cell),
-            ("post_run_cell", self.post_run_cell),
-        ):
-            try:
-                self.shell.events.unregister(event, callback)
-            except ValueError:
-                pass
-        if self._observer is not None:
-            self._observer.stop()
-            self._observer = None
-
-    def pre_run_cell(self, info: Any = None) -> None:
-        self._show(self.check(after_autoreload=True))
-
-    def post_run_cell(self, result: Any = None) -> None:
-        self.track()
-        self._run_after_autoreload()
-        if edit_generation() != self._generation:
-            messages = self.report_stale()
-            self.history.extend(messages)
-            self._show(messages)
-
-    def _show(self, messages: list[str]) -> None:
-        with self._lock:
-            messages, self._pending = self._pending + messages, []
-        for message in messages:
-            print(f"nitro: {message}", flush=True)
-
-    def _run_after_autoreload(self) -> None:
-        """Keep our pre_run_cell last, so it sees what %autoreload reloaded before it."""
-        callbacks = self.shell.events.callbacks["pre_run_cell"]
-        if callbacks and callbacks[-1] != self.pre_run_cell:
-            self.shell.events.unregister("pre_run_cell", self.pre_run_cell)
-            self.shell.events.register("pre_run_cell", self.pre_run_cell)
-
-    # ------------------------------------------------------------------------------------------
-    # what to watch
-
-    def track(self) -> None:
-        """Watch the modules of the experiments the notebook holds, and their helpers."""
-        ns = self.shell.user_ns
-        classes = set()
-        for value in list(ns.values()):
-            if isinstance(value, nitro.Nitro):
-                classes.add(value.cls)
-            elif is_experiment(value):
-                classes.add(value if isinstance(value, type) else type(value))
-        for handle in live_handles(ns):
-            classes.add(handle.cls)
-        for module_name in {cls.__module__ for cls in classes}:
-            module = sys.modules.get(module_name)
-            if module is None or not self._watch(module):
-                continue
-            for value in list(vars(module).values()):
-                helper = value if isinstance(value, types.ModuleType) else None
-                if helper is None and isinstance(value, (type, types.FunctionType)):
-                    helper = sys.modules.get(value.__module__)
-                if helper is not None and helper is not module:
-                    self._watch(helper)
-
-    def _watch(self, module: types.ModuleType) -> bool:
-        path = getattr(module, "__file__", None)
-        if not path or not path.endswith(".py") or is_library_module(module.__name__):
-            return False
-        if module.__name__ == "__main__":
-            return False
-        path = os.path.realpath(path)
-        with self._lock:
-            if path in self.sources:
-                return True
-            try:
-                with open(path, "rb") as file:
-                    data = file.read()
-                stamp = _stamp(path)
-            except OSError:
-                return False
-            self.sources[path] = _Source(
-                module.__name__,
-                path,
-                stamp,
-                _digest(data),
-                code_tokens(module),
-                dict(vars(module)),
-            )
-        self._observe(os.path.dirname(path))
-        return True
-
-    def _observe(self, directory: str) -> None:
-        if directory in self._observed:
-            return
-        try:
-            from watchdog.events import FileSystemEventHandler
-            from watchdog.observers import Observer
-        except ImportError:  # polling before each cell still works
-            return
-        watcher = self
-
-        class Handler(FileSystemEventHandler):
-            def on_any_event(self, event):
-                for path in (event.src_path, getattr(event, "dest_path", "")):
-                    if path and os.path.realpath(path) in watcher.sources:
-                        watcher._file_saved()
-
-        if self._observer is None:
-            self._observer = Observer()
-            self._observer.daemon = True
-            self._observer.start()
-        self._observer.schedule(Handler(), directory, recursive=False)
-        self._observed.add(directory)
-
-    def _file_saved(self) -> None:
-        """On watchdog's thread: ask the kernel's main thread to check once it is idle."""
-        loop = getattr(getattr(self.shell, "kernel", None), "io_loop", None)
-        if loop is None:
-            return  # terminal IPython: the next prompt checks
-        with self._lock:
-            if self._scheduled:
-                return
-            self._scheduled = True
-        loop.add_callback(lambda: loop.call_later(0.1, self._check_when_idle))
-
-    def _check_when_idle(self) -> None:
-        with self._lock:
-            self._scheduled = False
-        messages = self.check(after_autoreload=False)
-        with self._lock:
-            self._pending.extend(messages)
-
-    # ------------------------------------------------------------------------------------------
-    # reloading
-
-    def _autoreload_loaded(self) -> bool:
-        loaded = getattr(getattr(self.shell, "extension_manager", None), "loaded", ())
-        return "autoreload" in loaded or "IPython.extensions.autoreload" in loaded
-
-    def check(self, after_autoreload: bool = True) -> list[str]:
-        """Reload the watched modules whose source changed; return the messages to show."""
-        messages: list[str] = []
-        reloaded: list[tuple[_Source, list[str]]] = []
-        with self._lock:
-            for source in list(self.sources.values()):
-                try:
-                    stamp = _stamp(source.path)
-                except FileNotFoundError:
-                    if not source.deleted:
-                        source.deleted = True
-                        messages.append(self._deleted(source))
-                    continue
-                except OSError:
-                    continue
-                source.deleted = False
-                if stamp == source.stamp:
-                    continue
-                try:
-                    with open(source.path, "rb") as file:
-                        data = file.read()
-                except OSError:
-                    continue
-                digest = _digest(data)
-                if digest in (source.digest, source.failed):
-                    source.stamp = stamp
-                    continue
-                module = sys.modules.get(source.module)
-                if module is None:
-                    del self.sources[source.path]
-                    continue
-                name = os.path.basename(source.path)
-                try:
-                    compile(data, source.path, "exec")
-                except SyntaxError as error:
-                    source.stamp, source.failed = stamp, digest
-                    messages.append(
-                        f"{name} line {error.lineno}: {error.msg}. Kept the last good code of "
-                        f"{source.module} (not reloaded); fix the file and save it again."
-                    )
-                    continue
-                busy = [h for h in live_handles(self.shell.user_ns) if h.running]
-                if busy:
-                    if not source.deferred:
-                        names = ", ".join(
-                            (handle_names(self.shell.user_ns, h) or ["a run"])[0] for h in busy
-                        )
-                        messages.append(
-                            f"{name} changed; it reloads once {names} stops training "
-                            f"(`%nitro stop` stops a run)."
-                        )
-                    source.deferred = True
-                    continue
-                source.deferred = False
-                autoreload = self._autoreload_loaded()
-                if autoreload and not after_autoreload:
-                    continue  # autoreload reloads it before the next cell; report then
-                if not (autoreload and code_tokens(module) != source.tokens):
-                    error = self._reload(module, source.snapshot)
-                    if error is not None:
-                        source.stamp, source.failed = stamp, digest
-                        messages.append(
-                            f"reloading {source.module} raised {type(error).__name__}: {error}. "
-                            f"Kept the last good code (the module is as before the edit); fix "
-                            f"the file and save it again."
-                        )
-                        continue
-                module = sys.modules[source.module]
-                tokens = code_tokens(module)
-                changed = _changed(source.tokens, tokens)
-                source.stamp, source.digest, source.failed = stamp, digest, None
-                source.tokens, source.snapshot = tokens, dict(vars(module))
-                self.reloads += 1
-                reloaded.append((source, changed))
-        for source, changed in reloaded:
-            what = ", ".join(changed) or "nothing that runs (comments or formatting)"
-            messages.append(f"reloaded {source.module}: changed {what}.")
-            messages.extend(self._gone_classes(source))
-        if reloaded:
-            messages.extend(self.report_stale())
-        self.history.extend(messages)
-        return messages
-
-    def _reload(self, module: types.ModuleType, good: dict[str, Any]) -> BaseException | None:
-        """Reload `module`; when that raises, restore `good` (its namespace after its last
-        good load) and return the error."""
-        old = dict(vars(module))
-        namespace = vars(module)
-        namespace.clear()  # a class renamed or deleted in the file is gone from the module too
-        namespace.update({k: v for k, v in old.items() if k in _MODULE_ATTRIBUTES})
-        try:
-            importlib.reload(module)
-        except Exception as error:  # noqa: BLE001 - shown to the user, module restored
-            _restore(module, good)
-            return error
-        self._rebind(module, old)
-        return None
-
-    def _rebind(self, module: types.ModuleType, old: dict[str, Any]) -> None:
-        """Names the notebook imported from the module (`from m import Tiny`) follow the edit."""
-        defined = {
-            id(value): key
-            for key, value in old.items()
-            if isinstance(value, (type, types.FunctionType))
-            and getattr(value, "__module__", None) == module.__name__
-        }
-        ns = self.shell.user_ns
-        for name, value in list(ns.items()):
-            key = defined.get(id(value))
-            if key is not None and key in vars(module):
-                ns[name] = vars(module)[key]
-
-    # ------------------------------------------------------------------------------------------
-    # reports
-
-    def _holders(self, held) -> list[str]:
-        """Names the notebook gives to the values `held(value)` accepts; a handle by its first
-        name."""
-        ns = self.shell.user_ns
-        names = [
-            name
-            for name, value in list(ns.items())
-            if not name.startswith("_") and not isinstance(value, nitro.Nitro) and held(value)
-        ]
-        for handle in live_handles(ns):
-            handle_name = handle_names(ns, handle)
-            if handle_name and handle_name != ["_nitro"] and held(handle):
-                names.append(handle_name[0])
-        return names
-
-    def _deleted(self, source: _Source) -> str:
-        """The message for a watched module whose file is gone."""
-
-        def held(value: Any) -> bool:
-            if isinstance(value, types.ModuleType):
-                return value.__name__ == source.module
-            if isinstance(value, nitro.Nitro):
-                return value.cls.__module__ == source.module
-            if is_experiment(value):
-                cls = value if isinstance(value, type) else type(value)
-                return cls.__module__ == source.module
-            return False
-
-        names = self._holders(held) or [source.module]
-        verb = "keeps the code it has" if len(names) == 1 else "keep the code they have"
-        return f"{os.path.basename(source.path)} was deleted; {_join(names)} {verb}."
-
-    def _gone_classes(self, source: _Source) -> list[str]:
-        """One message per experiment class of `source` that the reload removed (renamed or
-        deleted) while the notebook holds it."""
-        ns = self.shell.user_ns
-        classes: dict[str, type] = {}
-        for value in [*list(ns.values()), *live_handles(ns)]:
-            cls = value.cls if isinstance(value, nitro.Nitro) else value
-            if is_experiment(cls):
-                cls = cls if isinstance(cls, type) else type(cls)
-                if cls.__module__ == source.module:
-                    classes.setdefault(cls.__qualname__, cls)
-        messages = []
-        for qualname, cls in classes.items():
-            if not class_is_gone(cls):
-                source.gone.discard(qualname)
-                continue
-            if qualname in source.gone:
-                continue
-            source.gone.add(qualname)
-
-            def held(value: Any, qualname=qualname) -> bool:
-                if isinstance(value, nitro.Nitro):
-                    cls = value.cls
-                elif is_experiment(value) and not isinstance(value, type):
-                    cls = type(value)
-                else:
-                    return False
-                return cls.__module__ == source.module and cls.__qualname__ == qualname
-
-            names = self._holders(held)
-            if not names:
-                continue
-            one = len(names) == 1
-            messages.append(
-                f"{os.path.basename(source.path)}: class {qualname} is gone (renamed or "
-                f"deleted); {_join(names)} keep{'s' if one else ''} using the {qualname} "
-                f"{'it was' if one else 'they were'} built with. Rename it back, or build a new "
-                f"handle from the new class."
-            )
-        return messages
-
-    def report_stale(self) -> list[str]:
-        """One message per named handle whose staleness changed since it was last reported
-        (handles the notebook no longer names, such as replaced runs, are not reported)."""
-        from .reporters import add_note
-
-        self._generation = edit_generation()
-        ns = self.shell.user_ns
-        messages = []
-        for handle in live_handles(ns):
-            names = handle_names(ns, handle)
-            if not names or names == ["_nitro"]:
-                continue
-            impact = edit_impact(handle, names[0])
-            key = (impact.changes, impact.recompile) if impact is not None else None
-            if key != self._seen.get(handle):
-                self._seen[handle] = key
-                if impact is not None:
-                    messages.append(str(impact))
-                    add_note(handle, str(impact))
-        return messages
-
-
-def _join(names: list[str]) -> str:
-    return names[0] if len(names) == 1 else ", ".join(names[:-1]) + " and " + names[-1]
+def _rebind(module: types.ModuleType, old: dict[str, Any], user_ns: dict[str, Any]) -> None:
+    """Names the notebook imported from the module (`from m import Tiny`) follow the edit."""
+    defined = {
+        id(value): key
+        for key, value in old.items()
+        if isinstance(value, (type, types.FunctionType))
+        and getattr(value, "__module__", None) == module.__name__
+    }
+    for name, value in list(user_ns.items()):
+        key = defined.get(id(value))
+        if key is not None and key in vars(module):
+            user_ns[name] = vars(module)[key]
 
 
 def _restore(module: types.ModuleType, namespace: dict[str, Any]) -> None:

@@ -271,7 +271,7 @@ def test_data_wait_frac_is_in_the_history_of_every_epoch():
 
 
 def test_a_slow_source_warns_how_to_fix_it():
-    loop._WARNED["data_wait"] = False  # the warning fires once per process
+    loop.DATA_WAIT_WARNING.reset()  # the warning fires once per process
     x = np.resize(X, (60 * BATCH, X.shape[1]))
     y = np.resize(Y, 60 * BATCH)
     with warnings.catch_warnings(record=True) as caught:

@@ -17,6 +17,7 @@ from flax import nnx
 from toys import TinyMLP, Toy, ToyWithMetrics, X, loaders
 
 import nitro
+from nitro.runner import RunControl, RunGuard, at_step_boundary
 
 ENGINE = pathlib.Path(nitro.__file__).parent
 
@@ -115,6 +116,47 @@ def test_weights_and_model_of_an_idle_handle_are_copies():
     model = n.model
     model.out.bias[...] = model.out.bias[...] + 1.0
     assert np.array_equal(np.asarray(n.model.out.bias[...]), before)
+
+
+def _request_at_step_boundary(guard, control) -> tuple[threading.Thread, dict]:
+    """`at_step_boundary` on a thread of its own, once the request is registered."""
+    answer: dict = {}
+
+    def request():
+        answer["value"] = at_step_boundary(
+            guard, control, lambda: threading.current_thread().name, "copying its weights"
+        )
+
+    thread = threading.Thread(target=request, name="requester", daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 10
+    while not control.copies_pending:
+        assert time.monotonic() < deadline, "the request was never registered"
+        time.sleep(0.001)
+    return thread, answer
+
+
+def test_a_request_during_training_runs_on_the_training_thread_at_its_step_boundary():
+    guard, control = RunGuard(), RunControl()
+    guard.claim("training", background=True)
+    thread, answer = _request_at_step_boundary(guard, control)
+    # what the loop does at a step boundary, on its thread
+    training = threading.Thread(target=control.serve_copies, name="training")
+    training.start()
+    training.join(10)
+    thread.join(10)
+    assert not thread.is_alive() and answer == {"value": "training"}
+    assert guard.activity == "training"  # served without taking the handle
+
+
+def test_a_request_the_run_ended_without_serving_runs_once_the_handle_is_free():
+    guard, control = RunGuard(), RunControl()
+    guard.claim("training", background=True)
+    thread, answer = _request_at_step_boundary(guard, control)
+    guard.release()  # the run ends after its last step boundary
+    thread.join(10)
+    assert not thread.is_alive() and answer == {"value": "requester"}
+    assert guard.activity is None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,7 +19,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["EpochTotals", "StepOutput", "TrainState", "Variables"]
+__all__ = ["EpochTotals", "EvalOutput", "StepOutput", "TrainState", "Variables"]
 
 
 @jax.tree_util.register_dataclass
@@ -47,6 +47,17 @@ class StepOutput:
     healthy: Any
     report: Any
     metrics: Any
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class EvalOutput:
+    """What one eval forward or predict call returns: the sum of the per-sample losses over
+    the real samples (f32[], eval forward only) and `forward`'s outputs (when asked for);
+    None where not computed. A fused call over K batches stacks each on a leading axis."""
+
+    loss_sum: Any = None
+    outputs: Any = None
 
 
 @dataclasses.dataclass

@@ -7,10 +7,12 @@ below; never the handle.
 - `keywords`: every run keyword declared once, with its resolution order
 - `setup`: the setup sequence, one function per step
 - `loop`: the training and evaluation loops
+- `prediction`: a batch through the predict program, in chunks of one compiled width
 - `dispatch`: steps per program call (a fixed K or "auto")
 - `feed`: per-step hyperparameters and Device values fed as arguments
 - `placement`: one device or a data-parallel mesh; batch sharding
 - `runner`: worker threads, interrupts, the run guard, run control
+- `weights_copy`: a copy of a handle's weights, taken at a step boundary while it trains
 """
 
 __all__: list[str] = []

@@ -13,7 +13,7 @@ import numpy as np
 
 from nitro.core.metrics import MetricAccumulator, flatten_metrics, split_modes
 from nitro.core.run_setup import RunSetup
-from nitro.core.train_state import TrainState, Variables
+from nitro.core.train_state import EvalOutput, TrainState, Variables
 from nitro.engine.runner import RunControl
 from nitro.errors import SetupError
 from nitro.experiments.routing import select
@@ -82,10 +82,10 @@ def evaluate_split(
     stream = info.prefetcher.epoch(0, block=block)
     stopped = False
 
-    def account_batch(result, host_fields, n_real: int, outputs=None) -> None:
+    def account_batch(result: EvalOutput, host_fields, n_real: int, outputs=None) -> None:
         nonlocal loss_sum, samples
         if with_loss:
-            loss_sum += float(result["loss_sum"])
+            loss_sum += float(result.loss_sum)
         if has_metrics:
             if residency == "host":
                 outputs = jax.tree.map(lambda a, n=n_real: a[:n], outputs)
@@ -95,12 +95,12 @@ def evaluate_split(
                 specs, leaves = split_modes(values, "metrics")
             else:
                 specs, leaves = _device_metrics(
-                    setup, programs, split, result["outputs"], staged_now, n_real
+                    setup, programs, split, result.outputs, staged_now, n_real
                 )
             accumulator.add(specs, leaves, n_real)
         samples += n_real
 
-    def account(staged, result, n_real) -> None:
+    def account(staged, result: EvalOutput, n_real) -> None:
         """Read one call's results back (loss sums, metrics: of one batch or a block of
         them, in order) and free it."""
         nonlocal staged_now
@@ -109,14 +109,14 @@ def evaluate_split(
             if staged.count == 1:
                 outputs = None
                 if has_metrics and residency == "host":
-                    outputs = setup.placement.gather(result["outputs"])
+                    outputs = setup.placement.gather(result.outputs)
                 account_batch(result, staged.host, int(n_real), outputs)
                 return
             read = jax.device_get(result)  # one transfer for the block
             for i, real in enumerate(np.asarray(n_real).tolist()):
                 one = jax.tree.map(lambda a, i=i: a[i], read)
                 host_fields = staged.host[i] if staged.host is not None else None
-                account_batch(one, host_fields, real, one.get("outputs"))
+                account_batch(one, host_fields, real, one.outputs)
         finally:
             staged.free()
             delete(result)

@@ -30,7 +30,7 @@ from nitro.data import is_index_addressable
 from nitro.engine.diagnostics import data_wait_advice, divergence_message, shape_error
 from nitro.engine.evaluation import delete, evaluate_split, finalize_metrics
 from nitro.engine.runner import RunControl
-from nitro.errors import DivergenceError
+from nitro.errors import DivergenceError, Once
 from nitro.experiments.routing import select
 from nitro.programs.specs import ProgramSet
 
@@ -38,7 +38,7 @@ __all__ = ["finish_epoch", "train_epochs"]
 
 DATA_WAIT_WARN = 0.25
 DATA_WAIT_MIN_STEPS = 50  # shorter epochs are dominated by filling the pipeline
-_WARNED = {"data_wait": False}
+DATA_WAIT_WARNING = Once()  # the data-wait advice, once per process (`.reset()` re-arms it)
 
 
 @dataclasses.dataclass
@@ -164,19 +164,10 @@ def finish_epoch(
     # batches "auto" chose to build on the loop thread took microseconds each: worker threads
     # would cost more in hand-overs than they save (measured), so their share is not advice
     cheap = prefetcher.path == "inline" and prefetcher.auto_inline
-    if (
-        wait_frac > DATA_WAIT_WARN
-        and totals.steps >= DATA_WAIT_MIN_STEPS
-        and not cheap
-        and not _WARNED["data_wait"]
-    ):
-        _WARNED["data_wait"] = True
-        warnings.warn_explicit(
+    if wait_frac > DATA_WAIT_WARN and totals.steps >= DATA_WAIT_MIN_STEPS and not cheap:
+        DATA_WAIT_WARNING.warn(
             f"the training loop waited for data {wait_frac:.0%} of epoch {state.epoch}. "
             + data_wait_advice(setup),
-            RuntimeWarning,
-            filename="nitro",
-            lineno=0,
             module="nitro.engine.loop",
         )
     return row

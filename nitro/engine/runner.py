@@ -30,6 +30,7 @@ __all__ = [
     "RunControl",
     "RunGuard",
     "add_worker_initializer",
+    "at_step_boundary",
     "remove_worker_initializer",
     "sigint_requests_stop",
     "wait_for",
@@ -94,7 +95,8 @@ class RunControl:
 
     `request_copy(fn)` asks the loop to call `fn()` at its next step boundary, on its own
     thread, before the next step donates the state; when no loop is running it is served by
-    whoever ends the run (`serve_copies`).
+    whoever ends the run (`serve_copies`), or by the requester once the handle is free
+    (`at_step_boundary`).
     """
 
     def __init__(self) -> None:
@@ -134,6 +136,7 @@ class RunGuard:
 
     def __init__(self, describe: Callable[[], str] = lambda: "this handle") -> None:
         self._lock = threading.Lock()
+        self._changed = threading.Condition(self._lock)  # notified when a claim ends
         self._describe = describe
         self.activity: str | None = None
         self.background = False
@@ -147,6 +150,19 @@ class RunGuard:
     def release(self) -> None:
         with self._lock:
             self.activity, self.background = None, False
+            self._changed.notify_all()
+
+    def wait_released(self, done: Callable[[], bool], timeout: float | None = None) -> None:
+        """Sleep until no claim holds the handle or `done()` holds (whoever makes it true
+        calls `notify()`), or at most `timeout` seconds."""
+        with self._lock:
+            if self.activity is not None and not done():
+                self._changed.wait(timeout)
+
+    def notify(self) -> None:
+        """Wake the threads in `wait_released`, to check their `done()`."""
+        with self._lock:
+            self._changed.notify_all()
 
     @contextmanager
     def hold(self, activity: str) -> Iterator[None]:
@@ -163,6 +179,29 @@ class RunGuard:
             f"stops it after the current step and n.wait() waits for it to end (in a notebook: "
             f"%nitro stop or %nitro wait)"
         )
+
+
+def at_step_boundary(guard: RunGuard, control: RunControl, fn: Callable[[], Any], what: str):
+    """`fn()` when no work holds the handle, or at the next step boundary of a training run
+    (on its thread, before the next step donates the state); raises `RunningError` while other
+    work holds it. When the run ends before serving the request, `fn` runs here instead."""
+    try:
+        with guard.hold(what):
+            return fn()
+    except RunningError:
+        if guard.activity != "training":
+            raise
+    future = control.request_copy(fn)
+    future.add_done_callback(lambda _: guard.notify())
+    while not future.done():
+        try:
+            with guard.hold(what):
+                control.serve_copies()
+        except RunningError:
+            # the served request or the run's end wakes this at once; bounded, because a
+            # Ctrl-C delivered to another thread (or any, on Windows) never wakes a lock wait
+            guard.wait_released(future.done, timeout=0.1)
+    return future.result()
 
 
 @contextmanager
@@ -202,6 +241,9 @@ def wait_for(run: Run, control: RunControl, note: Callable[[str], None], what: s
     seen = control.interrupts
     while True:
         try:
+            # `done` is set when the run ends and wakes this at once; bounded, because the
+            # handler of `sigint_requests_stop` only counts a press (taking a lock in a signal
+            # handler can deadlock), so the count is read here within 50 ms
             finished = run.done.wait(0.05)
         except KeyboardInterrupt:  # not on the main thread's handler: count it ourselves
             control.interrupts += 1

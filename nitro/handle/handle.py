@@ -26,12 +26,12 @@ from nitro.core.events import Events
 from nitro.core.keywords import Resolved
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState
-from nitro.data import pad_batch
-from nitro.engine import evaluation, loop
+from nitro.engine import evaluation, loop, prediction
 from nitro.engine.keywords import resolve_run_keywords
 from nitro.engine.runner import Run, RunControl, RunGuard, sigint_requests_stop, wait_for
-from nitro.engine.setup import batch_size, build
-from nitro.errors import ExperimentError, Interrupted, RunningError, SetupError
+from nitro.engine.setup import build
+from nitro.engine.weights_copy import copy_weights
+from nitro.errors import ExperimentError, Interrupted, SetupError
 from nitro.experiments.declaration import (
     REQUIRED_HOOKS,
     FieldKind,
@@ -46,7 +46,7 @@ from nitro.handle.signature import keyword_signature, keywords_doc
 from nitro.programs.specs import ProgramSet
 from nitro.programs.staleness import stale_changes, stale_report
 from nitro.runs.lifecycle import RunFiles, check_watched_metrics
-from nitro.runs.weights import AveragedWeights, CheckpointWeights, WeightsSource, copy_array
+from nitro.runs.weights import AveragedWeights, CheckpointWeights, WeightsSource
 
 __all__ = ["Nitro"]
 
@@ -497,66 +497,25 @@ class Nitro:
         such dicts -> an iterator of outputs, one per batch. `weights="ema"` predicts with the
         moving average of the weights."""
         self._check_stale("predict")
-        forward = self._setup.experiment.hook_fields["forward"]
         if isinstance(batch, Mapping):
             return self._predict_batch(batch, weights)
-        if isinstance(batch, (np.ndarray, jax.Array)) or not isinstance(batch, Iterable):
-            raise TypeError(
-                f"predict takes a dict of batch fields (forward needs: {forward.describe()}) or "
-                f"an iterable of such dicts; got {type(batch).__name__}. For example: "
-                f"n.predict({{'{(forward.required or ('x',))[0]}': xs}})"
-            )
+        prediction.check_batches(self._setup, batch)
         return (self._predict_batch(b, weights) for b in batch)
 
-    def _predict_width(self, n: int) -> int:
-        """The compiled width predictions are padded or split to: an evaluation split's batch
-        width, else the first prediction's size (so later sizes compile nothing new)."""
-        splits = self._setup.splits
-        for name in ("val", "test", "train", *splits):
-            if name in splits:
-                return splits[name].global_width
-        if self._serving_width is None:
-            self._serving_width = n
-        return self._serving_width
-
     def _predict_batch(self, batch: Mapping[str, Any], weights: str | None = None):
-        setup = self._setup
         with sigint_requests_stop(self._control), self._guard.hold("predicting"):
             self._control.stop.clear()
             with events_module.using(self._events):
-                chunks = self._predict_chunks(setup, batch, weights)
-        if len(chunks) == 1:
-            return chunks[0]
-        return jax.tree.map(lambda *parts: np.concatenate(parts, axis=0), *chunks)
-
-    def _predict_chunks(
-        self, setup: RunSetup, batch: Mapping[str, Any], weights: str | None = None
-    ) -> list:
-        variables = evaluation.weights_of(setup, self._state, weights)
-        fields = setup.experiment.hook_fields["forward"].resolve(tuple(batch), "predict")
-        host = {k: np.asarray(batch[k]) for k in fields}
-        n = batch_size(host, "predict")
-        width = self._predict_width(max(n, 1))
-        chunks = []
-        for start in range(0, max(n, 1), width):
-            if self._control.stop.is_set():
-                raise Interrupted(
-                    f"predict was interrupted after {start} of {n} rows; it stopped cleanly "
-                    f"between chunks"
+                outputs, self._serving_width = prediction.predict_batch(
+                    self._setup,
+                    self._state,
+                    self._programs,
+                    self._control,
+                    batch,
+                    weights,
+                    serving_width=self._serving_width,
                 )
-            part = {k: v[start : start + width] for k, v in host.items()}
-            if n == 0:  # no rows: run one zero batch for the outputs' trailing shapes
-                part = {k: np.zeros((1, *v.shape[1:]), v.dtype) for k, v in host.items()}
-            part, n_real = pad_batch(part, width)
-            device = setup.placement.put_batch(setup.placement.local_rows(part))
-            args = (variables, setup.feed.current_device(), device, np.int32(n_real))
-            result = self._programs.predict(width, fields, args)(*args)
-            outputs = setup.placement.gather(result["outputs"])
-            evaluation.delete(result)
-            evaluation.delete(device)
-            keep = n_real if n else 0
-            chunks.append(jax.tree.map(lambda a, k=keep: np.asarray(a)[:k], outputs))
-        return chunks
+        return outputs
 
     def export(
         self,
@@ -636,37 +595,8 @@ class Nitro:
         rest = jax.tree.unflatten(model.model_state_def, variables.model_state)
         return params, rest
 
-    def _at_step_boundary(self, fn, what: str):
-        """Run `fn` when no work holds the handle, or at the next step boundary of a training
-        run (on its thread, before the next step donates the state)."""
-        try:
-            with self._guard.hold(what):
-                return fn()
-        except RunningError:
-            if self._guard.activity != "training":
-                raise
-        future = self._control.request_copy(fn)
-        while not future.done():
-            try:
-                with self._guard.hold(what):
-                    self._control.serve_copies()
-            except RunningError:
-                try:
-                    future.exception(timeout=0.05)
-                except TimeoutError:
-                    pass
-        return future.result()
-
     def _weights_copy(self) -> WeightsSource:
-        def copy():
-            params, rest = self._trees()
-            return WeightsSource(
-                jax.tree.map(copy_array, params),
-                jax.tree.map(copy_array, rest),
-                f"the weights of a {self.cls.__name__} run at epoch {self.epoch}, step {self.step}",
-            )
-
-        return self._at_step_boundary(copy, "copying its weights")
+        return copy_weights(self._setup, lambda: self._state, self._guard, self._control)
 
     @property
     def model(self) -> nnx.Module:

@@ -33,7 +33,7 @@ from typing import Any
 
 import jax
 
-from nitro.errors import CompilationCacheError
+from nitro.errors import CompilationCacheError, Once
 
 # JAX's options are attributes set at run time, which type checkers cannot see
 _JAX_OPTIONS: Any = jax.config
@@ -45,7 +45,8 @@ _TEMP_PREFIX = ".nitro-partial-"  # an entry being written; renamed when complet
 _STALE_TEMP_SECONDS = 3600  # a temporary file this old belongs to a process that died
 
 _LOCK = threading.Lock()  # configuring is rare; the lock keeps two threads from racing it
-_STATE = {"configured": False, "dir": None}
+_CONFIGURED = Once()  # by the first compile, or by set_compilation_cache
+_cache_dir: str | None = None  # where the cache is now (None: off); written under _LOCK
 
 
 def _default_cache_dir() -> str:
@@ -59,17 +60,17 @@ def configure_persistent_cache() -> None:
     A directory that cannot be used is reported by one warning, and the process runs without
     a persistent cache.
     """
-    if _STATE["configured"]:
+    global _cache_dir
+    if _CONFIGURED.done:
         return
     with _LOCK:
-        if _STATE["configured"]:
+        if not _CONFIGURED.claim():
             return
-        _STATE["configured"] = True
         setting = os.environ.get("NITRO_COMPILATION_CACHE", "").strip()
         if setting.lower() in {"0", "off", "false", "no", "none"}:
             return
         if _JAX_OPTIONS.jax_compilation_cache_dir:
-            _STATE["dir"] = _JAX_OPTIONS.jax_compilation_cache_dir
+            _cache_dir = _JAX_OPTIONS.jax_compilation_cache_dir
             return
         path = setting or _default_cache_dir()
         error = _usable(path)
@@ -94,7 +95,7 @@ def set_compilation_cache(path: str | os.PathLike | None) -> None:
     Raises `CompilationCacheError` (and leaves the cache off) when `path` cannot be written.
     """
     with _LOCK:
-        _STATE["configured"] = True
+        _CONFIGURED.claim()
         if path is None:
             _disable()
             return
@@ -110,7 +111,7 @@ def set_compilation_cache(path: str | os.PathLike | None) -> None:
 
 def compilation_cache_dir() -> str | None:
     """The directory of the persistent compilation cache, or None when it is off."""
-    return _STATE["dir"]
+    return _cache_dir
 
 
 def _unusable_message(path: str, origin: str, error: OSError) -> str:
@@ -146,13 +147,15 @@ def _reset_jax() -> None:
 
 
 def _disable() -> None:
+    global _cache_dir
     _reset_jax()
     jax.config.update("jax_compilation_cache_dir", None)
     jax.config.update("jax_enable_compilation_cache", False)
-    _STATE["dir"] = None
+    _cache_dir = None
 
 
 def _enable(path: str) -> None:
+    global _cache_dir
     _reset_jax()
     _remove_broken_entries(path)
     jax.config.update("jax_enable_compilation_cache", True)
@@ -160,7 +163,7 @@ def _enable(path: str) -> None:
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
     jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
     _install_safe_writes(path)
-    _STATE["dir"] = path
+    _cache_dir = path
 
 
 def _remove_broken_entries(path: str) -> None:

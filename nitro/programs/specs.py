@@ -27,7 +27,7 @@ from flax import nnx
 
 from nitro.core.metrics import split_modes
 from nitro.core.run_setup import RunSetup
-from nitro.core.train_state import Variables
+from nitro.core.train_state import EvalOutput, Variables
 from nitro.experiments.routing import select
 from nitro.programs import tracing
 from nitro.programs.compile_cache import CACHE, Opaque, Program, ProgramKind, ProgramSpec
@@ -75,27 +75,26 @@ def eval_spec(
     def build(reads: set[str]):
         aux: dict[str, Any] = {}
 
-        def evaluate(variables: Variables, device, batch, n_real):
+        def evaluate(variables: Variables, device, batch, n_real) -> EvalOutput:
             params, rest = tracing.unflatten(setup, variables)
             view = tracing.view(setup, device, reads)
             module = nnx.merge(model.graphdef_eval, params, rest, copy=True)
             inputs = select(batch, fields["forward"])
             outputs = tracing.call(setup, "forward", view, module, **inputs)
-            result = {}
+            loss_sum = None
             if return_outputs:
                 tracing.check_batch_axis(outputs, inputs)
-                result["outputs"] = outputs
             if with_loss:
-                result["loss_sum"], aux["exact"] = _masked_loss_sum(
+                loss_sum, aux["exact"] = _masked_loss_sum(
                     setup, view, outputs, select(batch, fields["loss"]), n_real
                 )
-            return result
+            return EvalOutput(loss_sum=loss_sum, outputs=outputs if return_outputs else None)
 
         if batches == 1:
             evaluate.nitro_aux = aux
             return evaluate
 
-        def evaluate_block(variables: Variables, device, batch, n_real):
+        def evaluate_block(variables: Variables, device, batch, n_real) -> EvalOutput:
             def one(carry, inputs):
                 return carry, evaluate(variables, device, *inputs)
 

@@ -34,7 +34,8 @@ import threading
 import time
 import warnings
 import weakref
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -197,32 +198,42 @@ def leaves_from(what: str, saved: Mapping[str, Any], paths, template: list) -> l
 
 _OPEN: weakref.WeakSet = weakref.WeakSet()
 
-# Orbax is not safe to drive from several threads at once: two managers saving in parallel
-# (two handles training in the background) corrupt each other's OCDBT writes. Every orbax
-# call goes through this lock, and a manager's background write is finished before another
-# manager starts; one run's own saves still overlap its training.
-_ORBAX_LOCK = threading.RLock()
-_LAST_WRITER: list[Any] = [None]
 
+class _OrbaxAccess:
+    """Orbax is not safe to drive from several threads at once: two managers saving in
+    parallel (two handles training in the background) corrupt each other's OCDBT writes.
 
-def _exclusive(manager: Any = None):
-    """Hold the orbax lock; finish another manager's background write first."""
+    Every orbax call runs under `held(manager)`. A manager whose background write is still in
+    flight keeps its turn after the call returns: the next call for another manager first
+    waits for that write to finish. One run's own saves still overlap its training.
+    """
 
-    class _Held:
-        def __enter__(self):
-            _ORBAX_LOCK.acquire()
-            last = _LAST_WRITER[0]
-            if last is not None and last is not manager:
+    def __init__(self) -> None:
+        self._lock = threading.RLock()
+        self._writing: Any = None  # the manager whose background write may be in flight
+
+    @contextmanager
+    def held(self, manager: Any = None) -> Iterator[None]:
+        with self._lock:
+            writing = self._writing
+            if writing is not None and writing is not manager:
                 try:
-                    last.wait_until_finished()
+                    writing.wait_until_finished()
                 finally:
-                    _LAST_WRITER[0] = None
-            return self
+                    self._writing = None
+            yield
 
-        def __exit__(self, *exc):
-            _ORBAX_LOCK.release()
+    def started_write(self, manager: Any) -> None:
+        """Under `held(manager)`: `manager` begins a background write."""
+        self._writing = manager
 
-    return _Held()
+    def closed(self, manager: Any) -> None:
+        """Under `held(manager)`: `manager` has finished its writes and is closed."""
+        if self._writing is manager:
+            self._writing = None
+
+
+_ORBAX = _OrbaxAccess()
 
 
 @atexit.register
@@ -318,14 +329,14 @@ class CheckpointStore:
         with self._lock:
             try:
                 manager = self._open(ranked=metrics is not None)
-                with _exclusive(manager):
+                with _ORBAX.held(manager):
                     if step in manager.all_steps():  # saved already (a run ending at a boundary)
                         return
                     # save() waits for the previous save (and its deletions) anyway: wait
                     # here, so the steps it moved aside can be removed before the next ones
                     manager.wait_until_finished()
                     self._empty_trash()
-                    _LAST_WRITER[0] = manager
+                    _ORBAX.started_write(manager)
                     manager.save(
                         step,
                         args=ocp.args.Composite(
@@ -365,7 +376,7 @@ class CheckpointStore:
         with self._lock:
             if self._manager is not None:
                 try:
-                    with _exclusive(self._manager):
+                    with _ORBAX.held(self._manager):
                         self._manager.wait_until_finished()
                 except Exception as error:  # noqa: BLE001
                     self._failed(error, None)
@@ -374,7 +385,7 @@ class CheckpointStore:
         with self._lock:
             manager, self._manager = self._manager, None
         if manager is not None:
-            with _exclusive(manager):
+            with _ORBAX.held(manager):
                 try:
                     manager.wait_until_finished()
                 except Exception as error:  # noqa: BLE001
@@ -382,8 +393,7 @@ class CheckpointStore:
                 finally:
                     manager.close()
                     self._empty_trash()
-                    if _LAST_WRITER[0] is manager:
-                        _LAST_WRITER[0] = None
+                    _ORBAX.closed(manager)
 
 
 def _quiet_read_only(record: logging.LogRecord) -> bool:
@@ -402,7 +412,7 @@ class _reader:
     def __enter__(self):
         import orbax.checkpoint as ocp
 
-        self._held = _exclusive()
+        self._held = _ORBAX.held()
         self._held.__enter__()
         options = ocp.CheckpointManagerOptions(read_only=True, save_interval_steps=0, create=False)
         absl = logging.getLogger("absl")

@@ -432,7 +432,7 @@ def _probe_metrics(setup: RunSetup, state: TrainState, val) -> set[str] | None:
             for name, (shape, dtype) in val.batch_spec.items()
         }
         result = jax.eval_shape(evaluate, variables, device, batch, np.int32(1))
-        outputs = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), result["outputs"])
+        outputs = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), result.outputs)
         fields = {k: np.zeros(*val.batch_spec[k]) for k in wanted}
         values = setup.experiment.call_host_hook("metrics", outputs, **fields)
         specs, _ = split_modes(values, "metrics")

@@ -6,7 +6,8 @@ Public import paths: `nitro.bundle` (loading) and `nitro.serve` (`nitro serve`).
 
 - `export`: writing a bundle (`Nitro.export`)
 - `bundle`: loading a bundle
-- `server`: the KServe adapters and the transport's hardening
+- `server`: the KServe adapters (model, repository, model server)
+- `transport`: the wire's hardening (limits, framing and request checks, one host for gRPC)
 - `serve`: the `nitro serve` command
 """
 

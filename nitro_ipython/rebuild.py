@@ -1,0 +1,145 @@
+"""When and how `%nitro train` rebuilds a handle after an edit.
+
+Training an experiment again continues its handle while the handle's code and field values
+are current. After an edit of the experiment's code (a stale hook, model or helper, or a class
+redefined in a cell), or with other field values, `%nitro train` builds a new handle from the
+live class, starting from the previous handle's weights (unless `--fresh`) and keeping the
+steps per call it measured; with `--resume` it continues the experiment's newest run on disk.
+In a notebook a panel shows the new handle's setup while it builds.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any
+
+from IPython.core.error import UsageError
+
+import nitro
+from nitro.staleness import current_class, is_experiment
+
+from . import worker
+
+__all__ = ["handle_to_train", "runs_experiment"]
+
+
+def _fields(experiment: Any) -> dict[str, Any]:
+    return {f.name: getattr(experiment, f.name) for f in dataclasses.fields(experiment) if f.init}
+
+
+def _live_class(cls: type) -> type:
+    """The class now bound to `cls`'s qualified name where it was defined (after an edit, the
+    new one)."""
+    live = current_class(cls)
+    return live if is_experiment(live) else cls
+
+
+def _live_experiment(experiment: Any) -> Any:
+    """`experiment` as an instance of the live class (same field values), for edited code."""
+    cls = _live_class(type(experiment))
+    if cls is type(experiment):
+        return experiment
+    known = {f.name for f in dataclasses.fields(cls) if f.init}
+    return cls(**{k: v for k, v in _fields(experiment).items() if k in known})
+
+
+def handle_to_train(
+    name: str,
+    handle: nitro.Nitro | None,
+    experiment: Any,
+    weights: nitro.Nitro | None,
+    *,
+    fresh: bool = False,
+    resume: bool = False,
+) -> nitro.Nitro:
+    """The handle `%nitro train` trains under `name`: `handle` when its code and
+    configuration are current; otherwise a new handle of the live experiment class, starting
+    from `weights` unless `fresh`, or continuing the newest run on disk with `resume`."""
+    if handle is not None and handle.running and handle.stop_reason is not None:
+        _finish(handle)  # the run has ended (its panel says so); its thread is finishing
+    if handle is not None and handle.running:
+        raise UsageError(
+            f"{name} is already {handle.phase} in the background; `%nitro stop {name}` "
+            f"stops it, `%nitro status {name}` shows how far it is"
+        )
+    live = _live_experiment(experiment)
+    if (
+        handle is not None
+        and not fresh
+        and not handle.stale_changes()
+        and _live_class(handle.cls) is handle.cls
+        and _fields(handle.experiment) == _fields(live)
+    ):
+        return handle
+    source = None if fresh or resume else weights
+    keywords = handle.given_keywords if handle is not None else {}
+    plan = handle.setup.dispatch if handle is not None else None
+    carried = plan is not None and not plan.probing and "steps_per_dispatch" not in keywords
+    if carried:
+        # keep the measured steps per call: an edit rarely changes how long a step takes,
+        # and measuring again would compile the single step as well
+        keywords = {**keywords, "steps_per_dispatch": plan.steps}
+    keywords.pop("resume", None)  # a rebuilt handle starts from the previous weights
+    if resume:
+        keywords["resume"] = "auto"
+    panel = _setup_panel(type(live).__name__)
+    try:
+        new = nitro.Nitro(live, weights=source, **keywords)
+    except nitro.WeightsError as error:
+        worker.reserve_panel(None)
+        if source is None:
+            raise
+        raise UsageError(
+            f"the weights of {name} do not fit the new {type(live).__name__} model:\n"
+            f"{error}\nAdd --fresh to start from newly initialized weights."
+        ) from None
+    except BaseException:
+        worker.reserve_panel(None)
+        raise
+    if carried:
+        new.setup.dispatch.inherit(plan)  # its reason, and a check still under way
+    if panel is not None and new.reporter not in set(worker.panel_reporters):
+        worker.reserve_panel(None)  # this run reports another way (progress=...)
+    if source is not None:
+        print(
+            f"nitro: {name} rebuilt from the current {type(live).__name__}, starting from "
+            f"the weights of the previous run (step {source.step})"
+        )
+    if resume and new.weights_checkpoint is not None:
+        print(
+            f"nitro: {name} continues run {new.run_id} from its checkpoint at epoch "
+            f"{new.epoch}, step {new.step}"
+        )
+    return new
+
+
+def _finish(handle: nitro.Nitro, timeout: float = 10.0) -> None:
+    """Wait for the thread of a run that has ended to finish (it reports the end first)."""
+    deadline = time.monotonic() + timeout
+    while handle.running and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
+def _setup_panel(title: str):
+    """In a notebook, a panel that shows the setup while a new handle builds its data and
+    model (seconds, on a first run), then serves the run."""
+    if not worker.widgets_available():
+        return None
+    from .panel import LivePanel
+
+    panel = LivePanel()
+    panel.title.value = f"<b>{title}</b>"
+    panel.status.value = "<b>setting up</b> &middot; the data, the model, the optimizer ..."
+    panel.show(visible=True)
+    worker.reserve_panel(panel)
+    return panel
+
+
+def runs_experiment(handle: Any, experiment: Any) -> bool:
+    """Whether `handle` is a handle of `experiment`'s class (by its qualified name, so a
+    class redefined by an edit still counts), which `%nitro train` continues."""
+    cls = type(experiment)
+    return (
+        isinstance(handle, nitro.Nitro) and handle.owner == f"{cls.__module__}.{cls.__qualname__}"
+    )
