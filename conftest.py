@@ -22,6 +22,12 @@ def _is_alias(path: Path) -> bool:
     return "sys.modules[__name__] = " in path.read_text(encoding="utf-8")
 
 
+# KServe's gRPC protos and tritonclient's (the tests' client, tests/test_serve.py) register the
+# same proto file, so one process cannot import both: the server's modules are tested through a
+# server process and real clients instead, and their one example (it starts a server) is skipped
+_IN_A_SERVER_PROCESS_ONLY = {NITRO / "serving" / "server.py", NITRO / "serving" / "transport.py"}
+
+
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
     # __main__.py is an entry point: importing it must not run it, so it is never collected
     if (
@@ -29,6 +35,7 @@ def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Col
         and NITRO in file_path.parents
         and file_path.name != "__main__.py"
         and not _is_alias(file_path)
+        and file_path not in _IN_A_SERVER_PROCESS_ONLY
     ):
         return DoctestModule.from_parent(parent, path=file_path)
     return None
