@@ -14,6 +14,7 @@ from IPython.core.error import UsageError
 from IPython.core.magic import Magics, line_magic, magics_class
 
 import nitro
+from nitro.dispatch import DispatchChoice
 from nitro.staleness import current_class, is_experiment
 
 from . import agents, runs, worker
@@ -307,12 +308,14 @@ class NitroMagics(Magics):
             return handle
         source = None if fresh or args.resume else weights
         keywords = handle.given_keywords if handle is not None else {}
-        plan = handle.setup.dispatch if handle is not None else None
-        carried = plan is not None and not plan.probing and "steps_per_dispatch" not in keywords
-        if carried:
-            # keep the measured steps per call: an edit rarely changes how long a step takes,
-            # and measuring again would compile the single step as well
-            keywords = {**keywords, "steps_per_dispatch": plan.steps}
+        if isinstance(keywords.get("steps_per_dispatch"), DispatchChoice):
+            del keywords["steps_per_dispatch"]  # an earlier rebuild's: carry the newest instead
+        measured = handle is not None and not handle.dispatch.probing
+        if source is None and measured and "steps_per_dispatch" not in keywords:
+            # keep the measured steps per call (and finish a check of the fused calls still
+            # under way): an edit rarely changes how long a step takes, and measuring again
+            # would compile the single step as well. With weights=handle, Nitro continues it.
+            keywords["steps_per_dispatch"] = handle.dispatch
         keywords.pop("resume", None)  # a rebuilt handle starts from the previous weights
         if args.resume:
             keywords["resume"] = "auto"
@@ -330,8 +333,6 @@ class NitroMagics(Magics):
         except BaseException:
             worker.reserve_panel(None)
             raise
-        if carried:
-            new.setup.dispatch.inherit(plan)  # its reason, and a check still under way
         if panel is not None and new.reporter not in set(worker.panel_reporters):
             worker.reserve_panel(None)  # this run reports another way (progress=...)
         if source is not None:
