@@ -380,8 +380,9 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
         RunKeyword(
             "steps_per_dispatch",
             "auto",
-            "training steps per program call: an int K, or 'auto' (measure the first steps "
-            "and pick K so one call does a few milliseconds of work)",
+            "training steps per program call: an int K, 'auto' (measure the first steps "
+            "and pick K so one call does a few milliseconds of work), or an earlier handle's "
+            "n.dispatch (continue what it measured)",
             _steps_per_dispatch,
         ),
         RunKeyword(

@@ -404,8 +404,9 @@ def check_watched_metrics(
     setup: RunSetup, state: TrainState, experiment: Any, device: Mapping[str, jax.Array]
 ) -> None:
     """Refuse at setup an early stop or a checkpointer watching a metric the run does not
-    produce (the metrics hook's names are probed; see `metric_names`). A checkpointer on
-    `val_loss` in a run without a 'val' split keeps the newest checkpoint only."""
+    produce (the metrics hook's names are probed on `experiment`, the handle's live copy, with
+    the `device` field arrays; see `metric_names`). A checkpointer on `val_loss` in a run
+    without a 'val' split keeps the newest checkpoint only."""
     early_stop, checkpointer = setup.early_stop, setup.checkpointer
     known = {"loss", "val_loss"}
     names: set[str] | None = None
