@@ -21,6 +21,10 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 from nitro.core.keywords import Resolved
 
 if TYPE_CHECKING:  # lower layers, named for the annotations only (importing them costs)
+    from flax import nnx
+    from jax.tree_util import PyTreeDef
+    from numpy.typing import DTypeLike
+
     from nitro.core.placement import Placement
     from nitro.data.prefetch import PrefetchSettings
     from nitro.experiments.declaration import FieldSpec
@@ -121,7 +125,7 @@ class ExperimentSetup:
     owner: str  # "module.QualName", the cache's name for the experiment
     graphconst: Mapping[str, Hashable]  # GraphConst field -> value
     device_specs: Mapping[str, FieldSpec]
-    device_dtypes: Mapping[str, Any]  # Device field -> its numpy / jax dtype
+    device_dtypes: Mapping[str, DTypeLike]  # Device field -> its dtype
     hooks: Mapping[str, Callable]  # name -> callable taking the (view of the) experiment first
     hook_functions: Mapping[str, Callable]  # name -> the frozen function, for host hooks
     hook_fields: Mapping[str, HookFields]  # traced/metric hook -> the batch fields it takes
@@ -145,11 +149,11 @@ class ExperimentSetup:
 class ModelSetup:
     """The model's graph definitions and the tree definitions of the variables' leaf lists."""
 
-    graphdef_train: Any  # flax.nnx GraphDef
-    graphdef_eval: Any
-    params_def: Any  # jax PyTreeDef
-    model_state_def: Any
-    opt_state_def: Any  # None without an optimizer
+    graphdef_train: nnx.GraphDef
+    graphdef_eval: nnx.GraphDef
+    params_def: PyTreeDef  # of the parameters' leaf list
+    model_state_def: PyTreeDef
+    opt_state_def: PyTreeDef | None  # None without an optimizer
     structure: Hashable  # keys programs on the model's structure (classes by code)
     leaf_paths: Mapping[str, tuple[str, ...]]  # "parameter", ... -> dotted leaf paths
     param_count: int
