@@ -276,7 +276,7 @@ def bench_model(name: str, rounds: int, seconds: float, tile: int) -> dict[str, 
         loop.run(3)
     steps, elapsed = loops["hand-written"].run(1)
     epochs = max(1, round(seconds * steps / elapsed / loops["hand-written"].batches))
-    plan = loops["nitro auto"].handle.setup.dispatch
+    plan = loops["nitro auto"].handle.dispatch
     print(
         f"\n{name}: {description}; {len(arrays['x'])} samples, "
         f"{loops['hand-written'].batches} batches per epoch, {epochs} epochs per loop per "

@@ -178,7 +178,7 @@ def bench_model(name: str, tile: int, rounds: int, seconds: float) -> dict[str, 
     hand.run(2)
     framed.run(2)
     # the guard's cost is measured at the steps per call Nitro chose with it
-    plan = framed.handle.setup.dispatch
+    plan = framed.handle.dispatch
     unguarded = WithNitro(name, arrays, guard=False, steps_per_dispatch=plan.steps or 1)
     unguarded.run(2)
     steps, elapsed = hand.run(1)

@@ -17,6 +17,7 @@ from typing import Any
 from IPython.core.error import UsageError
 
 import nitro
+from nitro.dispatch import DispatchChoice
 from nitro.staleness import current_class, is_experiment
 
 from . import worker
@@ -74,12 +75,14 @@ def handle_to_train(
         return handle
     source = None if fresh or resume else weights
     keywords = handle.given_keywords if handle is not None else {}
-    plan = handle.setup.dispatch if handle is not None else None
-    carried = plan is not None and not plan.probing and "steps_per_dispatch" not in keywords
-    if carried:
-        # keep the measured steps per call: an edit rarely changes how long a step takes,
-        # and measuring again would compile the single step as well
-        keywords = {**keywords, "steps_per_dispatch": plan.steps}
+    if isinstance(keywords.get("steps_per_dispatch"), DispatchChoice):
+        del keywords["steps_per_dispatch"]  # an earlier rebuild's: carry the newest instead
+    measured = handle is not None and not handle.dispatch.probing
+    if source is None and measured and "steps_per_dispatch" not in keywords:
+        # keep the measured steps per call (and finish a check of the fused calls still
+        # under way): an edit rarely changes how long a step takes, and measuring again
+        # would compile the single step as well. With weights=handle, Nitro continues it.
+        keywords["steps_per_dispatch"] = handle.dispatch
     keywords.pop("resume", None)  # a rebuilt handle starts from the previous weights
     if resume:
         keywords["resume"] = "auto"
@@ -97,8 +100,6 @@ def handle_to_train(
     except BaseException:
         worker.reserve_panel(None)
         raise
-    if carried:
-        new.setup.dispatch.inherit(plan)  # its reason, and a check still under way
     if panel is not None and new.reporter not in set(worker.panel_reporters):
         worker.reserve_panel(None)  # this run reports another way (progress=...)
     if source is not None:

@@ -109,15 +109,12 @@ def run(n_devs):
             for leaf in jax.tree.leaves(n.state.variables)
         ),
         "batch_sharding": first_batch_sharding(n),
-        "freed": {
-            s: [p.placed, p.freed]
-            for s, p in ((s, i.prefetcher) for s, i in n.setup.splits.items())
-        },
+        "freed": {s: [p.placed, p.freed] for s, p in n.runtime.prefetchers.items()},
     }
 
 
 def first_batch_sharding(n):
-    with n.setup.splits["train"].prefetcher.epoch(0) as stream:
+    with n.runtime.prefetchers["train"].epoch(0) as stream:
         staged = next(stream)
         x = staged.device["x"]
         if not hasattr(x, "sharding"):  # one device: inline batches go into the call as is

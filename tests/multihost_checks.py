@@ -70,7 +70,7 @@ def main():
         "process": jax.process_index(),
         "processes": jax.process_count(),
         "describe": n.placement.describe(),
-        "local_batch": n.setup.splits["train"].prefetcher.source.batch_size,
+        "local_batch": n.runtime.prefetchers["train"].source.batch_size,
         "loss": history["loss"].tolist(),
         "val_loss": history["val_loss"].tolist(),
         "val_acc": history["val_acc"].tolist(),
@@ -79,10 +79,7 @@ def main():
         "batch_stats": [
             np.asarray(p).tolist() for p in jax.tree.leaves(nnx.state(n.model, nnx.BatchStat))
         ],
-        "freed": {
-            s: [p.placed, p.freed]
-            for s, p in ((s, i.prefetcher) for s, i in n.setup.splits.items())
-        },
+        "freed": {s: [p.placed, p.freed] for s, p in n.runtime.prefetchers.items()},
         "host_validate": host_validate,
         "host_predict": np.asarray(host_predict).tolist(),
     }

@@ -155,9 +155,9 @@ def live_batches(shape=BATCH_SHAPE) -> list[jax.Array]:
 def all_freed(n: nitro.Nitro) -> dict[str, tuple[int, int]]:
     """split -> (placed, freed) for every split whose counters differ."""
     return {
-        split: (i.prefetcher.placed, i.prefetcher.freed)
-        for split, i in n.setup.splits.items()
-        if i.prefetcher.placed != i.prefetcher.freed
+        split: (p.placed, p.freed)
+        for split, p in n.runtime.prefetchers.items()
+        if p.placed != p.freed
     }
 
 

@@ -49,7 +49,7 @@ def test_prefetch_defaults():
 
     n = nitro.Nitro(Pipe(), prefetch="threads", progress=False)
     assert n.keywords["prefetch_workers"].value == workers
-    prefetcher = n.setup.splits["train"].prefetcher
+    prefetcher = n.runtime.prefetchers["train"]
     assert prefetcher.settings == settings
     assert prefetcher.path == ("fanout" if workers > 1 else "single")
     assert f"host_batches={2 * workers}, device_batches=1, ordered=True" in prefetcher.describe()
@@ -58,22 +58,22 @@ def test_prefetch_defaults():
 def test_auto_builds_cheap_batches_inline_and_slow_ones_on_workers():
     cheap = nitro.Nitro(Pipe(), progress=False)  # an ArrayLoader: microseconds per batch
     assert cheap.keywords["prefetch"].value == "auto"
-    prefetcher = cheap.setup.splits["train"].prefetcher
+    prefetcher = cheap.runtime.prefetchers["train"]
     assert prefetcher.path == "inline" and prefetcher.build_seconds < 100e-6
     assert "inline: a batch builds in" in prefetcher.describe()
     slow = nitro.Nitro(
         Pipe(), data={"train": RecordingLoader(delay=lambda i: 0.002)}, progress=False
     )
-    assert slow.setup.splits["train"].prefetcher.path in ("fanout", "single")
+    assert slow.runtime.prefetchers["train"].path in ("fanout", "single")
     forced = nitro.Nitro(
         Pipe(),
         prefetch="inline",
         data={"train": RecordingLoader(delay=lambda i: 0.002)},
         progress=False,
     )
-    assert forced.setup.splits["train"].prefetcher.path == "inline"
+    assert forced.runtime.prefetchers["train"].path == "inline"
     asked = nitro.Nitro(Pipe(), prefetch_workers=2, progress=False)  # workers asked for
-    assert asked.setup.splits["train"].prefetcher.path == "fanout"
+    assert asked.runtime.prefetchers["train"].path == "fanout"
     with pytest.raises(ValueError, match="prefetch must be one of 'auto', 'threads', 'inline'"):
         nitro.Nitro(Pipe(), prefetch="eager")
 
@@ -149,7 +149,7 @@ def test_ordered_prefetch_makes_runs_reproducible_and_equal_to_no_prefetch():
 def test_index_addressable_source_is_built_by_several_workers():
     source = RecordingLoader(delay=lambda i: 0.01)
     n = run(source, prefetch_workers=3)
-    assert n.setup.splits["train"].prefetcher.path == "fanout"
+    assert n.runtime.prefetchers["train"].path == "fanout"
     workers = {t for t in source.threads if t != "MainThread"}  # not the setup probe
     assert len(workers) >= 2, workers
     assert all(name.startswith("nitro-prefetch-train-worker") for name in workers)
@@ -158,7 +158,7 @@ def test_index_addressable_source_is_built_by_several_workers():
 
 def test_unordered_fanout_trains_every_batch():
     n = run(RecordingLoader(delay=lambda i: 0.002 * (i % 3)), prefetch_workers=2, ordered=False)
-    assert n.setup.splits["train"].prefetcher.path == "fanout_unordered"
+    assert n.runtime.prefetchers["train"].path == "fanout_unordered"
     assert n.step == 8 and not all_freed(n)
 
 
@@ -176,7 +176,7 @@ def test_any_restartable_iterable_of_dicts_is_a_source(source):
         make = source
         source = type("Regenerating", (), {"__iter__": lambda self: make()})()
     n = run(source, max_epochs=3)
-    assert n.setup.splits["train"].prefetcher.path == "single"
+    assert n.runtime.prefetchers["train"].path == "single"
     assert n.step == 3 * 8
     assert np.isfinite(n.history()["loss"]).all()
 
@@ -191,7 +191,7 @@ def test_a_plain_iterable_is_read_by_one_producer_thread():
 def test_no_prefetch_builds_batches_on_the_training_thread():
     source = RecordingLoader()
     n = run(NoPrefetch(source), max_epochs=2)
-    prefetcher = n.setup.splits["train"].prefetcher
+    prefetcher = n.runtime.prefetchers["train"]
     assert prefetcher.path == "inline" and prefetcher.describe() == "no prefetch (inline)"
     built = [t for t in source.threads if t != "MainThread"]  # not the setup probe
     assert {name.split("-")[1] for name in built} == {"training"}
@@ -302,7 +302,7 @@ def test_grain_map_dataset_is_a_source():
     grain = pytest.importorskip("grain")
     dataset = grain.MapDataset.source(_rows()).batch(BATCH, drop_remainder=True)
     n = run(dataset, max_epochs=2)
-    assert n.setup.splits["train"].prefetcher.path == "single"  # grain parallelizes on its own
+    assert n.runtime.prefetchers["train"].path == "single"  # grain parallelizes on its own
     assert n.step == 16
     np.testing.assert_allclose(n.history()["loss"].tolist(), _reference_losses(), rtol=1e-6)
 

@@ -180,7 +180,7 @@ def test_auto_measures_then_fuses_and_says_why_in_the_binding_report(monkeypatch
         n.binding_report()
     )
     n.train()
-    plan = n.setup.dispatch
+    plan = n.dispatch
     assert plan.steps is not None and plan.steps > 1, plan.describe()
     assert 200 % plan.steps == 0  # a divisor of the epoch: no remainder
     report = str(n.binding_report())
@@ -229,7 +229,7 @@ def test_auto_goes_back_to_one_step_per_call_when_fusing_is_slower(monkeypatch):
     monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", 0.0)
     n = nitro.Nitro(Convolutional(), progress=False, checkpointer=None, logger=None)
     n.train(epochs=3)  # the probe, then 7 fused calls timed
-    plan = n.setup.dispatch
+    plan = n.dispatch
     assert plan.steps == 1 and not plan.checking, plan.describe()
     assert "inside a fused call of" in plan.reason, plan.reason
     assert "one step per call" in str(n.binding_report())
@@ -239,8 +239,8 @@ def test_auto_goes_back_to_one_step_per_call_when_fusing_is_slower(monkeypatch):
 def test_a_short_run_keeps_one_step_per_call_and_decides_again_later():
     n = nitro.Nitro(Nine(max_epochs=1), progress=False)
     n.train()
-    assert n.setup.dispatch.steps is None
-    assert "undecided" in n.setup.dispatch.describe()
+    assert n.dispatch.steps is None
+    assert "undecided" in n.dispatch.describe()
 
 
 def test_steps_per_dispatch_is_checked():

@@ -75,8 +75,8 @@ class CountingLoader(RecordingLoader):
 def test_every_training_batch_is_deleted_across_epochs():
     n = nitro.Nitro(PipeWithMetrics(max_epochs=3), progress=False)
     n.train()
-    assert n.setup.splits["train"].prefetcher.placed == 3 * 8
-    assert n.setup.splits["val"].prefetcher.placed == 3 * 2
+    assert n.runtime.prefetchers["train"].placed == 3 * 8
+    assert n.runtime.prefetchers["val"].placed == 3 * 2
     assert_all_batches_freed(n)
     assert state_is_alive(n)
 
@@ -99,7 +99,7 @@ def test_no_prefetch_frees_every_batch_too():
         Pipe(max_epochs=2), data={"train": NoPrefetch(RecordingLoader())}, progress=False
     )
     n.train()
-    assert n.setup.splits["train"].prefetcher.placed == 16
+    assert n.runtime.prefetchers["train"].placed == 16
     assert_all_batches_freed(n)
 
 
@@ -187,7 +187,7 @@ def test_eval_inputs_and_outputs_are_deleted(experiment):
     assert n.predict({"x": X[:30]}).shape == (30, 3)  # three chunks of 12, the last padded
     assert len(jax.live_arrays()) == before
     assert live_batches((BATCH, 3)) == []  # the outputs
-    assert n.setup.splits["val"].prefetcher.placed == 2 * 3
+    assert n.runtime.prefetchers["val"].placed == 2 * 3
     assert_all_batches_freed(n)
     still_trains_and_predicts(n)
 

@@ -4,10 +4,12 @@ threads, and the event path's isolation of reporters."""
 from __future__ import annotations
 
 import ast
+import dataclasses
 import pathlib
 import threading
 import time
 import warnings
+from collections.abc import Mapping, MutableMapping
 
 import jax
 import numpy as np
@@ -341,6 +343,114 @@ def test_the_train_state_holds_counters_history_and_arrays_and_the_setup_is_froz
     assert params["out"]["kernel"][...].shape == (8, 2)
     with pytest.raises(AttributeError):
         setup.max_epochs = 5
+
+
+HELD_AS_GIVEN = {("SplitSetup", "source")}  # the user's data source (a list of batches, say)
+
+
+def records(value) -> bool:
+    """Nitro's own records are looked into; other objects (a flax GraphDef, an optax
+    transformation, a function) are held as they are."""
+    return (
+        dataclasses.is_dataclass(value)
+        and not isinstance(value, type)
+        and type(value).__module__.startswith("nitro.")
+    )
+
+
+def mutable_parts(value, path: str = "setup", seen: set | None = None) -> list[str]:
+    """Every list, dict or set and every mutable record reachable from `value` through
+    Nitro's records, mappings and tuples."""
+    seen = set() if seen is None else seen
+    if id(value) in seen:
+        return []
+    seen.add(id(value))
+    if isinstance(value, (list, dict, set, bytearray)) or isinstance(value, MutableMapping):
+        return [f"{path}: {type(value).__name__}"]
+    found = []
+    if records(value):
+        if not type(value).__dataclass_params__.frozen:
+            found.append(f"{path}: a mutable {type(value).__name__}")
+        for field in dataclasses.fields(value):
+            if (type(value).__name__, field.name) not in HELD_AS_GIVEN:
+                found += mutable_parts(getattr(value, field.name), f"{path}.{field.name}", seen)
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            found += mutable_parts(item, f"{path}[{key!r}]", seen)
+    elif isinstance(value, (tuple, frozenset)):
+        for i, item in enumerate(value):
+            found += mutable_parts(item, f"{path}[{i}]", seen)
+    return found
+
+
+def contents(value, seen: set | None = None) -> list:
+    """What `mutable_parts` walks, as (type, identity) pairs: equal lists, same record."""
+    seen = set() if seen is None else seen
+    if id(value) in seen:
+        return []
+    seen.add(id(value))
+    out = [(type(value).__name__, id(value))]
+    if records(value):
+        for field in dataclasses.fields(value):
+            out += contents(getattr(value, field.name), seen)
+    elif isinstance(value, Mapping):
+        for key, item in value.items():
+            out += [key, *contents(item, seen)]
+    elif isinstance(value, (tuple, frozenset)):
+        for item in value:
+            out += contents(item, seen)
+    return out
+
+
+def test_the_setup_and_everything_in_it_is_immutable_after_a_run():
+    schedules = {"learning_rate": lambda step: 1e-2}
+    loggers = [nitro.loggers.JSONLinesLogger()]
+    n = nitro.Nitro(
+        ToyWithMetrics(max_epochs=2), schedules=schedules, logger=loggers, progress=False
+    )
+    n.train()
+    n.validate()
+    assert mutable_parts(n.setup) == []
+    assert n.given_keywords["schedules"] == schedules  # read-only, and equal to what was given
+    schedules["learning_rate"] = 5.0
+    assert n.given_keywords["schedules"]["learning_rate"] is not schedules["learning_rate"]
+    with pytest.raises(TypeError):
+        n.setup.splits["val"] = n.setup.splits["train"]
+    with pytest.raises(TypeError):
+        n.setup.keywords["seed"] = n.setup.keywords["max_epochs"]
+
+
+def test_set_device_and_auto_dispatch_take_effect_and_leave_the_setup_unchanged(monkeypatch):
+    monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", 0.0)  # "auto" decides in this run
+    n = nitro.Nitro(Toy(max_epochs=3, with_val=False), progress=False)
+    setup, before = n.setup, contents(n.setup)
+    n.set_device(scale=0.5)
+    n.train()
+    assert n.setup is setup and contents(n.setup) == before
+    assert n.device_value("scale") == 0.5 and n.experiment.scale == 0.5
+    assert "scale: float = 0.5" in str(n.binding_report())
+    assert not n.dispatch.probing and n.dispatch.reason.startswith("auto: a step took")
+    assert f"steps per dispatch: {n.dispatch.describe()}" in str(n.binding_report())
+    # a handle built from these weights continues the measured choice, frozen as it was
+    forked = nitro.Nitro(Toy(max_epochs=3, with_val=False), weights=n, progress=False)
+    assert forked.dispatch == n.dispatch
+    again = nitro.Nitro(Toy(), steps_per_dispatch=n.dispatch, progress=False)
+    assert again.dispatch == n.dispatch
+    fixed = nitro.Nitro(Toy(), weights=n, steps_per_dispatch=2, progress=False)
+    assert (fixed.dispatch.steps, fixed.dispatch.reason) == (2, "set by steps_per_dispatch")
+
+
+def test_restoring_the_best_weights_swaps_in_a_new_state_and_leaves_the_old_one_untouched():
+    n = nitro.Nitro(ToyWithMetrics(max_epochs=3), progress=False)
+    n.train()
+    old = n.state
+    params, history = list(old.variables.params), list(old.history)
+    n.restore_best()
+    assert n.state is not old and n.state.variables is not old.variables
+    assert old.variables.params == params and old.history == history  # as it was
+    assert (n.state.step, n.state.epoch, n.state.history) == (old.step, old.epoch, history)
+    assert n.weights_checkpoint["step"] in {row["step"] for row in history}
+    assert n.state.variables.opt_state is old.variables.opt_state  # kept, not restored
 
 
 def test_no_engine_module_imports_the_handle_or_the_notebook_layer():

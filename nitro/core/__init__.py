@@ -3,8 +3,11 @@
 
 Internal. Imports only lower layers (`experiments`, `optim`, `data`).
 
-- `run_setup`: `RunSetup` and its parts
-- `train_state`: `TrainState` and the `Variables` the programs take
+- `run_setup`: `RunSetup` and its parts (deep-frozen: never written after setup)
+- `train_state`: `TrainState` and the `Variables` the programs take (one in-place writer: the
+  loop; a restore makes a new one)
+- `placement`: one device or a data-parallel mesh; batch sharding
+- `frozen`: `FrozenDict` and `freeze`, the read-only containers of the records
 - `metrics`: metric accumulation and split modes
 - `events`, `progress`: the event path, the reporter protocol, the default reporters
 """

@@ -1,39 +1,137 @@
-"""`RunSetup`: what `Nitro(e)` decided before anything compiles, as one frozen, typed record.
+"""`RunSetup`: what `Nitro(e)` decided before anything compiles, as one deep-frozen, typed
+record.
 
-Built once by the setup sequence (`setup.py`) and never written afterwards: the experiment's
-frozen configuration and code fingerprints, the batch routing, one `SplitSetup` per split,
-the placement, the model's tree definitions, the optimizer, the schedules and the step feed.
-The programs, the loop and the reports read it; the train state (`state.py`) is what changes.
+Built once by the setup sequence (`nitro.engine.setup`) and never written afterwards: the
+experiment's frozen configuration and code fingerprints, the batch routing and geometry of
+each split, the placement, the model's tree definitions, the optimizer and the schedules.
+Every record in it is a frozen dataclass, every mapping a `FrozenDict`, every sequence a
+tuple; a value a user gave (a data source, a logger, a GraphConst value) is held as given.
+
+What changes while a run lives is elsewhere: the step feed, the steps-per-dispatch
+measurement, the prefetchers and the live experiment copy are the handle's run-time record
+(`nitro.engine.run_time.RunTime`), and the arrays and counters are the `TrainState`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Hashable, Mapping
-from typing import Any
+from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from nitro.core.keywords import Resolved
-from nitro.experiments.declaration import FieldSpec
-from nitro.experiments.fingerprint import CodeFingerprint
-from nitro.experiments.routing import HookFields
 
-__all__ = ["ExperimentSetup", "ModelSetup", "RunSetup", "SplitSetup"]
+# jax.tree_util.PyTreeDef, a class of jaxlib's that type checkers see as a variable
+PyTreeDef = Any
+
+if TYPE_CHECKING:  # lower layers, named for the annotations only (importing them costs)
+    from flax import nnx
+    from numpy.typing import DTypeLike
+
+    from nitro.core.placement import Placement
+    from nitro.data.prefetch import PrefetchSettings
+    from nitro.experiments.declaration import FieldSpec
+    from nitro.experiments.fingerprint import CodeFingerprint
+    from nitro.experiments.routing import HookFields
+    from nitro.optim.ema import EMA
+    from nitro.optim.optimizer import FedOptimizer
+    from nitro.optim.sam import SAM
+    from nitro.optim.schedules import BoundSchedule
+
+__all__ = [
+    "CheckpointPolicy",
+    "CheckpointRef",
+    "ExperimentSetup",
+    "ModelSetup",
+    "RunSetup",
+    "SavedWeights",
+    "SplitSetup",
+    "StopPolicy",
+]
+
+
+class CheckpointPolicy(Protocol):
+    """How a run saves checkpoints: `nitro.Checkpointer` (defined with the checkpoints, in
+    `nitro.runs`, above this layer)."""
+
+    @property
+    def k(self) -> int: ...
+    @property
+    def metric(self) -> str: ...
+    @property
+    def mode(self) -> str: ...
+    @property
+    def every(self) -> int: ...
+    @property
+    def budget(self) -> float | None: ...
+    def better(self, a: float, b: float) -> bool: ...
+
+
+class StopPolicy(Protocol):
+    """When a run ends early: `nitro.EarlyStopping` (in `nitro.runs`)."""
+
+    @property
+    def metric(self) -> str: ...
+    def check(self, splits: Sequence[str], metrics: Collection[str] | None) -> None: ...
+    def should_stop(self, history: Sequence[Mapping[str, Any]]) -> bool: ...
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRef:
+    """A checkpoint named by the user: a run directory (its `which` checkpoint: the newest,
+    or the best by the run's checkpointer metric) or one checkpoint's directory (a step)."""
+
+    path: str
+    which: Literal["best", "latest"] = "latest"
+
+
+@dataclasses.dataclass(frozen=True)
+class SavedWeights:
+    """The checkpoint(s) weights were read from, one entry each: one checkpoint, or several
+    averaged (`nitro.average`, best first; the run id is the first's)."""
+
+    paths: tuple[str, ...]
+    run_id: str | None
+    steps: tuple[int, ...]
+    epochs: tuple[int | None, ...]
+    metrics: tuple[Mapping[str, Any] | None, ...]
+    averaged: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        """The public form (`Nitro.weights_checkpoint`): path, run_id, step, epoch, metrics;
+        for an average: averaged (how many), paths, run_id, steps, epochs, metrics."""
+        plain = lambda m: dict(m) if m is not None else None  # noqa: E731
+        if self.averaged:
+            return {
+                "averaged": len(self.paths),
+                "paths": list(self.paths),
+                "run_id": self.run_id,
+                "steps": list(self.steps),
+                "epochs": list(self.epochs),
+                "metrics": [plain(m) for m in self.metrics],
+            }
+        return {
+            "path": self.paths[0],
+            "run_id": self.run_id,
+            "step": self.steps[0],
+            "epoch": self.epochs[0],
+            "metrics": plain(self.metrics[0]),
+        }
 
 
 @dataclasses.dataclass(frozen=True)
 class ExperimentSetup:
-    """The experiment as the handle froze it: configuration, hooks and their code."""
+    """The experiment as the handle froze it: configuration, hooks and their code. The live
+    copy of the experiment (its Device fields follow `set_device`) is in the run-time record."""
 
     cls: type
     owner: str  # "module.QualName", the cache's name for the experiment
-    instance: Any  # a copy of the experiment; set_device writes its Device fields
-    graphconst: Mapping[str, Any]
+    graphconst: Mapping[str, Hashable]  # GraphConst field -> value
     device_specs: Mapping[str, FieldSpec]
-    device_dtypes: Mapping[str, Any]
+    device_dtypes: Mapping[str, DTypeLike]  # Device field -> its dtype
     hooks: Mapping[str, Callable]  # name -> callable taking the (view of the) experiment first
     hook_functions: Mapping[str, Callable]  # name -> the frozen function, for host hooks
     hook_fields: Mapping[str, HookFields]  # traced/metric hook -> the batch fields it takes
-    residency: Mapping[str, str]  # "metrics"/"train_metrics" -> "host" or "device"
+    residency: Mapping[str, Literal["host", "device"]]  # "metrics"/"train_metrics" -> where
     code: Mapping[str, CodeFingerprint]  # hook name, "model", "optimizer" -> fingerprint
     model_classes: tuple[type, ...]
 
@@ -48,32 +146,29 @@ class ExperimentSetup:
             return "device"  # what train_step returns besides its loss
         return self.residency["train_metrics"] if "train_metrics" in self.hooks else None
 
-    def call_host_hook(self, name: str, *args, **kwargs):
-        return self.hook_functions[name](self.instance, *args, **kwargs)
-
 
 @dataclasses.dataclass(frozen=True)
 class ModelSetup:
     """The model's graph definitions and the tree definitions of the variables' leaf lists."""
 
-    graphdef_train: Any
-    graphdef_eval: Any
-    params_def: Any
-    model_state_def: Any
-    opt_state_def: Any  # None without an optimizer
+    graphdef_train: nnx.GraphDef
+    graphdef_eval: nnx.GraphDef
+    params_def: PyTreeDef  # of the parameters' leaf list
+    model_state_def: PyTreeDef
+    opt_state_def: PyTreeDef | None  # None without an optimizer
     structure: Hashable  # keys programs on the model's structure (classes by code)
     leaf_paths: Mapping[str, tuple[str, ...]]  # "parameter", ... -> dotted leaf paths
     param_count: int
     weights_origin: str  # "build_model", or where `weights=` came from
-    weights_checkpoint: Mapping[str, Any] | None = None  # when they came from a checkpoint
+    weights_checkpoint: SavedWeights | None = None  # when they came from a checkpoint
 
 
 @dataclasses.dataclass(frozen=True)
 class SplitSetup:
-    """One split: its source, batch geometry, routing and prefetcher."""
+    """One split: its source, batch geometry and routing (its prefetcher is run-time)."""
 
     name: str
-    source: Any
+    source: Any  # what build_data (or data=) gave, held as given
     batches: int | None  # len(source), when it has one
     width: int  # rows per batch this process feeds
     global_width: int  # rows per global batch (all processes)
@@ -83,7 +178,6 @@ class SplitSetup:
     device_fields: tuple[str, ...]  # fields moved to the device
     batch_spec: Mapping[str, tuple[tuple[int, ...], str]]  # device field -> (shape, dtype)
     hook_fields: Mapping[str, tuple[str, ...]]  # hook -> fields it receives from this split
-    prefetcher: Any  # data.Prefetcher
 
     @property
     def training(self) -> bool:
@@ -101,21 +195,19 @@ class RunSetup:
     max_epochs: int
     run_dir: str | None  # the run_dir keyword; None: runs/<Experiment>/<run id>
     check_divergence: bool
-    checkpointer: Any  # checkpoints.Checkpointer, or None
-    early_stop: Any  # early_stopping.EarlyStopping, or None
-    resume: Any  # False, "auto", a path, or (path, "best" | "latest")
+    checkpointer: CheckpointPolicy | None
+    early_stop: StopPolicy | None
+    resume: CheckpointRef | Literal["auto"] | None  # None: a new run
     splits: Mapping[str, SplitSetup]
-    placement: Any  # placement.Placement
+    placement: Placement
     model: ModelSetup
-    optimizer: Any  # optimizer.OptimizerSetup, or None without a 'train' split
-    schedules: tuple[Any, ...]  # schedules.BoundSchedule
+    optimizer: FedOptimizer | None  # None without a 'train' split
+    schedules: tuple[BoundSchedule, ...]
     total_steps: int | None  # the schedules' horizon
-    feed: Any  # step_feed.StepFeed: per-step hyperparameters and Device values
-    prefetch: Any  # data.PrefetchSettings
-    dispatch: Any  # dispatch.DispatchPlan: training steps per program call
+    prefetch: PrefetchSettings
     accum: int = 1  # micro-batches per optimizer step
-    ema: Any = None  # ema.EMA, or None
-    sam: Any = None  # sam.SAM or ASAM, or None
+    ema: EMA | None = None
+    sam: SAM | None = None
 
     @property
     def cls(self) -> type:

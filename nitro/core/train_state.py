@@ -78,8 +78,10 @@ class EpochTotals:
 class TrainState:
     """Parameters, model variables, optimizer state, counters, seed and committed history.
 
-    The loop updates it in place as steps complete and returns it; read it, do not write it,
-    while the handle runs.
+    One in-place writer: the loop updates it as steps complete and returns it; read it, do
+    not write it, while the handle runs. Restoring a checkpoint makes a new state
+    (`from_checkpoint`, or `dataclasses.replace` for new weights) that the handle swaps in
+    while nothing runs.
 
     Attributes:
       variables: the arrays (`Variables`).
@@ -106,3 +108,18 @@ class TrainState:
     @property
     def last_row(self) -> Mapping[str, Any]:
         return self.history[-1] if self.history else {}
+
+    @classmethod
+    def from_checkpoint(
+        cls, variables: Variables, meta: Mapping[str, Any], *, seed: int
+    ) -> TrainState:
+        """The state a checkpoint saved: `variables` (its arrays, read and placed) and the
+        counters, seed and history of its JSON record `meta` (`seed`: when it records none).
+        It resumes at the start of the epoch after its last committed one."""
+        return cls(
+            variables=variables,
+            step=int(meta["step"]),
+            epoch=int(meta["epoch"]),
+            seed=int(meta.get("seed", seed)),
+            history=[dict(row) for row in meta.get("history", [])],
+        )

@@ -1,16 +1,19 @@
-"""One run: the run keywords, the setup sequence (keywords -> `RunSetup` + `TrainState`), the
-training and evaluation loops, steps per dispatch, the step feed, placement and run control.
+"""One run: the run keywords, the setup sequence (keywords -> `RunSetup` + `RunTime` +
+`TrainState`), the training and evaluation loops, steps per dispatch, the step feed and run
+control.
 
 Internal, except `nitro.dispatch` and `nitro.runner` (public import paths). Imports `runs` and
 below; never the handle.
 
 - `keywords`: every run keyword declared once, with its resolution order
+- `resolved`: `RunKeywords`, the resolved keywords as one typed record
 - `setup`: the setup sequence, one function per step
+- `run_time`: `RunTime`, what changes while a run lives (feed, dispatch, prefetchers, the live
+  experiment copy), beside the frozen setup
 - `loop`: the training and evaluation loops
 - `prediction`: a batch through the predict program, in chunks of one compiled width
 - `dispatch`: steps per program call (a fixed K or "auto")
 - `feed`: per-step hyperparameters and Device values fed as arguments
-- `placement`: one device or a data-parallel mesh; batch sharding
 - `runner`: worker threads, interrupts, the run guard, run control
 - `weights_copy`: a copy of a handle's weights, taken at a step boundary while it trains
 """

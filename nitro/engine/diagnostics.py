@@ -5,13 +5,15 @@ from __future__ import annotations
 
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState
+from nitro.data import Prefetcher
+from nitro.engine.feed import StepFeed
 from nitro.errors import SetupError
 
 __all__ = ["data_wait_advice", "divergence_message", "shape_error"]
 
 
-def data_wait_advice(setup: RunSetup) -> str:
-    prefetcher = setup.splits["train"].prefetcher
+def data_wait_advice(setup: RunSetup, prefetcher: Prefetcher) -> str:
+    """What to change when the loop waited for the train split's `prefetcher`."""
     path = prefetcher.path
     if path == "inline":
         if prefetcher.inline:
@@ -92,11 +94,13 @@ _ADVICE = {
 }
 
 
-def divergence_message(setup: RunSetup, state: TrainState, index: int, loss: float, code: int):
+def divergence_message(
+    setup: RunSetup, feed: StepFeed, state: TrainState, index: int, loss: float, code: int
+) -> str:
     what = _STAGES.get(code, _STAGES[4]).format(loss=loss)
     advice = _ADVICE.get(code, _ADVICE[1])
     if code == 3 and setup.optimizer is not None:
-        values = setup.feed.hyperparams_at(index)
+        values = feed.hyperparams_at(index)
         shown = ", ".join(f"{k} = {v:g}" for k, v in values.items())
         advice += f" ({shown} at step {index + 1})"
     return (

@@ -16,8 +16,9 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from typing import Any
 
-__all__ = ["MAX_STEPS", "PROBE_STEPS", "TARGET_SECONDS", "DispatchPlan"]
+__all__ = ["MAX_STEPS", "PROBE_STEPS", "TARGET_SECONDS", "DispatchChoice", "DispatchPlan"]
 
 TARGET_SECONDS = 0.004  # of work per program call, for "auto"
 MAX_STEPS = 64
@@ -31,28 +32,77 @@ CHECK_SETTLE = 2
 CHECK_TOLERANCE = 1.15
 
 
-@dataclasses.dataclass
-class DispatchPlan:
-    """The `steps_per_dispatch` setting and, for "auto", what the measurement decided.
-    Lives in the `RunSetup` (like the step feed, a mutable part of it): a decision holds for
-    every later run of the handle."""
+@dataclasses.dataclass(frozen=True)
+class DispatchChoice:
+    """Steps per program call as decided so far, as a value: the `steps_per_dispatch`
+    setting, K (None while "auto" has not measured), why, and whether the first fused calls
+    are still being timed. `n.dispatch` is the current one; passed as `steps_per_dispatch=`
+    (or through `weights=n`) a later handle continues it instead of measuring again."""
 
-    setting: int | str
-    steps: int | None = None  # K; None while "auto" has not measured yet
+    setting: int | str  # what steps_per_dispatch said: K or "auto"
+    steps: int | None = None
     reason: str = ""
     checking: bool = False  # "auto" decided K > 1 and is timing the first fused calls
-    _single: float | None = dataclasses.field(default=None, repr=False)
-    _last: float | None = dataclasses.field(default=None, repr=False)
-    _intervals: list[float] = dataclasses.field(default_factory=list, repr=False)
+    single_seconds: float | None = None  # a step alone, as measured (what the check compares)
 
-    def __post_init__(self) -> None:
-        if isinstance(self.setting, int):
-            self.steps = self.setting
-            self.reason = "set by steps_per_dispatch"
+    @classmethod
+    def of(cls, setting: int | str) -> DispatchChoice:
+        """The choice a `steps_per_dispatch` setting starts from."""
+        if isinstance(setting, int):
+            return cls(setting, setting, "set by steps_per_dispatch")
+        return cls(setting)
 
     @property
     def probing(self) -> bool:
         return self.steps is None
+
+    def describe(self) -> str:
+        if self.steps is None and self.reason:
+            return f"auto, 1 so far ({self.reason})"
+        if self.steps is None:
+            return (
+                f"auto (the first {PROBE_STEPS + 1} steps run one at a time and are timed; "
+                f"then K steps per call, about {TARGET_SECONDS * 1e3:.0f} ms of work each)"
+            )
+        if self.checking:
+            return f"{self.steps} ({self.reason}; checking that the fused calls are faster)"
+        return f"{self.steps} ({self.reason})"
+
+    def __repr__(self) -> str:
+        return f"DispatchChoice({self.describe()})"
+
+
+class DispatchPlan:
+    """The measurement behind "auto": timed steps, then a `DispatchChoice` that holds for
+    every later run of the handle. Part of the handle's run-time record; it starts from the
+    setting, or from an earlier handle's choice."""
+
+    def __init__(self, start: DispatchChoice):
+        self.choice = start
+        self._last: float | None = None
+        self._intervals: list[float] = []
+
+    @property
+    def steps(self) -> int | None:
+        return self.choice.steps
+
+    @property
+    def reason(self) -> str:
+        return self.choice.reason
+
+    @property
+    def checking(self) -> bool:
+        return self.choice.checking
+
+    @property
+    def probing(self) -> bool:
+        return self.choice.probing
+
+    def describe(self) -> str:
+        return self.choice.describe()
+
+    def _decided(self, **changes: Any) -> None:
+        self.choice = dataclasses.replace(self.choice, **changes)
 
     def block(self, batches: int | None) -> int:
         """Steps per call in an epoch of `batches` (1 while measuring)."""
@@ -74,15 +124,6 @@ class DispatchPlan:
         needed = PROBE_STEPS if not batches else max(1, min(PROBE_STEPS, batches - 2))
         return len(self._intervals) >= needed
 
-    def inherit(self, previous: DispatchPlan) -> None:
-        """Continue what `previous` (a plan of an earlier handle of the same experiment)
-        measured: its K and reason, and a check of the fused calls still under way."""
-        if previous.probing:
-            return
-        self.setting, self.steps, self.reason = previous.setting, previous.steps, previous.reason
-        self.checking, self._single = previous.checking, previous._single
-        self._intervals, self._last = [], None
-
     def observe_fused(self, count: int) -> bool:
         """A call of `count` steps completed while checking; True once `CHECK_CALLS` full
         calls were timed (the first `CHECK_SETTLE` intervals, still warming up, are not)."""
@@ -99,18 +140,20 @@ class DispatchPlan:
         """Keep K unless a fused call's steps were clearly slower than single steps (by more
         than `CHECK_TOLERANCE`); then go back to 1."""
         intervals = sorted(self._intervals[CHECK_SETTLE:])
-        fused = intervals[len(intervals) // 2] / self.steps
-        single = self._single or 0.0
-        self._intervals, self.checking = [], False
+        steps = self.steps or 1
+        fused = intervals[len(intervals) // 2] / steps
+        single = self.choice.single_seconds or 0.0
+        self._intervals = []
         if fused <= single * CHECK_TOLERANCE:
-            self.reason += f"; confirmed: {fused * 1e3:.3f} ms per step fused"
-            return self.steps
-        self.reason = (
+            reason = f"{self.reason}; confirmed: {fused * 1e3:.3f} ms per step fused"
+            self._decided(reason=reason, checking=False)
+            return steps
+        reason = (
             f"auto: a step took {single * 1e3:.3f} ms alone and {fused * 1e3:.3f} ms inside a "
-            f"fused call of {self.steps} (this backend runs the step slower in a loop); one "
+            f"fused call of {steps} (this backend runs the step slower in a loop); one "
             f"step per call"
         )
-        self.steps = 1
+        self._decided(steps=1, reason=reason, checking=False)
         return 1
 
     def decide(self, batches: int | None, remaining: int | None = None) -> int:
@@ -132,9 +175,10 @@ class DispatchPlan:
         short = remaining is not None and remaining * seconds < WORTH_SECONDS
         if short and steps > 1:
             # not worth it for this run; a longer run of the same handle decides again
-            self.reason = (
-                f"undecided: a step took {seconds * 1e3:.3f} ms, and the {remaining} steps "
-                f"left to max_epochs were too little work to pay for compiling a fused program"
+            self._decided(
+                reason=f"undecided: a step took {seconds * 1e3:.3f} ms, and the {remaining} "
+                f"steps left to max_epochs were too little work to pay for compiling a fused "
+                f"program"
             )
             self._intervals = []
             return 1
@@ -147,18 +191,8 @@ class DispatchPlan:
             )
             if steps == cap and steps < wanted:
                 why += f" (capped by {'the epoch length' if cap == batches else MAX_STEPS})"
-        self.steps, self.reason = steps, f"auto: {why}"
-        self._intervals, self._single, self.checking = [], seconds, steps > 1
+        self._decided(
+            steps=steps, reason=f"auto: {why}", checking=steps > 1, single_seconds=seconds
+        )
+        self._intervals = []
         return steps
-
-    def describe(self) -> str:
-        if self.steps is None and self.reason:
-            return f"auto, 1 so far ({self.reason})"
-        if self.steps is None:
-            return (
-                f"auto (the first {PROBE_STEPS + 1} steps run one at a time and are timed; "
-                f"then K steps per call, about {TARGET_SECONDS * 1e3:.0f} ms of work each)"
-            )
-        if self.checking:
-            return f"{self.steps} ({self.reason}; checking that the fused calls are faster)"
-        return f"{self.steps} ({self.reason})"

@@ -14,6 +14,8 @@ import numpy as np
 from nitro.core.metrics import MetricAccumulator, flatten_metrics, split_modes
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import EvalOutput, TrainState, Variables
+from nitro.engine.feed import StepFeed
+from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl
 from nitro.errors import SetupError
 from nitro.experiments.routing import select
@@ -29,9 +31,9 @@ def delete(tree: Any) -> None:
             leaf.delete()
 
 
-def finalize_metrics(setup: RunSetup, results: dict, split: str) -> dict:
+def finalize_metrics(setup: RunSetup, runtime: RunTime, results: dict, split: str) -> dict:
     if "finalize_metrics" in setup.experiment.hooks:
-        results = setup.experiment.call_host_hook("finalize_metrics", dict(results), split)
+        results = runtime.call_host_hook(setup, "finalize_metrics", dict(results), split)
         if not isinstance(results, dict):
             raise TypeError(
                 f"finalize_metrics must return a dict of metrics, got {type(results).__name__}"
@@ -61,6 +63,7 @@ def weights_of(setup: RunSetup, state: TrainState, weights: str | None = None):
 
 def evaluate_split(
     setup: RunSetup,
+    runtime: RunTime,
     state: TrainState,
     programs: ProgramSet,
     control: RunControl,
@@ -78,8 +81,9 @@ def evaluate_split(
     loss_sum, samples = 0.0, 0
     programs_by_count: dict[int, Any] = {}
     variables = weights_of(setup, state, weights)
-    block = _eval_block(setup, info, has_metrics and residency == "device")
-    stream = info.prefetcher.epoch(0, block=block)
+    block = _eval_block(setup, runtime, info, has_metrics and residency == "device")
+    stream = runtime.prefetcher(split).epoch(0, block=block)
+    feed = runtime.feed
     stopped = False
 
     def account_batch(result: EvalOutput, host_fields, n_real: int, outputs=None) -> None:
@@ -91,11 +95,11 @@ def evaluate_split(
                 outputs = jax.tree.map(lambda a, n=n_real: a[:n], outputs)
                 host = setup.placement.gather(select(host_fields, fields["metrics"]))
                 host = {k: v[:n_real] for k, v in host.items()}
-                values = setup.experiment.call_host_hook("metrics", outputs, **host)
+                values = runtime.call_host_hook(setup, "metrics", outputs, **host)
                 specs, leaves = split_modes(values, "metrics")
             else:
                 specs, leaves = _device_metrics(
-                    setup, programs, split, result.outputs, staged_now, n_real
+                    setup, feed, programs, split, result.outputs, staged_now, n_real
                 )
             accumulator.add(specs, leaves, n_real)
         samples += n_real
@@ -138,7 +142,7 @@ def evaluate_split(
                 real = np.int32(n_real)
             else:  # per batch; a training split's blocks are full batches, counted once
                 n_real = real = np.broadcast_to(np.asarray(n_real, np.int32), (count,))
-            args = (variables, setup.feed.current_device(), staged.device, real)
+            args = (variables, feed.current_device(), staged.device, real)
             program = programs_by_count.get(count)
             if program is None:
                 program = programs_by_count[count] = programs.eval_forward(
@@ -167,20 +171,20 @@ def evaluate_split(
         results["loss"] = loss_sum / samples
     if not accumulator.empty:
         results.update(accumulator.result())
-    results = finalize_metrics(setup, results, split)
+    results = finalize_metrics(setup, runtime, results, split)
     return {f"{split}_{k}": v for k, v in results.items()}
 
 
 EVAL_BLOCK_MIN_CALLS = 4  # a split fuses its batches when that makes at least this many calls
 
 
-def _eval_block(setup: RunSetup, info, device_metrics: bool) -> int:
+def _eval_block(setup: RunSetup, runtime: RunTime, info, device_metrics: bool) -> int:
     """Evaluation batches per program call: the steps per call the training measured (or was
     given), where it fuses, for splits long enough to make at least `EVAL_BLOCK_MIN_CALLS`
     fused calls; else 1. A forward pass costs less than a train step, so a K worth fusing
     for training is worth it here too. Not with device-resident metrics (their program runs
     per batch) or across processes."""
-    plan = setup.dispatch
+    plan = runtime.dispatch
     steps = plan.steps or 1
     if steps == 1 or plan.checking or device_metrics or setup.placement.multi_process:
         return 1
@@ -189,7 +193,9 @@ def _eval_block(setup: RunSetup, info, device_metrics: bool) -> int:
     return steps
 
 
-def _device_metrics(setup: RunSetup, programs: ProgramSet, split: str, outputs, staged, n_real):
+def _device_metrics(
+    setup: RunSetup, feed: StepFeed, programs: ProgramSet, split: str, outputs, staged, n_real
+):
     width = jax.tree.leaves(outputs)[0].shape[0]
     names = setup.splits[split].hook_fields["metrics"]
     fields = {k: staged.device[k] for k in names}
@@ -198,7 +204,7 @@ def _device_metrics(setup: RunSetup, programs: ProgramSet, split: str, outputs, 
         outputs = jax.tree.map(lambda a: a[:n_real], outputs)
         fields = {k: v[:n_real] for k, v in fields.items()}
         sliced = [outputs, fields]
-    args = (outputs, setup.feed.current_device(), fields)
+    args = (outputs, feed.current_device(), fields)
     program = programs.device_metrics(split, args)
     values = program(*args)
     leaves = jax.device_get(values)

@@ -13,7 +13,9 @@ import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from nitro.core.frozen import freeze
 from nitro.core.keywords import Resolved
+from nitro.engine.dispatch import DispatchChoice
 from nitro.experiments.declaration import FieldKind, field_specs, has_method
 
 __all__ = ["RUN_KEYWORDS", "KEYWORD_ONLY", "RunKeyword", "Resolved", "resolve_run_keywords"]
@@ -216,7 +218,7 @@ def _sam(value):
 
 
 def _steps_per_dispatch(value):
-    if value == "auto":
+    if value == "auto" or isinstance(value, DispatchChoice):  # n.dispatch: continue it
         return value
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(f"steps_per_dispatch must be 'auto' or an int >= 1, got {value!r}")
@@ -387,8 +389,9 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
         RunKeyword(
             "steps_per_dispatch",
             "auto",
-            "training steps per program call: an int K, or 'auto' (measure the first steps "
-            "and pick K so one call does a few milliseconds of work)",
+            "training steps per program call: an int K, 'auto' (measure the first steps "
+            "and pick K so one call does a few milliseconds of work), or an earlier handle's "
+            "n.dispatch (continue what it measured)",
             _steps_per_dispatch,
         ),
         RunKeyword(
@@ -445,5 +448,5 @@ def resolve_run_keywords(experiment: Any, kwargs: Mapping[str, Any]) -> dict[str
                 value = keyword.check(value)
             except ValueError as error:
                 raise ValueError(f"{error} [{source}]") from None
-        resolved[name] = Resolved(value, source)
+        resolved[name] = Resolved(freeze(value), source)  # a dict given becomes read-only
     return resolved

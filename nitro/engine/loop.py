@@ -1,12 +1,14 @@
-"""The training loop: functions over (setup, state, events, control).
+"""The training loop: functions over (setup, runtime, state, events, control).
 
 The loss of step k is read back while the device runs step k+1, which also bounds the steps
 in flight. Once a step's loss is read back, that step's batch buffers are deleted; an eval
 batch's inputs and outputs are deleted once its metrics have their values. A stop, an error or
 an interrupt drains the step in flight and frees its batch.
 
-The loop updates the `TrainState` it is given as steps complete (the handle reads its
-counters live) and returns it; it never sees the handle.
+The loop is the only in-place writer of the `TrainState` it is given: it updates it as steps
+complete (the handle reads its counters live) and returns it. It reads the `RunSetup` and
+advances the run-time record (`RunTime`: the step feed, the dispatch measurement, the
+prefetchers); it never sees the handle.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from nitro.core.train_state import EpochTotals, TrainState
 from nitro.data import is_index_addressable
 from nitro.engine.diagnostics import data_wait_advice, divergence_message, shape_error
 from nitro.engine.evaluation import delete, evaluate_split, finalize_metrics
+from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl
 from nitro.errors import DivergenceError, Once
 from nitro.experiments.routing import select
@@ -54,8 +57,16 @@ class _Pending:
 class _Epoch:
     """What one train_epochs call carries between steps and epochs."""
 
-    def __init__(self, setup: RunSetup, programs: ProgramSet, events: Events, control):
+    def __init__(
+        self,
+        setup: RunSetup,
+        runtime: RunTime,
+        programs: ProgramSet,
+        events: Events,
+        control: RunControl,
+    ):
         self.setup = setup
+        self.runtime = runtime
         self.programs = programs
         self.events = events
         self.control = control
@@ -68,6 +79,7 @@ class _Epoch:
 
 def train_epochs(
     setup: RunSetup,
+    runtime: RunTime,
     state: TrainState,
     programs: ProgramSet,
     events: Events,
@@ -85,14 +97,14 @@ def train_epochs(
     its training and its validation are both complete. An epoch trained but not validated
     (a stop or an error during validation) is validated first by the next call.
     """
-    run = _Epoch(setup, programs, events, control)
+    run = _Epoch(setup, runtime, programs, events, control)
     run.dispatched = state.step
     run.target = target
     stop = control.stop
     try:
         while True:
             if state.epoch_trained:
-                row = finish_epoch(setup, state, programs, events, control)
+                row = finish_epoch(setup, runtime, state, programs, events, control)
                 if row is None:
                     break  # validation stopped: the epoch stays trained, not committed
                 verdict = after_epoch(state, row) if after_epoch is not None else None
@@ -109,12 +121,13 @@ def train_epochs(
             state.epoch_trained = True
             if state.epoch + 1 < target and not stop.is_set():
                 # start producing the next epoch now, so validation overlaps with it
-                split = setup.splits["train"]
-                block = setup.dispatch.block(_updates(setup))
+                block = runtime.dispatch.block(_updates(setup))
                 run.upcoming = (
                     state.epoch + 1,
                     block,
-                    split.prefetcher.epoch(state.epoch + 1, block=block, group=setup.accum),
+                    runtime.prefetcher("train").epoch(
+                        state.epoch + 1, block=block, group=setup.accum
+                    ),
                 )
         if stop.is_set():
             _acknowledge_interrupt(control)  # between steps: at an epoch's end, say
@@ -128,6 +141,7 @@ def train_epochs(
 
 def finish_epoch(
     setup: RunSetup,
+    runtime: RunTime,
     state: TrainState,
     programs: ProgramSet,
     events: Events,
@@ -140,12 +154,12 @@ def finish_epoch(
     if totals.loss_count:
         row["loss"] = totals.loss_sum / totals.loss_count
     if not totals.train_metrics.empty:
-        row.update(finalize_metrics(setup, totals.train_metrics.result(), "train"))
+        row.update(finalize_metrics(setup, runtime, totals.train_metrics.result(), "train"))
     if "val" in setup.splits:
         if control.stop.is_set():
             return None
         events.phase("validating")
-        metrics = evaluate_split(setup, state, programs, control, "val")
+        metrics = evaluate_split(setup, runtime, state, programs, control, "val")
         if metrics is None:
             _acknowledge_interrupt(control)  # an interrupt during the epoch's validation
             return None
@@ -160,14 +174,14 @@ def finish_epoch(
     state.totals = None
     state.epoch_trained = False
     events.end_epoch(row)
-    prefetcher = setup.splits["train"].prefetcher
+    prefetcher = runtime.prefetcher("train")
     # batches "auto" chose to build on the loop thread took microseconds each: worker threads
     # would cost more in hand-overs than they save (measured), so their share is not advice
     cheap = prefetcher.path == "inline" and prefetcher.auto_inline
     if wait_frac > DATA_WAIT_WARN and totals.steps >= DATA_WAIT_MIN_STEPS and not cheap:
         DATA_WAIT_WARNING.warn(
             f"the training loop waited for data {wait_frac:.0%} of epoch {state.epoch}. "
-            + data_wait_advice(setup),
+            + data_wait_advice(setup, prefetcher),
             module="nitro.engine.loop",
         )
     return row
@@ -183,7 +197,7 @@ def _acknowledge_interrupt(control: RunControl) -> None:
 
 def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
     """One (possibly resumed) epoch. False when a stop request cut it short."""
-    setup = run.setup
+    setup, runtime = run.setup, run.runtime
     split = setup.splits["train"]
     totals = state.totals
     run.events.start_epoch(state.epoch, target, split.batches, state.position)
@@ -191,7 +205,7 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
     upcoming, run.upcoming = run.upcoming, None
     try:
         while True:
-            block = setup.dispatch.block(_updates(setup))
+            block = runtime.dispatch.block(_updates(setup))
             if (
                 upcoming is not None
                 and upcoming[:2] == (state.epoch, block)
@@ -201,7 +215,7 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
             else:
                 if upcoming is not None:
                     upcoming[2].close()
-                stream = split.prefetcher.epoch(
+                stream = runtime.prefetcher("train").epoch(
                     state.epoch, start=state.position, block=block, group=setup.accum
                 )
             upcoming = None
@@ -251,9 +265,9 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
     "ended" (the stream ended), "interrupted" (a stop request) or "switch" (the dispatch plan
     just decided K > 1: reopen the stream in blocks)."""
     setup, control = run.setup, run.control
-    feed, stop, plan = setup.feed, control.stop, setup.dispatch
+    feed, stop, plan = run.runtime.feed, control.stop, run.runtime.dispatch
     updates = _updates(setup)
-    switchable = is_index_addressable(setup.splits["train"].prefetcher.source)
+    switchable = is_index_addressable(run.runtime.prefetcher("train").source)
     plan.start_stream()
     pending: _Pending | None = None
     ended = "ended"
@@ -350,7 +364,9 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
     for offset, (value, code) in enumerate(reports.tolist()):
         if code:
             raise DivergenceError(
-                divergence_message(setup, state, item.index + offset, value, int(code))
+                divergence_message(
+                    setup, run.runtime.feed, state, item.index + offset, value, int(code)
+                )
             )
         if not math.isfinite(value):  # check_divergence=False: train on, count it
             totals.nonfinite += 1
@@ -382,6 +398,6 @@ def _train_metrics(run: _Epoch, totals, program, metrics, staged, offset: int) -
     host = staged.host if not staged.stacked else staged.host[offset]
     batch = setup.splits["train"].hook_fields["train_metrics"]
     fields = setup.placement.gather(select(host, batch))
-    values = setup.experiment.call_host_hook("train_metrics", metrics, **fields)
+    values = run.runtime.call_host_hook(setup, "train_metrics", metrics, **fields)
     specs, leaves = split_modes(values, "train_metrics")
     totals.train_metrics.add(specs, leaves, staged.n_real)

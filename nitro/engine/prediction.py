@@ -18,6 +18,7 @@ from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState
 from nitro.data import pad_batch
 from nitro.engine.evaluation import delete, weights_of
+from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl
 from nitro.engine.setup import batch_size
 from nitro.errors import Interrupted
@@ -49,6 +50,7 @@ def prediction_width(setup: RunSetup, rows: int, serving_width: int | None) -> i
 
 def predict_batch(
     setup: RunSetup,
+    runtime: RunTime,
     state: TrainState,
     programs: ProgramSet,
     control: RunControl,
@@ -76,7 +78,7 @@ def predict_batch(
             part = {k: np.zeros((1, *v.shape[1:]), v.dtype) for k, v in host.items()}
         part, n_real = pad_batch(part, width)
         device = setup.placement.put_batch(setup.placement.local_rows(part))
-        args = (variables, setup.feed.current_device(), device, np.int32(n_real))
+        args = (variables, runtime.feed.current_device(), device, np.int32(n_real))
         result = programs.predict(width, fields, args)(*args)
         outputs = setup.placement.gather(result.outputs)
         delete(result)

@@ -3,16 +3,19 @@
 In order: freeze the hooks, build the data, convert the Device fields, build the model (and
 copy `weights=`), build the optimizer state, route batch fields from each split's first batch,
 bind schedules, and freeze the code fingerprints the compile cache keys programs on. The result
-is a frozen `RunSetup` and the initial `TrainState`; nothing is written anywhere else.
+is a frozen `RunSetup`, the handle's run-time record (`RunTime`: the step feed, the dispatch
+plan, the prefetchers, the live experiment copy) and the initial `TrainState`; nothing is
+written anywhere else.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import time
 import types
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, Literal, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -20,8 +23,16 @@ import numpy as np
 from flax import nnx
 
 from nitro.core.events import Events
-from nitro.core.keywords import Resolved
-from nitro.core.run_setup import ExperimentSetup, ModelSetup, RunSetup, SplitSetup
+from nitro.core.frozen import FrozenDict, freeze
+from nitro.core.placement import Placement
+from nitro.core.run_setup import (
+    CheckpointRef,
+    ExperimentSetup,
+    ModelSetup,
+    RunSetup,
+    SavedWeights,
+    SplitSetup,
+)
 from nitro.core.train_state import TrainState, Variables
 from nitro.data import (
     FromFactory,
@@ -31,9 +42,10 @@ from nitro.data import (
     is_index_addressable,
     is_one_shot,
 )
-from nitro.engine.dispatch import DispatchPlan
+from nitro.engine.dispatch import DispatchChoice, DispatchPlan
 from nitro.engine.feed import StepFeed
-from nitro.engine.placement import Placement
+from nitro.engine.resolved import RunKeywords
+from nitro.engine.run_time import RunTime
 from nitro.errors import RoutingError, SetupError
 from nitro.experiments.declaration import FieldKind, field_specs, has_method
 from nitro.experiments.fingerprint import CodeFingerprint, Fingerprinter
@@ -43,7 +55,7 @@ from nitro.optim.optimizer import OptimizerSettings, build_optimizer
 from nitro.optim.param_groups import leaf_paths
 from nitro.optim.schedules import bind_schedules, check_schedule_values
 from nitro.programs.compile_cache import configure_persistent_cache
-from nitro.runs.weights import copy_array
+from nitro.runs.weights import AveragedWeights, CheckpointWeights, WeightsSource, copy_array
 
 __all__ = ["batch_size", "build"]
 
@@ -61,16 +73,18 @@ TRACED_CODE_HOOKS = ("forward", "loss", "metrics", "train_metrics", "train_step"
 
 def build(
     instance: Any,
-    keywords: Mapping[str, Resolved],
+    keywords: RunKeywords,
     given: Mapping[str, Any],
     *,
     events: Events,
     data: Mapping[str, Any] | None = None,
-    weights: Any = None,
-) -> tuple[RunSetup, TrainState]:
-    """The setup sequence of `Nitro(e, **keywords)`: nothing compiles here."""
+    weights: WeightsSource | CheckpointWeights | AveragedWeights | None = None,
+    dispatch: DispatchChoice | None = None,
+) -> tuple[RunSetup, RunTime, TrainState]:
+    """The setup sequence of `Nitro(e, **keywords)`: nothing compiles here. `dispatch` is an
+    earlier handle's steps-per-dispatch choice (`weights=` a handle) to continue, unless
+    `steps_per_dispatch` says otherwise."""
     configure_persistent_cache()  # before build_model, so its init ops are cached too
-    value = {k: r.value for k, r in keywords.items()}
     cls = type(instance)
     hooks, hook_functions = _freeze_hooks(cls)
     residency = _resolve_residency(instance)
@@ -80,82 +94,86 @@ def build(
         if name in hooks
     }
     splits_given = _build_data(instance, data, events)
-    placement = Placement(value["n_devs"])
+    placement = Placement(keywords.n_devs)
     device_specs, device_dtypes, device_values = _device_fields(instance, placement)
-    graphdefs, params, rest, origin = _build_model(
-        instance, value["seed"], weights, events, linen_init=(splits_given, hooks, hooks_fields)
+    model = _build_model(
+        instance, keywords.seed, weights, events, linen_init=(splits_given, hooks, hooks_fields)
     )
-    params = placement.put_replicated(params)
-    rest = placement.put_replicated(rest)
+    params = placement.put_replicated(model.params)
+    rest = placement.put_replicated(model.model_state)
     optimizer, opt_state = _build_optimizer(instance, keywords, splits_given, params, placement)
-    prefetch_mode = value["prefetch"]
-    if prefetch_mode == "auto" and keywords["prefetch_workers"].source != "framework default":
+    prefetch_mode = keywords.prefetch
+    if prefetch_mode == "auto" and keywords.given("prefetch_workers"):
         prefetch_mode = "threads"  # asking for workers means wanting them
     prefetch = PrefetchSettings(
-        workers=value["prefetch_workers"],
-        device_batches=value["device_batches"],
-        host_batches=value["host_batches"],
-        ordered=value["ordered"],
+        workers=keywords.prefetch_workers,
+        device_batches=keywords.device_batches,
+        host_batches=keywords.host_batches,
+        ordered=keywords.ordered,
     )
     events.phase("routing")
-    splits = {
-        name: _setup_split(
+    splits, prefetchers = {}, {}
+    for name, source in splits_given.items():
+        splits[name], prefetchers[name] = _setup_split(
             name, source, placement, hooks, hooks_fields, residency, prefetch, prefetch_mode
         )
-        for name, source in splits_given.items()
-    }
     total_steps, schedules, feed = _bind_schedules(
         instance, keywords, splits, optimizer, device_specs, device_dtypes, device_values, placement
     )
-    code, model = _freeze_code(cls, hook_functions, graphdefs, params, rest, opt_state, optimizer)
+    code, model_setup = _freeze_code(
+        cls, hook_functions, model.graphdefs, params, rest, opt_state, optimizer
+    )
     experiment = ExperimentSetup(
         cls=cls,
         owner=f"{cls.__module__}.{cls.__qualname__}",
-        instance=instance,
-        graphconst={
-            s.name: getattr(instance, s.name)
+        graphconst=FrozenDict(
+            (s.name, getattr(instance, s.name))
             for s in field_specs(cls)
             if s.kind is FieldKind.GRAPHCONST
-        },
-        device_specs=device_specs,
-        device_dtypes=device_dtypes,
-        hooks=hooks,
-        hook_functions=hook_functions,
-        hook_fields=hooks_fields,
-        residency=residency,
+        ),
+        device_specs=FrozenDict(device_specs),
+        device_dtypes=FrozenDict(device_dtypes),
+        hooks=FrozenDict(hooks),
+        hook_functions=FrozenDict(hook_functions),
+        hook_fields=FrozenDict(hooks_fields),
+        residency=FrozenDict(residency),
         code=code,
-        model_classes=model.pop("classes"),
+        model_classes=model_setup.pop("classes"),
     )
     setup = RunSetup(
         experiment=experiment,
-        keywords=dict(keywords),
-        given_keywords=dict(given),
-        seed=value["seed"],
-        max_epochs=value["max_epochs"],
-        run_dir=value["run_dir"],
-        check_divergence=value["check_divergence"],
-        checkpointer=value["checkpointer"],
-        early_stop=value["early_stop"],
-        resume=value["resume"],
-        splits=splits,
+        keywords=keywords.resolved,
+        given_keywords=freeze(dict(given)),
+        seed=keywords.seed,
+        max_epochs=keywords.max_epochs,
+        run_dir=keywords.run_dir,
+        check_divergence=keywords.check_divergence,
+        checkpointer=keywords.checkpointer,
+        early_stop=keywords.early_stop,
+        resume=_resume_from(keywords.resume),
+        splits=FrozenDict(splits),
         placement=placement,
         model=ModelSetup(
-            **model,
+            **model_setup,
             param_count=int(sum(np.size(x) for x in jax.tree.leaves(params))),
-            weights_origin=origin[0],
-            weights_checkpoint=origin[1],
+            weights_origin=model.origin,
+            weights_checkpoint=model.checkpoint,
         ),
         optimizer=optimizer,
         schedules=tuple(schedules),
         total_steps=total_steps,
-        feed=feed,
         prefetch=prefetch,
-        dispatch=DispatchPlan(value["steps_per_dispatch"]),
-        accum=value["accum"],
-        ema=value["ema"],
-        sam=value["sam"],
+        accum=keywords.accum,
+        ema=keywords.ema,
+        sam=keywords.sam,
     )
-    with_ema = value["ema"] is not None and optimizer is not None
+    runtime = RunTime(
+        experiment=instance,
+        feed=feed,
+        dispatch=DispatchPlan(_dispatch_start(keywords, dispatch)),
+        prefetchers=FrozenDict(prefetchers),
+    )
+    with_ema = keywords.ema is not None and optimizer is not None
     state = TrainState(
         variables=Variables(
             params=jax.tree.leaves(params),
@@ -164,9 +182,32 @@ def build(
             ema=[copy_array(x) for x in jax.tree.leaves(params)] if with_ema else None,
             ema_steps=placement.put_replicated(jnp.zeros((), jnp.int32)) if with_ema else None,
         ),
-        seed=value["seed"],
+        seed=keywords.seed,
     )
-    return setup, state
+    return setup, runtime, state
+
+
+def _resume_from(resume: Any) -> CheckpointRef | Literal["auto"] | None:
+    """The `resume` keyword as the setup keeps it: None (a new run), "auto", or a checkpoint."""
+    if resume is False:
+        return None
+    if resume == "auto":
+        return "auto"
+    if isinstance(resume, tuple):
+        return CheckpointRef(resume[0], resume[1])
+    return CheckpointRef(resume)
+
+
+def _dispatch_start(keywords: RunKeywords, inherited: DispatchChoice | None) -> DispatchChoice:
+    """Where steps per dispatch starts: a given K, a given choice (`steps_per_dispatch=
+    n.dispatch`), the choice of the handle `weights=` came from, or "auto" afresh."""
+    setting = keywords.steps_per_dispatch
+    if isinstance(setting, DispatchChoice):
+        setting, inherited = setting.setting, setting
+    measured = inherited is not None and inherited.setting == "auto" and not inherited.probing
+    if setting == "auto" and measured:
+        return inherited
+    return DispatchChoice.of(setting)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -281,8 +322,24 @@ def _device_fields(instance: Any, placement: Placement):
     return specs, dtypes, values
 
 
-def _build_model(instance: Any, seed: int, weights: Any, events: Events, linen_init):
-    """(train and eval graph definitions), parameters, other model state, weights origin."""
+class BuiltModel(NamedTuple):
+    """What `build_model` (and `weights=`) gave: graph definitions and weights."""
+
+    graphdefs: tuple[Any, Any]  # train mode, eval mode
+    params: Any  # nnx.State of the parameters
+    model_state: Any  # nnx.State of the other variables
+    origin: str  # "build_model", or where `weights=` came from
+    checkpoint: SavedWeights | None  # when the weights came from a checkpoint
+
+
+def _build_model(
+    instance: Any,
+    seed: int,
+    weights: WeightsSource | CheckpointWeights | AveragedWeights | None,
+    events: Events,
+    linen_init,
+) -> BuiltModel:
+    """The model's graph definitions and weights (`weights=` copied over the new ones)."""
     events.phase("building model")
     model = instance.build_model(nnx.Rngs(seed))
     if isinstance(model, Mapping):  # several models, by name (GANs, teacher and student, ...)
@@ -311,10 +368,11 @@ def _build_model(instance: Any, seed: int, weights: Any, events: Events, linen_i
     model.eval()
     graphdef_eval, _, _ = nnx.split(model, nnx.Param, ...)
     model.train()
-    origin, checkpoint = "build_model", None
-    if weights is not None:
-        params, rest, origin, checkpoint = weights.resolve(params, rest)
-    return (graphdef_train, graphdef_eval), params, rest, (origin, checkpoint)
+    graphdefs = (graphdef_train, graphdef_eval)
+    if weights is None:
+        return BuiltModel(graphdefs, params, rest, "build_model", None)
+    found = weights.resolve(params, rest)
+    return BuiltModel(graphdefs, found.params, found.model_state, found.origin, found.checkpoint)
 
 
 def _first_forward(instance: Any, splits: Mapping[str, Any], hooks, hooks_fields):
@@ -333,12 +391,28 @@ def _first_forward(instance: Any, splits: Mapping[str, Any], hooks, hooks_fields
     return lambda model: hooks["forward"](instance, model, **inputs)
 
 
-def _build_optimizer(instance, keywords, splits, params, placement):
+def _build_optimizer(
+    instance: Any,
+    keywords: RunKeywords,
+    splits: Mapping[str, Any],
+    params: Any,
+    placement: Placement,
+):
     """The optimizer and its state, when there is a train split to use them."""
     if "train" not in splits:
         return None, None
     param_group = instance.param_group if has_method(type(instance), "param_group") else None
-    settings = OptimizerSettings.from_keywords(keywords, param_group)
+    settings = OptimizerSettings(
+        optimizer=keywords.optimizer,
+        learning_rate=keywords.learning_rate,
+        learning_rate_explicit=keywords.given("learning_rate"),
+        param_group=param_group,
+        group_lr=keywords.group_lr,
+        weight_decay=keywords.weight_decay,
+        decay_to=keywords.decay_to,
+        decay_mask=keywords.decay_mask,
+        gradient_clip_norm=keywords.gradient_clip_norm,
+    )
     if has_method(type(instance), "train_step"):
         return _model_optimizers(settings, keywords, params, placement)
     if isinstance(settings.optimizer, Mapping):
@@ -352,11 +426,11 @@ def _build_optimizer(instance, keywords, splits, params, placement):
     return optimizer, placement.put_replicated(opt_state)
 
 
-def _model_optimizers(settings, keywords, params, placement):
+def _model_optimizers(
+    settings: OptimizerSettings, keywords: RunKeywords, params: Any, placement: Placement
+):
     """Manual training: one optimizer per model (a dict by model name, or one optimizer for
     each), with its own state and hyperparameters (`gen/learning_rate`)."""
-    import dataclasses as _dc
-
     from nitro.programs.manual import ModelOptimizers
 
     models = list(params.keys())
@@ -371,17 +445,17 @@ def _model_optimizers(settings, keywords, params, placement):
                 + (f": no model {unknown}" if unknown else "")
                 + (f": none for {missing}" if missing else "")
             )
-    for name in ("accum", "sam"):
-        if keywords[name].value not in (None, 1):
+    for name, value in (("accum", keywords.accum), ("sam", keywords.sam)):
+        if value not in (None, 1):
             raise SetupError(
                 f"{name}= does not combine with a train_step hook, which computes its own "
-                f"gradients: accumulate or perturb inside train_step [{keywords[name].source}]"
+                f"gradients: accumulate or perturb inside train_step [{keywords.source(name)}]"
             )
     setups, states = {}, {}
     for model in models:
         spec = given[model] if isinstance(given, Mapping) else given
         setups[model], states[model] = build_optimizer(
-            _dc.replace(settings, optimizer=spec), params[model]
+            dataclasses.replace(settings, optimizer=spec), params[model]
         )
     optimizer = ModelOptimizers(setups)
     return optimizer, placement.put_replicated(optimizer.strip(states))
@@ -457,7 +531,8 @@ def _setup_split(
     residency: Mapping[str, str],
     prefetch: PrefetchSettings,
     prefetch_mode: str,
-) -> SplitSetup:
+) -> tuple[SplitSetup, Prefetcher]:
+    """The split's geometry and routing, from its first batch, and its prefetcher."""
     if not isinstance(source, Iterable) and not is_index_addressable(source):
         raise SetupError(
             f"split '{split}' is a {type(source).__name__}; a split is a restartable "
@@ -518,7 +593,7 @@ def _setup_split(
         batches = len(source)
     except TypeError:
         batches = None
-    return SplitSetup(
+    geometry = SplitSetup(
         name=split,
         source=source,
         batches=batches,
@@ -530,13 +605,13 @@ def _setup_split(
         dropped=getattr(inner, "dropped", 0) if training else 0,
         fields=available,
         device_fields=tuple(sorted(route)),
-        batch_spec={
-            name: (tuple(np.shape(first[name])), str(np.asarray(first[name]).dtype))
+        batch_spec=FrozenDict(
+            (name, (tuple(np.shape(first[name])), str(np.asarray(first[name]).dtype)))
             for name in sorted(route)
-        },
-        hook_fields=fields,
-        prefetcher=prefetcher,
+        ),
+        hook_fields=FrozenDict(fields),
     )
+    return geometry, prefetcher
 
 
 # ---------------------------------------------------------------------------------------------
@@ -544,22 +619,29 @@ def _setup_split(
 
 
 def _bind_schedules(
-    instance, keywords, splits, optimizer, device_specs, device_dtypes, device_values, placement
+    instance: Any,
+    keywords: RunKeywords,
+    splits: Mapping[str, SplitSetup],
+    optimizer: Any,
+    device_specs: Mapping[str, Any],
+    device_dtypes: Mapping[str, Any],
+    device_values: Mapping[str, Any],
+    placement: Placement,
 ):
     total = None
     train = splits.get("train")
-    accum = keywords["accum"].value
+    accum = keywords.accum
     if train is not None and train.batches is not None:
         if train.batches % accum:
             raise SetupError(
                 f"accum={accum} does not divide the {train.batches} batches of an epoch of the "
                 f"'train' split, so an epoch would end inside an optimizer step: choose accum "
                 f"among {_divisors(train.batches)}, or change the batch count (batch size, "
-                f"drop_last) [{keywords['accum'].source}]"
+                f"drop_last) [{keywords.source('accum')}]"
             )
-        total = keywords["max_epochs"].value * train.batches // accum  # optimizer steps
+        total = keywords.max_epochs * train.batches // accum  # optimizer steps
     schedules = bind_schedules(
-        keywords["schedules"].value,
+        keywords.schedules,
         hyperparams=optimizer.schedulable if optimizer else {},
         device_fields=device_specs,
         other_fields={
@@ -621,11 +703,16 @@ def _freeze_code(cls, hook_functions, graphdefs, params, rest, opt_state, optimi
         "model_state_def": jax.tree.structure(rest),
         "opt_state_def": jax.tree.structure(opt_state) if opt_state is not None else None,
         "structure": structure,
-        "leaf_paths": {
-            "parameter": leaf_paths(params),
-            "model state": leaf_paths(rest),
-            "optimizer state": leaf_paths(opt_state) if opt_state is not None else (),
-        },
+        "leaf_paths": FrozenDict(
+            {
+                "parameter": leaf_paths(params),
+                "model state": leaf_paths(rest),
+                "optimizer state": leaf_paths(opt_state) if opt_state is not None else (),
+            }
+        ),
         "classes": tuple(fingerprinter.classes),
     }
-    return code, model
+    frozen = {
+        unit: dataclasses.replace(fp, parts=FrozenDict(fp.parts)) for unit, fp in code.items()
+    }
+    return FrozenDict(frozen), model

@@ -12,6 +12,7 @@ from html import escape
 from typing import Any
 
 from nitro.core.run_setup import RunSetup
+from nitro.engine.run_time import RunTime
 
 __all__ = ["BindingReport", "binding_report"]
 
@@ -80,11 +81,16 @@ def _decay_line(setup: RunSetup, decayed, paths) -> str:
 
 
 def binding_report(
-    setup: RunSetup, step: int, run_dir: str | None = None, run_id: str | None = None
+    setup: RunSetup,
+    runtime: RunTime,
+    step: int,
+    run_dir: str | None = None,
+    run_id: str | None = None,
 ) -> BindingReport:
     """Where every value came from: splits, hook fields, run keywords, schedules, optimizer,
-    Device fields."""
+    Device fields (as the run-time record holds them now)."""
     experiment = setup.experiment
+    feed = runtime.feed
     sections = []
     lines = []
     for split, info in setup.splits.items():
@@ -103,7 +109,7 @@ def binding_report(
                 detail.append(
                     f"final batch of {info.samples % info.width} padded to {info.width} then sliced"
                 )
-        detail.append(f"prefetch {info.prefetcher.describe()}")
+        detail.append(f"prefetch {runtime.prefetcher(split).describe()}")
         lines.append(f"{split}: {counts}; " + "; ".join(detail))
         lines.append(
             f"  fields {', '.join(info.fields)}; to device: "
@@ -141,7 +147,7 @@ def binding_report(
         ]
         lines.append(f"run id: {run_id}")
     lines.append(f"devices: {setup.placement.describe()}")
-    lines.append(f"steps per dispatch: {setup.dispatch.describe()}")
+    lines.append(f"steps per dispatch: {runtime.dispatch.describe()}")
     sections.append(("run keywords", lines))
 
     lines = []
@@ -161,10 +167,10 @@ def binding_report(
         lines.append("none (no 'train' split)")
     else:
         lines.append(f"{optimizer.description}  [{setup.keywords['optimizer'].source}]")
-        values = setup.feed.hyperparams_at(step)
+        values = feed.hyperparams_at(step)
         for f in optimizer.fed:
             if f.group is None:
-                lines.append(_fed_line(f.name, f, values[f.name], setup.feed, step))
+                lines.append(_fed_line(f.name, f, values[f.name], feed, step))
         if optimizer.decay_to is not None and not optimizer.groups:
             lines.append(_decay_line(setup, optimizer.decayed, setup.model.leaf_paths["parameter"]))
         if not optimizer.hyperparams:
@@ -176,7 +182,7 @@ def binding_report(
             )
             for f in optimizer.fed:
                 if f.group == group.name:
-                    groups.append("  " + _fed_line(f.key, f, values[f.name], setup.feed, step))
+                    groups.append("  " + _fed_line(f.key, f, values[f.name], feed, step))
             if optimizer.decay_to is not None:
                 groups.append("  " + _decay_line(setup, group.decayed, group.paths))
     lines.append(f"parameters: {setup.model.param_count:,}")
@@ -185,8 +191,8 @@ def binding_report(
         sections.append(("parameter groups  [param_group method]", groups))
 
     lines = [
-        f"{name}: {type(getattr(experiment.instance, name)).__name__} = "
-        f"{_fmt(setup.feed.device_value(name))}"
+        f"{name}: {type(getattr(runtime.experiment, name)).__name__} = "
+        f"{_fmt(feed.device_value(name))}"
         for name in experiment.device_specs
     ] or ["none"]
     sections.append(("Device fields", lines))

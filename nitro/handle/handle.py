@@ -1,10 +1,12 @@
 """`Nitro`: the handle of one run of an experiment.
 
 `Nitro(e)` sets up and compiles nothing: it resolves the run keywords and builds a frozen
-`RunSetup` (data, model, optimizer, routing, schedules, code fingerprints) and the initial
-`TrainState`. `train()` runs the loop on a worker thread; `validate`, `evaluate` and `predict`
-work on a handle that never trained. The handle composes a setup, a state, the programs it
-holds, an event path and a run guard; its public attributes read from them.
+`RunSetup` (data, model, optimizer, routing, schedules, code fingerprints), the run-time record
+(`RunTime`: step feed, dispatch measurement, prefetchers, the live experiment copy) and the
+initial `TrainState`. `train()` runs the loop on a worker thread; `validate`, `evaluate` and
+`predict` work on a handle that never trained. The handle composes a setup, a run-time record,
+a state, the programs it holds, an event path and a run guard; its public attributes read from
+them. A restored checkpoint is a new state, swapped in while nothing runs.
 """
 
 from __future__ import annotations
@@ -24,10 +26,13 @@ from nitro.core import events as events_module
 from nitro.core import progress
 from nitro.core.events import Events
 from nitro.core.keywords import Resolved
-from nitro.core.run_setup import RunSetup
+from nitro.core.run_setup import RunSetup, SavedWeights
 from nitro.core.train_state import TrainState
 from nitro.engine import evaluation, loop, prediction
+from nitro.engine.dispatch import DispatchChoice
 from nitro.engine.keywords import resolve_run_keywords
+from nitro.engine.resolved import RunKeywords
+from nitro.engine.run_time import RunTime
 from nitro.engine.runner import Run, RunControl, RunGuard, sigint_requests_stop, wait_for
 from nitro.engine.setup import build
 from nitro.engine.weights_copy import copy_weights
@@ -91,21 +96,21 @@ class Nitro:
         instance = dataclasses.replace(experiment)  # frozen copy of the configuration
         weights = keywords.pop("weights", None)
         data = keywords.pop("data", None)
-        resolved = resolve_run_keywords(instance, keywords)
-        if weights is not None and resolved["resume"].value:
+        resolved = RunKeywords.of(resolve_run_keywords(instance, keywords))
+        if weights is not None and resolved.resume:
             raise SetupError(
                 "resume= and weights= are exclusive: resume= continues a run (its weights, "
                 "optimizer state, counters and history); weights= starts a new run from "
                 "weights only. Pass one of them."
             )
-        self._progress = progress.make_reporter(resolved["progress"].value)
+        self._progress = progress.make_reporter(resolved.progress)
         self._state: TrainState | None = None  # built below; monitors see setup phases first
         self._events = Events([self._progress], context=self._phase_context)
         self._logging = None
-        if resolved["logger"].value is not None:
+        if resolved.logger is not None:
             from nitro.loggers import LoggingReporter
 
-            self._logging = LoggingReporter(resolved["logger"].value)
+            self._logging = LoggingReporter(resolved.logger)
             self._events.add(self._logging)
         self._control = RunControl()
         self._control.say = self._say
@@ -113,33 +118,44 @@ class Nitro:
         self._run: Run | None = None
         self._stop_reason: str | None = None
         self._error: BaseException | None = None
-        self._checkpoint: dict[str, Any] | None = None
+        self._checkpoint: SavedWeights | None = None
         self._serving_width: int | None = None
         self._stale_seen: str | None = None
         self._stale_checked = (edit_generation(), 0.0)
         source = _weights_source(weights)
         with events_module.using(self._events):
-            self._setup, self._state = build(
-                instance, resolved, keywords, events=self._events, data=data, weights=source
+            self._setup, self._runtime, self._state = build(
+                instance,
+                resolved,
+                keywords,
+                events=self._events,
+                data=data,
+                weights=source,
+                dispatch=weights.dispatch if isinstance(weights, Nitro) else None,
             )
         self._programs = ProgramSet(self._setup)
-        check_watched_metrics(self._setup, self._state)
+        runtime = self._runtime
+        check_watched_metrics(
+            self._setup, self._state, runtime.experiment, runtime.feed.current_device()
+        )
         self._files = RunFiles.plan(self._setup, self._events)
         if self._logging is not None:
             self._files.logger_state = self._logging.logger.state
         self._checkpoint = self._setup.model.weights_checkpoint
         if self._files.resume_from is not None:
             with events_module.using(self._events):
-                meta = self._files.restore(self._setup, self._state, self._events)
+                self._state, meta = self._files.restore(
+                    self._setup, self._state, self._events, runtime.device_values()
+                )
             self._reattach_logger(meta)
-            directory, step = self._files.resume_from
-            self._checkpoint = {
-                "path": str(directory / str(step)),
-                "run_id": meta.get("run_id"),
-                "step": step,
-                "epoch": meta.get("epoch"),
-                "metrics": meta.get("metrics"),
-            }
+            found = self._files.resume_from
+            self._checkpoint = SavedWeights(
+                paths=(str(found.path),),
+                run_id=meta.get("run_id"),
+                steps=(found.step,),
+                epochs=(meta.get("epoch"),),
+                metrics=(meta.get("metrics"),),
+            )
         self._target_epoch = max(self._setup.max_epochs, self._state.epoch)
         self._events.phase("ready")
 
@@ -186,6 +202,19 @@ class Nitro:
         return self._state
 
     @property
+    def runtime(self) -> RunTime:
+        """What changes while this handle's runs live: the step feed, the steps-per-dispatch
+        measurement, the prefetchers (one per split) and the live experiment copy."""
+        return self._runtime
+
+    @property
+    def dispatch(self) -> DispatchChoice:
+        """Steps per program call as decided so far (a frozen value: `.steps`, `.reason`,
+        `.describe()`). `Nitro(e2, weights=n)`, or `steps_per_dispatch=n.dispatch`, continues
+        it instead of measuring again."""
+        return self._runtime.dispatch.choice
+
+    @property
     def cls(self) -> type:
         return self._setup.cls
 
@@ -197,7 +226,7 @@ class Nitro:
     @property
     def experiment(self) -> Any:
         """The handle's copy of the experiment (Device fields follow `set_device`)."""
-        return self._setup.experiment.instance
+        return self._runtime.experiment
 
     @property
     def keywords(self) -> Mapping[str, Resolved]:
@@ -263,7 +292,7 @@ class Nitro:
     def weights_checkpoint(self) -> dict[str, Any] | None:
         """The checkpoint the current weights came from (path, run id, step, epoch, metrics):
         `weights=` a checkpoint, `resume=`, or `restore_best()`; None otherwise."""
-        return self._checkpoint
+        return self._checkpoint.as_dict() if self._checkpoint is not None else None
 
     @property
     def weights_origin(self) -> str:
@@ -382,7 +411,8 @@ class Nitro:
         return self._state.epoch_trained
 
     def _after_epoch(self, state: TrainState, row: dict[str, Any]) -> str | None:
-        return self._files.after_epoch(self._setup, state, row, self._events)
+        device = self._runtime.device_values()
+        return self._files.after_epoch(self._setup, state, row, self._events, device)
 
     def _train_body(self, target: int) -> None:
         """The worker thread's work: the loop between start_run and end_run, then the phase."""
@@ -394,6 +424,7 @@ class Nitro:
                     self._files.open(self._setup, events)
                     self._state, reason = loop.train_epochs(
                         self._setup,
+                        self._runtime,
                         self._state,
                         self._programs,
                         events,
@@ -401,7 +432,9 @@ class Nitro:
                         target,
                         after_epoch=self._after_epoch,
                     )
-                    self._files.end_run(self._setup, self._state, events, reason)
+                    self._files.end_run(
+                        self._setup, self._state, events, reason, self._runtime.device_values()
+                    )
                     self._stop_reason = reason
                 except BaseException:
                     self._stop_reason = "error"
@@ -472,7 +505,12 @@ class Nitro:
                 try:
                     if split == "val" and self._pending() and weights is None:
                         row = loop.finish_epoch(
-                            self._setup, self._state, self._programs, self._events, self._control
+                            self._setup,
+                            self._runtime,
+                            self._state,
+                            self._programs,
+                            self._events,
+                            self._control,
                         )
                         result = None if row is None else _prefixed(row, "val_")
                         if row is not None:
@@ -481,7 +519,13 @@ class Nitro:
                     else:
                         self._events.phase(f"evaluating {split}")
                         result = evaluation.evaluate_split(
-                            self._setup, self._state, self._programs, self._control, split, weights
+                            self._setup,
+                            self._runtime,
+                            self._state,
+                            self._programs,
+                            self._control,
+                            split,
+                            weights,
                         )
                 finally:
                     self._events.phase(previous)
@@ -508,6 +552,7 @@ class Nitro:
             with events_module.using(self._events):
                 outputs, self._serving_width = prediction.predict_batch(
                     self._setup,
+                    self._runtime,
                     self._state,
                     self._programs,
                     self._control,
@@ -549,8 +594,10 @@ class Nitro:
     # Device fields
 
     def set_device(self, **values: Any) -> Nitro:
-        """Change Device fields on the live handle (also while it trains); never recompiles."""
+        """Change Device fields on the live handle (also while it trains); never recompiles.
+        The run-time record takes the change; the setup stays as it was decided."""
         experiment = self._setup.experiment
+        runtime = self._runtime
         for name, value in values.items():
             spec = next((s for s in field_specs(self.cls) if s.name == name), None)
             if spec is None:
@@ -575,15 +622,15 @@ class Nitro:
                     f"Device field {name!r} is scheduled; its value comes from the schedule"
                 )
             check_field_type(self.cls, spec, value, call="set_device")
-            self._setup.feed.set_constant(name, value)
-            setattr(experiment.instance, name, value)
+            runtime.feed.set_constant(name, value)
+            setattr(runtime.experiment, name, value)
         return self
 
     def device_value(self, name: str) -> Any:
         """The current value of a Device field, as a host value."""
         if name not in self._setup.experiment.device_specs:
             raise AttributeError(f"{name!r} is not a Device field of {self.cls.__qualname__}")
-        return self._setup.feed.device_value(name)
+        return self._runtime.feed.device_value(name)
 
     # ------------------------------------------------------------------------------------------
     # weights
@@ -611,16 +658,19 @@ class Nitro:
         with self._guard.hold("restoring its best weights"):
             if self._files.store is not None:
                 self._files.store.wait()
-            source = CheckpointWeights((str(self._files.run_dir), "best"))
-            params, rest = self._trees()
-            params, rest, origin, self._checkpoint = source.resolve(params, rest)
+            source = CheckpointWeights.of((str(self._files.run_dir), "best"))
+            found = source.resolve(*self._trees())
             place = self._setup.placement.put_replicated
-            self._state.variables = dataclasses.replace(
-                self._state.variables,
-                params=[place(x) for x in jax.tree.leaves(params)],
-                model_state=[place(x) for x in jax.tree.leaves(rest)],
+            state = self._state
+            variables = dataclasses.replace(
+                state.variables,
+                params=[place(x) for x in jax.tree.leaves(found.params)],
+                model_state=[place(x) for x in jax.tree.leaves(found.model_state)],
             )
-        self._say(f"restored the weights of {origin}")
+            # a new state, swapped in under the guard: the loop stays its only in-place writer
+            self._state = dataclasses.replace(state, variables=variables)
+            self._checkpoint = found.checkpoint
+        self._say(f"restored the weights of {found.origin}")
         return self
 
     def checkpoints(self):
@@ -639,7 +689,7 @@ class Nitro:
         """The optimizer's injected hyperparameters as the last step used them."""
         if self.optimizer is None:
             return {}
-        return self._setup.feed.hyperparams_now()
+        return self._runtime.feed.hyperparams_now()
 
     # ------------------------------------------------------------------------------------------
     # results and reports
@@ -662,7 +712,7 @@ class Nitro:
 
     def binding_report(self) -> BindingReport:
         """Where every value came from: splits, hook fields, run keywords, schedules, optimizer."""
-        return binding_report(self._setup, self.step, self.run_dir, self.run_id)
+        return binding_report(self._setup, self._runtime, self.step, self.run_dir, self.run_id)
 
     def stale_changes(self) -> dict[str, list[str]]:
         """Code that changed since this handle was built: unit (a hook name or "model") ->
@@ -715,7 +765,7 @@ def _weights_source(weights: Any):
     if isinstance(weights, (WeightsSource, CheckpointWeights, AveragedWeights)):
         return weights
     if isinstance(weights, (str, os.PathLike, tuple)):
-        return CheckpointWeights(weights if isinstance(weights, tuple) else os.fspath(weights))
+        return CheckpointWeights.of(weights)
     raise SetupError(
         f"weights= takes a Nitro handle, a run directory or checkpoint path, (run_dir, "
         f"'best' | 'latest'), or nitro.average(run_dir, k=3); got {type(weights).__name__}"

@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
@@ -56,6 +56,7 @@ from nitro.optim.weight_decay import (
 
 __all__ = [
     "FedHyperparameter",
+    "FedOptimizer",
     "OptimizerError",
     "OptimizerSettings",
     "OptimizerSetup",
@@ -83,22 +84,6 @@ class OptimizerSettings:
     decay_to: Any = "zero"
     decay_mask: Callable[[str, Any], bool] | None = None
     gradient_clip_norm: float | None = None
-
-    @classmethod
-    def from_keywords(cls, keywords: Mapping[str, Any], param_group=None) -> OptimizerSettings:
-        """From resolved run keywords (`name -> Resolved`)."""
-        value = {name: resolved.value for name, resolved in keywords.items()}
-        return cls(
-            optimizer=value["optimizer"],
-            learning_rate=value["learning_rate"],
-            learning_rate_explicit=keywords["learning_rate"].source != "framework default",
-            param_group=param_group,
-            group_lr=value.get("group_lr"),
-            weight_decay=value.get("weight_decay"),
-            decay_to=value.get("decay_to", "zero"),
-            decay_mask=value.get("decay_mask"),
-            gradient_clip_norm=value.get("gradient_clip_norm"),
-        )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,6 +177,41 @@ class OptimizerSetup:
         if not self.slots:
             return opt_state
         return _map_injected(opt_state, lambda node: node._replace(hyperparams={}))
+
+
+class FedOptimizer(Protocol):
+    """What the engine reads of a run's optimizer: an `OptimizerSetup`, or one per model
+    (`nitro.manual`'s `ModelOptimizers`, whose `tx` is None: each model's is applied by the
+    `train_step` hook)."""
+
+    @property
+    def tx(self) -> optax.GradientTransformation | None: ...
+    @property
+    def description(self) -> str: ...
+    @property
+    def fed(self) -> tuple[FedHyperparameter, ...]: ...
+    @property
+    def groups(self) -> tuple[ParamGroup, ...]: ...
+    @property
+    def decayed(self) -> tuple[str, ...]: ...
+    @property
+    def decay_to(self) -> str | None: ...
+    @property
+    def gradient_clip_norm(self) -> float | None: ...
+    @property
+    def uses_learning_rate(self) -> bool: ...
+    @property
+    def names(self) -> tuple[str, ...]: ...
+    @property
+    def hyperparams(self) -> dict[str, float]: ...
+    @property
+    def dtypes(self) -> dict[str, Any]: ...
+    @property
+    def schedulable(self) -> dict[str, float]: ...
+    def sources(self) -> dict[str, tuple[str, float]]: ...
+    def check_schedules(self, keys: Iterable[str]) -> None: ...
+    def inject(self, opt_state: Any, hparams: Any) -> Any: ...
+    def strip(self, opt_state: Any) -> Any: ...
 
 
 def _is_injected(node: Any) -> bool:

@@ -37,17 +37,19 @@ import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import numpy as np
 
+from nitro.core.run_setup import CheckpointRef
 from nitro.errors import SetupError
 
 __all__ = [
     "CHECKPOINT_FORMAT",
     "Checkpointer",
     "CheckpointStore",
+    "SavedStep",
     "describe_checkpoints",
     "describe_saved",
     "host_tree",
@@ -516,7 +518,20 @@ def read_checkpoint(directory: Path, step: int, weights_only: bool = False):
         return restored.state, restored.meta
 
 
-def resolve_checkpoint(source: Any, which: str = "latest") -> tuple[Path, int]:
+class SavedStep(NamedTuple):
+    """One saved checkpoint: its checkpoints directory and step."""
+
+    directory: Path
+    step: int
+
+    @property
+    def path(self) -> Path:
+        return self.directory / str(self.step)
+
+
+def resolve_checkpoint(
+    source: CheckpointRef | str | os.PathLike | tuple, which: str = "latest"
+) -> SavedStep:
     """Where a checkpoint is: a run directory (its newest or best checkpoint), a checkpoints
     directory, or one step's directory; `(run_dir, "best" | "latest")` chooses."""
     if isinstance(source, tuple):
@@ -524,7 +539,9 @@ def resolve_checkpoint(source: Any, which: str = "latest") -> tuple[Path, int]:
             raise SetupError(
                 f"a checkpoint is a path or (run_dir, 'best' | 'latest'); got {source!r}"
             )
-        source, which = source
+        source = CheckpointRef(os.fspath(source[0]), source[1])
+    if isinstance(source, CheckpointRef):
+        source, which = source.path, source.which
     path = Path(source).absolute()  # orbax reads absolute paths only
     if not path.exists():
         raise SetupError(f"no checkpoint at {str(path)!r}: the path does not exist")
@@ -548,4 +565,4 @@ def resolve_checkpoint(source: Any, which: str = "latest") -> tuple[Path, int]:
                 step = _best(manager, steps)[0] or step
         elif step not in steps:
             raise SetupError(f"{str(path)!r} is not a finished checkpoint (saved steps: {steps})")
-    return directory, step
+    return SavedStep(directory, step)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import time
 import warnings
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import numpy as np
 from nitro import __version__
 from nitro.runs.checkpoints import (
     CheckpointStore,
+    SavedStep,
     _json_safe,
     host_tree,
     leaves_from,
@@ -35,7 +37,7 @@ from nitro.runs.run_dirs import (
     read_run_json,
     write_run_json,
 )
-from nitro.core.run_setup import RunSetup
+from nitro.core.run_setup import CheckpointRef, RunSetup, SplitSetup
 from nitro.core.train_state import TrainState, Variables
 
 __all__ = ["RunFiles", "check_watched_metrics", "config_of", "metric_names"]
@@ -58,7 +60,7 @@ class RunFiles:
 
     run_id: str
     run_dir: Path
-    resume_from: tuple[Path, int] | None
+    resume_from: SavedStep | None
     store: CheckpointStore | None
     opened: bool = False
     branched_from: str | None = None  # resumed from an earlier checkpoint of this run
@@ -90,12 +92,20 @@ class RunFiles:
     # ------------------------------------------------------------------------------------------
     # resume
 
-    def restore(self, setup: RunSetup, state: TrainState, events: Events) -> dict[str, Any]:
-        """Load the checkpoint to resume from into `state`; returns its JSON record."""
+    def restore(
+        self,
+        setup: RunSetup,
+        state: TrainState,
+        events: Events,
+        device: Mapping[str, Any],
+    ) -> tuple[TrainState, dict[str, Any]]:
+        """The state to resume from, read from the checkpoint (a new `TrainState`; `state`,
+        the fresh one, gives the arrays' shapes and stays as it was), and the checkpoint's
+        JSON record. `device`: the Device fields' values now, compared with the saved ones."""
         directory, step = self.resume_from
         saved, meta = read_checkpoint(directory, step)
         _check_config(setup, meta)
-        for note in _drift_notes(setup, meta):
+        for note in _drift_notes(setup, meta, device):
             events.note(note)
         model = setup.model
         variables = state.variables
@@ -136,20 +146,19 @@ class RunFiles:
                 ema, ema_steps = list(params), np.zeros((), np.int32)
                 events.note("the checkpoint holds no moving average: it starts from its weights")
         place = setup.placement.put_replicated
-        state.variables = Variables(
-            params=[place(x) for x in params],
-            model_state=[place(x) for x in rest],
-            opt_state=[place(x) for x in opt] if opt is not None else None,
-            ema=[place(x) for x in ema] if ema is not None else None,
-            ema_steps=place(ema_steps) if ema_steps is not None else None,
+        restored = TrainState.from_checkpoint(
+            Variables(
+                params=[place(x) for x in params],
+                model_state=[place(x) for x in rest],
+                opt_state=[place(x) for x in opt] if opt is not None else None,
+                ema=[place(x) for x in ema] if ema is not None else None,
+                ema_steps=place(ema_steps) if ema_steps is not None else None,
+            ),
+            meta,
+            seed=state.seed,
         )
-        state.step = int(meta["step"])
-        state.epoch = int(meta["epoch"])
-        state.position, state.totals, state.epoch_trained = 0, None, False
-        state.seed = int(meta.get("seed", state.seed))
-        state.history = [dict(row) for row in meta.get("history", [])]
         if self.store is not None:
-            self.store.saved_epoch = state.epoch
+            self.store.saved_epoch = restored.epoch
         if self.branched_from is None:
             said = f"resumed run {self.run_id} from its checkpoint"
         else:
@@ -158,8 +167,10 @@ class RunFiles:
                 f"{self.run_id} (the later checkpoints of {self.branched_from} stay as they "
                 f"were);"
             )
-        events.note(f"{said} at epoch {state.epoch}, step {state.step} ({directory / str(step)})")
-        return meta
+        events.note(
+            f"{said} at epoch {restored.epoch}, step {restored.step} ({self.resume_from.path})"
+        )
+        return restored, meta
 
     # ------------------------------------------------------------------------------------------
     # during a run
@@ -193,17 +204,30 @@ class RunFiles:
     logger_state: Any = None  # () -> the logger's state(), stored in each checkpoint
 
     def after_epoch(
-        self, setup: RunSetup, state: TrainState, row: dict[str, Any], events: Events
+        self,
+        setup: RunSetup,
+        state: TrainState,
+        row: dict[str, Any],
+        events: Events,
+        device: Mapping[str, Any],
     ) -> str | None:
-        """Checkpoint the committed epoch (when due), then ask early stopping."""
+        """Checkpoint the committed epoch (when due), then ask early stopping. `device`: the
+        Device fields' values now (the checkpoint records them)."""
         store = self.store
         if store is not None and store.due(state.epoch):
-            self._save(setup, state, row, events)
+            self._save(setup, state, row, events, device)
         if setup.early_stop is not None and setup.early_stop.should_stop(state.history):
             return "early_stop"
         return None
 
-    def end_run(self, setup: RunSetup, state: TrainState, events: Events, reason: str) -> None:
+    def end_run(
+        self,
+        setup: RunSetup,
+        state: TrainState,
+        events: Events,
+        reason: str,
+        device: Mapping[str, Any],
+    ) -> None:
         """A run that ends at an epoch boundary leaves its newest epoch saved; every save of
         the run is on disk when `train()` returns (orbax finishes writing in the background
         while the run goes on, not after it)."""
@@ -212,10 +236,18 @@ class RunFiles:
             return
         at_boundary = not (state.epoch == 0 or state.position or state.epoch_trained)
         if at_boundary and store.saved_epoch != state.epoch:
-            self._save(setup, state, state.last_row, events, reason)
+            self._save(setup, state, state.last_row, events, device, reason)
         store.close()  # finishes the writes; the manager's threads end (a later save reopens)
 
-    def _save(self, setup, state, row, events, reason: str | None = None) -> None:
+    def _save(
+        self,
+        setup: RunSetup,
+        state: TrainState,
+        row: Mapping[str, Any],
+        events: Events,
+        device: Mapping[str, Any],
+        reason: str | None = None,
+    ) -> None:
         events.phase("checkpointing")  # the loop (or the run's end) sets the next phase
         metric = row.get(self.store.config.metric)
         self.store.save(
@@ -227,6 +259,7 @@ class RunFiles:
                 self.run_id,
                 row,
                 reason,
+                device,
                 self.logger_state() if self.logger_state is not None else None,
             ),
             metric if isinstance(metric, (int, float)) else None,
@@ -241,8 +274,9 @@ def checkpoint_meta(
     setup: RunSetup,
     state: TrainState,
     run_id: str,
-    row: dict[str, Any],
+    row: Mapping[str, Any],
     reason: str | None,
+    device: Mapping[str, Any],
     logger_state: Any = None,
 ) -> dict[str, Any]:
     checkpointer = setup.checkpointer
@@ -260,7 +294,7 @@ def checkpoint_meta(
         "metrics": scalar(row),
         "stop_reason": reason,
         "graphconst": config_of(setup),
-        "device": {name: setup.feed.device_value(name) for name in setup.experiment.device_specs},
+        "device": dict(device),
         "code": {unit: fp.digest for unit, fp in setup.experiment.code.items()},
         "checkpointer": dataclasses.asdict(checkpointer) if checkpointer else None,
         "logger": logger_state,
@@ -292,9 +326,9 @@ def _saved_steps(directory: Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
 
 
-def _resume_source(setup: RunSetup, events: Events) -> tuple[Path, int] | None:
+def _resume_source(setup: RunSetup, events: Events) -> SavedStep | None:
     resume = setup.resume
-    if resume != "auto":
+    if isinstance(resume, CheckpointRef):
         return resolve_checkpoint(resume)
     name = setup.cls.__name__
     root = Path(setup.run_dir) if setup.run_dir is not None else experiment_root(name)
@@ -338,7 +372,7 @@ def _check_config(setup: RunSetup, meta: dict[str, Any]) -> None:
         )
 
 
-def _drift_notes(setup: RunSetup, meta: dict[str, Any]) -> list[str]:
+def _drift_notes(setup: RunSetup, meta: dict[str, Any], device: Mapping[str, Any]) -> list[str]:
     notes = []
     saved = meta.get("code") or {}
     changed = [
@@ -352,12 +386,11 @@ def _drift_notes(setup: RunSetup, meta: dict[str, Any]) -> list[str]:
             f"checkpoint was trained with"
         )
     devices = meta.get("device") or {}
-    for name in setup.experiment.device_specs:
-        if name in devices and devices[name] != _json_safe(setup.feed.device_value(name)):
+    for name, value in device.items():
+        if name in devices and devices[name] != _json_safe(value):
             notes.append(
-                f"Device field {name!r} is {setup.feed.device_value(name)!r} here and was "
-                f"{devices[name]!r} in the checkpoint; the run continues with "
-                f"{setup.feed.device_value(name)!r}"
+                f"Device field {name!r} is {value!r} here and was {devices[name]!r} in the "
+                f"checkpoint; the run continues with {value!r}"
             )
     if int(meta.get("seed", setup.seed)) != setup.seed:
         notes.append(
@@ -367,16 +400,19 @@ def _drift_notes(setup: RunSetup, meta: dict[str, Any]) -> list[str]:
     return notes
 
 
-def check_watched_metrics(setup: RunSetup, state: TrainState) -> None:
+def check_watched_metrics(
+    setup: RunSetup, state: TrainState, experiment: Any, device: Mapping[str, jax.Array]
+) -> None:
     """Refuse at setup an early stop or a checkpointer watching a metric the run does not
-    produce (the metrics hook's names are probed; see `metric_names`). A checkpointer on
-    `val_loss` in a run without a 'val' split keeps the newest checkpoint only."""
+    produce (the metrics hook's names are probed on `experiment`, the handle's live copy, with
+    the `device` field arrays; see `metric_names`). A checkpointer on `val_loss` in a run
+    without a 'val' split keeps the newest checkpoint only."""
     early_stop, checkpointer = setup.early_stop, setup.checkpointer
     known = {"loss", "val_loss"}
     names: set[str] | None = None
     watched = [w.metric for w in (early_stop, checkpointer) if w is not None]
     if any(metric not in known for metric in watched):
-        names = metric_names(setup, state)
+        names = metric_names(setup, state, experiment, device)
     if early_stop is not None:
         early_stop.check(tuple(setup.splits), names if early_stop.metric not in known else None)
     if checkpointer is None or names is None or checkpointer.metric in known | names:
@@ -387,7 +423,9 @@ def check_watched_metrics(setup: RunSetup, state: TrainState) -> None:
     )
 
 
-def metric_names(setup: RunSetup, state: TrainState) -> set[str] | None:
+def metric_names(
+    setup: RunSetup, state: TrainState, experiment: Any, device: Mapping[str, jax.Array]
+) -> set[str] | None:
     """The history columns a run produces, when they can be known without training: loss,
     val_loss and, by tracing forward on the first batch's shapes and calling the metrics hook
     on zeros, the metrics' names. None when they cannot be determined."""
@@ -401,14 +439,20 @@ def metric_names(setup: RunSetup, state: TrainState) -> set[str] | None:
     if "train_metrics" in hooks or "finalize_metrics" in hooks:
         return None  # their names can depend on the data: checked when the first row arrives
     if "metrics" in hooks and val is not None:
-        found = _probe_metrics(setup, state, val)
+        found = _probe_metrics(setup, state, val, experiment, device)
         if found is None:
             return None
         names |= {f"val_{k}" for k in found}
     return names
 
 
-def _probe_metrics(setup: RunSetup, state: TrainState, val) -> set[str] | None:
+def _probe_metrics(
+    setup: RunSetup,
+    state: TrainState,
+    val: SplitSetup,
+    experiment: Any,
+    device: Mapping[str, jax.Array],
+) -> set[str] | None:
     """The keys the metrics hook returns: forward traced abstractly for the outputs' shapes,
     then the hook called on zeros of those shapes (host) or traced (device)."""
     from nitro.core.metrics import split_modes
@@ -426,7 +470,7 @@ def _probe_metrics(setup: RunSetup, state: TrainState, val) -> set[str] | None:
             params=[abstract(x) for x in state.variables.params],
             model_state=[abstract(x) for x in state.variables.model_state],
         )
-        device = {k: abstract(v) for k, v in setup.feed.current_device().items()}
+        device = {k: abstract(v) for k, v in device.items()}
         batch = {
             name: jax.ShapeDtypeStruct(shape, np.dtype(dtype))
             for name, (shape, dtype) in val.batch_spec.items()
@@ -434,7 +478,7 @@ def _probe_metrics(setup: RunSetup, state: TrainState, val) -> set[str] | None:
         result = jax.eval_shape(evaluate, variables, device, batch, np.int32(1))
         outputs = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), result.outputs)
         fields = {k: np.zeros(*val.batch_spec[k]) for k in wanted}
-        values = setup.experiment.call_host_hook("metrics", outputs, **fields)
+        values = setup.experiment.hook_functions["metrics"](experiment, outputs, **fields)
         specs, _ = split_modes(values, "metrics")
         return {path for path, _ in specs}
     except Exception:  # noqa: BLE001 - unknown here: checked at the first validation instead

@@ -10,24 +10,37 @@ the optimizer state, counters and history start fresh (`resume=` continues a run
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
+import os
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from nitro.errors import WeightsError
+from nitro.core.frozen import freeze
+from nitro.core.run_setup import CheckpointRef, SavedWeights
+from nitro.errors import SetupError, WeightsError
 from nitro.optim.param_groups import leaf_paths
 
 __all__ = [
     "AveragedWeights",
     "CheckpointWeights",
+    "ResolvedWeights",
     "WeightsSource",
     "average",
     "check_same_tree",
     "copy_array",
     "tree_summary",
 ]
+
+
+class ResolvedWeights(NamedTuple):
+    """Weights shaped like the model's, copied, and where they came from."""
+
+    params: Any
+    model_state: Any
+    origin: str  # a sentence: the handle's `weights_origin`
+    checkpoint: SavedWeights | None  # the checkpoint(s) read, when they came from disk
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,12 +52,11 @@ class WeightsSource:
     model_state: Any
     origin: str
 
-    def resolve(self, params: Any, model_state: Any) -> tuple[Any, Any, str, None]:
-        """(parameters, model state, origin, checkpoint: None) shaped like the given
-        model's, copied."""
+    def resolve(self, params: Any, model_state: Any) -> ResolvedWeights:
+        """These weights, shaped like the given model's (refused otherwise), copied."""
         check_same_tree("parameters", params, self.params)
         check_same_tree("model state", model_state, self.model_state)
-        return (
+        return ResolvedWeights(
             jax.tree.map(copy_array, self.params),
             jax.tree.map(copy_array, self.model_state),
             self.origin,
@@ -54,13 +66,24 @@ class WeightsSource:
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointWeights:
-    """The weights of a saved checkpoint: a path, or (run_dir, "best" | "latest")."""
+    """The weights of a saved checkpoint: a run directory's newest or best, or one
+    checkpoint's directory."""
 
-    source: Any
+    source: CheckpointRef
 
-    def resolve(self, params: Any, model_state: Any) -> tuple[Any, Any, str, dict[str, Any]]:
-        """(parameters, model state, origin, the checkpoint's step, epoch, metrics, run id
-        and path)."""
+    @classmethod
+    def of(cls, source: str | os.PathLike | tuple) -> CheckpointWeights:
+        """From what `weights=` takes: a path, or (run_dir, "best" | "latest")."""
+        if isinstance(source, tuple):
+            if len(source) != 2 or source[1] not in ("best", "latest"):
+                raise SetupError(
+                    f"a checkpoint is a path or (run_dir, 'best' | 'latest'); got {source!r}"
+                )
+            return cls(CheckpointRef(os.fspath(source[0]), source[1]))
+        return cls(CheckpointRef(os.fspath(source)))
+
+    def resolve(self, params: Any, model_state: Any) -> ResolvedWeights:
+        """The checkpoint's parameters and model state, shaped like the given model's."""
         from nitro.runs.checkpoints import leaves_from, read_checkpoint, resolve_checkpoint
 
         directory, step = resolve_checkpoint(self.source)
@@ -78,14 +101,14 @@ class CheckpointWeights:
             f"checkpoint {directory.parent.name or directory}/step {step} (epoch "
             f"{meta.get('epoch')})"
         )
-        checkpoint = {
-            "path": str(directory / str(step)),
-            "run_id": meta.get("run_id"),
-            "step": step,
-            "epoch": meta.get("epoch"),
-            "metrics": meta.get("metrics"),
-        }
-        return restored[0], restored[1], origin, checkpoint
+        checkpoint = SavedWeights(
+            paths=(str(directory / str(step)),),
+            run_id=meta.get("run_id"),
+            steps=(step,),
+            epochs=(meta.get("epoch"),),
+            metrics=(freeze(meta.get("metrics")),),
+        )
+        return ResolvedWeights(restored[0], restored[1], origin, checkpoint)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -99,8 +122,8 @@ class AveragedWeights:
     checkpoints: tuple[tuple[str, int], ...]  # (checkpoints directory, step), best first
     ranking: str  # how they were chosen, for the origin
 
-    def resolve(self, params: Any, model_state: Any) -> tuple[Any, Any, str, dict[str, Any]]:
-        """(parameters, model state, origin, the checkpoints averaged)."""
+    def resolve(self, params: Any, model_state: Any) -> ResolvedWeights:
+        """The mean of the checkpoints' weights, shaped like the given model's."""
         from pathlib import Path
 
         from nitro.runs.checkpoints import leaves_from, read_checkpoint
@@ -139,15 +162,15 @@ class AveragedWeights:
             f"the mean of {k} checkpoint{'s' * (k != 1)} of {run_dir.name or run_dir} "
             f"({self.ranking}): steps {', '.join(map(str, steps))}"
         )
-        checkpoint = {
-            "averaged": k,
-            "paths": [str(Path(d) / str(s)) for d, s in self.checkpoints],
-            "run_id": metas[0].get("run_id"),
-            "steps": steps,
-            "epochs": [m.get("epoch") for m in metas],
-            "metrics": [m.get("metrics") for m in metas],
-        }
-        return averaged[0], averaged[1], origin, checkpoint
+        checkpoint = SavedWeights(
+            paths=tuple(str(Path(d) / str(s)) for d, s in self.checkpoints),
+            run_id=metas[0].get("run_id"),
+            steps=tuple(steps),
+            epochs=tuple(m.get("epoch") for m in metas),
+            metrics=tuple(freeze(m.get("metrics")) for m in metas),
+            averaged=True,
+        )
+        return ResolvedWeights(averaged[0], averaged[1], origin, checkpoint)
 
 
 def _floating(x: Any) -> bool:

@@ -302,7 +302,7 @@ def export_handle(
         jax.tree.unflatten(model_setup.params_def, variables.params),
         jax.tree.unflatten(model_setup.model_state_def, variables.model_state),
     ]
-    device = {k: np.asarray(v) for k, v in setup.feed.current_device().items()}
+    device = {k: np.asarray(v) for k, v in handle.runtime.feed.current_device().items()}
     names, weights, key_impls = [], {}, {}
     for tree in trees:
         group = []

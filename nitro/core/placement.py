@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
@@ -54,7 +55,6 @@ class Placement:
             )
         self.n_devs = int(n_devs)
         self.devices = devices[: self.n_devs]
-        self._transfer = None
         if self.n_devs > 1 or self.multi_process:
             self.mesh = Mesh(np.array(self.devices), ("data",))
             self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
@@ -158,7 +158,7 @@ class Placement:
         return jax.device_put(tree, self.replicated)
 
     def _replicate_across_processes(self, x: Any) -> jax.Array:
-        if isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             data = self._replicate_across_processes(jax.random.key_data(x))
             return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
         return jax.make_array_from_process_local_data(self.replicated, np.asarray(x))
