@@ -16,6 +16,7 @@ from nitro.core.keywords import Resolved
 from nitro.experiments.declaration import FieldSpec
 from nitro.experiments.fingerprint import CodeFingerprint
 from nitro.experiments.routing import HookFields
+from nitro.optim.fed_optimizer import FedOptimizer
 
 __all__ = ["ExperimentSetup", "ModelSetup", "RunSetup", "SplitSetup"]
 
@@ -107,7 +108,7 @@ class RunSetup:
     splits: Mapping[str, SplitSetup]
     placement: Any  # placement.Placement
     model: ModelSetup
-    optimizer: Any  # optimizer.OptimizerSetup, or None without a 'train' split
+    optimizer: FedOptimizer | None  # None without a 'train' split
     schedules: tuple[Any, ...]  # schedules.BoundSchedule
     total_steps: int | None  # the schedules' horizon
     feed: Any  # step_feed.StepFeed: per-step hyperparameters and Device values

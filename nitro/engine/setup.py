@@ -39,6 +39,7 @@ from nitro.experiments.declaration import FieldKind, field_specs, has_method
 from nitro.experiments.fingerprint import CodeFingerprint, Fingerprinter
 from nitro.experiments.linen import bridge_linen, is_linen
 from nitro.experiments.routing import hook_fields
+from nitro.optim.fed_optimizer import FedOptimizer
 from nitro.optim.optimizer import OptimizerSettings, build_optimizer
 from nitro.optim.param_groups import leaf_paths
 from nitro.optim.schedules import bind_schedules, check_schedule_values
@@ -333,7 +334,9 @@ def _first_forward(instance: Any, splits: Mapping[str, Any], hooks, hooks_fields
     return lambda model: hooks["forward"](instance, model, **inputs)
 
 
-def _build_optimizer(instance, keywords, splits, params, placement):
+def _build_optimizer(
+    instance, keywords, splits, params, placement
+) -> tuple[FedOptimizer | None, Any]:
     """The optimizer and its state, when there is a train split to use them."""
     if "train" not in splits:
         return None, None
@@ -352,7 +355,7 @@ def _build_optimizer(instance, keywords, splits, params, placement):
     return optimizer, placement.put_replicated(opt_state)
 
 
-def _model_optimizers(settings, keywords, params, placement):
+def _model_optimizers(settings, keywords, params, placement) -> tuple[FedOptimizer, Any]:
     """Manual training: one optimizer per model (a dict by model name, or one optimizer for
     each), with its own state and hyperparameters (`gen/learning_rate`)."""
     import dataclasses as _dc
@@ -594,7 +597,9 @@ def _divisors(n: int) -> str:
     return ", ".join(map(str, found[:12])) + (" ..." if len(found) > 12 else "")
 
 
-def _freeze_code(cls, hook_functions, graphdefs, params, rest, opt_state, optimizer):
+def _freeze_code(
+    cls, hook_functions, graphdefs, params, rest, opt_state, optimizer: FedOptimizer | None
+):
     """Code fingerprints (hooks, model classes, optimizer update) and the model's tree
     definitions; returns (code, model fields)."""
     code: dict[str, CodeFingerprint] = {}
@@ -608,11 +613,8 @@ def _freeze_code(cls, hook_functions, graphdefs, params, rest, opt_state, optimi
     code["model"] = fingerprinter.fingerprint()
     if optimizer is not None:
         opt_fp = Fingerprinter()
-        if optimizer.tx is not None:
-            opt_fp.value(optimizer.tx.update, "optimizer update")
-        else:  # one optimizer per model (train_step)
-            for model, tx in optimizer.transformations().items():
-                opt_fp.value(tx.update, f"optimizer update of {model}")
+        for label, update in optimizer.updates().items():
+            opt_fp.value(update, label)
         code["optimizer"] = opt_fp.fingerprint()
     model = {
         "graphdef_train": graphdefs[0],

@@ -22,9 +22,9 @@ constant never recompiles. Inside a parameter group a hyperparameter is fed as
 `<group>/<name>` (`backbone/learning_rate`); a bare schedule key (`learning_rate`) moves that
 hyperparameter in every group, the learning rate times the group's `group_lr` ratio.
 
-The train step's contract: `opt_state = setup.inject(opt_state, hparams)`, then
-`updates, new_state = setup.tx.update(grads, opt_state, params)`, then
-`new_state = setup.strip(new_state)`.
+The train step's contract (`nitro.optim.fed_optimizer.FedOptimizer`): `opt_state =
+setup.inject(opt_state, hparams)`, then `updates, new_state = setup.tx.update(grads,
+opt_state, params)`, then `new_state = setup.strip(new_state)`.
 """
 
 from __future__ import annotations
@@ -168,6 +168,10 @@ class OptimizerSetup:
                     f"{group.lr_ratio:g} x learning_rate, and schedules[{name!r}] gives its own. "
                     f"Keep one: drop {group.name!r} from group_lr, or the {name!r} schedule."
                 )
+
+    def updates(self) -> dict[str, Callable[..., Any]]:
+        """The update function the train step runs, which keys the compiled step."""
+        return {"optimizer update": self.tx.update}
 
     def inject(self, opt_state: Any, hparams: Any) -> Any:
         """Inside the trace: put this step's hyperparameters (`hparams[i]` is `names[i]`)
