@@ -5,11 +5,12 @@ flight (the rest of a fused block, or a step dispatched before the host read the
 skipped step leaves every variable exactly as it was: the parameters, the model state (batch
 statistics, RNG counts), the optimizer state (Adam's count and moments) and the moving
 average, as `optax.apply_if_finite` keeps its inner state. So a run that stops on divergence
-holds the state of its last good step, bit for bit, and resuming after a fix continues it.
+holds the state of its last good step, bit for bit.
 
-The checks are named by `Failure`, the code each step reports (`0`: finite): the default step
-checks the loss, the gradients and the fed hyperparameters; a `train_step` hook's step checks
-its loss and the weights it produced.
+The checks are named by `Failure`, the code each step reports (`0`: finite) and the loop
+turns into the `DivergenceError` message: the default step checks the loss, the gradients and
+the fed hyperparameters; a `train_step` hook's step checks its loss and the weights it
+produced.
 
 >>> import jax.numpy as jnp
 >>> verdict = check(jnp.bool_(True), (Failure.LOSS, jnp.isfinite(jnp.nan)))
