@@ -37,9 +37,10 @@ class Gated:
 
     gate: nitro.Device[float] = 1.0
     max_epochs: int = 1
+    batch_size: int = 16
 
     def build_data(self):
-        return {"train": ArrayLoader({"x": X80, "y": Y80}, 16, shuffle=False)}
+        return {"train": ArrayLoader({"x": X80, "y": Y80}, self.batch_size, shuffle=False)}
 
     def build_model(self, rngs):
         return TinyMLP(5, 8, 2, rngs=rngs)
@@ -86,6 +87,90 @@ def test_a_nan_learning_rate_at_one_step_stops_naming_it_and_keeps_the_weights()
     assert n.step == 5
     for got, want in zip(params_of(n), params_of(reference), strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+def optimizer_state(n):
+    """The optimizer state by leaf path: Adam's count is `inner_state.0.count`, its moments
+    `inner_state.0.mu.*` and `inner_state.0.nu.*` (`count` is the injected hyperparameters')."""
+    leaves = [np.asarray(a) for a in n.state.variables.opt_state]
+    return dict(zip(n.setup.model.leaf_paths["optimizer state"], leaves, strict=True))
+
+
+def assert_same_state(n, reference):
+    """Parameters, optimizer state and moving average, bit for bit."""
+    for got, want in zip(params_of(n), params_of(reference), strict=True):
+        np.testing.assert_array_equal(got, want)
+    got, want = optimizer_state(n), optimizer_state(reference)
+    assert list(got) == list(want)
+    for path in want:
+        np.testing.assert_array_equal(got[path], want[path], err_msg=path)
+    variables, expected = n.state.variables, reference.state.variables
+    if expected.ema is not None:
+        assert int(variables.ema_steps) == int(expected.ema_steps)
+        for got, want in zip(variables.ema, expected.ema, strict=True):
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+SWITCHES = {  # the keywords of each stage a step may run, and the batch size that fits them
+    "adam": ({}, 16),
+    "accumulation": ({"accum": 2}, 8),  # 2 micro-batches of 8 per update: 5 updates an epoch
+    "sam": ({"sam": 0.05}, 16),
+    "everything": ({"accum": 2, "sam": nitro.ASAM(), "ema": 0.9}, 8),
+}
+
+
+@pytest.mark.parametrize("switches", SWITCHES)
+@pytest.mark.parametrize("fault", ["gradient", "learning rate"])
+def test_a_skipped_step_leaves_the_optimizer_state_as_it_was_before_it(switches, fault):
+    keywords, batch_size = SWITCHES[switches]
+    reference = nitro.Nitro(Gated(batch_size=batch_size), progress=False, **keywords)
+    reference.train()  # the 5 updates of epoch 1
+    schedules = {
+        "gradient": {"gate": lambda step: 0.0 if step == 5 else 1.0},
+        "learning rate": {"learning_rate": lambda step: np.where(step == 5, np.nan, 1e-3)},
+    }[fault]
+    n = nitro.Nitro(
+        Gated(max_epochs=2, batch_size=batch_size),
+        schedules=schedules,
+        steps_per_dispatch=1,
+        progress=False,
+        **keywords,
+    )
+    with pytest.raises(nitro.DivergenceError, match="at step 6 "):
+        n.train()
+    # the bad step and the one dispatched behind it were skipped: Adam counted neither
+    assert n.step == 5
+    assert optimizer_state(n)["inner_state.0.count"] == 5 == optimizer_state(n)["count"]
+    assert_same_state(n, reference)
+
+
+@pytest.mark.parametrize("switches", SWITCHES)
+def test_a_skipped_step_inside_a_fused_block_leaves_the_rest_of_the_block_unapplied(switches):
+    keywords, batch_size = SWITCHES[switches]
+    # epoch 2 runs as blocks of updates [5, 6, 7] and [8, 9]: update 6 fails in the middle of
+    # the first, after update 5 was applied and before update 7
+    n = nitro.Nitro(
+        Gated(max_epochs=2, batch_size=batch_size),
+        schedules={"gate": lambda step: 0.0 if step == 6 else 1.0},
+        steps_per_dispatch=3,
+        progress=False,
+        **keywords,
+    )
+    with pytest.raises(nitro.DivergenceError, match="at step 7 "):
+        n.train()
+    assert n.step == 6 and optimizer_state(n)["inner_state.0.count"] == 6
+    # the same 6 updates without a fault: epoch 1's batches, then epoch 2's first
+    x96, y96 = np.concatenate([X80, X80[:16]]), np.concatenate([Y80, Y80[:16]])
+    reference = nitro.Nitro(
+        Gated(batch_size=batch_size),
+        data={"train": ArrayLoader({"x": x96, "y": y96}, batch_size, shuffle=False)},
+        steps_per_dispatch=3,
+        progress=False,
+        **keywords,
+    )
+    reference.train()
+    assert reference.step == 6
+    assert_same_state(n, reference)
 
 
 class SlowVal(ArrayLoader):

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from gan_toys import DATA, GAN, NOISE
+from gan_toys import DATA, GAN, NOISE, critic_loss, generator_loss
 
 import nitro
 
@@ -106,6 +106,52 @@ def test_a_non_finite_manual_step_stops_and_keeps_the_models():
     after = gen_params(n)
     for name in ("gen", "disc"):
         for a, b in zip(before[name], after[name], strict=True):
+            np.testing.assert_array_equal(a, b)
+
+
+@nitro.experiment
+class BlowsUp(GAN):
+    """The generator's update is non-finite at the step where `gate` is 0, after the critic's
+    finite one."""
+
+    gate: nitro.Device[float] = 1.0
+
+    def train_step(self, step, *, x, z):
+        d_loss, grads = step.grad("disc", lambda m: critic_loss(m, x, z))
+        step.apply("disc", grads)
+        g_loss, grads = step.grad("gen", lambda m: generator_loss(m, z))
+        step.apply("gen", jax_tree_scale(grads, 1.0 / self.gate))
+        return {"loss": d_loss + g_loss}
+
+
+def optimizer_state(n):
+    """The optimizer states by leaf path (`gen.inner_state.0.count` is the generator's Adam
+    count)."""
+    leaves = [np.asarray(a) for a in n.state.variables.opt_state]
+    return dict(zip(n.setup.model.leaf_paths["optimizer state"], leaves, strict=True))
+
+
+@pytest.mark.parametrize("steps_per_dispatch", [1, 4])
+def test_a_skipped_manual_step_leaves_every_optimizer_state_as_it_was(steps_per_dispatch):
+    reference = nitro.Nitro(BlowsUp(max_epochs=1), progress=False)
+    reference.train()  # the 8 steps of epoch 1
+    n = nitro.Nitro(
+        BlowsUp(max_epochs=2),
+        schedules={"gate": lambda step: 0.0 if step == 8 else 1.0},
+        steps_per_dispatch=steps_per_dispatch,
+        progress=False,
+    )
+    with pytest.raises(nitro.DivergenceError, match="the weights after the step .* at step 9 "):
+        n.train()
+    assert n.step == 8
+    got, want = optimizer_state(n), optimizer_state(reference)
+    # the critic's finite update of the bad step is dropped with the generator's
+    assert got["disc.inner_state.0.count"] == got["gen.inner_state.0.count"] == 8
+    assert list(got) == list(want)
+    for path in want:
+        np.testing.assert_array_equal(got[path], want[path], err_msg=path)
+    for name in ("gen", "disc"):
+        for a, b in zip(gen_params(n)[name], gen_params(reference)[name], strict=True):
             np.testing.assert_array_equal(a, b)
 
 

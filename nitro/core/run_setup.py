@@ -33,7 +33,7 @@ if TYPE_CHECKING:  # lower layers, named for the annotations only (importing the
     from nitro.experiments.fingerprint import CodeFingerprint
     from nitro.experiments.routing import HookFields
     from nitro.optim.ema import EMA
-    from nitro.optim.optimizer import FedOptimizer
+    from nitro.optim.fed_optimizer import FedOptimizer
     from nitro.optim.sam import SAM
     from nitro.optim.schedules import BoundSchedule
 

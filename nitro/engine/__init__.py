@@ -10,7 +10,9 @@ below; never the handle.
 - `setup`: the setup sequence, one function per step
 - `run_time`: `RunTime`, what changes while a run lives (feed, dispatch, prefetchers, the live
   experiment copy), beside the frozen setup
-- `loop`: the training and evaluation loops
+- `loop`: the training loop (epochs as transactions, lagged read-back)
+- `evaluation`: the evaluation loop and the weights it uses
+- `diagnostics`: what the loop says when something goes wrong
 - `prediction`: a batch through the predict program, in chunks of one compiled width
 - `dispatch`: steps per program call (a fixed K or "auto")
 - `feed`: per-step hyperparameters and Device values fed as arguments

@@ -51,6 +51,7 @@ from nitro.experiments.declaration import FieldKind, field_specs, has_method
 from nitro.experiments.fingerprint import CodeFingerprint, Fingerprinter
 from nitro.experiments.linen import bridge_linen, is_linen
 from nitro.experiments.routing import hook_fields
+from nitro.optim.fed_optimizer import FedOptimizer
 from nitro.optim.optimizer import OptimizerSettings, build_optimizer
 from nitro.optim.param_groups import leaf_paths
 from nitro.optim.schedules import bind_schedules, check_schedule_values
@@ -397,7 +398,7 @@ def _build_optimizer(
     splits: Mapping[str, Any],
     params: Any,
     placement: Placement,
-):
+) -> tuple[FedOptimizer | None, Any]:
     """The optimizer and its state, when there is a train split to use them."""
     if "train" not in splits:
         return None, None
@@ -428,7 +429,7 @@ def _build_optimizer(
 
 def _model_optimizers(
     settings: OptimizerSettings, keywords: RunKeywords, params: Any, placement: Placement
-):
+) -> tuple[FedOptimizer, Any]:
     """Manual training: one optimizer per model (a dict by model name, or one optimizer for
     each), with its own state and hyperparameters (`gen/learning_rate`)."""
     from nitro.programs.manual import ModelOptimizers
@@ -676,7 +677,9 @@ def _divisors(n: int) -> str:
     return ", ".join(map(str, found[:12])) + (" ..." if len(found) > 12 else "")
 
 
-def _freeze_code(cls, hook_functions, graphdefs, params, rest, opt_state, optimizer):
+def _freeze_code(
+    cls, hook_functions, graphdefs, params, rest, opt_state, optimizer: FedOptimizer | None
+):
     """Code fingerprints (hooks, model classes, optimizer update) and the model's tree
     definitions; returns (code, model fields)."""
     code: dict[str, CodeFingerprint] = {}
@@ -690,11 +693,8 @@ def _freeze_code(cls, hook_functions, graphdefs, params, rest, opt_state, optimi
     code["model"] = fingerprinter.fingerprint()
     if optimizer is not None:
         opt_fp = Fingerprinter()
-        if optimizer.tx is not None:
-            opt_fp.value(optimizer.tx.update, "optimizer update")
-        else:  # one optimizer per model (train_step)
-            for model, tx in optimizer.transformations().items():
-                opt_fp.value(tx.update, f"optimizer update of {model}")
+        for label, update in optimizer.updates().items():
+            opt_fp.value(update, label)
         code["optimizer"] = opt_fp.fingerprint()
     model = {
         "graphdef_train": graphdefs[0],

@@ -3,6 +3,7 @@
 `nitro.Nitro` is the public name. Imports `engine` and below.
 
 - `handle`: `Nitro`
+- `signature`: `Nitro`'s signature and keyword help, generated from the run keywords
 - `binding_report`: where every value came from
 - `displays`, `plotting`: the handle's repr and HTML; history plots
 - `signature`: `Nitro(...)`'s signature and keyword help, generated from the run keywords

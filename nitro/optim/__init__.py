@@ -9,6 +9,9 @@ Imports only `nitro.errors` and `nitro.experiments`.
 - `weight_decay`: decoupled decay toward zero, the initial weights or an anchor
 - `schedules`: schedules bound to hyperparameters by name
 - `ema`, `sam`: the moving average; SAM and ASAM perturbations
+- `stages`: the train step's stages: accumulation, SAM's gradient, the update, the average
+- `guard`: the divergence guard's one rule: a skipped step keeps every variable
+- `fed_optimizer`: `FedOptimizer`, what the engine needs of an optimizer (both kinds)
 """
 
 __all__: list[str] = []

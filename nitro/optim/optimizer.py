@@ -22,9 +22,9 @@ constant never recompiles. Inside a parameter group a hyperparameter is fed as
 `<group>/<name>` (`backbone/learning_rate`); a bare schedule key (`learning_rate`) moves that
 hyperparameter in every group, the learning rate times the group's `group_lr` ratio.
 
-The train step's contract: `opt_state = setup.inject(opt_state, hparams)`, then
-`updates, new_state = setup.tx.update(grads, opt_state, params)`, then
-`new_state = setup.strip(new_state)`.
+The train step's contract (`nitro.optim.fed_optimizer.FedOptimizer`): `opt_state =
+setup.inject(opt_state, hparams)`, then `updates, new_state = setup.tx.update(grads,
+opt_state, params)`, then `new_state = setup.strip(new_state)`.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Protocol
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -56,7 +56,6 @@ from nitro.optim.weight_decay import (
 
 __all__ = [
     "FedHyperparameter",
-    "FedOptimizer",
     "OptimizerError",
     "OptimizerSettings",
     "OptimizerSetup",
@@ -154,6 +153,10 @@ class OptimizerSetup:
                     f"Keep one: drop {group.name!r} from group_lr, or the {name!r} schedule."
                 )
 
+    def updates(self) -> dict[str, Callable[..., Any]]:
+        """The update function the train step runs, which keys the compiled step."""
+        return {"optimizer update": self.tx.update}
+
     def inject(self, opt_state: Any, hparams: Any) -> Any:
         """Inside the trace: put this step's hyperparameters (`hparams[i]` is `names[i]`)
         into every injected state the update reads."""
@@ -177,41 +180,6 @@ class OptimizerSetup:
         if not self.slots:
             return opt_state
         return _map_injected(opt_state, lambda node: node._replace(hyperparams={}))
-
-
-class FedOptimizer(Protocol):
-    """What the engine reads of a run's optimizer: an `OptimizerSetup`, or one per model
-    (`nitro.manual`'s `ModelOptimizers`, whose `tx` is None: each model's is applied by the
-    `train_step` hook)."""
-
-    @property
-    def tx(self) -> optax.GradientTransformation | None: ...
-    @property
-    def description(self) -> str: ...
-    @property
-    def fed(self) -> tuple[FedHyperparameter, ...]: ...
-    @property
-    def groups(self) -> tuple[ParamGroup, ...]: ...
-    @property
-    def decayed(self) -> tuple[str, ...]: ...
-    @property
-    def decay_to(self) -> str | None: ...
-    @property
-    def gradient_clip_norm(self) -> float | None: ...
-    @property
-    def uses_learning_rate(self) -> bool: ...
-    @property
-    def names(self) -> tuple[str, ...]: ...
-    @property
-    def hyperparams(self) -> dict[str, float]: ...
-    @property
-    def dtypes(self) -> dict[str, Any]: ...
-    @property
-    def schedulable(self) -> dict[str, float]: ...
-    def sources(self) -> dict[str, tuple[str, float]]: ...
-    def check_schedules(self, keys: Iterable[str]) -> None: ...
-    def inject(self, opt_state: Any, hparams: Any) -> Any: ...
-    def strip(self, opt_state: Any) -> Any: ...
 
 
 def _is_injected(node: Any) -> bool:

@@ -7,7 +7,7 @@ Internal, except `nitro.staleness` and `nitro.manual` (public import paths of `s
 - `compile_cache`: the module-level cache, its keys, explanations and statistics
 - `persistent_cache`: JAX's persistent compilation cache: its directory, safe writes
 - `tracing`: what every program needs while traced: the view, hook calls, checks
-- `train_step`: the train step and K of them fused with `lax.scan`
+- `train_step`: the train step assembled from `optim.stages`, and K of them fused (`lax.scan`)
 - `manual`: `nitro.manual.Step` for `train_step` hooks, one optimizer per model
 - `specs`: evaluation, prediction and device-metric specs; `ProgramSet`
 - `staleness`: what an edit changed and which programs it reaches

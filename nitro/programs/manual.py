@@ -39,6 +39,9 @@ import numpy as np
 import optax
 from flax import nnx
 
+from nitro.optim.optimizer import FedHyperparameter, OptimizerSetup
+from nitro.optim.stages import apply_update
+
 __all__ = ["ModelOptimizers", "Step"]
 
 
@@ -104,19 +107,17 @@ class Step:
                 f"step.apply({name!r}, ...): no optimizer for {name!r}; the optimizers are "
                 f"{', '.join(map(repr, self._optimizers))}"
             )
-        updates, self.opt_states[name] = self._optimizers[name].update(
-            grads, self.opt_states[name], self.params[name]
+        self.params[name], self.opt_states[name] = apply_update(
+            self._optimizers[name], grads, self.opt_states[name], self.params[name]
         )
-        self.params[name] = optax.apply_updates(self.params[name], updates)
 
 
 class ModelOptimizers:
-    """One `OptimizerSetup` per model, seen as one by the rest of the engine: hyperparameters
-    named `model/name` fed as one vector, the state a dict of the models' optimizer states."""
+    """One `OptimizerSetup` per model, a `FedOptimizer` to the rest of the engine:
+    hyperparameters named `model/name` fed as one vector, the state a dict of the models'
+    optimizer states, each model's transformation applied by the `train_step` hook."""
 
-    def __init__(self, setups: Mapping[str, Any]):
-        from nitro.optim.optimizer import FedHyperparameter
-
+    def __init__(self, setups: Mapping[str, OptimizerSetup]):
         self.setups = dict(setups)
         self.fed = tuple(
             sorted(
@@ -137,7 +138,6 @@ class ModelOptimizers:
         )
         self.uses_learning_rate = any(s.uses_learning_rate for s in self.setups.values())
         self.description = "; ".join(f"{m}: {s.description}" for m, s in self.setups.items())
-        self.tx = None  # manual training applies each model's optimizer itself
         self.groups, self.decayed, self.decay_to, self.gradient_clip_norm = (), (), None, None
 
     @property
@@ -163,7 +163,11 @@ class ModelOptimizers:
         pass
 
     def transformations(self) -> dict[str, optax.GradientTransformation]:
+        """Each model's transformation, by model name (what `step.apply` runs)."""
         return {model: setup.tx for model, setup in self.setups.items()}
+
+    def updates(self) -> dict[str, Callable[..., Any]]:
+        return {f"optimizer update of {m}": s.tx.update for m, s in self.setups.items()}
 
     def inject(self, opt_state: Mapping[str, Any], hparams: Any) -> dict[str, Any]:
         position = {name: i for i, name in enumerate(self.names)}

@@ -8,7 +8,6 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import Variables
@@ -17,7 +16,6 @@ from nitro.experiments.fingerprint import CodeFingerprint
 from nitro.experiments.trace_view import TraceView
 
 __all__ = [
-    "all_finite",
     "call",
     "check_batch_axis",
     "check_scalar_loss",
@@ -85,11 +83,6 @@ def check_batch_axis(outputs: Any, batch: Mapping[str, Any]) -> None:
                 f"{where} has shape {shape} for a batch of {width} ({inputs}). Return one row "
                 f"per sample (e.g. `model(x)`, not `model(x).mean(0)`)."
             )
-
-
-def all_finite(tree: Any) -> jax.Array:
-    leaves = [jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]
-    return jnp.all(jnp.stack(leaves)) if leaves else jnp.asarray(True)
 
 
 def fields_key(fields: Mapping[str, tuple[str, ...]], hooks) -> tuple:

@@ -1,6 +1,18 @@
 """The train step: forward, loss, gradient, the divergence guard and the optimizer update,
 traced into one program over donated variables; and K of them fused with `lax.scan`.
 
+The step is assembled from the named stages of `nitro.optim.stages`, one line per switch:
+
+```
+gradients  jax.value_and_grad of the loss hook over the forward hook
+           -> accumulate (accum=)  -> sharpness_aware (sam=)
+update     inject the fed hyperparameters -> apply_update (the optimizer) -> strip them
+finish     moving_average (ema=) -> the guard (check_divergence=): check, keep
+```
+
+A `train_step` hook's step (`manual_step_function`) replaces the first two lines by the hook,
+which runs `apply_update` through `nitro.manual.Step`, and shares the third.
+
 One step is a pure function `step(variables, healthy, device, hparams, batch) -> StepOutput`.
 The train-step program is that function; the multi-step program scans it over K stacked
 batches, with the Device fields and hyperparameters given per step (arrays of length K), so a
@@ -16,13 +28,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import optax
 from flax import nnx
 
 from nitro.core.metrics import split_modes
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import StepOutput, Variables
 from nitro.experiments.routing import select
+from nitro.optim import guard, stages
+from nitro.optim.guard import Failure
+from nitro.optim.optimizer import OptimizerSetup
 from nitro.programs import tracing
 from nitro.programs.compile_cache import Opaque, ProgramKind, ProgramSpec
 
@@ -46,9 +60,8 @@ def step_function(
     batch."""
     residency = setup.experiment.train_metrics_residency
     optimizer = setup.optimizer
-    check = setup.check_divergence
+    assert isinstance(optimizer, OptimizerSetup)  # a train_step hook takes the manual step
     model = setup.model
-    ema, sam = setup.ema, setup.sam
 
     def step(variables: Variables, healthy, device, hparams, batch) -> StepOutput:
         params, rest = tracing.unflatten(setup, variables)
@@ -84,78 +97,32 @@ def step_function(
         # live at one trace level; only `params` is differentiated.
         grad_fn = jax.value_and_grad(objective, has_aux=True)
 
-        def gradients(params, rest):
-            """(loss, new model state, gradient, what to report): of the whole batch, or
-            accumulated over its micro-batches."""
-            if micro == 1:
-                (loss, (outputs, new_rest)), grads = grad_fn(params, rest, batch)
-                return loss, new_rest, grads, measured(outputs, batch)
+        def gradients(params, rest, batch) -> stages.Gradients:
+            (loss, (outputs, new_rest)), grads = grad_fn(params, rest, batch)
+            return stages.Gradients(loss, new_rest, grads, measured(outputs, batch))
 
-            def accumulate(carry, micro_batch):
-                rest, grad_sum, loss_sum = carry
-                (loss, (outputs, rest)), grads = grad_fn(params, rest, micro_batch)
-                grad_sum = jax.tree.map(jnp.add, grad_sum, grads)
-                return (rest, grad_sum, loss_sum + loss), measured(outputs, micro_batch)
-
-            zeros = jax.tree.map(jnp.zeros_like, params)
-            start = (rest, zeros, jnp.zeros((), jnp.float32))
-            (new_rest, grad_sum, loss_sum), metrics = jax.lax.scan(accumulate, start, batch)
-            grads = jax.tree.map(lambda g: g / micro, grad_sum)
-            return loss_sum / micro, new_rest, grads, metrics
-
-        loss, new_rest, grads, metrics = gradients(params, rest)
-        if sam is not None:
-            # the gradient again, at the weights nudged uphill; the model state and the
-            # reported loss stay those of the first pass
-            nudged = jax.tree.map(jnp.add, params, sam.perturbation(params, grads))
-            grads = gradients(nudged, rest)[2]
+        if micro > 1:
+            gradients = stages.accumulate(gradients, micro)
+        if setup.sam is not None:
+            gradients = stages.sharpness_aware(gradients, setup.sam)
+        loss, new_rest, grads, metrics = gradients(params, rest, batch)
         opt_state = optimizer.inject(opt_state, hparams)
+        new_params, new_opt = stages.apply_update(optimizer.tx, grads, opt_state, params)
 
-        if check:
-            # From the first non-finite step on, every later step leaves the weights and the
-            # model state as they were, so the handle holds the last good ones. A step is
-            # non-finite when its loss, a gradient or a fed hyperparameter is (a NaN learning
-            # rate from a schedule). The gate is known before the optimizer runs, so it zeroes
-            # the gradient and the update inside the kernels that compute them (in place, no
-            # select of the state): the guard costs one reduction over the gradients. The
-            # optimizer sees a zero gradient at a gated step (its moments decay by one step).
-            # An update that overflows from finite inputs (an absurd learning rate) is applied,
+        def checks():
+            # A fed hyperparameter is checked too: a NaN learning rate from a schedule. An
+            # update that overflows from finite inputs (an absurd learning rate) is applied,
             # and the next step's loss stops the run.
-            loss_ok = jnp.isfinite(loss)
-            grads_ok = tracing.all_finite(grads)
             hparams_ok = jnp.all(jnp.isfinite(hparams)) if optimizer.names else jnp.bool_(True)
-            healthy_in = healthy
-            healthy = healthy_in & loss_ok & grads_ok & hparams_ok
-            grads = jax.tree.map(lambda g: jnp.where(healthy, g, 0), grads)
-            new_rest = jax.tree.map(
-                lambda new, old: jax.lax.select(healthy, new, old), new_rest, rest
+            return (
+                (Failure.LOSS, jnp.isfinite(loss)),
+                (Failure.GRADIENT, guard.all_finite(grads)),
+                (Failure.HYPERPARAMETER, hparams_ok),
             )
-        updates, new_opt = optimizer.tx.update(grads, opt_state, params)
-        if check:
-            new_params = jax.tree.map(
-                lambda p, u: (p + jnp.where(healthy, u, 0)).astype(p.dtype), params, updates
-            )
-            # 0: finite; else the first failing stage: 1 loss, 2 gradient, 3 hyperparameter;
-            # 4: an earlier step in flight was already non-finite
-            code = jnp.where(
-                ~healthy_in,
-                4,
-                jnp.where(~loss_ok, 1, jnp.where(~grads_ok, 2, jnp.where(~hparams_ok, 3, 0))),
-            )
-            report = jnp.stack([loss.astype(jnp.float32), code.astype(jnp.float32)])
-        else:
-            new_params = optax.apply_updates(params, updates)
-            report = jnp.stack([loss.astype(jnp.float32), jnp.zeros((), jnp.float32)])
-        new_opt = optimizer.strip(new_opt)
-        ema_leaves, ema_steps = _moving_average(ema, model, variables, new_params, healthy, check)
-        new_variables = Variables(
-            params=jax.tree.leaves(new_params),
-            model_state=jax.tree.leaves(new_rest),
-            opt_state=jax.tree.leaves(new_opt),
-            ema=ema_leaves,
-            ema_steps=ema_steps,
+
+        return _finish(
+            setup, variables, healthy, loss, (new_params, new_rest, new_opt), checks, metrics
         )
-        return StepOutput(new_variables, healthy, report, metrics)
 
     return step
 
@@ -164,14 +131,13 @@ def manual_step_function(
     setup: RunSetup, fields: Mapping[str, tuple[str, ...]], reads: set[str], aux: dict
 ) -> Callable[..., StepOutput]:
     """A step of a `train_step` hook: the hook gets a `nitro.manual.Step` (the models, their
-    gradients, their optimizers) and the batch fields it names; the guard keeps the models,
-    their state and the optimizers' states as they were from the first non-finite step on."""
-    from nitro.programs.manual import Step
+    gradients, their optimizers) and the batch fields it names; the guard, the moving
+    average and the fed hyperparameters are the default step's."""
+    from nitro.programs.manual import ModelOptimizers, Step
 
     optimizer = setup.optimizer
-    check = setup.check_divergence
+    assert isinstance(optimizer, ModelOptimizers)
     model = setup.model
-    ema = setup.ema
 
     def step(variables: Variables, healthy, device, hparams, batch) -> StepOutput:
         params, rest = tracing.unflatten(setup, variables)
@@ -201,50 +167,48 @@ def manual_step_function(
         new_params = jax.tree.map(lambda x: x, params)  # same structure, new values below
         for name, tree in work.params.items():
             new_params[name] = tree
-        new_rest, new_opt = work.rest, work.opt_states
-        if check:
-            loss_ok = jnp.isfinite(loss)
-            params_ok = tracing.all_finite(new_params)
-            healthy_in = healthy
-            healthy = healthy_in & loss_ok & params_ok
-            keep = lambda new, old: jax.tree.map(  # noqa: E731
-                lambda n, o: jnp.where(healthy, n, o), new, old
+
+        def checks():
+            return (
+                (Failure.LOSS, jnp.isfinite(loss)),
+                (Failure.WEIGHTS, guard.all_finite(new_params)),
             )
-            new_params, new_rest = keep(new_params, params), keep(new_rest, rest)
-            new_opt = keep(new_opt, opt_state)
-            code = jnp.where(~healthy_in, 4, jnp.where(~loss_ok, 1, jnp.where(~params_ok, 5, 0)))
-        else:
-            code = jnp.zeros((), jnp.int32)
-        report = jnp.stack([loss.astype(jnp.float32), code.astype(jnp.float32)])
-        ema_leaves, ema_steps = _moving_average(ema, model, variables, new_params, healthy, check)
-        new_variables = Variables(
-            params=jax.tree.leaves(new_params),
-            model_state=jax.tree.leaves(new_rest),
-            opt_state=jax.tree.leaves(optimizer.strip(new_opt)),
-            ema=ema_leaves,
-            ema_steps=ema_steps,
-        )
-        return StepOutput(new_variables, healthy, report, metrics)
+
+        new = (new_params, work.rest, work.opt_states)
+        return _finish(setup, variables, healthy, loss, new, checks, metrics)
 
     return step
 
 
-def _moving_average(ema, model, variables: Variables, new_params, healthy, check):
-    """The EMA of the weights after a step (unchanged by a skipped one)."""
-    if ema is None:
-        return variables.ema, variables.ema_steps
-    average = jax.tree.unflatten(model.params_def, variables.ema)
-    steps = variables.ema_steps
-    decay = ema.decay_at(steps)
-    moved = jax.tree.map(
-        lambda a, p: (decay * a + (1 - decay) * p).astype(a.dtype), average, new_params
+def _finish(
+    setup: RunSetup,
+    variables: Variables,
+    healthy: jax.Array,
+    loss: jax.Array,
+    new: tuple[Any, Any, Any],
+    checks: Callable[[], tuple[tuple[Failure, jax.Array], ...]],
+    metrics: Any,
+) -> StepOutput:
+    """The stages after the update, the same for both steps: the moving average, then the
+    guard, which keeps every variable as it was at a skipped step (`nitro.optim.guard`)."""
+    params, rest, opt_state = new
+    assert setup.optimizer is not None
+    ema, ema_steps = variables.ema, variables.ema_steps
+    if setup.ema is not None:
+        ema, ema_steps = stages.moving_average(setup.ema, ema, ema_steps, jax.tree.leaves(params))
+    new_variables = Variables(
+        params=jax.tree.leaves(params),
+        model_state=jax.tree.leaves(rest),
+        opt_state=jax.tree.leaves(setup.optimizer.strip(opt_state)),
+        ema=ema,
+        ema_steps=ema_steps,
     )
-    if check:
-        moved = jax.tree.map(lambda m, a: jnp.where(healthy, m, a), moved, average)
-        steps = steps + healthy.astype(steps.dtype)
-    else:
-        steps = steps + 1
-    return jax.tree.leaves(moved), steps
+    code = jnp.int32(0)
+    if setup.check_divergence:
+        healthy, code = guard.check(healthy, *checks())
+        new_variables = guard.keep(healthy, new_variables, variables)
+    report = jnp.stack([loss.astype(jnp.float32), code.astype(jnp.float32)])
+    return StepOutput(new_variables, healthy, report, metrics)
 
 
 def _scanned(step: Callable[..., StepOutput]) -> Callable[..., StepOutput]:
