@@ -227,6 +227,9 @@ class Convolutional:
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="measures the CPU backend")
 def test_auto_goes_back_to_one_step_per_call_when_fusing_is_slower(monkeypatch):
     monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", 0.0)
+    # a call's worth of work far above one step on any machine, so "auto" always tries fusing
+    # (a busy machine made a step take longer than the default 4 ms target)
+    monkeypatch.setattr(nitro.dispatch, "TARGET_SECONDS", 0.02)
     n = nitro.Nitro(Convolutional(), progress=False, checkpointer=None, logger=None)
     n.train(epochs=3)  # the probe, then 7 fused calls timed
     plan = n.dispatch

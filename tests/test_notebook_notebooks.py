@@ -57,7 +57,7 @@ def test_tutorial_runs_from_experiment_to_prediction(tmp_path):
     _find(texts, rf"Nitro\(Digits, done, epoch 11/11, step {int(resumed.group(2)) // 9 * 11}")
     _find(
         texts,
-        r"long_exp_run \(Digits\): (training|validating|checkpointing|compiling [a-z ]+), "
+        r"long_exp_run \(Digits\): (training|validating|checkpointing|compiling [a-z -]+), "
         r"epoch \d+/30000",
     )
     _find(texts, r"nitro: stopped long_exp_run at epoch \d+, step \d+")
