@@ -8,7 +8,7 @@ stopped mid-epoch resumes at the exact batch.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -166,7 +166,7 @@ class FromFactory:
     ([0, 1, 2], [0, 1, 2])
     """
 
-    def __init__(self, factory: Callable[[], Iterable[Any]], length: int | None = None):
+    def __init__(self, factory: Callable[[], Any], length: int | None = None):
         if not callable(factory):
             raise TypeError(f"FromFactory takes a callable; got {type(factory).__name__}")
         self.factory = factory

@@ -365,6 +365,12 @@ class EpochStream:
     def __exit__(self, *exc):
         self.close()
 
+    def __iter__(self) -> EpochStream:
+        return self
+
+    def __next__(self) -> StagedBatch:  # pragma: no cover - overridden
+        raise NotImplementedError
+
     def close(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
@@ -404,9 +410,6 @@ class _InlineStream(EpochStream):
         self.block, self.group = block, group
         self._short: list = []  # the epoch's remainder: one step per call
         self.wait_seconds = 0.0
-
-    def __iter__(self):
-        return self
 
     def __next__(self) -> StagedBatch:
         begin = time.perf_counter()
@@ -586,9 +589,6 @@ class _ThreadedStream(EpochStream):
             self._put(self.out, _Failure(error))
 
     # consumer side ---------------------------------------------------------------------------
-
-    def __iter__(self):
-        return self
 
     def __next__(self) -> StagedBatch:
         if self.finished:
