@@ -15,8 +15,8 @@ import dataclasses
 import inspect
 import os
 import time
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, overload
 
 import jax
 import numpy as np
@@ -536,6 +536,12 @@ class Nitro:
                     )
                 return result
 
+    @overload
+    def predict(self, batch: Mapping[str, Any], *, weights: str | None = None) -> Any: ...
+    @overload
+    def predict(
+        self, batch: Iterable[Mapping[str, Any]], *, weights: str | None = None
+    ) -> Iterator[Any]: ...
     def predict(self, batch: Any, *, weights: str | None = None):
         """Run `forward` in eval mode. A dict of arrays -> host numpy outputs; an iterable of
         such dicts -> an iterator of outputs, one per batch. `weights="ema"` predicts with the
