@@ -129,7 +129,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from nitro.core import events, progress
     from nitro.core.events import on_phase
     from nitro.data import datasets
-    from nitro.engine import runner
+    from nitro.engine import dispatch, runner
     from nitro.errors import (
         CompilationCacheError,
         DivergenceError,

@@ -8,7 +8,7 @@ stopped mid-epoch resumes at the exact batch.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import numpy as np
@@ -58,7 +58,9 @@ class ArrayLoader:
             raise ValueError(
                 f"ArrayLoader arrays must share their first (batch) axis; lengths: {lengths}"
             )
-        self.num_samples = next(iter(lengths.values()))
+        num_samples = next(iter(lengths.values()))
+        assert num_samples is not None  # checked above: every array has a batch axis
+        self.num_samples = num_samples
         self.global_batch_size = int(batch_size)
         self.shuffle = shuffle
         self.drop_last = drop_last
@@ -164,7 +166,7 @@ class FromFactory:
     ([0, 1, 2], [0, 1, 2])
     """
 
-    def __init__(self, factory: Any, length: int | None = None):
+    def __init__(self, factory: Callable[[], Any], length: int | None = None):
         if not callable(factory):
             raise TypeError(f"FromFactory takes a callable; got {type(factory).__name__}")
         self.factory = factory

@@ -155,7 +155,9 @@ def _batch_length(batch: Mapping[str, Any]) -> int:
     if len(lengths) != 1 or None in lengths:
         shapes = {k: np.shape(v) for k, v in batch.items()}
         raise ValueError(f"batch fields must share their first (batch) axis; shapes: {shapes}")
-    return lengths.pop()
+    length = lengths.pop()
+    assert length is not None  # refused above
+    return length
 
 
 class _End:
@@ -238,6 +240,7 @@ class Prefetcher:
         s = self.settings
         if self.path == "inline":
             if self.auto_inline:
+                assert self.build_seconds is not None  # auto_inline measured it
                 return (
                     f"inline: a batch builds in {self.build_seconds * 1e6:.0f} us, cheaper on "
                     f"the loop thread than handed over from a worker (prefetch='threads' "
@@ -362,6 +365,12 @@ class EpochStream:
     def __exit__(self, *exc):
         self.close()
 
+    def __iter__(self) -> EpochStream:
+        return self
+
+    def __next__(self) -> StagedBatch:  # pragma: no cover - overridden
+        raise NotImplementedError
+
     def close(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
 
@@ -401,9 +410,6 @@ class _InlineStream(EpochStream):
         self.block, self.group = block, group
         self._short: list = []  # the epoch's remainder: one step per call
         self.wait_seconds = 0.0
-
-    def __iter__(self):
-        return self
 
     def __next__(self) -> StagedBatch:
         begin = time.perf_counter()
@@ -515,6 +521,8 @@ class _ThreadedStream(EpochStream):
         return True
 
     def _fan_out(self, source, epoch: int, start: int) -> None:
+        executor = self.executor
+        assert executor is not None  # the fan-out path starts its workers first
         try:
             plan = source.begin_epoch(epoch)
             indices = iter(range(start, len(source)))
@@ -526,7 +534,7 @@ class _ThreadedStream(EpochStream):
                     index = next(indices, None)
                     if index is None:
                         return
-                    pending[index] = self.executor.submit(source.batch_at, index, plan)
+                    pending[index] = executor.submit(source.batch_at, index, plan)
 
             submit_more()
             while pending and not self.stopping.is_set():
@@ -552,7 +560,7 @@ class _ThreadedStream(EpochStream):
         except BaseException as error:  # noqa: BLE001 - re-raised in the loop
             self._put(self.out, _Failure(error))
         finally:
-            self.executor.shutdown(wait=False, cancel_futures=True)
+            executor.shutdown(wait=False, cancel_futures=True)
 
     def _produce(self, source, epoch: int, start: int) -> None:
         try:
@@ -581,9 +589,6 @@ class _ThreadedStream(EpochStream):
             self._put(self.out, _Failure(error))
 
     # consumer side ---------------------------------------------------------------------------
-
-    def __iter__(self):
-        return self
 
     def __next__(self) -> StagedBatch:
         if self.finished:

@@ -28,8 +28,8 @@ _CHUNK = 1024
 class _Evaluator:
     """Evaluates one schedule at a step, a chunk of steps at a time when it vectorizes."""
 
-    def __init__(self, fn: Callable[[int], Any]):
-        self.fn = fn
+    def __init__(self, fn: Callable[[Any], Any]):
+        self.fn = fn  # called with a step, or tried with an array of steps (vectorized)
         self.vectorized: bool | None = None
         self.start = -1
         self.values: np.ndarray | None = None
@@ -42,6 +42,7 @@ class _Evaluator:
             ):
                 self._fill(start)
             if self.vectorized:
+                assert self.values is not None  # a vectorized fill keeps its values
                 offset = start - self.start
                 return self.values[offset : offset + count]
         return np.array([float(np.asarray(self.fn(s))) for s in range(start, start + count)])
@@ -51,6 +52,7 @@ class _Evaluator:
             if self.values is None or not self.start <= step < self.start + _CHUNK:
                 self._fill(step)
             if self.vectorized:
+                assert self.values is not None  # a vectorized fill keeps its values
                 return float(self.values[step - self.start])
         return float(np.asarray(self.fn(step)))
 

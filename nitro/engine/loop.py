@@ -29,6 +29,7 @@ from nitro.core.metrics import MetricAccumulator, split_modes
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import EpochTotals, TrainState
 from nitro.data import is_index_addressable
+from nitro.data.prefetch import EpochStream
 from nitro.engine.diagnostics import data_wait_advice, divergence_message, shape_error
 from nitro.engine.evaluation import delete, evaluate_split, finalize_metrics
 from nitro.engine.run_time import RunTime
@@ -73,7 +74,8 @@ class _Epoch:
         self.healthy = setup.placement.put_replicated(jnp.asarray(True))
         self.dispatched = 0
         self.target = 0  # the epoch this run trains to
-        self.upcoming = None  # (epoch, block, stream) started early, during validation
+        # (epoch, block, stream) started early, during validation
+        self.upcoming: tuple[int, int, EpochStream] | None = None
         self.programs_by_count: dict[tuple, Any] = {}  # (steps, micro) per call -> program
 
 
@@ -150,6 +152,7 @@ def finish_epoch(
     """Validate a trained epoch and commit its history row; returns the row, or None when a
     stop request cut validation short (then nothing is recorded and the epoch stays trained)."""
     totals = state.totals
+    assert totals is not None  # a trained epoch has its totals
     row: dict[str, Any] = {"epoch": state.epoch + 1, "step": state.step}
     if totals.loss_count:
         row["loss"] = totals.loss_sum / totals.loss_count
@@ -200,6 +203,7 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
     setup, runtime = run.setup, run.runtime
     split = setup.splits["train"]
     totals = state.totals
+    assert totals is not None  # set when the epoch began
     run.events.start_epoch(state.epoch, target, split.batches, state.position)
     begin = time.perf_counter()
     upcoming, run.upcoming = run.upcoming, None
@@ -359,6 +363,7 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
     finally:
         staged.free()
     totals = state.totals
+    assert totals is not None  # set when the epoch began
     count, micro = staged.count, staged.group
     program = run.programs_by_count.get((count, micro))
     for offset, (value, code) in enumerate(reports.tolist()):

@@ -14,7 +14,7 @@ import dataclasses
 import inspect
 import time
 import types
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sized
 from typing import Any, Literal, NamedTuple
 
 import jax
@@ -205,9 +205,9 @@ def _dispatch_start(keywords: RunKeywords, inherited: DispatchChoice | None) -> 
     setting = keywords.steps_per_dispatch
     if isinstance(setting, DispatchChoice):
         setting, inherited = setting.setting, setting
-    measured = inherited is not None and inherited.setting == "auto" and not inherited.probing
-    if setting == "auto" and measured:
-        return inherited
+    if setting == "auto" and inherited is not None:
+        if inherited.setting == "auto" and not inherited.probing:  # measured: carry it over
+            return inherited
     return DispatchChoice.of(setting)
 
 
@@ -520,7 +520,9 @@ def batch_size(batch: Mapping[str, Any], split: str) -> int:
             f"the fields of a '{split}' batch must share their first (batch) axis; lengths: "
             f"{lengths}"
         )
-    return next(iter(lengths.values()))
+    length = next(iter(lengths.values()))
+    assert length is not None  # refused above
+    return length
 
 
 def _setup_split(
@@ -590,8 +592,8 @@ def _setup_split(
         mode=prefetch_mode,
         build_seconds=build_seconds,
     )
-    try:
-        batches = len(source)
+    try:  # a source's len() may refuse (FromFactory without a length)
+        batches = len(source) if isinstance(source, Sized) else None
     except TypeError:
         batches = None
     geometry = SplitSetup(

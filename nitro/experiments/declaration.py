@@ -52,24 +52,31 @@ class FieldKind(enum.StrEnum):
         return self.value
 
 
-class GraphConst:
-    """`GraphConst[T]`: a value baked into every compiled program that reads it.
+if typing.TYPE_CHECKING:
+    # What a type checker sees: `GraphConst[int]` is an `int`, as the Annotated type that
+    # `GraphConst[int]` makes at run time.
+    _T = typing.TypeVar("_T")
+    GraphConst: typing.TypeAlias = Annotated[_T, FieldKind.GRAPHCONST]
+    Device: typing.TypeAlias = Annotated[_T, FieldKind.DEVICE]
+else:
 
-    It keys the compile cache: changing it recompiles exactly the programs that read it.
-    """
+    class GraphConst:
+        """`GraphConst[T]`: a value baked into every compiled program that reads it.
 
-    def __class_getitem__(cls, tp):
-        return Annotated[tp, FieldKind.GRAPHCONST]
+        It keys the compile cache: changing it recompiles exactly the programs that read it.
+        """
 
+        def __class_getitem__(cls, tp):
+            return Annotated[tp, FieldKind.GRAPHCONST]
 
-class Device:
-    """`Device[T]`: a numeric value passed to compiled programs as a traced input.
+    class Device:
+        """`Device[T]`: a numeric value passed to compiled programs as a traced input.
 
-    Changing it (sweeps, schedules, `Nitro.set_device`) never recompiles.
-    """
+        Changing it (sweeps, schedules, `Nitro.set_device`) never recompiles.
+        """
 
-    def __class_getitem__(cls, tp):
-        return Annotated[tp, FieldKind.DEVICE]
+        def __class_getitem__(cls, tp):
+            return Annotated[tp, FieldKind.DEVICE]
 
 
 REQUIRED_HOOKS = ("build_data", "build_model", "forward", "loss")
@@ -229,6 +236,19 @@ def _check_hashable_by_content(owner: str, name: str, value: Any) -> None:
         )
 
 
+_Class = typing.TypeVar("_Class")
+
+
+@typing.overload
+def experiment(cls: type[_Class], /) -> type[_Class]: ...
+@typing.overload
+def experiment(
+    cls: None = None, /, **dataclass_options: Any
+) -> typing.Callable[[type[_Class]], type[_Class]]: ...
+
+
+# a type checker then knows the keyword-only __init__ that dataclass() writes
+@typing.dataclass_transform(kw_only_default=True, eq_default=True)
 def experiment(cls=None, /, **dataclass_options):
     """Declare an experiment: a keyword-only dataclass whose fields are GraphConst, Device or Host.
 

@@ -35,7 +35,7 @@ from __future__ import annotations
 import inspect
 import types
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeGuard
 
 import jax
 from flax import linen, nnx
@@ -51,7 +51,7 @@ MODE_PARAMETERS = {
 }
 
 
-def is_linen(model: Any) -> bool:
+def is_linen(model: Any) -> TypeGuard[linen.Module]:
     return isinstance(model, linen.Module)
 
 

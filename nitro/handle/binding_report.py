@@ -69,12 +69,12 @@ def _fed_line(label: str, fed: Any, value: float, feed: Any, step: int) -> str:
     return f"{label} = {value:g} at step {step} ({fed.scale:g} x the {schedule} schedule, fed per step)"
 
 
-def _decay_line(setup: RunSetup, decayed, paths) -> str:
+def _decay_line(setup: RunSetup, decay_to: str, decayed, paths) -> str:
     rule = "decay_mask" if setup.keywords["decay_mask"].value is not None else "ndim > 1"
     anchor = {"zero": "zero", "init": "the initial weights", "given": "the given anchor"}
     kept = [p for p in paths if p not in set(decayed)]
     return (
-        f"decoupled weight decay toward {anchor[setup.optimizer.decay_to]}: "
+        f"decoupled weight decay toward {anchor[decay_to]}: "
         f"{len(decayed)} of {len(paths)} leaves ({rule}): {_paths(decayed) or 'none'}"
         + (f"; not {_paths(kept)}" if kept else "")
     )
@@ -172,7 +172,8 @@ def binding_report(
             if f.group is None:
                 lines.append(_fed_line(f.name, f, values[f.name], feed, step))
         if optimizer.decay_to is not None and not optimizer.groups:
-            lines.append(_decay_line(setup, optimizer.decayed, setup.model.leaf_paths["parameter"]))
+            leaves = setup.model.leaf_paths["parameter"]
+            lines.append(_decay_line(setup, optimizer.decay_to, optimizer.decayed, leaves))
         if not optimizer.hyperparams:
             lines.append("hyperparameters baked into the program (not injected: unschedulable)")
         for group in optimizer.groups:
@@ -184,7 +185,8 @@ def binding_report(
                 if f.group == group.name:
                     groups.append("  " + _fed_line(f.key, f, values[f.name], feed, step))
             if optimizer.decay_to is not None:
-                groups.append("  " + _decay_line(setup, group.decayed, group.paths))
+                decay_line = _decay_line(setup, optimizer.decay_to, group.decayed, group.paths)
+                groups.append("  " + decay_line)
     lines.append(f"parameters: {setup.model.param_count:,}")
     sections.append(("optimizer", lines))
     if groups:

@@ -15,8 +15,8 @@ import dataclasses
 import inspect
 import os
 import time
-from collections.abc import Iterable, Mapping
-from typing import Any
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, overload
 
 import jax
 import numpy as np
@@ -104,7 +104,7 @@ class Nitro:
                 "weights only. Pass one of them."
             )
         self._progress = progress.make_reporter(resolved.progress)
-        self._state: TrainState | None = None  # built below; monitors see setup phases first
+        self._state: TrainState  # built below; monitors see setup phases first (without it)
         self._events = Events([self._progress], context=self._phase_context)
         self._logging = None
         if resolved.logger is not None:
@@ -161,7 +161,7 @@ class Nitro:
 
     def _phase_context(self) -> tuple[Nitro | None, int | None, int | None]:
         """(handle, step, epoch) for phase monitors; nothing while the handle is built."""
-        state = self._state
+        state: TrainState | None = getattr(self, "_state", None)
         return (None, None, None) if state is None else (self, state.step, state.epoch)
 
     def _reattach_logger(self, meta: Mapping[str, Any]) -> None:
@@ -536,6 +536,12 @@ class Nitro:
                     )
                 return result
 
+    @overload
+    def predict(self, batch: Mapping[str, Any], *, weights: str | None = None) -> Any: ...
+    @overload
+    def predict(
+        self, batch: Iterable[Mapping[str, Any]], *, weights: str | None = None
+    ) -> Iterator[Any]: ...
     def predict(self, batch: Any, *, weights: str | None = None):
         """Run `forward` in eval mode. A dict of arrays -> host numpy outputs; an iterable of
         such dicts -> an iterator of outputs, one per batch. `weights="ema"` predicts with the

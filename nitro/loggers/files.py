@@ -187,9 +187,10 @@ class CSVLogger(_FileLogger):
     columns = ("time", "context", "epoch", "step", "name", "value")
 
     def _open(self) -> IO[str]:
-        fresh = not (self._path and os.path.exists(self._path) and os.path.getsize(self._path))
-        if not fresh:
-            with open(self._path, encoding="utf-8", newline="") as existing:
+        path = self._path
+        fresh = not (path and os.path.exists(path) and os.path.getsize(path))
+        if path and not fresh:
+            with open(path, encoding="utf-8", newline="") as existing:
                 header = next(csv.reader(existing), [])
             if tuple(header) != self.columns:
                 raise ValueError(

@@ -19,7 +19,7 @@ from __future__ import annotations
 import math
 import numbers
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -143,7 +143,7 @@ class BaseLogger:
 
 def logger_info(logger: Any) -> dict[str, Any]:
     """`logger.info()`, or its type name when it has no `info`."""
-    info = getattr(logger, "info", None)
+    info: Callable[[], Mapping[str, Any]] | None = getattr(logger, "info", None)
     return dict(info()) if callable(info) else {"type": type(logger).__name__}
 
 

@@ -92,7 +92,7 @@ class TensorBoardLogger(BaseLogger):
 
     def _open(self):
         from tensorboardX.event_file_writer import EventsWriter
-        from tensorboardX.proto.event_pb2 import Event, SessionLog
+        from tensorboardX.proto.event_pb2 import Event, SessionLog  # pyright: ignore[reportAttributeAccessIssue]  # protobuf-generated, no stubs
 
         if self._logdir is None:
             raise RuntimeError(
@@ -116,7 +116,7 @@ class TensorBoardLogger(BaseLogger):
         return self._writer
 
     def _write(self, summary, step: int | None, flush: bool = False) -> None:
-        from tensorboardX.proto.event_pb2 import Event
+        from tensorboardX.proto.event_pb2 import Event  # pyright: ignore[reportAttributeAccessIssue]  # protobuf-generated, no stubs
 
         event = Event(wall_time=time.time(), step=step or 0, summary=summary)
         with self._lock:
@@ -145,7 +145,7 @@ class TensorBoardLogger(BaseLogger):
     # the verbs ----------------------------------------------------------------------------
 
     def log_metrics(self, metrics, *, step, epoch, context) -> None:
-        from tensorboardX.proto.summary_pb2 import Summary
+        from tensorboardX.proto.summary_pb2 import Summary  # pyright: ignore[reportAttributeAccessIssue]  # protobuf-generated, no stubs
 
         values = []
         for name, value in metrics.items():
@@ -237,9 +237,9 @@ class TensorBoardLogger(BaseLogger):
 def _hparams(params: Mapping[str, Any], metric_tags: list[str], status: str):
     """The three HParams summaries: the experiment (parameters and the metric tags the
     dashboard shows), the session start (the values) and the session end (its status)."""
-    from tensorboardX.proto.api_pb2 import Status
-    from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData, SessionEndInfo
-    from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata
+    from tensorboardX.proto.api_pb2 import Status  # pyright: ignore[reportAttributeAccessIssue]  # protobuf-generated, no stubs
+    from tensorboardX.proto.plugin_hparams_pb2 import HParamsPluginData, SessionEndInfo  # pyright: ignore[reportAttributeAccessIssue]  # protobuf-generated, no stubs
+    from tensorboardX.proto.summary_pb2 import Summary, SummaryMetadata  # pyright: ignore[reportAttributeAccessIssue]  # protobuf-generated, no stubs
     from tensorboardX.summary import hparams
 
     experiment, start, _ = hparams(dict(params), dict.fromkeys(metric_tags, 0.0))

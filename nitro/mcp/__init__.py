@@ -21,7 +21,7 @@ load on first use.
 from __future__ import annotations
 
 import importlib
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 _EXPORTS = {
     "RUNS": "nitro.mcp.registry",
@@ -34,7 +34,16 @@ _EXPORTS = {
     "HttpServer": "nitro.mcp.http",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [  # sorted(_EXPORTS)
+    "HttpServer",
+    "RUNS",
+    "RunRecord",
+    "RunRegistry",
+    "TOOLS",
+    "ToolFailure",
+    "ToolSession",
+    "build_server",
+]
 
 
 def __getattr__(name: str) -> Any:
@@ -44,3 +53,11 @@ def __getattr__(name: str) -> Any:
     value = getattr(importlib.import_module(module), name)
     globals()[name] = value
     return value
+
+
+if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
+    from nitro.mcp.http import HttpServer
+    from nitro.mcp.lookup import ToolFailure
+    from nitro.mcp.registry import RUNS, RunRecord, RunRegistry
+    from nitro.mcp.session import ToolSession
+    from nitro.mcp.tools import TOOLS, build_server

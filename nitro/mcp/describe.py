@@ -87,6 +87,7 @@ def describe_run(
             started_by="agent",
         )
     else:
+        assert handle is not None  # a run without a record is a notebook's handle
         row.update(
             kind="notebook",
             experiment=handle.cls.__qualname__,
@@ -130,5 +131,6 @@ def describe_run(
             seconds=round((record.finished or time.time()) - record.started, 3),
         )
     else:
+        assert handle is not None  # a run without a record is a notebook's handle
         row["error"] = error_text(handle.error)
     return row

@@ -152,5 +152,6 @@ class HttpServer:
             while self._thread.is_alive() and time.monotonic() < deadline:
                 time.sleep(0.02)
             if self._thread.is_alive():
+                assert self._uvicorn is not None  # started with the thread
                 self._uvicorn.force_exit = True
         self._thread = None

@@ -70,6 +70,15 @@ class _Found:
     handle: Nitro | None
 
 
+@dataclasses.dataclass
+class _SetUp:
+    """A run whose handle is set up."""
+
+    run_id: str
+    record: RunRecord | None
+    handle: Nitro
+
+
 class ToolSession:
     """The runs and experiments the tools see.
 
@@ -129,20 +138,20 @@ class ToolSession:
         listing = f"runs: {', '.join(known)}" if known else "there are no runs yet"
         raise ToolFailure(f"run_id: no run {run_id!r}; {listing} (nitro_runs lists them)")
 
-    def _handle(self, run_id: str, what: str, idle: bool = True) -> _Found:
+    def _handle(self, run_id: str, what: str, idle: bool = True) -> _SetUp:
         found = self._find(run_id)
-        if found.handle is None:
+        handle = found.handle
+        if handle is None:
             raise ToolFailure(
                 f"run_id: run {run_id} is still setting up; {what} once nitro_status shows "
                 f"phase 'training' or later"
             )
-        if idle and found.handle.running:
-            handle = found.handle
+        if idle and handle.running:
             raise ToolFailure(
                 f"run_id: run {run_id} is {handle.phase} (epoch {handle.epoch}/"
                 f"{handle.max_epochs}); {what} after it finishes, or nitro_stop it first"
             )
-        return found
+        return _SetUp(found.run_id, found.record, handle)
 
     def _describe(self, found: _Found, brief: bool = False) -> dict[str, Any]:
         names = [] if found.handle is None else self._names(found.handle)
@@ -466,7 +475,7 @@ class ToolSession:
         found = self._find(run_id)
         record, handle = found.record, found.handle
         record_running = record is not None and record.status is RunStatus.RUNNING
-        if record_running:
+        if record_running and record is not None:
             record.stop_requested = True
         if handle is not None and handle.running:
             handle.stop()

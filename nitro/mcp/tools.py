@@ -22,6 +22,7 @@ import anyio.to_thread
 import mcp.types as types
 from mcp.server.lowlevel import Server
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic_core import ErrorDetails
 
 from nitro.engine.keywords import KEYWORD_ONLY, RUN_KEYWORDS
 from nitro.mcp.keywords import OBJECT_KEYWORDS
@@ -239,7 +240,7 @@ def _argument_errors(tool: ToolSpec, error: ValidationError) -> str:
     several accepted forms (`resume`) gets its most specific problem and the forms it takes,
     rather than one complaint per form."""
     allowed = ", ".join(tool.arguments.model_fields) or "none"
-    by_argument: dict[str, list[dict[str, Any]]] = {}
+    by_argument: dict[str, list[ErrorDetails]] = {}
     for item in error.errors():
         by_argument.setdefault(str(item["loc"][0]) if item["loc"] else "arguments", []).append(item)
     problems = []
@@ -277,7 +278,7 @@ def call(session: ToolSession, name: str, arguments: dict[str, Any] | None) -> d
         raise ToolFailure(f"{name}: {type(error).__name__}: {error}") from None
 
 
-def _text(value: Any) -> list[types.TextContent]:
+def _text(value: Any) -> list[types.ContentBlock]:
     return [types.TextContent(type="text", text=json.dumps(value, indent=1))]
 
 

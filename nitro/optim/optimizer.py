@@ -74,7 +74,10 @@ _INJECTED = (optax.InjectHyperparamsState, optax.InjectStatefulHyperparamsState)
 class OptimizerSettings:
     """The run keywords and hooks that shape the optimizer."""
 
-    optimizer: Any = None  # an optax factory or GradientTransformation; None: optax.adam
+    # an optax factory or GradientTransformation; None: optax.adam (a user value: `_base` checks it)
+    optimizer: optax.GradientTransformation | Callable[..., optax.GradientTransformation] | None = (
+        None
+    )
     learning_rate: float = 1e-3
     learning_rate_explicit: bool = False
     param_group: Callable[[str], str] | None = None  # the experiment's hook
@@ -412,7 +415,9 @@ def _fed(settings: OptimizerSettings, opt_state: Any, labels, uses_lr: bool):
     for name in sorted(dtypes):
         prefix, _, key = name.rpartition("/")
         group = prefix or None
-        scale = float(ratios.get(group, 1.0)) if key == "learning_rate" else 1.0
+        scale = (
+            float(ratios.get(group, 1.0)) if key == "learning_rate" and group is not None else 1.0
+        )
         if key == "learning_rate":
             if name not in given:
                 raise OptimizerError(

@@ -24,7 +24,7 @@ saved with checkpoints and restored on resume.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, cast
 
 import jax
 import jax.numpy as jnp
@@ -102,13 +102,14 @@ def decoupled_weight_decay(
         )
         return DecoupledDecayState(anchor=anchor)
 
-    def update(updates: Any, state: DecoupledDecayState, params: Any = None):
+    def update(updates: Any, state: optax.OptState, params: Any = None):
         if params is None:
             raise ValueError(
                 "decoupled_weight_decay needs the parameters: call update(updates, state, params)"
             )
         leaves, treedef = jax.tree.flatten(updates, is_leaf=_masked)
-        anchors = iter(state.anchor)
+        # optax hands each stage back the state its `init` returned
+        anchors = iter(cast(DecoupledDecayState, state).anchor)
         out = []
         for u, p, d in zip(leaves, _leaves(params), decayed, strict=True):
             if d and not _masked(u):

@@ -65,6 +65,7 @@ def step_function(
 
     def step(variables: Variables, healthy, device, hparams, batch) -> StepOutput:
         params, rest = tracing.unflatten(setup, variables)
+        assert variables.opt_state is not None  # a train step's variables carry it
         opt_state = jax.tree.unflatten(model.opt_state_def, variables.opt_state)
         view = tracing.view(setup, device, reads)
 
@@ -97,9 +98,11 @@ def step_function(
         # live at one trace level; only `params` is differentiated.
         grad_fn = jax.value_and_grad(objective, has_aux=True)
 
-        def gradients(params, rest, batch) -> stages.Gradients:
+        def value_and_grads(params, rest, batch) -> stages.Gradients:
             (loss, (outputs, new_rest)), grads = grad_fn(params, rest, batch)
             return stages.Gradients(loss, new_rest, grads, measured(outputs, batch))
+
+        gradients: stages.GradientFn = value_and_grads
 
         if micro > 1:
             gradients = stages.accumulate(gradients, micro)
@@ -141,6 +144,7 @@ def manual_step_function(
 
     def step(variables: Variables, healthy, device, hparams, batch) -> StepOutput:
         params, rest = tracing.unflatten(setup, variables)
+        assert variables.opt_state is not None  # a train step's variables carry it
         opt_state = jax.tree.unflatten(model.opt_state_def, variables.opt_state)
         opt_state = optimizer.inject(opt_state, hparams)
         view = tracing.view(setup, device, reads)

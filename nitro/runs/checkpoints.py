@@ -40,9 +40,10 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
-from nitro.core.run_setup import CheckpointRef
+from nitro.core.run_setup import CheckpointPolicy, CheckpointRef
 from nitro.errors import SetupError
 
 __all__ = [
@@ -116,7 +117,7 @@ class Checkpointer:
 def _host(x: Any) -> np.ndarray:
     """A host copy of a (replicated) array; PRNG keys as their key data."""
     if isinstance(x, jax.Array):
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             x = jax.random.key_data(x)
         if not x.is_fully_addressable:
             x = x.addressable_data(0)
@@ -148,7 +149,7 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def host_tree(setup: Any, variables: Any) -> dict[str, Any]:
     """The variables as nested dicts of numpy arrays, keyed by the model's leaf paths."""
     paths = setup.model.leaf_paths
-    tree = {
+    tree: dict[str, Any] = {
         "params": _nest(paths["parameter"], [_host(x) for x in variables.params]),
         "model_state": _nest(paths["model state"], [_host(x) for x in variables.model_state]),
     }
@@ -172,9 +173,7 @@ def leaves_from(what: str, saved: Mapping[str, Any], paths, template: list) -> l
         value = flat.get(path)
         if value is None:
             continue
-        is_key = isinstance(like, jax.Array) and jax.dtypes.issubdtype(
-            like.dtype, jax.dtypes.prng_key
-        )
+        is_key = isinstance(like, jax.Array) and jnp.issubdtype(like.dtype, jax.dtypes.prng_key)
         expected = np.shape(jax.random.key_data(like)) if is_key else np.shape(like)
         dtype = jax.random.key_data(like).dtype if is_key else np.asarray(like).dtype
         if tuple(np.shape(value)) != tuple(expected) or np.asarray(value).dtype != dtype:
@@ -184,7 +183,10 @@ def leaves_from(what: str, saved: Mapping[str, Any], paths, template: list) -> l
             )
             continue
         if is_key:
-            value = jax.random.wrap_key_data(np.asarray(value), impl=jax.random.key_impl(like))
+            value = jax.random.wrap_key_data(
+                np.asarray(value),  # pyright: ignore[reportArgumentType]  # jax annotates Array, takes any array
+                impl=jax.random.key_impl(like),
+            )
         leaves.append(value)
     if problems:
         raise SetupError(
@@ -262,7 +264,7 @@ class CheckpointStore:
     """One run's orbax `CheckpointManager`, opened on first use, closed when the run's
     handle goes away (or at exit), with the budget that decides which epochs are saved."""
 
-    def __init__(self, directory: str | os.PathLike, config: Checkpointer, deterministic: bool):
+    def __init__(self, directory: str | os.PathLike, config: CheckpointPolicy, deterministic: bool):
         self.directory = Path(directory).absolute()  # orbax writes absolute paths only
         self.config = config
         self.deterministic = deterministic  # across processes: decide by epoch count only
@@ -285,7 +287,7 @@ class CheckpointStore:
 
             config = self.config
             metric = config.metric
-            keep = [managers.LatestN(n=1)]
+            keep: list[managers.PreservationPolicy] = [managers.LatestN(n=1)]
             ranking = {}
             if ranked:
                 keep.append(
@@ -444,7 +446,7 @@ def _meta_args():
 def _best(manager, steps: list[int]) -> tuple[int | None, str | None, float | None, dict]:
     """(best step, metric, its value, the newest meta) by the checkpointer's own metric and
     mode, as recorded in the newest checkpoint."""
-    meta = manager.restore(steps[-1], args=_meta_args()).meta
+    meta = manager.restore(steps[-1], args=_meta_args())["meta"]
     config = meta.get("checkpointer") or {}
     metric, mode = config.get("metric"), config.get("mode", "min")
     best_step, best = None, None
@@ -464,7 +466,7 @@ def ranked_steps(directory: str | os.PathLike) -> tuple[str | None, list[tuple[i
         steps = list(manager.all_steps())
         if not steps:
             return None, []
-        meta = manager.restore(steps[-1], args=_meta_args()).meta
+        meta = manager.restore(steps[-1], args=_meta_args())["meta"]
         config = meta.get("checkpointer") or {}
         metric, mode = config.get("metric"), config.get("mode", "min")
         ranked = [
@@ -498,7 +500,7 @@ def describe_saved(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     with _reader(directory) as manager:
         rows = []
         for step in manager.all_steps():
-            meta = manager.restore(step, args=_meta_args()).meta
+            meta = manager.restore(step, args=_meta_args())["meta"]
             row = {"step": step, "epoch": meta.get("epoch")}
             row.update(manager.metrics(step) or {})
             row["path"] = str(directory / str(step))
@@ -515,7 +517,7 @@ def read_checkpoint(directory: Path, step: int, weights_only: bool = False):
             step,
             args=ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()),
         )
-        return restored.state, restored.meta
+        return restored["state"], restored["meta"]
 
 
 class SavedStep(NamedTuple):

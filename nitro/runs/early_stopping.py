@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from nitro.errors import SetupError
@@ -50,7 +50,7 @@ class EarlyStopping:
         if not isinstance(self.metric, str) or not self.metric:
             raise SetupError(f"EarlyStopping(metric={self.metric!r}): name a history column")
 
-    def check(self, splits: Sequence[str], metrics: Sequence[str] | None) -> None:
+    def check(self, splits: Sequence[str], metrics: Collection[str] | None) -> None:
         """Refuse at setup what could never stop: no 'val' split for a validation metric, or a
         metric the run does not produce (`metrics`: the names it does, when known)."""
         if self.metric.startswith("val_") and "val" not in splits:

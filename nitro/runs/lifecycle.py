@@ -16,7 +16,13 @@ import jax
 import numpy as np
 
 from nitro import __version__
+from nitro.core.events import Events
+from nitro.core.run_setup import CheckpointRef, RunSetup, SplitSetup
+from nitro.core.train_state import TrainState, Variables
+from nitro.errors import SetupError
+from nitro.experiments.fingerprint import code_digest
 from nitro.runs.checkpoints import (
+    Checkpointer,
     CheckpointStore,
     SavedStep,
     _json_safe,
@@ -25,9 +31,6 @@ from nitro.runs.checkpoints import (
     read_checkpoint,
     resolve_checkpoint,
 )
-from nitro.errors import SetupError
-from nitro.core.events import Events
-from nitro.experiments.fingerprint import code_digest
 from nitro.runs.run_dirs import (
     checkpoint_dir,
     default_run_dir,
@@ -37,8 +40,6 @@ from nitro.runs.run_dirs import (
     read_run_json,
     write_run_json,
 )
-from nitro.core.run_setup import CheckpointRef, RunSetup, SplitSetup
-from nitro.core.train_state import TrainState, Variables
 
 __all__ = ["RunFiles", "check_watched_metrics", "config_of", "metric_names"]
 
@@ -102,6 +103,7 @@ class RunFiles:
         """The state to resume from, read from the checkpoint (a new `TrainState`; `state`,
         the fresh one, gives the arrays' shapes and stays as it was), and the checkpoint's
         JSON record. `device`: the Device fields' values now, compared with the saved ones."""
+        assert self.resume_from is not None  # planned: a run that resumes
         directory, step = self.resume_from
         saved, meta = read_checkpoint(directory, step)
         _check_config(setup, meta)
@@ -249,8 +251,10 @@ class RunFiles:
         reason: str | None = None,
     ) -> None:
         events.phase("checkpointing")  # the loop (or the run's end) sets the next phase
-        metric = row.get(self.store.config.metric)
-        self.store.save(
+        store = self.store
+        assert store is not None  # saves come from a run with a store
+        metric = row.get(store.config.metric)
+        store.save(
             state.step,
             host_tree(setup, state.variables),
             checkpoint_meta(
@@ -280,6 +284,7 @@ def checkpoint_meta(
     logger_state: Any = None,
 ) -> dict[str, Any]:
     checkpointer = setup.checkpointer
+    assert checkpointer is None or isinstance(checkpointer, Checkpointer)  # the keyword's check
     scalar = lambda r: {k: v for k, v in r.items() if np.ndim(v) == 0}  # noqa: E731
     return {
         "format": 1,
@@ -470,12 +475,12 @@ def _probe_metrics(
             params=[abstract(x) for x in state.variables.params],
             model_state=[abstract(x) for x in state.variables.model_state],
         )
-        device = {k: abstract(v) for k, v in device.items()}
+        abstract_device = {k: abstract(v) for k, v in device.items()}
         batch = {
             name: jax.ShapeDtypeStruct(shape, np.dtype(dtype))
             for name, (shape, dtype) in val.batch_spec.items()
         }
-        result = jax.eval_shape(evaluate, variables, device, batch, np.int32(1))
+        result = jax.eval_shape(evaluate, variables, abstract_device, batch, np.int32(1))
         outputs = jax.tree.map(lambda s: np.zeros(s.shape, s.dtype), result.outputs)
         fields = {k: np.zeros(*val.batch_spec[k]) for k in wanted}
         values = setup.experiment.hook_functions["metrics"](experiment, outputs, **fields)

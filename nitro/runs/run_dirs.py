@@ -155,4 +155,5 @@ def saved_runs(where: Any = None):
         root = experiment_root(name)
     rows = [run.as_row() for run in list_runs(root)]
     columns = ["run id", "started", "checkpoints", "latest epoch", "best", "path"]
-    return pd.DataFrame(rows, columns=columns).set_index("run id")
+    frame = pd.DataFrame(rows, columns=columns)  # pyright: ignore[reportArgumentType]  # pandas' SequenceNotStr rejects list[str]
+    return frame.set_index("run id")

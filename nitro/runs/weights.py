@@ -143,7 +143,7 @@ class AveragedWeights:
                     firsts[what] = leaves
                     sums[what] = [np.array(x, np.float64) if _floating(x) else None for x in leaves]
                     continue
-                for total, x in zip(sums[what], leaves):
+                for total, x in zip(sums[what], leaves, strict=False):
                     if total is not None:
                         total += np.asarray(x, np.float64)
         k = len(self.checkpoints)
@@ -153,7 +153,7 @@ class AveragedWeights:
                 jnp.asarray((total / k).astype(np.asarray(first).dtype))
                 if total is not None
                 else (first if isinstance(first, jax.Array) else jnp.asarray(first))
-                for total, first in zip(sums[what], firsts[what])
+                for total, first in zip(sums[what], firsts[what], strict=False)
             ]
             averaged.append(jax.tree.unflatten(jax.tree.structure(tree), leaves))
         run_dir = Path(self.checkpoints[0][0]).parent
@@ -208,6 +208,11 @@ def average(source: Any, k: int = 3) -> AveragedWeights:
         return AveragedWeights(tuple((str(d), s) for d, s in found), f"{len(found)} given")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise WeightsError(f"average(k={k!r}): k must be an int >= 1")
+    if not isinstance(source, (str, os.PathLike)):
+        raise WeightsError(
+            f"average() takes a run directory, its checkpoints folder or a list of checkpoint "
+            f"paths; got {source!r}. For a run's best k checkpoints: average(run_dir, k=...)"
+        )
     path = Path(source)
     directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     if not directory.is_dir():

@@ -309,7 +309,7 @@ def export_handle(
         for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
             key = jax.tree_util.keystr(path, simple=True, separator=".")
             key = key.removesuffix(".value")
-            if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+            if jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
                 key_impls[key] = jax.random.key_impl(leaf)
                 leaf = jax.random.key_data(leaf)
             weights[key] = np.array(leaf)  # a host copy: training may go on

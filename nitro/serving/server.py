@@ -191,8 +191,9 @@ class _Server(kserve.ModelServer):
         self.max_request_bytes = max_request_bytes
         self.watch = watch
 
-    def start(self, models: list[BundleModel]) -> None:
-        self._register_and_check_atleast_one_model_is_ready(models)
+    def start(self, models: Sequence[BundleModel]) -> None:
+        # a list of the base class, as kserve declares it (it only reads the list)
+        self._register_and_check_atleast_one_model_is_ready(list(models))
         _kserve_app.add_middleware(RequestGate, limit=self.max_request_bytes)
         for kind in (ValueError, KeyError, TypeError, IndexError, AttributeError):
             _kserve_app.add_exception_handler(kind, undecodable)
