@@ -56,6 +56,7 @@ from nitro.optim.weight_decay import (
 
 __all__ = [
     "FedHyperparameter",
+    "FedValues",
     "OptimizerError",
     "OptimizerSettings",
     "OptimizerSetup",
@@ -100,20 +101,10 @@ class FedHyperparameter:
     dtype: Any
 
 
-@dataclasses.dataclass(frozen=True)
-class OptimizerSetup:
-    """The run's optimizer: the composed transformation, the hyperparameters fed to every
-    step (in the order of the fed vector), and the parameter groups."""
+class FedValues:
+    """What both kinds of optimizer derive from their fed hyperparameters (`self.fed`)."""
 
-    tx: optax.GradientTransformation
-    description: str
-    fed: tuple[FedHyperparameter, ...]  # sorted by name
-    slots: tuple[tuple[str, tuple[str, ...]], ...]  # per injected state: (prefix, its keys)
-    uses_learning_rate: bool
-    groups: tuple[ParamGroup, ...] = ()
-    decayed: tuple[str, ...] = ()  # paths of the leaves that decay (weight_decay on)
-    decay_to: str | None = None  # "zero", "init", "given"; None: no decoupled decay
-    gradient_clip_norm: float | None = None
+    fed: tuple[FedHyperparameter, ...]
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -128,6 +119,22 @@ class OptimizerSetup:
     @property
     def dtypes(self) -> dict[str, Any]:
         return {f.name: f.dtype for f in self.fed}
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerSetup(FedValues):
+    """The run's optimizer: the composed transformation, the hyperparameters fed to every
+    step (in the order of the fed vector), and the parameter groups."""
+
+    tx: optax.GradientTransformation
+    description: str
+    fed: tuple[FedHyperparameter, ...]  # sorted by name
+    slots: tuple[tuple[str, tuple[str, ...]], ...]  # per injected state: (prefix, its keys)
+    uses_learning_rate: bool
+    groups: tuple[ParamGroup, ...] = ()
+    decayed: tuple[str, ...] = ()  # paths of the leaves that decay (weight_decay on)
+    decay_to: str | None = None  # "zero", "init", "given"; None: no decoupled decay
+    gradient_clip_norm: float | None = None
 
     @property
     def schedulable(self) -> dict[str, float]:

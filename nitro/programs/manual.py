@@ -39,7 +39,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from nitro.optim.optimizer import FedHyperparameter, OptimizerSetup
+from nitro.optim.optimizer import FedHyperparameter, FedValues, OptimizerSetup
 from nitro.optim.stages import apply_update
 
 __all__ = ["ModelOptimizers", "Step"]
@@ -112,7 +112,7 @@ class Step:
         )
 
 
-class ModelOptimizers:
+class ModelOptimizers(FedValues):
     """One `OptimizerSetup` per model, a `FedOptimizer` to the rest of the engine:
     hyperparameters named `model/name` fed as one vector, the state a dict of the models'
     optimizer states, each model's transformation applied by the `train_step` hook."""
@@ -139,18 +139,6 @@ class ModelOptimizers:
         self.uses_learning_rate = any(s.uses_learning_rate for s in self.setups.values())
         self.description = "; ".join(f"{m}: {s.description}" for m, s in self.setups.items())
         self.groups, self.decayed, self.decay_to, self.gradient_clip_norm = (), (), None, None
-
-    @property
-    def names(self) -> tuple[str, ...]:
-        return tuple(f.name for f in self.fed)
-
-    @property
-    def hyperparams(self) -> dict[str, float]:
-        return {f.name: f.constant for f in self.fed}
-
-    @property
-    def dtypes(self) -> dict[str, Any]:
-        return {f.name: f.dtype for f in self.fed}
 
     @property
     def schedulable(self) -> dict[str, float]:
