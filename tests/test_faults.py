@@ -290,7 +290,7 @@ def test_a_source_whose_len_overstates_ends_the_epoch_when_it_ends_with_a_warnin
         (lambda step: None, "gives None at step 0; a schedule returns a number"),
         (lambda step: np.ones(3), "(shape (3,)); an optimizer hyperparameter is one number"),
         (lambda step: 1e-3 + 1j, "(a complex number); a schedule returns a real number"),
-        (lambda step: 1e-3 - step * 1e-3, "at step 7; a learning rate must be >= 0"),
+        (lambda step: 1e-3 - step * 1e-3, "at step 7; learning_rate must be a finite number >= 0"),
     ],
     ids=["string", "none", "array", "complex", "negative-at-horizon"],
 )

@@ -1,7 +1,9 @@
-"""Faults in configuration: field values of the wrong type, functions as GraphConst values, and
-a compilation cache directory that cannot be used or holds broken entries."""
+"""Faults in configuration: field values of the wrong type, hyperparameters out of their range,
+functions as GraphConst values, and a compilation cache directory that cannot be used or holds
+broken entries."""
 
 import functools
+import math
 import os
 import subprocess
 import sys
@@ -15,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from gan_toys import GAN
 from toys import TinyMLP, Toy, X, loaders
 
 import nitro
@@ -105,6 +108,200 @@ def test_the_shipped_experiments_still_construct():
     for cls in (Toy, Digits):
         experiment = cls()
         assert type(experiment) is cls
+
+
+# ---------------------------------------------------------------------------------------------
+# hyperparameters out of their range: refused at setup, before anything compiles
+
+
+@nitro.experiment
+class TwoGroups(Toy):
+    def param_group(self, path):
+        return "body" if path.startswith("hidden") else "head"
+
+
+@nitro.experiment
+class InfiniteRateMethod(Toy):
+    def learning_rate(self):
+        return math.inf
+
+
+@nitro.experiment
+class NaNRateField(Toy):
+    learning_rate: float = math.nan
+
+
+@nitro.experiment
+class BadGANOptimizer(GAN):
+    def optimizer(self):
+        return {"gen": optax.adam, "disc": functools.partial(optax.adam, b2=1.0)}
+
+
+INF, NAN = math.inf, math.nan
+OUT_OF_RANGE = [
+    # (what is built, the error, what the message says)
+    (
+        lambda: nitro.Nitro(Toy(), sam=NAN),
+        nitro.SetupError,
+        "sam must be a finite number > 0, got nan; e.g. sam=0.05 [Nitro keyword]",
+    ),
+    (
+        lambda: nitro.Nitro(Toy(), learning_rate=INF),
+        nitro.SetupError,
+        "learning_rate must be a finite number > 0, got inf (to start it at 0, schedule it: "
+        "schedules={'learning_rate': ...}); e.g. learning_rate=0.001 [Nitro keyword]",
+    ),
+    (
+        lambda: nitro.Nitro(InfiniteRateMethod()),
+        nitro.SetupError,
+        "learning_rate must be a finite number > 0, got inf",
+    ),
+    (
+        lambda: nitro.Nitro(NaNRateField()),
+        nitro.SetupError,
+        "learning_rate must be a finite number > 0, got nan",
+    ),
+    (
+        lambda: nitro.Nitro(Toy(), gradient_clip_norm=INF),
+        nitro.SetupError,
+        "gradient_clip_norm must be a finite number > 0, got inf (None turns clipping off); "
+        "e.g. gradient_clip_norm=1.0 [Nitro keyword]",
+    ),
+    (
+        lambda: nitro.Nitro(Toy(), weight_decay=NAN),
+        nitro.SetupError,
+        "weight_decay must be a finite number >= 0, got nan (None turns weight decay off); "
+        "e.g. weight_decay=0.0001 [Nitro keyword]",
+    ),
+    (
+        lambda: nitro.Nitro(TwoGroups(), group_lr={"body": INF}),
+        nitro.SetupError,
+        "group_lr['body'] must be a finite number >= 0, got inf (a ratio of the learning rate; "
+        "0 freezes the group); e.g. group_lr={'body': 0.1} [Nitro keyword]",
+    ),
+    (
+        lambda: nitro.Nitro(Toy(), optimizer=functools.partial(optax.adam, b1=1.5)),
+        nitro.SetupError,
+        "b1 of the optimizer optax.adam(b1=1.5)(learning_rate=0.001) must be a finite number in "
+        "[0, 1), got 1.5; e.g. optimizer=functools.partial(optax.adam, b1=0.9)",
+    ),
+    (
+        lambda: nitro.Nitro(Toy(), optimizer=functools.partial(optax.adam, eps=-1.0, b2=0.99)),
+        nitro.SetupError,
+        "eps of the optimizer optax.adam(eps=-1.0, b2=0.99)(learning_rate=0.001) must be a "
+        "finite number >= 0, got -1.0; e.g. optimizer=functools.partial(optax.adam, eps=1e-08, "
+        "b2=0.99)",
+    ),
+    (
+        lambda: nitro.Nitro(Toy(), optimizer=functools.partial(optax.sgd, momentum=1.0)),
+        nitro.SetupError,
+        "momentum of the optimizer optax.sgd(momentum=1.0)(learning_rate=0.001) must be a finite "
+        "number in [0, 1), got 1.0",
+    ),
+    (
+        lambda: nitro.Nitro(
+            TwoGroups(), optimizer=optax.inject_hyperparams(optax.adam)(learning_rate=0.1, b2=NAN)
+        ),
+        nitro.SetupError,
+        "b2 of the optimizer inject_hyperparams(b1, b2, eps, eps_root, learning_rate) must be a "
+        "finite number in [0, 1), got nan; e.g. build the transformation with b2=0.999",
+    ),
+    (
+        lambda: nitro.Nitro(BadGANOptimizer()),
+        nitro.SetupError,
+        "the optimizer of model 'disc': b2 of the optimizer optax.adam(b2=1.0)",
+    ),
+    (
+        lambda: nitro.Nitro(Toy(), sam=nitro.ASAM(eta=-1)),
+        nitro.SetupError,
+        "ASAM's eta must be a finite number >= 0, got -1; e.g. sam=nitro.ASAM(eta=0.01)",
+    ),
+    (
+        lambda: nitro.Nitro(Toy(), sam=nitro.SAM(rho=INF)),
+        nitro.SetupError,
+        "SAM's rho must be a finite number > 0, got inf; e.g. sam=nitro.SAM(rho=0.05)",
+    ),
+    (
+        lambda: nitro.Nitro(Toy(), ema=nitro.EMA(decay=NAN)),
+        nitro.SetupError,
+        "ema decay must be a finite number in (0, 1), got nan; e.g. ema=0.999",
+    ),
+    (
+        lambda: nitro.Nitro(Toy(), early_stop=nitro.EarlyStopping(min_delta=NAN)),
+        nitro.SetupError,
+        "EarlyStopping's min_delta must be a finite number >= 0, got nan; e.g. "
+        "nitro.EarlyStopping(min_delta=1e-4)",
+    ),
+    (
+        lambda: nitro.Nitro(Toy(), schedules={"b1": 1.5}),
+        nitro.ScheduleError,
+        "schedule 'b1' gives 1.5 at step 0; b1 must be a finite number in [0, 1)",
+    ),
+    (
+        lambda: nitro.Nitro(TwoGroups(), schedules={"head/eps": lambda step: -1e-8}),
+        nitro.ScheduleError,
+        "schedule 'head/eps' gives -1e-08 at step 0; eps must be a finite number >= 0",
+    ),
+    (
+        # 8 optimizer steps: fine at step 0, inf at the horizon's last
+        lambda: nitro.Nitro(
+            Toy(), schedules={"learning_rate": lambda step: 1e-3 if step < 7 else INF}
+        ),
+        nitro.ScheduleError,
+        "schedule 'learning_rate' gives inf at step 7; learning_rate must be a finite number >= 0",
+    ),
+]
+
+
+@pytest.mark.parametrize(
+    "build, error, message",
+    OUT_OF_RANGE,
+    ids=[
+        "sam-nan",
+        "learning-rate-inf",
+        "learning-rate-method",
+        "learning-rate-field",
+        "clip-inf",
+        "weight-decay-nan",
+        "group-lr-inf",
+        "adam-b1",
+        "adam-eps",
+        "sgd-momentum",
+        "injected-b2",
+        "manual-optimizer",
+        "asam-eta",
+        "sam-rho",
+        "ema-decay",
+        "early-stop-min-delta",
+        "schedule-b1",
+        "group-schedule-eps",
+        "schedule-inf-at-horizon",
+    ],
+)
+def test_a_hyperparameter_out_of_its_range_is_refused_at_setup_naming_it(
+    build, error, message, tmp_path, fresh_cache
+):
+    with pytest.raises(error) as raised:
+        build()
+    assert message in str(raised.value)
+    # refused before anything compiled, trained or was written
+    assert (nitro.cache_stats().misses, nitro.cache_stats().entries) == (0, 0)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_hyperparameters_at_the_edges_of_their_ranges_are_accepted():
+    n = nitro.Nitro(
+        TwoGroups(max_epochs=1),
+        optimizer=functools.partial(optax.sgd, momentum=0.0),
+        group_lr={"body": 0.0},
+        weight_decay=0.0,
+        sam=nitro.ASAM(eta=0.0),
+        early_stop=nitro.EarlyStopping(metric="loss", min_delta=0.0),
+        schedules={"learning_rate": lambda step: 1e-2 * step / 8},  # a warmup from 0
+        progress=False,
+    )
+    n.train()
+    assert n.step == 4 and n.stop_reason == "completed"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -298,12 +298,15 @@ def test_switches_and_their_schedules_recompile_nothing(fresh_cache):
 @pytest.mark.parametrize(
     "keywords, message",
     [
-        (dict(gradient_clip_norm=-1.0), r"gradient_clip_norm must be > 0, got -1.0"),
-        (dict(gradient_clip_norm=0), r"gradient_clip_norm must be > 0, got 0"),
-        (dict(weight_decay=-0.1), r"weight_decay must be >= 0, got -0.1"),
-        (dict(weight_decay="big"), r"weight_decay must be a number or None"),
+        (
+            dict(gradient_clip_norm=-1.0),
+            r"gradient_clip_norm must be a finite number > 0, got -1.0",
+        ),
+        (dict(gradient_clip_norm=0), r"gradient_clip_norm must be a finite number > 0, got 0"),
+        (dict(weight_decay=-0.1), r"weight_decay must be a finite number >= 0, got -0.1"),
+        (dict(weight_decay="big"), r"weight_decay must be a finite number >= 0, got 'big'"),
         (dict(decay_to="pretrained"), r"decay_to must be 'zero', 'init'"),
-        (dict(group_lr={"body": -1}), r"group_lr\['body'\] must be a ratio >= 0"),
+        (dict(group_lr={"body": -1}), r"group_lr\['body'\] must be a finite number >= 0"),
         (dict(group_lr=[0.1]), r"group_lr must be a dict of parameter group"),
         (dict(decay_mask=3), r"decay_mask must be a function \(path, leaf\) -> bool"),
     ],
@@ -337,7 +340,9 @@ def test_wrong_combinations_are_errors_that_say_what_to_do():
         nitro.Nitro(Grouped(), group_lr={"body": 0.1}, schedules={"body/learning_rate": 1e-3})
     with pytest.raises(nitro.ScheduleError, match=r"weight_decay= turns on decoupled weight"):
         nitro.Nitro(Plain(), schedules={"weight_decay": 0.1})
-    with pytest.raises(nitro.ScheduleError, match=r"'gradient_clip_norm'.*must be > 0"):
+    with pytest.raises(
+        nitro.ScheduleError, match=r"'gradient_clip_norm'.*must be a finite number > 0"
+    ):
         nitro.Nitro(
             Plain(), gradient_clip_norm=1.0, schedules={"gradient_clip_norm": lambda s: 0.0}
         )

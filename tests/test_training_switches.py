@@ -155,9 +155,9 @@ def test_ema_weights_evaluate_predict_and_export_without_recompiling(fresh_cache
 
 
 def test_ema_and_sam_values_are_checked_naming_the_keyword():
-    with pytest.raises(ValueError, match=r"ema decay must be a number in \(0, 1\).*1.5"):
+    with pytest.raises(ValueError, match=r"ema decay must be a finite number in \(0, 1\).*1.5"):
         nitro.Nitro(ToyWithMetrics(), ema=1.5, progress=False)
-    with pytest.raises(ValueError, match="sam's rho must be a number > 0"):
+    with pytest.raises(ValueError, match="sam must be a finite number > 0, got -0.1"):
         nitro.Nitro(ToyWithMetrics(), sam=-0.1, progress=False)
     plain = nitro.Nitro(ToyWithMetrics(), progress=False)
     with pytest.raises(nitro.SetupError, match="weights='ema' needs a moving average"):

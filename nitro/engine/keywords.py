@@ -16,7 +16,9 @@ from typing import Any
 from nitro.core.frozen import freeze
 from nitro.core.keywords import Resolved
 from nitro.engine.dispatch import DispatchChoice
+from nitro.errors import SetupError
 from nitro.experiments.declaration import FieldKind, field_specs, has_method
+from nitro.optim import ranges
 
 __all__ = ["RUN_KEYWORDS", "KEYWORD_ONLY", "RunKeyword", "Resolved", "resolve_run_keywords"]
 
@@ -77,22 +79,19 @@ def _choice(name, choices):
 
 
 def _learning_rate(value):
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
-        raise ValueError(
-            f"learning_rate must be a positive number, got {value!r} (schedule it with "
-            f"schedules={{'learning_rate': ...}})"
-        )
-    return float(value)
+    return ranges.check(
+        "learning_rate",
+        value,
+        ranges.POSITIVE.with_example(1e-3),
+        note="to start it at 0, schedule it: schedules={'learning_rate': ...}",
+    )
 
 
-def _number(name, *, positive: bool, hint: str):
+def _number(name, bound: ranges.Range, *, off: str):
+    """A number in `bound`, or None (`off` says what None does)."""
+
     def check(value):
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            raise ValueError(f"{name} must be a number or None, got {value!r}")
-        if value < 0 or (positive and value == 0) or value != value:
-            bound = "> 0" if positive else ">= 0"
-            raise ValueError(f"{name} must be {bound}, got {value!r} ({hint})")
-        return float(value)
+        return ranges.check(name, value, bound, note=f"None {off}")
 
     return check
 
@@ -107,12 +106,13 @@ def _group_lr(value):
     for group, ratio in value.items():
         if not isinstance(group, str):
             raise ValueError(f"group_lr keys are group names (str); got {group!r}")
-        if isinstance(ratio, bool) or not isinstance(ratio, (int, float)) or not ratio >= 0:
-            raise ValueError(
-                f"group_lr[{group!r}] must be a ratio >= 0 of the learning rate (0 freezes the "
-                f"group), got {ratio!r}"
-            )
-        ratios[group] = float(ratio)
+        ratios[group] = ranges.check(
+            f"group_lr[{group!r}]",
+            ratio,
+            ranges.NON_NEGATIVE,
+            note="a ratio of the learning rate; 0 freezes the group",
+            fix=f"group_lr={{{group!r}: 0.1}}",
+        )
     return ratios
 
 
@@ -326,7 +326,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "weight_decay",
             None,
             "decoupled weight decay, scaled by the learning rate (None: off)",
-            _number("weight_decay", positive=False, hint="None turns weight decay off"),
+            _number("weight_decay", ranges.OPTAX["weight_decay"], off="turns weight decay off"),
         ),
         RunKeyword(
             "decay_to",
@@ -344,7 +344,9 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "gradient_clip_norm",
             None,
             "clip the gradient to this global norm before the optimizer (None: off)",
-            _number("gradient_clip_norm", positive=True, hint="None turns clipping off"),
+            _number(
+                "gradient_clip_norm", ranges.OPTAX["gradient_clip_norm"], off="turns clipping off"
+            ),
         ),
         RunKeyword(
             "check_divergence",
@@ -447,6 +449,6 @@ def resolve_run_keywords(experiment: Any, kwargs: Mapping[str, Any]) -> dict[str
             try:
                 value = keyword.check(value)
             except ValueError as error:
-                raise ValueError(f"{error} [{source}]") from None
+                raise SetupError(f"{error} [{source}]") from None
         resolved[name] = Resolved(freeze(value), source)  # a dict given becomes read-only
     return resolved

@@ -455,9 +455,12 @@ def _model_optimizers(
     setups, states = {}, {}
     for model in models:
         spec = given[model] if isinstance(given, Mapping) else given
-        setups[model], states[model] = build_optimizer(
-            dataclasses.replace(settings, optimizer=spec), params[model]
-        )
+        try:
+            setups[model], states[model] = build_optimizer(
+                dataclasses.replace(settings, optimizer=spec), params[model]
+            )
+        except SetupError as error:  # a hyperparameter out of its range: say whose
+            raise SetupError(f"the optimizer of model {model!r}: {error}") from None
     optimizer = ModelOptimizers(setups)
     return optimizer, placement.put_replicated(optimizer.strip(states))
 

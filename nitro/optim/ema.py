@@ -11,8 +11,10 @@ checkpointed with the rest of the state; `validate`, `evaluate`, `predict` and `
 from __future__ import annotations
 
 import dataclasses
+import numbers
 
 from nitro.errors import SetupError
+from nitro.optim import ranges
 
 __all__ = ["EMA"]
 
@@ -31,14 +33,13 @@ class EMA:
     evaluate: bool = False
 
     def __post_init__(self) -> None:
-        if (
-            isinstance(self.decay, bool)
-            or not isinstance(self.decay, (int, float))
-            or not (0.0 < self.decay < 1.0)
-        ):
-            raise SetupError(
-                f"ema decay must be a number in (0, 1), e.g. ema=0.999; got {self.decay!r}"
-            )
+        ranges.check("ema decay", self.decay, ranges.OPEN_FRACTION, fix="ema=0.999")
+        for name in ("warmup", "evaluate"):
+            if not isinstance(getattr(self, name), bool):
+                raise SetupError(
+                    f"EMA({name}=) must be True or False, got {getattr(self, name)!r}; e.g. "
+                    f"ema=nitro.EMA(0.999, {name}=True)"
+                )
 
     def decay_at(self, step):
         """The decay used by optimizer step `step` (0-based); works on traced values too."""
@@ -53,7 +54,7 @@ class EMA:
         """What the `ema` run keyword accepts: None, a decay in (0, 1), or an EMA."""
         if value is None or isinstance(value, EMA):
             return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise SetupError(
                 f"ema must be a decay in (0, 1) such as 0.999, a nitro.EMA(...), or None; got "
                 f"{value!r}"

@@ -40,6 +40,7 @@ import numpy as np
 import optax
 
 from nitro.errors import OptimizerError, ScheduleError
+from nitro.optim import ranges
 from nitro.optim.param_groups import (
     ParamGroup,
     group_labels,
@@ -358,6 +359,7 @@ def build_optimizer(settings: OptimizerSettings, params: Any) -> tuple[Optimizer
                 "so Nitro injects the rate, or wrap it in optax.inject_hyperparams."
             )
         description = f"inject_hyperparams({', '.join(keys)})" if keys else "GradientTransformation"
+    _check_values(settings, fed, description)
     groups = (
         () if labels is None else param_groups(labels, paths, leaves, settings.group_lr, decayed)
     )
@@ -376,6 +378,32 @@ def build_optimizer(settings: OptimizerSettings, params: Any) -> tuple[Optimizer
         gradient_clip_norm=settings.gradient_clip_norm,
     )
     return setup, opt_state
+
+
+def _check_values(
+    settings: OptimizerSettings, fed: tuple[FedHyperparameter, ...], description: str
+) -> None:
+    """Refuse a hyperparameter of the optimizer's own out of its range (`b1=1.5`, `eps=-1`),
+    naming it and the optimizer, before anything compiles. The run keywords' own values
+    (`learning_rate`, `weight_decay`, `gradient_clip_norm`) were checked when resolved."""
+    spec = settings.optimizer or optax.adam
+    for f in fed:
+        bound = ranges.of(f.key)
+        if bound.admits(f.constant):
+            continue
+        example = ranges.show(bound.example) if bound.example is not None else "..."
+        if isinstance(spec, functools.partial):
+            kwargs = {**spec.keywords, f.key: bound.example}
+            given = ", ".join(
+                f"{k}={ranges.show(v) if isinstance(v, float) else repr(v)}"
+                for k, v in kwargs.items()
+            )
+            fix = f"optimizer=functools.partial({_describe_factory(spec.func)}, {given})"
+        elif isinstance(spec, optax.GradientTransformation):
+            fix = f"build the transformation with {f.key}={example}"
+        else:
+            fix = f"give the factory {f.key}={example}"
+        ranges.check(f"{f.key} of the optimizer {description}", f.constant, bound, fix=fix)
 
 
 def _fed(settings: OptimizerSettings, opt_state: Any, labels, uses_lr: bool):

@@ -11,11 +11,16 @@ norm is of the global gradient. Each step costs two gradient evaluations.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 from typing import Any
 
 from nitro.errors import SetupError
+from nitro.optim import ranges
 
 __all__ = ["ASAM", "SAM"]
+
+# the radius, and ASAM's offset of the weights' scale
+RANGES = {"rho": ranges.POSITIVE.with_example(0.05), "eta": ranges.NON_NEGATIVE.with_example(0.01)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,8 +30,15 @@ class SAM:
     rho: float = 0.05
 
     def __post_init__(self) -> None:
-        if isinstance(self.rho, bool) or not isinstance(self.rho, (int, float)) or self.rho <= 0:
-            raise SetupError(f"sam's rho must be a number > 0, e.g. sam=0.05; got {self.rho!r}")
+        name = type(self).__name__
+        for field in dataclasses.fields(self):
+            bound = RANGES[field.name]
+            ranges.check(
+                f"{name}'s {field.name}",
+                getattr(self, field.name),
+                bound,
+                fix=f"sam=nitro.{name}({field.name}={ranges.show(bound.example)})",
+            )
 
     def perturbation(self, params: Any, grads: Any) -> Any:
         """The step from w to the weights where the second gradient is taken."""
@@ -42,12 +54,12 @@ class SAM:
         """What the `sam` run keyword accepts: None, a radius > 0, SAM or ASAM."""
         if value is None or isinstance(value, SAM):
             return value
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
             raise SetupError(
                 f"sam must be a radius > 0 such as 0.05, nitro.SAM(rho=...), "
                 f"nitro.ASAM(rho=..., eta=...), or None; got {value!r}"
             )
-        return SAM(float(value))
+        return SAM(ranges.check("sam", value, RANGES["rho"], fix="sam=0.05"))
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,6 +19,7 @@ from typing import Any
 import numpy as np
 
 from nitro.errors import ScheduleError
+from nitro.optim import ranges
 
 __all__ = [
     "BoundSchedule",
@@ -160,6 +161,13 @@ def _no_target(label: str, what: str, names: Mapping[str, Any]) -> str:
     return f"schedule key {label!r} names no {what} (have: {', '.join(sorted(names)) or 'none'}).{hint}"
 
 
+# What a value out of range means, where it is not plain.
+_RANGE_HINTS = {
+    "learning_rate": " (a negative one climbs the loss)",
+    "gradient_clip_norm": " (to stop clipping, build the run with gradient_clip_norm=None)",
+}
+
+
 def _describe(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
@@ -173,7 +181,8 @@ def check_schedule_values(
     device_dtypes: Mapping[str, Any],
 ) -> None:
     """Evaluate every schedule at step 0 and at the horizon's last step, and refuse values a
-    step cannot use, naming the key: not a real number, not finite, a negative learning rate,
+    step cannot use, naming the key: not a real number, an optimizer hyperparameter out of its
+    range (`nitro.optim.ranges`: not finite, a negative learning rate, a `b1` of 1 or more),
     or a Device value of the wrong shape or kind."""
     steps = [0] if not total_steps else sorted({0, total_steps - 1})
     for schedule in schedules:
@@ -198,20 +207,11 @@ def check_schedule_values(
                         f"{where} (shape {array.shape}); an optimizer hyperparameter is one "
                         f"number per step"
                     )
-                number = float(array)
-                if not np.isfinite(number):
-                    raise ScheduleError(f"{where}; it must be finite")
                 key = schedule.name.rpartition("/")[2]
-                if key == "learning_rate" and number < 0:
+                bound = ranges.of(key)
+                if not bound.admits(float(array)):
                     raise ScheduleError(
-                        f"{where}; a learning rate must be >= 0 (a negative one climbs the loss)"
-                    )
-                if key == "weight_decay" and number < 0:
-                    raise ScheduleError(f"{where}; a weight decay must be >= 0")
-                if key == "gradient_clip_norm" and number <= 0:
-                    raise ScheduleError(
-                        f"{where}; a clipping norm must be > 0 (to stop clipping, build the "
-                        f"run with gradient_clip_norm=None)"
+                        f"{where}; {key} must be {bound}{_RANGE_HINTS.get(key, '')}"
                     )
             else:
                 shape = tuple(device_shapes.get(schedule.name, ()))

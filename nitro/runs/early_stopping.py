@@ -13,6 +13,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import Any
 
 from nitro.errors import SetupError
+from nitro.optim import ranges
 
 __all__ = ["EarlyStopping"]
 
@@ -45,8 +46,12 @@ class EarlyStopping:
                 f"EarlyStopping(patience={self.patience!r}): patience counts epochs without "
                 f"improvement, an int >= 1"
             )
-        if not isinstance(self.min_delta, (int, float)) or self.min_delta < 0:
-            raise SetupError(f"EarlyStopping(min_delta={self.min_delta!r}): a number >= 0")
+        ranges.check(
+            "EarlyStopping's min_delta",
+            self.min_delta,
+            ranges.NON_NEGATIVE,
+            fix="nitro.EarlyStopping(min_delta=1e-4)",
+        )
         if not isinstance(self.metric, str) or not self.metric:
             raise SetupError(f"EarlyStopping(metric={self.metric!r}): name a history column")
 
