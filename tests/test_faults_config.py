@@ -5,6 +5,7 @@ broken entries."""
 import functools
 import math
 import os
+import pathlib
 import subprocess
 import sys
 import tempfile
@@ -302,6 +303,71 @@ def test_hyperparameters_at_the_edges_of_their_ranges_are_accepted():
     )
     n.train()
     assert n.step == 4 and n.stop_reason == "completed"
+
+
+# ---------------------------------------------------------------------------------------------
+# resuming a checkpoint saved with another optimizer
+
+
+def _files(root) -> dict[str, int]:
+    return {str(p.relative_to(root)): p.stat().st_mtime_ns for p in root.rglob("*")}
+
+
+@pytest.mark.parametrize(
+    "keywords, now",
+    [
+        (dict(optimizer=optax.sgd), "optax.sgd(learning_rate=0.001)"),
+        (
+            dict(optimizer=functools.partial(optax.sgd, momentum=0.9)),
+            "optax.sgd(momentum=0.9)(learning_rate=0.001)",
+        ),
+        (dict(gradient_clip_norm=1.0), "optax.adam(learning_rate=0.001), gradient_clip_norm=1.0"),
+    ],
+    ids=["sgd", "sgd-momentum", "adam-clipped"],
+)
+def test_resuming_with_another_optimizer_is_refused_naming_both_and_the_fixes(
+    keywords, now, tmp_path, fresh_cache
+):
+    import orbax.checkpoint as ocp
+
+    first = nitro.Nitro(Toy(max_epochs=1), progress=False)
+    first.train()
+    run_dir = pathlib.Path(first.run_dir)
+    manager = ocp.CheckpointManager(run_dir / "checkpoints")
+    step = manager.latest_step()
+    assert step is not None
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    manager.close()
+    assert meta["optimizer"] == "optax.adam(learning_rate=0.001)"  # the checkpoint records it
+    before = _files(tmp_path / "runs")
+    nitro.cache_reset()
+
+    with pytest.raises(nitro.SetupError) as raised:
+        nitro.Nitro(Toy(max_epochs=2), resume=str(run_dir), progress=False, **keywords)
+    message = str(raised.value)
+    assert message.startswith(
+        "cannot resume: the checkpoint's optimizer state does not fit this run's optimizer, so "
+        "the checkpoint was saved with another optimizer:\n"
+        "  the checkpoint's: optax.adam(learning_rate=0.001)\n"
+        f"  this run's:       {now}\n"
+        "Resume with the checkpoint's optimizer"
+    )
+    saved = str(run_dir / "checkpoints" / str(step))
+    assert (
+        f"start a new run from its weights with this optimizer: Nitro(Toy(...), weights={saved!r})"
+        in message
+    )
+    assert "GraphConst" not in message
+    # nothing compiled, trained or written
+    assert nitro.cache_stats().misses == 0
+    assert _files(tmp_path / "runs") == before
+
+    # both fixes work: the checkpoint's optimizer resumes; weights= starts anew with this one
+    resumed = nitro.Nitro(Toy(max_epochs=2), resume=str(run_dir), progress=False)
+    assert (resumed.step, resumed.train().step) == (4, 8)
+    fresh = nitro.Nitro(Toy(max_epochs=1), weights=saved, progress=False, **keywords)
+    assert (fresh.step, fresh.train().step) == (0, 4)
+    assert fresh.run_dir != first.run_dir
 
 
 # ---------------------------------------------------------------------------------------------

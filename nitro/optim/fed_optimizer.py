@@ -12,10 +12,11 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Protocol, runtime_checkable
 
+from nitro.optim import ranges
 from nitro.optim.optimizer import FedHyperparameter
 from nitro.optim.param_groups import ParamGroup
 
-__all__ = ["FedOptimizer"]
+__all__ = ["FedOptimizer", "describe_optimizer"]
 
 
 @runtime_checkable
@@ -90,3 +91,18 @@ class FedOptimizer(Protocol):
         """Inside the trace: the new state without the injected hyperparameters (they are fed
         again next step)."""
         ...
+
+
+def describe_optimizer(optimizer: FedOptimizer) -> str:
+    """The optimizer and the switches that shape its state, in one line (a checkpoint records
+    it, and a resume whose state does not fit names it): `optax.adam(learning_rate=0.001),
+    gradient_clip_norm=1.0, weight decay toward zero, parameter groups body, head`."""
+    parts = [optimizer.description]
+    clip = getattr(optimizer, "gradient_clip_norm", None)
+    if clip is not None:
+        parts.append(f"gradient_clip_norm={ranges.show(float(clip))}")
+    if optimizer.decay_to is not None:
+        parts.append(f"weight decay toward {optimizer.decay_to}")
+    if optimizer.groups:
+        parts.append(f"parameter groups {', '.join(g.name for g in optimizer.groups)}")
+    return ", ".join(parts)

@@ -161,13 +161,22 @@ def host_tree(setup: Any, variables: Any) -> dict[str, Any]:
     return tree
 
 
-def leaves_from(what: str, saved: Mapping[str, Any], paths, template: list) -> list:
-    """Leaves in the template's order from a saved nested dict; a mismatch names the leaves."""
+def leaves_from(
+    what: str,
+    saved: Mapping[str, Any],
+    paths,
+    template: list,
+    misfit: str | None = None,
+    here: str = "this model",
+) -> list:
+    """Leaves in the template's order from a saved nested dict; a mismatch names the leaves
+    (`here`: what the template is), after `misfit` (what it means and the fix; by default,
+    that the model differs)."""
     flat = _flatten(saved) if paths != ("",) else {"": saved.get("value")}
     missing = [p for p in paths if p not in flat]
     extra = [p for p in flat if p not in set(paths)]
     problems = [f"  {p}: missing from the checkpoint" for p in missing[:6]]
-    problems += [f"  {p}: in the checkpoint, not in this model" for p in extra[:6]]
+    problems += [f"  {p}: in the checkpoint, not in {here}" for p in extra[:6]]
     leaves = []
     for path, like in zip(paths, template, strict=True):
         value = flat.get(path)
@@ -178,7 +187,7 @@ def leaves_from(what: str, saved: Mapping[str, Any], paths, template: list) -> l
         dtype = jax.random.key_data(like).dtype if is_key else np.asarray(like).dtype
         if tuple(np.shape(value)) != tuple(expected) or np.asarray(value).dtype != dtype:
             problems.append(
-                f"  {path}: this model {dtype}{list(expected)}, checkpoint "
+                f"  {path}: {here} {dtype}{list(expected)}, checkpoint "
                 f"{np.asarray(value).dtype}{list(np.shape(value))}"
             )
             continue
@@ -190,8 +199,13 @@ def leaves_from(what: str, saved: Mapping[str, Any], paths, template: list) -> l
         leaves.append(value)
     if problems:
         raise SetupError(
-            f"the checkpoint's {what} do not fit this model (build it with the same GraphConst "
-            f"values and model code):\n" + "\n".join(problems)
+            (
+                misfit
+                or f"the checkpoint's {what} do not fit this model (build it with the same "
+                f"GraphConst values and model code):"
+            )
+            + "\n"
+            + "\n".join(problems)
         )
     return leaves
 

@@ -21,6 +21,7 @@ from nitro.core.run_setup import CheckpointRef, RunSetup, SplitSetup
 from nitro.core.train_state import TrainState, Variables
 from nitro.errors import SetupError
 from nitro.experiments.fingerprint import code_digest
+from nitro.optim.fed_optimizer import describe_optimizer
 from nitro.runs.checkpoints import (
     Checkpointer,
     CheckpointStore,
@@ -133,6 +134,8 @@ class RunFiles:
                 saved["opt_state"],
                 model.leaf_paths["optimizer state"],
                 variables.opt_state,
+                misfit=_optimizer_misfit(setup, meta, self.resume_from),
+                here="this run's",
             )
         ema = ema_steps = None
         if variables.ema is not None:
@@ -301,6 +304,7 @@ def checkpoint_meta(
         "graphconst": config_of(setup),
         "device": dict(device),
         "code": {unit: fp.digest for unit, fp in setup.experiment.code.items()},
+        "optimizer": describe_optimizer(setup.optimizer) if setup.optimizer is not None else None,
         "checkpointer": dataclasses.asdict(checkpointer) if checkpointer else None,
         "logger": logger_state,
     }
@@ -375,6 +379,30 @@ def _check_config(setup: RunSetup, meta: dict[str, Any]) -> None:
             RuntimeWarning,
             stacklevel=5,
         )
+
+
+def _optimizer_misfit(setup: RunSetup, meta: dict[str, Any], found: SavedStep) -> str:
+    """What an optimizer state that does not fit means (the parameters fit: they were restored
+    first), with the two optimizers and the fixes."""
+    assert setup.optimizer is not None  # a run with an optimizer state
+    now = describe_optimizer(setup.optimizer)
+    saved = meta.get("optimizer") or "not recorded (saved by an earlier version of Nitro)"
+    same = (
+        " (described alike: a setting that shapes its state differs, such as decay_mask or "
+        "the transformation's stages)"
+        if saved == now
+        else ""
+    )
+    return (
+        f"cannot resume: the checkpoint's optimizer state does not fit this run's optimizer, "
+        f"so the checkpoint was saved with another optimizer{same}:\n"
+        f"  the checkpoint's: {saved}\n"
+        f"  this run's:       {now}\n"
+        f"Resume with the checkpoint's optimizer (the same optimizer=, gradient_clip_norm=, "
+        f"weight_decay= and param groups), or start a new run from its weights with this "
+        f"optimizer: Nitro({setup.cls.__name__}(...), weights={str(found.path)!r}) (a fresh "
+        f"optimizer state and step count). The optimizer state's leaves that differ:"
+    )
 
 
 def _drift_notes(setup: RunSetup, meta: dict[str, Any], device: Mapping[str, Any]) -> list[str]:
