@@ -303,6 +303,14 @@ def test_hyperparameters_at_the_edges_of_their_ranges_are_accepted():
     )
     n.train()
     assert n.step == 4 and n.stop_reason == "completed"
+    # a constant that a schedule replaces is never fed: the schedule's values are checked
+    scheduled = nitro.Nitro(
+        Toy(max_epochs=1),
+        optimizer=functools.partial(optax.adam, b1=1.5),
+        schedules={"b1": 0.8},
+        progress=False,
+    )
+    assert scheduled.train().hyperparameters["b1"] == pytest.approx(0.8)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -54,7 +54,7 @@ from nitro.experiments.routing import hook_fields
 from nitro.optim.fed_optimizer import FedOptimizer
 from nitro.optim.optimizer import OptimizerSettings, build_optimizer
 from nitro.optim.param_groups import leaf_paths
-from nitro.optim.schedules import bind_schedules, check_schedule_values
+from nitro.optim.schedules import bind_schedules, check_schedule_values, optimizer_keys
 from nitro.programs.compile_cache import configure_persistent_cache
 from nitro.runs.weights import AveragedWeights, CheckpointWeights, WeightsSource, copy_array
 
@@ -413,6 +413,7 @@ def _build_optimizer(
         decay_to=keywords.decay_to,
         decay_mask=keywords.decay_mask,
         gradient_clip_norm=keywords.gradient_clip_norm,
+        scheduled=optimizer_keys(keywords.schedules),
     )
     if has_method(type(instance), "train_step"):
         return _model_optimizers(settings, keywords, params, placement)
@@ -455,9 +456,11 @@ def _model_optimizers(
     setups, states = {}, {}
     for model in models:
         spec = given[model] if isinstance(given, Mapping) else given
+        prefix = f"{model}/"  # the model's schedule keys, as its own optimizer names them
+        scheduled = frozenset(k.removeprefix(prefix) for k in settings.scheduled)
         try:
             setups[model], states[model] = build_optimizer(
-                dataclasses.replace(settings, optimizer=spec), params[model]
+                dataclasses.replace(settings, optimizer=spec, scheduled=scheduled), params[model]
             )
         except SetupError as error:  # a hyperparameter out of its range: say whose
             raise SetupError(f"the optimizer of model {model!r}: {error}") from None

@@ -88,6 +88,7 @@ class OptimizerSettings:
     decay_to: Any = "zero"
     decay_mask: Callable[[str, Any], bool] | None = None
     gradient_clip_norm: float | None = None
+    scheduled: frozenset[str] = frozenset()  # schedule keys: the values they replace go unchecked
 
 
 @dataclasses.dataclass(frozen=True)
@@ -385,12 +386,13 @@ def _check_values(
 ) -> None:
     """Refuse a hyperparameter of the optimizer's own out of its range (`b1=1.5`, `eps=-1`),
     naming it and the optimizer, before anything compiles. The run keywords' own values
-    (`learning_rate`, `weight_decay`, `gradient_clip_norm`) were checked when resolved."""
+    (`learning_rate`, `weight_decay`, `gradient_clip_norm`) were checked when resolved; a
+    scheduled value is never fed, and its schedule's values are checked instead."""
     spec = settings.optimizer or optax.adam
     for f in fed:
         bound = ranges.of(f.key)
-        if bound.admits(f.constant):
-            continue
+        if bound.admits(f.constant) or {f.name, f.key} & settings.scheduled:
+            continue  # a scheduled value is checked as the schedule gives it
         example = ranges.show(bound.example) if bound.example is not None else "..."
         if isinstance(spec, functools.partial):
             kwargs = {**spec.keywords, f.key: bound.example}

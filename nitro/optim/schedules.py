@@ -27,6 +27,7 @@ __all__ = [
     "bind_schedules",
     "check_schedule_values",
     "normalize_schedule",
+    "optimizer_keys",
 ]
 
 
@@ -83,6 +84,12 @@ def _flatten(spec: Mapping[str, Any]) -> list[tuple[str | None, str, Any]]:
         else:
             items.append((None, key, value))
     return items
+
+
+def optimizer_keys(spec: Mapping[str, Any]) -> frozenset[str]:
+    """The keys of a `schedules=` mapping that may bind to an optimizer hyperparameter (every
+    key but those qualified `device`): their constants are never fed."""
+    return frozenset(name for namespace, name, _ in _flatten(spec) if namespace != "device")
 
 
 def bind_schedules(
