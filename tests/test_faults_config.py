@@ -236,7 +236,7 @@ OUT_OF_RANGE = [
     (
         lambda: nitro.Nitro(Toy(), schedules={"b1": 1.5}),
         nitro.ScheduleError,
-        "schedule 'b1' gives 1.5 at step 0; b1 must be a finite number in [0, 1)",
+        "schedule 'b1' gives 1.5 at step 0; b1 must be a finite number in [0, 1), e.g. 0.9",
     ),
     (
         lambda: nitro.Nitro(TwoGroups(), schedules={"head/eps": lambda step: -1e-8}),

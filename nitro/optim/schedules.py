@@ -217,8 +217,9 @@ def check_schedule_values(
                 key = schedule.name.rpartition("/")[2]
                 bound = ranges.of(key)
                 if not bound.admits(float(array)):
+                    usual = "" if bound.example is None else f", e.g. {ranges.show(bound.example)}"
                     raise ScheduleError(
-                        f"{where}; {key} must be {bound}{_RANGE_HINTS.get(key, '')}"
+                        f"{where}; {key} must be {bound}{_RANGE_HINTS.get(key, '')}{usual}"
                     )
             else:
                 shape = tuple(device_shapes.get(schedule.name, ()))
