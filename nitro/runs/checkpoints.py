@@ -211,31 +211,39 @@ class _OrbaxAccess:
     Every orbax call runs under `held(manager)`. A manager whose background write is still in
     flight keeps its turn after the call returns: the next call for another manager first
     waits for that write to finish. One run's own saves still overlap its training.
+
+    A write that fails is reported to the store that started it (`failed`), never to the
+    caller that happened to wait for it, and its manager gives up its turn whatever happens:
+    a failed write cannot hold the lock or make the next caller wait on it again.
     """
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._writing: Any = None  # the manager whose background write may be in flight
+        self._failed: Any = None  # (error) -> None: its store's report of a failed write
 
     @contextmanager
     def held(self, manager: Any = None) -> Iterator[None]:
         with self._lock:
-            writing = self._writing
+            writing, failed = self._writing, self._failed
             if writing is not None and writing is not manager:
+                self._writing = self._failed = None
                 try:
                     writing.wait_until_finished()
-                finally:
-                    self._writing = None
+                except Exception as error:  # noqa: BLE001 - its own store reports it
+                    if failed is not None:
+                        failed(error)
             yield
 
-    def started_write(self, manager: Any) -> None:
-        """Under `held(manager)`: `manager` begins a background write."""
-        self._writing = manager
+    def started_write(self, manager: Any, failed: Any = None) -> None:
+        """Under `held(manager)`: `manager` begins a background write; `failed(error)`
+        reports its failure when another caller finds it."""
+        self._writing, self._failed = manager, failed
 
     def closed(self, manager: Any) -> None:
-        """Under `held(manager)`: `manager` has finished its writes and is closed."""
+        """Under `held(manager)`: `manager` has finished its writes (or failed) and is closed."""
         if self._writing is manager:
-            self._writing = None
+            self._writing = self._failed = None
 
 
 _ORBAX = _OrbaxAccess()
@@ -308,6 +316,7 @@ class CheckpointStore:
                 **ranking,
             )
             self._empty_trash()  # what a killed process was deleting
+            _quiet_orbax()
             self._manager = ocp.CheckpointManager(
                 self.directory, options=options, item_names=("state", "meta")
             )
@@ -332,6 +341,7 @@ class CheckpointStore:
             else None
         )
         with self._lock:
+            manager = None
             try:
                 manager = self._open(ranked=metrics is not None)
                 with _ORBAX.held(manager):
@@ -341,7 +351,7 @@ class CheckpointStore:
                     # here, so the steps it moved aside can be removed before the next ones
                     manager.wait_until_finished()
                     self._empty_trash()
-                    _ORBAX.started_write(manager)
+                    _ORBAX.started_write(manager, lambda error: self._failed(error, None))
                     manager.save(
                         step,
                         args=ocp.args.Composite(
@@ -353,6 +363,7 @@ class CheckpointStore:
                     )
             except Exception as error:  # noqa: BLE001 - a full disk must not end the run
                 self._failed(error, step)
+                self._discard()
                 return
         cost = time.perf_counter() - began
         self._last_start, self._last_cost = began, cost
@@ -363,19 +374,46 @@ class CheckpointStore:
         """Remove the steps orbax moved aside for deletion (call with no save in flight)."""
         shutil.rmtree(self.directory / DELETING, ignore_errors=True)
 
-    def _failed(self, error: Exception, step: int | None) -> None:
+    def _failed(self, error: BaseException, step: int | None) -> None:
         """A save that fails (a full disk, a vanished directory) leaves the earlier
         checkpoints as they were (orbax finalizes a step only once all of it is written);
         training goes on, and the first failure is reported."""
         if not self.failures:
             warnings.warn(
                 f"a checkpoint could not be saved in {self.directory} "
-                f"({type(error).__name__}: {error}); the earlier checkpoints are intact and "
+                f"({_why(error)}); the earlier checkpoints are intact and "
                 f"training goes on. Free space, or move the run with run_dir=.",
                 RuntimeWarning,
                 stacklevel=4,
             )
-        self.failures.append(f"step {step}: {type(error).__name__}: {error}")
+        self.failures.append(f"step {step}: {_why(error)}")
+
+    def _discard(self) -> None:
+        """Close the manager after a failed write (call under `self._lock`): orbax keeps a
+        failed write's error and raises it at every later wait, so the next save opens a
+        fresh manager. The failed step's temporary directory is removed when it opens."""
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            self._shut(manager, report=False)
+
+    def _shut(self, manager: Any, report: bool = True) -> None:
+        """Finish `manager`'s writes and close it; whatever fails, it gives up the orbax
+        lock's turn (a failure is reported once, as a failed save)."""
+        with _ORBAX.held(manager):
+            try:
+                manager.wait_until_finished()
+            except Exception as error:  # noqa: BLE001 - a full disk must not end the run
+                if report:
+                    self._failed(error, None)
+            finally:
+                try:
+                    manager.close()
+                except Exception as error:  # noqa: BLE001 - the same failure, again
+                    if report and not self.failures:
+                        self._failed(error, None)
+                finally:
+                    _ORBAX.closed(manager)
+                    self._empty_trash()
 
     def wait(self) -> None:
         with self._lock:
@@ -385,20 +423,44 @@ class CheckpointStore:
                         self._manager.wait_until_finished()
                 except Exception as error:  # noqa: BLE001
                     self._failed(error, None)
+                    self._discard()
 
     def close(self) -> None:
         with self._lock:
             manager, self._manager = self._manager, None
         if manager is not None:
-            with _ORBAX.held(manager):
-                try:
-                    manager.wait_until_finished()
-                except Exception as error:  # noqa: BLE001
-                    self._failed(error, None)
-                finally:
-                    manager.close()
-                    self._empty_trash()
-                    _ORBAX.closed(manager)
+            self._shut(manager)
+
+
+def _from_orbax(record: logging.LogRecord) -> bool:
+    if "orbax" in record.pathname:
+        return True
+    trace = record.exc_info[2] if record.exc_info else None
+    while trace is not None:
+        if "orbax" in trace.tb_frame.f_code.co_filename:
+            return True
+        trace = trace.tb_next
+    return False
+
+
+def _quiet_failed_writes(record: logging.LogRecord) -> bool:
+    """Drop orbax's own reports of a failed write (its errors, with tracebacks, logged by
+    every thread that waits for the write, and asyncio's "exception was never retrieved"
+    for each array it could not write): the store reports each failure as one warning."""
+    return not (record.levelno >= logging.ERROR and _from_orbax(record))
+
+
+_QUIETED = threading.Lock()
+
+
+def _quiet_orbax() -> None:
+    """Install the filters for orbax's failure reports, once per process."""
+    with _QUIETED:
+        if getattr(sys.unraisablehook, "nitro_quiet", False):
+            return
+        for name in ("absl", "asyncio"):
+            logging.getLogger(name).addFilter(_quiet_failed_writes)
+        sys.unraisablehook = _late_reads_quiet(sys.unraisablehook)
 
 
 def _quiet_read_only(record: logging.LogRecord) -> bool:
@@ -577,13 +639,10 @@ def _restore(manager, step: int):
     try:
         restored = manager.restore(
             step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()
-            ),
+            args=ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()),
         )
     except Exception:
-        if not getattr(sys.unraisablehook, "nitro_quiet", False):
-            sys.unraisablehook = _late_reads_quiet(sys.unraisablehook)
+        _quiet_orbax()
         raise
     state, meta = restored["state"], restored["meta"]
     if not isinstance(state, Mapping) or "params" not in state:
