@@ -233,3 +233,79 @@ def test_a_full_disk_warns_once_training_goes_on_and_two_resumes_in_one_process_
             saved = read_plain(run_dir / "checkpoints", step)
             assert saved["meta"]["step"] == step
             assert np.isfinite(saved["state"]["params"]["out"]["kernel"]).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# a stop in the middle of an epoch
+
+
+class StopAtStep:
+    """A progress reporter that asks its handle to stop once `at` steps are done, and keeps
+    the notes."""
+
+    def __init__(self, at: int):
+        self.at, self.handle, self.notes = at, None, []
+
+    def step(self, step, loss):
+        if step == self.at and self.handle is not None:
+            self.handle.stop()
+
+    def note(self, message, done=False):
+        self.notes.append(message)
+
+
+def params_of(n) -> list[np.ndarray]:
+    return [np.asarray(a) for a in n.state.variables.params]
+
+
+def test_a_stop_mid_epoch_saves_that_step_says_so_and_a_resume_continues_it_exactly():
+    keywords = {"steps_per_dispatch": 1}  # the same calls in both runs
+    full = nitro.Nitro(ToyWithMetrics(max_epochs=4), progress=False, **keywords).train()
+
+    reporter = StopAtStep(10)  # epoch 3, batch 2 (4 batches an epoch)
+    n = nitro.Nitro(ToyWithMetrics(max_epochs=4), run_dir="stopped", progress=reporter, **keywords)
+    reporter.handle = n
+    n.train()  # the budget skips most saves of these tiny epochs
+    assert n.stop_reason == "requested" and 8 < n.step < 12
+    path = Path(n.run_dir) / "checkpoints" / str(n.step)
+    batch = n.step - 8
+    assert reporter.notes[-1] == (
+        f"stopped at step {n.step} (epoch 3, batch {batch}); saved {path}: resume= continues "
+        f"from there"
+    )
+    saved = read_plain(path.parent, n.step)["meta"]
+    assert (saved["step"], saved["epoch"], saved["partial_epoch"]["position"]) == (
+        n.step,
+        2,
+        batch,
+    )
+
+    resumed = nitro.Nitro(
+        ToyWithMetrics(max_epochs=4), run_dir="stopped", resume="auto", progress=False, **keywords
+    )
+    assert (resumed.step, resumed.epoch) == (n.step, 2)
+    resumed.train()
+    assert (resumed.step, resumed.epoch) == (16, 4)
+    for column in ("loss", "val_loss", "val_acc"):
+        assert resumed.history()[column].tolist() == full.history()[column].tolist(), column
+    for got, want in zip(params_of(resumed), params_of(full), strict=True):
+        np.testing.assert_array_equal(got, want)
+
+
+# ---------------------------------------------------------------------------------------------
+# a read-only working directory
+
+
+def test_a_read_only_directory_is_refused_before_any_training_naming_it_and_run_dir(tmp_path):
+    with mounted(tmp_path / "readonly", "ro,size=64k") as readonly:
+        os.chdir(readonly)
+        n = nitro.Nitro(ToyWithMetrics(max_epochs=2), progress=False)
+        with pytest.raises(nitro.SetupError) as refused:
+            n.train()
+        message = str(refused.value)
+        assert f"cannot create the run directory {n.run_dir!r}" in message
+        assert "Read-only file system" in message and "run_dir=" in message
+        assert (n.step, n.epoch) == (0, 0)
+        os.chdir(tmp_path)
+        moved = nitro.Nitro(ToyWithMetrics(max_epochs=1), run_dir="writable", progress=False)
+        assert moved.train().stop_reason == "completed"

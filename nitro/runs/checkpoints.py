@@ -282,6 +282,7 @@ class CheckpointStore:
         self._last_start: float | None = None
         self._last_cost = 0.0
         self.saved_epoch: int | None = None
+        self.saved_step: int | None = None  # the newest step saved (or resumed from)
         self.costs: list[float] = []  # seconds each save blocked the loop
         self.failures: list[str] = []
         _OPEN.add(self)
@@ -346,6 +347,7 @@ class CheckpointStore:
                 manager = self._open(ranked=metrics is not None)
                 with _ORBAX.held(manager):
                     if step in manager.all_steps():  # saved already (a run ending at a boundary)
+                        self.saved_step = step
                         return
                     # save() waits for the previous save (and its deletions) anyway: wait
                     # here, so the steps it moved aside can be removed before the next ones
@@ -369,6 +371,7 @@ class CheckpointStore:
         self._last_start, self._last_cost = began, cost
         self.costs.append(cost)
         self.saved_epoch = meta.get("epoch")
+        self.saved_step = step
 
     def _empty_trash(self) -> None:
         """Remove the steps orbax moved aside for deletion (call with no save in flight)."""
@@ -615,7 +618,7 @@ def describe_saved(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
 # The last step `resolve_checkpoint` read whole to check it, kept for the `read_checkpoint`
 # that follows it (resume and weights= read the step they resolved at once): one entry,
 # taken by that read, so a checked step is not read twice.
-_CHECKED: dict[tuple[Path, int], tuple[Any, Any]] = {}
+_CHECKED: dict[tuple[Path, int], tuple[Any, dict[str, Any]]] = {}
 
 
 def _late_reads_quiet(hook: Any) -> Any:
@@ -633,7 +636,7 @@ def _late_reads_quiet(hook: Any) -> Any:
     return quiet
 
 
-def _restore(manager, step: int):
+def _restore(manager, step: int) -> tuple[Any, dict[str, Any]]:
     import orbax.checkpoint as ocp
 
     try:
@@ -649,10 +652,12 @@ def _restore(manager, step: int):
         raise ValueError("its state holds no parameters")
     if not isinstance(meta, Mapping):
         raise ValueError("its record is not a JSON object")
-    return state, meta
+    return state, dict(meta)
 
 
-def read_checkpoint(directory: Path, step: int, weights_only: bool = False):
+def read_checkpoint(
+    directory: Path, step: int, weights_only: bool = False
+) -> tuple[Any, dict[str, Any]]:
     """(state tree of numpy arrays, meta) of one saved step. A step that cannot be read (a
     truncated file, corrupted bytes: a checksum failure) raises a `SetupError` naming it."""
     directory = Path(directory).absolute()
