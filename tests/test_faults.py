@@ -11,6 +11,7 @@ import threading
 import time
 import warnings
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -87,6 +88,36 @@ def test_a_nan_learning_rate_at_one_step_stops_naming_it_and_keeps_the_weights()
     assert n.step == 5
     for got, want in zip(params_of(n), params_of(reference), strict=True):
         np.testing.assert_array_equal(got, want)
+
+
+@nitro.experiment
+class NaNBatch(Gated):
+    """The second batch's loss is NaN with finite gradients (the NaN enters through
+    stop_gradient), so check_divergence=False trains through it."""
+
+    def build_data(self):
+        poison = np.zeros(80, np.float32)
+        poison[16:32] = np.nan
+        data = {"x": X80, "y": Y80, "poison": poison}
+        return {"train": ArrayLoader(data, self.batch_size, shuffle=False)}
+
+    def loss(self, logits, *, y, poison):
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return ce + jax.lax.stop_gradient(poison.mean())
+
+
+def test_with_check_divergence_off_an_epoch_with_non_finite_steps_reports_nan_and_counts_them():
+    n = nitro.Nitro(NaNBatch(max_epochs=2), check_divergence=False, progress="lines")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        n.train()
+    history = n.history()
+    assert np.isnan(history["loss"]).all()  # not the mean of the finite steps
+    assert history["nonfinite_steps"].tolist() == [1, 1]
+    mine = [str(w.message) for w in caught if "non-finite loss" in str(w.message)]
+    assert len(mine) == 1  # once a run
+    assert "epoch 1: 1 of 5 training steps had a non-finite loss" in mine[0]
+    assert "'nonfinite_steps'" in mine[0]
 
 
 def optimizer_state(n):

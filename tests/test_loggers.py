@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import json
 import math
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -343,6 +344,38 @@ def test_a_lone_logger_that_raises_does_not_stop_training(tmp_path):
     with pytest.warns(RuntimeWarning, match="logger Broken raised OSError"):
         n = train_logged(tmp_path, broken)
     assert (n.step, n.stop_reason, broken.calls) == (8, "completed", 1)
+
+
+class StateBroken(BaseLogger):
+    def state(self):
+        raise RuntimeError("no state today")
+
+
+def test_a_logger_whose_state_raises_is_switched_off_once_and_checkpoints_go_on(tmp_path):
+    broken = StateBroken()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        n = train_logged(
+            tmp_path,
+            [broken, JSONLinesLogger()],
+            ToyWithMetrics(max_epochs=3),
+            checkpointer=nitro.Checkpointer(budget=None),
+        )
+    messages = [str(w.message) for w in caught if "logger" in str(w.message)]
+    assert messages == [
+        "logger StateBroken raised RuntimeError in state(): no state today; it is switched "
+        "off for the rest of this run, which goes on"
+    ]
+    assert (n.epoch, n.stop_reason) == (3, "completed")
+    assert sorted(n.checkpoints()["epoch"]) == [1, 2, 3]
+    resumed = nitro.Nitro(
+        ToyWithMetrics(max_epochs=4),
+        run_dir=str(tmp_path),
+        resume="auto",
+        logger=[StateBroken(), JSONLinesLogger()],
+        progress=False,
+    )
+    assert resumed.epoch == 3  # the checkpoint holds no state for it: it reattaches as new
 
 
 def test_an_object_missing_verbs_is_refused_naming_them():

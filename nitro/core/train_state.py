@@ -115,11 +115,30 @@ class TrainState:
     ) -> TrainState:
         """The state a checkpoint saved: `variables` (its arrays, read and placed) and the
         counters, seed and history of its JSON record `meta` (`seed`: when it records none).
-        It resumes at the start of the epoch after its last committed one."""
+        It resumes where the checkpoint was saved: at the start of the epoch after its last
+        committed one, or, for a run stopped in the middle of an epoch, at the next batch of
+        that epoch, with the epoch's running loss (`meta["partial_epoch"]`)."""
+        partial = meta.get("partial_epoch") or {}
+        totals = None
+        if partial:
+            from nitro.core.metrics import MetricAccumulator
+
+            totals = EpochTotals(
+                loss_sum=float(partial.get("loss_sum", 0.0)),
+                loss_count=int(partial.get("loss_count", 0)),
+                nonfinite=int(partial.get("nonfinite", 0)),
+                steps=int(partial.get("steps", 0)),
+                wait_seconds=float(partial.get("wait_seconds", 0.0)),
+                seconds=float(partial.get("seconds", 0.0)),
+                train_metrics=MetricAccumulator("train_metrics"),
+            )
         return cls(
             variables=variables,
             step=int(meta["step"]),
             epoch=int(meta["epoch"]),
+            position=int(partial.get("position", 0)),
             seed=int(meta.get("seed", seed)),
             history=[dict(row) for row in meta.get("history", [])],
+            totals=totals,
+            epoch_trained=bool(partial.get("trained", False)),
         )

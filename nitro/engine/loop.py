@@ -154,7 +154,19 @@ def finish_epoch(
     totals = state.totals
     assert totals is not None  # a trained epoch has its totals
     row: dict[str, Any] = {"epoch": state.epoch + 1, "step": state.step}
-    if totals.loss_count:
+    if totals.nonfinite:  # check_divergence=False trained through them: the mean is NaN
+        row["loss"] = math.nan
+        row["nonfinite_steps"] = totals.nonfinite
+        if not any(r.get("nonfinite_steps") for r in state.history):  # once a run
+            warnings.warn(
+                f"epoch {state.epoch + 1}: {totals.nonfinite} of {totals.steps} training "
+                f"steps had a non-finite loss (check_divergence=False trains on), so the "
+                f"epoch's loss is NaN; the history's 'nonfinite_steps' column counts them. "
+                f"The weights may be NaN too: check_divergence=True stops at the first.",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    elif totals.loss_count:
         row["loss"] = totals.loss_sum / totals.loss_count
     if not totals.train_metrics.empty:
         row.update(finalize_metrics(setup, runtime, totals.train_metrics.result(), "train"))

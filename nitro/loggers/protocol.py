@@ -251,6 +251,7 @@ class LoggerGroup(BaseLogger):
                 members.append(as_logger(logger))
         self._loggers = tuple(members)
         self._off: set[int] = set()
+        self._stateless: set[int] = set()  # state() raised: checkpoints record none for it
         self._rebind()
 
     @property
@@ -259,6 +260,7 @@ class LoggerGroup(BaseLogger):
 
     def reset(self) -> None:
         self._off.clear()
+        self._stateless.clear()
         self._rebind()
 
     def _rebind(self) -> None:
@@ -322,14 +324,27 @@ class LoggerGroup(BaseLogger):
         return next((lg.run_url for lg in self._loggers if lg.run_url is not None), None)
 
     def state(self) -> list[dict[str, Any]] | None:
-        """One `{"type": ..., "state": ...}` per logger, or None when none keeps state."""
-        states = [lg.state() for lg in self._loggers]
+        """One `{"type": ..., "state": ...}` per logger, or None when none keeps state. A
+        logger whose `state()` raises is switched off like one whose other verbs raise, and
+        the checkpoint records no state for it."""
+        states = [self._state_of(lg) for lg in self._loggers]
         if all(s is None for s in states):
             return None
         return [
             {"type": type(lg).__qualname__, "state": s}
             for lg, s in zip(self._loggers, states, strict=True)
         ]
+
+    def _state_of(self, logger: Any) -> Any:
+        state = getattr(logger, "state", None)
+        if state is None or id(logger) in self._stateless:
+            return None
+        try:
+            return state()
+        except Exception as error:  # noqa: BLE001 - a logger must never break a run
+            self._stateless.add(id(logger))
+            self._switch_off(logger, "state", error)
+            return None
 
     def reattach(self, state: Any) -> None:
         if state is None:

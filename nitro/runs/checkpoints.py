@@ -30,6 +30,7 @@ import logging
 import math
 import os
 import shutil
+import sys
 import threading
 import time
 import warnings
@@ -224,31 +225,39 @@ class _OrbaxAccess:
     Every orbax call runs under `held(manager)`. A manager whose background write is still in
     flight keeps its turn after the call returns: the next call for another manager first
     waits for that write to finish. One run's own saves still overlap its training.
+
+    A write that fails is reported to the store that started it (`failed`), never to the
+    caller that happened to wait for it, and its manager gives up its turn whatever happens:
+    a failed write cannot hold the lock or make the next caller wait on it again.
     """
 
     def __init__(self) -> None:
         self._lock = threading.RLock()
         self._writing: Any = None  # the manager whose background write may be in flight
+        self._failed: Any = None  # (error) -> None: its store's report of a failed write
 
     @contextmanager
     def held(self, manager: Any = None) -> Iterator[None]:
         with self._lock:
-            writing = self._writing
+            writing, failed = self._writing, self._failed
             if writing is not None and writing is not manager:
+                self._writing = self._failed = None
                 try:
                     writing.wait_until_finished()
-                finally:
-                    self._writing = None
+                except Exception as error:  # noqa: BLE001 - its own store reports it
+                    if failed is not None:
+                        failed(error)
             yield
 
-    def started_write(self, manager: Any) -> None:
-        """Under `held(manager)`: `manager` begins a background write."""
-        self._writing = manager
+    def started_write(self, manager: Any, failed: Any = None) -> None:
+        """Under `held(manager)`: `manager` begins a background write; `failed(error)`
+        reports its failure when another caller finds it."""
+        self._writing, self._failed = manager, failed
 
     def closed(self, manager: Any) -> None:
-        """Under `held(manager)`: `manager` has finished its writes and is closed."""
+        """Under `held(manager)`: `manager` has finished its writes (or failed) and is closed."""
         if self._writing is manager:
-            self._writing = None
+            self._writing = self._failed = None
 
 
 _ORBAX = _OrbaxAccess()
@@ -287,6 +296,7 @@ class CheckpointStore:
         self._last_start: float | None = None
         self._last_cost = 0.0
         self.saved_epoch: int | None = None
+        self.saved_step: int | None = None  # the newest step saved (or resumed from)
         self.costs: list[float] = []  # seconds each save blocked the loop
         self.failures: list[str] = []
         _OPEN.add(self)
@@ -321,6 +331,7 @@ class CheckpointStore:
                 **ranking,
             )
             self._empty_trash()  # what a killed process was deleting
+            _quiet_orbax()
             self._manager = ocp.CheckpointManager(
                 self.directory, options=options, item_names=("state", "meta")
             )
@@ -345,16 +356,18 @@ class CheckpointStore:
             else None
         )
         with self._lock:
+            manager = None
             try:
                 manager = self._open(ranked=metrics is not None)
                 with _ORBAX.held(manager):
                     if step in manager.all_steps():  # saved already (a run ending at a boundary)
+                        self.saved_step = step
                         return
                     # save() waits for the previous save (and its deletions) anyway: wait
                     # here, so the steps it moved aside can be removed before the next ones
                     manager.wait_until_finished()
                     self._empty_trash()
-                    _ORBAX.started_write(manager)
+                    _ORBAX.started_write(manager, lambda error: self._failed(error, None))
                     manager.save(
                         step,
                         args=ocp.args.Composite(
@@ -366,29 +379,58 @@ class CheckpointStore:
                     )
             except Exception as error:  # noqa: BLE001 - a full disk must not end the run
                 self._failed(error, step)
+                self._discard()
                 return
         cost = time.perf_counter() - began
         self._last_start, self._last_cost = began, cost
         self.costs.append(cost)
         self.saved_epoch = meta.get("epoch")
+        self.saved_step = step
 
     def _empty_trash(self) -> None:
         """Remove the steps orbax moved aside for deletion (call with no save in flight)."""
         shutil.rmtree(self.directory / DELETING, ignore_errors=True)
 
-    def _failed(self, error: Exception, step: int | None) -> None:
+    def _failed(self, error: BaseException, step: int | None) -> None:
         """A save that fails (a full disk, a vanished directory) leaves the earlier
         checkpoints as they were (orbax finalizes a step only once all of it is written);
         training goes on, and the first failure is reported."""
         if not self.failures:
             warnings.warn(
                 f"a checkpoint could not be saved in {self.directory} "
-                f"({type(error).__name__}: {error}); the earlier checkpoints are intact and "
+                f"({_why(error)}); the earlier checkpoints are intact and "
                 f"training goes on. Free space, or move the run with run_dir=.",
                 RuntimeWarning,
                 stacklevel=4,
             )
-        self.failures.append(f"step {step}: {type(error).__name__}: {error}")
+        self.failures.append(f"step {step}: {_why(error)}")
+
+    def _discard(self) -> None:
+        """Close the manager after a failed write (call under `self._lock`): orbax keeps a
+        failed write's error and raises it at every later wait, so the next save opens a
+        fresh manager. The failed step's temporary directory is removed when it opens."""
+        manager, self._manager = self._manager, None
+        if manager is not None:
+            self._shut(manager, report=False)
+
+    def _shut(self, manager: Any, report: bool = True) -> None:
+        """Finish `manager`'s writes and close it; whatever fails, it gives up the orbax
+        lock's turn (a failure is reported once, as a failed save)."""
+        with _ORBAX.held(manager):
+            try:
+                manager.wait_until_finished()
+            except Exception as error:  # noqa: BLE001 - a full disk must not end the run
+                if report:
+                    self._failed(error, None)
+            finally:
+                try:
+                    manager.close()
+                except Exception as error:  # noqa: BLE001 - the same failure, again
+                    if report and not self.failures:
+                        self._failed(error, None)
+                finally:
+                    _ORBAX.closed(manager)
+                    self._empty_trash()
 
     def wait(self) -> None:
         with self._lock:
@@ -398,20 +440,44 @@ class CheckpointStore:
                         self._manager.wait_until_finished()
                 except Exception as error:  # noqa: BLE001
                     self._failed(error, None)
+                    self._discard()
 
     def close(self) -> None:
         with self._lock:
             manager, self._manager = self._manager, None
         if manager is not None:
-            with _ORBAX.held(manager):
-                try:
-                    manager.wait_until_finished()
-                except Exception as error:  # noqa: BLE001
-                    self._failed(error, None)
-                finally:
-                    manager.close()
-                    self._empty_trash()
-                    _ORBAX.closed(manager)
+            self._shut(manager)
+
+
+def _from_orbax(record: logging.LogRecord) -> bool:
+    if "orbax" in record.pathname:
+        return True
+    trace = record.exc_info[2] if record.exc_info else None
+    while trace is not None:
+        if "orbax" in trace.tb_frame.f_code.co_filename:
+            return True
+        trace = trace.tb_next
+    return False
+
+
+def _quiet_failed_writes(record: logging.LogRecord) -> bool:
+    """Drop orbax's own reports of a failed write (its errors, with tracebacks, logged by
+    every thread that waits for the write, and asyncio's "exception was never retrieved"
+    for each array it could not write): the store reports each failure as one warning."""
+    return not (record.levelno >= logging.ERROR and _from_orbax(record))
+
+
+_QUIETED = threading.Lock()
+
+
+def _quiet_orbax() -> None:
+    """Install the filters for orbax's failure reports, once per process."""
+    with _QUIETED:
+        if getattr(sys.unraisablehook, "nitro_quiet", False):
+            return
+        for name in ("absl", "asyncio"):
+            logging.getLogger(name).addFilter(_quiet_failed_writes)
+        sys.unraisablehook = _late_reads_quiet(sys.unraisablehook)
 
 
 def _quiet_read_only(record: logging.LogRecord) -> bool:
@@ -457,81 +523,169 @@ def _meta_args():
     return ocp.args.Composite(meta=ocp.args.JsonRestore())
 
 
-def _best(manager, steps: list[int]) -> tuple[int | None, str | None, float | None, dict]:
-    """(best step, metric, its value, the newest meta) by the checkpointer's own metric and
-    mode, as recorded in the newest checkpoint."""
-    meta = manager.restore(steps[-1], args=_meta_args())["meta"]
-    config = meta.get("checkpointer") or {}
-    metric, mode = config.get("metric"), config.get("mode", "min")
-    best_step, best = None, None
-    for step in steps:
-        value = (manager.metrics(step) or {}).get(metric)
-        if value is None:
+def _why(error: BaseException) -> str:
+    """An error in one line, for a warning naming a damaged checkpoint."""
+    text = str(error).strip().splitlines()
+    return f"{type(error).__name__}: {text[0][:300] if text else ''}".rstrip(": ")
+
+
+def _skip(directory: Path, step: int, why: str) -> None:
+    warnings.warn(
+        f"skipping the damaged checkpoint {str(directory.absolute() / str(step))!r} ({why}); the other "
+        f"checkpoints are used. Delete that step directory once you no longer need it.",
+        RuntimeWarning,
+        stacklevel=4,
+    )
+
+
+def _records(manager, directory: Path) -> list[tuple[int, dict]]:
+    """(step, JSON record) of each saved step whose record reads, oldest first; a step whose
+    record does not (an empty step directory, a truncated or corrupted file) is skipped with
+    a warning naming it. Reads no array."""
+    found = []
+    for step in manager.all_steps():
+        try:
+            meta = manager.restore(step, args=_meta_args())["meta"]
+            if not isinstance(meta, Mapping):
+                raise ValueError(f"its record is {type(meta).__name__}, not a JSON object")
+        except Exception as error:  # noqa: BLE001 - any unreadable step is skipped, named
+            _skip(directory, step, _why(error))
             continue
-        if best is None or (value < best if mode == "min" else value > best):
-            best_step, best = step, value
-    return best_step, metric, best, meta
+        found.append((step, dict(meta)))
+    return found
+
+
+def _metric_value(manager, step: int, metric: str | None) -> float | None:
+    try:
+        value = (manager.metrics(step) or {}).get(metric)
+    except Exception:  # noqa: BLE001 - a step without readable metrics is unranked
+        return None
+    return value if isinstance(value, (int, float)) else None
+
+
+def _ranking(manager, records: list[tuple[int, dict]]) -> tuple[str | None, str, list]:
+    """(metric, mode, [(step, value)] best first) by the checkpointer's own metric and mode,
+    as recorded in the newest readable checkpoint."""
+    config = (records[-1][1].get("checkpointer") if records else None) or {}
+    metric, mode = config.get("metric"), config.get("mode", "min")
+    ranked = [
+        (step, value)
+        for step, _ in records
+        if (value := _metric_value(manager, step, metric)) is not None
+    ]
+    ranked.sort(key=lambda item: item[1], reverse=mode == "max")
+    return metric, mode, ranked
 
 
 def ranked_steps(directory: str | os.PathLike) -> tuple[str | None, list[tuple[int, float]]]:
     """(the checkpointer's metric, [(step, value)] best first) of a checkpoints directory:
-    the saved steps that recorded the metric, ranked by its mode."""
-    with _reader(Path(directory)) as manager:
-        steps = list(manager.all_steps())
-        if not steps:
-            return None, []
-        meta = manager.restore(steps[-1], args=_meta_args())["meta"]
-        config = meta.get("checkpointer") or {}
-        metric, mode = config.get("metric"), config.get("mode", "min")
-        ranked = [
-            (step, value)
-            for step in steps
-            if (value := (manager.metrics(step) or {}).get(metric)) is not None
-        ]
-    ranked.sort(key=lambda item: item[1], reverse=mode == "max")
+    the readable saved steps that recorded the metric, ranked by its mode."""
+    directory = Path(directory)
+    with _reader(directory) as manager:
+        metric, _, ranked = _ranking(manager, _records(manager, directory))
     return metric, ranked
 
 
 def describe_checkpoints(directory: str | os.PathLike):
     """(saved steps, latest epoch, metric name, best value) of a checkpoint directory, read
-    from orbax's metadata and the newest JSON record, without loading any array."""
+    from orbax's metadata and the JSON records, without loading any array. Damaged steps are
+    left out (with a warning naming each); a directory orbax cannot read at all lists none."""
     directory = Path(directory)
     if not directory.is_dir():
         return [], None, None, None
-    with _reader(directory) as manager:
-        steps = list(manager.all_steps())
-        if not steps:
-            return [], None, None, None
-        _, metric, best, meta = _best(manager, steps)
-        return steps, meta.get("epoch"), metric, best
+    try:
+        with _reader(directory) as manager:
+            records = _records(manager, directory)
+            if not records:
+                return [], None, None, None
+            metric, _, ranked = _ranking(manager, records)
+    except Exception as error:  # noqa: BLE001 - one damaged run must not hide the others
+        warnings.warn(
+            f"skipping the checkpoints in {str(directory)!r}: they cannot be listed "
+            f"({_why(error)})",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return [], None, None, None
+    best = ranked[0][1] if ranked else None
+    return [step for step, _ in records], records[-1][1].get("epoch"), metric, best
 
 
 def describe_saved(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """One row per saved checkpoint of a run: step, epoch, the metric and the path."""
+    """One row per readable saved checkpoint of a run: step, epoch, the metric and the path."""
     directory = Path(run_dir) / "checkpoints"
     if not directory.is_dir():
         return []
     with _reader(directory) as manager:
         rows = []
-        for step in manager.all_steps():
-            meta = manager.restore(step, args=_meta_args())["meta"]
+        for step, meta in _records(manager, directory):
             row = {"step": step, "epoch": meta.get("epoch")}
-            row.update(manager.metrics(step) or {})
+            try:
+                row.update(manager.metrics(step) or {})
+            except Exception:  # noqa: BLE001 - the step itself reads: list it without them
+                pass
             row["path"] = str(directory / str(step))
             rows.append(row)
         return rows
 
 
-def read_checkpoint(directory: Path, step: int, weights_only: bool = False):
-    """(state tree of numpy arrays, meta) of one saved step."""
+# The last step `resolve_checkpoint` read whole to check it, kept for the `read_checkpoint`
+# that follows it (resume and weights= read the step they resolved at once): one entry,
+# taken by that read, so a checked step is not read twice.
+_CHECKED: dict[tuple[Path, int], tuple[Any, dict[str, Any]]] = {}
+
+
+def _late_reads_quiet(hook: Any) -> Any:
+    """`sys.unraisablehook` less the reports of a failed restore's other reads: tensorstore
+    completes them after orbax closed its event loop, and each would print a traceback
+    ("Event loop is closed") for a failure already reported once."""
+
+    def quiet(report: Any) -> None:
+        error = report.exc_value
+        if isinstance(error, RuntimeError) and str(error) == "Event loop is closed":
+            return
+        hook(report)
+
+    quiet.nitro_quiet = True  # pyright: ignore[reportFunctionMemberAccess]
+    return quiet
+
+
+def _restore(manager, step: int) -> tuple[Any, dict[str, Any]]:
     import orbax.checkpoint as ocp
 
-    with _reader(directory) as manager:
+    try:
         restored = manager.restore(
             step,
             args=ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()),
         )
-        return restored["state"], restored["meta"]
+    except Exception:
+        _quiet_orbax()
+        raise
+    state, meta = restored["state"], restored["meta"]
+    if not isinstance(state, Mapping) or "params" not in state:
+        raise ValueError("its state holds no parameters")
+    if not isinstance(meta, Mapping):
+        raise ValueError("its record is not a JSON object")
+    return state, dict(meta)
+
+
+def read_checkpoint(
+    directory: Path, step: int, weights_only: bool = False
+) -> tuple[Any, dict[str, Any]]:
+    """(state tree of numpy arrays, meta) of one saved step. A step that cannot be read (a
+    truncated file, corrupted bytes: a checksum failure) raises a `SetupError` naming it."""
+    directory = Path(directory).absolute()
+    checked = _CHECKED.pop((directory, step), None)
+    if checked is not None:
+        return checked
+    with _reader(directory) as manager:
+        try:
+            return _restore(manager, step)
+        except Exception as error:  # noqa: BLE001 - orbax and tensorstore raise many kinds
+            raise SetupError(
+                f"the checkpoint {str(directory / str(step))!r} cannot be read "
+                f"({_why(error)}); it is damaged. Use another of the run's checkpoints"
+            ) from error
 
 
 class SavedStep(NamedTuple):
@@ -546,10 +700,16 @@ class SavedStep(NamedTuple):
 
 
 def resolve_checkpoint(
-    source: CheckpointRef | str | os.PathLike | tuple, which: str = "latest"
+    source: CheckpointRef | str | os.PathLike | tuple, which: str = "latest", *, read: bool = True
 ) -> SavedStep:
     """Where a checkpoint is: a run directory (its newest or best checkpoint), a checkpoints
-    directory, or one step's directory; `(run_dir, "best" | "latest")` chooses."""
+    directory, or one step's directory; `(run_dir, "best" | "latest")` chooses.
+
+    The chosen step is read whole first. A damaged one (an empty step directory, a truncated
+    or corrupted file) is skipped with a warning naming it, and the next one is taken: the
+    newest before it, or for "best" the next best, then the newest. A step named explicitly
+    is not replaced: its damage is an error naming it. `read=False` checks only the steps'
+    JSON records (for a reader that handles damaged arrays itself)."""
     if isinstance(source, tuple):
         if len(source) != 2 or source[1] not in ("best", "latest"):
             raise SetupError(
@@ -569,16 +729,47 @@ def resolve_checkpoint(
     else:
         directory = path
     with _reader(directory) as manager:
-        steps = list(manager.all_steps())
-        if step is None:
-            if not steps:
+        if step is not None:
+            if step not in manager.all_steps():
+                steps = list(manager.all_steps())
+                raise SetupError(
+                    f"{str(path)!r} is not a finished checkpoint (saved steps: {steps})"
+                )
+            candidates = [step]
+        else:
+            records = _records(manager, directory)
+            if not records:
+                listed = list(manager.all_steps())
                 raise SetupError(
                     f"no checkpoint in {str(directory)!r}: it holds no saved steps (a run "
                     f"saves after each epoch's validation)"
+                    if not listed
+                    else f"no readable checkpoint in {str(directory)!r}: every saved step "
+                    f"({', '.join(map(str, listed))}) is damaged (see the warnings above)"
                 )
-            step = steps[-1]
+            candidates = [s for s, _ in reversed(records)]
             if which == "best":
-                step = _best(manager, steps)[0] or step
-        elif step not in steps:
-            raise SetupError(f"{str(path)!r} is not a finished checkpoint (saved steps: {steps})")
-    return SavedStep(directory, step)
+                ranked = [s for s, _ in _ranking(manager, records)[2]]
+                candidates = ranked + [s for s in candidates if s not in ranked]
+        if not read:
+            return SavedStep(directory, candidates[0])
+        _CHECKED.clear()
+        damaged = []
+        for candidate in candidates:
+            try:
+                _CHECKED[(directory, candidate)] = _restore(manager, candidate)
+            except Exception as error:  # noqa: BLE001 - orbax and tensorstore raise many kinds
+                if step is not None:
+                    raise SetupError(
+                        f"the checkpoint {str(path)!r} cannot be read ({_why(error)}); it is "
+                        f"damaged. Give another step, or the run directory for its newest "
+                        f"readable checkpoint"
+                    ) from error
+                _skip(directory, candidate, _why(error))
+                damaged.append(candidate)
+                continue
+            return SavedStep(directory, candidate)
+    raise SetupError(
+        f"no readable checkpoint in {str(directory)!r}: every saved step "
+        f"({', '.join(map(str, sorted(set(damaged))))}) is damaged (see the warnings above)"
+    )

@@ -164,6 +164,7 @@ class RunFiles:
         )
         if self.store is not None:
             self.store.saved_epoch = restored.epoch
+            self.store.saved_step = restored.step
         if self.branched_from is None:
             said = f"resumed run {self.run_id} from its checkpoint"
         else:
@@ -184,6 +185,19 @@ class RunFiles:
         """Create the run directory and its run.json; the first line of a run names them."""
         if self.opened:
             return
+        try:
+            self._write_run_json(setup)
+        except OSError as error:  # a read-only or vanished directory: before any training
+            raise SetupError(
+                f"cannot create the run directory {str(self.run_dir)!r} "
+                f"({type(error).__name__}: {error.strerror or error}); nothing was trained. "
+                f"Put the run where it can write with run_dir='/some/writable/dir' (every run "
+                f"writes its run.json, even with checkpointer=None and logger=None)"
+            ) from None
+        self.opened = True
+        events.note(f"run {self.run_id} in {self.run_dir}")
+
+    def _write_run_json(self, setup: RunSetup) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         info = read_run_json(self.run_dir)
         if not info:
@@ -203,8 +217,6 @@ class RunFiles:
                     ),
                 },
             )
-        self.opened = True
-        events.note(f"run {self.run_id} in {self.run_dir}")
 
     logger_state: Any = None  # () -> the logger's state(), stored in each checkpoint
 
@@ -240,9 +252,16 @@ class RunFiles:
         if store is None:
             return
         at_boundary = not (state.epoch == 0 or state.position or state.epoch_trained)
-        if at_boundary and store.saved_epoch != state.epoch:
+        stopped = reason == "requested" and (state.position or state.epoch_trained)
+        failures = len(store.failures)
+        if (at_boundary and store.saved_epoch != state.epoch) or (
+            stopped and store.saved_step != state.step
+        ):
             self._save(setup, state, state.last_row, events, device, reason)
         store.close()  # finishes the writes; the manager's threads end (a later save reopens)
+        if reason == "requested":
+            saved = store.saved_step == state.step and len(store.failures) == failures
+            events.note(_resume_point(state, store, saved))
 
     def _save(
         self,
@@ -277,6 +296,24 @@ class RunFiles:
             self.store.close()
 
 
+def _resume_point(state: TrainState, store: CheckpointStore, saved: bool) -> str:
+    """Where a stopped run can resume from: the step it stopped on, when that was saved."""
+    where = f"epoch {state.epoch + 1}, batch {state.position}"
+    if state.epoch_trained:
+        where = f"epoch {state.epoch + 1} trained, before its validation"
+    elif not state.position:
+        where = f"the end of epoch {state.epoch}"
+    if saved:
+        return (
+            f"stopped at step {state.step} ({where}); saved {store.directory / str(state.step)}: "
+            f"resume= continues from there"
+        )
+    return (
+        f"stopped at step {state.step} ({where}); that step could not be saved (see the "
+        f"warning), so resume= continues from the newest checkpoint in {store.directory}"
+    )
+
+
 def checkpoint_meta(
     setup: RunSetup,
     state: TrainState,
@@ -307,6 +344,26 @@ def checkpoint_meta(
         "optimizer": describe_optimizer(setup.optimizer) if setup.optimizer is not None else None,
         "checkpointer": dataclasses.asdict(checkpointer) if checkpointer else None,
         "logger": logger_state,
+        "partial_epoch": _partial_epoch(state),
+    }
+
+
+def _partial_epoch(state: TrainState) -> dict[str, Any] | None:
+    """The epoch under way of a run stopped in its middle (None at an epoch boundary): the
+    batches it completed and its running sums, so a resume continues at the next batch.
+    The epoch's train metrics (the train_metrics hook) start again from there."""
+    totals = state.totals
+    if totals is None or not (state.position or state.epoch_trained):
+        return None
+    return {
+        "position": state.position,
+        "trained": state.epoch_trained,
+        "loss_sum": totals.loss_sum,
+        "loss_count": totals.loss_count,
+        "nonfinite": totals.nonfinite,
+        "steps": totals.steps,
+        "wait_seconds": totals.wait_seconds,
+        "seconds": totals.seconds,
     }
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import warnings
 from typing import Any, NamedTuple
 
 import jax
@@ -116,11 +117,14 @@ class AveragedWeights:
     """The mean of the weights of several saved checkpoints (`nitro.average` builds it).
 
     Floating-point leaves (parameters, batch statistics) are averaged; other leaves (RNG
-    counts and keys) come from the first checkpoint, the best one.
+    counts and keys) come from the first checkpoint, the best one. A damaged checkpoint (a
+    truncated or corrupted file) is skipped with a warning, and the next ranked one (from
+    `spares`) takes its place.
     """
 
     checkpoints: tuple[tuple[str, int], ...]  # (checkpoints directory, step), best first
     ranking: str  # how they were chosen, for the origin
+    spares: tuple[tuple[str, int], ...] = ()  # the next ranked, in place of damaged ones
 
     def resolve(self, params: Any, model_state: Any) -> ResolvedWeights:
         """The mean of the checkpoints' weights, shaped like the given model's."""
@@ -131,10 +135,25 @@ class AveragedWeights:
         trees = {"parameters": ("params", params), "model state": ("model_state", model_state)}
         sums: dict[str, list] = {}
         firsts: dict[str, list] = {}
-        metas = []
-        for directory, step in self.checkpoints:
-            saved, meta = read_checkpoint(Path(directory), step)
+        metas, used, damaged = [], [], []
+        k = len(self.checkpoints)
+        for directory, step in self.checkpoints + self.spares:
+            if len(used) == k:
+                break
+            try:
+                saved, meta = read_checkpoint(Path(directory), step)
+            except SetupError as error:
+                if "given" in self.ranking:  # the caller's list: no other takes its place
+                    raise WeightsError(f"average(): {error}") from error
+                warnings.warn(
+                    f"average(): {error}; the next ranked checkpoint takes its place",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+                damaged.append(str(Path(directory) / str(step)))
+                continue
             metas.append(meta)
+            used.append((directory, step))
             for what, (key, tree) in trees.items():
                 leaves = leaves_from(
                     what, saved.get(key, {}), leaf_paths(tree), jax.tree.leaves(tree)
@@ -146,7 +165,12 @@ class AveragedWeights:
                 for total, x in zip(sums[what], leaves, strict=False):
                     if total is not None:
                         total += np.asarray(x, np.float64)
-        k = len(self.checkpoints)
+        if len(used) < k:
+            raise WeightsError(
+                f"average() needs {k} readable checkpoints of {self.checkpoints[0][0]!r}, but "
+                f"only {len(used)} read: {', '.join(damaged)} cannot be read (damaged, see "
+                f"the warnings). Lower k, or give a list of checkpoint paths."
+            )
         averaged = []
         for what, (_, tree) in trees.items():
             leaves = [
@@ -157,13 +181,13 @@ class AveragedWeights:
             ]
             averaged.append(jax.tree.unflatten(jax.tree.structure(tree), leaves))
         run_dir = Path(self.checkpoints[0][0]).parent
-        steps = [step for _, step in self.checkpoints]
+        steps = [step for _, step in used]
         origin = (
             f"the mean of {k} checkpoint{'s' * (k != 1)} of {run_dir.name or run_dir} "
             f"({self.ranking}): steps {', '.join(map(str, steps))}"
         )
         checkpoint = SavedWeights(
-            paths=tuple(str(Path(d) / str(s)) for d, s in self.checkpoints),
+            paths=tuple(str(Path(d) / str(s)) for d, s in used),
             run_id=metas[0].get("run_id"),
             steps=tuple(steps),
             epochs=tuple(m.get("epoch") for m in metas),
@@ -204,7 +228,7 @@ def average(source: Any, k: int = 3) -> AveragedWeights:
     ):
         if not source:
             raise WeightsError("average() got an empty list; give checkpoint paths to average")
-        found = [resolve_checkpoint(path) for path in source]
+        found = [resolve_checkpoint(path, read=False) for path in source]
         return AveragedWeights(tuple((str(d), s) for d, s in found), f"{len(found)} given")
     if isinstance(k, bool) or not isinstance(k, int) or k < 1:
         raise WeightsError(f"average(k={k!r}): k must be an int >= 1")
@@ -226,7 +250,9 @@ def average(source: Any, k: int = 3) -> AveragedWeights:
             f"checkpoints plus the newest). Lower k, or give a list of checkpoint paths."
         )
     return AveragedWeights(
-        tuple((str(directory), step) for step, _ in ranked[:k]), f"best {k} by {metric}"
+        tuple((str(directory), step) for step, _ in ranked[:k]),
+        f"best {k} by {metric}",
+        spares=tuple((str(directory), step) for step, _ in ranked[k:]),
     )
 
 
