@@ -55,24 +55,24 @@ def token_path(port: int) -> Path:
 
 def config_snippets(url: str, token_file: str | os.PathLike) -> str:
     """How to point common agent clients at `url`, each reading the token from `token_file`."""
-    read = f'"$(cat {token_file})"'
 
     def entry(variable: str) -> str:
         headers = {"Authorization": f"Bearer {variable}"}
-        return json.dumps(
-            {"mcpServers": {"nitro": {"type": "http", "url": url, "headers": headers}}}
-        )
+        server = {"type": "http", "url": url, "headers": headers}
+        return json.dumps({"mcpServers": {"nitro": server}})
 
     return "\n".join(
         [
             "Claude Code:",
             f'  claude mcp add --transport http nitro {url} --header "Authorization: Bearer '
             f'$(cat {token_file})"',
-            f"Claude Code .mcp.json, with NITRO_MCP_TOKEN={read} in its environment:",
+            "For the clients below, first, in the shell that starts them:",
+            f'  export NITRO_MCP_TOKEN="$(cat {token_file})"',
+            "Claude Code .mcp.json:",
             "  " + entry("${NITRO_MCP_TOKEN}"),
-            "Cursor mcp.json, likewise:",
+            "Cursor mcp.json:",
             "  " + entry("${env:NITRO_MCP_TOKEN}"),
-            f"Codex ~/.codex/config.toml, with NITRO_MCP_TOKEN={read} in Codex's environment:",
+            "Codex ~/.codex/config.toml:",
             f'  [mcp_servers.nitro]\n  url = "{url}"\n  bearer_token_env_var = "NITRO_MCP_TOKEN"',
         ]
     )

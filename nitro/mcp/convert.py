@@ -68,10 +68,10 @@ def save_outputs(path: Path, outputs: Any) -> None:
         path.write_text(json.dumps(jsonable(outputs)))
     elif path.suffix == ".npz":
         arrays = outputs if isinstance(outputs, Mapping) else {"output": outputs}
-        flat = {str(k): np.asarray(v) for k, v in arrays.items()}
         if any(isinstance(v, Mapping) for v in arrays.values()):
             raise ToolFailure(f"out: nested outputs do not fit {path.name}; end it with .json")
-        np.savez(path, **flat)
+        named: dict[str, Any] = {str(k): np.asarray(v) for k, v in arrays.items()}
+        np.savez(path, **named)  # one array per output, by its name
     elif isinstance(outputs, Mapping):
         raise ToolFailure(
             f"out: the model has several outputs ({', '.join(map(str, outputs))}); .npy holds "

@@ -169,9 +169,9 @@ class HttpServer:
                 f"cannot serve on {HOST}:{self._requested_port} ({error.strerror}); choose "
                 f"another port, or 0 for any free one"
             ) from None
-        self.port = sock.getsockname()[1]
+        self.port = port = sock.getsockname()[1]
         app = build_server(self.session).streamable_http_app(
-            streamable_http_path=PATH, host=HOST, transport_security=transport_security(self.port)
+            streamable_http_path=PATH, host=HOST, transport_security=transport_security(port)
         )
         config = uvicorn.Config(
             LoopbackBearerGuard(app, self.token),
