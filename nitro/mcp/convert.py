@@ -37,6 +37,7 @@ __all__ = [
     "first_rows",
     "jsonable",
     "output_elements",
+    "output_suffix",
     "save_outputs",
     "shapes",
 ]
@@ -59,6 +60,13 @@ def first_rows(outputs: Any, count: int) -> Any:
     if isinstance(outputs, Mapping):
         return {k: first_rows(v, count) for k, v in outputs.items()}
     return np.asarray(outputs)[:count]
+
+
+def output_suffix(outputs: Any) -> str:
+    """The file type that holds `outputs`: .npy (an array), .npz (a dict of them), .json."""
+    if not isinstance(outputs, Mapping):
+        return ".npy"
+    return ".json" if any(isinstance(v, Mapping) for v in outputs.values()) else ".npz"
 
 
 def save_outputs(path: Path, outputs: Any) -> None:

@@ -41,6 +41,7 @@ from nitro.mcp.convert import (
     first_rows,
     jsonable,
     output_elements,
+    output_suffix,
     save_outputs,
     shapes,
 )
@@ -470,20 +471,17 @@ class ToolSession:
         if path is None and elements <= PREVIEW_ELEMENTS:
             return {**answer, "outputs": jsonable(outputs)}
         if path is None:
-            suffix = ".npy" if not isinstance(outputs, Mapping) else ".npz"
-            path = self.paths.root / "predictions" / f"{run_id}-{secrets.token_hex(4)}{suffix}"
+            name = f"{run_id}-{secrets.token_hex(4)}{output_suffix(outputs)}"
+            path = self.paths.root / "predictions" / name
         save_outputs(path, outputs)
-        shown = (
-            rows if elements <= PREVIEW_ELEMENTS else max(1, PREVIEW_ELEMENTS * rows // elements)
-        )
-        preview = jsonable(first_rows(outputs, shown))
+        shown = rows if elements <= PREVIEW_ELEMENTS else PREVIEW_ELEMENTS * rows // elements
         return {
             **answer,
-            "outputs": preview,
-            "preview_rows": min(shown, rows),
+            "outputs": jsonable(first_rows(outputs, shown)),
+            "preview_rows": shown,
             "file": str(path),
-            "note": f"outputs shows the first {min(shown, rows)} of {rows} rows; {path.name} "
-            f"holds them all (numpy.load reads .npy and .npz)",
+            "note": f"outputs shows the first {shown} of {rows} rows; {path.name} holds them "
+            f"all (numpy.load reads .npy and .npz)",
         }
 
     def export(
