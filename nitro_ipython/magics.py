@@ -120,6 +120,17 @@ class NitroMagics(Magics):
         default=0,
         help="mcp start: the loopback port to serve on (default: any free port)",
     )
+    @magic_arguments.argument(
+        "--allow",
+        action="append",
+        metavar="DIR",
+        help="mcp start: another directory whose paths the agent may use (repeatable)",
+    )
+    @magic_arguments.argument(
+        "--root",
+        help="mcp start: the directory whose paths the agent may use (default: the working "
+        "directory)",
+    )
     def nitro(self, line: str = ""):
         """Train, watch and inspect Nitro runs.
 
@@ -150,11 +161,12 @@ class NitroMagics(Magics):
         %nitro export DIR [--run RUN] [--name NAME]
             write RUN's current weights and eval-mode forward as a bundle that runs without
             Nitro (nitro.bundle.load(DIR)) and serves with `nitro serve DIR`
-        %nitro mcp start [--port P]
-            serve this kernel's runs to a coding agent over MCP (loopback only; prints a
-            token once and client configuration); `%nitro mcp stop` stops serving,
-            `%nitro mcp` says where it serves. Runs the agent starts show in %nitro runs
-            under their run ids.
+        %nitro mcp start [--port P] [--root DIR] [--allow DIR ...]
+            serve this kernel's runs to a coding agent over MCP (loopback only; prints
+            the file holding the token and client configuration); `%nitro mcp stop`
+            stops serving, `%nitro mcp` says where it serves. Runs the agent starts show
+            in %nitro runs under their run ids. The agent's paths stay inside the working
+            directory (or --root) and the --allow'ed directories.
         """
         args = magic_arguments.parse_argstring(self.nitro, line)
         return getattr(self, f"_{args.command}")(args)
@@ -392,7 +404,7 @@ class NitroMagics(Magics):
 
     def _mcp(self, args) -> None:
         if args.target == "start":
-            print(agents.start(self.shell, port=args.port))
+            print(agents.start(self.shell, port=args.port, allow=args.allow, root=args.root))
         elif args.target == "stop":
             print(agents.stop())
         elif args.target is None:

@@ -203,13 +203,15 @@ class PanelReporter:
         self.curves.add_row(dict(row))
         self._row = dict(row)
         if self.panel is None:
-            self._lines.end_epoch(row)
+            if not worker.is_quiet():  # an agent's run: the agent reads it through its tools
+                self._lines.end_epoch(row)
             return
         self._refresh()
 
     def note(self, message, done=False):
         if self.panel is None or not self.active:
-            self._lines.note(message, done)
+            if not worker.is_quiet():
+                self._lines.note(message, done)
         else:
             self.show_note(message, replace_pending=done)
 

@@ -9,6 +9,10 @@ Without the routing, ipykernel sends a thread's output to whichever cell is runn
 time (or, in some versions, nowhere); with it, a background run writes into the cell that
 started it, and its panel's final record replaces the panel there.
 
+A thread marked `quiet` (an agent's, by `%nitro mcp start`) passes that on too: its runs print
+no progress lines into the cell (the agent reads progress through its tools; `%nitro panel`
+shows it to the person).
+
 `cell_finished` runs after every cell (IPython's `post_run_cell` event): from then on the
 panels that cell displayed get clicks, so their Stop buttons turn on.
 """
@@ -23,7 +27,9 @@ __all__ = [
     "cell_finished",
     "claim_panel",
     "initializer",
+    "is_quiet",
     "panel_reporters",
+    "quiet_thread",
     "reserve_panel",
     "reserved_panel",
     "widgets_available",
@@ -57,10 +63,21 @@ def widgets_available(shell: Any = None) -> bool:
     return True
 
 
+def quiet_thread() -> None:
+    """Runs started on this thread from now on print no progress lines."""
+    _LOCAL.quiet = True
+
+
+def is_quiet() -> bool:
+    """True on a `quiet_thread`, and on the training threads of the runs it starts."""
+    return getattr(_LOCAL, "quiet", False)
+
+
 def initializer(handle: Any = None):
     shell = _shell()
     if shell is None:
         return None
+    quiet = is_quiet()
     get_parent = getattr(shell, "get_parent", None)
     parent = get_parent() if get_parent is not None else None
     panel = None
@@ -81,6 +98,7 @@ def initializer(handle: Any = None):
         if parent and set_thread_parent is not None:
             set_thread_parent(parent)
         _LOCAL.panel = panel
+        _LOCAL.quiet = quiet
 
     return on_worker
 

@@ -1,6 +1,6 @@
 """The MCP SDK's own client, connected to Nitro's agent tools over stdio or streamable HTTP.
 
-`stdio_session(cwd)` starts `python -m nitro.mcp` as a subprocess (this checkout and tests/
+`stdio_session(cwd, *options)` starts `python -m nitro.mcp` as a subprocess (this checkout and tests/
 importable, so experiments are named `agent_toys.Quick`); `http_session(url, token)` connects
 to a running `HttpServer`. The helpers call a tool and return its JSON answer or its error.
 """
@@ -28,10 +28,10 @@ REPO = TESTS.parent
 
 
 @asynccontextmanager
-async def stdio_session(cwd: Path):
+async def stdio_session(cwd: Path, *options: str):
     params = StdioServerParameters(
         command=sys.executable,
-        args=["-m", "nitro.mcp"],
+        args=["-m", "nitro.mcp", *options],
         env={"PYTHONPATH": os.pathsep.join([str(TESTS), str(REPO)]), "JAX_PLATFORMS": "cpu"},
         cwd=cwd,
     )

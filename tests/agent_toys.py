@@ -1,10 +1,13 @@
-"""Experiments the agent-tool tests name by module (`agent_toys.Slow`): tiny, and one slow
-enough to stop in the middle of an epoch."""
+"""Experiments the agent-tool tests name by module (`agent_toys.Slow`): tiny, one slow enough to
+stop in the middle of an epoch, one whose hooks print, one whose inputs are integers."""
 
 from __future__ import annotations
 
+import os
 import time
 
+import numpy as np
+from flax import nnx
 from toys import ToyWithMetrics, X, Y, loaders
 
 import nitro
@@ -43,3 +46,48 @@ class Slow(ToyWithMetrics):
         splits = loaders(self.batch_size)
         splits["train"] = SlowBatches(self.batches, self.delay)
         return splits
+
+
+@nitro.experiment
+class Chatty(ToyWithMetrics):
+    """Prints from its hooks, through `print` and with a C-level write to fd 1."""
+
+    def build_data(self):
+        print("chatty: building the data")
+        os.write(1, b"chatty: written to fd 1\n")
+        return ToyWithMetrics.build_data(self)
+
+    def forward(self, model, *, x):
+        print("chatty: tracing forward")
+        return ToyWithMetrics.forward(self, model, x=x)
+
+
+TOKENS = (np.abs(X) * 4).astype(np.int32) % 10  # five token ids per sample
+
+
+class Bag(nnx.Module):
+    def __init__(self, width: int, *, rngs: nnx.Rngs):
+        self.embed = nnx.Embed(10, width, rngs=rngs)
+        self.out = nnx.Linear(width, 2, rngs=rngs)
+
+    def __call__(self, tokens):
+        return self.out(self.embed(tokens).mean(1))
+
+
+@nitro.experiment
+class Tokens(ToyWithMetrics):
+    """Integer inputs: five token ids per sample, embedded and averaged."""
+
+    def build_data(self):
+        return {
+            "train": nitro.data.ArrayLoader({"x": TOKENS, "y": Y}, self.batch_size),
+            "val": nitro.data.ArrayLoader(
+                {"x": TOKENS[:20], "y": Y[:20]}, self.batch_size, shuffle=False, drop_last=False
+            ),
+        }
+
+    def build_model(self, rngs):
+        return Bag(self.width, rngs=rngs)
+
+    def forward(self, model, *, x):
+        return model(x)

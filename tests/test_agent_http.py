@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import stat
+
 import anyio
 import pytest
 from agent_client import call, http_session, httpx2
@@ -83,3 +85,51 @@ def test_the_server_binds_loopback_and_refuses_a_port_in_use(server):
     assert server.url == f"http://127.0.0.1:{server.port}/mcp"
     with pytest.raises(OSError, match=rf"cannot serve on 127.0.0.1:{server.port} .*another port"):
         HttpServer(ToolSession(registry=RunRegistry()), port=server.port).start()
+
+
+def test_the_host_header_may_name_loopback_with_or_without_the_port(server):
+    def post(host: str) -> httpx2.Response:
+        return _post(server.url, {"Authorization": f"Bearer {server.token}", "Host": host})
+
+    for host in ("127.0.0.1", f"127.0.0.1:{server.port}", f"localhost:{server.port}", "[::1]"):
+        assert post(host).status_code == 200, host
+    for host in ("attacker.example", f"attacker.example:{server.port}", "127.0.0.1:1"):
+        refused = post(host)
+        assert (refused.status_code, refused.text) == (421, "Invalid Host header"), host
+
+
+def test_a_server_on_port_80_answers_clients_that_send_the_host_without_the_port():
+    try:
+        server = HttpServer(ToolSession(registry=RunRegistry()), port=80).start()
+    except OSError as error:  # not root, or the port is taken
+        pytest.skip(f"cannot serve on port 80 here: {error}")
+
+    async def connect():
+        async with http_session(server.url, server.token) as session:  # sends Host: 127.0.0.1
+            return await call(session, "nitro_runs")
+
+    try:
+        assert server.url == "http://127.0.0.1:80/mcp"
+        assert anyio.run(connect)["runs"] == []
+    finally:
+        server.stop()
+
+
+def test_the_token_file_is_readable_by_its_owner_only_and_goes_when_serving_stops(tmp_path):
+    path = tmp_path / "runtime" / "nitro-mcp.token"
+    path.parent.mkdir()
+    path.write_text("an old token")
+    path.chmod(0o644)
+    server = HttpServer(ToolSession(registry=RunRegistry()), token_file=path).start()
+
+    async def connect(token):
+        async with http_session(server.url, token) as session:
+            return await call(session, "nitro_runs")
+
+    try:
+        assert stat.S_IMODE(path.stat().st_mode) == 0o600
+        token = path.read_text()
+        assert token == server.token and anyio.run(connect, token)["runs"] == []
+    finally:
+        server.stop()
+    assert not path.exists()

@@ -411,3 +411,185 @@ def test_early_stopping_and_loggers_given_as_json_show_in_status_and_logger(conn
     lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     assert lines[-1]["type"] == "finish" and lines[-1]["status"] == "early_stop"
     assert (run_dir / "metrics.csv").is_file() and not (run_dir / "checkpoints").exists()
+
+
+def test_paths_outside_the_root_are_refused_naming_the_argument_and_the_root(connect, tmp_path):
+    root = tmp_path.resolve()
+    outside = root.parent / f"{root.name}-outside"
+    outside.mkdir()
+    (root / "link").symlink_to(outside, target_is_directory=True)  # inside, leading outside
+    quick = "agent_toys.Quick"
+
+    async def scenario():
+        async with connect() as session:
+            return [
+                await refusal(session, "nitro_export", run_id="nope", dir="../../etc/passwd"),
+                await refusal(
+                    session, "nitro_export", experiment=quick, weights="runs", dir="link/bundle"
+                ),
+                await refusal(session, "nitro_train", experiment=quick, run_dir=str(outside)),
+                await refusal(
+                    session, "nitro_train", experiment=quick, keywords={"run_dir": "../run"}
+                ),
+                await refusal(session, "nitro_train", experiment=quick, weights=str(outside)),
+                await refusal(
+                    session, "nitro_evaluate", experiment=quick, weights=["link", "best"]
+                ),
+                await refusal(session, "nitro_train", experiment=quick, resume="link"),
+            ]
+
+    export, symlink, run_dir, keyword, weights, pair, resume = anyio.run(scenario)
+    escaped = (root / "../../etc/passwd").resolve()
+    assert export.startswith(
+        f"nitro_export: dir: '../../etc/passwd' is {escaped}, outside this session's root {root}"
+    )
+    assert (
+        "`%nitro mcp start --allow DIR`" in export and "`python -m nitro.mcp --allow DIR`" in export
+    )
+    assert f"dir: 'link/bundle' is {outside / 'bundle'}, outside this session's root" in symlink
+    assert f"nitro_train: run_dir: '{outside}' is {outside}, outside" in run_dir
+    assert f"keywords.run_dir: '../run' is {root.parent / 'run'}, outside" in keyword
+    assert f"nitro_train: weights: '{outside}' is {outside}, outside" in weights
+    assert f"nitro_evaluate: weights: 'link' is {outside}, outside" in pair
+    assert f"nitro_train: resume: 'link' is {outside}, outside" in resume
+    assert not escaped.parent.exists() and list(outside.iterdir()) == []  # nothing written
+
+
+def test_directories_the_user_allows_take_runs_and_bundles(tmp_path):
+    root, allowed = tmp_path / "project", tmp_path / "shared"
+    root.mkdir()
+
+    async def scenario(session, tag: str):
+        started = await call(
+            session, "nitro_train", experiment="agent_toys.Quick", run_dir=str(allowed / tag)
+        )
+        done = await poll(session, started["run_id"], lambda s: s["status"] != "running")
+        assert done["status"] == "done", done["error"]
+        exported = await call(
+            session, "nitro_export", run_id=started["run_id"], dir=str(allowed / f"{tag}-bundle")
+        )
+        here = await call(session, "nitro_export", run_id=started["run_id"], dir=f"{tag}-bundle")
+        return exported, here
+
+    async def over_stdio():  # started from tmp_path: --root makes project the working directory
+        async with stdio_session(tmp_path, "--root", str(root), "--allow", str(allowed)) as session:
+            return await scenario(session, "stdio")
+
+    exported, here = anyio.run(over_stdio)
+    assert nitro.bundle.load(exported["result"]["directory"]).manifest["name"] == "quick"
+    assert exported["result"]["directory"] == str(allowed.resolve() / "stdio-bundle")
+    assert here["result"]["directory"] == str(root.resolve() / "stdio-bundle")
+    assert (allowed / "stdio" / "run.json").is_file()
+
+    server = HttpServer(ToolSession(registry=RunRegistry(), root=root, allow=[allowed])).start()
+
+    async def in_process():  # the working directory (tmp_path) is outside this root
+        async with http_session(server.url, server.token) as session:
+            default = await refusal(session, "nitro_train", experiment="agent_toys.Quick")
+            return default, await scenario(session, "http")
+
+    try:
+        default, (exported, here) = anyio.run(in_process)
+    finally:
+        server.stop()
+    assert f"run_dir: 'runs (the default)' is {tmp_path.resolve() / 'runs'}, outside" in default
+    assert "or give run_dir inside the root" in default
+    assert exported["result"]["directory"] == str(allowed.resolve() / "http-bundle")
+    assert here["result"]["directory"] == str(root.resolve() / "http-bundle")  # not the cwd
+
+
+def test_what_a_hook_prints_goes_to_stderr_and_never_into_the_protocol(tmp_path, caplog):
+    async def scenario():
+        async with stdio_session(tmp_path) as session:
+            started = await call(session, "nitro_train", experiment="agent_toys.Chatty")
+            done = await poll(session, started["run_id"], lambda s: s["status"] != "running")
+            return done, await call(session, "nitro_runs")
+
+    with caplog.at_level("DEBUG"):
+        done, listed = anyio.run(scenario)
+    assert done["status"] == "done" and len(listed["runs"]) == 1
+    log = (tmp_path / "server.log").read_text()  # the server's stderr
+    assert "chatty: building the data" in log and "chatty: tracing forward" in log
+    assert "chatty: written to fd 1" in log  # a C-level write to stdout's descriptor
+    assert not [r for r in caplog.records if "Failed to parse JSONRPC" in r.getMessage()]
+
+
+def test_predict_converts_json_numbers_to_the_models_dtypes_and_refuses_what_does_not_fit(connect):
+    async def scenario():
+        async with connect() as session:
+            runs = {}
+            for name in ("Quick", "Tokens"):
+                started = await call(session, "nitro_train", experiment=f"agent_toys.{name}")
+                await poll(session, started["run_id"], lambda s: s["status"] != "running")
+                runs[name] = started["run_id"]
+            floats = await call(
+                session, "nitro_predict", run_id=runs["Quick"], inputs={"x": [[1.0, 2, 3, 4, 5]]}
+            )
+            ints = await call(
+                session, "nitro_predict", run_id=runs["Quick"], inputs={"x": [[1, 2, 3, 4, 5]]}
+            )
+            tokens = await call(
+                session, "nitro_predict", run_id=runs["Tokens"], inputs={"x": [[1, 2, 3, 4, 5.0]]}
+            )
+            fraction = await refusal(
+                session, "nitro_predict", run_id=runs["Tokens"], inputs={"x": [[1, 2, 1.7, 4, 5]]}
+            )
+            huge = await refusal(
+                session, "nitro_predict", run_id=runs["Tokens"], inputs={"x": [[1, 2, 3, 4, 2**40]]}
+            )
+            return floats, ints, tokens, fraction, huge
+
+    floats, ints, tokens, fraction, huge = anyio.run(scenario)
+    assert ints["outputs"] == floats["outputs"]  # integers ran as the model's float32
+    assert ints["shapes"] == {"shape": [1, 2], "dtype": "float32"}
+    assert np.asarray(tokens["outputs"]).shape == (1, 2)
+    assert fraction.startswith(
+        "nitro_predict: inputs.x: the model takes int32, but 1.7 (at [0, 2]) is not a whole number"
+    )
+    assert f"inputs.x: the model takes int32, but {2**40} (at [0, 4]) is outside" in huge
+
+
+def test_a_large_prediction_answers_a_preview_and_writes_every_row_to_a_file(connect, tmp_path):
+    x = np.random.default_rng(0).integers(-3, 4, size=(20_000, 5))
+
+    async def scenario():
+        async with connect() as session:
+            started = await call(session, "nitro_train", experiment="agent_toys.Quick")
+            run_id = started["run_id"]
+            await poll(session, run_id, lambda s: s["status"] != "running")
+            large = await call(session, "nitro_predict", run_id=run_id, inputs={"x": x.tolist()})
+            first = await call(
+                session, "nitro_predict", run_id=run_id, inputs={"x": x[:3].tolist()}
+            )
+            as_json = await call(
+                session,
+                "nitro_predict",
+                run_id=run_id,
+                inputs={"x": x[:5].tolist()},
+                out="answers/five.json",
+            )
+            outside = await refusal(
+                session,
+                "nitro_predict",
+                run_id=run_id,
+                inputs={"x": x[:1].tolist()},
+                out="../a.npy",
+            )
+            return large, first, as_json, outside
+
+    large, first, as_json, outside = anyio.run(scenario)
+    assert large["rows"] == 20_000 and large["shapes"] == {"shape": [20_000, 2], "dtype": "float32"}
+    shown = large["preview_rows"]
+    assert 1 <= shown < 20_000 and len(large["outputs"]) == shown
+    path = Path(large["file"])
+    assert path.parent == tmp_path.resolve() / "predictions" and path.suffix == ".npy"
+    saved = np.load(path)
+    assert saved.shape == (20_000, 2) and saved.dtype == np.float32
+    np.testing.assert_allclose(saved[:shown], large["outputs"], rtol=1e-6)
+    np.testing.assert_allclose(saved[:3], first["outputs"], rtol=1e-6)
+    assert "file" not in first  # a small answer comes inline
+    assert as_json["file"] == str(tmp_path.resolve() / "answers" / "five.json")
+    assert np.asarray(json.loads(Path(as_json["file"]).read_text())).shape == (5, 2)
+    assert (
+        "nitro_predict: out: '../a.npy' is" in outside and "outside this session's root" in outside
+    )

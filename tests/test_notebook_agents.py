@@ -4,8 +4,11 @@ the agent see each other's runs."""
 from __future__ import annotations
 
 import ast
+import json
 import re
+import stat
 import time
+from pathlib import Path
 
 import anyio
 import pytest
@@ -13,13 +16,18 @@ from agent_client import call, http_session, httpx2, poll, refusal
 from notebook_kernel import kernel_fixture  # noqa: F401 - provides the `kernel` fixture
 
 
-def _serve(kernel) -> tuple[str, str, str]:
-    """Start serving; the cell's msg_id, the URL and the token it printed."""
-    cell = kernel.run("%nitro mcp start")
+def _serve(kernel, options: str = "") -> tuple[str, str, str]:
+    """Start serving; the cell's msg_id, the URL it printed and the token from the file it
+    named. The token is in no output of the kernel, which the notebook would save."""
+    cell = kernel.run(f"%nitro mcp start {options}")
     url = re.search(r"at (http://127\.0\.0\.1:\d+/mcp) \(loopback only\)", cell.stdout).group(1)
-    token = re.search(r"token \(shown once\): (\S+)", cell.stdout).group(1)
-    assert f'--header "Authorization: Bearer {token}"' in cell.stdout  # Claude Code
-    assert '"mcpServers": {"nitro": {"type": "http"' in cell.stdout
+    token_file = Path(re.search(r"token: in (\S+) \(readable by you only", cell.stdout).group(1))
+    assert stat.S_IMODE(token_file.stat().st_mode) == 0o600
+    token = token_file.read_text()
+    assert token == ast.literal_eval(kernel.eval("nitro_ipython.agents.serving().token"))
+    assert token not in json.dumps([m["content"] for m in kernel.log])  # nothing to save
+    assert f'--header "Authorization: Bearer $(cat {token_file})"' in cell.stdout  # Claude Code
+    assert '"headers": {"Authorization": "Bearer ${NITRO_MCP_TOKEN}"}' in cell.stdout
     return cell.msg_id, url, token
 
 
@@ -45,12 +53,12 @@ def test_an_agent_trains_in_the_kernel_and_the_run_shows_in_nitro_runs(kernel):
     assert re.search(rf"{run_id} +Tiny +done +2/2 +12", table)
     status = kernel.run(f"%nitro status {run_id}").stdout
     assert status.startswith(f"{run_id} (Tiny): done, epoch 2/2, step 12")
-    printed = "".join(
+    printed = [
         m["content"]["text"]
         for m in kernel.log
         if m["msg_type"] == "stream" and m["parent_header"].get("msg_id") == start_cell
-    )
-    assert re.search(r"epoch 2\S*  loss", printed)  # reported in the cell that serves
+    ]
+    assert len(printed) == 1 and "epoch" not in printed[0]  # the start message, no progress
     kernel.run("%nitro mcp stop")
 
 
@@ -169,4 +177,35 @@ def test_the_agent_reads_the_error_a_persons_run_failed_with(kernel):
         "error",
     )
     assert status["error"] == "OSError: the sensor feed dropped"
+    kernel.run("%nitro mcp stop")
+
+
+def test_the_agent_writes_only_inside_the_notebooks_directory_unless_the_person_allows_more(
+    kernel, tmp_path
+):
+    shared = tmp_path / "shared"
+    _, url, token = _serve(kernel, f"--allow {shared}")
+
+    async def agent():
+        async with http_session(url, token) as session:
+            started = await call(
+                session, "nitro_train", experiment="tiny_exp.Tiny", overrides={"batches": 2}
+            )
+            await poll(session, started["run_id"], lambda s: s["status"] != "running")
+            outside = await refusal(
+                session, "nitro_export", run_id=started["run_id"], dir="../elsewhere"
+            )
+            allowed = await call(
+                session, "nitro_export", run_id=started["run_id"], dir=str(shared / "tiny")
+            )
+            return outside, allowed
+
+    outside, allowed = anyio.run(agent)
+    root = kernel.cwd.resolve()
+    assert f"dir: '../elsewhere' is {root.parent / 'elsewhere'}, outside this session's root " in (
+        outside
+    )
+    assert "`%nitro mcp start --allow DIR`" in outside
+    assert not (root.parent / "elsewhere").exists()
+    assert allowed["result"]["directory"] == str(shared.resolve() / "tiny")
     kernel.run("%nitro mcp stop")

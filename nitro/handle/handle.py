@@ -244,6 +244,12 @@ class Nitro:
         return {name: split.source for name, split in self._setup.splits.items()}
 
     @property
+    def batch_specs(self) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
+        """Split name -> {field moved to the device: (its batch's shape, dtype name)}, as the
+        split's first batch had them."""
+        return {name: dict(split.batch_spec) for name, split in self._setup.splits.items()}
+
+    @property
     def placement(self):
         return self._setup.placement
 

@@ -6,13 +6,15 @@ MCP SDK (`pip install 'nitro[agents]'`):
 
 - from a shell, `python -m nitro.mcp` serves them over stdio;
 - in a notebook, `%nitro mcp start` serves the live kernel's session over streamable HTTP on
-  loopback, behind a random bearer token (`HttpServer`).
+  loopback, behind a random bearer token kept in an owner-only file (`HttpServer`).
+
+Paths the tools take stay inside the session's root and the directories the user allowed.
 
 Modules: `registry` (the runs the tools started), `lookup` (experiments by name, checked
-overrides), `keywords` (run keywords from JSON), `convert` (JSON in and out), `describe` (what
-status says about a run), `session` (what each tool does), `tools` (argument schemas and the
-MCP server), `http` (the loopback server). Only `registry` loads without the SDK; the rest
-load on first use.
+overrides), `keywords` (run keywords from JSON), `convert` (JSON in and out), `paths` (where
+tools may read and write), `describe` (what status says about a run), `session` (what each
+tool does), `tools` (argument schemas and the MCP server), `http` (the loopback server). Only
+`registry` loads without the SDK; the rest load on first use.
 
 >>> from nitro.mcp import ToolSession, HttpServer
 >>> server = HttpServer(ToolSession(namespace=globals())).start()   # doctest: +SKIP

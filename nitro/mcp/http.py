@@ -4,9 +4,13 @@
 client --HTTP--> uvicorn (127.0.0.1, its own thread)
                    -> LoopbackBearerGuard: 403 unless the peer is loopback,
                                            401 unless "Authorization: Bearer <token>"
-                   -> the SDK's streamable HTTP app (also checks Host and Origin headers)
+                   -> the SDK's streamable HTTP app (also checks Host and Origin headers:
+                      loopback names, with the port and without)
                    -> tools, each on a worker thread
 ```
+
+The token can be written to a file only its owner reads (`token_file`, mode 0600), so a
+notebook shows where the token is and never the token itself.
 
 >>> server = HttpServer(ToolSession()).start()      # doctest: +SKIP
 >>> server.url, len(server.token)                   # doctest: +SKIP
@@ -18,19 +22,29 @@ from __future__ import annotations
 
 import hmac
 import ipaddress
+import os
 import secrets
 import socket
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 from nitro.mcp.session import ToolSession
 from nitro.mcp.tools import build_server
 
-__all__ = ["HOST", "HttpServer", "LoopbackBearerGuard", "is_loopback"]
+__all__ = [
+    "HOST",
+    "HttpServer",
+    "LoopbackBearerGuard",
+    "is_loopback",
+    "transport_security",
+    "write_token_file",
+]
 
 HOST = "127.0.0.1"
 PATH = "/mcp"
+LOOPBACK_NAMES = ("127.0.0.1", "localhost", "[::1]")
 
 
 def is_loopback(address: str) -> bool:
@@ -41,6 +55,34 @@ def is_loopback(address: str) -> bool:
         return False
     mapped = getattr(ip, "ipv4_mapped", None)
     return ip.is_loopback or (mapped is not None and mapped.is_loopback)
+
+
+def transport_security(port: int) -> Any:
+    """The SDK's DNS-rebinding check for a loopback server on `port`: the loopback names as
+    `Host` (`127.0.0.1:8765`, and bare `127.0.0.1`, which clients send for port 80) and as
+    `Origin`; any other host name is answered 421."""
+    from mcp.server.transport_security import TransportSecuritySettings
+
+    hosts = [f"{name}:{port}" for name in LOOPBACK_NAMES] + list(LOOPBACK_NAMES)
+    return TransportSecuritySettings(
+        enable_dns_rebinding_protection=True,
+        allowed_hosts=hosts,
+        allowed_origins=[f"http://{host}" for host in hosts],
+    )
+
+
+def write_token_file(path: str | os.PathLike, token: str) -> Path:
+    """Write `token` to `path` readable by its owner only (mode 0600, also when the file
+    existed), creating the parent directory (mode 0700) when missing."""
+    path = Path(path)
+    path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        os.fchmod(fd, 0o600)
+        os.write(fd, token.encode())
+    finally:
+        os.close(fd)
+    return path
 
 
 class LoopbackBearerGuard:
@@ -76,7 +118,7 @@ class LoopbackBearerGuard:
             return JSONResponse(
                 {
                     "error": "missing or wrong bearer token; send 'Authorization: Bearer <token>' "
-                    "with the token printed by `%nitro mcp start`"
+                    "with the token from the file `%nitro mcp start` names"
                 },
                 status_code=401,
                 headers={"WWW-Authenticate": "Bearer"},
@@ -87,12 +129,20 @@ class LoopbackBearerGuard:
 class HttpServer:
     """The tools of `session` over streamable HTTP at `url`, served by a background thread.
 
-    `port=0` picks a free port. The token is random unless given.
+    `port=0` picks a free port. The token is random unless given; with `token_file` it is
+    written there (mode 0600) when serving starts and removed when it stops.
     """
 
-    def __init__(self, session: ToolSession, port: int = 0, token: str | None = None):
+    def __init__(
+        self,
+        session: ToolSession,
+        port: int = 0,
+        token: str | None = None,
+        token_file: str | os.PathLike | None = None,
+    ):
         self.session = session
         self.token = token or secrets.token_urlsafe(32)
+        self.token_file = Path(token_file) if token_file is not None else None
         self._requested_port = port
         self._uvicorn = None
         self._thread: threading.Thread | None = None
@@ -119,8 +169,10 @@ class HttpServer:
                 f"cannot serve on {HOST}:{self._requested_port} ({error.strerror}); choose "
                 f"another port, or 0 for any free one"
             ) from None
-        self.port = sock.getsockname()[1]
-        app = build_server(self.session).streamable_http_app(streamable_http_path=PATH, host=HOST)
+        self.port = port = sock.getsockname()[1]
+        app = build_server(self.session).streamable_http_app(
+            streamable_http_path=PATH, host=HOST, transport_security=transport_security(port)
+        )
         config = uvicorn.Config(
             LoopbackBearerGuard(app, self.token),
             log_config=None,
@@ -141,6 +193,12 @@ class HttpServer:
                 self.stop()
                 raise RuntimeError(f"the MCP server on {HOST}:{self.port} did not start")
             time.sleep(0.01)
+        if self.token_file is not None:
+            try:
+                write_token_file(self.token_file, self.token)
+            except OSError:
+                self.stop()
+                raise
         return self
 
     def stop(self, timeout: float = 10.0) -> None:
@@ -155,3 +213,5 @@ class HttpServer:
                 assert self._uvicorn is not None  # started with the thread
                 self._uvicorn.force_exit = True
         self._thread = None
+        if self.token_file is not None:
+            self.token_file.unlink(missing_ok=True)

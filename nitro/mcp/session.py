@@ -25,20 +25,43 @@ raises `ToolFailure` with a message for the agent. Only the handle's public API 
 from __future__ import annotations
 
 import dataclasses
+import os
+import secrets
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
 from nitro.experiments.declaration import field_specs, has_method
 from nitro.handle.handle import Nitro
-from nitro.mcp.convert import as_batch, jsonable
+from nitro.mcp.convert import (
+    OUTPUT_FILES,
+    PREVIEW_ELEMENTS,
+    as_batch,
+    first_rows,
+    jsonable,
+    output_elements,
+    output_suffix,
+    save_outputs,
+    shapes,
+)
 from nitro.mcp.describe import describe_run, latest_step
 from nitro.mcp.keywords import check_run_keywords, checkpoint_pair
 from nitro.mcp.lookup import ToolFailure, build_experiment, find_experiment
+from nitro.mcp.paths import PathPolicy
 from nitro.mcp.registry import RUNS, RunRecord, RunRegistry, RunStatus
 
 __all__ = ["ToolSession"]
+
+
+def _input_dtypes(handle: Nitro) -> dict[str, str]:
+    """Field -> the dtype the model's batches give it (the evaluation splits' first)."""
+    specs = handle.batch_specs
+    dtypes: dict[str, str] = {}
+    for split in ("val", "test", "train", *specs):
+        for field, (_, dtype) in specs.get(split, {}).items():
+            dtypes.setdefault(field, dtype)
+    return dtypes
 
 
 def _summary(handle: Nitro) -> dict[str, Any]:
@@ -84,7 +107,9 @@ class ToolSession:
 
     `namespace` is where experiment names and notebook handles are looked up (a kernel's user
     namespace; empty for a server started from a shell). `before_run` runs first on the thread
-    of every run a tool starts (a notebook uses it to send the run's output to one cell).
+    of every run a tool starts (a notebook uses it to keep the run's output out of its cells).
+    Paths the tools take stay inside `root` (default: the working directory) or one of the
+    `allow`ed directories (`paths.PathPolicy`).
     """
 
     def __init__(
@@ -92,10 +117,13 @@ class ToolSession:
         registry: RunRegistry | None = None,
         namespace: Mapping[str, Any] | None = None,
         before_run: Callable[[], None] | None = None,
+        root: str | os.PathLike | None = None,
+        allow: Iterable[str | os.PathLike] = (),
     ):
         self.registry = registry if registry is not None else RUNS
         self.namespace = namespace if namespace is not None else {}
         self.before_run = before_run
+        self.paths = PathPolicy(root, allow)
         self.n_devs: int | None = None  # the default `nitro_setup` set for new runs
 
     # ------------------------------------------------------------------------------------------
@@ -228,6 +256,7 @@ class ToolSession:
         where = {name: name for name in typed}
         weights = run_keywords.pop("weights", None)
         checked = check_run_keywords(run_keywords, where)
+        self._confine_run_paths(checked, where)
         if weights is not None:
             checked["weights"] = self._weights(weights, where.get("weights", "keywords.weights"))
         instance = build_experiment(target, overrides)
@@ -237,12 +266,34 @@ class ToolSession:
             checked["n_devs"] = self.n_devs
         return instance, checked
 
+    def _confine_run_paths(self, checked: dict[str, Any], where: Mapping[str, str]) -> None:
+        """`run_dir` and `resume` resolved inside the root; without `run_dir`, the default
+        `runs/` of the working directory must be inside too."""
+        run_dir = checked.get("run_dir")
+        if run_dir is not None:
+            checked["run_dir"] = str(
+                self.paths.check(where.get("run_dir", "keywords.run_dir"), run_dir)
+            )
+        else:
+            default = Path("runs").resolve()
+            if not self.paths.inside(default):
+                raise ToolFailure(
+                    self.paths.refusal("run_dir", "runs (the default)", default)
+                    + "; or give run_dir inside the root"
+                )
+        resume = checked.get("resume")
+        argument = where.get("resume", "keywords.resume")
+        if isinstance(resume, tuple):
+            checked["resume"] = (str(self.paths.check(argument, resume[0])), resume[1])
+        elif isinstance(resume, str) and resume != "auto":
+            checked["resume"] = str(self.paths.check(argument, resume))
+
     def _weights(self, value: Any, where: str) -> Any:
         """`weights`: a run's handle by its run id, a run directory or checkpoint path, or
         (run_dir, "best" | "latest")."""
         value = checkpoint_pair(where, value)
         if isinstance(value, tuple):
-            return value
+            return (str(self.paths.check(where, value[0])), value[1])
         if not isinstance(value, str):
             raise ToolFailure(
                 f'{where}: give a run id, a run directory or checkpoint path, or [run_dir, "best"]; '
@@ -250,11 +301,12 @@ class ToolSession:
             )
         if self._lookup(value) is not None:  # a handle copies its weights even while training
             return self._handle(value, "start from its weights", idle=False).handle
-        if Path(value).exists():
-            return value
+        path = self.paths.check(where, value)
+        if path.exists():
+            return str(path)
         raise ToolFailure(
             f"{where}: no run {value!r} (nitro_runs lists them) and no run directory or "
-            f"checkpoint at {str(Path(value).absolute())!r}"
+            f"checkpoint at {str(path)!r}"
         )
 
     def _build(self, record: RunRecord, instance: Any, keywords: dict[str, Any]) -> Nitro:
@@ -399,15 +451,38 @@ class ToolSession:
             "evaluate", lambda h: h.evaluate(split=split), run_id, new_handle, wait_seconds
         )
 
-    def predict(self, run_id: str, inputs: Mapping[str, Any]) -> dict[str, Any]:
+    def predict(
+        self, run_id: str, inputs: Mapping[str, Any], out: str | None = None
+    ) -> dict[str, Any]:
         handle = self._handle(run_id, "predict").handle
-        batch = as_batch(inputs)
+        path = None if out is None else self.paths.check("out", out)
+        if path is not None and path.suffix not in OUTPUT_FILES:
+            raise ToolFailure(
+                f"out: {out!r} has no known suffix; end it with {', '.join(OUTPUT_FILES)}"
+            )
+        batch = as_batch(inputs, _input_dtypes(handle))
         try:
             outputs = handle.predict(batch)
         except (TypeError, ValueError, KeyError) as error:
             raise ToolFailure(f"inputs: {error}") from None
         rows = next(iter(batch.values())).shape[0]
-        return {"run_id": run_id, "rows": rows, "outputs": jsonable(outputs)}
+        answer = {"run_id": run_id, "rows": rows, "shapes": shapes(outputs)}
+        elements = output_elements(outputs)
+        if path is None and elements <= PREVIEW_ELEMENTS:
+            return {**answer, "outputs": jsonable(outputs)}
+        if path is None:
+            name = f"{run_id}-{secrets.token_hex(4)}{output_suffix(outputs)}"
+            path = self.paths.root / "predictions" / name
+        save_outputs(path, outputs)
+        shown = rows if elements <= PREVIEW_ELEMENTS else PREVIEW_ELEMENTS * rows // elements
+        return {
+            **answer,
+            "outputs": jsonable(first_rows(outputs, shown)),
+            "preview_rows": shown,
+            "file": str(path),
+            "note": f"outputs shows the first {shown} of {rows} rows; {path.name} holds them "
+            f"all (numpy.load reads .npy and .npz)",
+        }
 
     def export(
         self,
@@ -418,7 +493,7 @@ class ToolSession:
         wait_seconds: float = 300.0,
         **new_handle: Any,
     ) -> dict[str, Any]:
-        directory = Path(dir).absolute()
+        directory = self.paths.check("dir", dir)
 
         def action(handle: Nitro) -> dict[str, Any]:
             chosen = tuple(platforms) if platforms else None

@@ -81,7 +81,9 @@ class TrainArguments(_NewHandle):
     epochs: int | None = Field(None, ge=1, description="train this many epochs (more)")
     seed: int | None = Field(None, description="seeds the model's initialization and data order")
     run_dir: str | None = Field(
-        None, description="directory for the run's files (default runs/<Experiment>/<id>)"
+        None,
+        description="directory for the run's files (default runs/<Experiment>/<id>), inside "
+        "the session's root",
     )
     n_devs: int | None = Field(None, ge=1, description="devices in the data-parallel mesh")
     learning_rate: float | None = Field(
@@ -109,13 +111,19 @@ class EvaluateArguments(ValidateArguments):
 class PredictArguments(_Arguments):
     run_id: str = Field(description=RUN_ID)
     inputs: dict[str, list[Any]] = Field(
-        description='batch fields as JSON arrays, batch axis first: {"x": [[...], [...]]}'
+        description='batch fields as JSON arrays, batch axis first: {"x": [[...], [...]]}; '
+        "each is converted to the dtype of the model's batches"
+    )
+    out: str | None = Field(
+        None,
+        description="write all outputs to this file (.npy, .npz or .json, inside the "
+        "session's root); a large answer is written to predictions/ by itself",
     )
 
 
 class ExportArguments(_NewHandle):
     run_id: str | None = Field(None, description=RUN_ID + "; or give experiment and weights")
-    dir: str = Field(description="directory to write the bundle to")
+    dir: str = Field(description="directory to write the bundle to, inside the session's root")
     name: str | None = Field(
         None, description="the bundle's (and served model's) name; default: the class, lower case"
     )
@@ -190,7 +198,9 @@ TOOLS: dict[str, ToolSpec] = {
         ToolSpec(
             "nitro_predict",
             "Run the model of a run on inputs given as JSON arrays (batch axis first); answers "
-            "the outputs as JSON arrays.",
+            "the outputs as JSON arrays with their shapes and dtypes. A large answer (over "
+            "10,000 values) shows its first rows and writes all of them to a file (its path in "
+            "'file').",
             PredictArguments,
             "predict",
         ),
