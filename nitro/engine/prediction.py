@@ -21,10 +21,10 @@ from nitro.engine.evaluation import delete, weights_of
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl
 from nitro.engine.setup import batch_size
-from nitro.errors import Interrupted
+from nitro.errors import Interrupted, SetupError
 from nitro.programs.specs import ProgramSet
 
-__all__ = ["check_batches", "predict_batch", "prediction_width"]
+__all__ = ["check_batches", "check_fields", "input_spec", "predict_batch", "prediction_width"]
 
 
 def check_batches(setup: RunSetup, batches: Any) -> None:
@@ -36,6 +36,67 @@ def check_batches(setup: RunSetup, batches: Any) -> None:
             f"an iterable of such dicts; got {type(batches).__name__}. For example: "
             f"n.predict({{'{(forward.required or ('x',))[0]}': xs}})"
         )
+
+
+def input_spec(setup: RunSetup, field: str) -> tuple[tuple[int, ...], str, str] | None:
+    """The shape (the batch axis first) and dtype a split's batches give `field`, and the
+    split's name; None when no split holds it (a handle built with data={})."""
+    splits = setup.splits
+    for name in dict.fromkeys(("val", "test", "train", *splits)):
+        if name in splits and field in splits[name].batch_spec:
+            shape, dtype = splits[name].batch_spec[field]
+            return tuple(shape), dtype, name
+    return None
+
+
+def check_fields(setup: RunSetup, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The fields forward takes as host arrays, refused (SetupError, naming the field, the
+    shape and dtype the data gives it, and the fix) when they cannot be forward's input."""
+    host = {}
+    for name, value in batch.items():
+        spec = input_spec(setup, name)
+        if spec is None:
+            want = ""
+        else:
+            shape, dtype, split = spec
+            trailing = ", ".join(map(str, shape[1:]))
+            want = f"{dtype}[batch{', ' * bool(trailing)}{trailing}]"
+            want = f"{want}, the batch axis first, as the {split!r} split's batches give it"
+        try:
+            array = np.asarray(value)
+        except (TypeError, ValueError) as error:
+            raise SetupError(
+                f"predict: batch[{name!r}] cannot be read as an array ({error})"
+                + (f"; give {want}" if want else "")
+            ) from None
+        numeric = array.dtype.kind in "biufc"
+        got = f"{array.dtype.name if numeric else array.dtype}{list(array.shape)}"
+        if not numeric:
+            what = {"U": "strings", "S": "bytes", "O": "Python objects"}.get(
+                array.dtype.kind, array.dtype.name
+            )
+            raise SetupError(
+                f"predict: batch[{name!r}] holds {what} ({got}), but forward runs on the device, "
+                f"which takes numbers and booleans only"
+                + (f"; give {want}" if want else "; encode it as numbers")
+            )
+        if spec is not None:
+            shape = spec[0]
+            if array.ndim != len(shape) or array.shape[1:] != shape[1:]:
+                if array.shape == shape[1:]:
+                    fix = f"For a single example, add the batch axis: {{{name!r}: {name}[None]}}"
+                elif array.ndim == 0:
+                    fix = "Give an array, with the batch axis first."
+                elif array.ndim == len(shape):
+                    fix = (
+                        f"Each example must be {list(shape[1:])}, not {list(array.shape[1:])}: "
+                        f"give the features the model was trained on."
+                    )
+                else:
+                    fix = f"Reshape it to [rows, {', '.join(map(str, shape[1:]))}]."
+                raise SetupError(f"predict: batch[{name!r}] must be {want}; got {got}. {fix}")
+        host[name] = array
+    return host
 
 
 def prediction_width(setup: RunSetup, rows: int, serving_width: int | None) -> int:
@@ -63,7 +124,7 @@ def predict_batch(
     (pass it back as `serving_width`, so later batch sizes compile nothing new)."""
     variables = weights_of(setup, state, weights)
     fields = setup.experiment.hook_fields["forward"].resolve(tuple(batch), "predict")
-    host = {k: np.asarray(batch[k]) for k in fields}
+    host = check_fields(setup, {k: batch[k] for k in fields})
     n = batch_size(host, "predict")
     width = prediction_width(setup, max(n, 1), serving_width)
     chunks = []
