@@ -13,8 +13,8 @@ repository, the model server) and adds what a bundle needs on top:
 - a batch is padded to a power of two (at most `max_batch` rows, by repeating its last row, as
   `Nitro.predict` pads), so a bundle compiles at most log2(max_batch) + 1 programs;
 - `POST /v2/repository/models/NAME/load` re-reads the bundle's directory, and `watch=True`
-  reloads it when its manifest changes. A request holds the bundle it started with, so a
-  reload never fails a request in flight.
+  reloads it when an export swaps the directory in (or a copy rewrites its manifest). A
+  request holds the bundle it started with, so a reload never fails a request in flight.
 
 The wire's hardening (the body limit, the binary framing and request checks, the 4xx answers,
 the gRPC server on one host) is in `transport.py`.
