@@ -25,6 +25,7 @@ Optional experiment hooks shape the wire:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
 import errno
@@ -195,7 +196,6 @@ def _publish(directory: str, files: Mapping[str, bytes], manifest: dict[str, Any
             moved = True
         os.rename(staging, target)
         moved = False
-        _sync_directory(parent)
     except BaseException as error:  # a full disk, or Ctrl-C while writing: undo, then say why
         if moved:  # the new bundle did not go in: put the previous one back
             os.rename(retired, target)
@@ -212,11 +212,13 @@ def _publish(directory: str, files: Mapping[str, bytes], manifest: dict[str, Any
         kept = (
             "the previous bundle there is unchanged"
             if moved or os.path.isdir(target)
-            else ("nothing was written there")
+            else "nothing was written there"
         )
         raise ExportError(
             f"cannot write the bundle to {directory} ({error.strerror or error}); {kept}. {fix}."
         ) from error
+    with contextlib.suppress(OSError):  # the new bundle is in place: make the swap durable
+        _sync_directory(parent)
     shutil.rmtree(retired, ignore_errors=True)
 
 
