@@ -238,6 +238,8 @@ def test_integer_inputs_refuse_fractions_and_values_out_of_range(handles, served
     status, answer = _infer_json(served, "toy", {"x": ("FP32", [1, 5], [0.5, 1e39, 0, 0, 0])})
     assert status == 400
     assert "input 'x': 1e+39 is out of the range of FP32 (largest 3.4028235e+38)" in answer["error"]
+    status, answer = _infer_json(served, "toy", {"x": ("FP32", [1, 5], [0.5, 10**400, 0, 0, 0])})
+    assert status == 400 and "... (401 digits) is out of the range of FP32" in answer["error"]
 
     # gRPC carries INT8 values in 32-bit int_contents: the same checks apply
     import grpc

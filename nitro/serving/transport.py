@@ -81,6 +81,11 @@ def _holds_null(data: Any) -> bool:
     return data is None
 
 
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 24 else f"{text[:12]}... ({len(text)} digits)"
+
+
 def _value_problem(data: Any, dtype: np.dtype, wire: str) -> str | None:
     """What in JSON or gRPC values (numbers, not binary data) does not fit `dtype` exactly,
     or None: NumPy would truncate 1.7 to 1 for an integer input, wrap 300 for INT8, or make
@@ -108,15 +113,18 @@ def _value_problem(data: Any, dtype: np.dtype, wire: str) -> str | None:
             fraction = values[~whole].tolist() if floats else []
             outside = values[(values < info.min) | (values > info.max)].tolist()
         if fraction:
-            return f"{fraction[0]!r} is not a whole number, and {wire} takes integers only"
+            return f"{_shown(fraction[0])} is not a whole number, and {wire} takes integers only"
         if outside:
-            return f"{outside[0]!r} is out of the range of {wire} ({info.min} to {info.max})"
+            return f"{_shown(outside[0])} is out of the range of {wire} ({info.min} to {info.max})"
     elif dtype.kind == "f" and dtype.itemsize < 8:
         largest = float(np.finfo(dtype).max)
-        numbers = np.asarray(items if items is not None else values, np.float64)
-        outside = numbers[np.isfinite(numbers) & (np.abs(numbers) > largest)].tolist()
+        if items is not None:  # Python numbers, some beyond what a float64 holds
+            outside = [v for v in items if abs(v) > largest and v not in (math.inf, -math.inf)]
+        else:
+            numbers = values.astype(np.float64)
+            outside = values[np.isfinite(numbers) & (np.abs(numbers) > largest)].tolist()
         if outside:
-            return f"{outside[0]!r} is out of the range of {wire} (largest {largest:.8g})"
+            return f"{_shown(outside[0])} is out of the range of {wire} (largest {largest:.8g})"
     return None
 
 
