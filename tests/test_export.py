@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -261,6 +263,113 @@ def test_reexporting_to_the_same_directory_replaces_the_bundle(tmp_path):
     np.testing.assert_allclose(after(x=x)["output"], n.predict({"x": x}), atol=1e-6)
 
 
+BUNDLE_FILES = ["manifest.json", "program.jaxexport", "weights.safetensors"]
+
+
+def test_a_reexport_swaps_the_whole_directory_in_and_keeps_a_symlink(tmp_path):
+    place = tmp_path / "exports"
+    place.mkdir()
+    n = nitro.Nitro(Toy(max_epochs=1), seed=0, progress=False)
+    (place / "real").mkdir()
+    (place / "real" / ".program.jaxexport.123.tmp").write_bytes(b"left by an old export")
+    os.symlink(place / "real", place / "link")
+    n.export(str(place / "link"))
+    n.train()
+    n.export(str(place / "link"))
+    assert os.path.islink(place / "link")
+    assert sorted(os.listdir(place / "real")) == BUNDLE_FILES  # the old temporary is gone
+    assert sorted(os.listdir(place)) == ["link", "real"]  # nothing left beside it
+    x = batch(3)
+    model = nitro.bundle.load(place / "link")
+    np.testing.assert_allclose(model(x=x)["output"], n.predict({"x": x}), atol=1e-6)
+
+    (place / "real" / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match=r"real holds files that are not part of its bundle "):
+        n.export(str(place / "real"))
+    assert (place / "real" / "notes.txt").read_text() == "mine"
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    """A 256 KiB tmpfs, mounted for the test and unmounted after it."""
+    if getattr(os, "geteuid", lambda: -1)() != 0:
+        pytest.skip("mounting a small tmpfs to fill needs root")
+    mount = tmp_path / "disk"
+    mount.mkdir()
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
+        capture_output=True,
+        text=True,
+    )
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", str(mount)], check=True)
+
+
+def fill(path, leave: int) -> None:
+    """Write `path` until the disk is full, then free `leave` bytes."""
+    with open(path, "wb", buffering=0) as file:
+        try:
+            while True:
+                file.write(b"\0" * 4096)
+        except OSError as error:
+            assert error.errno == errno.ENOSPC
+        file.truncate(max(0, file.tell() - leave))
+
+
+def test_a_reexport_that_fills_the_disk_leaves_the_previous_bundle_whole(small_disk):
+    n = nitro.Nitro(Toy(width=64, max_epochs=1), seed=0, progress=False)
+    target = small_disk / "bundle"
+    n.export(str(target))
+    x = batch(6)
+    before = nitro.bundle.load(target)(x=x)["output"]
+    fill(small_disk / "filler", leave=8192)  # room for part of a bundle, not all of it
+    n.train()
+    with pytest.raises(
+        ExportError,
+        match=re.escape(f"cannot write the bundle to {target} (No space left on device); the ")
+        + r"previous bundle there is unchanged\. Free space on that disk \(the bundle takes "
+        r"[\d,]+ bytes\) or export elsewhere",
+    ):
+        n.export(str(target))
+    assert sorted(os.listdir(small_disk)) == ["bundle", "filler"]  # no temporary left
+    assert sorted(os.listdir(target)) == BUNDLE_FILES
+    model = nitro.bundle.load(target)
+    assert model.manifest["provenance"]["step"] == 0
+    np.testing.assert_array_equal(model(x=x)["output"], before)
+
+    with pytest.raises(ExportError, match=r"No space left on device\); nothing was written"):
+        n.export(str(small_disk / "second"))
+    assert sorted(os.listdir(small_disk)) == ["bundle", "filler"]
+
+    os.remove(small_disk / "filler")  # with room again, the re-export goes through
+    n.export(str(target))
+    assert sorted(os.listdir(small_disk)) == ["bundle"]
+    after = nitro.bundle.load(target)
+    assert after.manifest["provenance"]["step"] == 4
+    np.testing.assert_allclose(after(x=x)["output"], n.predict({"x": x}), atol=1e-6)
+
+
+def test_platforms_must_name_platforms_jax_export_lowers_for(trained, tmp_path):
+    valid = r"the valid platforms are 'cpu', 'cuda', 'rocm', 'tpu'"
+    cases = [
+        ((), r"platforms=\(\) names no platform to lower for; name at least one of 'cpu', "),
+        (("tpux",), rf"platforms names 'tpux', which jax.export cannot lower for; {valid}"),
+        (("cpu", "gpu"), rf"names 'gpu'.*{valid} \('cuda' for NVIDIA GPUs, 'rocm' for AMD\)"),
+        ("cpu", r"platforms must be a tuple of platform names, e\.g\. platforms=\('cpu',\)"),
+        (("cpu", "cpu"), r"platforms names a platform twice"),
+    ]
+    for platforms, message in cases:
+        with pytest.raises(ExportError, match=message):
+            trained.export(str(tmp_path / "bundle"), platforms=platforms)
+        assert not (tmp_path / "bundle").exists()
+    manifest = trained.export(str(tmp_path / "bundle"), platforms=("cpu",))
+    assert manifest["program"]["platforms"] == ["cpu"]
+
+
 # ---------------------------------------------------------------------------------------------
 # damaged bundles and bad calls
 
@@ -311,6 +420,75 @@ def test_a_manifest_from_a_newer_format_says_to_upgrade(damaged):
         nitro.bundle.load(damaged)
 
 
+def _edit(entry: dict, **changes) -> None:
+    for key, value in changes.items():
+        if value is None:
+            del entry[key]
+        else:
+            entry[key] = value
+
+
+TAMPERINGS = {
+    "a missing key": (
+        lambda m: _edit(m, outputs=None),
+        r"manifest\.json has no 'outputs' entry",
+    ),
+    "an input without a dtype": (
+        lambda m: _edit(m["inputs"][0], dtype=None),
+        r"manifest\.json: inputs\[0\] has no 'dtype'",
+    ),
+    "a file entry without its size": (
+        lambda m: _edit(m["files"]["weights.safetensors"], bytes=None),
+        r"manifest\.json: files\['weights\.safetensors'\]\['bytes'\] must be a byte count",
+    ),
+    "files as a list": (
+        lambda m: _edit(m, files=[1]),
+        r"manifest\.json: 'files' must be an object",
+    ),
+    "a wrong input shape": (
+        lambda m: _edit(m["inputs"][0], shape=[-1, 4]),
+        r"manifest\.json: inputs\[0\] \('x'\) has shape \[-1, 4\], but \S+program\.jaxexport "
+        r"takes x: float32\[batch, 5\]",
+    ),
+    "a wrong output shape": (
+        lambda m: _edit(m["outputs"][0], shape=[3]),
+        r"outputs\[0\] \('output'\) has shape \[3\], but \S+ returns output: float32\[batch, 2\]",
+    ),
+    "a wrong input dtype": (
+        lambda m: _edit(m["inputs"][0], dtype="int32"),
+        r"inputs\[0\] \('x'\) has dtype 'int32', but \S+program\.jaxexport takes x: float32",
+    ),
+    "a wrong input name": (
+        lambda m: _edit(m["inputs"][0], name="image"),
+        r"manifest\.json: 'inputs' names \['image'\], but \S+program\.jaxexport takes \['x'\]",
+    ),
+    "a shape that is not a list of sizes": (
+        lambda m: _edit(m["inputs"][0], shape="[-1, 5]"),
+        r"inputs\[0\]\['shape'\] must be a list of sizes \(-1 for the batch axis\)",
+    ),
+    "a name that is not a string": (
+        lambda m: _edit(m, name=5),
+        r"manifest\.json: 'name' must be a non-empty string",
+    ),
+    "not JSON": ("{not json", r"manifest\.json is not valid JSON"),
+}
+
+
+@pytest.mark.parametrize("tampering", sorted(TAMPERINGS))
+def test_a_tampered_manifest_is_refused_naming_the_file_and_the_key(damaged, tampering):
+    change, message = TAMPERINGS[tampering]
+    path = damaged / "manifest.json"
+    if isinstance(change, str):
+        path.write_text(change)
+    else:
+        manifest = json.loads(path.read_text())
+        change(manifest)
+        path.write_text(json.dumps(manifest))
+    with pytest.raises(nitro.bundle.BundleError, match=message) as raised:
+        nitro.bundle.load(damaged)
+    assert str(damaged) in str(raised.value) and "re-export" in str(raised.value)
+
+
 def test_wrong_inputs_at_call_time_name_the_input_and_what_was_expected(exported):
     model = nitro.bundle.load(exported)
     error = nitro.bundle.BundleError
@@ -322,6 +500,14 @@ def test_wrong_inputs_at_call_time_name_the_input_and_what_was_expected(exported
         model(x=X[:2], y=X[:2])
     with pytest.raises(error, match=r"toy needs input 'x'"):
         model()
+    with pytest.raises(
+        error,
+        match=r"input 'x' must have shape \[batch, 5\]; got float32\[5\]\. For a single "
+        r"example, add the batch axis: x\[None\]",
+    ):
+        model(x=np.zeros(5, np.float32))
+    with pytest.raises(error, match=r"input 'x' must be float32\[batch, 5\]: could not convert"):
+        model(x="abc")
     with pytest.raises(error, match=r"input 'x' has no rows"):
         model(x=np.zeros((0, 5), np.float32))
     assert model({"x": [[0.0] * 5]})["output"].shape == (1, 2)  # a list takes the input's dtype

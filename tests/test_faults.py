@@ -422,6 +422,44 @@ def test_predict_with_zero_rows_returns_an_empty_result_with_the_trailing_shape(
     assert out.shape == (0, 2) and out.dtype == np.float32
 
 
+@nitro.experiment
+class FirstFive(Toy):
+    def forward(self, model, *, x):
+        return model(x[:, :5])
+
+
+def test_predict_refuses_inputs_that_do_not_fit_forward_naming_the_field_and_the_fix():
+    n = nitro.Nitro(Toy(), progress=False)
+    want = r"batch\['x'\] must be float32\[batch, 5\], the batch axis first, as the 'val' split"
+    cases = [
+        (np.zeros((3, 4), np.float32), rf"{want}'s batches give it; got float32\[3, 4\], and forward fails on it "
+         r"\(TypeError: .*\)\. Each example must be \[5\], not \[4\]: give the features the "
+         r"model was trained on"),
+        (X[0], rf"{want}.*got float32\[5\]\. For a single example, add the batch axis: "
+         r"\{'x': x\[None\]\}"),
+        (X[:3, :, None], rf"{want}.*got float32\[3, 5, 1\]\. Reshape it to \[rows, 5\]"),
+        (np.float32(1.0), rf"{want}.*got float32\[\]\. Give an array, with the batch axis first"),
+        ("abc", r"batch\['x'\] holds strings \(<U3\[\]\), but forward runs on the device, which "
+         r"takes numbers and booleans only; give float32\[batch, 5\]"),
+        ([[1.0, 2.0], [3.0]], r"batch\['x'\] cannot be read as an array"),
+    ]  # fmt: skip
+    for value, message in cases:
+        with pytest.raises(nitro.SetupError, match=message):
+            n.predict({"x": value})
+    np.testing.assert_allclose(n.predict({"x": X[:1]}), n.predict({"x": X[:3]})[:1], atol=1e-6)
+
+    # a forward that takes other trailing shapes than the training batches' still may
+    sliced = nitro.Nitro(FirstFive(), weights=n, progress=False)
+    np.testing.assert_allclose(
+        sliced.predict({"x": np.concatenate([X[:3], X[:3]], axis=1)}), n.predict({"x": X[:3]})
+    )
+
+    bare = nitro.Nitro(Toy(), weights=n, data={}, progress=False)  # no split to say the shape
+    with pytest.raises(nitro.SetupError, match=r"batch\['x'\] holds strings .*encode it as"):
+        bare.predict({"x": np.array([["a"] * 5])})
+    assert bare.predict({"x": X[:2]}).shape == (2, 2)
+
+
 # ---------------------------------------------------------------------------------------------
 # interrupts
 

@@ -21,10 +21,17 @@ from nitro.engine.evaluation import delete, weights_of
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl
 from nitro.engine.setup import batch_size
-from nitro.errors import Interrupted
+from nitro.errors import Interrupted, SetupError
 from nitro.programs.specs import ProgramSet
 
-__all__ = ["check_batches", "predict_batch", "prediction_width"]
+__all__ = [
+    "check_batches",
+    "check_fields",
+    "input_spec",
+    "predict_batch",
+    "prediction_width",
+    "shape_mismatch",
+]
 
 
 def check_batches(setup: RunSetup, batches: Any) -> None:
@@ -36,6 +43,91 @@ def check_batches(setup: RunSetup, batches: Any) -> None:
             f"an iterable of such dicts; got {type(batches).__name__}. For example: "
             f"n.predict({{'{(forward.required or ('x',))[0]}': xs}})"
         )
+
+
+def input_spec(setup: RunSetup, field: str) -> tuple[tuple[int, ...], str, str] | None:
+    """The shape (the batch axis first) and dtype a split's batches give `field`, and the
+    split's name; None when no split holds it (a handle built with data={})."""
+    splits = setup.splits
+    for name in dict.fromkeys(("val", "test", "train", *splits)):
+        if name in splits and field in splits[name].batch_spec:
+            shape, dtype = splits[name].batch_spec[field]
+            return tuple(shape), dtype, name
+    return None
+
+
+def _wanted(setup: RunSetup, name: str) -> tuple[tuple[int, ...], str] | None:
+    """The shape the splits' batches give field `name` and its description, or None."""
+    spec = input_spec(setup, name)
+    if spec is None:
+        return None
+    shape, dtype, split = spec
+    trailing = "".join(f", {d}" for d in shape[1:])
+    return shape, (
+        f"{dtype}[batch{trailing}], the batch axis first, as the {split!r} split's batches give it"
+    )
+
+
+def _got(array: np.ndarray) -> str:
+    numeric = array.dtype.kind in "biufc"
+    return f"{array.dtype.name if numeric else array.dtype}{list(array.shape)}"
+
+
+def check_fields(setup: RunSetup, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """The fields forward takes as host arrays, refused (SetupError, naming the field, the
+    shape and dtype the splits give it, and the fix) when they cannot be forward's input:
+    not an array of numbers, or not of the rank of the splits' batches (one example without
+    its batch axis). A different trailing shape is let through: a forward may take several
+    (a sequence length); `shape_mismatch` explains it if forward then fails on it."""
+    host = {}
+    for name, value in batch.items():
+        wanted = _wanted(setup, name)
+        give = f"; give {wanted[1]}" if wanted else "; encode it as numbers"
+        try:
+            array = np.asarray(value)
+        except (TypeError, ValueError) as error:
+            raise SetupError(
+                f"predict: batch[{name!r}] cannot be read as an array ({error})"
+                + (f"; give {wanted[1]}" if wanted else "")
+            ) from None
+        if array.dtype.kind not in "biufc":
+            what = {"U": "strings", "S": "bytes", "O": "Python objects"}.get(
+                array.dtype.kind, array.dtype.name
+            )
+            raise SetupError(
+                f"predict: batch[{name!r}] holds {what} ({_got(array)}), but forward runs on "
+                f"the device, which takes numbers and booleans only{give}"
+            )
+        if wanted is not None and array.ndim != len(wanted[0]):
+            shape = wanted[0]
+            if array.shape == shape[1:]:
+                fix = f"For a single example, add the batch axis: {{{name!r}: {name}[None]}}"
+            elif array.ndim == 0:
+                fix = "Give an array, with the batch axis first."
+            else:
+                fix = f"Reshape it to [rows{''.join(f', {d}' for d in shape[1:])}]."
+            raise SetupError(
+                f"predict: batch[{name!r}] must be {wanted[1]}; got {_got(array)}. {fix}"
+            )
+        host[name] = array
+    return host
+
+
+def shape_mismatch(
+    setup: RunSetup, host: Mapping[str, np.ndarray], error: Exception
+) -> SetupError | None:
+    """forward failed to trace: when a field's trailing shape differs from the splits'
+    batches, the error that names it (the raw error is its cause); else None."""
+    for name, array in host.items():
+        wanted = _wanted(setup, name)
+        if wanted is not None and array.shape[1:] != wanted[0][1:]:
+            cause = f"{type(error).__name__}: {str(error).rstrip('.')}"
+            return SetupError(
+                f"predict: batch[{name!r}] must be {wanted[1]}; got {_got(array)}, and forward "
+                f"fails on it ({cause}). Each example must be {list(wanted[0][1:])}, not "
+                f"{list(array.shape[1:])}: give the features the model was trained on."
+            )
+    return None
 
 
 def prediction_width(setup: RunSetup, rows: int, serving_width: int | None) -> int:
@@ -63,7 +155,7 @@ def predict_batch(
     (pass it back as `serving_width`, so later batch sizes compile nothing new)."""
     variables = weights_of(setup, state, weights)
     fields = setup.experiment.hook_fields["forward"].resolve(tuple(batch), "predict")
-    host = {k: np.asarray(batch[k]) for k in fields}
+    host = check_fields(setup, {k: batch[k] for k in fields})
     n = batch_size(host, "predict")
     width = prediction_width(setup, max(n, 1), serving_width)
     chunks = []
@@ -79,7 +171,13 @@ def predict_batch(
         part, n_real = pad_batch(part, width)
         device = setup.placement.put_batch(setup.placement.local_rows(part))
         args = (variables, runtime.feed.current_device(), device, np.int32(n_real))
-        result = programs.predict(width, fields, args)(*args)
+        try:
+            result = programs.predict(width, fields, args)(*args)
+        except (TypeError, ValueError) as error:
+            explained = shape_mismatch(setup, host, error)
+            if explained is None:
+                raise
+            raise explained from error
         outputs = setup.placement.gather(result.outputs)
         delete(result)
         delete(device)

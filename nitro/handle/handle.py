@@ -598,7 +598,7 @@ class Nitro:
                 self,
                 directory,
                 name,
-                platforms=platforms or DEFAULT_PLATFORMS,
+                platforms=DEFAULT_PLATFORMS if platforms is None else platforms,
                 variables=variables,
             )
 

@@ -157,14 +157,112 @@ def _read_manifest(directory: str) -> dict[str, Any]:
     for key in ("name", "inputs", "outputs", "files"):
         if key not in manifest:
             raise BundleError(f"{path} has no {key!r} entry; re-export the bundle")
+    if not isinstance(manifest["name"], str) or not manifest["name"]:
+        raise BundleError(f"{path}: 'name' must be a non-empty string; re-export the bundle")
+    for key in ("inputs", "outputs"):
+        _check_specs(path, key, manifest[key])
+    files = manifest["files"]
+    if not isinstance(files, dict):
+        raise BundleError(f"{path}: 'files' must be an object; re-export the bundle")
+    for name in (PROGRAM, WEIGHTS):
+        entry = files.get(name)
+        if entry is None:
+            raise BundleError(f"{path}: 'files' does not list {name}; re-export the bundle")
+        where = f"{path}: files[{name!r}]"
+        if not isinstance(entry, dict):
+            raise BundleError(f"{where} must be an object; re-export the bundle")
+        size, digest = entry.get("bytes"), entry.get("sha256")
+        if type(size) is not int or size < 0:
+            raise BundleError(
+                f"{where}['bytes'] must be a byte count, not {size!r}; re-export the bundle"
+            )
+        if not isinstance(digest, str) or len(digest) != 64:
+            raise BundleError(
+                f"{where}['sha256'] must be 64 hex digits, not {digest!r}; re-export the bundle"
+            )
     return manifest
+
+
+def _check_specs(path: str, key: str, entries: Any) -> None:
+    """Each of the manifest's `inputs` or `outputs` is {"name", "dtype", "shape"}."""
+    if not isinstance(entries, list) or not entries:
+        raise BundleError(f"{path}: {key!r} must be a non-empty list; re-export the bundle")
+    names = set()
+    for index, entry in enumerate(entries):
+        where = f"{path}: {key}[{index}]"
+        if not isinstance(entry, dict):
+            raise BundleError(
+                f"{where} must be an object with name, dtype and shape; re-export the bundle"
+            )
+        for field in ("name", "dtype", "shape"):
+            if field not in entry:
+                raise BundleError(f"{where} has no {field!r}; re-export the bundle")
+        if not isinstance(entry["name"], str) or not entry["name"]:
+            raise BundleError(
+                f"{where}['name'] must be a non-empty string, not {entry['name']!r}; "
+                f"re-export the bundle"
+            )
+        if entry["name"] in names:
+            raise BundleError(
+                f"{where}['name'] {entry['name']!r} is listed twice; re-export the bundle"
+            )
+        names.add(entry["name"])
+        if not isinstance(entry["dtype"], str):
+            raise BundleError(
+                f"{where}['dtype'] must be a dtype name, not {entry['dtype']!r}; "
+                f"re-export the bundle"
+            )
+        shape = entry["shape"]
+        if not isinstance(shape, list) or not all(
+            type(d) is int and (d >= 0 or d == BATCH) for d in shape
+        ):
+            raise BundleError(
+                f"{where}['shape'] must be a list of sizes (-1 for the batch axis), not "
+                f"{shape!r}; re-export the bundle"
+            )
+
+
+def _check_signature(directory: str, manifest: Mapping[str, Any], exported) -> None:
+    """The manifest's inputs and outputs are those of the program, name by name."""
+    path = os.path.join(directory, MANIFEST)
+    program = os.path.join(directory, PROGRAM)
+    try:
+        (_, inputs), _ = jax.tree.unflatten(exported.in_tree, exported.in_avals)
+        outputs = jax.tree.unflatten(exported.out_tree, exported.out_avals)
+        if not (isinstance(inputs, dict) and isinstance(outputs, dict)):
+            raise TypeError
+    except (TypeError, ValueError):
+        raise BundleError(
+            f"{program} does not take (weights, inputs) and return outputs by name; it was not "
+            f"written by n.export. Re-export the bundle"
+        ) from None
+    for key, avals, verb in (("inputs", inputs, "takes"), ("outputs", outputs, "returns")):
+        listed = [entry["name"] for entry in manifest[key]]
+        if sorted(listed) != sorted(avals):
+            raise BundleError(
+                f"{path}: {key!r} names {listed}, but {program} {verb} {sorted(avals)}; "
+                f"re-export the bundle"
+            )
+        for index, entry in enumerate(manifest[key]):
+            aval = avals[entry["name"]]
+            dims = [d if isinstance(d, int) else BATCH for d in aval.shape]
+            spec = TensorSpec(entry["name"], np.dtype(aval.dtype).name, tuple(dims))
+            where = f"{path}: {key}[{index}] ({entry['name']!r})"
+            if entry["dtype"] != spec.dtype:
+                raise BundleError(
+                    f"{where} has dtype {entry['dtype']!r}, but {program} {verb} {spec}; "
+                    f"re-export the bundle"
+                )
+            if entry["shape"] != dims:
+                raise BundleError(
+                    f"{where} has shape {entry['shape']}, but {program} {verb} {spec} "
+                    f"(-1 is the batch axis); re-export the bundle"
+                )
 
 
 def _check_file(directory: str, name: str, manifest: Mapping[str, Any]) -> str:
     path = os.path.join(directory, name)
-    expected = manifest["files"].get(name)
-    if expected is None:
-        raise BundleError(f"{os.path.join(directory, MANIFEST)} does not list {name}")
+    expected = manifest["files"][name]
     if not os.path.isfile(path):
         raise BundleError(f"{path} is missing; the manifest expects it ({expected['bytes']} bytes)")
     size = os.path.getsize(path)
@@ -242,7 +340,12 @@ class Bundle:
                 want == BATCH or want == have for want, have in zip(spec.shape, shape, strict=True)
             )
             if not fits:
-                raise BundleError(f"input {spec.name!r} must have shape {spec.shape_text()}; {got}")
+                fix = ""
+                if shape == spec.shape[1:] and spec.shape[:1] == (BATCH,):
+                    fix = f". For a single example, add the batch axis: {spec.name}[None]"
+                raise BundleError(
+                    f"input {spec.name!r} must have shape {spec.shape_text()}; {got}{fix}"
+                )
             for want, have in zip(spec.shape, shape, strict=True):
                 if want == BATCH and have < 1:
                     raise BundleError(f"input {spec.name!r} has no rows; give at least one")
@@ -265,8 +368,9 @@ class Bundle:
 def load(directory: str | os.PathLike) -> Bundle:
     """Load the bundle in `directory`, checking every file against the manifest.
 
-    A missing or damaged file, or a manifest from a newer format, raises `BundleError` naming
-    the file and what was expected.
+    A missing or damaged file, a manifest from a newer format, or one that does not match the
+    program (its keys, or an input's or output's name, dtype or shape) raises `BundleError`
+    naming the file, the key and what was expected.
     """
     directory = os.fspath(directory)
     manifest = _read_manifest(directory)
@@ -281,6 +385,7 @@ def load(directory: str | os.PathLike) -> Bundle:
             f"{program_path} cannot be deserialized by jax {jax.__version__} ({error}); "
             f"re-export with a jax version close to this one"
         ) from None
+    _check_signature(directory, manifest, exported)
     weights = read_weights(weights_path)
     (expected, _), _ = jax.tree.unflatten(exported.in_tree, exported.in_avals)
     if set(weights) != set(expected):

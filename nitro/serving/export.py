@@ -25,12 +25,16 @@ Optional experiment hooks shape the wire:
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime
+import errno
 import hashlib
 import json
 import os
 import re
+import secrets
+import shutil
 import subprocess
 import time
 from collections.abc import Callable, Mapping
@@ -119,25 +123,127 @@ def _serialize_weights(weights: Mapping[str, np.ndarray]) -> bytes:
     return save({name: np.asarray(value, order="C") for name, value in weights.items()})
 
 
-def _write_atomically(directory: str, name: str, data: bytes) -> dict[str, Any]:
-    """Write `name` so a reader sees the old file or the new one, never a part."""
-    temporary = os.path.join(directory, f".{name}.{os.getpid()}.tmp")
-    with open(temporary, "wb") as file:
-        file.write(data)
-    os.replace(temporary, os.path.join(directory, name))
-    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+# Files a bundle directory may hold: the bundle's own, and the temporaries an export before
+# atomic bundles could leave behind (removed by the next export).
+_BUNDLE_FILES = (bundle.MANIFEST, bundle.PROGRAM, bundle.WEIGHTS)
+_OLD_TEMPORARY = re.compile(
+    r"^\.(manifest\.json|program\.jaxexport|weights\.safetensors)\.\d+\.tmp$"
+)
 
 
 def _prepare_directory(directory: str) -> None:
+    """Refuse a target that is not a bundle directory, before anything is traced or written."""
     if os.path.exists(directory) and not os.path.isdir(directory):
         raise ExportError(f"cannot export to {directory}: it is a file; choose a directory")
-    if os.path.isdir(directory) and os.listdir(directory):
-        if not os.path.isfile(os.path.join(directory, bundle.MANIFEST)):
-            raise ExportError(
-                f"{directory} is not empty and holds no bundle; export to a new or empty "
-                f"directory, or to an earlier export's directory to replace it"
-            )
-    os.makedirs(directory, exist_ok=True)
+    if not os.path.isdir(directory):
+        return
+    entries = [e for e in os.listdir(directory) if not _OLD_TEMPORARY.match(e)]
+    if entries and bundle.MANIFEST not in entries:
+        raise ExportError(
+            f"{directory} is not empty and holds no bundle; export to a new or empty "
+            f"directory, or to an earlier export's directory to replace it"
+        )
+    other = sorted(e for e in entries if e not in _BUNDLE_FILES)
+    if other:
+        raise ExportError(
+            f"{directory} holds files that are not part of its bundle ({', '.join(other[:5])}); "
+            f"a re-export replaces the whole directory, so move them elsewhere first"
+        )
+
+
+def _write_synced(path: str, data: bytes) -> None:
+    with open(path, "xb") as file:
+        file.write(data)
+        file.flush()
+        os.fsync(file.fileno())
+
+
+def _sync_directory(path: str) -> None:
+    if os.name == "posix":  # a directory's entries are durable once it is synced (POSIX)
+        descriptor = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(descriptor)
+        finally:
+            os.close(descriptor)
+
+
+def _publish(directory: str, files: Mapping[str, bytes], manifest: dict[str, Any]) -> None:
+    """Write the bundle whole into a sibling directory, then swap it in with two renames, so
+    `directory` holds the previous bundle or the new one, never a mix, and a failure (a full
+    disk) leaves the previous bundle as it was and no temporary behind.
+
+    `manifest["files"]` gets each file's size and checksum; the manifest is written last.
+    """
+    for name, data in files.items():
+        manifest["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    files = {**files, bundle.MANIFEST: json.dumps(manifest, indent=2).encode() + b"\n"}
+    target = os.path.realpath(directory)  # a symlink goes on pointing at the bundle
+    parent, base = os.path.split(target)
+    tag = f"{os.getpid()}-{secrets.token_hex(4)}"
+    staging = os.path.join(parent, f".{base}.export-{tag}")
+    retired = os.path.join(parent, f".{base}.previous-{tag}")
+    moved = False
+    try:
+        os.makedirs(parent, exist_ok=True)
+        os.mkdir(staging)
+        if os.path.isdir(target):
+            shutil.copymode(target, staging)
+        for name, data in files.items():  # the manifest last
+            _write_synced(os.path.join(staging, name), data)
+        _sync_directory(staging)
+        if os.path.isdir(target):
+            os.rename(target, retired)
+            moved = True
+        os.rename(staging, target)
+        moved = False
+    except BaseException as error:  # a full disk, or Ctrl-C while writing: undo, then say why
+        if moved:  # the new bundle did not go in: put the previous one back
+            os.rename(retired, target)
+        shutil.rmtree(staging, ignore_errors=True)
+        if not isinstance(error, OSError):
+            raise
+        if error.errno in (errno.ENOSPC, errno.EDQUOT):
+            size = sum(map(len, files.values()))
+            fix = f"Free space on that disk (the bundle takes {size:,} bytes) or export elsewhere"
+        elif error.errno == errno.EBUSY:
+            fix = "It is a mount point, which cannot be replaced: export to a directory inside it"
+        else:
+            fix = "Check that its parent directory is writable, or export elsewhere"
+        kept = (
+            "the previous bundle there is unchanged"
+            if moved or os.path.isdir(target)
+            else "nothing was written there"
+        )
+        raise ExportError(
+            f"cannot write the bundle to {directory} ({error.strerror or error}); {kept}. {fix}."
+        ) from error
+    with contextlib.suppress(OSError):  # the new bundle is in place: make the swap durable
+        _sync_directory(parent)
+    shutil.rmtree(retired, ignore_errors=True)
+
+
+def _check_platforms(platforms: Any) -> tuple[str, ...]:
+    valid = ", ".join(map(repr, DEFAULT_PLATFORMS))
+    example = "e.g. platforms=('cpu',) or platforms=('cpu', 'cuda')"
+    if isinstance(platforms, str) or not isinstance(platforms, (tuple, list)):
+        raise ExportError(
+            f"platforms must be a tuple of platform names, {example}; got {platforms!r}"
+        )
+    if not platforms:
+        raise ExportError(
+            f"platforms=() names no platform to lower for; name at least one of {valid}, "
+            f"{example}, or leave it out for all four"
+        )
+    unknown = [p for p in platforms if p not in DEFAULT_PLATFORMS]
+    if unknown:
+        gpu = " ('cuda' for NVIDIA GPUs, 'rocm' for AMD)" if "gpu" in unknown else ""
+        raise ExportError(
+            f"platforms names {', '.join(map(repr, unknown))}, which jax.export cannot lower "
+            f"for; the valid platforms are {valid}{gpu} ({example})"
+        )
+    if len(set(platforms)) != len(platforms):
+        raise ExportError(f"platforms names a platform twice: {tuple(platforms)!r}; name each once")
+    return tuple(platforms)
 
 
 def _jsonable(value: Any) -> Any:
@@ -158,10 +264,13 @@ def write_bundle(
 ) -> dict[str, Any]:
     """Lower `source` with a symbolic batch axis and write the bundle; returns the manifest.
 
-    Re-exporting to the same directory replaces each file atomically, the manifest last, so a
-    server watching the directory never reads a half-written bundle.
+    Re-exporting to the same directory writes the new bundle beside it and swaps it in whole:
+    the directory holds the previous bundle or the new one, never a mix, and an export that
+    fails (a full disk) leaves the previous bundle as it was. `platforms` names the platforms
+    to lower for, a non-empty subset of DEFAULT_PLATFORMS.
     """
     directory = os.fspath(directory)
+    platforms = _check_platforms(platforms)
     if not _NAME.match(source.name):
         raise ExportError(
             f"bundle name {source.name!r} must start with a letter or digit and hold only "
@@ -245,12 +354,8 @@ def write_bundle(
         "provenance": {k: _jsonable(v) for k, v in source.provenance.items()},
         "files": {},
     }
-    manifest["files"][bundle.PROGRAM] = _write_atomically(directory, bundle.PROGRAM, bytes(blob))
-    manifest["files"][bundle.WEIGHTS] = _write_atomically(
-        directory, bundle.WEIGHTS, _serialize_weights(source.weights)
-    )
-    text = json.dumps(manifest, indent=2, sort_keys=False).encode()
-    _write_atomically(directory, bundle.MANIFEST, text + b"\n")
+    files = {bundle.PROGRAM: bytes(blob), bundle.WEIGHTS: _serialize_weights(source.weights)}
+    _publish(directory, files, manifest)
     record_compile(
         ProgramKind.EXPORT.value,
         source.owner or source.name,

@@ -13,8 +13,8 @@ repository, the model server) and adds what a bundle needs on top:
 - a batch is padded to a power of two (at most `max_batch` rows, by repeating its last row, as
   `Nitro.predict` pads), so a bundle compiles at most log2(max_batch) + 1 programs;
 - `POST /v2/repository/models/NAME/load` re-reads the bundle's directory, and `watch=True`
-  reloads it when its manifest changes. A request holds the bundle it started with, so a
-  reload never fails a request in flight.
+  reloads it when an export swaps the directory in (or a copy rewrites its manifest). A
+  request holds the bundle it started with, so a reload never fails a request in flight.
 
 The wire's hardening (the body limit, the binary framing and request checks, the 4xx answers,
 the gRPC server on one host) is in `transport.py`.
@@ -235,28 +235,41 @@ class _Server(kserve.ModelServer):
                 await watcher
 
     async def _watch(self, stop: asyncio.Event) -> None:
-        """Reload a bundle when its manifest (written last by an export) changes."""
+        """Reload a bundle when it is exported again: an export swaps the whole directory in
+        (seen in its parent), a copy writes its manifest in place (seen in the directory)."""
+        from contextlib import aclosing
+
         from watchfiles import awatch
 
-        directories = list(self.repository.directories.values())
+        models = {os.path.realpath(d): d for d in self.repository.directories.values()}
+        parents = sorted({os.path.dirname(p) for p in models})
         loop = asyncio.get_running_loop()
-        async for changes in awatch(*directories, stop_event=stop):
-            changed = {
-                os.path.dirname(p) for _, p in changes if os.path.basename(p) == bundles.MANIFEST
-            }
-            for directory in changed:
-                model = self.repository.model_for(directory)
-                if model is None:
-                    continue
-                try:
-                    await loop.run_in_executor(None, model.reload)
-                except Exception as error:  # noqa: BLE001 - keep serving the bundle it had
-                    log.error(
-                        "kept the previous %s: reloading %s failed: %s",
-                        model.name,
-                        directory,
-                        error,
-                    )
+        while not stop.is_set():
+            watched = [p for p in (*parents, *models) if os.path.isdir(p)]
+            changes_seen = awatch(*watched, recursive=False, watch_filter=None, stop_event=stop)
+            swapped = False
+            async with aclosing(changes_seen) as batches:
+                async for changes in batches:
+                    changed = set()
+                    for _, path in changes:
+                        if path in models:  # the directory itself was replaced
+                            changed.add(path)
+                            swapped = True
+                        elif os.path.basename(path) == bundles.MANIFEST:
+                            changed.add(os.path.dirname(path))
+                    for real in changed & set(models):
+                        await self._reload(loop, models[real])
+                    if swapped:  # watch the new directory, not the replaced one
+                        break
+
+    async def _reload(self, loop: asyncio.AbstractEventLoop, directory: str) -> None:
+        model = self.repository.model_for(directory)
+        if model is None:
+            return
+        try:
+            await loop.run_in_executor(None, model.reload)
+        except Exception as error:  # noqa: BLE001 - keep serving the bundle it had
+            log.error("kept the previous %s: reloading %s failed: %s", model.name, directory, error)
 
 
 def serve(
