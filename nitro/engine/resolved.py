@@ -32,6 +32,7 @@ class RunKeywords:
 
     seed: int
     run_dir: str | None
+    name: str | None
     checkpointer: Checkpointer | None
     logger: Any  # a logger or a LoggerGroup (nitro.loggers), or None
     early_stop: EarlyStopping | None
