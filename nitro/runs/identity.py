@@ -248,14 +248,16 @@ def choose_run(
             f"{identity.name or 'this handle'}:\n{listed}\n{pick_hint}"
         )
     best = max(chosen, key=_progress)
-    if len(fitting) == 1:
+    runs_of = origin.replace("run of", "runs of", 1)
+    if len(chosen) == 1 and named:
+        why = f"the only run named {identity.name!r}, a {origin} with these GraphConst values"
+    elif len(chosen) == 1:
         why = f"the only {origin} with these GraphConst values"
     else:
-        by = f"named {identity.name!r}, " if named else ""
         why = (
-            f"{by}the furthest trained (epoch {best.latest_epoch}, step "
-            f"{max(best.checkpoints)}) of {len(chosen)} "
-            f"{origin.replace('run of', 'runs of', 1)} with these GraphConst values"
+            f"the furthest trained (epoch {best.latest_epoch}, step {max(best.checkpoints)}) "
+            f"of {len(chosen)} {runs_of}{f' named {identity.name!r}' if named else ''} with "
+            f"these GraphConst values"
         )
     return Choice(best, why + aside)
 
