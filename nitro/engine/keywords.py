@@ -278,13 +278,6 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             _path("run_dir"),
         ),
         RunKeyword(
-            "name",
-            None,
-            "this run's name, recorded in run.json; resume='auto' continues the run this name "
-            "last trained first (%nitro train exp names its runs exp_run)",
-            _name,
-        ),
-        RunKeyword(
             "checkpointer",
             _DEFAULT_CHECKPOINTER,
             "a nitro.Checkpointer, or None to save no checkpoints",
@@ -311,6 +304,13 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "'auto' (this experiment's run: the one its name last trained, else the furthest "
             "trained), a run directory or checkpoint, or False",
             _resume,
+        ),
+        RunKeyword(
+            "name",
+            None,
+            "this run's name, recorded in run.json; resume='auto' continues the run this name "
+            "last trained first (%nitro train exp names its runs exp_run)",
+            _name,
         ),
         RunKeyword(
             "n_devs",

@@ -32,11 +32,11 @@ class RunKeywords:
 
     seed: int
     run_dir: str | None
-    name: str | None
     checkpointer: Checkpointer | None
     logger: Any  # a logger or a LoggerGroup (nitro.loggers), or None
     early_stop: EarlyStopping | None
     resume: Literal[False, "auto"] | str | tuple[str, Literal["best", "latest"]]
+    name: str | None
     n_devs: int
     max_epochs: int
     schedules: Mapping[str, Any]  # key -> schedule
