@@ -146,8 +146,13 @@ class RunFiles:
             busy=busy,
             locks=not setup.placement.multi_process or _primary_process(),
         )
-        continues = found is not None and branched_from is None
         named = setup.run_dir is not None and Path(setup.run_dir).absolute() == run_dir
+        # this run goes on in its directory: resumed, or a run_dir= whose run it continues
+        # (run.json but no checkpoints yet: its run id is taken); it may take the directory
+        # over from an idle handle of this process
+        continues = (found is not None and branched_from is None) or (
+            named and read_run_json(run_dir).get("run_id") == run_id
+        )
         if continues or named:
             files.hold(setup, take_over=continues)
         return files

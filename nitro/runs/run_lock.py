@@ -7,9 +7,10 @@ releases the lock of a process that dies, even by SIGKILL. The file says who hol
 host, run name, since when), for the refusal a second writer gets.
 
 A flock conflicts between two open files of one process too, so a second handle in the
-same process is refused like one in another process. One exception: a handle that resumes
-a run takes it over from an idle handle of the same process (the run finished, or stopped);
-that handle can no longer write there.
+same process is refused like one in another process. One exception: a handle that continues
+a run (it resumes it, or names its `run_dir=` before any checkpoint) takes it over from an
+idle handle of the same process (the run finished, or stopped); that handle can no longer
+write there.
 """
 
 from __future__ import annotations
