@@ -170,7 +170,7 @@ class RunFiles:
                 f"and took {str(self.run_dir)!r} over ({describe_holder(lock.taken_by)}). "
                 f"Train that handle, or build a new one: Nitro(..., resume={str(self.run_dir)!r})"
             )
-        if lock is not None and lock.held or not self.locks:
+        if (lock is not None and lock.held) or not self.locks:
             return
         holder = holder_record(self.run_id, setup.name, setup.owner)
         self.lock = acquire(self.run_dir, holder, self.busy, take_over=take_over)
