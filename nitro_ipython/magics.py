@@ -102,9 +102,13 @@ class NitroMagics(Magics):
     )
     @magic_arguments.argument(
         "--resume",
-        action="store_true",
-        help="continue the newest run of the experiment on disk from its newest checkpoint "
-        "(after a kernel restart; resume='auto')",
+        nargs="?",
+        const=True,
+        default=False,
+        metavar="RUN_ID",
+        help="continue this handle's run on disk from its newest checkpoint (after a kernel "
+        "restart): the run EXP_run last trained, else the experiment's only run from this "
+        "notebook with these GraphConst values; RUN_ID (or a run directory) names the run",
     )
     @magic_arguments.argument(
         "--split", "-s", default="test", help="evaluate: the split to evaluate (default: test)"
@@ -134,15 +138,17 @@ class NitroMagics(Magics):
     def nitro(self, line: str = ""):
         """Train, watch and inspect Nitro runs.
 
-        %nitro train EXP [--epochs N] [--background] [--fresh] [--resume]
+        %nitro train EXP [--epochs N] [--background] [--fresh] [--resume [RUN_ID]]
             EXP is an experiment instance (`exp = Digits()`) or a handle. On an experiment
             it stores the handle as `EXP_run` (and `_nitro`) and trains it. Training again
             continues that handle; after an edit of the experiment's code, or with other
             field values, it builds a new handle that starts from the previous one's weights
             (unless --fresh). The notebook's interrupt button stops a foreground run after
             the current step; `%nitro train` again resumes it. After a kernel restart,
-            --resume continues the experiment's newest run on disk from its newest
-            checkpoint (its epoch, step, history, optimizer state).
+            --resume continues EXP_run's run on disk from its newest checkpoint (its epoch,
+            step, history, optimizer state): the run EXP_run last trained, else the only run
+            of the experiment from this notebook with its GraphConst values (several are
+            listed, to pick one with --resume RUN_ID).
         %nitro stop [RUN]        stop RUN (default: every running run) after its current step
         %nitro wait [RUN]        wait until RUN (default: every running run) finishes
         %nitro status [RUN]      phase, epoch, step, latest loss and throughput
@@ -226,14 +232,14 @@ class NitroMagics(Magics):
     # train
 
     def _train(self, args) -> nitro.Nitro:
+        if args.target is None and isinstance(args.resume, str) and args.resume in self._ns:
+            args.target, args.resume = args.resume, True  # `%nitro train --resume exp`
         if args.target is None:
             raise UsageError("%nitro train needs an experiment or a handle: %nitro train exp")
         if args.epochs is not None and args.epochs < 1:
             raise UsageError(f"--epochs must be at least 1, got {args.epochs}")
         if args.resume and args.fresh:
-            raise UsageError(
-                "--resume continues the newest run on disk, --fresh starts over: pass one"
-            )
+            raise UsageError("--resume continues a run on disk, --fresh starts over: pass one")
         value = self._value(args.target)
         base = args.target if args.target.isidentifier() else None
         if isinstance(value, nitro.Nitro):

@@ -4,7 +4,9 @@ Training an experiment again continues its handle while the handle's code and fi
 are current. After an edit of the experiment's code (a stale hook, model or helper, or a class
 redefined in a cell), or with other field values, `%nitro train` builds a new handle from the
 live class, starting from the previous handle's weights (unless `--fresh`) and keeping the
-steps per call it measured; with `--resume` it continues the experiment's newest run on disk.
+steps per call it measured; with `--resume` it continues the handle's run on disk (the run
+its name last trained, else the only one that fits). Each new handle's run is named after
+the handle (`exp_run`).
 In a notebook a panel shows the new handle's setup while it builds.
 """
 
@@ -52,11 +54,13 @@ def handle_to_train(
     weights: nitro.Nitro | None,
     *,
     fresh: bool = False,
-    resume: bool = False,
+    resume: bool | str = False,
 ) -> nitro.Nitro:
     """The handle `%nitro train` trains under `name`: `handle` when its code and
-    configuration are current; otherwise a new handle of the live experiment class, starting
-    from `weights` unless `fresh`, or continuing the newest run on disk with `resume`."""
+    configuration are current; otherwise a new handle of the live experiment class (its run
+    named `name`), starting from `weights` unless `fresh`, or continuing `name`'s run on disk
+    with `resume` (True: the run `name` last trained, else the only run that fits; a run id
+    or run directory: that run)."""
     if handle is not None and handle.running and handle.stop_reason is not None:
         _finish(handle)  # the run has ended (its panel says so); its thread is finishing
     if handle is not None and handle.running:
@@ -84,8 +88,12 @@ def handle_to_train(
         # would compile the single step as well. With weights=handle, Nitro continues it.
         keywords["steps_per_dispatch"] = handle.dispatch
     keywords.pop("resume", None)  # a rebuilt handle starts from the previous weights
-    if resume:
-        keywords["resume"] = "auto"
+    keywords["name"] = keywords.get("name") or name
+    choice = _run_to_resume(name, live, keywords["name"], resume) if resume else None
+    if choice is not None:
+        keywords["resume"] = str(choice.path)
+    if handle is not None and "run_dir" in keywords:
+        handle.close()  # the new handle writes where it wrote: it lets go of the directory
     panel = _setup_panel(type(live).__name__)
     try:
         new = nitro.Nitro(live, weights=source, **keywords)
@@ -107,12 +115,35 @@ def handle_to_train(
             f"nitro: {name} rebuilt from the current {type(live).__name__}, starting from "
             f"the weights of the previous run (step {source.step})"
         )
-    if resume and new.weights_checkpoint is not None:
+    if choice is not None and new.weights_checkpoint is not None:
         print(
             f"nitro: {name} continues run {new.run_id} from its checkpoint at epoch "
-            f"{new.epoch}, step {new.step}"
+            f"{new.epoch}, step {new.step} ({choice.why})"
         )
     return new
+
+
+def _run_to_resume(name: str, experiment: Any, run_name: str, resume: bool | str):
+    """The run `%nitro train ... --resume [RUN_ID]` continues (None: none has a checkpoint;
+    the new handle starts a fresh run, which is said)."""
+    from nitro.runs.lifecycle import run_to_resume
+
+    target = name.removesuffix("_run")
+    hint = (
+        f"Pick one: `%nitro train {target} --resume RUN_ID` (or a run directory's path); "
+        f"in Python, nitro.Nitro(..., resume='runs/{type(experiment).__name__}/RUN_ID')"
+    )
+    pick = resume if isinstance(resume, str) else None
+    try:
+        choice = run_to_resume(experiment, run_name, pick=pick, pick_hint=hint)
+    except nitro.SetupError as error:
+        raise UsageError(f"%nitro train --resume: {error}") from None
+    if choice is None:
+        print(
+            f"nitro: no checkpoint of {name} ({type(experiment).__name__} from this notebook) "
+            f"under runs/{type(experiment).__name__}/ to resume; starting a fresh run"
+        )
+    return choice
 
 
 def _finish(handle: nitro.Nitro, timeout: float = 10.0) -> None:

@@ -153,9 +153,12 @@ def kernel_env() -> dict[str, str]:
 
 
 class Kernel:
-    def __init__(self, cwd: Path):
+    def __init__(self, cwd: Path, env: dict[str, str] | None = None):
+        """A kernel working in `cwd`; `env`: variables to set in its environment besides
+        `kernel_env()`'s (such as `JPY_SESSION_NAME`, which jupyter_server sets to the
+        notebook's path)."""
         self.manager = jupyter_client.KernelManager(kernel_name="python3")
-        self.manager.start_kernel(cwd=str(cwd), env=kernel_env())
+        self.manager.start_kernel(cwd=str(cwd), env={**kernel_env(), **(env or {})})
         self.client = self.manager.client()
         self.client.start_channels()
         self.client.wait_for_ready(timeout=120)

@@ -138,7 +138,7 @@ def test_checkpoints_keep_the_best_k_by_the_metric_plus_the_newest():
 
 def test_checkpointer_none_writes_no_checkpoints():
     n = nitro.Nitro(Toy(max_epochs=2), checkpointer=None, progress=False).train()
-    assert sorted(os.listdir(n.run_dir)) == ["metrics.jsonl", "run.json"]
+    assert sorted(os.listdir(n.run_dir)) == ["metrics.jsonl", "run.json", "run.lock"]
     assert n.checkpoints().empty
 
 

@@ -4,6 +4,7 @@ on disk, and `%nitro runs` lists the experiment's run directories (a real kernel
 from __future__ import annotations
 
 import ast
+import os
 import re
 
 import pytest
@@ -61,4 +62,92 @@ def test_resume_after_a_kernel_restart_continues_the_killed_kernels_run(kernel, 
 
 def test_resume_and_fresh_together_are_refused(kernel):
     cell = kernel.run("exp = tiny_exp.Tiny()\n%nitro train exp --resume --fresh", check=False)
-    assert "--resume continues the newest run on disk, --fresh starts over" in cell.error
+    assert "--resume continues a run on disk, --fresh starts over" in cell.error
+
+
+DIGITS = """
+import nitro, tiny_exp
+
+@nitro.experiment
+class Digits(tiny_exp.Tiny):  # a notebook's class: module __main__, like the shipped notebooks'
+    pass
+"""
+
+
+def notebook_kernel(tmp_path, notebook: str) -> Kernel:
+    """A kernel as jupyter_server starts one for `notebook` (it sets JPY_SESSION_NAME)."""
+    k = Kernel(tmp_path, env={"JPY_SESSION_NAME": str(tmp_path / notebook)})
+    k.run(SETUP.format(cwd=str(tmp_path)) + DIGITS)
+    return k
+
+
+def restart(k: Kernel, tmp_path) -> None:
+    k.manager.restart_kernel(now=True)
+    k.client.wait_for_ready(timeout=120)
+    k.run(SETUP.format(cwd=str(tmp_path)) + DIGITS)
+
+
+def test_two_notebooks_same_named_classes_do_not_resume_each_others_runs(tmp_path):
+    (tmp_path / "tiny_exp.py").write_text(TINY_MODULE)
+    first = notebook_kernel(tmp_path, "a.ipynb")
+    try:
+        first.run("exp = Digits(batches=4, max_epochs=2)\n%nitro train exp")
+        theirs = ast.literal_eval(first.eval("(exp_run.run_id, exp_run.run_dir)"))
+        saved = sorted(os.listdir(os.path.join(theirs[1], "checkpoints")))
+    finally:
+        first.close()
+    second = notebook_kernel(tmp_path, "b.ipynb")
+    try:
+        cell = second.run("exp = Digits(batches=4, max_epochs=3)\n%nitro train exp --resume")
+        assert "no checkpoint of exp_run (Digits from this notebook)" in cell.stdout
+        assert "starting a fresh run" in cell.stdout
+        ours = ast.literal_eval(second.eval("(exp_run.run_id, exp_run.step, exp_run.epoch)"))
+        assert ours[0] != theirs[0] and ours[1:] == (12, 3)  # its own run, from step 0
+        # the other notebook's run is as it left it
+        assert sorted(os.listdir(os.path.join(theirs[1], "checkpoints"))) == saved
+    finally:
+        second.close()
+
+
+def test_resume_continues_the_handles_own_run_not_a_later_shorter_one(tmp_path):
+    (tmp_path / "tiny_exp.py").write_text(TINY_MODULE)
+    k = notebook_kernel(tmp_path, "digits.ipynb")
+    try:
+        k.run("exp = Digits(batches=4, max_epochs=5)\n%nitro train exp")
+        long_id = k.eval("exp_run.run_id")
+        k.run("quick = Digits(batches=4, max_epochs=1)\n%nitro train quick")  # later, shorter
+
+        restart(k, tmp_path)
+        cell = k.run("exp = Digits(batches=4, max_epochs=6)\n%nitro train exp --resume")
+        assert (
+            f"exp_run continues run {ast.literal_eval(long_id)} from its checkpoint at epoch 5, "
+            f"step 20 (the run 'exp_run' last trained" in cell.stdout
+        ), cell.stdout
+        assert k.eval("(exp_run.epoch, exp_run.step)") == "(6, 24)"
+    finally:
+        k.close()
+
+
+def test_several_runs_that_could_be_resumed_are_listed_and_one_is_picked_by_id(tmp_path):
+    (tmp_path / "tiny_exp.py").write_text(TINY_MODULE)
+    k = notebook_kernel(tmp_path, "digits.ipynb")
+    try:
+        k.run(
+            "a = nitro.Nitro(Digits(batches=4, max_epochs=1), progress=False).train()\n"
+            "b = nitro.Nitro(Digits(batches=4, max_epochs=2), progress=False).train()"
+        )
+        a_id, b_id = ast.literal_eval(k.eval("(a.run_id, b.run_id)"))
+        cell = k.run(
+            "exp = Digits(batches=4, max_epochs=3)\n%nitro train exp --resume", check=False
+        )
+        assert "UsageError: %nitro train --resume: 2 runs of __main__.Digits in " in cell.error
+        assert "digits.ipynb with these GraphConst values could be continued" in cell.error
+        assert re.search(rf"{a_id}  started \S+ \S+  epoch 1  step 4", cell.error), cell.error
+        assert re.search(rf"{b_id}  started \S+ \S+  epoch 2  step 8", cell.error), cell.error
+        assert "Pick one: `%nitro train exp --resume RUN_ID`" in cell.error
+
+        cell = k.run(f"%nitro train exp --resume {a_id}")
+        assert f"exp_run continues run {a_id} from its checkpoint at epoch 1, step 4" in cell.stdout
+        assert k.eval("(exp_run.run_id == a.run_id, exp_run.epoch)") == "(True, 3)"
+    finally:
+        k.close()

@@ -208,6 +208,7 @@ class RunSetup:
     accum: int = 1  # micro-batches per optimizer step
     ema: EMA | None = None
     sam: SAM | None = None
+    name: str | None = None  # the name keyword: the run's name in run.json, for resume
 
     @property
     def cls(self) -> type:

@@ -143,6 +143,12 @@ def _path(name):
     return check
 
 
+def _name(value):
+    if not isinstance(value, str) or not value.strip():
+        raise ValueError(f"name must be a non-empty str (or None: unnamed), got {value!r}")
+    return value
+
+
 def _default_logger():
     from nitro.loggers import JSONLinesLogger
 
@@ -295,8 +301,16 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
         RunKeyword(
             "resume",
             False,
-            "'auto' (the newest run of this experiment), a run directory or checkpoint, or False",
+            "'auto' (this experiment's run: the one its name last trained, else the furthest "
+            "trained), a run directory or checkpoint, or False",
             _resume,
+        ),
+        RunKeyword(
+            "name",
+            None,
+            "this run's name, recorded in run.json; resume='auto' continues the run this name "
+            "last trained first (%nitro train exp names its runs exp_run)",
+            _name,
         ),
         RunKeyword(
             "n_devs",

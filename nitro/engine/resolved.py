@@ -36,6 +36,7 @@ class RunKeywords:
     logger: Any  # a logger or a LoggerGroup (nitro.loggers), or None
     early_stop: EarlyStopping | None
     resume: Literal[False, "auto"] | str | tuple[str, Literal["best", "latest"]]
+    name: str | None
     n_devs: int
     max_epochs: int
     schedules: Mapping[str, Any]  # key -> schedule

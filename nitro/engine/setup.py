@@ -167,6 +167,7 @@ def build(
         accum=keywords.accum,
         ema=keywords.ema,
         sam=keywords.sam,
+        name=keywords.name,
     )
     runtime = RunTime(
         experiment=instance,

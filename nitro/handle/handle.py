@@ -138,7 +138,10 @@ class Nitro:
         check_watched_metrics(
             self._setup, self._state, runtime.experiment, runtime.feed.current_device()
         )
-        self._files = RunFiles.plan(self._setup, self._events)
+        guard = self._guard  # not the handle: the lock must not keep the handle alive
+        self._files = RunFiles.plan(
+            self._setup, self._events, say=self._say, busy=lambda: guard.activity is not None
+        )
         if self._logging is not None:
             self._files.logger_state = self._logging.logger.state
         self._checkpoint = self._setup.model.weights_checkpoint
@@ -279,6 +282,12 @@ class Nitro:
     def run_dir(self) -> str:
         """This run's directory: checkpoints, logs and run.json live there."""
         return str(self._files.run_dir)
+
+    @property
+    def name(self) -> str | None:
+        """The run's name (the `name=` keyword; `%nitro train exp` names its runs `exp_run`),
+        recorded in run.json; `resume='auto'` continues the run its name last trained."""
+        return self._setup.name
 
     @property
     def run_id(self) -> str:
@@ -456,6 +465,15 @@ class Nitro:
             raise
         finally:
             self._guard.release()
+
+    def close(self) -> Nitro:
+        """Finish this run's saves and let go of its run directory, so another handle (here
+        or in another process) may write there; the handle stays usable, and its next write
+        (`train()`) holds the directory again. Dropping the handle, or the process ending,
+        lets go too: `close()` is for when the handle is kept."""
+        with self._guard.hold("closing"):
+            self._files.release()
+        return self
 
     def wait(self) -> Nitro:
         """Wait for a background run; Ctrl-C turns into a stop request. Re-raises the run's

@@ -6,9 +6,11 @@ row is committed.
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import time
 import warnings
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ from nitro.core.events import Events
 from nitro.core.run_setup import CheckpointRef, RunSetup, SplitSetup
 from nitro.core.train_state import TrainState, Variables
 from nitro.errors import SetupError
+from nitro.experiments.declaration import FieldKind, field_specs
 from nitro.experiments.fingerprint import code_digest
 from nitro.optim.fed_optimizer import describe_optimizer
 from nitro.runs.checkpoints import (
@@ -32,6 +35,15 @@ from nitro.runs.checkpoints import (
     read_checkpoint,
     resolve_checkpoint,
 )
+from nitro.runs.identity import (
+    Choice,
+    RunIdentity,
+    candidates_elsewhere,
+    choose_run,
+    describe,
+    record_name,
+    recorded,
+)
 from nitro.runs.run_dirs import (
     checkpoint_dir,
     default_run_dir,
@@ -41,8 +53,20 @@ from nitro.runs.run_dirs import (
     read_run_json,
     write_run_json,
 )
+from nitro.runs.run_lock import RunLock, acquire, describe_holder, holder_record
 
-__all__ = ["RunFiles", "check_watched_metrics", "config_of", "metric_names"]
+__all__ = ["RunFiles", "check_watched_metrics", "config_of", "metric_names", "run_to_resume"]
+
+_OURS = (os.path.dirname(os.path.dirname(os.path.abspath(__file__))),)  # nitro/
+_OURS += (os.path.join(os.path.dirname(_OURS[0]), "nitro_ipython"),)
+
+
+def warn_user(message: str) -> None:
+    """A RuntimeWarning pointing at the first caller outside Nitro (the user's line)."""
+    frame, level = sys._getframe(0), 1
+    while frame is not None and frame.f_code.co_filename.startswith(_OURS):
+        frame, level = frame.f_back, level + 1
+    warnings.warn(message, RuntimeWarning, stacklevel=level)
 
 
 def config_token(value: Any) -> Any:
@@ -56,9 +80,19 @@ def config_of(setup: RunSetup) -> dict[str, Any]:
     return {name: config_token(v) for name, v in setup.experiment.graphconst.items()}
 
 
+def _config_of_instance(experiment: Any) -> dict[str, Any]:
+    return {
+        spec.name: config_token(getattr(experiment, spec.name))
+        for spec in field_specs(type(experiment))
+        if spec.kind is FieldKind.GRAPHCONST
+    }
+
+
 @dataclasses.dataclass
 class RunFiles:
-    """Where this run lives and what it saves there."""
+    """Where this run lives and what it saves there. `lock`: this run's hold on its
+    directory (`nitro.runs.run_lock`), taken at the first write, or at `plan` for a run that
+    resumes or a `run_dir=` named; `busy()`: whether the handle works now."""
 
     run_id: str
     run_dir: Path
@@ -66,11 +100,25 @@ class RunFiles:
     store: CheckpointStore | None
     opened: bool = False
     branched_from: str | None = None  # resumed from an earlier checkpoint of this run
+    identity: RunIdentity | None = None
+    busy: Callable[[], bool] = lambda: False
+    lock: RunLock | None = None
+    locks: bool = True  # False on the secondary processes of a multi-process run
 
     @classmethod
-    def plan(cls, setup: RunSetup, events: Events) -> RunFiles:
-        """Decide the run's directory and id (nothing is written yet)."""
-        found = _resume_source(setup, events) if setup.resume else None
+    def plan(
+        cls,
+        setup: RunSetup,
+        events: Events,
+        *,
+        say: Callable[[str], None] | None = None,
+        busy: Callable[[], bool] = lambda: False,
+    ) -> RunFiles:
+        """Decide the run's directory and id, and hold the directory when the run continues
+        one that exists or names one (`run_dir=`); nothing else is written yet. `say`: how
+        to tell the person which run `resume='auto'` continues (default: an event note)."""
+        identity = RunIdentity.of(setup.cls, setup.name)
+        found = _resume_source(setup, identity, say or events.note) if setup.resume else None
         branched_from = None
         if found is not None:
             directory, step = found
@@ -89,7 +137,52 @@ class RunFiles:
                 setup.checkpointer,
                 deterministic=setup.placement.multi_process,
             )
-        return cls(run_id, run_dir, found, store, branched_from=branched_from)
+        files = cls(
+            run_id,
+            run_dir,
+            found,
+            store,
+            branched_from=branched_from,
+            identity=identity,
+            busy=busy,
+            locks=not setup.placement.multi_process or _primary_process(),
+        )
+        named = setup.run_dir is not None and Path(setup.run_dir).absolute() == run_dir
+        # this run goes on in its directory: resumed, or a run_dir= whose run it continues
+        # (run.json but no checkpoints yet: its run id is taken); it may take the directory
+        # over from an idle handle of this process
+        continues = (found is not None and branched_from is None) or (
+            named and read_run_json(run_dir).get("run_id") == run_id
+        )
+        if continues or named:
+            files.hold(setup, take_over=continues)
+        return files
+
+    # ------------------------------------------------------------------------------------------
+    # one writer
+
+    def hold(self, setup: RunSetup, *, take_over: bool = False) -> None:
+        """Hold the run directory for writing (see `nitro.runs.run_lock`); refused with a
+        SetupError while another handle, here or in another process, holds it."""
+        lock = self.lock
+        if lock is not None and lock.taken_by is not None:
+            raise SetupError(
+                f"this handle no longer writes run {self.run_id}: a later handle resumed it "
+                f"and took {str(self.run_dir)!r} over ({describe_holder(lock.taken_by)}). "
+                f"Train that handle, or build a new one: Nitro(..., resume={str(self.run_dir)!r})"
+            )
+        if (lock is not None and lock.held) or not self.locks:
+            return
+        holder = holder_record(self.run_id, setup.name, setup.owner)
+        self.lock = acquire(self.run_dir, holder, self.busy, take_over=take_over)
+
+    def release(self) -> None:
+        """Finish the saves and let go of the run directory (`Nitro.close`); a later write
+        holds it again, if no other handle has taken it meanwhile."""
+        self.close()
+        if self.lock is not None and self.lock.taken_by is None:
+            self.lock.release()
+            self.lock = None
 
     # ------------------------------------------------------------------------------------------
     # resume
@@ -182,7 +275,9 @@ class RunFiles:
     # during a run
 
     def open(self, setup: RunSetup, events: Events) -> None:
-        """Create the run directory and its run.json; the first line of a run names them."""
+        """Hold the run directory, create it and its run.json; the first line of a run names
+        them. A run that saves under a name records it in `handles.json` beside the runs."""
+        self.hold(setup)
         if self.opened:
             return
         try:
@@ -200,12 +295,21 @@ class RunFiles:
     def _write_run_json(self, setup: RunSetup) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         info = read_run_json(self.run_dir)
+        identity = self.identity or RunIdentity.of(setup.cls, setup.name)
+        if info.get("run_id") not in (None, self.run_id):
+            raise SetupError(
+                f"run_dir {str(self.run_dir)!r} now holds run {info['run_id']}, written by "
+                f"another handle since this one was built; one run directory holds one run: "
+                f"build this handle with another run_dir, or resume={str(self.run_dir)!r} to "
+                f"continue that run"
+            )
         if not info:
             write_run_json(
                 self.run_dir,
                 {
                     "run_id": self.run_id,
                     "experiment": setup.owner,
+                    **identity.as_json(),
                     "started": time.strftime("%Y-%m-%d %H:%M:%S"),
                     "seed": setup.seed,
                     "graphconst": config_of(setup),
@@ -217,6 +321,11 @@ class RunFiles:
                     ),
                 },
             )
+        elif not recorded(info):  # a run of an older Nitro, resumed: it records who it is now
+            write_run_json(self.run_dir, {**info, **identity.as_json()})
+        root = experiment_root(setup.cls.__name__).absolute()
+        if self.run_dir.parent == root:
+            record_name(root, identity, self.run_id, self.run_dir)
 
     logger_state: Any = None  # () -> the logger's state(), stored in each checkpoint
 
@@ -392,26 +501,74 @@ def _saved_steps(directory: Path) -> list[int]:
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
 
 
-def _resume_source(setup: RunSetup, events: Events) -> SavedStep | None:
+def _primary_process() -> bool:
+    return jax.process_index() == 0
+
+
+def _resume_source(
+    setup: RunSetup, identity: RunIdentity, say: Callable[[str], None]
+) -> SavedStep | None:
     resume = setup.resume
     if isinstance(resume, CheckpointRef):
         return resolve_checkpoint(resume)
     name = setup.cls.__name__
     root = Path(setup.run_dir) if setup.run_dir is not None else experiment_root(name)
-    candidates = [run for run in list_runs(root) if run.checkpoints]
-    if not candidates:
-        warnings.warn(
-            f"resume='auto' found no checkpoint under {str(root.absolute())!r}; starting a "
-            f"fresh run",
-            RuntimeWarning,
-            stacklevel=4,
+    runs = list_runs(root)
+    if [run.path for run in runs] == [root.absolute()]:  # run_dir= names one run: that one
+        if runs[0].checkpoints:
+            return resolve_checkpoint(root)
+        choice = None
+    else:
+        choice = choose_run(root, identity, config_of(setup))
+    if choice is None:
+        others = candidates_elsewhere(root, identity)
+        aside = (
+            f" ({others} run{'s' * (others > 1)} of other experiments named {name} there: "
+            f"another module or notebook; resume=<run dir> continues one)"
+            if others
+            else ""
+        )
+        warn_user(
+            f"resume='auto' found no checkpoint under {str(root.absolute())!r} of "
+            f"{identity.where()}; starting a fresh run{aside}"
         )
         return None
-    # the newest run with this configuration (an older one with other GraphConst values
-    # cannot resume here); when none matches, the newest, whose refusal shows the difference
-    now = config_of(setup)
-    matching = [run for run in candidates if read_run_json(run.path).get("graphconst") == now]
-    return resolve_checkpoint((matching or candidates)[-1].path)
+    say(f"resume='auto' continues run {choice.run.run_id}: {choice.why}")
+    return resolve_checkpoint(choice.path)
+
+
+def run_to_resume(
+    experiment: Any, name: str | None = None, *, pick: str | None = None, pick_hint: str = ""
+) -> Choice | None:
+    """The run on disk that `experiment`'s handle named `name` continues (`%nitro train exp
+    --resume`): the run the name last trained, else the only run of this experiment (same
+    module, class and notebook) with its GraphConst values; several such runs are refused
+    with a SetupError listing them (`pick_hint`: how to pick one). `pick`: a run id under
+    `runs/<Experiment>/`, or a run directory. None when no run has a checkpoint."""
+    cls = type(experiment)
+    identity = RunIdentity.of(cls, name)
+    root = experiment_root(cls.__name__)
+    if pick is None:
+        return choose_run(
+            root, identity, _config_of_instance(experiment), strict=True, pick_hint=pick_hint
+        )
+    named = Path(pick)
+    runs = list_runs(named) if named.is_dir() else []
+    if [run.path for run in runs] == [named.absolute()]:
+        return Choice(runs[0], f"the run directory {pick} named")
+    for run in list_runs(root):
+        if pick in (run.run_id, run.path.name):
+            return Choice(run, f"run {pick}, as named")
+    known = [
+        describe(run, read_run_json(run.path))
+        for run in list_runs(root)
+        if run.checkpoints and identity.same_experiment(read_run_json(run.path))
+    ]
+    raise SetupError(
+        f"no run {pick!r} under {str(root.absolute())!r}"
+        + (":\nruns of " + identity.where() + ":\n" + "\n".join(known) if known else "")
+        + "\nGive a run id from that list, or a run directory's path"
+    )
 
 
 def _check_config(setup: RunSetup, meta: dict[str, Any]) -> None:
@@ -431,11 +588,7 @@ def _check_config(setup: RunSetup, meta: dict[str, Any]) -> None:
             "weights with weights= (the model must still fit)."
         )
     if meta.get("experiment") and meta["experiment"] != setup.owner:
-        warnings.warn(
-            f"resuming a checkpoint of {meta['experiment']} into {setup.owner}",
-            RuntimeWarning,
-            stacklevel=5,
-        )
+        warn_user(f"resuming a checkpoint of {meta['experiment']} into {setup.owner}")
 
 
 def _optimizer_misfit(setup: RunSetup, meta: dict[str, Any], found: SavedStep) -> str:

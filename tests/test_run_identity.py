@@ -1,0 +1,175 @@
+"""Which run a resume continues, and one writer per run directory: run.json records the
+experiment's module, class, notebook and the run's name; `resume="auto"` takes only runs of
+the same experiment, the name's own run first, then the furthest trained; a second writer of
+a run directory, in this process or another, is refused, and a killed writer's lock is gone.
+Real orbax, real files, real child processes (tests/lifecycle_toys.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from lifecycle_toys import Wide
+from toys import Toy
+
+import nitro
+from nitro.errors import SetupError
+
+TESTS = Path(__file__).resolve().parent
+REPO = TESTS.parent
+
+
+def other_module_toy():
+    """A class named Toy like toys.Toy, defined in another module (another notebook's)."""
+    namespace = {"__name__": "another_notebook"}
+    exec("import toys, nitro\n@nitro.experiment\nclass Toy(toys.Toy):\n    pass\n", namespace)
+    return namespace["Toy"]
+
+
+def test_run_json_records_the_experiment_the_notebook_and_the_name():
+    n = nitro.Nitro(Toy(max_epochs=1), name="baseline", progress=False).train()
+    info = json.loads((Path(n.run_dir) / "run.json").read_text())
+    assert (info["module"], info["qualname"], info["name"]) == ("toys", "Toy", "baseline")
+    assert info["notebook"] == os.path.abspath(sys.modules["__main__"].__file__)
+    assert n.name == "baseline"
+    with pytest.raises(ValueError, match="name must be a non-empty str"):
+        nitro.Nitro(Toy(), name="", progress=False)
+
+
+def test_resume_auto_takes_no_run_of_a_same_named_class_of_another_module(capsys):
+    theirs = nitro.Nitro(other_module_toy()(max_epochs=2), progress=False).train()
+    with pytest.warns(RuntimeWarning, match="found no checkpoint") as warned:
+        n = nitro.Nitro(Toy(max_epochs=1), resume="auto", progress=False)
+    assert warned[0].filename == __file__  # the warning points at the line above
+    assert "1 run of other experiments named Toy there: another module or notebook" in str(
+        warned[0].message
+    )
+    assert (n.epoch, n.run_id != theirs.run_id) == (0, True)
+    n.train()
+    assert saved_steps(theirs) == [4, 8]  # their run's checkpoints are theirs alone
+
+
+def saved_steps(n: nitro.Nitro) -> list[int]:
+    return sorted(n.checkpoints()["step"].tolist())
+
+
+def test_resume_auto_prefers_the_names_run_then_the_furthest_trained_and_says_so(capsys):
+    named = nitro.Nitro(Toy(max_epochs=1), name="exp", progress=False).train()
+    furthest = nitro.Nitro(Toy(max_epochs=3), progress=False).train()
+    nitro.Nitro(Toy(max_epochs=2), progress=False).train()  # started last, trained less
+    capsys.readouterr()
+
+    n = nitro.Nitro(Toy(max_epochs=4), name="exp", resume="auto", progress=False)
+    assert (n.run_id, n.epoch) == (named.run_id, 1)
+    said = capsys.readouterr().err  # said even with progress=False
+    assert f"nitro: resume='auto' continues run {named.run_id}: the run 'exp' last trained" in said
+
+    (Path("runs") / "Toy" / "handles.json").unlink()  # without the record: the run's name
+    n = nitro.Nitro(Toy(max_epochs=4), name="exp", resume="auto", progress=False)
+    assert n.run_id == named.run_id
+    assert "the only run named 'exp', a run of toys.Toy in " in capsys.readouterr().err
+
+    n = nitro.Nitro(Toy(max_epochs=4), resume="auto", progress=False)  # no name: the furthest
+    assert (n.run_id, n.epoch) == (furthest.run_id, 3)
+    said = capsys.readouterr().err
+    assert f"continues run {furthest.run_id}: the furthest trained (epoch 3, step 12) of 3" in said
+
+
+def test_a_run_of_an_older_nitro_resumes_by_class_name_with_a_note(capsys):
+    old = nitro.Nitro(Toy(max_epochs=1), progress=False).train()
+    path = Path(old.run_dir) / "run.json"
+    info = json.loads(path.read_text())
+    for key in ("module", "qualname", "notebook", "name"):
+        del info[key]
+    path.write_text(json.dumps(info))
+    capsys.readouterr()
+
+    n = nitro.Nitro(Toy(max_epochs=2), resume="auto", progress=False)
+    assert (n.run_id, n.epoch) == (old.run_id, 1)
+    assert "written by an older Nitro (it recorded no module or notebook" in capsys.readouterr().err
+    n.train()
+    assert json.loads(path.read_text())["qualname"] == "Toy"  # it records who it is now
+
+
+def test_a_second_handle_on_a_run_dir_is_refused_naming_the_holder_until_the_first_closes():
+    first = nitro.Nitro(Toy(max_epochs=1), run_dir="shared", name="first", progress=False)
+    with pytest.raises(SetupError) as refused:
+        nitro.Nitro(Toy(max_epochs=1), run_dir="shared", progress=False, seed=5)
+    message = str(refused.value)
+    assert f"run directory {str(Path('shared').absolute())!r} has a writer already" in message
+    assert f"another handle in this process holds it (pid {os.getpid()} on " in message
+    assert f"run {first.run_id} named 'first'" in message
+    assert "`n.close()` it (or `del` it)" in message
+
+    first.train()
+    assert saved_steps(first) == [4]
+    first.close()
+    # the directory holds first's run now: a new run there is refused, a resume continues it
+    with pytest.raises(SetupError, match="already holds checkpoints of run"):
+        nitro.Nitro(Toy(max_epochs=1), run_dir="shared", progress=False)
+    second = nitro.Nitro(Toy(max_epochs=2), run_dir="shared", resume="auto", progress=False)
+    second.train()
+    assert (second.run_id, saved_steps(second)) == (first.run_id, [4, 8])
+    records = [json.loads(line) for line in (Path("shared") / "metrics.jsonl").open()]
+    steps = [r["step"] for r in records if r["type"] == "metrics"]
+    assert steps == sorted(steps) and steps[-1] == 8  # one run, written by one handle at a time
+
+
+def test_a_resume_takes_an_idle_handles_run_over_and_the_first_handle_writes_no_more():
+    first = nitro.Nitro(Toy(max_epochs=1), progress=False).train()
+    second = nitro.Nitro(Toy(max_epochs=2), resume=first.run_dir, progress=False)
+    second.train()
+    with pytest.raises(SetupError, match=f"this handle no longer writes run {first.run_id}"):
+        first.train(epochs=1)
+    assert saved_steps(second) == [4, 8]
+    assert first.epoch == 1
+
+
+def child_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [str(TESTS), str(REPO), env.get("PYTHONPATH")])
+    )
+    env["JAX_PLATFORMS"] = "cpu"
+    return env
+
+
+def test_another_process_writing_a_run_is_refused_and_its_lock_is_gone_once_it_is_killed(
+    tmp_path,
+):
+    run_dir = tmp_path / "wide"
+    code = "import lifecycle_toys; lifecycle_toys.main()"
+    writer = subprocess.Popen(
+        [sys.executable, "-c", code, "saves", str(run_dir)],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert writer.stdout is not None
+        assert writer.stdout.readline().strip() == f"training {writer.pid}"
+        checkpoints = run_dir / "checkpoints"
+        deadline = time.monotonic() + 120  # a generous wait for its first saved step
+        while not any(p.name.isdigit() for p in checkpoints.glob("*")):
+            assert time.monotonic() < deadline and writer.poll() is None
+            time.sleep(0.05)
+        with pytest.raises(SetupError) as refused:
+            nitro.Nitro(Wide(), run_dir=str(run_dir), resume="auto", progress=False)
+        message = str(refused.value)
+        assert "another process holds run.lock" in message
+        assert f"(pid {writer.pid} on " in message
+        assert "a process that dies releases the lock" in message
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(timeout=60)
+
+    n = nitro.Nitro(Wide(), run_dir=str(run_dir), resume="auto", progress=False, logger=None)
+    assert n.step > 0  # the killed writer's lock went with it
+    holder = json.loads((run_dir / "run.lock").read_text())
+    assert (holder["pid"], holder["run_id"]) == (os.getpid(), n.run_id)
