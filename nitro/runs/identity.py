@@ -176,8 +176,15 @@ class Choice:
         return self.run.path
 
 
-def _progress(run: RunInfo) -> tuple[int, int, str]:
-    return (run.latest_epoch or 0, max(run.checkpoints, default=0), run.run_id)
+def _progress(run: RunInfo) -> tuple[int, int, int]:
+    """How far a run got; of two as far, the one that saved last (run ids started in the same
+    second sort by their random suffix, not by time)."""
+    newest = run.path / "checkpoints" / str(max(run.checkpoints, default=0))
+    try:
+        saved = newest.stat().st_mtime_ns
+    except OSError:
+        saved = 0
+    return (run.latest_epoch or 0, max(run.checkpoints, default=0), saved)
 
 
 def describe(run: RunInfo, info: Mapping[str, Any]) -> str:

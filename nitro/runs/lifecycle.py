@@ -277,10 +277,10 @@ class RunFiles:
     def open(self, setup: RunSetup, events: Events) -> None:
         """Hold the run directory, create it and its run.json; the first line of a run names
         them. A run that saves under a name records it in `handles.json` beside the runs."""
-        self.hold(setup)
-        if self.opened:
-            return
         try:
+            self.hold(setup)
+            if self.opened:
+                return
             self._write_run_json(setup)
         except OSError as error:  # a read-only or vanished directory: before any training
             raise SetupError(
