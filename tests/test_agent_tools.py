@@ -594,3 +594,30 @@ def test_a_large_prediction_answers_a_preview_and_writes_every_row_to_a_file(con
     assert (
         "nitro_predict: out: '../a.npy' is" in outside and "outside this session's root" in outside
     )
+
+
+def test_a_second_run_into_the_same_run_dir_is_refused_naming_the_writer(connect):
+    slow = {"batches": 20, "delay": 0.05}
+    train = {
+        "experiment": "agent_toys.Slow",
+        "overrides": slow,
+        "max_epochs": 2,
+        "keywords": {"run_dir": "shared"},
+    }
+
+    async def scenario():
+        async with connect() as session:
+            first = await call(session, "nitro_train", **train)
+            await poll(session, first["run_id"], lambda s: s["step"] > 0)
+            second = await call(session, "nitro_train", **train)
+            refused = await poll(session, second["run_id"], lambda s: s["status"] != "running")
+            done = await poll(session, first["run_id"], lambda s: s["status"] != "running")
+            return refused, done
+
+    refused, done = anyio.run(scenario)
+    assert refused["status"] == "failed" and "has a writer already" in refused["error"]
+    assert "shared" in refused["error"]
+    assert (done["status"], done["epoch"]) == ("done", 2)
+    lines = (Path(done["run_dir"]) / "metrics.jsonl").read_text().splitlines()
+    kinds = [json.loads(line)["type"] for line in lines]
+    assert kinds.count("params") == 1  # one run's lines only

@@ -159,6 +159,7 @@ class Nitro:
                 epochs=(meta.get("epoch"),),
                 metrics=(meta.get("metrics"),),
             )
+        self._files.claim_planned(self._setup)
         self._target_epoch = max(self._setup.max_epochs, self._state.epoch)
         self._events.phase("ready")
 

@@ -530,6 +530,10 @@ def _why(error: BaseException) -> str:
 
 
 def _skip(directory: Path, step: int, why: str) -> None:
+    """Warn of a damaged step, unless it is gone: a live run's writer removed it (its keep
+    policy) while it was read, which is no damage."""
+    if not (directory / str(step)).exists():
+        return
     warnings.warn(
         f"skipping the damaged checkpoint {str(directory.absolute() / str(step))!r} ({why}); the other "
         f"checkpoints are used. Delete that step directory once you no longer need it.",

@@ -53,7 +53,7 @@ from nitro.runs.run_dirs import (
     read_run_json,
     write_run_json,
 )
-from nitro.runs.run_lock import RunLock, acquire, describe_holder, holder_record
+from nitro.runs.run_lock import RunLock, acquire, check_free, describe_holder, holder_record
 
 __all__ = ["RunFiles", "check_watched_metrics", "config_of", "metric_names", "run_to_resume"]
 
@@ -104,6 +104,7 @@ class RunFiles:
     busy: Callable[[], bool] = lambda: False
     lock: RunLock | None = None
     locks: bool = True  # False on the secondary processes of a multi-process run
+    claim: bool | None = None  # planned: hold the directory (True: may take it over) at once
 
     @classmethod
     def plan(
@@ -114,9 +115,10 @@ class RunFiles:
         say: Callable[[str], None] | None = None,
         busy: Callable[[], bool] = lambda: False,
     ) -> RunFiles:
-        """Decide the run's directory and id, and hold the directory when the run continues
-        one that exists or names one (`run_dir=`); nothing else is written yet. `say`: how
-        to tell the person which run `resume='auto'` continues (default: an event note)."""
+        """Decide the run's directory and id; nothing is written yet. A run that continues a
+        directory that exists or names one (`run_dir=`) holds it once the handle is built
+        (`claim_planned`, after a resume's checks passed). `say`: how to tell the person which
+        run `resume='auto'` continues (default: an event note)."""
         identity = RunIdentity.of(setup.cls, setup.name)
         found = _resume_source(setup, identity, say or events.note) if setup.resume else None
         branched_from = None
@@ -155,8 +157,15 @@ class RunFiles:
             named and read_run_json(run_dir).get("run_id") == run_id
         )
         if continues or named:
-            files.hold(setup, take_over=continues)
+            files.claim = continues
         return files
+
+    def claim_planned(self, setup: RunSetup) -> None:
+        """Hold the directory `plan` decided to hold (a refused resume holds nothing, and an
+        idle handle it would have taken the directory from keeps it)."""
+        if self.claim is not None:
+            self.hold(setup, take_over=self.claim)
+            self.claim = None
 
     # ------------------------------------------------------------------------------------------
     # one writer
@@ -510,12 +519,14 @@ def _resume_source(
 ) -> SavedStep | None:
     resume = setup.resume
     if isinstance(resume, CheckpointRef):
+        _check_no_writer(Path(resume.path))
         return resolve_checkpoint(resume)
     name = setup.cls.__name__
     root = Path(setup.run_dir) if setup.run_dir is not None else experiment_root(name)
     runs = list_runs(root)
     if [run.path for run in runs] == [root.absolute()]:  # run_dir= names one run: that one
         if runs[0].checkpoints:
+            check_free(root)
             return resolve_checkpoint(root)
         choice = None
     else:
@@ -534,7 +545,18 @@ def _resume_source(
         )
         return None
     say(f"resume='auto' continues run {choice.run.run_id}: {choice.why}")
+    check_free(choice.path)
     return resolve_checkpoint(choice.path)
+
+
+def _check_no_writer(path: Path) -> None:
+    """`resume=<path>`: refused while a writer holds the run it names (a run directory, its
+    checkpoints directory or one step's)."""
+    path = path.absolute()
+    for run_dir in (path, path.parent, path.parent.parent):
+        if (run_dir / "checkpoints").is_dir():
+            check_free(run_dir)
+            return
 
 
 def run_to_resume(

@@ -29,7 +29,7 @@ from typing import Any
 
 from nitro.errors import SetupError
 
-__all__ = ["LOCK_FILE", "RunLock", "acquire", "holder_of"]
+__all__ = ["LOCK_FILE", "RunLock", "acquire", "check_free", "holder_of"]
 
 LOCK_FILE = "run.lock"
 
@@ -142,6 +142,27 @@ def acquire(
             continue
         break
     raise SetupError(_refusal(run_dir, _HELD.get(str(run_dir))))
+
+
+def check_free(run_dir: Path) -> None:
+    """Refuse (the SetupError `acquire` raises) when a writer holds `run_dir`: another process,
+    or a working handle of this one (an idle one is taken over later). Called before a resume
+    reads the run: a live writer's checkpoints change while they are read. Takes nothing."""
+    run_dir = run_dir.absolute()
+    if not (run_dir / LOCK_FILE).exists():
+        return
+    mine = _HELD.get(str(run_dir))
+    if mine is not None:
+        if mine.busy():
+            raise SetupError(_refusal(run_dir, mine))
+        return
+    try:
+        fd = _try_lock(run_dir)
+    except OSError:  # a read-only run: nobody writes there
+        return
+    if fd is None:
+        raise SetupError(_refusal(run_dir, None))
+    os.close(fd)
 
 
 def _refusal(run_dir: Path, mine: RunLock | None) -> str:
