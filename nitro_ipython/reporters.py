@@ -101,6 +101,8 @@ class PanelReporter:
     at the start of the next). When the run ends, the panel is replaced by its static record.
     """
 
+    STANDIN_INTERVAL = 1.0  # seconds between two refreshes of the panel's stand-in, at most
+
     def __init__(self, refresh: float = 4.0, curve_interval: float = 0.5):
         from .curves import CurveData, CurveRenderer
 
@@ -127,6 +129,8 @@ class PanelReporter:
         self._ended = False  # the run ended and its panel still awaits the final phase
         self._last_refresh = 0.0
         self._stale = False
+        self._standin_shown = 0.0
+        self._standin_stale = False
         self._lock = threading.Lock()
         self._handle: Callable[[], Any] = lambda: None
         worker.panel_reporters.add(self)
@@ -155,6 +159,7 @@ class PanelReporter:
         if self.panel is not None:
             self.panel.claim(self._title, handle.stop)
             self._refresh(force=True)
+            self._show_standin(force=True)
             self._figure = acquire_figure()
             self.renderer.start(self._figure)
 
@@ -206,6 +211,7 @@ class PanelReporter:
             self._lines.end_epoch(row)
             return
         self._refresh()
+        self._show_standin()
 
     def note(self, message, done=False):
         if self.panel is None or not self.active:
@@ -239,6 +245,7 @@ class PanelReporter:
         self.panel = panel
         self._refresh(force=True)
         if self.active:
+            self._show_standin(force=True)
             if self._figure is None:
                 self._figure = acquire_figure()
             self.renderer.start(self._figure)
@@ -296,6 +303,30 @@ class PanelReporter:
         phase change, an epoch's end) even when no step follows soon."""
         if self._stale and self.active:
             self._refresh()
+        if self._standin_stale and self.active:
+            self._show_standin()
+
+    def _show_standin(self, force: bool = False) -> None:
+        """Refresh the panel's stand-in (its state as static HTML, for a notebook saved while
+        the run lives): at a run's start and as epochs end, at most once a `STANDIN_INTERVAL`;
+        the curve thread's tick shows what that skipped."""
+        from .record import record_html, record_text
+
+        panel = self.panel
+        if panel is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._standin_shown < self.STANDIN_INTERVAL:
+            self._standin_stale = True
+            return
+        self._standin_shown, self._standin_stale = now, False
+        parts = self._status_parts()
+        with self._lock:
+            notes = list(self._notes)
+        panel.show_standin(
+            record_html(self._title, parts, self._fraction(), self._row, notes),
+            record_text(self._title, parts),
+        )
 
     def _show_curves(self, png: bytes, css_width: int) -> None:
         panel = self.panel

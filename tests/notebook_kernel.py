@@ -230,6 +230,29 @@ class Kernel:
                 return message
         raise TimeoutError(f"no {what} within {timeout} s")
 
+    def outputs(self, msg_id: str) -> list[dict]:
+        """The outputs of the cell `msg_id` as a notebook saved now would hold them: its
+        messages so far (also those after it ended) made into outputs by nbformat, each
+        display update applied to the outputs of its display id."""
+        import nbformat
+
+        outputs: list[dict] = []
+        ids: list[str | None] = []
+        for message in self.log:
+            if message["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = message["msg_type"], message["content"]
+            display_id = content.get("transient", {}).get("display_id")
+            if kind == "update_display_data":
+                for index, shown in enumerate(ids):
+                    if shown == display_id:
+                        outputs[index]["data"] = content["data"]
+                        outputs[index]["metadata"] = content["metadata"]
+            elif kind in ("display_data", "execute_result", "stream", "error"):
+                outputs.append(nbformat.v4.output_from_msg(message))
+                ids.append(display_id)
+        return outputs
+
     def pump(self, seconds: float) -> None:
         """Collect iopub messages for a while."""
         deadline = time.monotonic() + seconds

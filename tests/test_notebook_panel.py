@@ -51,6 +51,20 @@ def _records(kernel, cell_id: str, mime: str = "text/html") -> list[str]:
     ]
 
 
+def _saved(kernel, cell_id: str) -> list[dict]:
+    """The display outputs of the cell `cell_id` in a notebook saved now (checked against the
+    notebook format's schema)."""
+    import nbformat
+
+    outputs = kernel.outputs(cell_id)
+    cell = nbformat.v4.new_code_cell(outputs=outputs)
+    nbformat.validate(nbformat.v4.new_notebook(cells=[cell]))
+    return [o for o in outputs if o["output_type"] == "display_data"]
+
+
+WIDGET = "application/vnd.jupyter.widget-view+json"
+
+
 def _comms(kernel) -> int:
     return int(kernel.eval("len(__import__('comm').get_comm_manager().comms)"))
 
@@ -67,12 +81,50 @@ def test_a_first_run_shows_its_setup_then_leaves_a_record_and_closes_its_widgets
     assert "<b>setting up</b> &middot; the data, the model, the optimizer ..." in updates
     assert "<b>setting up</b> &middot; building model ..." in updates  # the setup's phases
 
-    (record,) = cell.updates("text/html")
-    assert re.search(r"<b>done</b> &middot; epoch 1/1 &middot; step 5 &middot; loss [\d.]+", record)
-    summary, curves = cell.updates("text/plain")
-    assert summary.startswith("Tiny: done · epoch 1/1 · step 5") and curves == "[training curves]"
-    assert len(cell.updates("image/png")) == 1  # the final curves
+    summary, curves = _saved(kernel, cell.msg_id)  # the record replaced panel and stand-in
+    assert re.search(
+        r"<b>done</b> &middot; epoch 1/1 &middot; step 5 &middot; loss [\d.]+",
+        summary["data"]["text/html"],
+    )
+    assert summary["data"]["text/plain"].startswith("Tiny: done · epoch 1/1 · step 5")
+    assert set(curves["data"]) == {"image/png", "text/plain"}  # the final curves
+    assert curves["data"]["text/plain"] == "[training curves]"
+    assert len(cell.updates("image/png")) == 1
     assert _comms(kernel) == before  # every widget of the panel closed
+
+
+def test_a_notebook_saved_while_a_run_lives_holds_its_latest_state_not_only_a_widget(kernel):
+    kernel.run("alive = tiny_exp.Tiny(batches=5, delay=0.01, max_epochs=1000)")
+    started = kernel.run("%nitro train alive --background")
+    _wait_until(kernel, "alive_run.epoch >= 3")
+
+    def standin_epoch():
+        kernel.pump(0.2)
+        shown = _saved(kernel, started.msg_id)[1]["data"].get("text/html", "")
+        found = re.search(r"epoch (\d+)/1000", shown)
+        return int(found.group(1)) if found and "nitro-standin" in shown else -1
+
+    _wait_until(kernel, "True", lambda _: standin_epoch() >= 3)  # refreshed as epochs end
+    panel, standin = _saved(kernel, started.msg_id)
+    assert WIDGET in panel["data"]  # the live widget, with a fallback for viewers without it
+    assert panel["data"]["text/plain"].startswith("nitro: live training panel")
+    html, text = standin["data"]["text/html"], standin["data"]["text/plain"]
+    assert re.search(r"<b>(training|validating|checkpointing)</b> &middot; epoch \d+/1000", html)
+    assert "<style>" in html and ".widget-vbox" in html  # hidden while the widget lives
+    assert re.match(r"Tiny: (training|validating|checkpointing) · epoch \d+/1000", text)
+
+    kernel.run("%nitro stop alive_run")
+    kernel.wait_for(
+        lambda m: (
+            m["parent_header"].get("msg_id") == started.msg_id
+            and m["msg_type"] == "update_display_data"
+            and "image/png" in m["content"]["data"]
+        ),
+        what="the stopped run's curves",
+    )
+    summary, curves = _saved(kernel, started.msg_id)
+    assert WIDGET not in summary["data"] and "<b>stopped</b>" in summary["data"]["text/html"]
+    assert "image/png" in curves["data"] and "text/html" not in curves["data"]
 
 
 def test_the_stop_button_of_a_foreground_run_points_to_the_interrupt_button(kernel):
