@@ -58,7 +58,7 @@ PANEL_FALLBACK = "nitro: live training panel (its latest state is in the output 
 # in JupyterLab, Notebook 7 and nbconvert's HTML alike.
 _STANDIN_STYLE = (
     "<style>"
-    ".jp-OutputArea-child:has(.widget-vbox) + .jp-OutputArea-child .nitro-standin"
+    ".jp-OutputArea-child:has(.widget-vbox) + .jp-OutputArea-child:has(.nitro-standin)"
     "{display:none}"
     ".jp-OutputArea-child:not(:has(.widget-vbox)):has(+ .jp-OutputArea-child .nitro-standin)"
     "{display:none}"
