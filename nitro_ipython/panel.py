@@ -72,6 +72,9 @@ def standin_html(record: str) -> str:
     return f"{_STANDIN_STYLE}<div class='nitro-standin'>{record}</div>"
 
 
+_EMPTY = {"text/html": "", "text/plain": ""}  # an output that shows nothing
+
+
 class _Record:
     """A display bundle: the static record that replaces a panel's output."""
 
@@ -139,7 +142,7 @@ class LivePanel(widgets.VBox):
             self.layout.display = ""
         self._displays = (
             display(self, display_id=True),
-            display(_Record({"text/html": ""}), display_id=True),
+            display(_Record(_EMPTY), display_id=True),
         )
 
     def show_standin(self, html: str, text: str) -> None:
@@ -205,14 +208,14 @@ class LivePanel(widgets.VBox):
                 size = {"image/png": {"width": png_width}} if png_width else {}
                 curves.update(_Record({"image/png": png, "text/plain": "[training curves]"}, size))
             else:  # no curves: the stand-in goes
-                curves.update(_Record({"text/html": ""}))
+                curves.update(_Record(_EMPTY))
         self.close_all()
 
     def discard(self) -> None:
         """Remove a panel no run used (its setup failed): empty its output, close it."""
         if self._displays is not None:
             for shown in self._displays:
-                shown.update(_Record({"text/html": ""}))
+                shown.update(_Record(_EMPTY))
         self.close_all()
 
     def close_all(self) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from nitro.progress import LineReporter, TqdmReporter
 
-from . import worker
+from . import failures, worker
 from .runs import RunStats, stats_of
 
 __all__ = [
@@ -61,8 +61,10 @@ class _Tracking:
     """Keeps the `RunStats` of the handle being run, for `%nitro status`."""
 
     stats: RunStats | None = None
+    _handle: Callable[[], Any] = staticmethod(lambda: None)
 
     def start_run(self, handle, epochs):
+        self._handle = weakref.ref(handle)
         self.stats = stats_of(handle, create=True)
         self.stats.start_run()
         super().start_run(handle, epochs)
@@ -78,6 +80,8 @@ class _Tracking:
     def phase(self, phase):
         if phase != "training" and self.stats is not None:
             self.stats.pause()
+        if phase == "failed" and (handle := self._handle()) is not None:
+            failures.report(handle, self.note)
         super().phase(phase)
 
     def end_run(self, handle):
@@ -183,10 +187,10 @@ class PanelReporter:
 
         if phase != "training":
             self.stats.pause()
-        if phase == "failed":
-            error = sys.exc_info()[1]  # called from the run's `except` clause
-            if error is not None:  # the cell that waits re-raises it; the record shows it
-                self.note(f"failed: {type(error).__name__}: {error}")
+        if phase == "failed":  # called from the run's `except` clause
+            handle = self._handle()
+            if handle is not None:  # the cell that waits re-raises it; the record shows it
+                failures.report(handle, self._failure_note)
         if self.active:
             self._phase = phase
             self._refresh()
@@ -218,6 +222,13 @@ class PanelReporter:
             self._lines.note(message, done)
         else:
             self.show_note(message, replace_pending=done)
+
+    def _failure_note(self, message: str) -> None:
+        """The failure's summary: into the record of the run's panel, or on stdout."""
+        if self.panel is None:
+            self._lines.note(message)
+        else:
+            self.show_note(message)
 
     def show_note(self, message: str, replace_pending: bool = False) -> None:
         """Add a line to the panel's notes (the last few are kept); a "done" note replaces

@@ -351,6 +351,12 @@ class Nitro:
         """True while a training run is in progress (in the foreground or the background)."""
         return self._run is not None and self._run.running
 
+    @property
+    def background(self) -> bool:
+        """True while a run started with `train(background=True)` is in progress: nothing
+        waits to re-raise its error (`n.error` keeps it)."""
+        return self.running and self._guard.background
+
     # ------------------------------------------------------------------------------------------
     # training
 
