@@ -66,7 +66,7 @@ class _Tracking:
     def start_run(self, handle, epochs):
         self._handle = weakref.ref(handle)
         self.stats = stats_of(handle, create=True)
-        self.stats.start_run()
+        self.stats.start_run(handle.step)
         super().start_run(handle, epochs)
 
     def start_epoch(self, epoch, max_epochs, batches, start):
@@ -121,6 +121,7 @@ class PanelReporter:
         self._lines = LineReporter(stream=sys.stdout)  # notes are progress, not errors
         self._title = "nitro"
         self._notes: list[str] = []
+        self._setup_notes: list[str] = []  # notes of the setup, for the run's panel
         self._epoch = 0
         self._target = 0
         self._position = 0
@@ -150,14 +151,17 @@ class PanelReporter:
         self._phase = "starting"
         self._lines.start_run(handle, epochs)
         self.stats = stats_of(handle, create=True)
-        self.stats.start_run()
+        self.stats.start_run(handle.step)
         self._title = handle.cls.__name__
         self._target = epochs
         self._epoch = handle.epoch
         self._position = 0
         self._in_epoch = False
-        self._notes = []
+        self._notes, self._setup_notes = self._setup_notes[-5:], []
         self._shown_row = None
+        if not self.curves.rows:  # a resumed run: its curves start with the history it has
+            for row in handle.history().reset_index().to_dict("records"):
+                self.curves.add_row(row)
         self.panel = worker.claim_panel()
         _PANELS[handle] = self
         if self.panel is not None:
@@ -218,7 +222,13 @@ class PanelReporter:
         self._show_standin()
 
     def note(self, message, done=False):
-        if self.panel is None or not self.active:
+        reserved = worker.reserved_panel() if not self.active else None
+        if reserved is not None:  # the setup's notes ("resumed run ..."): in the run's panel
+            self._setup_notes.append(message)
+            from .panel import notes_html
+
+            reserved.notes.value = notes_html(self._setup_notes[-5:])
+        elif self.panel is None or not self.active:
             self._lines.note(message, done)
         else:
             self.show_note(message, replace_pending=done)
