@@ -128,11 +128,13 @@ class Cell:
 
     def updates(self, mime: str = "text/html") -> list[str]:
         """The `mime` data of every display update the cell received (a run's final record
-        replaces its panel this way)."""
+        replaces its panel this way), without the stand-ins a live panel keeps beside it."""
         return [
             m["content"]["data"][mime]
             for m in self.messages
-            if m["msg_type"] == "update_display_data" and mime in m["content"]["data"]
+            if m["msg_type"] == "update_display_data"
+            and mime in m["content"]["data"]
+            and "nitro-standin" not in m["content"]["data"].get("text/html", "")
         ]
 
     @property
