@@ -52,15 +52,17 @@ BACKGROUND_TIP = "Stop the run after the current step."
 # What the panel's output shows where its widget cannot be drawn (no live kernel behind it).
 PANEL_FALLBACK = "nitro: live training panel (its latest state is in the output below)"
 
-# The stand-in hides while the widget before it lives (its view is a `.widget-vbox`); where
-# the widget is dead ("model not found", "Loading widget...", a text/plain fallback), the
-# widget's output hides and the stand-in shows. Both outputs are children of one output area,
-# in JupyterLab, Notebook 7 and nbconvert's HTML alike.
+# The stand-in hides while the widget before it lives (its view is a `.widget-vbox`, which
+# ipywidgets marks `.jupyter-widgets-disconnected` when the kernel restarts); where the widget
+# is dead ("model not found", "Loading widget...", a text/plain fallback, a restarted kernel),
+# the widget's output hides and the stand-in shows. Both outputs are children of one output
+# area, in JupyterLab, Notebook 7 and nbconvert's HTML alike.
+_LIVE = ":has(.widget-vbox:not(.jupyter-widgets-disconnected))"
 _STANDIN_STYLE = (
     "<style>"
-    ".jp-OutputArea-child:has(.widget-vbox) + .jp-OutputArea-child:has(.nitro-standin)"
+    f".jp-OutputArea-child{_LIVE} + .jp-OutputArea-child:has(.nitro-standin)"
     "{display:none}"
-    ".jp-OutputArea-child:not(:has(.widget-vbox)):has(+ .jp-OutputArea-child .nitro-standin)"
+    f".jp-OutputArea-child:not({_LIVE}):has(+ .jp-OutputArea-child .nitro-standin)"
     "{display:none}"
     "</style>"
 )
@@ -69,7 +71,11 @@ _STANDIN_STYLE = (
 def standin_html(record: str) -> str:
     """The stand-in output for a live panel: `record` (the panel's state as static HTML) and
     the style rule that shows it only where the panel's widget is dead."""
-    return f"{_STANDIN_STYLE}<div class='nitro-standin'>{record}</div>"
+    said = (
+        "<div style='font-size:85%;color:#666;margin-top:2px'>the run as of its last update "
+        "here; its live panel shows only while the kernel that runs it does</div>"
+    )
+    return f"{_STANDIN_STYLE}<div class='nitro-standin'>{record}{said}</div>"
 
 
 _EMPTY = {"text/html": "", "text/plain": ""}  # an output that shows nothing

@@ -223,6 +223,22 @@ def test_a_notebook_saved_while_a_run_trains_reopens_with_its_latest_state(lab):
     assert lab.js(standin, 2)[0] == "none"  # hidden while the widget lives
     assert lab.panel(2)["widgets"]
 
+    # the kernel restarts with the notebook open: the frozen panel (its Stop button does
+    # nothing now) gives way to the stand-in
+    lab.js("await nb.sessionContext.session.kernel.restart();")
+    lab.wait_for_kernel("idle", timeout=120)
+    lab.wait_for(
+        "getComputedStyle(window.jupyterapp.shell.currentWidget.content.widgets[2].node"
+        ".querySelector('.nitro-standin').closest('.jp-OutputArea-child')).display !== 'none'",
+        30,
+        what="the stand-in after the restart",
+    )
+    assert not lab.js(
+        "return [...nb.content.widgets[2].node.querySelectorAll('button')]"
+        ".some(b => b.offsetParent !== null);"
+    )  # no Stop button to click
+    lab.screenshot("saved-live-restarted", lab.cell(2))
+
     lab.save_and_close()  # the save, then the kernel dies
     lab.open("saved_live.ipynb")
     lab.wait_for(
