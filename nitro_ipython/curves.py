@@ -8,6 +8,7 @@ are moved as data arrives; a redraw costs a few tens of milliseconds.
 
 from __future__ import annotations
 
+import contextvars
 import io
 import threading
 import time
@@ -191,8 +192,11 @@ class CurveRenderer:
         self.stop()
         self._stop.clear()
         self._ended.clear()
+        # the thread runs in the starting thread's context: what it displays (the panel's
+        # stand-in) goes to the cell that thread writes to, not to whichever cell runs now
+        context = contextvars.copy_context()
         self.thread = threading.Thread(
-            target=self._main, args=(figure,), name="nitro-curves", daemon=True
+            target=context.run, args=(self._main, figure), name="nitro-curves", daemon=True
         )
         self.thread.start()
 

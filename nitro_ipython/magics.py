@@ -54,6 +54,13 @@ class _Shown:
         return self.report._repr_html_()
 
 
+def _ended(handle: nitro.Nitro) -> str:
+    """How a handle that is not running ended: "finished at epoch 4/4, step 24"."""
+    at = f"at epoch {handle.epoch}/{handle.target_epoch}, step {handle.step}"
+    said = {"done": "finished", "stopped": "stopped", "failed": "failed"}
+    return f"{said[handle.phase]} {at}" if handle.phase in said else f"{handle.phase}, {at}"
+
+
 @magics_class
 class NitroMagics(Magics):
     """`%nitro COMMAND [TARGET] [options]`; see `%nitro?`."""
@@ -300,15 +307,20 @@ class NitroMagics(Magics):
                 return
         for name, handle in targets:
             if not handle.running:
-                print(f"nitro: {name} is not running ({handle.phase})")
+                print(f"nitro: {name} is not running ({_ended(handle)}); nothing to stop")
                 continue
             began = time.monotonic()
             handle.stop()
-            handle.wait()
-            print(
-                f"nitro: stopped {name} at epoch {handle.epoch}, step {handle.step} "
-                f"(in {time.monotonic() - began:.1f} s); `%nitro train {name}` resumes it"
-            )
+            try:
+                handle.wait()
+            finally:
+                if handle.stop_reason != "requested":  # it ended before the stop took effect
+                    print(f"nitro: {name} is not running ({_ended(handle)}); nothing to stop")
+            if handle.stop_reason == "requested":
+                print(
+                    f"nitro: stopped {name} at epoch {handle.epoch}, step {handle.step} "
+                    f"(in {time.monotonic() - began:.1f} s); `%nitro train {name}` resumes it"
+                )
 
     def _wait(self, args) -> None:
         if args.target is not None:

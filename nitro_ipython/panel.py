@@ -5,9 +5,14 @@ After that, the training thread and the curve renderer only assign widget traits
 `disabled`, `bar_style`, `layout.display`): never `with out:`, never a new `display()`. Trait
 updates reach the frontend from any thread; output contexts do not.
 
-When the run ends, the panel replaces its own output with a static record (the summary as
-HTML, the final curves as a PNG) and closes its widgets: a saved notebook, nbconvert's HTML
-and GitHub show the record, and a kernel that runs many trainings keeps no widgets behind.
+While the run lives, a second output below the panel holds a stand-in: the panel's latest
+state as static HTML, refreshed as epochs end, hidden by a style rule while the widget beside
+it lives and shown (with the dead widget hidden) where it does not: a notebook saved during
+the run (JupyterLab autosaves every two minutes) and reopened after the kernel died,
+nbconvert's HTML, GitHub. When the run ends, the panel replaces its own output with a static
+record (the summary as HTML, the final curves as a PNG in place of the stand-in) and closes
+its widgets: a saved notebook shows the record, and a kernel that runs many trainings keeps
+no widgets behind.
 """
 
 from __future__ import annotations
@@ -21,7 +26,16 @@ from IPython.display import display
 
 from .runs import RunStats
 
-__all__ = ["BAR_STYLE", "LivePanel", "metrics_html", "notes_html", "status_html", "status_text"]
+__all__ = [
+    "BAR_STYLE",
+    "PANEL_FALLBACK",
+    "LivePanel",
+    "metrics_html",
+    "notes_html",
+    "standin_html",
+    "status_html",
+    "status_text",
+]
 
 _SKIP_COLUMNS = {"epoch", "step", "epoch_seconds", "data_wait_frac"}
 BAR_STYLE = {"done": "success", "stopped": "warning", "failed": "danger"}
@@ -34,6 +48,37 @@ FOREGROUND_TIP = (
     "stop the run with the notebook's interrupt button (■). It stops after the current step."
 )
 BACKGROUND_TIP = "Stop the run after the current step."
+
+# What the panel's output shows where its widget cannot be drawn (no live kernel behind it).
+PANEL_FALLBACK = "nitro: live training panel (its latest state is in the output below)"
+
+# The stand-in hides while the widget before it lives (its view is a `.widget-vbox`, which
+# ipywidgets marks `.jupyter-widgets-disconnected` when the kernel restarts); where the widget
+# is dead ("model not found", "Loading widget...", a text/plain fallback, a restarted kernel),
+# the widget's output hides and the stand-in shows. Both outputs are children of one output
+# area, in JupyterLab, Notebook 7 and nbconvert's HTML alike.
+_LIVE = ":has(.widget-vbox:not(.jupyter-widgets-disconnected))"
+_STANDIN_STYLE = (
+    "<style>"
+    f".jp-OutputArea-child{_LIVE} + .jp-OutputArea-child:has(.nitro-standin)"
+    "{display:none}"
+    f".jp-OutputArea-child:not({_LIVE}):has(+ .jp-OutputArea-child .nitro-standin)"
+    "{display:none}"
+    "</style>"
+)
+
+
+def standin_html(record: str) -> str:
+    """The stand-in output for a live panel: `record` (the panel's state as static HTML) and
+    the style rule that shows it only where the panel's widget is dead."""
+    said = (
+        "<div style='font-size:85%;color:#666;margin-top:2px'>the run as of its last update "
+        "here; its live panel shows only while the kernel that runs it does</div>"
+    )
+    return f"{_STANDIN_STYLE}<div class='nitro-standin'>{record}{said}</div>"
+
+
+_EMPTY = {"text/html": "", "text/plain": ""}  # an output that shows nothing
 
 
 class _Record:
@@ -90,7 +135,7 @@ class LivePanel(widgets.VBox):
     def _repr_mimebundle_(self, **kwargs):
         data = super()._repr_mimebundle_(**kwargs)
         if data:  # what a viewer without the live kernel shows until the run leaves its record
-            data["text/plain"] = "nitro: live training panel"
+            data["text/plain"] = PANEL_FALLBACK
         return data
 
     # ------------------------------------------------------------------------------------------
@@ -98,13 +143,19 @@ class LivePanel(widgets.VBox):
 
     def show(self, visible: bool = False) -> None:
         """Display the panel (hidden until a run claims it, unless `visible`) and, below it,
-        an empty output that the run's final curves will fill."""
+        the output that holds its stand-in while the run lives and its final curves after."""
         if visible:
             self.layout.display = ""
         self._displays = (
             display(self, display_id=True),
-            display(_Record({"text/html": ""}), display_id=True),
+            display(_Record(_EMPTY), display_id=True),
         )
+
+    def show_standin(self, html: str, text: str) -> None:
+        """Put the panel's latest state (`html`, `text`: a record of it so far) in the output
+        below it, for a notebook saved while the run lives (any thread)."""
+        if self._displays is not None and not self.closed:
+            self._displays[1].update(_Record({"text/html": standin_html(html), "text/plain": text}))
 
     def cell_finished(self) -> None:
         """The cell that displayed the panel ended: from now on a click reaches the kernel."""
@@ -162,12 +213,15 @@ class LivePanel(widgets.VBox):
             if png is not None:
                 size = {"image/png": {"width": png_width}} if png_width else {}
                 curves.update(_Record({"image/png": png, "text/plain": "[training curves]"}, size))
+            else:  # no curves: the stand-in goes
+                curves.update(_Record(_EMPTY))
         self.close_all()
 
     def discard(self) -> None:
         """Remove a panel no run used (its setup failed): empty its output, close it."""
         if self._displays is not None:
-            self._displays[0].update(_Record({"text/html": ""}))
+            for shown in self._displays:
+                shown.update(_Record(_EMPTY))
         self.close_all()
 
     def close_all(self) -> None:

@@ -19,7 +19,7 @@ from typing import Any
 
 from nitro.progress import LineReporter, TqdmReporter
 
-from . import worker
+from . import failures, worker
 from .runs import RunStats, stats_of
 
 __all__ = [
@@ -61,10 +61,12 @@ class _Tracking:
     """Keeps the `RunStats` of the handle being run, for `%nitro status`."""
 
     stats: RunStats | None = None
+    _handle: Callable[[], Any] = staticmethod(lambda: None)
 
     def start_run(self, handle, epochs):
+        self._handle = weakref.ref(handle)
         self.stats = stats_of(handle, create=True)
-        self.stats.start_run()
+        self.stats.start_run(handle.step)
         super().start_run(handle, epochs)
 
     def start_epoch(self, epoch, max_epochs, batches, start):
@@ -78,6 +80,8 @@ class _Tracking:
     def phase(self, phase):
         if phase != "training" and self.stats is not None:
             self.stats.pause()
+        if phase == "failed" and (handle := self._handle()) is not None:
+            failures.report(handle, self.note)
         super().phase(phase)
 
     def end_run(self, handle):
@@ -101,6 +105,8 @@ class PanelReporter:
     at the start of the next). When the run ends, the panel is replaced by its static record.
     """
 
+    STANDIN_INTERVAL = 1.0  # seconds between two refreshes of the panel's stand-in, at most
+
     def __init__(self, refresh: float = 4.0, curve_interval: float = 0.5):
         from .curves import CurveData, CurveRenderer
 
@@ -115,6 +121,7 @@ class PanelReporter:
         self._lines = LineReporter(stream=sys.stdout)  # notes are progress, not errors
         self._title = "nitro"
         self._notes: list[str] = []
+        self._setup_notes: list[str] = []  # notes of the setup, for the run's panel
         self._epoch = 0
         self._target = 0
         self._position = 0
@@ -127,6 +134,8 @@ class PanelReporter:
         self._ended = False  # the run ended and its panel still awaits the final phase
         self._last_refresh = 0.0
         self._stale = False
+        self._standin_shown = 0.0
+        self._standin_stale = False
         self._lock = threading.Lock()
         self._handle: Callable[[], Any] = lambda: None
         worker.panel_reporters.add(self)
@@ -142,19 +151,23 @@ class PanelReporter:
         self._phase = "starting"
         self._lines.start_run(handle, epochs)
         self.stats = stats_of(handle, create=True)
-        self.stats.start_run()
+        self.stats.start_run(handle.step)
         self._title = handle.cls.__name__
         self._target = epochs
         self._epoch = handle.epoch
         self._position = 0
         self._in_epoch = False
-        self._notes = []
+        self._notes, self._setup_notes = self._setup_notes[-5:], []
         self._shown_row = None
+        if not self.curves.rows:  # a resumed run: its curves start with the history it has
+            for row in handle.history().reset_index().to_dict("records"):
+                self.curves.add_row(row)
         self.panel = worker.claim_panel()
         _PANELS[handle] = self
         if self.panel is not None:
             self.panel.claim(self._title, handle.stop)
             self._refresh(force=True)
+            self._show_standin(force=True)
             self._figure = acquire_figure()
             self.renderer.start(self._figure)
 
@@ -178,10 +191,10 @@ class PanelReporter:
 
         if phase != "training":
             self.stats.pause()
-        if phase == "failed":
-            error = sys.exc_info()[1]  # called from the run's `except` clause
-            if error is not None:  # the cell that waits re-raises it; the record shows it
-                self.note(f"failed: {type(error).__name__}: {error}")
+        if phase == "failed":  # called from the run's `except` clause
+            handle = self._handle()
+            if handle is not None:  # the cell that waits re-raises it; the record shows it
+                failures.report(handle, self._failure_note)
         if self.active:
             self._phase = phase
             self._refresh()
@@ -207,13 +220,27 @@ class PanelReporter:
                 self._lines.end_epoch(row)
             return
         self._refresh()
+        self._show_standin()
 
     def note(self, message, done=False):
-        if self.panel is None or not self.active:
-            if not worker.is_quiet():
+        reserved = worker.reserved_panel() if not self.active else None
+        if reserved is not None:  # the setup's notes ("resumed run ..."): in the run's panel
+            self._setup_notes.append(message)
+            from .panel import notes_html
+
+            reserved.notes.value = notes_html(self._setup_notes[-5:])
+        elif self.panel is None or not self.active:
+            if not worker.is_quiet():  # an agent's run: the agent reads it through its tools
                 self._lines.note(message, done)
         else:
             self.show_note(message, replace_pending=done)
+
+    def _failure_note(self, message: str) -> None:
+        """The failure's summary: into the record of the run's panel, or on stdout."""
+        if self.panel is None:
+            self._lines.note(message)
+        else:
+            self.show_note(message)
 
     def show_note(self, message: str, replace_pending: bool = False) -> None:
         """Add a line to the panel's notes (the last few are kept); a "done" note replaces
@@ -241,6 +268,7 @@ class PanelReporter:
         self.panel = panel
         self._refresh(force=True)
         if self.active:
+            self._show_standin(force=True)
             if self._figure is None:
                 self._figure = acquire_figure()
             self.renderer.start(self._figure)
@@ -298,6 +326,30 @@ class PanelReporter:
         phase change, an epoch's end) even when no step follows soon."""
         if self._stale and self.active:
             self._refresh()
+        if self._standin_stale and self.active:
+            self._show_standin()
+
+    def _show_standin(self, force: bool = False) -> None:
+        """Refresh the panel's stand-in (its state as static HTML, for a notebook saved while
+        the run lives): at a run's start and as epochs end, at most once a `STANDIN_INTERVAL`;
+        the curve thread's tick shows what that skipped."""
+        from .record import record_html, record_text
+
+        panel = self.panel
+        if panel is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._standin_shown < self.STANDIN_INTERVAL:
+            self._standin_stale = True
+            return
+        self._standin_shown, self._standin_stale = now, False
+        parts = self._status_parts()
+        with self._lock:
+            notes = list(self._notes)
+        panel.show_standin(
+            record_html(self._title, parts, self._fraction(), self._row, notes),
+            record_text(self._title, parts),
+        )
 
     def _show_curves(self, png: bytes, css_width: int) -> None:
         panel = self.panel

@@ -41,8 +41,10 @@ class RunStats:
 
     Throughput is measured on a training clock that runs only while an epoch trains (not
     during validation, not between runs), over a sliding window of the last few seconds of
-    it, across epoch boundaries. So it agrees with the history's `epoch_seconds` and follows
-    changes within a few seconds. `observe` runs once per step on the training thread: it
+    it, across epoch boundaries. The clock counts what the history's `epoch_seconds` count
+    (from the start of each epoch: the first epoch's compile, data waits): a run shorter
+    than the window shows the history's rate, steps over the sum of `epoch_seconds`, and a
+    longer one follows changes within a few seconds. `observe` runs once per step on the training thread: it
     stores two numbers and, every few milliseconds, one sample.
     """
 
@@ -59,15 +61,21 @@ class RunStats:
         self._clock_base = 0.0  # training seconds before the current stretch
         self._stretch: float | None = None  # perf_counter at the start of the current stretch
 
-    def start_run(self) -> None:
+    def start_run(self, step: int = 0) -> None:
+        """A run starts at `step`."""
         self.started, self.ended = time.monotonic(), None
         self._samples.clear()
         self._latest, self._clock_base, self._stretch = None, 0.0, None
+        self.step = step
 
     def resume(self) -> None:
-        """An epoch starts (or resumes) training: the training clock runs."""
+        """An epoch starts (or resumes) training: the training clock runs. The run's first
+        sample is taken here, before its first step: the window of a run shorter than it
+        counts the compile and the first batch, as the history's `epoch_seconds` do."""
         if self._stretch is None:
             self._stretch = time.perf_counter()
+        if not self._samples:
+            self._samples.append((self.step, self._clock()))
 
     def pause(self) -> None:
         """Training pauses (validation, the end of the run): the training clock stops."""
@@ -261,14 +269,25 @@ class RunTables:
     def __init__(self, live, on_disk):
         self.live, self.on_disk = live, on_disk
 
+    # the live table's numbers, as the status line shows them
+    FORMATTERS = {"loss": lambda v: _fmt(v), "steps/s": lambda v: _fmt(v, ",.0f")}
+
     def __repr__(self) -> str:
-        parts = [self.live.to_string() if self.live is not None else "no runs in this kernel"]
+        parts = [
+            self.live.to_string(formatters=self.FORMATTERS)
+            if self.live is not None
+            else "no runs in this kernel"
+        ]
         if not self.on_disk.empty:
             parts.append("on disk:\n" + self.on_disk.to_string())
         return "\n\n".join(parts)
 
     def _repr_html_(self) -> str:
-        parts = [self.live.to_html() if self.live is not None else "<p>no runs in this kernel</p>"]
+        parts = [
+            self.live.to_html(formatters=self.FORMATTERS)
+            if self.live is not None
+            else "<p>no runs in this kernel</p>"
+        ]
         if not self.on_disk.empty:
             parts.append("<p><b>on disk</b></p>" + self.on_disk.to_html())
         return "\n".join(parts)

@@ -53,6 +53,24 @@ class EditImpact:
         )
 
 
+def _train_programs_left_out(handle: Any) -> set[str]:
+    """The train programs a handle rebuilt from `handle` will not compile: it continues
+    `handle`'s steps per call (`n.dispatch`), so once that is decided it runs fused calls
+    of K steps (single steps only for an epoch's remainder) or single steps, not both. The
+    compile cache may hold both for the experiment: the single steps "auto" timed before it
+    chose K, or another handle's."""
+    steps = handle.dispatch.steps
+    if steps is None:  # still measuring: it may compile either
+        return set()
+    if steps == 1:
+        return {"multi-step train"}
+    try:
+        batches = len(handle.splits["train"])
+    except (KeyError, TypeError):  # batches unknown: a remainder may need single steps
+        return set()
+    return {"train step"} if batches % steps == 0 else set()
+
+
 def _join(names: Iterable[str]) -> str:
     names = list(names)
     if len(names) <= 1:
@@ -70,6 +88,8 @@ def edit_impact(handle: Any, name: str) -> EditImpact | None:
     ]
     stale = {kind.value for unit in changes for kind in programs_using(unit)}
     held = held_programs(handle.owner)
+    unused = _train_programs_left_out(handle)  # the rebuilt run never calls them
+    held = [kind for kind in held if kind not in unused]
     order = {kind: i for i, kind in enumerate(EVERY_PROGRAM)}
     recompile = sorted((k for k in stale if k in held), key=lambda k: order.get(k, 99))
     reused = [kind for kind in held if kind not in stale]

@@ -128,11 +128,13 @@ class Cell:
 
     def updates(self, mime: str = "text/html") -> list[str]:
         """The `mime` data of every display update the cell received (a run's final record
-        replaces its panel this way)."""
+        replaces its panel this way), without the stand-ins a live panel keeps beside it."""
         return [
             m["content"]["data"][mime]
             for m in self.messages
-            if m["msg_type"] == "update_display_data" and mime in m["content"]["data"]
+            if m["msg_type"] == "update_display_data"
+            and mime in m["content"]["data"]
+            and "nitro-standin" not in m["content"]["data"].get("text/html", "")
         ]
 
     @property
@@ -232,6 +234,29 @@ class Kernel:
             if message is not None and predicate(message):
                 return message
         raise TimeoutError(f"no {what} within {timeout} s")
+
+    def outputs(self, msg_id: str) -> list[dict]:
+        """The outputs of the cell `msg_id` as a notebook saved now would hold them: its
+        messages so far (also those after it ended) made into outputs by nbformat, each
+        display update applied to the outputs of its display id."""
+        import nbformat
+
+        outputs: list[dict] = []
+        ids: list[str | None] = []
+        for message in self.log:
+            if message["parent_header"].get("msg_id") != msg_id:
+                continue
+            kind, content = message["msg_type"], message["content"]
+            display_id = content.get("transient", {}).get("display_id")
+            if kind == "update_display_data":
+                for index, shown in enumerate(ids):
+                    if shown == display_id:
+                        outputs[index]["data"] = content["data"]
+                        outputs[index]["metadata"] = content["metadata"]
+            elif kind in ("display_data", "execute_result", "stream", "error"):
+                outputs.append(nbformat.v4.output_from_msg(message))
+                ids.append(display_id)
+        return outputs
 
     def pump(self, seconds: float) -> None:
         """Collect iopub messages for a while."""

@@ -169,3 +169,25 @@ def test_a_renamed_class_and_a_deleted_file_are_reported_and_the_handle_keeps_it
     assert kernel.eval("edit_e.Small.__name__") == "'Small'"
     assert kernel.eval(f"ee_run.predict({BATCH}).tolist()") == expected
     assert "deleted" not in kernel.run("pass").stdout  # said once
+
+
+def test_the_prediction_counts_only_the_train_program_the_rebuilt_run_calls(kernel):
+    """The cache holds the single train step (another handle's, or the steps "auto" timed)
+    and the fused one; the rebuilt run continues its handle's steps per call: one of them."""
+    _write(kernel, "edit_k", TINY_MODULE)
+    kernel.run(
+        "import edit_k\nek = edit_k.Tiny()\n"
+        "_ = nitro.Nitro(ek, steps_per_dispatch=1).train()\n"  # the single train step
+        "fused = nitro.Nitro(ek, steps_per_dispatch=4)\n%nitro train fused"
+    )
+    assert kernel.eval("fused.dispatch.steps") == "4"
+    before = _misses(kernel)
+
+    _write(kernel, "edit_k", TINY_MODULE.replace(LOSS, ".mean() * 2.0" + LOSS[7:]))
+    cell = kernel.run("%nitro train fused")
+
+    assert (
+        "fused (Tiny): loss changed: multi-step train and eval forward will recompile"
+        in cell.stdout
+    ), cell.stdout
+    assert _misses(kernel) - before == 2

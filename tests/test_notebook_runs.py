@@ -125,7 +125,6 @@ def test_live_panel_updates_from_the_training_thread_and_its_stop_button_works(k
     kernel.run("panel_exp = tiny_exp.Tiny(batches=20, delay=0.01, max_epochs=1000)")
     cell = kernel.run("%nitro train panel_exp --background")
     idle_at = len(kernel.log)  # everything after this arrived while no cell was running
-    idle_since = time.monotonic()
     panel = "nitro_ipython.live_panel(panel_exp_run)"
     bar_id = ast.literal_eval(kernel.eval(f"{panel}.progress.model_id"))  # claimed at start
     curves_id = ast.literal_eval(kernel.eval(f"{panel}.curves.model_id"))
@@ -141,7 +140,8 @@ def test_live_panel_updates_from_the_training_thread_and_its_stop_button_works(k
     # The frontend received the updates, sent by the training thread while the kernel idled.
     updates = [s["value"] for i, s in _progress_updates(kernel, bar_id) if i >= idle_at]
     assert len(updates) >= 3 and updates == sorted(updates)
-    assert len(updates) <= 4 * (time.monotonic() - idle_since) + 2  # a few per second at most
+    steps = int(kernel.eval("panel_exp_run.step"))
+    assert len(updates) < steps  # throttled: not one message per step
     _wait_until(kernel, f"len({panel}.curves.value)", lambda size: int(size) > 0)  # drawn
     assert any(i >= idle_at for i, _ in _progress_updates(kernel, curves_id))
     status_html = ast.literal_eval(kernel.eval(f"{panel}.status.value"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-__all__ = ["handle_html", "short_repr"]
+__all__ = ["handle_html", "short_repr", "weights_line"]
 
 
 def short_repr(handle: Any) -> str:
@@ -13,6 +13,27 @@ def short_repr(handle: Any) -> str:
         f"Nitro({handle.cls.__name__}, {handle.phase}, epoch {handle.epoch}/"
         f"{handle.target_epoch}, step {handle.step}, {handle.param_count:,} params)"
     )
+
+
+def weights_line(handle: Any) -> str:
+    """Where the current weights came from: the checkpoint they were read from (a resume,
+    `restore_best()`, `weights=` a checkpoint), else the initial weights' origin.
+
+    >>> weights_line(resumed)  # doctest: +SKIP
+    'checkpoint of run 20260101-120000-ab12 at epoch 2, step 12 (runs/Tiny/.../12)'
+    """
+    checkpoint = handle.weights_checkpoint
+    if checkpoint is None:
+        return handle.weights_origin
+    if "averaged" in checkpoint:
+        return f"average of {checkpoint['averaged']} checkpoints of run {checkpoint['run_id']}"
+    epoch = checkpoint.get("epoch")
+    at = (
+        f"epoch {epoch}, step {checkpoint['step']}"
+        if epoch is not None
+        else (f"step {checkpoint['step']}")
+    )
+    return f"checkpoint of run {checkpoint['run_id']} at {at} ({checkpoint['path']})"
 
 
 def handle_html(handle: Any) -> str:
@@ -25,7 +46,7 @@ def handle_html(handle: Any) -> str:
         ("stop reason", handle.stop_reason or "-"),
         ("parameters", f"{handle.param_count:,}"),
         ("devices", handle.placement.describe()),
-        ("weights", handle.weights_origin),
+        ("weights", weights_line(handle)),
         ("seed", handle.seed),
     ]
     if handle.last_metrics:

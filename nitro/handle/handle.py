@@ -367,6 +367,12 @@ class Nitro:
         """True while a training run is in progress (in the foreground or the background)."""
         return self._run is not None and self._run.running
 
+    @property
+    def background(self) -> bool:
+        """True while a run started with `train(background=True)` is in progress: nothing
+        waits to re-raise its error (`n.error` keeps it)."""
+        return self.running and self._guard.background
+
     # ------------------------------------------------------------------------------------------
     # training
 
@@ -375,7 +381,8 @@ class Nitro:
 
         Blocks unless `background=True`. Ctrl-C stops after the current step; the handle
         stays usable and `train()` again continues from where it stopped. An epoch trained
-        but not yet validated (a stop during validation) is validated first.
+        but not yet validated (a stop during validation) is validated first; `epochs=N` then
+        trains N more epochs after it.
         """
         with sigint_requests_stop(self._control):
             self._check_stale("train")
@@ -392,8 +399,9 @@ class Nitro:
             self._guard.claim("training", background=background)
             started = False
             try:
-                if epochs is not None:
-                    target = self.epoch + epochs
+                if epochs is not None:  # N more epochs of training: an epoch trained but
+                    # not validated (a stop during validation) is validated, then N follow
+                    target = self.epoch + self._pending() + epochs
                 elif self.epoch < self._target_epoch:
                     target = self._target_epoch  # a stopped run resumes to where it was going
                 else:

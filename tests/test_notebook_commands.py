@@ -1,0 +1,59 @@
+"""What the magics say about runs that ended, how they count epochs after a stop during
+validation, and how `%nitro runs` shows its numbers (a real kernel)."""
+
+from __future__ import annotations
+
+import ast
+import re
+import time
+
+from notebook_kernel import kernel_fixture  # noqa: F401 - provides the `kernel` fixture
+
+
+def _wait_until(kernel, expression: str, timeout: float = 120) -> None:
+    deadline = time.monotonic() + timeout
+    while kernel.eval(expression) != "True":
+        assert time.monotonic() < deadline, f"{expression} stayed false"
+        kernel.pump(0.05)
+
+
+def test_stop_on_a_finished_run_says_it_is_not_running(kernel):
+    kernel.run("fin = tiny_exp.Tiny(batches=3, max_epochs=2)\n%nitro train fin")
+    said = kernel.run("%nitro stop fin_run").stdout
+    assert (
+        said == "nitro: fin_run is not running (finished at epoch 2/2, step 6); nothing to stop\n"
+    )
+
+
+def test_runs_shows_losses_and_rates_with_a_sensible_precision(kernel):
+    kernel.run("tab = tiny_exp.Tiny(batches=3, max_epochs=2)\n%nitro train tab")
+    table = kernel.run("%nitro runs").data()[-1]
+    row = re.search(r"tab_run +Tiny +done +2/2 +6 +(\S+) +(\S+) +False", table)
+    assert row, table
+    loss, rate = row.groups()
+    assert re.fullmatch(r"\d\.\d{1,4}|\d{2,}\.?\d*", loss), loss  # 4 significant digits
+    assert re.fullmatch(r"[\d,]+", rate), rate  # whole steps per second
+    html = kernel.run("%nitro runs").data("text/html")[-1]
+    assert f"<td>{loss}</td>" in html and f"<td>{rate}</td>" in html
+
+
+def test_one_more_epoch_after_a_stop_during_validation_trains_one_more_epoch(kernel):
+    kernel.run(
+        """
+        @nitro.experiment
+        class SlowVal(tiny_exp.Tiny):
+            def build_data(self):
+                data = super().build_data()
+                data["val"] = tiny_exp.SlowBatches(40, 8, 0.05)
+                return data
+
+        sv = SlowVal(batches=3, max_epochs=3)
+        """
+    )
+    kernel.run("%nitro train sv --background")
+    _wait_until(kernel, "sv_run.phase == 'validating'")
+    kernel.run("%nitro stop sv_run")
+    assert ast.literal_eval(kernel.eval("(sv_run.epoch, sv_run.step)")) == (0, 3)
+    kernel.run("%nitro train sv_run --epochs 1")  # the stopped epoch is validated, then one more
+    assert ast.literal_eval(kernel.eval("(sv_run.epoch, sv_run.step)")) == (2, 6)
+    assert kernel.eval("sv_run.history()['step'].tolist()") == "[3, 6]"
