@@ -239,7 +239,7 @@ def _experiment_names(user_ns: Mapping[str, Any], handles: Iterable[Any]) -> lis
 def runs_on_disk(user_ns: Mapping[str, Any], handles: Iterable[Any]):
     """One row per run directory of the notebook's experiments under `runs/` (the newest
     `DISK_RUNS_SHOWN` of each) and of its handles elsewhere (`run_dir=`): experiment,
-    started, checkpoints, latest epoch, best metric, path, and the notebook's name for it
+    started, the run's recorded name, checkpoints, latest epoch, best metric, path, and the notebook's name for it
     when a handle here is that run."""
     import pandas as pd
 
@@ -254,7 +254,7 @@ def runs_on_disk(user_ns: Mapping[str, Any], handles: Iterable[Any]):
         if handle.run_dir not in shown and os.path.isdir(handle.run_dir):
             frame = nitro.saved_runs(handle.run_dir)
             frames.append(frame.assign(experiment=handle.cls.__name__))
-    columns = ["experiment", "started", "checkpoints", "latest epoch", "best", "path"]
+    columns = ["experiment", "started", "name", "checkpoints", "latest epoch", "best", "path"]
     frames = [f for f in frames if not f.empty]
     if not frames:
         return pd.DataFrame(columns=["in this kernel", *columns])

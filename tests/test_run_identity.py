@@ -38,6 +38,7 @@ def test_run_json_records_the_experiment_the_notebook_and_the_name():
     assert (info["module"], info["qualname"], info["name"]) == ("toys", "Toy", "baseline")
     assert info["notebook"] == os.path.abspath(sys.modules["__main__"].__file__)
     assert n.name == "baseline"
+    assert nitro.saved_runs("Toy").loc[n.run_id, "name"] == "baseline"
     with pytest.raises(ValueError, match="name must be a non-empty str"):
         nitro.Nitro(Toy(), name="", progress=False)
 

@@ -83,11 +83,13 @@ class RunInfo:
     latest_epoch: int | None
     best_metric: str | None
     best_value: float | None
+    name: str | None = None  # the run's name (`name=`; `%nitro train exp` names it exp_run)
 
     def as_row(self) -> dict[str, Any]:
         return {
             "run id": self.run_id,
             "started": self.started,
+            "name": self.name or "",
             "checkpoints": len(self.checkpoints),
             "latest epoch": self.latest_epoch,
             "best": (
@@ -126,6 +128,7 @@ def list_runs(root: str | os.PathLike) -> list[RunInfo]:
                 latest_epoch=latest_epoch,
                 best_metric=metric,
                 best_value=best,
+                name=info.get("name"),
             )
         )
     return runs
@@ -141,7 +144,7 @@ def saved_runs(where: Any = None):
     >>> n = nitro.Nitro(Digits(max_epochs=1), progress=False).train()
     >>> runs = nitro.saved_runs("Digits")
     >>> runs.columns.tolist(), runs.index.tolist() == [n.run_id]
-    (['started', 'checkpoints', 'latest epoch', 'best', 'path'], True)
+    (['started', 'name', 'checkpoints', 'latest epoch', 'best', 'path'], True)
     """
     import pandas as pd
 
@@ -154,6 +157,6 @@ def saved_runs(where: Any = None):
         name = name or type(where).__name__
         root = experiment_root(name)
     rows = [run.as_row() for run in list_runs(root)]
-    columns = ["run id", "started", "checkpoints", "latest epoch", "best", "path"]
+    columns = ["run id", "started", "name", "checkpoints", "latest epoch", "best", "path"]
     frame = pd.DataFrame(rows, columns=columns)  # pyright: ignore[reportArgumentType]  # pandas' SequenceNotStr rejects list[str]
     return frame.set_index("run id")
