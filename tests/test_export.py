@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -15,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from system import fill, mounted
 from toys import Toy, X
 
 import nitro
@@ -292,32 +292,8 @@ def test_a_reexport_swaps_the_whole_directory_in_and_keeps_a_symlink(tmp_path):
 @pytest.fixture
 def small_disk(tmp_path):
     """A 256 KiB tmpfs, mounted for the test and unmounted after it."""
-    if getattr(os, "geteuid", lambda: -1)() != 0:
-        pytest.skip("mounting a small tmpfs to fill needs root")
-    mount = tmp_path / "disk"
-    mount.mkdir()
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(mount)],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip() or done.returncode}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", str(mount)], check=True)
-
-
-def fill(path, leave: int) -> None:
-    """Write `path` until the disk is full, then free `leave` bytes."""
-    with open(path, "wb", buffering=0) as file:
-        try:
-            while True:
-                file.write(b"\0" * 4096)
-        except OSError as error:
-            assert error.errno == errno.ENOSPC
-        file.truncate(max(0, file.tell() - leave))
+    with mounted(tmp_path / "disk", "size=256k") as disk:
+        yield disk
 
 
 def test_a_reexport_that_fills_the_disk_leaves_the_previous_bundle_whole(small_disk):

@@ -23,22 +23,12 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 from lifecycle_toys import Wide, parameters
+from system import child_env
 from toys import TinyMLP, Toy, ToyWithMetrics
 
 import nitro
 
-TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
 EVERY_EPOCH = nitro.Checkpointer(budget=None)
-
-
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(TESTS), str(REPO), env.get("PYTHONPATH")])
-    )
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
 
 
 def child(mode: str, *args: str, **popen) -> subprocess.Popen:

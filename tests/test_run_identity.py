@@ -16,13 +16,11 @@ from pathlib import Path
 
 import pytest
 from lifecycle_toys import Wide
+from system import child_env
 from toys import Toy
 
 import nitro
 from nitro.errors import SetupError
-
-TESTS = Path(__file__).resolve().parent
-REPO = TESTS.parent
 
 
 def other_module_toy():
@@ -130,15 +128,6 @@ def test_a_resume_takes_an_idle_handles_run_over_and_the_first_handle_writes_no_
         first.train(epochs=1)
     assert saved_steps(second) == [4, 8]
     assert first.epoch == 1
-
-
-def child_env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        filter(None, [str(TESTS), str(REPO), env.get("PYTHONPATH")])
-    )
-    env["JAX_PLATFORMS"] = "cpu"
-    return env
 
 
 def test_another_process_writing_a_run_is_refused_and_its_lock_is_gone_once_it_is_killed(

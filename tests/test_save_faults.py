@@ -5,9 +5,7 @@ tmpfs mounted by the test (as root; skipped otherwise)."""
 
 from __future__ import annotations
 
-import contextlib
 import os
-import subprocess
 import threading
 import warnings
 from pathlib import Path
@@ -15,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
+from system import fill, mounted
 from toys import ToyWithMetrics
 
 import nitro
@@ -33,36 +32,6 @@ def plain_steps(directory: Path) -> list[int]:
     options = ocp.CheckpointManagerOptions(read_only=True)
     with ocp.CheckpointManager(Path(directory).absolute(), options=options) as manager:
         return list(manager.all_steps())
-
-
-@contextlib.contextmanager
-def mounted(directory: Path, options: str):
-    """A tmpfs mounted at `directory` for the test (`options`: mount's -o)."""
-    if os.geteuid() != 0:
-        pytest.skip("mounting a tmpfs needs root")
-    directory.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", options, "tmpfs", str(directory)],
-        capture_output=True,
-        text=True,
-    )
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a tmpfs here: {done.stderr.strip()}")
-    try:
-        yield directory
-    finally:
-        subprocess.run(["umount", "-l", str(directory)], check=False)
-
-
-def fill(path: Path) -> None:
-    """Write `path` until the disk is full."""
-    try:
-        with open(path, "wb") as f:
-            while True:
-                f.write(b"\0" * 4096)
-                f.flush()
-    except OSError:
-        pass
 
 
 def caught_warnings(fn):
