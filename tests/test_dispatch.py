@@ -230,8 +230,10 @@ def test_auto_goes_back_to_one_step_per_call_when_fusing_is_slower(monkeypatch):
     # a call's worth of work far above one step on any machine, so "auto" always tries fusing
     # (a busy machine made a step take longer than the default 4 ms target)
     monkeypatch.setattr(nitro.dispatch, "TARGET_SECONDS", 0.02)
+    # at most 8 steps a call: at least 15 full calls an epoch to time, however fast a step
+    monkeypatch.setattr(nitro.dispatch, "MAX_STEPS", 8)
     n = nitro.Nitro(Convolutional(), progress=False, checkpointer=None, logger=None)
-    n.train(epochs=3)  # the probe, then 7 fused calls timed
+    n.train(epochs=3)  # the probe, then fused calls timed
     plan = n.dispatch
     assert plan.steps == 1 and not plan.checking, plan.describe()
     assert "inside a fused call of" in plan.reason, plan.reason

@@ -43,7 +43,7 @@ def test_resume_after_a_kernel_restart_continues_the_killed_kernels_run(kernel, 
     kernel.run("exp = tiny_exp.Tiny(batches=6, max_epochs=4)")
     listed = kernel.run("%nitro runs").data()[-1]  # the notebook's experiments' runs on disk
     assert "no runs in this kernel" in listed
-    assert re.search(rf"{run_id} +Tiny +\S+ \S+ +\d +2 +val_loss \d\.\d+", listed), listed
+    assert re.search(rf"{run_id} +Tiny +\S+ \S+ +exp_run +\d +2 +val_loss \d\.\d+", listed), listed
 
     cell = kernel.run("%nitro train exp --resume")
     assert f"exp_run continues run {run_id} from its checkpoint at epoch 2, step 12" in cell.stdout
