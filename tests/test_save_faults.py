@@ -269,8 +269,13 @@ def test_a_read_only_directory_is_refused_before_any_training_naming_it_and_run_
     with mounted(tmp_path / "readonly", "ro,size=64k") as readonly:
         os.chdir(readonly)
         n = nitro.Nitro(ToyWithMetrics(max_epochs=2), progress=False)
-        with pytest.raises(nitro.SetupError) as refused:
+        with (
+            pytest.raises(nitro.SetupError) as refused,
+            warnings.catch_warnings(record=True) as said,
+        ):
+            warnings.simplefilter("always")
             n.train()
+        assert [str(w.message) for w in said] == []  # refused before its loggers wrote
         message = str(refused.value)
         assert f"cannot create the run directory {n.run_dir!r}" in message
         assert "Read-only file system" in message and "run_dir=" in message

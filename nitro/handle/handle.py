@@ -443,6 +443,7 @@ class Nitro:
         events = self._events
         try:
             with events_module.using(events):
+                self._files.prepare(self._setup)  # refused here: nothing has started
                 events.start_run(self, target)
                 try:
                     self._files.open(self._setup, events)

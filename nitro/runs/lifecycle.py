@@ -286,20 +286,32 @@ class RunFiles:
     def open(self, setup: RunSetup, events: Events) -> None:
         """Hold the run directory, create it and its run.json; the first line of a run names
         them. A run that saves under a name records it in `handles.json` beside the runs."""
+        self.prepare(setup)
+        if self.opened:
+            return
         try:
-            self.hold(setup)
-            if self.opened:
-                return
             self._write_run_json(setup)
-        except OSError as error:  # a read-only or vanished directory: before any training
-            raise SetupError(
-                f"cannot create the run directory {str(self.run_dir)!r} "
-                f"({type(error).__name__}: {error.strerror or error}); nothing was trained. "
-                f"Put the run where it can write with run_dir='/some/writable/dir' (every run "
-                f"writes its run.json, even with checkpointer=None and logger=None)"
-            ) from None
+        except OSError as error:
+            raise self._unwritable(error) from None
         self.opened = True
         events.note(f"run {self.run_id} in {self.run_dir}")
+
+    def prepare(self, setup: RunSetup) -> None:
+        """Hold the run directory and create it, before the run starts (and its loggers
+        write there): a read-only or vanished directory is refused before any training."""
+        try:
+            self.hold(setup)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise self._unwritable(error) from None
+
+    def _unwritable(self, error: OSError) -> SetupError:
+        return SetupError(
+            f"cannot create the run directory {str(self.run_dir)!r} "
+            f"({type(error).__name__}: {error.strerror or error}); nothing was trained. "
+            f"Put the run where it can write with run_dir='/some/writable/dir' (every run "
+            f"writes its run.json, even with checkpointer=None and logger=None)"
+        )
 
     def _write_run_json(self, setup: RunSetup) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
