@@ -397,4 +397,60 @@ def test_a_handle_without_data_serves_predictions_of_any_size(fresh_cache):
     first = n.predict({"x": X[:10]})
     assert first.shape == (10, 2)
     assert [o.shape for o in n.predict([{"x": X[:3]}, {"x": X[:25]}])] == [(3, 2), (25, 2)]
-    assert nitro.cache_stats().misses == 1  # padded or split to the first width
+    assert nitro.cache_stats().misses == 3  # padded to the buckets 16, 4 and 32
+
+
+ROWS = np.random.default_rng(7).normal(size=(3000, 5)).astype(np.float32)
+
+
+def predict_calls() -> tuple[int, int]:
+    """The predict programs' device calls so far, and how many predict programs exist."""
+    programs = [p for p in nitro.cache_stats().programs if p["program"] == "predict"]
+    return sum(p["calls"] for p in programs), len(programs)
+
+
+def test_the_first_prediction_does_not_fix_the_chunk_width_of_later_ones(fresh_cache):
+    trained = nitro.Nitro(Toy(max_epochs=1), progress=False).train()
+    fresh = nitro.Nitro(Toy(), data={}, weights=trained, progress=False)
+    expected = fresh.predict({"x": ROWS[:300]})
+    calls, programs = predict_calls()
+    assert (calls, programs) == (1, 1)  # 300 rows: one call at the 512 bucket
+
+    n = nitro.Nitro(Toy(), data={}, weights=trained, progress=False)
+    np.testing.assert_allclose(n.predict({"x": ROWS[:7]}), expected[:7], rtol=1e-6, atol=1e-6)
+    assert predict_calls() == (2, 2)  # 7 rows: the 8 bucket, a program of its own
+    np.testing.assert_allclose(n.predict({"x": ROWS[:300]}), expected, rtol=1e-6, atol=1e-6)
+    assert predict_calls() == (3, 2)  # one call, as on the fresh handle, and no new program
+    np.testing.assert_allclose(n.predict({"x": ROWS[:7]}), expected[:7], rtol=1e-6, atol=1e-6)
+    assert predict_calls() == (4, 2)
+
+
+def test_many_prediction_sizes_compile_one_program_per_power_of_two_bucket(fresh_cache):
+    n = nitro.Nitro(Toy(), data={}, progress=False)
+    sizes = [1, 2, 3, 5, 6, 7, 9, 12, 15, 16, 100, 120, 128, 0]
+    for rows in sizes:
+        assert n.predict({"x": ROWS[:rows]}).shape == (rows, 2)
+    calls, programs = predict_calls()
+    assert calls == len(sizes)  # each at most one bucket wide: one call each
+    assert programs == 6  # the buckets 1, 2, 4, 8, 16 and 128; the empty batch runs at 1
+    before = nitro.cache_stats().misses
+    for rows in (4, 11, 127):
+        n.predict({"x": ROWS[:rows]})
+    assert nitro.cache_stats().misses == before  # buckets compiled before are reused
+
+
+def test_a_prediction_wider_than_the_largest_bucket_runs_in_chunks_of_it(fresh_cache):
+    n = nitro.Nitro(Toy(), data={}, progress=False)
+    whole = n.predict({"x": ROWS})
+    assert predict_calls() == (3, 1)  # 3000 rows: 1024 + 1024 + 952 padded to 1024
+    parts = np.concatenate([n.predict({"x": ROWS[i : i + 500]}) for i in range(0, 3000, 500)])
+    np.testing.assert_allclose(whole, parts, rtol=1e-6, atol=1e-6)
+    assert predict_calls()[1] == 2  # the 512 bucket
+
+
+def test_a_handle_with_splits_predicts_at_its_evaluation_width(fresh_cache):
+    n = nitro.Nitro(Toy(), progress=False)
+    for rows in (3, 300, 7):
+        assert n.predict({"x": ROWS[:rows]}).shape == (rows, 2)
+    width = n.batch_specs["val"]["x"][0][0]
+    assert predict_calls() == (1 + -(-300 // width) + 1, 1)  # one width, whatever the size

@@ -1,9 +1,13 @@
 """Prediction: a batch dict through the predict program, in chunks of one compiled width.
 
-A batch of any size is split into chunks of the width the predict program is compiled for
-(an evaluation split's batch width, else the first prediction's size), the last one padded;
-each chunk's outputs come back to host numpy and the padded rows are dropped, so a new batch
-size compiles nothing new. A stop request ends it cleanly between chunks.
+A batch is split into chunks of one width, the last one padded (repeating its last row); each
+chunk's outputs come back to host numpy and the padded rows are dropped. The width is an
+evaluation split's batch width when the handle has splits (one program, at a width known to
+fit), else the request's own bucket: its row count rounded up to a power of two, at most
+`MAX_PREDICT_WIDTH` (as `nitro serve` pads). So the width depends on the request alone, never
+on earlier calls, and a handle compiles at most one predict program per bucket
+(log2(MAX_PREDICT_WIDTH) + 1 of them) however many batch sizes it sees. A stop request ends it
+cleanly between chunks.
 """
 
 from __future__ import annotations
@@ -26,12 +30,16 @@ from nitro.programs.specs import ProgramSet
 
 __all__ = [
     "check_batches",
+    "MAX_PREDICT_WIDTH",
     "check_fields",
     "input_spec",
     "predict_batch",
     "prediction_width",
     "shape_mismatch",
+    "width_bucket",
 ]
+
+MAX_PREDICT_WIDTH = 1024  # the widest bucket; `nitro serve --max-batch` defaults to the same
 
 
 def check_batches(setup: RunSetup, batches: Any) -> None:
@@ -130,14 +138,27 @@ def shape_mismatch(
     return None
 
 
-def prediction_width(setup: RunSetup, rows: int, serving_width: int | None) -> int:
-    """The compiled width predictions are padded or split to: an evaluation split's batch
-    width, else the width of the first prediction (`serving_width`, or `rows` for the first)."""
+def width_bucket(rows: int, devices: int = 1, cap: int = MAX_PREDICT_WIDTH) -> int:
+    """The compiled width for a request of `rows` rows: the power of two at or above it, at
+    most `cap`, rounded up to a multiple of `devices` (the batch axis is split over them).
+
+    >>> [width_bucket(rows) for rows in (1, 7, 8, 300, 1024, 5000)]
+    [1, 8, 8, 512, 1024, 1024]
+    >>> width_bucket(3, devices=6)
+    6
+    """
+    width = min(1 << (max(rows, 1) - 1).bit_length(), cap)
+    return -(-width // devices) * devices
+
+
+def prediction_width(setup: RunSetup, rows: int) -> int:
+    """The compiled width a prediction of `rows` rows is padded or split to: an evaluation
+    split's batch width, else the request's bucket (`width_bucket`)."""
     splits = setup.splits
     for name in ("val", "test", "train", *splits):
         if name in splits:
             return splits[name].global_width
-    return rows if serving_width is None else serving_width
+    return width_bucket(rows, setup.placement.n_devs)
 
 
 def predict_batch(
@@ -148,16 +169,14 @@ def predict_batch(
     control: RunControl,
     batch: Mapping[str, Any],
     weights: str | None = None,
-    *,
-    serving_width: int | None = None,
-) -> tuple[Any, int]:
-    """`forward`'s outputs for every row of `batch`, as host numpy, and the width it ran at
-    (pass it back as `serving_width`, so later batch sizes compile nothing new)."""
+) -> Any:
+    """`forward`'s outputs for every row of `batch`, as host numpy: `ceil(rows / width)`
+    device calls of one compiled width (`prediction_width`), whatever ran before."""
     variables = weights_of(setup, state, weights)
     fields = setup.experiment.hook_fields["forward"].resolve(tuple(batch), "predict")
     host = check_fields(setup, {k: batch[k] for k in fields})
     n = batch_size(host, "predict")
-    width = prediction_width(setup, max(n, 1), serving_width)
+    width = prediction_width(setup, n)
     chunks = []
     for start in range(0, max(n, 1), width):
         if control.stop.is_set():
@@ -184,5 +203,5 @@ def predict_batch(
         keep = n_real if n else 0
         chunks.append(jax.tree.map(lambda a, k=keep: np.asarray(a)[:k], outputs))
     if len(chunks) == 1:
-        return chunks[0], width
-    return jax.tree.map(lambda *parts: np.concatenate(parts, axis=0), *chunks), width
+        return chunks[0]
+    return jax.tree.map(lambda *parts: np.concatenate(parts, axis=0), *chunks)

@@ -119,7 +119,6 @@ class Nitro:
         self._stop_reason: str | None = None
         self._error: BaseException | None = None
         self._checkpoint: SavedWeights | None = None
-        self._serving_width: int | None = None
         self._stale_seen: str | None = None
         self._stale_checked = (edit_generation(), 0.0)
         source = _weights_source(weights)
@@ -590,7 +589,7 @@ class Nitro:
         with sigint_requests_stop(self._control), self._guard.hold("predicting"):
             self._control.stop.clear()
             with events_module.using(self._events):
-                outputs, self._serving_width = prediction.predict_batch(
+                outputs = prediction.predict_batch(
                     self._setup,
                     self._runtime,
                     self._state,
@@ -598,7 +597,6 @@ class Nitro:
                     self._control,
                     batch,
                     weights,
-                    serving_width=self._serving_width,
                 )
         return outputs
 
