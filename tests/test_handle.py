@@ -448,6 +448,41 @@ def test_a_prediction_wider_than_the_largest_bucket_runs_in_chunks_of_it(fresh_c
     assert predict_calls()[1] == 2  # the 512 bucket
 
 
+MESH_PREDICT_SCRIPT = textwrap.dedent(
+    """
+    import sys
+    sys.path.insert(0, {tests!r})
+    import numpy as np
+    import nitro
+    from toys import Toy
+
+    n = nitro.Nitro(Toy(), data={{}}, n_devs=3, progress=False)
+    one = nitro.Nitro(Toy(), data={{}}, n_devs=1, weights=n, progress=False)
+    rows = np.random.default_rng(0).normal(size=(300, 5)).astype(np.float32)
+    for k in (7, 300, 1, 0):
+        np.testing.assert_allclose(
+            n.predict({{"x": rows[:k]}}), one.predict({{"x": rows[:k]}}), rtol=1e-5, atol=1e-5
+        )
+    print("ok")
+    """
+)
+
+
+def test_a_handle_without_splits_predicts_any_size_over_a_mesh_of_three():
+    # the buckets 8, 512 and 1 are rounded up to 9, 513 and 3 rows: a multiple of the devices
+    env = {
+        **os.environ,
+        "XLA_FLAGS": "--xla_force_host_platform_device_count=3",
+        "JAX_PLATFORMS": "cpu",
+    }
+    script = MESH_PREDICT_SCRIPT.format(tests=os.path.dirname(__file__))
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=240, env=env
+    )
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert done.stdout.split() == ["ok"]
+
+
 def test_a_handle_with_splits_predicts_at_its_evaluation_width(fresh_cache):
     n = nitro.Nitro(Toy(), progress=False)
     for rows in (3, 300, 7):
