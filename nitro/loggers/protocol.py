@@ -27,6 +27,7 @@ import numpy as np
 __all__ = [
     "CONTEXTS",
     "FINISH_STATUSES",
+    "FLUSH_SECONDS",
     "LOGGER_VERBS",
     "BaseLogger",
     "Logger",
@@ -40,8 +41,11 @@ __all__ = [
 
 CONTEXTS = ("train", "validate", "data")
 FINISH_STATUSES = ("completed", "early_stop", "requested", "error")
+# how long the file backends keep records in memory at most (checked as a record comes); a
+# crash loses at most this much of the log
+FLUSH_SECONDS = 2.0
 
-# the ten verbs; `bind_run` and `info` are optional extras (BaseLogger has defaults)
+# the ten verbs; `bind_run`, `flush` and `info` are optional extras (BaseLogger has defaults)
 LOGGER_VERBS = (
     "log_metrics",
     "log_params",
@@ -55,7 +59,15 @@ LOGGER_VERBS = (
     "reattach",
 )
 # the verbs a run calls, guarded in a group: a failure switches that logger off
-_GUARDED = ("bind_run", "log_metrics", "log_params", "log_tags", "log_other", "log_confusion")
+_GUARDED = (
+    "bind_run",
+    "log_metrics",
+    "log_params",
+    "log_tags",
+    "log_other",
+    "log_confusion",
+    "flush",
+)
 
 
 @runtime_checkable
@@ -113,6 +125,10 @@ class BaseLogger:
 
     def finish(self, status: str) -> None:
         pass
+
+    def flush(self) -> None:
+        """Write what the backend holds in memory; called at the end of each `train()` and
+        `validate()` and before a checkpoint records `state()`."""
 
     @property
     def run_id(self) -> str | None:
@@ -314,6 +330,9 @@ class LoggerGroup(BaseLogger):
 
     def finish(self, status: str) -> None:
         self._each("finish", status)
+
+    def flush(self) -> None:
+        self._each("flush")
 
     @property
     def run_id(self) -> str | None:
