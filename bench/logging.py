@@ -14,26 +14,32 @@ from __future__ import annotations
 import os
 import sys
 
-# this file is named like the stdlib module: run as a script, its folder leads sys.path and
-# would shadow `logging` for every library imported below
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != os.path.dirname(__file__)]
+# This file is named like the stdlib module. Run as a script (or when another script in
+# bench/ runs), its folder leads sys.path and would shadow `logging` for every library: take
+# the folder off the path and, when imported as `logging`, hand over the stdlib module.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+if __name__ == "logging":
+    del sys.modules["logging"]
+    import logging as _stdlib
 
+    sys.modules["logging"] = _stdlib  # what the importing statement receives
+    globals().update(_stdlib.__dict__)
+
+# nitro is imported in the functions: imported as `logging`, this file must not import it
 import argparse  # noqa: E402
 import statistics  # noqa: E402
 import tempfile  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-import nitro  # noqa: E402
-from nitro.events import Events  # noqa: E402
-from nitro.examples.digits import Digits  # noqa: E402
-from nitro.loggers import JSONLinesLogger, LoggingReporter  # noqa: E402
-
 
 def line_cost(lines: int) -> tuple[float, float]:
     """(us per step with no reporter, extra us per step with a JSON Lines logger)."""
+    from nitro.events import Events
+    from nitro.loggers import JSONLinesLogger, LoggingReporter
 
-    def per_step(events: Events) -> float:
+    def per_step(events) -> float:
         best = float("inf")
         for run in range(3):
             begin = time.perf_counter()
@@ -53,6 +59,9 @@ def line_cost(lines: int) -> tuple[float, float]:
 
 def call_times(calls: int) -> dict[str, tuple[float, int]]:
     """Median seconds of `train(epochs=2)` and the steps a call runs, logger off and on."""
+    import nitro
+    from nitro.examples.digits import Digits
+
     with tempfile.TemporaryDirectory() as root:
         handles = {
             "off": nitro.Nitro(
@@ -64,8 +73,9 @@ def call_times(calls: int) -> dict[str, tuple[float, int]]:
             n.train(epochs=1)  # compile and warm up
         seconds: dict[str, list[float]] = {name: [] for name in handles}
         steps = {}
-        for _ in range(calls):
-            for name, n in handles.items():
+        for call in range(calls):
+            order = list(handles.items())
+            for name, n in order if call % 2 else order[::-1]:  # neither always goes first
                 first = n.step
                 begin = time.perf_counter()
                 n.train(epochs=2)
