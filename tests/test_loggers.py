@@ -574,6 +574,23 @@ def test_a_file_logger_reattached_drops_what_the_crashed_run_wrote_after_its_che
     assert losses == expected
 
 
+def test_a_run_resumes_with_a_logger_added_or_the_default_left_out(tmp_path):
+    every_epoch = nitro.Checkpointer(budget=None)
+    n = train_logged(tmp_path, JSONLinesLogger(), checkpointer=every_epoch)
+    n.close()
+    more = nitro.Nitro(
+        ToyWithMetrics(max_epochs=3),
+        run_dir=str(tmp_path),
+        resume="auto",
+        logger=[TensorBoardLogger(), JSONLinesLogger()],
+        progress=False,
+        checkpointer=every_epoch,
+    ).train()
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["epoch"] for r in metric_lines(records, "validate")] == [1, 2, 3]
+    assert [s.step for s in read_tensorboard(tmp_path).Scalars("validate/val_loss")] == [more.step]
+
+
 def lifecycle_child(mode: str, *args: str, **popen) -> subprocess.Popen:
     """A child process running `lifecycle_toys.main([mode, *args])` (see test_lifecycle)."""
     code = "import lifecycle_toys; lifecycle_toys.main()"
@@ -619,8 +636,12 @@ def test_reattach_refuses_another_directory_or_another_logger_type(tmp_path):
     state = json.loads(json.dumps(group.state()))
     assert [entry["type"] for entry in state] == ["JSONLinesLogger", "TensorBoardLogger"]
     LoggerGroup([JSONLinesLogger(), TensorBoardLogger()]).reattach(state)
-    with pytest.raises(TypeError, match="resume with the same loggers, in the same order"):
-        LoggerGroup([TensorBoardLogger(), JSONLinesLogger()]).reattach(state)
+    reordered = TensorBoardLogger()  # each saved state goes to the logger of its type
+    LoggerGroup([reordered, JSONLinesLogger()]).reattach(state)
+    assert reordered.logdir == str(tmp_path / "a")
+    LoggerGroup([JSONLinesLogger(), CSVLogger()]).reattach(state)  # no TensorBoard now: unused
+    with pytest.raises(TypeError, match="a list of"):
+        LoggerGroup([JSONLinesLogger()]).reattach({"logdir": "x"})
     assert LoggerGroup([JSONLinesLogger(), CSVLogger()]).state() is None
 
 

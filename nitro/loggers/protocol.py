@@ -366,18 +366,24 @@ class LoggerGroup(BaseLogger):
             return None
 
     def reattach(self, state: Any) -> None:
+        """Each saved entry reattaches the group's next logger of the same type, in order; a
+        logger with no saved entry starts fresh (one added since, say), and the state of a
+        logger type the group no longer has is left unused."""
         if state is None:
             return
-        types = [type(lg).__qualname__ for lg in self._loggers]
-        saved = [entry.get("type") for entry in state] if isinstance(state, list) else None
-        if saved != types:
+        entries = state if isinstance(state, list) else None
+        if entries is None or not all(isinstance(e, Mapping) and "type" in e for e in entries):
             raise TypeError(
-                f"cannot reattach this LoggerGroup ({', '.join(types)}) to the state of "
-                f"{', '.join(map(str, saved)) if saved else repr(state)}: resume with the same "
-                f"loggers, in the same order"
+                f"cannot reattach this LoggerGroup to {state!r}: a LoggerGroup reattaches the "
+                f"state() of a LoggerGroup, a list of {{'type': ..., 'state': ...}}"
             )
-        for logger, entry in zip(self._loggers, state, strict=True):
-            if entry["state"] is not None:
+        unused = list(self._loggers)
+        for entry in entries:
+            logger = next((lg for lg in unused if type(lg).__qualname__ == entry["type"]), None)
+            if logger is None:
+                continue
+            unused.remove(logger)
+            if entry.get("state") is not None:
                 logger.reattach(entry["state"])
 
     def info(self) -> dict[str, Any]:
