@@ -6,6 +6,10 @@ from __future__ import annotations
 import csv
 import json
 import math
+import signal
+import subprocess
+import sys
+import time
 import warnings
 
 import jax
@@ -14,6 +18,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from system import child_env
 from tensorboard.backend.event_processing import event_accumulator
 from tensorboard.plugins.hparams import plugin_data_pb2
 from toys import Toy, ToyWithMetrics, X, Y
@@ -136,23 +141,60 @@ def test_params_tags_and_the_binding_report_are_written_before_the_first_compile
     assert without_dispatch(other["value"]) == without_dispatch(str(n.binding_report()))
 
 
-def test_every_line_is_on_disk_when_the_next_step_is_reported(tmp_path):
-    counts = []
-
-    class Reader:
-        def step(self, step, loss):
-            records = read_jsonl(tmp_path / "metrics.jsonl")
-            counts.append((step, len(metric_lines(records, "train"))))
-
+def test_every_line_is_on_disk_when_train_and_validate_return(tmp_path):
+    """The files hold their records in memory on the hot path; each call ends with them on
+    disk, read back while the handle is still open."""
     n = nitro.Nitro(
-        Toy(max_epochs=1, with_val=False),
+        ToyWithMetrics(max_epochs=3),
         run_dir=str(tmp_path),
-        logger=JSONLinesLogger(),
+        logger=[JSONLinesLogger(), CSVLogger(), TensorBoardLogger()],
         progress=False,
     )
-    n.events.add(Reader())  # after the logging reporter: it hears each step second
     n.train()
-    assert counts == [(1, 1), (2, 2), (3, 3), (4, 4)]
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    train = [r["step"] for r in metric_lines(records, "train") if "loss" in r["metrics"]]
+    assert train == list(range(1, n.step + 1))
+    assert [r["epoch"] for r in metric_lines(records, "validate")] == [1, 2, 3]
+    assert records[-1] == {**records[-1], "type": "finish", "status": "completed"}
+    rows = read_csv(tmp_path / "metrics.csv")
+    assert [int(r["step"]) for r in rows if r["name"] == "loss"] == train
+    assert [int(r["epoch"]) for r in rows if r["name"] == "val_loss"] == [1, 2, 3]
+    scalars = read_tensorboard(tmp_path).Scalars("train/loss")
+    assert [s.step for s in scalars] == train
+
+    lines = len(records)
+    logger = n.logger
+    assert logger is not None
+    logger.log_other("note", "after the run")  # queued: a validate() ends with it on disk
+    n.validate()
+    (note,) = read_jsonl(tmp_path / "metrics.jsonl")[lines:]
+    assert (note["type"], note["key"], note["value"]) == ("other", "note", "after the run")
+
+
+def test_lines_reach_the_disk_while_a_long_run_goes_on(tmp_path):
+    n = nitro.Nitro(
+        Toy(max_epochs=10**6, with_val=False),
+        run_dir=str(tmp_path),
+        logger=[JSONLinesLogger(), CSVLogger()],
+        progress=False,
+        checkpointer=None,
+    )
+    n.train(background=True)
+    seen, deadline = 0, time.monotonic() + 120
+    try:
+        while time.monotonic() < deadline and seen < 50:
+            time.sleep(0.2)
+            assert n.running
+            if (tmp_path / "metrics.jsonl").exists():
+                seen = len(metric_lines(read_jsonl(tmp_path / "metrics.jsonl"), "train"))
+    finally:
+        n.stop().wait()
+    assert seen >= 50  # written during the run, not only at its end
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    steps = [r["step"] for r in metric_lines(records, "train") if "loss" in r["metrics"]]
+    assert steps == list(range(1, n.step + 1))
+    rows = read_csv(tmp_path / "metrics.csv")
+    assert [int(r["step"]) for r in rows if r["name"] == "loss"] == steps
 
 
 @nitro.experiment
@@ -497,19 +539,109 @@ def test_tensorboard_state_round_trips_and_purges_the_steps_logged_after_it(tmp_
     ]
 
 
+@pytest.mark.parametrize("make", [JSONLinesLogger, CSVLogger], ids=["jsonl", "csv"])
+def test_a_file_logger_reattached_drops_what_the_crashed_run_wrote_after_its_checkpoint(
+    tmp_path, make
+):
+    crashed = make()
+    crashed.bind_run(str(tmp_path), None)
+    for step in range(1, 7):
+        crashed.log_metrics({"loss": float(step)}, step=step, epoch=1, context="train")
+    saved = json.loads(json.dumps(crashed.state()))  # what a checkpoint stores
+    assert saved["path"] == str(tmp_path.resolve() / make.filename) and saved["step"] == 6
+    for step in range(7, 11):  # logged after the checkpoint, then lost with the crash
+        crashed.log_metrics({"loss": -1.0}, step=step, epoch=2, context="train")
+    crashed.log_other("kept", "a fact, not a step")
+    crashed.flush()
+    with open(tmp_path / make.filename, "a", encoding="utf-8") as file:
+        file.write('{"type": "metrics", "step": 11, "metr')  # a line the crash cut short
+
+    resumed = make()
+    resumed.reattach(saved)
+    resumed.bind_run(str(tmp_path), None)
+    for step in range(7, 11):
+        resumed.log_metrics({"loss": 100.0 + step}, step=step, epoch=2, context="train")
+    resumed.finish("completed")
+
+    expected = [*[(s, float(s)) for s in range(1, 7)], *[(s, 100.0 + s) for s in range(7, 11)]]
+    if make is JSONLinesLogger:
+        records = read_jsonl(tmp_path / make.filename)
+        losses = [(r["step"], r["metrics"]["loss"]) for r in metric_lines(records, "train")]
+        assert [r["key"] for r in records if r["type"] == "other"] == ["kept"]
+    else:
+        rows = read_csv(tmp_path / make.filename)
+        losses = [(int(r["step"]), float(r["value"])) for r in rows]
+    assert losses == expected
+
+
+def test_a_run_resumes_with_a_logger_added_or_the_default_left_out(tmp_path):
+    every_epoch = nitro.Checkpointer(budget=None)
+    n = train_logged(tmp_path, JSONLinesLogger(), checkpointer=every_epoch)
+    n.close()
+    more = nitro.Nitro(
+        ToyWithMetrics(max_epochs=3),
+        run_dir=str(tmp_path),
+        resume="auto",
+        logger=[TensorBoardLogger(), JSONLinesLogger()],
+        progress=False,
+        checkpointer=every_epoch,
+    ).train()
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert [r["epoch"] for r in metric_lines(records, "validate")] == [1, 2, 3]
+    assert [s.step for s in read_tensorboard(tmp_path).Scalars("validate/val_loss")] == [more.step]
+
+
+def lifecycle_child(mode: str, *args: str, **popen) -> subprocess.Popen:
+    """A child process running `lifecycle_toys.main([mode, *args])` (see test_lifecycle)."""
+    code = "import lifecycle_toys; lifecycle_toys.main()"
+    return subprocess.Popen(
+        [sys.executable, "-c", code, mode, *args], env=child_env(), text=True, **popen
+    )
+
+
+def test_a_run_killed_mid_epoch_and_resumed_logs_every_step_and_epoch_once(tmp_path):
+    """The default logger of a run SIGKILLed in the middle of epoch 3 (after epoch 2's
+    checkpoint) and resumed in a new process: the file reads as one uninterrupted run."""
+    run_dir = tmp_path / "crashed"
+    crash = lifecycle_child("crash", str(run_dir), stderr=subprocess.PIPE)
+    _, crash_err = crash.communicate(timeout=180)
+    assert crash.returncode == -signal.SIGKILL, crash_err
+    resumed = lifecycle_child("resume", str(run_dir), str(tmp_path / "resumed"))
+    assert resumed.wait(timeout=180) == 0
+
+    records = read_jsonl(run_dir / "metrics.jsonl")
+    steps = [r["step"] for r in metric_lines(records, "train") if "loss" in r["metrics"]]
+    assert steps == list(range(1, 41))  # 5 epochs of 8 steps, none twice, none missing
+    assert [r["epoch"] for r in metric_lines(records, "validate")] == [1, 2, 3, 4, 5]
+    summaries = [r["epoch"] for r in metric_lines(records, "train") if "epoch_loss" in r["metrics"]]
+    assert summaries == [1, 2, 3, 4, 5]
+    history = json.loads((tmp_path / "resumed.json").read_text())
+    assert [r["metrics"]["val_loss"] for r in metric_lines(records, "validate")] == (
+        history["val_loss"]
+    )
+    assert [r["status"] for r in records if r["type"] == "finish"] == ["completed"]
+    assert sum(r["type"] == "params" for r in records) == 2  # the crashed call and the resumed
+
+
 def test_reattach_refuses_another_directory_or_another_logger_type(tmp_path):
     saved = {"logdir": str(tmp_path / "a"), "step": 3}
     with pytest.raises(ValueError, match=r"give TensorBoardLogger\(logdir="):
         TensorBoardLogger(tmp_path / "b").reattach(saved)
-    with pytest.raises(TypeError, match="keeps no state to resume"):
+    with pytest.raises(TypeError, match="takes the state\\(\\) of a JSONLinesLogger"):
         JSONLinesLogger().reattach(saved)
+    with pytest.raises(TypeError, match="keeps no state to resume"):
+        BaseLogger().reattach(saved)
 
     group = LoggerGroup([JSONLinesLogger(), TensorBoardLogger(tmp_path / "a")])
     state = json.loads(json.dumps(group.state()))
     assert [entry["type"] for entry in state] == ["JSONLinesLogger", "TensorBoardLogger"]
     LoggerGroup([JSONLinesLogger(), TensorBoardLogger()]).reattach(state)
-    with pytest.raises(TypeError, match="resume with the same loggers, in the same order"):
-        LoggerGroup([TensorBoardLogger(), JSONLinesLogger()]).reattach(state)
+    reordered = TensorBoardLogger()  # each saved state goes to the logger of its type
+    LoggerGroup([reordered, JSONLinesLogger()]).reattach(state)
+    assert reordered.logdir == str(tmp_path / "a")
+    LoggerGroup([JSONLinesLogger(), CSVLogger()]).reattach(state)  # no TensorBoard now: unused
+    with pytest.raises(TypeError, match="a list of"):
+        LoggerGroup([JSONLinesLogger()]).reattach({"logdir": "x"})
     assert LoggerGroup([JSONLinesLogger(), CSVLogger()]).state() is None
 
 

@@ -4,7 +4,8 @@ A logger implements ten verbs (`Logger`; `BaseLogger` gives no-op defaults):
 `log_metrics(metrics, *, step, epoch, context)` with context "train" (each optimizer
 step), "validate" or "data" (each epoch); `log_params`; `log_tags`; `log_other`;
 `log_confusion`; `finish(status)`; `run_id`; `run_url`; `state()` and `reattach(state)`
-for resume. `LoggingReporter` turns a run's events into these calls; `LoggerGroup` (or a
+for resume (and `flush()`, optional). The file backends keep records in memory for at most
+`FLUSH_SECONDS` and flush at the end of each call. `LoggingReporter` turns a run's events into these calls; `LoggerGroup` (or a
 list) fans out. Backends: `JSONLinesLogger` (the default, `<run_dir>/metrics.jsonl`),
 `TensorBoardLogger` (needs `nitro[logging]`) and `CSVLogger`. See docs/logging.md.
 
@@ -19,6 +20,7 @@ from nitro.loggers.files import CSVLogger, JSONLinesLogger
 from nitro.loggers.protocol import (
     CONTEXTS,
     FINISH_STATUSES,
+    FLUSH_SECONDS,
     LOGGER_VERBS,
     BaseLogger,
     Logger,
@@ -33,6 +35,7 @@ from nitro.loggers.tensorboard_events import TensorBoardLogger
 __all__ = [
     "CONTEXTS",
     "FINISH_STATUSES",
+    "FLUSH_SECONDS",
     "LOGGER_VERBS",
     "BaseLogger",
     "CSVLogger",

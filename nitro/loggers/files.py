@@ -1,29 +1,50 @@
 """Loggers that append to one local file: JSON Lines (the default) and CSV.
 
-Both open their file in append mode on first use (so a resumed run extends it), write one
-line per record and flush it at once, and close it at `finish`; a later run of the same
-handle reopens it and goes on appending. A logger built without a path adopts the run
+Both open their file in append mode on first use (so a resumed run extends it) and keep the
+records of the hot path in memory: the first record goes to disk at once (a file that cannot
+be written is known before the first step), the others every `FLUSH_SECONDS`, checked as a
+record comes, and at `flush()`, `close()`, `finish`, `state()` (a checkpoint records what is
+on disk), the end of each `train()` or `validate()` and the interpreter's exit. A crash loses
+at most the last `FLUSH_SECONDS` of records. A logger built without a path adopts the run
 directory when the framework binds it (`<run_dir>/metrics.jsonl`, `<run_dir>/metrics.csv`).
 Writes take a lock, so a logger can be used from several threads.
+
+`state()` is the file, its size on disk and the latest step logged; `reattach(state)` (a
+resumed run) drops the metrics the crashed run wrote after that size for later steps, which
+the resumed run logs again, and keeps everything else, so each step and epoch is in the file
+once.
 """
 
 from __future__ import annotations
 
+import atexit
 import csv
 import json
 import math
 import os
 import threading
 import time
+import weakref
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import IO, Any
 
 import numpy as np
 
-from nitro.loggers.protocol import BaseLogger, confusion_rows, plain_value
+from nitro.loggers.protocol import FLUSH_SECONDS, BaseLogger, confusion_rows, plain_value
 
 __all__ = ["CSVLogger", "JSONLinesLogger"]
+
+_LIVE: weakref.WeakSet[_FileLogger] = weakref.WeakSet()  # flushed at the interpreter's exit
+
+
+@atexit.register
+def _flush_all() -> None:
+    for logger in list(_LIVE):
+        try:
+            logger.flush()
+        except Exception:  # noqa: BLE001, S110 - the interpreter is exiting: nothing to tell
+            pass
 
 
 class _FileLogger(BaseLogger):
@@ -34,6 +55,11 @@ class _FileLogger(BaseLogger):
         self._path = os.fspath(path) if path is not None else None
         self._file: IO[str] | None = None
         self._lock = threading.Lock()
+        self._pending: list[Any] = []  # records not yet on disk
+        self._due = 0.0  # monotonic time of the next flush: the first record goes at once
+        self._step: int | None = None  # the latest step logged
+        self._resume: tuple[str, int, int | None] | None = None  # (path, size, step) reattached
+        _LIVE.add(self)
 
     @property
     def path(self) -> str | None:
@@ -49,6 +75,31 @@ class _FileLogger(BaseLogger):
             self._close()
             self._path = path
 
+    def _add(self, records: list[Any]) -> None:
+        """Queue records; write the queue when it is due."""
+        with self._lock:
+            self._pending.extend(records)
+            if time.monotonic() >= self._due:
+                self._flush()
+
+    def _flush(self) -> None:
+        """Write the queued records in one go and flush them (the lock is held)."""
+        self._due = time.monotonic() + FLUSH_SECONDS
+        if not self._pending:
+            return
+        records, self._pending = self._pending, []
+        file = self._file or self._open()
+        self._write_records(file, records)
+        file.flush()
+
+    def _write_records(self, file: IO[str], records: list[Any]) -> None:
+        file.write("".join(records))
+
+    def flush(self) -> None:
+        """Write every record logged so far to the file now."""
+        with self._lock:
+            self._flush()
+
     def _open(self) -> IO[str]:
         if self._path is None:
             raise RuntimeError(
@@ -56,18 +107,79 @@ class _FileLogger(BaseLogger):
                 f"{type(self).__name__}('{self.filename}'), or let a run bind it to its directory"
             )
         Path(self._path).parent.mkdir(parents=True, exist_ok=True)
+        if self._resume is not None:
+            self._drop_replayed(*self._resume)
+            self._resume = None
         self._file = open(self._path, "a", encoding="utf-8", newline="")  # noqa: SIM115
         return self._file
 
     def _close(self) -> None:
         with self._lock:
-            if self._file is not None:
-                self._file.close()
-                self._file = None
+            try:
+                self._flush()
+            finally:
+                if self._file is not None:
+                    self._file.close()
+                    self._file = None
 
     def close(self) -> None:
-        """Close the file now (the next record reopens it, appending)."""
+        """Write what is queued and close the file now (the next record reopens it,
+        appending)."""
         self._close()
+
+    # resume -------------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any] | None:
+        """The file, its size once everything logged is on disk, and the latest step logged
+        (a checkpoint stores it); None before anything was written."""
+        with self._lock:
+            self._flush()
+            if self._path is None or not os.path.exists(self._path):
+                return None
+            return {
+                "path": os.path.abspath(self._path),
+                "size": os.path.getsize(self._path),
+                "step": self._step,
+            }
+
+    def reattach(self, state: Any) -> None:
+        """Continue the file of the run that wrote `state`: the metrics that run wrote after
+        `state["size"]` for steps after `state["step"]` (the resumed run logs them again) are
+        dropped when the file is next opened; the rest is kept. Only the same file is touched:
+        the saved path, or, for a logger without a path, its file in the resumed run's
+        directory; a file shorter than the saved size (changed since) is left as it is."""
+        if not isinstance(state, Mapping) or not {"path", "size"} <= set(state):
+            raise TypeError(
+                f"{type(self).__name__}.reattach takes the state() of a {type(self).__name__}, "
+                f"a dict with 'path' and 'size'; got {state!r}"
+            )
+        self._close()
+        self._step = state.get("step")
+        self._resume = (os.fspath(state["path"]), int(state["size"]), self._step)
+
+    def _drop_replayed(self, saved: str, size: int, step: int | None) -> None:
+        path = self._path
+        assert path is not None
+        if self._explicit and os.path.abspath(path) != saved:
+            return  # another file: nothing of the crashed run is in it
+        if not os.path.exists(path) or os.path.getsize(path) < size:
+            return
+        with open(path, "r+b") as file:
+            file.seek(size)
+            lines = file.read().splitlines(keepends=True)
+            kept = [
+                line
+                for line in lines
+                if not self._replayed(line.decode("utf-8", errors="replace"), step)
+            ]
+            file.seek(size)
+            file.truncate()
+            file.write(b"".join(kept))
+
+    def _replayed(self, line: str, step: int | None) -> bool:
+        """Whether a line written after the checkpoint is logged again by the resumed run (a
+        line cut short by the crash counts as replayed)."""
+        raise NotImplementedError
 
     @property
     def run_url(self) -> str | None:
@@ -118,14 +230,22 @@ class JSONLinesLogger(_FileLogger):
     filename = "metrics.jsonl"
 
     def _write(self, record: dict[str, Any]) -> None:
-        line = _ENCODER.encode(record) + "\n"
-        with self._lock:
-            file = self._file or self._open()
-            file.write(line)
-            file.flush()
+        self._add([_ENCODER.encode(record) + "\n"])
+
+    def _replayed(self, line: str, step: int | None) -> bool:
+        if not line.endswith("\n"):
+            return True
+        try:
+            record = json.loads(line)
+        except ValueError:
+            return True
+        later = step is None or (record.get("step") or 0) > step
+        return record.get("type") == "metrics" and later
 
     def log_metrics(self, metrics, *, step, epoch, context) -> None:
         values = {name: _json_number(value) for name, value in metrics.items()}
+        if step is not None:
+            self._step = step
         self._write(
             {
                 "type": "metrics",
@@ -204,13 +324,25 @@ class CSVLogger(_FileLogger):
             self._writer.writerow(self.columns)
         return file
 
+    def _write_records(self, file: IO[str], records: list[Any]) -> None:
+        self._writer.writerows(records)
+
+    def _replayed(self, line: str, step: int | None) -> bool:
+        row = next(csv.reader([line]), [])
+        if not line.endswith("\n") or len(row) != len(self.columns):
+            return True
+        try:
+            return step is None or int(row[3] or 0) > step
+        except ValueError:
+            return True
+
     def log_metrics(self, metrics, *, step, epoch, context) -> None:
         now = time.time()
-        rows = [(now, context, epoch, step, name, _csv_number(v)) for name, v in metrics.items()]
-        with self._lock:
-            file = self._file or self._open()
-            self._writer.writerows(rows)
-            file.flush()
+        if step is not None:
+            self._step = step
+        self._add(
+            [(now, context, epoch, step, name, _csv_number(v)) for name, v in metrics.items()]
+        )
 
     def finish(self, status: str) -> None:
         self._close()

@@ -27,6 +27,7 @@ import numpy as np
 __all__ = [
     "CONTEXTS",
     "FINISH_STATUSES",
+    "FLUSH_SECONDS",
     "LOGGER_VERBS",
     "BaseLogger",
     "Logger",
@@ -40,8 +41,11 @@ __all__ = [
 
 CONTEXTS = ("train", "validate", "data")
 FINISH_STATUSES = ("completed", "early_stop", "requested", "error")
+# how long the file backends keep records in memory at most (checked as a record comes); a
+# crash loses at most this much of the log
+FLUSH_SECONDS = 2.0
 
-# the ten verbs; `bind_run` and `info` are optional extras (BaseLogger has defaults)
+# the ten verbs; `bind_run`, `flush` and `info` are optional extras (BaseLogger has defaults)
 LOGGER_VERBS = (
     "log_metrics",
     "log_params",
@@ -55,7 +59,15 @@ LOGGER_VERBS = (
     "reattach",
 )
 # the verbs a run calls, guarded in a group: a failure switches that logger off
-_GUARDED = ("bind_run", "log_metrics", "log_params", "log_tags", "log_other", "log_confusion")
+_GUARDED = (
+    "bind_run",
+    "log_metrics",
+    "log_params",
+    "log_tags",
+    "log_other",
+    "log_confusion",
+    "flush",
+)
 
 
 @runtime_checkable
@@ -113,6 +125,10 @@ class BaseLogger:
 
     def finish(self, status: str) -> None:
         pass
+
+    def flush(self) -> None:
+        """Write what the backend holds in memory; called at the end of each `train()` and
+        `validate()` and before a checkpoint records `state()`."""
 
     @property
     def run_id(self) -> str | None:
@@ -315,6 +331,9 @@ class LoggerGroup(BaseLogger):
     def finish(self, status: str) -> None:
         self._each("finish", status)
 
+    def flush(self) -> None:
+        self._each("flush")
+
     @property
     def run_id(self) -> str | None:
         return next((lg.run_id for lg in self._loggers if lg.run_id is not None), self._run_id)
@@ -347,18 +366,24 @@ class LoggerGroup(BaseLogger):
             return None
 
     def reattach(self, state: Any) -> None:
+        """Each saved entry reattaches the group's next logger of the same type, in order; a
+        logger with no saved entry starts fresh (one added since, say), and the state of a
+        logger type the group no longer has is left unused."""
         if state is None:
             return
-        types = [type(lg).__qualname__ for lg in self._loggers]
-        saved = [entry.get("type") for entry in state] if isinstance(state, list) else None
-        if saved != types:
+        entries = state if isinstance(state, list) else None
+        if entries is None or not all(isinstance(e, Mapping) and "type" in e for e in entries):
             raise TypeError(
-                f"cannot reattach this LoggerGroup ({', '.join(types)}) to the state of "
-                f"{', '.join(map(str, saved)) if saved else repr(state)}: resume with the same "
-                f"loggers, in the same order"
+                f"cannot reattach this LoggerGroup to {state!r}: a LoggerGroup reattaches the "
+                f"state() of a LoggerGroup, a list of {{'type': ..., 'state': ...}}"
             )
-        for logger, entry in zip(self._loggers, state, strict=True):
-            if entry["state"] is not None:
+        unused = list(self._loggers)
+        for entry in entries:
+            logger = next((lg for lg in unused if type(lg).__qualname__ == entry["type"]), None)
+            if logger is None:
+                continue
+            unused.remove(logger)
+            if entry.get("state") is not None:
                 logger.reattach(entry["state"])
 
     def info(self) -> dict[str, Any]:

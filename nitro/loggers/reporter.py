@@ -5,10 +5,11 @@ public API only:
 
 | event | logger calls |
 |---|---|
-| `start_run(handle, target)` | `bind_run(run_dir, run_id)` (once per run directory), `log_params(run_params(handle))`, `log_tags`, `log_other("binding_report", text)` |
+| `start_run(handle, target)` | `bind_run(run_dir, run_id)` (once per run directory), `log_params(run_params(handle))`, `log_tags`, `log_other("binding_report", text)`, `flush()` |
 | `step(step, loss)` | `log_metrics({"loss": loss}, context="train")`, the epoch under way, the step |
 | `end_epoch(row)` | "train": the epoch's mean loss and train metrics as `epoch_<name>`, and `epoch_seconds`; "validate": the `val_*` entries; "data": `data_wait_frac`; all at the row's epoch and step |
 | `end_run(handle)` | `finish(status)`: the stop reason, one of `FINISH_STATUSES` |
+| `phase(name)`, to a phase other than training, validating and checkpointing | `flush()` (the end of a `validate()`, say) |
 
 Non-finite values never reach a logger: a NaN loss (with `check_divergence=False`) writes no
 train line, and non-finite or non-scalar row entries are left out. The logger is wrapped in
@@ -43,6 +44,8 @@ __all__ = ["LoggingReporter", "finish_status", "run_params"]
 
 # run keywords that are objects of the session, not parameters of the run
 _NOT_PARAMETERS = ("progress", "logger", "checkpointer", "early_stop")
+# the phases of a run under way; any other phase is a pause, where the loggers flush
+_BUSY_PHASES = frozenset(("training", "validating", "checkpointing"))
 
 
 def finish_status(stop_reason: str | None) -> str:
@@ -134,6 +137,7 @@ class LoggingReporter:
         logger.log_params(run_params(handle))
         logger.log_tags({"experiment": handle.owner})
         logger.log_other("binding_report", str(handle.binding_report()))
+        logger.flush()  # on disk before the first compile
         self._epoch = handle.epoch + 1
 
     def start_epoch(self, epoch: int, target_epoch: int, batches: int | None, start: int) -> None:
@@ -149,6 +153,10 @@ class LoggingReporter:
             values = finite_metrics(values)
             if values:
                 self._log_metrics(values, step=step, epoch=epoch, context=context)
+
+    def phase(self, phase: str) -> None:
+        if phase not in _BUSY_PHASES:
+            self.logger.flush()
 
     def end_run(self, handle: Any) -> None:
         self.logger.finish(finish_status(handle.stop_reason))

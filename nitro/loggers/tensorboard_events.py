@@ -6,7 +6,8 @@ confusion matrices are markdown text; at `finish` the parameters go to the HPara
 with the validation metrics, and the status to `run/status`.
 
 Events are written on the calling thread through tensorboardX's `EventsWriter` (buffered, and
-flushed every `flush_secs` and at `finish`), not through `SummaryWriter`, whose
+flushed every `flush_secs`, at the end of each call, before a checkpoint records `state()`
+and at `finish`), not through `SummaryWriter`, whose
 inter-process queue costs several times more per scalar than the write itself (measured in
 docs/logging.md). Each writer opens a new event file in the log directory; TensorBoard reads
 them in order, so a second `train()` or a resumed run continues the curves, and a resumed run
@@ -25,7 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from nitro.loggers.protocol import BaseLogger, confusion_rows, plain_value
+from nitro.loggers.protocol import FLUSH_SECONDS, BaseLogger, confusion_rows, plain_value
 
 __all__ = ["TensorBoardLogger"]
 
@@ -65,7 +66,9 @@ class TensorBoardLogger(BaseLogger):
     >>> # tensorboard --logdir runs/
     """
 
-    def __init__(self, logdir: str | os.PathLike | None = None, *, flush_secs: float = 10.0):
+    def __init__(
+        self, logdir: str | os.PathLike | None = None, *, flush_secs: float = FLUSH_SECONDS
+    ):
         _require_tensorboardx()
         self._explicit = logdir is not None
         self._logdir = os.fspath(logdir) if logdir is not None else None
@@ -142,6 +145,13 @@ class TensorBoardLogger(BaseLogger):
         """Flush and close the event file now (the next record opens a new one)."""
         self._close()
 
+    def flush(self) -> None:
+        """Write the buffered events to the event file now."""
+        with self._lock:
+            if self._writer is not None:
+                self._writer.flush()
+                self._last_flush = time.monotonic()
+
     # the verbs ----------------------------------------------------------------------------
 
     def log_metrics(self, metrics, *, step, epoch, context) -> None:
@@ -199,9 +209,11 @@ class TensorBoardLogger(BaseLogger):
     # resume -------------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any] | None:
-        """The log directory and the latest step logged (a checkpoint stores it)."""
+        """The log directory and the latest step logged (a checkpoint stores it), once the
+        events logged so far are on disk."""
         if self._logdir is None:
             return None
+        self.flush()
         return {"logdir": os.path.abspath(self._logdir), "step": self._step}
 
     def reattach(self, state: Any) -> None:

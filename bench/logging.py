@@ -1,0 +1,103 @@
+"""What the default logger costs a live handle: `train(epochs=2)` on the digits demo with the
+default `JSONLinesLogger` against `logger=None` (no checkpoints either way).
+
+1. Per step on the event path the loop uses (`Events.step` -> `LoggingReporter` ->
+   `JSONLinesLogger`): microseconds a train line adds, the best of three runs.
+2. Whole calls: the median wall time of `train(epochs=2)` on two live handles (warm: compiled
+   once), alternating calls, and the ratio logger on / logger off, per call and per step.
+
+    python bench/logging.py [--calls 20] [--lines 20000]
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+# This file is named like the stdlib module. Run as a script (or when another script in
+# bench/ runs), its folder leads sys.path and would shadow `logging` for every library: take
+# the folder off the path and, when imported as `logging`, hand over the stdlib module.
+_HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
+if __name__ == "logging":
+    del sys.modules["logging"]
+    import logging as _stdlib
+
+    sys.modules["logging"] = _stdlib  # what the importing statement receives
+    globals().update(_stdlib.__dict__)
+
+# nitro is imported in the functions: imported as `logging`, this file must not import it
+import argparse  # noqa: E402
+import statistics  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+
+def line_cost(lines: int) -> tuple[float, float]:
+    """(us per step with no reporter, extra us per step with a JSON Lines logger)."""
+    from nitro.events import Events
+    from nitro.loggers import JSONLinesLogger, LoggingReporter
+
+    def per_step(events) -> float:
+        best = float("inf")
+        for run in range(3):
+            begin = time.perf_counter()
+            for step in range(lines):
+                events.step(run * lines + step + 1, 0.25)
+            best = min(best, time.perf_counter() - begin)
+        return best / lines * 1e6
+
+    baseline = per_step(Events())
+    with tempfile.TemporaryDirectory() as directory:
+        reporter = LoggingReporter(JSONLinesLogger(Path(directory) / "metrics.jsonl"))
+        reporter.logger.bind_run(directory, None)
+        cost = per_step(Events([reporter])) - baseline
+        reporter.logger.finish("completed")
+    return baseline, cost
+
+
+def call_times(calls: int) -> dict[str, tuple[float, int]]:
+    """Median seconds of `train(epochs=2)` and the steps a call runs, logger off and on."""
+    import nitro
+    from nitro.examples.digits import Digits
+
+    with tempfile.TemporaryDirectory() as root:
+        handles = {
+            "off": nitro.Nitro(
+                Digits(), run_dir=f"{root}/off", logger=None, checkpointer=None, progress=False
+            ),
+            "on": nitro.Nitro(Digits(), run_dir=f"{root}/on", checkpointer=None, progress=False),
+        }
+        for n in handles.values():
+            n.train(epochs=1)  # compile and warm up
+        seconds: dict[str, list[float]] = {name: [] for name in handles}
+        steps = {}
+        for call in range(calls):
+            order = list(handles.items())
+            for name, n in order if call % 2 else order[::-1]:  # neither always goes first
+                first = n.step
+                begin = time.perf_counter()
+                n.train(epochs=2)
+                seconds[name].append(time.perf_counter() - begin)
+                steps[name] = n.step - first
+        return {name: (statistics.median(seconds[name]), steps[name]) for name in handles}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--calls", type=int, default=20)
+    parser.add_argument("--lines", type=int, default=20000)
+    args = parser.parse_args()
+    baseline, cost = line_cost(args.lines)
+    print(f"event path: {baseline:.2f} us/step alone, JSONLinesLogger adds {cost:.2f} us/step")
+    times = call_times(args.calls)
+    (off, steps), (on, _) = times["off"], times["on"]
+    print(f"train(epochs=2), {steps} steps, median of {args.calls} calls on a live handle:")
+    print(f"  logger=None        {off * 1e3:8.2f} ms  ({off / steps * 1e6:7.1f} us/step)")
+    print(f"  JSONLinesLogger    {on * 1e3:8.2f} ms  ({on / steps * 1e6:7.1f} us/step)")
+    print(f"  ratio on/off       {on / off:8.3f}  (extra {(on - off) / steps * 1e6:.1f} us/step)")
+
+
+if __name__ == "__main__":
+    main()
