@@ -6,32 +6,16 @@ default `JSONLinesLogger` against `logger=None` (no checkpoints either way).
 2. Whole calls: the median wall time of `train(epochs=2)` on two live handles (warm: compiled
    once), alternating calls, and the ratio logger on / logger off, per call and per step.
 
-    python bench/logging.py [--calls 20] [--lines 20000]
+    python bench/logger_cost.py [--calls 20] [--lines 20000]
 """
 
 from __future__ import annotations
 
-import os
-import sys
-
-# This file is named like the stdlib module. Run as a script (or when another script in
-# bench/ runs), its folder leads sys.path and would shadow `logging` for every library: take
-# the folder off the path and, when imported as `logging`, hand over the stdlib module.
-_HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _HERE]
-if __name__ == "logging":
-    del sys.modules["logging"]
-    import logging as _stdlib
-
-    sys.modules["logging"] = _stdlib  # what the importing statement receives
-    globals().update(_stdlib.__dict__)
-
-# nitro is imported in the functions: imported as `logging`, this file must not import it
-import argparse  # noqa: E402
-import statistics  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from pathlib import Path  # noqa: E402
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
 
 
 def line_cost(lines: int) -> tuple[float, float]:
