@@ -34,225 +34,46 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
 from flax import nnx  # noqa: E402
+from loops import (  # noqa: E402
+    LEARNING_RATE,
+    MLP,
+    HandWritten,
+    ModelSpec,
+    NNXTutorial,
+    WithNitro,
+    keras_loop,
+    keras_mlp,
+    loss_of,
+)
 from overhead import CNN, train_arrays  # noqa: E402
 
 import nitro  # noqa: E402
-from nitro.data import ArrayLoader  # noqa: E402
 
-LEARNING_RATE = 1e-3
-
-
-class MLP(nnx.Module):
-    def __init__(self, widths, *, rngs):
-        self.layers = nnx.List(
-            [nnx.Linear(a, b, rngs=rngs) for a, b in zip(widths[:-1], widths[1:], strict=True)]
-        )
-
-    def __call__(self, x):
-        for layer in self.layers[:-1]:
-            x = nnx.relu(layer(x))
-        return self.layers[-1](x)
-
-
-MODELS = {  # name -> (model factory, batch size, description)
-    "small": (lambda rngs: MLP((64, 64, 10), rngs=rngs), 32, "MLP 64-64-10, batch 32"),
-    "medium": (
+MODELS = {
+    "small": ModelSpec(
+        "small",
+        lambda rngs: MLP((64, 64, 10), rngs=rngs),
+        32,
+        "MLP 64-64-10, batch 32",
+        keras=keras_mlp((64, 64, 10)),
+    ),
+    "medium": ModelSpec(
+        "medium",
         lambda rngs: MLP((64, 256, 256, 10), rngs=rngs),
         128,
         "MLP 64-256-256-10, batch 128",
+        keras=keras_mlp((64, 256, 256, 10)),
     ),
-    "cnn": (lambda rngs: CNN(rngs=rngs), 128, "the CNN of bench/overhead.py, batch 128"),
+    "cnn": ModelSpec(
+        "cnn", lambda rngs: CNN(rngs=rngs), 128, "the CNN of bench/overhead.py, batch 128"
+    ),
 }
-
-
-def loss_of(logits, y):
-    return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-
-# ---------------------------------------------------------------------------------------------
-# hand-written loops
-
-
-class HandWritten:
-    """Per-step `jax.jit`, or K steps per call with `lax.scan` (`scan=K`)."""
-
-    def __init__(self, name, arrays, scan: int = 1, seed: int = 0):
-        make, self.batch, _ = MODELS[name]
-        graphdef, self.params, rest = nnx.split(make(nnx.Rngs(seed)), nnx.Param, ...)
-        tx = optax.adam(LEARNING_RATE)
-        self.opt_state = tx.init(self.params)
-        self.x, self.y = arrays["x"], arrays["y"]
-        self.batches = len(self.x) // self.batch
-        self.scan, self.epoch, self.seed = scan, 0, seed
-
-        def step(params, opt_state, x, y):
-            loss, grads = jax.value_and_grad(lambda p: loss_of(nnx.merge(graphdef, p, rest)(x), y))(
-                params
-            )
-            updates, opt_state = tx.update(grads, opt_state, params)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-        def steps(params, opt_state, xs, ys):
-            def body(carry, batch):
-                params, opt_state, loss = step(*carry, *batch)
-                return (params, opt_state), loss
-
-            (params, opt_state), losses = jax.lax.scan(body, (params, opt_state), (xs, ys))
-            return params, opt_state, losses
-
-        self.fn = jax.jit(step if scan == 1 else steps, donate_argnums=(0, 1))
-
-    def args_for(self, rows):
-        if self.scan == 1:
-            return self.x[rows], self.y[rows]
-        shape = (self.scan, self.batch)
-        return self.x[rows].reshape(*shape, -1), self.y[rows].reshape(shape)
-
-    def run(self, epochs: int) -> tuple[int, float]:
-        start = time.perf_counter()
-        per_call = self.batch * self.scan
-        calls = self.batches // self.scan
-        for _ in range(epochs):
-            order = np.random.default_rng((self.seed, self.epoch)).permutation(len(self.x))
-            losses = []
-            for i in range(calls):
-                rows = order[i * per_call : (i + 1) * per_call]
-                self.params, self.opt_state, loss = self.fn(
-                    self.params, self.opt_state, *self.args_for(rows)
-                )
-                losses.append(loss)
-            float(np.mean(jax.device_get(losses)))
-            self.epoch += 1
-        return epochs * calls * self.scan, time.perf_counter() - start
-
-
-class NNXTutorial:
-    """The Flax NNX tutorial loop: `nnx.jit` over the model, an `nnx.Optimizer` and
-    `nnx.MultiMetric`, the metrics computed every step."""
-
-    def __init__(self, name, arrays, seed: int = 0):
-        make, self.batch, _ = MODELS[name]
-        self.model = make(nnx.Rngs(seed))
-        self.optimizer = nnx.Optimizer(self.model, optax.adam(LEARNING_RATE), wrt=nnx.Param)
-        self.metrics = nnx.MultiMetric(loss=nnx.metrics.Average("loss"))
-        self.x, self.y = arrays["x"], arrays["y"]
-        self.batches = len(self.x) // self.batch
-        self.epoch, self.seed = 0, seed
-
-        @nnx.jit
-        def train_step(model, optimizer, metrics, x, y):
-            def loss_fn(model):
-                return loss_of(model(x), y)
-
-            loss, grads = nnx.value_and_grad(loss_fn)(model)
-            metrics.update(loss=loss)
-            optimizer.update(model, grads)
-
-        self.train_step = train_step
-
-    def run(self, epochs: int) -> tuple[int, float]:
-        start = time.perf_counter()
-        for _ in range(epochs):
-            order = np.random.default_rng((self.seed, self.epoch)).permutation(len(self.x))
-            for i in range(self.batches):
-                rows = order[i * self.batch : (i + 1) * self.batch]
-                self.train_step(
-                    self.model, self.optimizer, self.metrics, self.x[rows], self.y[rows]
-                )
-            self.metrics.compute()
-            self.metrics.reset()
-            self.epoch += 1
-        return epochs * self.batches, time.perf_counter() - start
-
-
-# ---------------------------------------------------------------------------------------------
-# Nitro
-
-
-def experiment_for(name, arrays):
-    make, batch, _ = MODELS[name]
-
-    @nitro.experiment
-    class Dispatch:
-        model: nitro.GraphConst[str] = name
-        max_epochs: int = 1_000_000
-
-        def build_data(self):
-            return {"train": ArrayLoader(arrays, batch, shuffle=True, drop_last=True, seed=0)}
-
-        def build_model(self, rngs):
-            return make(rngs)
-
-        def forward(self, model, *, x):
-            return model(x)
-
-        def loss(self, logits, *, y):
-            return loss_of(logits, y)
-
-    return Dispatch()
-
-
-class WithNitro:
-    def __init__(self, name, arrays, steps, seed: int = 0):
-        self.handle = nitro.Nitro(
-            experiment_for(name, arrays),
-            seed=seed,
-            progress=False,
-            steps_per_dispatch=steps,
-            logger=None,
-            checkpointer=None,
-        )
-        self.batches = len(self.handle.splits["train"])
-
-    def run(self, epochs: int) -> tuple[int, float]:
-        start = time.perf_counter()
-        self.handle.train(epochs=epochs)
-        return epochs * self.batches, time.perf_counter() - start
-
-
-# ---------------------------------------------------------------------------------------------
-
-
-def keras_loop(name, arrays):  # pragma: no cover - optional
-    try:
-        os.environ.setdefault("KERAS_BACKEND", "jax")
-        import keras
-    except ImportError:
-        return None
-    if keras.backend.backend() != "jax" or name == "cnn":
-        return None
-    _, batch, _ = MODELS[name]
-    widths = (64, 64, 10) if name == "small" else (64, 256, 256, 10)
-    layers = [keras.layers.Dense(w, activation="relu") for w in widths[1:-1]]
-    model = keras.Sequential([keras.Input((64,)), *layers, keras.layers.Dense(widths[-1])])
-    model.compile(
-        optimizer=keras.optimizers.Adam(LEARNING_RATE),
-        loss=keras.losses.SparseCategoricalCrossentropy(from_logits=True),
-        jit_compile=True,
-    )
-
-    class Keras:
-        batches = len(arrays["x"]) // batch
-
-        def run(self, epochs):
-            start = time.perf_counter()
-            model.fit(
-                arrays["x"],
-                arrays["y"],
-                batch_size=batch,
-                epochs=epochs,
-                verbose=0,
-                shuffle=True,
-            )
-            return epochs * self.batches, time.perf_counter() - start
-
-    return Keras()
 
 
 def compile_seconds(name, arrays, steps) -> float:
     nitro.cache_reset()
     nitro.set_compilation_cache(None)  # time real compiles, not cache reads
-    loop = WithNitro(name, arrays, steps)
+    loop = WithNitro(MODELS[name], arrays, steps)
     loop.run(1)
     seconds = sum(r.seconds for r in nitro.explain_compiles() if "train" in r.program)
     return seconds
@@ -260,16 +81,17 @@ def compile_seconds(name, arrays, steps) -> float:
 
 def bench_model(name: str, rounds: int, seconds: float, tile: int) -> dict[str, float]:
     arrays = train_arrays(tile)
-    _, batch, description = MODELS[name]
+    spec = MODELS[name]
+    description = spec.description
     loops = {
-        "hand-written": HandWritten(name, arrays),
-        "nitro K=1": WithNitro(name, arrays, 1),
-        "nitro auto": WithNitro(name, arrays, "auto"),
-        "nitro K=8": WithNitro(name, arrays, 8),
-        "hand-written scan 8": HandWritten(name, arrays, scan=8),
-        "NNX tutorial": NNXTutorial(name, arrays),
+        "hand-written": HandWritten(spec, arrays),
+        "nitro K=1": WithNitro(spec, arrays, 1),
+        "nitro auto": WithNitro(spec, arrays, "auto"),
+        "nitro K=8": WithNitro(spec, arrays, 8),
+        "hand-written scan 8": HandWritten(spec, arrays, scan=8),
+        "NNX tutorial": NNXTutorial(spec, arrays),
     }
-    keras = keras_loop(name, arrays)
+    keras = keras_loop(spec, arrays)
     if keras is not None:
         loops["Keras fit"] = keras
     for loop in loops.values():  # compile, settle; auto measures and decides here
@@ -308,7 +130,7 @@ def bench_model(name: str, rounds: int, seconds: float, tile: int) -> dict[str, 
 def bench_eval(name: str, handle, arrays, rounds: int) -> dict[str, float]:
     """Batches/s of evaluation over `arrays`: Nitro's `evaluate` (one call per batch), a
     hand-written per-batch jit and a hand-written scan over 8 batches per call."""
-    _, batch, _ = MODELS[name]
+    batch = MODELS[name].batch
     graphdef, params, rest = nnx.split(handle.model, nnx.Param, ...)
     batches = len(arrays["x"]) // batch
     x = arrays["x"][: batches * batch].reshape(batches, batch, -1)
