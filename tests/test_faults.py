@@ -514,7 +514,7 @@ SWEEP = textwrap.dedent(
         assert n.history()["val_loss"].notna().all()
     out = n.predict({{"x": xs[:4]}})
     assert out.shape == (4, 2) and np.isfinite(out).all()
-    n.train(epochs=1)
+    n.train(epochs=1).wait()  # the run, then its save written in the background
     assert n.stop_reason == "completed"
     left = [t.name for t in threading.enumerate() if t.name.startswith("nitro-")]
     print("outcomes", sorted(outcomes.items()))

@@ -96,6 +96,7 @@ def test_every_run_gets_a_directory_named_by_a_sortable_run_id_and_its_first_lin
 
 def test_run_dir_moves_the_run_and_a_directory_holding_checkpoints_is_refused_unless_resuming():
     n = nitro.Nitro(Toy(max_epochs=1), run_dir="elsewhere/first", progress=False).train()
+    n.wait()  # train() returns while its save is written: wait() waits for it
     assert n.run_dir == str(Path.cwd() / "elsewhere" / "first")
     assert (Path(n.run_dir) / "checkpoints" / "4").is_dir()
     assert not Path("runs").exists()
@@ -329,7 +330,7 @@ def test_sigkill_at_random_moments_during_saves_leaves_earlier_checkpoints_resto
     n = nitro.Nitro(
         Wide(), run_dir=str(run_dir), resume="auto", checkpointer=EVERY_EPOCH, progress=False
     )
-    n.train(epochs=1)
+    n.train(epochs=1).wait()
     assert all(name.isdigit() for name in os.listdir(run_dir / "checkpoints"))
     assert n.checkpoints()["epoch"].max() == n.epoch
 
@@ -480,7 +481,7 @@ def test_resuming_from_an_earlier_checkpoint_continues_in_a_new_run_directory():
 def test_weights_from_a_path_or_a_run_load_the_checkpoints_weights_and_start_at_step_0():
     keep = nitro.Checkpointer(k=1, mode="max", budget=None)  # best: epoch 1; latest: epoch 3
     source = nitro.Nitro(ToyWithMetrics(max_epochs=3), checkpointer=keep, progress=False)
-    source.train()
+    source.train().wait()
     checkpoints = Path(source.run_dir) / "checkpoints"
     assert sorted(int(p) for p in os.listdir(checkpoints)) == [4, 12]
     expected = {step: flat(read_plain(checkpoints, step)["state"]["params"]) for step in (4, 12)}

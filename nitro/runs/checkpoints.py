@@ -52,6 +52,7 @@ __all__ = [
     "Checkpointer",
     "CheckpointStore",
     "SavedStep",
+    "await_writers",
     "describe_checkpoints",
     "describe_saved",
     "host_tree",
@@ -297,8 +298,17 @@ class CheckpointStore:
         self._last_cost = 0.0
         self.saved_epoch: int | None = None
         self.saved_step: int | None = None  # the newest step saved (or resumed from)
-        self.costs: list[float] = []  # seconds each save blocked the loop
+        self.costs: list[float] = []  # seconds each save took, its background write included
         self.failures: list[str] = []
+        # Saves are written by a thread of the store's own (`_drain`), one at a time, so the
+        # caller goes on at once: at most one save in flight and one pending, the pending
+        # one replaced by a newer one. Several processes save together: they write inline.
+        self._background = not deterministic
+        self._queue = threading.Condition()  # guards the three below
+        self._pending: _Job | None = None
+        self._saver: threading.Thread | None = None
+        self._in_flight_since: float | None = None
+        self._ended: threading.Thread | None = None  # the saver that finished last
         _OPEN.add(self)
 
     def _open(self, ranked: bool = True):
@@ -338,18 +348,94 @@ class CheckpointStore:
         return self._manager
 
     def due(self, epoch: int) -> bool:
-        """Whether the epoch just committed should be saved now."""
+        """Whether the epoch just committed should be saved now. A save still being written
+        counts as costing at least the time since it began."""
         config = self.config
         if epoch % config.every:
             return False
-        if config.budget is None or self.deterministic or self._last_start is None:
+        if config.budget is None or self.deterministic:
             return True
-        return (time.perf_counter() - self._last_start) * config.budget >= self._last_cost
+        now = time.perf_counter()
+        start, cost = self._last_start, self._last_cost
+        since = self._in_flight_since
+        if since is not None:
+            start, cost = since, max(cost, now - since)
+        if start is None:
+            return True
+        return (now - start) * config.budget >= cost
 
-    def save(self, step: int, tree: Mapping[str, Any], meta: Mapping[str, Any], value) -> None:
+    def save(
+        self,
+        step: int,
+        tree: Mapping[str, Any],
+        meta: Mapping[str, Any],
+        value,
+        *,
+        then_close: bool = False,
+    ) -> None:
+        """Save `tree` (host arrays, the caller's own) as `step`. Returns at once: the write
+        goes on in the background, after the one in flight; a save still waiting for its
+        turn gives way to this newer one (with `budget=None`, this one waits for that one's
+        turn instead, so every `every` epochs are saved). `then_close`: the run ends here;
+        once written, the manager closes (unless another save is waiting)."""
+        self.saved_epoch = meta.get("epoch")
+        self.saved_step = step
+        self._submit(_Job((step, tree, meta, value), then_close))
+
+    def close_later(self) -> None:
+        """Finish the writes in flight and close the manager, in the background."""
+        self._submit(_Job(None, True))
+
+    def _submit(self, job: _Job) -> None:
+        if not self._background:
+            self._run(job)
+            return
+        with self._queue:
+            if self.config.budget is None and job.save is not None:
+                while self._pending is not None and self._pending.save is not None:
+                    self._queue.wait()
+            pending = self._pending
+            if job.save is None and pending is not None:  # the save waiting goes first
+                job = pending._replace(then_close=job.then_close or pending.then_close)
+            self._pending = job
+            if self._saver is None:
+                self._saver = threading.Thread(
+                    target=self._drain, name=f"nitro-save {self.directory}", daemon=False
+                )
+                self._saver.start()
+
+    def _drain(self) -> None:
+        """The saver thread: runs the pending jobs until none is left. Not a daemon: a
+        process that ends waits for its writes."""
+        while True:
+            with self._queue:
+                job, self._pending = self._pending, None
+                self._in_flight_since = time.perf_counter() if job is not None else None
+                if job is None:
+                    self._saver, self._ended = None, threading.current_thread()
+                self._queue.notify_all()
+            if job is None:
+                return
+            try:
+                self._run(job)
+            except Exception as error:  # noqa: BLE001 - a failed save must not end the saver
+                self._failed(error, job.save[0] if job.save is not None else None)
+
+    def _run(self, job: _Job) -> None:
+        if job.save is not None:
+            began = time.perf_counter()
+            if self._write(*job.save) and self._background:
+                self._finish()  # the cost counts the background write too
+            cost = time.perf_counter() - began
+            self._last_start, self._last_cost = began, cost
+            self.costs.append(cost)
+        if job.then_close and self._pending is None:
+            self._close_manager()
+
+    def _write(self, step: int, tree: Mapping[str, Any], meta: Mapping[str, Any], value) -> bool:
+        """Hand the save to orbax, after the previous write; False when nothing was begun."""
         import orbax.checkpoint as ocp
 
-        began = time.perf_counter()
         metrics = (
             {self.config.metric: float(value)}
             if value is not None and math.isfinite(value)
@@ -361,8 +447,7 @@ class CheckpointStore:
                 manager = self._open(ranked=metrics is not None)
                 with _ORBAX.held(manager):
                     if step in manager.all_steps():  # saved already (a run ending at a boundary)
-                        self.saved_step = step
-                        return
+                        return False
                     # save() waits for the previous save (and its deletions) anyway: wait
                     # here, so the steps it moved aside can be removed before the next ones
                     manager.wait_until_finished()
@@ -380,12 +465,8 @@ class CheckpointStore:
             except Exception as error:  # noqa: BLE001 - a full disk must not end the run
                 self._failed(error, step)
                 self._discard()
-                return
-        cost = time.perf_counter() - began
-        self._last_start, self._last_cost = began, cost
-        self.costs.append(cost)
-        self.saved_epoch = meta.get("epoch")
-        self.saved_step = step
+                return False
+        return True
 
     def _empty_trash(self) -> None:
         """Remove the steps orbax moved aside for deletion (call with no save in flight)."""
@@ -432,7 +513,8 @@ class CheckpointStore:
                     _ORBAX.closed(manager)
                     self._empty_trash()
 
-    def wait(self) -> None:
+    def _finish(self) -> None:
+        """Wait for the manager's write in flight; a failure is reported as a failed save."""
         with self._lock:
             if self._manager is not None:
                 try:
@@ -442,11 +524,43 @@ class CheckpointStore:
                     self._failed(error, None)
                     self._discard()
 
-    def close(self) -> None:
+    def _close_manager(self) -> None:
         with self._lock:
             manager, self._manager = self._manager, None
         if manager is not None:
             self._shut(manager)
+
+    def wait(self) -> None:
+        """Wait until every save begun is on disk (or has failed, with its warning). Call
+        with no orbax or store lock held: the saver thread needs them."""
+        with self._queue:
+            while self._saver is not None:
+                self._queue.wait()
+            ended, self._ended = self._ended, None
+        if ended is not None and ended is not threading.current_thread():
+            ended.join()  # it has nothing left to do: its end is a moment away
+        self._finish()
+
+    def close(self) -> None:
+        """Finish the saves and close the manager (a later save opens it again)."""
+        self.wait()
+        self._close_manager()
+
+
+class _Job(NamedTuple):
+    """What the saver does next: a save `(step, tree, meta, value)` or none, then whether
+    to close the manager."""
+
+    save: tuple[int, Mapping[str, Any], Mapping[str, Any], Any] | None
+    then_close: bool
+
+
+def await_writers(directory: Path) -> None:
+    """Wait for this process's saves in flight into `directory`, so a reader sees them."""
+    where = os.path.realpath(directory)
+    for store in list(_OPEN):
+        if os.path.realpath(store.directory) == where:
+            store.wait()
 
 
 def _from_orbax(record: logging.LogRecord) -> bool:
@@ -488,7 +602,8 @@ def _quiet_read_only(record: logging.LogRecord) -> bool:
 
 
 class _reader:
-    """A read-only manager, used under the orbax lock: `with _reader(dir) as manager:`."""
+    """A read-only manager, used under the orbax lock: `with _reader(dir) as manager:`.
+    This process's saves in flight into the directory finish first."""
 
     def __init__(self, directory: Path):
         self.directory = Path(directory).absolute()  # orbax reads absolute paths only
@@ -496,6 +611,7 @@ class _reader:
     def __enter__(self):
         import orbax.checkpoint as ocp
 
+        await_writers(self.directory)
         self._held = _ORBAX.held()
         self._held.__enter__()
         options = ocp.CheckpointManagerOptions(read_only=True, save_interval_steps=0, create=False)
