@@ -2,8 +2,10 @@
 
 `Checkpointer(k=3, metric="val_loss", mode="min", every=1, budget=0.05)` configures the
 default checkpointer, an orbax `CheckpointManager` in `<run_dir>/checkpoints`. It keeps the
-best `k` checkpoints by `metric` plus the newest, and saves asynchronously (orbax writes in
-the background while training goes on). A save is the parameters, the model's other
+best `k` checkpoints by `metric` plus the newest, and saves in the background: a thread of
+the store writes each save while training goes on (one written, one waiting; a newer save
+takes the waiting one's place), and this process's readers of the directory, `close()` and
+the process's end wait for it. A save is the parameters, the model's other
 variables and the optimizer state as nested dicts of numpy arrays (item `state`), and a JSON
 record (item `meta`): step, epoch, seed, history, the GraphConst configuration, the Device
 values, the code fingerprints, the run id and the epoch's metrics. Plain orbax reads them:
@@ -17,8 +19,8 @@ saved["meta"]["epoch"], saved["meta"]["history"][-1]
 ```
 
 `budget` bounds what checkpoints cost: a save is skipped when the time since the last one,
-times `budget`, is less than what the last one cost, so tiny epochs (the digits demo's take
-milliseconds) do not spend their time in orbax. The newest committed epoch is always saved
+times `budget`, is less than what the last one cost (its background write included), so
+tiny epochs (the digits demo's take milliseconds) do not spend their time in orbax. The newest committed epoch is always saved
 when a run ends at an epoch boundary; `budget=None` saves every `every` epochs regardless.
 """
 
@@ -263,6 +265,34 @@ class _OrbaxAccess:
 
 _ORBAX = _OrbaxAccess()
 
+_EXIT_HOOK = threading.Lock()
+_exit_hooked = False
+
+
+def _finish_at_exit() -> None:  # pragma: no cover - runs at interpreter exit
+    for store in list(_OPEN):
+        store.wait()
+
+
+def _hook_exit() -> None:
+    """Have the process's end wait for the saves in flight, before `concurrent.futures`
+    stops its executors (orbax writes with them, and refuses new work once they stop): the
+    interpreter calls `threading`'s exit hooks before it joins the remaining threads, the
+    latest registered first, and those before `atexit`'s."""
+    global _exit_hooked
+    import concurrent.futures.thread  # noqa: F401 - its hook is registered first, so runs last
+
+    with _EXIT_HOOK:
+        if _exit_hooked:
+            return
+        _exit_hooked = True
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            try:
+                register(_finish_at_exit)
+            except RuntimeError:  # the interpreter is ending already
+                pass
+
 
 @atexit.register
 def _close_all() -> None:  # pragma: no cover - runs at interpreter exit
@@ -399,6 +429,7 @@ class CheckpointStore:
                 job = pending._replace(then_close=job.then_close or pending.then_close)
             self._pending = job
             if self._saver is None:
+                _hook_exit()
                 self._saver = threading.Thread(
                     target=self._drain, name=f"nitro-save {self.directory}", daemon=False
                 )
