@@ -551,7 +551,7 @@ def test_a_checkpoint_that_cannot_be_saved_warns_once_and_training_goes_on(tmp_p
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        n.train()
+        n.train().wait()  # and its last save, written in the background
     mine = [w for w in caught if "a checkpoint could not be saved" in str(w.message)]
     assert len(mine) == 1 and str(run_dir / "checkpoints") in str(mine[0].message)
     assert (n.epoch, n.stop_reason) == (3, "completed")

@@ -670,12 +670,13 @@ def test_after_train_returns_every_reader_sees_its_final_step(tmp_path):
     n = nitro.Nitro(ToyWithMetrics(max_epochs=3), progress=False)  # the default checkpointer
     n.train()
     directory = Path(n.run_dir) / "checkpoints"
-    assert n.checkpoints()["step"].max() == n.step == 12
     runs = nitro.saved_runs(ToyWithMetrics)
     assert runs.loc[n.run_id, "latest epoch"] == 3
+    assert n.checkpoints()["step"].max() == n.step == 12
 
     more = nitro.Nitro(ToyWithMetrics(max_epochs=5), progress=False)
-    more.train(epochs=1)
+    more.train(epochs=1)  # its first save creates the checkpoints directory, in the background
+    assert nitro.saved_runs(ToyWithMetrics).loc[more.run_id, "checkpoints"] == 1
     resumed = nitro.Nitro(ToyWithMetrics(max_epochs=5), resume=more.run_dir, progress=False)
     assert (resumed.step, resumed.epoch) == (4, 1)  # in this process, right after train()
     resumed.close()

@@ -586,11 +586,14 @@ class _Job(NamedTuple):
     then_close: bool
 
 
-def await_writers(directory: Path) -> None:
-    """Wait for this process's saves in flight into `directory`, so a reader sees them."""
-    where = os.path.realpath(directory)
+def await_writers(path: str | os.PathLike) -> None:
+    """Wait for this process's saves in flight that a reader of `path` (a checkpoints
+    directory, its run directory or one of its steps) would see: the first one creates the
+    directory."""
+    where = os.path.realpath(path)
     for store in list(_OPEN):
-        if os.path.realpath(store.directory) == where:
+        directory = os.path.realpath(store.directory)
+        if where in (directory, os.path.dirname(directory)) or where.startswith(directory + os.sep):
             store.wait()
 
 
@@ -742,6 +745,7 @@ def describe_checkpoints(directory: str | os.PathLike):
     from orbax's metadata and the JSON records, without loading any array. Damaged steps are
     left out (with a warning naming each); a directory orbax cannot read at all lists none."""
     directory = Path(directory)
+    await_writers(directory)
     if not directory.is_dir():
         return [], None, None, None
     try:
@@ -765,6 +769,7 @@ def describe_checkpoints(directory: str | os.PathLike):
 def describe_saved(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """One row per readable saved checkpoint of a run: step, epoch, the metric and the path."""
     directory = Path(run_dir) / "checkpoints"
+    await_writers(directory)
     if not directory.is_dir():
         return []
     with _reader(directory) as manager:
@@ -870,6 +875,7 @@ def resolve_checkpoint(
     if isinstance(source, CheckpointRef):
         source, which = source.path, source.which
     path = Path(source).absolute()  # orbax reads absolute paths only
+    await_writers(path)
     if not path.exists():
         raise SetupError(f"no checkpoint at {str(path)!r}: the path does not exist")
     step = None
