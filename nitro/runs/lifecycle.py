@@ -572,6 +572,7 @@ def _check_no_writer(path: Path) -> None:
     """`resume=<path>`: refused while a writer holds the run it names (a run directory, its
     checkpoints directory or one step's)."""
     path = path.absolute()
+    await_writers(path)
     for run_dir in (path, path.parent, path.parent.parent):
         if (run_dir / "checkpoints").is_dir():
             check_free(run_dir)
