@@ -11,8 +11,11 @@
    process; medians.
 2. Time to resume: `Nitro(Digits(), resume=run_dir)` (setup, then reading the newest
    checkpoint and placing it) against `Nitro(Digits())` (a fresh setup), alternating; medians.
+3. Short calls: milliseconds per `train(epochs=1)` on a live handle with the defaults (its
+   end-of-call save is written in the background) against `checkpointer=None`, calls
+   alternating between the two handles; medians of `--calls`, and their ratio.
 
-    python bench/lifecycle.py [--epochs 60] [--rounds 5]
+    python bench/lifecycle.py [--epochs 60] [--rounds 5] [--calls 10]
 """
 
 from __future__ import annotations
@@ -61,8 +64,8 @@ def one_run(checkpointer, epochs: int, directory: Path) -> dict[str, float]:
     n.train()
     wall = time.perf_counter() - begin
     saving = [seconds for phase, seconds in clock.segments if phase == "checkpointing"]
-    # a run that ends at an epoch boundary saves that epoch, and train() returns once every
-    # save is on disk: the last checkpointing phase is that save and the wait for the writes
+    # a run that ends at an epoch boundary saves that epoch: the last checkpointing phase is
+    # that save's handing over (its write goes on in the background, after train() returns)
     at_end = saving.pop() if clock.segments[-1][0] == "checkpointing" else 0.0
     training = wall - sum(saving) - at_end
     return {
@@ -119,11 +122,40 @@ def resume_cost(rounds: int) -> None:
     print(f"  fresh setup {a * 1e3:.0f} ms, setup + restore {b * 1e3:.0f} ms: {b / a:.2f}x")
 
 
+def short_calls(calls: int) -> None:
+    with tempfile.TemporaryDirectory() as root:
+        handles = {
+            name: nitro.Nitro(
+                Digits(max_epochs=calls + 2),
+                run_dir=str(Path(root) / name),
+                checkpointer=checkpointer,
+                logger=None,
+                progress=False,
+            )
+            for name, checkpointer in (("defaults", nitro.Checkpointer()), ("none", None))
+        }
+        times: dict[str, list[float]] = {name: [] for name in handles}
+        for n in handles.values():
+            n.train(epochs=1)  # compiles; not measured
+        for _ in range(calls):
+            for name, n in handles.items():
+                begin = time.perf_counter()
+                n.train(epochs=1)
+                times[name].append(time.perf_counter() - begin)
+        for n in handles.values():
+            n.close()  # waits for the last save
+    a, b = (statistics.median(times[name]) for name in ("defaults", "none"))
+    print(f"one-epoch train() on a live handle ({calls} calls each, alternating; medians)")
+    print(f"  defaults {a * 1e3:.1f} ms, checkpointer=None {b * 1e3:.1f} ms: {a / b:.2f}x")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--epochs", type=int, default=60)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--calls", type=int, default=10)
     args = parser.parse_args()
+    short_calls(args.calls)
     checkpoint_costs(args.epochs, args.rounds)
     resume_cost(max(args.rounds, 5))
 

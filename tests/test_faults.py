@@ -514,7 +514,7 @@ SWEEP = textwrap.dedent(
         assert n.history()["val_loss"].notna().all()
     out = n.predict({{"x": xs[:4]}})
     assert out.shape == (4, 2) and np.isfinite(out).all()
-    n.train(epochs=1)
+    n.train(epochs=1).wait()  # the run, then its save written in the background
     assert n.stop_reason == "completed"
     left = [t.name for t in threading.enumerate() if t.name.startswith("nitro-")]
     print("outcomes", sorted(outcomes.items()))
@@ -551,7 +551,7 @@ def test_a_checkpoint_that_cannot_be_saved_warns_once_and_training_goes_on(tmp_p
     )
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        n.train()
+        n.train().wait()  # and its last save, written in the background
     mine = [w for w in caught if "a checkpoint could not be saved" in str(w.message)]
     assert len(mine) == 1 and str(run_dir / "checkpoints") in str(mine[0].message)
     assert (n.epoch, n.stop_reason) == (3, "completed")

@@ -339,7 +339,7 @@ def test_resuming_with_another_optimizer_is_refused_naming_both_and_the_fixes(
     import orbax.checkpoint as ocp
 
     first = nitro.Nitro(Toy(max_epochs=1), progress=False)
-    first.train()
+    first.train().wait()  # its save is written in the background: plain orbax reads it after
     run_dir = pathlib.Path(first.run_dir)
     manager = ocp.CheckpointManager(run_dir / "checkpoints")
     step = manager.latest_step()

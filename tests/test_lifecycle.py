@@ -96,6 +96,7 @@ def test_every_run_gets_a_directory_named_by_a_sortable_run_id_and_its_first_lin
 
 def test_run_dir_moves_the_run_and_a_directory_holding_checkpoints_is_refused_unless_resuming():
     n = nitro.Nitro(Toy(max_epochs=1), run_dir="elsewhere/first", progress=False).train()
+    n.wait()  # train() returns while its save is written: wait() waits for it
     assert n.run_dir == str(Path.cwd() / "elsewhere" / "first")
     assert (Path(n.run_dir) / "checkpoints" / "4").is_dir()
     assert not Path("runs").exists()
@@ -329,7 +330,7 @@ def test_sigkill_at_random_moments_during_saves_leaves_earlier_checkpoints_resto
     n = nitro.Nitro(
         Wide(), run_dir=str(run_dir), resume="auto", checkpointer=EVERY_EPOCH, progress=False
     )
-    n.train(epochs=1)
+    n.train(epochs=1).wait()
     assert all(name.isdigit() for name in os.listdir(run_dir / "checkpoints"))
     assert n.checkpoints()["epoch"].max() == n.epoch
 
@@ -480,7 +481,7 @@ def test_resuming_from_an_earlier_checkpoint_continues_in_a_new_run_directory():
 def test_weights_from_a_path_or_a_run_load_the_checkpoints_weights_and_start_at_step_0():
     keep = nitro.Checkpointer(k=1, mode="max", budget=None)  # best: epoch 1; latest: epoch 3
     source = nitro.Nitro(ToyWithMetrics(max_epochs=3), checkpointer=keep, progress=False)
-    source.train()
+    source.train().wait()
     checkpoints = Path(source.run_dir) / "checkpoints"
     assert sorted(int(p) for p in os.listdir(checkpoints)) == [4, 12]
     expected = {step: flat(read_plain(checkpoints, step)["state"]["params"]) for step in (4, 12)}
@@ -653,3 +654,83 @@ def test_module_level_monitors_see_every_handle_from_its_setup_on():
     assert ("checkpointing", 4) in of_first
     assert [c.phase for c in seen if c.handle is second] == ["ready"]
     assert [c.phase for c in seen].count("building data") == 2
+
+
+# ---------------------------------------------------------------------------------------------
+# saves written in the background
+
+
+def plain_latest(directory: Path) -> tuple[int | None, list[int]]:
+    options = ocp.CheckpointManagerOptions(read_only=True)
+    with ocp.CheckpointManager(directory.absolute(), options=options) as manager:
+        return manager.latest_step(), list(manager.all_steps())
+
+
+def test_after_train_returns_every_reader_sees_its_final_step(tmp_path):
+    n = nitro.Nitro(ToyWithMetrics(max_epochs=3), progress=False)  # the default checkpointer
+    n.train()
+    directory = Path(n.run_dir) / "checkpoints"
+    runs = nitro.saved_runs(ToyWithMetrics)
+    assert runs.loc[n.run_id, "latest epoch"] == 3
+    assert n.checkpoints()["step"].max() == n.step == 12
+
+    more = nitro.Nitro(ToyWithMetrics(max_epochs=5), progress=False)
+    more.train(epochs=1)  # its first save creates the checkpoints directory, in the background
+    assert nitro.saved_runs(ToyWithMetrics).loc[more.run_id, "checkpoints"] == 1
+    resumed = nitro.Nitro(ToyWithMetrics(max_epochs=5), resume=more.run_dir, progress=False)
+    assert (resumed.step, resumed.epoch) == (4, 1)  # in this process, right after train()
+    resumed.close()
+
+    n.close()
+    latest, steps = plain_latest(directory)
+    assert latest == 12
+    saved = read_plain(directory, 12)
+    assert (saved["meta"]["step"], saved["meta"]["epoch"]) == (12, 3)
+
+
+def test_back_to_back_short_calls_leave_a_consistent_checkpoint_set():
+    n = nitro.Nitro(ToyWithMetrics(max_epochs=50), progress=False)
+    for _ in range(8):
+        n.train(epochs=1)
+    assert n.epoch == 8
+    n.close()
+    directory = Path(n.run_dir) / "checkpoints"
+    latest, steps = plain_latest(directory)
+    assert latest == n.step  # the newest call's save
+    assert sorted(os.listdir(directory)) == sorted(map(str, steps))  # nothing left half-done
+    assert len(steps) <= 3 + 1  # the best k=3 plus the newest
+    for step in steps:
+        saved = read_plain(directory, step)
+        assert saved["meta"]["step"] == step and saved["meta"]["epoch"] == step // 4
+        assert np.isfinite(saved["state"]["params"]["out"]["kernel"]).all()
+    # a resume continues from it, and saves on
+    resumed = nitro.Nitro(ToyWithMetrics(max_epochs=10), resume=n.run_dir, progress=False)
+    assert resumed.step == n.step
+    resumed.train()
+    assert resumed.checkpoints()["step"].max() == resumed.step == 40
+
+
+EXIT_AFTER_TRAIN = """
+import sys
+import nitro
+from toys import ToyWithMetrics
+n = nitro.Nitro(ToyWithMetrics(max_epochs=3), run_dir=sys.argv[1], progress=False).train()
+print(n.step)
+"""  # the process ends right after train(), its handle still open
+
+
+def test_a_process_that_exits_right_after_train_leaves_the_final_step_readable(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-c", EXIT_AFTER_TRAIN, str(tmp_path / "run")],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "could not be saved" not in done.stderr
+    step = int(done.stdout.split()[-1])
+    latest, _ = plain_latest(tmp_path / "run" / "checkpoints")
+    assert latest == step == 12
+    saved = read_plain(tmp_path / "run" / "checkpoints", step)
+    assert saved["meta"]["epoch"] == 3

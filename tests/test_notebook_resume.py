@@ -101,9 +101,9 @@ def test_two_notebooks_same_named_classes_do_not_resume_each_others_runs(tmp_pat
     try:
         first.run("exp = Digits(batches=4, max_epochs=2)\n%nitro train exp")
         theirs = ast.literal_eval(first.eval("(exp_run.run_id, exp_run.run_dir)"))
-        saved = sorted(os.listdir(os.path.join(theirs[1], "checkpoints")))
     finally:
-        first.close()
+        first.close()  # the kernel's end waits for the save written in the background
+    saved = sorted(os.listdir(os.path.join(theirs[1], "checkpoints")))
     second = notebook_kernel(tmp_path, "b.ipynb")
     try:
         cell = second.run("exp = Digits(batches=4, max_epochs=3)\n%nitro train exp --resume")

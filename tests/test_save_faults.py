@@ -50,7 +50,9 @@ def two_runs() -> tuple[nitro.Nitro, nitro.Nitro]:
             run_dir=f"runs/ToyWithMetrics/{name}",
             checkpointer=EVERY_EPOCH,
             progress=False,
-        ).train()
+        )
+        .train()
+        .wait()  # train() returns while its saves are written
         for name in ("1-older", "2-newer")
     ]
     return runs[0], runs[1]
@@ -138,7 +140,7 @@ def test_a_damaged_newest_checkpoint_is_skipped_and_resume_takes_the_one_before(
 
 def test_a_run_whose_every_checkpoint_is_damaged_is_refused_naming_its_directory():
     run = nitro.Nitro(ToyWithMetrics(max_epochs=2), checkpointer=EVERY_EPOCH, progress=False)
-    run.train()
+    run.train().wait()
     directory = Path(run.run_dir) / "checkpoints"
     truncate_metadata(directory / "4")
     corrupt_data(directory / "8")
@@ -158,16 +160,20 @@ def test_a_full_disk_warns_once_training_goes_on_and_two_resumes_in_one_process_
 ):
     with mounted(tmp_path / "disk", "size=2m") as disk:
         run_dir = disk / "run"
-        n = nitro.Nitro(
-            ToyWithMetrics(max_epochs=2),
-            run_dir=str(run_dir),
-            checkpointer=EVERY_EPOCH,
-            progress=False,
-        ).train()
+        n = (
+            nitro.Nitro(
+                ToyWithMetrics(max_epochs=2),
+                run_dir=str(run_dir),
+                checkpointer=EVERY_EPOCH,
+                progress=False,
+            )
+            .train()
+            .wait()
+        )
         ballast = disk / "ballast"
         fill(ballast)
         capfd.readouterr()
-        _, said = caught_warnings(lambda: n.train(epochs=3))
+        _, said = caught_warnings(lambda: n.train(epochs=3).wait())
         assert (n.epoch, n.stop_reason) == (5, "completed")
         failed = [m for m in said if "a checkpoint could not be saved" in m]
         assert len(failed) == 1 and str(run_dir / "checkpoints") in failed[0]
@@ -187,7 +193,7 @@ def test_a_full_disk_warns_once_training_goes_on_and_two_resumes_in_one_process_
                     progress=False,
                 )
                 outcome["from"] = r.epoch
-                outcome["run"] = r.train()
+                outcome["run"] = r.train().wait()
 
             worker = threading.Thread(target=resume, daemon=True)
             worker.start()

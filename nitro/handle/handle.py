@@ -485,13 +485,15 @@ class Nitro:
         return self
 
     def wait(self) -> Nitro:
-        """Wait for a background run; Ctrl-C turns into a stop request. Re-raises the run's
-        error, if it failed."""
+        """Wait for a background run, then for its checkpoints' writes (a `train()` returns
+        while its last save is still being written); Ctrl-C turns into a stop request.
+        Re-raises the run's error, if it failed."""
         run = self._run
-        if run is None:
-            return self
-        with sigint_requests_stop(self._control):
-            self._wait(run)
+        if run is not None:
+            with sigint_requests_stop(self._control):
+                self._wait(run)
+        if self._files.store is not None:
+            self._files.store.wait()
         return self
 
     def _wait(self, run: Run) -> None:
@@ -619,6 +621,8 @@ class Nitro:
 
         self._check_stale("export")
         with self._guard.hold("exporting"):
+            if self._files.store is not None:
+                self._files.store.wait()  # the bundle's run has its checkpoints on disk
             variables = evaluation.weights_of(self._setup, self._state, weights)
             return export_handle(
                 self,

@@ -2,8 +2,10 @@
 
 `Checkpointer(k=3, metric="val_loss", mode="min", every=1, budget=0.05)` configures the
 default checkpointer, an orbax `CheckpointManager` in `<run_dir>/checkpoints`. It keeps the
-best `k` checkpoints by `metric` plus the newest, and saves asynchronously (orbax writes in
-the background while training goes on). A save is the parameters, the model's other
+best `k` checkpoints by `metric` plus the newest, and saves in the background: a thread of
+the store writes each save while training goes on (one written, one waiting; a newer save
+takes the waiting one's place), and this process's readers of the directory, `close()` and
+the process's end wait for it. A save is the parameters, the model's other
 variables and the optimizer state as nested dicts of numpy arrays (item `state`), and a JSON
 record (item `meta`): step, epoch, seed, history, the GraphConst configuration, the Device
 values, the code fingerprints, the run id and the epoch's metrics. Plain orbax reads them:
@@ -17,8 +19,8 @@ saved["meta"]["epoch"], saved["meta"]["history"][-1]
 ```
 
 `budget` bounds what checkpoints cost: a save is skipped when the time since the last one,
-times `budget`, is less than what the last one cost, so tiny epochs (the digits demo's take
-milliseconds) do not spend their time in orbax. The newest committed epoch is always saved
+times `budget`, is less than what the last one cost (its background write included), so
+tiny epochs (the digits demo's take milliseconds) do not spend their time in orbax. The newest committed epoch is always saved
 when a run ends at an epoch boundary; `budget=None` saves every `every` epochs regardless.
 """
 
@@ -52,6 +54,7 @@ __all__ = [
     "Checkpointer",
     "CheckpointStore",
     "SavedStep",
+    "await_writers",
     "describe_checkpoints",
     "describe_saved",
     "host_tree",
@@ -262,6 +265,34 @@ class _OrbaxAccess:
 
 _ORBAX = _OrbaxAccess()
 
+_EXIT_HOOK = threading.Lock()
+_exit_hooked = False
+
+
+def _finish_at_exit() -> None:  # pragma: no cover - runs at interpreter exit
+    for store in list(_OPEN):
+        store.wait()
+
+
+def _hook_exit() -> None:
+    """Have the process's end wait for the saves in flight, before `concurrent.futures`
+    stops its executors (orbax writes with them, and refuses new work once they stop): the
+    interpreter calls `threading`'s exit hooks before it joins the remaining threads, the
+    latest registered first, and those before `atexit`'s."""
+    global _exit_hooked
+    import concurrent.futures.thread  # noqa: F401 - its hook is registered first, so runs last
+
+    with _EXIT_HOOK:
+        if _exit_hooked:
+            return
+        _exit_hooked = True
+        register = getattr(threading, "_register_atexit", None)
+        if register is not None:
+            try:
+                register(_finish_at_exit)
+            except RuntimeError:  # the interpreter is ending already
+                pass
+
 
 @atexit.register
 def _close_all() -> None:  # pragma: no cover - runs at interpreter exit
@@ -297,8 +328,17 @@ class CheckpointStore:
         self._last_cost = 0.0
         self.saved_epoch: int | None = None
         self.saved_step: int | None = None  # the newest step saved (or resumed from)
-        self.costs: list[float] = []  # seconds each save blocked the loop
+        self.costs: list[float] = []  # seconds each save took, its background write included
         self.failures: list[str] = []
+        # Saves are written by a thread of the store's own (`_drain`), one at a time, so the
+        # caller goes on at once: at most one save in flight and one pending, the pending
+        # one replaced by a newer one. Several processes save together: they write inline.
+        self._background = not deterministic
+        self._queue = threading.Condition()  # guards the three below
+        self._pending: _Job | None = None
+        self._saver: threading.Thread | None = None
+        self._in_flight_since: float | None = None
+        self._ended: threading.Thread | None = None  # the saver that finished last
         _OPEN.add(self)
 
     def _open(self, ranked: bool = True):
@@ -338,18 +378,95 @@ class CheckpointStore:
         return self._manager
 
     def due(self, epoch: int) -> bool:
-        """Whether the epoch just committed should be saved now."""
+        """Whether the epoch just committed should be saved now. A save still being written
+        counts as costing at least the time since it began."""
         config = self.config
         if epoch % config.every:
             return False
-        if config.budget is None or self.deterministic or self._last_start is None:
+        if config.budget is None or self.deterministic:
             return True
-        return (time.perf_counter() - self._last_start) * config.budget >= self._last_cost
+        now = time.perf_counter()
+        start, cost = self._last_start, self._last_cost
+        since = self._in_flight_since
+        if since is not None:
+            start, cost = since, max(cost, now - since)
+        if start is None:
+            return True
+        return (now - start) * config.budget >= cost
 
-    def save(self, step: int, tree: Mapping[str, Any], meta: Mapping[str, Any], value) -> None:
+    def save(
+        self,
+        step: int,
+        tree: Mapping[str, Any],
+        meta: Mapping[str, Any],
+        value,
+        *,
+        then_close: bool = False,
+    ) -> None:
+        """Save `tree` (host arrays, the caller's own) as `step`. Returns at once: the write
+        goes on in the background, after the one in flight; a save still waiting for its
+        turn gives way to this newer one (with `budget=None`, this one waits for that one's
+        turn instead, so every `every` epochs are saved). `then_close`: the run ends here;
+        once written, the manager closes (unless another save is waiting)."""
+        self.saved_epoch = meta.get("epoch")
+        self.saved_step = step
+        self._submit(_Job((step, tree, meta, value), then_close))
+
+    def close_later(self) -> None:
+        """Finish the writes in flight and close the manager, in the background."""
+        self._submit(_Job(None, True))
+
+    def _submit(self, job: _Job) -> None:
+        if not self._background:
+            self._run(job)
+            return
+        with self._queue:
+            if self.config.budget is None and job.save is not None:
+                while self._pending is not None and self._pending.save is not None:
+                    self._queue.wait()
+            pending = self._pending
+            if job.save is None and pending is not None:  # the save waiting goes first
+                job = pending._replace(then_close=job.then_close or pending.then_close)
+            self._pending = job
+            if self._saver is None:
+                _hook_exit()
+                self._saver = threading.Thread(
+                    target=self._drain, name=f"nitro-save {self.directory}", daemon=False
+                )
+                self._saver.start()
+
+    def _drain(self) -> None:
+        """The saver thread: runs the pending jobs until none is left. Not a daemon: a
+        process that ends waits for its writes."""
+        while True:
+            with self._queue:
+                job, self._pending = self._pending, None
+                self._in_flight_since = time.perf_counter() if job is not None else None
+                if job is None:
+                    self._saver, self._ended = None, threading.current_thread()
+                self._queue.notify_all()
+            if job is None:
+                return
+            try:
+                self._run(job)
+            except Exception as error:  # noqa: BLE001 - a failed save must not end the saver
+                self._failed(error, job.save[0] if job.save is not None else None)
+
+    def _run(self, job: _Job) -> None:
+        if job.save is not None:
+            began = time.perf_counter()
+            if self._write(*job.save) and self._background:
+                self._finish()  # the cost counts the background write too
+            cost = time.perf_counter() - began
+            self._last_start, self._last_cost = began, cost
+            self.costs.append(cost)
+        if job.then_close and self._pending is None:
+            self._close_manager()
+
+    def _write(self, step: int, tree: Mapping[str, Any], meta: Mapping[str, Any], value) -> bool:
+        """Hand the save to orbax, after the previous write; False when nothing was begun."""
         import orbax.checkpoint as ocp
 
-        began = time.perf_counter()
         metrics = (
             {self.config.metric: float(value)}
             if value is not None and math.isfinite(value)
@@ -361,8 +478,7 @@ class CheckpointStore:
                 manager = self._open(ranked=metrics is not None)
                 with _ORBAX.held(manager):
                     if step in manager.all_steps():  # saved already (a run ending at a boundary)
-                        self.saved_step = step
-                        return
+                        return False
                     # save() waits for the previous save (and its deletions) anyway: wait
                     # here, so the steps it moved aside can be removed before the next ones
                     manager.wait_until_finished()
@@ -380,12 +496,8 @@ class CheckpointStore:
             except Exception as error:  # noqa: BLE001 - a full disk must not end the run
                 self._failed(error, step)
                 self._discard()
-                return
-        cost = time.perf_counter() - began
-        self._last_start, self._last_cost = began, cost
-        self.costs.append(cost)
-        self.saved_epoch = meta.get("epoch")
-        self.saved_step = step
+                return False
+        return True
 
     def _empty_trash(self) -> None:
         """Remove the steps orbax moved aside for deletion (call with no save in flight)."""
@@ -432,7 +544,8 @@ class CheckpointStore:
                     _ORBAX.closed(manager)
                     self._empty_trash()
 
-    def wait(self) -> None:
+    def _finish(self) -> None:
+        """Wait for the manager's write in flight; a failure is reported as a failed save."""
         with self._lock:
             if self._manager is not None:
                 try:
@@ -442,11 +555,46 @@ class CheckpointStore:
                     self._failed(error, None)
                     self._discard()
 
-    def close(self) -> None:
+    def _close_manager(self) -> None:
         with self._lock:
             manager, self._manager = self._manager, None
         if manager is not None:
             self._shut(manager)
+
+    def wait(self) -> None:
+        """Wait until every save begun is on disk (or has failed, with its warning). Call
+        with no orbax or store lock held: the saver thread needs them."""
+        with self._queue:
+            while self._saver is not None:
+                self._queue.wait()
+            ended, self._ended = self._ended, None
+        if ended is not None and ended is not threading.current_thread():
+            ended.join()  # it has nothing left to do: its end is a moment away
+        self._finish()
+
+    def close(self) -> None:
+        """Finish the saves and close the manager (a later save opens it again)."""
+        self.wait()
+        self._close_manager()
+
+
+class _Job(NamedTuple):
+    """What the saver does next: a save `(step, tree, meta, value)` or none, then whether
+    to close the manager."""
+
+    save: tuple[int, Mapping[str, Any], Mapping[str, Any], Any] | None
+    then_close: bool
+
+
+def await_writers(path: str | os.PathLike) -> None:
+    """Wait for this process's saves in flight that a reader of `path` (a checkpoints
+    directory, its run directory or one of its steps) would see: the first one creates the
+    directory."""
+    where = os.path.realpath(path)
+    for store in list(_OPEN):
+        directory = os.path.realpath(store.directory)
+        if where in (directory, os.path.dirname(directory)) or where.startswith(directory + os.sep):
+            store.wait()
 
 
 def _from_orbax(record: logging.LogRecord) -> bool:
@@ -488,7 +636,8 @@ def _quiet_read_only(record: logging.LogRecord) -> bool:
 
 
 class _reader:
-    """A read-only manager, used under the orbax lock: `with _reader(dir) as manager:`."""
+    """A read-only manager, used under the orbax lock: `with _reader(dir) as manager:`.
+    This process's saves in flight into the directory finish first."""
 
     def __init__(self, directory: Path):
         self.directory = Path(directory).absolute()  # orbax reads absolute paths only
@@ -496,6 +645,7 @@ class _reader:
     def __enter__(self):
         import orbax.checkpoint as ocp
 
+        await_writers(self.directory)
         self._held = _ORBAX.held()
         self._held.__enter__()
         options = ocp.CheckpointManagerOptions(read_only=True, save_interval_steps=0, create=False)
@@ -595,6 +745,7 @@ def describe_checkpoints(directory: str | os.PathLike):
     from orbax's metadata and the JSON records, without loading any array. Damaged steps are
     left out (with a warning naming each); a directory orbax cannot read at all lists none."""
     directory = Path(directory)
+    await_writers(directory)
     if not directory.is_dir():
         return [], None, None, None
     try:
@@ -618,6 +769,7 @@ def describe_checkpoints(directory: str | os.PathLike):
 def describe_saved(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """One row per readable saved checkpoint of a run: step, epoch, the metric and the path."""
     directory = Path(run_dir) / "checkpoints"
+    await_writers(directory)
     if not directory.is_dir():
         return []
     with _reader(directory) as manager:
@@ -723,6 +875,7 @@ def resolve_checkpoint(
     if isinstance(source, CheckpointRef):
         source, which = source.path, source.which
     path = Path(source).absolute()  # orbax reads absolute paths only
+    await_writers(path)
     if not path.exists():
         raise SetupError(f"no checkpoint at {str(path)!r}: the path does not exist")
     step = None

@@ -30,6 +30,7 @@ from nitro.runs.checkpoints import (
     CheckpointStore,
     SavedStep,
     _json_safe,
+    await_writers,
     host_tree,
     leaves_from,
     read_checkpoint,
@@ -375,9 +376,10 @@ class RunFiles:
         reason: str,
         device: Mapping[str, Any],
     ) -> None:
-        """A run that ends at an epoch boundary leaves its newest epoch saved; every save of
-        the run is on disk when `train()` returns (orbax finishes writing in the background
-        while the run goes on, not after it)."""
+        """A run that ends at an epoch boundary leaves its newest epoch saved. `train()`
+        returns at once: the save is written in the background, and the next save, a reader
+        of the run's checkpoints, `close()` and the process's end wait for it. A stopped run
+        waits for its save, to say where it resumes from."""
         store = self.store
         if store is None:
             return
@@ -387,9 +389,11 @@ class RunFiles:
         if (at_boundary and store.saved_epoch != state.epoch) or (
             stopped and store.saved_step != state.step
         ):
-            self._save(setup, state, state.last_row, events, device, reason)
-        store.close()  # finishes the writes; the manager's threads end (a later save reopens)
+            self._save(setup, state, state.last_row, events, device, reason, last=True)
+        else:
+            store.close_later()  # the writes finish, then the manager's threads end
         if reason == "requested":
+            store.close()
             saved = store.saved_step == state.step and len(store.failures) == failures
             events.note(_resume_point(state, store, saved))
 
@@ -401,6 +405,7 @@ class RunFiles:
         events: Events,
         device: Mapping[str, Any],
         reason: str | None = None,
+        last: bool = False,
     ) -> None:
         events.phase("checkpointing")  # the loop (or the run's end) sets the next phase
         store = self.store
@@ -419,6 +424,7 @@ class RunFiles:
                 self.logger_state() if self.logger_state is not None else None,
             ),
             metric if isinstance(metric, (int, float)) else None,
+            then_close=last,
         )
 
     def close(self) -> None:
@@ -517,6 +523,7 @@ def _new_run_dir(setup: RunSetup, besides: Path | None = None) -> tuple[Path, st
 
 
 def _saved_steps(directory: Path) -> list[int]:
+    await_writers(directory)
     if not directory.is_dir():
         return []
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
@@ -565,6 +572,7 @@ def _check_no_writer(path: Path) -> None:
     """`resume=<path>`: refused while a writer holds the run it names (a run directory, its
     checkpoints directory or one step's)."""
     path = path.absolute()
+    await_writers(path)
     for run_dir in (path, path.parent, path.parent.parent):
         if (run_dir / "checkpoints").is_dir():
             check_free(run_dir)

@@ -221,7 +221,7 @@ def average(source: Any, k: int = 3) -> AveragedWeights:
     """
     from pathlib import Path
 
-    from nitro.runs.checkpoints import ranked_steps, resolve_checkpoint
+    from nitro.runs.checkpoints import await_writers, ranked_steps, resolve_checkpoint
 
     if isinstance(source, (list, tuple)) and not (
         len(source) == 2 and source[1] in ("best", "latest")
@@ -238,6 +238,7 @@ def average(source: Any, k: int = 3) -> AveragedWeights:
             f"paths; got {source!r}. For a run's best k checkpoints: average(run_dir, k=...)"
         )
     path = Path(source)
+    await_writers(path)
     directory = path / "checkpoints" if (path / "checkpoints").is_dir() else path
     if not directory.is_dir():
         raise WeightsError(f"average(): no checkpoints at {str(path)!r} (give a run directory)")
