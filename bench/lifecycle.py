@@ -68,6 +68,7 @@ def one_run(checkpointer, epochs: int, directory: Path) -> dict[str, float]:
     # that save's handing over (its write goes on in the background, after train() returns)
     at_end = saving.pop() if clock.segments[-1][0] == "checkpointing" else 0.0
     training = wall - sum(saving) - at_end
+    n.close()  # its last write finishes before the next run starts (and before cleanup)
     return {
         "wall": wall / epochs,
         "during": sum(saving) / training,
