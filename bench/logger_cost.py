@@ -20,23 +20,16 @@ from pathlib import Path
 
 def line_cost(lines: int) -> tuple[float, float]:
     """(us per step with no reporter, extra us per step with a JSON Lines logger)."""
+    from loggers import per_step
+
     from nitro.events import Events
     from nitro.loggers import JSONLinesLogger, LoggingReporter
 
-    def per_step(events) -> float:
-        best = float("inf")
-        for run in range(3):
-            begin = time.perf_counter()
-            for step in range(lines):
-                events.step(run * lines + step + 1, 0.25)
-            best = min(best, time.perf_counter() - begin)
-        return best / lines * 1e6
-
-    baseline = per_step(Events())
+    baseline = per_step(Events(), lines)
     with tempfile.TemporaryDirectory() as directory:
         reporter = LoggingReporter(JSONLinesLogger(Path(directory) / "metrics.jsonl"))
         reporter.logger.bind_run(directory, None)
-        cost = per_step(Events([reporter])) - baseline
+        cost = per_step(Events([reporter]), lines) - baseline
         reporter.logger.finish("completed")
     return baseline, cost
 
