@@ -35,6 +35,9 @@ def test_resume_after_a_kernel_restart_continues_the_killed_kernels_run(kernel, 
         kernel.eval("(exp_run.run_id, exp_run.history()['loss'].tolist())")
     )
 
+    # saves are written in the background: a kill loses the one in flight (a graceful
+    # shutdown waits for it), so this waits for it before killing
+    kernel.run("exp_run.wait()")
     kernel.manager.restart_kernel(now=True)  # kills the kernel process: everything in it is gone
     kernel.client.wait_for_ready(timeout=120)
     kernel.run(SETUP.format(cwd=str(tmp_path)))
@@ -90,6 +93,9 @@ def notebook_kernel(tmp_path, notebook: str) -> Kernel:
 
 
 def restart(k: Kernel, tmp_path) -> None:
+    """Kill the kernel once its handles' saves are written (a kill loses the one in flight),
+    then start it again."""
+    k.run("import gc\n_ = [h.wait() for h in gc.get_objects() if isinstance(h, nitro.Nitro)]")
     k.manager.restart_kernel(now=True)
     k.client.wait_for_ready(timeout=120)
     k.run(SETUP.format(cwd=str(tmp_path)) + DIGITS)
