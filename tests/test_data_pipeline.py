@@ -59,7 +59,7 @@ def test_auto_builds_cheap_batches_inline_and_slow_ones_on_workers():
     cheap = nitro.Nitro(Pipe(), progress=False)  # an ArrayLoader: microseconds per batch
     assert cheap.keywords["prefetch"].value == "auto"
     prefetcher = cheap.runtime.prefetchers["train"]
-    assert prefetcher.path == "inline" and prefetcher.build_seconds < 100e-6
+    assert prefetcher.path == "inline"
     assert "inline: a batch builds in" in prefetcher.describe()
     slow = nitro.Nitro(
         Pipe(), data={"train": RecordingLoader(delay=lambda i: 0.002)}, progress=False
