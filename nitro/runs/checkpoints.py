@@ -379,12 +379,15 @@ class CheckpointStore:
 
     def due(self, epoch: int) -> bool:
         """Whether the epoch just committed should be saved now. A save still being written
-        counts as costing at least the time since it began."""
+        counts as costing at least the time since it began; none is due while one waits."""
         config = self.config
         if epoch % config.every:
             return False
         if config.budget is None or self.deterministic:
             return True
+        pending = self._pending
+        if pending is not None and pending.save is not None:
+            return False  # the last save has not even begun: a newer one would replace it
         now = time.perf_counter()
         start, cost = self._last_start, self._last_cost
         since = self._in_flight_since
