@@ -56,6 +56,9 @@ def test_what_never_recompiles(fresh_cache):
         Toy(), schedules={"learning_rate": lambda step: 1e-3 / (1 + step)}, progress=False
     ).train()  # a schedule
     nitro.Nitro(Toy(), schedules={"scale": lambda step: 1.0 + step}, progress=False).train()
+    # the feed: host batches into the call one run, batches staged by workers the next
+    nitro.Nitro(Toy(), prefetch="inline", progress=False).train()
+    nitro.Nitro(Toy(), prefetch="threads", progress=False).train()
     assert misses() == base
 
 

@@ -269,12 +269,30 @@ class CacheStats:
         return f"<pre>{escape(str(self))}</pre>"
 
 
+def _default_device() -> Any:
+    configured = getattr(jax.config, "jax_default_device", None)
+    return configured if isinstance(configured, jax.Device) else jax.local_devices()[0]
+
+
+def _placement_key(sharding: Any) -> Any:
+    """The sharding as the cache keys it. A host array and an array on the default device
+    run the same compiled program (a host one is put there by the call), so both key as
+    `None`: a feed that hands the program host batches one run and staged ones the next (its
+    choice follows how long a batch takes to build) reuses the program."""
+    if isinstance(sharding, jax.sharding.SingleDeviceSharding):
+        (device,) = sharding.device_set
+        default = _default_device()
+        if device == default and sharding.memory_kind in (None, default.default_memory().kind):
+            return None
+    return sharding
+
+
 def _leaf_signature(path, leaf) -> tuple:
     shape = tuple(getattr(leaf, "shape", ()))
     dtype = getattr(leaf, "dtype", None)
     if dtype is None:
         dtype = jax.numpy.asarray(leaf).dtype
-    sharding = getattr(leaf, "sharding", None) if isinstance(leaf, jax.Array) else None
+    sharding = _placement_key(leaf.sharding) if isinstance(leaf, jax.Array) else None
     weak = bool(getattr(leaf, "weak_type", False))
     return (jax.tree_util.keystr(path), shape, str(dtype), sharding, weak)
 
