@@ -10,7 +10,7 @@ every device of every process.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
@@ -136,6 +136,16 @@ class Placement:
 
             return multihost_utils.process_allgather(tree, tiled=True)
         return jax.device_get(tree)
+
+    def agree(self, values: Sequence[float]) -> list[float]:
+        """Process 0's `values`, in every process (a decision taken from timings, such as
+        steps per call, must be the same everywhere); `values` itself in one process."""
+        if not self.multi_process:
+            return list(values)
+        from jax.experimental import multihost_utils
+
+        agreed = multihost_utils.broadcast_one_to_all(np.asarray(values, np.float32))
+        return [float(v) for v in np.asarray(agreed)]
 
     def local_rows(self, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """This process's share of a global host batch (all of it in one process)."""

@@ -22,7 +22,7 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 import jax
@@ -345,10 +345,13 @@ class Prefetcher:
             )
         return rows
 
-    def epoch(self, epoch: int, start: int = 0, block: int = 1, group: int = 1) -> EpochStream:
+    def epoch(
+        self, epoch: int, start: int = 0, block: int | Iterable[int] = 1, group: int = 1
+    ) -> EpochStream:
         """The staged batches of one epoch from batch `start`. With `block > 1` or
         `group > 1`: calls of `block` steps of `group` stacked batches each; the epoch's
-        remainder goes one step per call."""
+        remainder goes one step per call. `block` may be a sequence of call sizes, one per
+        call in turn (the last repeats): the steps-per-call measurement alternates sizes."""
         if self.path == "inline":
             return _InlineStream(self, epoch, start, block, group)
         return _ThreadedStream(self, epoch, start, block, group)
@@ -373,6 +376,21 @@ class EpochStream:
 
     def close(self) -> None:  # pragma: no cover - overridden
         raise NotImplementedError
+
+
+def _call_sizes(block: int | Iterable[int]) -> Iterator[int]:
+    """Steps per call, call after call: `block` each time, or the sizes `block` lists in
+    turn, the last repeating."""
+    if isinstance(block, int):
+        return itertools.repeat(block)
+
+    def sizes() -> Iterator[int]:
+        size = 1
+        for size in block:
+            yield size
+        yield from itertools.repeat(size)
+
+    return sizes()
 
 
 def _source_iterator(source: Any, epoch: int, start: int) -> Iterator[tuple[int, Any]]:
@@ -404,21 +422,30 @@ def _steps_of(items: list, group: int, name: str) -> list[list]:
 
 
 class _InlineStream(EpochStream):
-    def __init__(self, owner: Prefetcher, epoch: int, start: int, block: int = 1, group: int = 1):
+    def __init__(
+        self,
+        owner: Prefetcher,
+        epoch: int,
+        start: int,
+        block: int | Iterable[int] = 1,
+        group: int = 1,
+    ):
         self.owner = owner
         self.iterator = _source_iterator(owner.source, epoch, start)
-        self.block, self.group = block, group
+        self._sizes = _call_sizes(block)
+        self.block, self.group = next(self._sizes), group
         self._short: list = []  # the epoch's remainder: one step per call
         self.wait_seconds = 0.0
 
     def __next__(self) -> StagedBatch:
         begin = time.perf_counter()
         try:
-            if self.block == 1 and self.group == 1:
+            block, self.block = self.block, next(self._sizes)
+            if block == 1 and self.group == 1 and not self._short:
                 index, host = next(self.iterator)
                 return self.owner.stage(index, host)
             if not self._short:
-                units = self.block * self.group
+                units = block * self.group
                 items = list(itertools.islice(self.iterator, units))
                 if not items:
                     raise StopIteration
@@ -441,9 +468,17 @@ class _InlineStream(EpochStream):
 
 
 class _ThreadedStream(EpochStream):
-    def __init__(self, owner: Prefetcher, epoch: int, start: int, block: int = 1, group: int = 1):
+    def __init__(
+        self,
+        owner: Prefetcher,
+        epoch: int,
+        start: int,
+        block: int | Iterable[int] = 1,
+        group: int = 1,
+    ):
         self.owner = owner
-        self.block, self.group = block, group
+        self._sizes = _call_sizes(block)
+        self.block, self.group = next(self._sizes), group
         self._pending: list[tuple[int, Any]] = []  # host batches waiting to fill a block
         self.settings = owner.settings
         self.out: queue.Queue = queue.Queue(maxsize=self.settings.device_batches)
@@ -492,7 +527,10 @@ class _ThreadedStream(EpochStream):
             self._pending.append((index, host))
             if len(self._pending) < self.block * self.group:
                 return True
-            return self._flush()
+            flushed = self._flush()
+            self.block = next(self._sizes)
+            return flushed
+        self.block = next(self._sizes)
         staged = self.owner.stage(index, host)
         if not self._put(self.out, staged):
             staged.free()

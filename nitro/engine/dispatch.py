@@ -3,47 +3,76 @@
 On small models a step is dominated by dispatch: Python and the runtime take longer to
 launch the program than the program computes. Nitro owns the loop, so it can run K steps in
 one compiled program (`lax.scan` over K stacked batches). `steps_per_dispatch=K` fixes K;
-`"auto"` (the default) runs the first steps one at a time, measures them, and picks K so
-that one call does at least `TARGET_SECONDS` of work (K=1 where steps are already long),
-capped by the epoch length and `MAX_STEPS`, then times the first fused calls and goes back to
-one step per call if fusing did not make a step faster (XLA's CPU backend, for one, runs
-convolutions inside a loop body about ten times slower than alone). A stop takes effect at the
-next dispatch boundary, so it waits at most K steps.
+`"auto"` (the default) decides by measuring:
+
+1. The first steps run one at a time and are timed (`PROBE_STEPS`, after the first, which
+   compiles). They give a step's time `s` and the candidate K: enough steps for
+   `TARGET_SECONDS` of work per call, at least `MIN_STEPS`, at most `MAX_STEPS`, what keeps a
+   stop waiting no longer than `MAX_CALL_SECONDS` for a call to end, and what lets a timing
+   round fit in an epoch. A run with less than `WORTH_SECONDS` of work left keeps one step
+   per call for now (a fused program would not pay for its compile); a longer run of the
+   same handle decides again.
+2. Then K steps per call are timed against one step per call, in alternation: each round
+   runs `SINGLES` single steps and one fused call next to each other, so a busy neighbour
+   slows both sides of a round alike. After `ROUNDS` rounds (`MIN_ROUNDS` when every round
+   agrees by far) the median of the rounds' ratios decides: K where fused steps were faster
+   (by `KEEP_BELOW`), else one step per call. "auto" never keeps a K that measured slower
+   than one step per call: XLA's CPU backend, for one, runs convolutions inside a loop body
+   several times slower than alone, and some long steps run faster in a loop.
+
+The reason in the binding report gives the figures. A stop takes effect at the next dispatch
+boundary, so it waits at most K steps.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
+import statistics
 import time
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
-__all__ = ["MAX_STEPS", "PROBE_STEPS", "TARGET_SECONDS", "DispatchChoice", "DispatchPlan"]
+__all__ = [
+    "KEEP_BELOW",
+    "MAX_CALL_SECONDS",
+    "MAX_STEPS",
+    "MIN_STEPS",
+    "PROBE_STEPS",
+    "ROUNDS",
+    "SINGLES",
+    "TARGET_SECONDS",
+    "DispatchChoice",
+    "DispatchPlan",
+]
 
 TARGET_SECONDS = 0.004  # of work per program call, for "auto"
 MAX_STEPS = 64
+MIN_STEPS = 4  # the smallest K "auto" times against one step per call
+MAX_CALL_SECONDS = 0.5  # the longest a fused call may keep a stop waiting
 PROBE_STEPS = 8  # single steps timed, after the first (which compiles)
 WORTH_SECONDS = 2.0  # a run with less work than this left keeps one step per call
-CHECK_CALLS = 5  # fused calls timed to confirm that fusing pays (after two settle)
-CHECK_SETTLE = 2
-# A fused step may time up to this much slower than a step alone and still be kept: the first
-# fused calls run slower than they will (medium MLPs: 1.08x here, then faster than single
-# steps), while the case the check exists for is 7-12x slower.
-CHECK_TOLERANCE = 1.15
+SINGLES = 8  # single steps per timing round (fewer when K is smaller)
+ROUNDS = 5  # timing rounds, each single steps and one fused call side by side
+MIN_ROUNDS = 3  # enough rounds when each one's ratio is past `CLEAR` either way
+CLEAR = 0.25  # a ratio this far from 1 in every round settles it early
+KEEP_BELOW = 0.97  # a fused step must take at most this share of a single step's time
 
 
 @dataclasses.dataclass(frozen=True)
 class DispatchChoice:
     """Steps per program call as decided so far, as a value: the `steps_per_dispatch`
-    setting, K (None while "auto" has not measured), why, and whether the first fused calls
-    are still being timed. `n.dispatch` is the current one; passed as `steps_per_dispatch=`
-    (or through `weights=n`) a later handle continues it instead of measuring again."""
+    setting, K (None while "auto" has not measured), why, and whether K is still being timed
+    against one step per call. `n.dispatch` is the current one; passed as
+    `steps_per_dispatch=` (or through `weights=n`) a later handle continues it instead of
+    measuring again."""
 
     setting: int | str  # what steps_per_dispatch said: K or "auto"
     steps: int | None = None
     reason: str = ""
-    checking: bool = False  # "auto" decided K > 1 and is timing the first fused calls
-    single_seconds: float | None = None  # a step alone, as measured (what the check compares)
+    checking: bool = False  # "auto" is timing `steps` per call against one (`steps` not kept yet)
+    single_seconds: float | None = None  # a step alone, as the first steps measured
 
     @classmethod
     def of(cls, setting: int | str) -> DispatchChoice:
@@ -62,25 +91,47 @@ class DispatchChoice:
         if self.steps is None:
             return (
                 f"auto (the first {PROBE_STEPS + 1} steps run one at a time and are timed; "
-                f"then K steps per call, about {TARGET_SECONDS * 1e3:.0f} ms of work each)"
+                f"then K steps per call, about {TARGET_SECONDS * 1e3:.0f} ms of work each, are "
+                f"timed against one step per call, side by side, and the faster is kept)"
             )
         if self.checking:
-            return f"{self.steps} ({self.reason}; checking that the fused calls are faster)"
+            return f"auto, timing {self.steps} steps per call against 1 ({self.reason})"
         return f"{self.steps} ({self.reason})"
 
     def __repr__(self) -> str:
         return f"DispatchChoice({self.describe()})"
 
 
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3f} ms"
+
+
 class DispatchPlan:
     """The measurement behind "auto": timed steps, then a `DispatchChoice` that holds for
     every later run of the handle. Part of the handle's run-time record; it starts from the
-    setting, or from an earlier handle's choice."""
+    setting, or from an earlier handle's choice.
 
-    def __init__(self, start: DispatchChoice):
+    `agree(values)`: in a run of several processes, the values process 0 measured (every
+    process must run the same programs); None in a single process."""
+
+    def __init__(
+        self,
+        start: DispatchChoice,
+        agree: Callable[[Sequence[float]], Sequence[float]] | None = None,
+    ):
         self.choice = start
+        self.agree = agree
         self._last: float | None = None
-        self._intervals: list[float] = []
+        self._intervals: list[float] = []  # single steps timed by the probe
+        self._singles: list[float] = []  # single steps of the round under way
+        self._rounds: list[tuple[float, float]] = []  # (fused, single) seconds a step
+        self._fused_seen = False  # the first fused call compiles: never timed
+        self._waiting = False  # this run was too short to decide: the next one measures
+
+    def start_run(self) -> None:
+        """A `train()` call begins: an "undecided" verdict (too little work left) is
+        reconsidered, with the new run's work."""
+        self._waiting = False
 
     @property
     def steps(self) -> int | None:
@@ -98,101 +149,149 @@ class DispatchPlan:
     def probing(self) -> bool:
         return self.choice.probing
 
+    @property
+    def measuring(self) -> bool:
+        """Whether completed calls are still being timed."""
+        return (self.probing and not self._waiting) or self.checking
+
     def describe(self) -> str:
         return self.choice.describe()
 
     def _decided(self, **changes: Any) -> None:
         self.choice = dataclasses.replace(self.choice, **changes)
 
+    def _singles_per_round(self) -> int:
+        return min(SINGLES, self.steps or 1)
+
     def block(self, batches: int | None) -> int:
-        """Steps per call in an epoch of `batches` (1 while measuring)."""
+        """Steps per call in an epoch of `batches` once decided (1 while measuring)."""
+        if self.measuring:
+            return 1
         steps = self.steps or 1
         return max(1, min(steps, batches)) if batches else steps
 
+    def layout(self, batches: int | None) -> tuple[str, int]:
+        """What a stream of steps is opened with, as a comparable value."""
+        if self.checking:
+            return ("timing", self.steps or 1)
+        return ("steps", self.block(batches))
+
+    def blocks(self, batches: int | None) -> int | Iterable[int]:
+        """Steps per call, call after call, for a stream opened now: K (1 while probing),
+        or, while timing K, rounds of single steps then one fused call."""
+        kind, steps = self.layout(batches)
+        if kind == "steps":
+            return steps
+        first = steps if not self._fused_seen else 1  # compile it first, or an untimed call
+        rounds = itertools.cycle([1] * self._singles_per_round() + [steps])
+        return itertools.chain([first], rounds)
+
     def start_stream(self) -> None:
         """A new stream of steps begins (an epoch, after validation): the time until its
-        first step completes is not a step's."""
+        first call completes is not a call's."""
         self._last = None
+        self._singles = []
 
-    def observe(self, batches: int | None) -> bool:
-        """A single step completed; True once enough steps were timed to decide (fewer in
-        short epochs: at most all but the first two of one)."""
+    def completed(
+        self, count: int, batches: int | None, remaining: Callable[[], int | None]
+    ) -> bool:
+        """A call of `count` steps completed while measuring. True when the stream's call
+        sizes change from here (K to time, or the decision made)."""
         now = time.perf_counter()
-        if self._last is not None:
-            self._intervals.append(now - self._last)
+        interval = None if self._last is None else now - self._last
         self._last = now
-        needed = PROBE_STEPS if not batches else max(1, min(PROBE_STEPS, batches - 2))
-        return len(self._intervals) >= needed
-
-    def observe_fused(self, count: int) -> bool:
-        """A call of `count` steps completed while checking; True once `CHECK_CALLS` full
-        calls were timed (the first `CHECK_SETTLE` intervals, still warming up, are not)."""
-        now = time.perf_counter()
-        if count != self.steps:  # a remainder: not comparable, and breaks the interval
-            self._last = None
+        if self.probing:
+            if interval is None or self._waiting:
+                return False
+            self._intervals.append(interval)
+            needed = PROBE_STEPS if not batches else max(1, min(PROBE_STEPS, batches - 2))
+            if len(self._intervals) < needed:
+                return False
+            before = self.layout(batches)
+            self._decide(batches, remaining())
+            return self.layout(batches) != before
+        if not self.checking:
             return False
-        if self._last is not None:
-            self._intervals.append(now - self._last)
-        self._last = now
-        return len(self._intervals) >= CHECK_SETTLE + CHECK_CALLS
-
-    def confirm(self) -> int:
-        """Keep K unless a fused call's steps were clearly slower than single steps (by more
-        than `CHECK_TOLERANCE`); then go back to 1."""
-        intervals = sorted(self._intervals[CHECK_SETTLE:])
         steps = self.steps or 1
-        fused = intervals[len(intervals) // 2] / steps
-        single = self.choice.single_seconds or 0.0
-        self._intervals = []
-        if fused <= single * CHECK_TOLERANCE:
-            reason = f"{self.reason}; confirmed: {fused * 1e3:.3f} ms per step fused"
-            self._decided(reason=reason, checking=False)
-            return steps
-        reason = (
-            f"auto: a step took {single * 1e3:.3f} ms alone and {fused * 1e3:.3f} ms inside a "
-            f"fused call of {steps} (this backend runs the step slower in a loop); one "
-            f"step per call"
-        )
-        self._decided(steps=1, reason=reason, checking=False)
-        return 1
+        if count == steps and count > 1:
+            first, self._fused_seen = not self._fused_seen, True
+            singles, self._singles = self._singles, []
+            if interval is None or first or len(singles) < self._singles_per_round():
+                return False
+            self._rounds.append((interval / count, statistics.fmean(singles)))
+            return self._conclude()
+        if count == 1 and interval is not None:
+            self._singles.append(interval)
+        else:
+            self._singles = []  # a remainder call, or untimed: the round starts again
+        return False
 
-    def decide(self, batches: int | None, remaining: int | None = None) -> int:
-        """Pick K from the timed steps (the median interval between completions): enough
-        steps for `TARGET_SECONDS` of work per call, a divisor of the epoch's batches when one
-        is near (no remainder), 1 when the `remaining` steps of the run are too little work
-        to pay for compiling a fused program."""
-        intervals = sorted(self._intervals)
-        seconds = intervals[len(intervals) // 2]
-        wanted = math.ceil(TARGET_SECONDS / seconds) if seconds > 0 else MAX_STEPS
-        cap = min(MAX_STEPS, batches) if batches else MAX_STEPS
+    def _decide(self, batches: int | None, remaining: int | None) -> None:
+        """From the probe's median single step: the K to time against one step per call
+        (or one step per call where no K > 1 is allowed, or the run is too short to tell)."""
+        seconds = statistics.median(self._intervals)
+        if self.agree is not None:
+            (seconds,) = self.agree([seconds])
+        self._intervals = []
+        wanted = max(MIN_STEPS, math.ceil(TARGET_SECONDS / seconds) if seconds > 0 else 1)
+        caps = {MAX_STEPS: f"K is at most {MAX_STEPS}"}
+        held = int(MAX_CALL_SECONDS / seconds) if seconds > 0 else MAX_STEPS
+        caps.setdefault(
+            held, f"a call of more steps would keep a stop waiting over {MAX_CALL_SECONDS:g} s"
+        )
+        if batches:
+            # a timing round (an untimed call, single steps, a fused call) fits in an epoch
+            fits = max([k for k in range(1, batches) if 1 + min(SINGLES, k) + k <= batches] or [1])
+            caps.setdefault(fits, f"a timing round must fit in the epoch of {batches} batches")
+        cap = min(caps)
         steps = max(1, min(wanted, cap))
         if batches and steps > 1 and batches % steps:
-            near = [
-                d for d in range(max(2, steps // 2), min(2 * steps, cap) + 1) if not batches % d
-            ]
+            near = [d for d in range(max(2, steps // 2), steps + 1) if not batches % d]
             if near:
-                steps = min(near, key=lambda d: (abs(d - steps), -d))
-        short = remaining is not None and remaining * seconds < WORTH_SECONDS
-        if short and steps > 1:
-            # not worth it for this run; a longer run of the same handle decides again
-            self._decided(
-                reason=f"undecided: a step took {seconds * 1e3:.3f} ms, and the {remaining} "
-                f"steps left to max_epochs were too little work to pay for compiling a fused "
-                f"program"
-            )
-            self._intervals = []
-            return 1
+                steps = max(near)  # a divisor of the epoch: no remainder
         if steps == 1:
-            why = f"a step took {seconds * 1e3:.2f} ms, already a call's worth of work"
-        else:
-            why = (
-                f"a step took {seconds * 1e3:.3f} ms; {steps} steps make one call about "
-                f"{steps * seconds * 1e3:.1f} ms of work"
+            self._decided(
+                steps=1,
+                single_seconds=seconds,
+                reason=f"auto: a step took {_ms(seconds)}; one step per call ({caps[cap]})",
             )
-            if steps == cap and steps < wanted:
-                why += f" (capped by {'the epoch length' if cap == batches else MAX_STEPS})"
-        self._decided(
-            steps=steps, reason=f"auto: {why}", checking=steps > 1, single_seconds=seconds
+            return
+        if remaining is not None and remaining * seconds < WORTH_SECONDS:
+            # not worth a fused program's compile for this run; a longer run decides again
+            self._waiting = True
+            self._decided(
+                reason=f"undecided: a step took {_ms(seconds)}, and the {remaining} steps "
+                f"left to max_epochs were too little work to pay for compiling a fused program"
+            )
+            return
+        why = f"a step took {_ms(seconds)}"
+        if cap < wanted:
+            why += f" ({caps[cap]})"
+        self._decided(steps=steps, checking=True, single_seconds=seconds, reason=f"auto: {why}")
+
+    def _conclude(self) -> bool:
+        """Decide once enough rounds were timed; True when decided."""
+        ratios = [fused / single for fused, single in self._rounds]
+        clear = all(r < 1 - CLEAR for r in ratios) or all(r > 1 + CLEAR for r in ratios)
+        if len(ratios) < ROUNDS and not (clear and len(ratios) >= MIN_ROUNDS):
+            return False
+        fused = statistics.median(f for f, _ in self._rounds)
+        single = statistics.median(s for _, s in self._rounds)
+        ratio = statistics.median(ratios)
+        if self.agree is not None:
+            ratio, fused, single = self.agree([ratio, fused, single])
+        rounds, self._rounds = len(ratios), []
+        steps = self.steps or 1
+        figures = (
+            f"{_ms(fused)} a step in fused calls of {steps} against {_ms(single)} one at a "
+            f"time, the median of {rounds} rounds side by side"
         )
-        self._intervals = []
-        return steps
+        if ratio <= KEEP_BELOW:
+            reason = f"auto: {steps} steps per call ran {1 / ratio:.2f}x as fast: {figures}"
+            self._decided(reason=reason, checking=False)
+        else:
+            reason = (
+                f"auto: one step per call; fused calls took {ratio:.2f}x the time a step: {figures}"
+            )
+            self._decided(steps=1, reason=reason, checking=False)
+        return True

@@ -75,7 +75,7 @@ class _Epoch:
         self.dispatched = 0
         self.target = 0  # the epoch this run trains to
         # (epoch, block, stream) started early, during validation
-        self.upcoming: tuple[int, int, EpochStream] | None = None
+        self.upcoming: tuple[int, tuple[str, int], EpochStream] | None = None
         self.programs_by_count: dict[tuple, Any] = {}  # (steps, micro) per call -> program
 
 
@@ -100,6 +100,7 @@ def train_epochs(
     (a stop or an error during validation) is validated first by the next call.
     """
     run = _Epoch(setup, runtime, programs, events, control)
+    runtime.dispatch.start_run()
     run.dispatched = state.step
     run.target = target
     stop = control.stop
@@ -123,12 +124,12 @@ def train_epochs(
             state.epoch_trained = True
             if state.epoch + 1 < target and not stop.is_set():
                 # start producing the next epoch now, so validation overlaps with it
-                block = runtime.dispatch.block(_updates(setup))
+                plan, updates = runtime.dispatch, _updates(setup)
                 run.upcoming = (
                     state.epoch + 1,
-                    block,
+                    plan.layout(updates),
                     runtime.prefetcher("train").epoch(
-                        state.epoch + 1, block=block, group=setup.accum
+                        state.epoch + 1, block=plan.blocks(updates), group=setup.accum
                     ),
                 )
         if stop.is_set():
@@ -221,10 +222,10 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
     upcoming, run.upcoming = run.upcoming, None
     try:
         while True:
-            block = runtime.dispatch.block(_updates(setup))
+            plan, updates = runtime.dispatch, _updates(setup)
             if (
                 upcoming is not None
-                and upcoming[:2] == (state.epoch, block)
+                and upcoming[:2] == (state.epoch, plan.layout(updates))
                 and (state.position == 0)
             ):
                 stream = upcoming[2]
@@ -232,7 +233,10 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
                 if upcoming is not None:
                     upcoming[2].close()
                 stream = runtime.prefetcher("train").epoch(
-                    state.epoch, start=state.position, block=block, group=setup.accum
+                    state.epoch,
+                    start=state.position,
+                    block=plan.blocks(updates),
+                    group=setup.accum,
                 )
             upcoming = None
             try:
@@ -279,7 +283,7 @@ def _remaining(run: _Epoch, state: TrainState) -> int | None:
 def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
     """Dispatch every staged call of `stream`, reading each back one call late. Returns
     "ended" (the stream ended), "interrupted" (a stop request) or "switch" (the dispatch plan
-    just decided K > 1: reopen the stream in blocks)."""
+    changed its call sizes: K to time against one step, or its decision; reopen the stream)."""
     setup, control = run.setup, run.control
     feed, stop, plan = run.runtime.feed, control.stop, run.runtime.dispatch
     updates = _updates(setup)
@@ -327,12 +331,10 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
             previous, pending = pending, _Pending(index, out.report, out.metrics, staged)
             if previous is not None:
                 _complete(run, state, previous)
-                if plan.probing and plan.observe(updates):
-                    if plan.decide(updates, _remaining(run, state)) > 1 and switchable:
-                        ended = "switch"
-                        break
-                elif plan.checking and plan.observe_fused(previous.staged.count):
-                    if plan.confirm() == 1 and switchable:
+                if plan.measuring and plan.completed(
+                    previous.staged.count, updates, lambda: _remaining(run, state)
+                ):
+                    if switchable:
                         ended = "switch"
                         break
         if pending is not None:

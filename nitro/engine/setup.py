@@ -172,7 +172,10 @@ def build(
     runtime = RunTime(
         experiment=instance,
         feed=feed,
-        dispatch=DispatchPlan(_dispatch_start(keywords, dispatch)),
+        dispatch=DispatchPlan(
+            _dispatch_start(keywords, dispatch),
+            agree=placement.agree if placement.multi_process else None,
+        ),
         prefetchers=FrozenDict(prefetchers),
     )
     with_ema = keywords.ema is not None and optimizer is not None
