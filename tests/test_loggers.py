@@ -286,7 +286,8 @@ def test_a_second_train_appends_to_the_same_files_and_the_steps_continue(tmp_pat
 
     records = read_jsonl(tmp_path / "metrics.jsonl")
     assert [r["status"] for r in records if r["type"] == "finish"] == ["completed", "completed"]
-    assert sum(r["type"] == "params" for r in records) == 2
+    # what describes the run is logged once, and again only when it changes
+    assert sum(r["type"] == "params" for r in records) == 1
     train = [r for r in metric_lines(records, "train") if "loss" in r["metrics"]]
     assert [r["step"] for r in train] == list(range(1, 9))
     rows = read_csv(tmp_path / "metrics.csv")
@@ -309,6 +310,11 @@ def test_a_second_train_appends_to_the_same_files_and_the_steps_continue(tmp_pat
     again = read_jsonl(tmp_path / "metrics.jsonl")
     assert again[: len(records)] == records
     assert sum(r["type"] == "finish" for r in again) == 3
+    assert sum(r["type"] == "params" for r in again) == 2  # a new handle describes its run
+
+    m.set_device(scale=2.0).train(epochs=1)  # a Device field changed: the params again
+    params = [r for r in read_jsonl(tmp_path / "metrics.jsonl") if r["type"] == "params"]
+    assert len(params) == 3 and params[-1]["params"]["scale"] == 2.0
 
 
 def test_a_logger_with_a_path_keeps_it_and_a_pathless_one_adopts_the_run_directory(tmp_path):

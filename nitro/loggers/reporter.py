@@ -120,6 +120,7 @@ class LoggingReporter:
             logger if isinstance(logger, LoggerGroup) else LoggerGroup([logger])
         )
         self._bound: tuple[str, str | None] | None = None
+        self._described: dict[str, Any] = {}  # what start_run logged last for this run
         self._epoch: int | None = None
         self._log_metrics = self.logger.log_metrics
 
@@ -133,11 +134,24 @@ class LoggingReporter:
         binding = (os.fspath(handle.run_dir), getattr(handle, "run_id", None))
         if binding != self._bound:
             logger.bind_run(*binding)
-            self._bound = binding
-        logger.log_params(run_params(handle))
-        logger.log_tags({"experiment": handle.owner})
-        logger.log_other("binding_report", str(handle.binding_report()))
-        logger.flush()  # on disk before the first compile
+            self._bound, self._described = binding, {}
+        # what describes the run, logged by its first call and again only when it changed
+        # (a short call on a live handle does not write a kilobyte of the same report again)
+        described = {
+            "params": run_params(handle),
+            "tags": {"experiment": handle.owner},
+            "binding_report": str(handle.binding_report()),
+        }
+        changed = {k: v for k, v in described.items() if self._described.get(k) != v}
+        self._described = described
+        if "params" in changed:
+            logger.log_params(changed["params"])
+        if "tags" in changed:
+            logger.log_tags(changed["tags"])
+        if "binding_report" in changed:
+            logger.log_other("binding_report", changed["binding_report"])
+        if changed:
+            logger.flush()  # on disk before the first compile
         self._epoch = handle.epoch + 1
 
     def start_epoch(self, epoch: int, target_epoch: int, batches: int | None, start: int) -> None:

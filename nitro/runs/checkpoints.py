@@ -339,6 +339,12 @@ class CheckpointStore:
         self._saver: threading.Thread | None = None
         self._in_flight_since: float | None = None
         self._ended: threading.Thread | None = None  # the saver that finished last
+        # The budget holds the saver's own work too (it shares the cores and Python's lock
+        # with training): after a save that took c seconds it rests c * (1/budget - 1) before
+        # the next, the one waiting meanwhile replaced by newer ones; not while anyone waits
+        # for the writes (a reader, `wait()`, the process's end).
+        self._rest_until = 0.0
+        self._hurry = 0  # callers waiting for the writes
         _OPEN.add(self)
 
     def _open(self, ranked: bool = True):
@@ -443,6 +449,11 @@ class CheckpointStore:
         process that ends waits for its writes."""
         while True:
             with self._queue:
+                while self._pending is not None and not self._hurry:
+                    left = self._rest_until - time.perf_counter()
+                    if left <= 0:
+                        break
+                    self._queue.wait(left)
                 job, self._pending = self._pending, None
                 self._in_flight_since = time.perf_counter() if job is not None else None
                 if job is None:
@@ -460,9 +471,13 @@ class CheckpointStore:
             began = time.perf_counter()
             if self._write(*job.save) and self._background:
                 self._finish()  # the cost counts the background write too
-            cost = time.perf_counter() - began
+            ended = time.perf_counter()
+            cost = ended - began
             self._last_start, self._last_cost = began, cost
             self.costs.append(cost)
+            budget = self.config.budget
+            if budget is not None and self._background:
+                self._rest_until = ended + cost * (1 / budget - 1)
         if job.then_close and self._pending is None:
             self._close_manager()
 
@@ -568,8 +583,13 @@ class CheckpointStore:
         """Wait until every save begun is on disk (or has failed, with its warning). Call
         with no orbax or store lock held: the saver thread needs them."""
         with self._queue:
-            while self._saver is not None:
-                self._queue.wait()
+            self._hurry += 1
+            self._queue.notify_all()  # a resting saver writes what waits at once
+            try:
+                while self._saver is not None:
+                    self._queue.wait()
+            finally:
+                self._hurry -= 1
             ended, self._ended = self._ended, None
         if ended is not None and ended is not threading.current_thread():
             ended.join()  # it has nothing left to do: its end is a moment away

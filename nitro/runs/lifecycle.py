@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Mapping
@@ -106,6 +107,7 @@ class RunFiles:
     lock: RunLock | None = None
     locks: bool = True  # False on the secondary processes of a multi-process run
     claim: bool | None = None  # planned: hold the directory (True: may take it over) at once
+    _history_rows: _ScalarRows = dataclasses.field(default_factory=lambda: _ScalarRows())
 
     @classmethod
     def plan(
@@ -422,6 +424,7 @@ class RunFiles:
                 reason,
                 device,
                 self.logger_state() if self.logger_state is not None else None,
+                self._history_rows,
             ),
             metric if isinstance(metric, (int, float)) else None,
             then_close=last,
@@ -458,10 +461,10 @@ def checkpoint_meta(
     reason: str | None,
     device: Mapping[str, Any],
     logger_state: Any = None,
+    rows: _ScalarRows | None = None,
 ) -> dict[str, Any]:
     checkpointer = setup.checkpointer
     assert checkpointer is None or isinstance(checkpointer, Checkpointer)  # the keyword's check
-    scalar = lambda r: {k: v for k, v in r.items() if np.ndim(v) == 0}  # noqa: E731
     return {
         "format": 1,
         "nitro": __version__,
@@ -471,8 +474,8 @@ def checkpoint_meta(
         "step": state.step,
         "epoch": state.epoch,
         "seed": state.seed,
-        "history": [scalar(r) for r in state.history],
-        "metrics": scalar(row),
+        "history": rows.of(state.history) if rows is not None else _ScalarRows().of(state.history),
+        "metrics": _scalars(row),
         "stop_reason": reason,
         "graphconst": config_of(setup),
         "device": dict(device),
@@ -482,6 +485,32 @@ def checkpoint_meta(
         "logger": logger_state,
         "partial_epoch": _partial_epoch(state),
     }
+
+
+def _scalars(row: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if np.ndim(v) == 0}
+
+
+class _ScalarRows:
+    """The history's scalar columns as each checkpoint records them, each row converted once:
+    a handle that trained a thousand one-epoch calls does not convert a thousand rows per
+    save. Rows are never changed once committed; a history that is not the one seen last
+    (another handle's, or one replaced by a resume) is converted afresh."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: list[Mapping[str, Any]] = []
+        self._rows: list[dict[str, Any]] = []
+
+    def of(self, history: list[Mapping[str, Any]]) -> list[dict[str, Any]]:
+        with self._lock:
+            n = len(self._seen)
+            if n > len(history) or (n and history[n - 1] is not self._seen[-1]):
+                self._seen, self._rows, n = [], [], 0
+            for row in history[n:]:
+                self._seen.append(row)
+                self._rows.append(_scalars(row))
+            return list(self._rows)
 
 
 def _partial_epoch(state: TrainState) -> dict[str, Any] | None:
