@@ -115,3 +115,12 @@ def test_host_metrics_and_predict_gather_the_global_batch(runs):
     assert np.asarray(first["host_predict"]).shape == (20, 2)
     assert first["host_predict"] == second["host_predict"]
     assert_close(first["host_predict"], single["host_predict"])
+
+
+def test_auto_steps_per_dispatch_is_the_same_decision_in_every_process(runs):
+    """Each process times its own steps; every one follows process 0's figures, so they run
+    the same programs (a different K in one process would hang the collectives)."""
+    first, second = runs[0], runs[1]
+    assert first["auto"] == second["auto"]
+    assert first["auto"]["step"] == 8 * 32
+    assert first["auto"]["steps"] is not None, first["auto"]  # the probe decided

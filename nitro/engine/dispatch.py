@@ -273,6 +273,7 @@ class DispatchPlan:
         """Decide once enough rounds were timed; True when decided."""
         ratios = [fused / single for fused, single in self._rounds]
         clear = all(r < 1 - CLEAR for r in ratios) or all(r > 1 + CLEAR for r in ratios)
+        clear = clear and self.agree is None  # processes decide at the same call: all rounds
         if len(ratios) < ROUNDS and not (clear and len(ratios) >= MIN_ROUNDS):
             return False
         fused = statistics.median(f for f, _ in self._rounds)
@@ -291,7 +292,8 @@ class DispatchPlan:
             self._decided(reason=reason, checking=False)
         else:
             reason = (
-                f"auto: one step per call; fused calls took {ratio:.2f}x the time a step: {figures}"
+                f"auto: one step per call, as a step in a fused call took {ratio:.2f}x as "
+                f"long as one alone: {figures}"
             )
             self._decided(steps=1, reason=reason, checking=False)
         return True
