@@ -189,7 +189,7 @@ def test_auto_measures_then_fuses_and_says_why_in_the_binding_report(monkeypatch
     # the figures it decided by: a step alone, then fused calls timed against single steps
     assert f"steps per dispatch: {plan.steps} (auto: {plan.steps} steps per call ran" in report
     assert f"a step in fused calls of {plan.steps} against" in report
-    assert "one at a time, the median of" in report and "rounds side by side" in report
+    assert "one at a time, in the middle one of" in report and "rounds side by side" in report
     programs = {p["program"] for p in nitro.cache_stats().programs if p["owner"] == n.owner}
     assert "multi-step train" in programs
     assert n.step == 20 * 200  # every step ran once, across the changes of call size
@@ -237,7 +237,7 @@ def test_auto_goes_back_to_one_step_per_call_when_fusing_is_slower(monkeypatch):
     plan = n.dispatch
     assert plan.steps == 1 and not plan.checking, plan.describe()
     assert "one step per call, as a step in a fused call took" in plan.reason, plan.reason
-    assert "the median of" in plan.reason
+    assert "in the middle one of" in plan.reason
     assert "steps per dispatch: 1 (auto: one step per call" in str(n.binding_report())
     assert n.step == 3 * 120  # every step ran once, across the switches
 

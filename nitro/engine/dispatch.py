@@ -13,12 +13,14 @@ one compiled program (`lax.scan` over K stacked batches). `steps_per_dispatch=K`
    per call for now (a fused program would not pay for its compile); a longer run of the
    same handle decides again.
 2. Then K steps per call are timed against one step per call, in alternation: each round
-   runs `SINGLES` single steps and one fused call next to each other, so a busy neighbour
-   slows both sides of a round alike. After `ROUNDS` rounds (`MIN_ROUNDS` when every round
-   agrees by far) the median of the rounds' ratios decides: K where fused steps were faster
-   (by `KEEP_BELOW`), else one step per call. "auto" never keeps a K that measured slower
-   than one step per call: XLA's CPU backend, for one, runs convolutions inside a loop body
-   several times slower than alone, and some long steps run faster in a loop.
+   runs `SINGLES` single steps and one fused call next to each other (which goes first
+   alternates), so a busy neighbour slows both sides of a round alike; a round's ratio is
+   the fused step over the round's median single step. After `ROUNDS` rounds of which
+   `AGREE` agree (`MIN_ROUNDS` when every round agrees by far, `MAX_ROUNDS` at most) the
+   middle round decides: K where fused steps were faster (by `KEEP_BELOW`), else one step
+   per call. "auto" never keeps a K that measured slower than one step per call: XLA's CPU
+   backend, for one, runs convolutions inside a loop body several times slower than alone,
+   and some long steps run faster in a loop.
 
 The reason in the binding report gives the figures. A stop takes effect at the next dispatch
 boundary, so it waits at most K steps.
@@ -57,6 +59,8 @@ SINGLES = 8  # single steps per timing round (fewer when K is smaller)
 ROUNDS = 5  # timing rounds, each single steps and one fused call side by side
 MIN_ROUNDS = 3  # enough rounds when each one's ratio is past `CLEAR` either way
 CLEAR = 0.25  # a ratio this far from 1 in every round settles it early
+AGREE = 0.75  # after ROUNDS, the share of rounds on one side that settles it
+MAX_ROUNDS = 11  # the most rounds timed: the median of these decides
 KEEP_BELOW = 0.97  # a fused step must take at most this share of a single step's time
 
 
@@ -123,7 +127,12 @@ class DispatchPlan:
         self.agree = agree
         self._last: float | None = None
         self._intervals: list[float] = []  # single steps timed by the probe
-        self._singles: list[float] = []  # single steps of the round under way
+        # the round under way: single steps timed, those before a fused pair, the first
+        # fused call's interval, a fused step's time waiting for its singles
+        self._singles: list[float] = []
+        self._before: list[float] | None = None
+        self._first: float | None = None
+        self._fused: float | None = None
         self._rounds: list[tuple[float, float]] = []  # (fused, single) seconds a step
         self._fused_seen = False  # the first fused call compiles: never timed
         self._waiting = False  # this run was too short to decide: the next one measures
@@ -178,19 +187,31 @@ class DispatchPlan:
 
     def blocks(self, batches: int | None) -> int | Iterable[int]:
         """Steps per call, call after call, for a stream opened now: K (1 while probing),
-        or, while timing K, rounds of single steps then one fused call."""
+        or, while timing K, rounds of single steps and two fused calls."""
         kind, steps = self.layout(batches)
         if kind == "steps":
             return steps
         first = steps if not self._fused_seen else 1  # compile it first, or an untimed call
-        rounds = itertools.cycle([1] * self._singles_per_round() + [steps])
-        return itertools.chain([first], rounds)
+        # A call's interval (from the completion before it to its own) also holds the
+        # bookkeeping of the call before it and the staging of the call after it. So fused
+        # calls are timed in pairs, and single steps in a run less its two ends, where those
+        # belong to the other side. Rounds alternate which side comes first (an epoch with
+        # room for one round: the next epoch's begins the other way).
+        singles = [1] * (self._singles_per_round() + 2)
+        rounds = [*singles, steps, steps]
+        if len(self._rounds) % 2:
+            rounds = [steps, steps, *singles]
+        return itertools.chain([first], itertools.cycle(rounds))
 
     def start_stream(self) -> None:
         """A new stream of steps begins (an epoch, after validation): the time until its
         first call completes is not a call's."""
         self._last = None
-        self._singles = []
+        self._forget()
+
+    def _forget(self) -> None:
+        """Start the round under way again (a break in the calls: untimed, a remainder)."""
+        self._singles, self._before, self._first, self._fused = [], None, None, None
 
     def completed(
         self, count: int, batches: int | None, remaining: Callable[[], int | None]
@@ -212,19 +233,38 @@ class DispatchPlan:
             return self.layout(batches) != before
         if not self.checking:
             return False
-        steps = self.steps or 1
-        if count == steps and count > 1:
-            first, self._fused_seen = not self._fused_seen, True
-            singles, self._singles = self._singles, []
-            if interval is None or first or len(singles) < self._singles_per_round():
+        steps, wanted = self.steps or 1, self._singles_per_round()
+        compiled = count == steps and not self._fused_seen
+        self._fused_seen = self._fused_seen or count == steps
+        if interval is None or compiled or count not in (1, steps):
+            self._forget()
+            return False
+        if count == steps:
+            if self._first is None:  # the first of a pair: timed once the second follows
+                self._first = interval
+                self._before, self._singles = self._singles, []
                 return False
-            self._rounds.append((interval / count, statistics.fmean(singles)))
-            return self._conclude()
-        if count == 1 and interval is not None:
-            self._singles.append(interval)
-        else:
-            self._singles = []  # a remainder call, or untimed: the round starts again
+            fused = (self._first + interval) / (2 * steps)
+            before, self._first = self._before or [], None
+            if len(before) >= wanted + 2:
+                self._before = None
+                return self._round(fused, before[-wanted - 1 : -1])
+            self._fused = fused  # the singles come next
+            return False
+        if self._first is not None:  # a single after one fused call: not the pattern
+            self._forget()
+        self._singles.append(interval)
+        if self._fused is not None and len(self._singles) >= wanted + 2:
+            fused, singles = self._fused, self._singles[1 : wanted + 1]
+            self._forget()
+            return self._round(fused, singles)
         return False
+
+    def _round(self, fused: float, singles: list[float]) -> bool:
+        """A round timed: a fused call's seconds a step, and the single steps beside it
+        (their median: one a busy neighbour delayed does not count)."""
+        self._rounds.append((fused, statistics.median(singles)))
+        return self._conclude()
 
     def _decide(self, batches: int | None, remaining: int | None) -> None:
         """From the probe's median single step: the K to time against one step per call
@@ -240,8 +280,9 @@ class DispatchPlan:
             held, f"a call of more steps would keep a stop waiting over {MAX_CALL_SECONDS:g} s"
         )
         if batches:
-            # a timing round (an untimed call, single steps, a fused call) fits in an epoch
-            fits = max([k for k in range(1, batches) if 1 + min(SINGLES, k) + k <= batches] or [1])
+            # a timing round (an untimed call, single steps, two fused calls) fits in an epoch
+            room = [k for k in range(1, batches) if 3 + min(SINGLES, k) + 2 * k <= batches]
+            fits = max(room or [1])
             caps.setdefault(fits, f"a timing round must fit in the epoch of {batches} batches")
         cap = min(caps)
         steps = max(1, min(wanted, cap))
@@ -272,20 +313,26 @@ class DispatchPlan:
     def _conclude(self) -> bool:
         """Decide once enough rounds were timed; True when decided."""
         ratios = [fused / single for fused, single in self._rounds]
+        n = len(ratios)
+        faster = sum(r < 1 for r in ratios)
         clear = all(r < 1 - CLEAR for r in ratios) or all(r > 1 + CLEAR for r in ratios)
-        clear = clear and self.agree is None  # processes decide at the same call: all rounds
-        if len(ratios) < ROUNDS and not (clear and len(ratios) >= MIN_ROUNDS):
+        # enough rounds: a few that all agree by far, or most rounds on one side, or the most
+        # there may be; processes decide at the same call, so they time every round
+        agreed = max(faster, n - faster) >= AGREE * n
+        if self.agree is not None:
+            if n < MAX_ROUNDS:
+                return False
+        elif not ((clear and n >= MIN_ROUNDS) or (agreed and n >= ROUNDS) or n >= MAX_ROUNDS):
             return False
-        fused = statistics.median(f for f, _ in self._rounds)
-        single = statistics.median(s for _, s in self._rounds)
-        ratio = statistics.median(ratios)
+        ratio = statistics.median_low(ratios)  # the middle round's own figures
+        fused, single = self._rounds[ratios.index(ratio)]
         if self.agree is not None:
             ratio, fused, single = self.agree([ratio, fused, single])
-        rounds, self._rounds = len(ratios), []
+        self._rounds = []
         steps = self.steps or 1
         figures = (
             f"{_ms(fused)} a step in fused calls of {steps} against {_ms(single)} one at a "
-            f"time, the median of {rounds} rounds side by side"
+            f"time, in the middle one of {n} rounds side by side"
         )
         if ratio <= KEEP_BELOW:
             reason = f"auto: {steps} steps per call ran {1 / ratio:.2f}x as fast: {figures}"

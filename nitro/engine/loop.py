@@ -340,6 +340,8 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
         if pending is not None:
             previous, pending = pending, None
             _complete(run, state, previous)
+            if ended == "ended" and plan.measuring:  # the stream's last call is timed too
+                plan.completed(previous.staged.count, updates, lambda: _remaining(run, state))
     except DivergenceError:
         if pending is not None:  # skipped by the guard: drain it, count nothing
             _drain(pending)
