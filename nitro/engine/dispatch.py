@@ -13,14 +13,15 @@ one compiled program (`lax.scan` over K stacked batches). `steps_per_dispatch=K`
    per call for now (a fused program would not pay for its compile); a longer run of the
    same handle decides again.
 2. Then K steps per call are timed against one step per call, in alternation: each round
-   runs `SINGLES` single steps and one fused call next to each other (which goes first
-   alternates), so a busy neighbour slows both sides of a round alike; a round's ratio is
-   the fused step over the round's median single step. After `ROUNDS` rounds of which
-   `AGREE` agree (`MIN_ROUNDS` when every round agrees by far, `MAX_ROUNDS` at most) the
-   middle round decides: K where fused steps were faster (by `KEEP_BELOW`), else one step
-   per call. "auto" never keeps a K that measured slower than one step per call: XLA's CPU
-   backend, for one, runs convolutions inside a loop body several times slower than alone,
-   and some long steps run faster in a loop.
+   runs two fused calls and `SINGLES` + 2 single steps next to each other (which side goes
+   first alternates), so a busy neighbour slows both sides of a round alike; a round's ratio
+   is the fused pair's time a step over the median of the round's single steps less the two
+   at the ends (a call's interval holds its neighbours' bookkeeping and staging). After
+   `ROUNDS` rounds of which `AGREE` agree (`MIN_ROUNDS` when every round agrees by far,
+   `MAX_ROUNDS` at most) the middle round decides: K where fused steps were faster (by
+   `KEEP_BELOW`), else one step per call. "auto" never keeps a K that measured slower than
+   one step per call: XLA's CPU backend, for one, runs convolutions inside a loop body
+   several times slower than alone, and some long steps run faster in a loop.
 
 The reason in the binding report gives the figures. A stop takes effect at the next dispatch
 boundary, so it waits at most K steps.
