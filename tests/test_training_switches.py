@@ -93,13 +93,6 @@ def test_a_non_finite_micro_batch_is_guarded_like_a_step():
     assert n.step == 1 and all(np.isfinite(p).all() for p in params_of(n))
 
 
-def test_accum_that_does_not_divide_the_epoch_is_refused_naming_it():
-    with pytest.raises(nitro.SetupError) as raised:
-        nitro.Nitro(Plain(), accum=3, progress=False)
-    assert "accum=3 does not divide the 16 batches" in str(raised.value)
-    assert "choose accum among 1, 2, 4, 8, 16" in str(raised.value)
-
-
 # ---------------------------------------------------------------------------------------------
 # EMA
 

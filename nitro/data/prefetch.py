@@ -405,20 +405,10 @@ def _source_iterator(source: Any, epoch: int, start: int) -> Iterator[tuple[int,
     yield from zip(itertools.count(start), iterator)
 
 
-def _steps_of(items: list, group: int, name: str) -> list[list]:
-    """The epoch's remainder as single steps of `group` batches; a partial last step (the
-    source ended inside one) is dropped with a warning."""
-    whole = len(items) - len(items) % group
-    if whole < len(items):
-        import warnings
-
-        warnings.warn(
-            f"the '{name}' split ended {len(items) - whole} batches into a step of {group} "
-            f"micro-batches (accum={group}); those batches are not used",
-            RuntimeWarning,
-            stacklevel=4,
-        )
-    return [items[i : i + group] for i in range(0, whole, group)]
+def _steps_of(items: list, group: int) -> list[list]:
+    """The epoch's remainder as single steps of `group` batches; the last takes what is left
+    when `group` does not divide them (a step of fewer micro-batches: their mean gradient)."""
+    return [items[i : i + group] for i in range(0, len(items), group)]
 
 
 class _InlineStream(EpochStream):
@@ -453,11 +443,9 @@ class _InlineStream(EpochStream):
                     return self.owner.stage_block(
                         items[0][0], [host for _, host in items], self.group
                     )
-                self._short = _steps_of(items, self.group, self.owner.name)
-                if not self._short:
-                    raise StopIteration
+                self._short = _steps_of(items, self.group)
             items = self._short.pop(0)
-            return self.owner.stage_block(items[0][0], [host for _, host in items], self.group)
+            return self.owner.stage_block(items[0][0], [host for _, host in items], len(items))
         finally:
             self.wait_seconds += time.perf_counter() - begin
 
@@ -544,11 +532,13 @@ class _ThreadedStream(EpochStream):
             return True
         items, self._pending = self._pending, []
         if len(items) < self.block * self.group:
-            steps = _steps_of(items, self.group, self.owner.name)
+            steps = _steps_of(items, self.group)
         else:
             steps = [items]
         staged_list = [
-            self.owner.stage_block(step[0][0], [host for _, host in step], self.group)
+            self.owner.stage_block(
+                step[0][0], [host for _, host in step], min(self.group, len(step))
+            )
             for step in steps
         ]
         for number, staged in enumerate(staged_list):

@@ -387,7 +387,8 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
         RunKeyword(
             "accum",
             1,
-            "micro-batches per optimizer step (gradient accumulation; schedules count steps)",
+            "micro-batches per optimizer step (gradient accumulation; schedules count steps; an "
+            "epoch's last step takes the micro-batches left, their mean gradient)",
             _positive_int("accum"),
         ),
         RunKeyword(

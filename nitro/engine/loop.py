@@ -264,9 +264,10 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
 
 
 def _updates(setup: RunSetup) -> int | None:
-    """Optimizer steps per epoch: batches, or batches / accum."""
+    """Optimizer steps per epoch: batches, or batches / accum rounded up (the last step
+    takes the micro-batches left)."""
     batches = setup.splits["train"].batches
-    return batches // setup.accum if batches is not None else None
+    return -(-batches // setup.accum) if batches is not None else None
 
 
 def _remaining(run: _Epoch, state: TrainState) -> int | None:
@@ -277,7 +278,7 @@ def _remaining(run: _Epoch, state: TrainState) -> int | None:
     if updates is None:
         return None
     horizon = max(run.target, run.setup.max_epochs)
-    return max(0, (horizon - state.epoch) * updates - state.position // run.setup.accum)
+    return max(0, (horizon - state.epoch) * updates - -(-state.position // run.setup.accum))
 
 
 def _run_stream(run: _Epoch, state: TrainState, stream) -> str:

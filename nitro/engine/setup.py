@@ -645,14 +645,9 @@ def _bind_schedules(
     train = splits.get("train")
     accum = keywords.accum
     if train is not None and train.batches is not None:
-        if train.batches % accum:
-            raise SetupError(
-                f"accum={accum} does not divide the {train.batches} batches of an epoch of the "
-                f"'train' split, so an epoch would end inside an optimizer step: choose accum "
-                f"among {_divisors(train.batches)}, or change the batch count (batch size, "
-                f"drop_last) [{keywords.source('accum')}]"
-            )
-        total = keywords.max_epochs * train.batches // accum  # optimizer steps
+        # an epoch's last optimizer step takes the micro-batches left, when accum does not
+        # divide its batches
+        total = keywords.max_epochs * -(-train.batches // accum)  # optimizer steps
     schedules = bind_schedules(
         keywords.schedules,
         hyperparams=optimizer.schedulable if optimizer else {},
@@ -682,11 +677,6 @@ def _bind_schedules(
         placement=placement,
     )
     return total, schedules, feed
-
-
-def _divisors(n: int) -> str:
-    found = [d for d in range(1, n + 1) if not n % d]
-    return ", ".join(map(str, found[:12])) + (" ..." if len(found) > 12 else "")
 
 
 def _freeze_code(
