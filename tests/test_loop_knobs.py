@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 from toys import TinyMLP, ToyWithMetrics, X, Y
 
@@ -112,3 +113,66 @@ def test_accum_larger_than_the_epoch_makes_one_update_of_every_batch():
     assert n.step == 1
     for a, b in zip(params_of(n), _accumulated_sgd([16], epochs=1, rate=0.1), strict=True):
         np.testing.assert_allclose(a, np.asarray(b), rtol=1e-6, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------
+# more than one evaluation split
+
+
+def test_each_eval_split_is_evaluated_every_epoch_under_its_prefix(tmp_path):
+    n = nitro.Nitro(
+        ToyWithMetrics(max_epochs=3),
+        eval_splits=("val", "test"),
+        checkpointer=nitro.Checkpointer(k=1, metric="test_loss"),
+        early_stop=nitro.EarlyStopping(metric="test_acc", mode="max", patience=1),
+        run_dir=str(tmp_path / "run"),
+        progress=False,
+    )
+    n.train()
+    history = n.history()
+    assert {"val_loss", "val_acc", "test_loss", "test_acc"} <= set(history.columns)
+    last = history.iloc[-1]
+    assert last["test_loss"] == pytest.approx(n.evaluate("test")["test_loss"], rel=1e-6)
+    assert last["val_loss"] == pytest.approx(n.validate()["val_loss"], rel=1e-6)
+    # the checkpoints are ranked by test_loss: the best one saved is the run's lowest
+    saved = n.checkpoints()
+    assert "test_loss" in saved.columns
+    best = history["test_loss"].min()
+    assert saved["test_loss"].min() == pytest.approx(best, rel=1e-6)
+    # early stopping read test_acc: it stopped once an epoch did not improve it, or ran out
+    accs = list(history["test_acc"])
+    if n.stop_reason == "early_stop":
+        assert accs[-1] <= max(accs[:-1]) + 1e-4
+    else:
+        assert n.stop_reason == "completed" and len(accs) == 3
+
+
+def test_eval_splits_may_leave_val_out_and_default_to_val():
+    only_test = nitro.Nitro(ToyWithMetrics(max_epochs=1), eval_splits=("test",), progress=False)
+    only_test.train()
+    columns = set(only_test.history().columns)
+    assert {"test_loss", "test_acc"} <= columns and not any(c.startswith("val_") for c in columns)
+    default = nitro.Nitro(ToyWithMetrics(max_epochs=1), progress=False)
+    default.train()
+    columns = set(default.history().columns)
+    assert "val_loss" in columns and not any(c.startswith("test_") for c in columns)
+    none = nitro.Nitro(ToyWithMetrics(max_epochs=1), eval_splits=(), progress=False)
+    none.train()
+    assert not any(c.startswith(("val_", "test_")) for c in none.history().columns)
+
+
+def test_bad_eval_splits_are_refused_naming_the_fix():
+    with pytest.raises(nitro.SetupError, match=r"eval_splits names 'tset', which build_data"):
+        nitro.Nitro(ToyWithMetrics(), eval_splits=("val", "tset"), progress=False)
+    with pytest.raises(nitro.SetupError, match="eval_splits names 'train'"):
+        nitro.Nitro(ToyWithMetrics(), eval_splits=("train",), progress=False)
+    with pytest.raises(nitro.SetupError, match="eval_splits must be a tuple of split names"):
+        nitro.Nitro(ToyWithMetrics(), eval_splits=("val", "val"), progress=False)
+    with pytest.raises(nitro.SetupError, match=r"pass eval_splits=\('val', 'test'\)"):
+        nitro.Nitro(
+            ToyWithMetrics(), early_stop=nitro.EarlyStopping(metric="test_loss"), progress=False
+        )
+    with pytest.raises(nitro.SetupError, match=r"pass eval_splits=\('val', 'test'\)"):
+        nitro.Nitro(
+            ToyWithMetrics(), checkpointer=nitro.Checkpointer(metric="test_acc"), progress=False
+        )

@@ -209,6 +209,9 @@ class RunSetup:
     ema: EMA | None = None
     sam: SAM | None = None
     name: str | None = None  # the name keyword: the run's name in run.json, for resume
+    eval_splits: tuple[str, ...] = ()  # evaluated at each epoch's end (and every N steps)
+    max_steps: int | None = None  # the optimizer step training stops at
+    val_every_steps: int | None = None  # evaluate the eval splits every N steps too
 
     @property
     def cls(self) -> type:

@@ -231,6 +231,43 @@ def _steps_per_dispatch(value):
     return value
 
 
+def _eval_splits(value):
+    names = (value,) if isinstance(value, str) else value
+    if (
+        not isinstance(names, (tuple, list))
+        or not all(isinstance(name, str) and name for name in names)
+        or len(set(names)) != len(names)
+    ):
+        raise ValueError(
+            f"eval_splits must be a tuple of split names from build_data, each once, e.g. "
+            f"('val', 'test'), or () to evaluate none; got {value!r}"
+        )
+    if "train" in names:
+        raise ValueError(
+            "eval_splits names 'train', the split being trained: its loss is the history's "
+            "'loss' column; evaluate it after training with n.evaluate('train')"
+        )
+    return tuple(names)
+
+
+def _max_steps(value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"max_steps must be an int >= 1 (the optimizer step training stops at), or None "
+            f"(no limit); got {value!r}"
+        )
+    return value
+
+
+def _val_every_steps(value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"val_every_steps must be an int >= 1 (evaluate the eval splits every that many "
+            f"optimizer steps), or None (at epoch ends only); got {value!r}"
+        )
+    return value
+
+
 def _schedules(value):
     if not isinstance(value, Mapping):
         raise ValueError(f"schedules must be a dict of key -> schedule, got {type(value).__name__}")
@@ -321,6 +358,27 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             shown_default="jax.device_count()",
         ),
         RunKeyword("max_epochs", 1, "epochs `train()` runs to", _positive_int("max_epochs")),
+        RunKeyword(
+            "max_steps",
+            None,
+            "the optimizer step training stops at, mid-epoch if need be (None: no limit; "
+            "max_epochs still applies)",
+            _max_steps,
+        ),
+        RunKeyword(
+            "eval_splits",
+            None,
+            "the splits evaluated at each epoch's end, each under its prefix (val_loss, "
+            "test_loss, ...); default ('val',) when build_data has one",
+            _eval_splits,
+        ),
+        RunKeyword(
+            "val_every_steps",
+            None,
+            "also evaluate the eval splits every N optimizer steps, into n.step_evals() (None: "
+            "at epoch ends only)",
+            _val_every_steps,
+        ),
         RunKeyword(
             "schedules",
             {},

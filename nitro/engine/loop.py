@@ -171,11 +171,11 @@ def finish_epoch(
         row["loss"] = totals.loss_sum / totals.loss_count
     if not totals.train_metrics.empty:
         row.update(finalize_metrics(setup, runtime, totals.train_metrics.result(), "train"))
-    if "val" in setup.splits:
+    for split in setup.eval_splits:  # ("val",) by default, each under its own prefix
         if control.stop.is_set():
             return None
         events.phase("validating")
-        metrics = evaluate_split(setup, runtime, state, programs, control, "val")
+        metrics = evaluate_split(setup, runtime, state, programs, control, split)
         if metrics is None:
             _acknowledge_interrupt(control)  # an interrupt during the epoch's validation
             return None

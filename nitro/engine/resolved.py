@@ -39,6 +39,9 @@ class RunKeywords:
     name: str | None
     n_devs: int
     max_epochs: int
+    max_steps: int | None
+    eval_splits: tuple[str, ...] | None
+    val_every_steps: int | None
     schedules: Mapping[str, Any]  # key -> schedule
     learning_rate: float
     optimizer: Any  # an optax GradientTransformation or factory, a dict of them, or None

@@ -118,6 +118,7 @@ def build(
         splits[name], prefetchers[name] = _setup_split(
             name, source, placement, hooks, hooks_fields, residency, prefetch, prefetch_mode
         )
+    eval_splits = _eval_splits(keywords, splits)
     total_steps, schedules, feed = _bind_schedules(
         instance, keywords, splits, optimizer, device_specs, device_dtypes, device_values, placement
     )
@@ -168,6 +169,9 @@ def build(
         ema=keywords.ema,
         sam=keywords.sam,
         name=keywords.name,
+        eval_splits=eval_splits,
+        max_steps=keywords.max_steps,
+        val_every_steps=keywords.val_every_steps,
     )
     runtime = RunTime(
         experiment=instance,
@@ -190,6 +194,29 @@ def build(
         seed=keywords.seed,
     )
     return setup, runtime, state
+
+
+def _eval_splits(keywords: RunKeywords, splits: Mapping[str, Any]) -> tuple[str, ...]:
+    """The splits evaluated at each epoch's end: `eval_splits=`, each one of build_data's, or
+    ('val',) when there is one."""
+    names = keywords.eval_splits
+    if names is None:
+        names = ("val",) if "val" in splits else ()
+    unknown = [name for name in names if name not in splits]
+    if unknown:
+        have = ", ".join(repr(name) for name in splits if name != "train") or "none"
+        raise SetupError(
+            f"eval_splits names {', '.join(map(repr, unknown))}, which build_data does not "
+            f"return (its evaluation splits: {have}); name those, or add the split to "
+            f"build_data [{keywords.source('eval_splits')}]"
+        )
+    if keywords.val_every_steps is not None and not names:
+        raise SetupError(
+            f"val_every_steps={keywords.val_every_steps} evaluates the eval splits, but this "
+            f"run has none (no 'val' split, eval_splits=()): add a 'val' split to build_data "
+            f"or pass eval_splits=(...) [{keywords.source('val_every_steps')}]"
+        )
+    return tuple(names)
 
 
 def _resume_from(resume: Any) -> CheckpointRef | Literal["auto"] | None:

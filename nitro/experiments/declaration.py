@@ -86,6 +86,9 @@ DRIVER_ONLY_NAMES = frozenset(
     {
         "seed",
         "max_epochs",
+        "max_steps",
+        "eval_splits",
+        "val_every_steps",
         "run_dir",
         "n_devs",
         "logger",

@@ -55,14 +55,30 @@ class EarlyStopping:
         if not isinstance(self.metric, str) or not self.metric:
             raise SetupError(f"EarlyStopping(metric={self.metric!r}): name a history column")
 
-    def check(self, splits: Sequence[str], metrics: Collection[str] | None) -> None:
-        """Refuse at setup what could never stop: no 'val' split for a validation metric, or a
-        metric the run does not produce (`metrics`: the names it does, when known)."""
+    def check(
+        self,
+        splits: Sequence[str],
+        metrics: Collection[str] | None,
+        evaluated: Sequence[str] | None = None,
+    ) -> None:
+        """Refuse at setup what could never stop: a metric of a split the run does not evaluate
+        at its epochs' ends (no 'val' split for `val_loss`; `test_loss` without 'test' in
+        `eval_splits`), or a metric the run does not produce (`metrics`: the names it does,
+        when known). `evaluated`: the splits evaluated each epoch (default: 'val' if present)."""
+        if evaluated is None:
+            evaluated = tuple(s for s in splits if s == "val")
+        prefix = self.metric.split("_", 1)[0]
         if self.metric.startswith("val_") and "val" not in splits:
             raise SetupError(
                 f"early_stop watches {self.metric!r}, but this run has no 'val' split "
                 f"(splits: {', '.join(splits) or 'none'}); add one in build_data, or watch a "
                 f"train metric such as 'loss'"
+            )
+        if prefix in splits and prefix != "train" and prefix not in evaluated:
+            raise SetupError(
+                f"early_stop watches {self.metric!r}, but the {prefix!r} split is not evaluated "
+                f"at the epochs' ends (eval_splits={tuple(evaluated)!r}); pass "
+                f"eval_splits={(*evaluated, prefix)!r}"
             )
         if metrics is not None and self.metric not in metrics:
             raise SetupError(

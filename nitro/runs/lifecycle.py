@@ -719,16 +719,30 @@ def check_watched_metrics(
 ) -> None:
     """Refuse at setup an early stop or a checkpointer watching a metric the run does not
     produce (the metrics hook's names are probed on `experiment`, the handle's live copy, with
-    the `device` field arrays; see `metric_names`). A checkpointer on `val_loss` in a run
-    without a 'val' split keeps the newest checkpoint only."""
+    the `device` field arrays; see `metric_names`), or one of a split that is not among
+    `eval_splits`. A checkpointer on `val_loss` in a run without a 'val' split keeps the
+    newest checkpoint only."""
     early_stop, checkpointer = setup.early_stop, setup.checkpointer
-    known = {"loss", "val_loss"}
+    known = {"loss", "val_loss"} | {f"{split}_loss" for split in setup.eval_splits}
     names: set[str] | None = None
     watched = [w.metric for w in (early_stop, checkpointer) if w is not None]
     if any(metric not in known for metric in watched):
         names = metric_names(setup, state, experiment, device)
     if early_stop is not None:
-        early_stop.check(tuple(setup.splits), names if early_stop.metric not in known else None)
+        early_stop.check(
+            tuple(setup.splits),
+            names if early_stop.metric not in known else None,
+            setup.eval_splits,
+        )
+    if checkpointer is not None:
+        prefix = checkpointer.metric.split("_", 1)[0]
+        if prefix in setup.splits and prefix not in ("train", "val", *setup.eval_splits):
+            raise SetupError(
+                f"Checkpointer(metric={checkpointer.metric!r}) ranks checkpoints by the "
+                f"{prefix!r} split, which is not evaluated at the epochs' ends "
+                f"(eval_splits={setup.eval_splits!r}); pass "
+                f"eval_splits={(*setup.eval_splits, prefix)!r}"
+            )
     if checkpointer is None or names is None or checkpointer.metric in known | names:
         return
     raise SetupError(
@@ -741,22 +755,24 @@ def metric_names(
     setup: RunSetup, state: TrainState, experiment: Any, device: Mapping[str, jax.Array]
 ) -> set[str] | None:
     """The history columns a run produces, when they can be known without training: loss,
-    val_loss and, by tracing forward on the first batch's shapes and calling the metrics hook
-    on zeros, the metrics' names. None when they cannot be determined."""
+    each eval split's loss (val_loss, ...) and, by tracing forward on the first batch's
+    shapes and calling the metrics hook on zeros, the metrics' names. None when they cannot
+    be determined."""
     names = set()
     if "train" in setup.splits:
         names.add("loss")
-    val = setup.splits.get("val")
-    if val is not None and "loss" in val.hook_fields:
-        names.add("val_loss")
+    evaluated = [setup.splits[split] for split in setup.eval_splits]
+    for split in evaluated:
+        if "loss" in split.hook_fields:
+            names.add(f"{split.name}_loss")
     hooks = setup.experiment.hooks
     if "train_metrics" in hooks or "finalize_metrics" in hooks:
         return None  # their names can depend on the data: checked when the first row arrives
-    if "metrics" in hooks and val is not None:
-        found = _probe_metrics(setup, state, val, experiment, device)
+    if "metrics" in hooks and evaluated:
+        found = _probe_metrics(setup, state, evaluated[0], experiment, device)
         if found is None:
             return None
-        names |= {f"val_{k}" for k in found}
+        names |= {f"{split.name}_{k}" for split in evaluated for k in found}
     return names
 
 
