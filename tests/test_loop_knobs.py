@@ -3,6 +3,8 @@ and more than one evaluation split, each through the public API against a refere
 
 from __future__ import annotations
 
+import json
+
 import jax
 import numpy as np
 import optax
@@ -145,6 +147,13 @@ def test_each_eval_split_is_evaluated_every_epoch_under_its_prefix(tmp_path):
         assert accs[-1] <= max(accs[:-1]) + 1e-4
     else:
         assert n.stop_reason == "completed" and len(accs) == 3
+    # the logger gets every eval split's metrics as validation, at the epoch's step
+    with open(tmp_path / "run" / "metrics.jsonl", encoding="utf-8") as file:
+        records = [json.loads(line) for line in file]
+    validate = [r for r in records if r["type"] == "metrics" and r["context"] == "validate"]
+    assert [r["step"] for r in validate] == list(history["step"])
+    assert {"val_loss", "test_loss", "test_acc"} <= set(validate[-1]["metrics"])
+    assert validate[-1]["metrics"]["test_loss"] == pytest.approx(last["test_loss"])
 
 
 def test_eval_splits_may_leave_val_out_and_default_to_val():
@@ -176,3 +185,72 @@ def test_bad_eval_splits_are_refused_naming_the_fix():
         nitro.Nitro(
             ToyWithMetrics(), checkpointer=nitro.Checkpointer(metric="test_acc"), progress=False
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# max_steps and train(steps=)
+
+
+def test_max_steps_stops_mid_epoch_saves_there_and_a_resume_continues_bitwise(tmp_path):
+    # 4 steps an epoch, fused 3 per call: max_steps=6 cuts the epoch's second call to end at 6
+    whole = nitro.Nitro(
+        ToyWithMetrics(max_epochs=3), steps_per_dispatch=3, checkpointer=None, progress=False
+    )
+    whole.train()
+    run_dir = str(tmp_path / "run")
+    cut = nitro.Nitro(
+        ToyWithMetrics(max_epochs=3),
+        max_steps=6,
+        steps_per_dispatch=3,
+        run_dir=run_dir,
+        progress=False,
+    )
+    cut.train()
+    assert (cut.step, cut.epoch, cut.stop_reason) == (6, 1, "max_steps")
+    assert cut.state.position == 2  # two batches into epoch 2
+    cut.train()  # already there: a note, nothing trains
+    assert cut.step == 6
+    saved = cut.checkpoints()
+    assert list(saved["step"])[-1] == 6  # the stop is checkpointed
+    resumed = nitro.Nitro(
+        ToyWithMetrics(max_epochs=3), resume=run_dir, steps_per_dispatch=3, progress=False
+    )
+    assert (resumed.step, resumed.epoch, resumed.state.position) == (6, 1, 2)
+    resumed.train()
+    assert (resumed.step, resumed.epoch, resumed.stop_reason) == (12, 3, "completed")
+    for a, b in zip(params_of(whole), params_of(resumed), strict=True):
+        np.testing.assert_array_equal(a, b)
+    np.testing.assert_array_equal(whole.history()["loss"], resumed.history()["loss"])
+    np.testing.assert_array_equal(whole.history()["val_loss"], resumed.history()["val_loss"])
+
+
+def test_train_steps_trains_that_many_more_steps_across_epochs_bitwise():
+    whole = nitro.Nitro(
+        ToyWithMetrics(max_epochs=3), steps_per_dispatch=3, checkpointer=None, progress=False
+    )
+    whole.train()
+    n = nitro.Nitro(
+        ToyWithMetrics(max_epochs=3), steps_per_dispatch=3, checkpointer=None, progress=False
+    )
+    n.train(steps=5)
+    assert (n.step, n.epoch, n.state.position) == (5, 1, 1)
+    assert n.target_epoch == 3  # steps= does not move where train() goes
+    n.train()
+    assert (n.step, n.epoch) == (12, 3)
+    for a, b in zip(params_of(whole), params_of(n), strict=True):
+        np.testing.assert_array_equal(a, b)
+    n.train(steps=2)  # past max_epochs, like train(epochs=N)
+    assert n.step == 14
+
+
+def test_max_steps_at_an_epochs_end_commits_the_epoch_and_bad_values_are_refused():
+    n = nitro.Nitro(ToyWithMetrics(max_epochs=3), max_steps=8, checkpointer=None, progress=False)
+    n.train()
+    assert (n.step, n.epoch, n.stop_reason) == (8, 2, "max_steps")
+    assert len(n.history()) == 2
+    with pytest.raises(nitro.SetupError, match=r"max_steps must be an int >= 1.*got 0"):
+        nitro.Nitro(ToyWithMetrics(), max_steps=0, progress=False)
+    with pytest.raises(ValueError, match="steps must be a positive int"):
+        n.train(steps=0)
+    with pytest.raises(ValueError, match="epochs= or steps=, not both"):
+        n.train(epochs=1, steps=1)

@@ -71,7 +71,12 @@ class StopPolicy(Protocol):
 
     @property
     def metric(self) -> str: ...
-    def check(self, splits: Sequence[str], metrics: Collection[str] | None) -> None: ...
+    def check(
+        self,
+        splits: Sequence[str],
+        metrics: Collection[str] | None,
+        evaluated: Sequence[str] | None = None,
+    ) -> None: ...
     def should_stop(self, history: Sequence[Mapping[str, Any]]) -> bool: ...
 
 
@@ -209,9 +214,8 @@ class RunSetup:
     ema: EMA | None = None
     sam: SAM | None = None
     name: str | None = None  # the name keyword: the run's name in run.json, for resume
-    eval_splits: tuple[str, ...] = ()  # evaluated at each epoch's end (and every N steps)
+    eval_splits: tuple[str, ...] = ()  # evaluated at each epoch's end
     max_steps: int | None = None  # the optimizer step training stops at
-    val_every_steps: int | None = None  # evaluate the eval splits every N steps too
 
     @property
     def cls(self) -> type:

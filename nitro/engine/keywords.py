@@ -259,15 +259,6 @@ def _max_steps(value):
     return value
 
 
-def _val_every_steps(value):
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(
-            f"val_every_steps must be an int >= 1 (evaluate the eval splits every that many "
-            f"optimizer steps), or None (at epoch ends only); got {value!r}"
-        )
-    return value
-
-
 def _schedules(value):
     if not isinstance(value, Mapping):
         raise ValueError(f"schedules must be a dict of key -> schedule, got {type(value).__name__}")
@@ -371,13 +362,6 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "the splits evaluated at each epoch's end, each under its prefix (val_loss, "
             "test_loss, ...); default ('val',) when build_data has one",
             _eval_splits,
-        ),
-        RunKeyword(
-            "val_every_steps",
-            None,
-            "also evaluate the eval splits every N optimizer steps, into n.step_evals() (None: "
-            "at epoch ends only)",
-            _val_every_steps,
         ),
         RunKeyword(
             "schedules",

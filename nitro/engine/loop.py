@@ -14,10 +14,11 @@ prefetchers); it never sees the handle.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import jax
@@ -74,6 +75,7 @@ class _Epoch:
         self.healthy = setup.placement.put_replicated(jnp.asarray(True))
         self.dispatched = 0
         self.target = 0  # the epoch this run trains to
+        self.stop_at: int | None = None  # the step this run stops at (max_steps, steps=)
         # (epoch, block, stream) started early, during validation
         self.upcoming: tuple[int, tuple[str, int], EpochStream] | None = None
         self.programs_by_count: dict[tuple, Any] = {}  # (steps, micro) per call -> program
@@ -88,9 +90,11 @@ def train_epochs(
     control: RunControl,
     target: int,
     after_epoch: Callable[[TrainState, dict[str, Any]], str | None] | None = None,
+    stop_at: int | None = None,
 ) -> tuple[TrainState, str]:
-    """Train until epoch `target` or a stop request; returns the state and the stop reason
-    ("completed", "requested", or what `after_epoch` returned, e.g. "early_stop").
+    """Train until epoch `target`, step `stop_at` (mid-epoch if need be: the last call is cut
+    to end there) or a stop request; returns the state and the stop reason ("completed",
+    "max_steps", "requested", or what `after_epoch` returned, e.g. "early_stop").
 
     `after_epoch(state, row)` runs once an epoch's row is committed (checkpoints, early
     stopping); a reason it returns ends the run.
@@ -103,6 +107,7 @@ def train_epochs(
     runtime.dispatch.start_run()
     run.dispatched = state.step
     run.target = target
+    run.stop_at = stop_at
     stop = control.stop
     try:
         while True:
@@ -114,7 +119,7 @@ def train_epochs(
                 if verdict is not None and state.epoch < target:
                     return state, verdict
                 continue
-            if state.epoch >= target or stop.is_set():
+            if state.epoch >= target or stop.is_set() or _reached(run, state):
                 break
             events.phase("training")
             if state.totals is None:
@@ -122,19 +127,25 @@ def train_epochs(
             if not _train_epoch(run, state, target):
                 break
             state.epoch_trained = True
-            if state.epoch + 1 < target and not stop.is_set():
+            if state.epoch + 1 < target and not stop.is_set() and not _reached(run, state):
                 # start producing the next epoch now, so validation overlaps with it
                 plan, updates = runtime.dispatch, _updates(setup)
                 run.upcoming = (
                     state.epoch + 1,
                     plan.layout(updates),
                     runtime.prefetcher("train").epoch(
-                        state.epoch + 1, block=plan.blocks(updates), group=setup.accum
+                        state.epoch + 1,
+                        block=_capped(run, plan.blocks(updates), state.step),
+                        group=setup.accum,
                     ),
                 )
         if stop.is_set():
             _acknowledge_interrupt(control)  # between steps: at an epoch's end, say
-        return state, ("requested" if stop.is_set() else "completed")
+        if stop.is_set():
+            return state, "requested"
+        return state, (
+            "max_steps" if _reached(run, state) and state.epoch < target else "completed"
+        )
     finally:
         if run.upcoming is not None:
             run.upcoming[2].close()
@@ -235,7 +246,7 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
                 stream = runtime.prefetcher("train").epoch(
                     state.epoch,
                     start=state.position,
-                    block=plan.blocks(updates),
+                    block=_capped(run, plan.blocks(updates), state.step),
                     group=setup.accum,
                 )
             upcoming = None
@@ -250,7 +261,7 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
         if upcoming is not None:
             upcoming[2].close()
         totals.seconds += time.perf_counter() - begin
-    if ended == "interrupted":
+    if ended in ("interrupted", "max_steps"):
         return False
     if split.batches is not None and state.position < split.batches:
         warnings.warn(
@@ -261,6 +272,30 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
             stacklevel=2,
         )
     return True
+
+
+def _reached(run: _Epoch, state: TrainState) -> bool:
+    """The run has trained to its stop step (`max_steps=`, `train(steps=)`)."""
+    return run.stop_at is not None and state.step >= run.stop_at
+
+
+def _capped(run: _Epoch, blocks: int | Iterable[int], start: int) -> int | Iterable[int]:
+    """The call sizes of a stream whose first call starts at step `start`, cut so that no call
+    runs past the run's stop step: the steps left before it go one per call (programs that
+    exist already), so the last call ends exactly there."""
+    stop_at = run.stop_at
+    if stop_at is None:
+        return blocks
+    sizes = itertools.repeat(blocks) if isinstance(blocks, int) else iter(blocks)
+
+    def cut() -> Iterator[int]:
+        step = start
+        for size in sizes:
+            size = size if step + size <= stop_at else 1
+            step += size
+            yield size
+
+    return cut()
 
 
 def _updates(setup: RunSetup) -> int | None:
@@ -278,7 +313,8 @@ def _remaining(run: _Epoch, state: TrainState) -> int | None:
     if updates is None:
         return None
     horizon = max(run.target, run.setup.max_epochs)
-    return max(0, (horizon - state.epoch) * updates - -(-state.position // run.setup.accum))
+    left = max(0, (horizon - state.epoch) * updates - -(-state.position // run.setup.accum))
+    return left if run.stop_at is None else max(0, min(left, run.stop_at - state.step))
 
 
 def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
@@ -298,6 +334,10 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
                 staged.free()
                 ended = "interrupted"
                 _acknowledge_interrupt(control)
+                break
+            if run.stop_at is not None and run.dispatched >= run.stop_at:
+                staged.free()  # staged ahead: the run stops at max_steps before it
+                ended = "max_steps"
                 break
             index, count, micro = run.dispatched, staged.count, staged.group
             if count == 1:

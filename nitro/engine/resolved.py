@@ -41,7 +41,6 @@ class RunKeywords:
     max_epochs: int
     max_steps: int | None
     eval_splits: tuple[str, ...] | None
-    val_every_steps: int | None
     schedules: Mapping[str, Any]  # key -> schedule
     learning_rate: float
     optimizer: Any  # an optax GradientTransformation or factory, a dict of them, or None

@@ -171,7 +171,6 @@ def build(
         name=keywords.name,
         eval_splits=eval_splits,
         max_steps=keywords.max_steps,
-        val_every_steps=keywords.val_every_steps,
     )
     runtime = RunTime(
         experiment=instance,
@@ -209,12 +208,6 @@ def _eval_splits(keywords: RunKeywords, splits: Mapping[str, Any]) -> tuple[str,
             f"eval_splits names {', '.join(map(repr, unknown))}, which build_data does not "
             f"return (its evaluation splits: {have}); name those, or add the split to "
             f"build_data [{keywords.source('eval_splits')}]"
-        )
-    if keywords.val_every_steps is not None and not names:
-        raise SetupError(
-            f"val_every_steps={keywords.val_every_steps} evaluates the eval splits, but this "
-            f"run has none (no 'val' split, eval_splits=()): add a 'val' split to build_data "
-            f"or pass eval_splits=(...) [{keywords.source('val_every_steps')}]"
         )
     return tuple(names)
 

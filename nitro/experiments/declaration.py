@@ -88,7 +88,6 @@ DRIVER_ONLY_NAMES = frozenset(
         "max_epochs",
         "max_steps",
         "eval_splits",
-        "val_every_steps",
         "run_dir",
         "n_devs",
         "logger",

@@ -375,8 +375,11 @@ class Nitro:
     # ------------------------------------------------------------------------------------------
     # training
 
-    def train(self, epochs: int | None = None, *, background: bool = False) -> Nitro:
-        """Train until `max_epochs` (or for `epochs` more epochs) on a worker thread.
+    def train(
+        self, epochs: int | None = None, *, steps: int | None = None, background: bool = False
+    ) -> Nitro:
+        """Train until `max_epochs` or `max_steps` (or for `epochs` more epochs, or `steps`
+        more optimizer steps, mid-epoch if need be) on a worker thread.
 
         Blocks unless `background=True`. Ctrl-C stops after the current step; the handle
         stays usable and `train()` again continues from where it stopped. An epoch trained
@@ -395,10 +398,30 @@ class Nitro:
                 isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1
             ):
                 raise ValueError(f"epochs must be a positive int, got {epochs!r}")
+            if steps is not None and (
+                isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
+            ):
+                raise ValueError(f"steps must be a positive int, got {steps!r}")
+            if steps is not None and epochs is not None:
+                raise ValueError(
+                    f"train() takes epochs= or steps=, not both (got epochs={epochs}, "
+                    f"steps={steps}): train(steps=N) trains N more optimizer steps"
+                )
             self._guard.claim("training", background=background)
             started = False
             try:
-                if epochs is not None:  # N more epochs of training: an epoch trained but
+                # epochs=N or steps=N train that much more, past max_epochs and max_steps
+                stop_at = self._setup.max_steps if epochs is None else None
+                if steps is not None:
+                    stop_at = self.step + steps
+                    target = self._epoch_of_step(steps)
+                elif stop_at is not None and self.step >= stop_at and not self._pending():
+                    progress.note(
+                        f"already trained to max_steps={stop_at}; n.train(steps=N) trains N "
+                        f"more steps, n.train(epochs=N) N more epochs"
+                    )
+                    return self
+                elif epochs is not None:  # N more epochs of training: an epoch trained but
                     # not validated (a stop during validation) is validated, then N follow
                     target = self.epoch + self._pending() + epochs
                 elif self.epoch < self._target_epoch:
@@ -411,12 +434,13 @@ class Nitro:
                         f"n.train(epochs=N) trains N more"
                     )
                     return self
-                self._target_epoch = target
+                if steps is None:
+                    self._target_epoch = target
                 self._control.stop.clear()
                 self._stop_reason = None
                 self._error = None
                 run = Run(
-                    lambda: self._train_body(target),
+                    lambda: self._train_body(target, stop_at),
                     name=f"nitro-training-{self.cls.__name__}",
                     context=self,
                 )
@@ -433,11 +457,22 @@ class Nitro:
     def _pending(self) -> bool:
         return self._state.epoch_trained
 
+    def _epoch_of_step(self, steps: int) -> int:
+        """The epoch (counted from 1) in which `steps` more optimizer steps end: where
+        `train(steps=)` aims (an upper bound when the epoch length is unknown)."""
+        batches = self._setup.splits["train"].batches
+        state = self._state
+        if batches is None:
+            return state.epoch + int(state.epoch_trained) + steps
+        accum = self._setup.accum
+        per_epoch, done = -(-batches // accum), -(-state.position // accum)
+        return state.epoch + -(-(done + steps) // per_epoch)
+
     def _after_epoch(self, state: TrainState, row: dict[str, Any]) -> str | None:
         device = self._runtime.device_values()
         return self._files.after_epoch(self._setup, state, row, self._events, device)
 
-    def _train_body(self, target: int) -> None:
+    def _train_body(self, target: int, stop_at: int | None = None) -> None:
         """The worker thread's work: the loop between start_run and end_run, then the phase."""
         events = self._events
         try:
@@ -455,6 +490,7 @@ class Nitro:
                         self._control,
                         target,
                         after_epoch=self._after_epoch,
+                        stop_at=stop_at,
                     )
                     self._files.end_run(
                         self._setup, self._state, events, reason, self._runtime.device_values()

@@ -7,7 +7,7 @@ public API only:
 |---|---|
 | `start_run(handle, target)` | `bind_run(run_dir, run_id)` (once per run directory), `log_params(run_params(handle))`, `log_tags`, `log_other("binding_report", text)`, `flush()` |
 | `step(step, loss)` | `log_metrics({"loss": loss}, context="train")`, the epoch under way, the step |
-| `end_epoch(row)` | "train": the epoch's mean loss and train metrics as `epoch_<name>`, and `epoch_seconds`; "validate": the `val_*` entries; "data": `data_wait_frac`; all at the row's epoch and step |
+| `end_epoch(row)` | "train": the epoch's mean loss and train metrics as `epoch_<name>`, and `epoch_seconds`; "validate": the `val_*` entries (and those of every split of `eval_splits`, `test_*` ...); "data": `data_wait_frac`; all at the row's epoch and step |
 | `end_run(handle)` | `finish(status)`: the stop reason, one of `FINISH_STATUSES` |
 | `phase(name)`, to a phase other than training, validating and checkpointing | `flush()` (the end of a `validate()`, say) |
 
@@ -50,7 +50,10 @@ _BUSY_PHASES = frozenset(("training", "validating", "checkpointing"))
 
 def finish_status(stop_reason: str | None) -> str:
     """The `finish` status for a handle's `stop_reason`: "completed", "early_stop" and
-    "requested" as they are; "error", None (the run never said) and anything else: "error"."""
+    "requested" as they are; "max_steps" (trained to it): "completed"; "error", None (the run
+    never said) and anything else: "error"."""
+    if stop_reason == "max_steps":
+        return "completed"
     return stop_reason if stop_reason in FINISH_STATUSES else "error"
 
 
@@ -84,15 +87,19 @@ def run_params(handle: Any) -> dict[str, Any]:
     return params
 
 
-def _split_row(row: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
-    """A history row's entries by context (see the module docstring)."""
+def _split_row(
+    row: Mapping[str, Any], evaluated: tuple[str, ...] = ("val",)
+) -> dict[str, dict[str, Any]]:
+    """A history row's entries by context (see the module docstring); `evaluated`: the
+    splits evaluated at the epochs' ends (`eval_splits`), whose entries are "validate"."""
+    prefixes = tuple(f"{split}_" for split in ("val", *evaluated))
     parts: dict[str, dict[str, Any]] = {"train": {}, "validate": {}, "data": {}}
     for name, value in row.items():
         if name in ("epoch", "step"):
             continue
         if name == "data_wait_frac":
             parts["data"][name] = value
-        elif name.startswith("val_"):
+        elif name.startswith(prefixes):
             parts["validate"][name] = value
         elif name == "epoch_seconds":
             parts["train"][name] = value
@@ -122,6 +129,7 @@ class LoggingReporter:
         self._bound: tuple[str, str | None] | None = None
         self._described: dict[str, Any] = {}  # what start_run logged last for this run
         self._epoch: int | None = None
+        self._evaluated: tuple[str, ...] = ("val",)
         self._log_metrics = self.logger.log_metrics
 
     def __repr__(self) -> str:
@@ -153,6 +161,7 @@ class LoggingReporter:
         if changed:
             logger.flush()  # on disk before the first compile
         self._epoch = handle.epoch + 1
+        self._evaluated = tuple(getattr(handle.setup, "eval_splits", ("val",)))
 
     def start_epoch(self, epoch: int, target_epoch: int, batches: int | None, start: int) -> None:
         self._epoch = epoch + 1  # the epoch under way, as its history row will number it
@@ -163,7 +172,7 @@ class LoggingReporter:
 
     def end_epoch(self, row: Mapping[str, Any]) -> None:
         epoch, step = row.get("epoch"), row.get("step")
-        for context, values in _split_row(row).items():
+        for context, values in _split_row(row, self._evaluated).items():
             values = finite_metrics(values)
             if values:
                 self._log_metrics(values, step=step, epoch=epoch, context=context)

@@ -386,7 +386,8 @@ class RunFiles:
         if store is None:
             return
         at_boundary = not (state.epoch == 0 or state.position or state.epoch_trained)
-        stopped = reason == "requested" and (state.position or state.epoch_trained)
+        # a stop request or max_steps, in the middle of an epoch: saved where it stopped
+        stopped = reason in ("requested", "max_steps") and (state.position or state.epoch_trained)
         failures = len(store.failures)
         if (at_boundary and store.saved_epoch != state.epoch) or (
             stopped and store.saved_step != state.step
@@ -394,7 +395,7 @@ class RunFiles:
             self._save(setup, state, state.last_row, events, device, reason, last=True)
         else:
             store.close_later()  # the writes finish, then the manager's threads end
-        if reason == "requested":
+        if reason == "requested" or (reason == "max_steps" and stopped):
             store.close()
             saved = store.saved_step == state.step and len(store.failures) == failures
             events.note(_resume_point(state, store, saved))
