@@ -280,3 +280,15 @@ def test_a_train_step_hook_draws_keys_from_its_rngs():
 def test_a_loader_seed_that_is_not_an_int_is_refused(seed):
     with pytest.raises(ValueError, match=r"ArrayLoader seed must be an int, or None"):
         ArrayLoader({"x": np.zeros((8, 1))}, 4, seed=seed)
+
+
+def test_an_export_of_a_forward_with_rngs_is_deterministic_and_matches_predict(tmp_path):
+    from nitro.serving.bundle import load
+
+    n = nitro.Nitro(Draws(), seed=5, progress=False, checkpointer=None)
+    n.export(str(tmp_path / "draws"), platforms=("cpu",))
+    bundle = load(tmp_path / "draws")
+    x = np.zeros((8, 1), np.float32)
+    first, second = bundle(x=x), bundle(x=x)
+    np.testing.assert_array_equal(first["draw"], second["draw"])
+    np.testing.assert_allclose(first["draw"], n.predict({"x": x})["draw"], rtol=1e-6)
