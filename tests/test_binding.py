@@ -138,7 +138,10 @@ def test_help_and_the_signature_of_nitro_show_every_run_keyword_with_its_default
     assert "n_devs=jax.device_count()" in str(signature)
     assert "steps_per_dispatch='auto'" in str(signature)
     assert str(signature).endswith("progress=True, weights=None, data=None)")
-    assert " |    seed=0\n |        seeds the model's nnx.Rngs and the data order\n" in help_text
+    assert (
+        " |    seed=0\n |        seeds the model's nnx.Rngs, the data order and the hooks' rngs\n"
+        in help_text
+    )
     assert " |    weights=None\n |        start from these weights: a Nitro handle" in help_text
 
 

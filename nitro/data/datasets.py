@@ -46,16 +46,22 @@ def digits_arrays(seed: int = 0, val_fraction: float = 0.1, test_fraction: float
 
 
 def digits(
-    batch_size: int = 128, seed: int = 0, val_fraction: float = 0.1, test_fraction: float = 0.2
+    batch_size: int = 128,
+    seed: int | None = None,
+    val_fraction: float = 0.1,
+    test_fraction: float = 0.2,
 ) -> dict[str, ArrayLoader]:
     """The digits splits as loaders: a shuffled `train` that drops its partial batch, and
     `val` and `test` in order, keeping their final partial batch.
+
+    `seed` picks which samples go to which split (0 when None) and, when given, the train
+    order; None leaves the train order to the run's `seed=`.
 
     >>> splits = digits(batch_size=128)
     >>> sorted(splits), len(splits["train"])
     (['test', 'train', 'val'], 9)
     """
-    arrays = digits_arrays(seed, val_fraction, test_fraction)
+    arrays = digits_arrays(0 if seed is None else seed, val_fraction, test_fraction)
     return {
         "train": ArrayLoader(arrays["train"], batch_size, shuffle=True, drop_last=True, seed=seed),
         "val": ArrayLoader(arrays["val"], batch_size, shuffle=False, drop_last=False),

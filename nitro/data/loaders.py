@@ -8,6 +8,7 @@ stopped mid-epoch resumes at the exact batch.
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -25,7 +26,9 @@ class ArrayLoader:
       shuffle: draw a new permutation every epoch (deterministic in `seed` and the epoch).
       drop_last: drop the final partial batch. Training needs it; evaluation splits keep the
         partial batch, which the framework pads to the compiled width and slices back.
-      seed: seeds the per-epoch permutations.
+      seed: seeds the per-epoch permutations. None (the default): the run's `seed=` when a
+        `Nitro` handle trains on it (`with_seed`), 0 when iterated on its own. An explicit
+        seed wins over the run's.
       per_process: in a multi-process run (`jax.distributed`), `batch_size` is the global
         batch and each process yields its share: the `jax.process_index()`-th of
         `jax.process_count()` equal slices of every global batch. Every process holds the
@@ -36,6 +39,8 @@ class ArrayLoader:
     >>> loader = ArrayLoader({"x": np.zeros((10, 3)), "y": np.arange(10)}, batch_size=4)
     >>> len(loader), loader.batch_at(0)["x"].shape
     (2, (4, 3))
+    >>> loader.with_seed(7).seed, loader.seed, ArrayLoader(loader.arrays, 4, seed=1).with_seed(7).seed
+    (7, None, 1)
     """
 
     def __init__(
@@ -45,7 +50,7 @@ class ArrayLoader:
         *,
         shuffle: bool = True,
         drop_last: bool = True,
-        seed: int = 0,
+        seed: int | None = None,
         per_process: bool = False,
     ):
         if not arrays:
@@ -62,6 +67,10 @@ class ArrayLoader:
         assert num_samples is not None  # checked above: every array has a batch axis
         self.num_samples = num_samples
         self.global_batch_size = int(batch_size)
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, (int, np.integer))):
+            raise ValueError(
+                f"ArrayLoader seed must be an int, or None to follow the run's seed=; got {seed!r}"
+            )
         self.shuffle = shuffle
         self.drop_last = drop_last
         self.seed = seed
@@ -100,10 +109,20 @@ class ArrayLoader:
         """Samples left out of every epoch by drop_last."""
         return self.num_samples % self.global_batch_size if self.drop_last else 0
 
+    def with_seed(self, seed: int) -> ArrayLoader:
+        """This loader shuffling by `seed` when it has no seed of its own: a copy sharing the
+        arrays (what `Nitro` trains on, given the run's `seed=`); else itself."""
+        if self.seed is not None:
+            return self
+        seeded = copy.copy(self)
+        seeded.seed = seed
+        return seeded
+
     def begin_epoch(self, epoch: int) -> np.ndarray | None:
         if not self.shuffle:
             return None
-        return np.random.default_rng((self.seed, epoch)).permutation(self.num_samples)
+        seed = 0 if self.seed is None else int(self.seed) % 2**64  # numpy takes no negatives
+        return np.random.default_rng((seed, epoch)).permutation(self.num_samples)
 
     def batch_at(self, index: int, plan: np.ndarray | None = None) -> dict[str, np.ndarray]:
         if not 0 <= index < len(self):

@@ -9,6 +9,11 @@ schedule accepts an array of steps (optax schedules do).
 A fed hyperparameter takes the schedule bound to its own name (`head/learning_rate`), else
 the schedule of its bare name (`learning_rate`) times its factor (the group's `group_lr`
 ratio), else its constant.
+
+When a hook takes `rngs`, the train step's Device fields carry one more entry,
+`nitro.programs.tracing.RNG_FIELD`: the words of `jax.random.key(seed)` and the step, from
+which the step derives `fold_in(key(seed), step)`. A key that is a function of the step alone
+makes a resumed run, and K fused steps, draw what one step at a time draws.
 """
 
 from __future__ import annotations
@@ -16,9 +21,11 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import jax
 import numpy as np
 
 from nitro.optim.schedules import BoundSchedule
+from nitro.programs.tracing import RNG_FIELD
 
 __all__ = ["StepFeed"]
 
@@ -84,6 +91,7 @@ class StepFeed:
         placement,
     ):
         self.placement = placement
+        self._rng_words: np.ndarray | None = None  # the seed's key words, for `rngs`
         self.hyper_names = tuple(hyper_names)
         self.device_dtypes = dict(device_dtypes)
         evaluators = {s.name: _Evaluator(s.fn) for s in schedules if s.target == "opt"}
@@ -136,7 +144,25 @@ class StepFeed:
         scheduled = self._opt.get(name)
         return None if scheduled is None else scheduled[2]
 
+    def seed_keys(self, seed: int) -> None:
+        """Feed every train step its key words: `jax.random.key(seed)`'s and the step."""
+        self._rng_words = np.asarray(jax.random.key_data(jax.random.key(seed)), np.uint32)
+
     def device(self, step: int) -> dict[str, Any]:
+        """The Device fields of the train step `step` (with its key words, for `rngs`)."""
+        return self._with_key(self._device_at(step), step, None)
+
+    def _with_key(self, values: dict[str, Any], start: int, count: int | None):
+        if self._rng_words is None:
+            return values
+        steps = np.arange(start, start + (count or 1), dtype=np.uint32)[:, None]
+        words = np.concatenate(
+            [np.broadcast_to(self._rng_words, (len(steps), self._rng_words.size)), steps], 1
+        )
+        words = words[0] if count is None else words
+        return {**values, RNG_FIELD: self.placement.put_replicated(words)}
+
+    def _device_at(self, step: int) -> dict[str, Any]:
         if not self._dev:
             return self._device
         for name, evaluator in self._dev.items():
@@ -164,7 +190,10 @@ class StepFeed:
 
     def device_block(self, start: int, count: int) -> dict[str, Any]:
         """Every Device field for `count` steps from `start`, each with a leading axis of
-        `count`: scheduled ones step by step, the others repeated."""
+        `count`: scheduled ones step by step, the others repeated (and the key words)."""
+        return self._with_key(self._device_block(start, count), start, count)
+
+    def _device_block(self, start: int, count: int) -> dict[str, Any]:
         key = ("device", count, self._version)
         constant = self._blocks.get(key)
         if constant is None:

@@ -298,7 +298,12 @@ class RunKeyword:
 RUN_KEYWORDS: dict[str, RunKeyword] = {
     k.name: k
     for k in [
-        RunKeyword("seed", 0, "seeds the model's nnx.Rngs and the data order", _int("seed")),
+        RunKeyword(
+            "seed",
+            0,
+            "seeds the model's nnx.Rngs, the data order and the hooks' rngs",
+            _int("seed"),
+        ),
         RunKeyword(
             "run_dir",
             None,

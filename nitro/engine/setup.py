@@ -35,6 +35,7 @@ from nitro.core.run_setup import (
 )
 from nitro.core.train_state import TrainState, Variables
 from nitro.data import (
+    ArrayLoader,
     FromFactory,
     NoPrefetch,
     Prefetcher,
@@ -56,6 +57,7 @@ from nitro.optim.optimizer import OptimizerSettings, build_optimizer
 from nitro.optim.param_groups import leaf_paths
 from nitro.optim.schedules import bind_schedules, check_schedule_values, optimizer_keys
 from nitro.programs.compile_cache import configure_persistent_cache
+from nitro.programs.tracing import EVAL_SEED
 from nitro.runs.weights import AveragedWeights, CheckpointWeights, WeightsSource, copy_array
 
 __all__ = ["batch_size", "build"]
@@ -94,7 +96,7 @@ def build(
         for name in HOOK_POSITIONAL
         if name in hooks
     }
-    splits_given = _build_data(instance, data, events)
+    splits_given = _build_data(instance, data, events, keywords.seed)
     placement = Placement(keywords.n_devs)
     device_specs, device_dtypes, device_values = _device_fields(instance, placement)
     model = _build_model(
@@ -119,9 +121,12 @@ def build(
             name, source, placement, hooks, hooks_fields, residency, prefetch, prefetch_mode
         )
     eval_splits = _eval_splits(keywords, splits)
+    takes_rngs = any(spec.takes_rngs for spec in hooks_fields.values())
     total_steps, schedules, feed = _bind_schedules(
         instance, keywords, splits, optimizer, device_specs, device_dtypes, device_values, placement
     )
+    if takes_rngs:  # the train step's keys: fold_in(key(seed), step), fed with each step
+        feed.seed_keys(keywords.seed)
     code, model_setup = _freeze_code(
         cls, hook_functions, model.graphdefs, params, rest, opt_state, optimizer
     )
@@ -295,7 +300,7 @@ def _resolve_residency(instance: Any) -> dict[str, str]:
 # data, Device fields, model, optimizer
 
 
-def _build_data(instance: Any, data: Any, events: Events) -> dict[str, Any]:
+def _build_data(instance: Any, data: Any, events: Events, seed: int) -> dict[str, Any]:
     events.phase("building data")
     if data is None:
         data = instance.build_data()
@@ -304,7 +309,17 @@ def _build_data(instance: Any, data: Any, events: Events) -> dict[str, Any]:
             f"build_data must return a dict of split name -> loader, e.g. "
             f"{{'train': ..., 'val': ...}}; got {type(data).__name__}"
         )
-    return {split: _restartable(split, source) for split, source in data.items()}
+    return {split: _seeded(_restartable(split, source), seed) for split, source in data.items()}
+
+
+def _seeded(source: Any, seed: int) -> Any:
+    """A loader left without a seed (`ArrayLoader(seed=None)`, the default) shuffles by the
+    run's `seed=`: a copy of it that does, so one loader can feed handles of several seeds."""
+    if isinstance(source, NoPrefetch):
+        return NoPrefetch(_seeded(source.source, seed))
+    if isinstance(source, ArrayLoader):
+        return source.with_seed(seed)
+    return source
 
 
 def _restartable(split: str, source: Any) -> Any:
@@ -412,7 +427,9 @@ def _first_forward(instance: Any, splits: Mapping[str, Any], hooks, hooks_fields
     source = splits[split]
     batch, _ = _peek(source.source if isinstance(source, NoPrefetch) else source, split)
     fields = hooks_fields["forward"].resolve(tuple(batch), split)
-    inputs = {name: jnp.asarray(batch[name]) for name in fields}
+    inputs: dict[str, Any] = {name: jnp.asarray(batch[name]) for name in fields}
+    if hooks_fields["forward"].takes_rngs:
+        inputs["rngs"] = nnx.Rngs(EVAL_SEED)
     return lambda model: hooks["forward"](instance, model, **inputs)
 
 

@@ -31,14 +31,17 @@ own hyperparameters, fed and scheduled by name (`"gen/learning_rate"`).
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import flax.errors
 import jax
 import numpy as np
 import optax
 from flax import nnx
 
+from nitro.errors import SetupError
 from nitro.optim.optimizer import FedHyperparameter, FedValues, OptimizerSetup
 from nitro.optim.stages import apply_update
 
@@ -96,7 +99,10 @@ class Step:
             value, aux = out if has_aux else (out, None)
             return value, (aux, nnx.split(module, nnx.Param, ...)[2])
 
-        (value, (aux, rest)), grads = jax.value_and_grad(objective, has_aux=True)(self.params[name])
+        with _outer_rngs(f"step.grad({name!r}, ...)"):
+            (value, (aux, rest)), grads = jax.value_and_grad(objective, has_aux=True)(
+                self.params[name]
+            )
         self.rest = rest
         return ((value, aux), grads) if has_aux else (value, grads)
 
@@ -110,6 +116,22 @@ class Step:
         self.params[name], self.opt_states[name] = apply_update(
             self._optimizers[name], grads, self.opt_states[name], self.params[name]
         )
+
+
+@contextlib.contextmanager
+def _outer_rngs(where: str):
+    """Name the fix when the function differentiated draws from the step's `rngs`, which
+    lives outside the differentiation (Flax refuses the mutation across trace levels)."""
+    try:
+        yield
+    except flax.errors.TraceContextError as error:
+        raise SetupError(
+            f"the function given to {where} changed a Flax variable made outside it: most "
+            f"likely it drew from the `rngs` of train_step. Draw the keys in train_step and "
+            f"make an nnx.Rngs inside the function: `key = rngs.dropout()`, then "
+            f"`step.grad('gen', lambda m: loss(m['gen'](z, rngs=nnx.Rngs(key))))`. "
+            f"({error})"
+        ) from error
 
 
 class ModelOptimizers(FedValues):

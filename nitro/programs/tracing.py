@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import jax
+from flax import nnx
 
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import Variables
@@ -16,7 +17,11 @@ from nitro.experiments.fingerprint import CodeFingerprint
 from nitro.experiments.trace_view import TraceView
 
 __all__ = [
+    "EVAL_SEED",
+    "RNG_FIELD",
     "call",
+    "eval_rngs",
+    "pop_step_key",
     "check_batch_axis",
     "check_scalar_loss",
     "fields_key",
@@ -31,8 +36,78 @@ def view(setup: RunSetup, device: Mapping[str, Any], reads: set[str]) -> TraceVi
     return TraceView(setup.cls, setup.experiment.graphconst, device, reads)
 
 
-def call(setup: RunSetup, hook: str, view: TraceView, *args, **kwargs):
-    return setup.experiment.hooks[hook](view, *args, **kwargs)
+# The train step's random keys travel with its Device fields under this name (not an
+# identifier, so no field can take it): the run's key data and the step, as uint32 words.
+RNG_FIELD = "nitro.rng"
+# What `rngs` holds outside the train step (validate, evaluate, predict, export): one fixed
+# key, so those are deterministic, whatever the run's seed (and the model is in eval mode).
+EVAL_SEED = 0
+
+_NO_RNGS = "no `rngs` argument was provided"
+
+
+def pop_step_key(device: Mapping[str, Any]) -> tuple[dict[str, Any], jax.Array | None]:
+    """(the Device fields without the step's key words, the step's key): the key is
+    `jax.random.fold_in(jax.random.key(seed), step)`; None when no hook takes `rngs`."""
+    device = dict(device)
+    words = device.pop(RNG_FIELD, None)
+    if words is None:
+        return device, None
+    return device, jax.random.fold_in(jax.random.wrap_key_data(words[:-1]), words[-1])
+
+
+def eval_rngs() -> nnx.Rngs:
+    return nnx.Rngs(EVAL_SEED)
+
+
+def takes_rngs(setup: RunSetup, hook: str) -> bool:
+    fields = setup.experiment.hook_fields.get(hook)
+    return fields is not None and fields.takes_rngs
+
+
+def call(setup: RunSetup, hook: str, view: TraceView, *args, rngs=None, **kwargs):
+    """Call a hook; `rngs` (an nnx.Rngs) reaches it when it takes them. A model whose Dropout
+    finds no keys is named with the fix, instead of Flax's error from inside the trace."""
+    if takes_rngs(setup, hook):
+        kwargs["rngs"] = rngs if rngs is not None else eval_rngs()
+    try:
+        return setup.experiment.hooks[hook](view, *args, **kwargs)
+    except ValueError as error:
+        if _NO_RNGS not in str(error) or isinstance(error, SetupError):
+            raise
+        raise SetupError(missing_rngs_message(hook, takes_rngs(setup, hook))) from error
+
+
+def missing_rngs_message(hook: str, takes: bool) -> str:
+    call = "model(x, rngs=rngs)"
+    if hook == "train_step":
+        how = (
+            "draw a key in train_step and give the model an nnx.Rngs of it inside the "
+            "function step.grad differentiates: `key = rngs.dropout()`, then "
+            "`step.grad('gen', lambda m: loss(m['gen'](z, rngs=nnx.Rngs(key))))`"
+        )
+        if takes:
+            return f"a model inside `train_step` got no random keys for its Dropout: {how}."
+        return (
+            f"a model inside `train_step` needs random keys for its Dropout, but train_step "
+            f"takes no `rngs`: add it (`def train_step(self, step, *, x, rngs):`) and {how}."
+        )
+    signature = {
+        "forward": "def forward(self, model, *, x, rngs):",
+        "loss": "def loss(self, outputs, *, y, rngs):",
+    }.get(hook, f"def {hook}(self, ..., rngs):")
+    if takes:
+        return (
+            f"hook `{hook}` takes `rngs`, but the model call inside it did not get them, and "
+            f"the model's Dropout (in train mode inside the train step) needs random keys. "
+            f"Pass them on: `{call}`."
+        )
+    return (
+        f"hook `{hook}` runs a model whose Dropout (in train mode inside the train step) "
+        f"needs random keys, but `{hook}` takes no `rngs`. Add the parameter and pass it on: "
+        f"`{signature} return {call}`. Nitro passes an nnx.Rngs derived from the run's seed "
+        f'and the step (docs/experiments.md, "Randomness: dropout and friends").'
+    )
 
 
 def fingerprint(setup: RunSetup, *units: str) -> CodeFingerprint:

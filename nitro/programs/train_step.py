@@ -67,15 +67,30 @@ def step_function(
         params, rest = tracing.unflatten(setup, variables)
         assert variables.opt_state is not None  # a train step's variables carry it
         opt_state = jax.tree.unflatten(model.opt_state_def, variables.opt_state)
+        device, key = tracing.pop_step_key(device)
         view = tracing.view(setup, device, reads)
+        if key is not None:  # the step's key rides with the batch: micro-batches split it
+            keys = (
+                key
+                if micro == 1
+                else jax.vmap(lambda i: jax.random.fold_in(key, i))(
+                    jnp.arange(micro, dtype=jnp.uint32)
+                )
+            )
+            batch = {**batch, tracing.RNG_FIELD: keys}
 
         def objective(params, rest, batch):
             module = nnx.merge(model.graphdef_train, params, rest, copy=True)
+            # made inside the differentiated function, so the model may draw from it
+            key = batch.get(tracing.RNG_FIELD)
+            rngs = nnx.Rngs(key) if key is not None else None
             outputs = tracing.call(
-                setup, "forward", view, module, **select(batch, fields["forward"])
+                setup, "forward", view, module, rngs=rngs, **select(batch, fields["forward"])
             )
             loss = tracing.check_scalar_loss(
-                tracing.call(setup, "loss", view, outputs, **select(batch, fields["loss"]))
+                tracing.call(
+                    setup, "loss", view, outputs, rngs=rngs, **select(batch, fields["loss"])
+                )
             )
             _, _, new_rest = nnx.split(module, nnx.Param, ...)
             return loss, (outputs, new_rest)
@@ -147,6 +162,7 @@ def manual_step_function(
         assert variables.opt_state is not None  # a train step's variables carry it
         opt_state = jax.tree.unflatten(model.opt_state_def, variables.opt_state)
         opt_state = optimizer.inject(opt_state, hparams)
+        device, key = tracing.pop_step_key(device)
         view = tracing.view(setup, device, reads)
         work = Step(
             model.graphdef_train,
@@ -156,7 +172,12 @@ def manual_step_function(
             optimizer.transformations(),
         )
         values = tracing.call(
-            setup, "train_step", view, work, **select(batch, fields["train_step"])
+            setup,
+            "train_step",
+            view,
+            work,
+            rngs=nnx.Rngs(key) if key is not None else None,
+            **select(batch, fields["train_step"]),
         )
         if not isinstance(values, Mapping) or "loss" not in values:
             raise TypeError(

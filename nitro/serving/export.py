@@ -392,6 +392,7 @@ def export_handle(
     from nitro.experiments.declaration import FieldKind, field_specs, has_method
     from nitro.experiments.routing import hook_fields
     from nitro.experiments.trace_view import TraceView
+    from nitro.programs.tracing import EVAL_SEED
 
     setup, state = handle.setup, handle.state
     variables = variables if variables is not None else state.variables
@@ -460,6 +461,8 @@ def export_handle(
                 if f in fields
             }
         )
+        if forward_fields.takes_rngs:  # one fixed key: an export is deterministic
+            chosen = {**chosen, "rngs": nnx.Rngs(EVAL_SEED)}
         return forward_hook(view, model, **chosen)
 
     # The wire: export_inputs, else the first split's batch for the fields the wire takes.
