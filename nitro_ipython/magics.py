@@ -7,6 +7,8 @@ is `rebuild.py`'s.
 
 from __future__ import annotations
 
+import itertools
+import shlex
 import time
 from typing import Any
 
@@ -59,6 +61,19 @@ def _ended(handle: nitro.Nitro) -> str:
     at = f"at epoch {handle.epoch}/{handle.target_epoch}, step {handle.step}"
     said = {"done": "finished", "stopped": "stopped", "failed": "failed"}
     return f"{said[handle.phase]} {at}" if handle.phase in said else f"{handle.phase}, {at}"
+
+
+def _without_comment(line: str) -> str:
+    """The magic's line without a trailing `# comment`, which IPython passes on with the
+    arguments (`%nitro train exp  # a note` trains exp): a word starting with `#` starts it."""
+    lexer = shlex.shlex(line, posix=True)
+    lexer.whitespace_split, lexer.commenters = True, ""
+    try:
+        words = list(lexer)
+    except ValueError:  # an unclosed quote: left for the parser to report
+        return line
+    kept = list(itertools.takewhile(lambda word: not word.startswith("#"), words))
+    return line if len(kept) == len(words) else shlex.join(kept)
 
 
 @magics_class
@@ -181,7 +196,7 @@ class NitroMagics(Magics):
             in %nitro runs under their run ids. The agent's paths stay inside the working
             directory (or --root) and the --allow'ed directories.
         """
-        args = magic_arguments.parse_argstring(self.nitro, line)
+        args = magic_arguments.parse_argstring(self.nitro, _without_comment(line))
         return getattr(self, f"_{args.command}")(args)
 
     # ------------------------------------------------------------------------------------------
