@@ -7,8 +7,6 @@ is `rebuild.py`'s.
 
 from __future__ import annotations
 
-import itertools
-import shlex
 import time
 from typing import Any
 
@@ -65,15 +63,17 @@ def _ended(handle: nitro.Nitro) -> str:
 
 def _without_comment(line: str) -> str:
     """The magic's line without a trailing `# comment`, which IPython passes on with the
-    arguments (`%nitro train exp  # a note` trains exp): a word starting with `#` starts it."""
-    lexer = shlex.shlex(line, posix=True)
-    lexer.whitespace_split, lexer.commenters = True, ""
-    try:
-        words = list(lexer)
-    except ValueError:  # an unclosed quote: left for the parser to report
-        return line
-    kept = list(itertools.takewhile(lambda word: not word.startswith("#"), words))
-    return line if len(kept) == len(words) else shlex.join(kept)
+    arguments (`%nitro train exp  # a note` trains exp): a `#` outside quotes that starts a
+    word starts it."""
+    quote = None
+    for index, char in enumerate(line):
+        if quote is not None:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (index == 0 or line[index - 1].isspace()):
+            return line[:index].rstrip()
+    return line
 
 
 @magics_class

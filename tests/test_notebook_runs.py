@@ -212,7 +212,7 @@ def test_an_experiment_defined_in_a_cell_exports_and_a_magic_takes_a_trailing_co
         celled = InACell(batches=2)
         """
     )
-    kernel.run("%nitro train celled   # a note: the rest of the line is a comment")
+    kernel.run("%nitro train celled   # a note: the line's rest is a comment")
     cell = kernel.run(f"%nitro export {target}  # the class has no source file")
     assert f"nitro: exported celled_run (step 2) to {target}" in cell.stdout
     manifest = json.loads((target / "manifest.json").read_text())
