@@ -134,9 +134,11 @@ def test_every_fence_names_its_language(page: Path):
 
 @pytest.mark.parametrize("page", PAGES, ids=_page_id)
 def test_a_not_run_marker_stands_right_before_a_python_block(page: Path):
-    text = page.read_text(encoding="utf-8")
-    marked = sum(block.not_run is not None for block in python_blocks(page))
-    assert len(NOT_RUN.findall(text)) == marked, (
-        f"{_page_id(page)}: a `<!-- not run: ... -->` comment must stand right before a "
-        "```python fence"
-    )
+    tokens = markdown_it.MarkdownIt("commonmark").parse(page.read_text(encoding="utf-8"))
+    for token, after in zip(tokens, [*tokens[1:], None], strict=True):
+        if token.type == "html_block" and NOT_RUN.fullmatch(token.content):
+            assert after is not None and after.type == "fence", (
+                f"{_page_id(page)}:{token.map[0] + 1}: a `<!-- not run: ... -->` comment must "
+                "stand right before a ```python fence"
+            )
+            assert after.info.split()[:1] == ["python"], f"{_page_id(page)}:{token.map[0] + 1}"
