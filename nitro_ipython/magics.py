@@ -61,6 +61,21 @@ def _ended(handle: nitro.Nitro) -> str:
     return f"{said[handle.phase]} {at}" if handle.phase in said else f"{handle.phase}, {at}"
 
 
+def _without_comment(line: str) -> str:
+    """The magic's line without a trailing `# comment`, which IPython passes on with the
+    arguments (`%nitro train exp  # a note` trains exp): a `#` outside quotes that starts a
+    word starts it."""
+    quote = None
+    for index, char in enumerate(line):
+        if quote is not None:
+            quote = None if char == quote else quote
+        elif char in "'\"":
+            quote = char
+        elif char == "#" and (index == 0 or line[index - 1].isspace()):
+            return line[:index].rstrip()
+    return line
+
+
 @magics_class
 class NitroMagics(Magics):
     """`%nitro COMMAND [TARGET] [options]`; see `%nitro?`."""
@@ -181,7 +196,7 @@ class NitroMagics(Magics):
             in %nitro runs under their run ids. The agent's paths stay inside the working
             directory (or --root) and the --allow'ed directories.
         """
-        args = magic_arguments.parse_argstring(self.nitro, line)
+        args = magic_arguments.parse_argstring(self.nitro, _without_comment(line))
         return getattr(self, f"_{args.command}")(args)
 
     # ------------------------------------------------------------------------------------------

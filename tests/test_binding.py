@@ -408,3 +408,30 @@ def test_binding_report_counts_dropped_samples():
 
     report = str(nitro.Nitro(Uneven(), progress=False).binding_report())
     assert "train: 3 batches x 16; 48 of 60 samples; 12 dropped by drop_last" in report
+
+
+def test_finalize_metrics_gets_each_evaluated_split_and_the_epochs_train_metrics():
+    seen = []
+
+    @nitro.experiment
+    class Finalized(Toy):
+        def metrics(self, logits, *, y):
+            return {"acc": (logits.argmax(-1) == y).mean()}
+
+        def train_metrics(self, logits, *, y):
+            return {"train_acc": (logits.argmax(-1) == y).mean()}
+
+        def finalize_metrics(self, acc, split):
+            seen.append((split, sorted(acc)))
+            return {**acc, "finalized": 1.0}
+
+    n = nitro.Nitro(Finalized(max_epochs=1), progress=False)
+    n.train()
+    n.evaluate(split="test")
+    assert seen == [
+        ("train", ["train_acc"]),
+        ("val", ["acc", "loss"]),
+        ("test", ["acc", "loss"]),
+    ]
+    row = n.history().iloc[-1]
+    assert row["finalized"] == 1.0 and row["val_finalized"] == 1.0  # train's unprefixed

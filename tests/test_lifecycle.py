@@ -24,7 +24,7 @@ import pytest
 from flax import nnx
 from lifecycle_toys import Wide, parameters
 from system import child_env
-from toys import TinyMLP, Toy, ToyWithMetrics
+from toys import TinyMLP, Toy, ToyWithMetrics, X
 
 import nitro
 
@@ -607,6 +607,29 @@ def test_phases_arrive_in_order_and_monitors_get_counters_and_the_epochs_metrics
     assert [c.phase for c in with_metrics] == ["checkpointing", "checkpointing"]
     assert [c.metrics["val_acc"] for c in with_metrics] == n.history()["val_acc"].tolist()
     assert set(nitro.events.PHASES) >= {"compiling <program>", "checkpointing", "done"}
+
+
+def test_every_phase_a_handle_enters_is_one_of_the_documented_phases(tmp_path):
+    seen = []
+
+    @nitro.on_phase
+    def watch(change):
+        seen.extend([change.previous, change.phase])
+
+    try:
+        n = nitro.Nitro(ToyWithMetrics(max_epochs=1), progress=False)
+        n.train()
+        n.evaluate(split="val")
+        n.predict({"x": X[:3]})
+        n.export(tmp_path / "bundle")
+    finally:
+        nitro.events.remove_monitor(watch)
+    patterns = [
+        re.escape(p).replace("<program>", ".+").replace("<split>", ".+")
+        for p in nitro.events.PHASES
+    ]
+    assert seen[0] == "setup" and seen[-1] == "done"  # predict and export change no phase
+    assert all(any(re.fullmatch(p, phase) for p in patterns) for phase in seen), seen
 
 
 def test_a_monitor_that_raises_is_warned_about_once_and_switched_off_and_the_run_goes_on():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import json
 import re
 import time
 
@@ -196,3 +197,23 @@ def test_export_writes_a_bundle_of_the_latest_run_that_matches_predict(kernel, t
         "program.jaxexport",
         "weights.safetensors",
     ]
+
+
+def test_an_experiment_defined_in_a_cell_exports_and_a_magic_takes_a_trailing_comment(
+    kernel, tmp_path
+):
+    target = tmp_path / "cell"
+    kernel.run(
+        """
+        @nitro.experiment
+        class InACell(tiny_exp.Tiny):
+            pass
+
+        celled = InACell(batches=2)
+        """
+    )
+    kernel.run("%nitro train celled   # a note: the line's rest is a comment")
+    cell = kernel.run(f"%nitro export {target}  # the class has no source file")
+    assert f"nitro: exported celled_run (step 2) to {target}" in cell.stdout
+    manifest = json.loads((target / "manifest.json").read_text())
+    assert manifest["provenance"]["experiment"].endswith("InACell")

@@ -36,9 +36,11 @@ __all__ = [
     "using",
 ]
 
-# The phases a handle goes through. "compiling <program>" names the program kind
-# ("compiling train step"); "evaluating <split>" the split.
+# The phases a handle goes through, from "setup" (before its setup starts) on. "compiling
+# <program>" names the program kind ("compiling train step"); "evaluating <split>" the split.
+# predict and export leave the phase as it is.
 PHASES = (
+    "setup",
     "building data",
     "building model",
     "routing",
@@ -48,7 +50,6 @@ PHASES = (
     "validating",
     "checkpointing",
     "evaluating <split>",
-    "predicting",
     "done",
     "stopped",
     "failed",

@@ -548,7 +548,7 @@ def _provenance(handle: Any, graphconst: Mapping[str, Any]) -> dict[str, Any]:
 
     try:
         where = os.path.dirname(inspect.getsourcefile(handle.cls) or "") or os.getcwd()
-    except TypeError:  # defined in a notebook cell or the REPL: the working directory
+    except (TypeError, OSError):  # defined in a notebook cell or the REPL: the working directory
         where = os.getcwd()
     return {
         "experiment": handle.owner,
