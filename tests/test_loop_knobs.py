@@ -254,3 +254,65 @@ def test_max_steps_at_an_epochs_end_commits_the_epoch_and_bad_values_are_refused
         n.train(steps=0)
     with pytest.raises(ValueError, match="epochs= or steps=, not both"):
         n.train(epochs=1, steps=1)
+
+
+# ---------------------------------------------------------------------------------------------
+# validation every N steps
+
+
+def test_val_every_steps_evaluates_within_epochs_logs_and_resumes_with_them():
+    # 4 training batches an epoch: evaluations after steps 3, 6 and 9, not at 4, 8 or 12
+    # (an epoch's end validates anyway, into the history)
+    n = nitro.Nitro(ToyWithMetrics(max_epochs=3), val_every_steps=3, progress=False)
+    n.train()
+    table = n.validations()
+    assert list(table.index) == [3, 6, 9] and list(table["epoch"]) == [1, 2, 3]
+    assert {"val_loss", "val_acc"} <= set(table.columns)
+    assert list(n.history()["step"]) == [4, 8, 12]  # the epochs' rows are as before
+    # the weights at step 6, evaluated on their own, give the row's figures
+    six = nitro.Nitro(ToyWithMetrics(max_epochs=3), progress=False, checkpointer=None)
+    six.train(steps=6)
+    np.testing.assert_allclose(six.validate()["val_loss"], table.loc[6, "val_loss"], rtol=1e-6)
+    n.close()
+    records = [json.loads(line) for line in open(f"{n.run_dir}/metrics.jsonl")]
+    within = [
+        r["step"]
+        for r in records
+        if r["type"] == "metrics" and r["context"] == "validate" and r["step"] % 4
+    ]
+    assert within == [3, 6, 9]  # the loggers have them, at their steps
+    resumed = nitro.Nitro(
+        ToyWithMetrics(max_epochs=4), resume=n.run_dir, val_every_steps=3, progress=False
+    )
+    assert list(resumed.validations().index) == [3, 6, 9]  # saved with the checkpoint
+    resumed.train()
+    assert list(resumed.validations().index) == [3, 6, 9, 15]
+
+
+def test_val_every_steps_with_fused_steps_cuts_the_calls_and_matches_one_step_per_call():
+    one = nitro.Nitro(
+        ToyWithMetrics(max_epochs=2),
+        val_every_steps=3,
+        steps_per_dispatch=1,
+        progress=False,
+        checkpointer=None,
+    )
+    four = nitro.Nitro(
+        ToyWithMetrics(max_epochs=2),
+        val_every_steps=3,
+        steps_per_dispatch=4,
+        progress=False,
+        checkpointer=None,
+    )
+    one.train()
+    four.train()
+    assert list(four.validations().index) == [3, 6]
+    np.testing.assert_array_equal(one.validations()["val_loss"], four.validations()["val_loss"])
+    for a, b in zip(params_of(one), params_of(four), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("bad", [0, -2, 2.5, True, "3"])
+def test_a_bad_val_every_steps_is_refused(bad):
+    with pytest.raises(ValueError, match="val_every_steps must be an int >= 1"):
+        nitro.Nitro(ToyWithMetrics(), val_every_steps=bad, progress=False)

@@ -5,7 +5,7 @@ reporter, isolated: a reporter that raises is switched off for the rest of the r
 warning naming it, and training goes on. Events also remembers the current phase, which is
 what `Nitro.phase` reads.
 
-A reporter implements any of the seven methods of `Reporter` (missing ones are skipped):
+A reporter implements any of the eight methods of `Reporter` (missing ones are skipped):
 
 ```python
 class Printer:
@@ -97,11 +97,21 @@ class Reporter(Protocol):
     def step(self, step: int, loss: float) -> None: ...
     def phase(self, phase: str) -> None: ...
     def end_epoch(self, row: Mapping[str, Any]) -> None: ...
+    def validated(self, row: Mapping[str, Any]) -> None: ...
     def note(self, message: str, done: bool = False) -> None: ...
     def end_run(self, handle: Any) -> None: ...
 
 
-EVENT_NAMES = ("start_run", "start_epoch", "step", "phase", "end_epoch", "note", "end_run")
+EVENT_NAMES = (
+    "start_run",
+    "start_epoch",
+    "step",
+    "phase",
+    "end_epoch",
+    "validated",
+    "note",
+    "end_run",
+)
 
 
 class Events:
@@ -223,6 +233,11 @@ class Events:
     def end_epoch(self, row: Mapping[str, Any]) -> None:
         self._metrics = row  # the next phase change carries it to monitors
         self._deliver("end_epoch", row)
+
+    def validated(self, row: Mapping[str, Any]) -> None:
+        """An evaluation within an epoch (`val_every_steps=`): its step, the epoch under way
+        and the eval splits' metrics."""
+        self._deliver("validated", row)
 
     def note(self, message: str, done: bool = False) -> None:
         self._deliver("note", message, done)

@@ -65,6 +65,9 @@ class SilentReporter:
     def end_epoch(self, row):
         pass
 
+    def validated(self, row):
+        pass
+
     def note(self, message, done=False):
         pass
 

@@ -216,6 +216,7 @@ class RunSetup:
     name: str | None = None  # the name keyword: the run's name in run.json, for resume
     eval_splits: tuple[str, ...] = ()  # evaluated at each epoch's end
     max_steps: int | None = None  # the optimizer step training stops at
+    val_every_steps: int | None = None  # eval splits also every N steps, within epochs
 
     @property
     def cls(self) -> type:

@@ -90,6 +90,8 @@ class TrainState:
       position: batches completed in the epoch under way.
       seed: seeds the model's initialization and the data order.
       history: one row per committed epoch (loss, validation metrics, timing).
+      validations: one row per evaluation within an epoch (`val_every_steps=`): step,
+        epoch (the one under way) and the eval splits' metrics.
       totals: the running sums of the epoch under way (None at an epoch boundary).
       epoch_trained: the epoch under way has trained all its batches but is not committed
         yet (its validation has not completed); the next `train()` or `validate()` validates
@@ -102,6 +104,7 @@ class TrainState:
     position: int = 0
     seed: int = 0
     history: list[Mapping[str, Any]] = dataclasses.field(default_factory=list)
+    validations: list[Mapping[str, Any]] = dataclasses.field(default_factory=list)
     totals: EpochTotals | None = None
     epoch_trained: bool = False
 
@@ -139,6 +142,7 @@ class TrainState:
             position=int(partial.get("position", 0)),
             seed=int(meta.get("seed", seed)),
             history=[dict(row) for row in meta.get("history", [])],
+            validations=[dict(row) for row in meta.get("validations", [])],
             totals=totals,
             epoch_trained=bool(partial.get("trained", False)),
         )

@@ -250,6 +250,16 @@ def _eval_splits(value):
     return tuple(names)
 
 
+def _val_every_steps(value):
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(
+            f"val_every_steps must be an int >= 1 (evaluate the eval splits every that many "
+            f"optimizer steps, within epochs as well as at their ends), or None (at epochs' "
+            f"ends only); got {value!r}"
+        )
+    return value
+
+
 def _max_steps(value):
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         raise ValueError(
@@ -360,6 +370,13 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "the optimizer step training stops at, mid-epoch if need be (None: no limit; "
             "max_epochs still applies)",
             _max_steps,
+        ),
+        RunKeyword(
+            "val_every_steps",
+            None,
+            "also evaluate the eval splits every N optimizer steps within epochs (Lightning's "
+            "val_check_interval); the results: n.validations() (None: at epochs' ends only)",
+            _val_every_steps,
         ),
         RunKeyword(
             "eval_splits",

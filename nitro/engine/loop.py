@@ -281,17 +281,21 @@ def _reached(run: _Epoch, state: TrainState) -> bool:
 
 def _capped(run: _Epoch, blocks: int | Iterable[int], start: int) -> int | Iterable[int]:
     """The call sizes of a stream whose first call starts at step `start`, cut so that no call
-    runs past the run's stop step: the steps left before it go one per call (programs that
-    exist already), so the last call ends exactly there."""
-    stop_at = run.stop_at
-    if stop_at is None:
+    runs past the run's stop step, or over a step an evaluation follows (`val_every_steps`):
+    the steps before it go one per call (programs that exist already), so a call ends
+    exactly there."""
+    stop_at, every = run.stop_at, run.setup.val_every_steps
+    if stop_at is None and every is None:
         return blocks
     sizes = itertools.repeat(blocks) if isinstance(blocks, int) else iter(blocks)
 
     def cut() -> Iterator[int]:
         step = start
         for size in sizes:
-            size = size if step + size <= stop_at else 1
+            if stop_at is not None and step + size > stop_at:
+                size = 1
+            if every is not None and (step // every + 1) * every < step + size:
+                size = 1  # a call ends at each step an evaluation follows (val_every_steps)
             step += size
             yield size
 
@@ -378,6 +382,13 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
                     if switchable:
                         ended = "switch"
                         break
+            if _evaluation_due(run, staged):
+                previous, pending = pending, None
+                _complete(run, state, previous)  # every step so far counted, weights current
+                if not _validate_within(run, state):
+                    ended = "interrupted"
+                    break
+                plan.start_stream()  # the evaluation is no call's time
         if pending is not None:
             previous, pending = pending, None
             _complete(run, state, previous)
@@ -395,6 +406,35 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
             except Exception:  # noqa: BLE001 - the original error matters more
                 _drain(pending)
     return ended
+
+
+def _evaluation_due(run: _Epoch, staged) -> bool:
+    """Whether an evaluation follows the call just dispatched (`val_every_steps`): it ends at
+    a multiple of N, before the epoch's last batch (whose end validates anyway)."""
+    every, setup = run.setup.val_every_steps, run.setup
+    if every is None or not setup.eval_splits or run.dispatched % every:
+        return False
+    batches = setup.splits["train"].batches
+    return batches is None or staged.index + staged.count * staged.group < batches
+
+
+def _validate_within(run: _Epoch, state: TrainState) -> bool:
+    """Evaluate the eval splits with the current weights, within an epoch: a row (step,
+    the epoch under way, each split's metrics under its prefix) in `state.validations`, and
+    to the reporters. False when a stop request cut it short (nothing is recorded)."""
+    setup, runtime, control, events = run.setup, run.runtime, run.control, run.events
+    row: dict[str, Any] = {"step": state.step, "epoch": state.epoch + 1}
+    for split in setup.eval_splits:
+        events.phase("validating")
+        metrics = evaluate_split(setup, runtime, state, run.programs, control, split)
+        if metrics is None:
+            _acknowledge_interrupt(control)
+            return False
+        row.update(metrics)
+    state.validations.append(row)
+    events.validated(row)
+    events.phase("training")
+    return True
 
 
 def _drain(item: _Pending) -> None:

@@ -40,6 +40,7 @@ class RunKeywords:
     n_devs: int
     max_epochs: int
     max_steps: int | None
+    val_every_steps: int | None
     eval_splits: tuple[str, ...] | None
     schedules: Mapping[str, Any]  # key -> schedule
     learning_rate: float

@@ -176,6 +176,7 @@ def build(
         name=keywords.name,
         eval_splits=eval_splits,
         max_steps=keywords.max_steps,
+        val_every_steps=keywords.val_every_steps,
     )
     runtime = RunTime(
         experiment=instance,

@@ -87,6 +87,7 @@ DRIVER_ONLY_NAMES = frozenset(
         "seed",
         "max_epochs",
         "max_steps",
+        "val_every_steps",
         "eval_splits",
         "run_dir",
         "n_devs",

@@ -782,6 +782,20 @@ class Nitro:
             frame = frame.set_index("epoch")
         return frame
 
+    def validations(self):
+        """A pandas DataFrame indexed by step of the evaluations within epochs
+        (`val_every_steps=N`): the epoch under way and each eval split's metrics under its
+        prefix. The evaluations at epochs' ends are the history's (`n.history()`)."""
+        import pandas as pd
+
+        rows = [
+            {k: v for k, v in row.items() if np.ndim(v) == 0} for row in self._state.validations
+        ]
+        frame = pd.DataFrame(rows)
+        if not frame.empty:
+            frame = frame.set_index("step")
+        return frame
+
     def plot(self, path: str | None = None, metrics: Iterable[str] | None = None):
         """Draw the history (loss and metric curves); save a PNG when `path` is given."""
         from nitro.handle.plotting import plot_history

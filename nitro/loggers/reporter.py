@@ -177,6 +177,13 @@ class LoggingReporter:
             if values:
                 self._log_metrics(values, step=step, epoch=epoch, context=context)
 
+    def validated(self, row: Mapping[str, Any]) -> None:
+        values = finite_metrics({k: v for k, v in row.items() if k not in ("epoch", "step")})
+        if values:
+            self._log_metrics(
+                values, step=row.get("step"), epoch=row.get("epoch"), context="validate"
+            )
+
     def phase(self, phase: str) -> None:
         if phase not in _BUSY_PHASES:
             self.logger.flush()

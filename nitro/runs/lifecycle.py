@@ -477,6 +477,7 @@ def checkpoint_meta(
         "seed": state.seed,
         "history": rows.of(state.history) if rows is not None else _ScalarRows().of(state.history),
         "metrics": _scalars(row),
+        "validations": [_scalars(r) for r in state.validations],
         "stop_reason": reason,
         "graphconst": config_of(setup),
         "device": dict(device),
