@@ -376,9 +376,7 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
             previous, pending = pending, _Pending(index, out.report, out.metrics, staged)
             if previous is not None:
                 _complete(run, state, previous)
-                if plan.measuring and plan.completed(
-                    previous.staged.count, updates, lambda: _remaining(run, state)
-                ):
+                if plan.measuring and _timed(run, plan, previous, updates, state):
                     if switchable:
                         ended = "switch"
                         break
@@ -393,7 +391,7 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
             previous, pending = pending, None
             _complete(run, state, previous)
             if ended == "ended" and plan.measuring:  # the stream's last call is timed too
-                plan.completed(previous.staged.count, updates, lambda: _remaining(run, state))
+                _timed(run, plan, previous, updates, state)
     except DivergenceError:
         if pending is not None:  # skipped by the guard: drain it, count nothing
             _drain(pending)
@@ -406,6 +404,15 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
             except Exception:  # noqa: BLE001 - the original error matters more
                 _drain(pending)
     return ended
+
+
+def _timed(run: _Epoch, plan, item: _Pending, updates: int | None, state: TrainState) -> bool:
+    """Give the dispatch measurement a completed call; True when its call sizes change. An
+    epoch's partial accumulation group (its own program, compiled once) is no call's time."""
+    if item.staged.group != run.setup.accum:
+        plan.start_stream()
+        return False
+    return plan.completed(item.staged.count, updates, lambda: _remaining(run, state))
 
 
 def _evaluation_due(run: _Epoch, staged) -> bool:
