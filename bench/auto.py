@@ -62,6 +62,9 @@ def bench_model(
         if key.startswith("auto"):
             line += f"   {loops[key].handle.dispatch.describe()}"
         print(line)
+    for loop in loops.values():  # their saves finish before the run directories go
+        if isinstance(loop, WithNitro):
+            loop.handle.close()
     fixed = {k: v for k, v in ratios.items() if k.startswith("K=")}
     best = max(fixed, key=fixed.get)
     worst_auto = min(v for k, v in ratios.items() if k.startswith("auto"))

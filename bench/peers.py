@@ -222,6 +222,9 @@ def bench_model(name: str, rounds: int, warmup: int, epochs: int, scale: int) ->
             result[key] = statistics.median(v / h for v, h in zip(values, base, strict=True))
     defaults = loops["defaults"].handle  # type: ignore[attr-defined]
     result["K"] = defaults.dispatch.describe()
+    for loop in loops.values():  # their saves finish before the run directories go
+        if isinstance(loop, WithNitro):
+            loop.handle.close()
     print(f"  defaults chose steps per dispatch: {result['K']}")
     return result
 
