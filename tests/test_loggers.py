@@ -682,3 +682,21 @@ def test_log_confusion_writes_rows_true_columns_predicted(tmp_path):
     board.finish("completed")
     (text,) = text_of(read_tensorboard(tmp_path / "tb"), "confusion/text_summary")
     assert "| **dog** | 2 | 7 |" in text
+
+
+def test_jsonl_metric_lines_read_back_exactly_whatever_the_names_and_numbers(tmp_path):
+    logger = JSONLinesLogger(tmp_path / "m.jsonl")
+    cases = [
+        ({"loss": 0.1 + 0.2}, 1, 1, "train"),
+        ({'a "quoted" name': 1e-310, "ünï": 12345678901234567.0, "count": 3}, None, 2, "validate"),
+        ({"flag": True, "half": np.float32(0.5)}, 4, None, "train"),  # through the encoder
+    ]
+    for metrics, step, epoch, context in cases:
+        logger.log_metrics(metrics, step=step, epoch=epoch, context=context)
+    logger.close()
+    records = read_jsonl(tmp_path / "m.jsonl")
+    for (metrics, step, epoch, context), record in zip(cases, records, strict=True):
+        assert (record["step"], record["epoch"], record["context"]) == (step, epoch, context)
+        assert record["metrics"] == {
+            k: float(v) if isinstance(v, np.floating) else v for k, v in metrics.items()
+        }

@@ -214,6 +214,39 @@ def _json_number(value: Any) -> Any:
 _ENCODER = json.JSONEncoder(allow_nan=False)  # one encoder: building one per line costs more
 
 
+_NAMES: dict[str, str] = {}  # metric and context names, JSON-encoded once each
+
+
+def _name(name: str) -> str:
+    encoded = _NAMES.get(name)
+    if encoded is None:
+        encoded = _NAMES[name] = _ENCODER.encode(name) if len(_NAMES) < 10_000 else ""
+        if not encoded:
+            return _ENCODER.encode(name)
+    return encoded
+
+
+def _metrics_line(metrics: Mapping[str, Any], step, epoch, context) -> str | None:
+    """The JSON line of a metrics record whose values are finite Python floats and ints and
+    whose step and epoch are ints or None, formatted directly (`json` writes floats with
+    `repr` too); None for any other record, which goes through the encoder."""
+    parts = []
+    for name, value in metrics.items():
+        kind = type(value)
+        if (kind is not float or not math.isfinite(value)) and kind is not int:
+            return None
+        if not isinstance(name, str):
+            return None
+        parts.append(f"{_name(name)}: {value!r}")
+    if not all(v is None or type(v) is int for v in (step, epoch)):
+        return None
+    return (
+        f'{{"type": "metrics", "time": {time.time()!r}, "context": {_name(context)}, '
+        f'"epoch": {"null" if epoch is None else epoch}, '
+        f'"step": {"null" if step is None else step}, "metrics": {{{", ".join(parts)}}}}}\n'
+    )
+
+
 class JSONLinesLogger(_FileLogger):
     """JSON Lines, one record per line, each with a `type`: "params", "metrics" (with
     `context`, `epoch`, `step`), "tags", "other" (`key`, `value`), "confusion" (`epoch`,
@@ -243,9 +276,13 @@ class JSONLinesLogger(_FileLogger):
         return record.get("type") == "metrics" and later
 
     def log_metrics(self, metrics, *, step, epoch, context) -> None:
-        values = {name: _json_number(value) for name, value in metrics.items()}
         if step is not None:
             self._step = step
+        line = _metrics_line(metrics, step, epoch, context)
+        if line is not None:  # the common record, formatted directly (once per step)
+            self._add([line])
+            return
+        values = {name: _json_number(value) for name, value in metrics.items()}
         self._write(
             {
                 "type": "metrics",
