@@ -350,6 +350,26 @@ def test_wrong_combinations_are_errors_that_say_what_to_do():
         nitro.Nitro(Grouped(), schedules={"head/learnin_rate": 0.1})
 
 
+def test_optax_multisteps_is_refused_with_a_pointer_to_accum():
+    wrapped = optax.MultiSteps(optax.adam(1e-3), every_k_schedule=2)
+    with pytest.raises(nitro.OptimizerError) as raised:
+        nitro.Nitro(Plain(), optimizer=wrapped, progress=False)
+    assert str(raised.value) == (
+        "optimizer is an optax.MultiSteps, which accumulates gradients inside the optimizer; "
+        "Nitro accumulates them itself with the accum= run keyword (the same updates as "
+        "MultiSteps, and schedules, checkpoints and n.step count optimizer steps). Pass the "
+        "inner optimizer and accum: Nitro(..., optimizer=optax.adam, accum=2)"
+    )
+    # its GradientTransformation form too, inside a factory, found by its state
+    with pytest.raises(nitro.OptimizerError, match=r"optax\.MultiSteps.*accum="):
+        nitro.Nitro(
+            Plain(), optimizer=lambda learning_rate: wrapped.gradient_transformation()
+        )
+    # the fix: the inner optimizer and accum= (4 batches an epoch: 2 updates, over 2 epochs)
+    fixed = nitro.Nitro(Plain(), optimizer=optax.adam, accum=2, progress=False)
+    assert fixed.train().step == 4
+
+
 def test_param_group_must_return_a_group_name():
     @nitro.experiment
     class Numbered(Plain):

@@ -126,6 +126,26 @@ def test_the_moving_average_follows_its_formula(warmup):
         np.testing.assert_array_equal(a, b)  # the average does not touch training
 
 
+def test_after_a_short_run_the_warmed_up_average_scores_about_what_the_weights_do():
+    # 4 epochs of digits, 9 steps each: 36 optimizer steps at ema=0.999
+    from nitro.examples.digits import Digits
+
+    n = nitro.Nitro(Digits(width=64, max_epochs=4), ema=0.999, checkpointer=None, logger=None)
+    n.train()
+    raw, ema = n.validate()["val_acc"], n.validate(weights="ema")["val_acc"]
+    assert raw > 0.5
+    assert abs(ema - raw) < 0.1
+    # without the warm-up the average is still mostly the random initial weights
+    cold = nitro.Nitro(
+        Digits(width=64, max_epochs=4),
+        ema=nitro.EMA(0.999, warmup=False),
+        checkpointer=None,
+        logger=None,
+    )
+    cold.train()
+    assert cold.validate(weights="ema")["val_acc"] < raw - 0.3
+
+
 def test_ema_weights_evaluate_predict_and_export_without_recompiling(fresh_cache, tmp_path):
     n = nitro.Nitro(ToyWithMetrics(max_epochs=2), ema=0.5, progress=False)
     n.train()

@@ -458,7 +458,8 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
         RunKeyword(
             "ema",
             None,
-            "keep a moving average of the weights: a decay in (0, 1), a nitro.EMA, or None",
+            "keep a moving average of the weights: a decay in (0, 1) (warmed up as "
+            "nitro.EMA(decay) is), a nitro.EMA, or None",
             _ema,
         ),
         RunKeyword(

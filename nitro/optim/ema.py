@@ -2,8 +2,11 @@
 
 `ema=0.999` (or `nitro.EMA(decay=0.999, warmup=True, evaluate=True)`) keeps, next to the
 parameters, their average `ema = d * ema + (1 - d) * params` updated after every optimizer
-step (skipped steps leave it alone). With `warmup`, the decay starts low and rises as
-`min(decay, (1 + t) / (10 + t))` over the first steps, so early weights fade fast. It is
+step (skipped steps leave it alone). With `warmup` (the default), the decay starts low and
+rises as `min(decay, (1 + t) / (10 + t))` over the first steps (t: the steps averaged so far),
+so the initial weights fade fast and the average of a short run is close to the weights; with
+`warmup=False` it is `decay` from the first step, and after n steps the initial weights still
+weigh `decay ** n` (0.999 after 100 steps: 0.9). It is
 checkpointed with the rest of the state; `validate`, `evaluate`, `predict` and `export` take
 `weights="ema"`, and `evaluate=True` makes the average what validation reports.
 """
@@ -21,15 +24,16 @@ __all__ = ["EMA"]
 
 @dataclasses.dataclass(frozen=True)
 class EMA:
-    """Average the weights: `decay` in (0, 1); `warmup` ramps it up over the first steps;
-    `evaluate` makes validation (and evaluate/predict/export by default) use the average.
+    """Average the weights: `decay` in (0, 1); `warmup` (on by default) ramps it up over the
+    first steps as `min(decay, (1 + t) / (10 + t))`; `evaluate` makes validation (and
+    evaluate/predict/export by default) use the average.
 
-    >>> EMA(0.999).decay_at(0), round(float(EMA(0.999, warmup=True).decay_at(0)), 3)
-    (0.999, 0.1)
+    >>> round(float(EMA(0.999).decay_at(0)), 3), EMA(0.999, warmup=False).decay_at(0)
+    (0.1, 0.999)
     """
 
     decay: float = 0.999
-    warmup: bool = False
+    warmup: bool = True
     evaluate: bool = False
 
     def __post_init__(self) -> None:

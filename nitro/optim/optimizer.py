@@ -224,6 +224,38 @@ def _describe_factory(factory: Callable) -> str:
     return prefix + getattr(factory, "__qualname__", repr(factory))
 
 
+def _multi_steps_refused(every_k: Any) -> OptimizerError:
+    """`optax.MultiSteps` accumulates inside the optimizer: Nitro's `accum=` does that."""
+    k = 4
+    try:  # MultiSteps keeps its k as a schedule of the step
+        k = int(every_k(0)) if callable(every_k) else k
+    except Exception:  # noqa: BLE001 - a schedule that needs a traced step: the example's k
+        pass
+    return OptimizerError(
+        f"optimizer is an optax.MultiSteps, which accumulates gradients inside the optimizer; "
+        f"Nitro accumulates them itself with the accum= run keyword (the same updates as "
+        f"MultiSteps, and schedules, checkpoints and n.step count optimizer steps). Pass the "
+        f"inner optimizer and accum: Nitro(..., optimizer=optax.adam, accum={k})"
+    )
+
+
+def _states(opt_state: Any) -> list[Any]:
+    """Every optax state in the tree, nested ones included."""
+    found = []
+
+    def visit(node: Any) -> None:
+        found.append(node)
+        if isinstance(node, tuple):  # chain's tuple, and NamedTuple states with inner states
+            for child in node:
+                visit(child)
+        elif isinstance(node, Mapping):  # optax.partition's inner states
+            for child in node.values():
+                visit(child)
+
+    visit(opt_state)
+    return found
+
+
 # ---------------------------------------------------------------------------------------------
 # the stages
 
@@ -240,6 +272,8 @@ def _base(settings: OptimizerSettings):
     spec = settings.optimizer
     if spec is None:
         spec = optax.adam
+    if isinstance(spec, optax.MultiSteps):
+        raise _multi_steps_refused(spec._every_k_schedule)
     if isinstance(spec, optax.GradientTransformation):
         return (lambda: spec), None, settings.learning_rate_explicit
     if not callable(spec):
@@ -342,6 +376,8 @@ def build_optimizer(settings: OptimizerSettings, params: Any) -> tuple[Optimizer
         )
         tx = optax.chain(clip, body)
     opt_state = tx.init(params)
+    if any(isinstance(node, optax.MultiStepsState) for node in _states(opt_state)):
+        raise _multi_steps_refused(None)
     if toward == "given":
         opt_state = _write_anchor(
             opt_state, anchor_leaves(settings.decay_to, params), decayed, labels
