@@ -378,6 +378,170 @@ def test_resuming_with_another_optimizer_is_refused_naming_both_and_the_fixes(
     assert fresh.run_dir != first.run_dir
 
 
+def _keyword_warnings(record) -> list[str]:
+    return [str(w.message) for w in record if "run keywords that differ" in str(w.message)]
+
+
+@nitro.experiment
+class GroupedToy(Toy):
+    def param_group(self, path):
+        return "body" if path.startswith("hidden") else "head"
+
+
+TRAINED = dict(
+    accum=2,
+    sam=nitro.ASAM(rho=0.5, eta=0.01),
+    ema=0.9,
+    gradient_clip_norm=1.0,
+    weight_decay=1e-4,
+    group_lr={"body": 0.5},
+)
+
+
+def test_resuming_with_the_same_training_keywords_says_nothing_and_records_them(tmp_path, recwarn):
+    import orbax.checkpoint as ocp
+
+    first = nitro.Nitro(GroupedToy(max_epochs=1), progress=False, **TRAINED)
+    first.train().wait()
+    manager = ocp.CheckpointManager(pathlib.Path(first.run_dir) / "checkpoints")
+    step = manager.latest_step()
+    assert step is not None
+    meta = manager.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+    manager.close()
+    assert meta["training"] == {
+        "optimizer": "optax.adam(learning_rate=0.001)",
+        "accum": 2,
+        "sam": "nitro.ASAM(rho=0.5, eta=0.01)",
+        "ema": "nitro.EMA(decay=0.9, warmup=True, evaluate=False)",
+        "gradient_clip_norm": 1.0,
+        "weight_decay": 1e-4,
+        "decay_to": "zero",
+        "param_groups": {"body": 0.5, "head": None},
+    }
+    resumed = nitro.Nitro(GroupedToy(max_epochs=2), resume=first.run_dir, progress=False, **TRAINED)
+    assert _keyword_warnings(recwarn) == []
+    assert (resumed.step, resumed.train().step) == (2, 4)  # 4 batches an epoch, 2 per step
+
+
+@pytest.mark.parametrize(
+    "changed, line, fix",
+    [
+        (
+            dict(accum=1),
+            "  accum: the checkpoint's 2, this run's 1",
+            "accum=2",
+        ),
+        (
+            dict(sam=None),
+            "  sam: the checkpoint's nitro.ASAM(rho=0.5, eta=0.01), this run's None",
+            "sam=nitro.ASAM(rho=0.5, eta=0.01)",
+        ),
+        (
+            dict(sam=0.05),
+            "  sam: the checkpoint's nitro.ASAM(rho=0.5, eta=0.01), this run's nitro.SAM(rho=0.05)",
+            "sam=nitro.ASAM(rho=0.5, eta=0.01)",
+        ),
+        (
+            dict(ema=nitro.EMA(0.99)),
+            "  ema: the checkpoint's nitro.EMA(decay=0.9, warmup=True, evaluate=False), this "
+            "run's nitro.EMA(decay=0.99, warmup=True, evaluate=False)",
+            "ema=nitro.EMA(decay=0.9, warmup=True, evaluate=False)",
+        ),
+        (
+            dict(learning_rate=1e-2),
+            "  optimizer: the checkpoint's optax.adam(learning_rate=0.001), this run's "
+            "optax.adam(learning_rate=0.01)",
+            "the same optimizer=, learning_rate=, group_lr= and param_group method",
+        ),
+        (
+            dict(gradient_clip_norm=2.0),
+            "  gradient_clip_norm: the checkpoint's 1.0, this run's 2.0",
+            "gradient_clip_norm=1.0",
+        ),
+        (
+            dict(weight_decay=1e-3),
+            "  weight_decay: the checkpoint's 0.0001, this run's 0.001",
+            "weight_decay=0.0001",
+        ),
+        (
+            dict(group_lr={"body": 0.1}),
+            "  param_groups: the checkpoint's {'body': 0.5, 'head': None}, this run's "
+            "{'body': 0.1, 'head': None}",
+            "the same optimizer=, learning_rate=, group_lr= and param_group method",
+        ),
+    ],
+    ids=["accum", "sam-off", "sam-kind", "ema", "learning-rate", "clip", "decay", "group-lr"],
+)
+def test_resuming_with_other_training_keywords_continues_with_a_warning_naming_each(
+    changed, line, fix, tmp_path
+):
+    first = nitro.Nitro(GroupedToy(max_epochs=1), progress=False, **TRAINED)
+    first.train().wait()
+    keywords = {**TRAINED, **changed}
+    with pytest.warns(RuntimeWarning, match="run keywords that differ") as record:
+        resumed = nitro.Nitro(
+            GroupedToy(max_epochs=2), resume=first.run_dir, progress=False, **keywords
+        )
+    (message,) = _keyword_warnings(record)
+    assert message == (
+        "resuming with run keywords that differ from the checkpoint's; the run continues with "
+        f"this run's:\n{line}\nTo continue as the checkpoint was trained, resume with its "
+        f"keywords: {fix}"
+    )
+    assert record[0].filename == __file__  # it points at the line that resumed
+    # the run goes on with this run's keywords, from the checkpoint's step
+    assert resumed.step == 2 and resumed.run_id == first.run_id
+    per_epoch = 4 // keywords["accum"]
+    assert resumed.train().step == 2 + per_epoch
+
+
+def test_resuming_with_several_other_keywords_names_each_difference(tmp_path):
+    first = nitro.Nitro(GroupedToy(max_epochs=1), progress=False, **TRAINED)
+    first.train().wait()
+    with pytest.warns(RuntimeWarning) as record:
+        nitro.Nitro(
+            GroupedToy(max_epochs=2),
+            resume="auto",
+            progress=False,
+            **{**TRAINED, "accum": 1, "sam": None, "ema": None},
+        )
+    (message,) = _keyword_warnings(record)
+    assert "  accum: the checkpoint's 2, this run's 1\n" in message
+    assert "  sam: the checkpoint's nitro.ASAM(rho=0.5, eta=0.01), this run's None\n" in message
+    assert "  ema: the checkpoint's nitro.EMA(decay=0.9, warmup=True, evaluate=False), " in message
+    assert message.endswith(
+        "resume with its keywords: accum=2, sam=nitro.ASAM(rho=0.5, eta=0.01), "
+        "ema=nitro.EMA(decay=0.9, warmup=True, evaluate=False)"
+    )
+
+
+def test_resuming_mid_epoch_with_an_accum_that_splits_a_step_is_refused(tmp_path):
+    class Stopper:
+        handle: nitro.Nitro | None = None
+
+        def step(self, step, loss):  # the reporter's step event, on the run's thread
+            if step == 5 and self.handle is not None:
+                self.handle.stop()
+
+    stopper = Stopper()
+    small = dict(batch_size=4, max_epochs=2, with_val=False)  # 16 batches an epoch
+    first = nitro.Nitro(Toy(**small), steps_per_dispatch=1, progress=stopper)
+    stopper.handle = first
+    first.train().wait()
+    position = first.step  # stopped in the first epoch, a few steps after the fifth
+    assert first.stop_reason == "requested" and 0 < position < 16
+    accum = next(k for k in (2, 4, 8, 16) if position % k)  # divides the epoch, not the stop
+    with pytest.raises(nitro.SetupError) as refused:
+        nitro.Nitro(Toy(**small), resume=first.run_dir, accum=accum, progress=False)
+    saved = pathlib.Path(first.run_dir) / "checkpoints" / str(position)
+    assert str(refused.value) == (
+        f"cannot resume with accum={accum}: the checkpoint at {str(saved)!r} stopped in epoch "
+        f"1 after {position} batches, which are not whole optimizer steps of {accum} "
+        f"micro-batches. Resume with the checkpoint's accum=1 (or another that divides "
+        f"{position}), or resume from the checkpoint of an epoch's end"
+    )
+
+
 # ---------------------------------------------------------------------------------------------
 # functions as GraphConst values
 

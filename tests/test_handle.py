@@ -288,6 +288,25 @@ def test_training_in_the_background_can_be_stopped_and_resumed():
     assert n.stop_reason == "completed" and n.step > reached
 
 
+def test_stop_returns_at_once_and_wait_leaves_the_state_the_stop_saved():
+    import orbax.checkpoint as ocp
+
+    n = nitro.Nitro(Toy(max_epochs=10_000, with_val=False), progress=False)
+    n.train(background=True)
+    while n.step < 6:
+        pass
+    assert n.stop() is n  # asked; the run finishes its step and its save on its own thread
+    n.wait()
+    assert (n.running, n.stop_reason, n.phase) == (False, "requested", "stopped")
+    stopped = n.step
+    assert n.state.step == stopped and n.step == stopped  # nothing moves any more
+    manager = ocp.CheckpointManager(os.path.join(n.run_dir, "checkpoints"))
+    assert manager.latest_step() == stopped  # the step it stopped on is the one saved
+    manager.close()
+    if n.epoch:
+        assert n.history()["step"].iloc[-1] <= stopped
+
+
 def test_a_stopped_run_resumes_to_the_epoch_it_was_training_to():
     n = nitro.Nitro(Toy(max_epochs=2, with_val=False), progress=False)
     assert n.target_epoch == 2

@@ -362,9 +362,7 @@ def test_optax_multisteps_is_refused_with_a_pointer_to_accum():
     )
     # its GradientTransformation form too, inside a factory, found by its state
     with pytest.raises(nitro.OptimizerError, match=r"optax\.MultiSteps.*accum="):
-        nitro.Nitro(
-            Plain(), optimizer=lambda learning_rate: wrapped.gradient_transformation()
-        )
+        nitro.Nitro(Plain(), optimizer=lambda learning_rate: wrapped.gradient_transformation())
     # the fix: the inner optimizer and accum= (4 batches an epoch: 2 updates, over 2 epochs)
     fixed = nitro.Nitro(Plain(), optimizer=optax.adam, accum=2, progress=False)
     assert fixed.train().step == 4

@@ -548,7 +548,9 @@ class Nitro:
             print(f"nitro: {message}", file=sys.stderr, flush=True)
 
     def stop(self) -> Nitro:
-        """Ask a running loop to stop after the current step (returns at once)."""
+        """Ask a running loop to stop after the current step. Returns at once, while the
+        run finishes that step and saves it (`running` is still True): `n.stop().wait()`
+        returns once it has stopped, its step, history and checkpoint in agreement."""
         self._control.stop.set()
         return self
 

@@ -224,11 +224,12 @@ def _describe_factory(factory: Callable) -> str:
     return prefix + getattr(factory, "__qualname__", repr(factory))
 
 
-def _multi_steps_refused(every_k: Any) -> OptimizerError:
-    """`optax.MultiSteps` accumulates inside the optimizer: Nitro's `accum=` does that."""
+def _multi_steps_refused(every_k: Callable[[int], Any] | None) -> OptimizerError:
+    """`optax.MultiSteps` accumulates inside the optimizer: Nitro's `accum=` does that.
+    `every_k`: its k as a schedule of the step (None: unknown, the example says 4)."""
     k = 4
-    try:  # MultiSteps keeps its k as a schedule of the step
-        k = int(every_k(0)) if callable(every_k) else k
+    try:
+        k = int(np.asarray(every_k(0))) if every_k is not None else k
     except Exception:  # noqa: BLE001 - a schedule that needs a traced step: the example's k
         pass
     return OptimizerError(
