@@ -245,7 +245,6 @@ class RunFiles:
             )
         differences = training_differences(meta.get("training"), training_config(setup))
         if differences is not None:
-            _check_accum_fits(setup, meta, self.resume_from)
             warn_user(differences)
         ema = ema_steps = None
         if variables.ema is not None:
@@ -691,22 +690,6 @@ def _optimizer_misfit(setup: RunSetup, meta: dict[str, Any], found: SavedStep) -
         f"weight_decay= and param groups), or start a new run from its weights with this "
         f"optimizer: Nitro({setup.cls.__name__}(...), weights={str(found.path)!r}) (a fresh "
         f"optimizer state and step count). The optimizer state's leaves that differ:"
-    )
-
-
-def _check_accum_fits(setup: RunSetup, meta: dict[str, Any], found: SavedStep) -> None:
-    """A checkpoint saved in the middle of an epoch resumes at its next batch: refused when
-    the batches it completed are not whole optimizer steps of this run's `accum`."""
-    position = int((meta.get("partial_epoch") or {}).get("position", 0))
-    if position % setup.accum == 0:
-        return
-    saved = (meta.get("training") or {}).get("accum")
-    raise SetupError(
-        f"cannot resume with accum={setup.accum}: the checkpoint at {str(found.path)!r} stopped "
-        f"in epoch {int(meta.get('epoch', 0)) + 1} after {position} batches, which are not "
-        f"whole optimizer steps of {setup.accum} micro-batches. Resume with the checkpoint's "
-        f"accum={saved} (or another that divides {position}), or resume from the checkpoint "
-        f"of an epoch's end"
     )
 
 
