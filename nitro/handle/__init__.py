@@ -6,6 +6,7 @@
 - `signature`: `Nitro`'s signature and keyword help, generated from the run keywords
 - `binding_report`: where every value came from
 - `displays`, `plotting`: the handle's repr and HTML; history plots
+- `summary`: `n.summary()`, the model's modules, output shapes and sizes (eval_shape, no compile)
 - `signature`: `Nitro(...)`'s signature and keyword help, generated from the run keywords
 """
 

@@ -48,6 +48,7 @@ from nitro.experiments.declaration import (
 from nitro.handle.binding_report import BindingReport, binding_report
 from nitro.handle.displays import handle_html, short_repr
 from nitro.handle.signature import keyword_signature, keywords_doc
+from nitro.handle.summary import ModelSummary
 from nitro.programs.specs import ProgramSet
 from nitro.programs.staleness import stale_changes, stale_report
 from nitro.runs.lifecycle import RunFiles, check_watched_metrics
@@ -803,6 +804,45 @@ class Nitro:
         from nitro.handle.plotting import plot_history
 
         return plot_history(self.history(), path=path, metrics=metrics, title=self.cls.__name__)
+
+    def summary(
+        self, batch: Mapping[str, Any] | None = None, *, split: str | None = None, depth=None
+    ) -> ModelSummary:
+        """The model as a table: each module's path, type, output shape for one batch,
+        parameters and bytes, and the totals (HTML in a notebook, text elsewhere). Compiles
+        nothing: `forward` is traced on the shapes of one batch of `split` (default "train",
+        else the first split) or of `batch=` (a dict of arrays or `jax.ShapeDtypeStruct`s);
+        `depth=` keeps the modules at most that deep (0: the model alone).
+
+        >>> import nitro
+        >>> from nitro.examples.digits import Digits
+        >>> print(nitro.Nitro(Digits(width=32), progress=False).summary())
+        MLP: output shapes for one batch (the 'train' split's batch: x f32[128,64])
+        ------------------------------------------------
+        module     type    output       params     bytes
+        ------------------------------------------------
+        (model)    MLP     f32[128,10]   3,466  13.5 KiB
+          hidden1  Linear  f32[128,32]   2,080   8.1 KiB
+          hidden2  Linear  f32[128,32]   1,056   4.1 KiB
+          out      Linear  f32[128,10]     330   1.3 KiB
+        ------------------------------------------------
+        forward returns: f32[128,10]
+        parameters: 3,466 (13.5 KiB)
+        model state: 0 B
+        total: 13.5 KiB
+        """
+        from nitro.handle.summary import model_summary
+
+        state = self._state
+        return model_summary(
+            self._setup,
+            list(state.variables.params),
+            list(state.variables.model_state),
+            self._runtime.feed.current_device(),
+            batch=batch,
+            split=split,
+            depth=depth,
+        )
 
     def binding_report(self) -> BindingReport:
         """Where every value came from: splits, hook fields, run keywords, schedules, optimizer."""

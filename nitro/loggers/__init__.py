@@ -7,7 +7,10 @@ step), "validate" or "data" (each epoch); `log_params`; `log_tags`; `log_other`;
 for resume (and `flush()`, optional). The file backends keep records in memory for at most
 `FLUSH_SECONDS` and flush at the end of each call. `LoggingReporter` turns a run's events into these calls; `LoggerGroup` (or a
 list) fans out. Backends: `JSONLinesLogger` (the default, `<run_dir>/metrics.jsonl`),
-`TensorBoardLogger` (needs `nitro[logging]`) and `CSVLogger`. See docs/logging.md.
+`TensorBoardLogger` (needs `nitro[logging]`), `CSVLogger`, `MLflowLogger` (`nitro[mlflow]`) and
+`WandbLogger` (`nitro[wandb]`). `log_figure` and `log_image` (optional verbs, ignored by the
+backends that cannot store images) put matplotlib figures and images in TensorBoard, MLflow
+and W&B. See docs/logging.md.
 
 ```python
 from nitro.loggers import JSONLinesLogger, LoggingReporter, TensorBoardLogger
@@ -17,11 +20,13 @@ n = nitro.Nitro(exp, progress=LoggingReporter([JSONLinesLogger(), TensorBoardLog
 """
 
 from nitro.loggers.files import CSVLogger, JSONLinesLogger
+from nitro.loggers.mlflow_tracking import MLflowLogger
 from nitro.loggers.protocol import (
     CONTEXTS,
     FINISH_STATUSES,
     FLUSH_SECONDS,
     LOGGER_VERBS,
+    MEDIA_VERBS,
     BaseLogger,
     Logger,
     LoggerGroup,
@@ -31,19 +36,23 @@ from nitro.loggers.protocol import (
 )
 from nitro.loggers.reporter import LoggingReporter, finish_status, run_params
 from nitro.loggers.tensorboard_events import TensorBoardLogger
+from nitro.loggers.wandb_runs import WandbLogger
 
 __all__ = [
     "CONTEXTS",
     "FINISH_STATUSES",
     "FLUSH_SECONDS",
     "LOGGER_VERBS",
+    "MEDIA_VERBS",
     "BaseLogger",
     "CSVLogger",
     "JSONLinesLogger",
     "Logger",
     "LoggerGroup",
     "LoggingReporter",
+    "MLflowLogger",
     "TensorBoardLogger",
+    "WandbLogger",
     "as_logger",
     "finish_status",
     "finite_metrics",

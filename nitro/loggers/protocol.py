@@ -29,6 +29,7 @@ __all__ = [
     "FINISH_STATUSES",
     "FLUSH_SECONDS",
     "LOGGER_VERBS",
+    "MEDIA_VERBS",
     "BaseLogger",
     "Logger",
     "LoggerGroup",
@@ -58,6 +59,9 @@ LOGGER_VERBS = (
     "state",
     "reattach",
 )
+# optional verbs for your code (a hook, a reporter) to call: BaseLogger's defaults do nothing,
+# so a backend that cannot store images ignores them
+MEDIA_VERBS = ("log_figure", "log_image")
 # the verbs a run calls, guarded in a group: a failure switches that logger off
 _GUARDED = (
     "bind_run",
@@ -66,6 +70,8 @@ _GUARDED = (
     "log_tags",
     "log_other",
     "log_confusion",
+    "log_figure",
+    "log_image",
     "flush",
 )
 
@@ -122,6 +128,13 @@ class BaseLogger:
 
     def log_confusion(self, matrix: Any, labels: Sequence[Any], *, epoch: int | None) -> None:
         pass
+
+    def log_figure(self, name: str, figure: Any, *, step: int | None = None) -> None:
+        """A matplotlib figure at `step`; by default ignored (a backend that stores images
+        overrides it: TensorBoard, MLflow, W&B)."""
+
+    def log_image(self, name: str, image: Any, *, step: int | None = None) -> None:
+        """An image array (H, W[, C]; uint8 or floats in 0-1) at `step`; by default ignored."""
 
     def finish(self, status: str) -> None:
         pass
@@ -327,6 +340,21 @@ class LoggerGroup(BaseLogger):
 
     def log_confusion(self, matrix, labels, *, epoch) -> None:
         self._each("log_confusion", matrix, labels, epoch=epoch)
+
+    def log_figure(self, name: str, figure: Any, *, step: int | None = None) -> None:
+        """The figure to each logger that stores images (the others ignore it). Something
+        that is not a figure is refused here, in the caller, before any logger sees it."""
+        from nitro.loggers.media import check_figure
+
+        check_figure(figure, name)
+        self._each("log_figure", name, figure, step=step)
+
+    def log_image(self, name: str, image: Any, *, step: int | None = None) -> None:
+        """The image to each logger that stores images (the others ignore it), checked and
+        brought to uint8 pixels first: a bad image is refused here, in the caller."""
+        from nitro.loggers.media import image_pixels
+
+        self._each("log_image", name, image_pixels(image, name), step=step)
 
     def finish(self, status: str) -> None:
         self._each("finish", status)

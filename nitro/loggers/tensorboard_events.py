@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+from nitro.loggers.media import figure_png, image_pixels, png_bytes
 from nitro.loggers.protocol import FLUSH_SECONDS, BaseLogger, confusion_rows, plain_value
 
 __all__ = ["TensorBoardLogger"]
@@ -199,6 +200,25 @@ class TensorBoardLogger(BaseLogger):
         ]
         self._text("confusion", "\n".join(lines))
 
+    def log_figure(self, name: str, figure: Any, *, step: int | None = None) -> None:
+        """The figure as a PNG image tagged `name` at `step` (default: the latest step)."""
+        data, pixels = figure_png(figure, name)
+        self._image(name, data, pixels.shape, step)
+
+    def log_image(self, name: str, image: Any, *, step: int | None = None) -> None:
+        """The image (H, W[, C]; uint8, or floats in 0-1) tagged `name` at `step`."""
+        pixels = image_pixels(image, name)
+        self._image(name, png_bytes(pixels), pixels.shape, step)
+
+    def _image(self, tag: str, png: bytes, shape: tuple[int, ...], step: int | None) -> None:
+        from tensorboardX.proto.summary_pb2 import Summary  # pyright: ignore[reportAttributeAccessIssue]  # protobuf-generated, no stubs
+
+        height, width, channels = shape
+        image = Summary.Image(
+            height=height, width=width, colorspace=channels, encoded_image_string=png
+        )
+        self._write(Summary(value=[Summary.Value(tag=tag, image=image)]), _at(step, self._step))
+
     def finish(self, status: str) -> None:
         self._text("run/status", status)
         if self._params:
@@ -244,6 +264,15 @@ class TensorBoardLogger(BaseLogger):
 
     def info(self) -> dict[str, Any]:
         return {"type": "TensorBoardLogger", "logdir": self._logdir, "step": self._step}
+
+
+def _at(step: Any, latest: int | None) -> int | None:
+    """The step an image is logged at: `step`, else the latest step logged."""
+    if step is None:
+        return latest
+    if isinstance(step, bool) or not isinstance(step, numbers.Integral) or step < 0:
+        raise ValueError(f"step= takes a whole number >= 0 or None; got {step!r}")
+    return int(step)
 
 
 def _hparams(params: Mapping[str, Any], metric_tags: list[str], status: str):
