@@ -6,7 +6,8 @@ one compiled program (`lax.scan` over K stacked batches). `steps_per_dispatch=K`
 `"auto"` (the default) decides by measuring:
 
 1. The first steps run one at a time and are timed (`PROBE_STEPS`, after the first, which
-   compiles). They give a step's time `s` and the candidate K: enough steps for
+   compiles). The fast end of their times (the second fastest: a neighbour only slows
+   steps) gives a step's time `s` and the candidate K: enough steps for
    `TARGET_SECONDS` of work per call, at least `MIN_STEPS`, at most `MAX_STEPS`, what keeps a
    stop waiting no longer than `MAX_CALL_SECONDS` for a call to end, and what lets a timing
    round fit in an epoch. A run with less than `WORTH_SECONDS` of work left keeps one step
@@ -270,7 +271,10 @@ class DispatchPlan:
     def _decide(self, batches: int | None, remaining: int | None) -> None:
         """From the probe's median single step: the K to time against one step per call
         (or one step per call where no K > 1 is allowed, or the run is too short to tell)."""
-        seconds = statistics.median(self._intervals)
+        # the fast end of the timed steps (the second fastest): a busy neighbour only ever
+        # slows steps, and a K picked from slowed steps would be too small just when fusing
+        # gains most
+        seconds = sorted(self._intervals)[min(1, len(self._intervals) - 1)]
         if self.agree is not None:
             (seconds,) = self.agree([seconds])
         self._intervals = []
