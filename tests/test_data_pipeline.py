@@ -355,3 +355,18 @@ def test_a_per_process_loader_in_one_process_yields_the_whole_batch():
         np.testing.assert_array_equal(
             shared.batch_at(index, plan)["x"], plain.batch_at(index, plan)["x"]
         )
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+def test_an_array_loader_gathers_consecutive_batches_as_the_stacked_batches(shuffle):
+    x = np.arange(70 * 3, dtype=np.float32).reshape(70, 3)
+    y = np.arange(70, dtype=np.int32)
+    loader = ArrayLoader({"x": x, "y": y}, 8, shuffle=shuffle, seed=5)
+    plan = loader.begin_epoch(2)
+    block = loader.block_at(3, 4, plan)
+    for name in ("x", "y"):
+        expected = np.stack([loader.batch_at(i, plan)[name] for i in range(3, 7)])
+        np.testing.assert_array_equal(block[name], expected)
+    block["x"][...] = -1  # a copy: the loader's arrays are untouched
+    assert x.min() == 0
+    assert loader.block_at(6, 3, plan) is None  # batch 8 is the partial one (70 = 8 x 8 + 6)

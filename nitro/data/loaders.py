@@ -137,6 +137,24 @@ class ArrayLoader:
         rows = plan[start:stop]
         return {name: a[rows] for name, a in self.arrays.items()}
 
+    def block_at(
+        self, index: int, count: int, plan: np.ndarray | None = None
+    ) -> dict[str, np.ndarray] | None:
+        """Batches `index` to `index + count - 1` stacked, `[count, batch, ...]`, gathered
+        in one indexed copy per array (what fused steps take); None when one of them is not
+        a whole batch of this process, which `batch_at` then gives one by one."""
+        size = self.global_batch_size
+        if self.processes > 1 or index < 0 or (index + count) * size > self.num_samples:
+            return None
+        start, stop = index * size, (index + count) * size
+        if plan is None:
+            return {
+                name: a[start:stop].reshape(count, size, *a.shape[1:]).copy()
+                for name, a in self.arrays.items()
+            }
+        rows = plan[start:stop]
+        return {name: a[rows].reshape(count, size, *a.shape[1:]) for name, a in self.arrays.items()}
+
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         plan = self.begin_epoch(self._epochs_iterated)
         self._epochs_iterated += 1

@@ -329,6 +329,21 @@ class Prefetcher:
             group=group,
         )
 
+    def stage_stacked(
+        self, index: int, stacked: Mapping[str, np.ndarray], units: int, group: int = 1
+    ) -> StagedBatch:
+        """Route and transfer `units` consecutive training batches a source gathered already
+        stacked (`block_at`): the steps of one fused call, as `stage_block` would stack them."""
+        routed = (
+            dict(stacked)
+            if self.route is None
+            else {k: stacked[k] for k in self.route if k in stacked}
+        )
+        device = routed if self.direct else (self.place_block or self.place)(routed)
+        self._count("placed")
+        rows = next(iter(stacked.values())).shape[1]
+        return StagedBatch(index, None, device, rows, self, count=units // group, group=group)
+
     def _global_real(self, staged: StagedBatch, local_rows: int) -> int:
         """Real samples in the global batch. In a multi-process run each process places its
         share, so the device batch is `processes x` wider than the host one."""
@@ -430,6 +445,33 @@ def _steps_of(items: list, group: int) -> list[list]:
     return [items[i : i + group] for i in range(0, len(items), group)]
 
 
+class _Batches:
+    """The (index, batch) pairs of an epoch of a source with `block_at`, which can also
+    hand over the next `count` batches stacked at once (`gather`)."""
+
+    def __init__(self, source: Any, epoch: int, start: int):
+        self.source, self.index, self.end = source, start, len(source)
+        self.plan = source.begin_epoch(epoch)
+
+    def __iter__(self) -> _Batches:
+        return self
+
+    def __next__(self) -> tuple[int, Any]:
+        if self.index >= self.end:
+            raise StopIteration
+        index, self.index = self.index, self.index + 1
+        return index, self.source.batch_at(index, self.plan)
+
+    def gather(self, count: int) -> tuple[int, dict[str, np.ndarray]] | None:
+        if self.index + count > self.end:
+            return None
+        stacked = self.source.block_at(self.index, count, self.plan)
+        if stacked is None:
+            return None
+        index, self.index = self.index, self.index + count
+        return index, stacked
+
+
 class _InlineStream(EpochStream):
     def __init__(
         self,
@@ -440,7 +482,12 @@ class _InlineStream(EpochStream):
         group: int = 1,
     ):
         self.owner = owner
-        self.iterator = _source_iterator(owner.source, epoch, start)
+        source = owner.source
+        gathers = callable(getattr(source, "block_at", None)) and is_index_addressable(source)
+        fast = gathers and not owner.keep_host and owner.pad_to is None
+        self.iterator = (
+            _Batches(source, epoch, start) if fast else _source_iterator(source, epoch, start)
+        )
         self._sizes = _call_sizes(block)
         self.block, self.group = next(self._sizes), group
         self._short: list = []  # the epoch's remainder: one step per call
@@ -461,6 +508,9 @@ class _InlineStream(EpochStream):
             return self.owner.stage(index, host)
         if not self._short:
             units = block * self.group
+            gathered = self.iterator.gather(units) if isinstance(self.iterator, _Batches) else None
+            if gathered is not None:
+                return self.owner.stage_stacked(gathered[0], gathered[1], units, self.group)
             items = list(itertools.islice(self.iterator, units))
             if not items:
                 raise StopIteration
