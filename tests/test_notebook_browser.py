@@ -186,7 +186,9 @@ def test_interrupt_button_stops_a_foreground_run_and_the_kernel_goes_on(lab):
     lab.run(EDIT_SAVE)
     retrained = lab.run(EDIT_RETRAIN)
     assert "reloaded digits_edit_demo: changed Digits.loss" in retrained
-    assert "programs compiled for the edit: 2" in retrained
+    # the edited loss reaches the train program and eval forward (and the single step too,
+    # when the interrupted run stopped between fused calls not lined up with its epoch)
+    assert re.search(r"programs compiled for the edit: [23]\b", retrained), retrained
     assert "done" in lab.panel(EDIT_RETRAIN)["record"]
     lab.screenshot("interrupt-3-retrained", lab.cell(EDIT_RETRAIN))
     lab.save_and_close()

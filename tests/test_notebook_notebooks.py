@@ -78,7 +78,10 @@ def test_interrupt_and_edit_notebook_interrupts_edits_and_retrains(tmp_path):
         r"exp_run \(Digits\): loss changed: (train step|multi-step train) and eval forward "
         r"will recompile",
     )
-    _find(texts, r"programs compiled for the edit: 2")
+    # the edited loss reaches the train program and eval forward; a run interrupted between
+    # fused calls that do not line up with its epoch also runs its epoch's remainder one step
+    # per call, so the single step recompiles too
+    _find(texts, r"programs compiled for the edit: [23]\b")
     _find(texts, r"digits_edit_demo.py line \d+: expected ':'\. Kept the last good code")
     _find(texts, r"cell_exp_run \(CellDigits\): loss changed")
     assert (tmp_path / "digits_edit_demo.py").exists()  # written in the notebook's directory
