@@ -243,10 +243,11 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
             else:
                 if upcoming is not None:
                     upcoming[2].close()
+                blocks = _aligned(plan.blocks(updates), state.position // setup.accum)
                 stream = runtime.prefetcher("train").epoch(
                     state.epoch,
                     start=state.position,
-                    block=_capped(run, plan.blocks(updates), state.step),
+                    block=_capped(run, blocks, state.step),
                     group=setup.accum,
                 )
             upcoming = None
@@ -272,6 +273,17 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
             stacklevel=2,
         )
     return True
+
+
+def _aligned(blocks: int | Iterable[int], step_in_epoch: int) -> int | Iterable[int]:
+    """Fused calls of K lined up with the epoch (each starts at a multiple of K) when a stream
+    opens mid-epoch (after "auto" decided, a resume, a stop): single steps up to the next
+    multiple first. So the epoch's calls are those of an epoch trained from its start, and a
+    run stopped between them resumes without an epoch remainder of its own."""
+    if not isinstance(blocks, int) or blocks == 1 or not step_in_epoch % blocks:
+        return blocks
+    lead = blocks - step_in_epoch % blocks
+    return itertools.chain(itertools.repeat(1, lead), itertools.repeat(blocks))
 
 
 def _reached(run: _Epoch, state: TrainState) -> bool:
