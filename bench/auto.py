@@ -27,7 +27,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from loops import HandWritten, WithNitro  # noqa: E402
+from loops import HandWritten, WithNitro, alternate_rounds, close_handles  # noqa: E402
 from peers import MODELS  # noqa: E402
 
 
@@ -44,13 +44,7 @@ def bench_model(
     for a in range(autos):
         loops[f"auto #{a + 1}"] = WithNitro(spec, arrays, "auto", lean=False)
     print(f"\n{name}: {spec.description}; {batches} batches per epoch, {epochs} epochs a round")
-    rates: dict[str, list[float]] = {key: [] for key in loops}
-    for r in range(warmup + rounds):
-        order = list(loops) if r % 2 == 0 else list(reversed(loops))
-        for key in order:
-            done, wall = loops[key].run(epochs)
-            if r >= warmup:
-                rates[key].append(done / wall)
+    rates = alternate_rounds(loops, rounds, warmup, epochs)
     base = rates["hand-written"]
     ratios = {
         key: statistics.median(v / h for v, h in zip(values, base, strict=True))
@@ -62,9 +56,7 @@ def bench_model(
         if key.startswith("auto"):
             line += f"   {loops[key].handle.dispatch.describe()}"
         print(line)
-    for loop in loops.values():  # their saves finish before the run directories go
-        if isinstance(loop, WithNitro):
-            loop.handle.close()
+    close_handles(loops)
     fixed = {k: v for k, v in ratios.items() if k.startswith("K=")}
     best = max(fixed, key=fixed.get)
     worst_auto = min(v for k, v in ratios.items() if k.startswith("auto"))

@@ -267,3 +267,27 @@ def keras_loop(spec: ModelSpec, arrays):  # pragma: no cover - optional
             return epochs * batches, time.perf_counter() - start
 
     return Keras()
+
+
+def alternate_rounds(loops: dict, rounds: int, warmup: int, epochs: int, after_round=None):
+    """Steps/s of each loop, round after round in alternating order (forward, then
+    reversed), `epochs` a run; the first `warmup` rounds are not counted. `after_round(r,
+    rates)` runs after each counted round (r from 0)."""
+    rates: dict[str, list[float]] = {key: [] for key in loops}
+    for r in range(warmup + rounds):
+        order = list(loops) if r % 2 == 0 else list(reversed(loops))
+        for key in order:
+            done, wall = loops[key].run(epochs)
+            if r >= warmup:
+                rates[key].append(done / wall)
+        if r >= warmup and after_round is not None:
+            after_round(r - warmup, rates)
+    return rates
+
+
+def close_handles(loops: dict) -> None:
+    """Close the Nitro handles among `loops`: their saves finish before their run
+    directories go."""
+    for loop in loops.values():
+        if isinstance(loop, WithNitro):
+            loop.handle.close()

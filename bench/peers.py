@@ -47,6 +47,8 @@ from loops import (  # noqa: E402
     ModelSpec,
     NNXTutorial,
     WithNitro,
+    alternate_rounds,
+    close_handles,
     keras_available,
     keras_loop,
     keras_mlp,
@@ -205,16 +207,12 @@ def bench_model(name: str, rounds: int, warmup: int, epochs: int, scale: int) ->
         f"{loops['hand-written'].batches} batches per epoch, {epochs} epochs per contender per "
         f"round ({epochs * steps} steps in the scan loop, {epochs} x {k} steps per call)"
     )
-    rates: dict[str, list[float]] = {key: [] for key in loops}
-    for r in range(warmup + rounds):
-        order = list(loops) if r % 2 == 0 else list(reversed(loops))
-        for key in order:
-            done, wall = loops[key].run(epochs)
-            if r >= warmup:
-                rates[key].append(done / wall)
-        if r >= warmup:
-            line = "  ".join(f"{key} {rates[key][-1]:.0f}" for key in loops)
-            print(f"  round {r - warmup + 1}: {line} steps/s")
+
+    def report(r, rates):
+        line = "  ".join(f"{key} {rates[key][-1]:.0f}" for key in loops)
+        print(f"  round {r + 1}: {line} steps/s")
+
+    rates = alternate_rounds(loops, rounds, warmup, epochs, report)
     base = rates["hand-written"]
     result: dict = {"hand": statistics.median(base)}
     for key, values in rates.items():
@@ -222,9 +220,7 @@ def bench_model(name: str, rounds: int, warmup: int, epochs: int, scale: int) ->
             result[key] = statistics.median(v / h for v, h in zip(values, base, strict=True))
     defaults = loops["defaults"].handle  # type: ignore[attr-defined]
     result["K"] = defaults.dispatch.describe()
-    for loop in loops.values():  # their saves finish before the run directories go
-        if isinstance(loop, WithNitro):
-            loop.handle.close()
+    close_handles(loops)
     print(f"  defaults chose steps per dispatch: {result['K']}")
     return result
 
