@@ -161,6 +161,38 @@ def test_mlflow_resume_continues_the_same_run(tmp_path, mlflow_store):
     assert run.data.tags["param_changed.max_epochs"] == "3"
 
 
+def test_mlflow_keeps_both_values_of_a_step_the_crashed_run_sent_after_its_checkpoint(
+    tmp_path, mlflow_store
+):
+    from mlflow.tracking import MlflowClient
+
+    crashed = nitro.loggers.MLflowLogger(mlflow_store, experiment="crashes")
+    crashed.bind_run(str(tmp_path), "r1")
+    for step in range(1, 7):
+        crashed.log_metrics({"loss": float(step)}, step=step, epoch=1, context="train")
+    saved = crashed.state()  # what a checkpoint stores, after a flush
+    assert saved is not None and saved["step"] == 6
+    for step in range(7, 10):  # sent after the checkpoint, then the process dies
+        crashed.log_metrics({"loss": float(step)}, step=step, epoch=2, context="train")
+    crashed.flush()
+
+    resumed = nitro.loggers.MLflowLogger(mlflow_store, experiment="crashes")
+    resumed.reattach(saved)
+    resumed.bind_run(str(tmp_path), "r1")
+    for step in range(7, 11):  # resume is exact: the same values again
+        resumed.log_metrics({"loss": float(step)}, step=step, epoch=2, context="train")
+    resumed.finish("completed")
+
+    client = MlflowClient(tracking_uri=mlflow_store)
+    history = client.get_metric_history(crashed.run_id, "loss")
+    steps = sorted(m.step for m in history)
+    assert steps == [1, 2, 3, 4, 5, 6, 7, 7, 8, 8, 9, 9, 10]  # nothing is deleted
+    assert all(m.value == float(m.step) for m in history)
+    assert client.get_run(crashed.run_id).data.metrics["loss"] == 10.0
+    last = {m.step: m.value for m in sorted(history, key=lambda m: m.timestamp)}
+    assert last == {step: float(step) for step in range(1, 11)}  # the reading the docs give
+
+
 def test_mlflow_refuses_a_run_its_store_does_not_hold(tmp_path, mlflow_store):
     logger = nitro.loggers.MLflowLogger(mlflow_store)
     with pytest.raises(ValueError, match=r"is not in the tracking store .*give MLflowLogger"):
