@@ -87,8 +87,10 @@ def remove_monitor(fn: Callable[[PhaseChange], Any]) -> None:
 
 class Reporter(Protocol):
     """What a run reports, in order: `start_run`, then per epoch `start_epoch`, `step` for
-    each read-back step and `end_epoch` with the epoch's history row; `phase` on every phase
-    change; `note` for short messages (compiles, advice); `end_run` when the run ends."""
+        each read-back step and `end_epoch` with the epoch's history row; `phase` on every phase
+        change; `validated` for an evaluation within an epoch; `swapped` when a live edit's code
+    is swapped in (or rolled back); `note` for short messages (compiles, advice); `end_run` when
+    the run ends."""
 
     def start_run(self, handle: Any, target_epoch: int) -> None: ...
     def start_epoch(
@@ -98,6 +100,7 @@ class Reporter(Protocol):
     def phase(self, phase: str) -> None: ...
     def end_epoch(self, row: Mapping[str, Any]) -> None: ...
     def validated(self, row: Mapping[str, Any]) -> None: ...
+    def swapped(self, row: Mapping[str, Any]) -> None: ...
     def note(self, message: str, done: bool = False) -> None: ...
     def end_run(self, handle: Any) -> None: ...
 
@@ -109,6 +112,7 @@ EVENT_NAMES = (
     "phase",
     "end_epoch",
     "validated",
+    "swapped",
     "note",
     "end_run",
 )
@@ -238,6 +242,11 @@ class Events:
         """An evaluation within an epoch (`val_every_steps=`): its step, the epoch under way
         and the eval splits' metrics."""
         self._deliver("validated", row)
+
+    def swapped(self, row: Mapping[str, Any]) -> None:
+        """A live edit swapped in (or rolled back) at `row["step"]`: what changed, the code's
+        digest, what compiled (`nitro.engine.live_edit.swap_row`)."""
+        self._deliver("swapped", row)
 
     def note(self, message: str, done: bool = False) -> None:
         self._deliver("note", message, done)

@@ -68,6 +68,9 @@ class SilentReporter:
     def validated(self, row):
         pass
 
+    def swapped(self, row):
+        pass
+
     def note(self, message, done=False):
         pass
 

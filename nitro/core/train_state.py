@@ -92,6 +92,8 @@ class TrainState:
       history: one row per committed epoch (loss, validation metrics, timing).
       validations: one row per evaluation within an epoch (`val_every_steps=`): step,
         epoch (the one under way) and the eval splits' metrics.
+      swaps: one row per live edit swapped in (or rolled back) while training: the step
+        its code first ran at, what changed, the code's digest, what compiled.
       totals: the running sums of the epoch under way (None at an epoch boundary).
       epoch_trained: the epoch under way has trained all its batches but is not committed
         yet (its validation has not completed); the next `train()` or `validate()` validates
@@ -105,6 +107,7 @@ class TrainState:
     seed: int = 0
     history: list[Mapping[str, Any]] = dataclasses.field(default_factory=list)
     validations: list[Mapping[str, Any]] = dataclasses.field(default_factory=list)
+    swaps: list[Mapping[str, Any]] = dataclasses.field(default_factory=list)
     totals: EpochTotals | None = None
     epoch_trained: bool = False
 
@@ -143,6 +146,7 @@ class TrainState:
             seed=int(meta.get("seed", seed)),
             history=[dict(row) for row in meta.get("history", [])],
             validations=[dict(row) for row in meta.get("validations", [])],
+            swaps=[dict(row) for row in meta.get("swaps", [])],
             totals=totals,
             epoch_trained=bool(partial.get("trained", False)),
         )

@@ -35,6 +35,14 @@ from nitro.engine.diagnostics import data_wait_advice, divergence_message, shape
 from nitro.engine.evaluation import delete, evaluate_split, finalize_metrics
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl
+from nitro.engine.swaps import (
+    Probation,
+    code_digest_of,
+    probation_for,
+    restore_totals,
+    swap_note,
+    swap_row,
+)
 from nitro.errors import DivergenceError, Once
 from nitro.experiments.routing import select
 from nitro.programs.specs import ProgramSet
@@ -54,6 +62,7 @@ class _Pending:
     report: Any  # f32[2], or f32[count, 2]: the loss and the finiteness code per step
     metrics: Any
     staged: Any  # data.StagedBatch (count > 1: a block)
+    program: Any  # the program that ran it (a live edit may swap programs before it is read)
 
 
 class _Epoch:
@@ -79,6 +88,15 @@ class _Epoch:
         # (epoch, block, stream) started early, during validation
         self.upcoming: tuple[int, tuple[str, int], EpochStream] | None = None
         self.programs_by_count: dict[tuple, Any] = {}  # (steps, micro) per call -> program
+        self.probation: Probation | None = None  # a live edit's first steps, and the way back
+
+
+class _RollBack(Exception):
+    """A live edit's first steps gave a non-finite loss: back to the code before it."""
+
+    def __init__(self, step: int, value: float):
+        super().__init__(f"step {step} gave loss {value}")
+        self.step, self.value = step, value
 
 
 def train_epochs(
@@ -112,7 +130,7 @@ def train_epochs(
     try:
         while True:
             if state.epoch_trained:
-                row = finish_epoch(setup, runtime, state, programs, events, control)
+                row = finish_epoch(run.setup, runtime, state, run.programs, events, control)
                 if row is None:
                     break  # validation stopped: the epoch stays trained, not committed
                 verdict = after_epoch(state, row) if after_epoch is not None else None
@@ -129,14 +147,14 @@ def train_epochs(
             state.epoch_trained = True
             if state.epoch + 1 < target and not stop.is_set() and not _reached(run, state):
                 # start producing the next epoch now, so validation overlaps with it
-                plan, updates = runtime.dispatch, _updates(setup)
+                plan, updates = runtime.dispatch, _updates(run.setup)
                 run.upcoming = (
                     state.epoch + 1,
                     plan.layout(updates),
                     runtime.prefetcher("train").epoch(
                         state.epoch + 1,
                         block=_capped(run, plan.blocks(updates), state.step),
-                        group=setup.accum,
+                        group=run.setup.accum,
                     ),
                 )
         if stop.is_set():
@@ -355,6 +373,13 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
                 staged.free()  # staged ahead: the run stops at max_steps before it
                 ended = "max_steps"
                 break
+            if run.runtime.live.pending is not None:  # an edit compiled beside the run
+                if pending is not None:  # the old code's last call counts before the swap
+                    previous, pending = pending, None
+                    _complete(run, state, previous)
+                _swap_in(run, state)
+                setup = run.setup
+                plan.start_stream()  # no timed interval spans the swap
             index, count, micro = run.dispatched, staged.count, staged.group
             if count == 1:
                 args = (
@@ -385,7 +410,7 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
             run.dispatched += count
             if control.copies_pending:  # before the next step donates these variables
                 control.serve_copies()
-            previous, pending = pending, _Pending(index, out.report, out.metrics, staged)
+            previous, pending = pending, _Pending(index, out.report, out.metrics, staged, program)
             if previous is not None:
                 _complete(run, state, previous)
                 if plan.measuring and _timed(run, plan, previous, updates, state):
@@ -404,6 +429,12 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
             _complete(run, state, previous)
             if ended == "ended" and plan.measuring:  # the stream's last call is timed too
                 _timed(run, plan, previous, updates, state)
+    except _RollBack as rollback:
+        if pending is not None:  # ran the edited code too: drain it, count nothing
+            _drain(pending)
+            pending = None
+        _roll_back(run, state, rollback)
+        ended = "switch"  # reopen the stream where the state now is
     except DivergenceError:
         if pending is not None:  # skipped by the guard: drain it, count nothing
             _drain(pending)
@@ -415,7 +446,66 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
                 _complete(run, state, pending)
             except Exception:  # noqa: BLE001 - the original error matters more
                 _drain(pending)
+        if ended != "switch":
+            run.probation = None  # a stream's end (an epoch's, a stop's) ends a probation
     return ended
+
+
+def _swap_in(run: _Epoch, state: TrainState) -> None:
+    """Swap in the code a live edit compiled beside the run (between two calls, with none in
+    flight): the loop's setup and programs, the live experiment, the handle's; the swap's row
+    in `state.swaps` and to the reporters. Its first steps are on probation."""
+    runtime = run.runtime
+    swap = runtime.live.take()
+    if swap is None:
+        return
+    begin = time.perf_counter()
+    run.probation = probation_for(swap, run.setup, run.programs, runtime.experiment, state)
+    run.setup, run.programs, run.programs_by_count = swap.setup, swap.programs, {}
+    runtime.experiment = swap.experiment
+    swap.adopt(swap.setup, swap.programs)
+    row = swap_row(swap, state.step, state.epoch + 1, time.perf_counter() - begin)
+    state.swaps.append(row)
+    swap.edit.record = row
+    swap.edit._settle("swapped")
+    run.events.swapped(row)
+    run.control.say(swap_note(row))
+
+
+def _roll_back(run: _Epoch, state: TrainState, cause: _RollBack) -> None:
+    """The edited code's first steps were not finite: back to the code and the state from
+    before the swap (the stream reopens there), with a note and a row in `state.swaps`."""
+    probation, run.probation = run.probation, None
+    assert probation is not None  # raised only on probation
+    runtime = run.runtime
+    run.setup, run.programs, run.programs_by_count = probation.setup, probation.programs, {}
+    runtime.experiment = probation.experiment
+    probation.swap.adopt(probation.setup, probation.programs)
+    state.variables = probation.variables
+    state.step, state.position = probation.step, probation.position
+    restore_totals(state.totals, probation.totals)
+    run.dispatched = probation.step
+    run.healthy = run.setup.placement.put_replicated(jnp.asarray(True))
+    edit = probation.swap.edit
+    hooks = ", ".join(f"`{u}`" for u in edit.changes) or "the code"
+    note = (
+        f"the edit of {hooks} gave a non-finite loss ({cause.value}) at step {cause.step}, "
+        f"its first steps: rolled back to the code and the weights of step {probation.step}; "
+        f"the run goes on. Fix the edit and save again"
+    )
+    row = {
+        "step": probation.step,
+        "epoch": state.epoch + 1,
+        "status": "rolled back",
+        "changed": list(edit.changes),
+        "code": code_digest_of(probation.setup),
+        "reason": f"non-finite loss {cause.value} at step {cause.step}",
+        "at": time.time(),
+    }
+    state.swaps.append(row)
+    edit._settle("rolled back", note)
+    run.events.swapped(row)
+    run.control.say(note)
 
 
 def _timed(run: _Epoch, plan, item: _Pending, updates: int | None, state: TrainState) -> bool:
@@ -481,8 +571,11 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
     totals = state.totals
     assert totals is not None  # set when the epoch began
     count, micro = staged.count, staged.group
-    program = run.programs_by_count.get((count, micro))
+    program = item.program
+    probation = run.probation
     for offset, (value, code) in enumerate(reports.tolist()):
+        if probation is not None and (code or not math.isfinite(value)):
+            raise _RollBack(item.index + offset + 1, value)
         if code:
             raise DivergenceError(
                 divergence_message(
@@ -509,6 +602,8 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
                 )
                 _train_metrics(run, totals, program, batch_metrics, staged, offset * micro + part)
         run.events.step(state.step, value)
+    if probation is not None and state.step >= probation.until:
+        run.probation = None  # the edit's first steps were finite: it stays
 
 
 def _train_metrics(run: _Epoch, totals, program, metrics, staged, offset: int) -> None:

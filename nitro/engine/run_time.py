@@ -7,7 +7,9 @@ beside the setup (`train_epochs(setup, runtime, state, ...)`):
   fields, and host hooks (host metrics, `finalize_metrics`) receive it as `self`;
 - `feed`: the values fed to every step (optimizer hyperparameters, Device fields);
 - `dispatch`: the steps-per-dispatch measurement and its current `DispatchChoice`;
-- `prefetchers`: one per split, with its worker threads and its counters.
+- `prefetchers`: one per split, with its worker threads and its counters;
+- `live`: the live edits: the newest, and the swap compiled beside the run that waits for
+  the loop's next dispatch boundary (`nitro.engine.live_edit`).
 
 The setup stays as it was decided; the `TrainState` (arrays, counters, history) is the
 third record, which only the loop writes in place.
@@ -23,6 +25,7 @@ from nitro.core.run_setup import RunSetup
 from nitro.data import Prefetcher
 from nitro.engine.dispatch import DispatchPlan
 from nitro.engine.feed import StepFeed
+from nitro.engine.swaps import LiveEdits
 
 __all__ = ["RunTime"]
 
@@ -36,6 +39,7 @@ class RunTime:
     feed: StepFeed
     dispatch: DispatchPlan
     prefetchers: Mapping[str, Prefetcher]  # split name -> its prefetcher
+    live: LiveEdits = dataclasses.field(default_factory=LiveEdits)
 
     def prefetcher(self, split: str) -> Prefetcher:
         return self.prefetchers[split]

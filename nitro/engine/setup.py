@@ -60,7 +60,15 @@ from nitro.programs.compile_cache import configure_persistent_cache
 from nitro.programs.tracing import EVAL_SEED
 from nitro.runs.weights import AveragedWeights, CheckpointWeights, WeightsSource, copy_array
 
-__all__ = ["batch_size", "build"]
+__all__ = [
+    "batch_size",
+    "build",
+    "freeze_hook_code",
+    "freeze_hooks",
+    "hooks_fields",
+    "model_graphdefs",
+    "resolve_residency",
+]
 
 OPTIONAL_HOOKS = ("metrics", "train_metrics", "finalize_metrics", "train_step")
 HOOK_POSITIONAL = {
@@ -89,18 +97,14 @@ def build(
     `steps_per_dispatch` says otherwise."""
     configure_persistent_cache()  # before build_model, so its init ops are cached too
     cls = type(instance)
-    hooks, hook_functions = _freeze_hooks(cls)
-    residency = _resolve_residency(instance)
-    hooks_fields = {
-        name: hook_fields(cls, name, HOOK_POSITIONAL[name])
-        for name in HOOK_POSITIONAL
-        if name in hooks
-    }
+    hooks, hook_functions = freeze_hooks(cls)
+    residency = resolve_residency(instance)
+    fields_by_hook = hooks_fields(cls, hooks)
     splits_given = _build_data(instance, data, events, keywords.seed)
     placement = Placement(keywords.n_devs)
     device_specs, device_dtypes, device_values = _device_fields(instance, placement)
     model = _build_model(
-        instance, keywords.seed, weights, events, linen_init=(splits_given, hooks, hooks_fields)
+        instance, keywords.seed, weights, events, linen_init=(splits_given, hooks, fields_by_hook)
     )
     params = placement.put_replicated(model.params)
     rest = placement.put_replicated(model.model_state)
@@ -118,10 +122,10 @@ def build(
     splits, prefetchers = {}, {}
     for name, source in splits_given.items():
         splits[name], prefetchers[name] = _setup_split(
-            name, source, placement, hooks, hooks_fields, residency, prefetch, prefetch_mode
+            name, source, placement, hooks, fields_by_hook, residency, prefetch, prefetch_mode
         )
     eval_splits = _eval_splits(keywords, splits)
-    takes_rngs = any(spec.takes_rngs for spec in hooks_fields.values())
+    takes_rngs = any(spec.takes_rngs for spec in fields_by_hook.values())
     total_steps, schedules, feed = _bind_schedules(
         instance, keywords, splits, optimizer, device_specs, device_dtypes, device_values, placement
     )
@@ -142,7 +146,7 @@ def build(
         device_dtypes=FrozenDict(device_dtypes),
         hooks=FrozenDict(hooks),
         hook_functions=FrozenDict(hook_functions),
-        hook_fields=FrozenDict(hooks_fields),
+        hook_fields=FrozenDict(fields_by_hook),
         residency=FrozenDict(residency),
         code=code,
         model_classes=model_setup.pop("classes"),
@@ -274,7 +278,16 @@ def _hook_function(cls: type, name: str):
     return fn, fn
 
 
-def _freeze_hooks(cls: type) -> tuple[dict, dict]:
+def hooks_fields(cls: type, hooks: Mapping[str, Any]) -> dict[str, Any]:
+    """Hook -> the batch fields it takes (`HookFields`), for the hooks that take batches."""
+    return {
+        name: hook_fields(cls, name, HOOK_POSITIONAL[name])
+        for name in HOOK_POSITIONAL
+        if name in hooks
+    }
+
+
+def freeze_hooks(cls: type) -> tuple[dict, dict]:
     """Copies of the hook functions as they are now: (callables, functions)."""
     hooks, functions = {}, {}
     for name in ("forward", "loss") + OPTIONAL_HOOKS:
@@ -283,7 +296,7 @@ def _freeze_hooks(cls: type) -> tuple[dict, dict]:
     return hooks, functions
 
 
-def _resolve_residency(instance: Any) -> dict[str, str]:
+def resolve_residency(instance: Any) -> dict[str, str]:
     residency = dict(DEFAULT_RESIDENCY)
     if has_method(type(instance), "metrics_residency"):
         for hook in residency:
@@ -404,16 +417,21 @@ def _build_model(
             f"build_model must return a flax.nnx.Module or a flax.linen.Module; got "
             f"{type(model).__name__}"
         )
+    graphdefs, params, rest = model_graphdefs(model)
+    if weights is None:
+        return BuiltModel(graphdefs, params, rest, "build_model", None)
+    found = weights.resolve(params, rest)
+    return BuiltModel(graphdefs, found.params, found.model_state, found.origin, found.checkpoint)
+
+
+def model_graphdefs(model: nnx.Module) -> tuple[tuple[nnx.GraphDef, nnx.GraphDef], Any, Any]:
+    """((graph definition in train mode, in eval mode), parameters, the rest of the state)."""
     model.train()
     graphdef_train, params, rest = nnx.split(model, nnx.Param, ...)
     model.eval()
     graphdef_eval, _, _ = nnx.split(model, nnx.Param, ...)
     model.train()
-    graphdefs = (graphdef_train, graphdef_eval)
-    if weights is None:
-        return BuiltModel(graphdefs, params, rest, "build_model", None)
-    found = weights.resolve(params, rest)
-    return BuiltModel(graphdefs, found.params, found.model_state, found.origin, found.checkpoint)
+    return (graphdef_train, graphdef_eval), params, rest
 
 
 def _first_forward(instance: Any, splits: Mapping[str, Any], hooks, hooks_fields):
@@ -717,17 +735,23 @@ def _bind_schedules(
     return total, schedules, feed
 
 
-def _freeze_code(
-    cls, hook_functions, graphdefs, params, rest, opt_state, optimizer: FedOptimizer | None
-):
-    """Code fingerprints (hooks, model classes, optimizer update) and the model's tree
-    definitions; returns (code, model fields)."""
+def freeze_hook_code(cls: type, hook_functions: Mapping[str, Any]) -> dict[str, CodeFingerprint]:
+    """The code fingerprint of each traced hook (with the helpers it calls)."""
     code: dict[str, CodeFingerprint] = {}
     for name, fn in hook_functions.items():
         if name in TRACED_CODE_HOOKS:
             fp = Fingerprinter(self_class=cls)
             fp.hook(name, fn)
             code[name] = fp.fingerprint()
+    return code
+
+
+def _freeze_code(
+    cls, hook_functions, graphdefs, params, rest, opt_state, optimizer: FedOptimizer | None
+):
+    """Code fingerprints (hooks, model classes, optimizer update) and the model's tree
+    definitions; returns (code, model fields)."""
+    code = freeze_hook_code(cls, hook_functions)
     fingerprinter = Fingerprinter()
     structure = fingerprinter.structure(graphdefs[0])
     code["model"] = fingerprinter.fingerprint()

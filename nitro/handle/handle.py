@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
+import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, overload
@@ -28,15 +29,16 @@ from nitro.core.events import Events
 from nitro.core.keywords import Resolved
 from nitro.core.run_setup import RunSetup, SavedWeights
 from nitro.core.train_state import TrainState
-from nitro.engine import evaluation, loop, prediction
+from nitro.engine import evaluation, live_edit, loop, prediction, swaps
 from nitro.engine.dispatch import DispatchChoice
 from nitro.engine.keywords import resolve_run_keywords
 from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import Run, RunControl, RunGuard, sigint_requests_stop, wait_for
 from nitro.engine.setup import build
+from nitro.engine.swaps import LiveEdit
 from nitro.engine.weights_copy import copy_weights
-from nitro.errors import ExperimentError, Interrupted, SetupError
+from nitro.errors import ExperimentError, Interrupted, RunningError, SetupError
 from nitro.experiments.declaration import (
     REQUIRED_HOOKS,
     FieldKind,
@@ -121,6 +123,8 @@ class Nitro:
         self._error: BaseException | None = None
         self._checkpoint: SavedWeights | None = None
         self._stale_seen: str | None = None
+        self._live_edits: bool | None = None
+        self._live_lock = threading.Lock()
         self._stale_checked = (edit_generation(), 0.0)
         source = _weights_source(weights)
         with events_module.using(self._events):
@@ -511,6 +515,8 @@ class Nitro:
             raise
         finally:
             self._guard.release()
+            if self._runtime.live.pending is not None:
+                self._take_swap()  # compiled after the run's last call: the handle takes it
 
     def close(self) -> Nitro:
         """Finish this run's saves and let go of its run directory, so another handle (here
@@ -862,6 +868,101 @@ class Nitro:
     def held_programs(self) -> list[str]:
         """The kinds of the compiled programs this handle holds."""
         return self._programs.held()
+
+    # ------------------------------------------------------------------------------------------
+    # live edits
+
+    @property
+    def live_edits(self) -> bool | None:
+        """Whether an edit of this run's code applies while it trains (compiled beside the
+        run, swapped in at the next dispatch boundary): True, False, or None, the default: on
+        where the notebook extension watches the code (`%load_ext nitro`), and off in scripts,
+        where `apply_edits()` applies an edit when asked. Settable."""
+        return self._live_edits
+
+    @live_edits.setter
+    def live_edits(self, value: bool | None) -> None:
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(
+                f"live_edits must be True, False or None (on where the notebook extension "
+                f"watches the code), got {value!r}"
+            )
+        self._live_edits = value
+
+    def apply_edits(self) -> LiveEdit:
+        """Apply the experiment's code as it is now (its hooks, the helpers they call, the
+        model's classes), edited since this handle was built or last swapped code: the
+        programs the edit reaches compile on a thread of their own while a run goes on
+        training, and swap in at its next dispatch boundary (at once when nothing trains).
+
+        Returns the `LiveEdit` (`.wait()`, `.status`, `.note`, `.record`). An edit that
+        changes what a live run keeps (the fields, the set of hooks, the batch fields a hook
+        takes, the model's structure) is refused, and one that does not trace or compile
+        fails; either way the run goes on with the code it had and `.note` says why. The
+        first steps of swapped-in code are on probation: a non-finite loss there rolls the
+        run back to the old code and the weights from before the swap. `n.swaps()` lists the
+        swaps."""
+        with self._live_lock:
+            runtime = self._runtime
+            return live_edit.start_edit(
+                self._setup,
+                runtime.experiment,
+                self._state.variables,
+                self._programs,
+                runtime.live,
+                self._events,
+                adopt=self._adopt_code,
+                on_settled=self._edit_settled,
+                on_ready=self._edit_ready,
+            )
+
+    @property
+    def live_edit(self) -> LiveEdit | None:
+        """The newest live edit (`apply_edits()`), or None."""
+        return self._runtime.live.latest
+
+    def swaps(self):
+        """A pandas DataFrame of the live edits swapped in (and rolled back) while training,
+        indexed by the step whose call first ran the new code: status, what changed, the
+        code's digest, the programs compiled, the compile's and the swap's seconds."""
+        import pandas as pd
+
+        frame = pd.DataFrame([dict(row) for row in self._state.swaps])
+        if not frame.empty:
+            frame = frame.set_index("step")
+        return frame
+
+    def _adopt_code(self, setup: RunSetup, programs: ProgramSet) -> None:
+        """A swap or a roll-back: the handle's code is the code the run trains on."""
+        self._setup, self._programs = setup, programs
+
+    def _edit_settled(self, edit: LiveEdit) -> None:
+        if edit.note:
+            self._say(edit.note)
+
+    def _edit_ready(self) -> None:
+        """Compiled: a run takes it at its next dispatch boundary; a handle that is not
+        training takes it now."""
+        if not self.running:
+            self._take_swap()
+
+    def _take_swap(self) -> None:
+        try:
+            with self._guard.hold("applying an edit"):
+                swap = self._runtime.live.take()
+                if swap is None:
+                    return
+                state = self._state
+                self._adopt_code(swap.setup, swap.programs)
+                self._runtime.experiment = swap.experiment
+                row = swaps.swap_row(swap, state.step, state.epoch + 1, 0.0)
+                state.swaps.append(row)
+                swap.edit.record = row
+                swap.edit._settle("swapped")
+                self._events.swapped(row)
+                self._say(swaps.swap_note(row))
+        except RunningError:
+            pass  # a run started meanwhile: it takes the swap at its first call
 
     def _check_stale(self, entry: str) -> None:
         generation, last = self._stale_checked

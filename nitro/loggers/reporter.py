@@ -184,6 +184,12 @@ class LoggingReporter:
                 values, step=row.get("step"), epoch=row.get("epoch"), context="validate"
             )
 
+    def swapped(self, row: Mapping[str, Any]) -> None:
+        """A live edit's swap (or roll-back): logged under `live_edit/step_N`, so each
+        backend's record says which code ran from which step."""
+        self.logger.log_other(f"live_edit/step_{row.get('step')}", dict(row))
+        self.logger.flush()
+
     def phase(self, phase: str) -> None:
         if phase not in _BUSY_PHASES:
             self.logger.flush()

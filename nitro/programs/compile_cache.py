@@ -100,6 +100,7 @@ class CompileRecord:
     seconds: float
     reason: str
     at: float
+    thread: str = ""  # the thread that compiled it (a live edit compiles beside the loop)
 
     def __str__(self) -> str:
         return f"{self.program} [{self.owner}] {self.seconds:.2f} s: {self.reason}"
@@ -292,7 +293,8 @@ def _leaf_signature(path, leaf) -> tuple:
     dtype = getattr(leaf, "dtype", None)
     if dtype is None:
         dtype = jax.numpy.asarray(leaf).dtype
-    sharding = _placement_key(leaf.sharding) if isinstance(leaf, jax.Array) else None
+    placed = isinstance(leaf, (jax.Array, jax.ShapeDtypeStruct)) and leaf.sharding is not None
+    sharding = _placement_key(leaf.sharding) if placed else None
     weak = bool(getattr(leaf, "weak_type", False))
     return (jax.tree_util.keystr(path), shape, str(dtype), sharding, weak)
 
@@ -394,7 +396,14 @@ class CompileCache:
             del siblings[:-8]
             del self._inflight[flight]
             self.log.append(
-                CompileRecord(spec.title, spec.owner, program.compile_seconds, reason, time.time())
+                CompileRecord(
+                    spec.title,
+                    spec.owner,
+                    program.compile_seconds,
+                    reason,
+                    time.time(),
+                    threading.current_thread().name,
+                )
             )
         with _COUNT_LOCK:
             _COUNTS["misses"] += 1

@@ -18,11 +18,13 @@ once.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from nitro.core.metrics import split_modes
@@ -35,7 +37,9 @@ from nitro.programs.train_step import TRAIN_UNITS, train_step_spec
 
 __all__ = [
     "PROGRAM_UNITS",
+    "PendingProgram",
     "ProgramSet",
+    "abstract_arguments",
     "device_metrics_spec",
     "eval_spec",
     "programs_using",
@@ -193,26 +197,29 @@ def device_metrics_spec(setup: RunSetup, fields: Mapping[str, tuple[str, ...]]) 
 
 class ProgramSet:
     """The programs one handle uses. Each slot is looked up in the module cache once; later
-    calls reuse the program the slot holds."""
+    calls reuse the program the slot holds. Each slot also keeps how its spec is made from a
+    setup and the abstract arguments it was compiled for, so `for_setup` can make the same
+    programs for edited code (a live edit) without a call."""
 
     def __init__(self, setup: RunSetup):
         self.setup = setup
         self._slots: dict[tuple, Program] = {}
+        self._makers: dict[tuple, tuple[Callable[[RunSetup], ProgramSpec], Any]] = {}
 
-    def _get(self, slot: tuple, make_spec: Callable[[], ProgramSpec], args) -> Program:
+    def _get(self, slot: tuple, make_spec: Callable[[RunSetup], ProgramSpec], args) -> Program:
         program = self._slots.get(slot)
         if program is None:
-            program = CACHE.lookup(make_spec(), args)
+            program = CACHE.lookup(make_spec(self.setup), args)
             self._slots[slot] = program
+            self._makers[slot] = (make_spec, abstract_arguments(args))
         return program
 
     def train_step(self, args, steps: int = 1, micro: int = 1) -> Program:
         """The train step (`steps == 1`), or `steps` of them fused in one program; each step
         accumulates `micro` micro-batches."""
-        fields = self.setup.splits["train"].hook_fields
         return self._get(
             ("train", steps, micro),
-            lambda: train_step_spec(self.setup, fields, steps, micro),
+            lambda setup: train_step_spec(setup, setup.splits["train"].hook_fields, steps, micro),
             args,
         )
 
@@ -222,9 +229,9 @@ class ProgramSet:
         info = self.setup.splits[split]
         return self._get(
             ("eval", split, info.width, batches),
-            lambda: eval_spec(
-                self.setup,
-                info.hook_fields,
+            lambda setup: eval_spec(
+                setup,
+                setup.splits[split].hook_fields,
                 with_loss=with_loss,
                 return_outputs=return_outputs,
                 batches=batches,
@@ -234,16 +241,17 @@ class ProgramSet:
 
     def device_metrics(self, split: str, args) -> Program:
         width = jax.tree.leaves(args[0])[0].shape[0]
-        fields = self.setup.splits[split].hook_fields
         return self._get(
-            ("metrics", split, width), lambda: device_metrics_spec(self.setup, fields), args
+            ("metrics", split, width),
+            lambda setup: device_metrics_spec(setup, setup.splits[split].hook_fields),
+            args,
         )
 
     def predict(self, width: int, fields: tuple[str, ...], args) -> Program:
         return self._get(
             ("predict", width, fields),
-            lambda: eval_spec(
-                self.setup, {"forward": fields}, with_loss=False, return_outputs=True
+            lambda setup: eval_spec(
+                setup, {"forward": fields}, with_loss=False, return_outputs=True
             ),
             args,
         )
@@ -251,3 +259,58 @@ class ProgramSet:
     def held(self) -> list[str]:
         """Titles of the programs this handle holds, sorted."""
         return sorted({p.title for p in list(self._slots.values())})
+
+    def for_setup(self, setup: RunSetup) -> tuple[ProgramSet, list[PendingProgram]]:
+        """The programs of this set for `setup` (the same experiment with edited code): a
+        new set holding every program whose code and settings the edit leaves as they were,
+        and the programs it still has to compile (`compile_pending`)."""
+        new = ProgramSet(setup)
+        pending = []
+        for slot, program in list(self._slots.items()):
+            make, arguments = self._makers[slot]
+            spec = make(setup)
+            new._makers[slot] = (make, arguments)
+            if spec.code.digest == program.code.digest and dict(spec.static) == program.static:
+                new._slots[slot] = program
+            else:
+                pending.append(PendingProgram(slot, spec, arguments, program))
+        return new, pending
+
+    def compile_pending(self, pending: list[PendingProgram]) -> list[Program]:
+        """Compile (or find in the cache) each pending program into its slot."""
+        compiled = []
+        for item in pending:
+            program = CACHE.lookup(item.spec, item.arguments)
+            self._slots[item.slot] = program
+            compiled.append(program)
+        return compiled
+
+
+@dataclasses.dataclass(frozen=True)
+class PendingProgram:
+    """A program `ProgramSet.for_setup` has to compile: its slot, its spec for the new
+    setup, the abstract arguments of the program it replaces, and that program."""
+
+    slot: tuple
+    spec: ProgramSpec
+    arguments: Any
+    replaces: Program
+
+
+def _abstract(leaf: Any) -> Any:
+    if isinstance(leaf, jax.Array):
+        return jax.ShapeDtypeStruct(
+            leaf.shape,
+            leaf.dtype,
+            sharding=leaf.sharding,
+            weak_type=bool(getattr(leaf, "weak_type", False)),  # a key array has none
+        )
+    if isinstance(leaf, np.ndarray):
+        return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
+    return leaf
+
+
+def abstract_arguments(args: Any) -> Any:
+    """Arguments as shapes, dtypes and shardings (Python scalars as they are), enough to
+    compile a program for them later without holding their buffers."""
+    return jax.tree.map(_abstract, args)

@@ -482,6 +482,7 @@ def checkpoint_meta(
         "history": rows.of(state.history) if rows is not None else _ScalarRows().of(state.history),
         "metrics": _scalars(row),
         "validations": [_scalars(r) for r in state.validations],
+        "swaps": [dict(r) for r in state.swaps],
         "stop_reason": reason,
         "graphconst": config_of(setup),
         "device": dict(device),
@@ -701,10 +702,23 @@ def _drift_notes(setup: RunSetup, meta: dict[str, Any], device: Mapping[str, Any
         for unit, fp in setup.experiment.code.items()
         if unit in saved and saved[unit] != fp.digest and unit != "optimizer"
     ]
+    swapped = [r for r in meta.get("swaps") or [] if r.get("status") == "swapped"]
     if changed:
         notes.append(
             f"resuming with changed code: {', '.join(changed)} differ from the code the "
             f"checkpoint was trained with"
+            + (
+                f" (its last live edit, of {', '.join(swapped[-1].get('changed') or ['code'])}, "
+                f"was swapped in at step {swapped[-1].get('step')})"
+                if swapped
+                else ""
+            )
+        )
+    elif swapped:
+        last = swapped[-1]
+        notes.append(
+            f"continuing with the code of the live edit swapped in at step {last.get('step')} "
+            f"(of {', '.join(last.get('changed') or ['code'])}), as the checkpoint was trained"
         )
     devices = meta.get("device") or {}
     for name, value in device.items():

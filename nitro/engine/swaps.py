@@ -1,0 +1,211 @@
+"""The records of live edits, and the loop's side of a swap.
+
+A `LiveEdit` is one edit applied to a live handle; `LiveEdits` (in the run-time record) holds
+the newest one and the `Swap` compiled beside the run that waits for the loop's next dispatch
+boundary. When the loop swaps it in, it keeps a `Probation`: the old code and a copy of the
+state from before the swap, to roll back to when the new code's first steps are not finite.
+How an edit is checked and compiled is `live_edit.py`'s.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import threading
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import jax
+
+from nitro.core.run_setup import RunSetup
+from nitro.core.train_state import TrainState
+from nitro.experiments.fingerprint import CodeFingerprint
+from nitro.programs.specs import ProgramSet
+from nitro.runs.weights import copy_array
+
+__all__ = [
+    "PROBATION_STEPS",
+    "STATUSES",
+    "LiveEdit",
+    "LiveEdits",
+    "Probation",
+    "Swap",
+    "code_digest_of",
+    "probation_for",
+    "restore_totals",
+    "swap_note",
+    "swap_row",
+]
+
+PROBATION_STEPS = 8  # steps after a swap whose non-finite loss rolls the swap back
+
+# the statuses of a live edit; the last five are final
+STATUSES = ("compiling", "ready", "swapped", "refused", "failed", "rolled back", "superseded")
+_FINAL = frozenset(STATUSES[2:])
+
+
+@dataclasses.dataclass(eq=False)
+class LiveEdit:
+    """One edit applied to a live handle: what changed, where it stands, and its note.
+
+    `status` is "compiling" (beside the run), "ready" (waiting for the next dispatch
+    boundary), "swapped" (the run trains on the new code since `record["step"]`), "refused"
+    (the edit changes what a live run cannot change: see `note`), "failed" (the new code does
+    not trace or compile: `note` names the hook, file and line), "rolled back" (the new code
+    gave a non-finite loss on its first steps; the run went back to the old code and the state
+    from before the swap) or "superseded" (a newer edit replaced it before it was swapped
+    in). `wait()` returns once it is swapped in or final.
+    """
+
+    changes: Mapping[str, list[str]]
+    status: str = "compiling"
+    note: str = ""
+    record: dict[str, Any] | None = None
+    compile_seconds: float = 0.0
+    _settled: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
+
+    def wait(self, timeout: float | None = None) -> LiveEdit:
+        """Block until the edit is swapped in or final (or `timeout` seconds pass)."""
+        self._settled.wait(timeout)
+        return self
+
+    @property
+    def done(self) -> bool:
+        return self._settled.is_set()
+
+    def _settle(self, status: str, note: str = "") -> None:
+        self.status = status
+        if note:
+            self.note = note
+        if status in _FINAL:
+            self._settled.set()
+
+    def __str__(self) -> str:
+        what = ", ".join(self.changes) or "nothing"
+        return f"live edit of {what}: {self.status}" + (f" ({self.note})" if self.note else "")
+
+
+@dataclasses.dataclass(eq=False)
+class Swap:
+    """New code ready to swap in: the setup and programs for it, the live experiment as an
+    instance of the edited class, and what the swap record says."""
+
+    edit: LiveEdit
+    setup: RunSetup
+    programs: ProgramSet
+    experiment: Any
+    compiled: tuple[str, ...]  # titles of the programs compiled for it
+    reused: tuple[str, ...]  # titles of the programs it shares with the old code
+    adopt: Callable[[RunSetup, ProgramSet], None]  # the handle takes the code the run trains on
+
+
+@dataclasses.dataclass(eq=False)
+class Probation:
+    """What a swap can roll back to: the old code and the state from before it."""
+
+    swap: Swap
+    setup: RunSetup
+    programs: ProgramSet
+    experiment: Any
+    variables: Any
+    step: int
+    position: int
+    totals: Any
+    until: int  # probation ends once this many steps have completed
+
+
+class LiveEdits:
+    """A handle's live edits (in its run-time record): the newest edit and the swap waiting
+    for the loop. `pending` is read by the loop between calls without the lock."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.pending: Swap | None = None
+        self.latest: LiveEdit | None = None
+
+    def offer(self, swap: Swap) -> bool:
+        """Queue `swap` for the next dispatch boundary; False when a newer edit started."""
+        with self._lock:
+            if self.latest is not swap.edit:
+                return False
+            if self.pending is not None:
+                self.pending.edit._settle("superseded", "a newer edit replaced it")
+            self.pending = swap
+            return True
+
+    def take(self) -> Swap | None:
+        with self._lock:
+            swap, self.pending = self.pending, None
+            return swap
+
+    def begin(self, edit: LiveEdit) -> None:
+        with self._lock:
+            previous, self.latest = self.latest, edit
+        if previous is not None and not previous.done and previous.status == "compiling":
+            previous._settle("superseded", "a newer edit replaced it")
+
+
+def code_digest_of(setup: RunSetup) -> str:
+    """One digest of all of a setup's code (hooks, model, optimizer)."""
+    return CodeFingerprint.combine(*setup.experiment.code.values()).digest
+
+
+# ---------------------------------------------------------------------------------------------
+# the loop's side: swapping in, and rolling back
+
+
+def swap_row(swap: Swap, step: int, epoch: int, pause: float) -> dict[str, Any]:
+    """The record of a swap: the step whose call first ran the new code, what changed, the
+    code's digest, what compiled, and how long the compile and the swap took."""
+    return {
+        "step": step,
+        "epoch": epoch,
+        "status": "swapped",
+        "changed": list(swap.edit.changes),
+        "details": {u: list(p) for u, p in swap.edit.changes.items()},
+        "code": code_digest_of(swap.setup),
+        "compiled": list(swap.compiled),
+        "reused": list(swap.reused),
+        "compile_seconds": swap.edit.compile_seconds,
+        "pause_seconds": pause,
+        "at": time.time(),
+    }
+
+
+def swap_note(row: Mapping[str, Any]) -> str:
+    """The note of a swap, for the person at the keyboard."""
+    changed = ", ".join(f"`{u}`" for u in row.get("changed") or []) or "the code"
+    compiled = ", ".join(row.get("compiled") or []) or "nothing"
+    return (
+        f"swapped in the edit of {changed} at step {row['step']} (compiled {compiled} in "
+        f"{row.get('compile_seconds', 0.0):.2f} s beside the run)"
+    )
+
+
+def probation_for(
+    swap: Swap, setup: RunSetup, programs: ProgramSet, experiment: Any, state: TrainState
+) -> Probation:
+    """What the loop keeps while a swapped-in edit is on probation: a copy of the variables
+    (the next call donates them) and the counters from before the swap."""
+    variables = jax.tree.map(copy_array, state.variables)
+    return Probation(
+        swap=swap,
+        setup=setup,
+        programs=programs,
+        experiment=experiment,
+        variables=variables,
+        step=state.step,
+        position=state.position,
+        totals=copy.deepcopy(state.totals),
+        until=state.step + PROBATION_STEPS,
+    )
+
+
+def restore_totals(totals: Any, saved: Any) -> None:
+    """Put the epoch's running sums back as they were at the swap (in place: the loop holds
+    the object)."""
+    if totals is None or saved is None:
+        return
+    for field in dataclasses.fields(totals):
+        setattr(totals, field.name, getattr(saved, field.name))
