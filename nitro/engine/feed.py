@@ -95,7 +95,7 @@ class StepFeed:
         self.hyper_names = tuple(hyper_names)
         self.device_dtypes = dict(device_dtypes)
         evaluators = {s.name: _Evaluator(s.fn) for s in schedules if s.target == "opt"}
-        sources = hyper_sources or {}
+        sources = self._sources = dict(hyper_sources or {})
         # fed name -> (evaluator, factor, the schedule's key) for the scheduled ones
         self._opt: dict[str, tuple[_Evaluator, float, str]] = {}
         for name in self.hyper_names:
@@ -119,6 +119,24 @@ class StepFeed:
         self._device_host = {k: np.asarray(v) for k, v in device_values.items()}
         self._version = 0  # bumped when a constant changes: cached blocks are stale
         self._blocks: dict[tuple, Any] = {}
+
+    def set_schedules(self, schedules: Sequence[BoundSchedule]) -> None:
+        """Follow `schedules` from the next call on (a live change, from another thread):
+        each replaces the schedule or the constant of its hyperparameter or Device field. The
+        fed layout stays as it is, so nothing recompiles."""
+        evaluators = {s.name: _Evaluator(s.fn) for s in schedules if s.target == "opt"}
+        opt = dict(self._opt)
+        for name in self.hyper_names:
+            if name in evaluators:
+                opt[name] = (evaluators[name], 1.0, name)
+            elif name in self._sources and self._sources[name][0] in evaluators:
+                key, factor = self._sources[name]
+                opt[name] = (evaluators[key], factor, key)
+        scheduled = [(i, *opt[name][:2]) for i, name in enumerate(self.hyper_names) if name in opt]
+        dev = {**self._dev, **{s.name: _Evaluator(s.fn) for s in schedules if s.target == "device"}}
+        # each a new object, assigned whole: the loop reads them between calls without a lock
+        self._scheduled, self._opt, self._dev = scheduled, opt, dev
+        self._version += 1
 
     def hparams(self, step: int):
         if not self._opt:

@@ -51,6 +51,7 @@ from nitro.handle.binding_report import BindingReport, binding_report
 from nitro.handle.displays import handle_html, short_repr
 from nitro.handle.signature import keyword_signature, keywords_doc
 from nitro.handle.summary import ModelSummary
+from nitro.optim.schedules import bind_schedules, check_schedule_values
 from nitro.programs.specs import ProgramSet
 from nitro.programs.staleness import stale_changes, stale_report
 from nitro.runs.lifecycle import RunFiles, check_watched_metrics
@@ -124,6 +125,7 @@ class Nitro:
         self._checkpoint: SavedWeights | None = None
         self._stale_seen: str | None = None
         self._live_edits: bool | None = None
+        self._live_scheduled: set[str] = set()  # Device fields scheduled by set_schedule
         self._live_lock = threading.Lock()
         self._stale_checked = (edit_generation(), 0.0)
         source = _weights_source(weights)
@@ -704,13 +706,73 @@ class Nitro:
                     f"set_device({name}=...) changes Device fields only; {name!r} is "
                     f"{spec.kind.value} ({hint})"
                 )
-            if any(s.target == "device" and s.name == name for s in self.schedules):
+            if name in self._live_scheduled or any(
+                s.target == "device" and s.name == name for s in self.schedules
+            ):
                 raise TypeError(
                     f"Device field {name!r} is scheduled; its value comes from the schedule"
                 )
             check_field_type(self.cls, spec, value, call="set_device")
             runtime.feed.set_constant(name, value)
             setattr(runtime.experiment, name, value)
+        return self
+
+    def set_schedule(self, **schedules: Any) -> Nitro:
+        """Change the schedules of optimizer hyperparameters or Device fields on the live
+        handle, also while it trains: the next call follows them, and nothing recompiles
+        (they are fed like every step's values). Keys and values as `schedules=` takes them
+        (`learning_rate=optax.cosine_decay_schedule(...)`, a callable of the step, a factory
+        of the total step count, or a number for a constant); checked the same way.
+
+        The change lasts for this handle: a resumed run follows its `schedules=` keyword."""
+        setup = self._setup
+        optimizer = setup.optimizer
+        bound = bind_schedules(
+            schedules,
+            hyperparams=optimizer.schedulable if optimizer else {},
+            device_fields=setup.experiment.device_specs,
+            other_fields={
+                s.name: s.kind.value
+                for s in field_specs(self.cls)
+                if s.kind is not FieldKind.DEVICE
+            },
+            total_steps=setup.total_steps,
+        )
+        feed = self._runtime.feed
+        check_schedule_values(
+            bound,
+            total_steps=setup.total_steps,
+            device_shapes={name: np.shape(feed.device_value(name)) for name in feed.device_dtypes},
+            device_dtypes=setup.experiment.device_dtypes,
+        )
+        if optimizer:
+            optimizer.check_schedules(s.name for s in bound if s.target == "opt")
+        feed.set_schedules(bound)
+        self._live_scheduled.update(s.name for s in bound if s.target == "device")
+        return self
+
+    def set_host(self, **values: Any) -> Nitro:
+        """Change Host fields (the unmarked ones) of the live experiment, also while it trains:
+        host hooks (host `metrics`, `train_metrics`, `finalize_metrics`) see the new values from
+        their next call. What `build_data` or `build_model` read from them at setup stays as
+        it was built; GraphConst and Device fields have their own ways (a new handle,
+        `set_device`)."""
+        for name, value in values.items():
+            spec = next((s for s in field_specs(self.cls) if s.name == name), None)
+            if spec is None:
+                hosts = [s.name for s in field_specs(self.cls) if s.kind is FieldKind.HOST]
+                raise AttributeError(
+                    f"{self.cls.__qualname__} has no field {name!r}; Host fields: "
+                    f"{', '.join(hosts) or 'none'}"
+                )
+            if spec.kind is not FieldKind.HOST:
+                how = "set_device(...)" if spec.kind is FieldKind.DEVICE else "a new handle"
+                raise TypeError(
+                    f"set_host({name}=...) changes Host fields only; {name!r} is "
+                    f"{spec.kind.value} (change it with {how})"
+                )
+            check_field_type(self.cls, spec, value, call="set_host")
+            setattr(self._runtime.experiment, name, value)
         return self
 
     def device_value(self, name: str) -> Any:

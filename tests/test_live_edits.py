@@ -1,0 +1,343 @@
+"""Live edits through the public API: an experiment module's file edited while a handle trains
+in the background, reloaded, and applied with `n.apply_edits()`: the new code compiles on a
+thread of its own and swaps in between two calls; broken, refused and non-finite edits leave
+the run on its old code. Real files, real reloads, real compiles; no timing assertions (waits
+have generous deadlines)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import nitro
+from nitro.core.progress import SilentReporter
+
+MODULE = '''
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+import nitro
+from nitro.data import ArrayLoader
+from nitro.datasets import digits_arrays
+
+ARRAYS = digits_arrays()
+SCALE = 1.0
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(64, 32, rngs=rngs)
+        self.out = nnx.Linear(32, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x)))
+
+
+@nitro.experiment
+class Live:
+    def build_data(self):
+        return {
+            "train": ArrayLoader(ARRAYS["train"], 32),
+            "val": ArrayLoader(ARRAYS["val"], 64, shuffle=False),
+        }
+
+    def build_model(self, rngs):
+        return MLP(rngs)
+
+    def forward(self, model, *, x):
+        return model(x)
+
+    def loss(self, outputs, *, y):
+        return optax.softmax_cross_entropy_with_integer_labels(outputs, y).mean() * SCALE
+'''
+
+DEADLINE = 300.0  # seconds a wait may take on a busy machine before the test gives up
+
+
+class Recorder(SilentReporter):
+    """Every step's loss, note and swap row, as the run reports them."""
+
+    def __init__(self):
+        self.losses: dict[int, float] = {}
+        self.notes: list[str] = []
+        self.swaps: list[dict] = []
+
+    def step(self, step, loss):
+        self.losses[step] = loss
+
+    def note(self, message, done=False):
+        self.notes.append(message)
+
+    def swapped(self, row):
+        self.swaps.append(dict(row))
+
+
+class Module:
+    """An experiment module written to a file, imported, edited and reloaded for real."""
+
+    def __init__(self, directory: Path, text: str = MODULE):
+        self.name = f"live_{uuid.uuid4().hex[:8]}"
+        self.path = directory / f"{self.name}.py"
+        self.text = text
+        self.path.write_text(text)
+        sys.path.insert(0, str(directory))
+        self.module = importlib.import_module(self.name)
+
+    def edit(self, old: str, new: str) -> None:
+        assert old in self.text, old
+        self.text = self.text.replace(old, new)
+        self.path.write_text(self.text)
+        importlib.invalidate_caches()
+        importlib.reload(self.module)
+
+    def handle(self, **keywords) -> nitro.Nitro:
+        keywords.setdefault("checkpointer", None)
+        keywords.setdefault("logger", None)
+        keywords.setdefault("steps_per_dispatch", 1)
+        return nitro.Nitro(self.module.Live(), **keywords)
+
+
+def wait_until(condition, what: str) -> None:
+    deadline = time.monotonic() + DEADLINE
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"gave up waiting for {what}")
+        time.sleep(0.01)
+
+
+def start(module: Module, predict: bool = False, **keywords) -> tuple[nitro.Nitro, Recorder]:
+    recorder = Recorder()
+    n = module.handle(max_epochs=10_000, progress=recorder, **keywords)
+    if predict:  # a program of `forward` alone, which a `loss` edit does not reach
+        n.predict({"x": module.module.ARRAYS["val"]["x"][:8]})
+    n.train(background=True)
+    wait_until(lambda: n.step >= 20, "the run's first steps")
+    return n, recorder
+
+
+def apply(n: nitro.Nitro, module: Module, old: str, new: str, then: int = 20):
+    """Edit, apply, wait for the edit to settle and for `then` more steps."""
+    module.edit(old, new)
+    edit = n.apply_edits().wait(DEADLINE)
+    assert edit.done, edit
+    if edit.status == "swapped":
+        wait_until(lambda: n.step >= edit.record["step"] + then, "steps on the new code")
+    else:
+        step = n.step
+        wait_until(lambda: n.step >= step + then, "steps after the edit")
+    return edit
+
+
+def test_a_loss_edit_swaps_in_while_the_run_trains_and_only_the_programs_it_reaches_compile(
+    tmp_path,
+):
+    module = Module(tmp_path)
+    n, recorder = start(module, predict=True)
+    compiles_before = len(nitro.explain_compiles())
+
+    edit = apply(n, module, "* SCALE", "* SCALE * 1000.0")
+
+    assert edit.status == "swapped" and n.running  # the run never stopped
+    swap = edit.record["step"]
+    assert list(n.swaps().index) == [swap]
+    assert edit.record["changed"] == ["loss"] and edit.record["status"] == "swapped"
+    # exactly the programs the edit reaches (the train step, and eval forward once the run
+    # has validated), compiled beside the loop; predict runs `forward` alone: reused
+    new = nitro.explain_compiles()[compiles_before:]
+    beside = [r for r in new if r.thread == "nitro-live-edit-Live"]
+    assert "train step" in edit.record["compiled"] and edit.record["reused"] == ["predict"]
+    assert set(edit.record["compiled"]) <= {"train step", "eval forward"}
+    assert sorted(edit.record["compiled"]) == sorted(r.program for r in beside)
+    n.stop().wait()
+    assert n.stop_reason == "requested"
+    losses = recorder.losses
+    # the curve changes at the swap: the steps after it are scaled by the edit
+    before = np.mean([losses[s] for s in range(swap - 9, swap + 1)])
+    after = np.mean([losses[s] for s in range(swap + 2, swap + 12)])
+    assert after > 100 * before
+    assert recorder.swaps == [dict(n.state.swaps[0])]
+    assert any(f"swapped in the edit of `loss` at step {swap}" in m for m in recorder.notes)
+
+    # the steps before the swap are those of a run without the edit, bit for bit
+    module.edit("* SCALE * 1000.0", "* SCALE")
+    reference = Recorder()
+    module.handle(progress=reference).train(steps=swap)
+    assert [losses[s] for s in range(1, swap + 1)] == [
+        reference.losses[s] for s in range(1, swap + 1)
+    ]
+
+
+def test_broken_edits_leave_the_run_on_its_code_with_a_note_and_the_next_good_edit_applies(
+    tmp_path,
+):
+    module = Module(tmp_path)
+    n, recorder = start(module)
+    ok = "return optax.softmax_cross_entropy_with_integer_labels(outputs, y).mean() * SCALE"
+
+    raised = apply(n, module, ok, "raise ValueError('no such loss')\n        " + ok)
+    assert raised.status == "failed" and n.running
+    line = module.text.splitlines().index("        raise ValueError('no such loss')") + 1
+    assert "`loss`" in raised.note and f"{module.name}.py line {line}" in raised.note
+    assert "ValueError: no such loss" in raised.note
+    module.edit("raise ValueError('no such loss')\n        ", "")
+
+    shape = apply(n, module, ".mean() * SCALE", " * SCALE")
+    assert shape.status == "failed" and "must return a scalar" in shape.note and n.running
+    module.edit(" * SCALE", ".mean() * SCALE")
+
+    nan = apply(n, module, "* SCALE", "* SCALE * jnp.nan")
+    assert nan.status == "rolled back" and n.running
+    assert "non-finite loss" in nan.note and "rolled back" in nan.note
+    rows = n.state.swaps
+    assert [r["status"] for r in rows] == ["swapped", "rolled back"]
+    assert rows[0]["step"] == rows[1]["step"]  # back to the weights of the step it began at
+    rolled_back_at = rows[1]["step"]
+    wait_until(lambda: n.step > rolled_back_at + 20, "steps after the roll-back")
+    assert all(math.isfinite(recorder.losses[s]) for s in range(rolled_back_at + 1, n.step))
+    assert any("rolled back" in m for m in recorder.notes)
+
+    good = apply(n, module, "* SCALE * jnp.nan", "* SCALE * 2.0")
+    assert good.status == "swapped" and n.running
+    assert [r["status"] for r in n.state.swaps] == ["swapped", "rolled back", "swapped"]
+    n.stop().wait()
+    assert n.stop_reason == "requested" and n.error is None
+
+
+def test_the_model_edits_a_live_run_can_take_and_the_one_it_refuses(tmp_path):
+    module = Module(tmp_path)
+    n, _ = start(module)
+    weights_layout = [a.shape for a in n.state.variables.params]
+
+    refused = apply(n, module, "nnx.Linear(64, 32", "nnx.Linear(64, 48")
+    assert refused.status == "refused" and n.running
+    assert "structure changed" in refused.note and "train again" in refused.note
+    module.edit("nnx.Linear(64, 48", "nnx.Linear(64, 32")
+
+    code = apply(n, module, "nnx.relu(", "nnx.tanh(")
+    assert code.status == "swapped" and n.running
+    assert "model" in code.record["changed"] and "train step" in code.record["compiled"]
+    assert [a.shape for a in n.state.variables.params] == weights_layout
+
+    field = apply(n, module, "class Live:\n", "class Live:\n    width: int = 3\n")
+    assert field.status == "refused" and "added width" in field.note
+    n.stop().wait()
+
+
+def test_fused_calls_swap_between_calls_and_an_idle_handle_takes_an_edit_at_once(tmp_path):
+    module = Module(tmp_path)
+    n, recorder = start(module, steps_per_dispatch=4)
+    edit = apply(n, module, "* SCALE", "* SCALE * 1000.0")
+    assert edit.status == "swapped"
+    batches = len(n.splits["train"])  # calls of 4 from each epoch's start, single steps after
+    position = edit.record["step"] % batches
+    assert position % 4 == 0 or position > batches - batches % 4  # between two calls
+    assert "multi-step train" in edit.record["compiled"]
+    n.stop().wait()
+
+    idle = module.handle(steps_per_dispatch=1)
+    before = idle.validate()["val_loss"]
+    module.edit("* SCALE * 1000.0", "* SCALE * 2000.0")
+    edit = idle.apply_edits().wait(DEADLINE)
+    assert edit.status == "swapped" and edit.record["step"] == 0
+    assert idle.validate()["val_loss"] == pytest.approx(2 * before, rel=1e-5)
+    assert idle.stale_changes() == {}  # the handle's code is the live code
+
+
+def test_a_checkpoint_after_a_swap_records_it_and_resume_says_which_code_it_continues(tmp_path):
+    module = Module(tmp_path)
+    run_dir = tmp_path / "run"
+    logger = nitro.loggers.JSONLinesLogger(str(tmp_path / "metrics.jsonl"))
+    recorder = Recorder()
+    n = module.handle(
+        max_epochs=10_000,
+        progress=recorder,
+        run_dir=str(run_dir),
+        checkpointer=nitro.Checkpointer(budget=None),
+        logger=logger,
+    )
+    n.train(background=True)
+    wait_until(lambda: n.step >= 20, "the run's first steps")
+    edit = apply(n, module, "* SCALE", "* SCALE * 3.0")
+    swap = edit.record["step"]
+    epoch = n.epoch
+    wait_until(lambda: n.epoch > epoch + 1, "an epoch saved after the swap")
+    n.stop().wait()
+
+    options = ocp.CheckpointManagerOptions(read_only=True)
+    with ocp.CheckpointManager((run_dir / "checkpoints").absolute(), options=options) as manager:
+        meta = manager.restore(manager.latest_step())["meta"]
+    assert [r["step"] for r in meta["swaps"]] == [swap]
+    assert meta["code"]["loss"] == n.setup.experiment.code["loss"].digest
+    records = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    marks = [r for r in records if r["type"] == "other" and r["key"] == f"live_edit/step_{swap}"]
+    assert marks and marks[0]["value"]["changed"] == ["loss"]
+
+    notes = Recorder()
+    resumed = module.handle(run_dir=str(run_dir), resume="auto", progress=notes)
+    assert [r["step"] for r in resumed.state.swaps] == [swap]
+    assert any(
+        f"continuing with the code of the live edit swapped in at step {swap}" in m
+        for m in notes.notes
+    )
+
+
+def test_live_edits_is_a_setting_of_the_handle_and_a_bad_value_names_it(tmp_path):
+    n = Module(tmp_path).handle()
+    assert n.live_edits is None  # on where the notebook extension watches, off in scripts
+    n.live_edits = False
+    assert n.live_edits is False
+    with pytest.raises(TypeError, match="live_edits must be True, False or None"):
+        n.live_edits = "yes"  # pyright: ignore[reportAttributeAccessIssue]
+    assert n.live_edits is False
+    assert n.apply_edits().note == "nothing that runs changed"
+
+
+# ---------------------------------------------------------------------------------------------
+# live values
+
+
+HOST_MODULE = MODULE.replace(
+    "class Live:\n",
+    "class Live:\n    label: str = 'a'\n    rate: nitro.Device[float] = 1.0\n\n"
+    "    def finalize_metrics(self, metrics, split):\n"
+    "        return {**metrics, 'label_length': float(len(self.label))}\n\n",
+)
+
+
+def test_a_schedule_and_a_host_field_changed_while_the_run_trains_apply_without_a_compile(
+    tmp_path,
+):
+    module = Module(tmp_path, HOST_MODULE)
+    n, _ = start(module)
+    wait_until(lambda: n.epoch >= 1, "the first validation (its program compiled)")
+    compiles = len(nitro.explain_compiles())
+    n.set_schedule(learning_rate=0.0)
+    n.set_host(label="abcd")
+    epoch = n.epoch
+    wait_until(lambda: n.epoch > epoch + 1, "an epoch after the change")
+    n.stop().wait()
+    assert n.history()["val_label_length"].iloc[-1] == 4.0
+    frozen = [np.asarray(a) for a in n.state.variables.params]
+    n.train(steps=5)  # a learning rate of 0 leaves the weights exactly where they were
+    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(frozen, n.state.variables.params))
+    assert len(nitro.explain_compiles()) == compiles  # fed values: nothing recompiled
+
+    with pytest.raises(TypeError, match=r"set_host\(rate=...\) changes Host fields only"):
+        n.set_host(rate=2.0)
+    with pytest.raises(AttributeError, match="no field 'lable'; Host fields: label"):
+        n.set_host(lable="x")
+    with pytest.raises(nitro.ScheduleError, match="matches no optimizer hyperparameter"):
+        n.set_schedule(learning_rat=0.1)
+    n.set_schedule(rate=lambda step: 0.5)
+    with pytest.raises(TypeError, match="is scheduled"):
+        n.set_device(rate=2.0)
