@@ -316,7 +316,7 @@ def start_edit(
         try:
             with events_module.using(_NotesOnly(events)):  # pyright: ignore[reportArgumentType]
                 new_programs, pending = programs.for_setup(new_setup)
-                compiled = new_programs.compile_pending(pending)
+                compiled = new_programs.compile_pending(pending, warm=True)
         except Exception as error:  # noqa: BLE001 - the note says it; the run goes on
             edit._settle("failed", _failure_note(changes, error))
             if on_settled is not None:

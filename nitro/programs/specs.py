@@ -276,13 +276,16 @@ class ProgramSet:
                 pending.append(PendingProgram(slot, spec, arguments, program))
         return new, pending
 
-    def compile_pending(self, pending: list[PendingProgram]) -> list[Program]:
-        """Compile (or find in the cache) each pending program into its slot."""
+    def compile_pending(self, pending: list[PendingProgram], warm: bool = False) -> list[Program]:
+        """Compile (or find in the cache) each pending program into its slot; with `warm`,
+        run each once on zeros (`warm_up`), so its first real call costs what later ones do."""
         compiled = []
         for item in pending:
             program = CACHE.lookup(item.spec, item.arguments)
             self._slots[item.slot] = program
             compiled.append(program)
+            if warm:
+                warm_up(program, item.arguments)
         return compiled
 
 
@@ -308,6 +311,42 @@ def _abstract(leaf: Any) -> Any:
     if isinstance(leaf, np.ndarray):
         return jax.ShapeDtypeStruct(leaf.shape, leaf.dtype)
     return leaf
+
+
+WARM_UP_BYTES = 256 * 2**20  # larger arguments are not copied to zeros for a warm-up call
+
+
+def _zeros(leaf: Any) -> Any:
+    if not isinstance(leaf, jax.ShapeDtypeStruct):
+        return leaf
+    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+        keys = jax.random.key(0, impl=jax.random.key_impl(jax.ShapeDtypeStruct((), leaf.dtype)))
+        return jax.device_put(jnp.broadcast_to(keys, leaf.shape), leaf.sharding)
+    return jax.device_put(np.zeros(leaf.shape, leaf.dtype), leaf.sharding)
+
+
+def warm_up(program: Program, arguments: Any) -> None:
+    """Run a freshly compiled program once on zeros of its arguments' shapes, unless they
+    are large: an executable's first call sets up what later calls reuse (milliseconds a
+    train step), which a live edit does beside the run rather than at the swap. Nothing is
+    counted; a failure only leaves the first real call to do it."""
+    leaves = jax.tree.leaves(arguments)
+    size = sum(
+        int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
+        for x in leaves
+        if isinstance(x, jax.ShapeDtypeStruct)
+        and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+    )
+    if size > WARM_UP_BYTES:
+        return
+    try:
+        outputs = program.compiled(*jax.tree.map(_zeros, arguments))
+        jax.block_until_ready(outputs)
+        for leaf in jax.tree.leaves(outputs):
+            if isinstance(leaf, jax.Array):
+                leaf.delete()
+    except Exception:  # noqa: BLE001 - an optimization only
+        pass
 
 
 def abstract_arguments(args: Any) -> Any:
