@@ -21,7 +21,7 @@ Per edit it prints:
 Then the medians over the edits. Steps of a fused call are read back together, so intervals
 are taken between calls (gaps over 0.1 ms between consecutive step read-backs).
 
-    python bench/live_edit.py [--depth 16] [--edits 5]
+    python bench/live_edit.py [--depth 24] [--edits 5]
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def measure(clock: Clock, swap_step: int, after: int) -> tuple[float, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--depth", type=int, default=16)
+    parser.add_argument("--depth", type=int, default=24)
     parser.add_argument("--edits", type=int, default=5)
     parser.add_argument("--after", type=int, default=300, help="steps timed after each swap")
     args = parser.parse_args()
