@@ -21,7 +21,7 @@ import pytest
 import nitro
 from nitro.core.progress import SilentReporter
 
-MODULE = '''
+MODULE = """
 import jax.numpy as jnp
 import optax
 from flax import nnx
@@ -59,7 +59,7 @@ class Live:
 
     def loss(self, outputs, *, y):
         return optax.softmax_cross_entropy_with_integer_labels(outputs, y).mean() * SCALE
-'''
+"""
 
 DEADLINE = 300.0  # seconds a wait may take on a busy machine before the test gives up
 
@@ -329,7 +329,10 @@ def test_a_schedule_and_a_host_field_changed_while_the_run_trains_apply_without_
     assert n.history()["val_label_length"].iloc[-1] == 4.0
     frozen = [np.asarray(a) for a in n.state.variables.params]
     n.train(steps=5)  # a learning rate of 0 leaves the weights exactly where they were
-    assert all(np.array_equal(a, np.asarray(b)) for a, b in zip(frozen, n.state.variables.params))
+    assert all(
+        np.array_equal(a, np.asarray(b))
+        for a, b in zip(frozen, n.state.variables.params, strict=True)
+    )
     assert len(nitro.explain_compiles()) == compiles  # fed values: nothing recompiled
 
     with pytest.raises(TypeError, match=r"set_host\(rate=...\) changes Host fields only"):

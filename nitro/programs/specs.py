@@ -319,10 +319,13 @@ WARM_UP_BYTES = 256 * 2**20  # larger arguments are not copied to zeros for a wa
 def _zeros(leaf: Any) -> Any:
     if not isinstance(leaf, jax.ShapeDtypeStruct):
         return leaf
-    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-        keys = jax.random.key(0, impl=jax.random.key_impl(jax.ShapeDtypeStruct((), leaf.dtype)))
-        return jax.device_put(jnp.broadcast_to(keys, leaf.shape), leaf.sharding)
     return jax.device_put(np.zeros(leaf.shape, leaf.dtype), leaf.sharding)
+
+
+def _is_key(leaf: Any) -> bool:
+    return isinstance(leaf, jax.ShapeDtypeStruct) and jnp.issubdtype(
+        leaf.dtype, jax.dtypes.prng_key
+    )
 
 
 def warm_up(program: Program, arguments: Any) -> None:
@@ -331,11 +334,12 @@ def warm_up(program: Program, arguments: Any) -> None:
     train step), which a live edit does beside the run rather than at the swap. Nothing is
     counted; a failure only leaves the first real call to do it."""
     leaves = jax.tree.leaves(arguments)
+    if any(_is_key(x) for x in leaves):
+        return  # typed random keys have no zeros; the first real call sets it up
     size = sum(
         int(np.prod(x.shape)) * np.dtype(x.dtype).itemsize
         for x in leaves
         if isinstance(x, jax.ShapeDtypeStruct)
-        and not jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
     )
     if size > WARM_UP_BYTES:
         return
