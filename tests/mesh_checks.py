@@ -137,6 +137,99 @@ def error_of(make):
     return None
 
 
+LIVE_MODULE = """
+import optax
+from flax import nnx
+
+import nitro
+from nitro.data import ArrayLoader
+from mesh_checks import X, Y
+
+SCALE = 1.0
+
+
+class Small(nnx.Module):
+    def __init__(self, rngs):
+        self.hidden = nnx.Linear(6, 16, rngs=rngs)
+        self.out = nnx.Linear(16, 2, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x)))
+
+
+@nitro.experiment
+class LiveMesh:
+    def build_data(self):
+        return {"train": ArrayLoader({"x": X, "y": Y}, 8)}
+
+    def build_model(self, rngs):
+        return Small(rngs)
+
+    def forward(self, model, *, x):
+        return model(x)
+
+    def loss(self, outputs, *, y):
+        return optax.softmax_cross_entropy_with_integer_labels(outputs, y).mean() * SCALE
+"""
+
+
+def live_edit():
+    """A loss edit swapped into a run on a 4-device mesh: its status, where it compiled, and
+    whether the weights stay replicated over the mesh."""
+    import importlib
+    import tempfile
+    import time
+    from pathlib import Path
+
+    from nitro.core.progress import SilentReporter
+
+    class Losses(SilentReporter):
+        def __init__(self):
+            self.losses = {}
+
+        def step(self, step, loss):
+            self.losses[step] = loss
+
+    folder = Path(tempfile.mkdtemp())
+    path = folder / "live_mesh_module.py"
+    path.write_text(LIVE_MODULE)
+    sys.path.insert(0, str(folder))
+    module = importlib.import_module("live_mesh_module")
+    losses = Losses()
+    n = nitro.Nitro(
+        module.LiveMesh(),
+        n_devs=4,
+        max_epochs=100_000,
+        checkpointer=None,
+        logger=None,
+        progress=losses,
+        steps_per_dispatch=1,
+    )
+    n.train(background=True)
+    while n.step < 20:
+        time.sleep(0.01)
+    compiles = len(nitro.explain_compiles())
+    path.write_text(LIVE_MODULE.replace("* SCALE", "* SCALE * 1000.0"))
+    importlib.invalidate_caches()
+    importlib.reload(module)
+    edit = n.apply_edits().wait(300)
+    swap = edit.record["step"] if edit.record else 0
+    while n.step < swap + 10:
+        time.sleep(0.01)
+    n.stop().wait()
+    after = [losses.losses[s] for s in range(swap + 2, swap + 8)]
+    before = [losses.losses[s] for s in range(swap - 5, swap + 1)]
+    return {
+        "status": edit.status,
+        "threads": sorted({r.thread for r in nitro.explain_compiles()[compiles:]}),
+        "ratio": float(np.mean(after) / np.mean(before)),
+        "replicated": all(
+            leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == 4
+            for leaf in n.state.variables.params
+        ),
+    }
+
+
 def main():
     results = {"devices": jax.device_count(), "flags": os.environ.get("XLA_FLAGS", "")}
     results["one"] = run(1)
@@ -150,6 +243,7 @@ def main():
         lambda: nitro.Nitro(MeshToy(batch_size=10), n_devs=4, progress=False)
     )
     results["too_many"] = error_of(lambda: nitro.Nitro(MeshToy(), n_devs=8, progress=False))
+    results["live_edit"] = live_edit()
     json.dump(results, sys.stdout)
 
 

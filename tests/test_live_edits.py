@@ -344,3 +344,73 @@ def test_a_schedule_and_a_host_field_changed_while_the_run_trains_apply_without_
     n.set_schedule(rate=lambda step: 0.5)
     with pytest.raises(TypeError, match="is scheduled"):
         n.set_device(rate=2.0)
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics, manual steps, large variables
+
+METRICS_MODULE = MODULE.replace(
+    "    def loss(self, outputs, *, y):",
+    "    def metrics(self, outputs, *, y):\n"
+    "        return {'acc': (outputs.argmax(-1) == y).mean() * 1.0}\n\n"
+    "    def loss(self, outputs, *, y):",
+)
+
+
+def test_a_metrics_edit_applies_from_the_next_validation(tmp_path):
+    module = Module(tmp_path, METRICS_MODULE)
+    n, _ = start(module)
+    wait_until(lambda: n.epoch >= 1, "the first validation")
+    module.edit("* 1.0}", "* 0.0 - 1.0}")  # a metric no accuracy can give
+    edit = n.apply_edits().wait(DEADLINE)
+    assert edit.status == "swapped" and edit.record["changed"] == ["metrics"]
+    epoch = n.epoch
+    wait_until(lambda: n.epoch > epoch + 1, "two validations after the swap")
+    n.stop().wait()
+    accuracy = n.history().set_index("step")["val_acc"]
+    assert (accuracy[accuracy.index > edit.record["step"]] == -1.0).all()
+    assert (accuracy[accuracy.index <= edit.record["step"]] >= 0.0).all()
+
+
+GAN_MODULE = (Path(__file__).parent / "gan_toys.py").read_text()
+
+
+def test_a_train_step_hook_is_edited_live_like_any_hook(tmp_path):
+    module = Module(tmp_path, GAN_MODULE)
+    recorder = Recorder()
+    n = nitro.Nitro(
+        module.module.GAN(max_epochs=10_000),
+        checkpointer=None,
+        logger=None,
+        progress=recorder,
+        steps_per_dispatch=1,
+    )
+    n.train(background=True)
+    wait_until(lambda: n.step >= 20, "the run's first steps")
+    module.edit('return {"loss": d_loss + g_loss', 'return {"loss": 100.0 * (d_loss + g_loss)')
+    edit = n.apply_edits().wait(DEADLINE)
+    assert edit.status == "swapped" and edit.record["changed"] == ["train_step"], edit
+    swap = edit.record["step"]
+    wait_until(lambda: n.step >= swap + 10, "steps on the new train_step")
+    n.stop().wait()
+    losses = recorder.losses
+    assert min(losses[s] for s in range(swap + 2, swap + 10)) > 10 * max(
+        losses[s] for s in range(swap - 8, swap + 1)
+    )
+
+
+def test_without_a_copy_of_large_variables_a_roll_back_keeps_the_guards_weights(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setattr(nitro.engine.swaps, "PROBATION_COPY_BYTES", 0)
+    module = Module(tmp_path)
+    n, recorder = start(module)
+    edit = apply(n, module, "* SCALE", "* SCALE * jnp.nan")
+    assert edit.status == "rolled back" and n.running
+    swapped, rolled = n.state.swaps
+    assert rolled["status"] == "rolled back" and rolled["step"] == swapped["step"]  # the guard
+    # skipped the first new step: the weights are those of the step the swap began at
+    wait_until(lambda: n.step > rolled["step"] + 20, "steps after the roll-back")
+    n.stop().wait()
+    assert all(math.isfinite(recorder.losses[s]) for s in range(rolled["step"] + 1, n.step))
+    assert all(np.isfinite(np.asarray(a)).all() for a in n.state.variables.params)

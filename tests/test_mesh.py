@@ -106,3 +106,11 @@ def test_more_devices_than_visible_is_an_error_with_the_fix(mesh):
     message = mesh["too_many"]
     assert "n_devs=8" in message and "only 4 cpu devices" in message
     assert "XLA_FLAGS=--xla_force_host_platform_device_count=8" in message
+
+
+def test_a_live_edit_on_a_mesh_compiles_beside_the_run_and_keeps_the_weights_replicated(mesh):
+    live = mesh["live_edit"]
+    assert live["status"] == "swapped"
+    assert live["threads"] == ["nitro-live-edit-LiveMesh"]  # nothing compiled on the loop
+    assert live["ratio"] > 100  # the loss x1000 after the swap
+    assert live["replicated"]

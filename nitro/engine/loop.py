@@ -481,20 +481,24 @@ def _roll_back(run: _Epoch, state: TrainState, cause: _RollBack) -> None:
     run.setup, run.programs, run.programs_by_count = probation.setup, probation.programs, {}
     runtime.experiment = probation.experiment
     probation.swap.adopt(probation.setup, probation.programs)
-    state.variables = probation.variables
-    state.step, state.position = probation.step, probation.position
-    restore_totals(state.totals, probation.totals)
-    run.dispatched = probation.step
+    if probation.variables is not None:  # back to the state from before the swap
+        state.variables = probation.variables
+        state.step, state.position = probation.step, probation.position
+        restore_totals(state.totals, probation.totals)
+    # else: too large to have been copied: the guard kept the weights from before the
+    # non-finite step, and the counters say where that is
+    back_to = state.step
+    run.dispatched = state.step
     run.healthy = run.setup.placement.put_replicated(jnp.asarray(True))
     edit = probation.swap.edit
     hooks = ", ".join(f"`{u}`" for u in edit.changes) or "the code"
     note = (
         f"the edit of {hooks} gave a non-finite loss ({cause.value}) at step {cause.step}, "
-        f"its first steps: rolled back to the code and the weights of step {probation.step}; "
+        f"its first steps: rolled back to the code and the weights of step {back_to}; "
         f"the run goes on. Fix the edit and save again"
     )
     row = {
-        "step": probation.step,
+        "step": back_to,
         "epoch": state.epoch + 1,
         "status": "rolled back",
         "changed": list(edit.changes),
@@ -574,7 +578,11 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
     program = item.program
     probation = run.probation
     for offset, (value, code) in enumerate(reports.tolist()):
-        if probation is not None and (code or not math.isfinite(value)):
+        # on probation, a non-finite loss rolls back (without a copy to go back to, only one
+        # the guard caught: with check_divergence=False the run trains on, as it asked)
+        if probation is not None and (
+            code or (probation.variables is not None and not math.isfinite(value))
+        ):
             raise _RollBack(item.index + offset + 1, value)
         if code:
             raise DivergenceError(

@@ -25,6 +25,7 @@ from nitro.programs.specs import ProgramSet
 from nitro.runs.weights import copy_array
 
 __all__ = [
+    "PROBATION_COPY_BYTES",
     "PROBATION_STEPS",
     "STATUSES",
     "LiveEdit",
@@ -39,6 +40,9 @@ __all__ = [
 ]
 
 PROBATION_STEPS = 8  # steps after a swap whose non-finite loss rolls the swap back
+# variables up to this size are copied at a swap, to roll back to; larger ones are not (the
+# guard's weights from before the non-finite step are kept instead)
+PROBATION_COPY_BYTES = 2**30
 
 # the statuses of a live edit; the last five are final
 STATUSES = ("compiling", "ready", "swapped", "refused", "failed", "rolled back", "superseded")
@@ -108,7 +112,7 @@ class Probation:
     setup: RunSetup
     programs: ProgramSet
     experiment: Any
-    variables: Any
+    variables: Any  # a copy from before the swap, or None (too large to copy)
     step: int
     position: int
     totals: Any
@@ -187,8 +191,11 @@ def probation_for(
     swap: Swap, setup: RunSetup, programs: ProgramSet, experiment: Any, state: TrainState
 ) -> Probation:
     """What the loop keeps while a swapped-in edit is on probation: a copy of the variables
-    (the next call donates them) and the counters from before the swap."""
-    variables = jax.tree.map(copy_array, state.variables)
+    (the next call donates them) and the counters from before the swap. Variables over
+    `PROBATION_COPY_BYTES` are not copied: a roll-back then keeps the weights the divergence
+    guard kept (those from before the non-finite step)."""
+    size = sum(x.nbytes for x in jax.tree.leaves(state.variables))
+    variables = jax.tree.map(copy_array, state.variables) if size <= PROBATION_COPY_BYTES else None
     return Probation(
         swap=swap,
         setup=setup,
