@@ -210,8 +210,8 @@ class ProgramSet:
         program = self._slots.get(slot)
         if program is None:
             program = CACHE.lookup(make_spec(self.setup), args)
-            self._slots[slot] = program
-            self._makers[slot] = (make_spec, abstract_arguments(args))
+            self._makers[slot] = (make_spec, abstract_arguments(args))  # before the slot:
+            self._slots[slot] = program  # `for_setup` on another thread reads both
         return program
 
     def train_step(self, args, steps: int = 1, micro: int = 1) -> Program:
@@ -266,7 +266,7 @@ class ProgramSet:
         and the programs it still has to compile (`compile_pending`)."""
         new = ProgramSet(setup)
         pending = []
-        for slot, program in list(self._slots.items()):
+        for slot, program in list(self._slots.items()):  # the loop may add slots meanwhile
             make, arguments = self._makers[slot]
             spec = make(setup)
             new._makers[slot] = (make, arguments)
