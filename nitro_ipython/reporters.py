@@ -162,6 +162,8 @@ class PanelReporter:
         if not self.curves.rows:  # a resumed run: its curves start with the history it has
             for row in handle.history().reset_index().to_dict("records"):
                 self.curves.add_row(row)
+            for row in handle.state.swaps:
+                self.curves.add_marker(dict(row))
         self.panel = worker.claim_panel()
         _PANELS[handle] = self
         if self.panel is not None:
@@ -222,6 +224,14 @@ class PanelReporter:
         self._refresh()
         self._show_standin()
 
+    def swapped(self, row):
+        """A live edit swapped in (or rolled back): a marker on the loss curve at its step,
+        named in the curves' tooltip (the note comes as a note)."""
+        self.curves.add_marker(dict(row))
+        panel = self.panel
+        if panel is not None:
+            panel.curves.tooltip = self.curves.marker_text()
+
     def note(self, message, done=False):
         reserved = worker.reserved_panel() if not self.active else None
         if reserved is not None:  # the setup's notes ("resumed run ..."): in the run's panel
@@ -266,6 +276,8 @@ class PanelReporter:
         handle = self._handle()
         panel.claim(self._title, handle.stop if handle is not None else None)
         self.panel = panel
+        if self.curves.markers:
+            panel.curves.tooltip = self.curves.marker_text()
         self._refresh(force=True)
         if self.active:
             self._show_standin(force=True)
