@@ -234,3 +234,47 @@ def test_a_class_redefined_in_a_cell_during_a_run_is_swapped_in(kernel):
     _until(kernel, "len(live_e_run.state.swaps) == 1", "the swap")
     assert kernel.eval("(live_e_run.running, live_e_run.cls is LiveCell)") == "(True, True)"
     _stop(kernel, "live_e")
+
+
+def test_a_live_reload_never_leaves_a_global_missing_for_code_running_meanwhile(tmp_path):
+    """A run's data thread and host-side hooks run the module's code while it reloads."""
+    import importlib
+    import sys
+    import threading
+
+    from nitro_ipython.reload import reload_module
+
+    path = tmp_path / "live_globals.py"
+    path.write_text("VALUE = 1\nREMOVED = 0\n\ndef read():\n    return VALUE\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        module = importlib.import_module("live_globals")
+        good = dict(vars(module))
+        read = module.read  # the old code, as a running thread holds it
+        # the new code binds VALUE only after a pause: a cleared namespace would lack it
+        path.write_text(
+            "import time\ntime.sleep(0.5)\nVALUE = 2\n\ndef read():\n    return VALUE\n"
+        )
+        errors: list[BaseException] = []
+        done = threading.Event()
+
+        def keep_reading() -> None:
+            while not done.is_set():
+                try:
+                    read()
+                except NameError as error:
+                    errors.append(error)
+                    return
+
+        reader = threading.Thread(target=keep_reading)
+        reader.start()
+        try:
+            assert reload_module(module, good, {}, live=True) is None
+        finally:
+            done.set()
+            reader.join()
+        assert errors == []
+        assert (module.VALUE, read(), hasattr(module, "REMOVED")) == (2, 2, False)
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("live_globals", None)
