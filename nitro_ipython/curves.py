@@ -78,11 +78,6 @@ class CurveData:
                 self.markers.append((row["step"], label))
             self.version += 1
 
-    def marker_text(self) -> str:
-        """The marks as a line of text: "edit: loss at step 120; ..."."""
-        with self.lock:
-            return "; ".join(f"{label} at step {step}" for step, label in self.markers)
-
     def snapshot(self):
         with self.lock:
             return list(self.steps), list(self.losses), list(self.rows), self.version
@@ -200,7 +195,7 @@ class CurveFigure:
         for index, ax in enumerate(self._figure.axes):
             ax.relim()
             ax.autoscale_view()
-            shown = tuple(h for h in ax.get_lines() if len(h.get_xdata()))
+            shown = tuple(h for h in ax.get_lines() if len(h.get_xdata()) and h not in self._marks)
             if shown and self._legends.get(index) != shown:
                 self._legends[index] = shown
                 ax.legend(

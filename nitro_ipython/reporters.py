@@ -168,6 +168,7 @@ class PanelReporter:
         _PANELS[handle] = self
         if self.panel is not None:
             self.panel.claim(self._title, handle.stop)
+            self._show_edits()
             self._refresh(force=True)
             self._show_standin(force=True)
             self._figure = acquire_figure()
@@ -226,11 +227,16 @@ class PanelReporter:
 
     def swapped(self, row):
         """A live edit swapped in (or rolled back): a marker on the loss curve at its step,
-        named in the curves' tooltip (the note comes as a note)."""
+        named below the curves (the note comes as a note)."""
         self.curves.add_marker(dict(row))
+        self._show_edits()
+
+    def _show_edits(self) -> None:
+        from .panel import edits_html
+
         panel = self.panel
-        if panel is not None:
-            panel.curves.tooltip = self.curves.marker_text()
+        if panel is not None and self.curves.markers:
+            panel.edits.value = edits_html(self.curves.marks())
 
     def note(self, message, done=False):
         reserved = worker.reserved_panel() if not self.active else None
@@ -276,8 +282,7 @@ class PanelReporter:
         handle = self._handle()
         panel.claim(self._title, handle.stop if handle is not None else None)
         self.panel = panel
-        if self.curves.markers:
-            panel.curves.tooltip = self.curves.marker_text()
+        self._show_edits()
         self._refresh(force=True)
         if self.active:
             self._show_standin(force=True)

@@ -103,7 +103,7 @@ def test_a_loss_edit_saved_during_a_background_run_swaps_in_and_the_run_goes_on(
     )
     assert f"live_a_run: swapped in the edit of `loss` at step {step}." in said
     panel = "nitro_ipython.live_panel(live_a_run)"
-    assert kernel.eval(f"{panel}.curves.tooltip") == f"'edit: loss at step {step}'"
+    assert f"edit: loss at step {step}" in kernel.eval(f"{panel}.edits.value")
     assert f"swapped in the edit of `loss` at step {step}" in kernel.eval(f"{panel}.notes.value")
 
     status = kernel.run("%nitro status live_a_run").stdout
@@ -160,7 +160,8 @@ def test_broken_edits_leave_the_run_training_and_the_next_good_edit_applies(kern
     assert "gave a non-finite loss (nan)" in said and "rolled back to the code" in said, said
     notes = kernel.eval("nitro_ipython.live_panel(live_b_run).notes.value")
     assert "gave a non-finite loss" in notes
-    assert "(rolled back)" in kernel.eval("nitro_ipython.live_panel(live_b_run).curves.tooltip")
+    edits = kernel.eval("nitro_ipython.live_panel(live_b_run).edits.value")
+    assert f"edit: loss (rolled back) at step {rolled['step']}" in edits
 
     # the next good edit applies
     _write(kernel, "live_b", _loss_times("2.0"))
@@ -213,6 +214,8 @@ def test_no_live_edits_keeps_the_deferral_until_the_run_stops(kernel):
     assert "reloaded live_d: changed scale." in said
     assert "`%nitro train live_d_run` rebuilds the run with the edit" in said
     assert kernel.eval("live_d.scale(1.0)") == "3.0"
+    kernel.run("old_d = live_d_run\n%nitro train live_d_run --epochs 1")  # rebuilt with the edit
+    assert kernel.eval("(live_d_run is not old_d, live_d_run.live_edits)") == "(True, False)"
 
 
 def test_a_class_redefined_in_a_cell_during_a_run_is_swapped_in(kernel):
