@@ -8,8 +8,9 @@
   bar in a terminal IPython (`reporters.py`, `panel.py`);
 - routes each training thread's output to the cell that started it (`worker.py`);
 - watches the source files of live experiments and reloads them on save, reporting which
-  compiled programs the edit makes stale (`code_watcher.py`; the safe reload itself in
-  `reload.py`; `staleness.py`).
+  compiled programs the edit makes stale, or, for a run training meanwhile, compiling the edit
+  beside it and swapping it in (`code_watcher.py`; the safe reload itself in `reload.py`;
+  `staleness.py`).
 
 `%nitro mcp start` serves the kernel's runs to a coding agent (`agents.py`).
 

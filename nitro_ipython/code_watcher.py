@@ -5,7 +5,15 @@ The modules watched are those defining an experiment the notebook holds (an expe
 an instance, or a handle), plus the user modules those import (their helpers). watchdog
 notices a save at once; the reload itself runs on the kernel's main thread, when no cell is
 running (a callback on the kernel's event loop) or else before the next cell, so a reload
-never runs under a cell. A module whose experiments are training reloads after the run stops.
+never runs under a cell.
+
+A module that a training run holds (its experiment's module, or a helper that module imports)
+reloads at once when every such run takes live edits (`n.live_edits`, on by default in a
+notebook): each run whose code the edit reaches compiles it beside the run and swaps it in at
+its next dispatch boundary (`n.apply_edits()`); a refused, failed or rolled-back edit is said
+in the run's panel and before the next cell, and the run goes on. While a run with
+`live_edits=False` trains, the reload waits until it stops. A class re-defined in a cell that
+a running handle trains is the same live edit.
 
 Without IPython's `%autoreload`, Nitro reloads the module itself (`reload.py`: a file that
 does not compile, or a reload that raises, leaves the module exactly as it was, and the error
@@ -29,6 +37,7 @@ from typing import Any
 import nitro
 from nitro.staleness import (
     class_is_gone,
+    current_class,
     edit_generation,
     is_experiment,
     is_library_module,
@@ -36,7 +45,7 @@ from nitro.staleness import (
 
 from .reload import changed_names, code_tokens, reload_module, syntax_error
 from .runs import handle_names, live_handles
-from .staleness import edit_impact
+from .staleness import EditImpact, edit_impact
 
 __all__ = ["CodeWatcher"]
 
@@ -52,6 +61,7 @@ class _Source:
     failed: str | None = None
     deferred: bool = False
     deleted: bool = False  # reported as deleted; watched again if it comes back
+    users: set[str] = dataclasses.field(default_factory=set)  # experiment modules using it
     gone: set[str] = dataclasses.field(default_factory=set)  # classes reported gone
 
 
@@ -77,6 +87,8 @@ class CodeWatcher:
         self._observer = None
         self._observed: set[str] = set()
         self._scheduled = False
+        self._applied: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # handle -> class
+        self._edits: list[_Watched] = []  # live edits whose outcome is still to say
 
     # ------------------------------------------------------------------------------------------
     # IPython events
@@ -99,7 +111,9 @@ class CodeWatcher:
             self._observer = None
 
     def pre_run_cell(self, info: Any = None) -> None:
-        self._show(self.check(after_autoreload=True))
+        outcomes = self.live_outcomes()
+        self.history.extend(outcomes)
+        self._show(self.check(after_autoreload=True) + outcomes)
 
     def post_run_cell(self, result: Any = None) -> None:
         self.track()
@@ -138,16 +152,17 @@ class CodeWatcher:
             classes.add(handle.cls)
         for module_name in {cls.__module__ for cls in classes}:
             module = sys.modules.get(module_name)
-            if module is None or not self._watch(module):
+            if module is None or not self._watch(module, module_name):
                 continue
             for value in list(vars(module).values()):
                 helper = value if isinstance(value, types.ModuleType) else None
                 if helper is None and isinstance(value, (type, types.FunctionType)):
                     helper = sys.modules.get(value.__module__)
                 if helper is not None and helper is not module:
-                    self._watch(helper)
+                    self._watch(helper, module_name)
 
-    def _watch(self, module: types.ModuleType) -> bool:
+    def _watch(self, module: types.ModuleType, user: str) -> bool:
+        """Watch `module`'s file, which the experiments of module `user` use."""
         path = getattr(module, "__file__", None)
         if not path or not path.endswith(".py") or is_library_module(module.__name__):
             return False
@@ -156,6 +171,7 @@ class CodeWatcher:
         path = os.path.realpath(path)
         with self._lock:
             if path in self.sources:
+                self.sources[path].users.add(user)
                 return True
             try:
                 with open(path, "rb") as file:
@@ -170,6 +186,7 @@ class CodeWatcher:
                 _digest(data),
                 code_tokens(module),
                 dict(vars(module)),
+                users={user, module.__name__},
             )
         self._observe(os.path.dirname(path))
         return True
@@ -261,17 +278,23 @@ class CodeWatcher:
                         f"{name} line {error.lineno}: {error.msg}. Kept the last good code of "
                         f"{source.module} (not reloaded); fix the file and save it again."
                     )
+                    running = [h for h in live_handles(self.shell.user_ns) if _holds(h, source)]
+                    if running:
+                        messages[-1] += " The run goes on with the code it had."
+                        self._note(running, messages[-1])
                     continue
-                busy = [h for h in live_handles(self.shell.user_ns) if h.running]
-                if busy:
+                busy = [h for h in live_handles(self.shell.user_ns) if _holds(h, source)]
+                waiting = [h for h in busy if h.live_edits is False]
+                if waiting:
                     if not source.deferred:
                         names = ", ".join(
-                            (handle_names(self.shell.user_ns, h) or ["a run"])[0] for h in busy
+                            (handle_names(self.shell.user_ns, h) or ["a run"])[0] for h in waiting
                         )
                         messages.append(
                             f"{name} changed; it reloads once {names} stops training "
-                            f"(`%nitro stop` stops a run)."
+                            f"(live edits are off for it; `%nitro stop` stops a run)."
                         )
+                        self._note(waiting, messages[-1])
                     source.deferred = True
                     continue
                 source.deferred = False
@@ -279,7 +302,9 @@ class CodeWatcher:
                 if autoreload and not after_autoreload:
                     continue  # autoreload reloads it before the next cell; report then
                 if not (autoreload and code_tokens(module) != source.tokens):
-                    error = reload_module(module, source.snapshot, self.shell.user_ns)
+                    error = reload_module(
+                        module, source.snapshot, self.shell.user_ns, live=bool(busy)
+                    )
                     if error is not None:
                         source.stamp, source.failed = stamp, digest
                         messages.append(
@@ -287,6 +312,7 @@ class CodeWatcher:
                             f"Kept the last good code (the module is as before the edit); fix "
                             f"the file and save it again."
                         )
+                        self._note(busy, messages[-1])
                         continue
                 module = sys.modules[source.module]
                 tokens = code_tokens(module)
@@ -300,9 +326,16 @@ class CodeWatcher:
             messages.append(f"reloaded {source.module}: changed {what}.")
             messages.extend(self._gone_classes(source))
         if reloaded:
-            messages.extend(self.report_stale())
+            messages.extend(self.report_stale({s.module for s, _ in reloaded}))
         self.history.extend(messages)
         return messages
+
+    def _note(self, handles: list[Any], message: str) -> None:
+        """Show `message` in the panels of `handles`' runs."""
+        from .reporters import add_note
+
+        for handle in handles:
+            add_note(handle, message)
 
     # ------------------------------------------------------------------------------------------
     # reports
@@ -380,9 +413,11 @@ class CodeWatcher:
             )
         return messages
 
-    def report_stale(self) -> list[str]:
+    def report_stale(self, reloaded: set[str] | frozenset[str] = frozenset()) -> list[str]:
         """One message per named handle whose staleness changed since it was last reported
-        (handles the notebook no longer names, such as replaced runs, are not reported)."""
+        (handles the notebook no longer names, such as replaced runs, are not reported). A
+        training handle that takes live edits gets the edit instead: `reloaded`, the modules
+        just reloaded, tells which runs an edit of a helper reaches."""
         from .reporters import add_note
 
         self._generation = edit_generation()
@@ -390,16 +425,101 @@ class CodeWatcher:
         messages = []
         for handle in live_handles(ns):
             names = handle_names(ns, handle)
-            if not names or names == ["_nitro"]:
+            live = handle.running and handle.live_edits is not False
+            if not live and (not names or names == ["_nitro"]):
                 continue
-            impact = edit_impact(handle, names[0])
+            name = names[0] if names else f"a {handle.cls.__name__} run"
+            impact = edit_impact(handle, name)
             key = (impact.changes, impact.recompile) if impact is not None else None
+            if live:
+                if impact is not None and self._edited(handle, reloaded):
+                    self._seen.pop(handle, None)  # once it stops, report what is stale anew
+                    messages.extend(self._apply_live(handle, name, impact))
+                continue
             if key != self._seen.get(handle):
                 self._seen[handle] = key
                 if impact is not None:
                     messages.append(str(impact))
                     add_note(handle, str(impact))
         return messages
+
+    # ------------------------------------------------------------------------------------------
+    # live edits
+
+    def _edited(self, handle: Any, reloaded: set[str] | frozenset[str]) -> bool:
+        """Whether `handle`'s code was edited since its last live edit: a module it holds
+        was reloaded, or its class was re-defined (in a cell)."""
+        current = current_class(handle.cls)
+        if self._applied.get(handle) is not current:
+            return True
+        return any(_holds(handle, s) for s in self.sources.values() if s.module in reloaded)
+
+    def _apply_live(self, handle: Any, name: str, impact: EditImpact) -> list[str]:
+        """Compile the edit beside `handle`'s run; the message that says so (or why not)."""
+        from .reporters import add_note
+
+        self._applied[handle] = current_class(handle.cls)
+        edit = handle.apply_edits()
+        what = ", ".join(f"`{unit}`" for unit in edit.changes) or _join(impact.changes)
+        if edit.status == "compiling":
+            message = (
+                f"{name}: compiling the edit of {what} beside the run; it swaps in at the "
+                f"next step."
+            )
+            add_note(handle, message)
+            self._edits.append(_Watched(name, handle, edit, "compiling"))
+            return [message]
+        if edit.status == "refused":  # the handle's reporters said it too
+            return [f"{name}: the edit of {_join(impact.changes)} was refused: {edit.note}."]
+        return []
+
+    def live_outcomes(self) -> list[str]:
+        """What became of the live edits under way since last asked: swapped in, failed,
+        rolled back (the run's panel said it as it happened)."""
+        messages = []
+        with self._lock:
+            watched = list(self._edits)
+        for entry in watched:
+            status = entry.edit.status
+            if status == entry.said:
+                continue
+            entry.said = status
+            record = entry.edit.record or {}
+            if status == "swapped":
+                messages.append(
+                    f"{entry.name}: swapped in the edit of {_units(entry.edit.changes)} at "
+                    f"step {record.get('step')}."
+                )
+            elif status in ("failed", "rolled back"):
+                messages.append(f"{entry.name}: {entry.edit.note}.")
+        with self._lock:  # keep the swapped ones while they may still roll back
+            self._edits = [
+                e
+                for e in self._edits
+                if e.edit.status in ("compiling", "ready")
+                or (e.edit.status == "swapped" and e.handle.running)
+            ]
+        return messages
+
+
+@dataclasses.dataclass(eq=False)
+class _Watched:
+    name: str
+    handle: Any
+    edit: Any
+    said: str
+
+
+def _holds(handle: Any, source: _Source) -> bool:
+    """Whether `handle` trains code of `source`'s module (its experiment's module, a base
+    class's, or a helper one of those imports)."""
+    if not handle.running:
+        return False
+    return any(c.__module__ in source.users for c in handle.cls.__mro__)
+
+
+def _units(changes: Any) -> str:
+    return ", ".join(f"`{unit}`" for unit in changes) or "the code"
 
 
 def _join(names: list[str]) -> str:

@@ -3,7 +3,9 @@
 The curves are a PNG in an `ipywidgets.Image`, drawn with matplotlib's object API (no pyplot,
 safe off the main thread) at twice the size they are displayed at, so they stay sharp on
 high-density screens and are never stretched. The figure is built once per run and its lines
-are moved as data arrives; a redraw costs a few tens of milliseconds.
+are moved as data arrives; a redraw costs a few tens of milliseconds. A live edit swapped in
+(or rolled back) while the run trains is a labelled vertical line on the loss plot at its
+step (`CurveData.add_marker`).
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ class CurveData:
         self.steps: list[int] = []
         self.losses: list[float] = []
         self.rows: list[dict[str, Any]] = []
+        self.markers: list[tuple[int, str]] = []  # (step, label): the live edits' swaps
         self.version = 0
         self._stride = 1
         self._skipped = 0
@@ -62,9 +65,26 @@ class CurveData:
             self.rows.append({k: v for k, v in row.items() if isinstance(v, (int, float))})
             self.version += 1
 
+    def add_marker(self, row: dict[str, Any]) -> None:
+        """A live edit's swap (`row`: a row of `n.state.swaps`) marks its step: "edit: loss",
+        or "rolled back" (which replaces the mark of the swap it undid)."""
+        changed = ", ".join(row.get("changed") or []) or "code"
+        rolled_back = row.get("status") == "rolled back"
+        label = f"edit: {changed}" + (" (rolled back)" if rolled_back else "")
+        with self.lock:
+            if rolled_back and self.markers and self.markers[-1][0] == row["step"]:
+                self.markers[-1] = (row["step"], label)
+            else:
+                self.markers.append((row["step"], label))
+            self.version += 1
+
     def snapshot(self):
         with self.lock:
             return list(self.steps), list(self.losses), list(self.rows), self.version
+
+    def marks(self) -> list[tuple[int, str]]:
+        with self.lock:
+            return list(self.markers)
 
 
 def metric_groups(rows: list[dict[str, Any]]) -> list[tuple[str, list[str]]]:
@@ -92,6 +112,8 @@ class CurveFigure:
         self._layout: tuple | None = None
         self._lines: dict[tuple[int, str], Any] = {}
         self._legends: dict[int, tuple] = {}
+        self._marks: list[Any] = []  # the artists of the drawn swap markers
+        self._marked: list[tuple[int, str]] = []
 
     @property
     def css_width(self) -> int:
@@ -125,6 +147,33 @@ class CurveFigure:
             ax.grid(alpha=0.3)
             ax.tick_params(labelsize=7)
         self._figure, self._layout, self._lines = figure, layout, lines
+        self._marks, self._marked = [], []
+
+    def _draw_marks(self, marks: list[tuple[int, str]]) -> None:
+        """Vertical lines on the loss plot at the steps of live edits, each labelled."""
+        if marks == self._marked:
+            return
+        for artist in self._marks:
+            artist.remove()
+        ax = self._figure.axes[0]
+        self._marks = []
+        for step, label in marks:
+            color = "#c0392b" if label.endswith("(rolled back)") else "#8e44ad"
+            self._marks.append(ax.axvline(step, color=color, lw=0.8, ls="--", alpha=0.8))
+            self._marks.append(
+                ax.text(
+                    step,
+                    0.98,
+                    f" {label}",
+                    transform=ax.get_xaxis_transform(),
+                    rotation=90,
+                    va="top",
+                    ha="left",
+                    fontsize=6,
+                    color=color,
+                )
+            )
+        self._marked = list(marks)
 
     def png(self, data: CurveData) -> bytes | None:
         steps, losses, rows, _ = data.snapshot()
@@ -135,6 +184,7 @@ class CurveFigure:
             self._build(layout)
         if steps:
             self._lines[0, "step loss"].set_data(steps, losses)
+        self._draw_marks(data.marks())
         for (index, name), line in self._lines.items():
             if name == "step loss":
                 continue
@@ -145,7 +195,7 @@ class CurveFigure:
         for index, ax in enumerate(self._figure.axes):
             ax.relim()
             ax.autoscale_view()
-            shown = tuple(h for h in ax.get_lines() if len(h.get_xdata()))
+            shown = tuple(h for h in ax.get_lines() if len(h.get_xdata()) and h not in self._marks)
             if shown and self._legends.get(index) != shown:
                 self._legends[index] = shown
                 ax.legend(

@@ -118,6 +118,13 @@ class NitroMagics(Magics):
         help="return at once; the run's panel shows progress and `%%nitro stop` ends it",
     )
     @magic_arguments.argument(
+        "--no-live-edits",
+        dest="no_live_edits",
+        action="store_true",
+        help="train: an edit saved while the run trains waits until it stops (sets the "
+        "handle's live_edits=False); by default it is compiled beside the run and swapped in",
+    )
+    @magic_arguments.argument(
         "--fresh",
         action="store_true",
         help="start from build_model's weights, not from the previous run of the experiment",
@@ -160,7 +167,8 @@ class NitroMagics(Magics):
     def nitro(self, line: str = ""):
         """Train, watch and inspect Nitro runs.
 
-        %nitro train EXP [--epochs N] [--background] [--fresh] [--resume [RUN_ID]]
+        %nitro train EXP [--epochs N] [--background] [--no-live-edits] [--fresh]
+                         [--resume [RUN_ID]]
             EXP is an experiment instance (`exp = Digits()`) or a handle. On an experiment
             it stores the handle as `EXP_run` (and `_nitro`) and trains it. Training again
             continues that handle; after an edit of the experiment's code, or with other
@@ -170,10 +178,14 @@ class NitroMagics(Magics):
             --resume continues EXP_run's run on disk from its newest checkpoint (its epoch,
             step, history, optimizer state): the run EXP_run last trained, else the only run
             of the experiment from this notebook with its GraphConst values (several are
-            listed, to pick one with --resume RUN_ID).
+            listed, to pick one with --resume RUN_ID). While it trains, a saved edit of
+            its hooks (or a class re-defined in a cell) is compiled beside the run and
+            swapped in at its next step; --no-live-edits makes the edit wait until the run
+            stops (the handle's `live_edits=False`).
         %nitro stop [RUN]        stop RUN (default: every running run) after its current step
         %nitro wait [RUN]        wait until RUN (default: every running run) finishes
-        %nitro status [RUN]      phase, epoch, step, latest loss and throughput
+        %nitro status [RUN]      phase, epoch, step, latest loss and throughput, and the
+                                 edits swapped in while it trained (step, what changed)
         %nitro runs              every run in the notebook, as a table, and the run
                                  directories of its experiments on disk (best metric,
                                  checkpoints)
@@ -264,6 +276,7 @@ class NitroMagics(Magics):
             raise UsageError("--resume continues a run on disk, --fresh starts over: pass one")
         value = self._value(args.target)
         base = args.target if args.target.isidentifier() else None
+        previous = None
         if isinstance(value, nitro.Nitro):
             name = base if base and base != "_nitro" else self._name_of(value, "_nitro")
             handle = rebuild.handle_to_train(
@@ -287,6 +300,11 @@ class NitroMagics(Magics):
                 f"{args.target!r} is a {type(value).__name__}; %nitro train takes an experiment "
                 f"instance (a class decorated with @nitro.experiment) or a nitro.Nitro handle"
             )
+        before = value if isinstance(value, nitro.Nitro) else previous
+        if args.no_live_edits:
+            handle.live_edits = False
+        elif before is not None and handle is not before and handle.live_edits is None:
+            handle.live_edits = before.live_edits  # a rebuilt handle keeps the choice
         self._ns[name] = handle
         self._ns["_nitro"] = handle
         # train() without epochs resumes to target_epoch, else trains to max_epochs
@@ -376,6 +394,8 @@ class NitroMagics(Magics):
             return
         for name, handle in targets:
             print(runs.status_line(handle, name))
+            for line in runs.swap_lines(handle):
+                print(f"  {line}")
 
     def _runs(self, args):
         handles = [

@@ -30,6 +30,7 @@ __all__ = [
     "BAR_STYLE",
     "PANEL_FALLBACK",
     "LivePanel",
+    "edits_html",
     "metrics_html",
     "notes_html",
     "standin_html",
@@ -114,13 +115,22 @@ class LivePanel(widgets.VBox):
         self.status = widgets.HTML()
         self.metrics = widgets.HTML()
         self.curves = widgets.Image(format="png", layout=widgets.Layout(display="none"))
+        self.edits = widgets.HTML()  # the key to the curves' marks of live edits
         self.notes = widgets.HTML()
         self.header = widgets.HBox(
             [self.title, self.stop_button],
             layout=widgets.Layout(justify_content="space-between", align_items="center"),
         )
         super().__init__(
-            [self.header, self.progress, self.status, self.metrics, self.curves, self.notes],
+            [
+                self.header,
+                self.progress,
+                self.status,
+                self.metrics,
+                self.curves,
+                self.edits,
+                self.notes,
+            ],
             layout=widgets.Layout(
                 display="none", border="1px solid #ddd", padding="4px 8px", overflow="hidden"
             ),
@@ -275,6 +285,17 @@ def metrics_html(row: dict[str, Any] | None) -> str:
         return ""
     return f"<table><tr><td style='padding-right:10px'>epoch {row.get('epoch')}:</td>" + (
         "".join(cells) + "</tr></table>"
+    )
+
+
+def edits_html(marks: list[tuple[int, str]]) -> str:
+    """The key to the dashed lines on the loss curve: "┆ edit: loss at step 292", one per
+    live edit swapped in (or rolled back)."""
+    return "".join(
+        f"<span style='font-size:85%;margin-right:12px;color:"
+        f"{'#c0392b' if label.endswith('(rolled back)') else '#8e44ad'}'>"
+        f"&#x2506; {escape(label)} at step {step}</span>"
+        for step, label in marks
     )
 
 

@@ -12,6 +12,7 @@ When to reload (a file saved, no run training, autoreload loaded or not) is `cod
 
 from __future__ import annotations
 
+import dis
 import importlib
 import types
 from typing import Any
@@ -81,21 +82,51 @@ def syntax_error(data: bytes, path: str) -> SyntaxError | None:
 
 
 def reload_module(
-    module: types.ModuleType, good: dict[str, Any], user_ns: dict[str, Any]
+    module: types.ModuleType, good: dict[str, Any], user_ns: dict[str, Any], live: bool = False
 ) -> BaseException | None:
     """Reload `module` and rebind the names `user_ns` imported from it; when the reload
-    raises, restore `good` (its namespace after its last good load) and return the error."""
+    raises, restore `good` (its namespace after its last good load) and return the error.
+    `live`: code of the module runs on other threads (a run trains): reload over the
+    namespace, then drop the names the new code does not bind, so no global goes missing."""
     old = dict(vars(module))
     namespace = vars(module)
-    namespace.clear()  # a class renamed or deleted in the file is gone from the module too
-    namespace.update({k: v for k, v in old.items() if k in _MODULE_ATTRIBUTES})
+    if not live:
+        namespace.clear()  # a class renamed or deleted in the file is gone from the module too
+        namespace.update({k: v for k, v in old.items() if k in _MODULE_ATTRIBUTES})
     try:
         importlib.reload(module)
     except Exception as error:  # noqa: BLE001 - shown to the user, module restored
         _restore(module, good)
         return error
+    if live:
+        bound = _bound_names(module)
+        if bound is not None:
+            for name in [k for k in namespace if k not in bound and k not in _MODULE_ATTRIBUTES]:
+                if not (name.startswith("__") and name.endswith("__")):
+                    del namespace[name]
     _rebind(module, old, user_ns)
     return None
+
+
+def _bound_names(module: types.ModuleType) -> set[str] | None:
+    """The names the module's top-level code binds (None when it cannot tell: a `from m
+    import *`, or no source)."""
+    spec = getattr(module, "__spec__", None)
+    loader = getattr(spec, "loader", None)
+    get_code = getattr(loader, "get_code", None)
+    try:
+        code = get_code(module.__name__) if get_code is not None else None
+    except Exception:  # noqa: BLE001 - keep every name rather than guess
+        return None
+    if code is None:
+        return None
+    bound = set()
+    for instruction in dis.get_instructions(code):
+        if instruction.opname == "IMPORT_STAR":
+            return None
+        if instruction.opname in ("STORE_NAME", "STORE_GLOBAL"):
+            bound.add(instruction.argval)
+    return bound
 
 
 def _rebind(module: types.ModuleType, old: dict[str, Any], user_ns: dict[str, Any]) -> None:
@@ -113,5 +144,9 @@ def _rebind(module: types.ModuleType, old: dict[str, Any], user_ns: dict[str, An
 
 
 def _restore(module: types.ModuleType, namespace: dict[str, Any]) -> None:
-    vars(module).clear()
-    vars(module).update(namespace)
+    """Put back `namespace` (over the module's, then dropping the names it lacks: no global
+    is missing meanwhile)."""
+    current = vars(module)
+    current.update(namespace)
+    for name in [k for k in current if k not in namespace]:
+        del current[name]

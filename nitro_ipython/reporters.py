@@ -162,10 +162,13 @@ class PanelReporter:
         if not self.curves.rows:  # a resumed run: its curves start with the history it has
             for row in handle.history().reset_index().to_dict("records"):
                 self.curves.add_row(row)
+            for row in handle.state.swaps:
+                self.curves.add_marker(dict(row))
         self.panel = worker.claim_panel()
         _PANELS[handle] = self
         if self.panel is not None:
             self.panel.claim(self._title, handle.stop)
+            self._show_edits()
             self._refresh(force=True)
             self._show_standin(force=True)
             self._figure = acquire_figure()
@@ -222,6 +225,19 @@ class PanelReporter:
         self._refresh()
         self._show_standin()
 
+    def swapped(self, row):
+        """A live edit swapped in (or rolled back): a marker on the loss curve at its step,
+        named below the curves (the note comes as a note)."""
+        self.curves.add_marker(dict(row))
+        self._show_edits()
+
+    def _show_edits(self) -> None:
+        from .panel import edits_html
+
+        panel = self.panel
+        if panel is not None and self.curves.markers:
+            panel.edits.value = edits_html(self.curves.marks())
+
     def note(self, message, done=False):
         reserved = worker.reserved_panel() if not self.active else None
         if reserved is not None:  # the setup's notes ("resumed run ..."): in the run's panel
@@ -266,6 +282,7 @@ class PanelReporter:
         handle = self._handle()
         panel.claim(self._title, handle.stop if handle is not None else None)
         self.panel = panel
+        self._show_edits()
         self._refresh(force=True)
         if self.active:
             self._show_standin(force=True)

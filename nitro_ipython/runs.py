@@ -33,6 +33,7 @@ __all__ = [
     "stats_of",
     "status_line",
     "status_row",
+    "swap_lines",
 ]
 
 
@@ -200,6 +201,19 @@ def status_line(handle: Any, name: str = "") -> str:
     if not handle.running and handle.stop_reason:
         text += f" (stop reason: {handle.stop_reason})"
     return text
+
+
+def swap_lines(handle: Any) -> list[str]:
+    """One line per live edit swapped in (or rolled back) while `handle` trained: step, what
+    changed, status."""
+    lines = []
+    for row in handle.state.swaps:
+        changed = ", ".join(row.get("changed") or []) or "the code"
+        text = f"step {row['step']}: edit of {changed} {row['status']}"
+        if row["status"] == "rolled back" and row.get("reason"):
+            text += f" ({row['reason']})"
+        lines.append(text)
+    return lines
 
 
 def runs_table(user_ns: Mapping[str, Any], handles: Iterable[Any]):

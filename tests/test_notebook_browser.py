@@ -258,6 +258,62 @@ def test_a_notebook_saved_while_a_run_trains_reopens_with_its_latest_state(lab):
     lab.save_and_close()
 
 
+def test_an_edit_saved_during_a_background_run_is_marked_on_its_curves(lab):
+    """Edit while training: the module file saved from the notebook while a run trains is
+    compiled beside it and swapped in; the panel marks the swap on the loss curve, and the
+    swaps' table names its step."""
+    import nbformat
+    from notebook_kernel import TINY_MODULE
+
+    loss = ".mean()\n\n    def metrics"
+    cells = [
+        f"from pathlib import Path\nPath('live_demo.py').write_text({TINY_MODULE!r})\n"
+        "%load_ext nitro\nimport nitro, live_demo",
+        "demo_run = nitro.Nitro(live_demo.Tiny(max_epochs=100_000, delay=0.002), "
+        "steps_per_dispatch=1)\n%nitro train demo_run --background",
+        # the edit, saved from the notebook: the loss times 1000
+        f"source = Path('live_demo.py').read_text()\n"
+        f"Path('live_demo.py').write_text(source.replace({loss!r}, "
+        f"{'.mean() * 1000.0' + loss[7:]!r}))",
+        "demo_run.swaps()[['epoch', 'status', 'changed']]",
+        "%nitro status demo_run",
+    ]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
+    nbformat.write(notebook, lab.root / "live_edit.ipynb")
+    lab.open("live_edit.ipynb")
+    lab.run(0)
+    lab.start(1)
+    lab.wait_done(1)
+    lab.wait_for(_LIVE_CURVES, 60, 1, what="the live curves")
+    lab.wait_for(
+        "(window.jupyterapp.shell.currentWidget.content.widgets[1].node.querySelector("
+        "'.jp-OutputArea')?.innerText || '').match(/ step ([1-9]\\d{2,})/)",
+        60,
+        what="a hundred steps",
+    )
+    lab.run(2)
+    lab.wait_for(
+        "(window.jupyterapp.shell.currentWidget.content.widgets[1].node.querySelector("
+        "'.jp-OutputArea')?.innerText || '').includes('edit: loss at step')",
+        120,
+        what="the key to the swap's marker on the curves",
+    )
+    shown = lab.panel(1)
+    step = int(re.search(r"edit: loss at step (\d+)", shown["text"]).group(1))
+    assert shown["widgets"] and shown["button"] == "Stop"  # still training
+    assert f"swapped in the edit of `loss` at step {step}" in shown["text"]
+    time.sleep(1.0)  # the curves redraw with the marker and the steps after it
+    lab.screenshot("live-edit-marker", lab.cell(1))
+
+    swaps = lab.run(3)
+    assert re.search(rf"{step}\s+\d+\s+swapped\s+\[loss\]", swaps), swaps
+    status = lab.run(4)
+    assert "demo_run (Tiny): training" in status and f"step {step}: edit of loss swapped" in status
+    _stop(lab, 1)
+    lab.save_and_close()
+
+
 def test_without_chromium_the_browser_tests_skip_and_say_how_to_install_it(monkeypatch):
     monkeypatch.setattr(browser, "CHROMIUM", "/nonexistent/chromium")
     with pytest.raises(pytest.skip.Exception, match=r"make browser.*apt-get install chromium"):

@@ -35,7 +35,8 @@ def _wait_until(kernel, expression: str, accept=lambda value: value == "True", t
 def test_load_ext_registers_the_magic_with_help(kernel):
     cell = kernel.run("%nitro?")
     help_text = "".join(p["data"]["text/plain"] for p in cell.reply["content"]["payload"])
-    assert "%nitro train EXP [--epochs N] [--background] [--fresh]" in help_text
+    assert "%nitro train EXP [--epochs N] [--background] [--no-live-edits] [--fresh]" in help_text
+    assert "--no-live-edits" in help_text and "live_edits=False" in help_text
     assert "--split" in help_text and "--batch" in help_text
 
     wrong = kernel.run("%nitro trian exp", check=False)
