@@ -414,3 +414,22 @@ def test_without_a_copy_of_large_variables_a_roll_back_keeps_the_guards_weights(
     n.stop().wait()
     assert all(math.isfinite(recorder.losses[s]) for s in range(rolled["step"] + 1, n.step))
     assert all(np.isfinite(np.asarray(a)).all() for a in n.state.variables.params)
+
+
+def test_the_history_plot_marks_each_swap_at_its_step(tmp_path):
+    module = Module(tmp_path)
+    n, _ = start(module)
+    wait_until(lambda: n.epoch >= 1, "a first epoch")
+    edit = apply(n, module, "* SCALE", "* SCALE * 2.0")
+    epoch = n.epoch
+    wait_until(lambda: n.epoch > epoch + 1, "epochs after the swap")
+    n.stop().wait()
+    figure = n.plot()
+    marks = [line for line in figure.axes[0].lines if line.get_gid() == "live-edit"]
+    assert len(marks) == 1
+    steps = n.history()["step"]
+    where = marks[0].get_xdata()[0]
+    batches = len(n.splits["train"])
+    assert where == pytest.approx(edit.record["step"] / batches)  # epochs of equal length
+    assert any(t.get_text() == "edit: loss" for t in figure.axes[0].texts)
+    assert steps.iloc[0] == batches

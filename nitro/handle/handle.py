@@ -868,10 +868,17 @@ class Nitro:
         return frame
 
     def plot(self, path: str | None = None, metrics: Iterable[str] | None = None):
-        """Draw the history (loss and metric curves); save a PNG when `path` is given."""
+        """Draw the history (loss and metric curves), with a dashed line at each live edit's
+        swap; save a PNG when `path` is given."""
         from nitro.handle.plotting import plot_history
 
-        return plot_history(self.history(), path=path, metrics=metrics, title=self.cls.__name__)
+        return plot_history(
+            self.history(),
+            path=path,
+            metrics=metrics,
+            title=self.cls.__name__,
+            swaps=self._state.swaps,
+        )
 
     def summary(
         self, batch: Mapping[str, Any] | None = None, *, split: str | None = None, depth=None

@@ -2,15 +2,40 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
+from typing import Any
 
 __all__ = ["plot_history"]
 
 _SKIP = {"step", "epoch_seconds", "data_wait_frac"}
 
 
-def plot_history(frame, path=None, metrics: Iterable[str] | None = None, title: str = ""):
-    """One panel per quantity: the loss with its validation counterpart, then each metric.
+def swap_epochs(frame, swaps: Iterable[Mapping[str, Any]]) -> list[tuple[float, str, bool]]:
+    """(where on the epoch axis, label, rolled back) of each live edit's swap: its step placed
+    between the epochs' end steps of the history."""
+    import numpy as np
+
+    ends = [0.0, *frame["step"].astype(float)] if "step" in frame else [0.0]
+    epochs = [0.0, *map(float, frame.index)] if "step" in frame else [0.0]
+    marks = []
+    for row in swaps:
+        changed = ", ".join(row.get("changed") or []) or "code"
+        rolled = row.get("status") == "rolled back"
+        label = f"edit: {changed}" + (" (rolled back)" if rolled else "")
+        marks.append((float(np.interp(float(row["step"]), ends, epochs)), label, rolled))
+    return marks
+
+
+def plot_history(
+    frame,
+    path=None,
+    metrics: Iterable[str] | None = None,
+    title: str = "",
+    swaps: Iterable[Mapping[str, Any]] = (),
+):
+    """One panel per quantity: the loss with its validation counterpart, then each metric;
+    a dashed line at each live edit's swap (`swaps`: the rows of `n.state.swaps`), labelled
+    with what changed.
 
     Returns the matplotlib Figure; writes a PNG when `path` is given.
     """
@@ -34,12 +59,26 @@ def plot_history(frame, path=None, metrics: Iterable[str] | None = None, title: 
             if column.startswith(prefix):
                 base = column[len(prefix) :]
         groups.setdefault(base, []).append(column)
+    marks = swap_epochs(frame, swaps)
     figure = Figure(figsize=(4.2 * len(groups), 3.2), layout="constrained")
     axes = figure.subplots(1, len(groups), squeeze=False)[0]
     for ax, (base, names) in zip(axes, groups.items(), strict=True):
         for name in names:
             series = frame[name].dropna()
             ax.plot(series.index, series.values, marker="o", markersize=3, label=name)
+        for at, label, rolled in marks:
+            color = "tab:red" if rolled else "0.4"
+            ax.axvline(at, linestyle="--", linewidth=1, color=color, gid="live-edit")
+            ax.annotate(
+                label,
+                (at, 1.0),
+                xycoords=("data", "axes fraction"),
+                rotation=90,
+                va="top",
+                ha="right",
+                fontsize=7,
+                color=color,
+            )
         ax.set_xlabel("epoch")
         ax.set_title(base)
         ax.grid(alpha=0.3)
