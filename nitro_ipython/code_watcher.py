@@ -49,6 +49,11 @@ from .staleness import EditImpact, edit_impact
 
 __all__ = ["CodeWatcher"]
 
+# after a file event, how long the watcher waits for the save's other events (an editor's
+# truncate, write and rename come within milliseconds) before it reads the file: short, since a
+# live edit's time from save to new code training is this plus the compile
+SETTLE_SECONDS = 0.03
+
 
 @dataclasses.dataclass
 class _Source:
@@ -223,7 +228,7 @@ class CodeWatcher:
             if self._scheduled:
                 return
             self._scheduled = True
-        loop.add_callback(lambda: loop.call_later(0.1, self._check_when_idle))
+        loop.add_callback(lambda: loop.call_later(SETTLE_SECONDS, self._check_when_idle))
 
     def _check_when_idle(self) -> None:
         with self._lock:
