@@ -21,7 +21,12 @@ Per edit it prints:
 Then the medians over the edits. Steps of a fused call are read back together, so intervals
 are taken between calls (gaps over 0.1 ms between consecutive step read-backs).
 
-    python bench/live_edit.py [--depth 24] [--edits 5]
+With `--notebook`, the run trains in a real IPython kernel (`%nitro train exp --background`)
+and nothing but the file's save starts an edit: the notebook's watcher sees it, reloads the
+module and swaps the edit in. It prints the compile and save -> training for each edit (the
+kernel's swap record has the swap's time; the pause is the same engine's as above).
+
+    python bench/live_edit.py [--depth 24] [--edits 5] [--notebook]
 """
 
 from __future__ import annotations
@@ -64,6 +69,8 @@ class Deep(nnx.Module):
 
 @nitro.experiment
 class LiveBench:
+    max_epochs: int = 100_000
+
     def build_data(self):
         return {{
             "train": ArrayLoader(ARRAYS["train"], 64),
@@ -118,12 +125,91 @@ def measure(clock: Clock, swap_step: int, after: int) -> tuple[float, float]:
     return max(around), statistics.median(steady)
 
 
+def in_a_kernel(args) -> None:
+    """The notebook path: a real kernel trains; the bench only saves the file."""
+    import json
+    import os
+
+    import jupyter_client
+
+    with tempfile.TemporaryDirectory() as directory:
+        path = Path(directory) / "live_bench_module.py"
+        text = MODULE.format(depth=args.depth)
+        path.write_text(text)
+        repo = str(Path(__file__).resolve().parents[1])
+        env = {
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join([repo, os.environ.get("PYTHONPATH", "")]),
+        }
+        manager = jupyter_client.KernelManager(kernel_name="python3")
+        manager.start_kernel(cwd=directory, env=env)
+        client = manager.client()
+        client.start_channels()
+        client.wait_for_ready(timeout=120)
+
+        def run(code: str) -> None:
+            client.execute_interactive(code, timeout=600, output_hook=lambda message: None)
+
+        def value(expression: str):
+            reply = client.execute(
+                "", silent=True, store_history=False, user_expressions={"v": expression}
+            )
+            answer = client.get_shell_msg(timeout=60)
+            while answer["parent_header"].get("msg_id") != reply:
+                answer = client.get_shell_msg(timeout=60)
+            result = answer["content"]["user_expressions"]["v"]
+            if result["status"] != "ok":
+                raise SystemExit(f"{expression}: {result['evalue']}")
+            return json.loads(eval(result["data"]["text/plain"]))  # a repr of a JSON string
+
+        try:
+            run(
+                f"%load_ext nitro\nimport json, sys\nsys.path.insert(0, {directory!r})\n"
+                "import live_bench_module\nexp = live_bench_module.LiveBench()\n"
+                f"%nitro train exp --background"
+            )
+            while not value("json.dumps(exp_run.step >= 200 and not exp_run.dispatch.probing)"):
+                time.sleep(0.1)
+            print(f"in a kernel: deep MLP, {args.depth} layers; the watcher applies each save")
+            print(f"{'edit':>4} {'compile s':>10} {'swap ms':>8} {'save->train ms':>15}")
+            current, overheads = "* 1.0", []
+            for i in range(args.edits):
+                new = f"* {1.0 + 0.25 * (i + 1)}"
+                text = text.replace(current, new)
+                current = new
+                saved = time.time()
+                path.write_text(text)
+                while value("json.dumps(len(exp_run.state.swaps))") < i + 1:
+                    time.sleep(0.02)
+                row = value("json.dumps(exp_run.state.swaps[-1])")
+                if row["status"] != "swapped":
+                    raise SystemExit(f"edit {i + 1}: {row}")
+                overhead = row["at"] - saved - row["compile_seconds"]
+                overheads.append(overhead)
+                print(
+                    f"{i + 1:>4} {row['compile_seconds']:>10.2f} {row['pause_seconds'] * 1e3:>8.1f} "
+                    f"{overhead * 1e3:>15.1f}"
+                )
+            print(
+                f"median: save -> new code training = compile + "
+                f"{statistics.median(overheads) * 1e3:.1f} ms (goal < 100)"
+            )
+            run("exp_run.stop().wait()")
+        finally:
+            client.stop_channels()
+            manager.shutdown_kernel(now=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--depth", type=int, default=24)
     parser.add_argument("--edits", type=int, default=5)
     parser.add_argument("--after", type=int, default=300, help="steps timed after each swap")
+    parser.add_argument("--notebook", action="store_true", help="train in a real kernel")
     args = parser.parse_args()
+    if args.notebook:
+        in_a_kernel(args)
+        return
 
     with tempfile.TemporaryDirectory() as directory:
         path = Path(directory) / "live_bench_module.py"
