@@ -38,6 +38,7 @@ COMMANDS = (
     "bind",
     "export",
     "mcp",
+    "reload",
 )
 
 
@@ -201,6 +202,9 @@ class NitroMagics(Magics):
         %nitro export DIR [--run RUN] [--name NAME]
             write RUN's current weights and eval-mode forward as a bundle that runs without
             Nitro (nitro.bundle.load(DIR)) and serves with `nitro serve DIR`
+        %nitro reload            check the watched files now: reload the edited ones (a
+                                 run training takes the edit live) and say what is stale;
+                                 for file systems whose saves the watcher does not see
         %nitro mcp start [--port P] [--root DIR] [--allow DIR ...]
             serve this kernel's runs to a coding agent over MCP (loopback only; prints
             the file holding the token and client configuration); `%nitro mcp stop`
@@ -454,6 +458,16 @@ class NitroMagics(Magics):
 
     def _bind(self, args):
         return _Shown(self._handle(args.target, "bind")[1].binding_report())
+
+    def _reload(self, args) -> None:
+        """Check the watched files now, as the watcher does on a save."""
+        if self.watcher is None:
+            raise UsageError("%nitro reload needs the code watcher: %load_ext nitro starts it")
+        self.watcher.track()
+        messages = self.watcher.check(after_autoreload=True)
+        messages += self.watcher.report_stale()
+        for message in messages or ["no watched file changed since it was last loaded"]:
+            print(f"nitro: {message}", flush=True)
 
     def _mcp(self, args) -> None:
         if args.target == "start":

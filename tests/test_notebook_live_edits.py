@@ -239,6 +239,22 @@ def test_a_class_redefined_in_a_cell_during_a_run_is_swapped_in(kernel):
     _stop(kernel, "live_e")
 
 
+def test_nitro_reload_applies_a_save_at_once_within_the_cell_that_made_it(kernel):
+    _start(kernel, "live_f")
+    # the save and the check in one cell: the watcher's own check waits for the kernel to be
+    # idle, so what reloads here is %nitro reload's doing
+    said = kernel.run(
+        f"import pathlib\npathlib.Path('live_f.py').write_text({_loss_times('7.0')!r})\n"
+        "%nitro reload"
+    ).stdout
+    assert "reloaded live_f: changed Tiny.loss" in said
+    assert "live_f_run: compiling the edit of `loss` beside the run" in said
+    _until(kernel, "len(live_f_run.state.swaps) == 1", "the swap")
+    again = kernel.run("%nitro reload").stdout
+    assert "no watched file changed since it was last loaded" in again
+    _stop(kernel, "live_f")
+
+
 def test_a_live_reload_never_leaves_a_global_missing_for_code_running_meanwhile(tmp_path):
     """A run's data thread and host-side hooks run the module's code while it reloads."""
     import importlib
