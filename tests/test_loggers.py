@@ -700,3 +700,40 @@ def test_jsonl_metric_lines_read_back_exactly_whatever_the_names_and_numbers(tmp
         assert record["metrics"] == {
             k: float(v) if isinstance(v, np.floating) else v for k, v in metrics.items()
         }
+
+
+def test_fused_calls_log_every_steps_loss_once_and_reporters_without_steps_get_each_step(
+    tmp_path,
+):
+    class EachStep:  # a reporter with `step` only: still called once per step
+        def __init__(self):
+            self.seen = []
+
+        def step(self, step, loss):
+            self.seen.append((step, loss))
+
+    class Batched(EachStep):  # one with `steps`: called once per call
+        def __init__(self):
+            super().__init__()
+            self.calls = 0
+
+        def steps(self, first, losses):
+            self.calls += 1
+            self.seen.extend((first + i, loss) for i, loss in enumerate(losses))
+
+    each, batched = EachStep(), Batched()
+    n = nitro.Nitro(
+        Toy(max_epochs=3),
+        run_dir=str(tmp_path),
+        steps_per_dispatch=4,
+        checkpointer=None,
+        progress=each,
+    )
+    n.events.add(batched)
+    n.train()
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    steps = [s for s, _ in each.seen]
+    assert steps == list(range(1, n.step + 1))
+    assert batched.seen == each.seen and batched.calls < n.step  # whole calls at a time
+    per_step = [r for r in metric_lines(records, "train") if set(r["metrics"]) == {"loss"}]
+    assert [(r["step"], r["metrics"]["loss"]) for r in per_step] == each.seen

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import threading
 import warnings
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any, Protocol
 
 __all__ = [
@@ -87,10 +87,11 @@ def remove_monitor(fn: Callable[[PhaseChange], Any]) -> None:
 
 class Reporter(Protocol):
     """What a run reports, in order: `start_run`, then per epoch `start_epoch`, `step` for
-        each read-back step and `end_epoch` with the epoch's history row; `phase` on every phase
-        change; `validated` for an evaluation within an epoch; `swapped` when a live edit's code
-    is swapped in (or rolled back); `note` for short messages (compiles, advice); `end_run` when
-    the run ends."""
+            each read-back step (a reporter may take a call's steps at once instead, with
+    `steps(first, losses)`) and `end_epoch` with the epoch's history row; `phase` on every phase
+            change; `validated` for an evaluation within an epoch; `swapped` when a live edit's code
+        is swapped in (or rolled back); `note` for short messages (compiles, advice); `end_run` when
+        the run ends."""
 
     def start_run(self, handle: Any, target_epoch: int) -> None: ...
     def start_epoch(
@@ -167,6 +168,11 @@ class Events:
             name: tuple((r, getattr(r, name)) for r in live if callable(getattr(r, name, None)))
             for name in EVENT_NAMES
         }
+        # a reporter with `steps(first, losses)` takes a call's steps at once; others, `step`
+        self._bound_steps = tuple(
+            (r, getattr(r, "steps", None) if callable(getattr(r, "steps", None)) else None)
+            for r, _ in self._bound["step"]
+        )
 
     def _deliver(self, name: str, *args: Any) -> None:
         for reporter, method in self._bound[name]:
@@ -201,6 +207,20 @@ class Events:
         for reporter, method in self._bound["step"]:
             try:
                 method(step, loss)
+            except Exception as error:  # noqa: BLE001
+                self._disable(reporter, "step", error)
+
+    def steps(self, first: int, losses: Sequence[float]) -> None:
+        """The steps `first`, `first + 1`, ... read back together (a fused call): the `step`
+        event of each, or one `steps(first, losses)` call to a reporter that has it."""
+        for reporter, batched in self._bound_steps:
+            try:
+                if batched is not None:
+                    batched(first, losses)
+                else:
+                    method = reporter.step
+                    for offset, loss in enumerate(losses):
+                        method(first + offset, loss)
             except Exception as error:  # noqa: BLE001
                 self._disable(reporter, "step", error)
 

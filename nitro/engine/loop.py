@@ -577,28 +577,32 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
     count, micro = staged.count, staged.group
     program = item.program
     probation = run.probation
-    for offset, (value, code) in enumerate(reports.tolist()):
-        # on probation, a non-finite loss rolls back (without a copy to go back to, only one
-        # the guard caught: with check_divergence=False the run trains on, as it asked)
-        if probation is not None and (
-            code or (probation.variables is not None and not math.isfinite(value))
-        ):
-            raise _RollBack(item.index + offset + 1, value)
-        if code:
-            raise DivergenceError(
-                divergence_message(
-                    setup, run.runtime.feed, state, item.index + offset, value, int(code)
+    first, losses = state.step + 1, []
+    try:
+        for offset, (value, code) in enumerate(reports.tolist()):
+            # on probation, a non-finite loss rolls back (without a copy to go back to, only
+            # one the guard caught: with check_divergence=False the run trains on, as asked)
+            if probation is not None and (
+                code or (probation.variables is not None and not math.isfinite(value))
+            ):
+                raise _RollBack(item.index + offset + 1, value)
+            if code:
+                raise DivergenceError(
+                    divergence_message(
+                        setup, run.runtime.feed, state, item.index + offset, value, int(code)
+                    )
                 )
-            )
-        if not math.isfinite(value):  # check_divergence=False: train on, count it
-            totals.nonfinite += 1
-        else:
-            totals.loss_sum += value
-            totals.loss_count += 1
-        state.step += 1
-        state.position += micro
-        totals.steps += 1
-        if residency is not None:
+            if not math.isfinite(value):  # check_divergence=False: train on, count it
+                totals.nonfinite += 1
+            else:
+                totals.loss_sum += value
+                totals.loss_count += 1
+            state.step += 1
+            state.position += micro
+            totals.steps += 1
+            losses.append(value)
+            if residency is None:
+                continue
             step_metrics = (
                 metrics if count == 1 else jax.tree.map(lambda a, i=offset: a[i], metrics)
             )
@@ -609,7 +613,9 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
                     else jax.tree.map(lambda a, m=part: a[m], step_metrics)
                 )
                 _train_metrics(run, totals, program, batch_metrics, staged, offset * micro + part)
-        run.events.step(state.step, value)
+    finally:
+        if losses:  # the call's steps counted so far, in one event
+            run.events.steps(first, losses)
     if probation is not None and state.step >= probation.until:
         run.probation = None  # the edit's first steps were finite: it stays
 

@@ -294,6 +294,30 @@ class JSONLinesLogger(_FileLogger):
             }
         )
 
+    def log_steps(
+        self, name: str, steps: Sequence[int], values: Sequence[float], *, epoch, context
+    ) -> None:
+        """One metric at several steps (a fused call's losses), the lines of `log_metrics`
+        formatted in one go."""
+        simple = type(epoch) is int or epoch is None
+        if not simple or not all(type(v) is float and math.isfinite(v) for v in values):
+            for step, value in zip(steps, values, strict=True):
+                self.log_metrics({name: value}, step=step, epoch=epoch, context=context)
+            return
+        head = (
+            f'{{"type": "metrics", "time": {time.time()!r}, "context": {_name(context)}, '
+            f'"epoch": {"null" if epoch is None else epoch}, "step": '
+        )
+        tail = f', "metrics": {{{_name(name)}: '
+        self._add(
+            [
+                f"{head}{step}{tail}{value!r}}}}}\n"
+                for step, value in zip(steps, values, strict=True)
+            ]
+        )
+        if steps:
+            self._step = steps[-1]
+
     def log_params(self, params: Mapping[str, Any]) -> None:
         self._write({"type": "params", "time": time.time(), "params": _jsonable(params)})
 

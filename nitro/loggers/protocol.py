@@ -329,6 +329,23 @@ class LoggerGroup(BaseLogger):
             except Exception as error:  # noqa: BLE001
                 self._switch_off(logger, "log_metrics", error)
 
+    def log_steps(
+        self, name: str, steps: Sequence[int], values: Sequence[float], *, epoch, context
+    ) -> None:
+        """One metric at several steps (a fused call's losses): through a logger's own
+        `log_steps` when it has one (JSON Lines writes them in one go), else one
+        `log_metrics` call per step."""
+        for logger, method in self._bound["log_metrics"]:
+            try:
+                batched = getattr(logger, "log_steps", None)
+                if batched is not None:
+                    batched(name, steps, values, epoch=epoch, context=context)
+                    continue
+                for step, value in zip(steps, values, strict=True):
+                    method({name: value}, step=step, epoch=epoch, context=context)
+            except Exception as error:  # noqa: BLE001
+                self._switch_off(logger, "log_metrics", error)
+
     def log_params(self, params) -> None:
         self._each("log_params", params)
 

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -169,6 +169,14 @@ class LoggingReporter:
     def step(self, step: int, loss: float) -> None:
         if math.isfinite(loss):
             self._log_metrics({"loss": loss}, step=step, epoch=self._epoch, context="train")
+
+    def steps(self, first: int, losses: Sequence[float]) -> None:
+        """A call's steps at once: their finite losses to the loggers in one go."""
+        steps = [first + i for i, loss in enumerate(losses) if math.isfinite(loss)]
+        if len(steps) != len(losses):
+            losses = [loss for loss in losses if math.isfinite(loss)]
+        if steps:
+            self.logger.log_steps("loss", steps, losses, epoch=self._epoch, context="train")
 
     def end_epoch(self, row: Mapping[str, Any]) -> None:
         epoch, step = row.get("epoch"), row.get("step")
