@@ -125,6 +125,15 @@ def measure(clock: Clock, swap_step: int, after: int) -> tuple[float, float]:
     return max(around), statistics.median(steady)
 
 
+def save_edit(path: Path, text: str, current: str, i: int) -> tuple[str, str, float]:
+    """Save edit `i` of the loss's scale: (the new text, its scale, when it was saved)."""
+    new = f"* {1.0 + 0.25 * (i + 1)}"
+    text = text.replace(current, new)
+    saved = time.time()
+    path.write_text(text)
+    return text, new, saved
+
+
 def in_a_kernel(args) -> None:
     """The notebook path: a real kernel trains; the bench only saves the file."""
     import json
@@ -174,11 +183,7 @@ def in_a_kernel(args) -> None:
             print(f"{'edit':>4} {'compile s':>10} {'swap ms':>8} {'save->train ms':>15}")
             current, overheads = "* 1.0", []
             for i in range(args.edits):
-                new = f"* {1.0 + 0.25 * (i + 1)}"
-                text = text.replace(current, new)
-                current = new
-                saved = time.time()
-                path.write_text(text)
+                text, current, saved = save_edit(path, text, current, i)
                 while value("json.dumps(len(exp_run.state.swaps))") < i + 1:
                     time.sleep(0.02)
                 row = value("json.dumps(exp_run.state.swaps[-1])")
@@ -235,11 +240,7 @@ def main() -> None:
         pauses, overheads, compiles = [], [], []
         current = "* 1.0"
         for i in range(args.edits):
-            new = f"* {1.0 + 0.25 * (i + 1)}"
-            text = text.replace(current, new)
-            current = new
-            saved = time.time()
-            path.write_text(text)
+            text, current, saved = save_edit(path, text, current, i)
             importlib.invalidate_caches()
             importlib.reload(module)
             edit = n.apply_edits().wait(600)
