@@ -77,7 +77,7 @@ NOT_YET = {
     "max_steps": "max_steps",
 }
 
-AUTO_STEPS_LIMIT = 16  # "auto" fuses the largest divisor of an epoch's steps up to this
+AUTO_STEPS_LIMIT = 64  # "auto" fuses at most this many steps per call
 
 
 class Population:
@@ -193,8 +193,9 @@ class Population:
     @property
     def steps_per_call(self) -> int:
         """Training steps each program call runs for every member (`steps_per_dispatch=`;
-        "auto": the largest divisor of an epoch's steps up to 16, so every call of a full
-        epoch is the same program)."""
+        "auto": the K up to 64 that makes an epoch the fewest calls, K-step calls then the
+        remainder one step per call; on a tie one that divides the epoch, so that every
+        call is one program)."""
         return self._steps_per_call
 
     @property
@@ -461,4 +462,9 @@ def _steps_per_call(setup, keywords) -> int:
     batches = setup.splits["train"].batches
     if batches is None:
         return 1
-    return max(k for k in range(1, min(batches, AUTO_STEPS_LIMIT) + 1) if batches % k == 0)
+    # the fewest calls an epoch (K-step calls, then the remainder one step per call); on a
+    # tie, one program (K divides the epoch), then the larger K
+    return min(
+        range(1, min(batches, AUTO_STEPS_LIMIT) + 1),
+        key=lambda k: (batches // k + batches % k, batches % k != 0, -k),
+    )
