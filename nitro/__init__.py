@@ -25,6 +25,8 @@ _EXPORTS = {
     "explain_compiles": "nitro.programs.compile_cache",
     "set_compilation_cache": "nitro.programs.compile_cache",
     "Nitro": "nitro.handle",
+    "Population": "nitro.handle",
+    "PopulationError": "nitro.errors",
     "Device": "nitro.experiments",
     "FieldKind": "nitro.experiments",
     "GraphConst": "nitro.experiments",
@@ -81,6 +83,8 @@ __all__ = [
     "MetricError",
     "Nitro",
     "OptimizerError",
+    "Population",
+    "PopulationError",
     "ProgramKind",
     "RoutingError",
     "RunningError",
@@ -138,6 +142,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
         Interrupted,
         MetricError,
         OptimizerError,
+        PopulationError,
         RoutingError,
         RunningError,
         ScheduleError,
@@ -146,6 +151,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     )
     from nitro.experiments.declaration import Device, FieldKind, GraphConst, experiment, fields
     from nitro.handle.handle import Nitro
+    from nitro.handle.population import Population
     from nitro.optim.ema import EMA
     from nitro.optim.sam import ASAM, SAM
     from nitro.programs import staleness

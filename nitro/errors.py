@@ -19,6 +19,7 @@ __all__ = [
     "Once",
     "OptimizerError",
     "PlacementError",
+    "PopulationError",
     "RoutingError",
     "RunningError",
     "ScheduleError",
@@ -41,6 +42,11 @@ class SetupError(ValueError):
 
 class WeightsError(SetupError):
     """Weights given to a run (`weights=`) do not fit its model; the message lists the leaves."""
+
+
+class PopulationError(SetupError):
+    """A population's axes would change the program its members share, or ask for what a
+    population does not do yet; the message names the field."""
 
 
 class DivergenceError(FloatingPointError):

@@ -21,7 +21,7 @@ from nitro.errors import SetupError
 from nitro.experiments.routing import select
 from nitro.programs.specs import ProgramSet
 
-__all__ = ["delete", "evaluate_split", "finalize_metrics", "weights_of"]
+__all__ = ["delete", "device_metrics", "evaluate_split", "finalize_metrics", "weights_of"]
 
 
 def delete(tree: Any) -> None:
@@ -98,7 +98,7 @@ def evaluate_split(
                 values = runtime.call_host_hook(setup, "metrics", outputs, **host)
                 specs, leaves = split_modes(values, "metrics")
             else:
-                specs, leaves = _device_metrics(
+                specs, leaves = device_metrics(
                     setup, feed, programs, split, result.outputs, staged_now, n_real
                 )
             accumulator.add(specs, leaves, n_real)
@@ -178,7 +178,7 @@ def evaluate_split(
 EVAL_BLOCK_MIN_CALLS = 4  # a split fuses its batches when that makes at least this many calls
 
 
-def _eval_block(setup: RunSetup, runtime: RunTime, info, device_metrics: bool) -> int:
+def _eval_block(setup: RunSetup, runtime: RunTime, info, device_resident: bool) -> int:
     """Evaluation batches per program call: the steps per call the training measured (or was
     given), where it fuses, for splits long enough to make at least `EVAL_BLOCK_MIN_CALLS`
     fused calls; else 1. A forward pass costs less than a train step, so a K worth fusing
@@ -186,14 +186,14 @@ def _eval_block(setup: RunSetup, runtime: RunTime, info, device_metrics: bool) -
     per batch) or across processes."""
     plan = runtime.dispatch
     steps = plan.steps or 1
-    if steps == 1 or plan.checking or device_metrics or setup.placement.multi_process:
+    if steps == 1 or plan.checking or device_resident or setup.placement.multi_process:
         return 1
     if info.batches is None or info.batches < EVAL_BLOCK_MIN_CALLS * steps:
         return 1
     return steps
 
 
-def _device_metrics(
+def device_metrics(
     setup: RunSetup, feed: StepFeed, programs: ProgramSet, split: str, outputs, staged, n_real
 ):
     width = jax.tree.leaves(outputs)[0].shape[0]

@@ -245,6 +245,61 @@ class StepFeed:
             block[name] = self.placement.put_replicated(values)
         return block
 
+    def hparams_host(self, start: int, count: int | None = None) -> np.ndarray:
+        """On the host, what `hparams(start)` (f32[H]) or `hparams_block(start, count)`
+        (f32[count, H]) puts on the device: a population stacks its members' before one
+        transfer."""
+        if count is None:
+            values = self._constants.copy()
+            for i, evaluator, factor in self._scheduled:
+                values[i] = evaluator(start) * factor
+            self._hparams_host = values
+            return values
+        values = np.tile(self._constants, (count, 1))
+        for i, evaluator, factor in self._scheduled:
+            values[:, i] = evaluator.block(start, count) * factor
+        self._hparams_host = values[-1].copy()
+        return values
+
+    def device_host(self, start: int, count: int | None = None) -> dict[str, np.ndarray]:
+        """On the host, what `device(start)` or `device_block(start, count)` puts on the
+        device (with the key words, for `rngs`); the current values follow, as there."""
+        values: dict[str, np.ndarray] = {}
+        for name, value in self._device_host.items():
+            evaluator = self._dev.get(name)
+            dtype = self.device_dtypes[name]
+            if evaluator is None:
+                values[name] = (
+                    value if count is None else np.broadcast_to(value, (count, *value.shape))
+                )
+                continue
+            if count is None:
+                now = np.asarray(evaluator(start), dtype=dtype)
+                values[name] = last = now
+            else:
+                if value.shape:  # an array-valued schedule: step by step
+                    block = np.stack(
+                        [np.asarray(evaluator.fn(s)) for s in range(start, start + count)]
+                    )
+                else:
+                    block = evaluator.block(start, count)
+                values[name] = np.asarray(block, dtype=dtype).reshape((count, *value.shape))
+                last = values[name][-1].copy()
+            if not np.array_equal(last, value):
+                self._device_host[name] = last
+                self._device = {**self._device, name: self.placement.put_replicated(last)}
+        if self._rng_words is not None:
+            steps = np.arange(start, start + (count or 1), dtype=np.uint32)[:, None]
+            words = np.concatenate(
+                [np.broadcast_to(self._rng_words, (len(steps), self._rng_words.size)), steps], 1
+            )
+            values[RNG_FIELD] = words[0] if count is None else words
+        return values
+
+    def device_host_values(self) -> dict[str, np.ndarray]:
+        """Every Device field's current value on the host (what evaluation sees)."""
+        return dict(self._device_host)
+
     def current_device(self) -> dict[str, Any]:
         return self._device
 

@@ -3,6 +3,7 @@
 `nitro.Nitro` is the public name. Imports `engine` and below.
 
 - `handle`: `Nitro`
+- `population`: `Population`, many variants of one experiment trained as one vmapped program
 - `signature`: `Nitro`'s signature and keyword help, generated from the run keywords
 - `binding_report`: where every value came from
 - `displays`, `plotting`: the handle's repr and HTML; history plots
@@ -11,5 +12,6 @@
 """
 
 from nitro.handle.handle import Nitro
+from nitro.handle.population import Population
 
-__all__ = ["Nitro"]
+__all__ = ["Nitro", "Population"]

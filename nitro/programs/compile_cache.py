@@ -64,6 +64,8 @@ class ProgramKind(enum.StrEnum):
     EVAL_FORWARD = "eval forward"  # forward (+ loss) on an evaluation batch
     PREDICT = "predict"  # forward alone
     DEVICE_METRICS = "device metrics"  # a metrics hook traced on device
+    POPULATION_STEP = "population train step"  # the train step (or K) vmapped over members
+    POPULATION_EVAL = "population eval forward"  # eval forward vmapped over members
     EXPORT = "export"  # jax.export of forward: outside the cache, listed in its compile log
 
     def __str__(self) -> str:

@@ -52,6 +52,8 @@ PROGRAM_UNITS: dict[ProgramKind, tuple[str, ...]] = {
     ProgramKind.EVAL_FORWARD: ("forward", "loss", "model"),
     ProgramKind.PREDICT: ("forward", "model"),
     ProgramKind.DEVICE_METRICS: ("metrics",),
+    ProgramKind.POPULATION_STEP: TRAIN_UNITS,
+    ProgramKind.POPULATION_EVAL: ("forward", "loss", "model"),
 }
 
 
@@ -213,6 +215,11 @@ class ProgramSet:
             self._makers[slot] = (make_spec, abstract_arguments(args))  # before the slot:
             self._slots[slot] = program  # `for_setup` on another thread reads both
         return program
+
+    def program(self, slot: tuple, make_spec: Callable[[RunSetup], ProgramSpec], args) -> Program:
+        """The program of `slot`, made by `make_spec(setup)` and looked up in the module
+        cache on first use (another layer's programs: a population's, say)."""
+        return self._get(slot, make_spec, args)
 
     def train_step(self, args, steps: int = 1, micro: int = 1) -> Program:
         """The train step (`steps == 1`), or `steps` of them fused in one program; each step

@@ -142,6 +142,13 @@ def stale_report(setup: RunSetup, held: list[str]) -> str | None:
     return describe_changes(setup.cls.__name__, changes, held)
 
 
+_AS_HANDLE_PROGRAM = {
+    ProgramKind.MULTI_STEP: ProgramKind.TRAIN_STEP,
+    ProgramKind.POPULATION_STEP: ProgramKind.TRAIN_STEP,
+    ProgramKind.POPULATION_EVAL: ProgramKind.EVAL_FORWARD,
+}
+
+
 def describe_changes(name: str, changes: Mapping[str, list[str]], held: list[str]) -> str:
     what = "; ".join(
         f"{unit} ({', '.join(parts)})" if parts else unit for unit, parts in changes.items()
@@ -149,8 +156,8 @@ def describe_changes(name: str, changes: Mapping[str, list[str]], held: list[str
     affected = []
     for unit in changes:
         for kind in programs_using(unit):
-            if kind is ProgramKind.MULTI_STEP:
-                kind = ProgramKind.TRAIN_STEP  # the fused steps are train steps too
+            # the fused steps are train steps too; a population's are a handle's, vmapped
+            kind = _AS_HANDLE_PROGRAM.get(kind, kind)
             if kind.value not in affected:
                 affected.append(kind.value)
     reach = (

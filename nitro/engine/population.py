@@ -1,0 +1,390 @@
+"""A population's loop: N members of one experiment trained by one vmapped program per call.
+
+Each member is a run's setup, run-time record and train state (`Member`), built as
+`Nitro(e)` builds them; the members' variables travel stacked on a leading axis
+(`PopulationState.variables`), with one `healthy` flag per member. Every call feeds each
+member its own hyperparameters and Device fields (its schedules, evaluated on the host and
+stacked into one transfer) and the same batch, from the first member's data stream (its
+seed's order). A member whose step is not finite is stopped by the guard: its `healthy` flag
+stays False, so every later step leaves its variables as they were (the guard's rule, per
+member), and the others train on.
+
+Validation runs every member through one vmapped eval forward per batch; each member's
+metrics hook runs on its own outputs (on the host, or its device-metrics program, the same
+program for every member), and its history row is committed beside the others'.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nitro.core.metrics import MetricAccumulator, split_modes
+from nitro.core.run_setup import RunSetup
+from nitro.core.train_state import EpochTotals, TrainState, Variables
+from nitro.engine.diagnostics import divergence_message
+from nitro.engine.evaluation import delete, device_metrics, finalize_metrics
+from nitro.engine.run_time import RunTime
+from nitro.engine.runner import RunControl
+from nitro.errors import DivergenceError
+from nitro.experiments.routing import select
+from nitro.programs.compile_cache import Program
+from nitro.programs.population import population_eval_spec, population_train_spec
+from nitro.programs.specs import ProgramSet
+
+__all__ = ["Member", "PopulationState", "evaluate_members", "stack", "train_population", "unstack"]
+
+
+@dataclasses.dataclass(eq=False)
+class Member:
+    """One member: its settings (the values of the population's axes), and the records a
+    single run of those settings would have. Its `state` holds its counters and history;
+    its variables live stacked in the `PopulationState`."""
+
+    index: int
+    settings: Mapping[str, Any]
+    experiment: Any  # the experiment instance it was built from (its fields set)
+    setup: RunSetup
+    runtime: RunTime
+    state: TrainState
+    stopped: str | None = None  # why it stopped training ("diverged at step 12"), or None
+    totals: EpochTotals | None = None
+
+    @property
+    def label(self) -> str:
+        shown = ", ".join(f"{k}={_short(v)}" for k, v in self.settings.items())
+        return f"member {self.index} ({shown})" if shown else f"member {self.index}"
+
+
+def _short(value: Any) -> str:
+    text = getattr(value, "__qualname__", None) or repr(value)
+    return text if len(text) <= 40 else text[:37] + "..."
+
+
+@dataclasses.dataclass(eq=False)
+class PopulationState:
+    """The arrays of every member, stacked on a leading axis, and the shared counters. The
+    loop is its only in-place writer."""
+
+    variables: Variables
+    healthy: jax.Array  # bool[N]
+    step: int = 0
+    epoch: int = 0
+    position: int = 0
+
+
+def stack(trees: Sequence[Any]) -> Any:
+    """Trees of equal structure as one tree of arrays with a leading member axis."""
+    return jax.tree.map(lambda *leaves: jnp.stack(leaves), *trees)
+
+
+def unstack(tree: Any, index: int) -> Any:
+    """Member `index`'s slice of a stacked tree (new arrays)."""
+    return jax.tree.map(lambda leaf: leaf[index], tree)
+
+
+def _stacked_host(values: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {name: np.stack([v[name] for v in values]) for name in values[0]}
+
+
+@dataclasses.dataclass(eq=False)
+class _Pending:
+    report: Any  # f32[N, 2] or f32[N, K, 2]
+    metrics: Any
+    staged: Any
+    program: Program
+    index: int
+
+
+def train_population(
+    members: Sequence[Member],
+    state: PopulationState,
+    programs: ProgramSet,
+    control: RunControl,
+    target: int,
+    steps_per_call: int,
+    say: Callable[[str], None],
+) -> str:
+    """Train every member until epoch `target` or a stop request; returns the stop reason
+    ("completed" or "requested"). Raises `DivergenceError` when every member has stopped."""
+    while state.epoch < target:
+        if control.stop.is_set() or not _train_epoch(
+            members, state, programs, control, steps_per_call, say
+        ):
+            return "requested"
+        rows = _validated_rows(members, state, programs, control)
+        if rows is None:
+            return "requested"
+        for member, row in zip(members, rows, strict=True):
+            member.state.history.append(row)
+            member.state.step, member.state.epoch = state.step, state.epoch + 1
+            member.totals = None
+        state.epoch += 1
+        state.position = 0
+    return "completed"
+
+
+def _train_epoch(members, state: PopulationState, programs, control, steps_per_call, say) -> bool:
+    lead = members[0]
+    begin = time.perf_counter()
+    for member in members:
+        if member.totals is None:
+            member.totals = EpochTotals(train_metrics=MetricAccumulator("train_metrics"))
+    stream = lead.runtime.prefetcher("train").epoch(
+        state.epoch, start=state.position, block=steps_per_call
+    )
+    pending: _Pending | None = None
+    stopped = False
+    try:
+        for staged in stream:
+            if control.stop.is_set():
+                staged.free()
+                stopped = True
+                break
+            count = staged.count
+            one = count == 1
+            hparams = np.stack(
+                [m.runtime.feed.hparams_host(state.step, None if one else count) for m in members]
+            )
+            device = _stacked_host(
+                [m.runtime.feed.device_host(state.step, None if one else count) for m in members]
+            )
+            place = lead.setup.placement.put_replicated
+            args = (state.variables, state.healthy, place(device), place(hparams), staged.device)
+            program = programs.program(
+                ("population train", len(members), count),
+                lambda setup, count=count: population_train_spec(
+                    setup, setup.splits["train"].hook_fields, len(members), count
+                ),
+                args,
+            )
+            out = program(*args)
+            state.variables, state.healthy = out.variables, out.healthy
+            previous = pending
+            pending = _Pending(out.report, out.metrics, staged, program, state.step)
+            state.step += count
+            state.position += count
+            if previous is not None:
+                _complete(members, previous, say)
+        if pending is not None:
+            previous, pending = pending, None
+            _complete(members, previous, say)
+    finally:
+        if pending is not None:
+            _complete(members, pending, say)
+        stream.close()
+        for member in members:
+            assert member.totals is not None
+            member.totals.seconds += time.perf_counter() - begin
+    return not stopped
+
+
+def _complete(members: Sequence[Member], item: _Pending, say) -> None:
+    """Read one call back: each member's losses and finiteness codes, its train metrics."""
+    staged = item.staged
+    try:
+        reports = np.asarray(item.report).reshape(len(members), -1, 2)
+        metrics = None
+        if members[0].setup.experiment.train_metrics_residency is not None:
+            metrics = jax.device_get(item.metrics)
+    finally:
+        staged.free()
+        delete(item.metrics)
+    for i, member in enumerate(members):
+        totals = member.totals
+        assert totals is not None
+        for offset, (value, code) in enumerate(reports[i].tolist()):
+            if member.stopped is not None:
+                break
+            if code:
+                message = divergence_message(
+                    member.setup,
+                    member.runtime.feed,
+                    member.state,
+                    item.index + offset,
+                    value,
+                    int(code),
+                )
+                member.stopped = f"diverged at step {item.index + offset + 1}"
+                say(f"{member.label} stopped: {message}; the other members train on")
+                break
+            if not math.isfinite(value):  # check_divergence=False: train on, count it
+                totals.nonfinite += 1
+            else:
+                totals.loss_sum += value
+                totals.loss_count += 1
+            totals.steps += 1
+            if metrics is not None:
+                mine = unstack(metrics, i)
+                step_metrics = mine if staged.count == 1 else unstack(mine, offset)
+                _train_metrics(member, item.program, step_metrics, staged, offset)
+    if all(m.stopped is not None for m in members):
+        raise DivergenceError(
+            "every member of the population stopped: "
+            + "; ".join(f"{m.label}: {m.stopped}" for m in members)
+        )
+
+
+def _train_metrics(member: Member, program: Program, metrics, staged, offset: int) -> None:
+    setup, totals = member.setup, member.totals
+    assert totals is not None
+    if setup.experiment.train_metrics_residency == "device":
+        totals.train_metrics.add(program.aux["specs"], metrics, staged.n_real)
+        return
+    host = staged.host if not staged.stacked else staged.host[offset]
+    fields = setup.placement.gather(
+        select(host, setup.splits["train"].hook_fields["train_metrics"])
+    )
+    values = member.runtime.call_host_hook(setup, "train_metrics", metrics, **fields)
+    specs, leaves = split_modes(values, "train_metrics")
+    totals.train_metrics.add(specs, leaves, staged.n_real)
+
+
+def _validated_rows(members, state: PopulationState, programs, control) -> list[dict] | None:
+    """Each member's history row of the epoch just trained: its training loss, then every
+    eval split's metrics; None when a stop request cut validation short."""
+    rows = []
+    for member in members:
+        totals = member.totals
+        assert totals is not None
+        row: dict[str, Any] = {"epoch": state.epoch + 1, "step": state.step}
+        if totals.nonfinite:
+            row["loss"] = math.nan
+            row["nonfinite_steps"] = totals.nonfinite
+        elif totals.loss_count:
+            row["loss"] = totals.loss_sum / totals.loss_count
+        if not totals.train_metrics.empty:
+            results = totals.train_metrics.result()
+            row.update(finalize_metrics(member.setup, member.runtime, results, "train"))
+        rows.append(row)
+    for split in members[0].setup.eval_splits:
+        metrics = evaluate_members(members, state, programs, control, split)
+        if metrics is None:
+            return None
+        for row, values in zip(rows, metrics, strict=True):
+            row.update(values)
+    for member, row in zip(members, rows, strict=True):
+        assert member.totals is not None
+        row["epoch_seconds"] = member.totals.seconds
+        if member.stopped is not None:
+            row["stopped"] = member.stopped
+    return rows
+
+
+def evaluation_variables(members: Sequence[Member], state: PopulationState) -> Variables:
+    """The stacked variables evaluation uses: the weights, or their moving average when
+    `EMA(evaluate=True)` (as a single run's `weights_of`)."""
+    setup = members[0].setup
+    variables = state.variables
+    if setup.ema is not None and setup.ema.evaluate and variables.ema is not None:
+        return Variables(params=variables.ema, model_state=variables.model_state)
+    return Variables(params=variables.params, model_state=variables.model_state)
+
+
+def evaluate_members(
+    members: Sequence[Member],
+    state: PopulationState,
+    programs: ProgramSet,
+    control: RunControl,
+    split: str,
+) -> list[dict[str, Any]] | None:
+    """Every member's loss and metrics over one split, prefixed with its name, from one
+    vmapped eval forward per batch; None when a stop request cut it short."""
+    lead = members[0]
+    setup = lead.setup
+    info = setup.split(split)
+    fields = info.hook_fields
+    with_loss = "loss" in fields
+    has_metrics = "metrics" in setup.experiment.hooks
+    residency = setup.experiment.residency.get("metrics", "host")
+    n = len(members)
+    accumulators = [MetricAccumulator("metrics") for _ in members]
+    loss_sums, samples = np.zeros(n, np.float64), 0
+    variables = evaluation_variables(members, state)
+    device = setup.placement.put_replicated(
+        _stacked_host([m.runtime.feed.device_host_values() for m in members])
+    )
+
+    def account(staged, result) -> None:
+        nonlocal samples
+        try:
+            n_real = int(staged.n_real)
+            if with_loss:
+                loss_sums[:] += np.asarray(result.loss_sum, np.float64)
+            if has_metrics:
+                if residency == "host":
+                    outputs = jax.device_get(result.outputs)
+                    host = setup.placement.gather(select(staged.host, fields["metrics"]))
+                    host = {k: v[:n_real] for k, v in host.items()}
+                for i, member in enumerate(members):
+                    if residency == "host":
+                        mine = jax.tree.map(lambda a, i=i: a[i][:n_real], outputs)
+                        values = member.runtime.call_host_hook(
+                            member.setup, "metrics", mine, **host
+                        )
+                        specs, leaves = split_modes(values, "metrics")
+                    else:
+                        mine = unstack(result.outputs, i)
+                        specs, leaves = device_metrics(
+                            member.setup, member.runtime.feed, programs, split, mine, staged, n_real
+                        )
+                        delete(mine)
+                    accumulators[i].add(specs, leaves, n_real)
+            samples += n_real
+        finally:
+            staged.free()
+            delete(result)
+
+    stream = lead.runtime.prefetcher(split).epoch(0)
+    pending = None
+    stopped = False
+    try:
+        for staged in stream:
+            if control.stop.is_set():
+                staged.free()
+                stopped = True
+                break
+            args = (variables, device, staged.device, np.int32(staged.n_real))
+            program = programs.program(
+                ("population eval", split, n, info.width),
+                lambda setup: population_eval_spec(
+                    setup,
+                    setup.splits[split].hook_fields,
+                    n,
+                    with_loss=with_loss,
+                    return_outputs=has_metrics,
+                ),
+                args,
+            )
+            result = program(*args)
+            previous, pending = pending, (staged, result)
+            if previous is not None:
+                account(*previous)
+        if pending is not None and not stopped:
+            previous, pending = pending, None
+            account(*previous)
+    finally:
+        if pending is not None:
+            pending[0].free()
+            delete(pending[1])
+        stream.close()
+        delete(device)
+    if stopped:
+        return None
+    out = []
+    for i, member in enumerate(members):
+        results: dict[str, Any] = {}
+        if with_loss and samples:
+            results["loss"] = float(loss_sums[i]) / samples
+        if not accumulators[i].empty:
+            results.update(accumulators[i].result())
+        results = finalize_metrics(member.setup, member.runtime, results, split)
+        out.append({f"{split}_{k}": v for k, v in results.items()})
+    return out

@@ -1,0 +1,470 @@
+"""`Population`: many variants of one experiment trained side by side as one vmapped program.
+
+`nitro.Population(e, learning_rate=[1e-3, 1e-2], seed=[0, 1])` is the cartesian product of its
+list-valued keywords (4 members), `members=[{...}, {...}]` an explicit list; every other
+keyword is shared by all members. A member is what `Nitro(e, **its settings)` would set up
+(so building a population compiles nothing); they must share one program, so an axis may be
+a run keyword whose value is fed to the step (seed, learning rate, the optimizer's other fed
+hyperparameters, schedules) or a Device field, and anything that would change the program is
+refused naming the field. See docs/population.md.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nitro.core import events as events_module
+from nitro.core import progress
+from nitro.core.events import Events
+from nitro.core.train_state import Variables
+from nitro.engine import population as engine
+from nitro.engine.keywords import RUN_KEYWORDS, resolve_run_keywords
+from nitro.engine.resolved import RunKeywords
+from nitro.engine.runner import RunControl, RunGuard, sigint_requests_stop
+from nitro.engine.setup import build
+from nitro.errors import PopulationError
+from nitro.experiments.declaration import FieldKind, field_specs
+from nitro.handle.handle import Nitro, _check_experiment
+from nitro.programs.compile_cache import graphconst_keys
+from nitro.programs.specs import ProgramSet
+from nitro.programs.train_step import train_step_spec
+from nitro.runs.weights import WeightsSource, copy_array
+
+__all__ = ["Population"]
+
+# Run keywords a member may set for itself: their values are fed to the program (or, for
+# the seed, make its initial weights and step keys), never part of it.
+MEMBER_KEYWORDS = (
+    "seed",
+    "learning_rate",
+    "schedules",
+    "weight_decay",
+    "gradient_clip_norm",
+    "group_lr",
+)
+
+# Run keywords that shape the train-step program: shared by every member.
+PROGRAM_KEYWORDS = {
+    "optimizer": "it is the optimizer's structure; vary its fed hyperparameters instead "
+    "(learning_rate=, weight_decay=, schedules=)",
+    "accum": "micro-batches per step are the program's shape",
+    "ema": "the moving average is part of the program",
+    "sam": "sharpness-aware minimization is part of the program",
+    "check_divergence": "the guard is part of the program",
+    "steps_per_dispatch": "steps per call are the program's shape",
+    "n_devs": "the mesh is the program's placement",
+    "decay_to": "where weight decay pulls is part of the optimizer's structure",
+    "decay_mask": "which leaves decay is part of the optimizer's structure",
+    "eval_splits": "the population validates one set of splits",
+}
+
+# Shared keywords a population does not take yet (each would need its own per-member record).
+NOT_YET = {
+    "resume": "resuming a population",
+    "run_dir": "a population's run directory",
+    "checkpointer": "population checkpoints",
+    "logger": "per-member logger runs",
+    "early_stop": "early stopping per member",
+    "val_every_steps": "evaluation within epochs",
+    "max_steps": "max_steps",
+}
+
+AUTO_STEPS_LIMIT = 64  # "auto" fuses at most this many steps per call
+
+
+class Population:
+    """Members of one experiment, differing in fed values, trained by one program.
+
+    >>> import nitro
+    >>> from nitro.examples.digits import Digits
+    >>> pop = nitro.Population(Digits(max_epochs=1), learning_rate=[1e-3, 1e-2], progress=False)
+    >>> len(pop), pop.members                                     # compiles nothing
+    (2, [{'learning_rate': 0.001}, {'learning_rate': 0.01}])
+    >>> pop.train().history().index.names
+    FrozenList(['member', 'epoch'])
+    """
+
+    def __init__(
+        self,
+        experiment: Any,
+        *,
+        members: Sequence[Mapping[str, Any]] | None = None,
+        **keywords: Any,
+    ):
+        cls = _check_experiment(experiment)
+        axes = {k: v for k, v in keywords.items() if isinstance(v, list)}
+        shared = {k: v for k, v in keywords.items() if not isinstance(v, list)}
+        if members is not None:
+            if axes:
+                raise PopulationError(
+                    f"Population() takes members= or list-valued axes, not both (got members= "
+                    f"and {', '.join(sorted(axes))}=[...]): put every member's values in "
+                    f"members=[{{...}}, ...]"
+                )
+            if isinstance(members, (str, Mapping)) or not all(
+                isinstance(m, Mapping) for m in members
+            ):
+                raise PopulationError(
+                    "members= takes a list of dicts, one per member: "
+                    "members=[{'learning_rate': 1e-3}, {'learning_rate': 1e-2}]"
+                )
+            settings = [dict(m) for m in members]
+        else:
+            for name, values in axes.items():
+                if not values:
+                    raise PopulationError(f"axis {name}=[] has no values: give at least one")
+            settings = [
+                dict(zip(axes, combo, strict=True)) for combo in itertools.product(*axes.values())
+            ]
+        if not settings:
+            raise PopulationError("members=[] has no members: give at least one")
+        specs = {s.name: s for s in field_specs(cls)}
+        for name in dict.fromkeys(k for s in settings for k in s):
+            _check_axis(cls, specs, name)
+        for name, value in shared.items():
+            _check_shared(specs, name, value)
+        self._cls = cls
+        self._settings = settings
+        shared_fields = {k: v for k, v in shared.items() if k in specs and k not in RUN_KEYWORDS}
+        self._shared_keywords = {k: v for k, v in shared.items() if k not in shared_fields}
+        self._experiment = dataclasses.replace(experiment, **shared_fields)
+        self._control = RunControl()
+        self._control.say = self._say
+        self._guard = RunGuard(lambda: f"this {cls.__name__} population")
+        reporter = progress.make_reporter(self._shared_keywords.get("progress", True))
+        self._events = Events([reporter] if reporter is not None else [])
+        with events_module.using(self._events):
+            self._members = [self._build_member(i, s, specs) for i, s in enumerate(settings)]
+        _check_one_program(self._members)
+        lead = self._members[0]
+        self._programs = ProgramSet(lead.setup)
+        self._state: engine.PopulationState | None = None  # stacked on first use
+        self._steps_per_call = _steps_per_call(lead.setup, lead.setup.keywords)
+        self._stop_reason: str | None = None
+
+    def _build_member(self, index: int, setting: Mapping[str, Any], specs) -> engine.Member:
+        fields = {k: v for k, v in setting.items() if k in specs and k not in RUN_KEYWORDS}
+        instance = dataclasses.replace(self._experiment, **fields)
+        given = {**self._shared_keywords, **{k: v for k, v in setting.items() if k not in fields}}
+        keywords = {**given, "checkpointer": None, "logger": None, "progress": False}
+        resolved = RunKeywords.of(resolve_run_keywords(instance, keywords))
+        setup, runtime, state = build(instance, resolved, given, events=Events())
+        return engine.Member(index, dict(setting), instance, setup, runtime, state)
+
+    # ------------------------------------------------------------------------------------------
+    # what it holds
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def __repr__(self) -> str:
+        axes = sorted({k for s in self._settings for k in s})
+        return (
+            f"<Population of {len(self)} {self._cls.__name__} members over "
+            f"{', '.join(axes) or 'nothing'}: epoch {self.epoch}, step {self.step}>"
+        )
+
+    @property
+    def members(self) -> list[dict[str, Any]]:
+        """Each member's settings (the values of the axes), in member order."""
+        return [dict(s) for s in self._settings]
+
+    @property
+    def stopped(self) -> dict[int, str]:
+        """Member -> why it stopped training (a diverged member), for the members that did."""
+        return {m.index: m.stopped for m in self._members if m.stopped is not None}
+
+    @property
+    def step(self) -> int:
+        return self._members[0].state.step if self._state is None else self._state.step
+
+    @property
+    def epoch(self) -> int:
+        return self._members[0].state.epoch if self._state is None else self._state.epoch
+
+    @property
+    def steps_per_call(self) -> int:
+        """Training steps each program call runs for every member (`steps_per_dispatch=`;
+        "auto": the K up to 64 that makes an epoch the fewest calls, K-step calls then the
+        remainder one step per call; on a tie one that divides the epoch, so that every
+        call is one program)."""
+        return self._steps_per_call
+
+    @property
+    def stop_reason(self) -> str | None:
+        return self._stop_reason
+
+    def _say(self, message: str) -> None:
+        self._events.note(message)
+
+    def _stacked(self) -> engine.PopulationState:
+        if self._state is None:
+            states = [m.state for m in self._members]
+            variables = engine.stack([s.variables for s in states])
+            healthy = jnp.ones(len(states), bool)
+            for state in states:  # the population holds them, stacked
+                state.variables = Variables(params=[], model_state=[])
+            lead = states[0]
+            self._state = engine.PopulationState(variables, healthy, lead.step, lead.epoch)
+        return self._state
+
+    # ------------------------------------------------------------------------------------------
+    # training and evaluation
+
+    def train(self, epochs: int | None = None) -> Population:
+        """Train every member for `epochs` more epochs (default: to `max_epochs`) in one
+        program per call; Ctrl-C stops after the current call."""
+        if epochs is not None and (
+            isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1
+        ):
+            raise ValueError(f"epochs must be a positive int, got {epochs!r}")
+        lead = self._members[0]
+        target = lead.setup.max_epochs if epochs is None else self.epoch + epochs
+        if target <= self.epoch:
+            progress.note(
+                f"already trained {self.epoch} of max_epochs={lead.setup.max_epochs} epochs; "
+                f"pop.train(epochs=N) trains N more"
+            )
+            return self
+        with (
+            sigint_requests_stop(self._control),
+            self._guard.hold("training"),
+            events_module.using(self._events),
+        ):
+            self._control.stop.clear()
+            state = self._stacked()
+            try:
+                self._stop_reason = engine.train_population(
+                    self._members,
+                    state,
+                    self._programs,
+                    self._control,
+                    target,
+                    self._steps_per_call,
+                    self._say,
+                )
+            except BaseException:
+                self._stop_reason = "error"
+                raise
+        return self
+
+    def stop(self) -> Population:
+        """Ask a running population to stop after the current call."""
+        self._control.stop.set()
+        return self
+
+    def validate(self, split: str = "val"):
+        """Every member's loss and metrics on `split`, one row per member (a DataFrame
+        indexed by member, with its settings)."""
+        import pandas as pd
+
+        with (
+            sigint_requests_stop(self._control),
+            self._guard.hold(f"evaluating {split}"),
+            events_module.using(self._events),
+        ):
+            self._control.stop.clear()
+            self._members[0].setup.split(split)
+            rows = engine.evaluate_members(
+                self._members, self._stacked(), self._programs, self._control, split
+            )
+        if rows is None:
+            from nitro.errors import Interrupted
+
+            raise Interrupted(f"evaluating the {split!r} split was interrupted; nothing recorded")
+        frame = pd.DataFrame(
+            [{**_shown(m.settings), **row} for m, row in zip(self._members, rows, strict=True)]
+        )
+        frame.index.name = "member"
+        return frame
+
+    def history(self):
+        """A pandas DataFrame indexed by (member, epoch): each member's settings, then its
+        history row (loss, validation metrics, timing), as `Nitro.history()` has it."""
+        import pandas as pd
+
+        rows = [
+            {"member": m.index, **_shown(m.settings), **row}
+            for m in self._members
+            for row in m.state.history
+        ]
+        frame = pd.DataFrame([{k: v for k, v in r.items() if np.ndim(v) == 0} for r in rows])
+        if not frame.empty:
+            frame = frame.set_index(["member", "epoch"])
+        return frame
+
+    # ------------------------------------------------------------------------------------------
+    # members as handles
+
+    def member(self, index: int, **keywords: Any) -> Nitro:
+        """A `Nitro` handle of member `index`: its settings as keywords, its current weights
+        via `weights=` (the optimizer state and counters start fresh, as `weights=` does);
+        `keywords` are passed on (e.g. `max_epochs=`, `run_dir=`)."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"member {index} of a population of {len(self)}")
+        member = self._members[index]
+        model = member.setup.model
+        if self._state is None:
+            variables = member.state.variables
+            params_leaves, rest_leaves = variables.params, variables.model_state
+        else:
+            stacked = self._state.variables
+            params_leaves = [leaf[index] for leaf in stacked.params]
+            rest_leaves = [leaf[index] for leaf in stacked.model_state]
+        weights = WeightsSource(
+            jax.tree.map(copy_array, jax.tree.unflatten(model.params_def, params_leaves)),
+            jax.tree.map(copy_array, jax.tree.unflatten(model.model_state_def, rest_leaves)),
+            f"{member.label} of a {self._cls.__name__} population at epoch {self.epoch}, "
+            f"step {self.step}",
+        )
+        given = dict(member.setup.given_keywords)
+        return Nitro(member.experiment, weights=weights, **{**given, **keywords})
+
+    def best(self, metric: str = "val_loss", mode: str | None = None, **keywords: Any) -> Nitro:
+        """A `Nitro` handle of the member whose latest `metric` is best (`mode` "min" or
+        "max"; default "min" for a metric named like a loss, else "max"); members that
+        stopped (diverged) are passed over. See `member()` for what the handle holds."""
+        mode = mode or ("min" if "loss" in metric else "max")
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+        scored = []
+        for m in self._members:
+            value = m.state.last_row.get(metric) if m.state.history else None
+            if m.stopped is None and value is not None and math.isfinite(float(value)):
+                scored.append((float(value) if mode == "min" else -float(value), m.index))
+        if not scored:
+            known = sorted({k for m in self._members for k in m.state.last_row})
+            raise PopulationError(
+                f"no member has a finite {metric!r} to choose by"
+                + (f" (history columns: {', '.join(known)})" if known else ": train first")
+            )
+        return self.member(min(scored)[1], **keywords)
+
+
+def _shown(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """Settings as history columns: numbers and strings as they are, others by their repr."""
+    return {
+        k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)
+        for k, v in settings.items()
+    }
+
+
+def _check_axis(cls: type, specs: Mapping[str, Any], name: str) -> None:
+    """Refuse an axis that would change the program, or that members cannot hold apart."""
+    spec = specs.get(name)
+    if spec is not None and name not in MEMBER_KEYWORDS:
+        if spec.kind is FieldKind.DEVICE:
+            return
+        if spec.kind is FieldKind.GRAPHCONST:
+            raise PopulationError(
+                f"{name} cannot vary across a population: it is a GraphConst field of "
+                f"{cls.__qualname__}, which bakes into the program, and a population's "
+                f"members share one program. Build one population per value of {name}, or "
+                f"declare it Device[...] if it is a traced value."
+            )
+        raise PopulationError(
+            f"{name} cannot vary across a population: it is a Host field of "
+            f"{cls.__qualname__}, read by build_data or build_model, so it can change the "
+            f"data or the shapes every member shares. Build one population per value of {name}."
+        )
+    if name in MEMBER_KEYWORDS:
+        return
+    if name in PROGRAM_KEYWORDS:
+        raise PopulationError(
+            f"{name} cannot vary across a population: {PROGRAM_KEYWORDS[name]}, and a "
+            f"population's members share one program. Pass one value (not a list), or build "
+            f"one population per value."
+        )
+    if name in RUN_KEYWORDS:
+        raise PopulationError(
+            f"{name} cannot vary across a population: it is the population's run keyword, "
+            f"the same for every member that trains beside the others. Pass one value (not a "
+            f"list)."
+        )
+    device = [s.name for s in specs.values() if s.kind is FieldKind.DEVICE]
+    raise PopulationError(
+        f"{name} is neither a run keyword nor a field of {cls.__qualname__}. A population's "
+        f"axes: the run keywords {', '.join(MEMBER_KEYWORDS)}, and the Device fields "
+        f"({', '.join(device) or 'none'})"
+    )
+
+
+def _check_shared(specs: Mapping[str, Any], name: str, value: Any) -> None:
+    if name in NOT_YET and value is not None:
+        raise PopulationError(
+            f"Population() does not take {name}= yet: {NOT_YET[name]} is for later. Train the "
+            f"population without it, then pop.best() (a Nitro handle) with {name}=."
+        )
+    if name == "n_devs" and value != 1:
+        raise PopulationError(
+            f"Population() does not take n_devs={value!r} yet: members on a mesh are for "
+            f"later; a population runs on one device"
+        )
+    if name == "accum" and value != 1:
+        raise PopulationError(
+            f"Population() does not take accum={value!r} yet: gradient accumulation in a "
+            f"population is for later"
+        )
+    if name not in RUN_KEYWORDS and name not in specs:
+        raise PopulationError(f"{name} is neither a run keyword nor a field of the experiment")
+
+
+def _check_one_program(members: Sequence[engine.Member]) -> None:
+    """Refuse members whose train steps would not be one program (what the axis checks let
+    through but the setup decided differently: a weight decay of None beside 1e-4, say)."""
+    lead = members[0]
+    expected = _program_identity(lead)
+    for member in members[1:]:
+        found = _program_identity(member)
+        for what in expected:
+            if expected[what] != found[what]:
+                raise PopulationError(
+                    f"{member.label} cannot train in one program with {lead.label}: its "
+                    f"{what} differs. A population's members share one program: give every "
+                    f"member values of the same kind (a weight_decay of None and of 1e-4 "
+                    f"are two optimizers, say)."
+                )
+
+
+def _program_identity(member: engine.Member) -> dict[str, Any]:
+    setup, state, feed = member.setup, member.state, member.runtime.feed
+    spec = train_step_spec(setup, setup.splits["train"].hook_fields)
+    leaves, tree = jax.tree.flatten(state.variables)
+    return {
+        "code (hooks, model, optimizer)": spec.code.digest,
+        "program settings": tuple(sorted((k, str(v)) for k, v in spec.static.items())),
+        "GraphConst values": graphconst_keys(setup.experiment.graphconst),
+        "variables (parameters, model and optimizer state)": (
+            tree,
+            tuple((x.shape, str(x.dtype)) for x in leaves),
+        ),
+        "fed hyperparameters": feed.hyper_names,
+        "Device fields": tuple((k, str(v)) for k, v in feed.device_dtypes.items()),
+        "batches": tuple(sorted((k, str(v.batch_spec)) for k, v in setup.splits.items())),
+    }
+
+
+def _steps_per_call(setup, keywords) -> int:
+    value = keywords["steps_per_dispatch"].value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    steps = getattr(value, "steps", None)  # a DispatchChoice to continue
+    if isinstance(steps, int):
+        return steps
+    batches = setup.splits["train"].batches
+    if batches is None:
+        return 1
+    # the fewest calls an epoch (K-step calls, then the remainder one step per call); on a
+    # tie, one program (K divides the epoch), then the larger K
+    return min(
+        range(1, min(batches, AUTO_STEPS_LIMIT) + 1),
+        key=lambda k: (batches // k + batches % k, batches % k != 0, -k),
+    )
