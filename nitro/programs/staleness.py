@@ -8,7 +8,7 @@ on; it is documented in docs/architecture.md.
 
 >>> import nitro
 >>> [kind.value for kind in nitro.staleness.programs_using("loss")]
-['train step', 'multi-step train', 'eval forward']
+['train step', 'multi-step train', 'eval forward', 'population train step', 'population eval forward']
 """
 
 from __future__ import annotations
