@@ -39,9 +39,8 @@ from nitro.engine.swaps import (
     Probation,
     code_digest_of,
     probation_for,
+    record_swap,
     restore_totals,
-    swap_note,
-    swap_row,
 )
 from nitro.errors import DivergenceError, Once
 from nitro.experiments.routing import select
@@ -464,12 +463,7 @@ def _swap_in(run: _Epoch, state: TrainState) -> None:
     run.setup, run.programs, run.programs_by_count = swap.setup, swap.programs, {}
     runtime.experiment = swap.experiment
     swap.adopt(swap.setup, swap.programs)
-    row = swap_row(swap, state.step, state.epoch + 1, time.perf_counter() - begin)
-    state.swaps.append(row)
-    swap.edit.record = row
-    swap.edit._settle("swapped")
-    run.events.swapped(row)
-    run.control.say(swap_note(row))
+    record_swap(swap, state, run.events, run.control.say, time.perf_counter() - begin)
 
 
 def _roll_back(run: _Epoch, state: TrainState, cause: _RollBack) -> None:

@@ -34,6 +34,7 @@ __all__ = [
     "Swap",
     "code_digest_of",
     "probation_for",
+    "record_swap",
     "restore_totals",
     "swap_note",
     "swap_row",
@@ -175,6 +176,20 @@ def swap_row(swap: Swap, step: int, epoch: int, pause: float) -> dict[str, Any]:
         "pause_seconds": pause,
         "at": time.time(),
     }
+
+
+def record_swap(
+    swap: Swap, state: TrainState, events: Any, say: Callable[[str], None], pause: float
+):
+    """A swap taken in (by the loop, or by a handle that is not training): its row in
+    `state.swaps`, the edit settled as swapped, the `swapped` event and the note."""
+    row = swap_row(swap, state.step, state.epoch + 1, pause)
+    state.swaps.append(row)
+    swap.edit.record = row
+    swap.edit._settle("swapped")
+    events.swapped(row)
+    say(swap_note(row))
+    return row
 
 
 def swap_note(row: Mapping[str, Any]) -> str:

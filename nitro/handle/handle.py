@@ -1021,15 +1021,9 @@ class Nitro:
                 swap = self._runtime.live.take()
                 if swap is None:
                     return
-                state = self._state
                 self._adopt_code(swap.setup, swap.programs)
                 self._runtime.experiment = swap.experiment
-                row = swaps.swap_row(swap, state.step, state.epoch + 1, 0.0)
-                state.swaps.append(row)
-                swap.edit.record = row
-                swap.edit._settle("swapped")
-                self._events.swapped(row)
-                self._say(swaps.swap_note(row))
+                swaps.record_swap(swap, self._state, self._events, self._say, 0.0)
         except RunningError:
             pass  # a run started meanwhile: it takes the swap at its first call
 
