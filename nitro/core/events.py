@@ -5,7 +5,7 @@ reporter, isolated: a reporter that raises is switched off for the rest of the r
 warning naming it, and training goes on. Events also remembers the current phase, which is
 what `Nitro.phase` reads.
 
-A reporter implements any of the eight methods of `Reporter` (missing ones are skipped):
+A reporter implements any of the methods of `Reporter` (missing ones are skipped):
 
 ```python
 class Printer:
@@ -91,7 +91,9 @@ class Reporter(Protocol):
     `steps(first, losses)`) and `end_epoch` with the epoch's history row; `phase` on every phase
             change; `validated` for an evaluation within an epoch; `swapped` when a live edit's code
         is swapped in (or rolled back); `note` for short messages (compiles, advice); `end_run` when
-        the run ends."""
+        the run ends. A population (`nitro.Population`) reports `start_run`, `start_epoch`, `phase`,
+    `note` and `end_run` as a run does, and its members' steps and rows with `member_steps` and
+    `member_rows`."""
 
     def start_run(self, handle: Any, target_epoch: int) -> None: ...
     def start_epoch(
@@ -104,6 +106,8 @@ class Reporter(Protocol):
     def swapped(self, row: Mapping[str, Any]) -> None: ...
     def note(self, message: str, done: bool = False) -> None: ...
     def end_run(self, handle: Any) -> None: ...
+    def member_steps(self, first: int, losses: Any) -> None: ...
+    def member_rows(self, rows: Sequence[Mapping[str, Any]]) -> None: ...
 
 
 EVENT_NAMES = (
@@ -116,6 +120,8 @@ EVENT_NAMES = (
     "swapped",
     "note",
     "end_run",
+    "member_steps",
+    "member_rows",
 )
 
 
@@ -273,6 +279,17 @@ class Events:
 
     def end_run(self, handle: Any) -> None:
         self._deliver("end_run", handle)
+
+    def member_steps(self, first: int, losses: Any) -> None:
+        """A population's steps `first`, `first + 1`, ... read back together: `losses` is a
+        float array [members, steps], NaN where a member had stopped."""
+        self._deliver("member_steps", first, losses)
+
+    def member_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """A population's epoch ended: one history row per member, each with its `member`
+        index and settings (`Population.history()` rows)."""
+        self._metrics = {"members": list(rows)}
+        self._deliver("member_rows", rows)
 
 
 _LOCAL = threading.local()

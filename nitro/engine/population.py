@@ -17,6 +17,7 @@ program for every member), and its history row is committed beside the others'.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -26,6 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nitro.core.events import Events
 from nitro.core.metrics import MetricAccumulator, split_modes
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import EpochTotals, TrainState, Variables
@@ -39,7 +41,16 @@ from nitro.programs.compile_cache import Program
 from nitro.programs.population import population_eval_spec, population_train_spec
 from nitro.programs.specs import ProgramSet
 
-__all__ = ["Member", "PopulationState", "evaluate_members", "stack", "train_population", "unstack"]
+__all__ = [
+    "Member",
+    "PopulationState",
+    "apply_prunes",
+    "evaluate_members",
+    "shown_settings",
+    "stack",
+    "train_population",
+    "unstack",
+]
 
 
 @dataclasses.dataclass(eq=False)
@@ -55,6 +66,7 @@ class Member:
     runtime: RunTime
     state: TrainState
     stopped: str | None = None  # why it stopped training ("diverged at step 12"), or None
+    stopped_at: int | None = None  # the steps it trained before it stopped
     totals: EpochTotals | None = None
 
     @property
@@ -78,6 +90,21 @@ class PopulationState:
     step: int = 0
     epoch: int = 0
     position: int = 0
+    prune: dict[int, str] = dataclasses.field(default_factory=dict)  # member -> why, asked
+
+
+def apply_prunes(members: Sequence[Member], state: PopulationState, say) -> None:
+    """Stop the members `state.prune` names (`pop.stop(member)`), between two calls: each
+    one's `healthy` flag turns False, so from the next call on its variables stay as they
+    are; the others train on as they would have."""
+    asked, state.prune = state.prune, {}
+    for index, why in asked.items():
+        member = members[index]
+        if member.stopped is not None:
+            continue
+        member.stopped, member.stopped_at = why, state.step
+        state.healthy = state.healthy.at[index].set(False)
+        say(f"{member.label} stopped at step {state.step}: {why}; the other members train on")
 
 
 def stack(trees: Sequence[Any]) -> Any:
@@ -111,14 +138,25 @@ def train_population(
     target: int,
     steps_per_call: int,
     say: Callable[[str], None],
+    events: Events,
+    stop_at: int | None = None,
+    after_epoch: Callable[[list[dict[str, Any]]], None] | None = None,
 ) -> str:
-    """Train every member until epoch `target` or a stop request; returns the stop reason
-    ("completed" or "requested"). Raises `DivergenceError` when every member has stopped."""
+    """Train every member until epoch `target`, step `stop_at` (mid-epoch if need be) or a
+    stop request; returns the stop reason ("completed", "max_steps" or "requested").
+    Raises `DivergenceError` when every member has stopped."""
     while state.epoch < target:
-        if control.stop.is_set() or not _train_epoch(
-            members, state, programs, control, steps_per_call, say
-        ):
-            return "requested"
+        if stop_at is not None and state.step >= stop_at:
+            return "max_steps"
+        batches = members[0].setup.splits["train"].batches
+        events.start_epoch(state.epoch + 1, target, batches, state.position)
+        events.phase("training")
+        ended = _train_epoch(
+            members, state, programs, control, steps_per_call, say, events, stop_at
+        )
+        if ended != "ended":
+            return ended
+        events.phase("validating")
         rows = _validated_rows(members, state, programs, control)
         if rows is None:
             return "requested"
@@ -128,25 +166,72 @@ def train_population(
             member.totals = None
         state.epoch += 1
         state.position = 0
+        shown = [
+            {"member": m.index, **shown_settings(m.settings), **row}
+            for m, row in zip(members, rows, strict=True)
+        ]
+        events.member_rows(shown)
+        if after_epoch is not None:
+            after_epoch(shown)
     return "completed"
 
 
-def _train_epoch(members, state: PopulationState, programs, control, steps_per_call, say) -> bool:
+def shown_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
+    """Settings as history columns: numbers and strings as they are, others by their repr."""
+    return {
+        k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)
+        for k, v in settings.items()
+    }
+
+
+def _capped(steps_per_call: int, start: int, stop_at: int | None):
+    """Call sizes from step `start`: `steps_per_call`, the steps before `stop_at` one per
+    call, so that the last call ends there."""
+    if stop_at is None:
+        return steps_per_call
+
+    def cut():
+        step = start
+        while True:
+            size = steps_per_call if step + steps_per_call <= stop_at else 1
+            step += size
+            yield size
+
+    return cut()
+
+
+def _train_epoch(
+    members, state: PopulationState, programs, control, steps_per_call, say, events, stop_at
+) -> str:
     lead = members[0]
     begin = time.perf_counter()
     for member in members:
         if member.totals is None:
             member.totals = EpochTotals(train_metrics=MetricAccumulator("train_metrics"))
-    stream = lead.runtime.prefetcher("train").epoch(
-        state.epoch, start=state.position, block=steps_per_call
-    )
+    blocks = _capped(steps_per_call, state.step, stop_at)
+    if isinstance(blocks, int) and blocks > 1 and state.position % blocks:
+        # a stream opened mid-epoch (after train(steps=)): single steps up to the next
+        # multiple of K, so that the K-step calls line up with the epoch's
+        lead_in = blocks - state.position % blocks
+        blocks = itertools.chain(itertools.repeat(1, lead_in), itertools.repeat(blocks))
+    stream = lead.runtime.prefetcher("train").epoch(state.epoch, start=state.position, block=blocks)
     pending: _Pending | None = None
-    stopped = False
+    ended = "ended"
     try:
         for staged in stream:
             if control.stop.is_set():
                 staged.free()
-                stopped = True
+                ended = "requested"
+                break
+            if stop_at is not None and state.step >= stop_at:
+                staged.free()
+                ended = "max_steps"
+                break
+            if state.prune:
+                apply_prunes(members, state, say)
+            if all(m.stopped is not None for m in members):
+                staged.free()
+                ended = "requested"  # every member was stopped by pop.stop(member)
                 break
             count = staged.count
             one = count == 1
@@ -172,21 +257,21 @@ def _train_epoch(members, state: PopulationState, programs, control, steps_per_c
             state.step += count
             state.position += count
             if previous is not None:
-                _complete(members, previous, say)
+                _complete(members, previous, say, events)
         if pending is not None:
             previous, pending = pending, None
-            _complete(members, previous, say)
+            _complete(members, previous, say, events)
     finally:
         if pending is not None:
-            _complete(members, pending, say)
+            _complete(members, pending, say, events)
         stream.close()
         for member in members:
             assert member.totals is not None
             member.totals.seconds += time.perf_counter() - begin
-    return not stopped
+    return ended
 
 
-def _complete(members: Sequence[Member], item: _Pending, say) -> None:
+def _complete(members: Sequence[Member], item: _Pending, say, events: Events) -> None:
     """Read one call back: each member's losses and finiteness codes, its train metrics."""
     staged = item.staged
     try:
@@ -197,11 +282,13 @@ def _complete(members: Sequence[Member], item: _Pending, say) -> None:
     finally:
         staged.free()
         delete(item.metrics)
+    losses = reports[..., 0].astype(np.float64)
     for i, member in enumerate(members):
         totals = member.totals
         assert totals is not None
         for offset, (value, code) in enumerate(reports[i].tolist()):
-            if member.stopped is not None:
+            if member.stopped_at is not None and item.index + offset >= member.stopped_at:
+                losses[i, offset:] = np.nan
                 break
             if code:
                 message = divergence_message(
@@ -213,6 +300,8 @@ def _complete(members: Sequence[Member], item: _Pending, say) -> None:
                     int(code),
                 )
                 member.stopped = f"diverged at step {item.index + offset + 1}"
+                member.stopped_at = item.index + offset
+                losses[i, offset:] = np.nan
                 say(f"{member.label} stopped: {message}; the other members train on")
                 break
             if not math.isfinite(value):  # check_divergence=False: train on, count it
@@ -225,7 +314,10 @@ def _complete(members: Sequence[Member], item: _Pending, say) -> None:
                 mine = unstack(metrics, i)
                 step_metrics = mine if staged.count == 1 else unstack(mine, offset)
                 _train_metrics(member, item.program, step_metrics, staged, offset)
-    if all(m.stopped is not None for m in members):
+    events.member_steps(item.index, losses)
+    if all(m.stopped is not None for m in members) and any(
+        m.stopped.startswith("diverged") for m in members if m.stopped is not None
+    ):
         raise DivergenceError(
             "every member of the population stopped: "
             + "; ".join(f"{m.label}: {m.stopped}" for m in members)

@@ -28,7 +28,7 @@ from nitro.core.train_state import Variables
 from nitro.engine import population as engine
 from nitro.engine.keywords import RUN_KEYWORDS, resolve_run_keywords
 from nitro.engine.resolved import RunKeywords
-from nitro.engine.runner import RunControl, RunGuard, sigint_requests_stop
+from nitro.engine.runner import Run, RunControl, RunGuard, sigint_requests_stop, wait_for
 from nitro.engine.setup import build
 from nitro.errors import PopulationError
 from nitro.experiments.declaration import FieldKind, field_specs
@@ -140,7 +140,10 @@ class Population:
         self._control.say = self._say
         self._guard = RunGuard(lambda: f"this {cls.__name__} population")
         reporter = progress.make_reporter(self._shared_keywords.get("progress", True))
+        self._reporter = reporter
         self._events = Events([reporter] if reporter is not None else [])
+        self._run: Run | None = None
+        self._target = 0
         with events_module.using(self._events):
             self._members = [self._build_member(i, s, specs) for i, s in enumerate(settings)]
         _check_one_program(self._members)
@@ -219,46 +222,146 @@ class Population:
     # ------------------------------------------------------------------------------------------
     # training and evaluation
 
-    def train(self, epochs: int | None = None) -> Population:
-        """Train every member for `epochs` more epochs (default: to `max_epochs`) in one
-        program per call; Ctrl-C stops after the current call."""
-        if epochs is not None and (
-            isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1
-        ):
-            raise ValueError(f"epochs must be a positive int, got {epochs!r}")
+    def train(
+        self, epochs: int | None = None, *, steps: int | None = None, background: bool = False
+    ) -> Population:
+        """Train every member for `epochs` more epochs (default: to `max_epochs`), or `steps`
+        more steps (mid-epoch if need be), in one program per call, on a worker thread.
+        Blocks unless `background=True` (then `pop.wait()` waits, `pop.stop()` stops);
+        Ctrl-C stops after the current call, and `train()` again goes on from there."""
+        for name, value in (("epochs", epochs), ("steps", steps)):
+            if value is not None and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1
+            ):
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if epochs is not None and steps is not None:
+            raise ValueError(
+                f"train() takes epochs= or steps=, not both (got epochs={epochs}, steps={steps})"
+            )
         lead = self._members[0]
-        target = lead.setup.max_epochs if epochs is None else self.epoch + epochs
+        stop_at = None
+        if steps is not None:
+            stop_at = self.step + steps
+            target = self.epoch + 1 + (steps + self._position() - 1) // max(1, self._batches())
+        elif epochs is not None:
+            target = self.epoch + epochs
+        else:
+            target = max(lead.setup.max_epochs, self._target)
         if target <= self.epoch:
             progress.note(
                 f"already trained {self.epoch} of max_epochs={lead.setup.max_epochs} epochs; "
                 f"pop.train(epochs=N) trains N more"
             )
             return self
-        with (
-            sigint_requests_stop(self._control),
-            self._guard.hold("training"),
-            events_module.using(self._events),
-        ):
+        if all(m.stopped is not None for m in self._members):
+            raise PopulationError(
+                "every member of this population has stopped ("
+                + "; ".join(f"{m.label}: {m.stopped}" for m in self._members)
+                + "): pop.best() or pop.member(i) is a handle that trains on"
+            )
+        self._guard.claim("training", background=background)
+        started = False
+        try:
+            self._target = target if steps is None else self._target
             self._control.stop.clear()
-            state = self._stacked()
-            try:
-                self._stop_reason = engine.train_population(
-                    self._members,
-                    state,
-                    self._programs,
-                    self._control,
-                    target,
-                    self._steps_per_call,
-                    self._say,
-                )
-            except BaseException:
-                self._stop_reason = "error"
-                raise
+            self._stop_reason = None
+            self._run = Run(
+                lambda: self._train_body(target, stop_at),
+                name=f"nitro-population-{self._cls.__name__}",
+                context=self,
+            )
+            self._run.start()
+            started = True
+        finally:
+            if not started:
+                self._guard.release()
+        if not background:
+            self.wait()
         return self
 
-    def stop(self) -> Population:
-        """Ask a running population to stop after the current call."""
-        self._control.stop.set()
+    def _batches(self) -> int:
+        return self._members[0].setup.splits["train"].batches or 1
+
+    def _position(self) -> int:
+        return 0 if self._state is None else self._state.position
+
+    def _train_body(self, target: int, stop_at: int | None) -> None:
+        events = self._events
+        try:
+            with events_module.using(events):
+                events.start_run(self, target)
+                state = self._stacked()
+                try:
+                    self._stop_reason = engine.train_population(
+                        self._members,
+                        state,
+                        self._programs,
+                        self._control,
+                        target,
+                        self._steps_per_call,
+                        self._say,
+                        events,
+                        stop_at=stop_at,
+                    )
+                except BaseException:
+                    self._stop_reason = "error"
+                    raise
+                finally:
+                    events.end_run(self)
+                events.phase("stopped" if self._stop_reason == "requested" else "done")
+        except BaseException:
+            events.phase("failed")
+            raise
+        finally:
+            self._guard.release()
+
+    @property
+    def running(self) -> bool:
+        """True while a training run is in progress (in the foreground or the background)."""
+        return self._run is not None and self._run.running
+
+    @property
+    def background(self) -> bool:
+        return self.running and self._guard.background
+
+    @property
+    def phase(self) -> str:
+        return self._events.current_phase
+
+    @property
+    def reporter(self) -> Any:
+        """The progress reporter (`progress=`), or None."""
+        return self._reporter
+
+    def wait(self) -> Population:
+        """Wait for a background run; Ctrl-C turns into a stop request. Re-raises the run's
+        error, if it failed."""
+        run = self._run
+        if run is not None:
+            with sigint_requests_stop(self._control):
+                wait_for(run, self._control, self._say, "the population")
+            if run.error is not None:
+                error, run.error = run.error, None
+                raise error
+        return self
+
+    def stop(self, member: int | None = None, why: str | None = None) -> Population:
+        """`pop.stop()`: ask a running population to stop after the current call.
+        `pop.stop(i)`: stop member `i` only (prune it): from the next call on its variables
+        stay as they are and the others train on, each as it would have without the pruning.
+        Its slot still runs in every call (masked), so pruning saves no time."""
+        if member is None:
+            self._control.stop.set()
+            return self
+        if isinstance(member, bool) or not isinstance(member, int):
+            raise TypeError(f"pop.stop(member) takes a member index, got {member!r}")
+        if not 0 <= member < len(self):
+            raise IndexError(f"member {member} of a population of {len(self)}")
+        state = self._stacked() if not self.running else self._state
+        assert state is not None
+        state.prune[member] = why or f"stopped by pop.stop({member})"
+        if not self.running:
+            engine.apply_prunes(self._members, state, self._say)
         return self
 
     def validate(self, split: str = "val"):
@@ -281,7 +384,10 @@ class Population:
 
             raise Interrupted(f"evaluating the {split!r} split was interrupted; nothing recorded")
         frame = pd.DataFrame(
-            [{**_shown(m.settings), **row} for m, row in zip(self._members, rows, strict=True)]
+            [
+                {**engine.shown_settings(m.settings), **row}
+                for m, row in zip(self._members, rows, strict=True)
+            ]
         )
         frame.index.name = "member"
         return frame
@@ -292,7 +398,7 @@ class Population:
         import pandas as pd
 
         rows = [
-            {"member": m.index, **_shown(m.settings), **row}
+            {"member": m.index, **engine.shown_settings(m.settings), **row}
             for m in self._members
             for row in m.state.history
         ]
@@ -347,14 +453,6 @@ class Population:
                 + (f" (history columns: {', '.join(known)})" if known else ": train first")
             )
         return self.member(min(scored)[1], **keywords)
-
-
-def _shown(settings: Mapping[str, Any]) -> dict[str, Any]:
-    """Settings as history columns: numbers and strings as they are, others by their repr."""
-    return {
-        k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)
-        for k, v in settings.items()
-    }
 
 
 def _check_axis(cls: type, specs: Mapping[str, Any], name: str) -> None:

@@ -23,6 +23,7 @@ from typing import Any
 import jax
 
 from nitro.core.run_setup import RunSetup
+from nitro.optim import guard
 from nitro.programs.compile_cache import ProgramKind, ProgramSpec
 from nitro.programs.specs import eval_spec
 from nitro.programs.train_step import train_step_spec
@@ -34,13 +35,29 @@ TRAIN_AXES = (0, 0, 0, 0, None)
 EVAL_AXES = (0, 0, None, None)
 
 
-def _vmapped(spec: ProgramSpec, kind: ProgramKind, members: int, in_axes: tuple) -> ProgramSpec:
-    """`spec`'s program over `members` members: its function under `jax.vmap(in_axes)`."""
+def _masked(fn: Callable) -> Callable:
+    """A train step without the guard (`check_divergence=False`), that still leaves a
+    stopped member's variables as they were: `healthy` is the member's flag, set False by
+    `pop.stop(member)`."""
+
+    def step(variables, healthy, *rest):
+        out = fn(variables, healthy, *rest)
+        kept = guard.keep(healthy, out.variables, variables)
+        return dataclasses.replace(out, variables=kept, healthy=healthy)
+
+    return step
+
+
+def _vmapped(
+    spec: ProgramSpec, kind: ProgramKind, members: int, in_axes: tuple, mask: bool = False
+) -> ProgramSpec:
+    """`spec`'s program over `members` members: its function under `jax.vmap(in_axes)`;
+    `mask`: the train step keeps a stopped member's variables (when the guard does not)."""
     build = spec.build
 
     def vmapped_build(reads: set[str]) -> Callable:
         fn = build(reads)
-        mapped = jax.vmap(fn, in_axes=in_axes)
+        mapped = jax.vmap(_masked(fn) if mask else fn, in_axes=in_axes)
 
         def program(*args: Any) -> Any:
             return mapped(*args)
@@ -63,7 +80,11 @@ def population_train_spec(
     """The train step (`steps == 1`) or `steps` fused steps of `setup`, for `members`
     members at once."""
     return _vmapped(
-        train_step_spec(setup, fields, steps), ProgramKind.POPULATION_STEP, members, TRAIN_AXES
+        train_step_spec(setup, fields, steps),
+        ProgramKind.POPULATION_STEP,
+        members,
+        TRAIN_AXES,
+        mask=not setup.check_divergence,
     )
 
 
