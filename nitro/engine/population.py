@@ -91,6 +91,7 @@ class PopulationState:
     epoch: int = 0
     position: int = 0
     prune: dict[int, str] = dataclasses.field(default_factory=dict)  # member -> why, asked
+    batches: str = "shared"  # "shared": every member the same batches; "own": its seed's
 
 
 def apply_prunes(members: Sequence[Member], state: PopulationState, say) -> None:
@@ -170,10 +171,29 @@ def train_population(
             {"member": m.index, **shown_settings(m.settings), **row}
             for m, row in zip(members, rows, strict=True)
         ]
+        _early_stops(members, state, say)
         events.member_rows(shown)
         if after_epoch is not None:
             after_epoch(shown)
+        if all(m.stopped is not None for m in members):
+            return "early_stop" if members[0].setup.early_stop is not None else "requested"
     return "completed"
+
+
+def _early_stops(members: Sequence[Member], state: PopulationState, say) -> None:
+    """Stop each member whose monitored metric stopped improving (`early_stop=`), as a
+    single run of its settings would have stopped; the others train on."""
+    policy = members[0].setup.early_stop
+    if policy is None:
+        return
+    for member in members:
+        if member.stopped is None and policy.should_stop(member.state.history):
+            state.prune[member.index] = (
+                f"early stop at epoch {state.epoch}: {policy.metric} did not improve for "
+                f"{policy.patience} epochs"
+            )
+    if state.prune:
+        apply_prunes(members, state, say)
 
 
 def shown_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
@@ -184,37 +204,107 @@ def shown_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
     }
 
 
-def _capped(steps_per_call: int, start: int, stop_at: int | None):
-    """Call sizes from step `start`: `steps_per_call`, the steps before `stop_at` one per
-    call, so that the last call ends there."""
-    if stop_at is None:
-        return steps_per_call
+def _call_sizes(steps_per_call: int, step_in_epoch: int, step: int, stop_at: int | None):
+    """Steps per call from optimizer step `step_in_epoch` of the epoch (`step` overall): K,
+    except single steps up to the next multiple of K (a stream opened mid-epoch, after
+    `train(steps=)`, so that the K-step calls line up with the epoch's) and before
+    `stop_at` (so that the last call ends there)."""
+    k = steps_per_call
+    if k == 1 or (not step_in_epoch % k and stop_at is None):
+        return k
 
-    def cut():
-        step = start
+    def sizes():
+        position, at = step_in_epoch, step
         while True:
-            size = steps_per_call if step + steps_per_call <= stop_at else 1
-            step += size
+            size = k if not position % k and (stop_at is None or at + k <= stop_at) else 1
+            position, at = position + size, at + size
             yield size
 
-    return cut()
+    return sizes()
+
+
+class _Together:
+    """One call's batches of every member, each from its own data stream (`batches="own"`):
+    stacked on a leading member axis."""
+
+    def __init__(self, parts: Sequence[Any]):
+        self.parts = parts
+        lead = parts[0]
+        self.count, self.group, self.n_real = lead.count, lead.group, lead.n_real
+        self.stacked = lead.stacked
+        self.device = jax.tree.map(lambda *leaves: jnp.stack(leaves), *(p.device for p in parts))
+
+    def part(self, member: int) -> Any:
+        return self.parts[member]
+
+    def free(self) -> None:
+        for part in self.parts:
+            part.free()
+        delete(self.device)
+
+
+class _Shared:
+    """One call's batches, the same for every member (`batches="shared"`)."""
+
+    def __init__(self, staged: Any):
+        self.staged = staged
+        self.count, self.group, self.n_real = staged.count, staged.group, staged.n_real
+        self.stacked = staged.stacked
+        self.device = staged.device
+
+    def part(self, member: int) -> Any:
+        return self.staged
+
+    def free(self) -> None:
+        self.staged.free()
+
+
+class _Streams:
+    """The train split's calls of one epoch for the population: the first member's stream
+    (shared batches) or every member's own, zipped."""
+
+    def __init__(self, members, state: PopulationState, sizes, own: bool, accum: int):
+        sources = members if own else members[:1]
+        self.streams = [
+            m.runtime.prefetcher("train").epoch(
+                state.epoch, start=state.position, block=sizes(), group=accum
+            )
+            for m in sources
+        ]
+        self.own = own
+
+    def __iter__(self):
+        if not self.own:
+            for staged in self.streams[0]:
+                yield _Shared(staged)
+            return
+        for parts in zip(*self.streams, strict=False):
+            yield _Together(parts)
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.close()
 
 
 def _train_epoch(
     members, state: PopulationState, programs, control, steps_per_call, say, events, stop_at
 ) -> str:
     lead = members[0]
+    setup = lead.setup
+    accum = setup.accum
+    own = state.batches == "own"
     begin = time.perf_counter()
     for member in members:
         if member.totals is None:
             member.totals = EpochTotals(train_metrics=MetricAccumulator("train_metrics"))
-    blocks = _capped(steps_per_call, state.step, stop_at)
-    if isinstance(blocks, int) and blocks > 1 and state.position % blocks:
-        # a stream opened mid-epoch (after train(steps=)): single steps up to the next
-        # multiple of K, so that the K-step calls line up with the epoch's
-        lead_in = blocks - state.position % blocks
-        blocks = itertools.chain(itertools.repeat(1, lead_in), itertools.repeat(blocks))
-    stream = lead.runtime.prefetcher("train").epoch(state.epoch, start=state.position, block=blocks)
+    in_epoch = -(-state.position // accum)
+    stream = _Streams(
+        members,
+        state,
+        lambda: _call_sizes(steps_per_call, in_epoch, state.step, stop_at),
+        own,
+        accum,
+    )
     pending: _Pending | None = None
     ended = "ended"
     try:
@@ -233,7 +323,7 @@ def _train_epoch(
                 staged.free()
                 ended = "requested"  # every member was stopped by pop.stop(member)
                 break
-            count = staged.count
+            count, micro = staged.count, staged.group
             one = count == 1
             hparams = np.stack(
                 [m.runtime.feed.hparams_host(state.step, None if one else count) for m in members]
@@ -241,12 +331,17 @@ def _train_epoch(
             device = _stacked_host(
                 [m.runtime.feed.device_host(state.step, None if one else count) for m in members]
             )
-            place = lead.setup.placement.put_replicated
+            place = setup.placement.put_replicated
             args = (state.variables, state.healthy, place(device), place(hparams), staged.device)
             program = programs.program(
-                ("population train", len(members), count),
-                lambda setup, count=count: population_train_spec(
-                    setup, setup.splits["train"].hook_fields, len(members), count
+                ("population train", len(members), count, micro, own),
+                lambda setup, count=count, micro=micro: population_train_spec(
+                    setup,
+                    setup.splits["train"].hook_fields,
+                    len(members),
+                    count,
+                    micro,
+                    own_batches=own,
                 ),
                 args,
             )
@@ -255,7 +350,7 @@ def _train_epoch(
             previous = pending
             pending = _Pending(out.report, out.metrics, staged, program, state.step)
             state.step += count
-            state.position += count
+            state.position += count * micro
             if previous is not None:
                 _complete(members, previous, say, events)
         if pending is not None:
@@ -313,7 +408,12 @@ def _complete(members: Sequence[Member], item: _Pending, say, events: Events) ->
             if metrics is not None:
                 mine = unstack(metrics, i)
                 step_metrics = mine if staged.count == 1 else unstack(mine, offset)
-                _train_metrics(member, item.program, step_metrics, staged, offset)
+                micro = staged.group
+                for part in range(micro):  # each micro-batch's train metrics
+                    batch_metrics = step_metrics if micro == 1 else unstack(step_metrics, part)
+                    _train_metrics(
+                        member, item.program, batch_metrics, staged.part(i), offset * micro + part
+                    )
     events.member_steps(item.index, losses)
     if all(m.stopped is not None for m in members) and any(
         m.stopped.startswith("diverged") for m in members if m.stopped is not None

@@ -72,7 +72,6 @@ NOT_YET = {
     "run_dir": "a population's run directory",
     "checkpointer": "population checkpoints",
     "logger": "per-member logger runs",
-    "early_stop": "early stopping per member",
     "val_every_steps": "evaluation within epochs",
     "max_steps": "max_steps",
 }
@@ -97,9 +96,16 @@ class Population:
         experiment: Any,
         *,
         members: Sequence[Mapping[str, Any]] | None = None,
+        batches: str = "shared",
         **keywords: Any,
     ):
         cls = _check_experiment(experiment)
+        if batches not in ("shared", "own"):
+            raise PopulationError(
+                f"batches={batches!r}: pass 'shared' (every member trains on the same batches, "
+                f"a fair comparison of the settings) or 'own' (each member its seed's data order)"
+            )
+        self._batches_mode = batches
         axes = {k: v for k, v in keywords.items() if isinstance(v, list)}
         shared = {k: v for k, v in keywords.items() if not isinstance(v, list)}
         if members is not None:
@@ -148,6 +154,9 @@ class Population:
             self._members = [self._build_member(i, s, specs) for i, s in enumerate(settings)]
         _check_one_program(self._members)
         lead = self._members[0]
+        if lead.setup.early_stop is not None:
+            setup = lead.setup
+            lead.setup.early_stop.check(tuple(setup.splits), None, setup.eval_splits)
         self._programs = ProgramSet(lead.setup)
         self._state: engine.PopulationState | None = None  # stacked on first use
         self._steps_per_call = _steps_per_call(lead.setup, lead.setup.keywords)
@@ -216,7 +225,9 @@ class Population:
             for state in states:  # the population holds them, stacked
                 state.variables = Variables(params=[], model_state=[])
             lead = states[0]
-            self._state = engine.PopulationState(variables, healthy, lead.step, lead.epoch)
+            self._state = engine.PopulationState(
+                variables, healthy, lead.step, lead.epoch, batches=self._batches_mode
+            )
         return self._state
 
     # ------------------------------------------------------------------------------------------
@@ -280,10 +291,20 @@ class Population:
         return self
 
     def _batches(self) -> int:
-        return self._members[0].setup.splits["train"].batches or 1
+        """Optimizer steps an epoch."""
+        setup = self._members[0].setup
+        return -(-(setup.splits["train"].batches or 1) // setup.accum)
 
     def _position(self) -> int:
-        return 0 if self._state is None else self._state.position
+        """Optimizer steps into the epoch under way."""
+        position = 0 if self._state is None else self._state.position
+        return -(-position // self._members[0].setup.accum)
+
+    @property
+    def batches(self) -> str:
+        """"shared": every member trains on the same batches (the first member's data order);
+        "own": each member on its own seed's order (`Population(..., batches="own")`)."""
+        return self._batches_mode
 
     def _train_body(self, target: int, stop_at: int | None) -> None:
         events = self._events
@@ -506,11 +527,6 @@ def _check_shared(specs: Mapping[str, Any], name: str, value: Any) -> None:
             f"Population() does not take n_devs={value!r} yet: members on a mesh are for "
             f"later; a population runs on one device"
         )
-    if name == "accum" and value != 1:
-        raise PopulationError(
-            f"Population() does not take accum={value!r} yet: gradient accumulation in a "
-            f"population is for later"
-        )
     if name not in RUN_KEYWORDS and name not in specs:
         raise PopulationError(f"{name} is neither a run keyword nor a field of the experiment")
 
@@ -560,6 +576,7 @@ def _steps_per_call(setup, keywords) -> int:
     batches = setup.splits["train"].batches
     if batches is None:
         return 1
+    batches = -(-batches // setup.accum)  # optimizer steps an epoch
     # the fewest calls an epoch (K-step calls, then the remainder one step per call); on a
     # tie, one program (K divides the epoch), then the larger K
     return min(

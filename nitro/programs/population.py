@@ -11,6 +11,7 @@ Arguments, as a single run's with a member axis in front:
 
 - train step: `(variables[N], healthy[N], device fields[N], hyperparameters[N], batch)`;
   K fused steps take `device fields[N, K]`, `hyperparameters[N, K, H]` and K stacked batches;
+  with each member's own data order the batches carry the member axis too (`batch[N]`);
 - eval forward: `(variables[N], device fields[N], batch, real samples)`.
 """
 
@@ -63,6 +64,8 @@ def _vmapped(
             return mapped(*args)
 
         program.nitro_aux = getattr(fn, "nitro_aux", {})  # pyright: ignore[reportFunctionMemberAccess]
+        # the name XLA's compile events carry: jit(population_train_step)
+        program.__name__ = program.__qualname__ = kind.value.replace(" ", "_")
         return program
 
     return dataclasses.replace(
@@ -75,17 +78,25 @@ def _vmapped(
 
 
 def population_train_spec(
-    setup: RunSetup, fields: Mapping[str, tuple[str, ...]], members: int, steps: int = 1
+    setup: RunSetup,
+    fields: Mapping[str, tuple[str, ...]],
+    members: int,
+    steps: int = 1,
+    micro: int = 1,
+    *,
+    own_batches: bool = False,
 ) -> ProgramSpec:
-    """The train step (`steps == 1`) or `steps` fused steps of `setup`, for `members`
-    members at once."""
-    return _vmapped(
-        train_step_spec(setup, fields, steps),
+    """The train step (`steps == 1`) or `steps` fused steps of `setup` (each of `micro`
+    accumulated micro-batches), for `members` members at once; `own_batches`: the batches
+    carry a leading member axis too (each member's own data order)."""
+    spec = _vmapped(
+        train_step_spec(setup, fields, steps, micro),
         ProgramKind.POPULATION_STEP,
         members,
-        TRAIN_AXES,
+        (*TRAIN_AXES[:-1], 0) if own_batches else TRAIN_AXES,
         mask=not setup.check_divergence,
     )
+    return dataclasses.replace(spec, static={**spec.static, "own batches": own_batches})
 
 
 def population_eval_spec(
