@@ -24,7 +24,11 @@ def _weights(pop, index):
 
 def _alone(epochs, **keywords):
     n = nitro.Nitro(
-        Digits(max_epochs=epochs, **SMALL), progress=False, checkpointer=None, logger=None, **keywords
+        Digits(max_epochs=epochs, **SMALL),
+        progress=False,
+        checkpointer=None,
+        logger=None,
+        **keywords,
     )
     return n.train()
 

@@ -153,7 +153,7 @@ class TqdmReporter(LineReporter):
         self.close()
 
 
-def _default_factory() -> Reporter:
+def _default_factory() -> Any:
     stream = sys.stderr
     if hasattr(stream, "isatty") and stream.isatty():
         return TqdmReporter()

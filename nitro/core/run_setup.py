@@ -71,6 +71,8 @@ class StopPolicy(Protocol):
 
     @property
     def metric(self) -> str: ...
+    @property
+    def patience(self) -> int: ...
     def check(
         self,
         splits: Sequence[str],

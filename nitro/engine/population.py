@@ -17,7 +17,6 @@ program for every member), and its history row is committed beside the others'.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import math
 import time
 from collections.abc import Callable, Mapping, Sequence

@@ -302,7 +302,7 @@ class Population:
 
     @property
     def batches(self) -> str:
-        """"shared": every member trains on the same batches (the first member's data order);
+        """ "shared": every member trains on the same batches (the first member's data order);
         "own": each member on its own seed's order (`Population(..., batches="own")`)."""
         return self._batches_mode
 
