@@ -7,7 +7,12 @@ For each model, in one process, alternating rounds, medians of the seconds one e
 - one run: `nitro.Nitro(e)` with its defaults (`steps_per_dispatch="auto"`);
 - 8 sequential runs: 8 handles at 8 learning rates, one epoch each, one after another (they
   share one compiled program);
-- a population: `nitro.Population(e, learning_rate=[8 values])`, one epoch of all 8.
+- a population: `nitro.Population(e, learning_rate=[8 values])`, one epoch of all 8;
+- 8 sequential Keras 3 `fit` runs (the JAX backend, one model each), when keras is installed.
+
+`--n-devs D` runs the population on a mesh of D devices (on CPU, D fake devices over the
+same cores: XLA_FLAGS is set before JAX starts), its members split across the devices
+(`--mesh-axis members`) or each batch (`--mesh-axis batch`).
 
 Printed: seconds per epoch, the population's time against one run's (8 members for the cost
 of that many runs) and the sequential runs' against the population's, and members x epochs
@@ -15,6 +20,7 @@ per second. Ratios only mean something within one process on one machine: other 
 moves every figure.
 
     python bench/population.py [--rounds 5] [--members 8] [--tile 4] [--models small,medium]
+                               [--n-devs 2 --mesh-axis members|batch]
 """
 
 from __future__ import annotations
@@ -26,9 +32,15 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
+os.environ.setdefault("KERAS_BACKEND", "jax")  # before anything imports keras
+if "--n-devs" in sys.argv:  # fake CPU devices: only before JAX starts
+    _devices = sys.argv[sys.argv.index("--n-devs") + 1]
+    os.environ["XLA_FLAGS"] = (
+        os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_devices}"
+    )
 
 from dispatch import MODELS  # noqa: E402
-from loops import WithNitro, experiment_for  # noqa: E402
+from loops import WithNitro, experiment_for, keras_loop  # noqa: E402
 from overhead import train_arrays  # noqa: E402
 
 import nitro  # noqa: E402
@@ -47,28 +59,46 @@ def timed(fn) -> float:
     return time.perf_counter() - start
 
 
-def bench_model(name: str, members: int, rounds: int, tile: int) -> None:
+def bench_model(
+    name: str, members: int, rounds: int, tile: int, n_devs: int = 1, mesh_axis: str = "members"
+) -> None:
     nitro.cache_reset()  # count this model's programs alone
     spec = MODELS[name]
     arrays = train_arrays(tile)
     one = WithNitro(spec, arrays)
     sequential = [WithNitro(spec, arrays, learning_rate=lr) for lr in rates(members)]
     population = nitro.Population(
-        experiment_for(spec, arrays), learning_rate=rates(members), progress=False
+        experiment_for(spec, arrays),
+        learning_rate=rates(members),
+        progress=False,
+        n_devs=n_devs,
+        mesh_axis=mesh_axis,
     )
+    keras = [keras_loop(spec, arrays) for _ in range(members)]
+    keras = [k for k in keras if k is not None]
     # warm every program (and the "auto" measurement) with one epoch each
     one.run(1)
     for run in sequential:
         run.run(1)
     population.train(epochs=1)
+    for run in keras:
+        run.run(1)
     times: dict[str, list[float]] = {"one": [], "sequential": [], "population": []}
+    if keras:
+        times["keras"] = []
     for _ in range(rounds):
         times["one"].append(timed(lambda: one.run(1)))
         times["sequential"].append(timed(lambda: [run.run(1) for run in sequential]))
         times["population"].append(timed(lambda: population.train(epochs=1)))
+        if keras:
+            times["keras"].append(timed(lambda: [run.run(1) for run in keras]))
     median = {k: statistics.median(v) for k, v in times.items()}
     batches = one.batches
-    print(f"\n{spec.description}: {batches} steps an epoch, {members} members, {rounds} rounds")
+    placed = f", on {n_devs} devices by {mesh_axis}" if n_devs > 1 else ""
+    print(
+        f"\n{spec.description}: {batches} steps an epoch, {members} members, {rounds} rounds"
+        f"{placed}"
+    )
     print(
         f"  steps per call: one run {one.handle.dispatch.steps}, "
         f"population {population.steps_per_call}"
@@ -77,7 +107,10 @@ def bench_model(name: str, members: int, rounds: int, tile: int) -> None:
         ("one", "one run"),
         ("sequential", f"{members} sequential Nitro runs"),
         ("population", f"population of {members}"),
+        ("keras", f"{members} sequential Keras fits"),
     ):
+        if key not in median:
+            continue
         runs = 1 if key == "one" else members
         print(
             f"  {label:<28} {median[key] * 1e3:8.1f} ms an epoch, "
@@ -91,6 +124,8 @@ def bench_model(name: str, members: int, rounds: int, tile: int) -> None:
         f"  sequential / population: {median['sequential'] / median['population']:.2f}x "
         f"(the population's speed-up over {members} runs one after another)"
     )
+    if "keras" in median:
+        print(f"  Keras sequential / population: {median['keras'] / median['population']:.2f}x")
     kinds = [p["kind"] for p in nitro.cache_stats().programs]
     print(f"  population train-step programs compiled: {kinds.count('population train step')}")
 
@@ -101,9 +136,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--members", type=int, default=8)
     parser.add_argument("--tile", type=int, default=4, help="digits train split repeats")
     parser.add_argument("--models", default="small")
+    parser.add_argument("--n-devs", type=int, default=1, help="devices of the population's mesh")
+    parser.add_argument("--mesh-axis", default="members", choices=("members", "batch"))
     args = parser.parse_args(argv)
     for name in args.models.split(","):
-        bench_model(name, args.members, args.rounds, args.tile)
+        bench_model(name, args.members, args.rounds, args.tile, args.n_devs, args.mesh_axis)
 
 
 if __name__ == "__main__":

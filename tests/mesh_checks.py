@@ -230,6 +230,36 @@ def live_edit():
     }
 
 
+def population():
+    """A population of 4 on a 4-device mesh, its members split across the devices and, the
+    other way, each batch: both against the same population on one device."""
+
+    def trained(n_devs, mesh_axis="members"):
+        pop = nitro.Population(
+            MeshToy(),
+            learning_rate=[1e-3, 3e-3, 1e-2, 3e-2],
+            n_devs=n_devs,
+            mesh_axis=mesh_axis,
+            progress=False,
+        ).train()
+        leaf = pop._state.variables.params[0]
+        return {
+            "val_loss": pop.history()["val_loss"].tolist(),
+            "weights": [np.asarray(p).tolist() for p in pop.member(3).state.variables.params],
+            "spec": str(getattr(leaf.sharding, "spec", None)),
+            "devices": len(leaf.sharding.device_set),
+        }
+
+    return {
+        "one": trained(1),
+        "members": trained(4),
+        "batch": trained(4, "batch"),
+        "indivisible": error_of(
+            lambda: nitro.Population(MeshToy(), seed=[0, 1, 2], n_devs=4, progress=False)
+        ),
+    }
+
+
 def main():
     results = {"devices": jax.device_count(), "flags": os.environ.get("XLA_FLAGS", "")}
     results["one"] = run(1)
@@ -244,6 +274,7 @@ def main():
     )
     results["too_many"] = error_of(lambda: nitro.Nitro(MeshToy(), n_devs=8, progress=False))
     results["live_edit"] = live_edit()
+    results["population"] = population()
     json.dump(results, sys.stdout)
 
 

@@ -114,3 +114,18 @@ def test_a_live_edit_on_a_mesh_compiles_beside_the_run_and_keeps_the_weights_rep
     assert live["threads"] == ["nitro-live-edit-LiveMesh"]  # nothing compiled on the loop
     assert live["ratio"] > 100  # the loss x1000 after the swap
     assert live["replicated"]
+
+
+def test_a_population_splits_its_members_or_each_batch_across_the_mesh(mesh):
+    found = mesh["population"]
+    one = found["one"]
+    assert found["members"]["spec"] == "P('data',)"  # each device its member
+    assert found["members"]["devices"] == 4
+    assert found["batch"]["spec"] == "P()" and found["batch"]["devices"] == 4
+    for placed in ("members", "batch"):
+        np.testing.assert_allclose(
+            found[placed]["val_loss"], one["val_loss"], rtol=0, atol=TOLERANCE
+        )
+        assert_close(one["weights"], found[placed]["weights"])
+    assert "3 members do not divide across n_devs=4" in found["indivisible"]
+    assert "mesh_axis='batch'" in found["indivisible"]

@@ -91,6 +91,21 @@ class PopulationState:
     position: int = 0
     prune: dict[int, str] = dataclasses.field(default_factory=dict)  # member -> why, asked
     batches: str = "shared"  # "shared": every member the same batches; "own": its seed's
+    place: Callable[[Any], Any] | None = None  # lays out a member-stacked tree (the mesh)
+
+
+def member_placement(setup: RunSetup, mesh_axis: str, members: int) -> Callable[[Any], Any]:
+    """How member-stacked arrays (variables, fed values) lie on the run's devices: on one
+    device, replicated over the mesh with each batch split across it (`mesh_axis="batch"`),
+    or their member axis split across the mesh, each device training its own members on
+    whole batches (`mesh_axis="members"`)."""
+    placement = setup.placement
+    if placement.mesh is None or mesh_axis == "batch":
+        return placement.put_replicated
+    from jax.sharding import NamedSharding, PartitionSpec
+
+    sharding = NamedSharding(placement.mesh, PartitionSpec("data"))
+    return lambda tree: jax.device_put(tree, sharding)
 
 
 def apply_prunes(members: Sequence[Member], state: PopulationState, say) -> None:
@@ -330,7 +345,7 @@ def _train_epoch(
             device = _stacked_host(
                 [m.runtime.feed.device_host(state.step, None if one else count) for m in members]
             )
-            place = setup.placement.put_replicated
+            place = state.place or setup.placement.put_replicated
             args = (state.variables, state.healthy, place(device), place(hparams), staged.device)
             program = programs.program(
                 ("population train", len(members), count, micro, own),
@@ -499,7 +514,7 @@ def evaluate_members(
     accumulators = [MetricAccumulator("metrics") for _ in members]
     loss_sums, samples = np.zeros(n, np.float64), 0
     variables = evaluation_variables(members, state)
-    device = setup.placement.put_replicated(
+    device = (state.place or setup.placement.put_replicated)(
         _stacked_host([m.runtime.feed.device_host_values() for m in members])
     )
 

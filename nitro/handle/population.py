@@ -97,15 +97,23 @@ class Population:
         *,
         members: Sequence[Mapping[str, Any]] | None = None,
         batches: str = "shared",
+        mesh_axis: str = "members",
         **keywords: Any,
     ):
         cls = _check_experiment(experiment)
+        if mesh_axis not in ("members", "batch"):
+            raise PopulationError(
+                f"mesh_axis={mesh_axis!r}: pass 'members' (each device trains its share of the "
+                f"members on whole batches) or 'batch' (every member on every device, each batch "
+                f"split across them)"
+            )
         if batches not in ("shared", "own"):
             raise PopulationError(
                 f"batches={batches!r}: pass 'shared' (every member trains on the same batches, "
                 f"a fair comparison of the settings) or 'own' (each member its seed's data order)"
             )
         self._batches_mode = batches
+        self._mesh_axis = mesh_axis
         axes = {k: v for k, v in keywords.items() if isinstance(v, list)}
         shared = {k: v for k, v in keywords.items() if not isinstance(v, list)}
         if members is not None:
@@ -154,6 +162,13 @@ class Population:
             self._members = [self._build_member(i, s, specs) for i, s in enumerate(settings)]
         _check_one_program(self._members)
         lead = self._members[0]
+        devices = lead.setup.placement.n_devs
+        if mesh_axis == "members" and devices > 1 and len(settings) % devices:
+            raise PopulationError(
+                f"{len(settings)} members do not divide across n_devs={devices} devices "
+                f"(mesh_axis='members' gives each device its share of the members): give a "
+                f"multiple of {devices} members, or mesh_axis='batch' to split each batch instead"
+            )
         if lead.setup.early_stop is not None:
             setup = lead.setup
             lead.setup.early_stop.check(tuple(setup.splits), None, setup.eval_splits)
@@ -225,8 +240,15 @@ class Population:
             for state in states:  # the population holds them, stacked
                 state.variables = Variables(params=[], model_state=[])
             lead = states[0]
+            setup = self._members[0].setup
+            place = engine.member_placement(setup, self._mesh_axis, len(states))
             self._state = engine.PopulationState(
-                variables, healthy, lead.step, lead.epoch, batches=self._batches_mode
+                place(variables),
+                place(healthy),
+                lead.step,
+                lead.epoch,
+                batches=self._batches_mode,
+                place=place,
             )
         return self._state
 
@@ -521,11 +543,6 @@ def _check_shared(specs: Mapping[str, Any], name: str, value: Any) -> None:
         raise PopulationError(
             f"Population() does not take {name}= yet: {NOT_YET[name]} is for later. Train the "
             f"population without it, then pop.best() (a Nitro handle) with {name}=."
-        )
-    if name == "n_devs" and value != 1:
-        raise PopulationError(
-            f"Population() does not take n_devs={value!r} yet: members on a mesh are for "
-            f"later; a population runs on one device"
         )
     if name not in RUN_KEYWORDS and name not in specs:
         raise PopulationError(f"{name} is neither a run keyword nor a field of the experiment")
