@@ -242,3 +242,22 @@ def test_parameter_groups_and_a_moving_average_per_member_equal_each_alone():
         np.testing.assert_allclose(
             pop.history().loc[index]["val_loss"], solo.history()["val_loss"], rtol=0, atol=1e-6
         )
+
+
+def test_predict_gives_every_members_outputs_from_one_program(fresh_cache):
+    from sklearn.datasets import load_digits
+
+    x = (load_digits().data[:50] / 16.0).astype(np.float32)
+    pop = nitro.Population(
+        Digits(max_epochs=1, **SMALL), learning_rate=[1e-3, 1e-2, 3e-2], progress=False
+    ).train()
+    outputs = pop.predict({"x": x})
+    assert outputs.shape == (3, 50, 10)
+    for index in range(3):
+        alone = pop.member(index).predict({"x": x})
+        np.testing.assert_allclose(outputs[index], alone, rtol=0, atol=1e-5)
+    kinds = [p["kind"] for p in nitro.cache_stats().programs]
+    assert kinds.count("population eval forward") == 2  # validation's, and predict's width
+    assert pop.evaluate("val").shape[0] == 3
+    with pytest.raises(TypeError, match="dict of batch fields"):
+        pop.predict(x)  # type: ignore[arg-type]

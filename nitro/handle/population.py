@@ -435,6 +435,29 @@ class Population:
         frame.index.name = "member"
         return frame
 
+    def evaluate(self, split: str = "test"):
+        """Every member's loss and metrics on any split (as `validate`), one row each."""
+        return self.validate(split)
+
+    def predict(self, batch: Mapping[str, Any]) -> Any:
+        """Every member's `forward` outputs (eval mode) for a dict of batch fields, as host
+        numpy with a leading member axis (`[members, rows, ...]`), from one vmapped
+        program per chunk of rows."""
+        if not isinstance(batch, Mapping):
+            raise TypeError(
+                f"pop.predict takes a dict of batch fields, got {type(batch).__name__}: "
+                f"pop.predict({{'x': xs}})"
+            )
+        with (
+            sigint_requests_stop(self._control),
+            self._guard.hold("predicting"),
+            events_module.using(self._events),
+        ):
+            self._control.stop.clear()
+            return engine.predict_members(
+                self._members, self._stacked(), self._programs, self._control, batch
+            )
+
     def history(self):
         """A pandas DataFrame indexed by (member, epoch): each member's settings, then its
         history row (loss, validation metrics, timing), as `Nitro.history()` has it."""
