@@ -17,7 +17,9 @@ program for every member), and its history row is committed beside the others'.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
+import operator
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -392,42 +394,49 @@ def _complete(members: Sequence[Member], item: _Pending, say, events: Events) ->
         staged.free()
         delete(item.metrics)
     losses = reports[..., 0].astype(np.float64)
+    codes = reports[..., 1]
+    steps = reports.shape[1]
     for i, member in enumerate(members):
         totals = member.totals
         assert totals is not None
-        for offset, (value, code) in enumerate(reports[i].tolist()):
-            if member.stopped_at is not None and item.index + offset >= member.stopped_at:
-                losses[i, offset:] = np.nan
-                break
-            if code:
-                message = divergence_message(
-                    member.setup,
-                    member.runtime.feed,
-                    member.state,
-                    item.index + offset,
-                    value,
-                    int(code),
+        limit = steps  # the steps of this call the member trained
+        if member.stopped_at is not None:
+            limit = max(0, min(steps, member.stopped_at - item.index))
+        bad = np.flatnonzero(codes[i, :limit])
+        if bad.size:
+            offset = int(bad[0])
+            message = divergence_message(
+                member.setup,
+                member.runtime.feed,
+                member.state,
+                item.index + offset,
+                float(losses[i, offset]),
+                int(codes[i, offset]),
+            )
+            member.stopped = f"diverged at step {item.index + offset + 1}"
+            member.stopped_at = item.index + offset
+            say(f"{member.label} stopped: {message}; the other members train on")
+            limit = offset
+        losses[i, limit:] = np.nan
+        values = losses[i, :limit]
+        finite = np.isfinite(values)
+        counted = int(finite.sum())
+        totals.nonfinite += limit - counted  # check_divergence=False: trains on, counted
+        # added one by one, in order, as a single run adds its steps' losses
+        totals.loss_sum = functools.reduce(operator.add, values[finite].tolist(), totals.loss_sum)
+        totals.loss_count += counted
+        totals.steps += limit
+        if metrics is None:
+            continue
+        mine = unstack(metrics, i)
+        micro = staged.group
+        for offset in range(limit):
+            step_metrics = mine if staged.count == 1 else unstack(mine, offset)
+            for part in range(micro):  # each micro-batch's train metrics
+                batch_metrics = step_metrics if micro == 1 else unstack(step_metrics, part)
+                _train_metrics(
+                    member, item.program, batch_metrics, staged.part(i), offset * micro + part
                 )
-                member.stopped = f"diverged at step {item.index + offset + 1}"
-                member.stopped_at = item.index + offset
-                losses[i, offset:] = np.nan
-                say(f"{member.label} stopped: {message}; the other members train on")
-                break
-            if not math.isfinite(value):  # check_divergence=False: train on, count it
-                totals.nonfinite += 1
-            else:
-                totals.loss_sum += value
-                totals.loss_count += 1
-            totals.steps += 1
-            if metrics is not None:
-                mine = unstack(metrics, i)
-                step_metrics = mine if staged.count == 1 else unstack(mine, offset)
-                micro = staged.group
-                for part in range(micro):  # each micro-batch's train metrics
-                    batch_metrics = step_metrics if micro == 1 else unstack(step_metrics, part)
-                    _train_metrics(
-                        member, item.program, batch_metrics, staged.part(i), offset * micro + part
-                    )
     events.member_steps(item.index, losses)
     if all(m.stopped is not None for m in members) and any(
         m.stopped.startswith("diverged") for m in members if m.stopped is not None
