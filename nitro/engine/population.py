@@ -615,53 +615,33 @@ def predict_members(
     """Every member's `forward` outputs for every row of `batch`, as host numpy with a
     leading member axis: one vmapped eval forward per chunk of one compiled width (as a
     single run's `predict`, `nitro.engine.prediction`)."""
-    from nitro.data import pad_batch
-    from nitro.engine.prediction import check_fields, prediction_width
-    from nitro.engine.setup import batch_size
-    from nitro.errors import Interrupted
+    from nitro.engine.prediction import check_fields, in_chunks
 
     setup = members[0].setup
     fields = setup.experiment.hook_fields["forward"].resolve(tuple(batch), "predict")
     host = check_fields(setup, {k: batch[k] for k in fields})
-    rows = batch_size(host, "predict")
-    width = prediction_width(setup, rows)
     variables = evaluation_variables(members, state)
     device = (state.place or setup.placement.put_replicated)(
         _stacked_host([m.runtime.feed.device_host_values() for m in members])
     )
-    chunks = []
+
+    def run(part: Mapping[str, np.ndarray], n_real: int, width: int) -> Any:
+        placed = setup.placement.put_batch(part)
+        args = (variables, device, placed, np.int32(n_real))
+        program = programs.program(
+            ("population predict", len(members), width, fields),
+            lambda setup: population_eval_spec(
+                setup, {"forward": fields}, len(members), with_loss=False, return_outputs=True
+            ),
+            args,
+        )
+        result = program(*args)
+        outputs = setup.placement.gather(result.outputs)
+        delete(result)
+        delete(placed)
+        return outputs
+
     try:
-        for start in range(0, max(rows, 1), width):
-            if control.stop.is_set():
-                raise Interrupted(
-                    f"predict was interrupted after {start} of {rows} rows; it stopped cleanly "
-                    f"between chunks"
-                )
-            part = {k: v[start : start + width] for k, v in host.items()}
-            if rows == 0:  # no rows: one zero batch for the outputs' trailing shapes
-                part = {k: np.zeros((1, *v.shape[1:]), v.dtype) for k, v in host.items()}
-            part, n_real = pad_batch(part, width)
-            placed = setup.placement.put_batch(part)
-            args = (variables, device, placed, np.int32(n_real))
-            program = programs.program(
-                ("population predict", len(members), width, fields),
-                lambda setup: population_eval_spec(
-                    setup,
-                    {"forward": fields},
-                    len(members),
-                    with_loss=False,
-                    return_outputs=True,
-                ),
-                args,
-            )
-            result = program(*args)
-            outputs = setup.placement.gather(result.outputs)
-            delete(result)
-            delete(placed)
-            keep = n_real if rows else 0
-            chunks.append(jax.tree.map(lambda a, k=keep: np.asarray(a)[:, :k], outputs))
+        return in_chunks(setup, control, host, run, axis=1)
     finally:
         delete(device)
-    if len(chunks) == 1:
-        return chunks[0]
-    return jax.tree.map(lambda *parts: np.concatenate(parts, axis=1), *chunks)

@@ -12,7 +12,7 @@ cleanly between chunks.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import jax
@@ -32,6 +32,7 @@ __all__ = [
     "check_batches",
     "MAX_PREDICT_WIDTH",
     "check_fields",
+    "in_chunks",
     "input_spec",
     "predict_batch",
     "prediction_width",
@@ -175,6 +176,35 @@ def predict_batch(
     variables = weights_of(setup, state, weights)
     fields = setup.experiment.hook_fields["forward"].resolve(tuple(batch), "predict")
     host = check_fields(setup, {k: batch[k] for k in fields})
+
+    def run(part: Mapping[str, np.ndarray], n_real: int, width: int) -> Any:
+        device = setup.placement.put_batch(setup.placement.local_rows(part))
+        args = (variables, runtime.feed.current_device(), device, np.int32(n_real))
+        try:
+            result = programs.predict(width, fields, args)(*args)
+        except (TypeError, ValueError) as error:
+            explained = shape_mismatch(setup, host, error)
+            if explained is None:
+                raise
+            raise explained from error
+        outputs = setup.placement.gather(result.outputs)
+        delete(result)
+        delete(device)
+        return outputs
+
+    return in_chunks(setup, control, host, run)
+
+
+def in_chunks(
+    setup: RunSetup,
+    control: RunControl,
+    host: Mapping[str, np.ndarray],
+    run: Callable[[Mapping[str, np.ndarray], int, int], Any],
+    axis: int = 0,
+) -> Any:
+    """`run(chunk, real rows, width)` over `host` in chunks of one compiled width
+    (`prediction_width`), the last one padded; the outputs' padded rows dropped and the
+    chunks joined on their rows' `axis` (1 when a leading member axis comes first)."""
     n = batch_size(host, "predict")
     width = prediction_width(setup, n)
     chunks = []
@@ -188,20 +218,10 @@ def predict_batch(
         if n == 0:  # no rows: run one zero batch for the outputs' trailing shapes
             part = {k: np.zeros((1, *v.shape[1:]), v.dtype) for k, v in host.items()}
         part, n_real = pad_batch(part, width)
-        device = setup.placement.put_batch(setup.placement.local_rows(part))
-        args = (variables, runtime.feed.current_device(), device, np.int32(n_real))
-        try:
-            result = programs.predict(width, fields, args)(*args)
-        except (TypeError, ValueError) as error:
-            explained = shape_mismatch(setup, host, error)
-            if explained is None:
-                raise
-            raise explained from error
-        outputs = setup.placement.gather(result.outputs)
-        delete(result)
-        delete(device)
+        outputs = run(part, n_real, width)
         keep = n_real if n else 0
-        chunks.append(jax.tree.map(lambda a, k=keep: np.asarray(a)[:k], outputs))
+        rows = (slice(None),) * axis + (slice(0, keep),)
+        chunks.append(jax.tree.map(lambda a, rows=rows: np.asarray(a)[rows], outputs))
     if len(chunks) == 1:
         return chunks[0]
-    return jax.tree.map(lambda *parts: np.concatenate(parts, axis=0), *chunks)
+    return jax.tree.map(lambda *parts: np.concatenate(parts, axis=axis), *chunks)
