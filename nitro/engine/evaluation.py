@@ -6,6 +6,7 @@ An eval batch's inputs and outputs are deleted once its metrics have their value
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -84,7 +85,6 @@ def evaluate_split(
     block = _eval_block(setup, runtime, info, has_metrics and residency == "device")
     stream = runtime.prefetcher(split).epoch(0, block=block)
     feed = runtime.feed
-    stopped = False
 
     def account_batch(result: EvalOutput, host_fields, n_real: int, outputs=None) -> None:
         nonlocal loss_sum, samples
@@ -127,43 +127,20 @@ def evaluate_split(
 
     staged_now = None
 
-    # Each batch is read back after the next one is dispatched (one batch late, like
-    # training), so the device computes while the host reads and accounts.
-    pending = None
-    try:
-        for staged in stream:
-            if control.stop.is_set():
-                staged.free()
-                stopped = True
-                break
-            n_real = staged.n_real
-            count = staged.count
-            if count == 1:
-                real = np.int32(n_real)
-            else:  # per batch; a training split's blocks are full batches, counted once
-                n_real = real = np.broadcast_to(np.asarray(n_real, np.int32), (count,))
-            args = (variables, feed.current_device(), staged.device, real)
-            program = programs_by_count.get(count)
-            if program is None:
-                program = programs_by_count[count] = programs.eval_forward(
-                    split, args, with_loss=with_loss, return_outputs=has_metrics, batches=count
-                )
-            try:
-                result = program(*args)
-            except BaseException:
-                staged.free()
-                raise
-            previous, pending = pending, (staged, result, n_real)
-            if previous is not None:
-                account(*previous)
-        if pending is not None and not stopped:
-            previous, pending = pending, None
-            account(*previous)
-    finally:
-        if pending is not None:  # a stop, an error or an interrupt: drop it unread
-            pending[0].free()
-            delete(pending[1])
-        stream.close()
+    def dispatch(staged) -> EvalOutput:
+        count = staged.count
+        real = _real(staged)
+        args = (variables, feed.current_device(), staged.device, real)
+        program = programs_by_count.get(count)
+        if program is None:
+            program = programs_by_count[count] = programs.eval_forward(
+                split, args, with_loss=with_loss, return_outputs=has_metrics, batches=count
+            )
+        return program(*args)
+
+    stopped = not read_one_late(
+        stream, control, dispatch, lambda staged, result: account(staged, result, _real(staged))
+    )
     if stopped:
         return None
     results: dict[str, Any] = {}
@@ -173,6 +150,44 @@ def evaluate_split(
         results.update(accumulator.result())
     results = finalize_metrics(setup, runtime, results, split)
     return {f"{split}_{k}": v for k, v in results.items()}
+
+
+def _real(staged) -> Any:
+    """A call's real rows: of its batch, or per batch of a block (a training split's blocks
+    are full batches, counted once)."""
+    if staged.count == 1:
+        return np.int32(staged.n_real)
+    return np.broadcast_to(np.asarray(staged.n_real, np.int32), (staged.count,))
+
+
+def read_one_late(stream, control, dispatch: Callable, account: Callable) -> bool:
+    """Dispatch every call of `stream` (`dispatch(staged) -> result`) and read each back
+    after the next is dispatched (`account(staged, result)`, which frees both): the device
+    computes while the host reads, as training does. False when a stop request cut it
+    short; a call dispatched but not read back is dropped unread."""
+    pending = None
+    try:
+        for staged in stream:
+            if control.stop.is_set():
+                staged.free()
+                return False
+            try:
+                result = dispatch(staged)
+            except BaseException:
+                staged.free()
+                raise
+            previous, pending = pending, (staged, result)
+            if previous is not None:
+                account(*previous)
+        if pending is not None:
+            previous, pending = pending, None
+            account(*previous)
+    finally:
+        if pending is not None:  # a stop, an error or an interrupt: drop it unread
+            pending[0].free()
+            delete(pending[1])
+        stream.close()
+    return True
 
 
 EVAL_BLOCK_MIN_CALLS = 4  # a split fuses its batches when that makes at least this many calls

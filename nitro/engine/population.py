@@ -33,7 +33,7 @@ from nitro.core.metrics import MetricAccumulator, split_modes
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import EpochTotals, TrainState, Variables
 from nitro.engine.diagnostics import divergence_message
-from nitro.engine.evaluation import delete, device_metrics, finalize_metrics
+from nitro.engine.evaluation import delete, device_metrics, finalize_metrics, read_one_late
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl
 from nitro.errors import DivergenceError
@@ -557,39 +557,26 @@ def evaluate_members(
             staged.free()
             delete(result)
 
-    stream = lead.runtime.prefetcher(split).epoch(0)
-    pending = None
-    stopped = False
+    def dispatch(staged) -> Any:
+        args = (variables, device, staged.device, np.int32(staged.n_real))
+        program = programs.program(
+            ("population eval", split, n, info.width),
+            lambda setup: population_eval_spec(
+                setup,
+                setup.splits[split].hook_fields,
+                n,
+                with_loss=with_loss,
+                return_outputs=has_metrics,
+            ),
+            args,
+        )
+        return program(*args)
+
     try:
-        for staged in stream:
-            if control.stop.is_set():
-                staged.free()
-                stopped = True
-                break
-            args = (variables, device, staged.device, np.int32(staged.n_real))
-            program = programs.program(
-                ("population eval", split, n, info.width),
-                lambda setup: population_eval_spec(
-                    setup,
-                    setup.splits[split].hook_fields,
-                    n,
-                    with_loss=with_loss,
-                    return_outputs=has_metrics,
-                ),
-                args,
-            )
-            result = program(*args)
-            previous, pending = pending, (staged, result)
-            if previous is not None:
-                account(*previous)
-        if pending is not None and not stopped:
-            previous, pending = pending, None
-            account(*previous)
+        stopped = not read_one_late(
+            lead.runtime.prefetcher(split).epoch(0), control, dispatch, account
+        )
     finally:
-        if pending is not None:
-            pending[0].free()
-            delete(pending[1])
-        stream.close()
         delete(device)
     if stopped:
         return None
