@@ -1,4 +1,4 @@
-"""The ten agent tools, driven by the MCP SDK's client over stdio and over streamable HTTP."""
+"""The twelve agent tools, driven by the MCP SDK's client over stdio and over streamable HTTP."""
 
 from __future__ import annotations
 
@@ -26,6 +26,8 @@ TOOL_NAMES = {
     "nitro_status",
     "nitro_logger",
     "nitro_stop",
+    "nitro_population",
+    "nitro_member",
 }
 
 
@@ -45,7 +47,7 @@ def connect(request, http_server, tmp_path, monkeypatch):
     return lambda: http_session(http_server.url, http_server.token)
 
 
-def test_the_ten_tools_are_listed_with_their_input_schemas(connect):
+def test_the_twelve_tools_are_listed_with_their_input_schemas(connect):
     async def scenario():
         async with connect() as session:
             tools = (await session.list_tools()).tools
@@ -73,6 +75,14 @@ def test_the_ten_tools_are_listed_with_their_input_schemas(connect):
     assert schemas["nitro_predict"]["required"] == ["run_id", "inputs"]
     assert schemas["nitro_status"]["required"] == ["run_id"]
     assert schemas["nitro_stop"]["properties"]["wait_seconds"]["default"] == 30.0
+    assert "member" in schemas["nitro_stop"]["properties"]
+    population = schemas["nitro_population"]
+    assert population["additionalProperties"] is False
+    assert {"experiment", "overrides", "axes", "members", "keywords", "epochs", "steps"} <= set(
+        population["properties"]
+    )
+    assert schemas["nitro_member"]["required"] == ["run_id"]
+    assert {"member", "metric", "mode", "keywords"} <= set(schemas["nitro_member"]["properties"])
 
 
 def test_a_run_trains_in_the_background_and_status_reports_its_metrics(connect):

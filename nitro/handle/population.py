@@ -205,6 +205,11 @@ class Population:
         return [dict(s) for s in self._settings]
 
     @property
+    def cls(self) -> type:
+        """The experiment class (as `Nitro.cls`)."""
+        return self._cls
+
+    @property
     def stopped(self) -> dict[int, str]:
         """Member -> why it stopped training (a diverged member), for the members that did."""
         return {m.index: m.stopped for m in self._members if m.stopped is not None}

@@ -38,12 +38,14 @@ class RunStatus(enum.StrEnum):
 
 @dataclasses.dataclass
 class RunRecord:
-    """One run: `handle` is None until the work has built it (a training run sets up first)."""
+    """One run: `handle` is None until the work has built it (a training run sets up first);
+    a population's run holds its `nitro.Population` in `population` instead."""
 
     run_id: str
-    kind: str  # "train", "validate", "evaluate" or "export"
+    kind: str  # "train", "validate", "evaluate", "export", "population" or "member"
     experiment: str
     handle: Any = None
+    population: Any = None
     source: str | None = None  # the run whose handle this work used, if any
     status: RunStatus = RunStatus.RUNNING
     result: Any = None
@@ -70,20 +72,24 @@ class RunRegistry:
         *,
         experiment: str,
         handle: Any = None,
+        population: Any = None,
         source: str | None = None,
         before: Callable[[], None] | None = None,
     ) -> RunRecord:
         """Record a new run and call `work(record)` on a thread; returns the record at once.
 
         `work` returns the run's result (plain data) or raises; it may set `record.handle`.
-        A training run's status comes from the handle's `stop_reason` when the work returns.
+        A training run's status (a population's too) comes from its `stop_reason` when the
+        work returns.
         `before` runs first on the new thread (a notebook routes the thread's output with it).
         """
         with self._lock:
             run_id = secrets.token_hex(4)
             while run_id in self._records:
                 run_id = secrets.token_hex(4)
-            record = RunRecord(run_id, kind, experiment, handle=handle, source=source)
+            record = RunRecord(
+                run_id, kind, experiment, handle=handle, population=population, source=source
+            )
             self._records[run_id] = record
             self._trim()
         thread = threading.Thread(
@@ -99,7 +105,7 @@ class RunRegistry:
             if before is not None:
                 before()
             result = work(record)
-            if record.kind == "train" and _stopped(record):
+            if record.kind in ("train", "population") and _stopped(record):
                 status = RunStatus.STOPPED
         except BaseException as exc:  # noqa: BLE001 - recorded for the agent to read
             error, status = f"{type(exc).__name__}: {exc}", RunStatus.FAILED
@@ -140,9 +146,10 @@ class RunRegistry:
 
 
 def _stopped(record: RunRecord) -> bool:
-    if record.handle is None:  # stopped while it was setting up
+    run = record.population if record.kind == "population" else record.handle
+    if run is None:  # stopped while it was setting up
         return record.stop_requested
-    return record.handle.stop_reason == "requested"
+    return run.stop_reason == "requested"
 
 
 # The runs of this process: the stdio server and the notebook's server share it, so runs

@@ -27,13 +27,17 @@ from __future__ import annotations
 import dataclasses
 import os
 import secrets
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from nitro.engine.population import shown_settings
+from nitro.errors import PopulationError
 from nitro.experiments.declaration import field_specs, has_method
 from nitro.handle.handle import Nitro
+from nitro.handle.population import Population
 from nitro.mcp.convert import (
     OUTPUT_FILES,
     PREVIEW_ELEMENTS,
@@ -49,6 +53,13 @@ from nitro.mcp.describe import describe_run, latest_step
 from nitro.mcp.keywords import check_run_keywords, checkpoint_pair
 from nitro.mcp.lookup import ToolFailure, build_experiment, find_experiment
 from nitro.mcp.paths import PathPolicy
+from nitro.mcp.population import (
+    MemberSteps,
+    PopulationPlan,
+    best_member,
+    describe_population,
+    population_failure,
+)
 from nitro.mcp.registry import RUNS, RunRecord, RunRegistry, RunStatus
 
 __all__ = ["ToolSession"]
@@ -86,11 +97,33 @@ def _training(
     return work
 
 
+def _population_training(
+    population: Population, epochs: int | None, steps: int | None
+) -> Callable[[RunRecord], dict[str, Any]]:
+    """The work of a population's training run, once it is set up: train, wait for the end."""
+
+    def work(record: RunRecord) -> dict[str, Any]:
+        if not record.stop_requested:
+            population.train(epochs, steps=steps, background=True)
+            if record.stop_requested:  # asked while the run was starting
+                population.stop()
+            population.wait()
+        return {
+            "epoch": population.epoch,
+            "step": population.step,
+            "stop_reason": population.stop_reason,
+            "stopped": sorted(population.stopped),
+        }
+
+    return work
+
+
 @dataclasses.dataclass
 class _Found:
     run_id: str
     record: RunRecord | None
     handle: Nitro | None
+    population: Population | None = None
 
 
 @dataclasses.dataclass
@@ -140,15 +173,28 @@ class ToolSession:
                 found[name] = value
         return found
 
+    def _notebook_populations(self) -> dict[str, Population]:
+        """Name -> population for populations in the namespace that no tool run holds."""
+        held = {id(r.population) for r in self.registry.records() if r.population is not None}
+        found: dict[str, Population] = {}
+        for name, value in list(self.namespace.items()):
+            if name.startswith("_") or not isinstance(value, Population) or id(value) in held:
+                continue
+            if all(other is not value for other in found.values()):
+                found[name] = value
+        return found
+
     def _lookup(self, run_id: str) -> _Found | None:
-        """A tool run by its id, a notebook handle by its name, or either by the handle's
-        own run id (`n.run_id`; the newest training run holding it)."""
+        """A tool run by its id, a notebook handle or population by its name, or a handle
+        by its own run id (`n.run_id`; the newest training run holding it)."""
         record = self.registry.get(run_id)
         if record is not None:
-            return _Found(run_id, record, record.handle)
+            return _Found(run_id, record, record.handle, record.population)
         value = self.namespace.get(run_id)
         if isinstance(value, Nitro):
             return _Found(run_id, None, value)
+        if isinstance(value, Population):
+            return _Found(run_id, None, None, value)
         records = [r for r in self.registry.records() if r.handle and r.handle.run_id == run_id]
         if records:
             record = ([r for r in records if r.kind == "train"] or records)[-1]
@@ -162,12 +208,19 @@ class ToolSession:
         found = self._lookup(run_id)
         if found is not None:
             return found
-        known = [r.run_id for r in self.registry.records()] + list(self._notebook_runs())
+        known = [r.run_id for r in self.registry.records()]
+        known += [*self._notebook_runs(), *self._notebook_populations()]
         listing = f"runs: {', '.join(known)}" if known else "there are no runs yet"
         raise ToolFailure(f"run_id: no run {run_id!r}; {listing} (nitro_runs lists them)")
 
     def _handle(self, run_id: str, what: str, idle: bool = True) -> _SetUp:
         found = self._find(run_id)
+        if found.population is not None:
+            raise ToolFailure(
+                f"run_id: run {run_id} is a population of {len(found.population)} members, "
+                f"not a single run; to {what}, take one member as a run with nitro_member "
+                f"(the best, or member=i). nitro_population with run_id trains the population on"
+            )
         handle = found.handle
         if handle is None:
             raise ToolFailure(
@@ -182,6 +235,10 @@ class ToolSession:
         return _SetUp(found.run_id, found.record, handle)
 
     def _describe(self, found: _Found, brief: bool = False) -> dict[str, Any]:
+        population, record = found.population, found.record
+        if population is not None or (record is not None and record.kind == "population"):
+            names = [] if population is None else self._names(population)
+            return describe_population(found.run_id, record, population, names, brief)
         names = [] if found.handle is None else self._names(found.handle)
         return describe_run(found.run_id, found.record, found.handle, names, brief)
 
@@ -509,20 +566,25 @@ class ToolSession:
 
     def runs(self) -> dict[str, Any]:
         rows = [
-            self._describe(_Found(r.run_id, r, r.handle), brief=True)
+            self._describe(_Found(r.run_id, r, r.handle, r.population), brief=True)
             for r in self.registry.records()
         ]
         rows += [
             self._describe(_Found(name, None, handle), brief=True)
             for name, handle in self._notebook_runs().items()
         ]
+        rows += [
+            self._describe(_Found(name, None, None, population), brief=True)
+            for name, population in self._notebook_populations().items()
+        ]
         return {"runs": rows, "kept_finished": self.registry.max_finished}
 
     def status(self, run_id: str, history: bool = False) -> dict[str, Any]:
         found = self._find(run_id)
         row = self._describe(found)
-        if history and found.handle is not None:
-            frame = found.handle.history()
+        run = found.population if found.population is not None else found.handle
+        if history and run is not None:
+            frame = run.history()
             row["history"] = jsonable(frame.reset_index().to_dict("records"))
         return row
 
@@ -546,9 +608,14 @@ class ToolSession:
             "run_url": logger.run_url,
         }
 
-    def stop(self, run_id: str, wait_seconds: float = 30.0) -> dict[str, Any]:
+    def stop(
+        self, run_id: str, wait_seconds: float = 30.0, member: int | None = None
+    ) -> dict[str, Any]:
         found = self._find(run_id)
-        record, handle = found.record, found.handle
+        if member is not None:
+            return self._prune(found, member)
+        record = found.record
+        handle = found.population if found.population is not None else found.handle
         record_running = record is not None and record.status is RunStatus.RUNNING
         if record_running and record is not None:
             record.stop_requested = True
@@ -560,7 +627,8 @@ class ToolSession:
             return row
         deadline = time.monotonic() + wait_seconds
         while time.monotonic() < deadline:
-            idle = found.handle is None or not found.handle.running
+            run = found.population if found.population is not None else found.handle
+            idle = run is None or not run.running
             if record.done.is_set() if record is not None else idle:
                 break
             time.sleep(0.05)
@@ -572,3 +640,253 @@ class ToolSession:
                 f"compile); poll nitro_status"
             )
         return row
+
+    def _prune(self, found: _Found, member: int) -> dict[str, Any]:
+        """Stop one member of a population (`pop.stop(member)`); the others train on."""
+        population = found.population
+        if population is None:
+            raise ToolFailure(
+                f"member: run {found.run_id} is a single run, not a population; leave member out "
+                f"to stop it"
+            )
+        count = len(population)
+        if member >= count:
+            raise ToolFailure(
+                f"member: population {found.run_id} has {count} members (0 to {count - 1}); got "
+                f"{member}"
+            )
+        already = population.stopped.get(member)
+        if already is None:
+            population.stop(member, why=f"stopped by nitro_stop (member {member})")
+        row = self._describe(found)
+        if already is not None:
+            row["note"] = f"member {member} had stopped already: {already}"
+        elif population.running:
+            row["note"] = (
+                f"member {member} stops before the population's next call (its variables stay "
+                f"as they are from there); the other members train on as they would have"
+            )
+        else:
+            row["note"] = (
+                f"member {member} is stopped: when the population trains on, its variables stay "
+                f"as they are and the other members train as they would have"
+            )
+        return row
+
+    # ------------------------------------------------------------------------------------------
+    # populations
+
+    def population(
+        self,
+        experiment: str | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        keywords: Mapping[str, Any] | None = None,
+        axes: Mapping[str, list[Any]] | None = None,
+        members: list[Mapping[str, Any]] | None = None,
+        max_epochs: int | None = None,
+        epochs: int | None = None,
+        steps: int | None = None,
+        run_id: str | None = None,
+        wait_seconds: float = 60.0,
+    ) -> dict[str, Any]:
+        if epochs is not None and steps is not None:
+            raise ToolFailure(
+                f"steps: give epochs (whole epochs more) or steps (steps more), not both; got "
+                f"epochs={epochs}, steps={steps}"
+            )
+        if run_id is not None:
+            others = {
+                "experiment": experiment,
+                "overrides": overrides,
+                "keywords": keywords,
+                "axes": axes,
+                "members": members,
+                "max_epochs": max_epochs,
+            }
+            given = [name for name, value in others.items() if value is not None]
+            if given:
+                raise ToolFailure(
+                    f"{given[0]}: run_id continues population {run_id} as it is; leave out "
+                    f"{', '.join(given)}, or start a new population from experiment instead"
+                )
+            return self._continue_population(run_id, epochs, steps)
+        plan = PopulationPlan.check(self.namespace, experiment, overrides, keywords, axes, members)
+        if max_epochs is not None:
+            plan.shared["max_epochs"] = max_epochs
+            plan.where["max_epochs"] = "max_epochs"
+        recorder = MemberSteps()
+        ready = threading.Event()
+        refused: list[PopulationError] = []
+
+        def work(record: RunRecord) -> dict[str, Any]:
+            try:
+                record.population = Population(
+                    plan.instance,
+                    members=plan.members,
+                    progress=recorder,
+                    **plan.axes,
+                    **plan.shared,
+                )
+            except PopulationError as error:
+                refused.append(error)
+                raise
+            finally:
+                ready.set()
+            return _population_training(record.population, epochs, steps)(record)
+
+        record = self.registry.start(
+            "population",
+            work,
+            experiment=type(plan.instance).__qualname__,
+            before=self.before_run,
+        )
+        if not ready.wait(wait_seconds):
+            row = self._describe(self._find(record.run_id), brief=True)
+            row["note"] = (
+                f"still setting up its members after {wait_seconds:g} s; poll nitro_status with "
+                f"this run_id"
+            )
+            return row
+        if refused:
+            raise population_failure(refused[0], plan.where, plan.argument)
+        if record.population is None:  # the setup failed: a hook, the data
+            self.registry.wait(record.run_id, 30)
+            raise ToolFailure(f"population (run {record.run_id}) failed: {record.error}")
+        row = self._describe(self._find(record.run_id), brief=True)
+        row["note"] = (
+            "training every member on a background thread; poll nitro_status with this run_id "
+            "(history=true: every member's epochs), nitro_member takes one as a run"
+        )
+        return row
+
+    def _continue_population(
+        self, run_id: str, epochs: int | None, steps: int | None
+    ) -> dict[str, Any]:
+        found = self._find(run_id)
+        population = found.population
+        if population is None:
+            setting_up = found.record is not None and found.record.kind == "population"
+            raise ToolFailure(
+                f"run_id: population {run_id} is still setting up; train it on once "
+                f"nitro_status shows its members"
+                if setting_up
+                else f"run_id: run {run_id} is a single run, not a population; nitro_train "
+                f"with run_id trains it on"
+            )
+        if population.running:
+            raise ToolFailure(
+                f"run_id: population {run_id} is {population.phase} (epoch {population.epoch}, "
+                f"step {population.step}); train it on after it finishes, or nitro_stop it first"
+            )
+        if epochs is None and steps is None:
+            raise ToolFailure(
+                f"epochs: population {run_id} trains on by epochs=N or steps=N; give one"
+            )
+        if len(population.stopped) == len(population):
+            raise ToolFailure(
+                f"run_id: every member of population {run_id} has stopped; nitro_member takes "
+                f"one as a run that trains on"
+            )
+        record = self.registry.start(
+            "population",
+            _population_training(population, epochs, steps),
+            experiment=population.cls.__qualname__,
+            population=population,
+            source=found.run_id,
+            before=self.before_run,
+        )
+        row = self._describe(self._find(record.run_id), brief=True)
+        row["note"] = (
+            f"continues population {found.run_id} on a background thread; poll nitro_status"
+        )
+        return row
+
+    def member(
+        self,
+        run_id: str,
+        member: int | None = None,
+        metric: str = "val_loss",
+        mode: str | None = None,
+        keywords: Mapping[str, Any] | None = None,
+        max_epochs: int | None = None,
+        wait_seconds: float = 60.0,
+    ) -> dict[str, Any]:
+        found = self._find(run_id)
+        population = found.population
+        if population is None:
+            raise ToolFailure(
+                f"run_id: run {run_id} is a single run, not a population (nitro_runs marks them "
+                f'"population": true); nitro_member takes a member of one'
+            )
+        if population.running:
+            raise ToolFailure(
+                f"run_id: population {run_id} is {population.phase} (epoch {population.epoch}, "
+                f"step {population.step}); take a member after it finishes, or nitro_stop it first"
+            )
+        count = len(population)
+        if member is not None and member >= count:
+            raise ToolFailure(
+                f"member: population {run_id} has {count} members (0 to {count - 1}); got {member}"
+            )
+        index, value = member, None
+        if index is None:
+            index, value, columns = best_member(population, metric, mode)
+            if index is None:
+                known = f"; history columns: {', '.join(columns)}" if columns else ""
+                raise ToolFailure(
+                    f"metric: no member of population {run_id} that still trains has a finite "
+                    f"{metric!r} to choose by{known}; train it first, or give member=i"
+                )
+        extra = dict(keywords or {})
+        if "weights" in extra:
+            raise ToolFailure(
+                "keywords.weights: the run starts from the member's weights; leave weights out"
+            )
+        where = {}
+        if max_epochs is not None:
+            if "max_epochs" in extra:
+                raise ToolFailure(
+                    "max_epochs: given both as the max_epochs argument and in keywords; give it once"
+                )
+            extra["max_epochs"], where["max_epochs"] = max_epochs, "max_epochs"
+        checked = check_run_keywords(extra, where)
+        self._confine_run_paths(checked, where)
+        checked.setdefault("progress", True)  # not the population's reporter
+        settings = jsonable(shown_settings(population.members[index]))
+        chosen = index
+
+        def work(record: RunRecord) -> dict[str, Any]:
+            handle = population.member(chosen, **checked)
+            record.handle = handle
+            return {
+                "member": chosen,
+                "settings": settings,
+                "chosen_by": None if member is not None else {"metric": metric, "value": value},
+                "weights_origin": handle.weights_origin,
+            }
+
+        record = self.registry.start(
+            "member",
+            work,
+            experiment=population.cls.__qualname__,
+            source=found.run_id,
+            before=self.before_run,
+        )
+        self.registry.wait(record.run_id, wait_seconds)
+        if record.status is RunStatus.FAILED:
+            raise ToolFailure(f"member (run {record.run_id}) failed: {record.error}")
+        answer: dict[str, Any] = {"run_id": record.run_id, "status": record.status.value}
+        if record.status is RunStatus.RUNNING:
+            answer["note"] = (
+                f"still building the run after {wait_seconds:g} s; nitro_status with this run_id "
+                f"shows it when it is ready"
+            )
+            return answer
+        return {
+            **answer,
+            "handle_run_id": record.handle.run_id,
+            "result": record.result,
+            "note": "a single run with the member's weights (its optimizer state and counters "
+            "start fresh): nitro_validate, nitro_evaluate, nitro_predict, nitro_export and "
+            "nitro_train (run_id, epochs) take this run_id",
+        }

@@ -1,4 +1,4 @@
-"""The ten agent tools as an MCP server: argument schemas, descriptions, dispatch.
+"""The twelve agent tools as an MCP server: argument schemas, descriptions, dispatch.
 
 Each tool is declared once: a name, a description for the agent, and a pydantic model of its
 arguments; the model gives the input schema the client lists and checks every call (an unknown
@@ -54,7 +54,7 @@ class SetupArguments(_Arguments):
 CHECKPOINT = 'a run directory or checkpoint path, or [run_dir, "best" | "latest"]'
 
 
-class _NewHandle(_Arguments):
+class _Experiment(_Arguments):
     experiment: str | None = Field(
         None,
         description="an experiment class by name: 'Digits' (defined in the notebook) or "
@@ -63,6 +63,9 @@ class _NewHandle(_Arguments):
     overrides: dict[str, Any] | None = Field(
         None, description='field values, e.g. {"width": 256}; checked against the fields'
     )
+
+
+class _NewHandle(_Experiment):
     weights: str | tuple[str, Literal["best", "latest"]] | None = Field(
         None, description=f"start from these weights: a run id (nitro_runs), {CHECKPOINT}"
     )
@@ -139,7 +142,11 @@ class RunsArguments(_Arguments):
 
 class StatusArguments(_Arguments):
     run_id: str = Field(description=RUN_ID)
-    history: bool = Field(False, description="include every epoch's history row")
+    history: bool = Field(
+        False,
+        description="include every epoch's history row (a population's: one per member and "
+        "epoch, with the member's settings)",
+    )
 
 
 class RunIdArguments(_Arguments):
@@ -151,6 +158,68 @@ class StopArguments(_Arguments):
     wait_seconds: float = Field(
         30.0, ge=0, le=600, description="seconds to wait for the run to stop"
     )
+    member: int | None = Field(
+        None,
+        ge=0,
+        description="a population's member to stop (prune) alone: its variables stop changing "
+        "and the others train on; leave it out to stop the whole run",
+    )
+
+
+class PopulationArguments(_Experiment):
+    keywords: dict[str, Any] | None = Field(
+        None,
+        description="run keywords every member shares, in nitro_train's JSON forms (e.g. "
+        '{"steps_per_dispatch": 1, "check_divergence": true}); a population takes no '
+        "checkpointer, logger, resume, run_dir or early_stop yet",
+    )
+    axes: dict[str, list[Any]] | None = Field(
+        None,
+        description="what varies: {name: [values]}, every combination a member, e.g. "
+        '{"learning_rate": [0.001, 0.01], "seed": [0, 1]} (4 members). A name is a run keyword '
+        "fed to the step (seed, learning_rate, weight_decay, gradient_clip_norm, group_lr) or "
+        "a Device field of the experiment",
+    )
+    members: list[dict[str, Any]] | None = Field(
+        None,
+        min_length=1,
+        description='instead of axes, each member\'s values: [{"learning_rate": 0.001}, '
+        '{"learning_rate": 0.01, "seed": 1}]',
+    )
+    max_epochs: int | None = Field(None, ge=1, description="epochs every member trains to")
+    epochs: int | None = Field(None, ge=1, description="train this many epochs (more)")
+    steps: int | None = Field(
+        None, ge=1, description="train this many steps (more), mid-epoch if need be"
+    )
+    run_id: str | None = Field(
+        None,
+        description="train this population on (by epochs or steps) instead of starting one",
+    )
+    wait_seconds: float = Field(
+        60.0,
+        ge=0,
+        le=600,
+        description="seconds to wait for the members to be set up (a refusal comes back as the "
+        "tool's error within it); training goes on in the background",
+    )
+
+
+class MemberArguments(_Arguments):
+    run_id: str = Field(description="a population's run id (nitro_population, nitro_runs)")
+    member: int | None = Field(
+        None, ge=0, description="the member to take (its index); default: the best by metric"
+    )
+    metric: str = Field("val_loss", description="the history column the best member is chosen by")
+    mode: Literal["min", "max"] | None = Field(
+        None, description="'min' or 'max'; default 'min' for a metric named like a loss"
+    )
+    max_epochs: int | None = Field(None, ge=1, description="epochs the new run trains to")
+    keywords: dict[str, Any] | None = Field(
+        None,
+        description="other run keywords of the new run (run_dir, checkpointer, early_stop, "
+        "logger, ...), in nitro_train's JSON forms; the member's settings are its keywords",
+    )
+    wait_seconds: float = Field(60.0, ge=0, le=600, description=WAIT)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -237,9 +306,28 @@ TOOLS: dict[str, ToolSpec] = {
         ToolSpec(
             "nitro_stop",
             "Stop a run cleanly: the current step finishes and nothing is lost "
-            "(stop_reason 'requested'); it can be continued with nitro_train(run_id=...).",
+            "(stop_reason 'requested'); it can be continued with nitro_train(run_id=...). "
+            "With member, stop one member of a population (prune it); the others train on.",
             StopArguments,
             "stop",
+        ),
+        ToolSpec(
+            "nitro_population",
+            "Start a population: members of one experiment that differ in fed values (axes: "
+            "learning rates, seeds, Device fields), trained side by side by one program on a "
+            "background thread; answers its run id at once. nitro_status reads it (history=true: "
+            "every member's epochs with its settings), nitro_stop stops it or one member, "
+            "nitro_member takes one member as a run. With run_id it trains a population on.",
+            PopulationArguments,
+            "population",
+        ),
+        ToolSpec(
+            "nitro_member",
+            "Take the best member of a population (by metric, default val_loss), or member i, "
+            "as a new single run with its settings and current weights; the other tools "
+            "(nitro_validate, nitro_train, nitro_export, ...) work on its run id.",
+            MemberArguments,
+            "member",
         ),
     ]
 }
@@ -295,12 +383,13 @@ def _text(value: Any) -> list[types.ContentBlock]:
 INSTRUCTIONS = (
     "Nitro trains JAX/Flax experiments in the session this server belongs to. nitro_train "
     "answers a run id at once; poll nitro_status until status is not 'running', then read "
-    "the metrics, nitro_evaluate or nitro_predict. nitro_stop stops a run cleanly."
+    "the metrics, nitro_evaluate or nitro_predict. nitro_stop stops a run cleanly. "
+    "nitro_population trains many variants at once; nitro_member takes one as a run."
 )
 
 
 def build_server(session: ToolSession) -> Server:
-    """An MCP server (the SDK's low-level `Server`) offering the ten tools on `session`."""
+    """An MCP server (the SDK's low-level `Server`) offering the twelve tools on `session`."""
     import nitro
 
     async def list_tools(ctx, params) -> types.ListToolsResult:
