@@ -32,7 +32,7 @@ from nitro.engine.runner import Run, RunControl, RunGuard, sigint_requests_stop,
 from nitro.engine.setup import build
 from nitro.errors import PopulationError
 from nitro.experiments.declaration import FieldKind, field_specs
-from nitro.handle.handle import Nitro, _check_experiment
+from nitro.handle.handle import Nitro, _check_experiment, _weights_source
 from nitro.programs.compile_cache import graphconst_keys
 from nitro.programs.specs import ProgramSet
 from nitro.programs.train_step import train_step_spec
@@ -106,6 +106,9 @@ class Population:
                 f"a fair comparison of the settings) or 'own' (each member its seed's data order)"
             )
         self._batches_mode = batches
+        # shared by every member, as Nitro(...) takes them: where the weights start, the splits
+        self._weights = _weights_source(keywords.pop("weights", None))
+        self._data = keywords.pop("data", None)
         axes = {k: v for k, v in keywords.items() if isinstance(v, list)}
         shared = {k: v for k, v in keywords.items() if not isinstance(v, list)}
         if members is not None:
@@ -168,7 +171,9 @@ class Population:
         given = {**self._shared_keywords, **{k: v for k, v in setting.items() if k not in fields}}
         keywords = {**given, "checkpointer": None, "logger": None, "progress": False}
         resolved = RunKeywords.of(resolve_run_keywords(instance, keywords))
-        setup, runtime, state = build(instance, resolved, given, events=Events())
+        setup, runtime, state = build(
+            instance, resolved, given, events=Events(), data=self._data, weights=self._weights
+        )
         return engine.Member(index, dict(setting), instance, setup, runtime, state)
 
     # ------------------------------------------------------------------------------------------
@@ -354,6 +359,12 @@ class Population:
         """The progress reporter (`progress=`), or None."""
         return self._reporter
 
+    @property
+    def events(self) -> Events:
+        """The path of this population's events: `pop.events.add(reporter)` adds a reporter
+        (`member_steps`, `member_rows`, ...; see `nitro.events.Reporter`) beside `progress=`."""
+        return self._events
+
     def wait(self) -> Population:
         """Wait for a background run; Ctrl-C turns into a stop request. Re-raises the run's
         error, if it failed."""
@@ -453,7 +464,8 @@ class Population:
             f"step {self.step}",
         )
         given = dict(member.setup.given_keywords)
-        return Nitro(member.experiment, weights=weights, **{**given, **keywords})
+        data = {} if self._data is None else {"data": self._data}
+        return Nitro(member.experiment, weights=weights, **{**data, **given, **keywords})
 
     def best(self, metric: str = "val_loss", mode: str | None = None, **keywords: Any) -> Nitro:
         """A `Nitro` handle of the member whose latest `metric` is best (`mode` "min" or
