@@ -26,6 +26,7 @@ _EXPORTS = {
     "set_compilation_cache": "nitro.programs.compile_cache",
     "Nitro": "nitro.handle",
     "Population": "nitro.handle",
+    "LRFindResult": "nitro.handle.lr_find",
     "PopulationError": "nitro.errors",
     "Device": "nitro.experiments",
     "FieldKind": "nitro.experiments",
@@ -80,6 +81,7 @@ __all__ = [
     "GraphConst",
     "HostFieldError",
     "Interrupted",
+    "LRFindResult",
     "MetricError",
     "Nitro",
     "OptimizerError",
@@ -151,6 +153,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     )
     from nitro.experiments.declaration import Device, FieldKind, GraphConst, experiment, fields
     from nitro.handle.handle import Nitro
+    from nitro.handle.lr_find import LRFindResult
     from nitro.handle.population import Population
     from nitro.optim.ema import EMA
     from nitro.optim.sam import ASAM, SAM

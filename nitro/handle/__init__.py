@@ -4,6 +4,7 @@
 
 - `handle`: `Nitro`
 - `population`: `Population`, many variants of one experiment trained as one vmapped program
+- `lr_find`: `n.lr_find()` and its `LRFindResult`, a learning rate from a log grid trained as a population
 - `signature`: `Nitro`'s signature and keyword help, generated from the run keywords
 - `binding_report`: where every value came from
 - `displays`, `plotting`: the handle's repr and HTML; history plots

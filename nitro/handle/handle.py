@@ -17,7 +17,7 @@ import os
 import threading
 import time
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, overload
+from typing import TYPE_CHECKING, Any, overload
 
 import jax
 import numpy as np
@@ -56,6 +56,9 @@ from nitro.programs.specs import ProgramSet
 from nitro.programs.staleness import stale_changes, stale_report
 from nitro.runs.lifecycle import RunFiles, check_watched_metrics
 from nitro.runs.weights import AveragedWeights, CheckpointWeights, WeightsSource
+
+if TYPE_CHECKING:
+    from nitro.handle.lr_find import LRFindResult
 
 __all__ = ["Nitro"]
 
@@ -678,6 +681,42 @@ class Nitro:
                 platforms=DEFAULT_PLATFORMS if platforms is None else platforms,
                 variables=variables,
             )
+
+    # ------------------------------------------------------------------------------------------
+    # finding a learning rate
+
+    def lr_find(
+        self,
+        *,
+        start: float = 1e-5,
+        end: float = 1.0,
+        num: int = 11,
+        steps: int | None = None,
+        method: str = "grid",
+        progress: Any = None,
+    ) -> LRFindResult:
+        """Try `num` learning rates on a log grid from `start` to `end` (default 11: every
+        half decade from 1e-5 to 1), each trained for `steps` steps (default 50, rounded up
+        to whole program calls) from this handle's current weights on the train split, with
+        its other settings (optimizer, schedules other than the learning rate's, seed, ...),
+        all of them side by side in one program (a `nitro.Population`).
+
+        Returns an `LRFindResult`: each rate's mean training loss over the last quarter of
+        its steps, the rates that diverged, and a `suggestion`, the smallest rate whose loss
+        is within 10% of the best rate's drop from the starting loss (`.frame`, `.plot()`).
+        Nothing on the handle changes (weights, optimizer state, step, history):
+        `result.apply()` sets the suggestion as its learning rate.
+
+        `method="ramp"` is the classic one-run range test instead (Smith 2015, fastai): the
+        rate grows geometrically from `start` to `end` over `steps` steps (default 100) and
+        stops once the smoothed loss passes 4x its minimum; its suggestion is a tenth of the
+        rate at the smoothed loss's minimum. See docs/lr-find.md.
+        """
+        from nitro.handle.lr_find import lr_find
+
+        return lr_find(
+            self, start=start, end=end, num=num, steps=steps, method=method, progress=progress
+        )
 
     # ------------------------------------------------------------------------------------------
     # Device fields

@@ -32,7 +32,7 @@ from nitro.engine.runner import Run, RunControl, RunGuard, sigint_requests_stop,
 from nitro.engine.setup import build
 from nitro.errors import PopulationError
 from nitro.experiments.declaration import FieldKind, field_specs
-from nitro.handle.handle import Nitro, _check_experiment
+from nitro.handle.handle import Nitro, _check_experiment, _weights_source
 from nitro.programs.compile_cache import graphconst_keys
 from nitro.programs.specs import ProgramSet
 from nitro.programs.train_step import train_step_spec
@@ -114,6 +114,9 @@ class Population:
             )
         self._batches_mode = batches
         self._mesh_axis = mesh_axis
+        # shared by every member, as Nitro(...) takes them: where the weights start, the splits
+        self._weights = _weights_source(keywords.pop("weights", None))
+        self._data = keywords.pop("data", None)
         axes = {k: v for k, v in keywords.items() if isinstance(v, list)}
         shared = {k: v for k, v in keywords.items() if not isinstance(v, list)}
         if members is not None:
@@ -183,7 +186,9 @@ class Population:
         given = {**self._shared_keywords, **{k: v for k, v in setting.items() if k not in fields}}
         keywords = {**given, "checkpointer": None, "logger": None, "progress": False}
         resolved = RunKeywords.of(resolve_run_keywords(instance, keywords))
-        setup, runtime, state = build(instance, resolved, given, events=Events())
+        setup, runtime, state = build(
+            instance, resolved, given, events=Events(), data=self._data, weights=self._weights
+        )
         return engine.Member(index, dict(setting), instance, setup, runtime, state)
 
     # ------------------------------------------------------------------------------------------
@@ -297,24 +302,26 @@ class Population:
                 + "; ".join(f"{m.label}: {m.stopped}" for m in self._members)
                 + "): pop.best() or pop.member(i) is a handle that trains on"
             )
-        self._guard.claim("training", background=background)
-        started = False
-        try:
-            self._target = target if steps is None else self._target
-            self._control.stop.clear()
-            self._stop_reason = None
-            self._run = Run(
-                lambda: self._train_body(target, stop_at),
-                name=f"nitro-population-{self._cls.__name__}",
-                context=self,
-            )
-            self._run.start()
-            started = True
-        finally:
-            if not started:
-                self._guard.release()
-        if not background:
-            self.wait()
+        # Ctrl-C from here on is a stop request, also between the start and the wait
+        with sigint_requests_stop(self._control):
+            self._guard.claim("training", background=background)
+            started = False
+            try:
+                self._target = target if steps is None else self._target
+                self._control.stop.clear()
+                self._stop_reason = None
+                self._run = run = Run(
+                    lambda: self._train_body(target, stop_at),
+                    name=f"nitro-population-{self._cls.__name__}",
+                    context=self,
+                )
+                run.start()
+                started = True
+            finally:
+                if not started:
+                    self._guard.release()
+            if not background:
+                self._wait(run)
         return self
 
     def _batches(self) -> int:
@@ -381,17 +388,26 @@ class Population:
         """The progress reporter (`progress=`), or None."""
         return self._reporter
 
+    @property
+    def events(self) -> Events:
+        """The path of this population's events: `pop.events.add(reporter)` adds a reporter
+        (`member_steps`, `member_rows`, ...; see `nitro.events.Reporter`) beside `progress=`."""
+        return self._events
+
     def wait(self) -> Population:
         """Wait for a background run; Ctrl-C turns into a stop request. Re-raises the run's
         error, if it failed."""
         run = self._run
         if run is not None:
             with sigint_requests_stop(self._control):
-                wait_for(run, self._control, self._say, "the population")
-            if run.error is not None:
-                error, run.error = run.error, None
-                raise error
+                self._wait(run)
         return self
+
+    def _wait(self, run: Run) -> None:
+        wait_for(run, self._control, self._say, "the population")
+        if run.error is not None:
+            error, run.error = run.error, None
+            raise error
 
     def stop(self, member: int | None = None, why: str | None = None) -> Population:
         """`pop.stop()`: ask a running population to stop after the current call.
@@ -503,7 +519,8 @@ class Population:
             f"step {self.step}",
         )
         given = dict(member.setup.given_keywords)
-        return Nitro(member.experiment, weights=weights, **{**given, **keywords})
+        data = {} if self._data is None else {"data": self._data}
+        return Nitro(member.experiment, weights=weights, **{**data, **given, **keywords})
 
     def best(self, metric: str = "val_loss", mode: str | None = None, **keywords: Any) -> Nitro:
         """A `Nitro` handle of the member whose latest `metric` is best (`mode` "min" or
