@@ -306,6 +306,8 @@ def _keywords(handle: Nitro, progress: Any) -> dict[str, Any]:
     keywords.update(
         progress=progress,
         eval_splits=(),  # the training loss is what lr_find reads
+        checkpointer=None,  # a probe writes no run directory
+        logger=None,
         weights=_current_weights(handle),
         data=handle.splits,
     )

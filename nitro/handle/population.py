@@ -33,6 +33,7 @@ from nitro.engine.setup import build
 from nitro.errors import PopulationError
 from nitro.experiments.declaration import FieldKind, field_specs
 from nitro.handle.handle import Nitro, _check_experiment, _weights_source
+from nitro.handle.population_lifecycle import FILE_KEYWORDS, PopulationLife
 from nitro.programs.compile_cache import graphconst_keys
 from nitro.programs.specs import ProgramSet
 from nitro.programs.train_step import train_step_spec
@@ -68,10 +69,6 @@ PROGRAM_KEYWORDS = {
 
 # Shared keywords a population does not take yet (each would need its own per-member record).
 NOT_YET = {
-    "resume": "resuming a population",
-    "run_dir": "a population's run directory",
-    "checkpointer": "population checkpoints",
-    "logger": "per-member logger runs",
     "val_every_steps": "evaluation within epochs",
     "max_steps": "max_steps",
 }
@@ -117,8 +114,9 @@ class Population:
         # shared by every member, as Nitro(...) takes them: where the weights start, the splits
         self._weights = _weights_source(keywords.pop("weights", None))
         self._data = keywords.pop("data", None)
-        axes = {k: v for k, v in keywords.items() if isinstance(v, list)}
-        shared = {k: v for k, v in keywords.items() if not isinstance(v, list)}
+        # a list is an axis; logger=[...] is the population's loggers (each member a copy)
+        axes = {k: v for k, v in keywords.items() if isinstance(v, list) and k != "logger"}
+        shared = {k: v for k, v in keywords.items() if k not in axes}
         if members is not None:
             if axes:
                 raise PopulationError(
@@ -151,7 +149,10 @@ class Population:
         self._cls = cls
         self._settings = settings
         shared_fields = {k: v for k, v in shared.items() if k in specs and k not in RUN_KEYWORDS}
-        self._shared_keywords = {k: v for k, v in shared.items() if k not in shared_fields}
+        self._shared_keywords = {
+            k: v for k, v in shared.items() if k not in shared_fields and k not in FILE_KEYWORDS
+        }
+        files = {k: v for k, v in shared.items() if k in FILE_KEYWORDS}  # the population's own
         self._experiment = dataclasses.replace(experiment, **shared_fields)
         self._control = RunControl()
         self._control.say = self._say
@@ -179,6 +180,15 @@ class Population:
         self._state: engine.PopulationState | None = None  # stacked on first use
         self._steps_per_call = _steps_per_call(lead.setup, lead.setup.keywords)
         self._stop_reason: str | None = None
+        guard = self._guard  # not the population: its run directory's lock must not keep it
+        self._life = PopulationLife.plan(
+            self, self._members, files, self._say, lambda: guard.activity is not None
+        )
+        self._events.add(self._life.logging)
+        if self._life.resumes:
+            with events_module.using(self._events):
+                self._life.restore(self._members, self._stacked(), self._events)
+        self._life.claim_planned()
 
     def _build_member(self, index: int, setting: Mapping[str, Any], specs) -> engine.Member:
         fields = {k: v for k, v in setting.items() if k in specs and k not in RUN_KEYWORDS}
@@ -344,9 +354,11 @@ class Population:
         events = self._events
         try:
             with events_module.using(events):
+                self._life.prepare()  # refused here: nothing has started
                 events.start_run(self, target)
                 state = self._stacked()
                 try:
+                    self._life.open(self._members, events)
                     self._stop_reason = engine.train_population(
                         self._members,
                         state,
@@ -357,9 +369,14 @@ class Population:
                         self._say,
                         events,
                         stop_at=stop_at,
+                        after_epoch=lambda rows: self._life.after_epoch(
+                            self._members, state, events
+                        ),
                     )
+                    self._life.end_run(self._members, state, events, self._stop_reason)
                 except BaseException:
                     self._stop_reason = "error"
+                    self._life.close()  # saves already begun finish; nothing partial is added
                     raise
                 finally:
                     events.end_run(self)
@@ -401,6 +418,34 @@ class Population:
         if run is not None:
             with sigint_requests_stop(self._control):
                 self._wait(run)
+        self._life.wait()  # and for its checkpoints' writes
+        return self
+
+    @property
+    def run_dir(self) -> str:
+        """The population's run directory: its checkpoints, and a directory per member
+        (`member-<i>`) for its logs."""
+        return str(self._life.run_dir)
+
+    @property
+    def run_id(self) -> str:
+        return self._life.run_id
+
+    def checkpoints(self):
+        """The population's saved checkpoints: a DataFrame of step, epoch and the
+        checkpointer's metric (its best member's), empty when none are saved yet."""
+        import pandas as pd
+
+        from nitro.runs.checkpoints import describe_saved
+
+        self._life.wait()
+        return pd.DataFrame(describe_saved(self._life.run_dir))
+
+    def close(self) -> Population:
+        """Finish the population's saves and let go of its run directory, so another
+        handle may write there; its next `train()` holds the directory again."""
+        with self._guard.hold("closing"):
+            self._life.release()
         return self
 
     def _wait(self, run: Run) -> None:

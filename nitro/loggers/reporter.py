@@ -147,7 +147,8 @@ class LoggingReporter:
         # (a short call on a live handle does not write a kilobyte of the same report again)
         described = {
             "params": run_params(handle),
-            "tags": {"experiment": handle.owner},
+            # a population's member adds its own (population, member, settings)
+            "tags": {"experiment": handle.owner, **getattr(handle, "logger_tags", {})},
             "binding_report": str(handle.binding_report()),
         }
         changed = {k: v for k, v in described.items() if self._described.get(k) != v}

@@ -210,6 +210,7 @@ def choose_run(
     the name's run raise a SetupError listing them (`pick_hint` says how to pick one)."""
     runs = [run for run in list_runs(root) if run.checkpoints]
     infos = {run.path: read_run_json(run.path) for run in runs}
+    runs = [run for run in runs if infos[run.path].get("kind", "run") == "run"]  # no population
     ours = [
         run
         for run in runs

@@ -124,6 +124,10 @@ class RunFiles:
         (`claim_planned`, after a resume's checks passed). `say`: how to tell the person which
         run `resume='auto'` continues (default: an event note)."""
         identity = RunIdentity.of(setup.cls, setup.name)
+        if setup.run_dir is not None:
+            from nitro.runs.population_files import refuse_for_a_run
+
+            refuse_for_a_run(setup.run_dir, "run_dir")
         found = _resume_source(setup, identity, say or events.note) if setup.resume else None
         branched_from = None
         if found is not None:
@@ -213,6 +217,13 @@ class RunFiles:
         assert self.resume_from is not None  # planned: a run that resumes
         directory, step = self.resume_from
         saved, meta = read_checkpoint(directory, step)
+        if meta.get("kind") == "population":
+            raise SetupError(
+                f"{str(self.resume_from.path)!r} is a population's checkpoint (every member's "
+                f"state at once): Population(..., resume={str(directory.parent)!r}) continues "
+                f"it, and Nitro(..., weights=({str(directory.parent)!r}, i)) starts a run from "
+                f"member i's weights"
+            )
         _check_config(setup, meta)
         for note in _drift_notes(setup, meta, device):
             events.note(note)

@@ -2,9 +2,10 @@
 
 `weights=` takes another handle (its weights, copied; at the next step boundary if it is
 training), a run directory or one checkpoint (`runs/Digits/<run id>`, its newest checkpoint),
-`(run_dir, "best" | "latest")`, or `nitro.average(run_dir, k=3)` (the mean of the best three
-checkpoints). Weights are the parameters and the model's other variables;
-the optimizer state, counters and history start fresh (`resume=` continues a run instead).
+`(run_dir, "best" | "latest")`, `nitro.average(run_dir, k=3)` (the mean of the best three
+checkpoints), or a population's member (`(its run_dir, i)`, or `<run_dir>/member-<i>`).
+Weights are the parameters and the model's other variables; the optimizer state, counters
+and history start fresh (`resume=` continues a run instead).
 """
 
 from __future__ import annotations
@@ -74,7 +75,22 @@ class CheckpointWeights:
 
     @classmethod
     def of(cls, source: str | os.PathLike | tuple) -> CheckpointWeights:
-        """From what `weights=` takes: a path, or (run_dir, "best" | "latest")."""
+        """From what `weights=` takes: a path, or (run_dir, "best" | "latest"); a member of a
+        population: (its run_dir, member index) or the member's directory."""
+        from nitro.runs.population_files import MemberWeights, population_of
+
+        if isinstance(source, tuple) and len(source) == 2 and isinstance(source[1], int):
+            return MemberWeights.member_of(source[0], source[1])
+        if isinstance(source, (str, os.PathLike)):
+            found = population_of(source)
+            if found is not None and found[1] is not None:
+                return MemberWeights.member_of(found[0], found[1])
+            if found is not None:
+                raise SetupError(
+                    f"weights={os.fspath(source)!r} is a population's run directory, which "
+                    f"holds every member's weights: name one, weights=({os.fspath(source)!r}, "
+                    f"i) or weights={os.fspath(found[0] / 'member-0')!r}"
+                )
         if isinstance(source, tuple):
             if len(source) != 2 or source[1] not in ("best", "latest"):
                 raise SetupError(
@@ -89,6 +105,11 @@ class CheckpointWeights:
 
         directory, step = resolve_checkpoint(self.source)
         saved, meta = read_checkpoint(directory, step)
+        if meta.get("kind") == "population":
+            raise WeightsError(
+                f"{str(directory / str(step))!r} is a population's checkpoint, which holds "
+                f"every member's weights: weights=({str(directory.parent)!r}, i) reads member i"
+            )
         restored = []
         for what, key, tree in (
             ("parameters", "params", params),

@@ -1,0 +1,618 @@
+"""A population's run directory: every member's state in one checkpoint, a directory per
+member for its logs, what a resume reads, and a member's weights for a plain run.
+
+```
+runs/Digits/20261130-181500-a3f9/
+    run.json          kind "population": run id, experiment, who ran it, start, members
+    population.json   each member's settings, run id and directory; the axes
+    run.lock          held by the population that writes here (one writer)
+    checkpoints/      orbax, one step per save: every member's variables stacked on a
+                      leading member axis (item `state`) and one JSON record (item `meta`)
+    member-0/         a run directory per member: run.json (kind "population member", its
+        run.json      settings and the population it belongs to) and its loggers' files
+        metrics.jsonl
+    member-1/ ...
+```
+
+One orbax step holds the whole population, so a save is one write, made atomic by orbax (a
+step is renamed into place once it is whole): a crash loses that save only, and a resume finds
+every member at the same step. The record holds the shared counters (step, epoch, position in
+the epoch) and, per member, its settings, history, healthy flag, why it stopped, the running
+sums of the epoch under way and its loggers' state.
+
+`weights=(run_dir, i)` or `weights=<run_dir>/member-<i>` on a plain `Nitro` reads member i's
+slice of the population's newest checkpoint (`MemberWeights`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import re
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nitro import __version__
+from nitro.core.frozen import freeze
+from nitro.core.run_setup import CheckpointPolicy, CheckpointRef, RunSetup, SavedWeights
+from nitro.core.train_state import Variables
+from nitro.errors import SetupError, WeightsError
+from nitro.experiments.fingerprint import code_digest
+from nitro.optim.param_groups import leaf_paths
+from nitro.runs.checkpoints import (
+    CheckpointStore,
+    SavedStep,
+    leaves_from,
+    read_checkpoint,
+    resolve_checkpoint,
+)
+from nitro.runs.identity import RunIdentity
+from nitro.runs.lifecycle import _optimizer_misfit, _saved_steps, warn_user
+from nitro.runs.run_dirs import (
+    checkpoint_dir,
+    default_run_dir,
+    experiment_root,
+    list_runs,
+    new_run_id,
+    read_run_json,
+    write_run_json,
+)
+from nitro.runs.run_lock import RunLock, acquire, check_free, describe_holder, holder_record
+from nitro.runs.weights import CheckpointWeights, ResolvedWeights
+
+__all__ = [
+    "KIND",
+    "MEMBER_KIND",
+    "POPULATION_JSON",
+    "MemberWeights",
+    "PopulationFiles",
+    "member_dir",
+    "member_run_id",
+    "population_of",
+    "refuse_for_a_run",
+    "restore_variables",
+    "setting_token",
+    "setting_differences",
+]
+
+KIND = "population"
+MEMBER_KIND = "population member"
+POPULATION_JSON = "population.json"
+
+
+def member_dir(run_dir: str | os.PathLike, index: int) -> Path:
+    """Member `index`'s directory in a population's run directory: `member-<index>`."""
+    return Path(run_dir) / f"member-{index}"
+
+
+def member_run_id(run_id: str, index: int) -> str:
+    """Member `index`'s run id: the population's, then `-m<index>`."""
+    return f"{run_id}-m{index}"
+
+
+def population_of(path: str | os.PathLike) -> tuple[Path, int | None] | None:
+    """(the population's run directory, the member) when `path` is a population's run
+    directory (member None) or one of its members' directories; None otherwise."""
+    path = Path(path).absolute()
+    info = read_run_json(path)
+    if info.get("kind") == KIND or (path / POPULATION_JSON).is_file():
+        return path, None
+    if info.get("kind") == MEMBER_KIND:
+        member = info.get("member")
+        return path.parent, int(member) if isinstance(member, int) else None
+    return None
+
+
+def refuse_for_a_run(path: str | os.PathLike, keyword: str) -> None:
+    """Refuse a single run's `run_dir=` naming a population's directory or a member's: a
+    population writes there (and its checkpoints hold every member at once)."""
+    found = population_of(path)
+    if found is None:
+        return
+    population, member = found
+    what = (
+        f"the directory of member {member} of the population in {str(population)!r}"
+        if member is not None
+        else f"the run directory of a population ({str(population)!r})"
+    )
+    raise SetupError(
+        f"{keyword}={os.fspath(path)!r} is {what}; a single run cannot write there. "
+        f"Population(..., resume={str(population)!r}) continues the population, and "
+        f"Nitro(..., weights=({str(population)!r}, {member or 0})) starts a run of its own "
+        f"from a member's weights"
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# settings as the records keep them
+
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def setting_token(value: Any, _depth: int = 0) -> Any:
+    """A member's setting as JSON that is the same in every process for the same value:
+    numbers, strings and containers as they are; a function as its qualified name, a
+    digest of its code and the plain values it closes over (an optax schedule's init and end
+    values, its steps); other objects by their repr, less memory addresses.
+
+    >>> import optax
+    >>> token = lambda end: setting_token(optax.linear_schedule(1e-3, end, 60))
+    >>> token(1e-2) == token(1e-2), token(1e-2) == token(2e-2)
+    (True, False)
+    """
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [setting_token(v, _depth) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): setting_token(v, _depth) for k, v in value.items()}
+    if callable(value) and hasattr(value, "__code__"):
+        name = getattr(value, "__qualname__", type(value).__name__)
+        token: dict[str, Any] = {"function": name, "code": code_digest(value)}
+        if _depth < 4:  # the schedules an optax schedule joins; not a recursion of its own
+            closure = [cell.cell_contents for cell in getattr(value, "__closure__", None) or ()]
+            token["closure"] = [
+                setting_token(c, _depth + 1)
+                for c in closure
+                if c is None or isinstance(c, (bool, int, float, str, np.generic)) or callable(c)
+            ]
+        return token
+    return _ADDRESS.sub("", repr(value))
+
+
+def _shown(token: Any) -> str:
+    if isinstance(token, Mapping) and "function" in token:
+        return f"{token['function']} {token.get('closure')}"
+    text = repr(token)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def setting_differences(saved: Sequence[Mapping[str, Any]], now: Sequence[Mapping[str, Any]]):
+    """What differs between a checkpoint's members' settings and this population's, one
+    line each (empty: the same members)."""
+    lines = []
+    saved_axes = sorted({k for s in saved for k in s})
+    axes = sorted({k for s in now for k in s})
+    if saved_axes != axes:
+        lines.append(
+            f"  axes: the checkpoint's {', '.join(saved_axes) or 'none'}; this population's "
+            f"{', '.join(axes) or 'none'}"
+        )
+    if len(saved) != len(now):
+        lines.append(f"  members: the checkpoint's {len(saved)}, this population's {len(now)}")
+    for index, (before, after) in enumerate(zip(saved, now, strict=False)):
+        for name in sorted(set(before) | set(after)):
+            if before.get(name, "<unset>") != after.get(name, "<unset>"):
+                lines.append(
+                    f"  member {index} {name}: the checkpoint's "
+                    f"{_shown(before.get(name, '<unset>'))}, this population's "
+                    f"{_shown(after.get(name, '<unset>'))}"
+                )
+    return lines
+
+
+# ---------------------------------------------------------------------------------------------
+# the directory
+
+
+@dataclasses.dataclass
+class PopulationFiles:
+    """Where a population lives and what it saves there. `lock`: its hold on the directory
+    (`nitro.runs.run_lock`), taken at the first write, or at once for a population that
+    resumes or names its `run_dir=`; `busy()`: whether the population works now."""
+
+    run_id: str
+    run_dir: Path
+    members: int
+    store: CheckpointStore | None
+    resume_from: SavedStep | None
+    identity: RunIdentity
+    writes: bool  # False: checkpointer=None, logger=None and no run_dir=: nothing on disk
+    branched_from: str | None = None
+    busy: Callable[[], bool] = lambda: False
+    lock: RunLock | None = None
+    claim: bool | None = None  # planned: hold the directory (True: may take it over)
+    opened: bool = False
+
+    @classmethod
+    def plan(
+        cls,
+        experiment_cls: type,
+        *,
+        members: int,
+        name: str | None,
+        run_dir: str | None,
+        resume: Any,
+        checkpointer: CheckpointPolicy | None,
+        settings: Sequence[Mapping[str, Any]],
+        logs: bool,
+        say: Callable[[str], None],
+        busy: Callable[[], bool] = lambda: False,
+    ) -> PopulationFiles:
+        """Decide the population's directory and id; nothing is written yet. `resume`: the
+        resolved keyword (False, "auto", a path or (path, "best" | "latest")); `settings`:
+        the members' settings as `setting_token` makes them (resume="auto" prefers a
+        population of the same members); `logs`: whether it has loggers."""
+        identity = RunIdentity.of(experiment_cls, name)
+        found = None
+        if resume:
+            found = _resume_source(experiment_cls, identity, run_dir, resume, settings, say)
+        branched_from = None
+        if found is not None:
+            directory = found.directory.parent
+            run_id = read_run_json(directory).get("run_id") or directory.name
+            if found.step < max(_saved_steps(found.directory), default=found.step):
+                # an earlier checkpoint: the later ones stay; this population goes on elsewhere
+                branched_from, origin = run_id, directory
+                directory, run_id = _new_run_dir(experiment_cls, run_dir, besides=origin)
+        else:
+            directory, run_id = _new_run_dir(experiment_cls, run_dir)
+        store = None
+        if checkpointer is not None:
+            store = CheckpointStore(checkpoint_dir(directory), checkpointer, deterministic=False)
+        files = cls(
+            run_id,
+            directory,
+            members,
+            store,
+            found,
+            identity,
+            writes=store is not None or logs or run_dir is not None or found is not None,
+            branched_from=branched_from,
+            busy=busy,
+        )
+        named = run_dir is not None and Path(run_dir).absolute() == directory
+        continues = (found is not None and branched_from is None) or (
+            named and read_run_json(directory).get("run_id") == run_id
+        )
+        if continues or named:
+            files.claim = continues
+        return files
+
+    def claim_planned(self) -> None:
+        """Hold the directory `plan` decided to hold (once a resume's checks passed)."""
+        if self.claim is not None:
+            self.hold(take_over=self.claim)
+            self.claim = None
+
+    def hold(self, take_over: bool = False) -> None:
+        """Hold the run directory for writing; refused with a SetupError while another
+        handle, here or in another process, holds it."""
+        lock = self.lock
+        if lock is not None and lock.taken_by is not None:
+            raise SetupError(
+                f"this population no longer writes run {self.run_id}: a later handle resumed "
+                f"it and took {str(self.run_dir)!r} over ({describe_holder(lock.taken_by)}). "
+                f"Train that one, or build a new one: Population(..., "
+                f"resume={str(self.run_dir)!r})"
+            )
+        if lock is not None and lock.held:
+            return
+        holder = holder_record(self.run_id, self.identity.name, self.identity.owner)
+        self.lock = acquire(self.run_dir, holder, self.busy, take_over=take_over)
+
+    def prepare(self) -> None:
+        """Hold the run directory and create it and the members' directories, before the run
+        starts (and its loggers write there): refused before any training when it cannot be
+        created."""
+        if not self.writes:
+            return
+        try:
+            self.hold()
+            for index in range(self.members):
+                member_dir(self.run_dir, index).mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise SetupError(
+                f"cannot create the population's run directory {str(self.run_dir)!r} "
+                f"({type(error).__name__}: {error.strerror or error}); nothing was trained. "
+                f"Put it where it can write with run_dir='/some/writable/dir', or "
+                f"checkpointer=None, logger=None to write nothing"
+            ) from None
+
+    def open(self, record: Mapping[str, Any], say: Callable[[str], None]) -> None:
+        """Write run.json, population.json and each member's run.json (those missing), once;
+        the first line of the population's first run names its directory. `record`: the
+        experiment (`experiment`), its GraphConst values (`graphconst`), the axes (`axes`),
+        and per member its settings and seed (`members`)."""
+        self.prepare()
+        if self.opened or not self.writes:
+            return
+        info = read_run_json(self.run_dir)
+        if info.get("run_id") not in (None, self.run_id):
+            raise SetupError(
+                f"run_dir {str(self.run_dir)!r} now holds run {info['run_id']}, written by "
+                f"another handle since this population was built; one run directory holds one "
+                f"run: build the population with another run_dir, or "
+                f"resume={str(self.run_dir)!r} to continue that one"
+            )
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        common = {
+            "experiment": record["experiment"],
+            **self.identity.as_json(),
+            "started": started,
+            "graphconst": record["graphconst"],
+            "nitro": __version__,
+        }
+        if not info:
+            write_run_json(
+                self.run_dir,
+                {
+                    "run_id": self.run_id,
+                    "kind": KIND,
+                    **common,
+                    "members": self.members,
+                    "resumed_from": (
+                        str(self.resume_from.path) if self.resume_from is not None else None
+                    ),
+                },
+            )
+        members = record["members"]
+        if not (self.run_dir / POPULATION_JSON).is_file():
+            _write_json(
+                self.run_dir / POPULATION_JSON,
+                {
+                    "run_id": self.run_id,
+                    "experiment": record["experiment"],
+                    "axes": record["axes"],
+                    "members": [
+                        {
+                            "member": i,
+                            "run_id": member_run_id(self.run_id, i),
+                            "dir": member_dir(".", i).name,
+                            "settings": m["settings"],
+                            "seed": m["seed"],
+                        }
+                        for i, m in enumerate(members)
+                    ],
+                },
+            )
+        for i, m in enumerate(members):
+            directory = member_dir(self.run_dir, i)
+            if read_run_json(directory):
+                continue
+            write_run_json(
+                directory,
+                {
+                    "run_id": member_run_id(self.run_id, i),
+                    "kind": MEMBER_KIND,
+                    "member": i,
+                    "population": self.run_id,
+                    **common,
+                    "settings": m["settings"],
+                    "seed": m["seed"],
+                },
+            )
+        self.opened = True
+        say(f"population {self.run_id} in {self.run_dir} ({self.members} members)")
+
+    def read(self) -> tuple[Any, dict[str, Any]]:
+        """(the state tree, the record) of the checkpoint this population resumes from;
+        refused when it is not a population's."""
+        assert self.resume_from is not None  # planned: a population that resumes
+        directory, step = self.resume_from
+        saved, meta = read_checkpoint(directory, step)
+        if meta.get("kind") != KIND:
+            raise SetupError(
+                f"{str(self.resume_from.path)!r} is a single run's checkpoint, not a "
+                f"population's: Nitro(..., resume={str(directory.parent)!r}) continues it"
+            )
+        return saved, meta
+
+    def release(self) -> None:
+        """Finish the saves and let go of the run directory."""
+        self.close()
+        if self.lock is not None and self.lock.taken_by is None:
+            self.lock.release()
+            self.lock = None
+
+    def close(self) -> None:
+        if self.store is not None:
+            self.store.close()
+
+    def wait(self) -> None:
+        if self.store is not None:
+            self.store.wait()
+
+
+def _write_json(path: Path, info: Mapping[str, Any]) -> None:
+    import json
+
+    temporary = path.with_suffix(".json.tmp")
+    temporary.write_text(json.dumps(info, indent=2, default=repr))
+    os.replace(temporary, path)
+
+
+def _new_run_dir(
+    experiment_cls: type, run_dir: str | None, besides: Path | None = None
+) -> tuple[Path, str]:
+    """(directory, run id) of a new population: `run_dir=` (refused when it holds
+    checkpoints already, or is a single run's), or `runs/<Experiment>/<new run id>`."""
+    if run_dir is None or Path(run_dir).absolute() == besides:
+        run_id = new_run_id()
+        return default_run_dir(experiment_cls.__name__, run_id), run_id
+    path = Path(run_dir).absolute()
+    existing = read_run_json(path)
+    steps = _saved_steps(checkpoint_dir(path))
+    if steps or (existing and existing.get("kind") != KIND):
+        what = "a population" if existing.get("kind") == KIND else "a run"
+        raise SetupError(
+            f"run_dir {str(path)!r} already holds {what} "
+            f"({existing.get('run_id', path.name)}"
+            + (f", checkpoints at steps {steps[0]}..{steps[-1]}" if steps else "")
+            + "): resume= continues a population there; choose another run_dir for a new one"
+        )
+    return path, existing.get("run_id") or new_run_id()
+
+
+def _resume_source(
+    experiment_cls: type,
+    identity: RunIdentity,
+    run_dir: str | None,
+    resume: Any,
+    settings: Sequence[Mapping[str, Any]],
+    say: Callable[[str], None],
+) -> SavedStep | None:
+    if resume != "auto":
+        path, which = resume if isinstance(resume, tuple) else (resume, "latest")
+        path = Path(path).absolute()
+        for directory in (path, path.parent, path.parent.parent):
+            if (directory / "checkpoints").is_dir():
+                check_free(directory)
+                break
+        return resolve_checkpoint(CheckpointRef(os.fspath(path), which))
+    root = Path(run_dir) if run_dir is not None else experiment_root(experiment_cls.__name__)
+    if population_of(root) is not None and read_run_json(root).get("kind") != MEMBER_KIND:
+        runs = list_runs(root)
+        if runs and runs[0].checkpoints:
+            check_free(root)
+            return resolve_checkpoint(root)
+        return None
+    candidates = []
+    for run in list_runs(root):
+        info = read_run_json(run.path)
+        if run.checkpoints and info.get("kind") == KIND and identity.same_experiment(info):
+            same = _recorded_settings(run.path) == [dict(s) for s in settings]
+            candidates.append((same, run.latest_epoch or 0, max(run.checkpoints), run))
+    if not candidates:
+        warn_user(
+            f"resume='auto' found no population's checkpoint under {str(root.absolute())!r} "
+            f"of {identity.where()}; starting a fresh population"
+        )
+        return None
+    same, epoch, step, run = max(candidates, key=lambda c: c[:3])
+    why = "with these members" if same else "(none has these members: resuming it is refused)"
+    say(f"resume='auto' continues population {run.run_id} (epoch {epoch}, step {step}) {why}")
+    check_free(run.path)
+    return resolve_checkpoint(run.path)
+
+
+def _recorded_settings(run_dir: Path) -> list[dict[str, Any]] | None:
+    import json
+
+    try:
+        info = json.loads((run_dir / POPULATION_JSON).read_text())
+        return [dict(m["settings"]) for m in info["members"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
+# ---------------------------------------------------------------------------------------------
+# reading a checkpoint back
+
+
+def restore_variables(
+    setup: RunSetup, template: Variables, saved: Mapping[str, Any], found: SavedStep, meta
+) -> Variables:
+    """The stacked variables of a population's checkpoint, shaped like `template` (the fresh
+    stacked variables) and placed as `setup` places them; a misfit names the leaves."""
+    model = setup.model
+    params = leaves_from(
+        "parameters", saved["params"], model.leaf_paths["parameter"], template.params
+    )
+    rest = leaves_from(
+        "model state",
+        saved.get("model_state", {}),
+        model.leaf_paths["model state"],
+        template.model_state,
+    )
+    opt = None
+    if template.opt_state is not None:
+        opt = leaves_from(
+            "optimizer state",
+            saved.get("opt_state", {}),
+            model.leaf_paths["optimizer state"],
+            template.opt_state,
+            misfit=_optimizer_misfit(setup, meta, found),
+            here="this population's",
+        )
+    ema = ema_steps = None
+    if template.ema is not None:
+        if "ema" in saved:
+            ema = leaves_from(
+                "moving average of the weights",
+                saved["ema"],
+                model.leaf_paths["parameter"],
+                template.ema,
+            )
+            ema_steps = np.asarray(saved["ema_steps"], dtype=np.int32)
+        else:
+            ema, ema_steps = list(params), np.zeros(np.shape(template.ema_steps), np.int32)
+    place = setup.placement.put_replicated
+    return Variables(
+        params=[place(x) for x in params],
+        model_state=[place(x) for x in rest],
+        opt_state=[place(x) for x in opt] if opt is not None else None,
+        ema=[place(x) for x in ema] if ema is not None else None,
+        ema_steps=place(ema_steps) if ema_steps is not None else None,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class MemberWeights(CheckpointWeights):
+    """The weights of one member of a population's checkpoint (`weights=(run_dir, i)`,
+    `weights=<run_dir>/member-<i>`): its slice of the stacked variables. `source`: the
+    population's run directory, or one of its checkpoints."""
+
+    member: int = 0
+
+    @classmethod
+    def member_of(cls, path: str | os.PathLike, member: Any) -> MemberWeights:
+        if isinstance(member, bool) or not isinstance(member, int) or member < 0:
+            raise SetupError(
+                f"weights=(run_dir, member) names a member by its index, an int >= 0; got "
+                f"{member!r}"
+            )
+        return cls(CheckpointRef(os.fspath(path)), member)
+
+    def resolve(self, params: Any, model_state: Any) -> ResolvedWeights:
+        """The member's parameters and model state, shaped like the given model's."""
+        directory, step = resolve_checkpoint(self.source)
+        saved, meta = read_checkpoint(directory, step)
+        where = str(directory / str(step))
+        if meta.get("kind") != KIND:
+            raise WeightsError(
+                f"weights=({self.source.path!r}, {self.member}): {where!r} is a single run's "
+                f"checkpoint, not a population's; weights={self.source.path!r} reads it"
+            )
+        entries = meta.get("members") or []
+        if not 0 <= self.member < len(entries):
+            raise WeightsError(
+                f"weights=({self.source.path!r}, {self.member}): the population in "
+                f"{str(directory.parent)!r} has {len(entries)} members (0..{len(entries) - 1})"
+            )
+        restored = []
+        for what, key, tree in (
+            ("parameters", "params", params),
+            ("model state", "model_state", model_state),
+        ):
+            template = jax.tree.leaves(tree)
+            mine = jax.tree.map(lambda a: np.asarray(a)[self.member], saved.get(key, {}))
+            leaves = leaves_from(what, mine, leaf_paths(tree), template)
+            leaves = [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in leaves]
+            restored.append(jax.tree.unflatten(jax.tree.structure(tree), leaves))
+        entry = entries[self.member]
+        shown = ", ".join(f"{k}={_shown(v)}" for k, v in (entry.get("settings") or {}).items())
+        origin = (
+            f"member {self.member} ({shown}) of population {meta.get('run_id')}, checkpoint "
+            f"step {step} (epoch {meta.get('epoch')})"
+        )
+        checkpoint = SavedWeights(
+            paths=(where,),
+            run_id=entry.get("run_id"),
+            steps=(step,),
+            epochs=(meta.get("epoch"),),
+            metrics=(freeze(entry.get("metrics")),),
+        )
+        return ResolvedWeights(restored[0], restored[1], origin, checkpoint)
