@@ -237,7 +237,7 @@ def test_what_a_population_cannot_vary_or_take_is_refused_naming_the_argument(co
                     "nitro_population",
                     experiment=DIGITS,
                     axes=lr,
-                    keywords={"logger": "csv"},
+                    keywords={"val_every_steps": 10},
                 ),
                 await refusal(
                     session, "nitro_population", experiment=DIGITS, axes={"learning_rate": [-1.0]}
@@ -278,7 +278,8 @@ def test_what_a_population_cannot_vary_or_take_is_refused_naming_the_argument(co
     assert "it is a Host field of Digits" in host
     assert program.startswith("nitro_population: axes.accum: accum cannot vary")
     assert not_yet.startswith(
-        "nitro_population: keywords.logger: Population() does not take logger= yet"
+        "nitro_population: keywords.val_every_steps: Population() does not take "
+        "val_every_steps= yet"
     )
     assert value.startswith("nitro_population: axes.learning_rate[0]: learning_rate must be")
     assert both.startswith("nitro_population: members: give axes")
