@@ -17,7 +17,7 @@ from IPython.core.magic import Magics, line_magic, magics_class
 import nitro
 from nitro.staleness import is_experiment
 
-from . import agents, rebuild, runs, worker
+from . import agents, populations, rebuild, runs, worker
 from .cache_table import CacheTable
 
 __all__ = ["NitroMagics"]
@@ -99,9 +99,15 @@ class NitroMagics(Magics):
         "target",
         nargs="?",
         metavar="TARGET",
-        help="train: an experiment instance or a handle; stop, wait, status, validate, "
-        "evaluate, predict, history, plot, panel, bind: a handle (default: the latest, "
-        "_nitro); export: a directory; mcp: start or stop",
+        help="train: an experiment instance, a handle or a nitro.Population; stop, wait, "
+        "status: a handle or a population; validate, evaluate, predict, history, plot, panel, "
+        "bind: a handle (default: the latest, _nitro); export: a directory; mcp: start or stop",
+    )
+    @magic_arguments.argument(
+        "member",
+        nargs="?",
+        metavar="MEMBER",
+        help="stop: the member of a population to stop (its index); the others train on",
     )
     @magic_arguments.argument(
         "--run", "-r", help="export: the handle to export (default: the latest, _nitro)"
@@ -183,10 +189,16 @@ class NitroMagics(Magics):
             its hooks (or a class re-defined in a cell) is compiled beside the run and
             swapped in at its next step; --no-live-edits makes the edit wait until the run
             stops (the handle's `live_edits=False`).
+        %nitro train POP [--epochs N] [--background]
+            POP is a nitro.Population: trains every member, with a live panel of their
+            curves and a table of them, best first, each with a Stop button.
         %nitro stop [RUN]        stop RUN (default: every running run) after its current step
+        %nitro stop POP MEMBER   stop one member of a population (its index); the others
+                                 train on
         %nitro wait [RUN]        wait until RUN (default: every running run) finishes
         %nitro status [RUN]      phase, epoch, step, latest loss and throughput, and the
-                                 edits swapped in while it trained (step, what changed)
+                                 edits swapped in while it trained (step, what changed); for a
+                                 population, how many members still train and the best one
         %nitro runs              every run in the notebook, as a table, and the run
                                  directories of its experiments on disk (best metric,
                                  checkpoints)
@@ -213,6 +225,11 @@ class NitroMagics(Magics):
             directory (or --root) and the --allow'ed directories.
         """
         args = magic_arguments.parse_argstring(self.nitro, _without_comment(line))
+        if args.member is not None and args.command != "stop":
+            raise UsageError(
+                f"%nitro {args.command} takes one target, got {args.target!r} and "
+                f"{args.member!r}; a member is for `%nitro stop POP MEMBER`"
+            )
         return getattr(self, f"_{args.command}")(args)
 
     # ------------------------------------------------------------------------------------------
@@ -236,6 +253,16 @@ class NitroMagics(Magics):
             return self.shell.ev(name)
         except Exception as error:
             raise UsageError(f"cannot evaluate {name!r}: {error}") from None
+
+    def _population(self, name: str | None) -> nitro.Population | None:
+        """The population named `name`, or None when it names something else."""
+        if name is None or (name not in self._ns and name in agents.agent_runs()):
+            return None
+        value = self._value(name)
+        return value if isinstance(value, nitro.Population) else None
+
+    def _running_populations(self) -> list[tuple[str, nitro.Population]]:
+        return [(n, p) for n, p in populations.named(self._ns) if p.running]
 
     def _handle(self, name: str | None, what: str) -> tuple[str, nitro.Nitro]:
         """The handle named `name`; by default the latest one (`_nitro`)."""
@@ -261,6 +288,12 @@ class NitroMagics(Magics):
             return name, value
         if is_experiment(value) and isinstance(self._ns.get(f"{name}_run"), nitro.Nitro):
             return f"{name}_run", self._ns[f"{name}_run"]
+        if isinstance(value, nitro.Population):
+            raise UsageError(
+                f"{name!r} is a nitro.Population; %nitro {what} takes a handle: "
+                f"`{name}.best()` or `{name}.member(i)` is one (%nitro train, stop, wait and "
+                f"status take a population)"
+            )
         raise UsageError(
             f"{name!r} is a {type(value).__name__}, not a run; %nitro {what} takes a handle "
             f"(a nitro.Nitro, such as the `EXP_run` that %nitro train stores)"
@@ -279,6 +312,8 @@ class NitroMagics(Magics):
         if args.resume and args.fresh:
             raise UsageError("--resume continues a run on disk, --fresh starts over: pass one")
         value = self._value(args.target)
+        if isinstance(value, nitro.Population):
+            return populations.train(value, args.target, args)
         base = args.target if args.target.isidentifier() else None
         previous = None
         if isinstance(value, nitro.Nitro):
@@ -302,7 +337,8 @@ class NitroMagics(Magics):
         else:
             raise UsageError(
                 f"{args.target!r} is a {type(value).__name__}; %nitro train takes an experiment "
-                f"instance (a class decorated with @nitro.experiment) or a nitro.Nitro handle"
+                f"instance (a class decorated with @nitro.experiment), a nitro.Nitro handle or "
+                f"a nitro.Population"
             )
         before = value if isinstance(value, nitro.Nitro) else previous
         if args.no_live_edits:
@@ -335,13 +371,27 @@ class NitroMagics(Magics):
     # runs
 
     def _stop(self, args) -> None:
+        pops = []
+        pop = self._population(args.target)
+        if pop is not None:
+            if args.member is not None:
+                return populations.stop_member(pop, args.target, args.member)
+            return populations.stop(pop, args.target)
+        if args.member is not None:
+            raise UsageError(
+                f"%nitro stop {args.target} {args.member}: a member is for a population, and "
+                f"{args.target} is not a nitro.Population; `%nitro stop {args.target}` stops it"
+            )
         if args.target is not None:
             targets = [self._handle(args.target, "stop")]
         else:
             targets = [(self._name_of(h), h) for h in runs.live_handles(self._ns) if h.running]
-            if not targets:
+            pops = self._running_populations()
+            if not targets and not pops:
                 print("nitro: no run is training")
                 return
+        for name, pop in pops:
+            populations.stop(pop, name)
         for name, handle in targets:
             if not handle.running:
                 print(f"nitro: {name} is not running ({_ended(handle)}); nothing to stop")
@@ -360,13 +410,20 @@ class NitroMagics(Magics):
                 )
 
     def _wait(self, args) -> None:
+        pops = []
+        pop = self._population(args.target)
+        if pop is not None:
+            return populations.wait(pop, args.target)
         if args.target is not None:
             targets = [self._handle(args.target, "wait")]
         else:
             targets = [(self._name_of(h), h) for h in runs.live_handles(self._ns) if h.running]
-            if not targets:
+            pops = self._running_populations()
+            if not targets and not pops:
                 print("nitro: no run is training")
                 return
+        for name, pop in pops:
+            populations.wait(pop, name)
         for name, handle in targets:
             handle.wait()
             print(runs.status_line(handle, name))
@@ -385,17 +442,30 @@ class NitroMagics(Magics):
         return names[0] if names else default or f"a {handle.cls.__name__} run"
 
     def _status(self, args) -> None:
-        if args.target is not None:
+        pops = []
+        pop = self._population(args.target)
+        if pop is not None:
+            pops = [(args.target, pop)]
+            targets = []
+        elif args.target is not None:
             targets = [self._handle(args.target, "status")]
         else:
             handles = runs.live_handles(self._ns)
             running = [h for h in handles if h.running]
+            pops = self._running_populations()
             latest = self._ns.get("_nitro")
-            chosen = running or ([latest] if isinstance(latest, nitro.Nitro) else handles)
+            if running or pops:
+                chosen = running
+            else:  # nothing runs: the latest run, and the notebook's populations
+                chosen = [latest] if isinstance(latest, nitro.Nitro) else handles
+                pops = populations.named(self._ns)
             targets = [(self._name_of(h), h) for h in chosen]
-        if not targets:
+        if not targets and not pops:
             print("nitro: no runs yet; %nitro train EXP starts one")
             return
+        for name, pop in pops:
+            for line in populations.status_lines(pop, name):
+                print(line)
         for name, handle in targets:
             print(runs.status_line(handle, name))
             for line in runs.swap_lines(handle):

@@ -28,6 +28,7 @@ __all__ = [
     "TerminalReporter",
     "add_note",
     "make_factory",
+    "make_population_factory",
     "panel_of",
     "show_panel",
 ]
@@ -415,6 +416,23 @@ def make_factory(shell: Any) -> Callable[[], Any]:
         if hasattr(stream, "isatty") and stream.isatty():
             return TerminalReporter()
         return LineTracker()
+
+    return factory
+
+
+def make_population_factory(shell: Any) -> Callable[[], Any]:
+    """The reporter factory for populations with `progress=True`: their panel in a notebook, a
+    tqdm bar over each epoch's steps in a terminal, a line per epoch otherwise."""
+
+    def factory():
+        if worker.widgets_available(shell):
+            from .population_reporter import PopulationPanelReporter
+
+            return PopulationPanelReporter()
+        stream = sys.stderr
+        if hasattr(stream, "isatty") and stream.isatty():
+            return TqdmReporter()
+        return LineReporter()
 
     return factory
 

@@ -3,13 +3,18 @@
 The reporters here implement the protocol of `nitro.events.Reporter`: a tqdm bar on a
 terminal, one line per epoch elsewhere, and silence with `progress=False`. Notebook
 integrations install their own reporter factory with `set_default_factory`.
+
+A population (`nitro.Population`) reports to the same reporters: one line per epoch naming its
+best member (by `val_loss`, else `loss`) and how many members still train, and on a terminal a
+bar over each epoch's steps with the best member's latest step loss.
 """
 
 from __future__ import annotations
 
+import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from nitro.core import events as _events
@@ -21,8 +26,11 @@ __all__ = [
     "SilentReporter",
     "TqdmReporter",
     "make_reporter",
+    "member_metrics",
     "note",
+    "ranked_members",
     "set_default_factory",
+    "settings_label",
 ]
 
 
@@ -42,6 +50,84 @@ def format_row(row: dict[str, Any], max_epochs: int | None = None) -> str:
     if isinstance(wait, float) and wait > 0.25:
         parts.append(f"data_wait_frac {wait:.2f}")
     seconds = row.get("epoch_seconds")
+    if isinstance(seconds, float):
+        parts.append(f"({seconds:.2f} s)")
+    return "  ".join(parts)
+
+
+# The columns of a population's rows that are not a member's results.
+_MEMBER_BOOKKEEPING = {"member", "epoch", "step", "epoch_seconds", "stopped", "nonfinite_steps"}
+
+
+def settings_label(settings: Mapping[str, Any]) -> str:
+    """`learning_rate=0.001 seed=1`: a population member's settings, each value short."""
+    return " ".join(f"{k}={_short_value(v)}" for k, v in settings.items())
+
+
+def _short_value(value: Any) -> str:
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (int, str, bool, type(None))):
+        text = str(value)
+    else:
+        text = getattr(value, "__qualname__", None) or repr(value)
+    return text if len(text) <= 30 else text[:27] + "..."
+
+
+def member_metrics(row: Mapping[str, Any], settings: Mapping[str, Any]) -> dict[str, float]:
+    """A population row's results (loss, metrics), without its member, settings and counters."""
+    return {
+        k: float(v)
+        for k, v in row.items()
+        if k not in _MEMBER_BOOKKEEPING
+        and k not in settings
+        and isinstance(v, (int, float))
+        and not isinstance(v, bool)
+    }
+
+
+def ranked_members(
+    rows: Sequence[Mapping[str, Any]], metric: str | None = None, mode: str | None = None
+) -> tuple[str, list[Mapping[str, Any]]]:
+    """A population's rows, best first by `metric` (default: `val_loss` when the rows have
+    it, else `loss`; `mode` "min" for a metric named like a loss, else "max"), members without
+    a finite value last, in member order; returns the metric with them."""
+    if metric is None:
+        metric = "val_loss" if any("val_loss" in r for r in rows) else "loss"
+    mode = mode or ("min" if "loss" in metric else "max")
+    if mode not in ("min", "max"):
+        raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+    sign = 1.0 if mode == "min" else -1.0
+
+    def key(row: Mapping[str, Any]) -> tuple[int, float, int]:
+        value = row.get(metric)
+        number = float(value) if isinstance(value, (int, float)) else math.nan
+        finite = math.isfinite(number)
+        return (0 if finite else 1, sign * number if finite else 0.0, int(row.get("member", 0)))
+
+    return metric, sorted(rows, key=key)
+
+
+def format_members(
+    rows: Sequence[Mapping[str, Any]],
+    members: Sequence[Mapping[str, Any]],
+    max_epochs: int | None = None,
+) -> str:
+    """`epoch 2/3  best member 2 (learning_rate=0.01): loss 0.41  val_loss 0.367  val_acc 0.75
+    4 of 4 members training  (0.31 s)`: a population's epoch in one line."""
+    epoch = rows[0].get("epoch") if rows else "?"
+    parts = [f"epoch {epoch}" + (f"/{max_epochs}" if max_epochs else "")]
+    training = [r for r in rows if "stopped" not in r]
+    metric, order = ranked_members(training or rows)
+    best = order[0] if order else None
+    if best is not None:
+        index = int(best.get("member", 0))
+        settings = members[index] if index < len(members) else {}
+        label = settings_label(settings)
+        results = "  ".join(f"{k} {v:.4g}" for k, v in member_metrics(best, settings).items())
+        parts.append(f"best member {index}" + (f" ({label})" if label else "") + f": {results}")
+    parts.append(f"{len(training)} of {len(rows)} members training")
+    seconds = rows[0].get("epoch_seconds") if rows else None
     if isinstance(seconds, float):
         parts.append(f"({seconds:.2f} s)")
     return "  ".join(parts)
@@ -77,6 +163,12 @@ class SilentReporter:
     def end_run(self, handle):
         pass
 
+    def member_steps(self, first, losses):
+        pass
+
+    def member_rows(self, rows):
+        pass
+
 
 class LineReporter(SilentReporter):
     """One line per epoch and per note: readable in logs, CI and captured output."""
@@ -84,9 +176,12 @@ class LineReporter(SilentReporter):
     def __init__(self, stream=None):
         self.stream = stream
         self.max_epochs = None
+        self.members: list[Mapping[str, Any]] = []  # a population's members' settings
 
     def start_run(self, handle, target_epoch):
         self.max_epochs = target_epoch
+        members = getattr(handle, "members", None)
+        self.members = list(members) if isinstance(members, list) else []
 
     def _write(self, text: str, end: str = "\n") -> None:
         stream = self.stream or sys.stderr
@@ -98,6 +193,9 @@ class LineReporter(SilentReporter):
 
     def note(self, message, done=False):
         self._write(f"nitro: {message}")
+
+    def member_rows(self, rows):
+        self._write(format_members(rows, self.members, self.max_epochs))
 
 
 class TqdmReporter(LineReporter):
@@ -138,6 +236,25 @@ class TqdmReporter(LineReporter):
         self.close()
         super().end_epoch(row)
 
+    def member_steps(self, first, losses):
+        """A population's call: its steps on the bar, the best member's latest step loss."""
+        if self.bar is None:
+            return
+        self._done += len(losses[0]) if len(losses) else 0
+        now = time.monotonic()
+        if now - self._last >= self.min_interval:
+            self._last = now
+            self.bar.n = self._done
+            latest = [float(row[-1]) for row in losses if len(row) and math.isfinite(row[-1])]
+            if latest:
+                self.bar.set_postfix_str(f"best loss {min(latest):.4g}", refresh=True)
+            else:
+                self.bar.refresh()
+
+    def member_rows(self, rows):
+        self.close()
+        super().member_rows(rows)
+
     def note(self, message, done=False):
         if self.bar is not None:
             self.bar.write(f"nitro: {message}", file=self.stream or sys.stderr)
@@ -161,18 +278,21 @@ def _default_factory() -> Any:
 
 
 _FACTORY: list[Callable[[], Any]] = [_default_factory]
+_POPULATION_FACTORY: list[Callable[[], Any]] = [_default_factory]
 
 
-def set_default_factory(factory: Callable[[], Any] | None) -> None:
-    """Install the factory that builds a reporter for each run (`None` restores the default)."""
-    _FACTORY[0] = factory or _default_factory
+def set_default_factory(factory: Callable[[], Any] | None, *, population: bool = False) -> None:
+    """Install the factory that builds a reporter for each run (`None` restores the default);
+    `population=True`: the one for each `nitro.Population`."""
+    (_POPULATION_FACTORY if population else _FACTORY)[0] = factory or _default_factory
 
 
-def make_reporter(setting: Any) -> Any:
-    """`True` -> the default reporter, `False`/`None` -> None (silent), `"lines"`/`"bar"`, or
-    an object implementing any of the `nitro.events.Reporter` methods."""
+def make_reporter(setting: Any, *, population: bool = False) -> Any:
+    """`True` -> the default reporter (a population's, with `population=True`),
+    `False`/`None` -> None (silent), `"lines"`/`"bar"`, or an object implementing any of the
+    `nitro.events.Reporter` methods."""
     if setting is True:
-        return _FACTORY[0]()
+        return (_POPULATION_FACTORY if population else _FACTORY)[0]()
     if setting is False or setting is None:
         return None
     if setting == "lines":

@@ -166,7 +166,7 @@ def train_population(
         if stop_at is not None and state.step >= stop_at:
             return "max_steps"
         batches = members[0].setup.splits["train"].batches
-        events.start_epoch(state.epoch + 1, target, batches, state.position)
+        events.start_epoch(state.epoch, target, batches, state.position)
         events.phase("training")
         ended = _train_epoch(
             members, state, programs, control, steps_per_call, say, events, stop_at

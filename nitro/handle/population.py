@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -157,7 +158,9 @@ class Population:
         self._control = RunControl()
         self._control.say = self._say
         self._guard = RunGuard(lambda: f"this {cls.__name__} population")
-        reporter = progress.make_reporter(self._shared_keywords.get("progress", True))
+        reporter = progress.make_reporter(
+            self._shared_keywords.get("progress", True), population=True
+        )
         self._reporter = reporter
         self._events = Events([reporter] if reporter is not None else [])
         self._run: Run | None = None
@@ -178,6 +181,7 @@ class Population:
             lead.setup.early_stop.check(tuple(setup.splits), None, setup.eval_splits)
         self._programs = ProgramSet(lead.setup)
         self._state: engine.PopulationState | None = None  # stacked on first use
+        self._stacking = threading.Lock()  # pop.stop(i) may stack before the run's thread
         self._steps_per_call = _steps_per_call(lead.setup, lead.setup.keywords)
         self._stop_reason: str | None = None
         guard = self._guard  # not the population: its run directory's lock must not keep it
@@ -238,6 +242,20 @@ class Population:
         return self._members[0].state.epoch if self._state is None else self._state.epoch
 
     @property
+    def cls(self) -> type:
+        """The experiment class."""
+        return self._cls
+
+    @property
+    def max_epochs(self) -> int:
+        return self._members[0].setup.max_epochs
+
+    @property
+    def target_epoch(self) -> int:
+        """The epoch the current (or latest) run trains to (0 before the first)."""
+        return self._target
+
+    @property
     def steps_per_call(self) -> int:
         """Training steps each program call runs for every member (`steps_per_dispatch=`;
         "auto": the K up to 64 that makes an epoch the fewest calls, K-step calls then the
@@ -253,24 +271,25 @@ class Population:
         self._events.note(message)
 
     def _stacked(self) -> engine.PopulationState:
-        if self._state is None:
-            states = [m.state for m in self._members]
-            variables = engine.stack([s.variables for s in states])
-            healthy = jnp.ones(len(states), bool)
-            for state in states:  # the population holds them, stacked
-                state.variables = Variables(params=[], model_state=[])
-            lead = states[0]
-            setup = self._members[0].setup
-            place = engine.member_placement(setup, self._mesh_axis, len(states))
-            self._state = engine.PopulationState(
-                place(variables),
-                place(healthy),
-                lead.step,
-                lead.epoch,
-                batches=self._batches_mode,
-                place=place,
-            )
-        return self._state
+        with self._stacking:
+            if self._state is None:
+                states = [m.state for m in self._members]
+                variables = engine.stack([s.variables for s in states])
+                healthy = jnp.ones(len(states), bool)
+                for state in states:  # the population holds them, stacked
+                    state.variables = Variables(params=[], model_state=[])
+                lead = states[0]
+                setup = self._members[0].setup
+                place = engine.member_placement(setup, self._mesh_axis, len(states))
+                self._state = engine.PopulationState(
+                    place(variables),
+                    place(healthy),
+                    lead.step,
+                    lead.epoch,
+                    batches=self._batches_mode,
+                    place=place,
+                )
+            return self._state
 
     # ------------------------------------------------------------------------------------------
     # training and evaluation
@@ -466,8 +485,7 @@ class Population:
             raise TypeError(f"pop.stop(member) takes a member index, got {member!r}")
         if not 0 <= member < len(self):
             raise IndexError(f"member {member} of a population of {len(self)}")
-        state = self._stacked() if not self.running else self._state
-        assert state is not None
+        state = self._stacked()  # a run that has not stacked its members yet finds it so
         state.prune[member] = why or f"stopped by pop.stop({member})"
         if not self.running:
             engine.apply_prunes(self._members, state, self._say)

@@ -349,6 +349,11 @@ class PopulationLife:
         state.variables = restore_variables(lead.setup, state.variables, saved, found, meta)
         entries = meta["members"]
         state.healthy = jnp.asarray([bool(e.get("healthy", True)) for e in entries])
+        if state.place is not None:  # laid out as the population lays out its members
+            state.variables, state.healthy = (
+                state.place(state.variables),
+                state.place(state.healthy),
+            )
         state.step, state.epoch = int(meta["step"]), int(meta["epoch"])
         state.position = int(meta.get("position", 0))
         state.prune = {int(k): str(v) for k, v in (meta.get("prune") or {}).items()}

@@ -1,0 +1,168 @@
+"""`%nitro` on a `nitro.Population`: train, stop (the run, or one member), wait, status.
+
+A population is not a `nitro.Nitro` handle: `%nitro train pop` trains it as `pop.train()` does
+(`--epochs N`, `--background`), `%nitro stop pop` stops the run after the current call and
+`%nitro stop pop 3` prunes member 3 (`pop.stop(3)`): the magic waits until the loop has
+stopped it, so `pop.stopped` names it when the cell ends. The magics find populations by
+their names in the notebook; the status line gives the phase, epoch, step, how many members
+still train and the best member by the monitored metric.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Mapping
+from typing import Any
+
+from IPython.core.error import UsageError
+
+import nitro
+from nitro.progress import ranked_members, settings_label
+
+__all__ = ["members_text", "named", "status_lines", "stop", "stop_member", "train", "wait"]
+
+# `%nitro train` options a population does not take, and why
+_NOT_FOR_POPULATIONS = {
+    "fresh": ("--fresh", "build a new nitro.Population to start over"),
+    "resume": ("--resume", "a population writes no run directory to resume from"),
+    "no_live_edits": ("--no-live-edits", "a population takes no live edits"),
+}
+
+
+def members_text(training: int, total: int, running: bool) -> str:
+    """`3 of 4 members training` while a run trains; after it, how many stopped."""
+    if running:
+        return f"{training} of {total} members training"
+    stopped = total - training
+    return f"{stopped} of {total} members stopped" if stopped else f"{total} members"
+
+
+def named(user_ns: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """The populations the notebook names (public names), one entry each."""
+    seen: dict[int, tuple[str, Any]] = {}
+    for key, value in list(user_ns.items()):
+        if isinstance(value, nitro.Population) and not key.startswith("_"):
+            seen.setdefault(id(value), (key, value))
+    return list(seen.values())
+
+
+def _ended(pop: Any) -> str:
+    at = f"at epoch {pop.epoch}/{pop.target_epoch or pop.max_epochs}, step {pop.step}"
+    said = {"done": "finished", "stopped": "stopped", "failed": "failed"}
+    return f"{said[pop.phase]} {at}" if pop.phase in said else f"{pop.phase}, {at}"
+
+
+def train(pop: Any, name: str, args) -> Any:
+    """`%nitro train POP [--epochs N] [--background]`."""
+    for option, (flag, why) in _NOT_FOR_POPULATIONS.items():
+        if getattr(args, option, False):
+            raise UsageError(
+                f"%nitro train {name} {flag}: {name} is a nitro.Population, and {why}; "
+                f"train it with `%nitro train {name} [--epochs N] [--background]`"
+            )
+    if args.epochs is None and pop.epoch >= max(pop.target_epoch, pop.max_epochs):
+        print(
+            f"nitro: {name} already trained its {pop.epoch} epochs (max_epochs="
+            f"{pop.max_epochs}); `%nitro train {name} --epochs N` trains N more"
+        )
+        return pop
+    pop.train(epochs=args.epochs, background=args.background)
+    if args.background and pop.running:
+        print(
+            f"nitro: {name} ({len(pop)} members) is training in the background; `%nitro "
+            f"status` shows how far it is, `%nitro stop {name}` stops it, `%nitro stop {name} "
+            f"I` stops member I"
+        )
+        return None
+    return pop
+
+
+def stop(pop: Any, name: str) -> None:
+    """`%nitro stop POP`: stop the run after the current call; wait until it stopped."""
+    if not pop.running:
+        print(f"nitro: {name} is not running ({_ended(pop)}); nothing to stop")
+        return
+    began = time.monotonic()
+    pop.stop()
+    pop.wait()
+    if pop.stop_reason == "requested":
+        print(
+            f"nitro: stopped {name} at epoch {pop.epoch}, step {pop.step} (in "
+            f"{time.monotonic() - began:.1f} s); `%nitro train {name}` resumes it"
+        )
+    else:  # it ended before the stop took effect
+        print(f"nitro: {name} is not running ({_ended(pop)}); nothing to stop")
+
+
+def _member_index(pop: Any, name: str, member: str) -> int:
+    last = len(pop) - 1
+    try:
+        index = int(member)
+    except ValueError:
+        index = None
+    if index is None or not 0 <= index <= last:
+        raise UsageError(
+            f"%nitro stop {name} {member}: {name} has {len(pop)} members, numbered 0 to "
+            f"{last}; name one of them (`%nitro stop {name} {last}`), or none to stop the run"
+        )
+    return index
+
+
+def stop_member(pop: Any, name: str, member: str, timeout: float = 600.0) -> None:
+    """`%nitro stop POP I`: prune member I (`pop.stop(I)`); a running population stops it at
+    its next call, and the magic waits for that, so `pop.stopped` names it afterwards."""
+    index = _member_index(pop, name, member)
+    label = f"member {index} ({settings_label(pop.members[index])})"
+    if index in pop.stopped:
+        print(f"nitro: {label} of {name} already stopped: {pop.stopped[index]}")
+        return
+    why = f"stopped by %nitro stop {name} {index}"
+    pop.stop(index, why)
+    deadline = time.monotonic() + timeout
+    while index not in pop.stopped and time.monotonic() < deadline:
+        if not pop.running:  # the run ended before its next call: stop it now
+            pop.stop(index, why)
+            break
+        time.sleep(0.02)
+    training = len(pop) - len(pop.stopped)
+    print(
+        f"nitro: stopped {label} of {name} at step {pop.step}; {training} of {len(pop)} "
+        f"members train on"
+        + ("" if pop.running else f" when `%nitro train {name}` trains it again")
+    )
+
+
+def wait(pop: Any, name: str) -> None:
+    pop.wait()
+    for line in status_lines(pop, name):
+        print(line)
+
+
+def status_lines(pop: Any, name: str) -> list[str]:
+    """`pop (Tiny population of 4): training, epoch 1/3, step 25, 3 of 4 members training,
+    best val_loss 0.5123 (member 2: learning_rate=0.01)`, then a line per stopped member."""
+    stopped = pop.stopped
+    target = pop.target_epoch or pop.max_epochs
+    text = (
+        f"{name} ({pop.cls.__name__} population of {len(pop)}): {pop.phase}, epoch "
+        f"{pop.epoch}/{target}, step {pop.step}, "
+        + members_text(len(pop) - len(stopped), len(pop), pop.running)
+    )
+    history = pop.history()
+    if not history.empty:
+        latest = history.groupby(level="member").tail(1).reset_index()
+        rows = [r for r in latest.to_dict("records") if int(r["member"]) not in stopped]
+        metric, order = ranked_members(rows)
+        value = order[0].get(metric) if order else None
+        if isinstance(value, float) and math.isfinite(value):
+            best = int(order[0]["member"])
+            text += (
+                f", best {metric} {value:.4g} (member {best}: {settings_label(pop.members[best])})"
+            )
+    if not pop.running and pop.stop_reason:
+        text += f" (stop reason: {pop.stop_reason})"
+    lines = [text]
+    for index, why in stopped.items():
+        lines.append(f"  member {index} ({settings_label(pop.members[index])}): {why}")
+    return lines

@@ -1,0 +1,254 @@
+"""Populations in a real kernel: `%nitro train pop`, its live panel (every member's curves, a
+table of them best first, a Stop button per member), pruning from the panel and from the
+magic, `%nitro status`, and the record the run leaves."""
+
+from __future__ import annotations
+
+import ast
+import re
+import time
+
+from notebook_kernel import kernel_fixture  # noqa: F401 - provides the `kernel` fixture
+
+PANEL = "nitro_ipython.live_panel({})"
+
+# Defined in the kernel: the live table's member order, and the members best first by their
+# latest val_loss in the history (what the table must show).
+HELPERS = """
+def _table_order(pop):
+    panel = nitro_ipython.live_panel(pop)
+    return [panel.member_rows.index(row) for row in panel.table.children[1:]]
+
+def _ranked(pop):
+    latest = pop.history().groupby(level="member").tail(1).reset_index()
+    return latest.sort_values(["val_loss", "member"])["member"].tolist()
+
+def _table_is_ranked(pop):
+    history = len(pop.history())  # the history before and after: one epoch's table
+    order, ranked = _table_order(pop), _ranked(pop)
+    return history > 0 and history == len(pop.history()) and order == ranked
+"""
+
+
+def _wait_until(kernel, expression: str, accept=lambda value: value == "True", timeout=120):
+    """Poll `expression` (without running a cell) until `accept(its repr)`; returns the repr."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = kernel.eval(expression)
+        if accept(value):
+            return value
+        assert time.monotonic() < deadline, f"{expression} stayed {value}"
+        kernel.pump(0.1)
+
+
+def _click(kernel, model_id: str) -> None:
+    """A click on a button, sent the way a browser sends it."""
+    message = kernel.client.session.msg(
+        "comm_msg",
+        {"comm_id": model_id, "data": {"method": "custom", "content": {"event": "click"}}},
+    )
+    kernel.client.shell_channel.send(message)
+
+
+def _saved(kernel, cell_id: str) -> list[dict]:
+    """The display outputs of the cell `cell_id` in a notebook saved now (schema-checked)."""
+    import nbformat
+
+    outputs = kernel.outputs(cell_id)
+    cell = nbformat.v4.new_code_cell(outputs=outputs)
+    nbformat.validate(nbformat.v4.new_notebook(cells=[cell]))
+    return [o for o in outputs if o["output_type"] == "display_data"]
+
+
+def _record_members(html: str) -> list[int]:
+    """The members of a record's table, in its order."""
+    return [int(i) for i in re.findall(r"&#x25A0;</span> (\d+)</td>", html)]
+
+
+def _comms(kernel) -> int:
+    return int(kernel.eval("len(__import__('comm').get_comm_manager().comms)"))
+
+
+def _opened(cell, model: str) -> list[dict]:
+    return [
+        m["content"]["data"]["state"]
+        for m in cell.messages
+        if m["msg_type"] == "comm_open" and m["content"]["data"]["state"]["_model_name"] == model
+    ]
+
+
+def test_a_population_trained_with_the_magic_leaves_a_record_of_every_member_best_first(kernel):
+    kernel.run(
+        "pop = nitro.Population(tiny_exp.Tiny(batches=5, max_epochs=2), "
+        "learning_rate=[1e-3, 3e-2, 1e-1], seed=[0, 1])"
+    )
+    assert kernel.eval("type(pop.reporter).__name__") == "'PopulationPanelReporter'"
+    before = _comms(kernel)
+    cell = kernel.run("%nitro train pop")
+    buttons = _opened(cell, "ButtonModel")  # the run's Stop, then one per member
+    assert [b["description"] for b in buttons] == ["Interrupt ■ to stop"] + ["Stop"] * 6
+    assert all(b["disabled"] for b in buttons)  # a foreground run: the interrupt button stops
+
+    kernel.run(HELPERS)
+    ranked = ast.literal_eval(kernel.eval("_ranked(pop)"))
+    summary, curves = _saved(kernel, cell.msg_id)  # the record replaced panel and stand-in
+    html, text = summary["data"]["text/html"], summary["data"]["text/plain"]
+    assert _record_members(html) == ranked and sorted(ranked) == list(range(6))
+    assert re.search(r"<b>done</b> &middot; epoch 2/2 &middot; step 10 &middot; 6 members", html)
+    assert "val_loss &#x25B2;" in html  # the column it is sorted by, ascending
+    assert text.startswith("Tiny population of 6: done · epoch 2/2 · step 10")
+    for member, settings in enumerate(ast.literal_eval(kernel.eval("pop.members"))):
+        label = f"learning_rate={settings['learning_rate']:g} seed={settings['seed']}"
+        assert f"  {member}: {label}  trained  loss " in text
+    assert set(curves["data"]) == {"image/png", "text/plain"}  # every member's curves
+    assert _comms(kernel) == before  # every widget of the panel closed
+
+    again = kernel.run("%nitro train pop").stdout
+    assert "pop already trained its 2 epochs" in again and "--epochs N" in again
+    more = kernel.run("%nitro train pop --epochs 1")
+    assert kernel.eval("(pop.epoch, pop.target_epoch)") == "(3, 3)"
+    assert "epoch 3/3" in _saved(kernel, more.msg_id)[0]["data"]["text/plain"]
+
+
+def test_a_member_stop_button_prunes_it_and_the_others_train_on(kernel):
+    kernel.run(HELPERS)
+    kernel.run(
+        "popb = nitro.Population(tiny_exp.Tiny(batches=8, delay=0.005, max_epochs=1000), "
+        "learning_rate=[1e-3, 3e-2, 1e-1], steps_per_dispatch=1)"
+    )
+    started = kernel.run("%nitro train popb --background")
+    assert "popb (3 members) is training in the background" in started.stdout
+    _wait_until(kernel, "popb.epoch >= 2")
+    _wait_until(kernel, "_table_is_ranked(popb)")  # the live table: best val_loss first
+
+    def standin() -> str:  # what a notebook saved now shows where the widget is dead
+        kernel.pump(0.2)
+        shown = _saved(kernel, started.msg_id)[1]["data"].get("text/html", "")
+        return shown if "nitro-standin" in shown else ""
+
+    live = r"<b>(training|validating)</b> &middot; epoch [1-9]\d*/1000"
+    _wait_until(kernel, "True", lambda _: re.search(live, standin()) is not None)
+    shown = standin()  # refreshed as epochs end: every member, with its results
+    assert sorted(_record_members(shown)) == [0, 1, 2] and "val_loss &#x25B2;" in shown
+
+    panel = PANEL.format("popb")
+    button = ast.literal_eval(kernel.eval(f"{panel}.member_buttons[1].model_id"))
+    assert kernel.eval(f"{panel}.member_buttons[1].disabled") == "False"
+    _click(kernel, button)
+    _wait_until(kernel, "1 in popb.stopped")
+    assert kernel.eval("popb.stopped") == "{1: 'stopped by its Stop button in the panel'}"
+    _wait_until(kernel, f"{panel}.member_buttons[1].description == 'Stopped'")
+    assert "stopped by its Stop button in the panel" in kernel.eval(
+        f"{panel}.member_cells[1].value"
+    )
+
+    epoch = int(kernel.eval("popb.epoch"))
+    _wait_until(kernel, f"popb.epoch >= {epoch + 2}")  # the others train on
+    kernel.run("%nitro stop popb")
+    val = ast.literal_eval(
+        kernel.eval("popb.history()['val_loss'].unstack('member').iloc[-2:].values.tolist()")
+    )
+    assert val[0][1] == val[1][1]  # the pruned member's weights no longer change
+    assert val[0][0] != val[1][0] and val[0][2] != val[1][2]  # the others' do
+
+    kernel.wait_for(
+        lambda m: (
+            m["parent_header"].get("msg_id") == started.msg_id
+            and m["msg_type"] == "update_display_data"
+            and "image/png" in m["content"]["data"]
+        ),
+        what="the stopped run's curves",
+    )
+    summary = _saved(kernel, started.msg_id)[0]["data"]
+    assert "<b>stopped</b>" in summary["text/html"]
+    assert sorted(_record_members(summary["text/html"])) == [0, 1, 2]
+    assert "1: learning_rate=0.03  stopped by its Stop button in the panel" in summary["text/plain"]
+
+
+def test_stop_a_member_with_the_magic_and_status_lists_the_population(kernel):
+    kernel.run(
+        "popc = nitro.Population(tiny_exp.Tiny(batches=8, delay=0.005, max_epochs=1000), "
+        "learning_rate=[1e-3, 3e-2, 1e-1], steps_per_dispatch=1)\n"
+        "%nitro train popc --background"
+    )
+    _wait_until(kernel, "popc.epoch >= 1")
+    status = kernel.run("%nitro status").stdout
+    assert re.search(
+        r"popc \(Tiny population of 3\): (training|validating), epoch \d+/1000, step \d+, "
+        r"3 of 3 members training, best val_loss [\d.]+ \(member \d: learning_rate=",
+        status,
+    )
+
+    refused = kernel.run("%nitro stop popc 9", check=False)
+    assert refused.reply["content"]["ename"] == "UsageError"
+    assert "popc has 3 members, numbered 0 to 2" in refused.error
+    assert "popc has 3 members" in kernel.run("%nitro stop popc one", check=False).error
+
+    stopped = kernel.run("%nitro stop popc 1").stdout
+    assert re.match(
+        r"nitro: stopped member 1 \(learning_rate=0.03\) of popc at step \d+; 2 of 3 members "
+        r"train on",
+        stopped,
+    )
+    assert kernel.eval("popc.stopped") == "{1: 'stopped by %nitro stop popc 1'}"
+    status = kernel.run("%nitro status popc").stdout
+    assert "2 of 3 members training" in status
+    assert "  member 1 (learning_rate=0.03): stopped by %nitro stop popc 1" in status
+    assert "already stopped" in kernel.run("%nitro stop popc 1").stdout
+    panel = PANEL.format("popc")
+    _wait_until(kernel, f"{panel}.member_buttons[1].description == 'Stopped'")
+
+    step = int(kernel.eval("popc.step"))
+    _wait_until(kernel, f"popc.step > {step + 10}")  # the others train on
+    ended = kernel.run("%nitro stop popc").stdout
+    assert re.match(r"nitro: stopped popc at epoch \d+, step \d+ .*`%nitro train popc`", ended)
+    assert "1 of 3 members stopped" in kernel.run("%nitro status popc").stdout
+    assert "popc is not running" in kernel.run("%nitro stop popc").stdout
+
+
+def test_a_population_refuses_what_it_does_not_take_in_one_line(kernel):
+    kernel.run(
+        "popd = nitro.Population(tiny_exp.Tiny(batches=4, delay=0.01, max_epochs=2), "
+        "learning_rate=[1e-3, 1e-2])\n"
+        "%nitro train popd --background"
+    )
+    waited = kernel.run("%nitro wait popd").stdout
+    assert waited.startswith("popd (Tiny population of 2): done, epoch 2/2, step 8, 2 members")
+
+    fresh = kernel.run("%nitro train popd --fresh", check=False)
+    assert "popd is a nitro.Population" in fresh.error and "--fresh" in fresh.error
+    validate = kernel.run("%nitro validate popd", check=False)
+    assert "'popd' is a nitro.Population" in validate.error and "popd.best()" in validate.error
+    extra = kernel.run("%nitro train popd 1", check=False)
+    assert "%nitro train takes one target" in extra.error
+    kernel.run("solo = tiny_exp.Tiny(batches=2)\n%nitro train solo")
+    member = kernel.run("%nitro stop solo_run 1", check=False)
+    assert "a member is for a population" in member.error
+    assert all(
+        cell.reply["content"]["traceback"] == [] for cell in (fresh, validate, extra, member)
+    )
+
+
+def test_the_interrupt_button_stops_a_population_trained_in_the_foreground(kernel):
+    kernel.run(
+        "pope = nitro.Population(tiny_exp.Tiny(batches=400, delay=0.01), "
+        "learning_rate=[1e-3, 1e-2], steps_per_dispatch=1)"
+    )
+    msg_id = kernel.start("%nitro train pope")
+
+    def mid_epoch(message):  # this cell's progress bar, in the middle of the epoch
+        value = message["content"].get("data", {}).get("state", {}).get("value")
+        mine = message["parent_header"].get("msg_id") == msg_id
+        return (
+            mine and message["msg_type"] == "comm_msg" and isinstance(value, float) and value > 0.02
+        )
+
+    kernel.wait_for(mid_epoch, timeout=120, what="a progress update in the middle of the epoch")
+    kernel.manager.interrupt_kernel()
+    cell = kernel.finish(msg_id)
+    assert cell.status == "ok" and cell.stderr == ""  # a stop request, not an error
+    (record,) = cell.updates()
+    assert "<b>stopped</b>" in record, record
+    assert sorted(_record_members(record)) == [0, 1], record
+    step, reason = ast.literal_eval(kernel.eval("(pope.step, pope.stop_reason)"))
+    assert reason == "requested" and 0 < step < 400

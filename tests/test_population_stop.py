@@ -1,0 +1,38 @@
+"""Pruning a member from another thread while a population's run starts."""
+
+from __future__ import annotations
+
+import threading
+
+from toys import ToyWithMetrics
+
+import nitro
+
+
+class HeldStart:
+    """A reporter that holds the run's thread in `start_run` until released: the run has
+    started, and has not stacked its members yet."""
+
+    def __init__(self):
+        self.started, self.release = threading.Event(), threading.Event()
+
+    def start_run(self, population, target_epoch):
+        self.started.set()
+        assert self.release.wait(60)
+
+
+def test_a_member_stopped_before_the_run_stacks_its_members_stops_at_the_first_call():
+    held = HeldStart()
+    pop = nitro.Population(
+        ToyWithMetrics(max_epochs=2), learning_rate=[1e-3, 3e-2, 1e-1], progress=held
+    )
+    pop.train(background=True)
+    assert held.started.wait(60) and pop.running
+    pop.stop(1, "pruned at the start")
+    held.release.set()
+    pop.wait()
+    assert pop.stopped == {1: "pruned at the start"}
+    history = pop.history()
+    assert history.loc[(1, 2), "stopped"] == "pruned at the start"
+    assert history.loc[(0, 2), "val_loss"] != history.loc[(0, 1), "val_loss"]  # trained on
+    assert history.loc[(1, 2), "val_loss"] == history.loc[(1, 1), "val_loss"]  # never trained
