@@ -55,7 +55,8 @@ class PopulationCurves:
         self._skipped = 0
 
     def add_steps(self, first: int, losses: Any) -> None:
-        """The steps `first + 1`, ... of a call: `losses` [members, steps]."""
+        """The steps `first`, `first + 1`, ... of a call (counted from 1): `losses`
+        [members, steps]."""
         block = np.asarray(losses, np.float64)
         with self.lock:
             for offset in range(block.shape[1]):
@@ -63,7 +64,7 @@ class PopulationCurves:
                 if self._skipped < self._stride:
                     continue
                 self._skipped = 0
-                self.steps.append(first + offset + 1)
+                self.steps.append(first + offset)
                 self.losses.append(block[:, offset].copy())
                 if len(self.steps) > self.MAX_POINTS:
                     del self.steps[::2], self.losses[::2]

@@ -141,7 +141,7 @@ class PopulationPanelReporter:
     def member_steps(self, first, losses):
         count = len(losses[0]) if len(losses) else 0
         self._position += count
-        self._step = first + count
+        self._step = first + count - 1
         self.stats.observe(self._step, float("nan"))
         self.curves.add_steps(first, losses)
         now = time.monotonic()

@@ -182,7 +182,7 @@ def test_a_background_run_reports_every_members_steps_and_rows_and_prunes_live()
     assert not pop.running and pop.stop_reason == "completed"
     assert recorder.calls == [("start_run", 2), ("end_run", "completed")]
     firsts = [first for first, _ in recorder.steps]
-    assert firsts == list(range(pop.step))  # one event per call, in order
+    assert firsts == list(range(1, pop.step + 1))  # one event per call, steps from 1
     assert all(losses.shape == (3, 1) for _, losses in recorder.steps)
     stopped_at = next(first for first, losses in recorder.steps if np.isnan(losses[2, 0]))
     assert all(np.isnan(losses[2, 0]) for first, losses in recorder.steps if first >= stopped_at)

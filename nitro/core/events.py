@@ -281,8 +281,9 @@ class Events:
         self._deliver("end_run", handle)
 
     def member_steps(self, first: int, losses: Any) -> None:
-        """A population's steps `first`, `first + 1`, ... read back together: `losses` is a
-        float array [members, steps], NaN where a member had stopped."""
+        """A population's steps `first`, `first + 1`, ... (counted from 1, as `steps`) read
+        back together: `losses` is a float array [members, steps], NaN where a member had
+        stopped."""
         self._deliver("member_steps", first, losses)
 
     def member_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:

@@ -437,7 +437,7 @@ def _complete(members: Sequence[Member], item: _Pending, say, events: Events) ->
                 _train_metrics(
                     member, item.program, batch_metrics, staged.part(i), offset * micro + part
                 )
-    events.member_steps(item.index, losses)
+    events.member_steps(item.index + 1, losses)  # steps count from 1, as a run's
     if all(m.stopped is not None for m in members) and any(
         m.stopped.startswith("diverged") for m in members if m.stopped is not None
     ):

@@ -241,7 +241,6 @@ class Population:
     def epoch(self) -> int:
         return self._members[0].state.epoch if self._state is None else self._state.epoch
 
-
     @property
     def max_epochs(self) -> int:
         return self._members[0].setup.max_epochs

@@ -226,9 +226,8 @@ class MemberLogging:
             reporter.start_epoch(epoch, target_epoch, batches, start)
 
     def member_steps(self, first: int, losses: Any) -> None:
-        # `first` is the index of the call's first step; a logger's steps count from 1
         for reporter, row in zip(self.reporters, np.asarray(losses), strict=True):
-            reporter.steps(first + 1, row.tolist())
+            reporter.steps(first, row.tolist())
 
     def member_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:
         for reporter, view in zip(self.reporters, self.views, strict=True):

@@ -71,7 +71,7 @@ class MemberSteps:
             finite = row[np.isfinite(row)]  # NaN: the member had stopped
             if finite.size:
                 latest[i] = float(finite[-1])
-        self.losses, self.latest_step = latest, first + values.shape[1]
+        self.losses, self.latest_step = latest, first + values.shape[1] - 1
 
     def note(self, message: str, done: bool = False) -> None:
         self.notes.append(message)
