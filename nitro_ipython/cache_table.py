@@ -1,9 +1,12 @@
-"""`%nitro cache` as tables: the cache's counts, one row per program, one row per compile."""
+"""`%nitro cache` as tables: the cache's counts, one row per program (its calls, compile time,
+FLOPs and memory), one row per compile."""
 
 from __future__ import annotations
 
 from html import escape
 from typing import Any
+
+from nitro.programs.costs import format_bytes, format_flops
 
 __all__ = ["CacheTable"]
 
@@ -39,13 +42,25 @@ class CacheTable:
         if s.programs:
             parts.append(
                 _table(
-                    ["program", "experiment", "calls", "compiled in", "GraphConst read"],
+                    [
+                        "program",
+                        "experiment",
+                        "calls",
+                        "compiled in",
+                        "FLOPs a call",
+                        "memory",
+                        "of which scratch",
+                        "GraphConst read",
+                    ],
                     [
                         [
                             p["program"],
                             p["owner"],
                             f"{p['calls']:,}",
                             f"{p['compile_seconds']:.2f} s",
+                            format_flops(p.get("flops")),
+                            format_bytes(p.get("memory_bytes")),
+                            format_bytes(p.get("temp_bytes")),
                             ", ".join(p["graphconst_read"]) or "none",
                         ]
                         for p in s.programs

@@ -16,6 +16,8 @@ import threading
 import time
 from typing import Any
 
+from nitro.core.train_state import TIMING_COLUMNS
+
 __all__ = [
     "CSS_HEIGHT",
     "CSS_PANEL_WIDTH",
@@ -29,7 +31,7 @@ __all__ = [
 CSS_PANEL_WIDTH = 380  # displayed pixels per plot
 CSS_HEIGHT = 230
 PIXEL_RATIO = 2
-_SKIP = {"epoch", "step", "epoch_seconds", "data_wait_frac", "loss", "val_loss"}
+_SKIP = {"epoch", "step", *TIMING_COLUMNS, "loss", "val_loss"}
 
 
 class CurveData:

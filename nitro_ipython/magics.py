@@ -35,6 +35,7 @@ COMMANDS = (
     "plot",
     "panel",
     "cache",
+    "profile",
     "bind",
     "export",
     "mcp",
@@ -101,7 +102,7 @@ class NitroMagics(Magics):
         metavar="TARGET",
         help="train: an experiment instance, a handle or a nitro.Population; stop, wait, "
         "status: a handle or a population; validate, evaluate, predict, history, plot, panel, "
-        "bind: a handle (default: the latest, _nitro); export: a directory; mcp: start or stop",
+        "profile, bind: a handle (default: the latest, _nitro); export: a directory; mcp: start or stop",
     )
     @magic_arguments.argument(
         "member",
@@ -117,6 +118,12 @@ class NitroMagics(Magics):
     )
     @magic_arguments.argument(
         "--epochs", "-e", type=int, help="train this many more epochs (default: to max_epochs)"
+    )
+    @magic_arguments.argument(
+        "--steps",
+        type=int,
+        default=20,
+        help="profile: the training steps to profile (default: 20; they train the handle)",
     )
     @magic_arguments.argument(
         "--background",
@@ -209,7 +216,13 @@ class NitroMagics(Magics):
         %nitro plot [RUN]        the history's curves
         %nitro panel [RUN]       RUN's live panel in this cell (for a run started elsewhere,
                                  such as by an agent)
-        %nitro cache             compile cache statistics and why each program compiled
+        %nitro cache             compile cache statistics (each program's calls, compile
+                                 time, FLOPs and memory) and why each program compiled
+        %nitro profile [RUN] [--steps N]
+            train N more steps of RUN (default 20) under jax.profiler and show where a
+            call's time went: waiting for data, host-side Python, the device program and
+            the readback; each program's FLOPs, memory and FLOP/s against the device's peak
+            (n.profile(steps=N); the trace is in RUN's run directory, under profile/)
         %nitro bind [RUN]        where every value of the run came from
         %nitro export DIR [--run RUN] [--name NAME]
             write RUN's current weights and eval-mode forward as a bundle that runs without
@@ -525,6 +538,15 @@ class NitroMagics(Magics):
 
     def _cache(self, args):
         return CacheTable(nitro.cache_stats())
+
+    def _profile(self, args):
+        name, handle = self._handle(args.target, "profile")
+        self._idle(name, handle, "profile")
+        if args.steps < 1:
+            raise UsageError(
+                f"--steps must be at least 1, got {args.steps}: the training steps to profile"
+            )
+        return handle.profile(steps=args.steps)
 
     def _bind(self, args):
         return _Shown(self._handle(args.target, "bind")[1].binding_report())

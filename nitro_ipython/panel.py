@@ -24,6 +24,8 @@ from typing import Any
 import ipywidgets as widgets
 from IPython.display import display
 
+from nitro.core.train_state import TIMING_COLUMNS
+
 from .runs import RunStats
 
 __all__ = [
@@ -38,7 +40,7 @@ __all__ = [
     "status_text",
 ]
 
-_SKIP_COLUMNS = {"epoch", "step", "epoch_seconds", "data_wait_frac"}
+_SKIP_COLUMNS = {"epoch", "step", *TIMING_COLUMNS}
 BAR_STYLE = {"done": "success", "stopped": "warning", "failed": "danger"}
 
 # What the Stop button says while the cell that started the run still runs: the kernel reads
@@ -253,9 +255,11 @@ def status_text(
     batches: int | None,
     stats: RunStats,
     in_epoch: bool,
+    row: dict[str, Any] | None = None,
 ) -> list[str]:
     """The status line's parts: phase, epochs finished of the target, the batch under way,
-    step, loss, throughput, elapsed time."""
+    step, loss, throughput and, from the latest history row `row`, a step's split between
+    host and device (`host_ms`, `device_ms`), elapsed time."""
     rate = stats.steps_per_second
     parts = [phase, f"epoch {epoch}/{target}"]
     if in_epoch:
@@ -265,6 +269,8 @@ def status_text(
         parts.append(f"loss {stats.loss:.4g}")
     if rate == rate:
         parts.append(f"{rate:,.0f} steps/s")
+    if row and isinstance(row.get("host_ms"), float) and isinstance(row.get("device_ms"), float):
+        parts.append(f"host {row['host_ms']:.3g} ms + device {row['device_ms']:.3g} ms a step")
     parts.append(f"{stats.elapsed:.1f} s")
     return parts
 

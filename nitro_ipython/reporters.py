@@ -312,6 +312,7 @@ class PanelReporter:
             self._batches,
             self.stats,
             self._in_epoch,
+            self._row,
         )
 
     def _fraction(self) -> float:

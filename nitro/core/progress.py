@@ -19,6 +19,7 @@ from typing import Any
 
 from nitro.core import events as _events
 from nitro.core.events import EVENT_NAMES, Reporter
+from nitro.core.train_state import TIMING_COLUMNS
 
 __all__ = [
     "LineReporter",
@@ -40,7 +41,7 @@ def format_row(row: dict[str, Any], max_epochs: int | None = None) -> str:
     epoch = f"epoch {row.get('epoch')}" + (f"/{max_epochs}" if max_epochs else "")
     parts = [epoch]
     for key, value in row.items():
-        if key in {"epoch", "step", "epoch_seconds", "data_wait_frac"}:
+        if key in {"epoch", "step"} or key in TIMING_COLUMNS:
             continue
         if isinstance(value, float):
             parts.append(f"{key} {value:.4g}")

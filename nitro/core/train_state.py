@@ -19,7 +19,18 @@ from typing import Any
 
 import jax
 
-__all__ = ["EpochTotals", "EvalOutput", "StepOutput", "TrainState", "Variables"]
+__all__ = [
+    "TIMING_COLUMNS",
+    "EpochTotals",
+    "EvalOutput",
+    "StepOutput",
+    "TrainState",
+    "Variables",
+]
+
+# the history's columns that time an epoch rather than measure the model: tables of results,
+# curves and progress lines leave them out
+TIMING_COLUMNS = frozenset({"epoch_seconds", "data_wait_frac", "host_ms", "device_ms"})
 
 
 @jax.tree_util.register_dataclass
@@ -72,6 +83,23 @@ class EpochTotals:
     wait_seconds: float = 0.0
     seconds: float = 0.0
     train_metrics: Any = None  # a MetricAccumulator, created by the loop
+    # the loop thread's wait for each call's results (the readback of its report), and its
+    # time that is no step's (compiles, the pipeline's fill, evaluations within the epoch):
+    # the history's host_ms and device_ms (see `step_times`)
+    device_seconds: float = 0.0
+    untimed_seconds: float = 0.0
+
+    def step_times(self) -> dict[str, float]:
+        """`host_ms` and `device_ms` a step: the loop thread's time a step, split into its own
+        work (staging, dispatch, bookkeeping, reporters: what is not waiting) and its wait for
+        the device's results; data waits and `untimed_seconds` are neither."""
+        if not self.steps:
+            return {}
+        host = self.seconds - self.wait_seconds - self.device_seconds - self.untimed_seconds
+        return {
+            "host_ms": max(0.0, host) * 1e3 / self.steps,
+            "device_ms": self.device_seconds * 1e3 / self.steps,
+        }
 
 
 @dataclasses.dataclass(slots=True)
@@ -136,6 +164,8 @@ class TrainState:
                 steps=int(partial.get("steps", 0)),
                 wait_seconds=float(partial.get("wait_seconds", 0.0)),
                 seconds=float(partial.get("seconds", 0.0)),
+                device_seconds=float(partial.get("device_seconds", 0.0)),
+                untimed_seconds=float(partial.get("untimed_seconds", 0.0)),
                 train_metrics=MetricAccumulator("train_metrics"),
             )
         return cls(

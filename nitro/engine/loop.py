@@ -5,6 +5,11 @@ in flight. Once a step's loss is read back, that step's batch buffers are delete
 batch's inputs and outputs are deleted once its metrics have their values. A stop, an error or
 an interrupt drains the step in flight and frees its batch.
 
+Each readback is timed: how long it blocked is the epoch's wait for the device, and the
+loop thread's other time, less data waits, compiles and evaluations, its host time (the
+history's `device_ms` and `host_ms`). While `n.profile()` runs, the run-time record holds a
+call timer (`RunTime.profiler`) on which the loop marks each call's parts.
+
 The loop is the only in-place writer of the `TrainState` it is given: it updates it as steps
 complete (the handle reads its counters live) and returns it. It reads the `RunSetup` and
 advances the run-time record (`RunTime`: the step feed, the dispatch measurement, the
@@ -88,6 +93,7 @@ class _Epoch:
         self.upcoming: tuple[int, tuple[str, int], EpochStream] | None = None
         self.programs_by_count: dict[tuple, Any] = {}  # (steps, micro) per call -> program
         self.probation: Probation | None = None  # a live edit's first steps, and the way back
+        self.profiler = runtime.profiler  # n.profile()'s call timer, or None
 
 
 class _RollBack(Exception):
@@ -211,6 +217,7 @@ def finish_epoch(
     wait_frac = totals.wait_seconds / totals.seconds if totals.seconds > 0 else 0.0
     row["data_wait_frac"] = wait_frac
     row["epoch_seconds"] = totals.seconds
+    row.update(totals.step_times())  # host_ms, device_ms
     # commit
     state.history.append(row)
     state.epoch += 1
@@ -273,6 +280,7 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
             finally:
                 stream.close()
                 totals.wait_seconds += stream.wait_seconds
+                totals.untimed_seconds += stream.fill_seconds
             if ended != "switch":  # "switch": steps per call decided; reopen with K
                 break
     finally:
@@ -359,6 +367,11 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
     updates = _updates(setup)
     switchable = is_index_addressable(run.runtime.prefetcher("train").source)
     plan.start_stream()
+    totals = state.totals
+    assert totals is not None  # set when the epoch began
+    profiler = run.profiler
+    if profiler is not None:
+        profiler.start_stream()
     pending: _Pending | None = None
     ended = "ended"
     try:
@@ -372,6 +385,8 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
                 staged.free()  # staged ahead: the run stops at max_steps before it
                 ended = "max_steps"
                 break
+            if profiler is not None:
+                profiler.mark("data", run.dispatched)
             if run.runtime.live.pending is not None:  # an edit compiled beside the run
                 if pending is not None:  # the old code's last call counts before the swap
                     previous, pending = pending, None
@@ -379,6 +394,8 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
                 _swap_in(run, state)
                 setup = run.setup
                 plan.start_stream()  # no timed interval spans the swap
+                if profiler is not None:
+                    profiler.start_stream()
             index, count, micro = run.dispatched, staged.count, staged.group
             if count == 1:
                 args = (
@@ -398,13 +415,20 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
                 )
             program = run.programs_by_count.get((count, micro))
             if program is None:
+                begin = time.perf_counter()
                 program = run.programs.train_step(args, count, micro)
                 run.programs_by_count[(count, micro)] = program
+                compiling = time.perf_counter() - begin  # (a lookup when compiled already)
+                totals.untimed_seconds += compiling
+                if profiler is not None:
+                    profiler.compiled(index, compiling)
             try:
                 out = program(*args)
             except TypeError as error:
                 staged.free()
                 raise shape_error(setup, staged, error) from None
+            if profiler is not None:  # waits for the call: the device's time apart
+                profiler.dispatched(index, count, program, out.report)
             state.variables, run.healthy = out.variables, out.healthy
             run.dispatched += count
             if control.copies_pending:  # before the next step donates these variables
@@ -419,10 +443,15 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
             if _evaluation_due(run, staged):
                 previous, pending = pending, None
                 _complete(run, state, previous)  # every step so far counted, weights current
-                if not _validate_within(run, state):
+                begin = time.perf_counter()
+                validated = _validate_within(run, state)
+                totals.untimed_seconds += time.perf_counter() - begin
+                if not validated:
                     ended = "interrupted"
                     break
                 plan.start_stream()  # the evaluation is no call's time
+                if profiler is not None:
+                    profiler.start_stream()
         if pending is not None:
             previous, pending = pending, None
             _complete(run, state, previous)
@@ -560,14 +589,20 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
     residency = setup.experiment.train_metrics_residency
     metrics = item.metrics
     staged = item.staged
+    profiler = run.profiler
     try:
-        reports = np.asarray(item.report).reshape(-1, 2)
+        begin = time.perf_counter()
+        reports = np.asarray(item.report).reshape(-1, 2)  # waits for the call to finish
+        waited = time.perf_counter() - begin
+        if profiler is not None:
+            profiler.mark("readback", item.index)
         if residency is not None:
             metrics = setup.placement.gather(metrics)
     finally:
         staged.free()
     totals = state.totals
     assert totals is not None  # set when the epoch began
+    totals.device_seconds += waited
     count, micro = staged.count, staged.group
     program = item.program
     probation = run.probation
@@ -610,6 +645,8 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
     finally:
         if losses:  # the call's steps counted so far, in one event
             run.events.steps(first, losses)
+        if profiler is not None:
+            profiler.mark("bookkeeping", item.index)
     if probation is not None and state.step >= probation.until:
         run.probation = None  # the edit's first steps were finite: it stays
 

@@ -9,7 +9,9 @@ beside the setup (`train_epochs(setup, runtime, state, ...)`):
 - `dispatch`: the steps-per-dispatch measurement and its current `DispatchChoice`;
 - `prefetchers`: one per split, with its worker threads and its counters;
 - `live`: the live edits: the newest, and the swap compiled beside the run that waits for
-  the loop's next dispatch boundary (`nitro.engine.live_edit`).
+  the loop's next dispatch boundary (`nitro.engine.live_edit`);
+- `profiler`: while `n.profile()` trains, the timer the loop marks each call's parts on
+  (`nitro.engine.profiling`); None otherwise.
 
 The setup stays as it was decided; the `TrainState` (arrays, counters, history) is the
 third record, which only the loop writes in place.
@@ -40,6 +42,7 @@ class RunTime:
     dispatch: DispatchPlan
     prefetchers: Mapping[str, Prefetcher]  # split name -> its prefetcher
     live: LiveEdits = dataclasses.field(default_factory=LiveEdits)
+    profiler: Any = None  # `n.profile()`'s call timer (`profiling.CallTimer`) while it runs
 
     def prefetcher(self, split: str) -> Prefetcher:
         return self.prefetchers[split]

@@ -5,6 +5,8 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
+from nitro.core.train_state import TIMING_COLUMNS
+
 __all__ = ["handle_html", "short_repr", "weights_line"]
 
 
@@ -53,7 +55,7 @@ def handle_html(handle: Any) -> str:
         metrics = ", ".join(
             f"{k} {v:.4g}"
             for k, v in handle.last_metrics.items()
-            if isinstance(v, float) and k not in ("epoch_seconds", "data_wait_frac")
+            if isinstance(v, float) and k not in TIMING_COLUMNS
         )
         rows.append(("latest", metrics))
     body = "".join(

@@ -464,6 +464,30 @@ class Nitro:
                 self._wait(run)
         return self
 
+    def profile(self, steps: int = 20, *, trace: bool = True, python: bool = False):
+        """Train `steps` more steps under `jax.profiler` and say where a call's time went:
+        a `ProfileReport` (HTML in a notebook, text elsewhere) of each call's wait for data,
+        host-side Python (the feed and dispatch; the bookkeeping and reporters), the device
+        program and the readback; each program's FLOPs, bytes and memory as XLA reports them,
+        and the FLOP/s it reached against the device's peak; what to change for the part
+        that dominates.
+
+        **These are training steps**, as `train(steps=steps)` trains them: the weights, the
+        optimizer state, `n.step` and the epoch under way move on (an epoch that ends among
+        them validates and checkpoints as usual). Each call is waited for before the next,
+        so the parts are apart; training overlaps them and runs a little faster (the
+        history's `host_ms` and `device_ms` split every epoch without waiting).
+
+        `trace=True` writes the trace to `<run_dir>/profile/plugins/profile/<timestamp>/`
+        (`tensorboard --logdir <run_dir>/profile` opens it; so does ui.perfetto.dev, its
+        `perfetto_trace.json.gz`); `python=True` records every Python call in it too, which
+        slows host-side Python several times (the host parts then read high). Refused while
+        the handle runs. See docs/performance.md#where-did-my-time-go.
+        """
+        from nitro.handle.profile import profile_handle
+
+        return profile_handle(self, steps, trace=trace, python=python)
+
     def _pending(self) -> bool:
         return self._state.epoch_trained
 

@@ -5,9 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from nitro.core.train_state import TIMING_COLUMNS
+
 __all__ = ["plot_history"]
 
-_SKIP = {"step", "epoch_seconds", "data_wait_frac"}
+_SKIP = {"step", *TIMING_COLUMNS}
 
 
 def swap_epochs(frame, swaps: Iterable[Mapping[str, Any]]) -> list[tuple[float, str, bool]]:

@@ -7,7 +7,7 @@ public API only:
 |---|---|
 | `start_run(handle, target)` | `bind_run(run_dir, run_id)` (once per run directory), `log_params(run_params(handle))`, `log_tags`, `log_other("binding_report", text)`, `flush()` |
 | `step(step, loss)` | `log_metrics({"loss": loss}, context="train")`, the epoch under way, the step |
-| `end_epoch(row)` | "train": the epoch's mean loss and train metrics as `epoch_<name>`, and `epoch_seconds`; "validate": the `val_*` entries (and those of every split of `eval_splits`, `test_*` ...); "data": `data_wait_frac`; all at the row's epoch and step |
+| `end_epoch(row)` | "train": the epoch's mean loss and train metrics as `epoch_<name>`, and `epoch_seconds`, `host_ms`, `device_ms`; "validate": the `val_*` entries (and those of every split of `eval_splits`, `test_*` ...); "data": `data_wait_frac`; all at the row's epoch and step |
 | `end_run(handle)` | `finish(status)`: the stop reason, one of `FINISH_STATUSES` |
 | `phase(name)`, to a phase other than training, validating and checkpointing | `flush()` (the end of a `validate()`, say) |
 
@@ -101,7 +101,7 @@ def _split_row(
             parts["data"][name] = value
         elif name.startswith(prefixes):
             parts["validate"][name] = value
-        elif name == "epoch_seconds":
+        elif name in ("epoch_seconds", "host_ms", "device_ms"):
             parts["train"][name] = value
         else:
             parts["train"][f"epoch_{name}"] = value

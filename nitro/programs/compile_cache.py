@@ -35,6 +35,7 @@ from nitro.experiments.fingerprint import (
     diff_parts,
     is_function_like,
 )
+from nitro.programs.costs import ProgramCost, format_bytes, format_flops, program_cost
 from nitro.programs.persistent_cache import (  # noqa: F401 - compilation_cache_dir is re-exported
     compilation_cache_dir,
     configure_persistent_cache,
@@ -206,6 +207,7 @@ class Program:
         "compile_seconds",
         "calls",
         "aux",
+        "_cost",
     )
 
     def __init__(self, spec: ProgramSpec, compiled, reads, signature, seconds, graphconst):
@@ -221,6 +223,13 @@ class Program:
         self.compile_seconds = seconds
         self.calls = 0
         self.aux = {}
+        self._cost: ProgramCost | None = None
+
+    def cost(self) -> ProgramCost:
+        """Its FLOPs, bytes and memory, read from the executable on first use and kept."""
+        if self._cost is None:
+            self._cost = program_cost(self.compiled, self.static, self.signature)
+        return self._cost
 
     def __call__(self, *args):
         with _COUNT_LOCK:  # exact under threads; an uncontended lock costs ~0.1 us
@@ -259,7 +268,8 @@ class CacheStats:
             lines.append(
                 f"  {p['program']} [{p['owner']}]: {p['calls']} call{'s' * (p['calls'] != 1)}, "
                 f"compiled in "
-                f"{p['compile_seconds']:.2f} s, GraphConst read: {reads}"
+                f"{p['compile_seconds']:.2f} s, {format_flops(p['flops'])} a call, memory "
+                f"{format_bytes(p['memory_bytes'])}, GraphConst read: {reads}"
             )
         if self.compiles:
             lines.append("compiles:")
@@ -463,6 +473,7 @@ class CompileCache:
             log = CompileLog(self.log)
         with _COUNT_LOCK:
             hits, misses = _COUNTS["hits"], _COUNTS["misses"]
+        costs = [p.cost() for p in programs]  # outside the lock: read once, then kept
         return CacheStats(
             hits=hits,
             misses=misses,
@@ -475,8 +486,9 @@ class CompileCache:
                     "calls": p.calls,
                     "compile_seconds": p.compile_seconds,
                     "graphconst_read": sorted(p.reads),
+                    **cost.as_dict(),
                 }
-                for p in programs
+                for p, cost in zip(programs, costs, strict=True)
             ],
             compiles=log,
         )
@@ -523,8 +535,11 @@ CACHE = CompileCache()
 
 
 def cache_stats() -> CacheStats:
-    """Hits, misses and entries of the compile cache, with per-program detail and the log of
-    compiles, each with the time it took and why it missed.
+    """Hits, misses and entries of the compile cache, with per-program detail (calls, compile
+    seconds, and what the executable costs: `flops` and `bytes_accessed` a call,
+    `flops_per_step`, `memory_bytes` and its parts, `arguments` by what they hold; see
+    `nitro.programs.costs`) and the log of compiles, each with the time it took and why it
+    missed.
 
     A call of a compiled program counts as a hit, except the call that compiled it.
     """

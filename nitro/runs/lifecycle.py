@@ -548,6 +548,8 @@ def _partial_epoch(state: TrainState) -> dict[str, Any] | None:
         "steps": totals.steps,
         "wait_seconds": totals.wait_seconds,
         "seconds": totals.seconds,
+        "device_seconds": totals.device_seconds,
+        "untimed_seconds": totals.untimed_seconds,
     }
 
 
