@@ -45,6 +45,7 @@ _EXPORTS = {
     "EMA": "nitro.optim.ema",
     "SAM": "nitro.optim.sam",
     "ASAM": "nitro.optim.sam",
+    "Precision": "nitro.optim.precision",
     "EarlyStopping": "nitro.runs.early_stopping",
     "on_phase": "nitro.core.events",
     "saved_runs": "nitro.runs.run_dirs",
@@ -85,6 +86,7 @@ __all__ = [
     "OptimizerError",
     "Population",
     "PopulationError",
+    "Precision",
     "ProgramKind",
     "RoutingError",
     "RunningError",
@@ -153,6 +155,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from nitro.handle.handle import Nitro
     from nitro.handle.population import Population
     from nitro.optim.ema import EMA
+    from nitro.optim.precision import Precision
     from nitro.optim.sam import ASAM, SAM
     from nitro.programs import staleness
     from nitro.programs.compile_cache import (
