@@ -85,6 +85,52 @@ def _flat(tree) -> list:
     return jax.tree.leaves(tree)
 
 
+SEEN: list[tuple[str, str]] = []
+
+
+@nitro.experiment
+class Recorded:
+    """Says, as it is traced, the dtypes its hooks see."""
+
+    scale: nitro.Device[float] = 1.0
+    max_epochs: int = 1
+
+    def build_data(self):
+        return {
+            "train": ArrayLoader({"x": X, "y": Y}, 16),
+            "val": ArrayLoader({"x": X, "y": Y}, 16),
+        }
+
+    def build_model(self, rngs):
+        return TinyMLP(5, 8, 2, rngs=rngs)
+
+    def forward(self, model, *, x):
+        scaled = x * self.scale
+        SEEN.append(("forward", f"{x.dtype} {scaled.dtype} {model.hidden.kernel[...].dtype}"))
+        return model(scaled)
+
+    def loss(self, logits, *, y):
+        SEEN.append(("loss", f"{logits.dtype} {self.scale.dtype}"))
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+
+@pytest.mark.parametrize("precision", ["bfloat16", "float16"])
+def test_forward_computes_in_the_compute_dtype_and_the_loss_in_float32(precision, fresh_cache):
+    SEEN.clear()
+    n = nitro.Nitro(Recorded(), precision=precision, checkpointer=None, **QUIET)
+    n.train()
+    # the inputs, a Device field times them, the parameters: all in the compute dtype; the
+    # loss gets float32 outputs and the Device field as it is
+    assert set(SEEN) == {
+        ("forward", f"{precision} {precision} {precision}"),
+        ("loss", "float32 float32"),
+    }
+    assert n.predict({"x": X[:3]}).dtype == np.float32
+    SEEN.clear()
+    nitro.Nitro(Recorded(), checkpointer=None, **QUIET).train()  # float32: nothing is cast
+    assert set(SEEN) == {("forward", "float32 float32 float32"), ("loss", "float32 float32")}
+
+
 def test_bfloat16_tracks_float32_closely_on_the_same_run():
     full, half = digits(epochs=2), digits(epochs=2, precision="bfloat16")
     full.train()

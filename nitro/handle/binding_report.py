@@ -85,8 +85,7 @@ def _precision(setup: RunSetup, history: Sequence[Mapping[str, Any]]) -> list[st
     """How the step computes; under float16 the loss scale at the last committed epoch and
     the steps skipped so far."""
     precision = setup.precision
-    if precision is None:
-        return ["float32 throughout"]
+    assert precision is not None  # shown for mixed precision only
     lines = [precision.describe()]
     scaled = [row for row in history if "loss_scale" in row]
     if precision.scaled and scaled:
@@ -107,7 +106,7 @@ def binding_report(
     history: Sequence[Mapping[str, Any]] = (),
 ) -> BindingReport:
     """Where every value came from: splits, hook fields, run keywords, schedules, optimizer,
-    precision, Device fields (as the run-time record holds them now; `history`: the
+    mixed precision, Device fields (as the run-time record holds them now; `history`: the
     committed epochs, for float16's loss scale at the last one)."""
     experiment = setup.experiment
     feed = runtime.feed
@@ -212,9 +211,9 @@ def binding_report(
     if groups:
         sections.append(("parameter groups  [param_group method]", groups))
 
-    sections.append(
-        (f"precision  [{setup.keywords['precision'].source}]", _precision(setup, history))
-    )
+    if setup.precision is not None and setup.precision.mixed:  # float32: the keyword says it
+        source = setup.keywords["precision"].source
+        sections.append((f"precision  [{source}]", _precision(setup, history)))
 
     lines = [
         f"{name}: {type(getattr(runtime.experiment, name)).__name__} = "

@@ -89,7 +89,10 @@ def eval_spec(
             # in the compute dtype, as the train step (precision=); outputs float32
             module = nnx.merge(model.graphdef_eval, precision.cast_compute(params), rest, copy=True)
             inputs = select(batch, fields["forward"])
-            outputs = tracing.call(setup, "forward", view, module, **precision.cast_compute(inputs))
+            compute_view = tracing.view(setup, precision.cast_compute(device), reads)
+            outputs = tracing.call(
+                setup, "forward", compute_view, module, **precision.cast_compute(inputs)
+            )
             outputs = precision.cast_output(outputs)
             loss_sum = None
             if return_outputs:

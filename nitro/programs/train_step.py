@@ -76,6 +76,9 @@ def step_function(
         opt_state = jax.tree.unflatten(model.opt_state_def, variables.opt_state)
         device, key = tracing.pop_step_key(device)
         view = tracing.view(setup, device, reads)
+        # forward sees the floating Device fields in the compute dtype too, so `x * self.scale`
+        # stays in it (a float32 array would promote it back); the loss sees them as they are
+        forward_view = tracing.view(setup, precision.cast_compute(device), reads)
         if key is not None:  # the step's key rides with the batch: micro-batches split it
             keys = (
                 key
@@ -97,7 +100,7 @@ def step_function(
             key = batch.get(tracing.RNG_FIELD)
             rngs = nnx.Rngs(key) if key is not None else None
             inputs = precision.cast_compute(select(batch, fields["forward"]))
-            outputs = tracing.call(setup, "forward", view, module, rngs=rngs, **inputs)
+            outputs = tracing.call(setup, "forward", forward_view, module, rngs=rngs, **inputs)
             outputs = precision.cast_output(outputs)
             loss = tracing.check_scalar_loss(
                 tracing.call(

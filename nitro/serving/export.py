@@ -444,9 +444,8 @@ def export_handle(
 
         params = jax.tree.unflatten(model_setup.params_def, leaves(names[0]))
         rest = jax.tree.unflatten(model_setup.model_state_def, leaves(names[1]))
-        view = TraceView(
-            cls, setup.experiment.graphconst, {k: jnp.asarray(v) for k, v in device.items()}
-        )
+        frozen = {k: jnp.asarray(v) for k, v in device.items()}
+        view = TraceView(cls, setup.experiment.graphconst, precision.cast_compute(frozen))
         model = nnx.merge(model_setup.graphdef_eval, params, rest, copy=True)
         fields = view.export_preprocess(**inputs) if preprocess else inputs
         if not isinstance(fields, Mapping):
