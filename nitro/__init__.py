@@ -46,6 +46,7 @@ _EXPORTS = {
     "EMA": "nitro.optim.ema",
     "SAM": "nitro.optim.sam",
     "ASAM": "nitro.optim.sam",
+    "Precision": "nitro.optim.precision",
     "EarlyStopping": "nitro.runs.early_stopping",
     "on_phase": "nitro.core.events",
     "saved_runs": "nitro.runs.run_dirs",
@@ -87,6 +88,7 @@ __all__ = [
     "OptimizerError",
     "Population",
     "PopulationError",
+    "Precision",
     "ProgramKind",
     "RoutingError",
     "RunningError",
@@ -156,6 +158,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from nitro.handle.lr_find import LRFindResult
     from nitro.handle.population import Population
     from nitro.optim.ema import EMA
+    from nitro.optim.precision import Precision
     from nitro.optim.sam import ASAM, SAM
     from nitro.programs import staleness
     from nitro.programs.compile_cache import (

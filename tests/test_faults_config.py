@@ -417,6 +417,7 @@ def test_resuming_with_the_same_training_keywords_says_nothing_and_records_them(
         "weight_decay": 1e-4,
         "decay_to": "zero",
         "param_groups": {"body": 0.5, "head": None},
+        "precision": "float32",
     }
     resumed = nitro.Nitro(GroupedToy(max_epochs=2), resume=first.run_dir, progress=False, **TRAINED)
     assert _keyword_warnings(recwarn) == []

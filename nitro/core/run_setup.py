@@ -34,6 +34,7 @@ if TYPE_CHECKING:  # lower layers, named for the annotations only (importing the
     from nitro.experiments.routing import HookFields
     from nitro.optim.ema import EMA
     from nitro.optim.fed_optimizer import FedOptimizer
+    from nitro.optim.precision import Precision
     from nitro.optim.sam import SAM
     from nitro.optim.schedules import BoundSchedule
 
@@ -215,6 +216,7 @@ class RunSetup:
     accum: int = 1  # micro-batches per optimizer step
     ema: EMA | None = None
     sam: SAM | None = None
+    precision: Precision | None = None  # how the step computes (None: float32)
     name: str | None = None  # the name keyword: the run's name in run.json, for resume
     eval_splits: tuple[str, ...] = ()  # evaluated at each epoch's end
     max_steps: int | None = None  # the optimizer step training stops at

@@ -43,6 +43,8 @@ class Variables:
     opt_state: list | None = None
     ema: list | None = None  # the moving average of `params` (`ema=`), same leaves
     ema_steps: Any = None  # int32: steps averaged so far (for the EMA's warmup)
+    # precision="float16": [scale f32, finite steps in a row i32, steps skipped i32]
+    loss_scale: list | None = None
 
 
 @jax.tree_util.register_dataclass

@@ -103,6 +103,18 @@ def divergence_message(
         values = feed.hyperparams_at(index)
         shown = ", ".join(f"{k} = {v:g}" for k, v in values.items())
         advice += f" ({shown} at step {index + 1})"
+    if setup.precision is not None and setup.precision.scaled and code in (1, 2):
+        advice = (
+            "Under precision='float16' "
+            + (
+                "the forward pass may overflow float16's range (65504) before the loss: "
+                if code == 1
+                else "the gradient overflowed even at the smallest loss scale (1), so it is "
+                "non-finite whatever the scale: "
+            )
+            + "train in precision='bfloat16' (float32's range), or look for large "
+            "activations; else: " + advice[0].lower() + advice[1:]
+        )
     return (
         f"{what} at step {index + 1} (epoch {state.epoch + 1}, batch {state.position + 1}). "
         f"The handle keeps the weights from before that step (n.step == {state.step}). "

@@ -223,6 +223,15 @@ def _sam(value):
         raise ValueError(str(error)) from None
 
 
+def _precision(value):
+    from nitro.optim.precision import Precision
+
+    try:
+        return Precision.of(value)
+    except ValueError as error:
+        raise ValueError(str(error)) from None
+
+
 def _steps_per_dispatch(value):
     if value == "auto" or isinstance(value, DispatchChoice):  # n.dispatch: continue it
         return value
@@ -467,6 +476,14 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             None,
             "sharpness-aware minimization: a radius, nitro.SAM(rho=), nitro.ASAM(rho=, eta=)",
             _sam,
+        ),
+        RunKeyword(
+            "precision",
+            "float32",
+            "the dtype the forward and backward passes compute in: 'float32', 'bfloat16', or "
+            "'float16' (with dynamic loss scaling); parameters, optimizer state and loss stay "
+            "float32 (or a nitro.Precision(...))",
+            _precision,
         ),
         RunKeyword(
             "steps_per_dispatch",

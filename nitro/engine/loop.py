@@ -49,6 +49,7 @@ from nitro.engine.swaps import (
 )
 from nitro.errors import DivergenceError, Once
 from nitro.experiments.routing import select
+from nitro.optim.precision import epoch_columns
 from nitro.programs.specs import ProgramSet
 
 __all__ = ["finish_epoch", "train_epochs"]
@@ -203,6 +204,7 @@ def finish_epoch(
             )
     elif totals.loss_count:
         row["loss"] = totals.loss_sum / totals.loss_count
+    row.update(epoch_columns(state.variables.loss_scale, state.history))  # float16's scale
     if not totals.train_metrics.empty:
         row.update(finalize_metrics(setup, runtime, totals.train_metrics.result(), "train"))
     for split in setup.eval_splits:  # ("val",) by default, each under its own prefix

@@ -18,6 +18,7 @@ from nitro.engine.keywords import DEFAULT
 
 if TYPE_CHECKING:
     from nitro.optim.ema import EMA
+    from nitro.optim.precision import Precision
     from nitro.optim.sam import SAM
     from nitro.runs.checkpoints import Checkpointer
     from nitro.runs.early_stopping import EarlyStopping
@@ -58,6 +59,7 @@ class RunKeywords:
     accum: int
     ema: EMA | None
     sam: SAM | None
+    precision: Precision
     steps_per_dispatch: Any  # "auto", an int K, or a DispatchChoice to continue
     prefetch: Literal["auto", "threads", "inline"]
     progress: Any  # True, False, "lines", "bar" or a reporter object

@@ -55,6 +55,7 @@ from nitro.experiments.routing import hook_fields
 from nitro.optim.fed_optimizer import FedOptimizer
 from nitro.optim.optimizer import OptimizerSettings, build_optimizer
 from nitro.optim.param_groups import leaf_paths
+from nitro.optim.precision import Precision
 from nitro.optim.schedules import bind_schedules, check_schedule_values, optimizer_keys
 from nitro.programs.compile_cache import configure_persistent_cache
 from nitro.programs.tracing import EVAL_SEED
@@ -109,6 +110,7 @@ def build(
     params = placement.put_replicated(model.params)
     rest = placement.put_replicated(model.model_state)
     optimizer, opt_state = _build_optimizer(instance, keywords, splits_given, params, placement)
+    precision = _precision(cls, keywords)
     prefetch_mode = keywords.prefetch
     if prefetch_mode == "auto" and keywords.given("prefetch_workers"):
         prefetch_mode = "threads"  # asking for workers means wanting them
@@ -177,6 +179,7 @@ def build(
         accum=keywords.accum,
         ema=keywords.ema,
         sam=keywords.sam,
+        precision=precision,
         name=keywords.name,
         eval_splits=eval_splits,
         max_steps=keywords.max_steps,
@@ -199,6 +202,9 @@ def build(
             opt_state=jax.tree.leaves(opt_state) if opt_state is not None else None,
             ema=[copy_array(x) for x in jax.tree.leaves(params)] if with_ema else None,
             ema_steps=placement.put_replicated(jnp.zeros((), jnp.int32)) if with_ema else None,
+            loss_scale=[placement.put_replicated(x) for x in precision.initial_state()]
+            if precision.scaled and optimizer is not None
+            else None,
         ),
         seed=keywords.seed,
     )
@@ -220,6 +226,20 @@ def _eval_splits(keywords: RunKeywords, splits: Mapping[str, Any]) -> tuple[str,
             f"build_data [{keywords.source('eval_splits')}]"
         )
     return tuple(names)
+
+
+def _precision(cls: type, keywords: RunKeywords) -> Precision:
+    """The `precision` keyword, refused with a `train_step` hook (which computes its own
+    gradients, so casts and scales them itself)."""
+    precision = keywords.precision
+    if precision.mixed and has_method(cls, "train_step"):
+        raise SetupError(
+            f"precision={precision.compute!r} does not combine with a train_step hook, which "
+            f"computes its own gradients: build the models in {precision.compute} inside it "
+            f"(Flax NNX layers take dtype=jnp.{precision.compute}, param_dtype=jnp.float32), "
+            f"or leave precision='float32' [{keywords.source('precision')}]"
+        )
+    return precision
 
 
 def _resume_from(resume: Any) -> CheckpointRef | Literal["auto"] | None:

@@ -8,6 +8,7 @@ default), the schedules, the optimizer's hyperparameters and the Device fields.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping, Sequence
 from html import escape
 from typing import Any
 
@@ -80,15 +81,33 @@ def _decay_line(setup: RunSetup, decay_to: str, decayed, paths) -> str:
     )
 
 
+def _precision(setup: RunSetup, history: Sequence[Mapping[str, Any]]) -> list[str]:
+    """How the step computes; under float16 the loss scale at the last committed epoch and
+    the steps skipped so far."""
+    precision = setup.precision
+    assert precision is not None  # shown for mixed precision only
+    lines = [precision.describe()]
+    scaled = [row for row in history if "loss_scale" in row]
+    if precision.scaled and scaled:
+        skipped = sum(int(row.get("skipped_steps", 0)) for row in scaled)
+        lines.append(
+            f"loss scale {scaled[-1]['loss_scale']:g} at epoch {scaled[-1]['epoch']}'s end; "
+            f"{skipped} step{'s' * (skipped != 1)} skipped on overflow so far"
+        )
+    return lines
+
+
 def binding_report(
     setup: RunSetup,
     runtime: RunTime,
     step: int,
     run_dir: str | None = None,
     run_id: str | None = None,
+    history: Sequence[Mapping[str, Any]] = (),
 ) -> BindingReport:
     """Where every value came from: splits, hook fields, run keywords, schedules, optimizer,
-    Device fields (as the run-time record holds them now)."""
+    mixed precision, Device fields (as the run-time record holds them now; `history`: the
+    committed epochs, for float16's loss scale at the last one)."""
     experiment = setup.experiment
     feed = runtime.feed
     sections = []
@@ -191,6 +210,10 @@ def binding_report(
     sections.append(("optimizer", lines))
     if groups:
         sections.append(("parameter groups  [param_group method]", groups))
+
+    if setup.precision is not None and setup.precision.mixed:  # float32: the keyword says it
+        source = setup.keywords["precision"].source
+        sections.append((f"precision  [{source}]", _precision(setup, history)))
 
     lines = [
         f"{name}: {type(getattr(runtime.experiment, name)).__name__} = "

@@ -683,13 +683,15 @@ class Nitro:
         *,
         platforms: tuple[str, ...] | None = None,
         weights: str | None = None,
+        dtype: str | None = None,
     ) -> dict[str, Any]:
         """Write the current weights and eval-mode forward as a bundle that runs without Nitro
         (`nitro.bundle.load(directory)`) and serves with `nitro serve`; returns its manifest.
 
         `name` names the bundle (default: the experiment class, lower case); `platforms`
         defaults to cpu, cuda, rocm and tpu; `weights="ema"` exports the moving average of
-        the weights. See docs/export.md.
+        the weights; `dtype` is the bundle's: "float32" (the default), "bfloat16", "float16"
+        or "compute" (the run's `precision=`). See docs/export.md.
         """
         from nitro.serving.export import DEFAULT_PLATFORMS, export_handle
 
@@ -704,6 +706,7 @@ class Nitro:
                 name,
                 platforms=DEFAULT_PLATFORMS if platforms is None else platforms,
                 variables=variables,
+                dtype=dtype,
             )
 
     # ------------------------------------------------------------------------------------------
@@ -984,7 +987,14 @@ class Nitro:
 
     def binding_report(self) -> BindingReport:
         """Where every value came from: splits, hook fields, run keywords, schedules, optimizer."""
-        return binding_report(self._setup, self._runtime, self.step, self.run_dir, self.run_id)
+        return binding_report(
+            self._setup,
+            self._runtime,
+            self.step,
+            self.run_dir,
+            self.run_id,
+            history=self._state.history,
+        )
 
     def stale_changes(self) -> dict[str, list[str]]:
         """Code that changed since this handle was built: unit (a hook name or "model") ->

@@ -31,6 +31,7 @@ from nitro.core.metrics import split_modes
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import EvalOutput, Variables
 from nitro.experiments.routing import select
+from nitro.optim.precision import FLOAT32
 from nitro.programs import tracing
 from nitro.programs.compile_cache import CACHE, Opaque, Program, ProgramKind, ProgramSpec
 from nitro.programs.train_step import TRAIN_UNITS, train_step_spec
@@ -77,6 +78,7 @@ def eval_spec(
     """Eval forward (`with_loss`) or predict (forward alone); with `batches > 1`, that many
     stacked evaluation batches in one call (`lax.scan`), each with its real sample count."""
     model = setup.model
+    precision = setup.precision or FLOAT32
 
     def build(reads: set[str]):
         aux: dict[str, Any] = {}
@@ -84,9 +86,14 @@ def eval_spec(
         def evaluate(variables: Variables, device, batch, n_real) -> EvalOutput:
             params, rest = tracing.unflatten(setup, variables)
             view = tracing.view(setup, device, reads)
-            module = nnx.merge(model.graphdef_eval, params, rest, copy=True)
+            # in the compute dtype, as the train step (precision=); outputs float32
+            module = nnx.merge(model.graphdef_eval, precision.cast_compute(params), rest, copy=True)
             inputs = select(batch, fields["forward"])
-            outputs = tracing.call(setup, "forward", view, module, **inputs)
+            compute_view = tracing.view(setup, precision.cast_compute(device), reads)
+            outputs = tracing.call(
+                setup, "forward", compute_view, module, **precision.cast_compute(inputs)
+            )
+            outputs = precision.cast_output(outputs)
             loss_sum = None
             if return_outputs:
                 tracing.check_batch_axis(outputs, inputs)
@@ -121,6 +128,7 @@ def eval_spec(
             "returns outputs": return_outputs,
             "fields": tracing.fields_key(fields, hooks),
             "batches per call": batches,
+            "precision": precision.compute,
         },
         graphconst=setup.experiment.graphconst,
         arg_names=("variables", "device fields", "batch", "real samples"),

@@ -4,10 +4,12 @@ traced into one program over donated variables; and K of them fused with `lax.sc
 The step is assembled from the named stages of `nitro.optim.stages`, one line per switch:
 
 ```
-gradients  jax.value_and_grad of the loss hook over the forward hook
+gradients  jax.value_and_grad of the loss hook over the forward hook, in the compute
+           dtype (precision=), of the scaled loss (float16)
            -> accumulate (accum=)  -> sharpness_aware (sam=)
 update     inject the fed hyperparameters -> apply_update (the optimizer) -> strip them
-finish     moving_average (ema=) -> the guard (check_divergence=): check, keep
+finish     moving_average (ema=) -> skip an overflow, adjust the loss scale (float16)
+           -> the guard (check_divergence=): check, keep
 ```
 
 A `train_step` hook's step (`manual_step_function`) replaces the first two lines by the hook,
@@ -23,6 +25,7 @@ report (loss, finiteness code) comes back in one array.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -37,6 +40,7 @@ from nitro.experiments.routing import select
 from nitro.optim import guard, stages
 from nitro.optim.guard import Failure
 from nitro.optim.optimizer import OptimizerSetup
+from nitro.optim.precision import FLOAT32
 from nitro.programs import tracing
 from nitro.programs.compile_cache import Opaque, ProgramKind, ProgramSpec
 
@@ -62,13 +66,19 @@ def step_function(
     optimizer = setup.optimizer
     assert isinstance(optimizer, OptimizerSetup)  # a train_step hook takes the manual step
     model = setup.model
+    precision = setup.precision or FLOAT32
 
     def step(variables: Variables, healthy, device, hparams, batch) -> StepOutput:
         params, rest = tracing.unflatten(setup, variables)
+        scaling = variables.loss_scale if precision.scaled else None
+        scale = precision.dynamic(scaling) if scaling is not None else None
         assert variables.opt_state is not None  # a train step's variables carry it
         opt_state = jax.tree.unflatten(model.opt_state_def, variables.opt_state)
         device, key = tracing.pop_step_key(device)
         view = tracing.view(setup, device, reads)
+        # forward sees the floating Device fields in the compute dtype too, so `x * self.scale`
+        # stays in it (a float32 array would promote it back); the loss sees them as they are
+        forward_view = tracing.view(setup, precision.cast_compute(device), reads)
         if key is not None:  # the step's key rides with the batch: micro-batches split it
             keys = (
                 key
@@ -80,20 +90,27 @@ def step_function(
             batch = {**batch, tracing.RNG_FIELD: keys}
 
         def objective(params, rest, batch):
-            module = nnx.merge(model.graphdef_train, params, rest, copy=True)
+            # the forward pass in the compute dtype: the parameters and the floating inputs
+            # cast to it, the outputs back to float32 for the loss (precision=); the cast's
+            # gradient is float32, so the gradients are
+            module = nnx.merge(
+                model.graphdef_train, precision.cast_compute(params), rest, copy=True
+            )
             # made inside the differentiated function, so the model may draw from it
             key = batch.get(tracing.RNG_FIELD)
             rngs = nnx.Rngs(key) if key is not None else None
-            outputs = tracing.call(
-                setup, "forward", view, module, rngs=rngs, **select(batch, fields["forward"])
-            )
+            inputs = precision.cast_compute(select(batch, fields["forward"]))
+            outputs = tracing.call(setup, "forward", forward_view, module, rngs=rngs, **inputs)
+            outputs = precision.cast_output(outputs)
             loss = tracing.check_scalar_loss(
                 tracing.call(
                     setup, "loss", view, outputs, rngs=rngs, **select(batch, fields["loss"])
                 )
             )
             _, _, new_rest = nnx.split(module, nnx.Param, ...)
-            return loss, (outputs, new_rest)
+            new_rest = precision.like(new_rest, rest)
+            scaled = scale.scale(loss) if scale is not None else loss  # float16: loss scaling
+            return scaled, (loss, outputs, new_rest)
 
         def measured(outputs, batch):
             """What the step reports besides its loss: device train metrics, or the outputs
@@ -114,7 +131,9 @@ def step_function(
         grad_fn = jax.value_and_grad(objective, has_aux=True)
 
         def value_and_grads(params, rest, batch) -> stages.Gradients:
-            (loss, (outputs, new_rest)), grads = grad_fn(params, rest, batch)
+            (_, (loss, outputs, new_rest)), grads = grad_fn(params, rest, batch)
+            if scale is not None:
+                grads = scale.unscale(grads)
             return stages.Gradients(loss, new_rest, grads, measured(outputs, batch))
 
         gradients: stages.GradientFn = value_and_grads
@@ -127,19 +146,33 @@ def step_function(
         opt_state = optimizer.inject(opt_state, hparams)
         new_params, new_opt = stages.apply_update(optimizer.tx, grads, opt_state, params)
 
+        finite = guard.all_finite(grads)
+        overflow = None
+        if scaling is not None:  # float16: an overflow skips the step and lowers the scale
+            overflow = (finite, precision.adjusted(scaling, finite))
+
         def checks():
             # A fed hyperparameter is checked too: a NaN learning rate from a schedule. An
             # update that overflows from finite inputs (an absurd learning rate) is applied,
-            # and the next step's loss stops the run.
+            # and the next step's loss stops the run. Under loss scaling a non-finite
+            # gradient is a skipped step, unless the scale is at its floor already.
             hparams_ok = jnp.all(jnp.isfinite(hparams)) if optimizer.names else jnp.bool_(True)
+            grads_ok = finite if scaling is None else finite | ~precision.at_floor(scaling)
             return (
                 (Failure.LOSS, jnp.isfinite(loss)),
-                (Failure.GRADIENT, guard.all_finite(grads)),
+                (Failure.GRADIENT, grads_ok),
                 (Failure.HYPERPARAMETER, hparams_ok),
             )
 
         return _finish(
-            setup, variables, healthy, loss, (new_params, new_rest, new_opt), checks, metrics
+            setup,
+            variables,
+            healthy,
+            loss,
+            (new_params, new_rest, new_opt),
+            checks,
+            metrics,
+            overflow,
         )
 
     return step
@@ -213,9 +246,13 @@ def _finish(
     new: tuple[Any, Any, Any],
     checks: Callable[[], tuple[tuple[Failure, jax.Array], ...]],
     metrics: Any,
+    overflow: tuple[jax.Array, list] | None = None,
 ) -> StepOutput:
     """The stages after the update, the same for both steps: the moving average, then the
-    guard, which keeps every variable as it was at a skipped step (`nitro.optim.guard`)."""
+    guard, which keeps every variable as it was at a skipped step (`nitro.optim.guard`).
+    `overflow` (float16's loss scaling): whether the gradient was finite, and the loss-scale
+    variables after the step; a step that overflowed keeps the other variables as they were,
+    without counting as a divergence."""
     params, rest, opt_state = new
     assert setup.optimizer is not None
     ema, ema_steps = variables.ema, variables.ema_steps
@@ -227,7 +264,13 @@ def _finish(
         opt_state=jax.tree.leaves(setup.optimizer.strip(opt_state)),
         ema=ema,
         ema_steps=ema_steps,
+        loss_scale=variables.loss_scale,
     )
+    if overflow is not None:
+        finite, loss_scale = overflow
+        new_variables = dataclasses.replace(
+            guard.keep(finite, new_variables, variables), loss_scale=loss_scale
+        )
     code = jnp.int32(0)
     if setup.check_divergence:
         healthy, code = guard.check(healthy, *checks())
@@ -304,6 +347,7 @@ def train_step_spec(
             "micro-batches per step": micro,
             "ema": repr(setup.ema),
             "sam": repr(setup.sam),
+            "precision": (setup.precision or FLOAT32).program_key,
         },
         graphconst=setup.experiment.graphconst,
         arg_names=("variables", "healthy", "device fields", "hyperparameters", batch),

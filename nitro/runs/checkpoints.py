@@ -150,6 +150,10 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
     return flat
 
 
+# the loss-scale variables of a float16 run, as a checkpoint names them
+LOSS_SCALE_KEYS = ("scale", "finite_steps", "skipped_steps")
+
+
 def host_tree(setup: Any, variables: Any) -> dict[str, Any]:
     """The variables as nested dicts of numpy arrays, keyed by the model's leaf paths."""
     paths = setup.model.leaf_paths
@@ -162,6 +166,10 @@ def host_tree(setup: Any, variables: Any) -> dict[str, Any]:
     if variables.ema is not None:  # the moving average of the weights (ema=)
         tree["ema"] = _nest(paths["parameter"], [_host(x) for x in variables.ema])
         tree["ema_steps"] = _host(variables.ema_steps)
+    if variables.loss_scale is not None:  # precision="float16": the dynamic loss scale
+        tree["loss_scale"] = dict(
+            zip(LOSS_SCALE_KEYS, map(_host, variables.loss_scale), strict=True)
+        )
     return tree
 
 

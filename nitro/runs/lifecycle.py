@@ -27,6 +27,7 @@ from nitro.experiments.declaration import FieldKind, field_specs
 from nitro.experiments.fingerprint import code_digest
 from nitro.optim.fed_optimizer import describe_optimizer
 from nitro.runs.checkpoints import (
+    LOSS_SCALE_KEYS,
     Checkpointer,
     CheckpointStore,
     SavedStep,
@@ -270,6 +271,21 @@ class RunFiles:
             else:  # a run that did not average before: start the average here
                 ema, ema_steps = list(params), np.zeros((), np.int32)
                 events.note("the checkpoint holds no moving average: it starts from its weights")
+        loss_scale = variables.loss_scale
+        if loss_scale is not None:  # precision="float16": resume its dynamic loss scale
+            if "loss_scale" in saved:
+                loss_scale = leaves_from(
+                    "loss scale",
+                    saved["loss_scale"],
+                    LOSS_SCALE_KEYS,
+                    [np.zeros(x.shape, x.dtype) for x in loss_scale],
+                )
+            else:  # a run that did not scale its loss before
+                scale = setup.precision.initial_scale if setup.precision is not None else 1.0
+                events.note(
+                    f"the checkpoint holds no loss scale (it was not trained in float16): the "
+                    f"dynamic loss scale starts at {scale:g}"
+                )
         place = setup.placement.put_replicated
         restored = TrainState.from_checkpoint(
             Variables(
@@ -278,6 +294,7 @@ class RunFiles:
                 opt_state=[place(x) for x in opt] if opt is not None else None,
                 ema=[place(x) for x in ema] if ema is not None else None,
                 ema_steps=place(ema_steps) if ema_steps is not None else None,
+                loss_scale=[place(x) for x in loss_scale] if loss_scale is not None else None,
             ),
             meta,
             seed=state.seed,

@@ -2,8 +2,8 @@
 a resume with other values says.
 
 A resume continues the run with the keywords it is given: a changed `accum=`, `sam=`, `ema=`,
-optimizer, learning rate, `gradient_clip_norm=`, `weight_decay=`, `decay_to=` or parameter
-groups is used from the first resumed step (as Keras and Lightning do with a changed
+`precision=`, optimizer, learning rate, `gradient_clip_norm=`, `weight_decay=`, `decay_to=` or
+parameter groups is used from the first resumed step (as Keras and Lightning do with a changed
 argument), and a warning names each difference and the keywords that continue the run as it
 was trained. An optimizer whose state no longer fits is refused before this, by the restore.
 """
@@ -27,6 +27,7 @@ _KEYWORDS = {
     "weight_decay": "weight_decay",
     "decay_to": "decay_to",
     "param_groups": None,
+    "precision": "precision",
 }
 
 
@@ -53,6 +54,7 @@ def training_config(setup: RunSetup) -> dict[str, Any]:
             if optimizer is not None and optimizer.groups
             else None
         ),
+        "precision": _precision(setup.precision),
     }
 
 
@@ -96,6 +98,16 @@ def _written(value: Any) -> str | None:
     """A SAM, ASAM or EMA as the keyword is written: `nitro.ASAM(rho=0.5, eta=0.01)`."""
     if value is None:
         return None
+    return f"nitro.{value!r}"
+
+
+def _precision(value: Any) -> str:
+    """A precision as the keyword is written: 'bfloat16', or `nitro.Precision('float16',
+    loss_scale=1024.0)` when it sets more than the dtype."""
+    if value is None:
+        return "float32"
+    if value.loss_scale is None and value.growth_interval is None:
+        return value.compute
     return f"nitro.{value!r}"
 
 

@@ -377,9 +377,15 @@ def export_handle(
     *,
     platforms: tuple[str, ...] = DEFAULT_PLATFORMS,
     variables: Any = None,
+    dtype: str | None = None,
 ) -> dict[str, Any]:
     """Export a handle's current weights (or `variables`: e.g. the moving average) and its
     eval-mode forward; returns the manifest.
+
+    `dtype` is the bundle's: "float32" (the default, whatever the run's precision),
+    "bfloat16" or "float16" (the floating weights stored in it, halving the bundle, and the
+    forward computed in it; the wire's inputs and outputs keep their dtypes), or "compute"
+    (the run's `precision=`).
 
     >>> import nitro
     >>> from nitro.examples.digits import Digits
@@ -396,6 +402,7 @@ def export_handle(
 
     setup, state = handle.setup, handle.state
     variables = variables if variables is not None else state.variables
+    precision = _bundle_precision(dtype, setup)
     model_setup = setup.model
     cls, experiment = handle.cls, handle.experiment
     preprocess = has_method(cls, "export_preprocess")
@@ -419,6 +426,8 @@ def export_handle(
                 key_impls[key] = jax.random.key_impl(leaf)
                 leaf = jax.random.key_data(leaf)
             weights[key] = np.array(leaf)  # a host copy: training may go on
+            if precision.mixed and jnp.issubdtype(leaf.dtype, jnp.floating):
+                weights[key] = weights[key].astype(precision.policy.compute_dtype)
             group.append(key)
         names.append(group)
     if len(weights) != sum(map(len, names)):
@@ -435,9 +444,8 @@ def export_handle(
 
         params = jax.tree.unflatten(model_setup.params_def, leaves(names[0]))
         rest = jax.tree.unflatten(model_setup.model_state_def, leaves(names[1]))
-        view = TraceView(
-            cls, setup.experiment.graphconst, {k: jnp.asarray(v) for k, v in device.items()}
-        )
+        frozen = {k: jnp.asarray(v) for k, v in device.items()}
+        view = TraceView(cls, setup.experiment.graphconst, precision.cast_compute(frozen))
         model = nnx.merge(model_setup.graphdef_eval, params, rest, copy=True)
         fields = view.export_preprocess(**inputs) if preprocess else inputs
         if not isinstance(fields, Mapping):
@@ -461,9 +469,10 @@ def export_handle(
                 if f in fields
             }
         )
+        chosen = precision.cast_compute(chosen)  # the bundle's dtype (dtype=)
         if forward_fields.takes_rngs:  # one fixed key: an export is deterministic
             chosen = {**chosen, "rngs": nnx.Rngs(EVAL_SEED)}
-        return forward_hook(view, model, **chosen)
+        return precision.cast_output(forward_hook(view, model, **chosen))
 
     # The wire: export_inputs, else the first split's batch for the fields the wire takes.
     if has_method(cls, "export_inputs"):
@@ -516,10 +525,35 @@ def export_handle(
         inputs=inputs,
         outputs=outputs,
         device_values=device,
-        provenance=_provenance(handle, graphconst),
+        provenance={**_provenance(handle, graphconst), "dtype": precision.compute},
         owner=handle.owner,
     )
     return write_bundle(source, directory, platforms=platforms)
+
+
+def _bundle_precision(dtype: Any, setup: Any):
+    """The bundle's dtype as a precision policy: float32 weights and compute by default."""
+    from nitro.errors import SetupError
+    from nitro.optim.precision import COMPUTE_DTYPES, FLOAT32, Precision
+
+    if dtype is None:
+        return FLOAT32
+    if isinstance(dtype, str) and dtype == "compute":
+        return Precision((setup.precision or FLOAT32).compute)
+    try:
+        name = dtype if isinstance(dtype, str) else np.dtype(dtype).name
+    except TypeError:
+        name = repr(dtype)
+    if name not in COMPUTE_DTYPES:
+        raise ExportError(
+            f"export dtype={dtype!r}: the bundle's dtype must be 'float32' (the default), "
+            f"'bfloat16', 'float16', or 'compute' (the run's precision=, here "
+            f"{(setup.precision or FLOAT32).compute!r})"
+        )
+    try:
+        return Precision(name)
+    except SetupError as error:  # not reached: the names are checked above
+        raise ExportError(str(error)) from None
 
 
 def _first_batch(source: Any, split: str) -> Mapping[str, Any]:
