@@ -130,7 +130,7 @@ def test_profile_steps_are_training_steps_and_an_epoch_ending_among_them_commits
     assert sum(c.steps for c in report.calls) == 12
 
 
-def test_fused_calls_count_xla_loop_body_once_per_step():
+def test_fused_calls_count_xla_loop_body_once_per_step(fresh_cache):
     """XLA's cost analysis counts a loop's body once: a call of 3 fused steps reports one
     step's FLOPs, and the report multiplies by the steps."""
     single = _handle(steps_per_dispatch=1)
