@@ -8,7 +8,7 @@ readback), each program's FLOPs, memory and FLOP/s against the device's peak, an
 for the part that dominates. Run directories (and the traces) go to a temporary directory
 unless `--keep DIR`.
 
-    python bench/profile.py [--models digits,lm,slow] [--steps 40] [--keep DIR]
+    python bench/step_profile.py [--models digits,lm,slow] [--steps 40] [--keep DIR]
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     device = jax.devices()[0]
     print(
-        f"bench/profile.py: jax {jax.__version__} on {device.platform} ({device.device_kind}), "
+        f"bench/step_profile.py: jax {jax.__version__} on {device.platform} ({device.device_kind}), "
         f"{os.cpu_count()} cpus, load average {os.getloadavg()[0]:.1f}\n"
     )
     with contextlib.ExitStack() as stack:
