@@ -261,3 +261,20 @@ def test_predict_gives_every_members_outputs_from_one_program(fresh_cache):
     assert pop.evaluate("val").shape[0] == 3
     with pytest.raises(TypeError, match="dict of batch fields"):
         pop.predict(x)  # type: ignore[arg-type]
+
+
+def test_a_training_population_refuses_what_would_read_its_donated_state():
+    recorder = _Recorder()
+    pop = nitro.Population(
+        Digits(max_epochs=2, **SMALL), learning_rate=[1e-3, 1e-2], progress=recorder
+    )
+    pop.train(background=True)
+    assert recorder.first_call.wait(120)
+    try:
+        for call in (pop.train, pop.validate, lambda: pop.member(0)):
+            with pytest.raises(nitro.RunningError, match=r"pop\.stop\(\) stops it"):
+                call()
+    finally:
+        recorder.release.set()
+        pop.wait()
+    assert pop.member(0).validate()["val_loss"] > 0  # idle again: it takes a member

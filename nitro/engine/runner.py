@@ -134,10 +134,13 @@ class RunGuard:
     at once, naming what runs and how to stop or wait for it.
     """
 
-    def __init__(self, describe: Callable[[], str] = lambda: "this handle") -> None:
+    def __init__(
+        self, describe: Callable[[], str] = lambda: "this handle", name: str = "n"
+    ) -> None:
         self._lock = threading.Lock()
         self._changed = threading.Condition(self._lock)  # notified when a claim ends
         self._describe = describe
+        self.name = name  # what the messages call the handle: `n.stop()`, `pop.stop()`
         self.activity: str | None = None
         self.background = False
 
@@ -175,9 +178,9 @@ class RunGuard:
     def busy_message(self, wanted: str) -> str:
         where = " in the background" if self.background else ""
         return (
-            f"cannot start {wanted}: {self._describe()} is {self.activity}{where}. n.stop() "
-            f"stops it after the current step and n.wait() waits for it to end (in a notebook: "
-            f"%nitro stop or %nitro wait)"
+            f"cannot start {wanted}: {self._describe()} is {self.activity}{where}. "
+            f"{self.name}.stop() stops it after the current step and {self.name}.wait() waits "
+            f"for it to end (in a notebook: %nitro stop or %nitro wait)"
         )
 
 

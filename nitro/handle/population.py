@@ -157,7 +157,7 @@ class Population:
         self._experiment = dataclasses.replace(experiment, **shared_fields)
         self._control = RunControl()
         self._control.say = self._say
-        self._guard = RunGuard(lambda: f"this {cls.__name__} population")
+        self._guard = RunGuard(lambda: f"this {cls.__name__} population", name="pop")
         reporter = progress.make_reporter(
             self._shared_keywords.get("progress", True), population=True
         )
@@ -561,6 +561,15 @@ class Population:
         `keywords` are passed on (e.g. `max_epochs=`, `run_dir=`)."""
         if not 0 <= index < len(self):
             raise IndexError(f"member {index} of a population of {len(self)}")
+        with self._guard.hold(f"taking member {index} as a handle"):
+            weights = self._member_weights(index)
+        member = self._members[index]
+        given = dict(member.setup.given_keywords)
+        data = {} if self._data is None else {"data": self._data}
+        return Nitro(member.experiment, weights=weights, **{**data, **given, **keywords})
+
+    def _member_weights(self, index: int) -> WeightsSource:
+        """Copies of member `index`'s current weights (the population is held)."""
         member = self._members[index]
         model = member.setup.model
         if self._state is None:
@@ -576,9 +585,7 @@ class Population:
             f"{member.label} of a {self._cls.__name__} population at epoch {self.epoch}, "
             f"step {self.step}",
         )
-        given = dict(member.setup.given_keywords)
-        data = {} if self._data is None else {"data": self._data}
-        return Nitro(member.experiment, weights=weights, **{**data, **given, **keywords})
+        return weights
 
     def best(self, metric: str = "val_loss", mode: str | None = None, **keywords: Any) -> Nitro:
         """A `Nitro` handle of the member whose latest `metric` is best (`mode` "min" or
