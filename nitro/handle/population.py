@@ -166,7 +166,18 @@ class Population:
         self._run: Run | None = None
         self._target = 0
         with events_module.using(self._events):
-            self._members = [self._build_member(i, s, specs) for i, s in enumerate(settings)]
+            self._members = [self._build_member(0, settings[0], specs)]
+            # with shared batches only the first member's stream is read: the others take its
+            # sources as they are instead of calling build_data again
+            shared_data = self._data
+            if shared_data is None and batches == "shared":
+                lead_splits = self._members[0].setup.splits
+                shared_data = {name: split.source for name, split in lead_splits.items()}
+            self._members += [
+                self._build_member(i, s, specs, shared_data)
+                for i, s in enumerate(settings)
+                if i > 0
+            ]
         _check_one_program(self._members)
         lead = self._members[0]
         devices = lead.setup.placement.n_devs
@@ -194,14 +205,21 @@ class Population:
                 self._life.restore(self._members, self._stacked(), self._events)
         self._life.claim_planned()
 
-    def _build_member(self, index: int, setting: Mapping[str, Any], specs) -> engine.Member:
+    def _build_member(
+        self, index: int, setting: Mapping[str, Any], specs, data: Any = None
+    ) -> engine.Member:
         fields = {k: v for k, v in setting.items() if k in specs and k not in RUN_KEYWORDS}
         instance = dataclasses.replace(self._experiment, **fields)
         given = {**self._shared_keywords, **{k: v for k, v in setting.items() if k not in fields}}
         keywords = {**given, "checkpointer": None, "logger": None, "progress": False}
         resolved = RunKeywords.of(resolve_run_keywords(instance, keywords))
         setup, runtime, state = build(
-            instance, resolved, given, events=Events(), data=self._data, weights=self._weights
+            instance,
+            resolved,
+            given,
+            events=Events(),
+            data=self._data if data is None else data,
+            weights=self._weights,
         )
         return engine.Member(index, dict(setting), instance, setup, runtime, state)
 
