@@ -1,10 +1,14 @@
 """Data sources and the prefetcher.
 
-`ArrayLoader` batches in-memory arrays; any restartable iterable of dicts of numpy arrays
-works as a source too. Every split is prefetched by default; wrap a source in `NoPrefetch`
+`ArrayLoader` batches in-memory arrays; `GrainSource` reads a `grain.MapDataset`, `HFSource`
+and `HFIterableSource` a Hugging Face dataset; any restartable iterable of dicts of numpy
+arrays works as a source too. Every split is prefetched by default; wrap a source in `NoPrefetch`
 to opt out.
 """
 
+from nitro.data.adopt import adopt
+from nitro.data.grain_source import GrainSource, IndexedBatches
+from nitro.data.hf_source import HFIterableSource, HFSource
 from nitro.data.loaders import (
     ArrayLoader,
     FromFactory,
@@ -17,10 +21,15 @@ from nitro.data.prefetch import Prefetcher, PrefetchSettings, StagedBatch, pad_b
 __all__ = [
     "ArrayLoader",
     "FromFactory",
+    "GrainSource",
+    "HFIterableSource",
+    "HFSource",
+    "IndexedBatches",
     "NoPrefetch",
     "PrefetchSettings",
     "Prefetcher",
     "StagedBatch",
+    "adopt",
     "is_index_addressable",
     "is_one_shot",
     "pad_batch",

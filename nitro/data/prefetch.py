@@ -433,7 +433,9 @@ def _source_iterator(source: Any, epoch: int, start: int) -> Iterator[tuple[int,
         for index in range(start, len(source)):
             yield index, source.batch_at(index, plan)
         return
-    iterator = iter(source)
+    # an epoch-aware stream (HFIterableSource) gives each epoch's pass itself
+    iter_epoch: Callable[[int], Iterable[Any]] | None = getattr(source, "iter_epoch", None)
+    iterator = iter(iter_epoch(epoch) if iter_epoch is not None else source)
     for _ in range(start):  # resuming mid-epoch in a plain iterable: skip what was consumed
         next(iterator, None)
     yield from zip(itertools.count(start), iterator)

@@ -37,9 +37,12 @@ from nitro.core.train_state import TrainState, Variables
 from nitro.data import (
     ArrayLoader,
     FromFactory,
+    HFIterableSource,
+    IndexedBatches,
     NoPrefetch,
     Prefetcher,
     PrefetchSettings,
+    adopt,
     is_index_addressable,
     is_one_shot,
 )
@@ -343,7 +346,12 @@ def _build_data(instance: Any, data: Any, events: Events, seed: int) -> dict[str
             f"build_data must return a dict of split name -> loader, e.g. "
             f"{{'train': ..., 'val': ...}}; got {type(data).__name__}"
         )
-    return {split: _seeded(_restartable(split, source), seed) for split, source in data.items()}
+    size = getattr(instance, "batch_size", None)
+    size = size if isinstance(size, int) and not isinstance(size, bool) else None
+    return {
+        split: _seeded(_restartable(split, adopt(split, source, size)), seed)
+        for split, source in data.items()
+    }
 
 
 def _seeded(source: Any, seed: int) -> Any:
@@ -351,7 +359,7 @@ def _seeded(source: Any, seed: int) -> Any:
     run's `seed=`: a copy of it that does, so one loader can feed handles of several seeds."""
     if isinstance(source, NoPrefetch):
         return NoPrefetch(_seeded(source.source, seed))
-    if isinstance(source, ArrayLoader):
+    if isinstance(source, (ArrayLoader, IndexedBatches, HFIterableSource)):
         return source.with_seed(seed)
     return source
 
