@@ -236,11 +236,14 @@ class LivePanel(widgets.VBox):
                 shown.update(_Record(_EMPTY))
         self.close_all()
 
+    def _parts(self) -> list[Any]:
+        """Every widget the panel shows, itself first."""
+        return [self, self.header, *self.header.children, *self.children]
+
     def close_all(self) -> None:
         """Close every widget of the panel, with their layouts and styles."""
         self.closed = True
-        parts = [self, self.header, *self.header.children, *self.children]
-        for part in parts:
+        for part in self._parts():
             for extra in (getattr(part, "layout", None), getattr(part, "style", None)):
                 if isinstance(extra, widgets.Widget):
                     extra.close()

@@ -240,27 +240,15 @@ class PopulationPanel(LivePanel):
         for button in self.member_buttons:
             button.disabled = True
 
-    def close_all(self) -> None:
-        """Close every widget of the panel: the single run's parts and the members' table."""
-        self.closed = True
-        parts = [
-            self,
-            self.header,
-            *self.header.children,
-            self.progress,
-            self.status,
+    def _parts(self) -> list[Any]:
+        """Every widget of the panel: those it shows, the single run's it does not (metrics,
+        edits), and the members' table."""
+        return [
+            *super()._parts(),
             self.metrics,
-            self.curves,
             self.edits,
-            self.notes,
-            self.table,
             self.table_head,
             *self.member_rows,
             *self.member_cells,
             *self.member_buttons,
         ]
-        for part in parts:
-            for extra in (getattr(part, "layout", None), getattr(part, "style", None)):
-                if isinstance(extra, widgets.Widget):
-                    extra.close()
-            part.close()

@@ -20,10 +20,10 @@ import weakref
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
-from nitro.progress import LineReporter, ranked_members
+from nitro.progress import ranked_members
 
 from . import worker
-from .runs import RunStats
+from .reporters import PanelDrawing
 
 __all__ = ["PopulationPanelReporter", "panel_of"]
 
@@ -36,14 +36,12 @@ def panel_of(population: Any):
     return reporter.panel if reporter is not None else None
 
 
-class PopulationPanelReporter:
+class PopulationPanelReporter(PanelDrawing):
     """Draws a population's runs into `PopulationPanel`s; lines on stdout without one.
 
     `metric` (default `val_loss`, else `loss` until the rows have it) orders the members'
     table, `mode` "min" for a metric named like a loss, else "max".
     """
-
-    STANDIN_INTERVAL = 1.0
 
     def __init__(
         self,
@@ -52,43 +50,18 @@ class PopulationPanelReporter:
         refresh: float = 4.0,
         curve_interval: float = 0.5,
     ):
-        from .curves import CurveRenderer
         from .population_curves import PopulationCurves
 
         if mode not in (None, "min", "max"):
             raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+        super().__init__(PopulationCurves(), "nitro population", refresh, curve_interval)
         self.metric, self.mode = metric, mode
-        self.refresh_interval = 1.0 / refresh
         self.curve_interval = curve_interval
-        self.active = False
-        self.panel = None
-        self.stats = RunStats()
-        self.curves = PopulationCurves()
-        self.renderer = CurveRenderer(
-            self.curves, self._show_curves, interval=curve_interval, tick=self._tick
-        )
-        self._lines = LineReporter(stream=sys.stdout)  # notes are progress, not errors
         self._views: list[Any] = []
-        self._title = "nitro population"
-        self._notes: list[str] = []
-        self._epoch = 0
-        self._target = 0
-        self._position = 0
-        self._batches: int | None = None
-        self._in_epoch = False
         self._step = 0
-        self._phase = "ready"
-        self._figure = None
-        self._ended = False
-        self._last_refresh = 0.0
-        self._stale = False
         self._table_key: tuple | None = None
-        self._standin_shown = 0.0
-        self._standin_stale = False
-        self._lock = threading.Lock()
         self._drawing = threading.Lock()
         self._population: Callable[[], Any] = lambda: None
-        worker.panel_reporters.add(self)
 
     def make_panel(self, population: Any):
         """The panel the worker initializer shows for a run of `population`."""
@@ -129,14 +102,6 @@ class PopulationPanelReporter:
             self._show_standin(force=True)
             self._figure = self._new_figure()
             self.renderer.start(self._figure)
-
-    def start_epoch(self, epoch, target_epoch, batches, start):
-        self._epoch, self._target, self._batches = epoch, target_epoch, batches
-        self._position = start
-        first, self._in_epoch = self._phase == "starting", True
-        self._phase = "training"
-        self.stats.resume()
-        self._refresh(force=first)
 
     def member_steps(self, first, losses):
         count = len(losses[0]) if len(losses) else 0
@@ -183,21 +148,11 @@ class PopulationPanelReporter:
             if not worker.is_quiet():
                 self._lines.note(message, done)
             return
-        from .panel import notes_html
-
-        with self._lock:
-            if done and self._notes and self._notes[-1].endswith("..."):
-                self._notes[-1] = message
-            else:
-                self._notes.append(message)
-            del self._notes[:-5]
-            self.panel.notes.value = notes_html(self._notes)
+        self.show_note(message, replace_pending=done)
 
     def end_run(self, population):
-        self.active, self._ended = False, self.panel is not None
-        self._in_epoch = False
+        super().end_run(population)
         self._sync_stopped()
-        self.stats.end_run()
 
     # ------------------------------------------------------------------------------------------
     # drawing
@@ -254,27 +209,12 @@ class PopulationPanelReporter:
         return sum(view.stopped is None for view in self._views)
 
     def _status_parts(self) -> list[str]:
-        from .panel import status_text
         from .populations import members_text
 
-        parts = status_text(
-            self._phase,
-            self._epoch,
-            self._target,
-            self._position,
-            self._batches,
-            self.stats,
-            self._in_epoch,
-        )
+        parts = super()._status_parts()
         where = next(i for i, p in enumerate(parts) if p.startswith("step "))
         parts.insert(where + 1, members_text(self._training(), len(self._views), self.active))
         return parts
-
-    def _fraction(self) -> float:
-        done = float(self._epoch)
-        if self._in_epoch and self._batches:
-            done += min(self._position, self._batches) / self._batches
-        return min(1.0, done / self._target) if self._target else 0.0
 
     def _refresh(self, now: float | None = None, force: bool = False) -> None:
         panel = self.panel
@@ -310,12 +250,6 @@ class PopulationPanelReporter:
             [(view.index, row_html(view, columns, metric, self.active)) for view in order],
         )
 
-    def _tick(self) -> None:
-        if self._stale and self.active:
-            self._refresh()
-        if self._standin_stale and self.active:
-            self._show_standin()
-
     def _record(self) -> tuple[str, str]:
         from .panel import notes_html
         from .population_panel import members_table_html
@@ -336,42 +270,10 @@ class PopulationPanelReporter:
             lines.append(f"  {view.index}: {view.label}  {view.state(self.active)}  {results}")
         return html, "\n".join(lines)
 
-    def _show_standin(self, force: bool = False) -> None:
-        panel = self.panel
-        if panel is None:
-            return
-        now = time.monotonic()
-        if not force and now - self._standin_shown < self.STANDIN_INTERVAL:
-            self._standin_stale = True
-            return
-        self._standin_shown, self._standin_stale = now, False
-        panel.show_standin(*self._record())
-
-    def _show_curves(self, png: bytes, css_width: int) -> None:
-        panel = self.panel
-        if panel is not None:
-            panel.curves.value = png
-            panel.curves.layout.width = f"{css_width}px"
-            panel.curves.layout.max_width = "100%"
-            panel.curves.layout.display = ""
-
     def _finish(self, phase: str) -> None:
-        """The run ended (done, stopped, failed): stop drawing, leave the static record."""
-        from .panel import BAR_STYLE
-
-        panel = self.panel
-        self._ended = False
-        self.renderer.stop()
-        self._phase = phase
         self._sync_stopped()
-        self._table_key = None
-        self._refresh(force=True)
-        panel.progress.bar_style = BAR_STYLE[phase]
-        panel.finish()
-        figure, self._figure = self._figure or self._new_figure(), None
-        png = figure.png(self.curves)
-        html, text = self._record()
-        panel.replace_with_record(html, text, png, figure.css_width)
+        self._table_key = None  # the final refresh draws the table as the run left it
+        super()._finish(phase)
 
 
 def _with_table(html: str, table: str) -> str:

@@ -98,38 +98,37 @@ class LineTracker(_Tracking, LineReporter):
     """One line per epoch (output that is not a terminal), plus the numbers for status."""
 
 
-class PanelReporter:
-    """Draws one handle's runs into `LivePanel`s; falls back to lines on stdout without one.
+class PanelDrawing:
+    """What a run's panel reporter and a population's (`PopulationPanelReporter`) share: the
+    state of the run they draw, the curves drawn on their own thread, the panel's stand-in
+    refreshed at most once a `STANDIN_INTERVAL`, its notes, and the record the run leaves.
 
-    Each run gets its own panel, in the cell that started it. The reporter follows the run by
-    its events alone (it never reads the handle's phase, which still holds the previous run's
-    at the start of the next). When the run ends, the panel is replaced by its static record.
+    A subclass draws the rest: `_refresh` (the panel's widgets), `_record` (the run's state as
+    HTML and text) and `_new_figure` (the figure the curves are drawn in).
     """
 
     STANDIN_INTERVAL = 1.0  # seconds between two refreshes of the panel's stand-in, at most
 
-    def __init__(self, refresh: float = 4.0, curve_interval: float = 0.5):
-        from .curves import CurveData, CurveRenderer
+    def __init__(self, curves: Any, title: str, refresh: float, curve_interval: float):
+        from .curves import CurveRenderer
 
         self.refresh_interval = 1.0 / refresh
         self.active = False
         self.panel = None
         self.stats = RunStats()
-        self.curves = CurveData()
+        self.curves = curves
         self.renderer = CurveRenderer(
             self.curves, self._show_curves, interval=curve_interval, tick=self._tick
         )
         self._lines = LineReporter(stream=sys.stdout)  # notes are progress, not errors
-        self._title = "nitro"
+        self._title = title
         self._notes: list[str] = []
-        self._setup_notes: list[str] = []  # notes of the setup, for the run's panel
         self._epoch = 0
         self._target = 0
         self._position = 0
         self._batches: int | None = None
         self._in_epoch = False
-        self._row: dict[str, Any] | None = None
-        self._shown_row: dict[str, Any] | None = None
+        self._row: dict[str, Any] | None = None  # the latest epoch's (a population's: none)
         self._phase = "ready"
         self._figure = None
         self._ended = False  # the run ended and its panel still awaits the final phase
@@ -138,15 +137,138 @@ class PanelReporter:
         self._standin_shown = 0.0
         self._standin_stale = False
         self._lock = threading.Lock()
-        self._handle: Callable[[], Any] = lambda: None
         worker.panel_reporters.add(self)
+
+    def start_epoch(self, epoch, target_epoch, batches, start):
+        self._epoch, self._target, self._batches = epoch, target_epoch, batches
+        self._position = start
+        first, self._in_epoch = not self._in_epoch and self._phase == "starting", True
+        self._phase = "training"
+        self.stats.resume()
+        self._refresh(force=first)  # shows "training" while the first step compiles
+
+    def end_run(self, run):
+        self.active, self._ended = False, self.panel is not None
+        self._in_epoch = False
+        self.stats.end_run()
+
+    def show_note(self, message: str, replace_pending: bool = False) -> None:
+        """Add a line to the panel's notes (the last few are kept); a "done" note replaces
+        the "compiling ..." note it completes."""
+        from .panel import notes_html
+
+        panel = self.panel
+        if panel is None:
+            return
+        with self._lock:
+            if replace_pending and self._notes and self._notes[-1].endswith("..."):
+                self._notes[-1] = message
+            else:
+                self._notes.append(message)
+            del self._notes[:-5]
+            panel.notes.value = notes_html(self._notes)
+
+    def _fraction(self) -> float:
+        done = float(self._epoch)
+        if self._in_epoch and self._batches:
+            done += min(self._position, self._batches) / self._batches
+        return min(1.0, done / self._target) if self._target else 0.0
+
+    def _refresh(self, now: float | None = None, force: bool = False) -> None:
+        raise NotImplementedError
+
+    def _status_parts(self) -> list[str]:
+        from .panel import status_text
+
+        return status_text(
+            self._phase,
+            self._epoch,
+            self._target,
+            self._position,
+            self._batches,
+            self.stats,
+            self._in_epoch,
+            self._row,
+        )
+
+    def _record(self) -> tuple[str, str]:
+        """The run's state so far as a record: its HTML and its text."""
+        raise NotImplementedError
+
+    def _new_figure(self) -> Any:
+        raise NotImplementedError
+
+    def _release_figure(self, figure: Any) -> None:
+        """The run is done with `figure` (it has drawn the record's curves)."""
+
+    def _tick(self) -> None:
+        """On the curve thread, twice a second: show what a throttled refresh skipped (a
+        phase change, an epoch's end) even when no step follows soon."""
+        if self._stale and self.active:
+            self._refresh()
+        if self._standin_stale and self.active:
+            self._show_standin()
+
+    def _show_standin(self, force: bool = False) -> None:
+        """Refresh the panel's stand-in (its state as static HTML, for a notebook saved while
+        the run lives): at a run's start and as epochs end, at most once a `STANDIN_INTERVAL`;
+        the curve thread's tick shows what that skipped."""
+        panel = self.panel
+        if panel is None:
+            return
+        now = time.monotonic()
+        if not force and now - self._standin_shown < self.STANDIN_INTERVAL:
+            self._standin_stale = True
+            return
+        self._standin_shown, self._standin_stale = now, False
+        panel.show_standin(*self._record())
+
+    def _show_curves(self, png: bytes, css_width: int) -> None:
+        panel = self.panel
+        if panel is not None:
+            panel.curves.value = png
+            panel.curves.layout.width = f"{css_width}px"
+            panel.curves.layout.max_width = "100%"
+            panel.curves.layout.display = ""
+
+    def _finish(self, phase: str) -> None:
+        """The run ended (done, stopped, failed): stop drawing, leave the static record."""
+        from .panel import BAR_STYLE
+
+        panel = self.panel
+        self._ended = False
+        self.renderer.stop()
+        self._phase = phase
+        self._refresh(force=True)
+        panel.progress.bar_style = BAR_STYLE[phase]
+        panel.finish()
+        figure, self._figure = self._figure or self._new_figure(), None
+        png, css_width = figure.png(self.curves), figure.css_width
+        self._release_figure(figure)
+        html, text = self._record()
+        panel.replace_with_record(html, text, png, css_width)
+
+
+class PanelReporter(PanelDrawing):
+    """Draws one handle's runs into `LivePanel`s; falls back to lines on stdout without one.
+
+    Each run gets its own panel, in the cell that started it. The reporter follows the run by
+    its events alone (it never reads the handle's phase, which still holds the previous run's
+    at the start of the next). When the run ends, the panel is replaced by its static record.
+    """
+
+    def __init__(self, refresh: float = 4.0, curve_interval: float = 0.5):
+        from .curves import CurveData
+
+        super().__init__(CurveData(), "nitro", refresh, curve_interval)
+        self._setup_notes: list[str] = []  # notes of the setup, for the run's panel
+        self._shown_row: dict[str, Any] | None = None
+        self._handle: Callable[[], Any] = lambda: None
 
     # ------------------------------------------------------------------------------------------
     # reporter events
 
     def start_run(self, handle, epochs):
-        from .curves import acquire_figure
-
         self._handle = weakref.ref(handle)
         self.active, self._ended = True, False
         self._phase = "starting"
@@ -172,15 +294,8 @@ class PanelReporter:
             self._show_edits()
             self._refresh(force=True)
             self._show_standin(force=True)
-            self._figure = acquire_figure()
+            self._figure = self._new_figure()
             self.renderer.start(self._figure)
-
-    def start_epoch(self, epoch, max_epochs, batches, start):
-        self._epoch, self._target, self._batches, self._position = epoch, max_epochs, batches, start
-        first, self._in_epoch = not self._in_epoch and self._phase == "starting", True
-        self._phase = "training"
-        self.stats.resume()
-        self._refresh(force=first)  # shows "training" while the first step compiles
 
     def step(self, step, loss):
         self._position += 1
@@ -259,27 +374,9 @@ class PanelReporter:
         else:
             self.show_note(message)
 
-    def show_note(self, message: str, replace_pending: bool = False) -> None:
-        """Add a line to the panel's notes (the last few are kept); a "done" note replaces
-        the "compiling ..." note it completes."""
-        from .panel import notes_html
-
-        panel = self.panel
-        if panel is None:
-            return
-        with self._lock:
-            if replace_pending and self._notes and self._notes[-1].endswith("..."):
-                self._notes[-1] = message
-            else:
-                self._notes.append(message)
-            del self._notes[:-5]
-            panel.notes.value = notes_html(self._notes)
-
     def attach(self, panel) -> None:
         """Draw into `panel` from now on (a run started without one, e.g. by an agent); the
         curves show the whole run so far."""
-        from .curves import acquire_figure
-
         handle = self._handle()
         panel.claim(self._title, handle.stop if handle is not None else None)
         self.panel = panel
@@ -288,38 +385,13 @@ class PanelReporter:
         if self.active:
             self._show_standin(force=True)
             if self._figure is None:
-                self._figure = acquire_figure()
+                self._figure = self._new_figure()
             self.renderer.start(self._figure)
         else:  # the run has ended: show its record with the curves so far
             self._finish(self._phase if self._phase in ("done", "stopped", "failed") else "done")
 
-    def end_run(self, handle):
-        self.active, self._ended = False, self.panel is not None
-        self._in_epoch = False
-        self.stats.end_run()
-
     # ------------------------------------------------------------------------------------------
     # drawing
-
-    def _status_parts(self) -> list[str]:
-        from .panel import status_text
-
-        return status_text(
-            self._phase,
-            self._epoch,
-            self._target,
-            self._position,
-            self._batches,
-            self.stats,
-            self._in_epoch,
-            self._row,
-        )
-
-    def _fraction(self) -> float:
-        done = float(self._epoch)
-        if self._in_epoch and self._batches:
-            done += min(self._position, self._batches) / self._batches
-        return min(1.0, done / self._target) if self._target else 0.0
 
     def _refresh(self, now: float | None = None, force: bool = False) -> None:
         """Update the panel's widgets, at most `refresh` times a second unless forced, so
@@ -340,70 +412,26 @@ class PanelReporter:
         panel.progress.value = self._fraction()
         panel.status.value = status_html(self._status_parts())
 
-    def _tick(self) -> None:
-        """On the curve thread, twice a second: show what a throttled refresh skipped (a
-        phase change, an epoch's end) even when no step follows soon."""
-        if self._stale and self.active:
-            self._refresh()
-        if self._standin_stale and self.active:
-            self._show_standin()
-
-    def _show_standin(self, force: bool = False) -> None:
-        """Refresh the panel's stand-in (its state as static HTML, for a notebook saved while
-        the run lives): at a run's start and as epochs end, at most once a `STANDIN_INTERVAL`;
-        the curve thread's tick shows what that skipped."""
+    def _record(self) -> tuple[str, str]:
         from .record import record_html, record_text
 
-        panel = self.panel
-        if panel is None:
-            return
-        now = time.monotonic()
-        if not force and now - self._standin_shown < self.STANDIN_INTERVAL:
-            self._standin_stale = True
-            return
-        self._standin_shown, self._standin_stale = now, False
         parts = self._status_parts()
         with self._lock:
             notes = list(self._notes)
-        panel.show_standin(
+        return (
             record_html(self._title, parts, self._fraction(), self._row, notes),
             record_text(self._title, parts),
         )
 
-    def _show_curves(self, png: bytes, css_width: int) -> None:
-        panel = self.panel
-        if panel is not None:
-            panel.curves.value = png
-            panel.curves.layout.width = f"{css_width}px"
-            panel.curves.layout.max_width = "100%"
-            panel.curves.layout.display = ""
+    def _new_figure(self):
+        from .curves import acquire_figure
 
-    def _finish(self, phase: str) -> None:
-        """The run ended (done, stopped, failed): stop drawing, leave the static record."""
-        from .curves import acquire_figure, release_figure
-        from .panel import BAR_STYLE
-        from .record import record_html, record_text
+        return acquire_figure()
 
-        panel = self.panel
-        self._ended = False
-        self.renderer.stop()
-        self._phase = phase
-        self._refresh(force=True)
-        panel.progress.bar_style = BAR_STYLE[phase]
-        panel.finish()
-        parts = self._status_parts()
-        figure, self._figure = self._figure or acquire_figure(), None
-        png = figure.png(self.curves)
-        css_width = figure.css_width
+    def _release_figure(self, figure) -> None:
+        from .curves import release_figure
+
         release_figure(figure)
-        with self._lock:
-            notes = list(self._notes)
-        panel.replace_with_record(
-            record_html(self._title, parts, self._fraction(), self._row, notes),
-            record_text(self._title, parts),
-            png,
-            css_width,
-        )
 
 
 def make_factory(shell: Any) -> Callable[[], Any]:

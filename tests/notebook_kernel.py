@@ -235,6 +235,25 @@ class Kernel:
                 return message
         raise TimeoutError(f"no {what} within {timeout} s")
 
+    def wait_until(self, expression: str, accept=lambda value: value == "True", timeout=120):
+        """Poll `expression` (without running a cell) until `accept(its repr)`; returns the
+        repr."""
+        deadline = time.monotonic() + timeout
+        while True:
+            value = self.eval(expression)
+            if accept(value):
+                return value
+            assert time.monotonic() < deadline, f"{expression} stayed {value}"
+            self.pump(0.1)
+
+    def click(self, model_id: str) -> None:
+        """A click on the button widget `model_id`, sent the way a browser sends it."""
+        message = self.client.session.msg(
+            "comm_msg",
+            {"comm_id": model_id, "data": {"method": "custom", "content": {"event": "click"}}},
+        )
+        self.client.shell_channel.send(message)
+
     def outputs(self, msg_id: str) -> list[dict]:
         """The outputs of the cell `msg_id` as a notebook saved now would hold them: its
         messages so far (also those after it ended) made into outputs by nbformat, each

@@ -8,27 +8,11 @@ import re
 
 import anyio
 import pytest
-from agent_client import call, http_session, poll, refusal, stdio_session
+from agent_client import call, http_session, poll, refusal
 
 from nitro.mcp import HttpServer, RunRegistry, ToolSession
 
 DIGITS = "nitro.examples.digits.Digits"
-
-
-@pytest.fixture(scope="module")
-def http_server():
-    server = HttpServer(ToolSession(registry=RunRegistry())).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(params=["stdio", "http"])
-def connect(request, http_server, tmp_path, monkeypatch):
-    """A function opening a client session over the transport under test."""
-    if request.param == "stdio":
-        return lambda: stdio_session(tmp_path)
-    monkeypatch.chdir(tmp_path)  # the in-process server's relative run directories
-    return lambda: http_session(http_server.url, http_server.token)
 
 
 def finished(status: dict) -> bool:

@@ -31,22 +31,6 @@ TOOL_NAMES = {
 }
 
 
-@pytest.fixture(scope="module")
-def http_server():
-    server = HttpServer(ToolSession(registry=RunRegistry())).start()
-    yield server
-    server.stop()
-
-
-@pytest.fixture(params=["stdio", "http"])
-def connect(request, http_server, tmp_path, monkeypatch):
-    """A function opening a client session over the transport under test."""
-    if request.param == "stdio":
-        return lambda: stdio_session(tmp_path)
-    monkeypatch.chdir(tmp_path)  # the in-process server's relative run directories
-    return lambda: http_session(http_server.url, http_server.token)
-
-
 def test_the_twelve_tools_are_listed_with_their_input_schemas(connect):
     async def scenario():
         async with connect() as session:

@@ -4,31 +4,10 @@ from __future__ import annotations
 
 import ast
 import re
-import time
 
 from notebook_kernel import kernel_fixture  # noqa: F401 - provides the `kernel` fixture
 
 PANEL = "nitro_ipython.live_panel({})"
-
-
-def _wait_until(kernel, expression: str, accept=lambda value: value == "True", timeout=60):
-    """Poll `expression` (without running a cell) until `accept(its repr)`; returns the repr."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = kernel.eval(expression)
-        if accept(value):
-            return value
-        assert time.monotonic() < deadline, f"{expression} stayed {value}"
-        kernel.pump(0.1)
-
-
-def _click(kernel, model_id: str) -> None:
-    """A click on a button, sent the way a browser sends it."""
-    message = kernel.client.session.msg(
-        "comm_msg",
-        {"comm_id": model_id, "data": {"method": "custom", "content": {"event": "click"}}},
-    )
-    kernel.client.shell_channel.send(message)
 
 
 def _opened(cell, model: str) -> list[dict]:
@@ -98,7 +77,7 @@ def test_a_first_run_shows_its_setup_then_leaves_a_record_and_closes_its_widgets
 def test_a_notebook_saved_while_a_run_lives_holds_its_latest_state_not_only_a_widget(kernel):
     kernel.run("alive = tiny_exp.Tiny(batches=5, delay=0.01, max_epochs=1000)")
     started = kernel.run("%nitro train alive --background")
-    _wait_until(kernel, "alive_run.epoch >= 3")
+    kernel.wait_until("alive_run.epoch >= 3")
 
     def standin_epoch():
         kernel.pump(0.2)
@@ -106,7 +85,7 @@ def test_a_notebook_saved_while_a_run_lives_holds_its_latest_state_not_only_a_wi
         found = re.search(r"epoch (\d+)/1000", shown)
         return int(found.group(1)) if found and "nitro-standin" in shown else -1
 
-    _wait_until(kernel, "True", lambda _: standin_epoch() >= 3)  # refreshed as epochs end
+    kernel.wait_until("True", lambda _: standin_epoch() >= 3)  # refreshed as epochs end
     panel, standin = _saved(kernel, started.msg_id)
     assert WIDGET in panel["data"]  # the live widget, with a fallback for viewers without it
     assert panel["data"]["text/plain"].startswith("nitro: live training panel")
@@ -146,11 +125,9 @@ def test_the_stop_button_of_a_foreground_run_points_to_the_interrupt_button(kern
 def test_a_continued_background_run_gets_a_panel_whose_stop_button_works(kernel):
     kernel.run("cont = tiny_exp.Tiny(batches=20, delay=0.01, max_epochs=1000)")
     first = kernel.run("%nitro train cont --background")
-    _wait_until(kernel, "cont_run.step > 25")
-    _click(
-        kernel, ast.literal_eval(kernel.eval(f"{PANEL.format('cont_run')}.stop_button.model_id"))
-    )
-    _wait_until(kernel, "cont_run.running", lambda value: value == "False")
+    kernel.wait_until("cont_run.step > 25")
+    kernel.click(ast.literal_eval(kernel.eval(f"{PANEL.format('cont_run')}.stop_button.model_id")))
+    kernel.wait_until("cont_run.running", lambda value: value == "False")
     kernel.pump(0.5)
     assert any("<b>stopped</b>" in r for r in _records(kernel, first.msg_id))
 
@@ -164,9 +141,9 @@ def test_a_continued_background_run_gets_a_panel_whose_stop_button_works(kernel)
     )
     assert state == (False, "Stop", "info", True)
     step = int(kernel.eval("cont_run.step"))
-    _wait_until(kernel, f"cont_run.step > {step + 10}")
-    _click(kernel, ast.literal_eval(kernel.eval(f"{panel}.stop_button.model_id")))
-    _wait_until(kernel, "cont_run.running", lambda value: value == "False")
+    kernel.wait_until(f"cont_run.step > {step + 10}")
+    kernel.click(ast.literal_eval(kernel.eval(f"{panel}.stop_button.model_id")))
+    kernel.wait_until("cont_run.running", lambda value: value == "False")
     assert kernel.eval("cont_run.stop_reason") == "'requested'"
     kernel.pump(0.5)
     (record,) = _records(kernel, again.msg_id)
@@ -176,7 +153,7 @@ def test_a_continued_background_run_gets_a_panel_whose_stop_button_works(kernel)
 def test_epoch_counts_agree_everywhere_and_the_stop_advice_resumes(kernel):
     kernel.run("cnt = tiny_exp.Tiny(batches=5, delay=0.002, max_epochs=2)\n%nitro train cnt")
     kernel.run("%nitro train cnt --epochs 1000 --background")
-    _wait_until(kernel, "cnt_run.epoch > 3")
+    kernel.wait_until("cnt_run.epoch > 3")
     stop = kernel.run("%nitro stop cnt_run").stdout
     assert "`%nitro train cnt_run` resumes it" in stop
     epoch = int(kernel.eval("cnt_run.epoch"))

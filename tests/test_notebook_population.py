@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import ast
 import re
-import time
 
 from notebook_kernel import kernel_fixture  # noqa: F401 - provides the `kernel` fixture
 
@@ -28,26 +27,6 @@ def _table_is_ranked(pop):
     order, ranked = _table_order(pop), _ranked(pop)
     return history > 0 and history == len(pop.history()) and order == ranked
 """
-
-
-def _wait_until(kernel, expression: str, accept=lambda value: value == "True", timeout=120):
-    """Poll `expression` (without running a cell) until `accept(its repr)`; returns the repr."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = kernel.eval(expression)
-        if accept(value):
-            return value
-        assert time.monotonic() < deadline, f"{expression} stayed {value}"
-        kernel.pump(0.1)
-
-
-def _click(kernel, model_id: str) -> None:
-    """A click on a button, sent the way a browser sends it."""
-    message = kernel.client.session.msg(
-        "comm_msg",
-        {"comm_id": model_id, "data": {"method": "custom", "content": {"event": "click"}}},
-    )
-    kernel.client.shell_channel.send(message)
 
 
 def _saved(kernel, cell_id: str) -> list[dict]:
@@ -118,8 +97,8 @@ def test_a_member_stop_button_prunes_it_and_the_others_train_on(kernel):
     )
     started = kernel.run("%nitro train popb --background")
     assert "popb (3 members) is training in the background" in started.stdout
-    _wait_until(kernel, "popb.epoch >= 2")
-    _wait_until(kernel, "_table_is_ranked(popb)")  # the live table: best val_loss first
+    kernel.wait_until("popb.epoch >= 2")
+    kernel.wait_until("_table_is_ranked(popb)")  # the live table: best val_loss first
 
     def standin() -> str:  # what a notebook saved now shows where the widget is dead
         kernel.pump(0.2)
@@ -127,23 +106,23 @@ def test_a_member_stop_button_prunes_it_and_the_others_train_on(kernel):
         return shown if "nitro-standin" in shown else ""
 
     live = r"<b>(training|validating)</b> &middot; epoch [1-9]\d*/1000"
-    _wait_until(kernel, "True", lambda _: re.search(live, standin()) is not None)
+    kernel.wait_until("True", lambda _: re.search(live, standin()) is not None)
     shown = standin()  # refreshed as epochs end: every member, with its results
     assert sorted(_record_members(shown)) == [0, 1, 2] and "val_loss &#x25B2;" in shown
 
     panel = PANEL.format("popb")
     button = ast.literal_eval(kernel.eval(f"{panel}.member_buttons[1].model_id"))
     assert kernel.eval(f"{panel}.member_buttons[1].disabled") == "False"
-    _click(kernel, button)
-    _wait_until(kernel, "1 in popb.stopped")
+    kernel.click(button)
+    kernel.wait_until("1 in popb.stopped")
     assert kernel.eval("popb.stopped") == "{1: 'stopped by its Stop button in the panel'}"
-    _wait_until(kernel, f"{panel}.member_buttons[1].description == 'Stopped'")
+    kernel.wait_until(f"{panel}.member_buttons[1].description == 'Stopped'")
     assert "stopped by its Stop button in the panel" in kernel.eval(
         f"{panel}.member_cells[1].value"
     )
 
     epoch = int(kernel.eval("popb.epoch"))
-    _wait_until(kernel, f"popb.epoch >= {epoch + 2}")  # the others train on
+    kernel.wait_until(f"popb.epoch >= {epoch + 2}")  # the others train on
     kernel.run("%nitro stop popb")
     val = ast.literal_eval(
         kernel.eval("popb.history()['val_loss'].unstack('member').iloc[-2:].values.tolist()")
@@ -171,7 +150,7 @@ def test_stop_a_member_with_the_magic_and_status_lists_the_population(kernel):
         "learning_rate=[1e-3, 3e-2, 1e-1], steps_per_dispatch=1)\n"
         "%nitro train popc --background"
     )
-    _wait_until(kernel, "popc.epoch >= 1")
+    kernel.wait_until("popc.epoch >= 1")
     status = kernel.run("%nitro status").stdout
     assert re.search(
         r"popc \(Tiny population of 3\): (training|validating), epoch \d+/1000, step \d+, "
@@ -196,10 +175,10 @@ def test_stop_a_member_with_the_magic_and_status_lists_the_population(kernel):
     assert "  member 1 (learning_rate=0.03): stopped by %nitro stop popc 1" in status
     assert "already stopped" in kernel.run("%nitro stop popc 1").stdout
     panel = PANEL.format("popc")
-    _wait_until(kernel, f"{panel}.member_buttons[1].description == 'Stopped'")
+    kernel.wait_until(f"{panel}.member_buttons[1].description == 'Stopped'")
 
     step = int(kernel.eval("popc.step"))
-    _wait_until(kernel, f"popc.step > {step + 10}")  # the others train on
+    kernel.wait_until(f"popc.step > {step + 10}")  # the others train on
     ended = kernel.run("%nitro stop popc").stdout
     assert re.match(r"nitro: stopped popc at epoch \d+, step \d+ .*`%nitro train popc`", ended)
     assert "1 of 3 members stopped" in kernel.run("%nitro status popc").stdout

@@ -5,7 +5,6 @@ from __future__ import annotations
 import ast
 import json
 import re
-import time
 
 from notebook_kernel import kernel_fixture  # noqa: F401 - provides the `kernel` fixture
 
@@ -19,17 +18,6 @@ def _progress_updates(k, comm_id: str) -> list[tuple[float, dict]]:
         and m["content"]["comm_id"] == comm_id
         and m["content"]["data"].get("method") == "update"
     ]
-
-
-def _wait_until(kernel, expression: str, accept=lambda value: value == "True", timeout=60):
-    """Poll `expression` (without running a cell) until `accept(its repr)`; returns the repr."""
-    deadline = time.monotonic() + timeout
-    while True:
-        value = kernel.eval(expression)
-        if accept(value):
-            return value
-        assert time.monotonic() < deadline, f"{expression} stayed {value}"
-        kernel.pump(0.2)
 
 
 def test_load_ext_registers_the_magic_with_help(kernel):
@@ -93,7 +81,7 @@ def test_background_run_reports_status_and_stops(kernel):
         """
     )
     assert kernel.eval("bg_run.running") == "True"  # the cell returned while it trains
-    _wait_until(kernel, "bg_run.epoch >= 1")  # compiled and validating every epoch
+    kernel.wait_until("bg_run.epoch >= 1")  # compiled and validating every epoch
 
     # Another cell runs while the background run validates (and prints) several times.
     before = len(kernel.log)
@@ -134,9 +122,9 @@ def test_live_panel_updates_from_the_training_thread_and_its_stop_button_works(k
     views = cell.data("application/vnd.jupyter.widget-view+json")
     assert [view["model_id"] for view in views] == [panel_id]  # shown in the starting cell
 
-    first = _wait_until(kernel, f"{panel}.progress.value", lambda value: float(value) > 0)
+    first = kernel.wait_until(f"{panel}.progress.value", lambda value: float(value) > 0)
     later = float(first) + 5 / 1000  # five epochs on
-    second = _wait_until(kernel, f"{panel}.progress.value", lambda v: float(v) > later)
+    second = kernel.wait_until(f"{panel}.progress.value", lambda v: float(v) > later)
     assert 0 < float(first) < float(second) < 1
 
     # The frontend received the updates, sent by the training thread while the kernel idled.
@@ -144,7 +132,7 @@ def test_live_panel_updates_from_the_training_thread_and_its_stop_button_works(k
     assert len(updates) >= 3 and updates == sorted(updates)
     steps = int(kernel.eval("panel_exp_run.step"))
     assert len(updates) < steps  # throttled: not one message per step
-    _wait_until(kernel, f"len({panel}.curves.value)", lambda size: int(size) > 0)  # drawn
+    kernel.wait_until(f"len({panel}.curves.value)", lambda size: int(size) > 0)  # drawn
     assert any(i >= idle_at for i, _ in _progress_updates(kernel, curves_id))
     status_html = ast.literal_eval(kernel.eval(f"{panel}.status.value"))
     assert re.search(r"<b>(training|validating)</b> &middot; epoch \d+/1000", status_html)
@@ -157,7 +145,7 @@ def test_live_panel_updates_from_the_training_thread_and_its_stop_button_works(k
         {"comm_id": button_id, "data": {"method": "custom", "content": {"event": "click"}}},
     )
     kernel.client.shell_channel.send(click)
-    _wait_until(kernel, "panel_exp_run.running", lambda value: value == "False")
+    kernel.wait_until("panel_exp_run.running", lambda value: value == "False")
     assert kernel.eval("panel_exp_run.stop_reason") == "'requested'"
     assert kernel.eval(f"{panel}.progress.bar_style") == "'warning'"
 

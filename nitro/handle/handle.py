@@ -404,19 +404,7 @@ class Nitro:
                     f"{', '.join(self._setup.splits) or 'none'}); it can validate, evaluate "
                     f"and predict"
                 )
-            if epochs is not None and (
-                isinstance(epochs, bool) or not isinstance(epochs, int) or epochs < 1
-            ):
-                raise ValueError(f"epochs must be a positive int, got {epochs!r}")
-            if steps is not None and (
-                isinstance(steps, bool) or not isinstance(steps, int) or steps < 1
-            ):
-                raise ValueError(f"steps must be a positive int, got {steps!r}")
-            if steps is not None and epochs is not None:
-                raise ValueError(
-                    f"train() takes epochs= or steps=, not both (got epochs={epochs}, "
-                    f"steps={steps}): train(steps=N) trains N more optimizer steps"
-                )
+            _check_amount(epochs, steps)
             self._guard.claim("training", background=background)
             started = False
             try:
@@ -1122,6 +1110,20 @@ class Nitro:
 Nitro.__init__.__signature__ = keyword_signature(Nitro.__init__)
 if Nitro.__doc__ is not None:  # None under python -OO
     Nitro.__doc__ = f"{inspect.cleandoc(Nitro.__doc__)}\n\n{keywords_doc()}"
+
+
+def _check_amount(epochs: Any, steps: Any) -> None:
+    """Refuse `train(epochs=, steps=)` unless each given is a positive int, and not both."""
+    for name, value in (("epochs", epochs), ("steps", steps)):
+        if value is not None and (
+            isinstance(value, bool) or not isinstance(value, int) or value < 1
+        ):
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if steps is not None and epochs is not None:
+        raise ValueError(
+            f"train() takes epochs= or steps=, not both (got epochs={epochs}, "
+            f"steps={steps}): train(steps=N) trains N more optimizer steps"
+        )
 
 
 def _prefixed(row: Mapping[str, Any], prefix: str) -> dict[str, Any]:

@@ -33,7 +33,7 @@ from nitro.engine.runner import Run, RunControl, RunGuard, sigint_requests_stop,
 from nitro.engine.setup import build
 from nitro.errors import PopulationError
 from nitro.experiments.declaration import FieldKind, field_specs
-from nitro.handle.handle import Nitro, _check_experiment, _weights_source
+from nitro.handle.handle import Nitro, _check_amount, _check_experiment, _weights_source
 from nitro.handle.population_lifecycle import FILE_KEYWORDS, PopulationLife
 from nitro.programs.compile_cache import graphconst_keys
 from nitro.programs.specs import ProgramSet
@@ -314,15 +314,7 @@ class Population:
         more steps (mid-epoch if need be), in one program per call, on a worker thread.
         Blocks unless `background=True` (then `pop.wait()` waits, `pop.stop()` stops);
         Ctrl-C stops after the current call, and `train()` again goes on from there."""
-        for name, value in (("epochs", epochs), ("steps", steps)):
-            if value is not None and (
-                isinstance(value, bool) or not isinstance(value, int) or value < 1
-            ):
-                raise ValueError(f"{name} must be a positive int, got {value!r}")
-        if epochs is not None and steps is not None:
-            raise ValueError(
-                f"train() takes epochs= or steps=, not both (got epochs={epochs}, steps={steps})"
-            )
+        _check_amount(epochs, steps)
         lead = self._members[0]
         stop_at = None
         if steps is not None:

@@ -20,12 +20,13 @@ import time
 from typing import Any
 
 from nitro.handle.handle import Nitro
+from nitro.handle.population import Population
 from nitro.mcp.convert import jsonable
 from nitro.mcp.registry import RunRecord, RunStatus
 
 __all__ = ["LatestStep", "describe_run", "error_text", "latest_step"]
 
-# A handle's latest stop_reason -> the status of a run the person started.
+# A handle's (or population's) latest stop_reason -> the status of a run the person started.
 _STATUS = {
     None: "ready",
     "completed": "done",
@@ -68,6 +69,36 @@ def _loggers(handle: Nitro) -> list[str] | None:
     return None if logger is None else [type(lg).__name__ for lg in logger.loggers]
 
 
+def identity(record: RunRecord | None, run: Nitro | Population | None) -> dict[str, Any]:
+    """A run's `kind`, `experiment`, `status` and `started_by`: a tool run's from its
+    `record`, else a notebook's (a handle or a population) from `run` itself."""
+    if record is not None:
+        running = record.status is RunStatus.RUNNING or (run is not None and run.running)
+        return {
+            "kind": record.kind,
+            "experiment": record.experiment,
+            "status": "running" if running else record.status.value,
+            "started_by": "agent",
+        }
+    assert run is not None  # a run without a record is a notebook's
+    return {
+        "kind": "notebook",
+        "experiment": run.cls.__qualname__,
+        "status": "running" if run.running else _STATUS.get(run.stop_reason, "done"),
+        "started_by": "notebook",
+    }
+
+
+def tool_outcome(record: RunRecord) -> dict[str, Any]:
+    """A tool run's result, error, source and seconds (so far, while it runs)."""
+    return {
+        "result": jsonable(record.result),
+        "error": record.error,
+        "source": record.source,
+        "seconds": round((record.finished or time.time()) - record.started, 3),
+    }
+
+
 def describe_run(
     run_id: str,
     record: RunRecord | None,
@@ -77,23 +108,7 @@ def describe_run(
 ) -> dict[str, Any]:
     """The run's row: identity, status and progress; unless `brief`, its metrics, files,
     weights, result and error too."""
-    row: dict[str, Any] = {"run_id": run_id}
-    if record is not None:
-        running = record.status is RunStatus.RUNNING or (handle is not None and handle.running)
-        row.update(
-            kind=record.kind,
-            experiment=record.experiment,
-            status="running" if running else record.status.value,
-            started_by="agent",
-        )
-    else:
-        assert handle is not None  # a run without a record is a notebook's handle
-        row.update(
-            kind="notebook",
-            experiment=handle.cls.__qualname__,
-            status="running" if handle.running else _STATUS.get(handle.stop_reason, "done"),
-            started_by="notebook",
-        )
+    row: dict[str, Any] = {"run_id": run_id, **identity(record, handle)}
     if handle is None:
         row.update(handle_run_id=None, phase="setup", epoch=0, step=0, loss=None)
     else:
@@ -124,12 +139,7 @@ def describe_run(
             names=names,
         )
     if record is not None:
-        row.update(
-            result=jsonable(record.result),
-            error=record.error,
-            source=record.source,
-            seconds=round((record.finished or time.time()) - record.started, 3),
-        )
+        row.update(tool_outcome(record))
     else:
         assert handle is not None  # a run without a record is a notebook's handle
         row["error"] = error_text(handle.error)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import math
-import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -33,9 +32,10 @@ from nitro.engine.population import shown_settings
 from nitro.errors import PopulationError
 from nitro.handle.population import Population
 from nitro.mcp.convert import jsonable
+from nitro.mcp.describe import identity, tool_outcome
 from nitro.mcp.keywords import check_run_keywords
 from nitro.mcp.lookup import ToolFailure, build_experiment, find_experiment
-from nitro.mcp.registry import RunRecord, RunStatus
+from nitro.mcp.registry import RunRecord
 
 __all__ = [
     "MemberSteps",
@@ -46,8 +46,6 @@ __all__ = [
     "member_steps",
     "population_failure",
 ]
-
-_STATUS = {None: "ready", "requested": "stopped", "error": "failed"}  # else "done"
 
 
 class MemberSteps:
@@ -138,27 +136,7 @@ def describe_population(
     """The population's row: identity, status, members and axes, progress; unless `brief`,
     each member's settings, latest loss and metrics, the stopped members, notes and the
     tool run's result and error. `population` is None while a tool run sets it up."""
-    row: dict[str, Any] = {"run_id": run_id}
-    if record is not None:
-        running = record.status is RunStatus.RUNNING or (
-            population is not None and population.running
-        )
-        row.update(
-            kind=record.kind,
-            experiment=record.experiment,
-            status="running" if running else record.status.value,
-            started_by="agent",
-        )
-    else:
-        assert population is not None  # a population without a record is a notebook's
-        status = _STATUS.get(population.stop_reason, "done")
-        row.update(
-            kind="notebook",
-            experiment=population.cls.__qualname__,
-            status="running" if population.running else status,
-            started_by="notebook",
-        )
-    row["population"] = True
+    row: dict[str, Any] = {"run_id": run_id, **identity(record, population), "population": True}
     if population is None:
         row.update(members=None, axes=None, phase="setup", epoch=0, step=0, losses=None)
     else:
@@ -168,12 +146,7 @@ def describe_population(
     if brief:
         return row
     if record is not None:
-        row.update(
-            result=jsonable(record.result),
-            error=record.error,
-            source=record.source,
-            seconds=round((record.finished or time.time()) - record.started, 3),
-        )
+        row.update(tool_outcome(record))
     return row
 
 
