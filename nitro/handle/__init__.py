@@ -12,6 +12,7 @@
 - `signature`: `Nitro(...)`'s signature and keyword help, generated from the run keywords
 """
 
+from nitro.handle import lr_find as _lr_find  # noqa: F401 - registers `Nitro.lr_find`
 from nitro.handle.handle import Nitro
 from nitro.handle.population import Population
 

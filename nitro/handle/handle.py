@@ -16,8 +16,8 @@ import inspect
 import os
 import threading
 import time
-from collections.abc import Iterable, Iterator, Mapping
-from typing import TYPE_CHECKING, Any, overload
+from collections.abc import Callable, Iterable, Iterator, Mapping
+from typing import Any, overload
 
 import jax
 import numpy as np
@@ -57,10 +57,12 @@ from nitro.programs.staleness import stale_changes, stale_report
 from nitro.runs.lifecycle import RunFiles, check_watched_metrics
 from nitro.runs.weights import AveragedWeights, CheckpointWeights, WeightsSource
 
-if TYPE_CHECKING:
-    from nitro.handle.lr_find import LRFindResult
+__all__ = ["EXTENSIONS", "Nitro"]
 
-__all__ = ["Nitro"]
+# Methods of the handle built on the layer above it (a population): that layer registers
+# them here on import (`nitro.handle` imports it), so the handle never imports it.
+# "lr_find": `nitro.handle.lr_find.lr_find`.
+EXTENSIONS: dict[str, Callable[..., Any]] = {}
 
 
 def _check_experiment(experiment: Any) -> type:
@@ -709,7 +711,7 @@ class Nitro:
         steps: int | None = None,
         method: str = "grid",
         progress: Any = None,
-    ) -> LRFindResult:
+    ) -> Any:
         """Try `num` learning rates on a log grid from `start` to `end` (default 11: every
         half decade from 1e-5 to 1), each trained for `steps` steps (default 50, rounded up
         to whole program calls) from this handle's current weights on the train split, with
@@ -727,9 +729,7 @@ class Nitro:
         stops once the smoothed loss passes 4x its minimum; its suggestion is a tenth of the
         rate at the smoothed loss's minimum. See docs/lr-find.md.
         """
-        from nitro.handle.lr_find import lr_find
-
-        return lr_find(
+        return EXTENSIONS["lr_find"](
             self, start=start, end=end, num=num, steps=steps, method=method, progress=progress
         )
 

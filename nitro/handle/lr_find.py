@@ -23,7 +23,7 @@ import jax
 import numpy as np
 
 from nitro.errors import DivergenceError, Interrupted, OptimizerError, ScheduleError, SetupError
-from nitro.handle.handle import Nitro
+from nitro.handle.handle import EXTENSIONS, Nitro
 from nitro.handle.population import AUTO_STEPS_LIMIT, Population
 from nitro.runs.weights import WeightsSource, copy_array
 
@@ -505,3 +505,6 @@ def _ramp(handle, keywords, start, end, steps, began) -> LRFindResult:
         note=note,
         handle=handle,
     )
+
+
+EXTENSIONS["lr_find"] = lr_find  # `n.lr_find()`

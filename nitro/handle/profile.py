@@ -17,7 +17,7 @@ import statistics
 import time
 from html import escape
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import Any, TypeAlias
 
 import jax
 
@@ -34,8 +34,8 @@ from nitro.engine.profiling import (
 from nitro.errors import RunningError, SetupError
 from nitro.programs.costs import ProgramCost, format_bytes, format_flops
 
-if TYPE_CHECKING:
-    from nitro.handle.handle import Nitro
+# the handle (a `nitro.Nitro`): this module sits beneath it, `Nitro.profile` calls it
+Nitro: TypeAlias = Any
 
 __all__ = ["ProfileReport", "ProgramProfile", "profile_handle"]
 

@@ -126,7 +126,7 @@ class RunFiles:
         run `resume='auto'` continues (default: an event note)."""
         identity = RunIdentity.of(setup.cls, setup.name)
         if setup.run_dir is not None:
-            from nitro.runs.population_files import refuse_for_a_run
+            from nitro.runs.population_dirs import refuse_for_a_run
 
             refuse_for_a_run(setup.run_dir, "run_dir")
         found = _resume_source(setup, identity, say or events.note) if setup.resume else None

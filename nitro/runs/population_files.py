@@ -35,17 +35,13 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import jax
-import jax.numpy as jnp
 import numpy as np
 
 from nitro import __version__
-from nitro.core.frozen import freeze
-from nitro.core.run_setup import CheckpointPolicy, CheckpointRef, RunSetup, SavedWeights
+from nitro.core.run_setup import CheckpointPolicy, CheckpointRef, RunSetup
 from nitro.core.train_state import Variables
-from nitro.errors import SetupError, WeightsError
+from nitro.errors import SetupError
 from nitro.experiments.fingerprint import code_digest
-from nitro.optim.param_groups import leaf_paths
 from nitro.runs.checkpoints import (
     CheckpointStore,
     SavedStep,
@@ -55,6 +51,15 @@ from nitro.runs.checkpoints import (
 )
 from nitro.runs.identity import RunIdentity
 from nitro.runs.lifecycle import _optimizer_misfit, _saved_steps, warn_user
+from nitro.runs.population_dirs import (
+    KIND,
+    MEMBER_KIND,
+    POPULATION_JSON,
+    member_dir,
+    member_run_id,
+    population_of,
+    refuse_for_a_run,
+)
 from nitro.runs.run_dirs import (
     checkpoint_dir,
     default_run_dir,
@@ -65,7 +70,7 @@ from nitro.runs.run_dirs import (
     write_run_json,
 )
 from nitro.runs.run_lock import RunLock, acquire, check_free, describe_holder, holder_record
-from nitro.runs.weights import CheckpointWeights, ResolvedWeights
+from nitro.runs.weights import MemberWeights, shown_setting
 
 __all__ = [
     "KIND",
@@ -81,54 +86,6 @@ __all__ = [
     "setting_token",
     "setting_differences",
 ]
-
-KIND = "population"
-MEMBER_KIND = "population member"
-POPULATION_JSON = "population.json"
-
-
-def member_dir(run_dir: str | os.PathLike, index: int) -> Path:
-    """Member `index`'s directory in a population's run directory: `member-<index>`."""
-    return Path(run_dir) / f"member-{index}"
-
-
-def member_run_id(run_id: str, index: int) -> str:
-    """Member `index`'s run id: the population's, then `-m<index>`."""
-    return f"{run_id}-m{index}"
-
-
-def population_of(path: str | os.PathLike) -> tuple[Path, int | None] | None:
-    """(the population's run directory, the member) when `path` is a population's run
-    directory (member None) or one of its members' directories; None otherwise."""
-    path = Path(path).absolute()
-    info = read_run_json(path)
-    if info.get("kind") == KIND or (path / POPULATION_JSON).is_file():
-        return path, None
-    if info.get("kind") == MEMBER_KIND:
-        member = info.get("member")
-        return path.parent, int(member) if isinstance(member, int) else None
-    return None
-
-
-def refuse_for_a_run(path: str | os.PathLike, keyword: str) -> None:
-    """Refuse a single run's `run_dir=` naming a population's directory or a member's: a
-    population writes there (and its checkpoints hold every member at once)."""
-    found = population_of(path)
-    if found is None:
-        return
-    population, member = found
-    what = (
-        f"the directory of member {member} of the population in {str(population)!r}"
-        if member is not None
-        else f"the run directory of a population ({str(population)!r})"
-    )
-    raise SetupError(
-        f"{keyword}={os.fspath(path)!r} is {what}; a single run cannot write there. "
-        f"Population(..., resume={str(population)!r}) continues the population, and "
-        f"Nitro(..., weights=({str(population)!r}, {member or 0})) starts a run of its own "
-        f"from a member's weights"
-    )
-
 
 # ---------------------------------------------------------------------------------------------
 # settings as the records keep them
@@ -172,11 +129,7 @@ def setting_token(value: Any, _depth: int = 0) -> Any:
     return _ADDRESS.sub("", repr(value))
 
 
-def _shown(token: Any) -> str:
-    if isinstance(token, Mapping) and "function" in token:
-        return f"{token['function']} {token.get('closure')}"
-    text = repr(token)
-    return text if len(text) <= 80 else text[:77] + "..."
+_shown = shown_setting
 
 
 def setting_differences(saved: Sequence[Mapping[str, Any]], now: Sequence[Mapping[str, Any]]):
@@ -557,62 +510,3 @@ def restore_variables(
         ema=[place(x) for x in ema] if ema is not None else None,
         ema_steps=place(ema_steps) if ema_steps is not None else None,
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class MemberWeights(CheckpointWeights):
-    """The weights of one member of a population's checkpoint (`weights=(run_dir, i)`,
-    `weights=<run_dir>/member-<i>`): its slice of the stacked variables. `source`: the
-    population's run directory, or one of its checkpoints."""
-
-    member: int = 0
-
-    @classmethod
-    def member_of(cls, path: str | os.PathLike, member: Any) -> MemberWeights:
-        if isinstance(member, bool) or not isinstance(member, int) or member < 0:
-            raise SetupError(
-                f"weights=(run_dir, member) names a member by its index, an int >= 0; got "
-                f"{member!r}"
-            )
-        return cls(CheckpointRef(os.fspath(path)), member)
-
-    def resolve(self, params: Any, model_state: Any) -> ResolvedWeights:
-        """The member's parameters and model state, shaped like the given model's."""
-        directory, step = resolve_checkpoint(self.source)
-        saved, meta = read_checkpoint(directory, step)
-        where = str(directory / str(step))
-        if meta.get("kind") != KIND:
-            raise WeightsError(
-                f"weights=({self.source.path!r}, {self.member}): {where!r} is a single run's "
-                f"checkpoint, not a population's; weights={self.source.path!r} reads it"
-            )
-        entries = meta.get("members") or []
-        if not 0 <= self.member < len(entries):
-            raise WeightsError(
-                f"weights=({self.source.path!r}, {self.member}): the population in "
-                f"{str(directory.parent)!r} has {len(entries)} members (0..{len(entries) - 1})"
-            )
-        restored = []
-        for what, key, tree in (
-            ("parameters", "params", params),
-            ("model state", "model_state", model_state),
-        ):
-            template = jax.tree.leaves(tree)
-            mine = jax.tree.map(lambda a: np.asarray(a)[self.member], saved.get(key, {}))
-            leaves = leaves_from(what, mine, leaf_paths(tree), template)
-            leaves = [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in leaves]
-            restored.append(jax.tree.unflatten(jax.tree.structure(tree), leaves))
-        entry = entries[self.member]
-        shown = ", ".join(f"{k}={_shown(v)}" for k, v in (entry.get("settings") or {}).items())
-        origin = (
-            f"member {self.member} ({shown}) of population {meta.get('run_id')}, checkpoint "
-            f"step {step} (epoch {meta.get('epoch')})"
-        )
-        checkpoint = SavedWeights(
-            paths=(where,),
-            run_id=entry.get("run_id"),
-            steps=(step,),
-            epochs=(meta.get("epoch"),),
-            metrics=(freeze(entry.get("metrics")),),
-        )
-        return ResolvedWeights(restored[0], restored[1], origin, checkpoint)

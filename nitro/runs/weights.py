@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import warnings
+from collections.abc import Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -23,10 +24,12 @@ from nitro.core.frozen import freeze
 from nitro.core.run_setup import CheckpointRef, SavedWeights
 from nitro.errors import SetupError, WeightsError
 from nitro.optim.param_groups import leaf_paths
+from nitro.runs.population_dirs import KIND, population_of
 
 __all__ = [
     "AveragedWeights",
     "CheckpointWeights",
+    "MemberWeights",
     "ResolvedWeights",
     "WeightsSource",
     "average",
@@ -77,8 +80,6 @@ class CheckpointWeights:
     def of(cls, source: str | os.PathLike | tuple) -> CheckpointWeights:
         """From what `weights=` takes: a path, or (run_dir, "best" | "latest"); a member of a
         population: (its run_dir, member index) or the member's directory."""
-        from nitro.runs.population_files import MemberWeights, population_of
-
         if isinstance(source, tuple) and len(source) == 2 and isinstance(source[1], int):
             return MemberWeights.member_of(source[0], source[1])
         if isinstance(source, (str, os.PathLike)):
@@ -312,3 +313,74 @@ def check_same_tree(what: str, expected: Any, given: Any) -> None:
         f"weights= does not fit: the {what} differ (build the model with the same GraphConst "
         f"values)\n" + "\n".join(lines[:6]) + more
     )
+
+
+@dataclasses.dataclass(frozen=True)
+class MemberWeights(CheckpointWeights):
+    """The weights of one member of a population's checkpoint (`weights=(run_dir, i)`,
+    `weights=<run_dir>/member-<i>`): its slice of the stacked variables. `source`: the
+    population's run directory, or one of its checkpoints."""
+
+    member: int = 0
+
+    @classmethod
+    def member_of(cls, path: str | os.PathLike, member: Any) -> MemberWeights:
+        if isinstance(member, bool) or not isinstance(member, int) or member < 0:
+            raise SetupError(
+                f"weights=(run_dir, member) names a member by its index, an int >= 0; got "
+                f"{member!r}"
+            )
+        return cls(CheckpointRef(os.fspath(path)), member)
+
+    def resolve(self, params: Any, model_state: Any) -> ResolvedWeights:
+        """The member's parameters and model state, shaped like the given model's."""
+        from nitro.runs.checkpoints import leaves_from, read_checkpoint, resolve_checkpoint
+
+        directory, step = resolve_checkpoint(self.source)
+        saved, meta = read_checkpoint(directory, step)
+        where = str(directory / str(step))
+        if meta.get("kind") != KIND:
+            raise WeightsError(
+                f"weights=({self.source.path!r}, {self.member}): {where!r} is a single run's "
+                f"checkpoint, not a population's; weights={self.source.path!r} reads it"
+            )
+        entries = meta.get("members") or []
+        if not 0 <= self.member < len(entries):
+            raise WeightsError(
+                f"weights=({self.source.path!r}, {self.member}): the population in "
+                f"{str(directory.parent)!r} has {len(entries)} members (0..{len(entries) - 1})"
+            )
+        restored = []
+        for what, key, tree in (
+            ("parameters", "params", params),
+            ("model state", "model_state", model_state),
+        ):
+            template = jax.tree.leaves(tree)
+            mine = jax.tree.map(lambda a: np.asarray(a)[self.member], saved.get(key, {}))
+            leaves = leaves_from(what, mine, leaf_paths(tree), template)
+            leaves = [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in leaves]
+            restored.append(jax.tree.unflatten(jax.tree.structure(tree), leaves))
+        entry = entries[self.member]
+        shown = ", ".join(
+            f"{k}={shown_setting(v)}" for k, v in (entry.get("settings") or {}).items()
+        )
+        origin = (
+            f"member {self.member} ({shown}) of population {meta.get('run_id')}, checkpoint "
+            f"step {step} (epoch {meta.get('epoch')})"
+        )
+        checkpoint = SavedWeights(
+            paths=(where,),
+            run_id=entry.get("run_id"),
+            steps=(step,),
+            epochs=(meta.get("epoch"),),
+            metrics=(freeze(entry.get("metrics")),),
+        )
+        return ResolvedWeights(restored[0], restored[1], origin, checkpoint)
+
+
+def shown_setting(token: Any) -> str:
+    """A member's setting as a record keeps it (`setting_token`), shown short."""
+    if isinstance(token, Mapping) and "function" in token:
+        return f"{token['function']} {token.get('closure')}"
+    text = repr(token)
+    return text if len(text) <= 80 else text[:77] + "..."
