@@ -20,7 +20,7 @@ on batches augmented beforehand, in memory), and what `prefetch="auto"` picks.
 It prints ratios, not pass or fail; timings vary by ~20 % between runs on a shared machine.
 
     python bench/data.py [--sleep-ms 16] [--width 512] [--batches 120] [--epochs 3]
-    python bench/data.py --processes [--workers 2] [--width 256] [--epochs 3]
+    python bench/data.py --processes [--workers 2] [--blur 16] [--width 512] [--epochs 3]
 """
 
 from __future__ import annotations
@@ -115,13 +115,16 @@ def step_time(source, args, **keywords) -> tuple[float, float]:
     )
 
 
-def augment(image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+BLUR_ROUNDS = 16  # --blur: about 1 ms a sample on one core
+
+
+def augment(image: np.ndarray, rng: np.random.Generator, blur: int = BLUR_ROUNDS) -> np.ndarray:
     """One 8x8 digit to an augmented 64x64 one: upsample, shift, maybe flip, blur, noise."""
     big = np.kron(image.reshape(8, 8), np.ones((8, 8), np.float32))
     big = np.roll(big, tuple(rng.integers(-4, 5, size=2)), axis=(0, 1))
     if rng.random() < 0.5:
         big = big[:, ::-1]
-    for _ in range(3):  # a 3x3 box blur, three times
+    for _ in range(blur):  # a 3x3 box blur, `blur` times
         padded = np.pad(big, 1, mode="edge")
         big = sum(padded[i : i + 64, j : j + 64] for i in range(3) for j in range(3)) / 9.0
     big = big + rng.normal(scale=0.05, size=big.shape)
@@ -129,7 +132,11 @@ def augment(image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
 
 
 class AugmentedDigits(ArrayLoader):
-    """The digits, each sample augmented in `batch_at` from (seed, epoch, sample)."""
+    """The digits, each sample augmented in `batch_at` from (seed, epoch, batch)."""
+
+    def __init__(self, arrays, batch_size: int, blur: int = BLUR_ROUNDS):
+        super().__init__(arrays, batch_size)
+        self.blur = blur
 
     def begin_epoch(self, epoch):
         return epoch, super().begin_epoch(epoch)
@@ -138,7 +145,8 @@ class AugmentedDigits(ArrayLoader):
         epoch, rows = plan if plan is not None else (0, None)
         batch = super().batch_at(index, rows)
         rng = np.random.default_rng((0, epoch, index))
-        return {"x": np.stack([augment(x, rng) for x in batch["x"]]), "y": batch["y"]}
+        images = [augment(x, rng, self.blur) for x in batch["x"]]
+        return {"x": np.stack(images), "y": batch["y"]}
 
 
 @nitro.experiment
@@ -158,7 +166,7 @@ class MLP64(nnx.Module):
 
 def processes(args) -> None:
     digits = nitro.datasets.digits_arrays()["train"]
-    source = AugmentedDigits(digits, 64)
+    source = AugmentedDigits(digits, 64, args.blur)
     batches = len(source)
     begin = time.perf_counter()
     plan = source.begin_epoch(0)
@@ -169,7 +177,8 @@ def processes(args) -> None:
         f"jax {jax.__version__}, {os.cpu_count()} cores, load average "
         f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}; digits 8x8 -> 64x64, "
         f"{batches} batches of 64 per epoch, augment {per_sample * 1e3:.2f} ms/sample, "
-        f"MLP width {args.width}, {args.workers} workers"
+        f"MLP width {args.width}, {args.workers} workers, {args.epochs} epochs (the first "
+        f"not counted)"
     )
 
     def steps_per_second(data, **keywords) -> tuple[float, str]:
@@ -194,14 +203,14 @@ def processes(args) -> None:
     measured = {}
     for mode in ("threads", "processes"):
         measured[mode], path = steps_per_second(
-            AugmentedDigits(digits, 64), prefetch=mode, prefetch_workers=args.workers
+            AugmentedDigits(digits, 64, args.blur), prefetch=mode, prefetch_workers=args.workers
         )
         print(
             f"prefetch={mode!r:12} {measured[mode]:7.1f} steps/s, "
             f"{measured[mode] / free:.2f} of data-free ({path})"
         )
     print(f"processes / threads: {measured['processes'] / measured['threads']:.2f}x")
-    auto, path = steps_per_second(AugmentedDigits(digits, 64))
+    auto, path = steps_per_second(AugmentedDigits(digits, 64, args.blur))
     print(f"prefetch='auto'      {auto:7.1f} steps/s ({path})")
 
 
@@ -209,6 +218,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", action="store_true", help="worker processes instead")
     parser.add_argument("--workers", type=int, default=2, help="--processes: workers")
+    parser.add_argument(
+        "--blur", type=int, default=BLUR_ROUNDS, help="--processes: blur rounds (the cost)"
+    )
     parser.add_argument("--sleep-ms", type=float, default=16.0, help="t: sleep per batch")
     parser.add_argument("--width", type=int, default=512, help="MLP width (sets s)")
     parser.add_argument("--batches", type=int, default=120, help="batches per epoch")

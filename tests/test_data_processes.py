@@ -171,3 +171,28 @@ def test_auto_measures_and_the_binding_report_says_which_and_why():
 
     arrays = train(Pipe().build_data()["train"])
     assert "prefetch inline: a batch builds in" in str(arrays.binding_report())
+
+
+def test_a_script_without_a_main_guard_fails_naming_the_guard_instead_of_hanging(tmp_path):
+    # each worker imports the main module, which here trains again and fails to start a pool
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            sys.path.insert(0, {str(TESTS)!r})
+            import nitro
+            from pipeline_toys import Pipe
+            from process_toys import Augmented
+            n = nitro.Nitro(Pipe(max_epochs=1), data={{"train": Augmented()}},
+                            prefetch="processes", progress=False)
+            n.train()
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode != 0
+    assert "DataWorkerError" in done.stderr
+    assert "if __name__ == '__main__':" in done.stderr

@@ -5,8 +5,10 @@ decodes or tokenizes in Python is built one batch at a time however many threads
 `WorkerPool` runs an index-addressable source's `batch_at` in a pool of worker processes
 (`concurrent.futures.ProcessPoolExecutor`, started with "spawn": no fork of the threaded JAX
 process). The source is sent once, by value (`cloudpickle`: a class defined in a notebook
-travels too); each worker calls `begin_epoch(epoch)` itself, once per epoch, and builds the
-batches it is given by index. The prefetcher submits at most `host_batches` of them ahead and
+travels too), through a file in a private temporary directory: through the spawn pipe, a
+worker that died while starting (a script without a main guard) would leave the parent
+blocked writing a source bigger than the pipe. Each worker calls `begin_epoch(epoch)` itself,
+once per epoch, and builds the batches it is given by index. The prefetcher submits at most `host_batches` of them ahead and
 takes them back in index order, as with threads.
 
 Lifetime: the pool starts on the first epoch and lives until the run ends (`release()`);
@@ -24,7 +26,9 @@ import concurrent.futures
 import concurrent.futures.process
 import multiprocessing
 import os
+import shutil
 import signal
+import tempfile
 import threading
 import time
 import weakref
@@ -54,20 +58,23 @@ def pickled_source(source: Any, split: str) -> bytes:
         ) from error
 
 
-def _start_worker(pickled: bytes, parent: int) -> None:
+def _start_worker(path: str, parent: int) -> None:
     import cloudpickle
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle
-    threading.Thread(target=_watch_parent, args=(parent,), daemon=True).start()
+    threading.Thread(target=_watch_parent, args=(parent, path), daemon=True).start()
     global _worker_source
-    _worker_source = cloudpickle.loads(pickled)
+    with open(path, "rb") as file:
+        _worker_source = cloudpickle.load(file)
 
 
-def _watch_parent(parent: int) -> None:
+def _watch_parent(parent: int, path: str) -> None:
     """Exit when the process that started this worker is gone: a worker is re-parented
-    when its parent dies (SIGKILL, a kernel restart), and nothing else would tell it."""
+    when its parent dies (SIGKILL, a kernel restart), and nothing else would tell it. The
+    parent would have removed the source's file; the first worker to notice does."""
     while os.getppid() == parent:
         time.sleep(0.2)
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
     os._exit(0)
 
 
@@ -100,13 +107,17 @@ class WorkerPool:
     def submit(self, epoch: int, index: int) -> concurrent.futures.Future:
         with self._lock:
             if self._executor is None:
+                folder = tempfile.mkdtemp(prefix="nitro-workers-")
+                path = os.path.join(folder, "source.pkl")
+                with open(path, "wb") as file:
+                    file.write(self.pickled)
                 self._executor = concurrent.futures.ProcessPoolExecutor(
                     max_workers=self.workers,
                     mp_context=multiprocessing.get_context("spawn"),
                     initializer=_start_worker,
-                    initargs=(self.pickled, os.getpid()),
+                    initargs=(path, os.getpid()),
                 )
-                self._finalizer = weakref.finalize(self, _shut_down, self._executor)
+                self._finalizer = weakref.finalize(self, _shut_down, self._executor, folder)
             executor = self._executor
         return executor.submit(_build, epoch, index)
 
@@ -118,8 +129,10 @@ class WorkerPool:
             self.release()  # the next epoch starts a fresh pool
             raise DataWorkerError(
                 f"a worker process building the '{self.split}' split died while batch "
-                f"{index} of epoch {epoch} was in flight (killed, or out of memory?); the "
-                f"pool was shut down: {error}"
+                f"{index} of epoch {epoch} was in flight: killed, out of memory, or it failed "
+                f"to start (a script that trains needs `if __name__ == '__main__':` around "
+                f"it: each worker imports the main module; its error is above). The pool was "
+                f"shut down: {error}"
             ) from error
         except Exception as error:
             raise DataWorkerError(
@@ -131,17 +144,17 @@ class WorkerPool:
     def release(self) -> None:
         """Stop the workers and wait for them (idempotent)."""
         with self._lock:
-            executor, self._executor = self._executor, None
+            self._executor = None
             finalizer, self._finalizer = self._finalizer, None
         if finalizer is not None:
-            finalizer.detach()
-        if executor is not None:
-            _shut_down(executor)
+            finalizer()
 
 
-def _shut_down(executor: concurrent.futures.ProcessPoolExecutor) -> None:
+def _shut_down(executor: concurrent.futures.ProcessPoolExecutor, folder: str) -> None:
     """Cancel what has not started, let idle workers exit, and terminate the busy ones after
-    a grace period (a long batch_at would otherwise hold the run's end)."""
+    a grace period (a long batch_at would otherwise hold the run's end); remove the source's
+    file."""
+    shutil.rmtree(folder, ignore_errors=True)  # the workers read it when they started
     processes = list((getattr(executor, "_processes", None) or {}).values())
     executor.shutdown(wait=False, cancel_futures=True)
     deadline = time.monotonic() + 2.0
