@@ -20,7 +20,7 @@ on batches augmented beforehand, in memory), and what `prefetch="auto"` picks.
 It prints ratios, not pass or fail; timings vary by ~20 % between runs on a shared machine.
 
     python bench/data.py [--sleep-ms 16] [--width 512] [--batches 120] [--epochs 3]
-    python bench/data.py --processes [--workers 2] [--blur 16] [--width 512] [--epochs 3]
+    python bench/data.py --processes [--workers 2] [--blur 32] [--width 512] [--epochs 3]
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def step_time(source, args, **keywords) -> tuple[float, float]:
     )
 
 
-BLUR_ROUNDS = 16  # --blur: about 1 ms a sample on one core
+BLUR_ROUNDS = 32  # --blur: about 1 ms a sample on one core
 
 
 def augment(image: np.ndarray, rng: np.random.Generator, blur: int = BLUR_ROUNDS) -> np.ndarray:

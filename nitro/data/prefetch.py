@@ -30,7 +30,7 @@ import jax
 import numpy as np
 
 from nitro.data.loaders import NoPrefetch, is_index_addressable
-from nitro.data.processes import WorkerPool, gil_speedup, pickled_source
+from nitro.data.processes import WorkerPool, gil_speedup
 from nitro.errors import SetupError
 
 __all__ = [
@@ -225,7 +225,7 @@ class Prefetcher:
                     f"by index. {type(self.source).__name__} is a plain iterable; use "
                     f"prefetch='threads', or give it begin_epoch and batch_at"
                 )
-            self.pool = WorkerPool(pickled_source(self.source, name), self.settings.workers, name)
+            self.pool = WorkerPool(self.source, self.settings.workers, name)
 
     def _count(self, counter: str) -> None:
         with self._counter_lock:  # the loop and the transfer thread both free batches
@@ -264,10 +264,9 @@ class Prefetcher:
         if speedup >= THREADS_SCALE_AT:
             return "threads", f"{measured}: the work runs in parallel on threads"
         try:
-            pickled = pickled_source(self.source, self.name)
+            self.pool = WorkerPool(self.source, self.settings.workers, self.name)
         except SetupError as error:
             return "threads", f"{measured}, but the source does not pickle ({error.__cause__})"
-        self.pool = WorkerPool(pickled, self.settings.workers, self.name)
         return "processes", f"{measured}: the work holds the interpreter lock"
 
     @property

@@ -88,8 +88,9 @@ def _build(epoch: int, index: int) -> Any:
 class WorkerPool:
     """`workers` processes building one split's batches; started on first use."""
 
-    def __init__(self, pickled: bytes, workers: int, split: str):
-        self.pickled, self.workers, self.split = pickled, workers, split
+    def __init__(self, source: Any, workers: int, split: str):
+        pickled_source(source, split)  # refuse what does not pickle now, at setup
+        self.source, self.workers, self.split = source, workers, split
         self._executor: concurrent.futures.ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
         self._finalizer: weakref.finalize | None = None
@@ -109,8 +110,8 @@ class WorkerPool:
             if self._executor is None:
                 folder = tempfile.mkdtemp(prefix="nitro-workers-")
                 path = os.path.join(folder, "source.pkl")
-                with open(path, "wb") as file:
-                    file.write(self.pickled)
+                with open(path, "wb") as file:  # the source as it is now, each train()
+                    file.write(pickled_source(self.source, self.split))
                 self._executor = concurrent.futures.ProcessPoolExecutor(
                     max_workers=self.workers,
                     mp_context=multiprocessing.get_context("spawn"),
