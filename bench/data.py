@@ -11,9 +11,16 @@ loop can do is one step every max(t / w, s). This script measures, in one run:
   asynchronously while the host builds the next batch, this lies between max(t, s) and t + s);
 - `len(jax.live_arrays())` sampled at every batch of a 2,000-step run.
 
+With `--processes` it measures worker processes instead: the digits (8x8) upsampled to 64x64
+and augmented per sample in numpy (a shift, a flip, noise, a blur: about 1 ms a sample of
+small-array calls, which hold the interpreter lock), steps/s with `prefetch="processes"`
+against `prefetch="threads"` (same workers) and against the data-free speed (the same model
+on batches augmented beforehand, in memory), and what `prefetch="auto"` picks.
+
 It prints ratios, not pass or fail; timings vary by ~20 % between runs on a shared machine.
 
     python bench/data.py [--sleep-ms 16] [--width 512] [--batches 120] [--epochs 3]
+    python bench/data.py --processes [--workers 2] [--blur 32] [--width 512] [--epochs 3]
 """
 
 from __future__ import annotations
@@ -108,8 +115,112 @@ def step_time(source, args, **keywords) -> tuple[float, float]:
     )
 
 
+BLUR_ROUNDS = 32  # --blur: about 1 ms a sample on one core
+
+
+def augment(image: np.ndarray, rng: np.random.Generator, blur: int = BLUR_ROUNDS) -> np.ndarray:
+    """One 8x8 digit to an augmented 64x64 one: upsample, shift, maybe flip, blur, noise."""
+    big = np.kron(image.reshape(8, 8), np.ones((8, 8), np.float32))
+    big = np.roll(big, tuple(rng.integers(-4, 5, size=2)), axis=(0, 1))
+    if rng.random() < 0.5:
+        big = big[:, ::-1]
+    for _ in range(blur):  # a 3x3 box blur, `blur` times
+        padded = np.pad(big, 1, mode="edge")
+        big = sum(padded[i : i + 64, j : j + 64] for i in range(3) for j in range(3)) / 9.0
+    big = big + rng.normal(scale=0.05, size=big.shape)
+    return np.clip(big, 0.0, 1.0).astype(np.float32).reshape(-1)
+
+
+class AugmentedDigits(ArrayLoader):
+    """The digits, each sample augmented in `batch_at` from (seed, epoch, batch)."""
+
+    def __init__(self, arrays, batch_size: int, blur: int = BLUR_ROUNDS):
+        super().__init__(arrays, batch_size)
+        self.blur = blur
+
+    def begin_epoch(self, epoch):
+        return epoch, super().begin_epoch(epoch)
+
+    def batch_at(self, index, plan=None):
+        epoch, rows = plan if plan is not None else (0, None)
+        batch = super().batch_at(index, rows)
+        rng = np.random.default_rng((0, epoch, index))
+        images = [augment(x, rng, self.blur) for x in batch["x"]]
+        return {"x": np.stack(images), "y": batch["y"]}
+
+
+@nitro.experiment
+class Digits64(Synthetic):
+    def build_model(self, rngs: nnx.Rngs):
+        return MLP64(self.width, rngs=rngs)
+
+
+class MLP64(nnx.Module):
+    def __init__(self, width: int, *, rngs: nnx.Rngs):
+        self.hidden = nnx.Linear(64 * 64, width, rngs=rngs)
+        self.out = nnx.Linear(width, 10, rngs=rngs)
+
+    def __call__(self, x):
+        return self.out(nnx.relu(self.hidden(x)))
+
+
+def processes(args) -> None:
+    digits = nitro.datasets.digits_arrays()["train"]
+    source = AugmentedDigits(digits, 64, args.blur)
+    batches = len(source)
+    begin = time.perf_counter()
+    plan = source.begin_epoch(0)
+    for index in range(4):
+        source.batch_at(index, plan)
+    per_sample = (time.perf_counter() - begin) / (4 * 64)
+    print(
+        f"jax {jax.__version__}, {os.cpu_count()} cores, load average "
+        f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}; digits 8x8 -> 64x64, "
+        f"{batches} batches of 64 per epoch, augment {per_sample * 1e3:.2f} ms/sample, "
+        f"MLP width {args.width}, {args.workers} workers, {args.epochs} epochs (the first "
+        f"not counted)"
+    )
+
+    def steps_per_second(data, **keywords) -> tuple[float, str]:
+        n = nitro.Nitro(
+            Digits64(width=args.width),
+            data={"train": data},
+            max_epochs=args.epochs,
+            progress=False,
+            steps_per_dispatch=1,
+            **keywords,
+        )
+        n.train()
+        warm = n.history().iloc[1:]  # the first epoch compiles and starts the workers
+        path = str(n.binding_report()).split("prefetch ", 1)[1].split("\n", 1)[0]
+        return len(warm) * batches / float(warm["epoch_seconds"].sum()), path
+
+    fixed = [source.batch_at(i, plan) for i in range(batches)]
+    free, _ = steps_per_second(
+        ArrayLoader({k: np.concatenate([b[k] for b in fixed]) for k in ("x", "y")}, 64)
+    )
+    print(f"data-free (augmented beforehand, in memory): {free:7.1f} steps/s")
+    measured = {}
+    for mode in ("threads", "processes"):
+        measured[mode], path = steps_per_second(
+            AugmentedDigits(digits, 64, args.blur), prefetch=mode, prefetch_workers=args.workers
+        )
+        print(
+            f"prefetch={mode!r:12} {measured[mode]:7.1f} steps/s, "
+            f"{measured[mode] / free:.2f} of data-free ({path})"
+        )
+    print(f"processes / threads: {measured['processes'] / measured['threads']:.2f}x")
+    auto, path = steps_per_second(AugmentedDigits(digits, 64, args.blur))
+    print(f"prefetch='auto'      {auto:7.1f} steps/s ({path})")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--processes", action="store_true", help="worker processes instead")
+    parser.add_argument("--workers", type=int, default=2, help="--processes: workers")
+    parser.add_argument(
+        "--blur", type=int, default=BLUR_ROUNDS, help="--processes: blur rounds (the cost)"
+    )
     parser.add_argument("--sleep-ms", type=float, default=16.0, help="t: sleep per batch")
     parser.add_argument("--width", type=int, default=512, help="MLP width (sets s)")
     parser.add_argument("--batches", type=int, default=120, help="batches per epoch")
@@ -117,6 +228,9 @@ def main() -> None:
     args = parser.parse_args()
 
     warnings.filterwarnings("ignore", message="the training loop waited for data")
+    if args.processes:
+        processes(args)
+        return
     data = arrays(args.batches)
     t = args.sleep_ms / 1000
     print(

@@ -11,6 +11,7 @@ import warnings
 
 __all__ = [
     "CompilationCacheError",
+    "DataWorkerError",
     "DivergenceError",
     "ExperimentError",
     "HostFieldError",
@@ -47,6 +48,11 @@ class WeightsError(SetupError):
 class PopulationError(SetupError):
     """A population's axes would change the program its members share, or ask for what a
     population does not do yet; the message names the field."""
+
+
+class DataWorkerError(RuntimeError):
+    """A prefetch worker process failed to build a batch: the message names the split, the
+    batch index and the original exception, which is chained (with the worker's traceback)."""
 
 
 class DivergenceError(FloatingPointError):

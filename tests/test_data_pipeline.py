@@ -74,7 +74,9 @@ def test_auto_builds_cheap_batches_inline_and_slow_ones_on_workers():
     assert forced.runtime.prefetchers["train"].path == "inline"
     asked = nitro.Nitro(Pipe(), prefetch_workers=2, progress=False)  # workers asked for
     assert asked.runtime.prefetchers["train"].path == "fanout"
-    with pytest.raises(ValueError, match="prefetch must be one of 'auto', 'threads', 'inline'"):
+    with pytest.raises(
+        ValueError, match="prefetch must be one of 'auto', 'threads', 'processes', 'inline'"
+    ):
         nitro.Nitro(Pipe(), prefetch="eager")
 
 

@@ -6,8 +6,9 @@ source --(workers: batch_at)--> host stage (host_batches) --(transfer)--> device
         (device_batches) --> loop
 ```
 
-An index-addressable source fans out over several workers; any other iterable gets one
-producer thread. With `ordered=True` (the default) batches arrive in source order, so runs are
+An index-addressable source fans out over several workers (threads, or processes with
+`prefetch="processes"`: see `nitro.data.processes`); any other iterable gets one producer
+thread. With `ordered=True` (the default) batches arrive in source order, so runs are
 reproducible. A producer's exception is re-raised in the loop with its traceback. Closing an
 epoch stream (normally, on a stop, or on an error) stops the threads and deletes every device
 batch it staged that the loop never received.
@@ -29,6 +30,7 @@ import jax
 import numpy as np
 
 from nitro.data.loaders import NoPrefetch, is_index_addressable
+from nitro.data.processes import WorkerPool, gil_speedup
 from nitro.errors import SetupError
 
 __all__ = [
@@ -41,9 +43,13 @@ __all__ = [
 ]
 
 
-PREFETCH_MODES = ("auto", "threads", "inline")
+PREFETCH_MODES = ("auto", "threads", "processes", "inline")
 # Below this build time per batch, "auto" builds batches on the loop thread.
 INLINE_BELOW_SECONDS = 100e-6
+# "auto" uses processes when a batch takes at least this long to build and two threads build
+# batches less than THREADS_SCALE_AT times as fast as one (the work holds the interpreter lock)
+PROCESSES_FROM_SECONDS = 1e-3
+THREADS_SCALE_AT = 1.4
 
 
 def default_workers() -> int:
@@ -209,6 +215,17 @@ class Prefetcher:
         self.placed = 0  # batches put on the device
         self.freed = 0  # of those, batches whose device buffers were deleted
         self._counter_lock = threading.Lock()
+        self.pool: WorkerPool | None = None  # worker processes, when the path is "processes"
+        self._auto: tuple[str, str] | None = None  # "auto"'s choice and why
+        if mode == "processes" and not self.inline:
+            if not is_index_addressable(self.source):
+                raise SetupError(
+                    f"prefetch='processes' needs an index-addressable '{name}' source "
+                    f"(begin_epoch/batch_at, see docs/data.md): worker processes build batches "
+                    f"by index. {type(self.source).__name__} is a plain iterable; use "
+                    f"prefetch='threads', or give it begin_epoch and batch_at"
+                )
+            self.pool = WorkerPool(self.source, self.settings.workers, name)
 
     def _count(self, counter: str) -> None:
         with self._counter_lock:  # the loop and the transfer thread both free batches
@@ -226,10 +243,44 @@ class Prefetcher:
             and self.build_seconds < INLINE_BELOW_SECONDS
         )
 
+    def auto_choice(self) -> tuple[str, str]:
+        """ "auto" on an index-addressable source whose batches take a while to build:
+        "processes" when the work holds the interpreter lock (two threads build a few
+        batches hardly faster than one) and there are cores to run them, else "threads";
+        and why. Measured once, on the first call."""
+        if self._auto is None:
+            self._auto = self._measure()
+        return self._auto
+
+    def _measure(self) -> tuple[str, str]:
+        seconds = self.build_seconds or 0.0
+        if seconds < PROCESSES_FROM_SECONDS:
+            return "threads", f"a batch builds in {seconds * 1e3:.2f} ms"
+        cores = os.cpu_count() or 1
+        if cores < 2:
+            return "threads", "one core: processes would not run in parallel"
+        speedup, seconds = gil_speedup(self.source)
+        measured = f"2 threads built batches {speedup:.2f}x as fast as 1, a batch in {seconds * 1e3:.1f} ms"
+        if speedup >= THREADS_SCALE_AT:
+            return "threads", f"{measured}: the work runs in parallel on threads"
+        try:
+            self.pool = WorkerPool(self.source, self.settings.workers, self.name)
+        except SetupError as error:
+            return "threads", f"{measured}, but the source does not pickle ({error.__cause__})"
+        return "processes", f"{measured}: the work holds the interpreter lock"
+
     @property
     def path(self) -> str:
         if self.inline or self.mode == "inline" or self.auto_inline:
             return "inline"
+        if self.mode == "processes":
+            return "processes"
+        if (
+            self.mode == "auto"
+            and is_index_addressable(self.source)
+            and self.auto_choice()[0] == "processes"
+        ):
+            return "processes"
         if is_index_addressable(self.source):
             if self.settings.workers == 1:
                 return "single"
@@ -247,11 +298,25 @@ class Prefetcher:
                     f"forces workers)"
                 )
             return "no prefetch (inline)"
-        workers = s.workers if self.path.startswith("fanout") else 1
-        return (
-            f"{self.path}: {workers} worker{'s' * (workers != 1)}, host_batches={s.host_depth}, "
+        path = self.path
+        workers = s.workers if path.startswith("fanout") or path == "processes" else 1
+        if path == "processes":
+            kind = "worker process" if workers == 1 else "worker processes"
+        else:
+            kind = "worker" if workers == 1 else "workers"
+        described = (
+            f"{path}: {workers} {kind}, host_batches={s.host_depth}, "
             f"device_batches={s.device_batches}, ordered={s.ordered}"
         )
+        if self.mode == "auto" and self._auto is not None:
+            described += f" (auto: {self._auto[1]})"
+        return described
+
+    def release_workers(self) -> None:
+        """Stop this split's worker processes, if it has any (the end of a run); the next
+        epoch starts them again."""
+        if self.pool is not None:
+            self.pool.release()
 
     @property
     def direct(self) -> bool:
@@ -549,7 +614,9 @@ class _ThreadedStream(EpochStream):
         self.producer = None
         name = f"nitro-prefetch-{owner.name}"
         source = owner.source
-        if is_index_addressable(source) and self.settings.workers > 1:
+        if owner.path == "processes":
+            target = self._fan_out
+        elif is_index_addressable(source) and self.settings.workers > 1:
             self.executor = concurrent.futures.ThreadPoolExecutor(
                 max_workers=self.settings.workers, thread_name_prefix=f"{name}-worker"
             )
@@ -620,13 +687,28 @@ class _ThreadedStream(EpochStream):
                 return False
         return True
 
+    def _builders(self, source, epoch: int) -> tuple[Callable, Callable]:
+        """`submit(index) -> future` and `result(index, future) -> batch`: on the worker
+        threads, or in the worker processes (which call `begin_epoch` themselves)."""
+        executor, pool = self.executor, self.owner.pool
+        if pool is not None:
+            return (
+                lambda index: pool.submit(epoch, index),
+                lambda index, future: pool.result(future, epoch, index),
+            )
+        assert executor is not None  # the thread fan-out starts its workers first
+        plan = source.begin_epoch(epoch)
+        return (
+            lambda index: executor.submit(source.batch_at, index, plan),
+            lambda index, future: future.result(),
+        )
+
     def _fan_out(self, source, epoch: int, start: int) -> None:
         executor = self.executor
-        assert executor is not None  # the fan-out path starts its workers first
+        pending: dict[int, concurrent.futures.Future] = {}
         try:
-            plan = source.begin_epoch(epoch)
+            submit, result = self._builders(source, epoch)
             indices = iter(range(start, len(source)))
-            pending: dict[int, concurrent.futures.Future] = {}
             depth = self.settings.host_depth
 
             def submit_more():
@@ -634,14 +716,14 @@ class _ThreadedStream(EpochStream):
                     index = next(indices, None)
                     if index is None:
                         return
-                    pending[index] = executor.submit(source.batch_at, index, plan)
+                    pending[index] = submit(index)
 
             submit_more()
             while pending and not self.stopping.is_set():
                 if self.settings.ordered:
                     index = min(pending)
                     future = pending.pop(index)
-                    host = future.result()
+                    host = result(index, future)
                 else:
                     done, _ = concurrent.futures.wait(
                         pending.values(), return_when=concurrent.futures.FIRST_COMPLETED
@@ -649,7 +731,7 @@ class _ThreadedStream(EpochStream):
                     future = next(iter(done))
                     index = next(i for i, f in pending.items() if f is future)
                     pending.pop(index)
-                    host = future.result()
+                    host = result(index, future)
                 submit_more()
                 if not self._emit(index, host):
                     break
@@ -660,7 +742,10 @@ class _ThreadedStream(EpochStream):
         except BaseException as error:  # noqa: BLE001 - re-raised in the loop
             self._put(self.out, _Failure(error))
         finally:
-            executor.shutdown(wait=False, cancel_futures=True)
+            if executor is not None:
+                executor.shutdown(wait=False, cancel_futures=True)
+            for future in pending.values():  # worker processes outlive the epoch: not theirs
+                future.cancel()
 
     def _produce(self, source, epoch: int, start: int) -> None:
         try:

@@ -30,9 +30,16 @@ def data_wait_advice(setup: RunSetup, prefetcher: Prefetcher) -> str:
             "(begin_epoch/batch_at, see docs/data.md) so prefetch_workers threads build them "
             "in parallel, or do less work per batch."
         )
+    if path == "processes":
+        return (
+            f"Raise prefetch_workers (now {setup.prefetch.workers} worker processes; more "
+            f"than the cores do not help) or host_batches, or do less work per batch in "
+            f"batch_at."
+        )
     return (
         f"Raise prefetch_workers (now {setup.prefetch.workers}) or host_batches, or do "
-        f"less work per batch in batch_at."
+        f"less work per batch in batch_at; if that work is Python (augmenting, decoding), "
+        f"prefetch='processes' runs it in worker processes, in parallel."
     )
 
 

@@ -174,6 +174,8 @@ def train_epochs(
         if run.upcoming is not None:
             run.upcoming[2].close()
             run.upcoming = None
+        for prefetcher in runtime.prefetchers.values():
+            prefetcher.release_workers()  # worker processes live as long as the run
         control.serve_copies()
 
 

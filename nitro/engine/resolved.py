@@ -61,7 +61,7 @@ class RunKeywords:
     sam: SAM | None
     precision: Precision
     steps_per_dispatch: Any  # "auto", an int K, or a DispatchChoice to continue
-    prefetch: Literal["auto", "threads", "inline"]
+    prefetch: Literal["auto", "threads", "processes", "inline"]
     progress: Any  # True, False, "lines", "bar" or a reporter object
     resolved: Mapping[str, Resolved] = dataclasses.field(repr=False)
 

@@ -627,6 +627,7 @@ class Nitro:
                             weights,
                         )
                 finally:
+                    self._runtime.prefetcher(split).release_workers()
                     self._events.phase(previous)
                 if result is None:
                     raise Interrupted(

@@ -45,7 +45,9 @@ def keyword_signature(init: Callable[..., Any]) -> inspect.Signature:
 
 
 def _entry(name: str, default: str, doc: str) -> str:
-    body = textwrap.fill(doc, width=92, initial_indent="    ", subsequent_indent="    ")
+    body = textwrap.fill(
+        doc, width=92, initial_indent="    ", subsequent_indent="    ", break_on_hyphens=False
+    )
     return f"{name}={default}\n{body}"
 
 

@@ -1,0 +1,198 @@
+"""Worker processes for sources whose batches cost Python time (`prefetch="processes"`).
+
+Threads cannot run Python in parallel (the interpreter lock), so a `batch_at` that augments,
+decodes or tokenizes in Python is built one batch at a time however many threads there are.
+`WorkerPool` runs an index-addressable source's `batch_at` in a pool of worker processes
+(`concurrent.futures.ProcessPoolExecutor`, started with "spawn": no fork of the threaded JAX
+process). The source is sent once, by value (`cloudpickle`: a class defined in a notebook
+travels too), through a file in a private temporary directory: through the spawn pipe, a
+worker that died while starting (a script without a main guard) would leave the parent
+blocked writing a source bigger than the pipe. Each worker calls `begin_epoch(epoch)` itself,
+once per epoch, and builds the batches it is given by index. The prefetcher submits at most `host_batches` of them ahead and
+takes them back in index order, as with threads.
+
+Lifetime: the pool starts on the first epoch and lives until the run ends (`release()`);
+a worker ignores Ctrl-C (the run handles it and closes the pool), and exits as soon as its
+parent process is gone (killed, a kernel restart), so no worker outlives the process that
+started it.
+
+`gil_speedup` measures what decides between threads and processes for `prefetch="auto"`: how
+much faster two threads build a few batches than one.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import concurrent.futures.process
+import multiprocessing
+import os
+import shutil
+import signal
+import tempfile
+import threading
+import time
+import weakref
+from typing import Any
+
+from nitro.errors import DataWorkerError, SetupError
+
+__all__ = ["WorkerPool", "gil_speedup", "pickled_source"]
+
+# In a worker process: the source and the plan of the epoch it is building.
+_worker_source: Any = None
+_worker_plan: tuple[int, Any] | None = None
+
+
+def pickled_source(source: Any, split: str) -> bytes:
+    """The source as cloudpickle bytes, or a SetupError naming the split and what failed."""
+    import cloudpickle
+
+    try:
+        return cloudpickle.dumps(source)
+    except Exception as error:
+        raise SetupError(
+            f"prefetch='processes' sends the '{split}' source to worker processes, but it "
+            f"does not pickle: {type(error).__name__}: {error}. Keep what cannot be pickled "
+            f"(open files, locks, clients) out of the source's attributes and open it lazily "
+            f"in batch_at, or use prefetch='threads'."
+        ) from error
+
+
+def _start_worker(path: str, parent: int) -> None:
+    import cloudpickle
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle
+    threading.Thread(target=_watch_parent, args=(parent, path), daemon=True).start()
+    global _worker_source
+    with open(path, "rb") as file:
+        _worker_source = cloudpickle.load(file)
+
+
+def _watch_parent(parent: int, path: str) -> None:
+    """Exit when the process that started this worker is gone: a worker is re-parented
+    when its parent dies (SIGKILL, a kernel restart), and nothing else would tell it. The
+    parent would have removed the source's file; the first worker to notice does."""
+    while os.getppid() == parent:
+        time.sleep(0.2)
+    shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+    os._exit(0)
+
+
+def _build(epoch: int, index: int) -> Any:
+    global _worker_plan
+    if _worker_plan is None or _worker_plan[0] != epoch:
+        _worker_plan = (epoch, _worker_source.begin_epoch(epoch))
+    return _worker_source.batch_at(index, _worker_plan[1])
+
+
+class WorkerPool:
+    """`workers` processes building one split's batches; started on first use."""
+
+    def __init__(self, source: Any, workers: int, split: str):
+        pickled_source(source, split)  # refuse what does not pickle now, at setup
+        self.source, self.workers, self.split = source, workers, split
+        self._executor: concurrent.futures.ProcessPoolExecutor | None = None
+        self._lock = threading.Lock()
+        self._finalizer: weakref.finalize | None = None
+
+    @property
+    def running(self) -> bool:
+        return self._executor is not None
+
+    def pids(self) -> list[int]:
+        """The worker processes' ids (empty before the first epoch and after release)."""
+        executor = self._executor
+        processes = getattr(executor, "_processes", None) or {}
+        return sorted(p.pid for p in list(processes.values()) if p.pid is not None)
+
+    def submit(self, epoch: int, index: int) -> concurrent.futures.Future:
+        with self._lock:
+            if self._executor is None:
+                folder = tempfile.mkdtemp(prefix="nitro-workers-")
+                path = os.path.join(folder, "source.pkl")
+                with open(path, "wb") as file:  # the source as it is now, each train()
+                    file.write(pickled_source(self.source, self.split))
+                self._executor = concurrent.futures.ProcessPoolExecutor(
+                    max_workers=self.workers,
+                    mp_context=multiprocessing.get_context("spawn"),
+                    initializer=_start_worker,
+                    initargs=(path, os.getpid()),
+                )
+                self._finalizer = weakref.finalize(self, _shut_down, self._executor, folder)
+            executor = self._executor
+        return executor.submit(_build, epoch, index)
+
+    def result(self, future: concurrent.futures.Future, epoch: int, index: int) -> Any:
+        """The batch a worker built, or its error, re-raised naming the batch."""
+        try:
+            return future.result()
+        except concurrent.futures.process.BrokenProcessPool as error:
+            self.release()  # the next epoch starts a fresh pool
+            raise DataWorkerError(
+                f"a worker process building the '{self.split}' split died while batch "
+                f"{index} of epoch {epoch} was in flight: killed, out of memory, or it failed "
+                f"to start (a script that trains needs `if __name__ == '__main__':` around "
+                f"it: each worker imports the main module; its error is above). The pool was "
+                f"shut down: {error}"
+            ) from error
+        except Exception as error:
+            raise DataWorkerError(
+                f"the '{self.split}' split's batch_at({index}) (epoch {epoch}) raised in a "
+                f"worker process: {type(error).__name__}: {error} (the worker's traceback is "
+                f"chained below)"
+            ) from error
+
+    def release(self) -> None:
+        """Stop the workers and wait for them (idempotent)."""
+        with self._lock:
+            self._executor = None
+            finalizer, self._finalizer = self._finalizer, None
+        if finalizer is not None:
+            finalizer()
+
+
+def _shut_down(executor: concurrent.futures.ProcessPoolExecutor, folder: str) -> None:
+    """Cancel what has not started, let idle workers exit, and terminate the busy ones after
+    a grace period (a long batch_at would otherwise hold the run's end); remove the source's
+    file."""
+    shutil.rmtree(folder, ignore_errors=True)  # the workers read it when they started
+    processes = list((getattr(executor, "_processes", None) or {}).values())
+    executor.shutdown(wait=False, cancel_futures=True)
+    deadline = time.monotonic() + 2.0
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        process.join(timeout=5.0)
+        if process.is_alive():
+            process.kill()
+            process.join()
+    executor.shutdown(wait=True)
+
+
+def gil_speedup(source: Any, batches: int = 4) -> tuple[float, float]:
+    """How much faster 2 threads build `batches` batches than 1 (about 1 for work that holds
+    the interpreter lock, about 2 for work that releases it), and one batch's build time.
+
+    >>> import numpy as np
+    >>> from nitro.data import ArrayLoader
+    >>> speedup, seconds = gil_speedup(ArrayLoader({"x": np.zeros((64, 2))}, 8))
+    >>> speedup > 0 and seconds > 0
+    True
+    """
+    plan = source.begin_epoch(0)
+    count = max(2, min(batches, len(source)))
+    times = []
+    for index in range(count):
+        start = time.perf_counter()
+        source.batch_at(index % len(source), plan)
+        times.append(time.perf_counter() - start)
+    # the fastest batch stands for all: a pause of a busy machine must not read as speedup
+    serial = min(times) * count
+    with concurrent.futures.ThreadPoolExecutor(2, thread_name_prefix="nitro-measure") as pool:
+        start = time.perf_counter()
+        list(pool.map(lambda i: source.batch_at(i % len(source), plan), range(count)))
+        parallel = time.perf_counter() - start
+    return serial / max(parallel, 1e-9), min(times)
