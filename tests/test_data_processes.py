@@ -196,3 +196,22 @@ def test_a_script_without_a_main_guard_fails_naming_the_guard_instead_of_hanging
     assert done.returncode != 0
     assert "DataWorkerError" in done.stderr
     assert "if __name__ == '__main__':" in done.stderr
+
+
+def test_a_population_on_worker_processes_trains_as_on_threads_and_leaves_no_worker():
+    def population(mode):
+        pop = nitro.Population(
+            Pipe(max_epochs=2),
+            learning_rate=[1e-3, 1e-2],
+            data={"train": Augmented()},
+            prefetch=mode,
+            prefetch_workers=2,
+            progress=False,
+            checkpointer=None,
+            logger=None,
+        )
+        return pop.train()
+
+    threads, processes = population("threads"), population("processes")
+    assert workers_of(os.getpid()) == []  # the end of the run stopped them
+    np.testing.assert_array_equal(processes.history()["loss"], threads.history()["loss"])

@@ -162,6 +162,28 @@ def train_population(
     """Train every member until epoch `target`, step `stop_at` (mid-epoch if need be) or a
     stop request; returns the stop reason ("completed", "max_steps" or "requested").
     Raises `DivergenceError` when every member has stopped."""
+    try:
+        return _train_until(
+            members,
+            state,
+            programs,
+            control,
+            target,
+            steps_per_call,
+            say,
+            events,
+            stop_at,
+            after_epoch,
+        )
+    finally:
+        for member in members:  # worker processes (`prefetch="processes"`) live as the run
+            for prefetcher in member.runtime.prefetchers.values():
+                prefetcher.release_workers()
+
+
+def _train_until(
+    members, state, programs, control, target, steps_per_call, say, events, stop_at, after_epoch
+) -> str:
     while state.epoch < target:
         if stop_at is not None and state.step >= stop_at:
             return "max_steps"

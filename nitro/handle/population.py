@@ -508,9 +508,12 @@ class Population:
         ):
             self._control.stop.clear()
             self._members[0].setup.split(split)
-            rows = engine.evaluate_members(
-                self._members, self._stacked(), self._programs, self._control, split
-            )
+            try:
+                rows = engine.evaluate_members(
+                    self._members, self._stacked(), self._programs, self._control, split
+                )
+            finally:
+                self._members[0].runtime.prefetcher(split).release_workers()
         if rows is None:
             from nitro.errors import Interrupted
 
