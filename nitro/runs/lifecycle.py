@@ -228,49 +228,24 @@ class RunFiles:
         _check_config(setup, meta)
         for note in _drift_notes(setup, meta, device):
             events.note(note)
-        model = setup.model
         variables = state.variables
-        params = leaves_from(
-            "parameters", saved["params"], model.leaf_paths["parameter"], variables.params
-        )
-        rest = leaves_from(
-            "model state",
-            saved.get("model_state", {}),
-            model.leaf_paths["model state"],
-            variables.model_state,
-        )
-        opt = None
-        if variables.opt_state is not None:
-            if "opt_state" not in saved:
-                raise SetupError(
-                    f"the checkpoint at {str(directory)!r} step {step} holds no optimizer state "
-                    f"(it was saved by a run without a 'train' split); resume needs one: use "
-                    f"weights= to start from its weights instead"
-                )
-            opt = leaves_from(
-                "optimizer state",
-                saved["opt_state"],
-                model.leaf_paths["optimizer state"],
-                variables.opt_state,
-                misfit=_optimizer_misfit(setup, meta, self.resume_from),
-                here="this run's",
+        if variables.opt_state is not None and "opt_state" not in saved:
+            raise SetupError(
+                f"the checkpoint at {str(directory)!r} step {step} holds no optimizer state "
+                f"(it was saved by a run without a 'train' split); resume needs one: use "
+                f"weights= to start from its weights instead"
             )
+        params, rest, opt, ema, ema_steps = restore_leaves(
+            setup,
+            variables,
+            saved,
+            misfit=_optimizer_misfit(setup, meta, self.resume_from),
+            here="this run's",
+            note=events.note,
+        )
         differences = training_differences(meta.get("training"), training_config(setup))
         if differences is not None:
             warn_user(differences)
-        ema = ema_steps = None
-        if variables.ema is not None:
-            if "ema" in saved:
-                ema = leaves_from(
-                    "moving average of the weights",
-                    saved["ema"],
-                    model.leaf_paths["parameter"],
-                    variables.ema,
-                )
-                ema_steps = np.asarray(saved["ema_steps"], dtype=np.int32)
-            else:  # a run that did not average before: start the average here
-                ema, ema_steps = list(params), np.zeros((), np.int32)
-                events.note("the checkpoint holds no moving average: it starts from its weights")
         loss_scale = variables.loss_scale
         if loss_scale is not None:  # precision="float16": resume its dynamic loss scale
             if "loss_scale" in saved:
@@ -698,6 +673,56 @@ def _check_config(setup: RunSetup, meta: dict[str, Any]) -> None:
         )
     if meta.get("experiment") and meta["experiment"] != setup.owner:
         warn_user(f"resuming a checkpoint of {meta['experiment']} into {setup.owner}")
+
+
+def restore_leaves(
+    setup: RunSetup,
+    template: Variables,
+    saved: Mapping[str, Any],
+    *,
+    misfit: str,
+    here: str,
+    note: Callable[[str], Any] | None = None,
+) -> tuple[list, list, list | None, list | None, Any]:
+    """A checkpoint's parameters, model state, optimizer state and moving average (with its
+    step count), shaped like `template` (a single run's variables, or a population's,
+    stacked); a misfit names the leaves. A checkpoint without a moving average that
+    `template` keeps starts the average from the weights (and says so through `note`)."""
+    model = setup.model
+    params = leaves_from(
+        "parameters", saved["params"], model.leaf_paths["parameter"], template.params
+    )
+    rest = leaves_from(
+        "model state",
+        saved.get("model_state", {}),
+        model.leaf_paths["model state"],
+        template.model_state,
+    )
+    opt = None
+    if template.opt_state is not None:
+        opt = leaves_from(
+            "optimizer state",
+            saved.get("opt_state", {}),
+            model.leaf_paths["optimizer state"],
+            template.opt_state,
+            misfit=misfit,
+            here=here,
+        )
+    ema = ema_steps = None
+    if template.ema is not None:
+        if "ema" in saved:
+            ema = leaves_from(
+                "moving average of the weights",
+                saved["ema"],
+                model.leaf_paths["parameter"],
+                template.ema,
+            )
+            ema_steps = np.asarray(saved["ema_steps"], dtype=np.int32)
+        else:  # a run that did not average before: start the average here
+            ema, ema_steps = list(params), np.zeros(np.shape(template.ema_steps), np.int32)
+            if note is not None:
+                note("the checkpoint holds no moving average: it starts from its weights")
+    return params, rest, opt, ema, ema_steps
 
 
 def _optimizer_misfit(setup: RunSetup, meta: dict[str, Any], found: SavedStep) -> str:

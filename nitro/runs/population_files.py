@@ -45,12 +45,11 @@ from nitro.experiments.fingerprint import code_digest
 from nitro.runs.checkpoints import (
     CheckpointStore,
     SavedStep,
-    leaves_from,
     read_checkpoint,
     resolve_checkpoint,
 )
 from nitro.runs.identity import RunIdentity
-from nitro.runs.lifecycle import _optimizer_misfit, _saved_steps, warn_user
+from nitro.runs.lifecycle import _optimizer_misfit, _saved_steps, restore_leaves, warn_user
 from nitro.runs.population_dirs import (
     KIND,
     MEMBER_KIND,
@@ -470,38 +469,13 @@ def restore_variables(
 ) -> Variables:
     """The stacked variables of a population's checkpoint, shaped like `template` (the fresh
     stacked variables) and placed as `setup` places them; a misfit names the leaves."""
-    model = setup.model
-    params = leaves_from(
-        "parameters", saved["params"], model.leaf_paths["parameter"], template.params
+    params, rest, opt, ema, ema_steps = restore_leaves(
+        setup,
+        template,
+        saved,
+        misfit=_optimizer_misfit(setup, meta, found),
+        here="this population's",
     )
-    rest = leaves_from(
-        "model state",
-        saved.get("model_state", {}),
-        model.leaf_paths["model state"],
-        template.model_state,
-    )
-    opt = None
-    if template.opt_state is not None:
-        opt = leaves_from(
-            "optimizer state",
-            saved.get("opt_state", {}),
-            model.leaf_paths["optimizer state"],
-            template.opt_state,
-            misfit=_optimizer_misfit(setup, meta, found),
-            here="this population's",
-        )
-    ema = ema_steps = None
-    if template.ema is not None:
-        if "ema" in saved:
-            ema = leaves_from(
-                "moving average of the weights",
-                saved["ema"],
-                model.leaf_paths["parameter"],
-                template.ema,
-            )
-            ema_steps = np.asarray(saved["ema_steps"], dtype=np.int32)
-        else:
-            ema, ema_steps = list(params), np.zeros(np.shape(template.ema_steps), np.int32)
     place = setup.placement.put_replicated
     return Variables(
         params=[place(x) for x in params],
