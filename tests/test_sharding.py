@@ -222,3 +222,9 @@ def test_a_mesh_larger_than_the_devices_is_refused_with_the_fix(found):
     assert "set n_devs=8" in refused["n_devs_conflict"]
     assert "with a 'data' axis" in refused["no_data_axis"]
     assert "got 'zero3'" in refused["bad_strategy"]
+
+
+def test_a_population_refuses_a_sharded_layout_naming_the_fix(found):
+    message = found["refused"]["population"]
+    assert message.startswith("PopulationError")
+    assert "sharding='fsdp'" in message and "leave sharding='replicated'" in message
