@@ -330,6 +330,7 @@ def refusal_checks(out: dict) -> None:
         "n_devs_conflict": refused(lambda: nitro.Nitro(Toy(), mesh=mesh, n_devs=4, **QUIET)),
         "no_data_axis": refused(lambda: nitro.Nitro(Toy(), mesh={"model": 8}, **QUIET)),
         "bad_strategy": refused(lambda: nitro.Nitro(Toy(), sharding="zero3", **QUIET)),
+        "no_annotations": refused(lambda: nitro.Nitro(Toy(), mesh=mesh, sharding="rules", **QUIET)),
         "population": refused(
             lambda: nitro.Population(Toy(), seed=[0, 1], sharding="fsdp", **QUIET).train()
         ),

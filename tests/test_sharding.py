@@ -224,6 +224,11 @@ def test_a_mesh_larger_than_the_devices_is_refused_with_the_fix(found):
     assert "got 'zero3'" in refused["bad_strategy"]
 
 
+def test_rules_without_rules_or_annotations_is_refused(found):
+    message = found["refused"]["no_annotations"]
+    assert "its parameters carry none" in message and "sharding='fsdp'" in message
+
+
 def test_a_population_refuses_a_sharded_layout_naming_the_fix(found):
     message = found["refused"]["population"]
     assert message.startswith("PopulationError")
