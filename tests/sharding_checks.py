@@ -163,9 +163,11 @@ class LM:
 class Annotated(nnx.Module):
     def __init__(self, *, rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal()
-        self.hidden = nnx.Linear(
-            16, 64, kernel_init=nnx.with_partitioning(init, (None, "model")), rngs=rngs
+        # logical names, translated by the Variable's own rules (Flax's sharding_rules)
+        logical = nnx.with_partitioning(
+            init, ("embed", "mlp"), sharding_rules=(("embed", None), ("mlp", "model"))
         )
+        self.hidden = nnx.Linear(16, 64, kernel_init=logical, rngs=rngs)
         self.out = nnx.Linear(
             64, 2, kernel_init=nnx.with_partitioning(init, ("model", None)), rngs=rngs
         )

@@ -148,10 +148,10 @@ def test_each_attention_and_mlp_weight_is_sharded_as_the_rules_say(found):
     assert "... 26 more parameters" in rules["report"]  # 38 parameters, the 12 largest shown
 
 
-def test_nnx_with_partitioning_annotations_lay_out_the_model_under_rules(found):
+def test_nnx_with_partitioning_annotations_and_logical_names_lay_out_the_model_under_rules(found):
     lm = found["lm"]
     specs = dict(zip(lm["annotated"]["paths"], lm["annotated"]["specs"], strict=True))
-    assert specs["hidden.kernel"] == [None, "model"]
+    assert specs["hidden.kernel"] == [None, "model"]  # ("embed", "mlp") through its rules
     assert specs["out.kernel"] == ["model"]
     assert all(s == [] for s in lm["annotated_replicated"]["specs"])  # replicated ignores them
 
