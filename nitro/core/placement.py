@@ -1,8 +1,11 @@
-"""Where arrays live: one device, or a 1-D data-parallel mesh over axis "data".
+"""Where arrays live: one device, a 1-D data-parallel mesh over axis "data", or a mesh with
+named axes (`mesh={"data": 4, "model": 2}`).
 
-On a mesh the batch is sharded on its first axis and everything else (parameters, optimizer
-state, Device fields) is replicated; XLA's SPMD partitioner inserts the collectives, so a
-BatchNorm sees the global batch and results match one device to float tolerance. Across hosts
+On a mesh the batch is sharded on its first axis over "data" (replicated over any other axis);
+parameters, model state and optimizer state are laid out as the `sharding=` strategy says
+(`nitro.core.sharding`: replicated, fsdp or rules), Device fields replicated. XLA's SPMD
+partitioner inserts the collectives, so a BatchNorm sees the global batch and results match one
+device to float tolerance. Across hosts
 this is JAX's own runtime: call `jax.distributed.initialize()` first, and each process feeds
 its own share of every global batch (`ArrayLoader(..., per_process=True)`); the mesh then spans
 every device of every process.
@@ -18,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec, SingleDeviceSharding
 
+from nitro.core import sharding as layouts
 from nitro.errors import PlacementError
 
 __all__ = ["Placement", "PlacementError"]
@@ -31,12 +35,21 @@ class Placement:
     """The devices of a run and how its arrays are laid out on them.
 
     `n_devs=None` takes every visible device; `n_devs=1` builds no mesh. In a multi-process
-    run the mesh spans all processes' devices, so `n_devs` must be all of them.
+    run the mesh spans all processes' devices, so `n_devs` must be all of them. `mesh` (axis
+    name -> size, with a "data" axis) shapes the mesh over the first product-of-sizes devices;
+    `sharding` is the state's strategy: "replicated", "fsdp", or a rules mapping.
     """
 
-    def __init__(self, n_devs: int | None = None):
+    def __init__(
+        self,
+        n_devs: int | None = None,
+        mesh: Mapping[str, int] | None = None,
+        sharding: str | Mapping[str, Any] = "replicated",
+    ):
         devices = jax.devices()
         available = len(devices)
+        if mesh is not None:
+            n_devs = _mesh_size(mesh, n_devs, available, devices[0].platform)
         if n_devs is None:
             n_devs = available
         if isinstance(n_devs, bool) or not isinstance(n_devs, (int, np.integer)) or n_devs < 1:
@@ -55,8 +68,13 @@ class Placement:
             )
         self.n_devs = int(n_devs)
         self.devices = devices[: self.n_devs]
-        if self.n_devs > 1 or self.multi_process:
-            self.mesh = Mesh(np.array(self.devices), ("data",))
+        self.rules = dict(sharding) if isinstance(sharding, Mapping) else None
+        self.sharding = "rules" if isinstance(sharding, Mapping) else str(sharding)
+        self.axes = dict(mesh) if mesh is not None else {"data": self.n_devs}
+        self.layout: layouts.Layout | None = None  # set by `lay_out`
+        if self.n_devs > 1 or self.multi_process or mesh is not None or self.sharded:
+            shape = tuple(self.axes.values())
+            self.mesh = Mesh(np.array(self.devices).reshape(shape), tuple(self.axes))
             self.batch_sharding = NamedSharding(self.mesh, PartitionSpec("data"))
             # K stacked batches (fused steps): the stacked axis is not sharded
             self.block_sharding = NamedSharding(self.mesh, PartitionSpec(None, "data"))
@@ -73,6 +91,16 @@ class Placement:
         )
 
     @property
+    def sharded(self) -> bool:
+        """Whether the state is laid out otherwise than replicated."""
+        return self.sharding != "replicated"
+
+    @property
+    def data_size(self) -> int:
+        """How many ways the batch is split: the size of the mesh's "data" axis."""
+        return self.axes["data"]
+
+    @property
     def local_share(self) -> int:
         """How many of the mesh's devices this process feeds."""
         return sum(d.process_index == jax.process_index() for d in self.devices)
@@ -82,7 +110,12 @@ class Placement:
         if self.mesh is None:
             return f"1 {platform} device, no mesh"
         hosts = f" across {jax.process_count()} processes" if self.multi_process else ""
-        return f"mesh 'data' over {self.n_devs} {platform} devices{hosts}"
+        if len(self.axes) == 1:
+            where = f"mesh 'data' over {self.n_devs} {platform} devices{hosts}"
+        else:
+            shape = " x ".join(f"{name}={size}" for name, size in self.axes.items())
+            where = f"mesh {shape} over {self.n_devs} {platform} devices{hosts}"
+        return where + (f", {self.sharding} sharding" if self.sharded else "")
 
     def check_batch(self, batch_size: int, split: str) -> None:
         """`batch_size` is what this process's source yields: the global batch in one process,
@@ -98,7 +131,14 @@ class Placement:
                     f"is a multiple of n_devs={self.n_devs}."
                 )
             return
-        if batch_size % self.n_devs:
+        if len(self.axes) > 1 and batch_size % self.data_size:
+            raise PlacementError(
+                f"the '{split}' batch of {batch_size} samples does not divide across the "
+                f"mesh's 'data' axis of {self.data_size} devices. The batch size is global: "
+                f"choose a multiple of {self.data_size}, or a 'data' size in mesh= that "
+                f"divides {batch_size}."
+            )
+        if batch_size % self.data_size:
             raise PlacementError(
                 f"the '{split}' batch of {batch_size} samples does not divide across "
                 f"n_devs={self.n_devs} devices. The batch size is global: choose a multiple of "
@@ -160,6 +200,90 @@ class Placement:
             out[name] = value[start : start + share * per_device]
         return out
 
+    def lay_out(self, params: Any, model_state: Any) -> tuple[Any, Any]:
+        """Decide the parameters' and model state's shardings (`self.layout`) and place them:
+        the refusals of `nitro.core.sharding` (an unmatched rule, an axis that does not divide)
+        come from here, before anything compiles."""
+        from nitro.optim.param_groups import leaf_paths
+
+        if self.mesh is None:
+            return self.put_replicated(params), self.put_replicated(model_state)
+        layout = self.layout = layouts.Layout(self.mesh, self.sharding)
+        paths, leaves = leaf_paths(params), jax.tree.leaves(params)
+        shapes = [tuple(np.shape(x)) for x in leaves]
+        annotated = layouts.partition_annotations(params) if self.sharding == "rules" else ()
+        specs = layouts.param_specs(self.sharding, paths, shapes, self.mesh, self.rules, annotated)
+        layout.params = layout.shardings(specs)
+        layout.param_rows = [
+            (path, shape, layout.per_device(shape, np.dtype(x.dtype).itemsize, s), spec)
+            for path, shape, x, s, spec in zip(
+                paths, shapes, leaves, layout.params, specs, strict=True
+            )
+        ]
+        rest = jax.tree.leaves(model_state)
+        rest_specs = layouts.state_specs(
+            "replicated" if self.sharding == "rules" else self.sharding,
+            leaf_paths(model_state),
+            [() if _is_key(x) else tuple(np.shape(x)) for x in rest],
+            self.mesh,
+        )
+        layout.model_state = layout.shardings(rest_specs)
+        return (
+            self.put_sharded(params, layout.params),
+            self.put_sharded(model_state, layout.model_state),
+        )
+
+    def put_opt_state(self, opt_state: Any) -> Any:
+        """Place an optimizer state: fsdp's rule per leaf, or (rules) the spec of the parameter
+        each leaf mirrors; recorded in `self.layout.opt_state`."""
+        layout = self.layout
+        if layout is None or opt_state is None:
+            return self.put_replicated(opt_state)
+        from nitro.optim.param_groups import leaf_paths
+
+        leaves = jax.tree.leaves(opt_state)
+        shapes = [tuple(np.shape(x)) for x in leaves]
+        specs = layouts.state_specs(
+            self.sharding,
+            leaf_paths(opt_state),
+            shapes,
+            layout.mesh,
+            [row[0] for row in layout.param_rows],
+            [row[1] for row in layout.param_rows],
+            [row[3] for row in layout.param_rows],
+        )
+        layout.opt_state = layout.shardings(specs)
+        sizes = [np.dtype(x.dtype).itemsize for x in leaves]
+        layout.opt_bytes = (
+            sum(
+                layout.per_device(s, i, h)
+                for s, i, h in zip(shapes, sizes, layout.opt_state, strict=True)
+            ),
+            sum(int(np.prod(s, dtype=np.int64)) * i for s, i in zip(shapes, sizes, strict=True)),
+        )
+        return self.put_sharded(opt_state, layout.opt_state)
+
+    def put_sharded(self, tree: Any, shardings: Sequence[Any]) -> Any:
+        """Place each leaf of `tree` with its sharding (leaf order). Across processes each
+        process passes the same whole value and keeps the shards on its own devices."""
+        leaves, treedef = jax.tree.flatten(tree)
+        placed = [self._put(x, s) for x, s in zip(leaves, shardings, strict=True)]
+        return jax.tree.unflatten(treedef, placed)
+
+    def _put(self, x: Any, sharding: Any) -> jax.Array:
+        if _is_key(x):
+            data = self._put(jax.random.key_data(x), self.replicated)
+            return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
+        if not self.multi_process:
+            return jax.device_put(x, sharding)
+        value = np.asarray(x)
+        return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
+
+    def put_like(self, tree: Any, like: Sequence[Any]) -> Any:
+        """Place `tree`'s leaves on the shardings of the live leaves `like` (same order): how
+        weights loaded into a running handle keep its layout."""
+        return self.put_sharded(tree, [x.sharding for x in like])
+
     def put_replicated(self, tree: Any) -> Any:
         """Replicate `tree` over the mesh. Across processes every process passes the same
         value (the same seed builds the same model everywhere)."""
@@ -168,7 +292,40 @@ class Placement:
         return jax.device_put(tree, self.replicated)
 
     def _replicate_across_processes(self, x: Any) -> jax.Array:
-        if isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+        if _is_key(x):
             data = self._replicate_across_processes(jax.random.key_data(x))
             return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
         return jax.make_array_from_process_local_data(self.replicated, np.asarray(x))
+
+
+def _is_key(x: Any) -> bool:
+    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def _mesh_size(mesh: Mapping[str, int], n_devs: int | None, available: int, platform: str) -> int:
+    """The devices `mesh=` spans (the product of its sizes), checked against `n_devs` and the
+    visible devices."""
+    if not isinstance(mesh, Mapping) or "data" not in mesh:
+        raise PlacementError(
+            f"mesh must be a dict of axis name -> size with a 'data' axis (the axis the batch "
+            f"is split over), e.g. mesh={{'data': 4, 'model': 2}}; got {mesh!r}"
+        )
+    for name, size in mesh.items():
+        if not isinstance(name, str) or isinstance(size, bool) or not isinstance(size, int):
+            raise PlacementError(f"mesh axis {name!r} must map a name to an int size, got {size!r}")
+        if size < 1:
+            raise PlacementError(f"mesh axis {name!r} has size {size}; sizes are >= 1")
+    total = int(np.prod(list(mesh.values())))
+    if total > available:
+        raise PlacementError(
+            f"mesh={dict(mesh)} spans {total} devices but only {available} {platform} device"
+            f"{'s are' if available != 1 else ' is'} visible. Shrink the mesh's axes to a "
+            f"product <= {available}, or on CPU set "
+            f"XLA_FLAGS=--xla_force_host_platform_device_count={total} before JAX starts."
+        )
+    if n_devs is not None and n_devs != total:
+        raise PlacementError(
+            f"n_devs={n_devs} conflicts with mesh={dict(mesh)}, which spans {total} devices; "
+            f"drop n_devs (a mesh sets it) or set n_devs={total}"
+        )
+    return total

@@ -278,6 +278,39 @@ def _max_steps(value):
     return value
 
 
+def _sharding(value):
+    from collections.abc import Mapping as _Mapping
+
+    from nitro.core.sharding import check_rules
+
+    if isinstance(value, _Mapping):
+        return check_rules(value)
+    if value not in ("replicated", "fsdp", "rules"):
+        raise ValueError(
+            f"sharding must be 'replicated', 'fsdp', 'rules' (the model's nnx.with_partitioning "
+            f"annotations) or a dict of parameter path pattern -> PartitionSpec, e.g. "
+            f"{{r'qkv\\.kernel': (None, 'model')}}; got {value!r}"
+        )
+    return value
+
+
+def _mesh(value):
+    if (
+        not isinstance(value, Mapping)
+        or "data" not in value
+        or not all(
+            isinstance(k, str) and isinstance(v, int) and not isinstance(v, bool) and v >= 1
+            for k, v in value.items()
+        )
+    ):
+        raise ValueError(
+            f"mesh must be a dict of axis name -> size (ints >= 1) with a 'data' axis, the "
+            f"axis the batch is split over, e.g. {{'data': 4, 'model': 2}}, or None (a 'data' "
+            f"mesh over n_devs devices); got {value!r}"
+        )
+    return dict(value)
+
+
 def _schedules(value):
     if not isinstance(value, Mapping):
         raise ValueError(f"schedules must be a dict of key -> schedule, got {type(value).__name__}")
@@ -371,6 +404,23 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             _positive_int("n_devs"),
             computed=True,
             shown_default="jax.device_count()",
+        ),
+        RunKeyword(
+            "mesh",
+            None,
+            "the device mesh's named axes: a dict of axis name -> size with a 'data' axis (the "
+            "batch's), e.g. {'data': 4, 'model': 2}; it spans their product of devices, which "
+            "n_devs then defaults to (None: a 'data' mesh over n_devs)",
+            _mesh,
+        ),
+        RunKeyword(
+            "sharding",
+            "replicated",
+            "how parameters and optimizer state lie on the mesh: 'replicated' (data parallel), "
+            "'fsdp' (each leaf split along its largest axis the 'data' size divides), 'rules' "
+            "(the model's nnx.with_partitioning annotations), or a dict of parameter path regex "
+            "-> PartitionSpec (it takes precedence over annotations); docs/distributed.md",
+            _sharding,
         ),
         RunKeyword("max_epochs", 1, "epochs `train()` runs to", _positive_int("max_epochs")),
         RunKeyword(

@@ -39,6 +39,8 @@ class RunKeywords:
     resume: Literal[False, "auto"] | str | tuple[str, Literal["best", "latest"]]
     name: str | None
     n_devs: int
+    mesh: Mapping[str, int] | None
+    sharding: Any  # "replicated", "fsdp", "rules", or a mapping of path pattern -> spec
     max_epochs: int
     max_steps: int | None
     val_every_steps: int | None

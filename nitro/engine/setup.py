@@ -50,7 +50,7 @@ from nitro.engine.dispatch import DispatchChoice, DispatchPlan
 from nitro.engine.feed import StepFeed
 from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_time import RunTime
-from nitro.errors import RoutingError, SetupError
+from nitro.errors import PlacementError, RoutingError, SetupError
 from nitro.experiments.declaration import FieldKind, field_specs, has_method
 from nitro.experiments.fingerprint import CodeFingerprint, Fingerprinter
 from nitro.experiments.linen import bridge_linen, is_linen
@@ -105,13 +105,12 @@ def build(
     residency = resolve_residency(instance)
     fields_by_hook = hooks_fields(cls, hooks)
     splits_given = _build_data(instance, data, events, keywords.seed)
-    placement = Placement(keywords.n_devs)
+    placement = _placement(keywords)
     device_specs, device_dtypes, device_values = _device_fields(instance, placement)
     model = _build_model(
         instance, keywords.seed, weights, events, linen_init=(splits_given, hooks, fields_by_hook)
     )
-    params = placement.put_replicated(model.params)
-    rest = placement.put_replicated(model.model_state)
+    params, rest = placement.lay_out(model.params, model.model_state)
     optimizer, opt_state = _build_optimizer(instance, keywords, splits_given, params, placement)
     precision = _precision(cls, keywords)
     prefetch_mode = keywords.prefetch
@@ -212,6 +211,17 @@ def build(
         seed=keywords.seed,
     )
     return setup, runtime, state
+
+
+def _placement(keywords: RunKeywords) -> Placement:
+    """The devices and the state's layout: `mesh=` sets the device count (an `n_devs` given
+    as well must agree); `sharding=` the strategy."""
+    n_devs = keywords.n_devs if keywords.mesh is None or keywords.given("n_devs") else None
+    try:
+        return Placement(n_devs, mesh=keywords.mesh, sharding=keywords.sharding)
+    except PlacementError as error:
+        source = keywords.source("mesh" if keywords.mesh is not None else "n_devs")
+        raise PlacementError(f"{error} [{source}]") from None
 
 
 def _eval_splits(keywords: RunKeywords, splits: Mapping[str, Any]) -> tuple[str, ...]:
@@ -423,7 +433,9 @@ def _build_model(
 ) -> BuiltModel:
     """The model's graph definitions and weights (`weights=` copied over the new ones)."""
     events.phase("building model")
-    model = instance.build_model(nnx.Rngs(seed))
+    # annotations (nnx.with_partitioning) stay metadata: the placement lays the state out
+    with nnx.use_eager_sharding(False):
+        model = instance.build_model(nnx.Rngs(seed))
     if isinstance(model, Mapping):  # several models, by name (GANs, teacher and student, ...)
         bad = {k: type(v).__name__ for k, v in model.items() if not isinstance(v, nnx.Module)}
         if not model or bad:
@@ -513,7 +525,7 @@ def _build_optimizer(
     optimizer, opt_state = build_optimizer(settings, params)
     # Injected hyperparameters are fed to every step as arguments, not carried in the state.
     opt_state = optimizer.strip(opt_state)
-    return optimizer, placement.put_replicated(opt_state)
+    return optimizer, placement.put_opt_state(opt_state)
 
 
 def _model_optimizers(
@@ -553,7 +565,7 @@ def _model_optimizers(
         except SetupError as error:  # a hyperparameter out of its range: say whose
             raise SetupError(f"the optimizer of model {model!r}: {error}") from None
     optimizer = ModelOptimizers(setups)
-    return optimizer, placement.put_replicated(optimizer.strip(states))
+    return optimizer, placement.put_opt_state(optimizer.strip(states))
 
 
 # ---------------------------------------------------------------------------------------------

@@ -864,12 +864,12 @@ class Nitro:
                 self._files.store.wait()
             source = CheckpointWeights.of((str(self._files.run_dir), "best"))
             found = source.resolve(*self._trees())
-            place = self._setup.placement.put_replicated
+            place = self._setup.placement.put_like  # on the live leaves' shardings
             state = self._state
             variables = dataclasses.replace(
                 state.variables,
-                params=[place(x) for x in jax.tree.leaves(found.params)],
-                model_state=[place(x) for x in jax.tree.leaves(found.model_state)],
+                params=place(jax.tree.leaves(found.params), state.variables.params),
+                model_state=place(jax.tree.leaves(found.model_state), state.variables.model_state),
             )
             # a new state, swapped in under the guard: the loop stays its only in-place writer
             self._state = dataclasses.replace(state, variables=variables)

@@ -266,6 +266,7 @@ def _finish(
         ema_steps=ema_steps,
         loss_scale=variables.loss_scale,
     )
+    new_variables = _constrained(setup, new_variables)
     if overflow is not None:
         finite, loss_scale = overflow
         new_variables = dataclasses.replace(
@@ -277,6 +278,30 @@ def _finish(
         new_variables = guard.keep(healthy, new_variables, variables)
     report = jnp.stack([loss.astype(jnp.float32), code.astype(jnp.float32)])
     return StepOutput(new_variables, healthy, report, metrics)
+
+
+def _constrained(setup: RunSetup, variables: Variables) -> Variables:
+    """The updated variables held to the shardings their inputs have (a sharded layout): the
+    SPMD partitioner would otherwise be free to return a donated leaf replicated, or laid out
+    otherwise than the next step's input."""
+    layout = setup.placement.layout
+    if layout is None or not setup.placement.sharded:
+        return variables
+
+    def hold(leaves, shardings):
+        if leaves is None or shardings is None:
+            return leaves
+        return [
+            jax.lax.with_sharding_constraint(x, s) for x, s in zip(leaves, shardings, strict=True)
+        ]
+
+    return dataclasses.replace(
+        variables,
+        params=hold(variables.params, layout.params),
+        model_state=hold(variables.model_state, layout.model_state),
+        opt_state=hold(variables.opt_state, layout.opt_state),
+        ema=hold(variables.ema, layout.params),
+    )
 
 
 def _scanned(step: Callable[..., StepOutput]) -> Callable[..., StepOutput]:
@@ -348,6 +373,8 @@ def train_step_spec(
             "ema": repr(setup.ema),
             "sam": repr(setup.sam),
             "precision": (setup.precision or FLOAT32).program_key,
+            # the argument shardings key it too; named, so an explanation says which
+            **({"sharding": setup.placement.sharding} if setup.placement.sharded else {}),
         },
         graphconst=setup.experiment.graphconst,
         arg_names=("variables", "healthy", "device fields", "hyperparameters", batch),
