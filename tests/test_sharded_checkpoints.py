@@ -64,6 +64,17 @@ def result(work: Path, name: str) -> tuple[dict, dict]:
     return json.loads((work / f"{name}.json").read_text()), params
 
 
+def test_the_runs_are_fsdp_on_8_devices_and_resume_on_4_and_1(runs):
+    work, results = runs
+    assert results[8]["sharding"] and results[8]["devices"] == 8
+    assert results[4]["devices"] == 4 and results[1]["devices"] == 1
+    full, _ = result(work, "full")
+    assert full["devices"] == 8
+    assert "P('data'" in " ".join(full["specs"]) or "'data')" in " ".join(full["specs"])
+    assert result(work, "on4")[0]["devices"] == 4
+    assert all(spec == "P()" for spec in result(work, "replicated")[0]["specs"])
+
+
 def test_a_sharded_save_writes_each_shard_from_its_device(runs):
     _, results = runs
     store = results[8]["store"]
@@ -74,6 +85,13 @@ def test_a_sharded_save_writes_each_shard_from_its_device(runs):
     (sharding,) = store["shardings"]
     assert sharding["sharding_type"] == "NamedSharding"
     assert sharding["partition_spec"] == ["data"] and sharding["shape"] == [8]
+
+
+def test_an_fsdp_runs_checkpoint_holds_each_parameter_in_its_shards(runs):
+    shapes = runs[1][8]["saved_write_shapes"]
+    assert shapes["params.hidden.kernel"] == [5, 4]  # (5, 32) split 8 ways on its last axis
+    assert shapes["params.hidden.bias"] == [4]
+    assert shapes["params.out.bias"] is None  # (2,): no axis 8 divides, replicated, numpy
 
 
 def test_the_snapshot_survives_the_live_arrays_donation(runs):
@@ -133,11 +151,17 @@ def test_a_sharded_runs_checkpoint_reads_as_numpy_in_a_process_of_one_device(run
     work, _ = runs
     assert len(jax.devices()) == 1
     _, full_params = result(work, "full")
-    manager = ocp.CheckpointManager(work / "full" / "checkpoints")
+    manager = ocp.CheckpointManager(
+        work / "full" / "checkpoints",
+        item_handlers={
+            "state": ocp.StandardCheckpointHandler(),
+            "meta": ocp.JsonCheckpointHandler(),
+        },
+    )
     step = manager.latest_step()
     assert step is not None
     # plain orbax: numpy targets from the step's own metadata (docs/distributed-checkpoints.md)
-    metadata = manager.item_metadata(step)["state"]
+    metadata = manager.item_metadata(step)["state"].tree
     target = jax.tree.map(
         lambda m: np.zeros(m.shape, m.dtype), metadata, is_leaf=lambda m: hasattr(m, "shape")
     )
