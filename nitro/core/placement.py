@@ -214,10 +214,11 @@ class Placement:
         annotated = layouts.partition_annotations(params) if self.sharding == "rules" else ()
         specs = layouts.param_specs(self.sharding, paths, shapes, self.mesh, self.rules, annotated)
         layout.params = layout.shardings(specs)
+        itemsizes = [np.dtype(x.dtype).itemsize for x in leaves]
         layout.param_rows = [
-            (path, shape, layout.per_device(shape, np.dtype(x.dtype).itemsize, s), spec)
-            for path, shape, x, s, spec in zip(
-                paths, shapes, leaves, layout.params, specs, strict=True
+            (path, shape, layout.per_device(shape, size, s), spec, _size(shape) * size)
+            for path, shape, size, s, spec in zip(
+                paths, shapes, itemsizes, layout.params, specs, strict=True
             )
         ]
         rest = jax.tree.leaves(model_state)
@@ -259,7 +260,7 @@ class Placement:
                 layout.per_device(s, i, h)
                 for s, i, h in zip(shapes, sizes, layout.opt_state, strict=True)
             ),
-            sum(int(np.prod(s, dtype=np.int64)) * i for s, i in zip(shapes, sizes, strict=True)),
+            sum(_size(s) * i for s, i in zip(shapes, sizes, strict=True)),
         )
         return self.put_sharded(opt_state, layout.opt_state)
 
@@ -296,6 +297,10 @@ class Placement:
             data = self._replicate_across_processes(jax.random.key_data(x))
             return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
         return jax.make_array_from_process_local_data(self.replicated, np.asarray(x))
+
+
+def _size(shape: tuple) -> int:
+    return int(np.prod(shape, dtype=np.int64))
 
 
 def _is_key(x: Any) -> bool:

@@ -12,7 +12,9 @@ XLA's SPMD partitioner does every gather and reduction:
   annotation on the model gives the spec of a parameter no pattern matches; anything else is
   replicated. An optimizer-state leaf takes the spec of the parameter its path ends with
   (optax's state mirrors the parameters: `0.mu.blocks.0.attn.qkv.kernel`) when the shapes
-  agree, and is replicated otherwise.
+  agree (for models by name, a train_step hook's: the model's state ending with the rest of the
+  path), and is replicated otherwise. Model state (batch statistics, RNG counts) follows fsdp's
+  rule under fsdp and is replicated under rules.
 
 >>> fsdp_spec((512, 1024), 8)
 P(None, 'data')
@@ -208,11 +210,22 @@ def state_specs(
     for path, shape in zip(paths, shapes, strict=True):
         spec = PartitionSpec()
         for param, param_shape, param_spec in ordered:
-            if (path == param or path.endswith("." + param)) and tuple(shape) == tuple(param_shape):
+            if _mirrors(path, param) and tuple(shape) == tuple(param_shape):
                 spec = param_spec
                 break
         specs.append(spec)
     return specs
+
+
+def _mirrors(path: str, param: str) -> bool:
+    """Whether optimizer-state leaf `path` mirrors parameter `param`: it ends with the
+    parameter's path (`0.mu.hidden.kernel`), or, for models by name (a train_step hook's
+    `net.hidden.kernel`), starts with the model and ends with the rest
+    (`net.0.mu.hidden.kernel`)."""
+    if path == param or path.endswith("." + param):
+        return True
+    model, _, rest = param.partition(".")
+    return bool(rest) and path.startswith(model + ".") and path.endswith("." + rest)
 
 
 class Layout:
@@ -225,7 +238,8 @@ class Layout:
         self.params: list[NamedSharding] = []
         self.model_state: list[NamedSharding] = []
         self.opt_state: list[NamedSharding] | None = None
-        self.param_rows: list[tuple[str, tuple, int, PartitionSpec]] = []  # path, shape, bytes
+        # path, shape, bytes per device, spec, bytes whole
+        self.param_rows: list[tuple[str, tuple, int, PartitionSpec, int]] = []
         self.opt_bytes: tuple[int, int] = (0, 0)  # (per device, replicated)
 
     def shardings(self, specs: Sequence[PartitionSpec]) -> list[NamedSharding]:

@@ -58,6 +58,38 @@ def _paths(paths, limit: int = 6) -> str:
     return shown + (f", ... ({len(paths) - limit} more)" if len(paths) > limit else "")
 
 
+def _sharding(setup: RunSetup, limit: int = 12) -> list[str]:
+    """Each parameter's shape, spec and bytes per device, and the parameters' and optimizer
+    state's bytes per device against replicated; only for a sharded layout or a mesh of more
+    than one device. The largest `limit` parameters are listed, the rest counted."""
+    from nitro.programs.costs import format_bytes
+
+    placement = setup.placement
+    layout = placement.layout
+    if layout is None or (not placement.sharded and placement.n_devs == 1):
+        return []
+    rows = sorted(layout.param_rows, key=lambda row: -row[2])
+    width = max(len(row[0]) for row in rows[:limit]) if rows else 0
+    spec_width = max(len(str(row[3])) for row in rows[:limit]) if rows else 0
+    lines = [f"{placement.sharding} over mesh {dict(layout.mesh.shape)}"]
+    for path, shape, per_device, spec, _ in rows[:limit]:
+        shown = "x".join(map(str, shape)) or "scalar"
+        lines.append(
+            f"{path:<{width}}  {shown:>12}  {str(spec):<{spec_width}}  {format_bytes(per_device)}/device"
+        )
+    if len(rows) > limit:
+        rest = sum(row[2] for row in rows[limit:])
+        lines.append(f"... {len(rows) - limit} more parameters, {format_bytes(rest)}/device")
+    params = sum(row[2] for row in rows)
+    whole = sum(row[4] for row in rows)
+    opt, opt_whole = layout.opt_bytes
+    lines.append(
+        f"parameters + optimizer state: {format_bytes(params + opt)}/device "
+        f"(replicated: {format_bytes(whole + opt_whole)}/device)"
+    )
+    return lines
+
+
 def _fed_line(label: str, fed: Any, value: float, feed: Any, step: int) -> str:
     """`learning_rate = 0.001 (constant, fed per step)`, or how a schedule reaches it."""
     schedule = feed.schedule_of(fed.name)
@@ -214,6 +246,10 @@ def binding_report(
     if setup.precision is not None and setup.precision.mixed:  # float32: the keyword says it
         source = setup.keywords["precision"].source
         sections.append((f"precision  [{source}]", _precision(setup, history)))
+
+    sharding = _sharding(setup)
+    if sharding:
+        sections.append((f"sharding  [{setup.keywords['sharding'].source}]", sharding))
 
     lines = [
         f"{name}: {type(getattr(runtime.experiment, name)).__name__} = "
