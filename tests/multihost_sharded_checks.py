@@ -1,9 +1,12 @@
 """One process of a sharded (`sharding="fsdp"`) run across processes, started by
 tests/test_multihost_sharded.py:
 
-    python tests/multihost_sharded_checks.py PROCESS_ID NUM_PROCESSES PORT RUN_DIR
+    python tests/multihost_sharded_checks.py PROCESS_ID NUM_PROCESSES PORT RUN_DIR MODE
 
-With NUM_PROCESSES > 1 it joins JAX's distributed runtime first. It trains 2 epochs with a
+With NUM_PROCESSES > 1 it joins JAX's distributed runtime first. MODE `store`: the checkpoint
+store saves an array sharded over every process's devices (each process writes its shards)
+and reads it back onto the same sharding and, without a target, whole as numpy. MODE `run`:
+it trains 2 epochs with a
 checkpoint each, closes the handle, resumes the run from its checkpoint in a new handle and
 trains a third epoch: each process writes its own shards, and reads back its own. Prints one
 JSON object: the history, the step and the parameters (gathered from every process).
@@ -17,7 +20,7 @@ import sys
 import jax
 
 process_id, num_processes, port = (int(a) for a in sys.argv[1:4])
-run_dir = sys.argv[4]
+run_dir, mode = sys.argv[4:6]
 if num_processes > 1:
     jax.distributed.initialize(
         coordinator_address=f"127.0.0.1:{port}",
@@ -49,7 +52,48 @@ class ShardedToy(LossOnly):
         }
 
 
+def store() -> None:
+    from pathlib import Path
+
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+    from nitro.runs.checkpoints import CheckpointStore, _saved, read_checkpoint
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    sharding = NamedSharding(mesh, PartitionSpec("data"))
+    whole = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
+    live = jax.make_array_from_callback(whole.shape, sharding, lambda index: whole[index])
+    directory = Path(run_dir) / "checkpoints"
+    saver = CheckpointStore(directory, nitro.Checkpointer(budget=None), deterministic=True)
+    saver.save(1, {"params": {"w": _saved(live), "b": np.ones(3, np.float32)}}, {"epoch": 1}, 0.5)
+    saver.close()
+    target = jax.ShapeDtypeStruct(whole.shape, jnp.float32, sharding=sharding)
+    onto, _ = read_checkpoint(directory, 1, targets={("params", "w"): target})
+    w = onto["params"]["w"]
+    host, _ = read_checkpoint(directory, 1)
+    print(
+        json.dumps(
+            {
+                "process": jax.process_index(),
+                "spec": str(w.sharding.spec),
+                "local_shards": len(w.addressable_shards),
+                "shards_equal": all(
+                    np.array_equal(np.asarray(s.data), whole[s.index]) for s in w.addressable_shards
+                ),
+                "numpy_equal": bool(np.array_equal(host["params"]["w"], whole)),
+                "numpy_type": type(host["params"]["w"]).__name__,
+                "shard_ids": sorted(s.device.id for s in w.addressable_shards),
+            }
+        ),
+        flush=True,
+    )
+
+
 def main():
+    if mode == "store":
+        store()
+        return
     keywords = dict(
         run_dir=run_dir,
         sharding="fsdp",
