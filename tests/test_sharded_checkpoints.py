@@ -20,10 +20,11 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
-from lifecycle_toys import Dropped, parameters
+from lifecycle_toys import Dropped, Wide, parameters
 
 import nitro
 import nitro.bundle
+from nitro.errors import SetupError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOLERANCE = 1e-5
@@ -179,3 +180,9 @@ def test_a_sharded_runs_checkpoint_reads_as_numpy_in_a_process_of_one_device(run
     started = nitro.Nitro(Dropped(), weights=work / "full", progress=False, checkpointer=None)
     for path, value in parameters(started).items():
         np.testing.assert_array_equal(value, full_params[path])
+
+
+def test_a_sharded_checkpoint_that_does_not_fit_the_model_names_the_leaves(runs):
+    work, _ = runs
+    with pytest.raises(SetupError, match=r"hidden1\.kernel: missing from the checkpoint"):
+        nitro.Nitro(Wide(), weights=work / "full", progress=False, checkpointer=None).train()

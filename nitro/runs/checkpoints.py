@@ -18,6 +18,11 @@ saved["state"]["params"]["hidden1"]["kernel"]        # a numpy array
 saved["meta"]["epoch"], saved["meta"]["history"][-1]
 ```
 
+A sharded run's (`sharding="fsdp"`, rules) sharded leaves are saved as the jax.Arrays
+themselves instead (an on-device copy: orbax writes each shard from its device, nothing is
+gathered), and a resume restores them onto the fresh state's shardings, resharding onto
+another mesh; plain orbax reads them whole with numpy targets (docs/distributed-checkpoints.md).
+
 `budget` bounds what checkpoints cost: a save is skipped when the time since the last one,
 times `budget`, is less than what the last one cost (its background write included), so
 tiny epochs (the digits demo's take milliseconds) do not spend their time in orbax. The newest committed epoch is always saved
