@@ -163,9 +163,11 @@ class LM:
 class Annotated(nnx.Module):
     def __init__(self, *, rngs: nnx.Rngs):
         init = nnx.initializers.lecun_normal()
-        self.hidden = nnx.Linear(
-            16, 64, kernel_init=nnx.with_partitioning(init, (None, "model")), rngs=rngs
+        # logical names, translated by the Variable's own rules (Flax's sharding_rules)
+        logical = nnx.with_partitioning(
+            init, ("embed", "mlp"), sharding_rules=(("embed", None), ("mlp", "model"))
         )
+        self.hidden = nnx.Linear(16, 64, kernel_init=logical, rngs=rngs)
         self.out = nnx.Linear(
             64, 2, kernel_init=nnx.with_partitioning(init, ("model", None)), rngs=rngs
         )
@@ -330,6 +332,10 @@ def refusal_checks(out: dict) -> None:
         "n_devs_conflict": refused(lambda: nitro.Nitro(Toy(), mesh=mesh, n_devs=4, **QUIET)),
         "no_data_axis": refused(lambda: nitro.Nitro(Toy(), mesh={"model": 8}, **QUIET)),
         "bad_strategy": refused(lambda: nitro.Nitro(Toy(), sharding="zero3", **QUIET)),
+        "no_annotations": refused(lambda: nitro.Nitro(Toy(), mesh=mesh, sharding="rules", **QUIET)),
+        "population": refused(
+            lambda: nitro.Population(Toy(), seed=[0, 1], sharding="fsdp", **QUIET).train()
+        ),
     }
 
 

@@ -148,10 +148,10 @@ def test_each_attention_and_mlp_weight_is_sharded_as_the_rules_say(found):
     assert "... 26 more parameters" in rules["report"]  # 38 parameters, the 12 largest shown
 
 
-def test_nnx_with_partitioning_annotations_lay_out_the_model_under_rules(found):
+def test_nnx_with_partitioning_annotations_and_logical_names_lay_out_the_model_under_rules(found):
     lm = found["lm"]
     specs = dict(zip(lm["annotated"]["paths"], lm["annotated"]["specs"], strict=True))
-    assert specs["hidden.kernel"] == [None, "model"]
+    assert specs["hidden.kernel"] == [None, "model"]  # ("embed", "mlp") through its rules
     assert specs["out.kernel"] == ["model"]
     assert all(s == [] for s in lm["annotated_replicated"]["specs"])  # replicated ignores them
 
@@ -222,3 +222,14 @@ def test_a_mesh_larger_than_the_devices_is_refused_with_the_fix(found):
     assert "set n_devs=8" in refused["n_devs_conflict"]
     assert "with a 'data' axis" in refused["no_data_axis"]
     assert "got 'zero3'" in refused["bad_strategy"]
+
+
+def test_rules_without_rules_or_annotations_is_refused(found):
+    message = found["refused"]["no_annotations"]
+    assert "its parameters carry none" in message and "sharding='fsdp'" in message
+
+
+def test_a_population_refuses_a_sharded_layout_naming_the_fix(found):
+    message = found["refused"]["population"]
+    assert message.startswith("PopulationError")
+    assert "sharding='fsdp'" in message and "leave sharding='replicated'" in message

@@ -212,6 +212,17 @@ class Placement:
         paths, leaves = leaf_paths(params), jax.tree.leaves(params)
         shapes = [tuple(np.shape(x)) for x in leaves]
         annotated = layouts.partition_annotations(params) if self.sharding == "rules" else ()
+        if (
+            self.sharding == "rules"
+            and not self.rules
+            and not any(a is not None for a in annotated)
+        ):
+            raise PlacementError(
+                "sharding='rules' lays the model out by its nnx.with_partitioning annotations, "
+                "but its parameters carry none: annotate them (kernel_init=nnx.with_partitioning("
+                "init, (None, 'model'))), give rules (sharding={path pattern: PartitionSpec}), "
+                "or use sharding='fsdp'"
+            )
         specs = layouts.param_specs(self.sharding, paths, shapes, self.mesh, self.rules, annotated)
         layout.params = layout.shardings(specs)
         itemsizes = [np.dtype(x.dtype).itemsize for x in leaves]

@@ -103,20 +103,17 @@ def fsdp_spec(shape: Sequence[int], size: int, axis: str = DATA) -> PartitionSpe
     return PartitionSpec(*(axis if dim == best else None for dim in range(len(shape))))
 
 
-def partition_annotations(params: Any) -> list[Any]:
+def partition_annotations(params: Any) -> list[PartitionSpec | None]:
     """The `nnx.with_partitioning` annotation of each parameter leaf (None where none), in
-    leaf order: Flax keeps it as the Variable's `out_sharding` metadata (earlier Flax
-    releases: `sharding` / `sharding_names`)."""
-    found = []
+    leaf order. Flax keeps it as the Variable's `out_sharding` metadata; logical axis names
+    become mesh axes through Flax's own translation (`nnx.spmd.get_var_pspec`: the Variable's
+    `sharding_rules` metadata, and a `flax.core.spmd.logical_axis_rules` context)."""
+    found: list[PartitionSpec | None] = []
     for variable in jax.tree.leaves(params, is_leaf=lambda x: isinstance(x, nnx.Variable)):
-        names = None
-        if isinstance(variable, nnx.Variable):
-            meta = variable.get_metadata()
-            for key in ("out_sharding", "sharding_names", "sharding"):
-                if meta.get(key) is not None:
-                    names = meta[key]
-                    break
-        found.append(names)
+        spec = None
+        if isinstance(variable, nnx.Variable) and variable.get_metadata().get("out_sharding"):
+            spec = nnx.spmd.get_var_pspec(variable)
+        found.append(spec)
     return found
 
 
@@ -179,7 +176,7 @@ def param_specs(
         if pattern is not None:
             spec, origin = rules[pattern], f"sharding rule {pattern!r}"
         elif note is not None:
-            spec, origin = as_spec(tuple(note)), "the model's nnx.with_partitioning annotation"
+            spec, origin = as_spec(note), "the model's nnx.with_partitioning annotation"
         else:
             spec, origin = PartitionSpec(), ""
         _check_spec(spec, tuple(shape), path, mesh, origin)

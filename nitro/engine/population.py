@@ -36,7 +36,7 @@ from nitro.engine.diagnostics import divergence_message
 from nitro.engine.evaluation import delete, device_metrics, finalize_metrics, read_one_late
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl
-from nitro.errors import DivergenceError
+from nitro.errors import DivergenceError, PopulationError
 from nitro.experiments.routing import select
 from nitro.programs.compile_cache import Program
 from nitro.programs.population import population_eval_spec, population_train_spec
@@ -46,6 +46,7 @@ __all__ = [
     "Member",
     "PopulationState",
     "apply_prunes",
+    "check_member_layout",
     "evaluate_members",
     "shown_settings",
     "stack",
@@ -96,12 +97,25 @@ class PopulationState:
     place: Callable[[Any], Any] | None = None  # lays out a member-stacked tree (the mesh)
 
 
+def check_member_layout(setup: RunSetup) -> None:
+    """A population lays its members out itself: refuse a sharded layout or a mesh of more
+    than one axis."""
+    placement = setup.placement
+    if placement.sharded or len(placement.axes) > 1:
+        raise PopulationError(
+            f"a population lays its members out itself (mesh_axis='members' or 'batch'); "
+            f"sharding={placement.sharding!r} and mesh={placement.axes} do not combine with it: "
+            f"leave sharding='replicated' and mesh=None, or train the members as single runs"
+        )
+
+
 def member_placement(setup: RunSetup, mesh_axis: str, members: int) -> Callable[[Any], Any]:
     """How member-stacked arrays (variables, fed values) lie on the run's devices: on one
     device, replicated over the mesh with each batch split across it (`mesh_axis="batch"`),
     or their member axis split across the mesh, each device training its own members on
     whole batches (`mesh_axis="members"`)."""
     placement = setup.placement
+    check_member_layout(setup)
     if placement.mesh is None or mesh_axis == "batch":
         return placement.put_replicated
     from jax.sharding import NamedSharding, PartitionSpec

@@ -180,6 +180,7 @@ class Population:
             ]
         _check_one_program(self._members)
         lead = self._members[0]
+        engine.check_member_layout(lead.setup)
         devices = lead.setup.placement.n_devs
         if mesh_axis == "members" and devices > 1 and len(settings) % devices:
             raise PopulationError(
