@@ -7,7 +7,8 @@ sets XLA_FLAGS=--xla_force_host_platform_device_count=N before JAX starts):
   SIGKILLs itself in the middle of epoch 3, once epoch 2's checkpoint is on disk.
 - `main` (8 devices): the store with a hand-sharded tree (what it writes, plain orbax
   reading it back, a restore onto shardings), an uninterrupted sharded run, the crashed
-  run resumed on 8 devices and on a replicated layout, an export of the sharded handle.
+  run resumed on 8 devices, on a replicated layout, and one epoch replicated then fsdp again;
+  an export of the sharded handle.
 - `resume` (4 or 1 devices): resumes a copy of the crashed run on every visible device.
 
 Each prints one JSON object; arrays go to .npz files in WORK_DIR.
@@ -154,7 +155,7 @@ def main(mode: str, work: Path) -> None:
     results: dict = {"devices": jax.device_count(), "sharding": bool(sharding)}
     if mode == "main":
         results["store"] = store_checks(work)
-        for copy in ("on8", "on4", "on1", "replicated"):
+        for copy in ("on8", "on4", "on1", "replicated", "back"):
             shutil.copytree(work / "crashed", work / copy)
         full = nitro.Nitro(
             Dropped(), run_dir=work / "full", checkpointer=EVERY_EPOCH, progress=False, **sharding
@@ -179,6 +180,18 @@ def main(mode: str, work: Path) -> None:
             work / "replicated",
             **({"sharding": "replicated"} if sharding else {}),
         )
+        # and back: one epoch resumed replicated (a checkpoint of host arrays), then fsdp
+        there = nitro.Nitro(
+            Dropped(),
+            run_dir=work / "back",
+            checkpointer=EVERY_EPOCH,
+            resume="auto",
+            progress=False,
+            sharding="replicated",
+        )
+        there.train(epochs=1)
+        there.close()
+        resume(work / "back", work / "back", **sharding)
         x = np.random.default_rng(5).normal(size=(13, 5)).astype(np.float32)
         np.save(work / "x.npy", x)
         np.save(work / "predicted.npy", np.asarray(full.predict({"x": x})))

@@ -74,6 +74,7 @@ def test_the_runs_are_fsdp_on_8_devices_and_resume_on_4_and_1(runs):
     assert "P('data'" in " ".join(full["specs"]) or "'data')" in " ".join(full["specs"])
     assert result(work, "on4")[0]["devices"] == 4
     assert all(spec == "P()" for spec in result(work, "replicated")[0]["specs"])
+    assert result(work, "back")[0]["specs"] == full["specs"]  # replicated, then fsdp again
 
 
 def test_a_sharded_save_writes_each_shard_from_its_device(runs):
@@ -129,7 +130,7 @@ def test_sigkill_mid_run_and_resume_is_bitwise_equal_to_an_uninterrupted_run(run
         np.testing.assert_array_equal(resumed_params[path], value)
 
 
-@pytest.mark.parametrize("name", ["on4", "on1", "replicated"])
+@pytest.mark.parametrize("name", ["on4", "on1", "replicated", "back"])
 def test_a_checkpoint_of_8_devices_resumes_on_another_layout(runs, name):
     work, _ = runs
     full, full_params = result(work, "full")
