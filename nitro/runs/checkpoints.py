@@ -18,6 +18,11 @@ saved["state"]["params"]["hidden1"]["kernel"]        # a numpy array
 saved["meta"]["epoch"], saved["meta"]["history"][-1]
 ```
 
+A sharded run's (`sharding="fsdp"`, rules) sharded leaves are saved as the jax.Arrays
+themselves instead (an on-device copy: orbax writes each shard from its device, nothing is
+gathered), and a resume restores them onto the fresh state's shardings, resharding onto
+another mesh; plain orbax reads them whole with numpy targets (docs/distributed-checkpoints.md).
+
 `budget` bounds what checkpoints cost: a save is skipped when the time since the last one,
 times `budget`, is less than what the last one cost (its background write included), so
 tiny epochs (the digits demo's take milliseconds) do not spend their time in orbax. The newest committed epoch is always saved
@@ -58,8 +63,11 @@ __all__ = [
     "describe_checkpoints",
     "describe_saved",
     "host_tree",
+    "is_sharded",
+    "place_like",
     "ranked_steps",
     "resolve_checkpoint",
+    "restore_targets",
 ]
 
 CHECKPOINT_FORMAT = 1
@@ -128,6 +136,44 @@ def _host(x: Any) -> np.ndarray:
     return np.array(x, copy=True)
 
 
+def _saved(x: Any) -> Any:
+    """What a save holds of a leaf: a host copy of a replicated array (`_host`), or of a
+    sharded one (not fully replicated: `sharding="fsdp"`, rules) an on-device copy with the
+    same sharding, which orbax writes shard by shard from its devices (across processes each
+    process writes its own shards); nothing is gathered. The copy is taken now, before the
+    next step donates the live arrays to the program, and costs one more copy of each
+    device's shards until it is written."""
+    if is_sharded(x):
+        if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
+            x = jax.random.key_data(x)
+        return x.copy()
+    return _host(x)
+
+
+def is_sharded(x: Any) -> bool:
+    """Whether `x` is a device array laid out in shards (not fully replicated)."""
+    return isinstance(x, jax.Array) and not x.sharding.is_fully_replicated
+
+
+def place_like(value: Any, like: Any, put_replicated: Any) -> Any:
+    """A restored leaf laid out as the template leaf `like`: `put_replicated(value)` when
+    `like` is replicated (as runs have always placed a restore), else onto `like`'s sharding,
+    each device receiving only its own shard of the host value (nothing is gathered on one
+    device; a checkpoint of another mesh is resharded here). A leaf orbax already restored
+    onto that sharding is kept as it is."""
+    if not is_sharded(like):
+        return put_replicated(value)
+    if isinstance(value, jax.Array) and value.sharding == like.sharding:
+        return value
+    if jnp.issubdtype(like.dtype, jax.dtypes.prng_key):
+        data = jax.random.key_data(value) if isinstance(value, jax.Array) else value
+        host = np.asarray(data)
+        placed = jax.make_array_from_callback(host.shape, like.sharding, lambda i: host[i])
+        return jax.random.wrap_key_data(placed, impl=jax.random.key_impl(like))
+    host = np.asarray(value)
+    return jax.make_array_from_callback(like.shape, like.sharding, lambda i: host[i])
+
+
 def _nest(paths: tuple[str, ...], leaves: list) -> dict[str, Any]:
     tree: dict[str, Any] = {}
     for path, leaf in zip(paths, leaves, strict=True):
@@ -155,22 +201,54 @@ LOSS_SCALE_KEYS = ("scale", "finite_steps", "skipped_steps")
 
 
 def host_tree(setup: Any, variables: Any) -> dict[str, Any]:
-    """The variables as nested dicts of numpy arrays, keyed by the model's leaf paths."""
+    """The variables as nested dicts of numpy arrays, keyed by the model's leaf paths; a
+    sharded leaf is an on-device copy of its shards instead (`_saved`)."""
     paths = setup.model.leaf_paths
     tree: dict[str, Any] = {
-        "params": _nest(paths["parameter"], [_host(x) for x in variables.params]),
-        "model_state": _nest(paths["model state"], [_host(x) for x in variables.model_state]),
+        "params": _nest(paths["parameter"], [_saved(x) for x in variables.params]),
+        "model_state": _nest(paths["model state"], [_saved(x) for x in variables.model_state]),
     }
     if variables.opt_state is not None:
-        tree["opt_state"] = _nest(paths["optimizer state"], [_host(x) for x in variables.opt_state])
+        tree["opt_state"] = _nest(
+            paths["optimizer state"], [_saved(x) for x in variables.opt_state]
+        )
     if variables.ema is not None:  # the moving average of the weights (ema=)
-        tree["ema"] = _nest(paths["parameter"], [_host(x) for x in variables.ema])
-        tree["ema_steps"] = _host(variables.ema_steps)
+        tree["ema"] = _nest(paths["parameter"], [_saved(x) for x in variables.ema])
+        tree["ema_steps"] = _saved(variables.ema_steps)
     if variables.loss_scale is not None:  # precision="float16": the dynamic loss scale
         tree["loss_scale"] = dict(
-            zip(LOSS_SCALE_KEYS, map(_host, variables.loss_scale), strict=True)
+            zip(LOSS_SCALE_KEYS, map(_saved, variables.loss_scale), strict=True)
         )
     return tree
+
+
+def restore_targets(setup: Any, variables: Any) -> dict[tuple[str, ...], jax.ShapeDtypeStruct]:
+    """Where a restore puts each sharded leaf of `variables` (the fresh state: the template):
+    its checkpoint path -> shape, dtype and the template leaf's sharding. Orbax reads each of
+    them straight onto those devices, each process only its own shards, resharding a
+    checkpoint written on another mesh. Replicated leaves are not named: they are read to
+    the host and placed as ever."""
+    paths = setup.model.leaf_paths
+    groups = [("params", paths["parameter"], variables.params)]
+    groups.append(("model_state", paths["model state"], variables.model_state))
+    if variables.opt_state is not None:
+        groups.append(("opt_state", paths["optimizer state"], variables.opt_state))
+    if variables.ema is not None:
+        groups.append(("ema", paths["parameter"], variables.ema))
+    targets = {}
+    for key, names, leaves in groups:
+        for name, leaf in zip(names, leaves, strict=True):
+            if is_sharded(leaf) and not jnp.issubdtype(leaf.dtype, jax.dtypes.prng_key):
+                parts = tuple(name.split(".")) if name else ("value",)
+                targets[(key, *parts)] = jax.ShapeDtypeStruct(
+                    leaf.shape, leaf.dtype, sharding=leaf.sharding
+                )
+    return targets
+
+
+def _dtype(x: Any) -> np.dtype:
+    """An array's dtype, without copying a device array to the host."""
+    return x.dtype if isinstance(x, (np.ndarray, jax.Array)) else np.asarray(x).dtype
 
 
 def leaves_from(
@@ -196,16 +274,17 @@ def leaves_from(
             continue
         is_key = isinstance(like, jax.Array) and jnp.issubdtype(like.dtype, jax.dtypes.prng_key)
         expected = np.shape(jax.random.key_data(like)) if is_key else np.shape(like)
-        dtype = jax.random.key_data(like).dtype if is_key else np.asarray(like).dtype
-        if tuple(np.shape(value)) != tuple(expected) or np.asarray(value).dtype != dtype:
+        dtype = jax.random.key_data(like).dtype if is_key else _dtype(like)
+        found = _dtype(value)
+        if tuple(np.shape(value)) != tuple(expected) or found != dtype:
             problems.append(
                 f"  {path}: {here} {dtype}{list(expected)}, checkpoint "
-                f"{np.asarray(value).dtype}{list(np.shape(value))}"
+                f"{found}{list(np.shape(value))}"
             )
             continue
         if is_key:
             value = jax.random.wrap_key_data(
-                np.asarray(value),  # pyright: ignore[reportArgumentType]  # jax annotates Array, takes any array
+                value if isinstance(value, jax.Array) else np.asarray(value),  # pyright: ignore[reportArgumentType]  # jax annotates Array, takes any array
                 impl=jax.random.key_impl(like),
             )
         leaves.append(value)
@@ -837,13 +916,59 @@ def _late_reads_quiet(hook: Any) -> Any:
     return quiet
 
 
-def _restore(manager, step: int) -> tuple[Any, dict[str, Any]]:
+def _restore_item(manager, step: int, targets: Mapping[tuple[str, ...], Any]) -> Any:
+    """The tree orbax restores the state into: None (each leaf as it was saved: numpy arrays)
+    for a checkpoint of host arrays read without targets, as ever; else, from the step's
+    array metadata, each leaf named in `targets` that fits it (same shape and dtype) onto the
+    target's sharding and every other leaf as a numpy array. A leaf saved sharded is then
+    never restored onto the devices it was written from (which may not exist here): without
+    a target it is read whole to the host."""
+    import orbax.checkpoint as ocp
+    from etils import epath
+
+    handler = ocp.StandardCheckpointHandler()
+    try:
+        tree = handler.metadata(epath.Path(manager.directory) / str(step) / "state").tree
+    finally:
+        handler.close()
+    flat = _flatten_keys(tree)
+    if not targets and all(getattr(m, "sharding", None) is None for m in flat.values()):
+        return None
+    item: dict[str, Any] = {}
+    for path, saved in flat.items():
+        shape, dtype = tuple(saved.shape), np.dtype(saved.dtype)
+        target = targets.get(path)
+        if target is None or tuple(target.shape) != shape or np.dtype(target.dtype) != dtype:
+            target = np.broadcast_to(np.zeros((), dtype), shape)  # a numpy leaf, no memory
+        node = item
+        for part in path[:-1]:
+            node = node.setdefault(part, {})
+        node[path[-1]] = target
+    return item
+
+
+def _flatten_keys(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple, Any]:
+    flat: dict[tuple, Any] = {}
+    for key, value in tree.items():
+        if isinstance(value, Mapping):
+            flat.update(_flatten_keys(value, (*prefix, str(key))))
+        else:
+            flat[(*prefix, str(key))] = value
+    return flat
+
+
+def _restore(
+    manager, step: int, targets: Mapping[tuple[str, ...], Any] | None = None
+) -> tuple[Any, dict[str, Any]]:
     import orbax.checkpoint as ocp
 
     try:
+        item = _restore_item(manager, step, targets or {})
         restored = manager.restore(
             step,
-            args=ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()),
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(item), meta=ocp.args.JsonRestore()
+            ),
         )
     except Exception:
         _quiet_orbax()
@@ -857,17 +982,25 @@ def _restore(manager, step: int) -> tuple[Any, dict[str, Any]]:
 
 
 def read_checkpoint(
-    directory: Path, step: int, weights_only: bool = False
+    directory: Path,
+    step: int,
+    weights_only: bool = False,
+    targets: Mapping[tuple[str, ...], Any] | None = None,
 ) -> tuple[Any, dict[str, Any]]:
     """(state tree of numpy arrays, meta) of one saved step. A step that cannot be read (a
-    truncated file, corrupted bytes: a checksum failure) raises a `SetupError` naming it."""
+    truncated file, corrupted bytes: a checksum failure) raises a `SetupError` naming it.
+
+    `targets` (`restore_targets`: checkpoint path -> `jax.ShapeDtypeStruct` with a sharding)
+    restores those leaves straight onto their shardings instead, unless the step was read
+    whole already to check it (`resolve_checkpoint`): its host arrays are returned then, and
+    `place_like` lays them out, each device receiving only its shard."""
     directory = Path(directory).absolute()
     checked = _CHECKED.pop((directory, step), None)
     if checked is not None:
         return checked
     with _reader(directory) as manager:
         try:
-            return _restore(manager, step)
+            return _restore(manager, step, targets)
         except Exception as error:  # noqa: BLE001 - orbax and tensorstore raise many kinds
             raise SetupError(
                 f"the checkpoint {str(directory / str(step))!r} cannot be read "

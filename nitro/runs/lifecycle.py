@@ -35,8 +35,10 @@ from nitro.runs.checkpoints import (
     await_writers,
     host_tree,
     leaves_from,
+    place_like,
     read_checkpoint,
     resolve_checkpoint,
+    restore_targets,
 )
 from nitro.runs.identity import (
     Choice,
@@ -217,7 +219,9 @@ class RunFiles:
         JSON record. `device`: the Device fields' values now, compared with the saved ones."""
         assert self.resume_from is not None  # planned: a run that resumes
         directory, step = self.resume_from
-        saved, meta = read_checkpoint(directory, step)
+        saved, meta = read_checkpoint(
+            directory, step, targets=restore_targets(setup, state.variables)
+        )
         if meta.get("kind") == "population":
             raise SetupError(
                 f"{str(self.resume_from.path)!r} is a population's checkpoint (every member's "
@@ -261,16 +265,8 @@ class RunFiles:
                     f"the checkpoint holds no loss scale (it was not trained in float16): the "
                     f"dynamic loss scale starts at {scale:g}"
                 )
-        place = setup.placement.put_replicated
         restored = TrainState.from_checkpoint(
-            Variables(
-                params=[place(x) for x in params],
-                model_state=[place(x) for x in rest],
-                opt_state=[place(x) for x in opt] if opt is not None else None,
-                ema=[place(x) for x in ema] if ema is not None else None,
-                ema_steps=place(ema_steps) if ema_steps is not None else None,
-                loss_scale=[place(x) for x in loss_scale] if loss_scale is not None else None,
-            ),
+            placed_like(setup, variables, params, rest, opt, ema, ema_steps, loss_scale),
             meta,
             seed=state.seed,
         )
@@ -723,6 +719,37 @@ def restore_leaves(
             if note is not None:
                 note("the checkpoint holds no moving average: it starts from its weights")
     return params, rest, opt, ema, ema_steps
+
+
+def placed_like(
+    setup: RunSetup,
+    template: Variables,
+    params: list,
+    rest: list,
+    opt: list | None,
+    ema: list | None,
+    ema_steps: Any,
+    loss_scale: list | None = None,
+) -> Variables:
+    """Restored leaves laid out as the template's (the fresh state's) leaves: replicated
+    ones as the placement replicates, sharded ones onto their shardings (`place_like`)."""
+    put = setup.placement.put_replicated
+
+    def place(values: list, likes: list | None) -> list:
+        if likes is None:
+            return [put(x) for x in values]
+        return [place_like(x, like, put) for x, like in zip(values, likes, strict=True)]
+
+    return Variables(
+        params=place(params, template.params),
+        model_state=place(rest, template.model_state),
+        opt_state=place(opt, template.opt_state) if opt is not None else None,
+        ema=place(ema, template.ema) if ema is not None else None,
+        ema_steps=(
+            place_like(ema_steps, template.ema_steps, put) if ema_steps is not None else None
+        ),
+        loss_scale=place(loss_scale, template.loss_scale) if loss_scale is not None else None,
+    )
 
 
 def _optimizer_misfit(setup: RunSetup, meta: dict[str, Any], found: SavedStep) -> str:

@@ -49,7 +49,13 @@ from nitro.runs.checkpoints import (
     resolve_checkpoint,
 )
 from nitro.runs.identity import RunIdentity
-from nitro.runs.lifecycle import _optimizer_misfit, _saved_steps, restore_leaves, warn_user
+from nitro.runs.lifecycle import (
+    _optimizer_misfit,
+    _saved_steps,
+    placed_like,
+    restore_leaves,
+    warn_user,
+)
 from nitro.runs.population_dirs import (
     KIND,
     MEMBER_KIND,
@@ -476,11 +482,4 @@ def restore_variables(
         misfit=_optimizer_misfit(setup, meta, found),
         here="this population's",
     )
-    place = setup.placement.put_replicated
-    return Variables(
-        params=[place(x) for x in params],
-        model_state=[place(x) for x in rest],
-        opt_state=[place(x) for x in opt] if opt is not None else None,
-        ema=[place(x) for x in ema] if ema is not None else None,
-        ema_steps=place(ema_steps) if ema_steps is not None else None,
-    )
+    return placed_like(setup, template, params, rest, opt, ema, ema_steps)
