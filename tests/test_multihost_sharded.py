@@ -80,16 +80,6 @@ def test_each_process_saves_and_restores_its_own_shards(stored):
     assert set(first["shard_ids"]).isdisjoint(second["shard_ids"])
 
 
-# The run's setup places the optimizer state with np.asarray of arrays that span both
-# processes (nitro/core/placement.py `_put`), which JAX refuses: fsdp across processes does
-# not start yet. Strict: once it does, these pass and the mark must go.
-NOT_YET = pytest.mark.xfail(
-    strict=True,
-    reason="fsdp across processes: the optimizer state's placement fetches global arrays",
-)
-
-
-@NOT_YET
 def test_the_run_is_sharded_across_both_processes_and_resumes_from_its_checkpoint(runs):
     first, second, single = runs
     assert [first["process"], second["process"]] == [0, 1]
@@ -99,7 +89,6 @@ def test_the_run_is_sharded_across_both_processes_and_resumes_from_its_checkpoin
         assert run["resumed_at"] == 2 and run["epoch"] == 3
 
 
-@NOT_YET
 def test_both_processes_agree_and_match_one_process_of_8_devices(runs):
     first, second, single = runs
     assert first["loss"] == second["loss"] and first["params"] == second["params"]

@@ -286,8 +286,8 @@ class Placement:
         if _is_key(x):
             data = self._put(jax.random.key_data(x), self.replicated)
             return jax.random.wrap_key_data(data, impl=jax.random.key_impl(x))
-        if not self.multi_process:
-            return jax.device_put(x, sharding)
+        if not self.multi_process or (isinstance(x, jax.Array) and not x.is_fully_addressable):
+            return jax.device_put(x, sharding)  # already global: JAX reshards it across processes
         value = np.asarray(x)
         return jax.make_array_from_callback(value.shape, sharding, lambda index: value[index])
 
