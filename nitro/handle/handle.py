@@ -151,7 +151,11 @@ class Nitro:
         )
         guard = self._guard  # not the handle: the lock must not keep the handle alive
         self._files = RunFiles.plan(
-            self._setup, self._events, say=self._say, busy=lambda: guard.activity is not None
+            self._setup,
+            self._events,
+            say=self._say,
+            busy=lambda: guard.activity is not None,
+            state=self._state,
         )
         if self._logging is not None:
             self._files.logger_state = self._logging.logger.state

@@ -991,9 +991,10 @@ def read_checkpoint(
     truncated file, corrupted bytes: a checksum failure) raises a `SetupError` naming it.
 
     `targets` (`restore_targets`: checkpoint path -> `jax.ShapeDtypeStruct` with a sharding)
-    restores those leaves straight onto their shardings instead, unless the step was read
-    whole already to check it (`resolve_checkpoint`): its host arrays are returned then, and
-    `place_like` lays them out, each device receiving only its shard."""
+    restores those leaves straight onto their shardings instead. A step read already to check
+    it (`resolve_checkpoint`) is returned as that check read it: onto the targets it was given
+    then (a resume passes the same ones), else as host arrays that `place_like` lays out, each
+    device receiving only its shard."""
     directory = Path(directory).absolute()
     checked = _CHECKED.pop((directory, step), None)
     if checked is not None:
@@ -1020,7 +1021,11 @@ class SavedStep(NamedTuple):
 
 
 def resolve_checkpoint(
-    source: CheckpointRef | str | os.PathLike | tuple, which: str = "latest", *, read: bool = True
+    source: CheckpointRef | str | os.PathLike | tuple,
+    which: str = "latest",
+    *,
+    read: bool = True,
+    targets: Mapping[tuple[str, ...], Any] | None = None,
 ) -> SavedStep:
     """Where a checkpoint is: a run directory (its newest or best checkpoint), a checkpoints
     directory, or one step's directory; `(run_dir, "best" | "latest")` chooses.
@@ -1029,7 +1034,9 @@ def resolve_checkpoint(
     or corrupted file) is skipped with a warning naming it, and the next one is taken: the
     newest before it, or for "best" the next best, then the newest. A step named explicitly
     is not replaced: its damage is an error naming it. `read=False` checks only the steps'
-    JSON records (for a reader that handles damaged arrays itself)."""
+    JSON records (for a reader that handles damaged arrays itself). `targets`
+    (`restore_targets`) reads the sharded leaves of that check straight onto their shardings,
+    so a resume of a sharded run never holds its whole state on one host."""
     if isinstance(source, tuple):
         if len(source) != 2 or source[1] not in ("best", "latest"):
             raise SetupError(
@@ -1078,7 +1085,7 @@ def resolve_checkpoint(
         damaged = []
         for candidate in candidates:
             try:
-                _CHECKED[(directory, candidate)] = _restore(manager, candidate)
+                _CHECKED[(directory, candidate)] = _restore(manager, candidate, targets)
             except Exception as error:  # noqa: BLE001 - orbax and tensorstore raise many kinds
                 if step is not None:
                     raise SetupError(

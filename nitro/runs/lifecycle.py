@@ -121,17 +121,22 @@ class RunFiles:
         *,
         say: Callable[[str], None] | None = None,
         busy: Callable[[], bool] = lambda: False,
+        state: TrainState | None = None,
     ) -> RunFiles:
         """Decide the run's directory and id; nothing is written yet. A run that continues a
         directory that exists or names one (`run_dir=`) holds it once the handle is built
         (`claim_planned`, after a resume's checks passed). `say`: how to tell the person which
-        run `resume='auto'` continues (default: an event note)."""
+        run `resume='auto'` continues (default: an event note). `state`: the fresh state, whose
+        sharded leaves a resume reads its checkpoint onto."""
         identity = RunIdentity.of(setup.cls, setup.name)
         if setup.run_dir is not None:
             from nitro.runs.population_dirs import refuse_for_a_run
 
             refuse_for_a_run(setup.run_dir, "run_dir")
-        found = _resume_source(setup, identity, say or events.note) if setup.resume else None
+        targets = restore_targets(setup, state.variables) if state is not None else None
+        found = (
+            _resume_source(setup, identity, say or events.note, targets) if setup.resume else None
+        )
         branched_from = None
         if found is not None:
             directory, step = found
@@ -572,19 +577,22 @@ def _primary_process() -> bool:
 
 
 def _resume_source(
-    setup: RunSetup, identity: RunIdentity, say: Callable[[str], None]
+    setup: RunSetup,
+    identity: RunIdentity,
+    say: Callable[[str], None],
+    targets: Mapping[tuple[str, ...], Any] | None = None,
 ) -> SavedStep | None:
     resume = setup.resume
     if isinstance(resume, CheckpointRef):
         _check_no_writer(Path(resume.path))
-        return resolve_checkpoint(resume)
+        return resolve_checkpoint(resume, targets=targets)
     name = setup.cls.__name__
     root = Path(setup.run_dir) if setup.run_dir is not None else experiment_root(name)
     runs = list_runs(root)
     if [run.path for run in runs] == [root.absolute()]:  # run_dir= names one run: that one
         if runs[0].checkpoints:
             check_free(root)
-            return resolve_checkpoint(root)
+            return resolve_checkpoint(root, targets=targets)
         choice = None
     else:
         choice = choose_run(root, identity, config_of(setup))
@@ -603,7 +611,7 @@ def _resume_source(
         return None
     say(f"resume='auto' continues run {choice.run.run_id}: {choice.why}")
     check_free(choice.path)
-    return resolve_checkpoint(choice.path)
+    return resolve_checkpoint(choice.path, targets=targets)
 
 
 def _check_no_writer(path: Path) -> None:
