@@ -172,10 +172,13 @@ class _Pass:
         return self
 
     def __next__(self) -> dict[str, np.ndarray]:
-        if self._batches is None:
+        batches = self._batches
+        if batches is None:
             batch_size, drop_last = self._args
-            self._batches = self.stream.iter(batch_size=batch_size, drop_last_batch=drop_last)
-        return dict(next(self._batches))
+            batches = self._batches = self.stream.iter(
+                batch_size=batch_size, drop_last_batch=drop_last
+            )
+        return dict(next(batches))
 
     def get_state(self) -> dict[str, Any] | None:
         return self.stream.state_dict() if self.exact else None

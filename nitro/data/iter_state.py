@@ -62,7 +62,7 @@ def open_epoch(
     (encoded; None when it has none). `state`: the state after batch `start - 1` from a
     checkpoint; restored when the iterator takes one, else the epoch is replayed to `start`."""
     iter_epoch: Callable[[int], Iterable[Any]] | None = getattr(source, "iter_epoch", None)
-    iterator = iter(iter_epoch(epoch) if iter_epoch is not None else source)
+    iterator: Any = iter(iter_epoch(epoch) if iter_epoch is not None else source)
     stateful = reads_state(iterator)
     if start and state is not None and stateful:
         iterator.set_state(decode(state))
