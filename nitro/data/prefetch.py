@@ -70,12 +70,15 @@ class PrefetchSettings:
       host_batches: host batches built ahead (default `2 * workers`); at least `workers`.
       ordered: deliver batches in source order, so runs are reproducible. False hands each
         batch to the loop as soon as it is ready.
+      persistent: worker processes (`prefetch="processes"`) outlive the run that started
+        them, for the next one (Nitro keyword `persistent_workers`).
     """
 
     workers: int = dataclasses.field(default_factory=default_workers)
     device_batches: int = 1
     host_batches: int | None = None  # default 2 x workers
     ordered: bool = True
+    persistent: bool = False
 
     def __post_init__(self):
         for name, keyword in (("workers", "prefetch_workers"), ("device_batches", None)):
@@ -98,6 +101,11 @@ class PrefetchSettings:
         if not isinstance(self.ordered, bool):
             raise ValueError(
                 f"prefetch setting ordered must be True or False, got {self.ordered!r}"
+            )
+        if not isinstance(self.persistent, bool):
+            raise ValueError(
+                f"prefetch setting persistent (Nitro keyword persistent_workers) must be True "
+                f"or False, got {self.persistent!r}"
             )
 
     @property
@@ -325,10 +333,16 @@ class Prefetcher:
             described += f" (auto: {self._auto[1]})"
         return described
 
-    def release_workers(self) -> None:
-        """Stop this split's worker processes, if it has any (the end of a run); the next
-        epoch starts them again."""
-        if self.pool is not None:
+    def release_workers(self, final: bool = False) -> None:
+        """The end of a run: stop this split's worker processes, if it has any, unless they
+        persist (`persistent_workers=True`: the next run checks they still have the source as
+        it is, and uses them); `final` (the handle's close): stop them whatever the setting.
+        The next epoch starts them again."""
+        if self.pool is None:
+            return
+        if self.settings.persistent and not final:
+            self.pool.park()
+        else:
             self.pool.release()
 
     @property
