@@ -153,3 +153,14 @@ def test_iterator_states_are_kept_as_json():
     text = encode(b'{"version": 2}')  # a grain.DataLoader's state: JSON text in bytes
     assert json.loads(json.dumps(text)) == text and decode(text) == b'{"version": 2}'
     assert encode({"rng": object()}) is None  # not JSON: not kept (the resume replays)
+
+
+def test_auto_says_why_a_source_without_random_access_is_read_on_one_thread(tmp_path):
+    for experiment, says in (
+        (IterAugmented, "Grain parallelizes it itself"),
+        (StreamState, "a datasets.Dataset (random access) is built in parallel"),
+    ):
+        n = nitro.Nitro(experiment(reads=str(tmp_path / "reads.txt")), **QUIET)
+        line = next(x for x in str(n.binding_report()).splitlines() if "train:" in x)
+        assert "prefetch single: " in line and "(auto: " in line and says in line, line
+        assert "no begin_epoch/batch_at" in line

@@ -187,6 +187,23 @@ def _batch_length(batch: Mapping[str, Any]) -> int:
     return length
 
 
+def _plain_reason(source: Any) -> str:
+    """Why "auto" reads a source with no random access on one producer thread."""
+    reason = (
+        f"{type(source).__name__} has no begin_epoch/batch_at, so no thread or worker "
+        f"process can build its batches by index: one thread reads it in order"
+    )
+    library = type(source).__module__.partition(".")[0]
+    if library == "grain":
+        return (
+            f"{reason}; Grain parallelizes it itself (a DataLoader's worker_count=, an "
+            f"IterDataset's mp_prefetch), or give the MapDataset it was made from"
+        )
+    if library == "nitro" and type(source).__name__ == "HFIterableSource":
+        return f"{reason}; a datasets.Dataset (random access) is built in parallel"
+    return f"{reason}; to build it in parallel give it begin_epoch/batch_at (docs/data.md)"
+
+
 class _End:
     pass
 
@@ -331,6 +348,8 @@ class Prefetcher:
         )
         if self.mode == "auto" and self._auto is not None:
             described += f" (auto: {self._auto[1]})"
+        elif self.mode == "auto" and not is_index_addressable(self.source):
+            described += f" (auto: {_plain_reason(self.source)})"
         return described
 
     def release_workers(self, final: bool = False) -> None:
