@@ -117,3 +117,20 @@ def main(argv: list[str] | None = None) -> None:
         logger=None,
     ).train()
     raise SystemExit("the run was not killed")
+
+
+@nitro.experiment
+class Loaded(Augmented):
+    """A `grain.DataLoader` (no worker processes) over the samples, in batches of 8: its
+    iterator's state is JSON text in bytes."""
+
+    max_epochs: int = 3
+
+    def build_data(self):
+        loader = grain.DataLoader(
+            data_source=with_ids(0, SAMPLES),
+            sampler=grain.samplers.IndexSampler(SAMPLES, shuffle=True, seed=3, num_epochs=1),
+            operations=[grain.transforms.Batch(8, drop_remainder=True)],
+            worker_count=0,
+        )
+        return {"train": loader, "val": validation()}

@@ -17,7 +17,7 @@ import grain
 import numpy as np
 import orbax.checkpoint as ocp
 from lifecycle_toys import parameters
-from resume_state_toys import SAMPLES, IterAugmented, StreamState, read_ids, with_ids
+from resume_state_toys import SAMPLES, IterAugmented, Loaded, StreamState, read_ids, with_ids
 from system import child_env
 
 import nitro
@@ -116,6 +116,17 @@ def test_a_hugging_face_iterable_dataset_resumes_from_its_state_dict(tmp_path):
     assert_bitwise_equal(full, again)
     # a replay would read epoch 2 whole (64 rows) besides the probe's batch and epoch 3
     assert len(read_ids(reads)[before:]) < 8 + 2 * SAMPLES
+
+
+def test_a_grain_data_loader_resumes_from_its_iterator_state(tmp_path):
+    full = nitro.Nitro(Loaded(), **QUIET).train()
+    run = tmp_path / "run"
+    stopped_at(Loaded(), run, 11)
+    state = meta_of(run, 11)["partial_epoch"]["data_state"]
+    assert json.loads(state["json_text"])["last_seen_indices"] == {"0": 23}  # 3 batches of 8
+    again = resumed(Loaded(), run)
+    assert (again.step, again.epoch) == (24, 3)
+    assert_bitwise_equal(full, again)
 
 
 def test_a_stream_with_a_shuffle_buffer_or_a_checkpoint_without_a_state_resumes_by_replay(
