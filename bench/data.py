@@ -17,10 +17,15 @@ small-array calls, which hold the interpreter lock), steps/s with `prefetch="pro
 against `prefetch="threads"` (same workers) and against the data-free speed (the same model
 on batches augmented beforehand, in memory), and what `prefetch="auto"` picks.
 
+With `--persistent` it times `train(epochs=1)` calls after the first on one handle with
+`prefetch="processes"`, with and without `persistent_workers=True`: what starting the worker
+processes costs each call.
+
 It prints ratios, not pass or fail; timings vary by ~20 % between runs on a shared machine.
 
     python bench/data.py [--sleep-ms 16] [--width 512] [--batches 120] [--epochs 3]
     python bench/data.py --processes [--workers 2] [--blur 32] [--width 512] [--epochs 3]
+    python bench/data.py --persistent [--workers 2] [--blur 32] [--width 512] [--epochs 3]
 """
 
 from __future__ import annotations
@@ -214,9 +219,43 @@ def processes(args) -> None:
     print(f"prefetch='auto'      {auto:7.1f} steps/s ({path})")
 
 
+def persistent(args) -> None:
+    digits = nitro.datasets.digits_arrays()["train"]
+    print(
+        f"jax {jax.__version__}, {os.cpu_count()} cores, load average "
+        f"{', '.join(f'{x:.2f}' for x in os.getloadavg())}; {args.workers} worker processes, "
+        f"{len(AugmentedDigits(digits, 64))} augmented batches of 64 a call"
+    )
+    for kept in (False, True):
+        n = nitro.Nitro(
+            Digits64(width=args.width),
+            data={"train": AugmentedDigits(digits, 64, args.blur)},
+            max_epochs=args.epochs + 1,
+            prefetch="processes",
+            prefetch_workers=args.workers,
+            persistent_workers=kept,
+            progress=False,
+            checkpointer=None,
+        )
+        n.train(epochs=1)  # compiles (and starts the workers)
+        seconds = []
+        for _ in range(args.epochs):
+            begin = time.perf_counter()
+            n.train(epochs=1)
+            seconds.append(time.perf_counter() - begin)
+        n.close()
+        print(
+            f"persistent_workers={kept!s:5}: train(epochs=1) after the first: "
+            f"{', '.join(f'{x:.2f}' for x in seconds)} s"
+        )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--processes", action="store_true", help="worker processes instead")
+    parser.add_argument(
+        "--persistent", action="store_true", help="train() calls with persistent_workers"
+    )
     parser.add_argument("--workers", type=int, default=2, help="--processes: workers")
     parser.add_argument(
         "--blur", type=int, default=BLUR_ROUNDS, help="--processes: blur rounds (the cost)"
@@ -230,6 +269,9 @@ def main() -> None:
     warnings.filterwarnings("ignore", message="the training loop waited for data")
     if args.processes:
         processes(args)
+        return
+    if args.persistent:
+        persistent(args)
         return
     data = arrays(args.batches)
     t = args.sleep_ms / 1000

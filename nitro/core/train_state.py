@@ -128,6 +128,10 @@ class TrainState:
       epoch_trained: the epoch under way has trained all its batches but is not committed
         yet (its validation has not completed); the next `train()` or `validate()` validates
         it first.
+      data_state: the training source's iterator state after batch `position` of the epoch
+        under way (a `grain.IterDataset`'s, a `datasets.IterableDataset`'s: see
+        `nitro.data.iter_state`); None when it has none, and at an epoch boundary. A resume
+        restores it rather than replaying the epoch to `position`.
     """
 
     variables: Variables
@@ -140,6 +144,7 @@ class TrainState:
     swaps: list[Mapping[str, Any]] = dataclasses.field(default_factory=list)
     totals: EpochTotals | None = None
     epoch_trained: bool = False
+    data_state: Any = None
 
     @property
     def last_row(self) -> Mapping[str, Any]:
@@ -181,4 +186,5 @@ class TrainState:
             swaps=[dict(row) for row in meta.get("swaps", [])],
             totals=totals,
             epoch_trained=bool(partial.get("trained", False)),
+            data_state=partial.get("data_state"),
         )

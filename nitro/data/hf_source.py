@@ -126,8 +126,18 @@ class HFIterableSource:
         seeded.seed = seed
         return seeded
 
-    def iter_epoch(self, epoch: int) -> Iterator[dict[str, np.ndarray]]:
-        """The batches of epoch `epoch`: the same ones each time it is asked for."""
+    @property
+    def exact_state(self) -> bool:
+        """Whether a pass's state resumes it exactly: Hugging Face's state leaves out the rows
+        in a shuffle buffer, so only a pass without one (or with one of a single row) saves it."""
+        return not self.shuffle or self.buffer_size <= 1
+
+    def iter_epoch(self, epoch: int) -> _Pass:
+        """The batches of epoch `epoch`: the same ones each time it is asked for; an
+        iterator with Grain's `get_state`/`set_state` (None when the pass has no exact state)."""
+        return _Pass(self._stream(epoch), self.batch_size, self.drop_last, self.exact_state)
+
+    def _stream(self, epoch: int) -> Any:
         stream = self.dataset
         if self.processes > 1:
             from datasets.distributed import split_dataset_by_node
@@ -138,8 +148,7 @@ class HFIterableSource:
             stream = stream.shuffle(seed=seed, buffer_size=self.buffer_size)
         stream = stream.with_format("numpy")  # a copy: set_epoch leaves the caller's alone
         stream.set_epoch(epoch)
-        for batch in stream.iter(batch_size=self.batch_size, drop_last_batch=self.drop_last):
-            yield dict(batch)
+        return stream
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         return self.iter_epoch(0)
@@ -149,3 +158,31 @@ class HFIterableSource:
             f"HFIterableSource(batches of {self.global_batch_size}, shuffle={self.shuffle}, "
             f"buffer_size={self.buffer_size}, drop_last={self.drop_last})"
         )
+
+
+class _Pass:
+    """One pass of a `datasets.IterableDataset` in batches, with its state (`state_dict`)."""
+
+    def __init__(self, stream: Any, batch_size: int, drop_last: bool, exact: bool):
+        self.stream, self.exact = stream, exact
+        self._batches: Iterator[Any] | None = None
+        self._args = (batch_size, drop_last)
+
+    def __iter__(self) -> _Pass:
+        return self
+
+    def __next__(self) -> dict[str, np.ndarray]:
+        batches = self._batches
+        if batches is None:
+            batch_size, drop_last = self._args
+            batches = self._batches = self.stream.iter(
+                batch_size=batch_size, drop_last_batch=drop_last
+            )
+        return dict(next(batches))
+
+    def get_state(self) -> dict[str, Any] | None:
+        return self.stream.state_dict() if self.exact else None
+
+    def set_state(self, state: dict[str, Any]) -> None:
+        """Continue after the batch `state` was read at; before the first batch only."""
+        self.stream.load_state_dict(state)

@@ -29,6 +29,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from nitro.data.iter_state import open_epoch
 from nitro.data.loaders import NoPrefetch, is_index_addressable
 from nitro.data.processes import WorkerPool, gil_speedup
 from nitro.errors import SetupError
@@ -69,12 +70,15 @@ class PrefetchSettings:
       host_batches: host batches built ahead (default `2 * workers`); at least `workers`.
       ordered: deliver batches in source order, so runs are reproducible. False hands each
         batch to the loop as soon as it is ready.
+      persistent: worker processes (`prefetch="processes"`) outlive the run that started
+        them, for the next one (Nitro keyword `persistent_workers`).
     """
 
     workers: int = dataclasses.field(default_factory=default_workers)
     device_batches: int = 1
     host_batches: int | None = None  # default 2 x workers
     ordered: bool = True
+    persistent: bool = False
 
     def __post_init__(self):
         for name, keyword in (("workers", "prefetch_workers"), ("device_batches", None)):
@@ -98,6 +102,11 @@ class PrefetchSettings:
             raise ValueError(
                 f"prefetch setting ordered must be True or False, got {self.ordered!r}"
             )
+        if not isinstance(self.persistent, bool):
+            raise ValueError(
+                f"prefetch setting persistent (Nitro keyword persistent_workers) must be True "
+                f"or False, got {self.persistent!r}"
+            )
 
     @property
     def host_depth(self) -> int:
@@ -108,9 +117,20 @@ class StagedBatch:
     """One batch on its way through the loop: the host fields, the device fields, the number
     of real samples (the rest is padding) and its index in the epoch. A block of `count`
     stacked batches (fused steps) has device fields `[count, batch, ...]`, `index` of its
-    first batch, and `host` a list of the batches' host fields."""
+    first batch, and `host` a list of the batches' host fields. `after`: the source's
+    iterator state after each of its batches (`nitro.data.iter_state`), or None."""
 
-    __slots__ = ("index", "host", "device", "n_real", "count", "group", "_freed", "_owner")
+    __slots__ = (
+        "index",
+        "host",
+        "device",
+        "n_real",
+        "count",
+        "group",
+        "after",
+        "_freed",
+        "_owner",
+    )
 
     def __init__(self, index, host, device, n_real, owner, count=1, group=1):
         self.index = index
@@ -119,6 +139,7 @@ class StagedBatch:
         self.n_real = n_real
         self.count = count  # training steps (optimizer updates) in this call
         self.group = group  # batches per step (micro-batches of gradient accumulation)
+        self.after: tuple[Any, ...] | None = None
         self._freed = False
         self._owner = owner
 
@@ -164,6 +185,23 @@ def _batch_length(batch: Mapping[str, Any]) -> int:
     length = lengths.pop()
     assert length is not None  # refused above
     return length
+
+
+def _plain_reason(source: Any) -> str:
+    """Why "auto" reads a source with no random access on one producer thread."""
+    reason = (
+        f"{type(source).__name__} has no begin_epoch/batch_at, so no thread or worker "
+        f"process can build its batches by index: one thread reads it in order"
+    )
+    library = type(source).__module__.partition(".")[0]
+    if library == "grain":
+        return (
+            f"{reason}; Grain parallelizes it itself (a DataLoader's worker_count=, an "
+            f"IterDataset's mp_prefetch), or give the MapDataset it was made from"
+        )
+    if library == "nitro" and type(source).__name__ == "HFIterableSource":
+        return f"{reason}; a datasets.Dataset (random access) is built in parallel"
+    return f"{reason}; to build it in parallel give it begin_epoch/batch_at (docs/data.md)"
 
 
 class _End:
@@ -310,12 +348,20 @@ class Prefetcher:
         )
         if self.mode == "auto" and self._auto is not None:
             described += f" (auto: {self._auto[1]})"
+        elif self.mode == "auto" and not is_index_addressable(self.source):
+            described += f" (auto: {_plain_reason(self.source)})"
         return described
 
-    def release_workers(self) -> None:
-        """Stop this split's worker processes, if it has any (the end of a run); the next
-        epoch starts them again."""
-        if self.pool is not None:
+    def release_workers(self, final: bool = False) -> None:
+        """The end of a run: stop this split's worker processes, if it has any, unless they
+        persist (`persistent_workers=True`: the next run checks they still have the source as
+        it is, and uses them); `final` (the handle's close): stop them whatever the setting.
+        The next epoch starts them again."""
+        if self.pool is None:
+            return
+        if self.settings.persistent and not final:
+            self.pool.park()
+        else:
             self.pool.release()
 
     @property
@@ -426,15 +472,24 @@ class Prefetcher:
         return rows
 
     def epoch(
-        self, epoch: int, start: int = 0, block: int | Iterable[int] = 1, group: int = 1
+        self,
+        epoch: int,
+        start: int = 0,
+        block: int | Iterable[int] = 1,
+        group: int = 1,
+        state: Any = None,
     ) -> EpochStream:
         """The staged batches of one epoch from batch `start`. With `block > 1` or
         `group > 1`: calls of `block` steps of `group` stacked batches each; the epoch's
         remainder goes one step per call. `block` may be a sequence of call sizes, one per
-        call in turn (the last repeats): the steps-per-call measurement alternates sizes."""
+        call in turn (the last repeats): the steps-per-call measurement alternates sizes.
+        `state`: the source's iterator state after batch `start - 1` (a checkpoint's), which
+        an iterator that takes one resumes from instead of replaying the epoch to `start`."""
         if self.path == "inline":
-            return _InlineStream(self, epoch, start, block, group)
-        return _ThreadedStream(self, epoch, start, block, group)
+            stream: EpochStream = _InlineStream(self, epoch, start, block, group, state)
+        else:
+            stream = _ThreadedStream(self, epoch, start, block, group, state)
+        return stream
 
 
 class EpochStream:
@@ -450,6 +505,16 @@ class EpochStream:
     wait_seconds: float = 0.0
     fill_seconds: float = 0.0
     _filled: bool = False
+    # the source's iterator state after each batch built and not yet staged, by index
+    states: dict[int, Any] | None = None
+
+    def _mark(self, staged: StagedBatch, indices: Iterable[int]) -> StagedBatch:
+        """Give `staged` the iterator states after its batches (when the source has them)."""
+        states = self.states
+        if states is not None:
+            after = tuple(states.pop(index, None) for index in indices)
+            staged.after = after if all(a is not None for a in after) else None
+        return staged
 
     def _waited(self, begin: float, end: bool = False) -> None:
         """Account the wait since `begin` (perf_counter) for one call of `__next__`; `end`:
@@ -492,18 +557,23 @@ def _call_sizes(block: int | Iterable[int]) -> Iterator[int]:
     return sizes()
 
 
-def _source_iterator(source: Any, epoch: int, start: int) -> Iterator[tuple[int, Any]]:
+def _source_iterator(
+    source: Any, epoch: int, start: int, state: Any = None, states: dict[int, Any] | None = None
+) -> Iterator[tuple[int, Any]]:
+    """(index, batch) pairs of the epoch from batch `start`. A plain iterable resumes from
+    `state` when its iterator takes one, else by replaying to `start`; its iterator's state
+    after each batch goes into `states` (when it has one)."""
     if is_index_addressable(source):
         plan = source.begin_epoch(epoch)
         for index in range(start, len(source)):
             yield index, source.batch_at(index, plan)
         return
     # an epoch-aware stream (HFIterableSource) gives each epoch's pass itself
-    iter_epoch: Callable[[int], Iterable[Any]] | None = getattr(source, "iter_epoch", None)
-    iterator = iter(iter_epoch(epoch) if iter_epoch is not None else source)
-    for _ in range(start):  # resuming mid-epoch in a plain iterable: skip what was consumed
-        next(iterator, None)
-    yield from zip(itertools.count(start), iterator)
+    iterator, read_state = open_epoch(source, epoch, start, state)
+    for index, batch in zip(itertools.count(start), iterator):
+        if read_state is not None and states is not None:
+            states[index] = read_state()  # before the batch is handed on: it is that batch's
+        yield index, batch
 
 
 def _steps_of(items: list, group: int) -> list[list]:
@@ -547,13 +617,17 @@ class _InlineStream(EpochStream):
         start: int,
         block: int | Iterable[int] = 1,
         group: int = 1,
+        state: Any = None,
     ):
         self.owner = owner
         source = owner.source
         gathers = callable(getattr(source, "block_at", None)) and is_index_addressable(source)
         fast = gathers and not owner.keep_host and owner.pad_to is None
+        self.states = None if is_index_addressable(source) else {}
         self.iterator = (
-            _Batches(source, epoch, start) if fast else _source_iterator(source, epoch, start)
+            _Batches(source, epoch, start)
+            if fast
+            else _source_iterator(source, epoch, start, state, self.states)
         )
         self._sizes = _call_sizes(block)
         self.block, self.group = next(self._sizes), group
@@ -572,7 +646,7 @@ class _InlineStream(EpochStream):
         block, self.block = self.block, next(self._sizes)
         if block == 1 and self.group == 1 and not self._short:
             index, host = next(self.iterator)
-            return self.owner.stage(index, host)
+            return self._mark(self.owner.stage(index, host), (index,))
         if not self._short:
             units = block * self.group
             gathered = self.iterator.gather(units) if isinstance(self.iterator, _Batches) else None
@@ -582,10 +656,14 @@ class _InlineStream(EpochStream):
             if not items:
                 raise StopIteration
             if len(items) == units:
-                return self.owner.stage_block(items[0][0], [host for _, host in items], self.group)
+                staged = self.owner.stage_block(
+                    items[0][0], [host for _, host in items], self.group
+                )
+                return self._mark(staged, (index for index, _ in items))
             self._short = _steps_of(items, self.group)
         items = self._short.pop(0)
-        return self.owner.stage_block(items[0][0], [host for _, host in items], len(items))
+        staged = self.owner.stage_block(items[0][0], [host for _, host in items], len(items))
+        return self._mark(staged, (index for index, _ in items))
 
     def close(self) -> None:
         close = getattr(self.iterator, "close", None)
@@ -601,8 +679,10 @@ class _ThreadedStream(EpochStream):
         start: int,
         block: int | Iterable[int] = 1,
         group: int = 1,
+        state: Any = None,
     ):
         self.owner = owner
+        self.states = None if is_index_addressable(owner.source) else {}
         self._sizes = _call_sizes(block)
         self.block, self.group = next(self._sizes), group
         self._pending: list[tuple[int, Any]] = []  # host batches waiting to fill a block
@@ -625,7 +705,7 @@ class _ThreadedStream(EpochStream):
             self.host: queue.Queue = queue.Queue(maxsize=self.settings.host_depth)
             self.producer = threading.Thread(
                 target=self._produce,
-                args=(source, epoch, start),
+                args=(source, epoch, start, state),
                 name=f"{name}-producer",
                 daemon=True,
             )
@@ -658,7 +738,7 @@ class _ThreadedStream(EpochStream):
             self.block = next(self._sizes)
             return flushed
         self.block = next(self._sizes)
-        staged = self.owner.stage(index, host)
+        staged = self._mark(self.owner.stage(index, host), (index,))
         if not self._put(self.out, staged):
             staged.free()
             return False
@@ -675,8 +755,11 @@ class _ThreadedStream(EpochStream):
         else:
             steps = [items]
         staged_list = [
-            self.owner.stage_block(
-                step[0][0], [host for _, host in step], min(self.group, len(step))
+            self._mark(
+                self.owner.stage_block(
+                    step[0][0], [host for _, host in step], min(self.group, len(step))
+                ),
+                (index for index, _ in step),
             )
             for step in steps
         ]
@@ -747,9 +830,9 @@ class _ThreadedStream(EpochStream):
             for future in pending.values():  # worker processes outlive the epoch: not theirs
                 future.cancel()
 
-    def _produce(self, source, epoch: int, start: int) -> None:
+    def _produce(self, source, epoch: int, start: int, state: Any) -> None:
         try:
-            for item in _source_iterator(source, epoch, start):
+            for item in _source_iterator(source, epoch, start, state, self.states):
                 if not self._put(self.host, item):
                     return
             self._put(self.host, _END)

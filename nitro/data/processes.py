@@ -11,8 +11,12 @@ blocked writing a source bigger than the pipe. Each worker calls `begin_epoch(ep
 once per epoch, and builds the batches it is given by index. The prefetcher submits at most `host_batches` of them ahead and
 takes them back in index order, as with threads.
 
-Lifetime: the pool starts on the first epoch and lives until the run ends (`release()`);
-a worker ignores Ctrl-C (the run handles it and closes the pool), and exits as soon as its
+Lifetime: the pool starts on the first epoch and lives until the run ends (`release()`), or,
+with `persistent_workers=True`, from run to run (`park()` at a run's end): the first batch of
+the next run compares the source's pickle and the modification times of its code's files
+with those the workers started from, and starts fresh workers when they differ, so the
+workers never build batches from a source or code the run no longer has. A worker ignores
+Ctrl-C (the run handles it and closes the pool), and exits as soon as its
 parent process is gone (killed, a kernel restart), so no worker outlives the process that
 started it.
 
@@ -24,10 +28,12 @@ from __future__ import annotations
 
 import concurrent.futures
 import concurrent.futures.process
+import hashlib
 import multiprocessing
 import os
 import shutil
 import signal
+import sys
 import tempfile
 import threading
 import time
@@ -94,6 +100,9 @@ class WorkerPool:
         self._executor: concurrent.futures.ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
         self._finalizer: weakref.finalize | None = None
+        self._key: bytes | None = None  # what the running workers were started from
+        self._parked = False  # kept from an earlier run: check the key before using them
+        self.starts = 0  # pools started: a persistent pool is started once
 
     @property
     def running(self) -> bool:
@@ -107,11 +116,19 @@ class WorkerPool:
 
     def submit(self, epoch: int, index: int) -> concurrent.futures.Future:
         with self._lock:
+            if self._executor is not None and self._parked:
+                self._parked = False
+                pickled = pickled_source(self.source, self.split)
+                if _key(self.source, pickled) != self._key:  # changed since: fresh workers
+                    self._stop_locked()
             if self._executor is None:
                 folder = tempfile.mkdtemp(prefix="nitro-workers-")
                 path = os.path.join(folder, "source.pkl")
+                pickled = pickled_source(self.source, self.split)
+                self._key = _key(self.source, pickled)
                 with open(path, "wb") as file:  # the source as it is now, each train()
-                    file.write(pickled_source(self.source, self.split))
+                    file.write(pickled)
+                self.starts += 1
                 self._executor = concurrent.futures.ProcessPoolExecutor(
                     max_workers=self.workers,
                     mp_context=multiprocessing.get_context("spawn"),
@@ -142,13 +159,56 @@ class WorkerPool:
                 f"chained below)"
             ) from error
 
+    def park(self) -> None:
+        """Keep the workers for the next run (`persistent_workers=True`), which checks first
+        that they have the source and code it has."""
+        with self._lock:
+            self._parked = self._executor is not None
+
     def release(self) -> None:
         """Stop the workers and wait for them (idempotent)."""
         with self._lock:
-            self._executor = None
-            finalizer, self._finalizer = self._finalizer, None
+            finalizer = self._detach()
         if finalizer is not None:
             finalizer()
+
+    def _detach(self) -> weakref.finalize | None:
+        self._executor, self._key, self._parked = None, None, False
+        finalizer, self._finalizer = self._finalizer, None
+        return finalizer
+
+    def _stop_locked(self) -> None:
+        finalizer = self._detach()
+        if finalizer is not None:
+            finalizer()
+
+
+def _key(source: Any, pickled: bytes) -> bytes:
+    """What a pool of workers is started from: the source's pickle, and the path, size and
+    modification time of the file of every module the parent has loaded outside the Python
+    installation (the source's classes and functions travel by reference when they live in
+    a module: a worker imported that file as it was then)."""
+    digest = hashlib.sha256(pickled)
+    for name, module in sorted(sys.modules.items()):
+        path = getattr(module, "__file__", None)
+        if not isinstance(path, str) or _installed(path):
+            continue
+        try:
+            stat = os.stat(path)
+        except OSError:
+            continue
+        digest.update(f"{name}\0{path}\0{stat.st_size}\0{stat.st_mtime_ns}\n".encode())
+    return digest.digest()
+
+
+_INSTALLED = tuple(
+    {q for p in (sys.prefix, sys.base_prefix, sys.exec_prefix) for q in (p, os.path.realpath(p))}
+)
+
+
+def _installed(path: str) -> bool:
+    """A file of the Python installation or its packages (site-packages), not the user's."""
+    return "site-packages" in path or "dist-packages" in path or path.startswith(_INSTALLED)
 
 
 def _shut_down(executor: concurrent.futures.ProcessPoolExecutor, folder: str) -> None:

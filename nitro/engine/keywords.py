@@ -553,6 +553,14 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "one (the work holds the interpreter lock), threads otherwise",
             _choice("prefetch", ("auto", "threads", "processes", "inline")),
         ),
+        RunKeyword(
+            "persistent_workers",
+            False,
+            "keep prefetch='processes' worker processes alive from one train() or evaluate() "
+            "call to the next (stopped by close(), a change of the source or its code's files, "
+            "and the process's end); False starts them each call",
+            _bool("persistent_workers"),
+        ),
         RunKeyword("progress", True, "True, False, 'lines', 'bar' or a reporter object"),
     ]
 }

@@ -226,6 +226,7 @@ def finish_epoch(
     state.history.append(row)
     state.epoch += 1
     state.position = 0
+    state.data_state = None
     state.totals = None
     state.epoch_trained = False
     events.end_epoch(row)
@@ -277,6 +278,7 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
                     start=state.position,
                     block=_capped(run, blocks, state.step),
                     group=setup.accum,
+                    state=state.data_state,
                 )
             upcoming = None
             try:
@@ -511,6 +513,7 @@ def _roll_back(run: _Epoch, state: TrainState, cause: _RollBack) -> None:
     if probation.variables is not None:  # back to the state from before the swap
         state.variables = probation.variables
         state.step, state.position = probation.step, probation.position
+        state.data_state = None  # the stream reopens there by replay
         restore_totals(state.totals, probation.totals)
     # else: too large to have been copied: the guard kept the weights from before the
     # non-finite step, and the counters say where that is
@@ -632,6 +635,8 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
                 totals.loss_count += 1
             state.step += 1
             state.position += micro
+            after = staged.after
+            state.data_state = after[(offset + 1) * micro - 1] if after is not None else None
             totals.steps += 1
             losses.append(value)
             if residency is None:

@@ -64,6 +64,7 @@ class RunKeywords:
     precision: Precision
     steps_per_dispatch: Any  # "auto", an int K, or a DispatchChoice to continue
     prefetch: Literal["auto", "threads", "processes", "inline"]
+    persistent_workers: bool
     progress: Any  # True, False, "lines", "bar" or a reporter object
     resolved: Mapping[str, Resolved] = dataclasses.field(repr=False)
 

@@ -121,6 +121,7 @@ def build(
         device_batches=keywords.device_batches,
         host_batches=keywords.host_batches,
         ordered=keywords.ordered,
+        persistent=keywords.persistent_workers,
     )
     events.phase("routing")
     splits, prefetchers = {}, {}

@@ -545,9 +545,12 @@ class Nitro:
         """Finish this run's saves and let go of its run directory, so another handle (here
         or in another process) may write there; the handle stays usable, and its next write
         (`train()`) holds the directory again. Dropping the handle, or the process ending,
-        lets go too: `close()` is for when the handle is kept."""
+        lets go too: `close()` is for when the handle is kept. It also stops the worker
+        processes `persistent_workers=True` kept (the next run starts new ones)."""
         with self._guard.hold("closing"):
             self._files.release()
+            for prefetcher in self._runtime.prefetchers.values():
+                prefetcher.release_workers(final=True)
         return self
 
     def wait(self) -> Nitro:

@@ -543,6 +543,7 @@ def _partial_epoch(state: TrainState) -> dict[str, Any] | None:
         "seconds": totals.seconds,
         "device_seconds": totals.device_seconds,
         "untimed_seconds": totals.untimed_seconds,
+        "data_state": state.data_state,  # the source's iterator state, when it has one
     }
 
 
