@@ -8,8 +8,9 @@ store saves an array sharded over every process's devices (each process writes i
 and reads it back onto the same sharding and, without a target, whole as numpy. MODE `run`:
 it trains 2 epochs with a
 checkpoint each, closes the handle, resumes the run from its checkpoint in a new handle and
-trains a third epoch: each process writes its own shards, and reads back its own. Prints one
-JSON object: the history, the step and the parameters (gathered from every process).
+trains a third epoch: each process writes its own shards, and reads back its own; then one
+epoch under tensor-parallel rules on a 4 x 2 mesh. Prints one JSON object: the histories, the
+step, the specs and the parameters (gathered from every process).
 """
 
 from __future__ import annotations
@@ -110,6 +111,18 @@ def main():
     resumed.train()
     history = resumed.history()
     params = resumed.placement.gather(list(resumed.state.variables.params))
+    resumed.close()
+    # the same rules across processes: tensor parallel over "model" on a 4 x 2 mesh, whose
+    # "model" pairs lie within a process and whose "data" rows span both
+    ruled = nitro.Nitro(
+        ShardedToy(max_epochs=1),
+        mesh={"data": 4, "model": 2},
+        sharding={r"hidden\.kernel": (None, "model"), r"^out\.kernel": ("model", None)},
+        checkpointer=None,
+        progress=False,
+        logger=None,
+    )
+    ruled.train()
     print(
         json.dumps(
             {
@@ -123,6 +136,19 @@ def main():
                 "loss": history["loss"].tolist(),
                 "val_loss": history["val_loss"].tolist(),
                 "params": [np.asarray(p).tolist() for p in params],
+                "rules_specs": {
+                    path: str(x.sharding.spec)
+                    for path, x in zip(
+                        ruled.setup.model.leaf_paths["parameter"],
+                        ruled.state.variables.params,
+                        strict=True,
+                    )
+                },
+                "rules_loss": ruled.history()["loss"].tolist(),
+                "rules_params": [
+                    np.asarray(p).tolist()
+                    for p in ruled.placement.gather(list(ruled.state.variables.params))
+                ],
             }
         ),
         flush=True,

@@ -97,3 +97,14 @@ def test_both_processes_agree_and_match_one_process_of_8_devices(runs):
     np.testing.assert_allclose(first["val_loss"], single["val_loss"], rtol=0, atol=TOLERANCE)
     for a, b in zip(first["params"], single["params"], strict=True):
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=TOLERANCE)
+
+
+def test_rules_on_a_4x2_mesh_across_both_processes_match_one_process_of_8_devices(runs):
+    first, second, single = runs
+    assert first["rules_specs"] == single["rules_specs"]
+    assert first["rules_specs"]["hidden.kernel"] == "P(None, 'model')"
+    assert first["rules_specs"]["out.kernel"] == "P('model',)"  # trailing None dropped
+    assert first["rules_loss"] == second["rules_loss"]
+    np.testing.assert_allclose(first["rules_loss"], single["rules_loss"], rtol=0, atol=TOLERANCE)
+    for a, b in zip(first["rules_params"], single["rules_params"], strict=True):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=0, atol=TOLERANCE)
