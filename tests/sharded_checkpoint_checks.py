@@ -73,7 +73,8 @@ def store_checks(work: Path) -> dict:
     tree = {"params": {"w": live, "b": np.ones(3, np.float32)}}
     from nitro.runs.checkpoints import _saved
 
-    tree = {"params": {"w": _saved(live), "b": tree["params"]["b"]}}
+    snapshot = _saved(live)
+    tree = {"params": {"w": snapshot, "b": tree["params"]["b"]}}
     directory = work / "store" / "checkpoints"
     store = CheckpointStore(directory, nitro.Checkpointer(budget=None), deterministic=False)
     store.save(1, tree, {"epoch": 1}, 0.5)
@@ -101,6 +102,9 @@ def store_checks(work: Path) -> dict:
         "restored_shards": sorted(list(s.data.shape) for s in w.addressable_shards),
         "restored_equal": bool(np.array_equal(np.asarray(w), whole)),
         "b_type": type(onto["params"]["b"]).__name__,
+        "live_memory": live.sharding.memory_kind,
+        "snapshot_memory": snapshot.sharding.memory_kind,
+        "restored_memory": w.sharding.memory_kind,
     }
 
 

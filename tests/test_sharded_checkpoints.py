@@ -87,6 +87,10 @@ def test_a_sharded_save_writes_each_shard_from_its_device(runs):
     (sharding,) = store["shardings"]
     assert sharding["sharding_type"] == "NamedSharding"
     assert sharding["partition_spec"] == ["data"] and sharding["shape"] == [8]
+    # what waits to be written is in the devices' host memory, not theirs; it restores onto
+    # the live arrays' own memory
+    assert store["live_memory"] == store["restored_memory"] == "device"
+    assert store["snapshot_memory"] == "pinned_host"
 
 
 def test_an_fsdp_runs_checkpoint_holds_each_parameter_in_its_shards(runs):

@@ -138,16 +138,27 @@ def _host(x: Any) -> np.ndarray:
 
 def _saved(x: Any) -> Any:
     """What a save holds of a leaf: a host copy of a replicated array (`_host`), or of a
-    sharded one (not fully replicated: `sharding="fsdp"`, rules) an on-device copy with the
-    same sharding, which orbax writes shard by shard from its devices (across processes each
-    process writes its own shards); nothing is gathered. The copy is taken now, before the
-    next step donates the live arrays to the program, and costs one more copy of each
-    device's shards until it is written."""
+    sharded one (not fully replicated: `sharding="fsdp"`, rules) a copy with the same
+    sharding in the host memory of its devices (`pinned_host`, where the devices have it), which
+    orbax writes shard by shard (across processes each process writes its own shards); nothing
+    is gathered. The copy is taken now, before the next step donates the live arrays to the
+    program; in host memory it takes no device memory while it waits to be written (a device
+    without host memory keeps an on-device copy)."""
     if is_sharded(x):
         if jnp.issubdtype(x.dtype, jax.dtypes.prng_key):
             x = jax.random.key_data(x)
+        if _has_host_memory(x):
+            return jax.device_put(x, x.sharding.with_memory_kind("pinned_host"))
         return x.copy()
     return _host(x)
+
+
+def _has_host_memory(x: jax.Array) -> bool:
+    device = next(iter(x.sharding.device_set))
+    try:
+        return any(m.kind == "pinned_host" for m in device.addressable_memories())
+    except Exception:  # noqa: BLE001 - a backend without memory kinds
+        return False
 
 
 def is_sharded(x: Any) -> bool:
