@@ -1,7 +1,8 @@
 """A real ipykernel for the notebook tests: start it, run cells, watch its messages.
 
 Test modules import `kernel_fixture`, which provides the `kernel` fixture. Each test module gets one
-kernel (starting one and importing JAX costs seconds); tests in a module use distinct names.
+kernel (starting one and importing JAX costs seconds); tests in a module use distinct names. The
+next notebook module's kernel starts in the background while a module's tests run.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import queue
 import textwrap
 import time
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -284,10 +286,8 @@ class Kernel:
             self._drain(0.1)
 
 
-@pytest.fixture(scope="module", name="kernel")
-def kernel_fixture(tmp_path_factory):
-    """A kernel in a fresh directory holding tiny_exp.py, with `%load_ext nitro` done."""
-    cwd = tmp_path_factory.mktemp("kernel")
+def _kernel_with_nitro(cwd: Path) -> Kernel:
+    """A kernel in `cwd`, which holds tiny_exp.py, with `%load_ext nitro` done."""
     (cwd / "tiny_exp.py").write_text(TINY_MODULE)
     k = Kernel(cwd)
     try:
@@ -299,7 +299,63 @@ def kernel_fixture(tmp_path_factory):
             import nitro, nitro_ipython, tiny_exp
             """
         )
-        k.cwd = cwd
+    except BaseException:
+        k.close()
+        raise
+    k.cwd = cwd
+    return k
+
+
+_STARTER = ThreadPoolExecutor(1, thread_name_prefix="notebook-kernel")
+_NEXT: dict[str, Future[Kernel]] = {}  # a later module's kernel, by module name, starting
+_cleanup_registered = False  # whether the session closes the kernels no module took
+
+
+def _close_unused() -> None:
+    for started in _NEXT.values():
+        if started.exception() is None:
+            started.result().close()
+    _NEXT.clear()
+
+
+def _next_kernel_module(request: pytest.FixtureRequest) -> str | None:
+    """The next module of the session that uses the `kernel` fixture, when only notebook
+    modules (which start kernels and servers themselves) run before it; else None. None in a
+    pytest-xdist worker too: the next module may be another worker's."""
+    if hasattr(request.config, "workerinput"):
+        return None
+    modules: list[str] = []
+    uses: set[str] = set()
+    for item in request.session.items:
+        name = item.module.__name__ if isinstance(item, pytest.Function) else ""
+        if not modules or modules[-1] != name:
+            modules.append(name)
+        if "kernel" in getattr(item, "fixturenames", ()):
+            uses.add(name)
+    this = request.module.__name__
+    if this not in modules:
+        return None
+    for name in modules[modules.index(this) + 1 :]:
+        if name in uses:
+            return name
+        if not name.startswith("test_notebook_"):
+            return None
+    return None
+
+
+@pytest.fixture(scope="module", name="kernel")
+def kernel_fixture(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """A kernel in a fresh directory holding tiny_exp.py, with `%load_ext nitro` done."""
+    global _cleanup_registered
+    if not _cleanup_registered:
+        request.config.add_cleanup(_close_unused)
+        _cleanup_registered = True
+    started = _NEXT.pop(request.module.__name__, None)
+    k = started.result() if started else _kernel_with_nitro(tmp_path_factory.mktemp("kernel"))
+    following = _next_kernel_module(request)
+    if following is not None and following not in _NEXT:
+        _NEXT[following] = _STARTER.submit(_kernel_with_nitro, tmp_path_factory.mktemp("kernel"))
+    try:
         yield k
     finally:
         k.close()

@@ -23,6 +23,7 @@ from __future__ import annotations
 import ast
 import dataclasses
 import re
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -98,11 +99,62 @@ def _page_id(page: Path) -> str:
 RUN_PAGES = [page for page in PAGES if python_blocks(page)]
 
 
-@pytest.mark.parametrize("page", RUN_PAGES, ids=_page_id)
-def test_every_python_block_of_the_page_runs(page: Path, tmp_path: Path):
-    kernel = Kernel(tmp_path)
+# Imported, binding no name, while a kernel waits for its page: these are the libraries every page
+# uses, and importing them takes seconds that the page before can run in.
+PRELOAD = "; ".join(
+    f"__import__({name!r})"
+    for name in ("jax", "jax.numpy", "flax.nnx", "optax", "orbax.checkpoint")
+)
+
+
+def _start_kernel(cwd: Path) -> Kernel:
+    kernel = Kernel(cwd)
     try:
         kernel.run(RUNNER)
+        kernel.finish(kernel.start(PRELOAD, silent=True, store_history=False))
+    except BaseException:
+        kernel.close()
+        raise
+    return kernel
+
+
+@pytest.fixture(scope="module")
+def page_kernel(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    """A function returning a fresh kernel, in a fresh directory, for each page in turn: the next
+    page's kernel starts in the background while a page runs."""
+    wanted = sum(
+        item.originalname == "test_every_python_block_of_the_page_runs"
+        for item in request.session.items
+        if isinstance(item, pytest.Function)
+    )
+    starter = ThreadPoolExecutor(1, thread_name_prefix="docs-kernel")
+    started: list[Future[Kernel]] = []
+
+    def start() -> None:
+        nonlocal wanted
+        if wanted > 0:
+            wanted -= 1
+            cwd = tmp_path_factory.mktemp("page")
+            started.append(starter.submit(_start_kernel, cwd))
+
+    def take() -> Kernel:
+        if not started:
+            start()
+        kernel = started.pop(0)
+        start()  # the next page's
+        return kernel.result()
+
+    yield take
+    starter.shutdown(wait=True)
+    for kernel in started:
+        if kernel.exception() is None:
+            kernel.result().close()
+
+
+@pytest.mark.parametrize("page", RUN_PAGES, ids=_page_id)
+def test_every_python_block_of_the_page_runs(page: Path, page_kernel):
+    kernel = page_kernel()
+    try:
         for block in python_blocks(page):
             if block.not_run is not None:
                 if not block.source.lstrip().startswith(("%", ">>>")):

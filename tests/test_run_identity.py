@@ -30,11 +30,20 @@ def other_module_toy():
     return namespace["Toy"]
 
 
-def test_run_json_records_the_experiment_the_notebook_and_the_name():
+@pytest.fixture
+def script(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
+    """This process as a script at a known path, the notebook a run records, whatever started
+    the tests (pytest's own __main__ has a file; a pytest-xdist worker's has none)."""
+    path = str(tmp_path / "train.py")
+    monkeypatch.setattr(sys.modules["__main__"], "__file__", path, raising=False)
+    return path
+
+
+def test_run_json_records_the_experiment_the_notebook_and_the_name(script):
     n = nitro.Nitro(Toy(max_epochs=1), name="baseline", progress=False).train()
     info = json.loads((Path(n.run_dir) / "run.json").read_text())
     assert (info["module"], info["qualname"], info["name"]) == ("toys", "Toy", "baseline")
-    assert info["notebook"] == os.path.abspath(sys.modules["__main__"].__file__)
+    assert info["notebook"] == script
     assert n.name == "baseline"
     assert nitro.saved_runs("Toy").loc[n.run_id, "name"] == "baseline"
     with pytest.raises(ValueError, match="name must be a non-empty str"):
@@ -58,7 +67,7 @@ def saved_steps(n: nitro.Nitro) -> list[int]:
     return sorted(n.checkpoints()["step"].tolist())
 
 
-def test_resume_auto_prefers_the_names_run_then_the_furthest_trained_and_says_so(capsys):
+def test_resume_auto_prefers_the_names_run_then_the_furthest_trained_and_says_so(capsys, script):
     named = nitro.Nitro(Toy(max_epochs=1), name="exp", progress=False).train()
     furthest = nitro.Nitro(Toy(max_epochs=3), progress=False).train()
     nitro.Nitro(Toy(max_epochs=2), progress=False).train()  # started last, trained less
@@ -72,7 +81,7 @@ def test_resume_auto_prefers_the_names_run_then_the_furthest_trained_and_says_so
     (Path("runs") / "Toy" / "handles.json").unlink()  # without the record: the run's name
     n = nitro.Nitro(Toy(max_epochs=4), name="exp", resume="auto", progress=False)
     assert n.run_id == named.run_id
-    assert "the only run named 'exp', a run of toys.Toy in " in capsys.readouterr().err
+    assert f"the only run named 'exp', a run of toys.Toy in {script}" in capsys.readouterr().err
 
     n = nitro.Nitro(Toy(max_epochs=4), resume="auto", progress=False)  # no name: the furthest
     assert (n.run_id, n.epoch) == (furthest.run_id, 3)
