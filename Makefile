@@ -18,8 +18,13 @@ setup: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m nitro.examples.digits
 
+# The test files run on TEST_WORKERS processes (pytest-xdist, a file per worker so each module's
+# kernels and servers stay together), then the tests that measure the machine run alone.
+TEST_WORKERS ?= 2
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile -m "not serial"
+	$(PY) -m pytest -q -m serial
 
 LINTED := nitro nitro_ipython tests bench notebooks conftest.py
 

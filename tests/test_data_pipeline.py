@@ -55,6 +55,7 @@ def test_prefetch_defaults():
     assert f"host_batches={2 * workers}, device_batches=1, ordered=True" in prefetcher.describe()
 
 
+@pytest.mark.serial  # auto's choice is a measurement of this machine
 def test_auto_builds_cheap_batches_inline_and_slow_ones_on_workers():
     cheap = nitro.Nitro(Pipe(), progress=False)  # an ArrayLoader: microseconds per batch
     assert cheap.keywords["prefetch"].value == "auto"

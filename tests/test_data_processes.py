@@ -159,6 +159,7 @@ def test_no_worker_outlives_its_parent_killed_mid_run():
             parent.kill()
 
 
+@pytest.mark.serial  # auto's choice is a measurement of this machine
 def test_auto_measures_and_the_binding_report_says_which_and_why():
     python_heavy = train(Augmented(work=10_000), steps_per_dispatch=1)
     report = str(python_heavy.binding_report())

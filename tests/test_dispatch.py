@@ -166,6 +166,7 @@ def test_per_step_losses_reach_reporters_and_a_stop_lands_on_a_call_boundary():
     assert n.step == 27 and n.epoch == 3
 
 
+@pytest.mark.serial  # auto's choice is a measurement of this machine
 @pytest.mark.parametrize("prefetch", ["inline", "threads"])
 def test_auto_measures_then_fuses_and_says_why_in_the_binding_report(monkeypatch, prefetch):
     monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", 0.0)  # however fast this machine is
@@ -229,6 +230,7 @@ class Convolutional:
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
+@pytest.mark.serial  # auto's choice is a measurement of this machine
 @pytest.mark.skipif(jax.default_backend() != "cpu", reason="measures the CPU backend")
 def test_auto_goes_back_to_one_step_per_call_when_fusing_is_slower(monkeypatch):
     monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", 0.0)

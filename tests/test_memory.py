@@ -229,7 +229,9 @@ def test_live_arrays_stay_bounded_over_2000_steps():
     x = np.resize(X, (250 * BATCH, X.shape[1]))
     y = np.resize(Y, 250 * BATCH)
     source = LiveCountingLoader({"x": x, "y": y}, BATCH)
-    n = nitro.Nitro(Pipe(max_epochs=8), data={"train": source}, progress=False)
+    # threads: the counting batch_at is slow (live_arrays), and "auto" could measure it onto
+    # worker processes, whose counts this process never sees
+    n = nitro.Nitro(Pipe(max_epochs=8), data={"train": source}, prefetch="threads", progress=False)
     baseline = len(jax.live_arrays())
     n.train()
     assert n.step == 2000
