@@ -27,7 +27,7 @@ P('data', None)
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -245,3 +245,27 @@ class Layout:
     @staticmethod
     def per_device(shape: tuple, itemsize: int, sharding: NamedSharding) -> int:
         return int(np.prod(sharding.shard_shape(tuple(shape)), dtype=np.int64)) * itemsize
+
+
+def build_model(build: Callable[[], Any]) -> Any:
+    """`build()` (the experiment's `build_model`) with Flax's eager sharding off, so an
+    `nnx.with_partitioning` annotation stays metadata for the placement and needs no mesh
+    around the construction. Every variable without an annotation then records the eager
+    sharding Flax would have given it anywhere else, so its metadata is what the person's own
+    model has (a `jax.tree.map` over both agrees)."""
+    with nnx.use_eager_sharding(False):
+        model = build()
+    eager = nnx.using_eager_sharding()
+    if eager:
+        models = model.values() if isinstance(model, Mapping) else [model]
+        for part in models:
+            if not isinstance(part, nnx.Module):
+                continue  # refused by the caller, which names what it got
+            for _, node in nnx.iter_graph(part):
+                if isinstance(node, nnx.Variable) and _annotation(node) is None:
+                    node.set_metadata("eager_sharding", eager)
+    return model
+
+
+def _annotation(variable: nnx.Variable) -> Any:
+    return variable.get_metadata("out_sharding", None) or variable.get_metadata("sharding", None)

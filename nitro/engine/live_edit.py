@@ -35,6 +35,7 @@ from nitro.core import events as events_module
 from nitro.core.events import Events
 from nitro.core.frozen import FrozenDict
 from nitro.core.run_setup import RunSetup
+from nitro.core.sharding import build_model
 from nitro.engine.setup import (
     freeze_hook_code,
     freeze_hooks,
@@ -98,7 +99,9 @@ def _live_instance(experiment: Any, cls: type) -> Any:
 def _model_setup(setup: RunSetup, instance: Any, variables: Any):
     """The model's new graph definitions and fingerprint for edited model classes, when the
     parameters and the model state keep their layout (else `Refused`)."""
-    abstract = nnx.eval_shape(lambda: instance.build_model(nnx.Rngs(setup.seed)))
+    abstract = nnx.eval_shape(
+        lambda: build_model(lambda: instance.build_model(nnx.Rngs(setup.seed)))
+    )
     if isinstance(abstract, Mapping):
         abstract = nnx.Dict({str(k): v for k, v in abstract.items()})
     if is_linen(abstract) or not isinstance(abstract, nnx.Module):

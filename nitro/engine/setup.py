@@ -33,6 +33,7 @@ from nitro.core.run_setup import (
     SavedWeights,
     SplitSetup,
 )
+from nitro.core.sharding import build_model
 from nitro.core.train_state import TrainState, Variables
 from nitro.data import (
     ArrayLoader,
@@ -108,7 +109,11 @@ def build(
     placement = _placement(keywords)
     device_specs, device_dtypes, device_values = _device_fields(instance, placement)
     model = _build_model(
-        instance, keywords.seed, weights, events, linen_init=(splits_given, hooks, fields_by_hook)
+        instance,
+        keywords.seed,
+        weights,
+        events,
+        linen_init=(splits_given, hooks, fields_by_hook),
     )
     params, rest = placement.lay_out(model.params, model.model_state)
     optimizer, opt_state = _build_optimizer(instance, keywords, splits_given, params, placement)
@@ -434,9 +439,7 @@ def _build_model(
 ) -> BuiltModel:
     """The model's graph definitions and weights (`weights=` copied over the new ones)."""
     events.phase("building model")
-    # annotations (nnx.with_partitioning) stay metadata: the placement lays the state out
-    with nnx.use_eager_sharding(False):
-        model = instance.build_model(nnx.Rngs(seed))
+    model = build_model(lambda: instance.build_model(nnx.Rngs(seed)))
     if isinstance(model, Mapping):  # several models, by name (GANs, teacher and student, ...)
         bad = {k: type(v).__name__ for k, v in model.items() if not isinstance(v, nnx.Module)}
         if not model or bad:
