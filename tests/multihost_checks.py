@@ -68,6 +68,19 @@ class LongerEpochs(SharedToy):
         return {"train": ArrayLoader({"x": x, "y": y}, self.batch_size, seed=3, per_process=True)}
 
 
+@nitro.experiment
+class GrainSamples(SharedToy):
+    """A Grain dataset of samples, shuffled by Grain: each process batches its slice of every
+    global batch (jax.process_index() of jax.process_count()), as ArrayLoader(per_process=True)
+    does."""
+
+    def build_data(self):
+        import grain
+
+        rows = [{"x": X[i], "y": Y[i]} for i in range(len(X))]
+        return {"train": grain.MapDataset.source(rows).shuffle(seed=5)}
+
+
 def main():
     host = nitro.Nitro(HostMetrics(max_epochs=1), progress=False)
     host_validate = host.validate()
@@ -101,6 +114,18 @@ def main():
         "checking": choice.checking,
         "reason": choice.reason,
         "step": auto.step,
+    }
+    grained = nitro.Nitro(GrainSamples(max_epochs=2), progress=False, checkpointer=None)
+    grained.train()
+    source = grained.runtime.prefetchers["train"].source
+    result["grain"] = {
+        "source": type(source).__name__,
+        "shard": [source.process, source.processes],
+        "local_batch": source.batch_size,
+        "loss": grained.history()["loss"].tolist(),
+        "params": [
+            np.asarray(p).tolist() for p in jax.tree.leaves(nnx.state(grained.model, nnx.Param))
+        ],
     }
     print(json.dumps(result), flush=True)
 

@@ -124,3 +124,14 @@ def test_auto_steps_per_dispatch_is_the_same_decision_in_every_process(runs):
     assert first["auto"] == second["auto"]
     assert first["auto"]["step"] == 8 * 32
     assert first["auto"]["steps"] is not None, first["auto"]  # the probe decided
+
+
+def test_a_grain_dataset_is_sharded_by_process_and_matches_one_process(runs):
+    first, second, single = runs
+    assert first["grain"]["source"] == "GrainSource"
+    assert [first["grain"]["shard"], second["grain"]["shard"]] == [[0, 2], [1, 2]]
+    assert single["grain"]["shard"] == [0, 1]
+    assert first["grain"]["local_batch"] * 2 == single["grain"]["local_batch"]
+    assert first["grain"]["loss"] == second["grain"]["loss"]
+    assert_close(first["grain"]["loss"], single["grain"]["loss"])
+    assert_close(first["grain"]["params"], single["grain"]["params"])
