@@ -59,14 +59,14 @@ VOCAB, CONTEXT, WIDTH, LAYERS, HEADS = 64, 64, 64, 2, 4
 
 
 class Block(nnx.Module):
-    def __init__(self, *, rngs: nnx.Rngs):
-        self.norm1 = nnx.LayerNorm(WIDTH, rngs=rngs)
+    def __init__(self, width: int = WIDTH, heads: int = HEADS, *, rngs: nnx.Rngs):
+        self.norm1 = nnx.LayerNorm(width, rngs=rngs)
         self.attention = nnx.MultiHeadAttention(
-            HEADS, WIDTH, decode=False, deterministic=True, rngs=rngs
+            heads, width, decode=False, deterministic=True, rngs=rngs
         )
-        self.norm2 = nnx.LayerNorm(WIDTH, rngs=rngs)
-        self.up = nnx.Linear(WIDTH, 4 * WIDTH, rngs=rngs)
-        self.down = nnx.Linear(4 * WIDTH, WIDTH, rngs=rngs)
+        self.norm2 = nnx.LayerNorm(width, rngs=rngs)
+        self.up = nnx.Linear(width, 4 * width, rngs=rngs)
+        self.down = nnx.Linear(4 * width, width, rngs=rngs)
 
     def __call__(self, x, mask):
         x = x + self.attention(self.norm1(x), mask=mask)
@@ -74,14 +74,24 @@ class Block(nnx.Module):
 
 
 class TinyLM(nnx.Module):
-    """A decoder-only transformer: token and position embeddings, pre-norm causal blocks."""
+    """A decoder-only transformer: token and position embeddings, pre-norm causal blocks (the
+    sizes default to this benchmark's; bench/sharding.py and the sharding tests use others)."""
 
-    def __init__(self, *, rngs: nnx.Rngs):
-        self.tokens = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
-        self.positions = nnx.Embed(CONTEXT, WIDTH, rngs=rngs)
-        self.blocks = nnx.List([Block(rngs=rngs) for _ in range(LAYERS)])
-        self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
-        self.out = nnx.Linear(WIDTH, VOCAB, rngs=rngs)
+    def __init__(
+        self,
+        vocab: int = VOCAB,
+        context: int = CONTEXT,
+        width: int = WIDTH,
+        layers: int = LAYERS,
+        heads: int = HEADS,
+        *,
+        rngs: nnx.Rngs,
+    ):
+        self.tokens = nnx.Embed(vocab, width, rngs=rngs)
+        self.positions = nnx.Embed(context, width, rngs=rngs)
+        self.blocks = nnx.List([Block(width, heads, rngs=rngs) for _ in range(layers)])
+        self.norm = nnx.LayerNorm(width, rngs=rngs)
+        self.out = nnx.Linear(width, vocab, rngs=rngs)
 
     def __call__(self, x):
         h = self.tokens(x) + self.positions(jnp.arange(x.shape[1]))

@@ -32,14 +32,15 @@ if "--help" not in sys.argv and "-h" not in sys.argv:  # before JAX starts: fake
         os.environ["XLA_FLAGS"] = f"{flags} --xla_force_host_platform_device_count={devices}"
 
 import jax  # noqa: E402
-import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 import optax  # noqa: E402
-from flax import nnx  # noqa: E402
 from jax.sharding import PartitionSpec as P  # noqa: E402
 
 import nitro  # noqa: E402
 from nitro.data import ArrayLoader  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from peers import TinyLM  # noqa: E402  (the transformer of bench/peers.py, wider)
 
 VOCAB, CONTEXT, HEADS = 256, 64, 8
 
@@ -53,37 +54,6 @@ RULES = {
     r"tokens\.embedding": P(None, "data"),
     r"^out\.kernel": P("data", None),
 }
-
-
-class Block(nnx.Module):
-    def __init__(self, width: int, *, rngs: nnx.Rngs):
-        self.norm1 = nnx.LayerNorm(width, rngs=rngs)
-        self.attention = nnx.MultiHeadAttention(
-            HEADS, width, decode=False, deterministic=True, rngs=rngs
-        )
-        self.norm2 = nnx.LayerNorm(width, rngs=rngs)
-        self.up = nnx.Linear(width, 4 * width, rngs=rngs)
-        self.down = nnx.Linear(4 * width, width, rngs=rngs)
-
-    def __call__(self, x, mask):
-        x = x + self.attention(self.norm1(x), mask=mask)
-        return x + self.down(nnx.gelu(self.up(self.norm2(x))))
-
-
-class LM(nnx.Module):
-    def __init__(self, width: int, layers: int, *, rngs: nnx.Rngs):
-        self.tokens = nnx.Embed(VOCAB, width, rngs=rngs)
-        self.positions = nnx.Embed(CONTEXT, width, rngs=rngs)
-        self.blocks = nnx.List([Block(width, rngs=rngs) for _ in range(layers)])
-        self.norm = nnx.LayerNorm(width, rngs=rngs)
-        self.out = nnx.Linear(width, VOCAB, rngs=rngs)
-
-    def __call__(self, x):
-        h = self.tokens(x) + self.positions(jnp.arange(x.shape[1]))
-        mask = nnx.make_causal_mask(x)
-        for block in self.blocks:
-            h = block(h, mask)
-        return self.out(self.norm(h))
 
 
 def tokens(sequences: int, seed: int = 0) -> dict[str, np.ndarray]:
@@ -105,7 +75,7 @@ def experiment(width: int, layers: int, batch: int, arrays):
             return {"train": ArrayLoader(arrays, batch, shuffle=True, drop_last=True, seed=0)}
 
         def build_model(self, rngs):
-            return LM(self.width_, self.layers_, rngs=rngs)
+            return TinyLM(VOCAB, CONTEXT, self.width_, self.layers_, HEADS, rngs=rngs)
 
         def forward(self, model, *, x):
             return model(x)

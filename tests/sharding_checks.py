@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import sys
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -83,37 +83,14 @@ class Manual(Toy):
 
 # the transformer of bench/peers.py, small
 VOCAB, CONTEXT, WIDTH, LAYERS, HEADS = 32, 16, 32, 2, 4
+sys.path.insert(
+    0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "bench")
+)
+from peers import TinyLM as PeersLM  # noqa: E402
 
 
-class Block(nnx.Module):
-    def __init__(self, *, rngs: nnx.Rngs):
-        self.norm1 = nnx.LayerNorm(WIDTH, rngs=rngs)
-        self.attention = nnx.MultiHeadAttention(
-            HEADS, WIDTH, decode=False, deterministic=True, rngs=rngs
-        )
-        self.norm2 = nnx.LayerNorm(WIDTH, rngs=rngs)
-        self.up = nnx.Linear(WIDTH, 4 * WIDTH, rngs=rngs)
-        self.down = nnx.Linear(4 * WIDTH, WIDTH, rngs=rngs)
-
-    def __call__(self, x, mask):
-        x = x + self.attention(self.norm1(x), mask=mask)
-        return x + self.down(nnx.gelu(self.up(self.norm2(x))))
-
-
-class TinyLM(nnx.Module):
-    def __init__(self, *, rngs: nnx.Rngs):
-        self.tokens = nnx.Embed(VOCAB, WIDTH, rngs=rngs)
-        self.positions = nnx.Embed(CONTEXT, WIDTH, rngs=rngs)
-        self.blocks = nnx.List([Block(rngs=rngs) for _ in range(LAYERS)])
-        self.norm = nnx.LayerNorm(WIDTH, rngs=rngs)
-        self.out = nnx.Linear(WIDTH, VOCAB, rngs=rngs)
-
-    def __call__(self, x):
-        h = self.tokens(x) + self.positions(jnp.arange(x.shape[1]))
-        mask = nnx.make_causal_mask(x)
-        for block in self.blocks:
-            h = block(h, mask)
-        return self.out(self.norm(h))
+def TinyLM(*, rngs):  # noqa: N802 - stands for the class
+    return PeersLM(VOCAB, CONTEXT, WIDTH, LAYERS, HEADS, rngs=rngs)
 
 
 def tokens(sequences: int) -> dict[str, np.ndarray]:

@@ -10,7 +10,6 @@ import subprocess
 import sys
 import textwrap
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -18,42 +17,13 @@ import psutil
 import pytest
 from pipeline_toys import Pipe, PlainBatches, params_of
 from process_toys import Augmented
+from worker_processes import gone, workers_of
+from worker_processes import wait_for as _wait_for
 
 import nitro
 from nitro.errors import DataWorkerError, SetupError
 
 TESTS = Path(__file__).parent
-
-
-def workers_of(pid: int) -> list[psutil.Process]:
-    """The live worker processes (multiprocessing's spawned children) below `pid`."""
-    try:
-        children = psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-    found = []
-    for child in children:
-        try:
-            if "spawn_main" in " ".join(child.cmdline()) and child.status() != "zombie":
-                found.append(child)
-        except psutil.NoSuchProcess:
-            continue
-    return found
-
-
-def gone(processes: list[psutil.Process], seconds: float = 30.0) -> list[psutil.Process]:
-    """Those of `processes` still alive after waiting up to `seconds`."""
-    _, alive = psutil.wait_procs(processes, timeout=seconds)
-    return [p for p in alive if p.is_running() and p.status() != "zombie"]
-
-
-def _wait_for(condition, seconds: float = 120.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def train(source, **keywords) -> nitro.Nitro:

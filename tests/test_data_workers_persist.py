@@ -11,49 +11,17 @@ import signal
 import subprocess
 import sys
 import textwrap
-import time
 from pathlib import Path
 
 import numpy as np
-import psutil
 from pipeline_toys import Pipe, params_of
 from process_toys import Augmented
+from worker_processes import gone, wait_for, workers_of
 
 import nitro
 
 TESTS = Path(__file__).parent
 PROCESSES = {"prefetch": "processes", "prefetch_workers": 1, "progress": False, "logger": None}
-
-
-def workers_of(pid: int) -> list[psutil.Process]:
-    """The live worker processes (multiprocessing's spawned children) below `pid`."""
-    try:
-        children = psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-    found = []
-    for child in children:
-        try:
-            if "spawn_main" in " ".join(child.cmdline()) and child.status() != "zombie":
-                found.append(child)
-        except psutil.NoSuchProcess:
-            continue
-    return found
-
-
-def gone(processes: list[psutil.Process], seconds: float = 30.0) -> list[psutil.Process]:
-    """Those of `processes` still alive after waiting up to `seconds`."""
-    _, alive = psutil.wait_procs(processes, timeout=seconds)
-    return [p for p in alive if p.is_running() and p.status() != "zombie"]
-
-
-def wait_for(condition, seconds: float = 120.0) -> bool:
-    deadline = time.monotonic() + seconds
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
-    return True
 
 
 def handle(source, **keywords) -> nitro.Nitro:
