@@ -489,11 +489,12 @@ class NitroMagics(Magics):
             h for h in runs.live_handles(self._ns) if h.running or runs.handle_names(self._ns, h)
         ]
         on_disk = runs.runs_on_disk(self._ns, handles)
-        if not handles and on_disk.empty:
+        pops = populations.table(self._ns)
+        if not handles and on_disk.empty and pops is None:
             print("nitro: no runs yet; %nitro train EXP starts one")
             return None
         live = runs.runs_table(self._ns, handles) if handles else None
-        return runs.RunTables(live, on_disk)
+        return runs.RunTables(live, on_disk, pops)
 
     def _validate(self, args) -> dict:
         return self._idle(*self._handle(args.target, "validate"), "validate").validate()

@@ -20,7 +20,17 @@ from IPython.core.error import UsageError
 import nitro
 from nitro.progress import ranked_members, settings_label
 
-__all__ = ["members_text", "named", "status_lines", "stop", "stop_member", "train", "wait"]
+__all__ = [
+    "best_member",
+    "members_text",
+    "named",
+    "status_lines",
+    "stop",
+    "stop_member",
+    "table",
+    "train",
+    "wait",
+]
 
 # `%nitro train` options a population does not take, and why
 _NOT_FOR_POPULATIONS = {
@@ -139,6 +149,49 @@ def wait(pop: Any, name: str) -> None:
         print(line)
 
 
+def best_member(pop: Any) -> tuple[str, float, int] | None:
+    """(metric, value, member) of the best member still training, by the monitored metric of
+    each one's latest row; None before any row."""
+    stopped = pop.stopped
+    history = pop.history()
+    if history.empty:
+        return None
+    latest = history.groupby(level="member").tail(1).reset_index()
+    rows = [r for r in latest.to_dict("records") if int(r["member"]) not in stopped]
+    metric, order = ranked_members(rows)
+    value = order[0].get(metric) if order else None
+    if isinstance(value, float) and math.isfinite(value):
+        return metric, value, int(order[0]["member"])
+    return None
+
+
+def table(user_ns: Mapping[str, Any]):
+    """`%nitro runs`' populations: one row per population the notebook names, or None."""
+    import pandas as pd
+
+    rows = []
+    for name, pop in named(user_ns):
+        found = best_member(pop)
+        rows.append(
+            {
+                "population": name,
+                "experiment": pop.cls.__name__,
+                "phase": pop.phase,
+                "epoch": f"{pop.epoch}/{pop.target_epoch or pop.max_epochs}",
+                "step": pop.step,
+                "members": members_text(len(pop) - len(pop.stopped), len(pop), pop.running),
+                "best": (
+                    f"{found[0]} {found[1]:.4g} (member {found[2]}: "
+                    f"{settings_label(pop.members[found[2]])})"
+                    if found is not None
+                    else "-"
+                ),
+                "running": pop.running,
+            }
+        )
+    return pd.DataFrame(rows).set_index("population") if rows else None
+
+
 def status_lines(pop: Any, name: str) -> list[str]:
     """`pop (Tiny population of 4): training, epoch 1/3, step 25, 3 of 4 members training,
     best val_loss 0.5123 (member 2: learning_rate=0.01)`, then a line per stopped member."""
@@ -149,17 +202,10 @@ def status_lines(pop: Any, name: str) -> list[str]:
         f"{pop.epoch}/{target}, step {pop.step}, "
         + members_text(len(pop) - len(stopped), len(pop), pop.running)
     )
-    history = pop.history()
-    if not history.empty:
-        latest = history.groupby(level="member").tail(1).reset_index()
-        rows = [r for r in latest.to_dict("records") if int(r["member"]) not in stopped]
-        metric, order = ranked_members(rows)
-        value = order[0].get(metric) if order else None
-        if isinstance(value, float) and math.isfinite(value):
-            best = int(order[0]["member"])
-            text += (
-                f", best {metric} {value:.4g} (member {best}: {settings_label(pop.members[best])})"
-            )
+    found = best_member(pop)
+    if found is not None:
+        metric, value, best = found
+        text += f", best {metric} {value:.4g} (member {best}: {settings_label(pop.members[best])})"
     if not pop.running and pop.stop_reason:
         text += f" (stop reason: {pop.stop_reason})"
     lines = [text]

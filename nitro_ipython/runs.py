@@ -278,10 +278,11 @@ def runs_on_disk(user_ns: Mapping[str, Any], handles: Iterable[Any]):
 
 
 class RunTables:
-    """`%nitro runs`: the notebook's live runs, then the run directories on disk."""
+    """`%nitro runs`: the notebook's live runs, its populations, then the run directories on
+    disk."""
 
-    def __init__(self, live, on_disk):
-        self.live, self.on_disk = live, on_disk
+    def __init__(self, live, on_disk, populations=None):
+        self.live, self.on_disk, self.populations = live, on_disk, populations
 
     # the live table's numbers, as the status line shows them
     FORMATTERS = {"loss": lambda v: _fmt(v), "steps/s": lambda v: _fmt(v, ",.0f")}
@@ -292,6 +293,8 @@ class RunTables:
             if self.live is not None
             else "no runs in this kernel"
         ]
+        if self.populations is not None:
+            parts.append("populations:\n" + self.populations.to_string())
         if not self.on_disk.empty:
             parts.append("on disk:\n" + self.on_disk.to_string())
         return "\n\n".join(parts)
@@ -302,6 +305,8 @@ class RunTables:
             if self.live is not None
             else "<p>no runs in this kernel</p>"
         ]
+        if self.populations is not None:
+            parts.append("<p><b>populations</b></p>" + self.populations.to_html())
         if not self.on_disk.empty:
             parts.append("<p><b>on disk</b></p>" + self.on_disk.to_html())
         return "\n".join(parts)

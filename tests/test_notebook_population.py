@@ -154,7 +154,7 @@ def test_stop_a_member_with_the_magic_and_status_lists_the_population(kernel):
     status = kernel.run("%nitro status").stdout
     assert re.search(
         r"popc \(Tiny population of 3\): (training|validating), epoch \d+/1000, step \d+, "
-        r"3 of 3 members training, best val_loss [\d.]+ \(member \d: learning_rate=",
+        r"3 of 3 members training, best val_loss [\d.e+-]+ \(member \d: learning_rate=",
         status,
     )
 
@@ -183,6 +183,13 @@ def test_stop_a_member_with_the_magic_and_status_lists_the_population(kernel):
     assert re.match(r"nitro: stopped popc at epoch \d+, step \d+ .*`%nitro train popc`", ended)
     assert "1 of 3 members stopped" in kernel.run("%nitro status popc").stdout
     assert "popc is not running" in kernel.run("%nitro stop popc").stdout
+    # %nitro runs lists the population beside the runs, with its best member
+    listed = kernel.run("%nitro runs").data()[-1]
+    assert "populations:" in listed
+    row = re.search(
+        r"^popc +Tiny +stopped +\d+/1000 +\d+ +1 of 3 members stopped +(.*)$", listed, re.M
+    )
+    assert row and re.match(r"val_loss [\d.e+-]+ \(member [02]: learning_rate=", row.group(1))
 
 
 def test_a_population_refuses_what_it_does_not_take_in_one_line(kernel):
