@@ -15,7 +15,6 @@ import json
 import os
 import secrets
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -24,6 +23,7 @@ from pathlib import Path
 
 import pytest
 from notebook_kernel import REPO, kernel_env
+from ports import free_port as _free_port
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -66,12 +66,6 @@ def require_browser() -> None:
         pytest.skip(f"{', '.join(missing)} not found: {INSTALL_HINT}")
     pytest.importorskip("selenium", reason="selenium is in the dev extra: pip install -e '.[dev]'")
     pytest.importorskip("jupyterlab", reason="jupyterlab is in the dev extra")
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Lab:

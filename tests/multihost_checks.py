@@ -15,7 +15,7 @@ import sys
 import jax
 
 process_id, num_processes, port = (int(a) for a in sys.argv[1:4])
-if num_processes > 1:
+if num_processes > 1 and __name__ == "__main__":  # not in a data worker process
     jax.distributed.initialize(
         coordinator_address=f"127.0.0.1:{port}",
         num_processes=num_processes,
@@ -115,7 +115,9 @@ def main():
         "reason": choice.reason,
         "step": auto.step,
     }
-    grained = nitro.Nitro(GrainSamples(max_epochs=2), progress=False, checkpointer=None)
+    grained = nitro.Nitro(
+        GrainSamples(max_epochs=2), progress=False, checkpointer=None, prefetch="threads"
+    )
     grained.train()
     source = grained.runtime.prefetchers["train"].source
     result["grain"] = {

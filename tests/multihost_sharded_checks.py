@@ -22,7 +22,7 @@ import jax
 
 process_id, num_processes, port = (int(a) for a in sys.argv[1:4])
 run_dir, mode = sys.argv[4:6]
-if num_processes > 1:
+if num_processes > 1 and __name__ == "__main__":  # not in a data worker process
     jax.distributed.initialize(
         coordinator_address=f"127.0.0.1:{port}",
         num_processes=num_processes,

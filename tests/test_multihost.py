@@ -9,21 +9,15 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
 import numpy as np
 import pytest
+from ports import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOLERANCE = 1e-5
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def start(process_id: int, processes: int, port: int, devices: int, cwd) -> subprocess.Popen:

@@ -10,7 +10,7 @@ import sys
 
 import numpy as np
 import pytest
-from test_multihost import free_port
+from ports import free_port
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TOLERANCE = 1e-5

@@ -73,10 +73,10 @@ def test_interrupt_and_edit_notebook_interrupts_edits_and_retrains(tmp_path):
     _find(texts, r"interrupted; stopping training after the current step")
     _find(texts, r"stop reason: requested")
     _find(texts, r"nitro: reloaded digits_edit_demo: changed Digits.loss\.")
-    _find(  # one train program: the fused one when the interrupted run chose to fuse (auto)
-        texts,
-        r"exp_run \(Digits\): loss changed: (train step|multi-step train) and eval forward "
-        r"will recompile",
+    _find(  # the train programs the run held: one step per call, fused (auto's K), or both
+        texts,  # (interrupted while auto timed one against the other, on a busy machine)
+        r"exp_run \(Digits\): loss changed: ((train step|multi-step train), )?"
+        r"(train step|multi-step train) and eval forward will recompile",
     )
     # the edited loss reaches the train program and eval forward; a run interrupted between
     # fused calls that do not line up with its epoch also runs its epoch's remainder one step

@@ -30,6 +30,7 @@ if importlib.util.find_spec("kserve") is None:
     )
 http_client = pytest.importorskip("tritonclient.http")
 grpc_client = pytest.importorskip("tritonclient.grpc")
+from ports import free_port  # noqa: E402
 from tritonclient.utils import InferenceServerException  # noqa: E402
 
 RNG = np.random.default_rng(2)
@@ -48,12 +49,6 @@ class Counts(Toy):
 
     def export_preprocess(self, *, counts, levels):
         return {"x": counts.astype(jnp.float32) + levels.astype(jnp.float32)}
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Server:
