@@ -179,14 +179,21 @@ def swap_row(swap: Swap, step: int, epoch: int, pause: float) -> dict[str, Any]:
 
 
 def record_swap(
-    swap: Swap, state: TrainState, events: Any, say: Callable[[str], None], pause: float
+    swap: Swap,
+    state: TrainState,
+    events: Any,
+    say: Callable[[str], None],
+    pause: float,
+    settle: bool = True,
 ):
     """A swap taken in (by the loop, or by a handle that is not training): its row in
-    `state.swaps`, the edit settled as swapped, the `swapped` event and the note."""
+    `state.swaps`, the edit settled as swapped (`settle=False`: the caller settles it, once
+    the handle is free again), the `swapped` event and the note."""
     row = swap_row(swap, state.step, state.epoch + 1, pause)
     state.swaps.append(row)
     swap.edit.record = row
-    swap.edit._settle("swapped")
+    if settle:
+        swap.edit._settle("swapped")
     events.swapped(row)
     say(swap_note(row))
     return row

@@ -1092,9 +1092,11 @@ class Nitro:
                     return
                 self._adopt_code(swap.setup, swap.programs)
                 self._runtime.experiment = swap.experiment
-                swaps.record_swap(swap, self._state, self._events, self._say, 0.0)
+                swaps.record_swap(swap, self._state, self._events, self._say, 0.0, settle=False)
         except RunningError:
-            pass  # a run started meanwhile: it takes the swap at its first call
+            return  # a run started meanwhile: it takes the swap at its first call
+        # settled once the handle is free: whoever waits on the edit may use the handle at once
+        swap.edit._settle("swapped")
 
     def _check_stale(self, entry: str) -> None:
         generation, last = self._stale_checked
