@@ -17,7 +17,7 @@ import psutil
 import pytest
 from pipeline_toys import Pipe, PlainBatches, params_of
 from process_toys import Augmented
-from worker_processes import gone, workers_of
+from worker_processes import gone, survivors_of_a_kill, workers_of
 from worker_processes import wait_for as _wait_for
 
 import nitro
@@ -118,15 +118,7 @@ def test_no_worker_outlives_its_parent_killed_mid_run():
         """
     )
     parent = subprocess.Popen([sys.executable, "-c", script])
-    try:
-        assert _wait_for(lambda: len(workers_of(parent.pid)) == 2), "no workers started"
-        workers = workers_of(parent.pid)
-        parent.send_signal(signal.SIGKILL)
-        parent.wait(timeout=30)
-        assert gone(workers) == []
-    finally:
-        if parent.poll() is None:
-            parent.kill()
+    assert survivors_of_a_kill(parent, 2) == []
 
 
 @pytest.mark.serial  # auto's choice is a measurement of this machine

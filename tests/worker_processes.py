@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import signal
+import subprocess
 import time
 
 import psutil
@@ -38,3 +40,17 @@ def wait_for(condition, seconds: float = 120.0) -> bool:
             return False
         time.sleep(0.02)
     return True
+
+
+def survivors_of_a_kill(parent: subprocess.Popen, count: int) -> list[psutil.Process]:
+    """SIGKILL `parent` once it runs `count` workers; those still alive afterwards (none, as
+    every worker exits with its parent). Killed either way."""
+    try:
+        assert wait_for(lambda: len(workers_of(parent.pid)) == count), "no workers started"
+        workers = workers_of(parent.pid)
+        parent.send_signal(signal.SIGKILL)
+        parent.wait(timeout=30)
+        return gone(workers)
+    finally:
+        if parent.poll() is None:
+            parent.kill()
