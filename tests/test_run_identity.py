@@ -35,6 +35,7 @@ def script(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> str:
     """This process as a script at a known path, the notebook a run records, whatever started
     the tests (pytest's own __main__ has a file; a pytest-xdist worker's has none)."""
     path = str(tmp_path / "train.py")
+    Path(path).write_text("")  # a worker process (prefetch="processes") imports it
     monkeypatch.setattr(sys.modules["__main__"], "__file__", path, raising=False)
     return path
 

@@ -85,6 +85,7 @@ HOOK_POSITIONAL = {
 }
 DEFAULT_RESIDENCY = {"train_metrics": "device", "metrics": "host"}
 TRACED_CODE_HOOKS = ("forward", "loss", "metrics", "train_metrics", "train_step")
+REBUILD_SECONDS = 0.05  # the most `_peek` spends building a cheap first batch again
 
 
 def build(
@@ -585,11 +586,16 @@ def _peek(source: Any, split: str) -> tuple[Mapping[str, Any], float | None]:
             plan = source.begin_epoch(0)
             start = time.perf_counter()
             batch = source.batch_at(0, plan)
-            build_seconds = time.perf_counter() - start
-            for _ in range(5 if build_seconds < 1e-3 else 0):  # cheap: the fastest of a few,
-                start = time.perf_counter()  # warm, so a busy machine's pause does not count
+            build_seconds = spent = time.perf_counter() - start
+            # the fastest of a few more, warm, so a busy machine's pause (or a cold first
+            # build) does not read as a slow source: within REBUILD_SECONDS, a cheap one only
+            for _ in range(5 if build_seconds < REBUILD_SECONDS / 2 else 0):
+                start = time.perf_counter()
                 source.batch_at(0, plan)
-                build_seconds = min(build_seconds, time.perf_counter() - start)
+                took = time.perf_counter() - start
+                build_seconds, spent = min(build_seconds, took), spent + took
+                if spent > REBUILD_SECONDS:
+                    break
         else:
             iterator = iter(source)
             try:
