@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -168,7 +169,9 @@ def test_per_step_losses_reach_reporters_and_a_stop_lands_on_a_call_boundary():
 
 @pytest.mark.serial  # auto's choice is a measurement of this machine
 @pytest.mark.parametrize("prefetch", ["inline", "threads"])
-def test_auto_measures_then_fuses_and_says_why_in_the_binding_report(monkeypatch, prefetch):
+def test_auto_measures_then_fuses_and_says_why_in_the_binding_report(
+    monkeypatch, prefetch, fresh_cache
+):
     monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", 0.0)  # however fast this machine is
     x, y = np.resize(X, (16 * 200, 5)), np.resize(Y, 16 * 200)
     n = nitro.Nitro(
@@ -185,15 +188,101 @@ def test_auto_measures_then_fuses_and_says_why_in_the_binding_report(monkeypatch
     n.train()
     plan = n.dispatch
     assert plan.steps is not None and plan.steps > 1 and not plan.checking, plan.describe()
-    assert 200 % plan.steps == 0  # a divisor of the epoch: no remainder
+    assert plan.steps in plan.candidates and 1 <= len(plan.candidates) <= 3
+    assert all(200 % k == 0 for k in plan.candidates)  # divisors of the epoch: no remainder
     report = str(n.binding_report())
-    # the figures it decided by: a step alone, then fused calls timed against single steps
+    # the figures it decided by: a step alone, then every fused size timed beside it
     assert f"steps per dispatch: {plan.steps} (auto: {plan.steps} steps per call ran" in report
-    assert f"a step in fused calls of {plan.steps} against" in report
-    assert "one at a time, in the middle one of" in report and "rounds side by side" in report
-    programs = {p["program"] for p in nitro.cache_stats().programs if p["owner"] == n.owner}
-    assert "multi-step train" in programs
+    assert "(ms a step: 1: " in plan.reason and "rounds side by side)" in plan.reason
+    for k in plan.candidates:
+        assert f", {k}: " in plan.reason, plan.reason
+    # one program for single steps, one for each size timed: nothing else compiled
+    programs = [p["program"] for p in nitro.cache_stats().programs if p["owner"] == n.owner]
+    assert programs.count("multi-step train") == len(plan.candidates), programs
+    assert programs.count("train step") == 1
     assert n.step == 20 * 200  # every step ran once, across the changes of call size
+    # a handle that continues the choice runs its K at once, without measuring again
+    again = nitro.Nitro(
+        Toy(max_epochs=1, with_val=False),
+        data={"train": ArrayLoader({"x": x, "y": y}, 16)},
+        progress=False,
+        checkpointer=None,
+        logger=None,
+        steps_per_dispatch=plan,
+    )
+    singles = single_step_calls()
+    again.train()
+    assert again.dispatch == plan and again.step == 200
+    assert single_step_calls() == singles  # no step ran alone: no probe, no timing
+
+
+def single_step_calls():
+    return sum(p["calls"] for p in nitro.cache_stats().programs if p["program"] == "train step")
+
+
+def _drive(plan, batches, epochs):
+    """Feed `plan` the calls a training loop would make from its `blocks()`: each stream an
+    epoch (reopened where the plan changes its call sizes), each call a little work. Returns
+    the call sizes run."""
+    calls, step, total = [], 0, batches * epochs
+    for _ in range(epochs):
+        position = 0
+        while position < batches:
+            plan.start_stream()
+            blocks = plan.blocks(batches, position)
+            sizes = itertools.repeat(blocks) if isinstance(blocks, int) else iter(blocks)
+            for index, size in enumerate(sizes):
+                size = size if size <= batches - position else 1  # the epoch's remainder
+                if index == 0 and plan.measuring:
+                    plan.began()
+                np.linalg.qr(np.ones((8 * size, 8)))  # some work, more for more steps
+                position, step = position + size, step + size
+                calls.append(size)
+                switch = plan.measuring and plan.completed(
+                    size, batches, lambda left=total - step: left
+                )
+                if switch or position >= batches:
+                    break
+    return calls
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_auto_times_each_candidate_size_and_keeps_one_of_them_or_one_step(monkeypatch, processes):
+    # a target of 4 steps (the least), and up to 64 (epochs of 256): a middle size of 16
+    monkeypatch.setattr(nitro.dispatch, "TARGET_SECONDS", 0.0)
+    monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", 0.0)
+    agree = (lambda values: list(values)) if processes > 1 else None  # process 0's figures
+    plan = nitro.dispatch.DispatchPlan(nitro.dispatch.DispatchChoice.of("auto"), agree)
+    calls = _drive(plan, 256, 40)
+    choice = plan.choice
+    assert choice.candidates == (4, 16, 64), choice
+    assert not choice.checking and choice.steps in (1, 4, 16, 64), choice
+    assert set(calls) == {1, 4, 16, 64}
+    for k in choice.candidates:
+        assert f", {k}: " in choice.reason, choice.reason
+    if agree is not None:  # processes time every round there may be, then decide together
+        assert "medians of 11 rounds side by side" in choice.reason, choice.reason
+    # the last epoch's calls are all of the K kept
+    last = list(itertools.accumulate(reversed(calls))).index(256) + 1
+    assert set(calls[-last:]) == {choice.steps}
+
+
+def test_a_pair_of_fused_calls_is_timed_in_an_epoch_just_long_enough_for_it(monkeypatch):
+    monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", 0.0)
+    plan = nitro.dispatch.DispatchPlan(nitro.dispatch.DispatchChoice.of("auto"))
+    calls = _drive(plan, 16, 60)
+    choice = plan.choice
+    assert not choice.checking, choice
+    assert max(choice.candidates) == 8  # a pair of 8 is a whole epoch of 16 batches
+    assert "8: " in choice.reason, choice.reason
+    assert [8, 8] in [calls[i : i + 2] for i in range(len(calls) - 1)]
+
+
+def test_auto_is_undecided_while_the_work_left_pays_for_no_fused_compile(monkeypatch):
+    monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", float("inf"))
+    plan = nitro.dispatch.DispatchPlan(nitro.dispatch.DispatchChoice.of("auto"))
+    calls = _drive(plan, 64, 2)
+    assert set(calls) == {1} and plan.steps is None and "undecided" in plan.describe()
 
 
 class TinyConv(nnx.Module):
@@ -238,8 +327,10 @@ def test_auto_goes_back_to_one_step_per_call_when_fusing_is_slower(monkeypatch):
     n.train(epochs=3)  # the probe, then fused calls timed against single steps
     plan = n.dispatch
     assert plan.steps == 1 and not plan.checking, plan.describe()
-    assert "one step per call, as a step in a fused call took" in plan.reason, plan.reason
-    assert "in the middle one of" in plan.reason
+    assert "one step per call, as a step in fused calls of" in plan.reason, plan.reason
+    assert "the least of the sizes timed (ms a step: 1: " in plan.reason
+    for k in plan.candidates:
+        assert f", {k}: " in plan.reason, plan.reason
     assert "steps per dispatch: 1 (auto: one step per call" in str(n.binding_report())
     assert n.step == 3 * 120  # every step ran once, across the switches
 

@@ -7,24 +7,33 @@ one compiled program (`lax.scan` over K stacked batches). `steps_per_dispatch=K`
 
 1. The first steps run one at a time and are timed (`PROBE_STEPS`, after the first, which
    compiles). The fast end of their times (the second fastest: a neighbour only slows
-   steps) gives a step's time `s` and the candidate K: enough steps for
-   `TARGET_SECONDS` of work per call, at least `MIN_STEPS`, at most `MAX_STEPS`, what keeps a
-   stop waiting no longer than `MAX_CALL_SECONDS` for a call to end, and what lets a timing
-   round fit in an epoch. A run with less than `WORTH_SECONDS` of work left keeps one step
-   per call for now (a fused program would not pay for its compile); a longer run of the
-   same handle decides again.
-2. Then K steps per call are timed against one step per call, in alternation: each round
-   runs two fused calls and `SINGLES` + 2 single steps next to each other (which side goes
-   first alternates), so a busy neighbour slows both sides of a round alike; a round's ratio
-   is the fused pair's time a step over the median of the round's single steps less the two
-   at the ends (a call's interval holds its neighbours' bookkeeping and staging). After
-   `ROUNDS` rounds of which `AGREE` agree (`MIN_ROUNDS` when every round agrees by far,
-   `MAX_ROUNDS` at most) the middle round decides: K where fused steps were faster (by
-   `KEEP_BELOW`), else one step per call. "auto" never keeps a K that measured slower than
-   one step per call: XLA's CPU backend, for one, runs convolutions inside a loop body
-   several times slower than alone, and some long steps run faster in a loop.
+   steps) gives a step's time `s`, and from it the candidate K: the target (enough steps
+   for `TARGET_SECONDS` of work per call, at least `MIN_STEPS`) and the largest the rules
+   allow (at most `MAX_STEPS`, what keeps a stop waiting no longer than `MAX_CALL_SECONDS`
+   for a call to end, and what lets a pair of fused calls fit in an epoch), with a
+   geometric middle one where the largest is over `SPREAD` times the target; each a
+   divisor of the epoch where one is near. A run with less than `WORTH_SECONDS` of work
+   left keeps one step per call for now (a fused program would not pay for its compile),
+   and one with less than that for each candidate times fewer of them (the target first,
+   then the largest); a longer run of the same handle decides again.
+2. Then every candidate is timed against one step per call, side by side: each round runs,
+   for each candidate in turn (the order rotating from round to round), a pair of its fused
+   calls followed by single steps, so a busy neighbour slows both sides of a round alike. A
+   call's interval holds its neighbours' bookkeeping and staging, so fused calls are timed
+   in pairs, and each run of single steps less its two ends (those belong to the fused calls
+   beside it). A candidate's ratio in a round is its pair's time a step over the median of
+   the round's single steps. After `ROUNDS` rounds where every candidate's ratios agree on a
+   side of 1 by `AGREE` (`MIN_ROUNDS` for a single candidate whose rounds all agree by far,
+   `MAX_ROUNDS` at most), the candidate of the lowest median ratio is kept where its fused
+   steps were faster (by `KEEP_BELOW`), else one step per call. "auto" never keeps a K that
+   measured slower than one step per call: XLA's CPU backend, for one, runs convolutions
+   inside a loop body several times slower than alone, and some long steps run faster in a
+   loop.
 
-The reason in the binding report gives the figures. A stop takes effect at the next dispatch
+A round's pieces need not share an epoch: the pairs are packed into what is left of each
+epoch, and a call with none in flight before it (an epoch's first) is timed from its own
+dispatch, so a pair of calls of K fits an epoch of 2K batches. The reason in the binding
+report gives the figures of every candidate. A stop takes effect at the next dispatch
 boundary, so it waits at most K steps.
 """
 
@@ -41,6 +50,7 @@ from typing import Any
 __all__ = [
     "KEEP_BELOW",
     "MAX_CALL_SECONDS",
+    "MAX_CANDIDATES",
     "MAX_STEPS",
     "MIN_STEPS",
     "PROBE_STEPS",
@@ -51,34 +61,37 @@ __all__ = [
     "DispatchPlan",
 ]
 
-TARGET_SECONDS = 0.004  # of work per program call, for "auto"
+TARGET_SECONDS = 0.004  # of work per program call: the smallest candidate K
 MAX_STEPS = 64
-MIN_STEPS = 4  # the smallest K "auto" times against one step per call
+MIN_STEPS = 4  # the smallest target K "auto" times against one step per call
 MAX_CALL_SECONDS = 0.5  # the longest a fused call may keep a stop waiting
 PROBE_STEPS = 8  # single steps timed, after the first (which compiles)
-WORTH_SECONDS = 2.0  # a run with less work than this left keeps one step per call
-SINGLES = 8  # single steps per timing round (fewer when K is smaller)
-ROUNDS = 5  # timing rounds, each single steps and one fused call side by side
-MIN_ROUNDS = 3  # enough rounds when each one's ratio is past `CLEAR` either way
+WORTH_SECONDS = 2.0  # of work left for each fused program timed (its compile must pay)
+MAX_CANDIDATES = 3  # fused sizes timed at most (each one compiles a program)
+SPREAD = 4  # a largest K over this many times the target adds a middle candidate
+SINGLES = 8  # single steps timed beside a candidate's pair (fewer when K is smaller)
+ROUNDS = 5  # timing rounds, each single steps and every candidate's pair side by side
+MIN_ROUNDS = 3  # enough rounds for one candidate whose every ratio is past `CLEAR`
 CLEAR = 0.25  # a ratio this far from 1 in every round settles it early
 AGREE = 0.75  # after ROUNDS, the share of rounds on one side that settles it
-MAX_ROUNDS = 11  # the most rounds timed: the median of these decides
+MAX_ROUNDS = 11  # the most rounds timed: their medians decide
 KEEP_BELOW = 0.97  # a fused step must take at most this share of a single step's time
 
 
 @dataclasses.dataclass(frozen=True)
 class DispatchChoice:
     """Steps per program call as decided so far, as a value: the `steps_per_dispatch`
-    setting, K (None while "auto" has not measured), why, and whether K is still being timed
-    against one step per call. `n.dispatch` is the current one; passed as
-    `steps_per_dispatch=` (or through `weights=n`) a later handle continues it instead of
-    measuring again."""
+    setting, K (None while "auto" has not measured), why, and whether fused sizes are still
+    being timed against one step per call (`candidates`). `n.dispatch` is the current one;
+    passed as `steps_per_dispatch=` (or through `weights=n`) a later handle continues it
+    instead of measuring again."""
 
     setting: int | str  # what steps_per_dispatch said: K or "auto"
     steps: int | None = None
     reason: str = ""
-    checking: bool = False  # "auto" is timing `steps` per call against one (`steps` not kept yet)
+    checking: bool = False  # "auto" is timing `candidates` against one step per call
     single_seconds: float | None = None  # a step alone, as the first steps measured
+    candidates: tuple[int, ...] = ()  # the fused sizes timed (`steps` is the smallest)
 
     @classmethod
     def of(cls, setting: int | str) -> DispatchChoice:
@@ -91,17 +104,24 @@ class DispatchChoice:
     def probing(self) -> bool:
         return self.steps is None
 
+    @property
+    def timed(self) -> tuple[int, ...]:
+        """The fused sizes being (or last) timed against one step per call."""
+        return self.candidates or ((self.steps,) if self.steps and self.steps > 1 else ())
+
     def describe(self) -> str:
         if self.steps is None and self.reason:
             return f"auto, 1 so far ({self.reason})"
         if self.steps is None:
             return (
                 f"auto (the first {PROBE_STEPS + 1} steps run one at a time and are timed; "
-                f"then K steps per call, about {TARGET_SECONDS * 1e3:.0f} ms of work each, are "
-                f"timed against one step per call, side by side, and the faster is kept)"
+                f"then up to {MAX_CANDIDATES} sizes of fused calls, from about "
+                f"{TARGET_SECONDS * 1e3:.0f} ms of work each to the most the limits allow, are "
+                f"timed against one step per call, side by side, and the fastest is kept)"
             )
         if self.checking:
-            return f"auto, timing {self.steps} steps per call against 1 ({self.reason})"
+            sizes = ", ".join(map(str, self.timed))
+            return f"auto, timing {sizes} steps per call against 1 ({self.reason})"
         return f"{self.steps} ({self.reason})"
 
     def __repr__(self) -> str:
@@ -112,13 +132,43 @@ def _ms(seconds: float) -> str:
     return f"{seconds * 1e3:.3f} ms"
 
 
+def _near_divisor(steps: int, batches: int | None) -> int:
+    """`steps`, or the largest divisor of the epoch's `batches` down to half of it (no
+    remainder of single steps)."""
+    if not batches or steps <= 1 or not batches % steps:
+        return steps
+    near = [d for d in range(max(2, steps // 2), steps + 1) if not batches % d]
+    return max(near) if near else steps
+
+
+def _singles_after(steps: int) -> int:
+    """Single steps timed after a pair of fused calls of `steps` (two more run, untimed)."""
+    return min(SINGLES, steps)
+
+
+def _rotated(candidates: Sequence[int], round_index: int) -> list[int]:
+    """The order a round times the candidates in: rotating from round to round."""
+    shift = round_index % len(candidates)
+    return [*candidates[shift:], *candidates[:shift]]
+
+
+def _round_calls(candidates: Sequence[int], round_index: int) -> list[int]:
+    """A whole round's call sizes: each candidate's pair, then single steps."""
+    calls: list[int] = []
+    for k in _rotated(candidates, round_index):
+        calls += [k, k] + [1] * (_singles_after(k) + 2)
+    return calls
+
+
 class DispatchPlan:
     """The measurement behind "auto": timed steps, then a `DispatchChoice` that holds for
     every later run of the handle. Part of the handle's run-time record; it starts from the
     setting, or from an earlier handle's choice.
 
     `agree(values)`: in a run of several processes, the values process 0 measured (every
-    process must run the same programs); None in a single process."""
+    process must run the same programs); None in a single process. Every other step of the
+    measurement (which calls are timed, when a round ends) follows from the call sizes
+    alone, which all processes share."""
 
     def __init__(
         self,
@@ -129,15 +179,17 @@ class DispatchPlan:
         self.agree = agree
         self._last: float | None = None
         self._intervals: list[float] = []  # single steps timed by the probe
-        # the round under way: single steps timed, those before a fused pair, the first
-        # fused call's interval, a fused step's time waiting for its singles
+        self._seen: set[int] = set()  # fused sizes run once (their first call compiles)
+        # the round under way: the single steps in a row so far, the first fused call of a
+        # pair waiting for its second, the round's single steps (each run less its two
+        # ends) and its candidates' fused seconds a step
+        self._run: list[float] = []
+        self._first: tuple[int, float] | None = None
         self._singles: list[float] = []
-        self._before: list[float] | None = None
-        self._first: float | None = None
-        self._fused: float | None = None
-        self._rounds: list[tuple[float, float]] = []  # (fused, single) seconds a step
-        self._fused_seen = False  # the first fused call compiles: never timed
+        self._pairs: dict[int, float] = {}
+        self._rounds: list[tuple[float, dict[int, float]]] = []  # (single, {K: fused})
         self._waiting = False  # this run was too short to decide: the next one measures
+        self._dropped = ""  # the sizes no longer timed, and why
 
     def start_run(self) -> None:
         """A `train()` call begins: an "undecided" verdict (too little work left) is
@@ -171,9 +223,6 @@ class DispatchPlan:
     def _decided(self, **changes: Any) -> None:
         self.choice = dataclasses.replace(self.choice, **changes)
 
-    def _singles_per_round(self) -> int:
-        return min(SINGLES, self.steps or 1)
-
     def block(self, batches: int | None) -> int:
         """Steps per call in an epoch of `batches` once decided (1 while measuring)."""
         if self.measuring:
@@ -181,45 +230,95 @@ class DispatchPlan:
         steps = self.steps or 1
         return max(1, min(steps, batches)) if batches else steps
 
-    def layout(self, batches: int | None) -> tuple[str, int]:
+    def layout(self, batches: int | None) -> tuple[str, Any]:
         """What a stream of steps is opened with, as a comparable value."""
         if self.checking:
-            return ("timing", self.steps or 1)
+            return ("timing", self.choice.timed)
         return ("steps", self.block(batches))
 
-    def blocks(self, batches: int | None) -> int | Iterable[int]:
-        """Steps per call, call after call, for a stream opened now: K (1 while probing),
-        or, while timing K, rounds of single steps and two fused calls."""
-        kind, steps = self.layout(batches)
+    def blocks(self, batches: int | None, start: int = 0) -> int | Iterable[int]:
+        """Steps per call, call after call, for a stream opened now at step `start` of an
+        epoch of `batches`: K (1 while probing), or, while timing, the first call of each
+        candidate not run yet (it compiles), then the rounds' pairs of fused calls, each
+        followed by single steps, packed into what is left of the epoch."""
+        kind, _ = self.layout(batches)
         if kind == "steps":
-            return steps
-        first = steps if not self._fused_seen else 1  # compile it first, or an untimed call
-        # A call's interval (from the completion before it to its own) also holds the
-        # bookkeeping of the call before it and the staging of the call after it. So fused
-        # calls are timed in pairs, and single steps in a run less its two ends, where those
-        # belong to the other side. Rounds alternate which side comes first (an epoch with
-        # room for one round: the next epoch's begins the other way).
-        singles = [1] * (self._singles_per_round() + 2)
-        rounds = [*singles, steps, steps]
-        if len(self._rounds) % 2:
-            rounds = [steps, steps, *singles]
-        return itertools.chain([first], itertools.cycle(rounds))
+            return self.block(batches)
+        candidates = self.choice.timed
+        if not candidates:  # nothing to time (a choice made by hand): single steps
+            return 1
+        left = None if batches is None else max(0, batches - start)
+        calls: list[int] = []
+        # what the round under way has: its open run of single steps counts less its ends
+        pairs, singles = set(self._pairs), len(self._singles) + max(0, len(self._run) - 2)
+        need, index, seen = sum(map(_singles_after, candidates)), len(self._rounds), set(self._seen)
+        while left is None or left > 0:
+            missing = [k for k in _rotated(candidates, index) if k not in pairs]
+            if not missing and singles >= need:
+                if left is None:  # an epoch of unknown length: whole rounds from here on
+                    after = itertools.cycle(_round_calls(candidates, index + 1))
+                    return itertools.chain(calls, after)
+                index, pairs, singles = index + 1, set(), 0
+                continue
+            # a size's first call compiles (untimed): it goes right before its first pair
+            size = {k: (2 if k in seen else 3) * k for k in missing}
+            fits = [k for k in missing if left is None or size[k] <= left]
+            compiles = [k for k in missing if k not in seen and left is not None and k <= left]
+            if fits:
+                k = fits[0]
+                pairs.add(k)
+                seen.add(k)
+                calls += [k] * (size[k] // k)
+                left = None if left is None else left - size[k]
+                count = _singles_after(k) + 2
+            elif compiles:  # its pair fits in no epoch's end with it: compiled alone
+                seen.add(compiles[0])
+                calls.append(compiles[0])
+                left = None if left is None else left - compiles[0]
+                continue
+            elif missing:  # no pair fits in the epoch's end: single steps, for the median
+                count = left or 0
+            else:  # every pair timed: the single steps the round still lacks
+                count = need - singles + 2
+            if left is not None:
+                count = min(count, left)
+                left -= count
+            calls += [1] * count
+            singles += max(0, count - 2)
+        return calls + [1]  # (the last size repeats: the epoch ends here)
 
     def start_stream(self) -> None:
         """A new stream of steps begins (an epoch, after validation): the time until its
-        first call completes is not a call's."""
+        first call completes is not a call's, unless `began()` is told of its dispatch."""
         self._last = None
-        self._forget()
+        self._break()
 
-    def _forget(self) -> None:
-        """Start the round under way again (a break in the calls: untimed, a remainder)."""
-        self._singles, self._before, self._first, self._fused = [], None, None, None
+    def began(self) -> None:
+        """A call was dispatched with none in flight (a stream's first): while timing, its
+        interval starts now. A later call's starts at the completion before it, which also
+        comes right after its own dispatch: the two hold the same work (the next call's
+        staging and dispatch, then its own wait and bookkeeping)."""
+        if self.checking and self._last is None:
+            self._last = time.perf_counter()
+
+    def _break(self) -> None:
+        """A break in the calls (a stream's end, an untimed call): the run of single steps
+        ends, and a pair's first call waits in vain."""
+        self._close_run()
+        self._first = None
+
+    def _close_run(self) -> None:
+        """A run of single steps ended: the round keeps it less its two ends (the first holds
+        the bookkeeping of the call before it, the last the staging of the call after)."""
+        if len(self._run) >= 3:
+            self._singles += self._run[1:-1]
+        self._run = []
 
     def completed(
         self, count: int, batches: int | None, remaining: Callable[[], int | None]
     ) -> bool:
         """A call of `count` steps completed while measuring. True when the stream's call
-        sizes change from here (K to time, or the decision made)."""
+        sizes change from here (the sizes to time, or the decision made)."""
         now = time.perf_counter()
         interval = None if self._last is None else now - self._last
         self._last = now
@@ -235,42 +334,72 @@ class DispatchPlan:
             return self.layout(batches) != before
         if not self.checking:
             return False
-        steps, wanted = self.steps or 1, self._singles_per_round()
-        compiled = count == steps and not self._fused_seen
-        self._fused_seen = self._fused_seen or count == steps
-        if interval is None or compiled or count not in (1, steps):
-            self._forget()
+        compiled = count > 1 and count not in self._seen
+        if count > 1:
+            self._seen.add(count)
+        if interval is None or compiled or (count > 1 and count not in self.choice.timed):
+            self._break()
             return False
-        if count == steps:
-            if self._first is None:  # the first of a pair: timed once the second follows
-                self._first = interval
-                self._before, self._singles = self._singles, []
-                return False
-            fused = (self._first + interval) / (2 * steps)
-            before, self._first = self._before or [], None
-            if len(before) >= wanted + 2:
-                self._before = None
-                return self._round(fused, before[-wanted - 1 : -1])
-            self._fused = fused  # the singles come next
+        if count == 1:
+            self._first = None  # after a lone fused call (a pair cut short): not timed
+            self._run.append(interval)
+            return self._round_done()
+        self._close_run()
+        if self._first is None or self._first[0] != count:
+            self._first = (count, interval)  # timed once the second of the pair follows
             return False
-        if self._first is not None:  # a single after one fused call: not the pattern
-            self._forget()
-        self._singles.append(interval)
-        if self._fused is not None and len(self._singles) >= wanted + 2:
-            fused, singles = self._fused, self._singles[1 : wanted + 1]
-            self._forget()
-            return self._round(fused, singles)
-        return False
+        self._pairs[count] = (self._first[1] + interval) / (2 * count)
+        self._first = None
+        return self._too_long(count) or self._round_done()
 
-    def _round(self, fused: float, singles: list[float]) -> bool:
-        """A round timed: a fused call's seconds a step, and the single steps beside it
-        (their median: one a busy neighbour delayed does not count)."""
-        self._rounds.append((fused, statistics.median(singles)))
+    def _too_long(self, steps: int) -> bool:
+        """Drop the larger sizes a call of which would keep a stop waiting over
+        `MAX_CALL_SECONDS` at the fused step's time just measured (a step in a loop can take
+        many times as long as alone); True when that changed the sizes timed."""
+        larger = [k for k in self.choice.timed if k > steps]
+        if not larger:
+            return False
+        (seconds,) = (
+            [self._pairs[steps]] if self.agree is None else self.agree([self._pairs[steps]])
+        )
+        dropped = [k for k in larger if k * seconds > MAX_CALL_SECONDS]
+        if not dropped:
+            return False
+        kept = tuple(k for k in self.choice.timed if k not in dropped)
+        for _, pairs in self._rounds:
+            for k in dropped:
+                pairs.pop(k, None)
+        for k in dropped:
+            self._pairs.pop(k, None)
+        note = (
+            f"; {', '.join(map(str, dropped))} dropped, as a fused step of {steps} took "
+            f"{_ms(seconds)} and a call of them would keep a stop waiting over "
+            f"{MAX_CALL_SECONDS:g} s"
+        )
+        self._dropped += note
+        self._decided(candidates=kept, steps=kept[0], reason=self.reason + note)
+        self._round_done()
+        return True
+
+    def _round_done(self) -> bool:
+        """Close the round under way once it has every candidate's pair and enough single
+        steps (its open run less its last, which the next fused call's staging may hold);
+        True when that decided."""
+        candidates = self.choice.timed
+        if any(k not in self._pairs for k in candidates):
+            return False
+        need = sum(map(_singles_after, candidates))
+        if len(self._singles) + max(0, len(self._run) - 2) < need:
+            return False
+        self._singles += self._run[1:-1]
+        self._run = self._run[-1:]
+        self._rounds.append((statistics.median(self._singles), dict(self._pairs)))
+        self._singles, self._pairs = [], {}
         return self._conclude()
 
     def _decide(self, batches: int | None, remaining: int | None) -> None:
-        """From the probe's median single step: the K to time against one step per call
-        (or one step per call where no K > 1 is allowed, or the run is too short to tell)."""
+        """From the probe's fast end: the candidate K to time against one step per call (or
+        one step per call where no K > 1 is allowed, or the run is too short to tell)."""
         # the fast end of the timed steps (the second fastest): a busy neighbour only ever
         # slows steps, and a K picked from slowed steps would be too small just when fusing
         # gains most
@@ -285,24 +414,26 @@ class DispatchPlan:
             held, f"a call of more steps would keep a stop waiting over {MAX_CALL_SECONDS:g} s"
         )
         if batches:
-            # a timing round (an untimed call, single steps, two fused calls) fits in an epoch
-            room = [k for k in range(1, batches) if 3 + min(SINGLES, k) + 2 * k <= batches]
-            fits = max(room or [1])
-            caps.setdefault(fits, f"a timing round must fit in the epoch of {batches} batches")
+            caps.setdefault(
+                batches // 2, f"a pair of fused calls must fit in the epoch of {batches} batches"
+            )
         cap = min(caps)
-        steps = max(1, min(wanted, cap))
-        if batches and steps > 1 and batches % steps:
-            near = [d for d in range(max(2, steps // 2), steps + 1) if not batches % d]
-            if near:
-                steps = max(near)  # a divisor of the epoch: no remainder
-        if steps == 1:
+        if cap < 2:
             self._decided(
                 steps=1,
                 single_seconds=seconds,
                 reason=f"auto: a step took {_ms(seconds)}; one step per call ({caps[cap]})",
             )
             return
-        if remaining is not None and remaining * seconds < WORTH_SECONDS:
+        target = _near_divisor(min(wanted, cap), batches)
+        largest = _near_divisor(cap, batches)
+        ranked = [target, largest]  # the order they are given up in, last first
+        if largest > SPREAD * target:
+            ranked.append(_near_divisor(round(math.sqrt(target * largest)), batches))
+        ranked = list(dict.fromkeys(ranked))[:MAX_CANDIDATES]
+        work = math.inf if remaining is None else remaining * seconds
+        affordable = len(ranked) if WORTH_SECONDS <= 0 else int(work // WORTH_SECONDS)
+        if affordable < 1:
             # not worth a fused program's compile for this run; a longer run decides again
             self._waiting = True
             self._decided(
@@ -310,42 +441,69 @@ class DispatchPlan:
                 f"left to max_epochs were too little work to pay for compiling a fused program"
             )
             return
-        why = f"a step took {_ms(seconds)}"
-        if cap < wanted:
-            why += f" ({caps[cap]})"
-        self._decided(steps=steps, checking=True, single_seconds=seconds, reason=f"auto: {why}")
+        candidates = tuple(sorted(ranked[:affordable]))
+        why = f"a step took {_ms(seconds)}; K up to {cap} ({caps[cap]})"
+        if affordable < len(ranked):
+            why += (
+                f"; {affordable} of {len(ranked)} sizes timed, as the {remaining} steps left "
+                f"would not pay for compiling more"
+            )
+        self._decided(
+            steps=candidates[0],
+            checking=True,
+            single_seconds=seconds,
+            candidates=candidates,
+            reason=f"auto: {why}",
+        )
 
     def _conclude(self) -> bool:
         """Decide once enough rounds were timed; True when decided."""
-        ratios = [fused / single for fused, single in self._rounds]
-        n = len(ratios)
-        faster = sum(r < 1 for r in ratios)
-        clear = all(r < 1 - CLEAR for r in ratios) or all(r > 1 + CLEAR for r in ratios)
-        # enough rounds: a few that all agree by far, or most rounds on one side, or the most
-        # there may be; processes decide at the same call, so they time every round
-        agreed = max(faster, n - faster) >= AGREE * n
+        candidates = self.choice.timed
+        n = len(self._rounds)
+        ratios = {k: [pairs[k] / single for single, pairs in self._rounds] for k in candidates}
+        # enough rounds: most rounds on one side for every candidate, a few that all agree
+        # by far for a single one, or the most there may be; processes decide at the same
+        # call, so they time every round
+        agreed = all(
+            max(sum(r < 1 for r in rs), sum(r >= 1 for r in rs)) >= AGREE * n
+            for rs in ratios.values()
+        )
+        clear = all(
+            all(r < 1 - CLEAR for r in rs) or all(r > 1 + CLEAR for r in rs)
+            for rs in ratios.values()
+        )
         if self.agree is not None:
             if n < MAX_ROUNDS:
                 return False
-        elif not ((clear and n >= MIN_ROUNDS) or (agreed and n >= ROUNDS) or n >= MAX_ROUNDS):
+        elif not (
+            (clear and len(candidates) == 1 and n >= MIN_ROUNDS)
+            or (agreed and n >= ROUNDS)
+            or n >= MAX_ROUNDS
+        ):
             return False
-        ratio = statistics.median_low(ratios)  # the middle round's own figures
-        fused, single = self._rounds[ratios.index(ratio)]
+        medians = [statistics.median(ratios[k]) for k in candidates]
+        fused = [statistics.median(pairs[k] for _, pairs in self._rounds) for k in candidates]
+        single = statistics.median(s for s, _ in self._rounds)
         if self.agree is not None:
-            ratio, fused, single = self.agree([ratio, fused, single])
+            agreed_values = self.agree([single, *medians, *fused])
+            single = agreed_values[0]
+            medians = list(agreed_values[1 : 1 + len(candidates)])
+            fused = list(agreed_values[1 + len(candidates) :])
         self._rounds = []
-        steps = self.steps or 1
-        figures = (
-            f"{_ms(fused)} a step in fused calls of {steps} against {_ms(single)} one at a "
-            f"time, in the middle one of {n} rounds side by side"
+        best = min(range(len(candidates)), key=lambda i: (medians[i], candidates[i]))
+        steps, ratio = candidates[best], medians[best]
+        figures = ", ".join(
+            [f"1: {single * 1e3:.3f}"]
+            + [f"{k}: {f * 1e3:.3f}" for k, f in zip(candidates, fused, strict=True)]
         )
+        figures = f"ms a step: {figures}; medians of {n} rounds side by side{self._dropped}"
         if ratio <= KEEP_BELOW:
-            reason = f"auto: {steps} steps per call ran {1 / ratio:.2f}x as fast: {figures}"
-            self._decided(reason=reason, checking=False)
+            reason = f"auto: {steps} steps per call ran {1 / ratio:.2f}x as fast ({figures})"
+            self._decided(steps=steps, reason=reason, checking=False)
         else:
             reason = (
-                f"auto: one step per call, as a step in a fused call took {ratio:.2f}x as "
-                f"long as one alone: {figures}"
+                f"auto: one step per call, as a step in fused calls of {steps} took "
+                f"{ratio:.2f}x as long as one alone, the least of the sizes timed ({figures})"
             )
             self._decided(steps=1, reason=reason, checking=False)
         return True

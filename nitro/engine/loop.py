@@ -272,7 +272,8 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
             else:
                 if upcoming is not None:
                     upcoming[2].close()
-                blocks = _aligned(plan.blocks(updates), state.position // setup.accum)
+                done = state.position // setup.accum
+                blocks = _aligned(plan.blocks(updates, done), done)
                 stream = runtime.prefetcher("train").epoch(
                     state.epoch,
                     start=state.position,
@@ -440,6 +441,8 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
             if control.copies_pending:  # before the next step donates these variables
                 control.serve_copies()
             previous, pending = pending, _Pending(index, out.report, out.metrics, staged, program)
+            if previous is None and plan.measuring:
+                plan.began()  # none in flight before it: timed from its dispatch
             if previous is not None:
                 _complete(run, state, previous)
                 if plan.measuring and _timed(run, plan, previous, updates, state):
