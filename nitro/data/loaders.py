@@ -152,8 +152,11 @@ class ArrayLoader:
                 name: a[start:stop].reshape(count, size, *a.shape[1:]).copy()
                 for name, a in self.arrays.items()
             }
-        rows = plan[start:stop]
-        return {name: a[rows].reshape(count, size, *a.shape[1:]) for name, a in self.arrays.items()}
+        rows = plan[start:stop]  # np.take: the same rows, about twice as fast as a[rows]
+        return {
+            name: np.take(a, rows, axis=0).reshape(count, size, *a.shape[1:])
+            for name, a in self.arrays.items()
+        }
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         plan = self.begin_epoch(self._epochs_iterated)

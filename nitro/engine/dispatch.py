@@ -431,8 +431,9 @@ class DispatchPlan:
         if largest > SPREAD * target:
             ranked.append(_near_divisor(round(math.sqrt(target * largest)), batches))
         ranked = list(dict.fromkeys(ranked))[:MAX_CANDIDATES]
-        work = math.inf if remaining is None else remaining * seconds
-        affordable = len(ranked) if WORTH_SECONDS <= 0 else int(work // WORTH_SECONDS)
+        affordable = len(ranked)  # a run to no end (a stream) pays for every one
+        if remaining is not None and WORTH_SECONDS > 0:
+            affordable = min(affordable, int(remaining * seconds // WORTH_SECONDS))
         if affordable < 1:
             # not worth a fused program's compile for this run; a longer run decides again
             self._waiting = True
