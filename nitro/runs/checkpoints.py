@@ -372,6 +372,27 @@ def _finish_at_exit() -> None:  # pragma: no cover - runs at interpreter exit
         store.wait()
 
 
+_WARMED = threading.Event()
+
+
+def warm_up() -> None:
+    """Import orbax in a thread of its own, once a process, ahead of the first save: a run
+    that starts now is usually compiling (native code, the interpreter lock free), so the
+    second of importing it goes there instead of into the training calls that follow the
+    first save."""
+    if _WARMED.is_set() or "orbax.checkpoint.checkpoint_managers" in sys.modules:
+        return
+    _WARMED.set()
+
+    def load() -> None:
+        try:
+            from orbax.checkpoint import checkpoint_managers  # noqa: F401
+        except Exception:  # noqa: BLE001, S110 - the first save imports it again and says why
+            pass
+
+    threading.Thread(target=load, name="nitro-import-orbax", daemon=True).start()
+
+
 def _hook_exit() -> None:
     """Have the process's end wait for the saves in flight, before `concurrent.futures`
     stops its executors (orbax writes with them, and refuses new work once they stop): the

@@ -39,6 +39,7 @@ from nitro.runs.checkpoints import (
     read_checkpoint,
     resolve_checkpoint,
     restore_targets,
+    warm_up,
 )
 from nitro.runs.identity import (
     Choice,
@@ -300,6 +301,8 @@ class RunFiles:
         self.prepare(setup)
         if self.opened:
             return
+        if self.store is not None:
+            warm_up()
         try:
             self._write_run_json(setup)
         except OSError as error:
