@@ -3,7 +3,9 @@
 For each model (those of `bench/peers.py`), in one process, alternating rounds: a hand-written
 per-step `jax.jit` loop (the 1.00x baseline), Nitro with `steps_per_dispatch=K` for each K of
 `--ks` that fits in an epoch, and `--autos` separate Nitro handles with `"auto"` (each measures
-and decides on its own, in the warm-up rounds, under the same load). Every Nitro handle keeps
+and decides on its own, in the warm-up rounds, under the same load; the warm-up goes on,
+up to 20 rounds, until every auto handle has decided, and the steps that took are printed, so
+the timed rounds judge the K kept, not the measuring). Every Nitro handle keeps
 the defaults users run (a JSON Lines logger and a checkpointer; run directories in a
 temporary directory). Printed: each contender's steps/s ratio over the hand-written loop
 (medians over rounds), each auto handle's choice and reason, and the worst auto over the best
@@ -31,6 +33,9 @@ from loops import HandWritten, WithNitro, alternate_rounds, close_handles  # noq
 from peers import MODELS  # noqa: E402
 
 
+MAX_WARMUP = 20  # warm-up rounds at most, while an auto handle is still deciding
+
+
 def bench_model(
     name: str, ks: list[int], autos: int, rounds: int, warmup: int, epochs: int, scale: int
 ) -> dict:
@@ -44,7 +49,24 @@ def bench_model(
     for a in range(autos):
         loops[f"auto #{a + 1}"] = WithNitro(spec, arrays, "auto", lean=False)
     print(f"\n{name}: {spec.description}; {batches} batches per epoch, {epochs} epochs a round")
-    rates = alternate_rounds(loops, rounds, warmup, epochs)
+    autos_ = [loops[key].handle for key in loops if key.startswith("auto")]
+
+    def deciding() -> bool:
+        return any(h.dispatch.steps is None or h.dispatch.checking for h in autos_)
+
+    # warm-up rounds until every auto handle has decided (at most MAX_WARMUP): the timed
+    # rounds judge the K it keeps; the steps it took to decide are printed apart
+    extra = 0
+    alternate_rounds(loops, 0, warmup, epochs)
+    while deciding() and warmup + extra < MAX_WARMUP:
+        alternate_rounds(loops, 0, 1, epochs)
+        extra += 1
+    steps = ", ".join(str(h.step) for h in autos_)
+    print(
+        f"  warm-up: {warmup + extra} rounds; the auto handles had trained {steps} steps once "
+        f"decided{' (still deciding)' if deciding() else ''}"
+    )
+    rates = alternate_rounds(loops, rounds, 0, epochs)
     base = rates["hand-written"]
     ratios = {
         key: statistics.median(v / h for v, h in zip(values, base, strict=True))

@@ -1,10 +1,14 @@
 """What a divergence guard costs inside a fused program, outside Nitro: a hand-written `lax.scan`
 of K Adam steps of the tiny MLP (64-64-10, batch 32), params and optimizer state donated, in
-three forms: unguarded; guarded by a select of every leaf (what `nitro.optim.guard.keep` does);
-guarded by a `lax.cond` around the update. Prints microseconds a step (medians of alternating
-rounds) and each compiled program's loop-body counts of fusions, copies and selects, from
-`compiled.as_text()`: the select makes XLA copy the optimizer moments at the top of each
-iteration, because it needs their old values beside the new.
+four forms: unguarded; guarded by a select of every leaf each step (what Nitro's fused steps
+did before, and still do for `accum=`, a `train_step` hook and populations); guarded by a
+`lax.cond` around the update; and "pipelined", what Nitro's fused default steps do: a
+`lax.while_loop` that applies a step's update only once its gradient was found finite (the
+gradient carried into the next iteration, which also computes the next step's) and ends at
+the first non-finite step, with one select a call, at the end. Prints microseconds a step
+(medians of alternating rounds) and each compiled program's counts of fusions, copies and
+selects, from `compiled.as_text()`: the select each step makes XLA copy the optimizer moments
+at the top of each iteration, because it needs their old values beside the new.
 
     python bench/guard_cost.py [--steps 8] [--rounds 15]
 """
@@ -71,7 +75,32 @@ def programs(k: int):
 
         return run
 
-    return params, tx.init(params), {f: make(f) for f in ("unguarded", "select", "cond")}
+    def gradient(p, x, y):
+        loss, g = jax.value_and_grad(loss_of)(p, x, y)
+        return loss, g, jnp.isfinite(loss) & finite(g)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def pipelined(p, o, x, y):
+        loss, g, ok = gradient(p, x[0], y[0])
+        losses = jnp.full((k,), jnp.nan).at[0].set(loss)
+
+        def more(carry):
+            i, _, _, _, ok, _ = carry
+            return (i < k - 1) & ok
+
+        def body(carry):
+            i, p, o, g, _, losses = carry
+            p, o = update(p, o, g)  # step i was finite
+            loss, g, ok = gradient(p, x[i + 1], y[i + 1])
+            return i + 1, p, o, g, ok, losses.at[i + 1].set(loss)
+
+        _, p, o, g, ok, losses = jax.lax.while_loop(more, body, (0, p, o, g, ok, losses))
+        p2, o2 = update(p, o, g)
+        keep = functools.partial(jax.tree.map, lambda n, old: jnp.where(ok, n, old))
+        return keep(p2, p), keep(o2, o), losses
+
+    forms = {f: make(f) for f in ("unguarded", "select", "cond")}
+    return params, tx.init(params), {**forms, "pipelined": pipelined}
 
 
 def main(argv: list[str] | None = None) -> None:

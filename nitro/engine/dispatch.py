@@ -9,10 +9,9 @@ one compiled program (`lax.scan` over K stacked batches). `steps_per_dispatch=K`
    compiles). The fast end of their times (the second fastest: a neighbour only slows
    steps) gives a step's time `s`, and from it the candidate K: the target (enough steps
    for `TARGET_SECONDS` of work per call, at least `MIN_STEPS`) and the largest the rules
-   allow (at most `MAX_STEPS`, what keeps a stop waiting no longer than `MAX_CALL_SECONDS`
-   for a call to end, and what lets a pair of fused calls fit in an epoch), with a
-   geometric middle one where the largest is over `SPREAD` times the target; each a
-   divisor of the epoch where one is near. A run with less than `WORTH_SECONDS` of work
+   allow (at most `MAX_STEPS` and `SPREAD` times the target, what keeps a stop waiting no
+   longer than `MAX_CALL_SECONDS` for a call to end, and what lets a pair of fused calls fit
+   in an epoch); each a divisor of the epoch where one is near. A run with less than `WORTH_SECONDS` of work
    left keeps one step per call for now (a fused program would not pay for its compile),
    and one with less than that for each candidate times fewer of them (the target first,
    then the largest); a longer run of the same handle decides again.
@@ -23,8 +22,9 @@ one compiled program (`lax.scan` over K stacked batches). `steps_per_dispatch=K`
    in pairs, and each run of single steps less its two ends (those belong to the fused calls
    beside it). A candidate's ratio in a round is its pair's time a step over the median of
    the round's single steps. After `ROUNDS` rounds where every candidate's ratios agree on a
-   side of 1 by `AGREE` (`MIN_ROUNDS` for a single candidate whose rounds all agree by far,
-   `MAX_ROUNDS` at most), the candidate of the lowest median ratio is kept where its fused
+   side of 1 by `AGREE` (`MIN_ROUNDS` where every round agrees: each candidate on one side
+   of 1, by `CLEAR` for a single one, and the same candidate fastest; `MAX_ROUNDS` at most),
+   the candidate of the lowest median ratio is kept where its fused
    steps were faster (by `KEEP_BELOW`), else one step per call. "auto" never keeps a K that
    measured slower than one step per call: XLA's CPU backend, for one, runs convolutions
    inside a loop body several times slower than alone, and some long steps run faster in a
@@ -67,11 +67,11 @@ MIN_STEPS = 4  # the smallest target K "auto" times against one step per call
 MAX_CALL_SECONDS = 0.5  # the longest a fused call may keep a stop waiting
 PROBE_STEPS = 8  # single steps timed, after the first (which compiles)
 WORTH_SECONDS = 2.0  # of work left for each fused program timed (its compile must pay)
-MAX_CANDIDATES = 3  # fused sizes timed at most (each one compiles a program)
-SPREAD = 4  # a largest K over this many times the target adds a middle candidate
+MAX_CANDIDATES = 2  # fused sizes timed at most (each one compiles a program)
+SPREAD = 4  # the largest candidate K is at most this many times the target
 SINGLES = 8  # single steps timed beside a candidate's pair (fewer when K is smaller)
 ROUNDS = 5  # timing rounds, each single steps and every candidate's pair side by side
-MIN_ROUNDS = 3  # enough rounds for one candidate whose every ratio is past `CLEAR`
+MIN_ROUNDS = 3  # enough rounds when they all agree (one candidate: past `CLEAR`)
 CLEAR = 0.25  # a ratio this far from 1 in every round settles it early
 AGREE = 0.75  # after ROUNDS, the share of rounds on one side that settles it
 MAX_ROUNDS = 11  # the most rounds timed: their medians decide
@@ -426,10 +426,10 @@ class DispatchPlan:
             )
             return
         target = _near_divisor(min(wanted, cap), batches)
-        largest = _near_divisor(cap, batches)
+        # the largest within SPREAD times the target: a pair of calls of 64 where 8 already
+        # hold 4 ms of work would make every timing round long, for a few percent at most
+        largest = _near_divisor(min(cap, SPREAD * target), batches)
         ranked = [target, largest]  # the order they are given up in, last first
-        if largest > SPREAD * target:
-            ranked.append(_near_divisor(round(math.sqrt(target * largest)), batches))
         ranked = list(dict.fromkeys(ranked))[:MAX_CANDIDATES]
         affordable = len(ranked)  # a run to no end (a stream) pays for every one
         if remaining is not None and WORTH_SECONDS > 0:
@@ -473,11 +473,17 @@ class DispatchPlan:
             all(r < 1 - CLEAR for r in rs) or all(r > 1 + CLEAR for r in rs)
             for rs in ratios.values()
         )
+        # several candidates, each faster (or slower) than one step per call in every round,
+        # and in every round the same one fastest: nothing more rounds would change
+        fastest = {min(candidates, key=lambda k, p=pairs: p[k]) for _, pairs in self._rounds}
+        unanimous = len(fastest) == 1 and all(
+            all(r < 1 for r in rs) or all(r >= 1 for r in rs) for rs in ratios.values()
+        )
         if self.agree is not None:
             if n < MAX_ROUNDS:
                 return False
         elif not (
-            (clear and len(candidates) == 1 and n >= MIN_ROUNDS)
+            ((clear if len(candidates) == 1 else unanimous) and n >= MIN_ROUNDS)
             or (agreed and n >= ROUNDS)
             or n >= MAX_ROUNDS
         ):
