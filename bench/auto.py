@@ -32,7 +32,6 @@ sys.path.insert(0, os.path.dirname(__file__))
 from loops import HandWritten, WithNitro, alternate_rounds, close_handles  # noqa: E402
 from peers import MODELS  # noqa: E402
 
-
 MAX_WARMUP = 20  # warm-up rounds at most, while an auto handle is still deciding
 
 
