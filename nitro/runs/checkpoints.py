@@ -502,9 +502,12 @@ class CheckpointStore:
             )
         return self._manager
 
-    def due(self, epoch: int) -> bool:
+    def due(self, epoch: int, ends_in: float | None = None) -> bool:
         """Whether the epoch just committed should be saved now. A save still being written
-        counts as costing at least the time since it began; none is due while one waits."""
+        counts as costing at least the time since it began; none is due while one waits.
+        `ends_in`: the seconds until the call's end, which saves its newest epoch; a save is
+        not due mid-call where the call ends sooner than the budget would allow the next
+        (its write would only slow the call's last epochs, and a newer one comes)."""
         config = self.config
         if epoch % config.every:
             return False
@@ -520,6 +523,8 @@ class CheckpointStore:
             start, cost = since, max(cost, now - since)
         if start is None:
             return True
+        if ends_in is not None and ends_in * config.budget < cost:
+            return False
         return (now - start) * config.budget >= cost
 
     def save(

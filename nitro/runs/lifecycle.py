@@ -113,6 +113,7 @@ class RunFiles:
     locks: bool = True  # False on the secondary processes of a multi-process run
     claim: bool | None = None  # planned: hold the directory (True: may take it over) at once
     _history_rows: _ScalarRows = dataclasses.field(default_factory=lambda: _ScalarRows())
+    _epoch_began: float | None = None  # when the epoch under way began (or its run)
 
     @classmethod
     def plan(
@@ -313,6 +314,7 @@ class RunFiles:
     def prepare(self, setup: RunSetup) -> None:
         """Hold the run directory and create it, before the run starts (and its loggers
         write there): a read-only or vanished directory is refused before any training."""
+        self._epoch_began = time.perf_counter()
         try:
             self.hold(setup)
             self.run_dir.mkdir(parents=True, exist_ok=True)
@@ -371,11 +373,19 @@ class RunFiles:
         row: dict[str, Any],
         events: Events,
         device: Mapping[str, Any],
+        epochs_left: int | None = None,
     ) -> str | None:
         """Checkpoint the committed epoch (when due), then ask early stopping. `device`: the
-        Device fields' values now (the checkpoint records them)."""
+        Device fields' values now (the checkpoint records them). `epochs_left`: the epochs
+        the call trains after this one; at this epoch's pace, when they end (and the call's
+        end saves) sooner than the budget would allow another save, this one is not due."""
         store = self.store
-        if store is not None and store.due(state.epoch):
+        now = time.perf_counter()
+        began, self._epoch_began = self._epoch_began, now
+        ends_in = None
+        if epochs_left is not None and began is not None:
+            ends_in = epochs_left * (now - began)
+        if store is not None and store.due(state.epoch, ends_in=ends_in):
             self._save(setup, state, row, events, device)
         if setup.early_stop is not None and setup.early_stop.should_stop(state.history):
             return "early_stop"
