@@ -9,9 +9,10 @@ one compiled program (`lax.scan` over K stacked batches). `steps_per_dispatch=K`
    compiles). The fast end of their times (the second fastest: a neighbour only slows
    steps) gives a step's time `s`, and from it the candidate K: the target (enough steps
    for `TARGET_SECONDS` of work per call, at least `MIN_STEPS`) and the largest the rules
-   allow (at most `MAX_STEPS` and `SPREAD` times the target, what keeps a stop waiting no
-   longer than `MAX_CALL_SECONDS` for a call to end, and what lets a pair of fused calls fit
-   in an epoch); each a divisor of the epoch where one is near. A run with less than `WORTH_SECONDS` of work
+   allow (at most `MAX_STEPS`, what keeps a stop waiting no longer than `MAX_CALL_SECONDS`
+   for a call to end, and what lets a pair of fused calls fit in an epoch), with a
+   geometric middle one where the largest is over `SPREAD` times the target; each a
+   divisor of the epoch where one is near. A run with less than `WORTH_SECONDS` of work
    left keeps one step per call for now (a fused program would not pay for its compile),
    and one with less than that for each candidate times fewer of them (the target first,
    then the largest); a longer run of the same handle decides again.
@@ -67,8 +68,8 @@ MIN_STEPS = 4  # the smallest target K "auto" times against one step per call
 MAX_CALL_SECONDS = 0.5  # the longest a fused call may keep a stop waiting
 PROBE_STEPS = 8  # single steps timed, after the first (which compiles)
 WORTH_SECONDS = 2.0  # of work left for each fused program timed (its compile must pay)
-MAX_CANDIDATES = 2  # fused sizes timed at most (each one compiles a program)
-SPREAD = 4  # the largest candidate K is at most this many times the target
+MAX_CANDIDATES = 3  # fused sizes timed at most (each one compiles a program)
+SPREAD = 4  # a largest K over this many times the target adds a middle candidate
 SINGLES = 8  # single steps timed beside a candidate's pair (fewer when K is smaller)
 ROUNDS = 5  # timing rounds, each single steps and every candidate's pair side by side
 MIN_ROUNDS = 3  # enough rounds when they all agree (one candidate: past `CLEAR`)
@@ -426,10 +427,10 @@ class DispatchPlan:
             )
             return
         target = _near_divisor(min(wanted, cap), batches)
-        # the largest within SPREAD times the target: a pair of calls of 64 where 8 already
-        # hold 4 ms of work would make every timing round long, for a few percent at most
-        largest = _near_divisor(min(cap, SPREAD * target), batches)
+        largest = _near_divisor(cap, batches)
         ranked = [target, largest]  # the order they are given up in, last first
+        if largest > SPREAD * target:
+            ranked.append(_near_divisor(round(math.sqrt(target * largest)), batches))
         ranked = list(dict.fromkeys(ranked))[:MAX_CANDIDATES]
         affordable = len(ranked)  # a run to no end (a stream) pays for every one
         if remaining is not None and WORTH_SECONDS > 0:
