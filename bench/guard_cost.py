@@ -1,14 +1,22 @@
 """What a divergence guard costs inside a fused program, outside Nitro: a hand-written `lax.scan`
 of K Adam steps of the tiny MLP (64-64-10, batch 32), params and optimizer state donated, in
-four forms: unguarded; guarded by a select of every leaf each step (what Nitro's fused steps
-did before, and still do for `accum=`, a `train_step` hook and populations); guarded by a
-`lax.cond` around the update; and "pipelined", what Nitro's fused default steps do: a
-`lax.while_loop` that applies a step's update only once its gradient was found finite (the
-gradient carried into the next iteration, which also computes the next step's) and ends at
-the first non-finite step, with one select a call, at the end. Prints microseconds a step
-(medians of alternating rounds) and each compiled program's counts of fusions, copies and
-selects, from `compiled.as_text()`: the select each step makes XLA copy the optimizer moments
-at the top of each iteration, because it needs their old values beside the new.
+these forms:
+
+- unguarded: no check at all (XLA drops an unused finiteness check, so this is the ceiling);
+- checked: the finiteness of the loss and gradients reduced and carried, nothing kept (what a
+  guard cannot do without: the floor of any guard);
+- select: a select of every leaf each step (what `nitro.optim.guard.keep` does, Nitro's rule);
+- cond: a `lax.cond` around the update;
+- pipelined: a `lax.while_loop` that applies a step's update only once its gradient was found
+  finite (the gradient carried into the next iteration, which also computes the next step's),
+  ending at the first non-finite step, one select a call at the end;
+- optimistic: every step unguarded, one select a call at the end against the call's input
+  (a divergence would then rerun the call's good steps one at a time).
+
+Prints microseconds a step (medians of alternating rounds) and each compiled program's counts of
+fusions, copies and selects, from `compiled.as_text()`: the select each step makes XLA copy the
+optimizer moments at the top of each iteration, because it needs their old values beside the
+new; the other forms cost more all the same.
 
     python bench/guard_cost.py [--steps 8] [--rounds 15]
 """
@@ -79,6 +87,9 @@ def programs(k: int):
         loss, g = jax.value_and_grad(loss_of)(p, x, y)
         return loss, g, jnp.isfinite(loss) & finite(g)
 
+    def kept(ok, new, old):
+        return jax.tree.map(lambda n, o: jnp.where(ok, n, o), new, old)
+
     @functools.partial(jax.jit, donate_argnums=(0, 1))
     def pipelined(p, o, x, y):
         loss, g, ok = gradient(p, x[0], y[0])
@@ -96,11 +107,27 @@ def programs(k: int):
 
         _, p, o, g, ok, losses = jax.lax.while_loop(more, body, (0, p, o, g, ok, losses))
         p2, o2 = update(p, o, g)
-        keep = functools.partial(jax.tree.map, lambda n, old: jnp.where(ok, n, old))
-        return keep(p2, p), keep(o2, o), losses
+        return kept(ok, p2, p), kept(ok, o2, o), losses
+
+    def scanned(keep_at_end: bool):
+        @functools.partial(jax.jit, donate_argnums=(0, 1))
+        def run(p, o, x, y):
+            def body(carry, batch):
+                p, o, healthy = carry
+                loss, g, ok = gradient(p, *batch)
+                return (*update(p, o, g), healthy & ok), loss
+
+            (p2, o2, ok), losses = jax.lax.scan(body, (p, o, jnp.bool_(True)), (x, y))
+            if keep_at_end:
+                return kept(ok, p2, p), kept(ok, o2, o), losses
+            return p2, o2, jnp.where(ok, losses, jnp.nan)
+
+        return run
 
     forms = {f: make(f) for f in ("unguarded", "select", "cond")}
-    return params, tx.init(params), {**forms, "pipelined": pipelined}
+    forms = {"unguarded": forms["unguarded"], "checked": scanned(False), **forms}
+    forms.update(pipelined=pipelined, optimistic=scanned(True))
+    return params, tx.init(params), forms
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -90,7 +90,7 @@ def population_train_spec(
     accumulated micro-batches), for `members` members at once; `own_batches`: the batches
     carry a leading member axis too (each member's own data order)."""
     spec = _vmapped(
-        train_step_spec(setup, fields, steps, micro, pipelined=False),
+        train_step_spec(setup, fields, steps, micro),
         ProgramKind.POPULATION_STEP,
         members,
         (*TRAIN_AXES[:-1], 0) if own_batches else TRAIN_AXES,

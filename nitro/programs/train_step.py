@@ -16,22 +16,18 @@ A `train_step` hook's step (`manual_step_function`) replaces the first two lines
 which runs `apply_update` through `nitro.manual.Step`, and shares the third.
 
 One step is a pure function `step(variables, healthy, device, hparams, batch) -> StepOutput`.
-The train-step program is that function; the multi-step program runs K of them over K stacked
+The train-step program is that function; the multi-step program scans it over K stacked
 batches, with the Device fields and hyperparameters given per step (arrays of length K), so a
-schedule changes values, never programs. Each step's report (loss, finiteness code) comes back
-in one array. The guard works per step: from the first non-finite step on, the later ones
-leave the variables as they were. The default step's checks all precede its update, so its
-fused steps (`_pipelined`) apply an update only once the step was found finite and stop at
-the first that was not: one select a call instead of one a step. A `train_step` hook's step
-(its checks follow its update), accumulated micro-batches and a population's vmapped steps
-scan the step, a select each.
+schedule changes values, never programs. The guard works per step inside the scan: from the
+first non-finite step on, the later ones leave the variables as they were, and each step's
+report (loss, finiteness code) comes back in one array.
 """
 
 from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -54,32 +50,6 @@ __all__ = ["TRAIN_UNITS", "step_function", "train_step_spec"]
 TRAIN_UNITS = ("forward", "loss", "train_metrics", "train_step", "model", "optimizer")
 
 
-class Pending(NamedTuple):
-    """A default step before its update: what its gradient phase computed, and the guard's
-    verdict on it (every check of the default step precedes the update)."""
-
-    loss: jax.Array
-    rest: Any  # the model's other variables after the forward pass
-    grads: Any
-    metrics: Any  # what the step reports besides its loss
-    finite: jax.Array  # bool[]: every gradient finite (float16's overflow)
-    healthy: jax.Array  # bool[]: this step, and every one before it in flight, finite
-    code: jax.Array  # int32[]: the `Failure` of the first check that failed, or 0
-
-    @property
-    def report(self) -> jax.Array:
-        return jnp.stack([self.loss.astype(jnp.float32), self.code.astype(jnp.float32)])
-
-
-class Phases(NamedTuple):
-    """The default step in two parts: `gradients(variables, healthy, device, hparams, batch)
-    -> Pending` and `update(variables, pending, hparams) -> Variables` (the guard's keep not
-    applied)."""
-
-    gradients: Callable[..., Pending]
-    update: Callable[..., Variables]
-
-
 def step_function(
     setup: RunSetup,
     fields: Mapping[str, tuple[str, ...]],
@@ -92,37 +62,18 @@ def step_function(
     and the step accumulates their gradients (a scan: the memory of one micro-batch), then
     updates once: for a loss that is a mean over its batch, exactly one step on the merged
     batch."""
-    phases = step_phases(setup, fields, reads, aux, micro)
-
-    def step(variables: Variables, healthy, device, hparams, batch) -> StepOutput:
-        pending = phases.gradients(variables, healthy, device, hparams, batch)
-        new_variables = phases.update(variables, pending, hparams)
-        if setup.check_divergence:
-            new_variables = guard.keep(pending.healthy, new_variables, variables)
-        return StepOutput(new_variables, pending.healthy, pending.report, pending.metrics)
-
-    return step
-
-
-def step_phases(
-    setup: RunSetup,
-    fields: Mapping[str, tuple[str, ...]],
-    reads: set[str],
-    aux: dict,
-    micro: int = 1,
-) -> Phases:
-    """The default step's two parts (`Phases`): the gradient and the guard's verdict, then
-    the update."""
     residency = setup.experiment.train_metrics_residency
     optimizer = setup.optimizer
     assert isinstance(optimizer, OptimizerSetup)  # a train_step hook takes the manual step
     model = setup.model
     precision = setup.precision or FLOAT32
 
-    def gradient_phase(variables: Variables, healthy, device, hparams, batch) -> Pending:
+    def step(variables: Variables, healthy, device, hparams, batch) -> StepOutput:
         params, rest = tracing.unflatten(setup, variables)
         scaling = variables.loss_scale if precision.scaled else None
         scale = precision.dynamic(scaling) if scaling is not None else None
+        assert variables.opt_state is not None  # a train step's variables carry it
+        opt_state = jax.tree.unflatten(model.opt_state_def, variables.opt_state)
         device, key = tracing.pop_step_key(device)
         view = tracing.view(setup, device, reads)
         # forward sees the floating Device fields in the compute dtype too, so `x * self.scale`
@@ -192,39 +143,39 @@ def step_phases(
         if setup.sam is not None:
             gradients = stages.sharpness_aware(gradients, setup.sam)
         loss, new_rest, grads, metrics = gradients(params, rest, batch)
+        opt_state = optimizer.inject(opt_state, hparams)
+        new_params, new_opt = stages.apply_update(optimizer.tx, grads, opt_state, params)
+
         finite = guard.all_finite(grads)
-        code = jnp.int32(0)
-        if setup.check_divergence:
+        overflow = None
+        if scaling is not None:  # float16: an overflow skips the step and lowers the scale
+            overflow = (finite, precision.adjusted(scaling, finite))
+
+        def checks():
             # A fed hyperparameter is checked too: a NaN learning rate from a schedule. An
             # update that overflows from finite inputs (an absurd learning rate) is applied,
             # and the next step's loss stops the run. Under loss scaling a non-finite
             # gradient is a skipped step, unless the scale is at its floor already.
             hparams_ok = jnp.all(jnp.isfinite(hparams)) if optimizer.names else jnp.bool_(True)
             grads_ok = finite if scaling is None else finite | ~precision.at_floor(scaling)
-            healthy, code = guard.check(
-                healthy,
+            return (
                 (Failure.LOSS, jnp.isfinite(loss)),
                 (Failure.GRADIENT, grads_ok),
                 (Failure.HYPERPARAMETER, hparams_ok),
             )
-        return Pending(loss, new_rest, grads, metrics, finite, healthy, code)
 
-    def update_phase(variables: Variables, pending: Pending, hparams) -> Variables:
-        params, _ = tracing.unflatten(setup, variables)
-        assert variables.opt_state is not None  # a train step's variables carry it
-        opt_state = jax.tree.unflatten(model.opt_state_def, variables.opt_state)
-        opt_state = optimizer.inject(opt_state, hparams)
-        new_params, new_opt = stages.apply_update(optimizer.tx, pending.grads, opt_state, params)
-        new_variables = _updated(setup, variables, (new_params, pending.rest, new_opt))
-        if precision.scaled:  # float16: an overflow skips the step and lowers the scale
-            assert variables.loss_scale is not None
-            new_variables = dataclasses.replace(
-                guard.keep(pending.finite, new_variables, variables),
-                loss_scale=precision.adjusted(variables.loss_scale, pending.finite),
-            )
-        return new_variables
+        return _finish(
+            setup,
+            variables,
+            healthy,
+            loss,
+            (new_params, new_rest, new_opt),
+            checks,
+            metrics,
+            overflow,
+        )
 
-    return Phases(gradient_phase, update_phase)
+    return step
 
 
 def manual_step_function(
@@ -287,9 +238,21 @@ def manual_step_function(
     return step
 
 
-def _updated(setup: RunSetup, variables: Variables, new: tuple[Any, Any, Any]) -> Variables:
-    """The variables after an update (`new`: the parameters, the model state, the optimizer
-    state), the moving average moved, held to their shardings."""
+def _finish(
+    setup: RunSetup,
+    variables: Variables,
+    healthy: jax.Array,
+    loss: jax.Array,
+    new: tuple[Any, Any, Any],
+    checks: Callable[[], tuple[tuple[Failure, jax.Array], ...]],
+    metrics: Any,
+    overflow: tuple[jax.Array, list] | None = None,
+) -> StepOutput:
+    """The stages after the update, the same for both steps: the moving average, then the
+    guard, which keeps every variable as it was at a skipped step (`nitro.optim.guard`).
+    `overflow` (float16's loss scaling): whether the gradient was finite, and the loss-scale
+    variables after the step; a step that overflowed keeps the other variables as they were,
+    without counting as a divergence."""
     params, rest, opt_state = new
     assert setup.optimizer is not None
     ema, ema_steps = variables.ema, variables.ema_steps
@@ -303,21 +266,12 @@ def _updated(setup: RunSetup, variables: Variables, new: tuple[Any, Any, Any]) -
         ema_steps=ema_steps,
         loss_scale=variables.loss_scale,
     )
-    return _constrained(setup, new_variables)
-
-
-def _finish(
-    setup: RunSetup,
-    variables: Variables,
-    healthy: jax.Array,
-    loss: jax.Array,
-    new: tuple[Any, Any, Any],
-    checks: Callable[[], tuple[tuple[Failure, jax.Array], ...]],
-    metrics: Any,
-) -> StepOutput:
-    """A `train_step` hook's step after its update: the moving average, then the guard,
-    which keeps every variable as it was at a skipped step (`nitro.optim.guard`)."""
-    new_variables = _updated(setup, variables, new)
+    new_variables = _constrained(setup, new_variables)
+    if overflow is not None:
+        finite, loss_scale = overflow
+        new_variables = dataclasses.replace(
+            guard.keep(finite, new_variables, variables), loss_scale=loss_scale
+        )
     code = jnp.int32(0)
     if setup.check_divergence:
         healthy, code = guard.check(healthy, *checks())
@@ -369,50 +323,6 @@ def _scanned(step: Callable[..., StepOutput]) -> Callable[..., StepOutput]:
     return train_steps
 
 
-def _pipelined(phases: Phases, steps: int) -> Callable[..., StepOutput]:
-    """K guarded default steps in one program, without a select a step: each step's update
-    runs only once its gradient phase (which holds every check) was found finite, so the loop
-    (a `lax.while_loop`) carries step i's gradients into the iteration that applies them and
-    computes step i + 1's, and ends at the first non-finite step. One select a call, at the
-    end, keeps the variables of the last good step when the last step was not. The steps
-    after a non-finite one are not run: they report `Failure.EARLIER`, as the guard's rule
-    has them skipped. Same values as `_scanned` over the composed step, bit for bit."""
-
-    def at(tree: Any, i: Any) -> Any:
-        return jax.tree.map(lambda a: a[i], tree)
-
-    def train_steps(variables: Variables, healthy, devices, hparams, batches) -> StepOutput:
-        first = phases.gradients(variables, healthy, at(devices, 0), at(hparams, 0), at(batches, 0))
-        skipped = jnp.array([jnp.nan, float(Failure.EARLIER)], jnp.float32)
-        reports = jnp.tile(skipped, (steps, 1)).at[0].set(first.report)
-        metrics = jax.tree.map(
-            lambda m: jnp.zeros((steps, *m.shape), m.dtype).at[0].set(m), first.metrics
-        )
-
-        def more(carry) -> jax.Array:
-            i, _, pending, _, _ = carry
-            return (i < steps - 1) & pending.healthy
-
-        def body(carry):
-            i, variables, pending, reports, metrics = carry
-            variables = phases.update(variables, pending, at(hparams, i))
-            i = i + 1
-            pending = phases.gradients(
-                variables, pending.healthy, at(devices, i), at(hparams, i), at(batches, i)
-            )
-            reports = reports.at[i].set(pending.report)
-            metrics = jax.tree.map(lambda m, new: m.at[i].set(new), metrics, pending.metrics)
-            return i, variables, pending, reports, metrics
-
-        start = (jnp.int32(0), variables, first, reports, metrics)
-        i, variables, last, reports, metrics = jax.lax.while_loop(more, body, start)
-        updated = phases.update(variables, last, at(hparams, i))
-        variables = guard.keep(last.healthy, updated, variables)
-        return StepOutput(variables, last.healthy, reports, metrics)
-
-    return train_steps
-
-
 def _regrouped(fn: Callable[..., StepOutput], steps: int, micro: int):
     """`[steps * micro, batch, ...]` batches as `[steps, micro, batch, ...]`."""
 
@@ -424,33 +334,21 @@ def _regrouped(fn: Callable[..., StepOutput], steps: int, micro: int):
 
 
 def train_step_spec(
-    setup: RunSetup,
-    fields: Mapping[str, tuple[str, ...]],
-    steps: int = 1,
-    micro: int = 1,
-    *,
-    pipelined: bool = True,
+    setup: RunSetup, fields: Mapping[str, tuple[str, ...]], steps: int = 1, micro: int = 1
 ) -> ProgramSpec:
     """The train step (`steps == 1`), or `steps` fused steps (the multi-step train); each
     step accumulates `micro` micro-batches. The batches arrive stacked as
-    `[steps * micro, batch, ...]` (unstacked for one step of one batch). `pipelined`: fused
-    guarded steps may run as `_pipelined` (a program that is not vmapped)."""
+    `[steps * micro, batch, ...]` (unstacked for one step of one batch)."""
     residency = setup.experiment.train_metrics_residency
     model = setup.model
 
     def build(reads: set[str]):
         aux: dict[str, Any] = {}
         if setup.experiment.manual:
-            fn = manual_step_function(setup, fields, reads, aux)
-            fn = fn if steps == 1 else _scanned(fn)
-        elif steps > 1 and micro == 1 and pipelined and setup.check_divergence:
-            # the guard without a select a step. Accumulated gradients, and a population's
-            # members (vmapped), round otherwise when a step's update and the next one's
-            # gradient share a loop body: those keep the select, bit for bit one at a time
-            fn = _pipelined(step_phases(setup, fields, reads, aux, micro), steps)
+            step = manual_step_function(setup, fields, reads, aux)
         else:
-            fn = step_function(setup, fields, reads, aux, micro)
-            fn = fn if steps == 1 else _scanned(fn)
+            step = step_function(setup, fields, reads, aux, micro)
+        fn = step if steps == 1 else _scanned(step)
         if steps > 1 and micro > 1:
             fn = _regrouped(fn, steps, micro)
         fn.nitro_aux = aux
