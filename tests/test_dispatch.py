@@ -174,14 +174,15 @@ def test_auto_measures_then_fuses_and_says_why_in_the_binding_report(
 ):
     monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", 0.0)  # however fast this machine is
     x, y = np.resize(X, (16 * 200, 5)), np.resize(Y, 16 * 200)
-    n = nitro.Nitro(
-        Toy(max_epochs=20, with_val=False),
-        data={"train": ArrayLoader({"x": x, "y": y}, 16)},
-        progress=False,
-        checkpointer=None,
-        logger=None,
-        prefetch=prefetch,
-    )
+
+    def lean(epochs, **keywords):  # 200 batches an epoch, nothing written
+        data = {"train": ArrayLoader({"x": x, "y": y}, 16)}
+        experiment = Toy(max_epochs=epochs, with_val=False)
+        return nitro.Nitro(
+            experiment, data=data, progress=False, checkpointer=None, logger=None, **keywords
+        )
+
+    n = lean(20, prefetch=prefetch)
     assert "steps per dispatch: auto (the first 9 steps run one at a time" in str(
         n.binding_report()
     )
@@ -202,14 +203,7 @@ def test_auto_measures_then_fuses_and_says_why_in_the_binding_report(
     assert programs.count("train step") == 1
     assert n.step == 20 * 200  # every step ran once, across the changes of call size
     # a handle that continues the choice runs its K at once, without measuring again
-    again = nitro.Nitro(
-        Toy(max_epochs=1, with_val=False),
-        data={"train": ArrayLoader({"x": x, "y": y}, 16)},
-        progress=False,
-        checkpointer=None,
-        logger=None,
-        steps_per_dispatch=plan,
-    )
+    again = lean(1, steps_per_dispatch=plan)
     singles = single_step_calls()
     again.train()
     assert again.dispatch == plan and again.step == 200

@@ -21,15 +21,17 @@ one compiled program (`lax.scan` over K stacked batches). `steps_per_dispatch=K`
    calls followed by single steps, so a busy neighbour slows both sides of a round alike. A
    call's interval holds its neighbours' bookkeeping and staging, so fused calls are timed
    in pairs, and each run of single steps less its two ends (those belong to the fused calls
-   beside it). A candidate's ratio in a round is its pair's time a step over the median of
-   the round's single steps. After `ROUNDS` rounds where every candidate's ratios agree on a
-   side of 1 by `AGREE` (`MIN_ROUNDS` where every round agrees: each candidate on one side
-   of 1, by `CLEAR` for a single one, and the same candidate fastest; `MAX_ROUNDS` at most),
-   the candidate of the lowest median ratio is kept where its fused
-   steps were faster (by `KEEP_BELOW`), else one step per call. "auto" never keeps a K that
-   measured slower than one step per call: XLA's CPU backend, for one, runs convolutions
-   inside a loop body several times slower than alone, and some long steps run faster in a
-   loop.
+   beside it). A candidate's ratio in a round is its pair's time a step over the mean of
+   the round's single steps (a mean, as a pair's is: a busy neighbour delays a few short
+   single steps and every long fused call a little, and a median would drop the first).
+   After `ROUNDS` rounds where every candidate's ratios agree on a side of 1 by `AGREE`
+   (`MIN_ROUNDS` where every round agrees: each candidate on one side of 1, by `CLEAR` for
+   a single one, and the same candidate fastest; `MAX_ROUNDS` at most), the candidate of
+   the lowest median ratio is kept where its fused steps were faster (by `KEEP_BELOW`),
+   else one step per call. A size whose calls measure over `DROP_FACTOR` times
+   `MAX_CALL_SECONDS` is dropped. "auto" never keeps a K that measured slower than one step
+   per call: XLA's CPU backend, for one, runs convolutions inside a loop body several times
+   slower than alone, and some long steps run faster in a loop.
 
 A round's pieces need not share an epoch: the pairs are packed into what is left of each
 epoch, and a call with none in flight before it (an epoch's first) is timed from its own
@@ -66,6 +68,7 @@ TARGET_SECONDS = 0.004  # of work per program call: the smallest candidate K
 MAX_STEPS = 64
 MIN_STEPS = 4  # the smallest target K "auto" times against one step per call
 MAX_CALL_SECONDS = 0.5  # the longest a fused call may keep a stop waiting
+DROP_FACTOR = 2  # a size timed is dropped where its calls measure this many times longer
 PROBE_STEPS = 8  # single steps timed, after the first (which compiles)
 WORTH_SECONDS = 2.0  # of work left for each fused program timed (its compile must pay)
 MAX_CANDIDATES = 3  # fused sizes timed at most (each one compiles a program)
@@ -277,7 +280,7 @@ class DispatchPlan:
                 calls.append(compiles[0])
                 left = None if left is None else left - compiles[0]
                 continue
-            elif missing:  # no pair fits in the epoch's end: single steps, for the median
+            elif missing:  # no pair fits in the epoch's end: single steps, for the round's
                 count = left or 0
             else:  # every pair timed: the single steps the round still lacks
                 count = need - singles + 2
@@ -355,15 +358,16 @@ class DispatchPlan:
 
     def _too_long(self, steps: int) -> bool:
         """Drop the larger sizes a call of which would keep a stop waiting over
-        `MAX_CALL_SECONDS` at the fused step's time just measured (a step in a loop can take
-        many times as long as alone); True when that changed the sizes timed."""
+        `DROP_FACTOR` x `MAX_CALL_SECONDS` at the fused step's time just measured (a step in
+        a loop can take many times as long as alone; a busy neighbour slows every step a
+        little, which is not a reason); True when that changed the sizes timed."""
         larger = [k for k in self.choice.timed if k > steps]
         if not larger:
             return False
         (seconds,) = (
             [self._pairs[steps]] if self.agree is None else self.agree([self._pairs[steps]])
         )
-        dropped = [k for k in larger if k * seconds > MAX_CALL_SECONDS]
+        dropped = [k for k in larger if k * seconds > DROP_FACTOR * MAX_CALL_SECONDS]
         if not dropped:
             return False
         kept = tuple(k for k in self.choice.timed if k not in dropped)
@@ -375,7 +379,7 @@ class DispatchPlan:
         note = (
             f"; {', '.join(map(str, dropped))} dropped, as a fused step of {steps} took "
             f"{_ms(seconds)} and a call of them would keep a stop waiting over "
-            f"{MAX_CALL_SECONDS:g} s"
+            f"{DROP_FACTOR * MAX_CALL_SECONDS:g} s"
         )
         self._dropped += note
         self._decided(candidates=kept, steps=kept[0], reason=self.reason + note)
@@ -394,7 +398,9 @@ class DispatchPlan:
             return False
         self._singles += self._run[1:-1]
         self._run = self._run[-1:]
-        self._rounds.append((statistics.median(self._singles), dict(self._pairs)))
+        # their mean, as the pairs': a busy neighbour delays a few short single steps and
+        # every long fused call a little; a median would drop the first and keep the second
+        self._rounds.append((statistics.fmean(self._singles), dict(self._pairs)))
         self._singles, self._pairs = [], {}
         return self._conclude()
 
