@@ -56,6 +56,17 @@ def test_prefetch_defaults():
 
 
 @pytest.mark.serial  # auto's choice is a measurement of this machine
+def test_a_cheap_source_whose_first_build_was_slow_is_still_built_inline():
+    # a cold first build (or a busy machine's pause) of 20 ms, then microseconds a batch: the
+    # fastest of a few warm builds counts, so no worker thread or process starts for it
+    first = iter([0.02])
+    source = RecordingLoader(delay=lambda i: next(first, 0.0))
+    n = nitro.Nitro(Pipe(), data={"train": source}, progress=False)
+    assert n.runtime.prefetchers["train"].path == "inline"
+    assert len(source.calls) > 1  # built again, warm
+
+
+@pytest.mark.serial  # auto's choice is a measurement of this machine
 def test_auto_builds_cheap_batches_inline_and_slow_ones_on_workers():
     cheap = nitro.Nitro(Pipe(), progress=False)  # an ArrayLoader: microseconds per batch
     assert cheap.keywords["prefetch"].value == "auto"
