@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 import traceback
 import warnings
 
@@ -59,11 +60,19 @@ def test_prefetch_defaults():
 def test_a_cheap_source_whose_first_build_was_slow_is_still_built_inline():
     # a cold first build (or a busy machine's pause) of 20 ms, then microseconds a batch: the
     # fastest of a few warm builds counts, so no worker thread or process starts for it
-    first = iter([0.02])
-    source = RecordingLoader(delay=lambda i: next(first, 0.0))
+    source = SlowFirstBuild()
     n = nitro.Nitro(Pipe(), data={"train": source}, progress=False)
     assert n.runtime.prefetchers["train"].path == "inline"
     assert len(source.calls) > 1  # built again, warm
+
+
+class SlowFirstBuild(RecordingLoader):
+    """A loader whose first batch takes 20 ms to build, and every later one microseconds."""
+
+    def batch_at(self, index, plan=None):
+        if not self.calls:
+            time.sleep(0.02)
+        return super().batch_at(index, plan)
 
 
 @pytest.mark.serial  # auto's choice is a measurement of this machine

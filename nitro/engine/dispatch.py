@@ -28,8 +28,8 @@ one compiled program (`lax.scan` over K stacked batches). `steps_per_dispatch=K`
    (`MIN_ROUNDS` where every round agrees: each candidate on one side of 1, by `CLEAR` for
    a single one, and the same candidate fastest; `MAX_ROUNDS` at most), the candidate of
    the lowest median ratio is kept where its fused steps were faster (by `KEEP_BELOW`),
-   else one step per call. A size whose calls measure over `DROP_FACTOR` times
-   `MAX_CALL_SECONDS` is dropped. "auto" never keeps a K that measured slower than one step
+   else one step per call. A size whose calls measure over `MAX_CALL_SECONDS` is dropped.
+   "auto" never keeps a K that measured slower than one step
    per call: XLA's CPU backend, for one, runs convolutions inside a loop body several times
    slower than alone, and some long steps run faster in a loop.
 
@@ -68,7 +68,6 @@ TARGET_SECONDS = 0.004  # of work per program call: the smallest candidate K
 MAX_STEPS = 64
 MIN_STEPS = 4  # the smallest target K "auto" times against one step per call
 MAX_CALL_SECONDS = 0.5  # the longest a fused call may keep a stop waiting
-DROP_FACTOR = 2  # a size timed is dropped where its calls measure this many times longer
 PROBE_STEPS = 8  # single steps timed, after the first (which compiles)
 WORTH_SECONDS = 2.0  # of work left for each fused program timed (its compile must pay)
 MAX_CANDIDATES = 3  # fused sizes timed at most (each one compiles a program)
@@ -358,16 +357,15 @@ class DispatchPlan:
 
     def _too_long(self, steps: int) -> bool:
         """Drop the larger sizes a call of which would keep a stop waiting over
-        `DROP_FACTOR` x `MAX_CALL_SECONDS` at the fused step's time just measured (a step in
-        a loop can take many times as long as alone; a busy neighbour slows every step a
-        little, which is not a reason); True when that changed the sizes timed."""
+        `MAX_CALL_SECONDS` at the fused step's time just measured (a step in a loop can take
+        many times as long as alone); True when that changed the sizes timed."""
         larger = [k for k in self.choice.timed if k > steps]
         if not larger:
             return False
         (seconds,) = (
             [self._pairs[steps]] if self.agree is None else self.agree([self._pairs[steps]])
         )
-        dropped = [k for k in larger if k * seconds > DROP_FACTOR * MAX_CALL_SECONDS]
+        dropped = [k for k in larger if k * seconds > MAX_CALL_SECONDS]
         if not dropped:
             return False
         kept = tuple(k for k in self.choice.timed if k not in dropped)
@@ -379,7 +377,7 @@ class DispatchPlan:
         note = (
             f"; {', '.join(map(str, dropped))} dropped, as a fused step of {steps} took "
             f"{_ms(seconds)} and a call of them would keep a stop waiting over "
-            f"{DROP_FACTOR * MAX_CALL_SECONDS:g} s"
+            f"{MAX_CALL_SECONDS:g} s"
         )
         self._dropped += note
         self._decided(candidates=kept, steps=kept[0], reason=self.reason + note)
