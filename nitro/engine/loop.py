@@ -113,14 +113,16 @@ def train_epochs(
     events: Events,
     control: RunControl,
     target: int,
-    after_epoch: Callable[[TrainState, dict[str, Any]], str | None] | None = None,
+    after_epoch: Callable[[TrainState, dict[str, Any], int | None], str | None] | None = None,
     stop_at: int | None = None,
 ) -> tuple[TrainState, str]:
     """Train until epoch `target`, step `stop_at` (mid-epoch if need be: the last call is cut
     to end there) or a stop request; returns the state and the stop reason ("completed",
     "max_steps", "requested", or what `after_epoch` returned, e.g. "early_stop").
 
-    `after_epoch(state, row)` runs once an epoch's row is committed (checkpoints, early
+    `after_epoch(state, row, epochs_left)` runs once an epoch's row is committed
+    (`epochs_left`: the epochs this call trains after it, None when a stop step ends it;
+    checkpoints, early
     stopping); a reason it returns ends the run.
 
     An epoch is a transaction: its history row is committed (and `state.epoch` moves) once
@@ -139,7 +141,8 @@ def train_epochs(
                 row = finish_epoch(run.setup, runtime, state, run.programs, events, control)
                 if row is None:
                     break  # validation stopped: the epoch stays trained, not committed
-                verdict = after_epoch(state, row) if after_epoch is not None else None
+                left = None if stop_at is not None else target - state.epoch
+                verdict = after_epoch(state, row, left) if after_epoch is not None else None
                 if verdict is not None and state.epoch < target:
                     return state, verdict
                 continue
@@ -619,8 +622,7 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
     first, losses = state.step + 1, []
     if probation is None and residency is None and not reports[:, 1].any():
         # every step finite by the guard's verdict, nothing to report per step: in bulk
-        losses = reports[:, 0].tolist()
-        _count_losses(totals, reports[:, 0], losses)
+        losses = _count_losses(totals, reports[:, 0])
         state.step += count
         state.position += count * micro
         after = staged.after
@@ -676,16 +678,17 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
         run.probation = None  # the edit's first steps were finite: it stays
 
 
-def _count_losses(totals, values: np.ndarray, losses: list[float]) -> None:
+def _count_losses(totals, values: np.ndarray) -> list[float]:
     """Add a call's losses to the epoch's totals, one by one (a non-finite one, which
-    `check_divergence=False` trains through, is counted apart)."""
+    `check_divergence=False` trains through, is counted apart); returns them."""
     finite = values[np.isfinite(values)].tolist()
     loss_sum = totals.loss_sum
     for value in finite:  # in order, as one step at a time adds them
         loss_sum += value
     totals.loss_sum = loss_sum
     totals.loss_count += len(finite)
-    totals.nonfinite += len(losses) - len(finite)
+    totals.nonfinite += len(values) - len(finite)
+    return values.tolist()
 
 
 def _train_metrics(run: _Epoch, totals, program, metrics, staged, offset: int) -> None:

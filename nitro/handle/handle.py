@@ -126,8 +126,6 @@ class Nitro:
         self._guard = RunGuard(lambda: f"this {cls.__name__} handle")
         self._run: Run | None = None
         self._stop_reason: str | None = None
-        self._call_target: int | None = None  # the epoch the train() call under way ends at
-        self._call_stop_at: int | None = None  # its step limit (max_steps, steps=)
         self._error: BaseException | None = None
         self._checkpoint: SavedWeights | None = None
         self._stale_seen: str | None = None
@@ -498,16 +496,15 @@ class Nitro:
         per_epoch, done = -(-batches // accum), -(-state.position // accum)
         return state.epoch + -(-(done + steps) // per_epoch)
 
-    def _after_epoch(self, state: TrainState, row: dict[str, Any]) -> str | None:
+    def _after_epoch(
+        self, state: TrainState, row: dict[str, Any], epochs_left: int | None = None
+    ) -> str | None:
         device = self._runtime.device_values()
-        target = self._call_target
-        left = None if target is None or self._call_stop_at is not None else target - state.epoch
-        return self._files.after_epoch(self._setup, state, row, self._events, device, left)
+        return self._files.after_epoch(self._setup, state, row, self._events, device, epochs_left)
 
     def _train_body(self, target: int, stop_at: int | None = None) -> None:
         """The worker thread's work: the loop between start_run and end_run, then the phase."""
         events = self._events
-        self._call_target, self._call_stop_at = target, stop_at
         try:
             with events_module.using(events):
                 self._files.prepare(self._setup)  # refused here: nothing has started
@@ -542,7 +539,6 @@ class Nitro:
             events.phase("failed")
             raise
         finally:
-            self._call_target = self._call_stop_at = None
             self._guard.release()
             if self._runtime.live.pending is not None:
                 self._take_swap()  # compiled after the run's last call: the handle takes it
