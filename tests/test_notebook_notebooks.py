@@ -75,13 +75,14 @@ def test_interrupt_and_edit_notebook_interrupts_edits_and_retrains(tmp_path):
     _find(texts, r"nitro: reloaded digits_edit_demo: changed Digits.loss\.")
     _find(  # the train programs the run held: one step per call, fused (auto's K), or both
         texts,  # (interrupted while auto timed one against the other, on a busy machine)
-        r"exp_run \(Digits\): loss changed: ((train step|multi-step train), )?"
+        r"exp_run \(Digits\): loss changed: ((train step|multi-step train), )*"
         r"(train step|multi-step train) and eval forward will recompile",
     )
     # the edited loss reaches the train program and eval forward; a run interrupted between
     # fused calls that do not line up with its epoch also runs its epoch's remainder one step
-    # per call, so the single step recompiles too
-    _find(texts, r"programs compiled for the edit: [23]\b")
+    # per call, so the single step recompiles too; one interrupted while auto still timed its
+    # fused sizes (a busy machine) goes on timing them, each size its own program
+    _find(texts, r"programs compiled for the edit: [2-5]\b")
     _find(texts, r"digits_edit_demo.py line \d+: expected ':'\. Kept the last good code")
     _find(texts, r"cell_exp_run \(CellDigits\): loss changed")
     assert (tmp_path / "digits_edit_demo.py").exists()  # written in the notebook's directory
