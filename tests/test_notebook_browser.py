@@ -299,8 +299,16 @@ def test_an_edit_saved_during_a_background_run_is_marked_on_its_curves(lab):
         120,
         what="the key to the swap's marker on the curves",
     )
+    step = int(re.search(r"edit: loss at step (\d+)", lab.panel(1)["text"]).group(1))
+    # the status line is its own widget and may redraw after the curves
+    lab.wait_for(
+        "(window.jupyterapp.shell.currentWidget.content.widgets[1].node.querySelector("
+        "'.jp-OutputArea')?.innerText || '').includes(arguments[0])",
+        60,
+        f"swapped in the edit of `loss` at step {step}",
+        what="the swap's line in the status",
+    )
     shown = lab.panel(1)
-    step = int(re.search(r"edit: loss at step (\d+)", shown["text"]).group(1))
     assert shown["widgets"] and shown["button"] == "Stop"  # still training
     assert f"swapped in the edit of `loss` at step {step}" in shown["text"]
     time.sleep(1.0)  # the curves redraw with the marker and the steps after it
