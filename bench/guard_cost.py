@@ -16,9 +16,18 @@ these forms:
 Prints microseconds a step (medians of alternating rounds) and each compiled program's counts of
 fusions, copies and selects, from `compiled.as_text()`: the select each step makes XLA copy the
 optimizer moments at the top of each iteration, because it needs their old values beside the
-new; the other forms cost more all the same.
+new.
 
-    python bench/guard_cost.py [--steps 8] [--rounds 15]
+`--nitro` measures Nitro itself instead: live handles of the same MLP on the tiled digits, each
+round one `train(epochs=2)` per handle at `--steps` steps per call, alternating, as steps/s
+over a handle with `check_divergence=False`:
+
+- restored by the loop (Nitro's default for fused calls of a model under
+  `nitro.engine.loop.RESTORE_BYTES`): the program checks each step and keeps nothing, over
+  variables it does not donate; at a non-finite step the loop goes back to the call's input;
+- a select per step (what Nitro does above that size, and for one step per call).
+
+    python bench/guard_cost.py [--steps 8] [--rounds 15] [--nitro]
 """
 
 from __future__ import annotations
@@ -130,13 +139,55 @@ def programs(k: int):
     return params, tx.init(params), forms
 
 
+def nitro_forms(k: int, rounds: int) -> None:
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(__file__))
+    import loops
+    from overhead import train_arrays
+
+    import nitro.engine.loop
+
+    spec = loops.ModelSpec("mlp", lambda rngs: loops.MLP((64, 64, 10), rngs=rngs), 32, "")
+    arrays = train_arrays(16)
+    restore_bytes = nitro.engine.loop.RESTORE_BYTES
+    forms = {  # name -> (handle, RESTORE_BYTES while it trains)
+        "restored by the loop": (loops.WithNitro(spec, arrays, steps=k), restore_bytes),
+        "a select per step": (loops.WithNitro(spec, arrays, steps=k), 0),
+        "no guard": (loops.WithNitro(spec, arrays, steps=k, check_divergence=False), 0),
+    }
+    rates: dict[str, list[float]] = {name: [] for name in forms}
+    for r in range(rounds + 2):
+        for name in forms if r % 2 else reversed(forms):
+            handle, limit = forms[name]
+            nitro.engine.loop.RESTORE_BYTES = limit  # read as each train() call begins
+            steps, seconds = handle.run(2)
+            if r >= 2:  # two warm-up rounds: the compiles
+                rates[name].append(steps / seconds)
+    nitro.engine.loop.RESTORE_BYTES = restore_bytes
+    print(
+        f"Nitro, tiny MLP, Adam, {k} steps per call, {jax.devices()[0].platform}, {rounds} rounds"
+    )
+    print(f"{'guard':<22}{'steps/s':>9}{'vs no guard':>13}")
+    for name in forms:
+        ratio = statistics.median(
+            a / b for a, b in zip(rates[name], rates["no guard"], strict=True)
+        )
+        print(f"{name:<22}{statistics.median(rates[name]):>9.0f}{ratio:>12.2f}x")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=8, help="K steps per program call")
     parser.add_argument("--rounds", type=int, default=15)
     parser.add_argument("--calls", type=int, default=50, help="program calls per round")
+    parser.add_argument("--nitro", action="store_true", help="Nitro's handles, not hand-written")
     args = parser.parse_args(argv)
     k = args.steps
+    if args.nitro:
+        nitro_forms(k, args.rounds)
+        return
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(k, 32, 64)).astype(np.float32))
     y = jnp.asarray(rng.integers(0, 10, (k, 32)))

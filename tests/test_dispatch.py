@@ -17,6 +17,7 @@ from flax import nnx
 from toys import TinyMLP, Toy, ToyWithMetrics, X, Y
 
 import nitro
+import nitro.engine.loop
 from nitro.data import ArrayLoader
 
 X9, Y9 = np.resize(X, (144, 5)), np.resize(Y, 144)  # 9 batches of 16
@@ -115,29 +116,52 @@ class Gated(Toy):
         return ce + 0.0 * jnp.sqrt(self.gate * jnp.sum(logits**2))
 
 
-def test_the_guard_stops_at_the_exact_step_inside_a_fused_call():
-    bad_step = 13  # the 14th step, inside the second fused call of epoch 2
+def gated_run(bad_step, steps_per_dispatch, **keywords):
+    """A `Gated` run whose gradient is NaN at `bad_step` (counted from 0): the handle, and
+    the DivergenceError it stopped with."""
     n = nitro.Nitro(
         Gated(max_epochs=3),
-        steps_per_dispatch=3,
+        steps_per_dispatch=steps_per_dispatch,
         schedules={"gate": lambda step: 0.0 if step == bad_step else 1.0},
         progress=False,
+        **keywords,
     )
     with pytest.raises(nitro.DivergenceError) as raised:
         n.train()
-    assert "a gradient is non-finite" in str(raised.value)
-    assert f"at step {bad_step + 1} (epoch 2, batch {bad_step - 9 + 1})" in str(raised.value)
+    return n, raised.value
+
+
+# the loop restores a fused call of a small model (its program keeps nothing); the select per
+# step keeps it when the variables are over RESTORE_BYTES
+@pytest.mark.parametrize("keeps", ["the loop", "the select"])
+@pytest.mark.parametrize("bad_step", [13, 12, 14], ids=["mid-call", "first", "last"])
+def test_the_guard_stops_at_the_exact_step_inside_a_fused_call(monkeypatch, keeps, bad_step):
+    if keeps == "the select":
+        monkeypatch.setattr(nitro.engine.loop, "RESTORE_BYTES", 0)
+    # the 13th-15th steps: the second fused call of epoch 2
+    n, error = gated_run(bad_step, 3)
+    assert "a gradient is non-finite" in str(error)
+    assert f"at step {bad_step + 1} (epoch 2, batch {bad_step - 9 + 1})" in str(error)
     assert n.step == bad_step and n.epoch == 1
     # the same steps one at a time, stopped before the bad one, hold the same weights
-    same = nitro.Nitro(
-        Gated(max_epochs=3),
-        steps_per_dispatch=1,
-        schedules={"gate": lambda step: 0.0 if step == bad_step else 1.0},
-        progress=False,
-    )
-    with pytest.raises(nitro.DivergenceError):
-        same.train()
+    same, _ = gated_run(bad_step, 1)
     assert same.step == bad_step
+    for a, b in zip(params_of(n), params_of(same), strict=True):
+        np.testing.assert_array_equal(a, b)
+    # trained again, it stops at the same step, from the same weights
+    kept = params_of(n)
+    with pytest.raises(nitro.DivergenceError):
+        n.train()
+    assert n.step == bad_step
+    for a, b in zip(kept, params_of(n), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_a_fused_call_of_accumulated_steps_is_restored_to_the_step_before_the_bad_one():
+    # accum=2: 9 batches are 4 steps of 2 and one of 1 an epoch; 2 steps per call
+    n, error = gated_run(6, 2, accum=2)
+    assert "at step 7" in str(error) and n.step == 6
+    same, _ = gated_run(6, 1, accum=2)
     for a, b in zip(params_of(n), params_of(same), strict=True):
         np.testing.assert_array_equal(a, b)
 

@@ -735,6 +735,27 @@ def test_back_to_back_short_calls_leave_a_consistent_checkpoint_set():
     assert resumed.checkpoints()["step"].max() == resumed.step == 40
 
 
+def test_each_save_of_back_to_back_calls_holds_the_weights_of_its_own_step():
+    # a small model's calls never donate its variables, so a save copies them to the host
+    # when it is written, after later calls have run: each must still hold its own step
+    n = nitro.Nitro(
+        ToyWithMetrics(max_epochs=50),
+        checkpointer=nitro.Checkpointer(budget=None, k=10),
+        progress=False,
+    )
+    weights = {}
+    for _ in range(5):
+        n.train(epochs=1)
+        weights[n.step] = [np.asarray(a).copy() for a in n.state.variables.params]
+    n.close()
+    directory = Path(n.run_dir) / "checkpoints"
+    for step, params in weights.items():
+        saved = flat(read_plain(directory, step)["state"]["params"])
+        assert sorted(np.asarray(a).tobytes() for a in params) == sorted(
+            a.tobytes() for a in saved.values()
+        )
+
+
 EXIT_AFTER_TRAIN = """
 import sys
 import nitro

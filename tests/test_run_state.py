@@ -101,6 +101,31 @@ def test_weights_from_a_training_handle_are_taken_at_the_next_step_boundary():
     assert all(np.array_equal(a, b) for a, b in zip(before, n.state.variables.params, strict=True))
 
 
+def test_weights_taken_from_fused_calls_in_training_are_those_of_the_step_they_name():
+    # fused calls of a small model keep nothing until the loop reads them back: the copy
+    # waits for the call in flight, so it holds the weights of the step its origin names
+    n = nitro.Nitro(Toy(max_epochs=100_000, with_val=False), steps_per_dispatch=4, progress=False)
+    n.train(background=True)
+    try:
+        deadline = time.monotonic() + 60
+        while n.step < 8:
+            assert time.monotonic() < deadline, "the background run did not start"
+            time.sleep(0.01)
+        forked = nitro.Nitro(Toy(), weights=n, progress=False)
+    finally:
+        n.stop().wait()
+    step = int(forked.weights_origin.rpartition(", step ")[2])
+    assert step % 4 == 0 and 8 <= step <= n.step
+    again = nitro.Nitro(Toy(max_epochs=100_000, with_val=False), progress=False)
+    again.train(steps=step)
+    for a, b in zip(params(forked), params(again), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+def params(n: nitro.Nitro) -> list[np.ndarray]:
+    return [np.asarray(a) for a in n.state.variables.params]
+
+
 def test_weights_and_model_of_an_idle_handle_are_copies():
     n = nitro.Nitro(Toy(max_epochs=1), progress=False)
     n.train()

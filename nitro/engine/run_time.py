@@ -43,6 +43,9 @@ class RunTime:
     prefetchers: Mapping[str, Prefetcher]  # split name -> its prefetcher
     live: LiveEdits = dataclasses.field(default_factory=LiveEdits)
     profiler: Any = None  # `n.profile()`'s call timer (`profiling.CallTimer`) while it runs
+    # the guard's keeping is the loop's (`nitro.engine.loop.RESTORE_BYTES`): no call donates the
+    # variables. Decided at the handle's first call, for its life; None before it
+    restores: bool | None = None
 
     def prefetcher(self, split: str) -> Prefetcher:
         return self.prefetchers[split]

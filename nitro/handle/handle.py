@@ -499,8 +499,16 @@ class Nitro:
     def _after_epoch(
         self, state: TrainState, row: dict[str, Any], epochs_left: int | None = None
     ) -> str | None:
-        device = self._runtime.device_values()
-        return self._files.after_epoch(self._setup, state, row, self._events, device, epochs_left)
+        runtime = self._runtime
+        return self._files.after_epoch(
+            self._setup,
+            state,
+            row,
+            self._events,
+            runtime.device_values(),
+            epochs_left,
+            lazy=runtime.restores is True,
+        )
 
     def _train_body(self, target: int, stop_at: int | None = None) -> None:
         """The worker thread's work: the loop between start_run and end_run, then the phase."""
@@ -523,7 +531,12 @@ class Nitro:
                         stop_at=stop_at,
                     )
                     self._files.end_run(
-                        self._setup, self._state, events, reason, self._runtime.device_values()
+                        self._setup,
+                        self._state,
+                        events,
+                        reason,
+                        self._runtime.device_values(),
+                        lazy=self._runtime.restores is True,
                     )
                     self._stop_reason = reason
                 except BaseException:

@@ -229,12 +229,15 @@ class ProgramSet:
         cache on first use (another layer's programs: a population's, say)."""
         return self._get(slot, make_spec, args)
 
-    def train_step(self, args, steps: int = 1, micro: int = 1) -> Program:
+    def train_step(self, args, steps: int = 1, micro: int = 1, restore: bool = False) -> Program:
         """The train step (`steps == 1`), or `steps` of them fused in one program; each step
-        accumulates `micro` micro-batches."""
+        accumulates `micro` micro-batches. `restore`: steps whose guard only checks, over
+        variables not donated, which the loop restores (`train_step_spec`)."""
         return self._get(
-            ("train", steps, micro),
-            lambda setup: train_step_spec(setup, setup.splits["train"].hook_fields, steps, micro),
+            ("train", steps, micro, restore),
+            lambda setup: train_step_spec(
+                setup, setup.splits["train"].hook_fields, steps, micro, restore
+            ),
             args,
         )
 

@@ -21,6 +21,14 @@ batches, with the Device fields and hyperparameters given per step (arrays of le
 schedule changes values, never programs. The guard works per step inside the scan: from the
 first non-finite step on, the later ones leave the variables as they were, and each step's
 report (loss, finiteness code) comes back in one array.
+
+A program may instead leave the keeping to the loop (`restore=True`): it checks each step
+and reports the verdicts, but selects nothing, and it does not donate its variables, so the
+loop still holds the call's input when it reads a verdict back. At a
+non-finite step the loop goes back to that input and replays the steps before it one at a time
+(`nitro.engine.loop`), which gives the variables the per-step select would have kept. On a
+small model the select is most of what the guard costs: it makes XLA copy the optimizer
+moments each step, beside the new ones.
 """
 
 from __future__ import annotations
@@ -56,6 +64,7 @@ def step_function(
     reads: set[str],
     aux: dict,
     micro: int = 1,
+    keep: bool = True,
 ) -> Callable[..., StepOutput]:
     """One training step as a traceable function of (variables, healthy, device fields,
     hyperparameters, batch). With `micro > 1` the batch holds `micro` stacked micro-batches
@@ -173,13 +182,18 @@ def step_function(
             checks,
             metrics,
             overflow,
+            keep,
         )
 
     return step
 
 
 def manual_step_function(
-    setup: RunSetup, fields: Mapping[str, tuple[str, ...]], reads: set[str], aux: dict
+    setup: RunSetup,
+    fields: Mapping[str, tuple[str, ...]],
+    reads: set[str],
+    aux: dict,
+    keep: bool = True,
 ) -> Callable[..., StepOutput]:
     """A step of a `train_step` hook: the hook gets a `nitro.manual.Step` (the models, their
     gradients, their optimizers) and the batch fields it names; the guard, the moving
@@ -233,7 +247,7 @@ def manual_step_function(
             )
 
         new = (new_params, work.rest, work.opt_states)
-        return _finish(setup, variables, healthy, loss, new, checks, metrics)
+        return _finish(setup, variables, healthy, loss, new, checks, metrics, keep=keep)
 
     return step
 
@@ -247,9 +261,11 @@ def _finish(
     checks: Callable[[], tuple[tuple[Failure, jax.Array], ...]],
     metrics: Any,
     overflow: tuple[jax.Array, list] | None = None,
+    keep: bool = True,
 ) -> StepOutput:
     """The stages after the update, the same for both steps: the moving average, then the
-    guard, which keeps every variable as it was at a skipped step (`nitro.optim.guard`).
+    guard, which keeps every variable as it was at a skipped step (`nitro.optim.guard`);
+    `keep=False` only checks (the loop restores: a `restore=True` multi-step program).
     `overflow` (float16's loss scaling): whether the gradient was finite, and the loss-scale
     variables after the step; a step that overflowed keeps the other variables as they were,
     without counting as a divergence."""
@@ -275,7 +291,8 @@ def _finish(
     code = jnp.int32(0)
     if setup.check_divergence:
         healthy, code = guard.check(healthy, *checks())
-        new_variables = guard.keep(healthy, new_variables, variables)
+        if keep:
+            new_variables = guard.keep(healthy, new_variables, variables)
     report = jnp.stack([loss.astype(jnp.float32), code.astype(jnp.float32)])
     return StepOutput(new_variables, healthy, report, metrics)
 
@@ -334,20 +351,27 @@ def _regrouped(fn: Callable[..., StepOutput], steps: int, micro: int):
 
 
 def train_step_spec(
-    setup: RunSetup, fields: Mapping[str, tuple[str, ...]], steps: int = 1, micro: int = 1
+    setup: RunSetup,
+    fields: Mapping[str, tuple[str, ...]],
+    steps: int = 1,
+    micro: int = 1,
+    restore: bool = False,
 ) -> ProgramSpec:
     """The train step (`steps == 1`), or `steps` fused steps (the multi-step train); each
     step accumulates `micro` micro-batches. The batches arrive stacked as
-    `[steps * micro, batch, ...]` (unstacked for one step of one batch)."""
+    `[steps * micro, batch, ...]` (unstacked for one step of one batch). `restore=True`
+    (under the guard): the guard checks and reports but keeps nothing, and the variables are
+    not donated; the loop restores them (see the module's docstring)."""
+    restore = restore and setup.check_divergence
     residency = setup.experiment.train_metrics_residency
     model = setup.model
 
     def build(reads: set[str]):
         aux: dict[str, Any] = {}
         if setup.experiment.manual:
-            step = manual_step_function(setup, fields, reads, aux)
+            step = manual_step_function(setup, fields, reads, aux, keep=not restore)
         else:
-            step = step_function(setup, fields, reads, aux, micro)
+            step = step_function(setup, fields, reads, aux, micro, keep=not restore)
         fn = step if steps == 1 else _scanned(step)
         if steps > 1 and micro > 1:
             fn = _regrouped(fn, steps, micro)
@@ -366,6 +390,7 @@ def train_step_spec(
         static={
             "model structure": Opaque(model.structure),
             "check_divergence": setup.check_divergence,
+            "guard keeps": "by the loop, from the input" if restore else "by a select per step",
             "train_metrics residency": residency or "none",
             "fields": tracing.fields_key(fields, ("forward", "loss", "train_metrics")),
             "steps per program": steps,
@@ -378,7 +403,7 @@ def train_step_spec(
         },
         graphconst=setup.experiment.graphconst,
         arg_names=("variables", "healthy", "device fields", "hyperparameters", batch),
-        donate_argnums=(0,),
+        donate_argnums=() if restore else (0,),
         leaf_labels=tracing.leaf_labels(
             setup,
             batch,

@@ -211,24 +211,44 @@ def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 LOSS_SCALE_KEYS = ("scale", "finite_steps", "skipped_steps")
 
 
-def host_tree(setup: Any, variables: Any) -> dict[str, Any]:
+class _Later:
+    """A replicated array that no later step donates, copied to the host only when its save is
+    written (`host_tree(lazy=True)`): a save that a newer one replaces copies nothing."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: jax.Array):
+        self.array = array
+
+
+def _later(x: Any) -> Any:
+    return _Later(x) if isinstance(x, jax.Array) and not is_sharded(x) else _saved(x)
+
+
+def _materialized(tree: Any) -> Any:
+    """`tree` with each `_Later` leaf copied to the host now."""
+    return jax.tree.map(lambda x: _host(x.array) if isinstance(x, _Later) else x, tree)
+
+
+def host_tree(setup: Any, variables: Any, lazy: bool = False) -> dict[str, Any]:
     """The variables as nested dicts of numpy arrays, keyed by the model's leaf paths; a
-    sharded leaf is an on-device copy of its shards instead (`_saved`)."""
+    sharded leaf is an on-device copy of its shards instead (`_saved`). `lazy`: no later
+    step donates the variables, so a replicated leaf is copied to the host when the save is
+    written, on the saver's thread, instead of now (`CheckpointStore.save` materializes it)."""
+    held = _later if lazy else _saved
     paths = setup.model.leaf_paths
     tree: dict[str, Any] = {
-        "params": _nest(paths["parameter"], [_saved(x) for x in variables.params]),
-        "model_state": _nest(paths["model state"], [_saved(x) for x in variables.model_state]),
+        "params": _nest(paths["parameter"], [held(x) for x in variables.params]),
+        "model_state": _nest(paths["model state"], [held(x) for x in variables.model_state]),
     }
     if variables.opt_state is not None:
-        tree["opt_state"] = _nest(
-            paths["optimizer state"], [_saved(x) for x in variables.opt_state]
-        )
+        tree["opt_state"] = _nest(paths["optimizer state"], [held(x) for x in variables.opt_state])
     if variables.ema is not None:  # the moving average of the weights (ema=)
-        tree["ema"] = _nest(paths["parameter"], [_saved(x) for x in variables.ema])
-        tree["ema_steps"] = _saved(variables.ema_steps)
+        tree["ema"] = _nest(paths["parameter"], [held(x) for x in variables.ema])
+        tree["ema_steps"] = held(variables.ema_steps)
     if variables.loss_scale is not None:  # precision="float16": the dynamic loss scale
         tree["loss_scale"] = dict(
-            zip(LOSS_SCALE_KEYS, map(_saved, variables.loss_scale), strict=True)
+            zip(LOSS_SCALE_KEYS, map(held, variables.loss_scale), strict=True)
         )
     return tree
 
@@ -608,6 +628,8 @@ class CheckpointStore:
     def _write(self, step: int, tree: Mapping[str, Any], meta: Mapping[str, Any], value) -> bool:
         """Hand the save to orbax, after the previous write; False when nothing was begun."""
         import orbax.checkpoint as ocp
+
+        tree = _materialized(tree)  # a lazy snapshot's host copy, on this (the saver's) thread
 
         metrics = (
             {self.config.metric: float(value)}

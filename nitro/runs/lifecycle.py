@@ -374,11 +374,14 @@ class RunFiles:
         events: Events,
         device: Mapping[str, Any],
         epochs_left: int | None = None,
+        lazy: bool = False,
     ) -> str | None:
         """Checkpoint the committed epoch (when due), then ask early stopping. `device`: the
         Device fields' values now (the checkpoint records them). `epochs_left`: the epochs
         the call trains after this one; at this epoch's pace, when they end (and the call's
-        end saves) sooner than the budget would allow another save, this one is not due."""
+        end saves) sooner than the budget would allow another save, this one is not due.
+        `lazy`: no later call donates the variables (`RunTime.restores`), so a save copies them
+        to the host when it is written, and a save that a newer one replaces copies nothing."""
         store = self.store
         now = time.perf_counter()
         began, self._epoch_began = self._epoch_began, now
@@ -386,7 +389,7 @@ class RunFiles:
         if epochs_left is not None and began is not None:
             ends_in = epochs_left * (now - began)
         if store is not None and store.due(state.epoch, ends_in=ends_in):
-            self._save(setup, state, row, events, device)
+            self._save(setup, state, row, events, device, lazy=lazy)
         if setup.early_stop is not None and setup.early_stop.should_stop(state.history):
             return "early_stop"
         return None
@@ -398,8 +401,10 @@ class RunFiles:
         events: Events,
         reason: str,
         device: Mapping[str, Any],
+        lazy: bool = False,
     ) -> None:
-        """A run that ends at an epoch boundary leaves its newest epoch saved. `train()`
+        """A run that ends at an epoch boundary leaves its newest epoch saved (`lazy`: as
+        `after_epoch`). `train()`
         returns at once: the save is written in the background, and the next save, a reader
         of the run's checkpoints, `close()` and the process's end wait for it. A stopped run
         waits for its save, to say where it resumes from."""
@@ -413,7 +418,7 @@ class RunFiles:
         if (at_boundary and store.saved_epoch != state.epoch) or (
             stopped and store.saved_step != state.step
         ):
-            self._save(setup, state, state.last_row, events, device, reason, last=True)
+            self._save(setup, state, state.last_row, events, device, reason, last=True, lazy=lazy)
         else:
             store.close_later()  # the writes finish, then the manager's threads end
         if reason == "requested" or (reason == "max_steps" and stopped):
@@ -430,6 +435,7 @@ class RunFiles:
         device: Mapping[str, Any],
         reason: str | None = None,
         last: bool = False,
+        lazy: bool = False,
     ) -> None:
         events.phase("checkpointing")  # the loop (or the run's end) sets the next phase
         store = self.store
@@ -437,7 +443,7 @@ class RunFiles:
         metric = row.get(store.config.metric)
         store.save(
             state.step,
-            host_tree(setup, state.variables),
+            host_tree(setup, state.variables, lazy=lazy),
             checkpoint_meta(
                 setup,
                 state,
