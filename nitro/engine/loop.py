@@ -746,7 +746,7 @@ def _restored(run: _Epoch, item: _Pending, bad: int):
         batch = {name: array[rows] for name, array in item.staged.device.items()}
         args = (variables, healthy, feed.device(index), feed.hparams(index), batch)
         program = run.programs_by_count.get((1, micro, True))
-        if program is None:
+        if program is None:  # a run of fused calls only: compiled on its first divergence
             program = run.programs_by_count[(1, micro, True)] = run.programs.train_step(
                 args, 1, micro, True
             )

@@ -265,7 +265,7 @@ def _finish(
 ) -> StepOutput:
     """The stages after the update, the same for both steps: the moving average, then the
     guard, which keeps every variable as it was at a skipped step (`nitro.optim.guard`);
-    `keep=False` only checks (the loop restores: a `restore=True` multi-step program).
+    `keep=False` only checks (the loop restores: a `restore=True` program).
     `overflow` (float16's loss scaling): whether the gradient was finite, and the loss-scale
     variables after the step; a step that overflowed keeps the other variables as they were,
     without counting as a divergence."""
