@@ -90,9 +90,14 @@ def test_a_notebook_saved_while_a_run_lives_holds_its_latest_state_not_only_a_wi
     assert WIDGET in panel["data"]  # the live widget, with a fallback for viewers without it
     assert panel["data"]["text/plain"].startswith("nitro: live training panel")
     html, text = standin["data"]["text/html"], standin["data"]["text/plain"]
-    assert re.search(r"<b>(training|validating|checkpointing)</b> &middot; epoch \d+/1000", html)
+    assert re.search(
+        r"<b>(training|validating|checkpointing|compiling [a-z -]+)</b> &middot; epoch \d+/1000",
+        html,
+    )
     assert "<style>" in html and ".widget-vbox" in html  # hidden while the widget lives
-    assert re.match(r"Tiny: (training|validating|checkpointing) · epoch \d+/1000", text)
+    assert re.match(
+        r"Tiny: (training|validating|checkpointing|compiling [a-z -]+) · epoch \d+/1000", text
+    )
 
     kernel.run("%nitro stop alive_run")
     kernel.wait_for(
