@@ -238,10 +238,10 @@ def single_step_calls():
     return sum(p["calls"] for p in nitro.cache_stats().programs if p["program"] == "train step")
 
 
-def _drive(plan, batches, epochs):
+def _drive(plan, batches, epochs, work=None):
     """Feed `plan` the calls a training loop would make from its `blocks()`: each stream an
-    epoch (reopened where the plan changes its call sizes), each call a little work. Returns
-    the call sizes run."""
+    epoch (reopened where the plan changes its call sizes), each call a little work (or
+    `work(size)`). Returns the call sizes run."""
     calls, step, total = [], 0, batches * epochs
     for _ in range(epochs):
         position = 0
@@ -253,7 +253,10 @@ def _drive(plan, batches, epochs):
                 size = size if size <= batches - position else 1  # the epoch's remainder
                 if index == 0 and plan.measuring:
                     plan.began()
-                np.linalg.qr(np.ones((8 * size, 8)))  # some work, more for more steps
+                if work is None:
+                    np.linalg.qr(np.ones((8 * size, 8)))  # some work, more for more steps
+                else:
+                    work(size)
                 position, step = position + size, step + size
                 calls.append(size)
                 switch = plan.measuring and plan.completed(
@@ -283,6 +286,40 @@ def test_auto_times_each_candidate_size_and_keeps_one_of_them_or_one_step(monkey
     # the last epoch's calls are all of the K kept
     last = list(itertools.accumulate(reversed(calls))).index(256) + 1
     assert set(calls[-last:]) == {choice.steps}
+
+
+class Clock:
+    """A step clock for the plan: each call takes the seconds a step of its size is given."""
+
+    def __init__(self, seconds_a_step: dict[int, float]):
+        self.now, self.seconds_a_step = 0.0, seconds_a_step
+
+    def perf_counter(self) -> float:
+        return self.now
+
+    def work(self, size: int) -> None:
+        self.now += size * self.seconds_a_step[size]
+
+
+@pytest.mark.parametrize(
+    ("sixty_four", "kept"),
+    [(0.59e-3, 64), (0.65e-3, 16)],
+    ids=["within the tie: the largest", "beyond it: the fastest"],
+)
+def test_of_fused_sizes_timed_as_fast_as_each_other_the_largest_is_kept(
+    monkeypatch, sixty_four, kept
+):
+    monkeypatch.setattr(nitro.dispatch, "TARGET_SECONDS", 0.0)
+    monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", 0.0)
+    clock = Clock({1: 1e-3, 4: 0.7e-3, 16: 0.58e-3, 64: sixty_four})
+    monkeypatch.setattr(nitro.engine.dispatch, "time", clock)  # the plan's clock, not a machine's
+    plan = nitro.dispatch.DispatchPlan(nitro.dispatch.DispatchChoice.of("auto"))
+    _drive(plan, 256, 40, clock.work)
+    choice = plan.choice
+    assert choice.candidates == (4, 16, 64) and not choice.checking, choice
+    assert choice.steps == kept, choice
+    assert ("the largest so" in choice.reason) == (kept == 64), choice.reason
+    assert "16: 0.580" in choice.reason and "1: 1.000" in choice.reason, choice.reason
 
 
 def test_a_pair_of_fused_calls_is_timed_in_an_epoch_just_long_enough_for_it(monkeypatch):

@@ -10,7 +10,8 @@ one compiled program (`lax.scan` over K stacked batches). `steps_per_dispatch=K`
    steps) gives a step's time `s`, and from it the candidate K: the target (enough steps
    for `TARGET_SECONDS` of work per call, at least `MIN_STEPS`) and the largest the rules
    allow (at most `MAX_STEPS`, what keeps a stop waiting no longer than `MAX_CALL_SECONDS`
-   for a call to end, and what lets a pair of fused calls fit in an epoch), with a
+   for a call to end at `HEADROOM` times a single step's pace (a fused step is often faster
+   than one alone, and a size whose fused calls take longer is dropped after its first pair), and what lets a pair of fused calls fit in an epoch), with a
    geometric middle one where the largest is over `SPREAD` times the target; each a
    divisor of the epoch where one is near. A run with less than `WORTH_SECONDS` of work
    left keeps one step per call for now (a fused program would not pay for its compile),
@@ -26,9 +27,13 @@ one compiled program (`lax.scan` over K stacked batches). `steps_per_dispatch=K`
    single steps and every long fused call a little, and a median would drop the first).
    After `ROUNDS` rounds where every candidate's ratios agree on a side of 1 by `AGREE`
    (`MIN_ROUNDS` where every round agrees: each candidate on one side of 1, by `CLEAR` for
-   a single one, and the same candidate fastest; `MAX_ROUNDS` at most), the candidate of
-   the lowest median ratio is kept where its fused steps were faster (by `KEEP_BELOW`),
-   else one step per call. A size whose calls measure over `MAX_CALL_SECONDS` is dropped.
+   a single one, and the same candidate fastest; `MAX_ROUNDS` at most), the candidates whose
+   median ratio is at most `KEEP_BELOW` pay; of those, the one of the fastest median fused
+   step is kept (those long calls are steadier than the short single steps the ratios
+   divide by), or the largest within `TIE` of it (rounds on a shared machine scatter by about
+   that much, and more steps a call share more of the bookkeeping the pairs leave out). Where
+   none pays, one step per call. A size whose calls measure over `MAX_CALL_SECONDS` is
+   dropped.
    "auto" never keeps a K that measured slower than one step
    per call: XLA's CPU backend, for one, runs convolutions inside a loop body several times
    slower than alone, and some long steps run faster in a loop.
@@ -51,6 +56,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 __all__ = [
+    "HEADROOM",
     "KEEP_BELOW",
     "MAX_CALL_SECONDS",
     "MAX_CANDIDATES",
@@ -60,6 +66,7 @@ __all__ = [
     "ROUNDS",
     "SINGLES",
     "TARGET_SECONDS",
+    "TIE",
     "DispatchChoice",
     "DispatchPlan",
 ]
@@ -68,6 +75,9 @@ TARGET_SECONDS = 0.004  # of work per program call: the smallest candidate K
 MAX_STEPS = 64
 MIN_STEPS = 4  # the smallest target K "auto" times against one step per call
 MAX_CALL_SECONDS = 0.5  # the longest a fused call may keep a stop waiting
+# sizes are tried up to this many times the stop limit at a single step's pace: a fused step
+# is often faster than one alone (and dropped after its first pair when it is not)
+HEADROOM = 1.5
 PROBE_STEPS = 8  # single steps timed, after the first (which compiles)
 WORTH_SECONDS = 2.0  # of work left for each fused program timed (its compile must pay)
 MAX_CANDIDATES = 3  # fused sizes timed at most (each one compiles a program)
@@ -79,6 +89,7 @@ CLEAR = 0.25  # a ratio this far from 1 in every round settles it early
 AGREE = 0.75  # after ROUNDS, the share of rounds on one side that settles it
 MAX_ROUNDS = 11  # the most rounds timed: their medians decide
 KEEP_BELOW = 0.97  # a fused step must take at most this share of a single step's time
+TIE = 0.05  # fused sizes whose median ratios are this close to the lowest count as tied
 
 
 @dataclasses.dataclass(frozen=True)
@@ -414,9 +425,11 @@ class DispatchPlan:
         self._intervals = []
         wanted = max(MIN_STEPS, math.ceil(TARGET_SECONDS / seconds) if seconds > 0 else 1)
         caps = {MAX_STEPS: f"K is at most {MAX_STEPS}"}
-        held = int(MAX_CALL_SECONDS / seconds) if seconds > 0 else MAX_STEPS
+        held = int(HEADROOM * MAX_CALL_SECONDS / seconds) if seconds > 0 else MAX_STEPS
         caps.setdefault(
-            held, f"a call of more steps would keep a stop waiting over {MAX_CALL_SECONDS:g} s"
+            held,
+            f"a call of more steps would keep a stop waiting over {MAX_CALL_SECONDS:g} s unless "
+            f"a fused step took under {1 / HEADROOM:.2g} of a step alone",
         )
         if batches:
             caps.setdefault(
@@ -502,13 +515,31 @@ class DispatchPlan:
             medians = list(agreed_values[1 : 1 + len(candidates)])
             fused = list(agreed_values[1 + len(candidates) :])
         self._rounds = []
+        # whether fusing pays: each size's ratio to the single steps of its rounds; which size:
+        # their own fused times, each round's pairs side by side (long calls both, steadier
+        # than the round's short single steps). A larger size within `TIE` of the fastest is
+        # as fast as rounds can tell, and makes fewer calls: it is kept
+        paying = [i for i in range(len(candidates)) if medians[i] <= KEEP_BELOW]
         best = min(range(len(candidates)), key=lambda i: (medians[i], candidates[i]))
+        tie = ""
+        if paying:
+            best = min(paying, key=lambda i: (fused[i], candidates[i]))
+            kept = max(
+                (i for i in paying if fused[i] <= fused[best] * (1 + TIE)),
+                key=lambda i: candidates[i],
+            )
+            if kept != best:
+                tie = (
+                    f"; within {TIE:.0%} of {candidates[best]} steps per call, the fastest "
+                    f"timed, and the largest so"
+                )
+                best = kept
         steps, ratio = candidates[best], medians[best]
         figures = ", ".join(
             [f"1: {single * 1e3:.3f}"]
             + [f"{k}: {f * 1e3:.3f}" for k, f in zip(candidates, fused, strict=True)]
         )
-        figures = f"ms a step: {figures}; medians of {n} rounds side by side{self._dropped}"
+        figures = f"ms a step: {figures}; medians of {n} rounds side by side{self._dropped}{tie}"
         if ratio <= KEEP_BELOW:
             reason = f"auto: {steps} steps per call ran {1 / ratio:.2f}x as fast ({figures})"
             self._decided(steps=steps, reason=reason, checking=False)
