@@ -6,6 +6,7 @@ batch buffer nobody freed. The prefetchers' counters (`placed`, `freed`) count t
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 
@@ -176,17 +177,23 @@ def test_batches_are_deleted_after_a_divergence():
 # evaluation -------------------------------------------------------------------------------------
 
 
+def _live() -> int:
+    """Live arrays once the garbage of earlier tests is collected (else it may go mid-test)."""
+    gc.collect()
+    return len(jax.live_arrays())
+
+
 @pytest.mark.parametrize("experiment", [PipeWithMetrics, PipeWithDeviceMetrics])
 def test_eval_inputs_and_outputs_are_deleted(experiment):
     n = nitro.Nitro(experiment(), progress=False)
     n.validate(), n.predict({"x": X[:30]})  # compile first: compiling may hold constants
-    before = len(jax.live_arrays())
+    before = _live()
     assert set(n.validate()) == {"val_loss", "val_acc"}
-    assert len(jax.live_arrays()) == before
+    assert _live() == before
     assert n.evaluate(split="val")["val_loss"] > 0
-    assert len(jax.live_arrays()) == before
+    assert _live() == before
     assert n.predict({"x": X[:30]}).shape == (30, 3)  # three chunks of 12, the last padded
-    assert len(jax.live_arrays()) == before
+    assert _live() == before
     assert live_batches((BATCH, 3)) == []  # the outputs
     assert n.runtime.prefetchers["val"].placed == 2 * 3
     assert_all_batches_freed(n)
