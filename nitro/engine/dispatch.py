@@ -11,7 +11,8 @@ one compiled program (`lax.scan` over K stacked batches). `steps_per_dispatch=K`
    for `TARGET_SECONDS` of work per call, at least `MIN_STEPS`) and the largest the rules
    allow (at most `MAX_STEPS`, what keeps a stop waiting no longer than `MAX_CALL_SECONDS`
    for a call to end at `HEADROOM` times a single step's pace (a fused step is often faster
-   than one alone, and a size whose fused calls take longer is dropped after its first pair), and what lets a pair of fused calls fit in an epoch), with a
+   than one alone, and a size whose fused calls take longer is dropped after its first
+   pair), and what lets a pair of fused calls fit in an epoch), with a
    geometric middle one where the largest is over `SPREAD` times the target; each a
    divisor of the epoch where one is near. A run with less than `WORTH_SECONDS` of work
    left keeps one step per call for now (a fused program would not pay for its compile),
@@ -89,7 +90,7 @@ CLEAR = 0.25  # a ratio this far from 1 in every round settles it early
 AGREE = 0.75  # after ROUNDS, the share of rounds on one side that settles it
 MAX_ROUNDS = 11  # the most rounds timed: their medians decide
 KEEP_BELOW = 0.97  # a fused step must take at most this share of a single step's time
-TIE = 0.05  # fused sizes whose median ratios are this close to the lowest count as tied
+TIE = 0.05  # paying sizes whose median fused step is this close to the fastest count as tied
 
 
 @dataclasses.dataclass(frozen=True)
