@@ -178,23 +178,26 @@ def test_batches_are_deleted_after_a_divergence():
 # evaluation -------------------------------------------------------------------------------------
 
 
-def _live() -> int:
-    """Live arrays once the garbage of earlier tests is collected (else it may go mid-test)."""
+def _new_arrays(held: list) -> list:
+    """Arrays alive now that were not among `held` (which this test keeps alive, so their ids
+    stay theirs). Counting all live arrays instead fails when another thread frees its own."""
     gc.collect()
-    return len(jax.live_arrays())
+    ids = {id(a) for a in held}
+    return [a for a in jax.live_arrays() if id(a) not in ids]
 
 
 @pytest.mark.parametrize("experiment", [PipeWithMetrics, PipeWithDeviceMetrics])
 def test_eval_inputs_and_outputs_are_deleted(experiment):
     n = nitro.Nitro(experiment(), progress=False)
     n.validate(), n.predict({"x": X[:30]})  # compile first: compiling may hold constants
-    before = _live()
+    gc.collect()
+    held = jax.live_arrays()
     assert set(n.validate()) == {"val_loss", "val_acc"}
-    assert _live() == before
+    assert _new_arrays(held) == []
     assert n.evaluate(split="val")["val_loss"] > 0
-    assert _live() == before
+    assert _new_arrays(held) == []
     assert n.predict({"x": X[:30]}).shape == (30, 3)  # three chunks of 12, the last padded
-    assert _live() == before
+    assert _new_arrays(held) == []
     assert live_batches((BATCH, 3)) == []  # the outputs
     assert n.runtime.prefetchers["val"].placed == 2 * 3
     assert_all_batches_freed(n)
