@@ -322,6 +322,49 @@ def test_of_fused_sizes_timed_as_fast_as_each_other_the_largest_is_kept(
     assert "16: 0.580" in choice.reason and "1: 1.000" in choice.reason, choice.reason
 
 
+class SlowFirst(Clock):
+    """A clock on which the first `slowed` calls of size 4 take `slow` seconds a step (the
+    first compiles, untimed: a pair is its second and third), as under a busy neighbour or
+    the run's first checkpoint write; the later ones take what `seconds_a_step` gives."""
+
+    def __init__(self, seconds_a_step: dict[int, float], slow: float, slowed: int):
+        super().__init__(seconds_a_step)
+        self.slow, self.slowed, self.fours = slow, slowed, 0
+
+    def work(self, size: int) -> None:
+        if size == 4:
+            self.fours += 1
+            if self.fours <= self.slowed:
+                self.now += size * self.slow
+                return
+        super().work(size)
+
+
+@pytest.mark.parametrize(
+    ("slow", "slowed", "candidates", "kept"),
+    [
+        (90e-3, 3, (4, 8), 8),  # one slow pair: 8 a call would take 0.72 s, under twice 0.5 s
+        (90e-3, 10**9, (4,), 1),  # two slow pairs: 8 is dropped, and 4 does not pay
+        (140e-3, 3, (4,), 4),  # one pair of 8 a call over 1 s: dropped at once
+    ],
+    ids=["one slow pair", "every pair slow", "one pair far too slow"],
+)
+def test_a_larger_size_is_dropped_on_a_pair_only_when_it_reads_far_too_slow(
+    monkeypatch, slow, slowed, candidates, kept
+):
+    # a 40 ms step in epochs of 16 batches: 4 and 8 are timed (a pair of 8 fills an epoch)
+    clock = SlowFirst({1: 40e-3, 4: 28e-3, 8: 26e-3}, slow, slowed)
+    monkeypatch.setattr(nitro.engine.dispatch, "time", clock)  # the plan's clock, not a machine's
+    monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", 0.0)
+    plan = nitro.dispatch.DispatchPlan(nitro.dispatch.DispatchChoice.of("auto"))
+    _drive(plan, 16, 60, clock.work)
+    choice = plan.choice
+    assert not choice.checking and choice.candidates == candidates, choice
+    assert choice.steps == kept, choice
+    assert ("8 dropped" in choice.reason) == (candidates == (4,)), choice.reason
+    assert ("faster of 2 pairs" in choice.reason) == (slowed > 3), choice.reason
+
+
 def test_a_pair_of_fused_calls_is_timed_in_an_epoch_just_long_enough_for_it(monkeypatch):
     monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", 0.0)
     plan = nitro.dispatch.DispatchPlan(nitro.dispatch.DispatchChoice.of("auto"))

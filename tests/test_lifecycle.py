@@ -150,6 +150,21 @@ def test_the_budget_skips_saves_on_tiny_epochs_and_still_leaves_the_newest_epoch
     assert saved_epochs(every) == [1, 2, 3, 4, 5, 6]
 
 
+def test_while_auto_times_its_call_sizes_no_save_is_written_mid_call(monkeypatch):
+    monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", 0.0)  # fused sizes timed on a toy
+    budgeted = nitro.Checkpointer(k=10)
+    timed = nitro.Nitro(Toy(batch_size=4, max_epochs=9), checkpointer=budgeted, progress=False)
+    timed.train(epochs=3)  # epochs of 16 batches: three rounds of timing take more than three
+    assert timed.dispatch.checking, timed.dispatch
+    # no write shared the cores with the calls compared; the call's end saved its newest epoch
+    assert saved_epochs(timed) == [3]
+    timed.train(epochs=6)  # (timing may end in it or not: up to 11 rounds)
+    assert saved_epochs(timed)[-1] == 9
+    every = nitro.Nitro(Toy(batch_size=4, max_epochs=3), checkpointer=EVERY_EPOCH, progress=False)
+    every.train()  # budget=None saves every epoch, timing or not
+    assert every.dispatch.checking and saved_epochs(every) == [1, 2, 3]
+
+
 # ---------------------------------------------------------------------------------------------
 # the files are plain orbax
 

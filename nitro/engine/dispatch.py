@@ -11,9 +11,10 @@ one compiled program (`lax.scan` over K stacked batches). `steps_per_dispatch=K`
    for `TARGET_SECONDS` of work per call, at least `MIN_STEPS`) and the largest the rules
    allow (at most `MAX_STEPS`, what keeps a stop waiting no longer than `MAX_CALL_SECONDS`
    for a call to end at `HEADROOM` times a single step's pace (a fused step is often faster
-   than one alone, and a size whose fused calls take longer is dropped after its first
-   pair), and what lets a pair of fused calls fit in an epoch), with a
-   geometric middle one where the largest is over `SPREAD` times the target; each a
+   than one alone, and a larger size is dropped once a smaller one's fused step reads too
+   slow for it: in one pair where a call would take over twice the limit, else in the
+   faster of two), and what lets a pair of fused calls fit in an epoch), with a geometric
+   middle one where the largest is over `SPREAD` times the target; each a
    divisor of the epoch where one is near. A run with less than `WORTH_SECONDS` of work
    left keeps one step per call for now (a fused program would not pay for its compile),
    and one with less than that for each candidate times fewer of them (the target first,
@@ -77,7 +78,7 @@ MAX_STEPS = 64
 MIN_STEPS = 4  # the smallest target K "auto" times against one step per call
 MAX_CALL_SECONDS = 0.5  # the longest a fused call may keep a stop waiting
 # sizes are tried up to this many times the stop limit at a single step's pace: a fused step
-# is often faster than one alone (and dropped after its first pair when it is not)
+# is often faster than one alone (and a size is dropped once a smaller one's pairs read too slow)
 HEADROOM = 1.5
 PROBE_STEPS = 8  # single steps timed, after the first (which compiles)
 WORTH_SECONDS = 2.0  # of work left for each fused program timed (its compile must pay)
@@ -369,15 +370,20 @@ class DispatchPlan:
 
     def _too_long(self, steps: int) -> bool:
         """Drop the larger sizes a call of which would keep a stop waiting over
-        `MAX_CALL_SECONDS` at the fused step's time just measured (a step in a loop can take
-        many times as long as alone); True when that changed the sizes timed."""
+        `MAX_CALL_SECONDS` at the fused step's time measured (a step in a loop can take many
+        times as long as alone); True when that changed the sizes timed. One pair decides
+        only where it reads over twice that (a neighbour, or a checkpoint write, slows one
+        pair, not several); else the faster of two pairs does."""
         larger = [k for k in self.choice.timed if k > steps]
         if not larger:
             return False
-        (seconds,) = (
-            [self._pairs[steps]] if self.agree is None else self.agree([self._pairs[steps]])
-        )
-        dropped = [k for k in larger if k * seconds > MAX_CALL_SECONDS]
+        timed = [pairs[steps] for _, pairs in self._rounds if steps in pairs]
+        timed.append(self._pairs[steps])
+        seconds = min(timed)
+        if self.agree is not None:
+            (seconds,) = self.agree([seconds])
+        limit = MAX_CALL_SECONDS if len(timed) > 1 else 2 * MAX_CALL_SECONDS
+        dropped = [k for k in larger if k * seconds > limit]
         if not dropped:
             return False
         kept = tuple(k for k in self.choice.timed if k not in dropped)
@@ -388,8 +394,8 @@ class DispatchPlan:
             self._pairs.pop(k, None)
         note = (
             f"; {', '.join(map(str, dropped))} dropped, as a fused step of {steps} took "
-            f"{_ms(seconds)} and a call of them would keep a stop waiting over "
-            f"{MAX_CALL_SECONDS:g} s"
+            f"{_ms(seconds)}{f' (the faster of {len(timed)} pairs)' if len(timed) > 1 else ''} "
+            f"and a call of them would keep a stop waiting over {MAX_CALL_SECONDS:g} s"
         )
         self._dropped += note
         self._decided(candidates=kept, steps=kept[0], reason=self.reason + note)

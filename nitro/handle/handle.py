@@ -508,6 +508,7 @@ class Nitro:
             runtime.device_values(),
             epochs_left,
             lazy=runtime.restores is True,
+            measuring=runtime.dispatch.measuring,
         )
 
     def _train_body(self, target: int, stop_at: int | None = None) -> None:

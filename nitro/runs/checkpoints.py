@@ -522,17 +522,20 @@ class CheckpointStore:
             )
         return self._manager
 
-    def due(self, epoch: int, ends_in: float | None = None) -> bool:
+    def due(self, epoch: int, ends_in: float | None = None, hold: bool = False) -> bool:
         """Whether the epoch just committed should be saved now. A save still being written
         counts as costing at least the time since it began; none is due while one waits.
         `ends_in`: the seconds until the call's end, which saves its newest epoch; a save is
         not due mid-call where the call ends sooner than the budget would allow the next
-        (its write would only slow the call's last epochs, and a newer one comes)."""
+        (its write would only slow the call's last epochs, and a newer one comes). `hold`:
+        the caller's timing must not share the cores with a write (under a budget)."""
         config = self.config
         if epoch % config.every:
             return False
         if config.budget is None or self.deterministic:
             return True
+        if hold:
+            return False
         pending = self._pending
         if pending is not None and pending.save is not None:
             return False  # the last save has not even begun: a newer one would replace it

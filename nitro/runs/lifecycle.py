@@ -375,20 +375,25 @@ class RunFiles:
         device: Mapping[str, Any],
         epochs_left: int | None = None,
         lazy: bool = False,
+        measuring: bool = False,
     ) -> str | None:
         """Checkpoint the committed epoch (when due), then ask early stopping. `device`: the
         Device fields' values now (the checkpoint records them). `epochs_left`: the epochs
         the call trains after this one; at this epoch's pace, when they end (and the call's
         end saves) sooner than the budget would allow another save, this one is not due.
         `lazy`: no later call donates the variables (`RunTime.restores`), so a save copies them
-        to the host when it is written, and a save that a newer one replaces copies nothing."""
+        to the host when it is written, and a save that a newer one replaces copies nothing.
+        `measuring`: "auto" is timing its call sizes (for a few seconds of training), and a
+        write beside them would slow the calls it compares: under a budget, no save is due
+        mid-call until it decides (the call's end saves its newest epoch, as always)."""
         store = self.store
         now = time.perf_counter()
         began, self._epoch_began = self._epoch_began, now
         ends_in = None
         if epochs_left is not None and began is not None:
             ends_in = epochs_left * (now - began)
-        if store is not None and store.due(state.epoch, ends_in=ends_in):
+        hold = measuring and (epochs_left is None or epochs_left > 0)  # mid-call
+        if store is not None and store.due(state.epoch, ends_in=ends_in, hold=hold):
             self._save(setup, state, row, events, device, lazy=lazy)
         if setup.early_stop is not None and setup.early_stop.should_stop(state.history):
             return "early_stop"
