@@ -1,9 +1,16 @@
 import os
+import signal
 import sys
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+# A shell without job control starts a background command with SIGINT ignored, and Python then
+# installs no KeyboardInterrupt handler; the Ctrl-C tests (and the processes they start, which
+# inherit an ignored signal) need the one an interactive Ctrl-C reaches.
+if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
 
 import nitro  # noqa: E402
 
