@@ -139,8 +139,9 @@ class BrokenIterable(PlainBatches):
 
 
 def prefetch_threads() -> list[str]:
-    """Names of live prefetch threads, after giving exiting ones a moment to finish."""
-    deadline = time.monotonic() + 2.0
+    """Names of live prefetch threads, after giving exiting ones time to finish (minutes at
+    most: a busy machine may not schedule a thread that is exiting for a while)."""
+    deadline = time.monotonic() + 300.0
     while True:
         names = [t.name for t in threading.enumerate() if t.name.startswith("nitro-prefetch")]
         if not names or time.monotonic() > deadline:
