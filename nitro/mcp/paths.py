@@ -10,10 +10,10 @@ and how the user allows more.
 >>> paths = PathPolicy(root)
 >>> paths.check("dir", "exports/digits") == root / "exports" / "digits"
 True
->>> paths.check("dir", "../../etc/passwd")
+>>> paths.check("dir", "../elsewhere")
 Traceback (most recent call last):
 ...
-nitro.mcp.lookup.ToolFailure: dir: '../../etc/passwd' is /etc/passwd, outside this session's root ...
+nitro.mcp.lookup.ToolFailure: dir: '../elsewhere' is .../elsewhere, outside this session's root ...
 """
 
 from __future__ import annotations
