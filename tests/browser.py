@@ -169,7 +169,7 @@ class Lab:
         )
         return self.driver.execute_script(script, *args)
 
-    def wait_for(self, expression: str, timeout: float = 60, *args, what: str = "") -> object:
+    def wait_for(self, expression: str, timeout: float = 120, *args, what: str = "") -> object:
         """Poll a JavaScript expression until it is truthy; returns its value."""
         deadline = time.monotonic() + timeout
         while True:
@@ -216,7 +216,7 @@ class Lab:
         )
         self.wait_for_kernel("idle", timeout=120)
 
-    def wait_for_kernel(self, status: str, timeout: float = 60) -> None:
+    def wait_for_kernel(self, status: str, timeout: float = 120) -> None:
         self.wait_for(
             "window.jupyterapp.shell.currentWidget.sessionContext.session?.kernel?.status"
             " === arguments[0]",
@@ -358,7 +358,7 @@ class Lab:
     def save_and_close(self) -> None:
         self.js("await nb.context.save(); await nb.sessionContext.shutdown(); nb.dispose();")
         self.wait_for(
-            "!document.querySelector('.jp-NotebookPanel')", 30, what="the notebook to close"
+            "!document.querySelector('.jp-NotebookPanel')", 120, what="the notebook to close"
         )
 
 

@@ -137,7 +137,7 @@ class KillAt:
 
     def step(self, step, loss):
         if step >= self.at:
-            deadline = time.monotonic() + 30
+            deadline = time.monotonic() + 300
             while not self.saved.is_dir() and time.monotonic() < deadline:
                 time.sleep(0.01)
             os.kill(os.getpid(), signal.SIGKILL)

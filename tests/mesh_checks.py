@@ -209,7 +209,9 @@ def live_edit():
     while n.step < 20:
         time.sleep(0.01)
     compiles = len(nitro.explain_compiles())
-    path.write_text(LIVE_MODULE.replace("* SCALE", "* SCALE * 1000.0"))
+    # a constant added to the loss: the same gradients, and losses above 1000 from the swap on
+    # however far the run had trained (the cross-entropy it adds to falls towards 0)
+    path.write_text(LIVE_MODULE.replace("* SCALE", "* SCALE + 1000.0"))
     importlib.invalidate_caches()
     importlib.reload(module)
     edit = n.apply_edits().wait(300)
@@ -217,12 +219,13 @@ def live_edit():
     while n.step < swap + 10:
         time.sleep(0.01)
     n.stop().wait()
+    # a step away from the swap on either side, whichever step the record names
     after = [losses.losses[s] for s in range(swap + 2, swap + 8)]
-    before = [losses.losses[s] for s in range(swap - 5, swap + 1)]
+    before = [losses.losses[s] for s in range(swap - 6, swap - 1)]
     return {
         "status": edit.status,
         "threads": sorted({r.thread for r in nitro.explain_compiles()[compiles:]}),
-        "ratio": float(np.mean(after) / np.mean(before)),
+        "losses": [float(max(before)), float(min(after))],
         "replicated": all(
             leaf.sharding.is_fully_replicated and len(leaf.sharding.device_set) == 4
             for leaf in n.state.variables.params

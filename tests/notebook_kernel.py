@@ -200,9 +200,9 @@ class Kernel:
                 and message["msg_type"] == "status"
                 and message["content"]["execution_state"] == "idle"
             )
-        reply = self.client.get_shell_msg(timeout=30)
+        reply = self.client.get_shell_msg(timeout=120)
         while reply["parent_header"].get("msg_id") != msg_id:
-            reply = self.client.get_shell_msg(timeout=30)
+            reply = self.client.get_shell_msg(timeout=120)
         mine = [m for m in self.log if m["parent_header"].get("msg_id") == msg_id]
         return Cell(msg_id, reply, mine)
 
@@ -212,7 +212,7 @@ class Kernel:
             raise AssertionError(f"cell failed: {cell.error}\n{cell.stderr}\n{code}")
         return cell
 
-    def eval(self, expression: str, timeout: float = 30) -> str:
+    def eval(self, expression: str, timeout: float = 120) -> str:
         """The repr of `expression`, read without running a cell (no cell events fire)."""
         msg_id = self.client.execute(
             "", silent=True, store_history=False, user_expressions={"value": expression}

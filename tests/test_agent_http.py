@@ -33,7 +33,7 @@ def server():
 
 
 def _post(url: str, headers: dict[str, str]) -> httpx2.Response:
-    return httpx2.post(url, json=INITIALIZE, headers={**ACCEPT, **headers}, timeout=30)
+    return httpx2.post(url, json=INITIALIZE, headers={**ACCEPT, **headers}, timeout=120)
 
 
 def test_a_request_without_the_token_or_with_a_wrong_one_is_refused(server):

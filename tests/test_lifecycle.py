@@ -270,7 +270,7 @@ class Zygote:
 
 def kill(pid: int) -> None:
     os.kill(pid, signal.SIGKILL)
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         try:
             os.kill(pid, 0)

@@ -107,16 +107,20 @@ def test_no_prefetch_frees_every_batch_too():
 
 
 def test_batches_are_deleted_after_a_stop_from_another_thread():
+    # epochs enough that only the stop ends the run, however long the wait for step 5 takes
     n = nitro.Nitro(
-        Pipe(max_epochs=100), data={"train": RecordingLoader(delay=lambda i: 0.002)}, progress=False
+        Pipe(max_epochs=100_000),
+        data={"train": RecordingLoader(delay=lambda i: 0.002)},
+        progress=False,
     )
     n.train(background=True)
-    deadline = time.monotonic() + 10
-    while n.step < 5 and time.monotonic() < deadline:
-        time.sleep(0.002)
+    deadline = time.monotonic() + 300
+    while n.step < 5:
+        assert time.monotonic() < deadline, "the background run did not start"
+        time.sleep(0.01)
     threading.Thread(target=n.stop).start()
     n.wait()
-    assert n.stop_reason == "requested" and n.epoch < 100
+    assert n.stop_reason == "requested" and n.epoch < 100_000
     assert_all_batches_freed(n)
     still_trains_and_predicts(n)
     assert_all_batches_freed(n)

@@ -53,13 +53,13 @@ def _stop(lab: Lab, cell: int) -> None:
     lab.wait_for(
         "(window.jupyterapp.shell.currentWidget.content.widgets[arguments[0]].node"
         ".querySelector('.nitro-record')?.innerText || '').includes('stopped')",
-        60,
+        120,
         cell,
         what="the stopped run's record",
     )
 
 
-def _redraws(lab: Lab, cell: int, wanted: int, timeout: float = 60.0) -> int:
+def _redraws(lab: Lab, cell: int, wanted: int, timeout: float = 120.0) -> int:
     """How many times the curves image of `cell` changed, watching until it has changed
     `wanted` times (or `timeout` passed: a busy machine only makes it take longer)."""
     images = "return [...nb.content.widgets[args[0]].node.querySelectorAll('img')].map(i => i.src)"
@@ -72,11 +72,18 @@ def _redraws(lab: Lab, cell: int, wanted: int, timeout: float = 60.0) -> int:
     return changes
 
 
-def _advancing(lab: Lab, cell: int) -> tuple[dict, dict]:
-    """Two reads of a training panel a second apart."""
+def _advancing(lab: Lab, cell: int, timeout: float = 120.0) -> tuple[dict, dict]:
+    """Two reads of a training panel: the first, and the first later one whose step and bar
+    moved on (or the last one once `timeout` passed: a busy machine only makes it take
+    longer)."""
     first = lab.panel(cell)
-    time.sleep(1.0)
-    return first, lab.panel(cell)
+    deadline = time.monotonic() + timeout
+    while True:
+        time.sleep(0.2)
+        second = lab.panel(cell)
+        moved = second["step"] > first["step"] and second["bar"] > first["bar"]
+        if moved or time.monotonic() > deadline:
+            return first, second
 
 
 def test_tutorial_panels_render_update_stop_and_survive_a_reopen(lab):
@@ -103,11 +110,11 @@ def test_tutorial_panels_render_update_stop_and_survive_a_reopen(lab):
     lab.wait_for(
         "window.jupyterapp.shell.currentWidget.content.widgets[arguments[0]].node"
         ".querySelector('.progress-bar')",
-        30,
+        120,
         BACKGROUND,
         what="the live panel's progress bar",
     )
-    lab.wait_for(_LIVE_CURVES, 30, BACKGROUND, what="the live curves")
+    lab.wait_for(_LIVE_CURVES, 120, BACKGROUND, what="the live curves")
     assert _redraws(lab, BACKGROUND, wanted=3) == 3  # the curves keep redrawing while it trains
     first, second = _advancing(lab, BACKGROUND)
     assert first["widgets"] and "live training panel" not in first["text"]
@@ -129,7 +136,7 @@ def test_tutorial_panels_render_update_stop_and_survive_a_reopen(lab):
     lab.wait_for(
         "window.jupyterapp.shell.currentWidget.content.widgets[arguments[0]].node"
         ".querySelector('.progress-bar')",
-        30,
+        120,
         BACKGROUND,
         what="the continued run's panel",
     )
@@ -164,11 +171,11 @@ def test_interrupt_button_stops_a_foreground_run_and_the_kernel_goes_on(lab):
     lab.wait_for(
         "(window.jupyterapp.shell.currentWidget.content.widgets[arguments[0]].node"
         ".querySelector('.jp-OutputArea')?.innerText || '').match(/ step ([2-9]\\d{2}|[1-9]\\d{3,})/)",
-        60,
+        120,
         EDIT_TRAIN,
         what="a few hundred steps (auto has decided its steps per call)",
     )
-    lab.wait_for(_LIVE_CURVES, 30, EDIT_TRAIN, what="the live curves")
+    lab.wait_for(_LIVE_CURVES, 120, EDIT_TRAIN, what="the live curves")
     time.sleep(1.0)  # a few more epochs on the curves
     training = lab.panel(EDIT_TRAIN)
     assert training["widgets"] and training["button"] == "Interrupt ■ to stop"
@@ -223,7 +230,7 @@ def test_a_notebook_saved_while_a_run_trains_reopens_with_its_latest_state(lab):
     lab.wait_for(
         "(window.jupyterapp.shell.currentWidget.content.widgets[2].node.querySelector("
         "'.nitro-standin')?.textContent || '').match(/epoch [1-9]\\d*\\/30000/)",
-        60,
+        120,
         what="the stand-in of a few epochs",
     )
     assert lab.js(standin, 2)[0] == "none"  # hidden while the widget lives
@@ -236,7 +243,7 @@ def test_a_notebook_saved_while_a_run_trains_reopens_with_its_latest_state(lab):
     lab.wait_for(
         "getComputedStyle(window.jupyterapp.shell.currentWidget.content.widgets[2].node"
         ".querySelector('.nitro-standin').closest('.jp-OutputArea-child')).display !== 'none'",
-        30,
+        120,
         what="the stand-in after the restart",
     )
     assert not lab.js(
@@ -250,7 +257,7 @@ def test_a_notebook_saved_while_a_run_trains_reopens_with_its_latest_state(lab):
     lab.wait_for(
         "window.jupyterapp.shell.currentWidget.content.widgets[2].node.querySelector("
         "'.jp-OutputArea-output.jupyter-widgets')",
-        30,
+        120,
         what="the dead widget's output",
     )
     shown, text = lab.js(standin, 2)
@@ -291,11 +298,11 @@ def test_an_edit_saved_during_a_background_run_is_marked_on_its_curves(lab):
     lab.run(0)
     lab.start(1)
     lab.wait_done(1)
-    lab.wait_for(_LIVE_CURVES, 60, 1, what="the live curves")
+    lab.wait_for(_LIVE_CURVES, 120, 1, what="the live curves")
     lab.wait_for(
         "(window.jupyterapp.shell.currentWidget.content.widgets[1].node.querySelector("
         "'.jp-OutputArea')?.innerText || '').match(/ step ([1-9]\\d{2,})/)",
-        60,
+        120,
         what="a hundred steps",
     )
     lab.run(2)
@@ -310,7 +317,7 @@ def test_an_edit_saved_during_a_background_run_is_marked_on_its_curves(lab):
     lab.wait_for(
         "(window.jupyterapp.shell.currentWidget.content.widgets[1].node.querySelector("
         "'.jp-OutputArea')?.innerText || '').includes(arguments[0])",
-        60,
+        120,
         f"swapped in the edit of `loss` at step {step}",
         what="the swap's line in the status",
     )

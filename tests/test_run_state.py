@@ -22,12 +22,13 @@ import nitro
 from nitro.runner import RunControl, RunGuard, at_step_boundary
 
 ENGINE = pathlib.Path(nitro.__file__).parent
+WAIT = 300  # seconds: a bound for conditions, reached only if the code is wrong
 
 
 def background_run(**fields) -> nitro.Nitro:
     n = nitro.Nitro(Toy(max_epochs=100_000, with_val=False, **fields), progress=False)
     n.train(background=True)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + WAIT
     while n.step < 5:  # past the compile: the loop is stepping
         assert time.monotonic() < deadline, "the background run did not start"
         time.sleep(0.01)
@@ -107,7 +108,7 @@ def test_weights_taken_from_fused_calls_in_training_are_those_of_the_step_they_n
     n = nitro.Nitro(Toy(max_epochs=100_000, with_val=False), steps_per_dispatch=4, progress=False)
     n.train(background=True)
     try:
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + WAIT
         while n.step < 8:
             assert time.monotonic() < deadline, "the background run did not start"
             time.sleep(0.01)
@@ -151,7 +152,7 @@ def _request_at_step_boundary(guard, control) -> tuple[threading.Thread, dict]:
 
     thread = threading.Thread(target=request, name="requester", daemon=True)
     thread.start()
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + WAIT
     while not control.copies_pending:
         assert time.monotonic() < deadline, "the request was never registered"
         time.sleep(0.001)
@@ -165,8 +166,8 @@ def test_a_request_during_training_runs_on_the_training_thread_at_its_step_bound
     # what the loop does at a step boundary, on its thread
     training = threading.Thread(target=control.serve_copies, name="training")
     training.start()
-    training.join(10)
-    thread.join(10)
+    training.join(WAIT)
+    thread.join(WAIT)
     assert not thread.is_alive() and answer == {"value": "training"}
     assert guard.activity == "training"  # served without taking the handle
 
@@ -176,7 +177,7 @@ def test_a_request_the_run_ended_without_serving_runs_once_the_handle_is_free():
     guard.claim("training", background=True)
     thread, answer = _request_at_step_boundary(guard, control)
     guard.release()  # the run ends after its last step boundary
-    thread.join(10)
+    thread.join(WAIT)
     assert not thread.is_alive() and answer == {"value": "requester"}
     assert guard.activity is None
 
@@ -184,7 +185,9 @@ def test_a_request_the_run_ended_without_serving_runs_once_the_handle_is_free():
 # ---------------------------------------------------------------------------------------------
 # the compile cache under threads
 
-TRACING = threading.Event()
+TRACING = threading.Event()  # set when a trace of SlowToTrace's forward starts
+TRACE_MAY_END = threading.Event()  # cleared by a test that holds the trace until it is done
+TRACE_MAY_END.set()
 TRACE_SECONDS = 2.0
 
 
@@ -206,6 +209,7 @@ class SlowToTrace:
     def forward(self, model, *, x):
         TRACING.set()
         time.sleep(TRACE_SECONDS)  # runs at trace time only
+        TRACE_MAY_END.wait(WAIT)
         return model(x)
 
     def loss(self, logits, *, y):
@@ -214,14 +218,18 @@ class SlowToTrace:
 
 def test_cache_stats_answer_at_once_while_another_thread_compiles(fresh_cache):
     TRACING.clear()
+    TRACE_MAY_END.clear()  # the compile lasts until the questions are answered
     n = nitro.Nitro(SlowToTrace(width=9), progress=False)
-    n.train(background=True)
-    assert TRACING.wait(30), "the compile did not start"
-    for _ in range(5):
-        stats = nitro.cache_stats()
-        nitro.explain_compiles()
-    # answered before the compile ended (it had not waited for the compile's lock)
-    assert n.running and stats.misses == 0
+    try:
+        n.train(background=True)
+        assert TRACING.wait(WAIT), "the compile did not start"
+        for _ in range(5):
+            stats = nitro.cache_stats()
+            nitro.explain_compiles()
+        # answered while the compile went on (it had not waited for the compile's lock)
+        assert n.running and stats.misses == 0
+    finally:
+        TRACE_MAY_END.set()
     n.wait()
     assert nitro.cache_stats().misses == 1
 

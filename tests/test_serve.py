@@ -78,7 +78,7 @@ class Server:
             time.sleep(0.1)
 
     def request(self, method: str, path: str, body: bytes = b"", headers=None):
-        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        connection = http.client.HTTPConnection("127.0.0.1", self.port, timeout=120)
         try:
             connection.request(method, path, body=body, headers=headers or {})
             response = connection.getresponse()
@@ -256,12 +256,12 @@ def test_integer_inputs_refuse_fractions_and_values_out_of_range(handles, served
     stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
     try:
         with pytest.raises(grpc.RpcError) as raised:
-            stub.ModelInfer(request([1, 2, 300, 4, 5]), timeout=30)
+            stub.ModelInfer(request([1, 2, 300, 4, 5]), timeout=120)
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "input 'levels': 300 is out of the range of INT8 (-128 to 127)" in (
             raised.value.details()
         )
-        answer = stub.ModelInfer(request(levels), timeout=30)
+        answer = stub.ModelInfer(request(levels), timeout=120)
         assert list(answer.outputs[0].shape) == [1, 2]
     finally:
         channel.close()
@@ -284,14 +284,14 @@ def test_integer_inputs_refuse_fractions_and_values_out_of_range(handles, served
 
 def test_request_bodies_over_the_limit_are_refused(served):
     limit = 1 << 20
-    connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=30)
+    connection = http.client.HTTPConnection("127.0.0.1", served.port, timeout=120)
     connection.putrequest("POST", "/v2/models/toy/infer")
     connection.putheader("Content-Length", str(limit + 1))
     connection.endheaders()  # the declared length alone is refused, before any body is sent
     response = connection.getresponse()
     assert response.status == 413 and b"over the limit of 1048576 bytes" in response.read()
     connection.close()
-    with socket.create_connection(("127.0.0.1", served.port), timeout=30) as raw:
+    with socket.create_connection(("127.0.0.1", served.port), timeout=120) as raw:
         chunk = b"0" * (limit + 10)  # no length declared: counted while it arrives
         raw.sendall(
             b"POST /v2/models/toy/infer HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -499,9 +499,9 @@ def test_malformed_grpc_requests_get_invalid_argument(served):
     ]
     for case in cases:
         with pytest.raises(grpc.RpcError) as raised:
-            stub.ModelInfer(case, timeout=30)
+            stub.ModelInfer(case, timeout=120)
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT, raised.value.details()
-    answer = stub.ModelInfer(request([2, 5]), timeout=30)
+    answer = stub.ModelInfer(request([2, 5]), timeout=120)
     assert list(answer.outputs[0].shape) == [2, 2]
     channel.close()
 
@@ -532,7 +532,7 @@ class Hammer:
     def finish(self):
         self.stop.set()
         for thread in self.threads:
-            thread.join(timeout=30)
+            thread.join(timeout=120)
 
 
 def _wait_for(predicate, what: str, timeout: float = 60.0):

@@ -49,7 +49,7 @@ def survivors_of_a_kill(parent: subprocess.Popen, count: int) -> list[psutil.Pro
         assert wait_for(lambda: len(workers_of(parent.pid)) == count), "no workers started"
         workers = workers_of(parent.pid)
         parent.send_signal(signal.SIGKILL)
-        parent.wait(timeout=30)
+        parent.wait(timeout=120)
         return gone(workers)
     finally:
         if parent.poll() is None:
