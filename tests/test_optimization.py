@@ -292,6 +292,20 @@ def test_switches_and_their_schedules_recompile_nothing(fresh_cache):
     assert nitro.cache_stats().misses == first == 1  # the train step, compiled once
 
 
+def test_a_decay_mask_recompiles_the_train_step_only_when_it_picks_other_leaves(fresh_cache):
+    def train(mask):
+        before = len(nitro.explain_compiles())
+        keywords = dict(weight_decay=1e-2, steps_per_dispatch=1, progress=False)
+        nitro.Nitro(Plain(), decay_mask=mask, **keywords).train()
+        return [(r.program, r.reason) for r in nitro.explain_compiles()[before:]]
+
+    assert train(matrices) == [("train step", "new program")]
+    assert train(lambda path, leaf: leaf.ndim >= 2) == []  # another function, the same leaves
+    assert train(lambda path, leaf: path.startswith("out")) == [
+        ("train step", "code changed: optimizer update")
+    ]
+
+
 # ----------------------------------------------------------------------------------- errors
 
 
