@@ -323,7 +323,7 @@ def test_a_new_handle_evaluates_with_the_weights_of_a_run_or_of_its_checkpoint(c
 
 
 def test_a_stopped_run_resumes_from_its_checkpoint_with_resume_auto(connect):
-    slow = {"batches": 20, "delay": 0.05}
+    slow = {"batches": 100, "delay": 0.05}  # epochs of 5 s: the stop lands in epoch 2
 
     async def scenario():
         async with connect() as session:
@@ -346,7 +346,7 @@ def test_a_stopped_run_resumes_from_its_checkpoint_with_resume_auto(connect):
 
     stopped, done, history = anyio.run(scenario)
     assert (stopped["stop_reason"], stopped["epoch"]) == ("requested", 1)
-    assert 20 <= stopped["step"] < 40  # stopped in epoch 2
+    assert 100 <= stopped["step"] < 200  # stopped in epoch 2
     resumed_from = done["weights_checkpoint"]
     # a stop saves the step it stops on, mid-epoch too: the resume continues from there
     assert (resumed_from["epoch"], resumed_from["step"]) == (1, stopped["step"])
@@ -359,13 +359,13 @@ def test_a_stopped_run_resumes_from_its_checkpoint_with_resume_auto(connect):
         "done",
         "completed",
         3,
-        60,
+        300,
     )
     rows = history["history"]
     assert [row["epoch"] for row in rows] == [1, 2, 3] and [row["step"] for row in rows] == [
-        20,
-        40,
-        60,
+        100,
+        200,
+        300,
     ]
     assert rows[0]["val_loss"] == stopped["metrics"]["val_loss"]  # epoch 1 as it was saved
 
