@@ -183,7 +183,7 @@ def test_interrupt_button_stops_a_foreground_run_and_the_kernel_goes_on(lab):
     lab.screenshot("interrupt-1-training", lab.cell(EDIT_TRAIN))
 
     lab.click_interrupt()
-    lab.wait_done(EDIT_TRAIN, timeout=60)  # it stops after the current step
+    lab.wait_done(EDIT_TRAIN, timeout=120)  # it stops after the current step
     stopped = lab.panel(EDIT_TRAIN)
     assert "stopped" in stopped["record"]
     assert "interrupted; stopping training after the current step" in stopped["record"]
