@@ -86,13 +86,14 @@ def test_a_loss_edit_saved_during_a_background_run_swaps_in_and_the_run_goes_on(
         "eval forward",
     ]
 
-    # the loss curve changes at the swap: epochs after it train on loss * 1000
+    # the loss curve changes at the swap: the first epoch wholly after it trains on loss *
+    # 1000 (the run goes on meanwhile and its loss keeps falling: compare neighbours only)
     rows = ast.literal_eval(
         kernel.eval("live_a_run.history()[['step', 'loss']].to_dict('records')")
     )
     before = [r["loss"] for r in rows if r["step"] < step]
     after = [r["loss"] for r in rows if r["step"] - 20 >= step]
-    assert before and after and min(after) > 100 * max(before), rows
+    assert before and after and after[0] > 100 * before[-1], rows
     assert kernel.eval(f"list(live_a_run.swaps().index) == [{step}]") == "True"
 
     # the notebook says so, and the panel marks the step on the curves
