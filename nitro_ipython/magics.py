@@ -332,7 +332,13 @@ class NitroMagics(Magics):
         if isinstance(value, nitro.Nitro):
             name = base if base and base != "_nitro" else self._name_of(value, "_nitro")
             handle = rebuild.handle_to_train(
-                name, value, value.experiment, value, fresh=args.fresh, resume=args.resume
+                name,
+                value,
+                value.experiment,
+                value,
+                fresh=args.fresh,
+                resume=args.resume,
+                more=args.epochs is not None,
             )
         elif is_experiment(value) and not isinstance(value, type):
             name = f"{base}_run" if base else f"{type(value).__name__.lower()}_run"
@@ -340,7 +346,13 @@ class NitroMagics(Magics):
             if not rebuild.runs_experiment(previous, value):
                 previous = None
             handle = rebuild.handle_to_train(
-                name, previous, value, previous, fresh=args.fresh, resume=args.resume
+                name,
+                previous,
+                value,
+                previous,
+                fresh=args.fresh,
+                resume=args.resume,
+                more=args.epochs is not None,
             )
         elif isinstance(value, type) and is_experiment(value):
             raise UsageError(

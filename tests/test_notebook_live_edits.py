@@ -213,10 +213,12 @@ def test_no_live_edits_keeps_the_deferral_until_the_run_stops(kernel):
     _stop(kernel, "live_d")
     said = kernel.run("pass").stdout
     assert "reloaded live_d: changed scale." in said
-    assert "`%nitro train live_d_run` rebuilds the run with the edit" in said
+    assert "`%nitro train live_d_run` continues the run with the edit." in said
     assert kernel.eval("live_d.scale(1.0)") == "3.0"
-    kernel.run("old_d = live_d_run\n%nitro train live_d_run --epochs 1")  # rebuilt with the edit
-    assert kernel.eval("(live_d_run is not old_d, live_d_run.live_edits)") == "(True, False)"
+    said = kernel.run("old_d = live_d_run\n%nitro train live_d_run --epochs 1").stdout
+    assert "live_d_run continues its run (epoch " in said  # the stopped run, with the edit
+    assert kernel.eval("(live_d_run is old_d, live_d_run.live_edits)") == "(True, False)"
+    assert kernel.eval("live_d_run.stale_changes()") == "{}"
 
 
 def test_a_class_redefined_in_a_cell_during_a_run_is_swapped_in(kernel):
@@ -298,3 +300,55 @@ def test_a_live_reload_never_leaves_a_global_missing_for_code_running_meanwhile(
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("live_globals", None)
+
+
+ACC = '        return {"acc": (logits.argmax(-1) == y).mean()}'
+FAILING = TINY_MODULE.replace(
+    ACC, '        if os.path.exists("fail"):\n            raise RuntimeError("broken")\n' + ACC
+).replace("import time\n", "import os\nimport time\n", 1)
+
+
+def test_after_a_failed_run_is_fixed_train_continues_it_and_says_so(kernel):
+    _write(kernel, "live_g", FAILING)
+    kernel.run(
+        "import live_g\n"
+        "live_g_run = nitro.Nitro(live_g.Tiny(max_epochs=100_000, delay=0.002), "
+        "steps_per_dispatch=1)\n"
+        "%nitro train live_g_run --background"
+    )
+    _until(kernel, "live_g_run.epoch >= 2", "two epochs")
+    (kernel.cwd / "fail").write_text("")  # the next validation raises: the run fails
+    _until(kernel, "live_g_run.stop_reason == 'error' and not live_g_run.running", "the failure")
+    epoch, step = ast.literal_eval(kernel.eval("(live_g_run.epoch, live_g_run.step)"))
+
+    _write(kernel, "live_g", TINY_MODULE)  # fixed
+    said = kernel.run("old_g = live_g_run\n%nitro train live_g_run --background").stdout
+    assert (
+        f"nitro: live_g_run continues its run (epoch {epoch}, step {step}, its optimizer state) "
+        "with the edit of `metrics`, which keeps the run's layout; `--fresh` starts over"
+    ) in said, said
+    _until(kernel, f"live_g_run.epoch > {epoch} + 1", "epochs after the fix")
+    assert kernel.eval("live_g_run is old_g and live_g_run.running") == "True"
+    epochs = ast.literal_eval(kernel.eval("list(live_g_run.history().index)"))
+    assert epochs[: epoch + 2] == list(range(1, epoch + 3))  # one run, counted on
+    _stop(kernel, "live_g")
+
+    # an edit a run cannot take (a hook added): a new run from the weights, and why
+    _write(
+        kernel,
+        "live_g",
+        TINY_MODULE.replace(
+            "    def metrics(",
+            "    def finalize_metrics(self, metrics, split):\n        return metrics\n\n"
+            "    def metrics(",
+        ),
+    )
+    said = kernel.run("%nitro train live_g_run --epochs 1").stdout
+    assert (
+        "nitro: live_g_run rebuilt from the current Tiny, starting from the weights of the "
+        "previous run (step "
+    ) in said, said
+    assert (
+        "as a new run (epoch 0, a new optimizer state): hooks of Tiny were added finalize_metrics\n"
+    ) in said, said
+    assert kernel.eval("(live_g_run is old_g, live_g_run.epoch)") == "(False, 1)"

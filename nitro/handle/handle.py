@@ -1100,7 +1100,9 @@ class Nitro:
         self._setup, self._programs = setup, programs
 
     def _edit_settled(self, edit: LiveEdit) -> None:
-        if edit.note:
+        """A refused or failed edit: said to a run's reporters (an idle handle's caller holds
+        the edit and its note)."""
+        if edit.note and self.running:
             self._say(edit.note)
 
     def _edit_ready(self) -> None:
