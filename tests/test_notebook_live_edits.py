@@ -352,3 +352,48 @@ def test_after_a_failed_run_is_fixed_train_continues_it_and_says_so(kernel):
         "as a new run (epoch 0, a new optimizer state): hooks of Tiny were added finalize_metrics\n"
     ) in said, said
     assert kernel.eval("(live_g_run is old_g, live_g_run.epoch)") == "(False, 1)"
+
+
+def test_notes_of_several_edits_keep_their_order_and_a_save_back_is_acknowledged(kernel):
+    _start(kernel, "live_h")
+    _write(kernel, "live_h", _loss_times("2.0"))
+    _until(kernel, "len(live_h_run.state.swaps) == 1", "the first swap")
+    _write(kernel, "live_h", _loss_times("3.0"))
+    _until(kernel, "len(live_h_run.state.swaps) == 2", "the second swap")
+    first, second = (row["step"] for row in _swaps(kernel, "live_h"))
+    said = kernel.run("pass").stdout
+    expected = [
+        "nitro: reloaded live_h: changed Tiny.loss.",
+        "nitro: live_h_run: compiling the edit of `loss` beside the run",
+        f"nitro: live_h_run: swapped in the edit of `loss` at step {first}.",
+        "nitro: reloaded live_h: changed Tiny.loss.",
+        "nitro: live_h_run: compiling the edit of `loss` beside the run",
+        f"nitro: live_h_run: swapped in the edit of `loss` at step {second}.",
+    ]
+    at = 0
+    for line in expected:  # in the order they happened
+        found = said.find(line, at)
+        assert found >= 0, (line, said)
+        at = found + len(line)
+
+    # a failed edit, then the file saved back to the code the run uses: said in one note
+    _write(
+        kernel,
+        "live_h",
+        TINY_MODULE.replace(LOSS, ".mean() + logits.reshape(3, 5).sum()" + LOSS[7:]),
+    )
+    _until(kernel, "live_h_run.live_edit.status == 'failed'", "the failure")
+    _write(kernel, "live_h", _loss_times("3.0"))
+    _until(
+        kernel,
+        "'live_h_run already runs this code; nothing to swap in.' in "
+        "nitro_ipython.watcher().history",
+        "the acknowledgement",
+    )
+    said = kernel.run("pass").stdout
+    assert said.count("nitro: live_h_run already runs this code; nothing to swap in.") == 1
+    assert "already runs this code" in kernel.eval(
+        "nitro_ipython.live_panel(live_h_run).notes.value"
+    )
+    assert kernel.eval("(live_h_run.running, len(live_h_run.state.swaps))") == "(True, 2)"
+    _stop(kernel, "live_h")
