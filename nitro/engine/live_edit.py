@@ -8,11 +8,14 @@ on a thread of its own, exactly the programs of the handle's `ProgramSet` whose 
 reaches (`ProgramSet.for_setup`). The loop keeps training on the old programs meanwhile. Once
 compiled, the new setup and programs wait in the run-time record (`LiveEdits`) for the loop,
 which swaps them in between two calls (`swaps.py`): the pause it sees is the swap, not the
-compile. A handle that is not training takes them at once.
+compile. A handle that is not training takes them at once, or when the call that holds it
+(a `validate()`) returns.
 
 The first `PROBATION_STEPS` steps after a swap are on probation: the loop keeps a copy of
 the variables from before the swap, and a non-finite loss in those steps rolls the run back to
-that copy and the old programs. A refused or broken edit (a new model structure,
+that copy and the old programs. A host hook the edit changed (host metrics,
+`finalize_metrics`) is on probation until its first call: one that raises there rolls back to
+the old code (`swaps.HostProbation`). A refused or broken edit (a new model structure,
 a trace error, a shape error) never reaches the loop: the old programs go on, and the note
 names the hook, file and line.
 """

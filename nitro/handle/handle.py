@@ -1056,14 +1056,17 @@ class Nitro:
         """Apply the experiment's code as it is now (its hooks, the helpers they call, the
         model's classes), edited since this handle was built or last swapped code: the
         programs the edit reaches compile on a thread of their own while a run goes on
-        training, and swap in at its next dispatch boundary (at once when nothing trains).
+        training, and swap in at its next dispatch boundary (at once when nothing trains, or
+        once the call that holds the handle, such as `validate()`, returns).
 
         Returns the `LiveEdit` (`.wait()`, `.status`, `.note`, `.record`). An edit that
         changes what a live run keeps (the fields, the set of hooks, the batch fields a hook
         takes, the model's structure) is refused, and one that does not trace or compile
         fails; either way the run goes on with the code it had and `.note` says why. The
         first steps of swapped-in code are on probation: a non-finite loss there rolls the
-        run back to the old code and the weights from before the swap. `n.swaps()` lists the
+        run back to the old code and the weights from before the swap, and a host hook
+        (host metrics, `finalize_metrics`) that raises on its first call rolls back to the
+        old code. `n.swaps()` lists the
         swaps."""
         with self._live_lock:
             runtime = self._runtime
