@@ -217,8 +217,8 @@ def live_edit():
     while n.step < swap + 10:
         time.sleep(0.01)
     n.stop().wait()
-    after = [losses.losses[s] for s in range(swap + 2, swap + 8)]
-    before = [losses.losses[s] for s in range(swap - 5, swap + 1)]
+    after = [losses.losses[s] for s in range(swap, swap + 6)]  # from its first step on
+    before = [losses.losses[s] for s in range(swap - 6, swap)]
     return {
         "status": edit.status,
         "threads": sorted({r.thread for r in nitro.explain_compiles()[compiles:]}),
