@@ -185,9 +185,11 @@ class NitroMagics(Magics):
                          [--resume [RUN_ID]]
             EXP is an experiment instance (`exp = Digits()`) or a handle. On an experiment
             it stores the handle as `EXP_run` (and `_nitro`) and trains it. Training again
-            continues that handle; after an edit of the experiment's code, or with other
-            field values, it builds a new handle that starts from the previous one's weights
-            (unless --fresh). The notebook's interrupt button stops a foreground run after
+            continues that handle, also after an edit of the experiment's code when the run
+            has epochs to go (stopped or failed, or --epochs N) and the edit keeps its
+            layout: the handle takes the edit. Otherwise (a completed run, other field
+            values, a new model structure) it builds a new handle that starts from the
+            previous one's weights (unless --fresh); one line says which, and why. The notebook's interrupt button stops a foreground run after
             the current step; `%nitro train` again resumes it. After a kernel restart,
             --resume continues EXP_run's run on disk from its newest checkpoint (its epoch,
             step, history, optimizer state): the run EXP_run last trained, else the only run
