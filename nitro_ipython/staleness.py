@@ -14,6 +14,8 @@ from typing import Any
 import nitro
 from nitro.staleness import PROGRAM_KINDS, programs_using
 
+from .rebuild import has_epochs_to_go
+
 __all__ = ["EditImpact", "edit_impact", "held_programs"]
 
 EVERY_PROGRAM = tuple(kind.value for kind in PROGRAM_KINDS)
@@ -108,5 +110,5 @@ def edit_impact(handle: Any, name: str) -> EditImpact | None:
         recompile=recompile,
         reused=reused,
         host_only=not stale,
-        continues=handle.epoch < max(handle.target_epoch, handle.max_epochs),
+        continues=has_epochs_to_go(handle),
     )

@@ -300,7 +300,11 @@ def host_probation_for(
 
 
 def roll_back_host(
-    probation: HostProbation, failure: HostHookFailed, state: TrainState, events: Any, say
+    probation: HostProbation,
+    failure: HostHookFailed,
+    state: TrainState,
+    events: Any,
+    say: Callable[[str], None],
 ) -> None:
     """A host hook raised on its first call after a swap: the handle takes the code from before
     it (the caller sets its own copies from `probation`), with a row in `state.swaps` at the

@@ -1066,8 +1066,7 @@ class Nitro:
         first steps of swapped-in code are on probation: a non-finite loss there rolls the
         run back to the old code and the weights from before the swap, and a host hook
         (host metrics, `finalize_metrics`) that raises on its first call rolls back to the
-        old code. `n.swaps()` lists the
-        swaps."""
+        old code. `n.swaps()` lists the swaps."""
         with self._live_lock:
             runtime = self._runtime
             return live_edit.start_edit(
