@@ -116,9 +116,7 @@ class CodeWatcher:
             self._observer = None
 
     def pre_run_cell(self, info: Any = None) -> None:
-        outcomes = self.live_outcomes()
-        self.history.extend(outcomes)
-        self._show(self.check(after_autoreload=True) + outcomes)
+        self._show(self.check(after_autoreload=True))
 
     def post_run_cell(self, result: Any = None) -> None:
         self.track()
@@ -245,8 +243,9 @@ class CodeWatcher:
         return "autoreload" in loaded or "IPython.extensions.autoreload" in loaded
 
     def check(self, after_autoreload: bool = True) -> list[str]:
-        """Reload the watched modules whose source changed; return the messages to show."""
-        messages: list[str] = []
+        """Reload the watched modules whose source changed; return the messages to show,
+        after what became of the live edits under way (so that notes keep their order)."""
+        messages: list[str] = self.live_outcomes()
         reloaded: list[tuple[_Source, list[str]]] = []
         with self._lock:
             for source in list(self.sources.values()):
@@ -440,6 +439,10 @@ class CodeWatcher:
                 if impact is not None and self._edited(handle, reloaded):
                     self._seen.pop(handle, None)  # once it stops, report what is stale anew
                     messages.extend(self._apply_live(handle, name, impact))
+                elif impact is None and self._reloaded_for(handle, reloaded):
+                    # e.g. a file saved back after a refused or failed edit
+                    messages.append(f"{name} already runs this code; nothing to swap in.")
+                    add_note(handle, messages[-1])
                 continue
             if key != self._seen.get(handle):
                 self._seen[handle] = key
@@ -457,6 +460,10 @@ class CodeWatcher:
         current = current_class(handle.cls)
         if self._applied.get(handle) is not current:
             return True
+        return self._reloaded_for(handle, reloaded)
+
+    def _reloaded_for(self, handle: Any, reloaded: set[str] | frozenset[str]) -> bool:
+        """Whether a module `handle`'s run holds is among the modules just `reloaded`."""
         return any(_holds(handle, s) for s in self.sources.values() if s.module in reloaded)
 
     def _apply_live(self, handle: Any, name: str, impact: EditImpact) -> list[str]:

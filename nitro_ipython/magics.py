@@ -185,9 +185,11 @@ class NitroMagics(Magics):
                          [--resume [RUN_ID]]
             EXP is an experiment instance (`exp = Digits()`) or a handle. On an experiment
             it stores the handle as `EXP_run` (and `_nitro`) and trains it. Training again
-            continues that handle; after an edit of the experiment's code, or with other
-            field values, it builds a new handle that starts from the previous one's weights
-            (unless --fresh). The notebook's interrupt button stops a foreground run after
+            continues that handle, also after an edit of the experiment's code when the run
+            has epochs to go (stopped or failed, or --epochs N) and the edit keeps its
+            layout: the handle takes the edit. Otherwise (a completed run, other field
+            values, a new model structure) it builds a new handle that starts from the
+            previous one's weights (unless --fresh); one line says which, and why. The notebook's interrupt button stops a foreground run after
             the current step; `%nitro train` again resumes it. After a kernel restart,
             --resume continues EXP_run's run on disk from its newest checkpoint (its epoch,
             step, history, optimizer state): the run EXP_run last trained, else the only run
@@ -332,7 +334,13 @@ class NitroMagics(Magics):
         if isinstance(value, nitro.Nitro):
             name = base if base and base != "_nitro" else self._name_of(value, "_nitro")
             handle = rebuild.handle_to_train(
-                name, value, value.experiment, value, fresh=args.fresh, resume=args.resume
+                name,
+                value,
+                value.experiment,
+                value,
+                fresh=args.fresh,
+                resume=args.resume,
+                more=args.epochs is not None,
             )
         elif is_experiment(value) and not isinstance(value, type):
             name = f"{base}_run" if base else f"{type(value).__name__.lower()}_run"
@@ -340,7 +348,13 @@ class NitroMagics(Magics):
             if not rebuild.runs_experiment(previous, value):
                 previous = None
             handle = rebuild.handle_to_train(
-                name, previous, value, previous, fresh=args.fresh, resume=args.resume
+                name,
+                previous,
+                value,
+                previous,
+                fresh=args.fresh,
+                resume=args.resume,
+                more=args.epochs is not None,
             )
         elif isinstance(value, type) and is_experiment(value):
             raise UsageError(

@@ -1,12 +1,15 @@
 """When and how `%nitro train` rebuilds a handle after an edit.
 
-Training an experiment again continues its handle while the handle's code and field values
-are current. After an edit of the experiment's code (a stale hook, model or helper, or a class
-redefined in a cell), or with other field values, `%nitro train` builds a new handle from the
-live class, starting from the previous handle's weights (unless `--fresh`) and keeping the
-steps per call it measured; with `--resume` it continues the handle's run on disk (the run
-its name last trained, else the only one that fits). Each new handle's run is named after
-the handle (`exp_run`).
+Training an experiment again continues its handle while its field values are current. After
+an edit of the experiment's code (a stale hook, model or helper, or a class redefined in a
+cell), a run with epochs to go (stopped, failed, or `--epochs N`) takes the edit into its
+handle (`apply_edits()`) and continues: epoch, step, optimizer state and history. Where it
+cannot (the edit changes the model's structure, the fields or the hooks), after a completed
+run, or with other field values, `%nitro train` builds a new handle from the live class,
+starting from the previous handle's weights (unless `--fresh`) and keeping the steps per call
+it measured, and says why. With `--resume` it continues the handle's run on disk (the run its
+name last trained, else the only one that fits). Each new handle's run is named after the
+handle (`exp_run`).
 In a notebook a panel shows the new handle's setup while it builds.
 """
 
@@ -24,7 +27,7 @@ from nitro.staleness import current_class, is_experiment
 
 from . import worker
 
-__all__ = ["handle_to_train", "runs_experiment"]
+__all__ = ["handle_to_train", "has_epochs_to_go", "runs_experiment"]
 
 
 def _fields(experiment: Any) -> dict[str, Any]:
@@ -55,12 +58,15 @@ def handle_to_train(
     *,
     fresh: bool = False,
     resume: bool | str = False,
+    more: bool = False,
 ) -> nitro.Nitro:
     """The handle `%nitro train` trains under `name`: `handle` when its code and
     configuration are current; otherwise a new handle of the live experiment class (its run
     named `name`), starting from `weights` unless `fresh`, or continuing `name`'s run on disk
     with `resume` (True: the run `name` last trained, else the only run that fits; a run id
-    or run directory: that run)."""
+    or run directory: that run). After an edit of its code, `handle` takes the edit and
+    continues its run when it has epochs to go or `more` epochs are asked for, and the edit
+    keeps the run's layout; a new handle says why it starts a new run."""
     if handle is not None and handle.running and handle.stop_reason is not None:
         _finish(handle)  # the run has ended (its panel says so); its thread is finishing
     if handle is not None and handle.running:
@@ -69,14 +75,27 @@ def handle_to_train(
             f"stops it, `%nitro status {name}` shows how far it is"
         )
     live = _live_experiment(experiment)
-    if (
-        handle is not None
-        and not fresh
-        and not handle.stale_changes()
-        and _live_class(handle.cls) is handle.cls
-        and _fields(handle.experiment) == _fields(live)
-    ):
-        return handle
+    why = ""  # why a handle that exists is not continued
+    if handle is not None and not fresh:
+        if _fields(handle.experiment) != _fields(live):
+            why = "its field values changed"
+        elif not handle.stale_changes() and _live_class(handle.cls) is handle.cls:
+            if handle.stop_reason == "error" and (more or has_epochs_to_go(handle)):
+                print(
+                    f"nitro: {name} continues its failed run (epoch {handle.epoch}, step "
+                    f"{handle.step}, its optimizer state): its state is intact; `--fresh` "
+                    f"starts over"
+                )
+            return handle
+        elif not resume and not more and not has_epochs_to_go(handle):
+            why = (
+                f"the previous run completed its {handle.epoch} epochs (`--epochs N` "
+                f"continues it with the edit)"
+            )
+        elif not resume:
+            why = _continue_with_edit(name, handle)
+            if not why:
+                return handle
     source = None if fresh or resume else weights
     keywords = handle.given_keywords if handle is not None else {}
     if isinstance(keywords.get("steps_per_dispatch"), DispatchChoice):
@@ -112,8 +131,9 @@ def handle_to_train(
         worker.reserve_panel(None)  # this run reports another way (progress=...)
     if source is not None:
         print(
-            f"nitro: {name} rebuilt from the current {type(live).__name__}, starting from "
-            f"the weights of the previous run (step {source.step})"
+            f"nitro: {name} rebuilt from the current {type(live).__name__}, starting from the "
+            f"weights of the previous run (step {source.step}) as a new run (epoch 0, a new "
+            f"optimizer state): {why or 'its code changed'}"
         )
     if choice is not None and new.weights_checkpoint is not None:
         print(
@@ -121,6 +141,41 @@ def handle_to_train(
             f"{new.epoch}, step {new.step} ({choice.why})"
         )
     return new
+
+
+def _continue_with_edit(name: str, handle: nitro.Nitro) -> str:
+    """Take the edit of `handle`'s code into `handle` itself (`apply_edits()`), so that
+    training continues its run: its epoch, step, optimizer state, history and run directory.
+    Returns "" when it did (and says so), else why a new run must start (the edit changes
+    what a run keeps: its model's structure, its fields or hooks)."""
+    edit = handle.apply_edits().wait()
+    if edit.status == "failed":
+        raise UsageError(f"{name}: {edit.note}")
+    if edit.status == "refused":
+        return _cause(edit.note)
+    what = ", ".join(f"`{unit}`" for unit in edit.changes) or "its code"
+    print(
+        f"nitro: {name} continues its run (epoch {handle.epoch}, step {handle.step}, its "
+        f"optimizer state) with the edit of {what}, which keeps the run's layout; `--fresh` "
+        f"starts over"
+    )
+    return ""
+
+
+def has_epochs_to_go(handle: nitro.Nitro) -> bool:
+    """Whether `%nitro train` without `--epochs` trains `handle` further (a run stopped, failed
+    or not yet trained to `max_epochs`)."""
+    return handle.epoch < max(handle.target_epoch, handle.max_epochs)
+
+
+def _cause(note: str) -> str:
+    """The cause in a refusal's note: the text before its first ': ' outside parentheses."""
+    depth = 0
+    for i, char in enumerate(note):
+        depth += {"(": 1, ")": -1}.get(char, 0)
+        if depth == 0 and note.startswith(": ", i):
+            return note[:i]
+    return note
 
 
 def _run_to_resume(name: str, experiment: Any, run_name: str, resume: bool | str):

@@ -14,6 +14,8 @@ from typing import Any
 import nitro
 from nitro.staleness import PROGRAM_KINDS, programs_using
 
+from .rebuild import has_epochs_to_go
+
 __all__ = ["EditImpact", "edit_impact", "held_programs"]
 
 EVERY_PROGRAM = tuple(kind.value for kind in PROGRAM_KINDS)
@@ -36,6 +38,7 @@ class EditImpact:
     recompile: list[str]
     reused: list[str]
     host_only: bool
+    continues: bool = True  # `%nitro train` continues the run (it has epochs to go)
 
     def __str__(self) -> str:
         what = "; ".join(self.changes)
@@ -47,10 +50,17 @@ class EditImpact:
         text = f"{head}: {_join(self.recompile)} will recompile"
         if self.reused:
             text += f"; {_join(self.reused)} {'is' if len(self.reused) == 1 else 'are'} reused"
-        return (
-            f"{text}. `%nitro train {self.name}` rebuilds the run with the edit and keeps its "
-            f"weights."
-        )
+        if not self.continues:
+            return (
+                f"{text}. `%nitro train {self.name}` starts a new run with the edit from its "
+                f"weights; `--epochs N` continues this one."
+            )
+        if any(change.startswith("model") for change in self.changes):
+            return (
+                f"{text}. `%nitro train {self.name}` continues the run with the edit (a new run "
+                f"from its weights if the model's structure changed)."
+            )
+        return f"{text}. `%nitro train {self.name}` continues the run with the edit."
 
 
 def _train_programs_left_out(handle: Any) -> set[str]:
@@ -100,4 +110,5 @@ def edit_impact(handle: Any, name: str) -> EditImpact | None:
         recompile=recompile,
         reused=reused,
         host_only=not stale,
+        continues=has_epochs_to_go(handle),
     )

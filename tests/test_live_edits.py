@@ -10,6 +10,7 @@ import importlib
 import json
 import math
 import sys
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -161,20 +162,19 @@ def test_a_loss_edit_swaps_in_while_the_run_trains_and_only_the_programs_it_reac
     n.stop().wait()
     assert n.stop_reason == "requested"
     losses = recorder.losses
-    # the curve changes at the swap: the steps after it are scaled by the edit
-    before = np.mean([losses[s] for s in range(swap - 9, swap + 1)])
-    after = np.mean([losses[s] for s in range(swap + 2, swap + 12)])
+    # the curve changes at the swap: its step is the first the edit scales
+    before = np.mean([losses[s] for s in range(swap - 10, swap)])
+    after = np.mean([losses[s] for s in range(swap + 1, swap + 11)])
     assert after > 100 * before
+    assert losses[swap] > 100 * losses[swap - 1]
     assert recorder.swaps == [dict(n.state.swaps[0])]
     assert any(f"swapped in the edit of `loss` at step {swap}" in m for m in recorder.notes)
 
     # the steps before the swap are those of a run without the edit, bit for bit
     module.edit("* SCALE * 1000.0", "* SCALE")
     reference = Recorder()
-    module.handle(progress=reference).train(steps=swap)
-    assert [losses[s] for s in range(1, swap + 1)] == [
-        reference.losses[s] for s in range(1, swap + 1)
-    ]
+    module.handle(progress=reference).train(steps=swap - 1)
+    assert [losses[s] for s in range(1, swap)] == [reference.losses[s] for s in range(1, swap)]
 
 
 def test_broken_edits_leave_the_run_on_its_code_with_a_note_and_the_next_good_edit_applies(
@@ -220,7 +220,12 @@ def test_the_model_edits_a_live_run_can_take_and_the_one_it_refuses(tmp_path):
 
     refused = apply(n, module, "nnx.Linear(64, 32", "nnx.Linear(64, 48")
     assert refused.status == "refused" and n.running
-    assert "structure changed" in refused.note and "train again" in refused.note
+    assert "train again" in refused.note
+    assert refused.note.startswith(
+        "the model's structure changed (parameter hidden.bias: f32[32] -> f32[48]; "
+        "parameter hidden.kernel: f32[64,32] -> f32[64,48]): a live run keeps its weights' "
+        "layout."
+    )
     module.edit("nnx.Linear(64, 48", "nnx.Linear(64, 32")
 
     code = apply(n, module, "nnx.relu(", "nnx.tanh(")
@@ -239,7 +244,7 @@ def test_fused_calls_swap_between_calls_and_an_idle_handle_takes_an_edit_at_once
     edit = apply(n, module, "* SCALE", "* SCALE * 1000.0")
     assert edit.status == "swapped"
     batches = len(n.splits["train"])  # calls of 4 from each epoch's start, single steps after
-    position = edit.record["step"] % batches
+    position = (edit.record["step"] - 1) % batches
     assert position % 4 == 0 or position > batches - batches % 4  # between two calls
     assert "multi-step train" in edit.record["compiled"]
     n.stop().wait()
@@ -248,7 +253,7 @@ def test_fused_calls_swap_between_calls_and_an_idle_handle_takes_an_edit_at_once
     before = idle.validate()["val_loss"]
     module.edit("* SCALE * 1000.0", "* SCALE * 2000.0")
     edit = idle.apply_edits().wait(DEADLINE)
-    assert edit.status == "swapped" and edit.record["step"] == 0
+    assert edit.status == "swapped" and edit.record["step"] == 1  # the first step on it
     assert idle.validate()["val_loss"] == pytest.approx(2 * before, rel=1e-5)
     assert idle.stale_changes() == {}  # the handle's code is the live code
 
@@ -368,8 +373,110 @@ def test_a_metrics_edit_applies_from_the_next_validation(tmp_path):
     wait_until(lambda: n.epoch > epoch + 1, "two validations after the swap")
     n.stop().wait()
     accuracy = n.history().set_index("step")["val_acc"]
-    assert (accuracy[accuracy.index > edit.record["step"]] == -1.0).all()
-    assert (accuracy[accuracy.index <= edit.record["step"]] >= 0.0).all()
+    assert (accuracy[accuracy.index >= edit.record["step"]] == -1.0).all()
+    assert (accuracy[accuracy.index < edit.record["step"]] >= 0.0).all()
+
+
+def test_a_host_metrics_edit_that_raises_rolls_back_on_its_first_call_and_the_run_goes_on(
+    tmp_path,
+):
+    module = Module(tmp_path, METRICS_MODULE)
+    n, recorder = start(module)
+    wait_until(lambda: n.epoch >= 1, "the first validation")
+    module.edit("(outputs.argmax(-1) == y).mean() * 1.0", "1 - acuracy")  # a typo
+    edit = n.apply_edits().wait(DEADLINE)
+    assert edit.status == "swapped", edit  # it compiled nothing: the hook runs on the host
+    wait_until(lambda: edit.status == "rolled back", "the first validation on the edit")
+    epoch = n.epoch
+    wait_until(lambda: n.epoch > epoch + 1, "validations after the roll-back")
+    assert n.running and n.error is None
+    line = module.text.splitlines().index("        return {'acc': 1 - acuracy}") + 1
+    assert edit.note.startswith("the edit of `metrics` raised on its first call")
+    assert f"({module.name}.py line {line})" in edit.note
+    assert "NameError: name 'acuracy' is not defined" in edit.note
+    assert edit.note in recorder.notes
+    swapped, rolled = n.state.swaps
+    assert (swapped["status"], rolled["status"]) == ("swapped", "rolled back")
+    assert rolled["reason"] == "`metrics` raised NameError: name 'acuracy' is not defined"
+
+    module.edit("1 - acuracy", "(outputs.argmax(-1) == y).mean() * 0.0 - 1.0")  # fixed
+    fixed = n.apply_edits().wait(DEADLINE)
+    assert fixed.status == "swapped"
+    epoch = n.epoch
+    wait_until(lambda: n.epoch > epoch + 1, "validations on the fixed edit")
+    n.stop().wait()
+    assert n.stop_reason == "requested" and n.error is None
+    accuracy = n.history().set_index("step")["val_acc"]
+    assert (accuracy[accuracy.index < fixed.record["step"]] >= 0.0).all()  # the old code's
+    assert (accuracy[accuracy.index >= fixed.record["step"]] == -1.0).all()
+    assert fixed.status == "swapped"  # its first call passed: it stays
+
+
+FINALIZE_MODULE = MODULE.replace(
+    "    def loss(self, outputs, *, y):",
+    "    def finalize_metrics(self, metrics, split):\n"
+    "        return {**metrics, 'twice': 2.0 * metrics['loss']}\n\n"
+    "    def loss(self, outputs, *, y):",
+)
+
+
+def test_an_idle_handle_rolls_back_a_finalize_metrics_edit_that_raises_and_validates(tmp_path):
+    module = Module(tmp_path, FINALIZE_MODULE)
+    n = module.handle(progress=False)
+    good = n.validate()
+    module.edit("2.0 * metrics['loss']", "2.0 * metrics['los']")
+    edit = n.apply_edits().wait(DEADLINE)
+    assert edit.status == "swapped"
+    assert n.validate() == good  # the old code's result, after the roll-back
+    assert edit.status == "rolled back"
+    assert "the edit of `finalize_metrics` raised on its first call" in edit.note
+    assert "KeyError: 'los'" in edit.note
+    assert [r["status"] for r in n.state.swaps] == ["swapped", "rolled back"]
+    assert n.validate() == good
+
+
+GATED_MODULE = MODULE.replace(
+    "SCALE = 1.0\n",
+    "SCALE = 1.0\n"
+    "import threading\n"
+    "ENTERED = globals().setdefault('ENTERED', threading.Event())  # kept across reloads\n"
+    "GATE = globals().setdefault('GATE', threading.Event())\n",
+).replace(
+    "    def loss(self, outputs, *, y):",
+    "    def finalize_metrics(self, metrics, split):\n"
+    "        ENTERED.set()\n"
+    "        GATE.wait(300)\n"
+    "        return metrics\n\n"
+    "    def loss(self, outputs, *, y):",
+)
+
+
+def test_an_edit_ready_while_validate_holds_an_idle_handle_swaps_in_when_it_returns(tmp_path):
+    module = Module(tmp_path, GATED_MODULE)
+    entered, gate = module.module.ENTERED, module.module.GATE
+    gate.set()
+    n = module.handle(progress=False)
+    before = n.validate()["val_loss"]
+    gate.clear()
+    entered.clear()
+    validating = threading.Thread(target=n.validate)
+    validating.start()
+    wait_until(entered.is_set, "validate() to hold the handle")
+    module.edit("* SCALE", "* SCALE * 2.0")
+    edit = n.apply_edits()
+    # compiled, offered, and refused by the busy handle: its compile thread has ended
+    wait_until(
+        lambda: (
+            edit.status != "compiling"
+            and not any(t.name == "nitro-live-edit-Live" for t in threading.enumerate())
+        ),
+        "the edit's compile",
+    )
+    assert edit.status == "ready"
+    gate.set()
+    validating.join()
+    assert edit.status == "swapped" and edit.record["step"] == 1
+    assert n.validate()["val_loss"] == pytest.approx(2 * before, rel=1e-5)
 
 
 GAN_MODULE = (Path(__file__).parent / "gan_toys.py").read_text()
@@ -394,8 +501,8 @@ def test_a_train_step_hook_is_edited_live_like_any_hook(tmp_path):
     wait_until(lambda: n.step >= swap + 10, "steps on the new train_step")
     n.stop().wait()
     losses = recorder.losses
-    assert min(losses[s] for s in range(swap + 2, swap + 10)) > 10 * max(
-        losses[s] for s in range(swap - 8, swap + 1)
+    assert min(losses[s] for s in range(swap, swap + 8)) > 10 * max(
+        losses[s] for s in range(swap - 9, swap)
     )
 
 

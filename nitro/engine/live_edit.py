@@ -8,11 +8,14 @@ on a thread of its own, exactly the programs of the handle's `ProgramSet` whose 
 reaches (`ProgramSet.for_setup`). The loop keeps training on the old programs meanwhile. Once
 compiled, the new setup and programs wait in the run-time record (`LiveEdits`) for the loop,
 which swaps them in between two calls (`swaps.py`): the pause it sees is the swap, not the
-compile. A handle that is not training takes them at once.
+compile. A handle that is not training takes them at once, or when the call that holds it
+(a `validate()`) returns.
 
 The first `PROBATION_STEPS` steps after a swap are on probation: the loop keeps a copy of
 the variables from before the swap, and a non-finite loss in those steps rolls the run back to
-that copy and the old programs. A refused or broken edit (a new model structure,
+that copy and the old programs. A host hook the edit changed (host metrics,
+`finalize_metrics`) is on probation until its first call: one that raises there rolls back to
+the old code (`swaps.HostProbation`). A refused or broken edit (a new model structure,
 a trace error, a shape error) never reaches the loop: the old programs go on, and the note
 names the hook, file and line.
 """
@@ -20,11 +23,8 @@ names the hook, file and line.
 from __future__ import annotations
 
 import dataclasses
-import os
-import sysconfig
 import threading
 import time
-import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -43,7 +43,7 @@ from nitro.engine.setup import (
     model_graphdefs,
     resolve_residency,
 )
-from nitro.engine.swaps import LiveEdit, LiveEdits, Swap
+from nitro.engine.swaps import LiveEdit, LiveEdits, Swap, where_raised
 from nitro.experiments.declaration import field_specs
 from nitro.experiments.fingerprint import (
     Fingerprinter,
@@ -51,6 +51,8 @@ from nitro.experiments.fingerprint import (
     diff_parts,
 )
 from nitro.experiments.linen import is_linen
+from nitro.optim.param_groups import leaf_paths
+from nitro.programs.compile_cache import short_dtype
 from nitro.programs.specs import ProgramSet
 from nitro.programs.staleness import class_is_gone, current_class
 
@@ -107,20 +109,23 @@ def _model_setup(setup: RunSetup, instance: Any, variables: Any):
     if is_linen(abstract) or not isinstance(abstract, nnx.Module):
         raise Refused("the model's classes changed and build_model returns no NNX model")
     graphdefs, params, rest = model_graphdefs(abstract)
-    old = [(tuple(x.shape), str(x.dtype)) for x in variables.params]
-    new = [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(params)]
-    same = (
-        jax.tree.structure(params) == setup.model.params_def
-        and jax.tree.structure(rest) == setup.model.model_state_def
-        and old == new
-        and [(tuple(x.shape), str(x.dtype)) for x in variables.model_state]
-        == [(tuple(x.shape), str(x.dtype)) for x in jax.tree.leaves(rest)]
-    )
-    if not same:
+    paths = setup.model.leaf_paths
+    notes = [
+        *_layout_changes("parameter", paths["parameter"], variables.params, params),
+        *_layout_changes("model state", paths["model state"], variables.model_state, rest),
+    ]
+    if not notes and (
+        jax.tree.structure(params) != setup.model.params_def
+        or jax.tree.structure(rest) != setup.model.model_state_def
+    ):
+        notes = ["the tree of its variables"]
+    if notes:
+        if len(notes) > 3:
+            notes = [*notes[:3], f"and {len(notes) - 3} more"]
         raise Refused(
-            f"the model's structure changed (parameters {len(old)} -> {len(new)} arrays, or "
-            f"their shapes): a live run keeps its weights' layout. Stop the run and train "
-            f"again to rebuild it with the new model (`%nitro train` keeps the weights that fit)"
+            f"the model's structure changed ({'; '.join(notes)}): a live run keeps its "
+            f"weights' layout. Stop the run and train again to rebuild it with the new model "
+            f"(`%nitro train` keeps the weights that fit)"
         )
     fingerprinter = Fingerprinter()
     structure = fingerprinter.structure(graphdefs[0])
@@ -131,6 +136,21 @@ def _model_setup(setup: RunSetup, instance: Any, variables: Any):
         structure=structure,
     )
     return model, fingerprinter.fingerprint(), tuple(fingerprinter.classes)
+
+
+def _layout_changes(kind: str, old_paths, old_leaves, new_tree) -> list[str]:
+    """'parameter hidden.kernel: f32[64,32] -> f32[64,48]' for each array of the live run's
+    `old_leaves` (at `old_paths`) that the new model's `new_tree` changes, adds or removes."""
+
+    def layout(x) -> str:
+        return f"{short_dtype(str(x.dtype))}[{','.join(map(str, x.shape))}]"
+
+    old = dict(zip(old_paths, map(layout, jax.tree.leaves(old_leaves)), strict=True))
+    new = dict(zip(leaf_paths(new_tree), map(layout, jax.tree.leaves(new_tree)), strict=True))
+    notes = [f"{kind} {p}: {old[p]} -> {new[p]}" for p in old if p in new and old[p] != new[p]]
+    notes += [f"{kind} {p} ({new[p]}) added" for p in new if p not in old]
+    notes += [f"{kind} {p} ({old[p]}) removed" for p in old if p not in new]
+    return notes
 
 
 def refreeze(
@@ -247,34 +267,9 @@ class _NotesOnly:
         self.events.note(f"live edit: {message}", done)
 
 
-def _library_dirs() -> tuple[str, ...]:
-    paths = sysconfig.get_paths()
-    dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
-    dirs.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # nitro itself
-    return tuple(os.path.realpath(d) + os.sep for d in dirs)
-
-
-def _where(error: BaseException) -> str:
-    """'file.py line N' of the user code an error was raised in (the innermost frame outside
-    libraries and Nitro), or ''."""
-    libraries = _library_dirs()
-    seen: set[int] = set()
-    found = ""
-    chain: BaseException | None = error
-    while chain is not None and id(chain) not in seen:
-        seen.add(id(chain))
-        for frame in traceback.extract_tb(chain.__traceback__):
-            path = os.path.realpath(frame.filename)
-            if frame.filename.startswith("<frozen") or path.startswith(libraries):
-                continue
-            found = f"{os.path.basename(frame.filename)} line {frame.lineno}"
-        chain = chain.__cause__ or chain.__context__
-    return found
-
-
 def _failure_note(changes: Mapping[str, list[str]], error: BaseException) -> str:
     hooks = ", ".join(f"`{u}`" for u in changes) or "the code"
-    where = _where(error)
+    where = where_raised(error)
     at = f" ({where})" if where else ""
     message = str(error).strip().splitlines()[0] if str(error).strip() else ""
     return (

@@ -50,11 +50,14 @@ from nitro.engine.evaluation import delete, evaluate_split, finalize_metrics
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl
 from nitro.engine.swaps import (
+    HostHookFailed,
     Probation,
     code_digest_of,
+    host_probation_for,
     probation_for,
     record_swap,
     restore_totals,
+    roll_back_host,
 )
 from nitro.errors import DivergenceError, Once
 from nitro.experiments.routing import select
@@ -154,7 +157,11 @@ def train_epochs(
     try:
         while True:
             if state.epoch_trained:
-                row = finish_epoch(run.setup, runtime, state, run.programs, events, control)
+                row = _host_guarded(
+                    run,
+                    state,
+                    lambda: finish_epoch(run.setup, runtime, state, run.programs, events, control),
+                )
                 if row is None:
                     break  # validation stopped: the epoch stays trained, not committed
                 left = None if stop_at is not None else target - state.epoch
@@ -535,10 +542,29 @@ def _swap_in(run: _Epoch, state: TrainState) -> None:
         return
     begin = time.perf_counter()
     run.probation = probation_for(swap, run.setup, run.programs, runtime.experiment, state)
+    runtime.live.host_probation = host_probation_for(
+        swap, run.setup, run.programs, runtime.experiment
+    )
     run.setup, run.programs, run.programs_by_count = swap.setup, swap.programs, {}
     runtime.experiment = swap.experiment
     swap.adopt(swap.setup, swap.programs)
     record_swap(swap, state, run.events, run.control.say, time.perf_counter() - begin)
+
+
+def _host_guarded(run: _Epoch, state: TrainState, work: Callable[[], Any]) -> Any:
+    """`work()` (it reads `run`'s code); once more on the old code when a host hook a live
+    edit changed raised on its first call in it."""
+    try:
+        return work()
+    except HostHookFailed as failure:
+        live = run.runtime.live
+        probation, live.host_probation = live.host_probation, None
+        assert probation is not None  # raised only on probation
+        run.setup, run.programs, run.programs_by_count = probation.setup, probation.programs, {}
+        run.runtime.experiment = probation.experiment
+        run.probation = None  # its steps' code is gone too
+        roll_back_host(probation, failure, state, run.events, run.control.say)
+    return work()
 
 
 def _roll_back(run: _Epoch, state: TrainState, cause: _RollBack) -> None:
@@ -547,6 +573,7 @@ def _roll_back(run: _Epoch, state: TrainState, cause: _RollBack) -> None:
     probation, run.probation = run.probation, None
     assert probation is not None  # raised only on probation
     runtime = run.runtime
+    runtime.live.host_probation = None  # its host hooks' code is gone too
     run.setup, run.programs, run.programs_by_count = probation.setup, probation.programs, {}
     runtime.experiment = probation.experiment
     probation.swap.adopt(probation.setup, probation.programs)
@@ -568,7 +595,7 @@ def _roll_back(run: _Epoch, state: TrainState, cause: _RollBack) -> None:
         f"the run goes on. Fix the edit and save again"
     )
     row = {
-        "step": back_to,
+        "step": back_to + 1,  # the first step on the old code again
         "epoch": state.epoch + 1,
         "status": "rolled back",
         "changed": list(edit.changes),
@@ -609,7 +636,13 @@ def _validate_within(run: _Epoch, state: TrainState) -> bool:
     row: dict[str, Any] = {"step": state.step, "epoch": state.epoch + 1}
     for split in setup.eval_splits:
         events.phase("validating")
-        metrics = evaluate_split(setup, runtime, state, run.programs, control, split)
+        metrics = _host_guarded(
+            run,
+            state,
+            lambda split=split: evaluate_split(
+                run.setup, runtime, state, run.programs, control, split
+            ),
+        )
         if metrics is None:
             _acknowledge_interrupt(control)
             return False
@@ -706,7 +739,9 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
                     if micro == 1
                     else jax.tree.map(lambda a, m=part: a[m], step_metrics)
                 )
-                _train_metrics(run, totals, program, batch_metrics, staged, offset * micro + part)
+                _train_metrics(
+                    run, state, totals, program, batch_metrics, staged, offset * micro + part
+                )
     finally:
         if losses:  # the call's steps counted so far, in one event
             run.events.steps(first, losses)
@@ -768,7 +803,9 @@ def _count_losses(totals, values: np.ndarray) -> list[float]:
     return values.tolist()
 
 
-def _train_metrics(run: _Epoch, totals, program, metrics, staged, offset: int) -> None:
+def _train_metrics(
+    run: _Epoch, state: TrainState, totals, program, metrics, staged, offset: int
+) -> None:
     setup = run.setup
     if setup.experiment.train_metrics_residency == "device":
         totals.train_metrics.add(program.aux["specs"], metrics, staged.n_real)
@@ -776,6 +813,10 @@ def _train_metrics(run: _Epoch, totals, program, metrics, staged, offset: int) -
     host = staged.host if not staged.stacked else staged.host[offset]
     batch = setup.splits["train"].hook_fields["train_metrics"]
     fields = setup.placement.gather(select(host, batch))
-    values = run.runtime.call_host_hook(setup, "train_metrics", metrics, **fields)
+    values = _host_guarded(
+        run,
+        state,
+        lambda: run.runtime.call_host_hook(run.setup, "train_metrics", metrics, **fields),
+    )
     specs, leaves = split_modes(values, "train_metrics")
     totals.train_metrics.add(specs, leaves, staged.n_real)

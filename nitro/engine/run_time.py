@@ -51,8 +51,10 @@ class RunTime:
         return self.prefetchers[split]
 
     def call_host_hook(self, setup: RunSetup, name: str, *args: Any, **kwargs: Any) -> Any:
-        """Call host hook `name` (as frozen at setup) on the live experiment."""
-        return setup.experiment.hook_functions[name](self.experiment, *args, **kwargs)
+        """Call host hook `name` (as frozen at setup) on the live experiment; on its first
+        use after a live edit changed it, one that raises raises `HostHookFailed`."""
+        fn = setup.experiment.hook_functions[name]
+        return self.live.call_host_hook(setup, name, lambda: fn(self.experiment, *args, **kwargs))
 
     def device_values(self) -> dict[str, Any]:
         """Device field -> its current value on the host (what checkpoints record)."""

@@ -143,6 +143,9 @@ class RunGuard:
         self.name = name  # what the messages call the handle: `n.stop()`, `pop.stop()`
         self.activity: str | None = None
         self.background = False
+        # called on the releasing thread after each claim ends (the handle takes a live edit
+        # that became ready while it was busy)
+        self.on_release: Callable[[], None] | None = None
 
     def claim(self, activity: str, background: bool = False) -> None:
         with self._lock:
@@ -154,6 +157,8 @@ class RunGuard:
         with self._lock:
             self.activity, self.background = None, False
             self._changed.notify_all()
+        if self.on_release is not None:
+            self.on_release()
 
     def wait_released(self, done: Callable[[], bool], timeout: float | None = None) -> None:
         """Sleep until no claim holds the handle or `done()` holds (whoever makes it true

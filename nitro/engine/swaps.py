@@ -4,6 +4,8 @@ A `LiveEdit` is one edit applied to a live handle; `LiveEdits` (in the run-time 
 the newest one and the `Swap` compiled beside the run that waits for the loop's next dispatch
 boundary. When the loop swaps it in, it keeps a `Probation`: the old code and a copy of the
 state from before the swap, to roll back to when the new code's first steps are not finite.
+Host hooks the edit changed (host metrics, `finalize_metrics`) are on probation too
+(`HostProbation`) until their first call: one that raises there rolls back to the old code.
 How an edit is checked and compiled is `live_edit.py`'s.
 """
 
@@ -11,8 +13,11 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
+import sysconfig
 import threading
 import time
+import traceback
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -28,16 +33,22 @@ __all__ = [
     "PROBATION_COPY_BYTES",
     "PROBATION_STEPS",
     "STATUSES",
+    "HostHookFailed",
+    "HostProbation",
     "LiveEdit",
     "LiveEdits",
     "Probation",
     "Swap",
     "code_digest_of",
+    "host_hooks",
+    "host_probation_for",
     "probation_for",
     "record_swap",
     "restore_totals",
+    "roll_back_host",
     "swap_note",
     "swap_row",
+    "where_raised",
 ]
 
 PROBATION_STEPS = 8  # steps after a swap whose non-finite loss rolls the swap back
@@ -120,14 +131,51 @@ class Probation:
     until: int  # probation ends once this many steps have completed
 
 
+@dataclasses.dataclass(eq=False)
+class HostProbation:
+    """The host hooks a swap changed that have not run yet, and the code to roll back to
+    when one raises on its first call."""
+
+    swap: Swap
+    setup: RunSetup
+    programs: ProgramSet
+    experiment: Any
+    hooks: set[str]  # not yet called on the new code
+
+
+class HostHookFailed(Exception):
+    """A host hook a live edit swapped in raised on its first call (the run rolls back)."""
+
+    def __init__(self, hook: str, error: Exception):
+        super().__init__(f"`{hook}` raised {type(error).__name__}: {error}")
+        self.hook, self.error = hook, error
+
+
 class LiveEdits:
-    """A handle's live edits (in its run-time record): the newest edit and the swap waiting
-    for the loop. `pending` is read by the loop between calls without the lock."""
+    """A handle's live edits (in its run-time record): the newest edit, the swap waiting
+    for the loop, and the host hooks of the last swap still on probation. `pending` is read
+    by the loop between calls without the lock."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self.pending: Swap | None = None
         self.latest: LiveEdit | None = None
+        self.host_probation: HostProbation | None = None
+
+    def call_host_hook(self, setup: RunSetup, name: str, fn: Callable[[], Any]) -> Any:
+        """`fn()`, a call of host hook `name` of `setup`: `HostHookFailed` when it raises on
+        its first call after a swap changed it."""
+        probation = self.host_probation
+        if probation is None or name not in probation.hooks or probation.swap.setup is not setup:
+            return fn()
+        try:
+            result = fn()
+        except Exception as error:  # noqa: BLE001 - the roll-back's note says it
+            raise HostHookFailed(name, error) from error
+        probation.hooks.discard(name)
+        if not probation.hooks:
+            self.host_probation = None
+        return result
 
     def offer(self, swap: Swap) -> bool:
         """Queue `swap` for the next dispatch boundary; False when a newer edit started."""
@@ -189,7 +237,7 @@ def record_swap(
     """A swap taken in (by the loop, or by a handle that is not training): its row in
     `state.swaps`, the edit settled as swapped (`settle=False`: the caller settles it, once
     the handle is free again), the `swapped` event and the note."""
-    row = swap_row(swap, state.step, state.epoch + 1, pause)
+    row = swap_row(swap, state.step + 1, state.epoch + 1, pause)  # the first step on it
     state.swaps.append(row)
     swap.edit.record = row
     if settle:
@@ -229,6 +277,88 @@ def probation_for(
         totals=copy.deepcopy(state.totals),
         until=state.step + PROBATION_STEPS,
     )
+
+
+def host_hooks(setup: RunSetup) -> set[str]:
+    """The hooks of `setup` that run on the host, as Python: `finalize_metrics`, and the
+    metrics hooks whose residency is "host"."""
+    experiment = setup.experiment
+    on_host = {"finalize_metrics"}
+    on_host |= {hook for hook, where in experiment.residency.items() if where == "host"}
+    return {hook for hook in on_host if hook in experiment.hooks}
+
+
+def host_probation_for(
+    swap: Swap, setup: RunSetup, programs: ProgramSet, experiment: Any
+) -> HostProbation | None:
+    """The host hooks `swap` changes, on probation until their first call, with the code from
+    before it (`setup`, `programs`, `experiment`); None when it changes none."""
+    hooks = host_hooks(swap.setup) & set(swap.edit.changes)
+    if not hooks:
+        return None
+    return HostProbation(swap, setup, programs, experiment, hooks)
+
+
+def roll_back_host(
+    probation: HostProbation,
+    failure: HostHookFailed,
+    state: TrainState,
+    events: Any,
+    say: Callable[[str], None],
+) -> None:
+    """A host hook raised on its first call after a swap: the handle takes the code from before
+    it (the caller sets its own copies from `probation`), with a row in `state.swaps` at the
+    step the old code runs from, the edit settled "rolled back", the event and the note. The
+    weights stay: host hooks never train them."""
+    probation.swap.adopt(probation.setup, probation.programs)
+    edit = probation.swap.edit
+    error = failure.error
+    where = where_raised(error)
+    at = f" ({where})" if where else ""
+    message = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    note = (
+        f"the edit of `{failure.hook}` raised on its first call{at}: {type(error).__name__}: "
+        f"{message}. Rolled back to the code it had before; the run goes on. Fix the edit "
+        f"and save again"
+    )
+    row = {
+        "step": state.step + 1,
+        "epoch": state.epoch + 1,
+        "status": "rolled back",
+        "changed": list(edit.changes),
+        "code": code_digest_of(probation.setup),
+        "reason": f"`{failure.hook}` raised {type(error).__name__}: {message}",
+        "at": time.time(),
+    }
+    state.swaps.append(row)
+    edit._settle("rolled back", note)
+    events.swapped(row)
+    say(note)
+
+
+def _library_dirs() -> tuple[str, ...]:
+    paths = sysconfig.get_paths()
+    dirs = {paths[k] for k in ("stdlib", "platstdlib", "purelib", "platlib") if k in paths}
+    dirs.add(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # nitro itself
+    return tuple(os.path.realpath(d) + os.sep for d in dirs)
+
+
+def where_raised(error: BaseException) -> str:
+    """'file.py line N' of the user code an error was raised in (the innermost frame outside
+    libraries and Nitro), or ''."""
+    libraries = _library_dirs()
+    seen: set[int] = set()
+    found = ""
+    chain: BaseException | None = error
+    while chain is not None and id(chain) not in seen:
+        seen.add(id(chain))
+        for frame in traceback.extract_tb(chain.__traceback__):
+            path = os.path.realpath(frame.filename)
+            if frame.filename.startswith("<frozen") or path.startswith(libraries):
+                continue
+            found = f"{os.path.basename(frame.filename)} line {frame.lineno}"
+        chain = chain.__cause__ or chain.__context__
+    return found
 
 
 def restore_totals(totals: Any, saved: Any) -> None:

@@ -15,6 +15,7 @@ edit changed.
 from __future__ import annotations
 
 import dataclasses
+import dis
 import enum
 import functools
 import hashlib
@@ -187,11 +188,27 @@ def _code_token(code: types.CodeType) -> str:
 
 
 def _code_names(code: types.CodeType) -> set[str]:
+    """Every name the code and its nested code objects look up: globals and attributes."""
     names = set(code.co_names)
     for const in code.co_consts:
         if isinstance(const, types.CodeType):
             names |= _code_names(const)
     return names
+
+
+# the instructions that read a name from the function's globals (`self.scale` is a LOAD_ATTR,
+# whose name `co_names` holds too, and never reads the global `scale`)
+_GLOBAL_LOADS = frozenset({"LOAD_GLOBAL", "LOAD_NAME", "LOAD_FROM_DICT_OR_GLOBALS"})
+
+
+@functools.lru_cache(maxsize=4096)
+def _global_names(code: types.CodeType) -> frozenset[str]:
+    """The names the code and its nested code objects load as globals."""
+    names = {i.argval for i in dis.get_instructions(code) if i.opname in _GLOBAL_LOADS}
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            names |= _global_names(const)
+    return frozenset(names)
 
 
 def _qualname(obj: Any) -> str:
@@ -312,7 +329,7 @@ class Fingerprinter:
     def _references(self, fn: types.FunctionType, code: types.CodeType) -> None:
         names = _code_names(code)
         glb = fn.__globals__
-        for name in sorted(names):
+        for name in sorted(_global_names(code)):
             if name in glb:
                 value = glb[name]
                 if isinstance(value, types.ModuleType) and not is_library_module(value.__name__):

@@ -16,6 +16,7 @@ import inspect
 import os
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, overload
 
@@ -124,6 +125,8 @@ class Nitro:
         self._control = RunControl()
         self._control.say = self._say
         self._guard = RunGuard(lambda: f"this {cls.__name__} handle")
+        take_ready_edit = weakref.WeakMethod(self._take_ready_edit)  # the guard holds no handle
+        self._guard.on_release = lambda: (take := take_ready_edit()) is not None and take()
         self._run: Run | None = None
         self._stop_reason: str | None = None
         self._error: BaseException | None = None
@@ -625,30 +628,11 @@ class Nitro:
                 self._control.stop.clear()
                 previous = self.phase
                 try:
-                    if split == "val" and self._pending() and weights is None:
-                        row = loop.finish_epoch(
-                            self._setup,
-                            self._runtime,
-                            self._state,
-                            self._programs,
-                            self._events,
-                            self._control,
-                        )
-                        result = None if row is None else _prefixed(row, "val_")
-                        if row is not None:
-                            self._files.open(self._setup, self._events)
-                            self._after_epoch(self._state, row)
-                    else:
-                        self._events.phase(f"evaluating {split}")
-                        result = evaluation.evaluate_split(
-                            self._setup,
-                            self._runtime,
-                            self._state,
-                            self._programs,
-                            self._control,
-                            split,
-                            weights,
-                        )
+                    try:
+                        result = self._evaluate(split, weights)
+                    except swaps.HostHookFailed as failure:
+                        self._roll_back_host(failure)
+                        result = self._evaluate(split, weights)
                 finally:
                     self._runtime.prefetcher(split).release_workers()
                     self._events.phase(previous)
@@ -658,6 +642,31 @@ class Nitro:
                         f"between batches and recorded nothing"
                     )
                 return result
+
+    def _evaluate(self, split: str, weights: str | None) -> dict[str, Any] | None:
+        if split == "val" and self._pending() and weights is None:
+            row = loop.finish_epoch(
+                self._setup,
+                self._runtime,
+                self._state,
+                self._programs,
+                self._events,
+                self._control,
+            )
+            if row is not None:
+                self._files.open(self._setup, self._events)
+                self._after_epoch(self._state, row)
+            return None if row is None else _prefixed(row, "val_")
+        self._events.phase(f"evaluating {split}")
+        return evaluation.evaluate_split(
+            self._setup,
+            self._runtime,
+            self._state,
+            self._programs,
+            self._control,
+            split,
+            weights,
+        )
 
     @overload
     def predict(self, batch: Mapping[str, Any], *, weights: str | None = None) -> Any: ...
@@ -1047,15 +1056,17 @@ class Nitro:
         """Apply the experiment's code as it is now (its hooks, the helpers they call, the
         model's classes), edited since this handle was built or last swapped code: the
         programs the edit reaches compile on a thread of their own while a run goes on
-        training, and swap in at its next dispatch boundary (at once when nothing trains).
+        training, and swap in at its next dispatch boundary (at once when nothing trains, or
+        once the call that holds the handle, such as `validate()`, returns).
 
         Returns the `LiveEdit` (`.wait()`, `.status`, `.note`, `.record`). An edit that
         changes what a live run keeps (the fields, the set of hooks, the batch fields a hook
         takes, the model's structure) is refused, and one that does not trace or compile
         fails; either way the run goes on with the code it had and `.note` says why. The
         first steps of swapped-in code are on probation: a non-finite loss there rolls the
-        run back to the old code and the weights from before the swap. `n.swaps()` lists the
-        swaps."""
+        run back to the old code and the weights from before the swap, and a host hook
+        (host metrics, `finalize_metrics`) that raises on its first call rolls back to the
+        old code. `n.swaps()` lists the swaps."""
         with self._live_lock:
             runtime = self._runtime
             return live_edit.start_edit(
@@ -1091,7 +1102,9 @@ class Nitro:
         self._setup, self._programs = setup, programs
 
     def _edit_settled(self, edit: LiveEdit) -> None:
-        if edit.note:
+        """A refused or failed edit: said to a run's reporters (an idle handle's caller holds
+        the edit and its note)."""
+        if edit.note and self.running:
             self._say(edit.note)
 
     def _edit_ready(self) -> None:
@@ -1100,12 +1113,22 @@ class Nitro:
         if not self.running:
             self._take_swap()
 
+    def _take_ready_edit(self) -> None:
+        """The handle is free again: an edit that became ready while it was busy (validating,
+        predicting) is taken now. A run takes its own at its next dispatch boundary."""
+        runtime = getattr(self, "_runtime", None)  # None while the handle is being built
+        if runtime is not None and runtime.live.pending is not None and not self.running:
+            self._take_swap()
+
     def _take_swap(self) -> None:
         try:
             with self._guard.hold("applying an edit"):
                 swap = self._runtime.live.take()
                 if swap is None:
                     return
+                self._runtime.live.host_probation = swaps.host_probation_for(
+                    swap, self._setup, self._programs, self._runtime.experiment
+                )
                 self._adopt_code(swap.setup, swap.programs)
                 self._runtime.experiment = swap.experiment
                 swaps.record_swap(swap, self._state, self._events, self._say, 0.0, settle=False)
@@ -1113,6 +1136,14 @@ class Nitro:
             return  # a run started meanwhile: it takes the swap at its first call
         # settled once the handle is free: whoever waits on the edit may use the handle at once
         swap.edit._settle("swapped")
+
+    def _roll_back_host(self, failure: swaps.HostHookFailed) -> None:
+        """A host hook an edit changed raised on its first call: back to the code before it."""
+        live = self._runtime.live
+        probation, live.host_probation = live.host_probation, None
+        assert probation is not None  # raised only on probation
+        self._runtime.experiment = probation.experiment
+        swaps.roll_back_host(probation, failure, self._state, self._events, self._say)
 
     def _check_stale(self, entry: str) -> None:
         generation, last = self._stale_checked
