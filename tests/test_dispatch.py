@@ -368,6 +368,56 @@ def test_a_larger_size_is_dropped_on_a_pair_only_when_it_reads_far_too_slow(
     assert ("faster of 2 pairs" in choice.reason) == (slowed > 3), choice.reason
 
 
+def test_timing_stops_once_it_cost_its_share_of_the_run(monkeypatch):
+    # fused steps three times as slow as single ones: every timed pair loses time, and a run
+    # of 256 x 8 steps of 1 ms (2 s) gives the probe 5 % of it, 0.1 s
+    clock = Clock({1: 1e-3, 4: 3e-3, 8: 3e-3, 16: 3e-3, 64: 3e-3})
+    monkeypatch.setattr(nitro.engine.dispatch, "time", clock)  # the plan's clock, not a machine's
+    monkeypatch.setattr(nitro.dispatch, "TARGET_SECONDS", 0.0)
+    plan = nitro.dispatch.DispatchPlan(nitro.dispatch.DispatchChoice.of("auto"))
+    calls = _drive(plan, 256, 8, clock.work)
+    choice = plan.choice
+    assert choice.steps == 1 and not choice.checking, choice
+    assert "5% of the run's work" in choice.reason, choice.reason
+    # what the timed pairs lost against single steps stays within the share and one pair
+    lost = lost_in_pairs(calls)
+    assert lost <= 0.05 * 256 * 8 * 1e-3 + 2 * 64 * 2e-3, lost
+    unbounded = nitro.dispatch.DispatchPlan(nitro.dispatch.DispatchChoice.of("auto"))
+    monkeypatch.setattr(nitro.dispatch, "PROBE_SHARE", math.inf)
+    assert lost_in_pairs(_drive(unbounded, 256, 8, clock.work)) > 2 * lost
+
+
+def lost_in_pairs(calls):
+    """The seconds the fused calls after each size's first lost to single steps (2 ms each)."""
+    seen: set[int] = set()
+    lost = 0.0
+    for size in calls:
+        if size > 1 and size in seen:
+            lost += 2e-3 * size
+        seen.add(size)
+    return lost
+
+
+def test_a_second_handle_of_the_same_program_reuses_the_choice_and_compiles_nothing(
+    monkeypatch, fresh_cache
+):
+    monkeypatch.setattr(nitro.dispatch, "PROBE_SHARE", math.inf)  # time however short the run
+    first = lean_handle(Nine(max_epochs=30)).train()
+    assert not first.dispatch.probing and not first.dispatch.checking, first.dispatch
+    assert "reused" not in first.dispatch.reason
+    misses, singles = nitro.cache_stats().misses, single_step_calls()
+    second = lean_handle(Nine(max_epochs=30)).train()
+    assert second.dispatch.steps == first.dispatch.steps
+    assert "reused: measured by an earlier handle of the same train program" in str(
+        second.binding_report()
+    )
+    assert nitro.cache_stats().misses == misses  # no program compiled, no probe timed
+    if second.dispatch.steps > 1:  # its first call, then single steps up to a multiple of K
+        assert single_step_calls() - singles == second.dispatch.steps
+    params = zip(params_of(first), params_of(second), strict=True)
+    assert all(np.array_equal(a, b) for a, b in params)
+
+
 def test_a_pair_of_fused_calls_is_timed_in_an_epoch_just_long_enough_for_it(monkeypatch):
     monkeypatch.setattr(nitro.dispatch, "PROBE_SHARE", math.inf)
     plan = nitro.dispatch.DispatchPlan(nitro.dispatch.DispatchChoice.of("auto"))
@@ -514,11 +564,16 @@ def test_a_killed_cnn_run_resumed_with_the_defaults_ends_bitwise_equal(
         np.testing.assert_array_equal(a, resumed[f"arr_{i}"])
 
 
-def test_a_short_run_keeps_one_step_per_call_and_decides_again_later():
+def test_a_short_run_keeps_one_step_per_call_and_decides_again_later(fresh_cache):
     n = nitro.Nitro(Nine(max_epochs=1), progress=False)
     n.train()
     assert n.dispatch.steps is None
     assert "undecided" in n.dispatch.describe()
+    # 270 steps of a tiny model are a fraction of a second: 5 % of it pays for no compile
+    n = lean_handle(Nine(max_epochs=30)).train()
+    assert n.dispatch.steps is None and "would cost over 5% of the" in n.dispatch.reason
+    programs = [p["program"] for p in nitro.cache_stats().programs]
+    assert "multi-step train" not in programs, programs
 
 
 def test_steps_per_dispatch_is_checked():

@@ -311,19 +311,40 @@ class DispatchPlan:
         run one step at a time: a fused size computed otherwise than single steps."""
         return self._differs
 
-    def checked(self, steps: int, identical: bool, seconds: float) -> bool:
+    def checked(
+        self, steps: int, identical: bool, seconds: float, call: float | None = None
+    ) -> bool:
         """The first call of fused size `steps` ran on a copy of the variables, its steps one
         at a time on the run's, and `identical` says whether both came out bit for bit alike
-        (`seconds`: its compile and the copy's call, what the check cost). Where they differ
-        the run keeps one step per call (True: the call sizes change): a run's result never
-        depends on what a timing chose."""
+        (`seconds`: its compile and the copy's call, what the check cost; `call`: the copy's
+        call alone). Where they differ the run keeps one step per call (True: the call sizes
+        change): a run's result never depends on what a timing chose. A size whose rounds
+        would cost more than the probe has left, at the copy's pace, is not timed."""
         self._checked.add(steps)
         if self.agree is not None:
             (agreed,) = self.agree([1.0 if identical else 0.0])
             identical = agreed > 0.5
         self._spent += seconds
         if identical:
-            return self._over_budget()
+            single = self.choice.single_seconds
+            if self.agree is not None or call is None or not single:
+                return self._over_budget()
+            lost = MIN_ROUNDS * max(0.0, 2 * call - 2 * steps * single)
+            if self._spent + lost <= self._budget:
+                return self._over_budget()
+            kept = tuple(k for k in self.choice.timed if k != steps)
+            why = (
+                f"a call of {steps} took {_ms(call)} ({call / (steps * single):.2f}x as long "
+                f"as its steps alone) and timing it would cost over {PROBE_SHARE:.0%} of the "
+                f"run's work"
+            )
+            if not kept:
+                self._decided(steps=1, checking=False, reason=f"auto: one step per call, as {why}")
+                return True
+            self._pairs.pop(steps, None)
+            self._dropped += f"; {steps} dropped, as {why}"
+            self._decided(candidates=kept, steps=kept[0], reason=f"{self.reason}; {steps} dropped")
+            return True
         self._differs = True
         self._rounds, self._singles, self._pairs, self._run, self._first = [], [], {}, [], None
         self._decided(

@@ -471,7 +471,7 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
                     program = run.programs_by_count[(1, micro, restore)]
                     if checking:
                         cost = seconds + run.compiled.pop(count, 0.0)
-                        switch = plan.checked(count, same, cost) or switch
+                        switch = plan.checked(count, same, cost, seconds) or switch
                 else:
                     out = program(*args)
             except TypeError as error:
