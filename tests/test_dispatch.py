@@ -576,6 +576,27 @@ def test_a_short_run_keeps_one_step_per_call_and_decides_again_later(fresh_cache
     assert "multi-step train" not in programs, programs
 
 
+def test_a_live_edit_compiles_exactly_the_programs_the_run_calls(tmp_path, fresh_cache):
+    from test_live_edits import Module, apply, wait_until
+
+    module = Module(tmp_path)
+    n = module.handle(steps_per_dispatch=3, max_epochs=10_000, progress=False)
+    assert len(n.splits["train"]) % 3 == 0  # 39 batches: calls of 3 and nothing else
+    n.predict({"x": module.module.ARRAYS["val"]["x"][:8]})  # a predict program held
+    n.train(steps=5)  # a call of 3, then single steps to stop at step 5: the train step held
+    n.train(background=True)
+    wait_until(lambda: n.epoch >= 1, "the first validation (eval forward held)")
+    held = {p["program"] for p in nitro.cache_stats().programs if p["owner"] == n.owner}
+    assert held == {"predict", "train step", "multi-step train", "eval forward"}, held
+    # a model edit reaches every program; the run calls fused calls of 3 and evaluates
+    edit = apply(n, module, "nnx.relu(", "nnx.tanh(")
+    assert edit.status == "swapped", edit
+    called = {"multi-step train", "eval forward"}
+    assert set(edit.programs) == set(edit.record["compiled"]) == called, edit.record
+    n.stop().wait()
+    assert n.predict({"x": module.module.ARRAYS["val"]["x"][:8]}).shape == (8, 10)  # compiles now
+
+
 def test_steps_per_dispatch_is_checked():
     with pytest.raises(ValueError, match="steps_per_dispatch must be 'auto' or an int >= 1"):
         nitro.Nitro(Toy(), steps_per_dispatch=0, progress=False)

@@ -306,6 +306,19 @@ class DispatchPlan:
         on a copy of the variables and trains its steps one at a time (`checked`)."""
         return self.checking and steps in self.choice.timed and steps not in self._checked
 
+    def calls(self, steps: int, batches: int | None) -> bool:
+        """Whether the run calls the train program of `steps` steps per call (1: the single
+        step) from here, in epochs of `batches`: what a live edit compiles beside the run
+        (a program it did not foresee, a stop's single steps say, compiles when first
+        called)."""
+        if self.checking:
+            return steps == 1 or steps in self.choice.timed
+        if self.probing:
+            return steps == 1
+        block = self.block(batches)
+        remainder = bool(batches) and batches % block != 0
+        return steps == block or (steps == 1 and remainder)
+
     def one_at_a_time(self) -> bool:
         """Whether fused calls (those a stream that cannot change its call sizes still holds)
         run one step at a time: a fused size computed otherwise than single steps."""
