@@ -15,10 +15,11 @@ one compiled program (`lax.scan` over K stacked batches). `steps_per_dispatch=K`
    slow for it: in one pair where a call would take over twice the limit, else in the
    faster of two), and what lets a pair of fused calls fit in an epoch), with a geometric
    middle one where the largest is over `SPREAD` times the target; each a
-   divisor of the epoch where one is near. A run with less than `WORTH_SECONDS` of work
-   left keeps one step per call for now (a fused program would not pay for its compile),
-   and one with less than that for each candidate times fewer of them (the target first,
-   then the largest); a longer run of the same handle decides again.
+   divisor of the epoch where one is near. The probe may cost `PROBE_SHARE` of the work
+   left in the run (each candidate's compile, reckoned at the single step's, and its first
+   call): a run too short for one keeps one step per call for now, a longer run of the same
+   handle decides again; one too short for every candidate times fewer (the target first,
+   then the largest).
 2. Then every candidate is timed against one step per call, side by side: each round runs,
    for each candidate in turn (the order rotating from round to round), a pair of its fused
    calls followed by single steps, so a busy neighbour slows both sides of a round alike. A
@@ -45,6 +46,15 @@ epoch, and a call with none in flight before it (an epoch's first) is timed from
 dispatch, so a pair of calls of K fits an epoch of 2K batches. The reason in the binding
 report gives the figures of every candidate. A stop takes effect at the next dispatch
 boundary, so it waits at most K steps.
+
+A candidate's first call (it compiles) runs on a copy of the variables and is thrown away,
+its steps trained one at a time (`nitro.engine.stepwise`); the two are compared bit for bit
+(`checked`). One that differs ends the measurement at one step per call, so the steps the
+measurement trains are always those of the path it keeps, and a run's result never depends
+on the machine's load. What the timed calls lose against single steps counts to the probe's
+cost; once it passes `PROBE_SHARE`, the rounds timed so far decide. A decided choice is kept
+for the process by its single-step program (`recall`): a later handle of the same program
+takes it instead of measuring again.
 """
 
 from __future__ import annotations
