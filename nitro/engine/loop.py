@@ -458,7 +458,9 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
             stepwise = checking or (count > 1 and plan.one_at_a_time())
             program = None
             if checking or not stepwise:
-                program = _program(run, state, index, args, count, micro)
+                program = run.programs_by_count.get((count, micro, restore)) or _program(
+                    run, state, index, args, count, micro
+                )
             if count == 1 and plan.probing and plan.recall(program, updates):
                 switch = True  # an earlier handle of this program measured: its choice
             before = state.variables if restore else None  # not donated: kept as it is
