@@ -244,7 +244,9 @@ def single_step_calls():
 def _drive(plan, batches, epochs, work=None):
     """Feed `plan` the calls a training loop would make from its `blocks()`: each stream an
     epoch (reopened where the plan changes its call sizes), each call a little work (or
-    `work(size)`). Returns the call sizes run."""
+    `work(size)`), a size's first call checked as the loop does (its steps alike, its time
+    what the copy's call took). Returns the call sizes run."""
+    clock = nitro.engine.dispatch.time  # the plan's clock
     calls, step, total = [], 0, batches * epochs
     for _ in range(epochs):
         position = 0
@@ -256,14 +258,16 @@ def _drive(plan, batches, epochs, work=None):
                 size = size if size <= batches - position else 1  # the epoch's remainder
                 if index == 0 and plan.measuring:
                     plan.began()
+                first, begin = size > 1 and plan.unchecked(size), clock.perf_counter()
                 if work is None:
                     np.linalg.qr(np.ones((8 * size, 8)))  # some work, more for more steps
                 else:
                     work(size)
                 position, step = position + size, step + size
                 calls.append(size)
-                switch = plan.measuring and plan.completed(
-                    size, batches, lambda left=total - step: left
+                switch = first and plan.checked(size, True, 0.0, clock.perf_counter() - begin)
+                switch = switch or (
+                    plan.measuring and plan.completed(size, batches, lambda left=total - step: left)
                 )
                 if switch or position >= batches:
                     break
@@ -379,6 +383,8 @@ def test_timing_stops_once_it_cost_its_share_of_the_run(monkeypatch):
     choice = plan.choice
     assert choice.steps == 1 and not choice.checking, choice
     assert "5% of the run's work" in choice.reason, choice.reason
+    # 64 was not timed: its first call showed that its rounds would cost more than that
+    assert "64 dropped, as a call of 64 took 192.000 ms (3.00x" in choice.reason, choice.reason
     # what the timed pairs lost against single steps stays within the share and one pair
     lost = lost_in_pairs(calls)
     assert lost <= 0.05 * 256 * 8 * 1e-3 + 2 * 64 * 2e-3, lost

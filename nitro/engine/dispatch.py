@@ -367,6 +367,7 @@ class DispatchPlan:
             self._pairs.pop(steps, None)
             self._dropped += f"; {steps} dropped, as {why}"
             self._decided(candidates=kept, steps=kept[0], reason=f"{self.reason}; {steps} dropped")
+            self._round_done()  # the round under way may have every other size's pair
             return True
         self._differs = True
         self._rounds, self._singles, self._pairs, self._run, self._first = [], [], {}, [], None

@@ -5,7 +5,9 @@ a dispatch boundary.
 the model's classes) into a new `RunSetup`, checks that the train state keeps its layout (the
 same fields, hooks, batch routing, and the model's parameter and state shapes), then compiles,
 on a thread of its own, exactly the programs of the handle's `ProgramSet` whose code the edit
-reaches (`ProgramSet.for_setup`). The loop keeps training on the old programs meanwhile. Once
+reaches (`ProgramSet.for_setup`) and which the run calls from then on (its steps per call,
+evaluation: `DispatchPlan.calls`); the others compile when first called. The loop keeps
+training on the old programs meanwhile. Once
 compiled, the new setup and programs wait in the run-time record (`LiveEdits`) for the loop,
 which swaps them in between two calls (`swaps.py`): the pause it sees is the swap, not the
 compile. A handle that is not training takes them at once.
