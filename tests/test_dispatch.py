@@ -21,6 +21,7 @@ from toys import TinyMLP, Toy, ToyWithMetrics, X, Y
 
 import nitro
 import nitro.engine.loop
+import nitro.engine.swaps
 from nitro.data import ArrayLoader
 
 X9, Y9 = np.resize(X, (144, 5)), np.resize(Y, 144)  # 9 batches of 16
@@ -507,6 +508,18 @@ def test_runs_whose_auto_choices_differ_end_bitwise_equal_to_one_step_per_call(m
             assert programs.count("multi-step train") == 1, programs  # no other size compiled
         else:  # the same steps, in fused calls or not, as the timings said
             assert choices[0] == 1 and choices[1] > 1, choices
+
+
+def test_variables_too_large_to_copy_for_the_check_keep_one_step_per_call(monkeypatch):
+    monkeypatch.setattr(nitro.dispatch, "PROBE_SHARE", math.inf)  # time however short the run
+    monkeypatch.setattr(nitro.engine.swaps, "PROBATION_COPY_BYTES", 0)  # every model is large
+    expected = lean_handle(Nine(max_epochs=30), steps_per_dispatch=1).train()
+    nitro.cache_reset()
+    n = lean_handle(Nine(max_epochs=30)).train()
+    assert n.dispatch.steps == 1 and not n.dispatch.checking, n.dispatch
+    assert "too large to check a fused call of" in n.dispatch.reason, n.dispatch.reason
+    for a, b in zip(params_of(expected), params_of(n), strict=True):
+        np.testing.assert_array_equal(a, b)
 
 
 RESUME = textwrap.dedent(

@@ -381,6 +381,21 @@ class DispatchPlan:
         )
         return True
 
+    def too_large(self, steps: int, size: int) -> bool:
+        """The variables (`size` bytes) are too large to copy for the check of a fused size's
+        first call: the run keeps one step per call (True), as it does where a check fails."""
+        self._differs = True
+        self._rounds, self._singles, self._pairs, self._run, self._first = [], [], {}, [], None
+        self._decided(
+            steps=1,
+            checking=False,
+            reason=f"auto: one step per call, as the variables ({size / 2**30:.1f} GiB) are "
+            f"too large to check a fused call of {steps} on a copy against single steps, and a "
+            f"run's result must not depend on what a timing chose (steps_per_dispatch={steps} "
+            f"fuses unchecked)",
+        )
+        return True
+
     def _over_budget(self) -> bool:
         """While timing: once the probe cost more than its share of the run (`PROBE_SHARE`),
         decide on the rounds timed so far; True when that decided. (In a run of several

@@ -455,6 +455,10 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
             # "auto": a fused size's first call is compared with single steps; a size found
             # to differ runs one step at a time (`stepwise`)
             checking = count > 1 and plan.unchecked(count)
+            if checking and not restore:  # the check copies the variables
+                size = sum(x.nbytes for x in jax.tree.leaves(state.variables))
+                if size > swaps.PROBATION_COPY_BYTES:
+                    checking, switch = False, plan.too_large(count, size) or switch
             stepwise = checking or (count > 1 and plan.one_at_a_time())
             program = None
             if checking or not stepwise:
