@@ -161,6 +161,7 @@ def test_while_auto_times_its_call_sizes_no_save_is_written_mid_call(monkeypatch
     assert saved_epochs(timed) == [3]
     timed.train(epochs=6)  # (timing may end in it or not: up to 11 rounds)
     assert saved_epochs(timed)[-1] == 9
+    nitro.cache_reset()  # forget the choice `timed` made: a handle of its program would reuse it
     every = nitro.Nitro(Toy(batch_size=4, max_epochs=3), checkpointer=EVERY_EPOCH, progress=False)
     every.train()  # budget=None saves every epoch, timing or not
     assert every.dispatch.checking and saved_epochs(every) == [1, 2, 3]
