@@ -16,10 +16,10 @@ one compiled program (`lax.scan` over K stacked batches). `steps_per_dispatch=K`
    faster of two), and what lets a pair of fused calls fit in an epoch), with a geometric
    middle one where the largest is over `SPREAD` times the target; each a
    divisor of the epoch where one is near. The probe may cost `PROBE_SHARE` of the work
-   left in the run (each candidate's compile, reckoned at the single step's, and its first
-   call): a run too short for one keeps one step per call for now, a longer run of the same
-   handle decides again; one too short for every candidate times fewer (the target first,
-   then the largest).
+   left in the run (each candidate's compile, reckoned at `COMPILE_RATIO` times the single
+   step's, and its first call): a run too short for one keeps one step per call for now, a
+   longer run of the same handle decides again; one too short for every candidate times
+   fewer (the target first, then the largest).
 2. Then every candidate is timed against one step per call, side by side: each round runs,
    for each candidate in turn (the order rotating from round to round), a pair of its fused
    calls followed by single steps, so a busy neighbour slows both sides of a round alike. A
@@ -75,6 +75,7 @@ __all__ = [
     "MAX_CANDIDATES",
     "MAX_STEPS",
     "MIN_STEPS",
+    "COMPILE_RATIO",
     "PROBE_SHARE",
     "PROBE_STEPS",
     "ROUNDS",
@@ -97,6 +98,7 @@ PROBE_STEPS = 8  # single steps timed, after the first (which compiles)
 # of each fused size timed, its first call (run on a copy and thrown away) and the time its
 # timed calls lose against single steps
 PROBE_SHARE = 0.05
+COMPILE_RATIO = 2.0  # a fused program's compile over the single step's (1.0 s to 0.47 s, measured)
 MAX_CANDIDATES = 3  # fused sizes timed at most (each one compiles a program)
 SPREAD = 4  # a largest K over this many times the target adds a middle candidate
 SINGLES = 8  # single steps timed beside a candidate's pair (fewer when K is smaller)
@@ -243,7 +245,7 @@ class DispatchPlan:
         self._dropped = ""  # the sizes no longer timed, and why
         self._key: tuple | None = None  # the memo's key (`recall`)
         self._program = 0  # the identity of the single-step program measured on
-        self._compile = 0.0  # a fused program's compile, reckoned at the single step's
+        self._compile = 0.0  # a fused program's compile, reckoned from the single step's
         self._checked: set[int] = set()  # fused sizes whose first call was compared
         self._differs = False  # one differed: a fused call still in a stream runs stepwise
         self._budget = math.inf  # what the probe may cost (`PROBE_SHARE` of the run)
@@ -295,7 +297,7 @@ class DispatchPlan:
             return False
         self._key = (_program_key(program), batches)
         self._program = id(program)
-        self._compile = float(program.compile_seconds or 0.0)
+        self._compile = COMPILE_RATIO * float(program.compile_seconds or 0.0)
         if self.agree is not None:
             return False
         with _CHOICES_LOCK:
@@ -625,7 +627,7 @@ class DispatchPlan:
         if largest > SPREAD * target:
             ranked.append(_near_divisor(round(math.sqrt(target * largest)), batches))
         ranked = list(dict.fromkeys(ranked))[:MAX_CANDIDATES]
-        # each size costs its compile (reckoned at the single step's) and its first call,
+        # each size costs its compile (reckoned from the single step's) and its first call,
         # run on a copy; together within `PROBE_SHARE` of the work left (a run to no end, a
         # stream, pays for every one)
         affordable, self._budget = len(ranked), math.inf
