@@ -5,7 +5,6 @@ processes (tests/lifecycle_toys.py) with SIGKILL."""
 from __future__ import annotations
 
 import json
-import math
 import os
 import queue
 import random
@@ -152,7 +151,7 @@ def test_the_budget_skips_saves_on_tiny_epochs_and_still_leaves_the_newest_epoch
 
 
 def test_while_auto_times_its_call_sizes_no_save_is_written_mid_call(monkeypatch):
-    monkeypatch.setattr(nitro.dispatch, "PROBE_SHARE", math.inf)  # fused sizes timed on a toy
+    monkeypatch.setattr(nitro.dispatch, "PROBE_SHARE", float("inf"))  # fused sizes timed on a toy
     budgeted = nitro.Checkpointer(k=10)
     timed = nitro.Nitro(Toy(batch_size=4, max_epochs=9), checkpointer=budgeted, progress=False)
     timed.train(epochs=3)  # epochs of 16 batches: three rounds of timing take more than three
