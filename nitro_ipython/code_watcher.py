@@ -474,9 +474,13 @@ class CodeWatcher:
         edit = handle.apply_edits()
         what = ", ".join(f"`{unit}`" for unit in edit.changes) or _join(impact.changes)
         if edit.status == "compiling":
+            count = len(edit.programs)
             message = (
-                f"{name}: compiling the edit of {what} beside the run; it swaps in at the "
-                f"next step."
+                f"{name}: compiling the edit of {what} beside the run; it swaps in after "
+                f"compiling {count} program{'s' if count != 1 else ''} "
+                f"({', '.join(edit.programs)})."
+                if count
+                else f"{name}: the edit of {what} compiles nothing; it swaps in at the next step."
             )
             add_note(handle, message)
             self._edits.append(_Watched(name, handle, edit, "compiling"))

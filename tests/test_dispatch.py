@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import math
 import os
+import signal
 import subprocess
 import sys
 import textwrap
@@ -14,10 +16,12 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
+from system import child_env
 from toys import TinyMLP, Toy, ToyWithMetrics, X, Y
 
 import nitro
 import nitro.engine.loop
+import nitro.engine.swaps
 from nitro.data import ArrayLoader
 
 X9, Y9 = np.resize(X, (144, 5)), np.resize(Y, 144)  # 9 batches of 16
@@ -196,7 +200,7 @@ def test_per_step_losses_reach_reporters_and_a_stop_lands_on_a_call_boundary():
 def test_auto_measures_then_fuses_and_says_why_in_the_binding_report(
     monkeypatch, prefetch, fresh_cache
 ):
-    monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", 0.0)  # however fast this machine is
+    monkeypatch.setattr(nitro.dispatch, "PROBE_SHARE", math.inf)  # however fast this machine is
     x, y = np.resize(X, (16 * 200, 5)), np.resize(Y, 16 * 200)
 
     def lean(epochs, **keywords):  # 200 batches an epoch, nothing written
@@ -241,7 +245,9 @@ def single_step_calls():
 def _drive(plan, batches, epochs, work=None):
     """Feed `plan` the calls a training loop would make from its `blocks()`: each stream an
     epoch (reopened where the plan changes its call sizes), each call a little work (or
-    `work(size)`). Returns the call sizes run."""
+    `work(size)`), a size's first call checked as the loop does (its steps alike, its time
+    what the copy's call took). Returns the call sizes run."""
+    clock = nitro.engine.dispatch.time  # the plan's clock
     calls, step, total = [], 0, batches * epochs
     for _ in range(epochs):
         position = 0
@@ -253,14 +259,16 @@ def _drive(plan, batches, epochs, work=None):
                 size = size if size <= batches - position else 1  # the epoch's remainder
                 if index == 0 and plan.measuring:
                     plan.began()
+                first, begin = size > 1 and plan.unchecked(size), clock.perf_counter()
                 if work is None:
                     np.linalg.qr(np.ones((8 * size, 8)))  # some work, more for more steps
                 else:
                     work(size)
                 position, step = position + size, step + size
                 calls.append(size)
-                switch = plan.measuring and plan.completed(
-                    size, batches, lambda left=total - step: left
+                switch = first and plan.checked(size, True, 0.0, clock.perf_counter() - begin)
+                switch = switch or (
+                    plan.measuring and plan.completed(size, batches, lambda left=total - step: left)
                 )
                 if switch or position >= batches:
                     break
@@ -271,7 +279,7 @@ def _drive(plan, batches, epochs, work=None):
 def test_auto_times_each_candidate_size_and_keeps_one_of_them_or_one_step(monkeypatch, processes):
     # a target of 4 steps (the least), and up to 64 (epochs of 256): a middle size of 16
     monkeypatch.setattr(nitro.dispatch, "TARGET_SECONDS", 0.0)
-    monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", 0.0)
+    monkeypatch.setattr(nitro.dispatch, "PROBE_SHARE", math.inf)
     agree = (lambda values: list(values)) if processes > 1 else None  # process 0's figures
     plan = nitro.dispatch.DispatchPlan(nitro.dispatch.DispatchChoice.of("auto"), agree)
     calls = _drive(plan, 256, 40)
@@ -310,7 +318,7 @@ def test_of_fused_sizes_timed_as_fast_as_each_other_the_largest_is_kept(
     monkeypatch, sixty_four, kept
 ):
     monkeypatch.setattr(nitro.dispatch, "TARGET_SECONDS", 0.0)
-    monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", 0.0)
+    monkeypatch.setattr(nitro.dispatch, "PROBE_SHARE", math.inf)
     clock = Clock({1: 1e-3, 4: 0.7e-3, 16: 0.58e-3, 64: sixty_four})
     monkeypatch.setattr(nitro.engine.dispatch, "time", clock)  # the plan's clock, not a machine's
     plan = nitro.dispatch.DispatchPlan(nitro.dispatch.DispatchChoice.of("auto"))
@@ -355,7 +363,7 @@ def test_a_larger_size_is_dropped_on_a_pair_only_when_it_reads_far_too_slow(
     # a 40 ms step in epochs of 16 batches: 4 and 8 are timed (a pair of 8 fills an epoch)
     clock = SlowFirst({1: 40e-3, 4: 28e-3, 8: 26e-3}, slow, slowed)
     monkeypatch.setattr(nitro.engine.dispatch, "time", clock)  # the plan's clock, not a machine's
-    monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", 0.0)
+    monkeypatch.setattr(nitro.dispatch, "PROBE_SHARE", math.inf)
     plan = nitro.dispatch.DispatchPlan(nitro.dispatch.DispatchChoice.of("auto"))
     _drive(plan, 16, 60, clock.work)
     choice = plan.choice
@@ -365,8 +373,60 @@ def test_a_larger_size_is_dropped_on_a_pair_only_when_it_reads_far_too_slow(
     assert ("faster of 2 pairs" in choice.reason) == (slowed > 3), choice.reason
 
 
+def test_timing_stops_once_it_cost_its_share_of_the_run(monkeypatch):
+    # fused steps three times as slow as single ones: every timed pair loses time, and a run
+    # of 256 x 8 steps of 1 ms (2 s) gives the probe 5 % of it, 0.1 s
+    clock = Clock({1: 1e-3, 4: 3e-3, 8: 3e-3, 16: 3e-3, 64: 3e-3})
+    monkeypatch.setattr(nitro.engine.dispatch, "time", clock)  # the plan's clock, not a machine's
+    monkeypatch.setattr(nitro.dispatch, "TARGET_SECONDS", 0.0)
+    plan = nitro.dispatch.DispatchPlan(nitro.dispatch.DispatchChoice.of("auto"))
+    calls = _drive(plan, 256, 8, clock.work)
+    choice = plan.choice
+    assert choice.steps == 1 and not choice.checking, choice
+    assert "5% of the run's work" in choice.reason, choice.reason
+    # 64 was not timed: its first call showed that its rounds would cost more than that
+    assert "64 dropped, as a call of 64 took 192.000 ms (3.00x" in choice.reason, choice.reason
+    # what the timed pairs lost against single steps stays within the share and one pair
+    lost = lost_in_pairs(calls)
+    assert lost <= 0.05 * 256 * 8 * 1e-3 + 2 * 64 * 2e-3, lost
+    unbounded = nitro.dispatch.DispatchPlan(nitro.dispatch.DispatchChoice.of("auto"))
+    monkeypatch.setattr(nitro.dispatch, "PROBE_SHARE", math.inf)
+    assert lost_in_pairs(_drive(unbounded, 256, 8, clock.work)) > 2 * lost
+
+
+def lost_in_pairs(calls):
+    """The seconds the fused calls after each size's first lost to single steps (2 ms each)."""
+    seen: set[int] = set()
+    lost = 0.0
+    for size in calls:
+        if size > 1 and size in seen:
+            lost += 2e-3 * size
+        seen.add(size)
+    return lost
+
+
+def test_a_second_handle_of_the_same_program_reuses_the_choice_and_compiles_nothing(
+    monkeypatch, fresh_cache
+):
+    monkeypatch.setattr(nitro.dispatch, "PROBE_SHARE", math.inf)  # time however short the run
+    first = lean_handle(Nine(max_epochs=30)).train()
+    assert not first.dispatch.probing and not first.dispatch.checking, first.dispatch
+    assert "reused" not in first.dispatch.reason
+    misses, singles = nitro.cache_stats().misses, single_step_calls()
+    second = lean_handle(Nine(max_epochs=30)).train()
+    assert second.dispatch.steps == first.dispatch.steps
+    assert "reused: measured by an earlier handle of the same train program" in str(
+        second.binding_report()
+    )
+    assert nitro.cache_stats().misses == misses  # no program compiled, no probe timed
+    if second.dispatch.steps > 1:  # its first call, then single steps up to a multiple of K
+        assert single_step_calls() - singles == second.dispatch.steps
+    params = zip(params_of(first), params_of(second), strict=True)
+    assert all(np.array_equal(a, b) for a, b in params)
+
+
 def test_a_pair_of_fused_calls_is_timed_in_an_epoch_just_long_enough_for_it(monkeypatch):
-    monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", 0.0)
+    monkeypatch.setattr(nitro.dispatch, "PROBE_SHARE", math.inf)
     plan = nitro.dispatch.DispatchPlan(nitro.dispatch.DispatchChoice.of("auto"))
     calls = _drive(plan, 16, 60)
     choice = plan.choice
@@ -377,7 +437,7 @@ def test_a_pair_of_fused_calls_is_timed_in_an_epoch_just_long_enough_for_it(monk
 
 
 def test_auto_is_undecided_while_the_work_left_pays_for_no_fused_compile(monkeypatch):
-    monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", float("inf"))
+    monkeypatch.setattr(nitro.dispatch, "PROBE_SHARE", 0.0)
     plan = nitro.dispatch.DispatchPlan(nitro.dispatch.DispatchChoice.of("auto"))
     calls = _drive(plan, 64, 2)
     assert set(calls) == {1} and plan.steps is None and "undecided" in plan.describe()
@@ -387,25 +447,29 @@ class TinyConv(nnx.Module):
     def __init__(self, rngs):
         self.conv1 = nnx.Conv(1, 16, kernel_size=(3, 3), rngs=rngs)
         self.conv2 = nnx.Conv(16, 32, kernel_size=(3, 3), rngs=rngs)
+        self.drop = nnx.Dropout(0.25, rngs=rngs)
         self.out = nnx.Linear(8 * 8 * 32, 10, rngs=rngs)
 
     def __call__(self, x):
         x = nnx.relu(self.conv1(x.reshape(x.shape[0], 8, 8, 1)))
         x = nnx.relu(self.conv2(x))
-        return self.out(x.reshape(x.shape[0], -1))
+        return self.out(self.drop(x.reshape(x.shape[0], -1)))
 
 
 @nitro.experiment
 class Convolutional:
-    """Digits-shaped images through a convolution: XLA's CPU backend runs it about ten times
-    slower inside a loop body than alone, so fusing steps makes them slower there."""
+    """Digits-shaped images through two convolutions and a dropout, as a port of the Keras
+    MNIST convnet: XLA's CPU backend compiles a convolution inside a loop body otherwise than
+    alone (about ten times slower, and rounding differently in the last bit)."""
 
     max_epochs: int = 20
+    batches: int = 120
 
     def build_data(self):
         rng = np.random.default_rng(0)
-        x = rng.normal(size=(32 * 120, 64)).astype(np.float32)
-        return {"train": ArrayLoader({"x": x, "y": rng.integers(0, 10, 32 * 120)}, 32)}
+        rows = 32 * self.batches
+        x = rng.normal(size=(rows, 64)).astype(np.float32)
+        return {"train": ArrayLoader({"x": x, "y": rng.integers(0, 10, rows)}, 32)}
 
     def build_model(self, rngs):
         return TinyConv(rngs)
@@ -417,27 +481,139 @@ class Convolutional:
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-@pytest.mark.serial  # auto's choice is a measurement of this machine
-@pytest.mark.skipif(jax.default_backend() != "cpu", reason="measures the CPU backend")
-def test_auto_goes_back_to_one_step_per_call_when_fusing_is_slower(monkeypatch):
-    monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", 0.0)
-    n = nitro.Nitro(Convolutional(), progress=False, checkpointer=None, logger=None)
-    n.train(epochs=6)  # the probe, then fused calls timed against single steps
-    plan = n.dispatch
-    assert plan.steps == 1 and not plan.checking, plan.describe()
-    assert "one step per call, as a step in fused calls of" in plan.reason, plan.reason
-    assert "the least of the sizes timed (ms a step: 1: " in plan.reason
-    for k in plan.candidates:
-        assert f", {k}: " in plan.reason, plan.reason
-    assert "steps per dispatch: 1 (auto: one step per call" in str(n.binding_report())
-    assert n.step == 6 * 120  # every step ran once, across the switches
+def lean_handle(experiment, **keywords):
+    return nitro.Nitro(experiment, progress=False, checkpointer=None, logger=None, **keywords)
 
 
-def test_a_short_run_keeps_one_step_per_call_and_decides_again_later():
+def test_runs_whose_auto_choices_differ_end_bitwise_equal_to_one_step_per_call(monkeypatch):
+    monkeypatch.setattr(nitro.dispatch, "PROBE_SHARE", math.inf)  # time however short the run
+    for experiment in (Convolutional(max_epochs=1), Nine(max_epochs=30)):
+        expected = lean_handle(experiment, steps_per_dispatch=1).train()
+        choices = []
+        for keep_below in (0.0, 100.0):  # timings that never, or always, find fusing pays
+            monkeypatch.setattr(nitro.dispatch, "KEEP_BELOW", keep_below)
+            nitro.cache_reset()  # no choice of an earlier handle to reuse
+            n = lean_handle(experiment).train()
+            assert not n.dispatch.probing and not n.dispatch.checking, n.dispatch
+            choices.append(n.dispatch.steps)
+            assert n.step == expected.step
+            for a, b in zip(params_of(expected), params_of(n), strict=True):
+                np.testing.assert_array_equal(a, b)
+        if isinstance(experiment, Convolutional):
+            # its fused calls round differently: the first one, run on a copy, shows it, and
+            # the run keeps one step per call whatever the timings would have said
+            assert choices == [1, 1]
+            assert "did not compute bit for bit as" in n.dispatch.reason, n.dispatch.reason
+            programs = [p["program"] for p in nitro.cache_stats().programs]
+            assert programs.count("multi-step train") == 1, programs  # no other size compiled
+        else:  # the same steps, in fused calls or not, as the timings said
+            assert choices[0] == 1 and choices[1] > 1, choices
+
+
+def test_variables_too_large_to_copy_for_the_check_keep_one_step_per_call(monkeypatch):
+    monkeypatch.setattr(nitro.dispatch, "PROBE_SHARE", math.inf)  # time however short the run
+    monkeypatch.setattr(nitro.engine.swaps, "PROBATION_COPY_BYTES", 0)  # every model is large
+    expected = lean_handle(Nine(max_epochs=30), steps_per_dispatch=1).train()
+    nitro.cache_reset()
+    n = lean_handle(Nine(max_epochs=30)).train()
+    assert n.dispatch.steps == 1 and not n.dispatch.checking, n.dispatch
+    assert "too large to check a fused call of" in n.dispatch.reason, n.dispatch.reason
+    for a, b in zip(params_of(expected), params_of(n), strict=True):
+        np.testing.assert_array_equal(a, b)
+
+
+RESUME = textwrap.dedent(
+    """
+    import math, sys
+    from pathlib import Path
+    import numpy as np, nitro
+    from lifecycle_toys import KillAt
+    from test_dispatch import Convolutional
+    nitro.dispatch.PROBE_SHARE = math.inf  # "auto" times its sizes however short the run
+    mode, run_dir = sys.argv[1:3]
+    keywords = dict(run_dir=run_dir, checkpointer=nitro.Checkpointer(budget=None), logger=None)
+    if mode == "crash":  # killed in epoch 3 of 16 steps, once epoch 2 is saved
+        progress = KillAt(2 * 16 + 5, Path(run_dir) / "checkpoints" / "32")
+        nitro.Nitro(Convolutional(max_epochs=4, batches=16), progress=progress, **keywords).train()
+        raise SystemExit("the run was not killed")
+    n = nitro.Nitro(
+        Convolutional(max_epochs=4, batches=16), resume="auto", progress=False, **keywords
+    )
+    print("resumed at step", n.step, flush=True)
+    n.train()
+    np.savez(sys.argv[3], *[np.asarray(p) for p in n.state.variables.params])
+    """
+)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason="children train on the CPU")
+def test_a_killed_cnn_run_resumed_with_the_defaults_ends_bitwise_equal(
+    tmp_path, monkeypatch, fresh_cache
+):
+    """`steps_per_dispatch="auto"` (the default) times its sizes in the run killed and again
+    in the new process that resumes it: the result is the uninterrupted run's, bit for bit."""
+    monkeypatch.setattr(nitro.dispatch, "PROBE_SHARE", math.inf)
+    full = nitro.Nitro(
+        Convolutional(max_epochs=4, batches=16),
+        run_dir=tmp_path / "full",
+        checkpointer=nitro.Checkpointer(budget=None),
+        logger=None,
+        progress=False,
+    ).train()
+    assert not full.dispatch.probing, full.dispatch  # it timed fused calls in this run
+    run_dir, out = str(tmp_path / "run"), str(tmp_path / "resumed.npz")
+    for mode in ("crash", "resume"):
+        done = subprocess.run(
+            [sys.executable, "-c", RESUME, mode, run_dir, out],
+            env=child_env(),
+            capture_output=True,
+            text=True,
+            timeout=600,
+            cwd=tmp_path,
+        )
+        if mode == "crash":
+            assert done.returncode == -signal.SIGKILL, done.stderr[-3000:]
+        else:
+            assert done.returncode == 0, done.stderr[-3000:]
+            assert "resumed at step 32" in done.stdout, done.stdout
+    resumed = np.load(out)
+    expected = params_of(full)
+    assert len(resumed.files) == len(expected)
+    for i, a in enumerate(expected):
+        np.testing.assert_array_equal(a, resumed[f"arr_{i}"])
+
+
+def test_a_short_run_keeps_one_step_per_call_and_decides_again_later(fresh_cache):
     n = nitro.Nitro(Nine(max_epochs=1), progress=False)
     n.train()
     assert n.dispatch.steps is None
     assert "undecided" in n.dispatch.describe()
+    # 270 steps of a tiny model are a fraction of a second: 5 % of it pays for no compile
+    n = lean_handle(Nine(max_epochs=30)).train()
+    assert n.dispatch.steps is None and "would cost over 5% of the" in n.dispatch.reason
+    programs = [p["program"] for p in nitro.cache_stats().programs]
+    assert "multi-step train" not in programs, programs
+
+
+def test_a_live_edit_compiles_exactly_the_programs_the_run_calls(tmp_path, fresh_cache):
+    from test_live_edits import Module, apply, wait_until
+
+    module = Module(tmp_path)
+    n = module.handle(steps_per_dispatch=3, max_epochs=10_000, progress=False)
+    assert len(n.splits["train"]) % 3 == 0  # 39 batches: calls of 3 and nothing else
+    n.predict({"x": module.module.ARRAYS["val"]["x"][:8]})  # a predict program held
+    n.train(steps=5)  # a call of 3, then single steps to stop at step 5: the train step held
+    n.train(background=True)
+    wait_until(lambda: n.epoch >= 1, "the first validation (eval forward held)")
+    held = {p["program"] for p in nitro.cache_stats().programs if p["owner"] == n.owner}
+    assert held == {"predict", "train step", "multi-step train", "eval forward"}, held
+    # a model edit reaches every program; the run calls fused calls of 3 and evaluates
+    edit = apply(n, module, "nnx.relu(", "nnx.tanh(")
+    assert edit.status == "swapped", edit
+    called = {"multi-step train", "eval forward"}
+    assert set(edit.programs) == set(edit.record["compiled"]) == called, edit.record
+    n.stop().wait()
+    assert n.predict({"x": module.module.ARRAYS["val"]["x"][:8]}).shape == (8, 10)  # compiles now
 
 
 def test_steps_per_dispatch_is_checked():

@@ -151,7 +151,7 @@ def test_the_budget_skips_saves_on_tiny_epochs_and_still_leaves_the_newest_epoch
 
 
 def test_while_auto_times_its_call_sizes_no_save_is_written_mid_call(monkeypatch):
-    monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", 0.0)  # fused sizes timed on a toy
+    monkeypatch.setattr(nitro.dispatch, "PROBE_SHARE", float("inf"))  # fused sizes timed on a toy
     budgeted = nitro.Checkpointer(k=10)
     timed = nitro.Nitro(Toy(batch_size=4, max_epochs=9), checkpointer=budgeted, progress=False)
     timed.train(epochs=3)  # epochs of 16 batches: three rounds of timing take more than three
@@ -160,6 +160,7 @@ def test_while_auto_times_its_call_sizes_no_save_is_written_mid_call(monkeypatch
     assert saved_epochs(timed) == [3]
     timed.train(epochs=6)  # (timing may end in it or not: up to 11 rounds)
     assert saved_epochs(timed)[-1] == 9
+    nitro.cache_reset()  # forget the choice `timed` made: a handle of its program would reuse it
     every = nitro.Nitro(Toy(batch_size=4, max_epochs=3), checkpointer=EVERY_EPOCH, progress=False)
     every.train()  # budget=None saves every epoch, timing or not
     assert every.dispatch.checking and saved_epochs(every) == [1, 2, 3]

@@ -101,9 +101,10 @@ def test_a_loss_edit_saved_during_a_background_run_swaps_in_and_the_run_goes_on(
     # the notebook says so, and the panel marks the step on the curves
     said = kernel.run("pass").stdout
     assert "nitro: reloaded live_a: changed Tiny.loss." in said
-    assert "live_a_run: compiling the edit of `loss` beside the run; it swaps in at the next" in (
-        said
-    )
+    assert (
+        "live_a_run: compiling the edit of `loss` beside the run; it swaps in after compiling "
+        "2 programs (train step, eval forward)."
+    ) in said
     assert f"live_a_run: swapped in the edit of `loss` at step {step}." in said
     panel = "nitro_ipython.live_panel(live_a_run)"
     assert f"edit: loss at step {step}" in kernel.eval(f"{panel}.edits.value")

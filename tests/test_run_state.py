@@ -446,7 +446,7 @@ def test_the_setup_and_everything_in_it_is_immutable_after_a_run():
 
 
 def test_set_device_and_auto_dispatch_take_effect_and_leave_the_setup_unchanged(monkeypatch):
-    monkeypatch.setattr(nitro.dispatch, "WORTH_SECONDS", 0.0)  # "auto" decides in this run
+    monkeypatch.setattr(nitro.dispatch, "PROBE_SHARE", float("inf"))  # "auto" decides in this run
     n = nitro.Nitro(Toy(max_epochs=3, with_val=False), progress=False)
     setup, before = n.setup, contents(n.setup)
     n.set_device(scale=0.5)

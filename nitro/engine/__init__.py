@@ -15,6 +15,7 @@ below; never the handle.
 - `diagnostics`: what the loop says when something goes wrong
 - `prediction`: a batch through the predict program, in chunks of one compiled width
 - `dispatch`: steps per program call (a fixed K or "auto")
+- `stepwise`: a fused call's steps one at a time, and "auto"'s bit-for-bit check of a size
 - `feed`: per-step hyperparameters and Device values fed as arguments
 - `runner`: worker threads, interrupts, the run guard, run control
 - `weights_copy`: a copy of a handle's weights, taken at a step boundary while it trains

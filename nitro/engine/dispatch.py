@@ -15,10 +15,11 @@ one compiled program (`lax.scan` over K stacked batches). `steps_per_dispatch=K`
    slow for it: in one pair where a call would take over twice the limit, else in the
    faster of two), and what lets a pair of fused calls fit in an epoch), with a geometric
    middle one where the largest is over `SPREAD` times the target; each a
-   divisor of the epoch where one is near. A run with less than `WORTH_SECONDS` of work
-   left keeps one step per call for now (a fused program would not pay for its compile),
-   and one with less than that for each candidate times fewer of them (the target first,
-   then the largest); a longer run of the same handle decides again.
+   divisor of the epoch where one is near. The probe may cost `PROBE_SHARE` of the work
+   left in the run (each candidate's compile, reckoned at `COMPILE_RATIO` times the single
+   step's, and its first call): a run too short for one keeps one step per call for now, a
+   longer run of the same handle decides again; one too short for every candidate times
+   fewer (the target first, then the largest).
 2. Then every candidate is timed against one step per call, side by side: each round runs,
    for each candidate in turn (the order rotating from round to round), a pair of its fused
    calls followed by single steps, so a busy neighbour slows both sides of a round alike. A
@@ -45,6 +46,15 @@ epoch, and a call with none in flight before it (an epoch's first) is timed from
 dispatch, so a pair of calls of K fits an epoch of 2K batches. The reason in the binding
 report gives the figures of every candidate. A stop takes effect at the next dispatch
 boundary, so it waits at most K steps.
+
+A candidate's first call (it compiles) runs on a copy of the variables and is thrown away,
+its steps trained one at a time (`nitro.engine.stepwise`); the two are compared bit for bit
+(`checked`). One that differs ends the measurement at one step per call, so the steps the
+measurement trains are always those of the path it keeps, and a run's result never depends
+on the machine's load. What the timed calls lose against single steps counts to the probe's
+cost; once it passes `PROBE_SHARE`, the rounds timed so far decide. A decided choice is kept
+for the process by its single-step program (`recall`): a later handle of the same program
+takes it instead of measuring again.
 """
 
 from __future__ import annotations
@@ -53,6 +63,7 @@ import dataclasses
 import itertools
 import math
 import statistics
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -64,6 +75,8 @@ __all__ = [
     "MAX_CANDIDATES",
     "MAX_STEPS",
     "MIN_STEPS",
+    "COMPILE_RATIO",
+    "PROBE_SHARE",
     "PROBE_STEPS",
     "ROUNDS",
     "SINGLES",
@@ -81,7 +94,11 @@ MAX_CALL_SECONDS = 0.5  # the longest a fused call may keep a stop waiting
 # is often faster than one alone (and a size is dropped once a smaller one's pairs read too slow)
 HEADROOM = 1.5
 PROBE_STEPS = 8  # single steps timed, after the first (which compiles)
-WORTH_SECONDS = 2.0  # of work left for each fused program timed (its compile must pay)
+# the most the probe may cost, as a share of the work left in the run it measures: the compile
+# of each fused size timed, its first call (run on a copy and thrown away) and the time its
+# timed calls lose against single steps
+PROBE_SHARE = 0.05
+COMPILE_RATIO = 2.0  # a fused program's compile over the single step's (1.0 s to 0.47 s, measured)
 MAX_CANDIDATES = 3  # fused sizes timed at most (each one compiles a program)
 SPREAD = 4  # a largest K over this many times the target adds a middle candidate
 SINGLES = 8  # single steps timed beside a candidate's pair (fewer when K is smaller)
@@ -142,6 +159,26 @@ class DispatchChoice:
 
     def __repr__(self) -> str:
         return f"DispatchChoice({self.describe()})"
+
+
+# Choices measured in this process, by the single-step program they were measured on (its
+# compile cache key, and the epoch's length): a later handle of the same program takes its
+# choice instead of timing again. The program's identity is kept beside it, so a choice is
+# forgotten with the compile cache (`nitro.cache_reset()`).
+_CHOICES: dict[tuple, tuple[int, DispatchChoice]] = {}
+_CHOICES_LOCK = threading.Lock()
+
+
+def _program_key(program: Any) -> tuple:
+    """The compile cache's key of a program, less its owner's handle: what makes two programs
+    the same one."""
+    return (
+        str(program.kind),
+        program.owner,
+        program.code.digest,
+        tuple(sorted(program.static.items())),
+        program.signature,
+    )
 
 
 def _ms(seconds: float) -> str:
@@ -206,6 +243,13 @@ class DispatchPlan:
         self._rounds: list[tuple[float, dict[int, float]]] = []  # (single, {K: fused})
         self._waiting = False  # this run was too short to decide: the next one measures
         self._dropped = ""  # the sizes no longer timed, and why
+        self._key: tuple | None = None  # the memo's key (`recall`)
+        self._program = 0  # the identity of the single-step program measured on
+        self._compile = 0.0  # a fused program's compile, reckoned from the single step's
+        self._checked: set[int] = set()  # fused sizes whose first call was compared
+        self._differs = False  # one differed: a fused call still in a stream runs stepwise
+        self._budget = math.inf  # what the probe may cost (`PROBE_SHARE` of the run)
+        self._spent = 0.0  # and what it cost so far
 
     def start_run(self) -> None:
         """A `train()` call begins: an "undecided" verdict (too little work left) is
@@ -238,6 +282,129 @@ class DispatchPlan:
 
     def _decided(self, **changes: Any) -> None:
         self.choice = dataclasses.replace(self.choice, **changes)
+        choice = self.choice
+        final = choice.steps is not None and not choice.checking and choice.setting == "auto"
+        if final and self._key is not None and self.agree is None:
+            with _CHOICES_LOCK:
+                _CHOICES[self._key] = (self._program, choice)
+
+    def recall(self, program: Any, batches: int | None) -> bool:
+        """The single-step program the run calls, told while probing: a choice measured on
+        the same program by an earlier handle of this process is taken as it is (True when
+        that changes the call sizes), else the program's compile time is what a fused size's
+        compile is reckoned at. (In a run of several processes every handle measures.)"""
+        if self._key is not None or not self.probing:
+            return False
+        self._key = (_program_key(program), batches)
+        self._program = id(program)
+        self._compile = COMPILE_RATIO * float(program.compile_seconds or 0.0)
+        if self.agree is not None:
+            return False
+        with _CHOICES_LOCK:
+            found = _CHOICES.get(self._key)
+        if found is None or found[0] != self._program:
+            return False
+        before = self.layout(batches)
+        self._waiting = False
+        self.choice = dataclasses.replace(
+            found[1],
+            reason=f"{found[1].reason}; reused: measured by an earlier handle of the same "
+            f"train program in this process, nothing timed again",
+        )
+        return self.layout(batches) != before
+
+    def unchecked(self, steps: int) -> bool:
+        """Whether a call of `steps` is the first of a fused size being timed: the loop runs it
+        on a copy of the variables and trains its steps one at a time (`checked`)."""
+        return self.checking and steps in self.choice.timed and steps not in self._checked
+
+    def calls(self, steps: int, batches: int | None) -> bool:
+        """Whether the run calls the train program of `steps` steps per call (1: the single
+        step) from here, in epochs of `batches`: what a live edit compiles beside the run
+        (a program it did not foresee, a stop's single steps say, compiles when first
+        called)."""
+        if self.checking:
+            return steps == 1 or steps in self.choice.timed
+        if self.probing:
+            return steps == 1
+        block = self.block(batches)
+        remainder = bool(batches) and batches % block != 0
+        return steps == block or (steps == 1 and remainder)
+
+    def one_at_a_time(self) -> bool:
+        """Whether fused calls (those a stream that cannot change its call sizes still holds)
+        run one step at a time: a fused size computed otherwise than single steps."""
+        return self._differs
+
+    def checked(
+        self, steps: int, identical: bool, seconds: float, call: float | None = None
+    ) -> bool:
+        """The first call of fused size `steps` ran on a copy of the variables, its steps one
+        at a time on the run's, and `identical` says whether both came out bit for bit alike
+        (`seconds`: its compile and the copy's call, what the check cost; `call`: the copy's
+        call alone). Where they differ the run keeps one step per call (True: the call sizes
+        change): a run's result never depends on what a timing chose. A size whose rounds
+        would cost more than the probe has left, at the copy's pace, is not timed."""
+        self._checked.add(steps)
+        if self.agree is not None:
+            (agreed,) = self.agree([1.0 if identical else 0.0])
+            identical = agreed > 0.5
+        self._spent += seconds
+        if identical:
+            single = self.choice.single_seconds
+            if self.agree is not None or call is None or not single:
+                return self._over_budget()
+            lost = MIN_ROUNDS * max(0.0, 2 * call - 2 * steps * single)
+            if self._spent + lost <= self._budget:
+                return self._over_budget()
+            kept = tuple(k for k in self.choice.timed if k != steps)
+            why = (
+                f"a call of {steps} took {_ms(call)} ({call / (steps * single):.2f}x as long "
+                f"as its steps alone) and timing it would cost over {PROBE_SHARE:.0%} of the "
+                f"run's work"
+            )
+            if not kept:
+                self._decided(steps=1, checking=False, reason=f"auto: one step per call, as {why}")
+                return True
+            self._pairs.pop(steps, None)
+            self._dropped += f"; {steps} dropped, as {why}"
+            self._decided(candidates=kept, steps=kept[0], reason=f"{self.reason}; {steps} dropped")
+            self._round_done()  # the round under way may have every other size's pair
+            return True
+        self._differs = True
+        self._rounds, self._singles, self._pairs, self._run, self._first = [], [], {}, [], None
+        self._decided(
+            steps=1,
+            checking=False,
+            reason=f"auto: one step per call, as a fused call of {steps} steps did not compute "
+            f"bit for bit as {steps} single steps (XLA compiles a loop's body otherwise here), "
+            f"and a run's result must not depend on what a timing chose "
+            f"(steps_per_dispatch={steps} fuses anyway)",
+        )
+        return True
+
+    def too_large(self, steps: int, size: int) -> bool:
+        """The variables (`size` bytes) are too large to copy for the check of a fused size's
+        first call: the run keeps one step per call (True), as it does where a check fails."""
+        self._differs = True
+        self._rounds, self._singles, self._pairs, self._run, self._first = [], [], {}, [], None
+        self._decided(
+            steps=1,
+            checking=False,
+            reason=f"auto: one step per call, as the variables ({size / 2**30:.1f} GiB) are "
+            f"too large to check a fused call of {steps} on a copy against single steps, and a "
+            f"run's result must not depend on what a timing chose (steps_per_dispatch={steps} "
+            f"fuses unchecked)",
+        )
+        return True
+
+    def _over_budget(self) -> bool:
+        """While timing: once the probe cost more than its share of the run (`PROBE_SHARE`),
+        decide on the rounds timed so far; True when that decided. (In a run of several
+        processes, whose costs differ, only the sizes chosen up front bound it.)"""
+        if not self.checking or self.agree is not None or self._spent <= self._budget:
+            return False
+        return self._conclude(force=True)
 
     def block(self, batches: int | None) -> int:
         """Steps per call in an epoch of `batches` once decided (1 while measuring)."""
@@ -364,9 +531,12 @@ class DispatchPlan:
         if self._first is None or self._first[0] != count:
             self._first = (count, interval)  # timed once the second of the pair follows
             return False
-        self._pairs[count] = (self._first[1] + interval) / (2 * count)
+        pair = self._first[1] + interval
+        self._pairs[count] = pair / (2 * count)
         self._first = None
-        return self._too_long(count) or self._round_done()
+        # what the pair lost against single steps counts to the probe's cost
+        self._spent += max(0.0, pair - 2 * count * (self.choice.single_seconds or 0.0))
+        return self._too_long(count) or self._round_done() or self._over_budget()
 
     def _too_long(self, steps: int) -> bool:
         """Drop the larger sizes a call of which would keep a stop waiting over
@@ -427,8 +597,9 @@ class DispatchPlan:
         # slows steps, and a K picked from slowed steps would be too small just when fusing
         # gains most
         seconds = sorted(self._intervals)[min(1, len(self._intervals) - 1)]
+        compile_seconds = self._compile
         if self.agree is not None:
-            (seconds,) = self.agree([seconds])
+            seconds, compile_seconds = self.agree([seconds, compile_seconds])
         self._intervals = []
         wanted = max(MIN_STEPS, math.ceil(TARGET_SECONDS / seconds) if seconds > 0 else 1)
         caps = {MAX_STEPS: f"K is at most {MAX_STEPS}"}
@@ -456,23 +627,30 @@ class DispatchPlan:
         if largest > SPREAD * target:
             ranked.append(_near_divisor(round(math.sqrt(target * largest)), batches))
         ranked = list(dict.fromkeys(ranked))[:MAX_CANDIDATES]
-        affordable = len(ranked)  # a run to no end (a stream) pays for every one
-        if remaining is not None and WORTH_SECONDS > 0:
-            affordable = min(affordable, int(remaining * seconds // WORTH_SECONDS))
+        # each size costs its compile (reckoned from the single step's) and its first call,
+        # run on a copy; together within `PROBE_SHARE` of the work left (a run to no end, a
+        # stream, pays for every one)
+        affordable, self._budget = len(ranked), math.inf
+        if remaining is not None and math.isfinite(PROBE_SHARE):
+            self._budget = PROBE_SHARE * remaining * seconds
+            costs = itertools.accumulate(compile_seconds + k * seconds for k in ranked)
+            affordable = sum(cost <= self._budget for cost in costs)
+        share = f"{PROBE_SHARE:.0%} of"
         if affordable < 1:
             # not worth a fused program's compile for this run; a longer run decides again
             self._waiting = True
             self._decided(
-                reason=f"undecided: a step took {_ms(seconds)}, and the {remaining} steps "
-                f"left to max_epochs were too little work to pay for compiling a fused program"
+                reason=f"undecided: a step took {_ms(seconds)}, and timing a fused size (its "
+                f"compile about {compile_seconds:.2f} s) would cost over {share} the "
+                f"{remaining} steps left to max_epochs"
             )
             return
         candidates = tuple(sorted(ranked[:affordable]))
         why = f"a step took {_ms(seconds)}; K up to {cap} ({caps[cap]})"
         if affordable < len(ranked):
             why += (
-                f"; {affordable} of {len(ranked)} sizes timed, as the {remaining} steps left "
-                f"would not pay for compiling more"
+                f"; {affordable} of {len(ranked)} sizes timed, as more would cost over "
+                f"{share} the {remaining} steps left"
             )
         self._decided(
             steps=candidates[0],
@@ -482,10 +660,21 @@ class DispatchPlan:
             reason=f"auto: {why}",
         )
 
-    def _conclude(self) -> bool:
-        """Decide once enough rounds were timed; True when decided."""
+    def _conclude(self, force: bool = False) -> bool:
+        """Decide once enough rounds were timed (`force`: on those timed so far, the probe's
+        share of the run spent); True when decided."""
         candidates = self.choice.timed
         n = len(self._rounds)
+        if force and not n:
+            self._rounds, self._singles, self._pairs, self._run = [], [], {}, []
+            self._decided(
+                steps=1,
+                checking=False,
+                reason=f"auto: one step per call, as timing fused calls of "
+                f"{', '.join(map(str, candidates))} cost over {PROBE_SHARE:.0%} of the run's "
+                f"work before a round was complete",
+            )
+            return True
         ratios = {k: [pairs[k] / single for single, pairs in self._rounds] for k in candidates}
         # enough rounds: most rounds on one side for every candidate, a few that all agree
         # by far for a single one, or the most there may be; processes decide at the same
@@ -507,7 +696,7 @@ class DispatchPlan:
         if self.agree is not None:
             if n < MAX_ROUNDS:
                 return False
-        elif not (
+        elif not force and not (
             ((clear if len(candidates) == 1 else unanimous) and n >= MIN_ROUNDS)
             or (agreed and n >= ROUNDS)
             or n >= MAX_ROUNDS
@@ -546,7 +735,10 @@ class DispatchPlan:
             [f"1: {single * 1e3:.3f}"]
             + [f"{k}: {f * 1e3:.3f}" for k, f in zip(candidates, fused, strict=True)]
         )
-        figures = f"ms a step: {figures}; medians of {n} rounds side by side{self._dropped}{tie}"
+        stopped = f"; timing stopped at {PROBE_SHARE:.0%} of the run's work" if force else ""
+        figures = (
+            f"ms a step: {figures}; medians of {n} rounds side by side{stopped}{self._dropped}{tie}"
+        )
         if ratio <= KEEP_BELOW:
             reason = f"auto: {steps} steps per call ran {1 / ratio:.2f}x as fast ({figures})"
             self._decided(steps=steps, reason=reason, checking=False)

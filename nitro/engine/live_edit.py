@@ -5,7 +5,9 @@ a dispatch boundary.
 the model's classes) into a new `RunSetup`, checks that the train state keeps its layout (the
 same fields, hooks, batch routing, and the model's parameter and state shapes), then compiles,
 on a thread of its own, exactly the programs of the handle's `ProgramSet` whose code the edit
-reaches (`ProgramSet.for_setup`). The loop keeps training on the old programs meanwhile. Once
+reaches (`ProgramSet.for_setup`) and which the run calls from then on (its steps per call,
+evaluation: `DispatchPlan.calls`); the others compile when first called. The loop keeps
+training on the old programs meanwhile. Once
 compiled, the new setup and programs wait in the run-time record (`LiveEdits`) for the loop,
 which swaps them in between two calls (`swaps.py`): the pause it sees is the swap, not the
 compile. A handle that is not training takes them at once, or when the call that holds it
@@ -36,6 +38,7 @@ from nitro.core.events import Events
 from nitro.core.frozen import FrozenDict
 from nitro.core.run_setup import RunSetup
 from nitro.core.sharding import build_model
+from nitro.engine.dispatch import DispatchPlan
 from nitro.engine.setup import (
     freeze_hook_code,
     freeze_hooks,
@@ -278,6 +281,17 @@ def _failure_note(changes: Mapping[str, list[str]], error: BaseException) -> str
     )
 
 
+def _called(dispatch: DispatchPlan, setup: RunSetup, slot: tuple) -> bool:
+    """Whether the run calls the program of a `ProgramSet` slot: the train programs of the
+    steps per call it uses, evaluation's; not predict's (compiled at the next predict)."""
+    if slot[0] == "predict":
+        return False
+    if slot[0] != "train":
+        return True
+    batches = setup.splits["train"].batches
+    return dispatch.calls(slot[1], None if batches is None else -(-batches // setup.accum))
+
+
 def start_edit(
     setup: RunSetup,
     experiment: Any,
@@ -288,11 +302,14 @@ def start_edit(
     adopt: Callable[[RunSetup, ProgramSet], None],
     on_settled: Callable[[LiveEdit], None] | None = None,
     on_ready: Callable[[], None] | None = None,
+    dispatch: DispatchPlan | None = None,
 ) -> LiveEdit:
     """Start applying the live code of `setup`'s experiment: refused, or compiled on a thread
     of its own and offered to the loop (`live.pending`; then `on_ready()`). `adopt(setup,
     programs)` is how the handle takes the code the run trains on (at a swap or a roll-back);
-    `on_settled(edit)` hears of an edit refused or failed. Returns the edit at once."""
+    `on_settled(edit)` hears of an edit refused or failed. With `dispatch` (the run's steps
+    per call), only the programs the run calls are compiled (`edit.programs`); the others
+    compile when first called. Returns the edit at once."""
     try:
         found = refreeze(setup, experiment, variables)
     except Refused as refusal:
@@ -306,14 +323,23 @@ def start_edit(
         edit._settle("swapped", "nothing that runs changed")
         return edit
     new_setup, instance, changes = found
-    edit = LiveEdit(changes=changes)
+    try:
+        new_programs, pending = programs.for_setup(new_setup)
+    except Exception as error:  # noqa: BLE001 - the note says it; the run goes on
+        edit = LiveEdit(changes=changes)
+        edit._settle("failed", _failure_note(changes, error))
+        if on_settled is not None:
+            on_settled(edit)
+        return edit
+    if dispatch is not None:
+        pending = [p for p in pending if _called(dispatch, setup, p.slot)]
+    edit = LiveEdit(changes=changes, programs=tuple(dict.fromkeys(p.spec.title for p in pending)))
     live.begin(edit)
 
     def compile_beside() -> None:
         start = time.perf_counter()
         try:
             with events_module.using(_NotesOnly(events)):  # pyright: ignore[reportArgumentType]
-                new_programs, pending = programs.for_setup(new_setup)
                 compiled = new_programs.compile_pending(pending, warm=True)
         except Exception as error:  # noqa: BLE001 - the note says it; the run goes on
             edit._settle("failed", _failure_note(changes, error))

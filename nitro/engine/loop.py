@@ -27,6 +27,7 @@ prefetchers); it never sees the handle.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import time
@@ -49,6 +50,7 @@ from nitro.engine.diagnostics import data_wait_advice, divergence_message, shape
 from nitro.engine.evaluation import delete, evaluate_split, finalize_metrics
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl
+from nitro.engine.stepwise import one_at_a_time
 from nitro.engine.swaps import (
     HostHookFailed,
     Probation,
@@ -113,6 +115,7 @@ class _Epoch:
         # (steps, micro, restore) per call -> program
         self.programs_by_count: dict[tuple, Any] = {}
         self.probation: Probation | None = None  # a live edit's first steps, and the way back
+        self.compiled: dict[int, float] = {}  # steps per call -> its program's compile seconds
         self.profiler = runtime.profiler  # n.profile()'s call timer, or None
 
 
@@ -407,6 +410,7 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
         profiler.start_stream()
     pending: _Pending | None = None
     ended = "ended"
+    switch = False  # the plan changed its call sizes at this call: reopen after it
     try:
         for staged in stream:
             if stop.is_set():
@@ -455,18 +459,34 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
                     staged.device,
                 )
             restore = _restores(run, state)
-            program = run.programs_by_count.get((count, micro, restore))
-            if program is None:
-                begin = time.perf_counter()
-                program = run.programs.train_step(args, count, micro, restore)
-                run.programs_by_count[(count, micro, restore)] = program
-                compiling = time.perf_counter() - begin  # (a lookup when compiled already)
-                totals.untimed_seconds += compiling
-                if profiler is not None:
-                    profiler.compiled(index, compiling)
+            # "auto": a fused size's first call is compared with single steps; a size found
+            # to differ runs one step at a time (`stepwise`)
+            checking = count > 1 and plan.unchecked(count)
+            if checking and not restore:  # the check copies the variables
+                size = sum(x.nbytes for x in jax.tree.leaves(state.variables))
+                if size > swaps.PROBATION_COPY_BYTES:
+                    checking, switch = False, plan.too_large(count, size) or switch
+            stepwise = checking or (count > 1 and plan.one_at_a_time())
+            program = None
+            if checking or not stepwise:
+                program = run.programs_by_count.get((count, micro, restore)) or _program(
+                    run, state, index, args, count, micro
+                )
+            if count == 1 and plan.probing and plan.recall(program, updates):
+                switch = True  # an earlier handle of this program measured: its choice
             before = state.variables if restore else None  # not donated: kept as it is
             try:
-                out = program(*args)
+                if stepwise:
+                    single = functools.partial(_program, run, state, index, count=1, micro=micro)
+                    out, same, seconds = one_at_a_time(
+                        single, feed, index, args, count, micro, restore, program
+                    )
+                    program = run.programs_by_count[(1, micro, restore)]
+                    if checking:
+                        cost = seconds + run.compiled.pop(count, 0.0)
+                        switch = plan.checked(count, same, cost, seconds) or switch
+                else:
+                    out = program(*args)
             except TypeError as error:
                 staged.free()
                 raise shape_error(setup, staged, error) from None
@@ -499,6 +519,9 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
                 plan.start_stream()  # the evaluation is no call's time
                 if profiler is not None:
                     profiler.start_stream()
+            if switch and switchable:
+                ended = "switch"
+                break
         if pending is not None:
             previous, pending = pending, None
             _complete(run, state, previous)
@@ -530,6 +553,24 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
         if ended != "switch":
             run.probation = None  # a stream's end (an epoch's, a stop's) ends a probation
     return ended
+
+
+def _program(run: _Epoch, state: TrainState, index: int, args, count: int, micro: int):
+    """The train program of calls of `count` steps like `args` (compiled on first use: its
+    time is untimed, and kept in `run.compiled` for the cost of "auto"'s probe)."""
+    restore = _restores(run, state)
+    program = run.programs_by_count.get((count, micro, restore))
+    if program is None:
+        begin = time.perf_counter()
+        program = run.programs.train_step(args, count, micro, restore)
+        run.programs_by_count[(count, micro, restore)] = program
+        compiling = time.perf_counter() - begin  # (a lookup when compiled already)
+        run.compiled[count] = compiling
+        assert state.totals is not None  # set when the epoch began
+        state.totals.untimed_seconds += compiling
+        if run.profiler is not None:
+            run.profiler.compiled(index, compiling)
+    return program
 
 
 def _swap_in(run: _Epoch, state: TrainState) -> None:

@@ -79,6 +79,7 @@ class LiveEdit:
     note: str = ""
     record: dict[str, Any] | None = None
     compile_seconds: float = 0.0
+    programs: tuple[str, ...] = ()  # titles of the programs it compiles before it swaps in
     _settled: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
 
     def wait(self, timeout: float | None = None) -> LiveEdit:

@@ -1079,6 +1079,7 @@ class Nitro:
                 adopt=self._adopt_code,
                 on_settled=self._edit_settled,
                 on_ready=self._edit_ready,
+                dispatch=runtime.dispatch,
             )
 
     @property
