@@ -980,11 +980,15 @@ def _late_reads_quiet(hook: Any) -> Any:
 
 def _restore_item(manager, step: int, targets: Mapping[tuple[str, ...], Any]) -> Any:
     """The tree orbax restores the state into: None (each leaf as it was saved: numpy arrays)
-    for a checkpoint of host arrays read without targets, as ever; else, from the step's
-    array metadata, each leaf named in `targets` that fits it (same shape and dtype) onto the
-    target's sharding and every other leaf as a numpy array. A leaf saved sharded is then
-    never restored onto the devices it was written from (which may not exist here): without
-    a target it is read whole to the host."""
+    for a checkpoint of host arrays read without targets, as ever; else the step's own tree
+    (from its array metadata, empty subtrees included: a model without model state saves an
+    empty `model_state`), each leaf named in `targets` that fits it (same shape and dtype)
+    onto the target's sharding and every other leaf as a numpy array. The item never differs
+    from the checkpoint's own tree, so what the restoring handle expects cannot fail the
+    read: a checkpoint that does not fit the handle is read, and the leaves that differ are
+    named where they are placed (`leaves_from`). A leaf saved sharded is never restored onto
+    the devices it was written from (which may not exist here): without a target it is read
+    whole to the host."""
     import orbax.checkpoint as ocp
     from etils import epath
 
@@ -993,20 +997,22 @@ def _restore_item(manager, step: int, targets: Mapping[tuple[str, ...], Any]) ->
         tree = handler.metadata(epath.Path(manager.directory) / str(step) / "state").tree
     finally:
         handler.close()
-    flat = _flatten_keys(tree)
-    if not targets and all(getattr(m, "sharding", None) is None for m in flat.values()):
+    if not targets and all(
+        getattr(m, "sharding", None) is None for m in _flatten_keys(tree).values()
+    ):
         return None
-    item: dict[str, Any] = {}
-    for path, saved in flat.items():
-        shape, dtype = tuple(saved.shape), np.dtype(saved.dtype)
-        target = targets.get(path)
-        if target is None or tuple(target.shape) != shape or np.dtype(target.dtype) != dtype:
-            target = np.broadcast_to(np.zeros((), dtype), shape)  # a numpy leaf, no memory
-        node = item
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = target
-    return item
+    return _item_of(tree, targets, ())
+
+
+def _item_of(node: Any, targets: Mapping[tuple[str, ...], Any], path: tuple[str, ...]) -> Any:
+    """The restore item of one node of a step's metadata tree (`_restore_item`)."""
+    if isinstance(node, Mapping):
+        return {str(k): _item_of(v, targets, (*path, str(k))) for k, v in node.items()}
+    shape, dtype = tuple(node.shape), np.dtype(node.dtype)
+    target = targets.get(path)
+    if target is None or tuple(target.shape) != shape or np.dtype(target.dtype) != dtype:
+        return np.broadcast_to(np.zeros((), dtype), shape)  # a numpy leaf, no memory
+    return target
 
 
 def _flatten_keys(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple, Any]:
@@ -1022,19 +1028,30 @@ def _flatten_keys(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict
 def _restore(
     manager, step: int, targets: Mapping[tuple[str, ...], Any] | None = None
 ) -> tuple[Any, dict[str, Any]]:
+    """(state, meta) of one step, the leaves named in `targets` onto their shardings. A step
+    that reads whole to the host where the targeted read failed is not damaged: that read is
+    returned instead (`place_like` lays its leaves out), so only a step whose own tree does
+    not read is ever called damaged."""
+    try:
+        return _read_item(manager, step, _restore_item(manager, step, targets or {}))
+    except Exception as error:
+        _quiet_orbax()
+        if not targets:
+            raise
+        failed = error
+    try:
+        return _read_item(manager, step, _restore_item(manager, step, {}))
+    except Exception:  # noqa: BLE001 - damaged: the first failure says why
+        raise failed from None
+
+
+def _read_item(manager, step: int, item: Any) -> tuple[Any, dict[str, Any]]:
     import orbax.checkpoint as ocp
 
-    try:
-        item = _restore_item(manager, step, targets or {})
-        restored = manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(item), meta=ocp.args.JsonRestore()
-            ),
-        )
-    except Exception:
-        _quiet_orbax()
-        raise
+    restored = manager.restore(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardRestore(item), meta=ocp.args.JsonRestore()),
+    )
     state, meta = restored["state"], restored["meta"]
     if not isinstance(state, Mapping) or "params" not in state:
         raise ValueError("its state holds no parameters")
