@@ -58,6 +58,7 @@ __all__ = [
     "CHECKPOINT_FORMAT",
     "Checkpointer",
     "CheckpointStore",
+    "Save",
     "SavedStep",
     "await_writers",
     "describe_checkpoints",
@@ -537,7 +538,7 @@ class CheckpointStore:
         if hold:
             return False
         pending = self._pending
-        if pending is not None and pending.save is not None:
+        if pending is not None and pending.saves:
             return False  # the last save has not even begun: a newer one would replace it
         now = time.perf_counter()
         start, cost = self._last_start, self._last_cost
@@ -558,31 +559,39 @@ class CheckpointStore:
         value,
         *,
         then_close: bool = False,
+        best: bool = False,
+        earlier: Save | None = None,
     ) -> None:
         """Save `tree` (host arrays, the caller's own) as `step`. Returns at once: the write
         goes on in the background, after the one in flight; a save still waiting for its
         turn gives way to this newer one (with `budget=None`, this one waits for that one's
-        turn instead, so every `every` epochs are saved). `then_close`: the run ends here;
-        once written, the manager closes (unless another save is waiting)."""
-        self.saved_epoch = meta.get("epoch")
-        self.saved_step = step
-        self._submit(_Job((step, tree, meta, value), then_close))
+        turn instead, so every `every` epochs are saved), except a new best by the metric
+        (`best`), which is written before it. `earlier`: a best epoch held since (one the
+        budget did not save), written first. `then_close`: the run ends here; once written,
+        the manager closes (unless another save is waiting)."""
+        if self.saved_step is None or step >= self.saved_step:  # not a best held since
+            self.saved_epoch = meta.get("epoch")
+            self.saved_step = step
+        saves = (earlier,) if earlier is not None else ()
+        self._submit(_Job((*saves, Save(step, tree, meta, value, best)), then_close))
 
     def close_later(self) -> None:
         """Finish the writes in flight and close the manager, in the background."""
-        self._submit(_Job(None, True))
+        self._submit(_Job((), True))
 
     def _submit(self, job: _Job) -> None:
         if not self._background:
             self._run(job)
             return
         with self._queue:
-            if self.config.budget is None and job.save is not None:
-                while self._pending is not None and self._pending.save is not None:
+            if self.config.budget is None and job.saves:
+                while self._pending is not None and self._pending.saves:
                     self._queue.wait()
             pending = self._pending
-            if job.save is None and pending is not None:  # the save waiting goes first
-                job = pending._replace(then_close=job.then_close or pending.then_close)
+            if pending is not None:
+                job = _Job(
+                    _coalesced(pending.saves, job.saves), job.then_close or pending.then_close
+                )
             self._pending = job
             if self._saver is None:
                 _hook_exit()
@@ -611,13 +620,14 @@ class CheckpointStore:
             try:
                 self._run(job)
             except Exception as error:  # noqa: BLE001 - a failed save must not end the saver
-                self._failed(error, job.save[0] if job.save is not None else None)
+                self._failed(error, job.saves[-1].step if job.saves else None)
 
     def _run(self, job: _Job) -> None:
-        if job.save is not None:
+        if job.saves:
             began = time.perf_counter()
-            if self._write(*job.save) and self._background:
-                self._finish()  # the cost counts the background write too
+            for save in job.saves:
+                if self._write(*save[:4]) and self._background:
+                    self._finish()  # the cost counts the background write too
             ended = time.perf_counter()
             cost = ended - began
             self._last_start, self._last_cost = began, cost
@@ -750,12 +760,36 @@ class CheckpointStore:
         self._close_manager()
 
 
+class Save(NamedTuple):
+    """One save: the state `tree` of `step`, its JSON record and its metric's `value`;
+    `best`: a new best by the metric when it was taken (a newer save never replaces it)."""
+
+    step: int
+    tree: Mapping[str, Any]
+    meta: Mapping[str, Any]
+    value: Any
+    best: bool = False
+
+
 class _Job(NamedTuple):
-    """What the saver does next: a save `(step, tree, meta, value)` or none, then whether
+    """What the saver does next: the saves, oldest first (none: only close), then whether
     to close the manager."""
 
-    save: tuple[int, Mapping[str, Any], Mapping[str, Any], Any] | None
+    saves: tuple[Save, ...]
     then_close: bool
+
+
+def _coalesced(waiting: tuple[Save, ...], newer: tuple[Save, ...]) -> tuple[Save, ...]:
+    """The saves of a job that takes the place of a waiting one: its own, after the waiting
+    job's newest best unless it brings a best of its own (a newer best is a better one); the
+    waiting job's other saves give way. A job with no saves (a close) keeps the waiting
+    saves."""
+    if not newer:
+        return waiting
+    if any(save.best for save in newer):
+        return newer
+    bests = [save for save in waiting if save.best]
+    return (*bests[-1:], *newer)
 
 
 def await_writers(path: str | os.PathLike) -> None:
