@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 from lifecycle_toys import Wide, parameters
-from system import child_env
+from system import child_env, mounted
 from toys import TinyMLP, Toy, ToyWithMetrics, X
 
 import nitro
@@ -112,6 +112,24 @@ def test_run_dir_moves_the_run_and_a_directory_holding_checkpoints_is_refused_un
     assert (resumed.run_id, resumed.step, resumed.epoch) == (n.run_id, 4, 1)
     resumed.train()
     assert sorted(resumed.checkpoints()["step"]) == [4, 8]
+
+
+def test_a_train_that_cannot_write_its_run_directory_lets_go_of_it(tmp_path):
+    # a tmpfs of 3 inodes: itself, the run directory and its run.lock; run.json finds none
+    with mounted(tmp_path / "full", "size=1m,nr_inodes=3") as disk:
+        run_dir = disk / "run"
+        n = nitro.Nitro(Toy(), run_dir=run_dir, logger=None, progress=False)
+        with pytest.raises(nitro.SetupError, match="cannot create the run directory"):
+            n.train()
+        assert (n.step, n.epoch) == (0, 0)
+        # nothing was written: the directory is free for another handle, n still open
+        other = nitro.Nitro(Toy(), run_dir=run_dir, logger=None, progress=False)
+        with pytest.raises(nitro.SetupError) as refused:
+            nitro.Nitro(Toy(), run_dir=run_dir, logger=None, progress=False)
+        assert "another handle in this process holds it" in str(refused.value)
+        assert "`n.close()`" in str(refused.value)
+        other.close()
+        n.close()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -328,6 +328,11 @@ class RunFiles:
             raise self._unwritable(error) from None
 
     def _unwritable(self, error: OSError) -> SetupError:
+        """The refusal of a run directory this handle cannot write; a handle that has written
+        nothing there lets go of it, so another handle may use it at once."""
+        if not self.opened and self.lock is not None and self.lock.taken_by is None:
+            self.lock.release()
+            self.lock = None
         return SetupError(
             f"cannot create the run directory {str(self.run_dir)!r} "
             f"({type(error).__name__}: {error.strerror or error}); nothing was trained. "
