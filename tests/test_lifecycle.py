@@ -610,6 +610,22 @@ def test_a_completed_or_early_stopped_run_records_its_stop_reason_in_its_last_ch
     assert stopped.stop_reason == "early_stop"
     assert read_plain(directory(stopped), stopped.step)["meta"]["stop_reason"] == "early_stop"
 
+    steps = nitro.Nitro(
+        ToyWithMetrics(max_epochs=9), checkpointer=EVERY_EPOCH, max_steps=8, progress=False
+    )
+    steps.train()  # step 8 ends epoch 2
+    steps.wait()
+    assert (steps.stop_reason, steps.epoch) == ("max_steps", 2)
+    assert read_plain(directory(steps), 8)["meta"]["stop_reason"] == "max_steps"
+
+    # a stop that comes while epoch 2 is saved: the run stops between epochs, that save its last
+    between = nitro.Nitro(ToyWithMetrics(max_epochs=9), checkpointer=EVERY_EPOCH, progress=False)
+    between.on_phase(lambda c: between.stop() if (c.phase, c.epoch) == ("checkpointing", 2) else 0)
+    between.train()
+    assert (between.stop_reason, between.epoch, between.step) == ("requested", 2, 8)
+    assert read_plain(directory(between), 8)["meta"]["stop_reason"] == "requested"
+    assert read_plain(directory(between), 4)["meta"]["stop_reason"] is None
+
 
 # ---------------------------------------------------------------------------------------------
 # early stopping

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -758,6 +759,25 @@ class CheckpointStore:
         """Finish the saves and close the manager (a later save opens it again)."""
         self.wait()
         self._close_manager()
+
+    def record_reason(self, step: int, reason: str) -> bool:
+        """Record in saved step `step`'s JSON record why the run ended there (`stop_reason`),
+        for a run stopped at an epoch boundary after that epoch was saved (call after
+        `close()`). The record is replaced whole (a new file renamed over it), so a reader
+        sees the old record or the new one; False where it is not there to update, or says
+        why already."""
+        path = self.directory / str(step) / "meta" / "metadata"  # orbax's JSON item file
+        try:
+            meta = json.loads(path.read_text())
+            if not isinstance(meta, dict) or meta.get("step") != step or meta.get("stop_reason"):
+                return False  # not that step's record, or one that says why already
+            meta["stop_reason"] = reason
+            partial = path.with_name(f".metadata-{os.getpid()}.tmp")
+            partial.write_text(json.dumps(meta))
+            os.replace(partial, path)
+        except (OSError, ValueError):
+            return False  # the record stays as saved, a readable checkpoint
+        return True
 
 
 class Save(NamedTuple):

@@ -461,9 +461,11 @@ class RunFiles:
         stopped = reason in ("requested", "max_steps") and (state.position or state.epoch_trained)
         failures = len(store.failures)
         end_best, self._end_best = self._end_best, False
+        recorded_earlier = True
         if (at_boundary and store.saved_epoch != state.epoch) or (
             stopped and store.saved_step != state.step
         ):
+            recorded_earlier = False
             self._save(
                 setup,
                 state,
@@ -481,6 +483,8 @@ class RunFiles:
         if reason == "requested" or (reason == "max_steps" and stopped):
             store.close()
             saved = store.saved_step == state.step and len(store.failures) == failures
+            if saved and recorded_earlier:  # an epoch saved before the stop came
+                store.record_reason(state.step, reason)
             events.note(_resume_point(state, store, saved))
 
     def _save(
