@@ -26,7 +26,9 @@ another mesh; plain orbax reads them whole with numpy targets (docs/distributed-
 `budget` bounds what checkpoints cost: a save is skipped when the time since the last one,
 times `budget`, is less than what the last one cost (its background write included), so
 tiny epochs (the digits demo's take milliseconds) do not spend their time in orbax. The newest committed epoch is always saved
-when a run ends at an epoch boundary; `budget=None` saves every `every` epochs regardless.
+when a run ends at an epoch boundary, and so is the run's best epoch by `metric`: one the
+budget (or `every`) skips is held on the host and written with the next save or at the end of
+the call (`nitro.runs.lifecycle`); `budget=None` saves every `every` epochs regardless.
 """
 
 from __future__ import annotations
@@ -90,8 +92,8 @@ class Checkpointer:
       mode: "min" or "max": which way is better.
       every: consider a save every `every` epochs.
       budget: the largest fraction of training time checkpoints may take (saves are skipped
-        while the last one's cost exceeds `budget` x the time since it); None saves every
-        `every` epochs.
+        while the last one's cost exceeds `budget` x the time since it; the run's best epoch
+        by `metric` is saved all the same); None saves every `every` epochs.
 
     >>> Checkpointer(k=5, metric="val_acc", mode="max")
     Checkpointer(k=5, metric='val_acc', mode='max', every=1, budget=0.05)
