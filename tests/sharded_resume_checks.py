@@ -10,6 +10,7 @@ checkpoints hold an empty `model_state`.
   WORK_DIR/trained (the default runs/ folder of that directory), and waits for its saves.
 - `resume` (N devices): a new process, the same keywords and `resume="auto"`, on a copy in
   WORK_DIR/onN, trains one more epoch; then a model of another width asks to resume it.
+  Before it, a replicated handle starts from the trained run's weights (`weights=`).
 
 Each prints one JSON object.
 """
@@ -64,6 +65,11 @@ def main(mode: str, work: Path) -> None:
         os.chdir(here)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
+            trained = next((here / "runs" / "Digits").iterdir())
+            started = nitro.Nitro(
+                Digits(batch_size=96), weights=trained, checkpointer=None, progress=False
+            )
+            results["weights"] = parameters(started)  # its weights, on one replicated layout
             n = nitro.Nitro(Digits(batch_size=96), resume="auto", **keywords())
             resumed_at = n.step
             resumed = parameters(n)

@@ -64,6 +64,12 @@ def test_a_new_process_resumes_a_sharded_run_without_model_state(runs, devices):
 
 
 @pytest.mark.parametrize("devices", [8, 4])
+def test_weights_from_a_sharded_run_without_model_state_start_a_replicated_run(runs, devices):
+    trained, resumed = runs[0], runs[1][devices]
+    assert resumed["weights"] == trained["params"]
+
+
+@pytest.mark.parametrize("devices", [8, 4])
 def test_a_checkpoint_that_does_not_fit_the_model_names_the_leaves_and_is_not_damaged(
     runs, devices
 ):
