@@ -23,7 +23,7 @@ import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 from lifecycle_toys import Wide, parameters
-from system import child_env
+from system import child_env, mounted
 from toys import TinyMLP, Toy, ToyWithMetrics, X
 
 import nitro
@@ -112,6 +112,24 @@ def test_run_dir_moves_the_run_and_a_directory_holding_checkpoints_is_refused_un
     assert (resumed.run_id, resumed.step, resumed.epoch) == (n.run_id, 4, 1)
     resumed.train()
     assert sorted(resumed.checkpoints()["step"]) == [4, 8]
+
+
+def test_a_train_that_cannot_write_its_run_directory_lets_go_of_it(tmp_path):
+    # a tmpfs of 3 inodes: itself, the run directory and its run.lock; run.json finds none
+    with mounted(tmp_path / "full", "size=1m,nr_inodes=3") as disk:
+        run_dir = disk / "run"
+        n = nitro.Nitro(Toy(), run_dir=run_dir, logger=None, progress=False)
+        with pytest.raises(nitro.SetupError, match="cannot create the run directory"):
+            n.train()
+        assert (n.step, n.epoch) == (0, 0)
+        # nothing was written: the directory is free for another handle, n still open
+        other = nitro.Nitro(Toy(), run_dir=run_dir, logger=None, progress=False)
+        with pytest.raises(nitro.SetupError) as refused:
+            nitro.Nitro(Toy(), run_dir=run_dir, logger=None, progress=False)
+        assert "another handle in this process holds it" in str(refused.value)
+        assert "`n.close()`" in str(refused.value)
+        other.close()
+        n.close()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -532,6 +550,82 @@ def test_restore_best_loads_the_best_weights_and_keeps_counters_and_history():
     assert (n.step, n.epoch, len(n.history())) == (12, 3, 3)
     assert (n.weights_checkpoint["step"], n.weights_checkpoint["epoch"]) == (4, 1)
     assert n.validate()["val_loss"] == pytest.approx(n.history()["val_loss"].iloc[0])
+
+
+def test_the_best_epoch_off_the_save_schedule_is_saved_and_restore_best_gives_it():
+    # every=2 saves epochs 2 and 4; by mode="max" the best val_loss is epoch 1's (it falls
+    # every epoch on this toy): held on the host, written with epoch 2's save
+    keep = nitro.Checkpointer(k=1, mode="max", every=2, budget=None)
+    n = nitro.Nitro(ToyWithMetrics(max_epochs=4), checkpointer=keep, progress=False).train()
+    history = n.history()
+    best_epoch = int(history["val_loss"].idxmax())  # indexed by epoch
+    assert best_epoch % 2  # not on the schedule
+    n.wait()
+
+    directory = Path(n.run_dir) / "checkpoints"
+    saved = read_plain(directory, best_epoch * 4)  # 4 steps an epoch
+    assert saved["meta"]["epoch"] == best_epoch
+    assert saved["meta"]["metrics"]["val_loss"] == pytest.approx(
+        history["val_loss"].iloc[best_epoch - 1]
+    )
+    n.restore_best()
+    assert n.weights_checkpoint["epoch"] == best_epoch
+    best = flat(saved["state"]["params"])
+    assert all(np.array_equal(parameters(n)[k], v) for k, v in best.items())
+    assert n.validate()["val_loss"] == pytest.approx(history["val_loss"].iloc[best_epoch - 1])
+
+
+def test_a_best_epoch_waiting_to_be_written_is_not_replaced_by_a_newer_save():
+    # back-to-back calls under the budget: a call's end save waits while the one before is
+    # written (and the writer rests), and a newer one takes its place; the best is written
+    # all the same. val_loss falls each epoch at scale 1; at scale 0 the model sees no input
+    # and its val_loss is higher than any of those: epoch 3 is the best
+    n = nitro.Nitro(
+        ToyWithMetrics(max_epochs=50), checkpointer=nitro.Checkpointer(k=1), progress=False
+    )
+    for epoch in range(1, 7):
+        if epoch == 4:
+            n.set_device(scale=0.0)
+        n.train(epochs=1)
+    n.close()
+    history = n.history()
+    assert int(history["val_loss"].idxmin()) == 3  # indexed by epoch
+    assert 3 in saved_epochs(n) and 6 in saved_epochs(n)  # the best k=1, and the newest
+    n.restore_best()
+    assert n.weights_checkpoint["epoch"] == 3
+
+
+def test_a_completed_or_early_stopped_run_records_its_stop_reason_in_its_last_checkpoint():
+    directory = lambda n: Path(n.run_dir) / "checkpoints"  # noqa: E731
+    done = nitro.Nitro(ToyWithMetrics(max_epochs=3), checkpointer=EVERY_EPOCH, progress=False)
+    done.train()
+    done.wait()
+    assert read_plain(directory(done), done.step)["meta"]["stop_reason"] == "completed"
+    assert read_plain(directory(done), 4)["meta"]["stop_reason"] is None  # mid-run
+
+    stop = nitro.EarlyStopping(patience=2, min_delta=10.0)  # nothing improves by 10
+    stopped = nitro.Nitro(
+        ToyWithMetrics(max_epochs=20), checkpointer=EVERY_EPOCH, early_stop=stop, progress=False
+    ).train()
+    stopped.wait()
+    assert stopped.stop_reason == "early_stop"
+    assert read_plain(directory(stopped), stopped.step)["meta"]["stop_reason"] == "early_stop"
+
+    steps = nitro.Nitro(
+        ToyWithMetrics(max_epochs=9), checkpointer=EVERY_EPOCH, max_steps=8, progress=False
+    )
+    steps.train()  # step 8 ends epoch 2
+    steps.wait()
+    assert (steps.stop_reason, steps.epoch) == ("max_steps", 2)
+    assert read_plain(directory(steps), 8)["meta"]["stop_reason"] == "max_steps"
+
+    # a stop that comes while epoch 2 is saved: the run stops between epochs, that save its last
+    between = nitro.Nitro(ToyWithMetrics(max_epochs=9), checkpointer=EVERY_EPOCH, progress=False)
+    between.on_phase(lambda c: between.stop() if (c.phase, c.epoch) == ("checkpointing", 2) else 0)
+    between.train()
+    assert (between.stop_reason, between.epoch, between.step) == ("requested", 2, 8)
+    assert read_plain(directory(between), 8)["meta"]["stop_reason"] == "requested"
+    assert read_plain(directory(between), 4)["meta"]["stop_reason"] is None
 
 
 # ---------------------------------------------------------------------------------------------

@@ -500,9 +500,17 @@ class Nitro:
         return state.epoch + -(-(done + steps) // per_epoch)
 
     def _after_epoch(
-        self, state: TrainState, row: dict[str, Any], epochs_left: int | None = None
+        self,
+        state: TrainState,
+        row: dict[str, Any],
+        epochs_left: int | None = None,
+        stop_at: int | None = None,
     ) -> str | None:
+        """The run's files after a committed epoch; `stop_at`: the call's stop step, whose
+        epoch is its last (the run's end saves it, with its stop reason)."""
         runtime = self._runtime
+        if epochs_left is None and stop_at is not None and state.step >= stop_at:
+            epochs_left = 0
         return self._files.after_epoch(
             self._setup,
             state,
@@ -531,7 +539,9 @@ class Nitro:
                         events,
                         self._control,
                         target,
-                        after_epoch=self._after_epoch,
+                        after_epoch=lambda state, row, left: self._after_epoch(
+                            state, row, left, stop_at
+                        ),
                         stop_at=stop_at,
                     )
                     self._files.end_run(

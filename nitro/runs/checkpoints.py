@@ -26,13 +26,16 @@ another mesh; plain orbax reads them whole with numpy targets (docs/distributed-
 `budget` bounds what checkpoints cost: a save is skipped when the time since the last one,
 times `budget`, is less than what the last one cost (its background write included), so
 tiny epochs (the digits demo's take milliseconds) do not spend their time in orbax. The newest committed epoch is always saved
-when a run ends at an epoch boundary; `budget=None` saves every `every` epochs regardless.
+when a run ends at an epoch boundary, and so is the run's best epoch by `metric`: one the
+budget (or `every`) skips is held on the host and written with the next save or at the end of
+the call (`nitro.runs.lifecycle`); `budget=None` saves every `every` epochs regardless.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import json
 import logging
 import math
 import os
@@ -58,6 +61,7 @@ __all__ = [
     "CHECKPOINT_FORMAT",
     "Checkpointer",
     "CheckpointStore",
+    "Save",
     "SavedStep",
     "await_writers",
     "describe_checkpoints",
@@ -88,8 +92,8 @@ class Checkpointer:
       mode: "min" or "max": which way is better.
       every: consider a save every `every` epochs.
       budget: the largest fraction of training time checkpoints may take (saves are skipped
-        while the last one's cost exceeds `budget` x the time since it); None saves every
-        `every` epochs.
+        while the last one's cost exceeds `budget` x the time since it; the run's best epoch
+        by `metric` is saved all the same); None saves every `every` epochs.
 
     >>> Checkpointer(k=5, metric="val_acc", mode="max")
     Checkpointer(k=5, metric='val_acc', mode='max', every=1, budget=0.05)
@@ -537,7 +541,7 @@ class CheckpointStore:
         if hold:
             return False
         pending = self._pending
-        if pending is not None and pending.save is not None:
+        if pending is not None and pending.saves:
             return False  # the last save has not even begun: a newer one would replace it
         now = time.perf_counter()
         start, cost = self._last_start, self._last_cost
@@ -558,31 +562,39 @@ class CheckpointStore:
         value,
         *,
         then_close: bool = False,
+        best: bool = False,
+        earlier: Save | None = None,
     ) -> None:
         """Save `tree` (host arrays, the caller's own) as `step`. Returns at once: the write
         goes on in the background, after the one in flight; a save still waiting for its
         turn gives way to this newer one (with `budget=None`, this one waits for that one's
-        turn instead, so every `every` epochs are saved). `then_close`: the run ends here;
-        once written, the manager closes (unless another save is waiting)."""
-        self.saved_epoch = meta.get("epoch")
-        self.saved_step = step
-        self._submit(_Job((step, tree, meta, value), then_close))
+        turn instead, so every `every` epochs are saved), except a new best by the metric
+        (`best`), which is written before it. `earlier`: a best epoch held since (one the
+        budget did not save), written first. `then_close`: the run ends here; once written,
+        the manager closes (unless another save is waiting)."""
+        if self.saved_step is None or step >= self.saved_step:  # not a best held since
+            self.saved_epoch = meta.get("epoch")
+            self.saved_step = step
+        saves = (earlier,) if earlier is not None else ()
+        self._submit(_Job((*saves, Save(step, tree, meta, value, best)), then_close))
 
     def close_later(self) -> None:
         """Finish the writes in flight and close the manager, in the background."""
-        self._submit(_Job(None, True))
+        self._submit(_Job((), True))
 
     def _submit(self, job: _Job) -> None:
         if not self._background:
             self._run(job)
             return
         with self._queue:
-            if self.config.budget is None and job.save is not None:
-                while self._pending is not None and self._pending.save is not None:
+            if self.config.budget is None and job.saves:
+                while self._pending is not None and self._pending.saves:
                     self._queue.wait()
             pending = self._pending
-            if job.save is None and pending is not None:  # the save waiting goes first
-                job = pending._replace(then_close=job.then_close or pending.then_close)
+            if pending is not None:
+                job = _Job(
+                    _coalesced(pending.saves, job.saves), job.then_close or pending.then_close
+                )
             self._pending = job
             if self._saver is None:
                 _hook_exit()
@@ -611,13 +623,14 @@ class CheckpointStore:
             try:
                 self._run(job)
             except Exception as error:  # noqa: BLE001 - a failed save must not end the saver
-                self._failed(error, job.save[0] if job.save is not None else None)
+                self._failed(error, job.saves[-1].step if job.saves else None)
 
     def _run(self, job: _Job) -> None:
-        if job.save is not None:
+        if job.saves:
             began = time.perf_counter()
-            if self._write(*job.save) and self._background:
-                self._finish()  # the cost counts the background write too
+            for save in job.saves:
+                if self._write(*save[:4]) and self._background:
+                    self._finish()  # the cost counts the background write too
             ended = time.perf_counter()
             cost = ended - began
             self._last_start, self._last_cost = began, cost
@@ -749,13 +762,56 @@ class CheckpointStore:
         self.wait()
         self._close_manager()
 
+    def record_reason(self, step: int, reason: str) -> bool:
+        """Record in saved step `step`'s JSON record why the run ended there (`stop_reason`),
+        for a run stopped at an epoch boundary after that epoch was saved (call after
+        `close()`). The record is replaced whole (a new file renamed over it), so a reader
+        sees the old record or the new one; False where it is not there to update, or says
+        why already."""
+        path = self.directory / str(step) / "meta" / "metadata"  # orbax's JSON item file
+        try:
+            meta = json.loads(path.read_text())
+            if not isinstance(meta, dict) or meta.get("step") != step or meta.get("stop_reason"):
+                return False  # not that step's record, or one that says why already
+            meta["stop_reason"] = reason
+            partial = path.with_name(f".metadata-{os.getpid()}.tmp")
+            partial.write_text(json.dumps(meta))
+            os.replace(partial, path)
+        except (OSError, ValueError):
+            return False  # the record stays as saved, a readable checkpoint
+        return True
+
+
+class Save(NamedTuple):
+    """One save: the state `tree` of `step`, its JSON record and its metric's `value`;
+    `best`: a new best by the metric when it was taken (a newer save never replaces it)."""
+
+    step: int
+    tree: Mapping[str, Any]
+    meta: Mapping[str, Any]
+    value: Any
+    best: bool = False
+
 
 class _Job(NamedTuple):
-    """What the saver does next: a save `(step, tree, meta, value)` or none, then whether
+    """What the saver does next: the saves, oldest first (none: only close), then whether
     to close the manager."""
 
-    save: tuple[int, Mapping[str, Any], Mapping[str, Any], Any] | None
+    saves: tuple[Save, ...]
     then_close: bool
+
+
+def _coalesced(waiting: tuple[Save, ...], newer: tuple[Save, ...]) -> tuple[Save, ...]:
+    """The saves of a job that takes the place of a waiting one: its own, after the waiting
+    job's newest best unless it brings a best of its own (a newer best is a better one); the
+    waiting job's other saves give way. A job with no saves (a close) keeps the waiting
+    saves."""
+    if not newer:
+        return waiting
+    if any(save.best for save in newer):
+        return newer
+    bests = [save for save in waiting if save.best]
+    return (*bests[-1:], *newer)
 
 
 def await_writers(path: str | os.PathLike) -> None:
@@ -980,11 +1036,15 @@ def _late_reads_quiet(hook: Any) -> Any:
 
 def _restore_item(manager, step: int, targets: Mapping[tuple[str, ...], Any]) -> Any:
     """The tree orbax restores the state into: None (each leaf as it was saved: numpy arrays)
-    for a checkpoint of host arrays read without targets, as ever; else, from the step's
-    array metadata, each leaf named in `targets` that fits it (same shape and dtype) onto the
-    target's sharding and every other leaf as a numpy array. A leaf saved sharded is then
-    never restored onto the devices it was written from (which may not exist here): without
-    a target it is read whole to the host."""
+    for a checkpoint of host arrays read without targets, as ever; else the step's own tree
+    (from its array metadata, empty subtrees included: a model without model state saves an
+    empty `model_state`), each leaf named in `targets` that fits it (same shape and dtype)
+    onto the target's sharding and every other leaf as a numpy array. The item never differs
+    from the checkpoint's own tree, so what the restoring handle expects cannot fail the
+    read: a checkpoint that does not fit the handle is read, and the leaves that differ are
+    named where they are placed (`leaves_from`). A leaf saved sharded is never restored onto
+    the devices it was written from (which may not exist here): without a target it is read
+    whole to the host."""
     import orbax.checkpoint as ocp
     from etils import epath
 
@@ -993,20 +1053,22 @@ def _restore_item(manager, step: int, targets: Mapping[tuple[str, ...], Any]) ->
         tree = handler.metadata(epath.Path(manager.directory) / str(step) / "state").tree
     finally:
         handler.close()
-    flat = _flatten_keys(tree)
-    if not targets and all(getattr(m, "sharding", None) is None for m in flat.values()):
+    if not targets and all(
+        getattr(m, "sharding", None) is None for m in _flatten_keys(tree).values()
+    ):
         return None
-    item: dict[str, Any] = {}
-    for path, saved in flat.items():
-        shape, dtype = tuple(saved.shape), np.dtype(saved.dtype)
-        target = targets.get(path)
-        if target is None or tuple(target.shape) != shape or np.dtype(target.dtype) != dtype:
-            target = np.broadcast_to(np.zeros((), dtype), shape)  # a numpy leaf, no memory
-        node = item
-        for part in path[:-1]:
-            node = node.setdefault(part, {})
-        node[path[-1]] = target
-    return item
+    return _item_of(tree, targets, ())
+
+
+def _item_of(node: Any, targets: Mapping[tuple[str, ...], Any], path: tuple[str, ...]) -> Any:
+    """The restore item of one node of a step's metadata tree (`_restore_item`)."""
+    if isinstance(node, Mapping):
+        return {str(k): _item_of(v, targets, (*path, str(k))) for k, v in node.items()}
+    shape, dtype = tuple(node.shape), np.dtype(node.dtype)
+    target = targets.get(path)
+    if target is None or tuple(target.shape) != shape or np.dtype(target.dtype) != dtype:
+        return np.broadcast_to(np.zeros((), dtype), shape)  # a numpy leaf, no memory
+    return target
 
 
 def _flatten_keys(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple, Any]:
@@ -1022,19 +1084,30 @@ def _flatten_keys(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict
 def _restore(
     manager, step: int, targets: Mapping[tuple[str, ...], Any] | None = None
 ) -> tuple[Any, dict[str, Any]]:
+    """(state, meta) of one step, the leaves named in `targets` onto their shardings. A step
+    that reads whole to the host where the targeted read failed is not damaged: that read is
+    returned instead (`place_like` lays its leaves out), so only a step whose own tree does
+    not read is ever called damaged."""
+    try:
+        return _read_item(manager, step, _restore_item(manager, step, targets or {}))
+    except Exception as error:
+        _quiet_orbax()
+        if not targets:
+            raise
+        failed = error
+    try:
+        return _read_item(manager, step, _restore_item(manager, step, {}))
+    except Exception:  # noqa: BLE001 - damaged: the first failure says why
+        raise failed from None
+
+
+def _read_item(manager, step: int, item: Any) -> tuple[Any, dict[str, Any]]:
     import orbax.checkpoint as ocp
 
-    try:
-        item = _restore_item(manager, step, targets or {})
-        restored = manager.restore(
-            step,
-            args=ocp.args.Composite(
-                state=ocp.args.StandardRestore(item), meta=ocp.args.JsonRestore()
-            ),
-        )
-    except Exception:
-        _quiet_orbax()
-        raise
+    restored = manager.restore(
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardRestore(item), meta=ocp.args.JsonRestore()),
+    )
     state, meta = restored["state"], restored["meta"]
     if not isinstance(state, Mapping) or "params" not in state:
         raise ValueError("its state holds no parameters")

@@ -30,6 +30,7 @@ from nitro.runs.checkpoints import (
     LOSS_SCALE_KEYS,
     Checkpointer,
     CheckpointStore,
+    Save,
     SavedStep,
     _json_safe,
     await_writers,
@@ -114,6 +115,11 @@ class RunFiles:
     claim: bool | None = None  # planned: hold the directory (True: may take it over) at once
     _history_rows: _ScalarRows = dataclasses.field(default_factory=lambda: _ScalarRows())
     _epoch_began: float | None = None  # when the epoch under way began (or its run)
+    # the best value of the checkpointer's metric in the history's first `_best_rows` rows
+    _best: float | None = None
+    _best_rows: int = -1
+    _held: Save | None = None  # a new best the budget did not save: written with the next save
+    _end_best: bool = False  # the epoch the run's end saves is its best so far
 
     @classmethod
     def plan(
@@ -322,6 +328,11 @@ class RunFiles:
             raise self._unwritable(error) from None
 
     def _unwritable(self, error: OSError) -> SetupError:
+        """The refusal of a run directory this handle cannot write; a handle that has written
+        nothing there lets go of it, so another handle may use it at once."""
+        if not self.opened and self.lock is not None and self.lock.taken_by is None:
+            self.lock.release()
+            self.lock = None
         return SetupError(
             f"cannot create the run directory {str(self.run_dir)!r} "
             f"({type(error).__name__}: {error.strerror or error}); nothing was trained. "
@@ -393,11 +404,40 @@ class RunFiles:
         if epochs_left is not None and began is not None:
             ends_in = epochs_left * (now - began)
         hold = measuring and (epochs_left is None or epochs_left > 0)  # mid-call
-        if store is not None and store.due(state.epoch, ends_in=ends_in, hold=hold):
-            self._save(setup, state, row, events, device, lazy=lazy)
+        verdict = None
         if setup.early_stop is not None and setup.early_stop.should_stop(state.history):
-            return "early_stop"
-        return None
+            verdict = "early_stop"
+        if store is None:
+            return verdict
+        best = self._new_best(store, state, row)
+        if epochs_left == 0 or verdict is not None:
+            # the run's end saves this epoch, with its stop reason (`end_run`)
+            self._end_best = best
+            if best:
+                self._held = None
+        elif store.due(state.epoch, ends_in=ends_in, hold=hold):
+            self._save(setup, state, row, events, device, lazy=lazy, best=best)
+        elif best:  # kept on the host, written with the next save or at the call's end
+            self._held = self._snapshot(setup, state, row, device, None, lazy, best=True)
+        return verdict
+
+    def _new_best(self, store: CheckpointStore, state: TrainState, row: Mapping) -> bool:
+        """Whether the epoch just committed (`row`, the history's last) is the run's best so
+        far by the checkpointer's metric and mode."""
+        config = store.config
+        value = _finite(row.get(config.metric))
+        history = state.history
+        if self._best_rows != len(history) - 1:  # another history: a resume, restore_best
+            self._best = None
+            for earlier in history[:-1]:
+                seen = _finite(earlier.get(config.metric))
+                if seen is not None and (self._best is None or config.better(seen, self._best)):
+                    self._best = seen
+        self._best_rows = len(history)
+        if value is None or (self._best is not None and not config.better(value, self._best)):
+            return False
+        self._best = value
+        return True
 
     def end_run(
         self,
@@ -420,15 +460,31 @@ class RunFiles:
         # a stop request or max_steps, in the middle of an epoch: saved where it stopped
         stopped = reason in ("requested", "max_steps") and (state.position or state.epoch_trained)
         failures = len(store.failures)
+        end_best, self._end_best = self._end_best, False
+        recorded_earlier = True
         if (at_boundary and store.saved_epoch != state.epoch) or (
             stopped and store.saved_step != state.step
         ):
-            self._save(setup, state, state.last_row, events, device, reason, last=True, lazy=lazy)
+            recorded_earlier = False
+            self._save(
+                setup,
+                state,
+                state.last_row,
+                events,
+                device,
+                reason,
+                last=True,
+                lazy=lazy,
+                best=at_boundary and end_best,
+            )
         else:
+            self._write_held()
             store.close_later()  # the writes finish, then the manager's threads end
         if reason == "requested" or (reason == "max_steps" and stopped):
             store.close()
             saved = store.saved_step == state.step and len(store.failures) == failures
+            if saved and recorded_earlier:  # an epoch saved before the stop came
+                store.record_reason(state.step, reason)
             events.note(_resume_point(state, store, saved))
 
     def _save(
@@ -441,12 +497,33 @@ class RunFiles:
         reason: str | None = None,
         last: bool = False,
         lazy: bool = False,
+        best: bool = False,
     ) -> None:
+        """Save the committed state (after the best epoch held since, if any). `best`: it is
+        the run's best so far by the checkpointer's metric, and no newer save replaces it."""
         events.phase("checkpointing")  # the loop (or the run's end) sets the next phase
         store = self.store
         assert store is not None  # saves come from a run with a store
-        metric = row.get(store.config.metric)
-        store.save(
+        save = self._snapshot(setup, state, row, device, reason, lazy, best)
+        held, self._held = self._held, None
+        if held is not None and held.step == save.step:
+            held, save = None, save._replace(best=True)
+        store.save(*save[:4], then_close=last, best=save.best, earlier=held)
+
+    def _snapshot(
+        self,
+        setup: RunSetup,
+        state: TrainState,
+        row: Mapping[str, Any],
+        device: Mapping[str, Any],
+        reason: str | None,
+        lazy: bool,
+        best: bool,
+    ) -> Save:
+        """The committed state as a save: host copies (`host_tree`) and its JSON record."""
+        store = self.store
+        assert store is not None
+        return Save(
             state.step,
             host_tree(setup, state.variables, lazy=lazy),
             checkpoint_meta(
@@ -459,13 +536,29 @@ class RunFiles:
                 self.logger_state() if self.logger_state is not None else None,
                 self._history_rows,
             ),
-            metric if isinstance(metric, (int, float)) else None,
-            then_close=last,
+            _finite(row.get(store.config.metric)),
+            best,
         )
 
+    def _write_held(self, then_close: bool = False) -> None:
+        """Hand the best epoch held on the host to the store (the call ends without a save
+        of its own that would write it)."""
+        held, self._held = self._held, None
+        if held is not None and self.store is not None:
+            self.store.save(*held[:4], then_close=then_close, best=True)
+
     def close(self) -> None:
+        self._write_held()
         if self.store is not None:
             self.store.close()
+
+
+def _finite(value: Any) -> float | None:
+    """A metric's value as a float, None when it is missing or not finite."""
+    if isinstance(value, (int, float, np.number)) and not isinstance(value, bool):
+        value = float(value)
+        return value if np.isfinite(value) else None
+    return None
 
 
 def _resume_point(state: TrainState, store: CheckpointStore, saved: bool) -> str:
