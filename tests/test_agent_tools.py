@@ -204,6 +204,23 @@ def test_bad_arguments_are_tool_errors_naming_the_argument(connect):
     assert "n_devs: 64 devices asked for" in devices
 
 
+def test_a_null_run_keyword_is_refused_naming_the_argument_and_the_default(connect):
+    async def scenario():
+        async with connect() as session:
+            quick = "agent_toys.Quick"
+            return (
+                await refusal(session, "nitro_train", experiment=quick, keywords={"accum": None}),
+                await refusal(
+                    session, "nitro_population", experiment=quick, axes={"seed": [0, None]}
+                ),
+            )
+
+    keyword, axis = anyio.run(scenario)
+    assert "keywords.accum: accum=None is not a setting (accum: micro-batches per" in keyword
+    assert "Leave it out for the default (the framework's: accum=1)" in keyword
+    assert "axes.seed[1]: seed=None is not a setting (seed: seeds the model's" in axis
+
+
 def test_predict_refuses_ragged_inputs_and_names_a_missing_field(connect):
     async def scenario():
         async with connect() as session:
