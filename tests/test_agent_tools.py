@@ -549,9 +549,12 @@ def test_predict_converts_json_numbers_to_the_models_dtypes_and_refuses_what_doe
             huge = await refusal(
                 session, "nitro_predict", run_id=runs["Tokens"], inputs={"x": [[1, 2, 3, 4, 2**40]]}
             )
-            return floats, ints, tokens, fraction, huge
+            beyond = await refusal(
+                session, "nitro_predict", run_id=runs["Quick"], inputs={"x": [[1, 2, 3, 4, 1e39]]}
+            )
+            return floats, ints, tokens, fraction, huge, beyond
 
-    floats, ints, tokens, fraction, huge = anyio.run(scenario)
+    floats, ints, tokens, fraction, huge, beyond = anyio.run(scenario)
     assert ints["outputs"] == floats["outputs"]  # integers ran as the model's float32
     assert ints["shapes"] == {"shape": [1, 2], "dtype": "float32"}
     assert np.asarray(tokens["outputs"]).shape == (1, 2)
@@ -559,6 +562,10 @@ def test_predict_converts_json_numbers_to_the_models_dtypes_and_refuses_what_doe
         "nitro_predict: inputs.x: the model takes int32, but 1.7 (at [0, 2]) is not a whole number"
     )
     assert f"inputs.x: the model takes int32, but {2**40} (at [0, 4]) is outside" in huge
+    assert beyond.startswith(  # not turned into inf: refused as the server refuses it
+        "nitro_predict: inputs.x: the model takes float32, but 1e+39 (at [0, 4]) is outside its "
+        "range (largest 3.4028235e+38); give float32 values for x"
+    )
 
 
 def test_a_large_prediction_answers_a_preview_and_writes_every_row_to_a_file(connect, tmp_path):
