@@ -220,11 +220,15 @@ class RunFiles:
         state: TrainState,
         events: Events,
         device: Mapping[str, Any],
+        say: Callable[[str], None] | None = None,
     ) -> tuple[TrainState, dict[str, Any]]:
         """The state to resume from, read from the checkpoint (a new `TrainState`; `state`,
         the fresh one, gives the arrays' shapes and stays as it was), and the checkpoint's
-        JSON record. `device`: the Device fields' values now, compared with the saved ones."""
+        JSON record. `device`: the Device fields' values now, compared with the saved ones.
+        `say`: how to tell the person what the resume continues and what differs (default:
+        an event note; a handle without progress prints them)."""
         assert self.resume_from is not None  # planned: a run that resumes
+        note = say or events.note
         directory, step = self.resume_from
         saved, meta = read_checkpoint(
             directory, step, targets=restore_targets(setup, state.variables)
@@ -237,8 +241,8 @@ class RunFiles:
                 f"member i's weights"
             )
         _check_config(setup, meta)
-        for note in _drift_notes(setup, meta, device):
-            events.note(note)
+        for line in _drift_notes(setup, meta, device):
+            note(line)
         variables = state.variables
         if variables.opt_state is not None and "opt_state" not in saved:
             raise SetupError(
@@ -252,7 +256,7 @@ class RunFiles:
             saved,
             misfit=_optimizer_misfit(setup, meta, self.resume_from),
             here="this run's",
-            note=events.note,
+            note=note,
         )
         differences = training_differences(meta.get("training"), training_config(setup))
         if differences is not None:
@@ -268,7 +272,7 @@ class RunFiles:
                 )
             else:  # a run that did not scale its loss before
                 scale = setup.precision.initial_scale if setup.precision is not None else 1.0
-                events.note(
+                note(
                     f"the checkpoint holds no loss scale (it was not trained in float16): the "
                     f"dynamic loss scale starts at {scale:g}"
                 )
@@ -288,9 +292,7 @@ class RunFiles:
                 f"{self.run_id} (the later checkpoints of {self.branched_from} stay as they "
                 f"were);"
             )
-        events.note(
-            f"{said} at epoch {restored.epoch}, step {restored.step} ({self.resume_from.path})"
-        )
+        note(f"{said} at epoch {restored.epoch}, step {restored.step} ({self.resume_from.path})")
         return restored, meta
 
     # ------------------------------------------------------------------------------------------
@@ -845,7 +847,7 @@ def _drift_notes(setup: RunSetup, meta: dict[str, Any], device: Mapping[str, Any
     if int(meta.get("seed", setup.seed)) != setup.seed:
         notes.append(
             f"the checkpoint's seed {meta['seed']} replaces seed={setup.seed} (the data order "
-            f"continues as it began)"
+            f"and the hooks' rngs continue as they began)"
         )
     return notes
 
