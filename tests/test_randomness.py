@@ -119,6 +119,7 @@ def test_resuming_with_another_seed_goes_on_with_the_runs_seed_and_every_view_sa
     capsys.readouterr()
     resumed = nitro.Nitro(Dropped(), seed=5, run_dir=cut.run_dir, resume="auto", **keywords)
     said = capsys.readouterr().err  # progress=False: the notes still reach a script
+    assert f"nitro: resume='auto' continues run {cut.run_id}: the run run_dir= names" in said
     assert "nitro: the checkpoint's seed 0 replaces seed=5" in said
     assert f"nitro: resumed run {cut.run_id} from its checkpoint at epoch 1, step" in said
     assert resumed.seed == 0 and resumed.state.seed == 0

@@ -619,6 +619,7 @@ def _resume_source(
     if [run.path for run in runs] == [root.absolute()]:  # run_dir= names one run: that one
         if runs[0].checkpoints:
             check_free(root)
+            say(f"resume='auto' continues run {runs[0].run_id}: the run run_dir= names")
             return resolve_checkpoint(root, targets=targets)
         choice = None
     else:
