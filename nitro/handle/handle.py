@@ -185,7 +185,7 @@ class Nitro:
     ) -> None:
         """A resumed run goes on with the seed it was trained with (the restore said so): the
         setup is built again with it, so the data order and the step keys continue the run's,
-        and `n.seed`, the binding report and the summary show the seed in force."""
+        and `n.seed`, the binding report and the handle's table show the seed in force."""
         seed = self._state.seed
         source = (
             f"the checkpoint's, the run it resumes was trained with it; "
