@@ -1,5 +1,6 @@
 """Experiments the agent-tool tests name by module (`agent_toys.Slow`): tiny, one slow enough to
-stop in the middle of an epoch, one whose hooks print, one whose inputs are integers."""
+stop in the middle of an epoch, one that waits for a file to set up, one whose hooks print, one
+whose inputs are integers."""
 
 from __future__ import annotations
 
@@ -46,6 +47,19 @@ class Slow(ToyWithMetrics):
         splits = loaders(self.batch_size)
         splits["train"] = SlowBatches(self.batches, self.delay)
         return splits
+
+
+@nitro.experiment
+class Gated(ToyWithMetrics):
+    """Sets up once the file `gate` exists (a test holds a population in its setup)."""
+
+    gate: str = ""
+
+    def build_data(self):
+        deadline = time.monotonic() + 300
+        while not os.path.exists(self.gate) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return ToyWithMetrics.build_data(self)
 
 
 @nitro.experiment

@@ -137,6 +137,48 @@ def test_a_member_pruned_while_the_population_trains_stops_and_the_others_train_
     ] == "stopped by nitro_stop (member 1)"
 
 
+def test_a_member_stopped_while_the_population_sets_up_never_trains(connect, tmp_path):
+    gate = tmp_path / "gate"
+
+    async def scenario():
+        async with connect() as session:
+            started = await call(
+                session,
+                "nitro_population",
+                experiment="agent_toys.Gated",
+                overrides={"gate": str(gate)},
+                axes={"learning_rate": [1e-2, 3e-2]},
+                max_epochs=2,
+                wait_seconds=0,
+            )
+            run_id = started["run_id"]
+            queued = await call(session, "nitro_stop", run_id=run_id, member=1)
+            refused = [
+                await refusal(session, "nitro_stop", run_id=run_id, member=2),
+                await refusal(session, "nitro_member", run_id=run_id, member=0),
+            ]
+            gate.touch()
+            done = await poll(session, run_id, finished, timeout=300)
+            history = await call(session, "nitro_status", run_id=run_id, history=True)
+            return started, queued, refused, done, history
+
+    started, queued, refused, done, history = anyio.run(scenario)
+    assert "still setting up its members" in started["note"]
+    assert queued["note"].startswith(
+        f"population {started['run_id']} is still setting up its members; member 1 stops "
+        f"before the first step"
+    )
+    out_of_range, member = refused
+    assert "member: population" in out_of_range and "has 2 members (0 to 1); got 2" in out_of_range
+    assert "is still setting up its members; take a member once nitro_status shows them" in member
+    assert "single run" not in out_of_range + member
+    assert (done["status"], done["epoch"], done["stopped"]) == ("done", 2, [1])
+    assert done["member_status"][1]["stopped"] == "stopped by nitro_stop (member 1)"
+    rows = history["history"]
+    assert [r["epoch"] for r in rows if r["member"] == 0] == [1, 2]
+    assert all(r["stopped"] for r in rows if r["member"] == 1)
+
+
 def test_a_member_pruned_between_trainings_by_steps_stays_as_it_was(connect):
     async def scenario():
         async with connect() as session:

@@ -204,6 +204,23 @@ def test_bad_arguments_are_tool_errors_naming_the_argument(connect):
     assert "n_devs: 64 devices asked for" in devices
 
 
+def test_a_null_run_keyword_is_refused_naming_the_argument_and_the_default(connect):
+    async def scenario():
+        async with connect() as session:
+            quick = "agent_toys.Quick"
+            return (
+                await refusal(session, "nitro_train", experiment=quick, keywords={"accum": None}),
+                await refusal(
+                    session, "nitro_population", experiment=quick, axes={"seed": [0, None]}
+                ),
+            )
+
+    keyword, axis = anyio.run(scenario)
+    assert "keywords.accum: accum=None is not a setting (accum: micro-batches per" in keyword
+    assert "Leave it out for the default (the framework's: accum=1)" in keyword
+    assert "axes.seed[1]: seed=None is not a setting (seed: seeds the model's" in axis
+
+
 def test_predict_refuses_ragged_inputs_and_names_a_missing_field(connect):
     async def scenario():
         async with connect() as session:
@@ -532,9 +549,12 @@ def test_predict_converts_json_numbers_to_the_models_dtypes_and_refuses_what_doe
             huge = await refusal(
                 session, "nitro_predict", run_id=runs["Tokens"], inputs={"x": [[1, 2, 3, 4, 2**40]]}
             )
-            return floats, ints, tokens, fraction, huge
+            beyond = await refusal(
+                session, "nitro_predict", run_id=runs["Quick"], inputs={"x": [[1, 2, 3, 4, 1e39]]}
+            )
+            return floats, ints, tokens, fraction, huge, beyond
 
-    floats, ints, tokens, fraction, huge = anyio.run(scenario)
+    floats, ints, tokens, fraction, huge, beyond = anyio.run(scenario)
     assert ints["outputs"] == floats["outputs"]  # integers ran as the model's float32
     assert ints["shapes"] == {"shape": [1, 2], "dtype": "float32"}
     assert np.asarray(tokens["outputs"]).shape == (1, 2)
@@ -542,6 +562,10 @@ def test_predict_converts_json_numbers_to_the_models_dtypes_and_refuses_what_doe
         "nitro_predict: inputs.x: the model takes int32, but 1.7 (at [0, 2]) is not a whole number"
     )
     assert f"inputs.x: the model takes int32, but {2**40} (at [0, 4]) is outside" in huge
+    assert beyond.startswith(  # not turned into inf: refused as the server refuses it
+        "nitro_predict: inputs.x: the model takes float32, but 1e+39 (at [0, 4]) is outside its "
+        "range (largest 3.4028235e+38); give float32 values for x"
+    )
 
 
 def test_a_large_prediction_answers_a_preview_and_writes_every_row_to_a_file(connect, tmp_path):

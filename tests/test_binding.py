@@ -118,6 +118,39 @@ def test_bad_run_keyword_values_name_the_keyword_and_source():
         nitro.Nitro(BadField())
 
 
+@pytest.mark.parametrize(
+    ("name", "default"),
+    [
+        ("learning_rate", "0.001"),
+        ("precision", "'float32'"),
+        ("seed", "0"),
+        ("max_epochs", "1"),
+        ("accum", "1"),
+        ("schedules", "{}"),
+        ("resume", "False"),
+    ],
+)
+def test_none_for_a_keyword_that_has_no_none_setting_is_refused_naming_its_default(name, default):
+    doc = " ".join(RUN_KEYWORDS[name].doc.split())
+    with pytest.raises(nitro.SetupError) as refused:
+        nitro.Nitro(Toy(), progress=False, **{name: None})
+    assert str(refused.value) == (
+        f"{name}=None is not a setting ({name}: {doc}). Leave it out for the default (the "
+        f"framework's: {name}={default}) [Nitro keyword]"
+    )
+    with pytest.raises(nitro.PopulationError) as axis:  # a population's axis says its member
+        nitro.Population(Toy(), learning_rate=[1e-3, None], progress=False)
+    assert str(axis.value).startswith(
+        "member 1 (learning_rate=None): learning_rate=None is not a setting (learning_rate: "
+    )
+
+
+def test_none_where_a_keyword_says_what_none_does_is_that_setting():
+    n = nitro.Nitro(Toy(), weight_decay=None, max_steps=None, early_stop=None, progress=False)
+    assert n.keywords["weight_decay"].value is None and n.keywords["max_steps"].value is None
+    assert n.train().step == 8  # 2 epochs of 4 batches
+
+
 def test_help_and_the_signature_of_nitro_show_every_run_keyword_with_its_default_and_doc():
     signature = inspect.signature(nitro.Nitro)
     help_text = pydoc.render_doc(nitro.Nitro, renderer=pydoc.plaintext)

@@ -100,10 +100,14 @@ def test_predict_returns_host_outputs_for_any_batch_size():
     np.testing.assert_allclose(labelled, one)
 
 
-def test_predict_refuses_a_bare_array_and_names_forward_fields():
+def test_predict_refuses_a_bare_array_or_a_string_and_names_forward_fields():
     n = nitro.Nitro(Toy(), progress=False)
     with pytest.raises(TypeError, match=r"forward needs: x.*n\.predict\(\{'x': xs\}\)"):
         n.predict(X[:3])
+    with pytest.raises(
+        TypeError, match=r"forward needs: x\) or an iterable of such dicts; got str"
+    ):
+        n.predict("abc")
     with pytest.raises(
         nitro.RoutingError, match=r"hook `forward` needs batch field 'x'.*yields \['image'\]"
     ):

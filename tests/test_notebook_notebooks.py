@@ -65,6 +65,15 @@ def test_tutorial_runs_from_experiment_to_prediction(tmp_path):
     _find(texts, r"'test_acc': 0\.\d+")
     accuracy = float(_find(texts, r"test accuracy: (\d\.\d+)").group(1))
     assert accuracy > 0.8
+    chose = rf"resume='auto' continues run {resumed.group(1)}: the run 'exp_run' last trained"
+    _find(texts, chose)  # which run it took, and why, in one line
+
+    # a second Run All in the same folder resumes the run its own cell 6 trained, not the
+    # longer background run the first one left there
+    again = _execute("tutorial.ipynb", tmp_path)
+    second = _find(again, r"resumed run (\d{8}-\d{6}-[0-9a-f]{4}) at epoch 9, step (\d+)")
+    assert second.group(1) != resumed.group(1)
+    _find(again, rf"resume='auto' continues run {second.group(1)}: the run 'exp_run' last")
 
 
 def test_interrupt_and_edit_notebook_interrupts_edits_and_retrains(tmp_path):

@@ -402,6 +402,18 @@ def test_decay_to_a_tree_that_does_not_fit_names_the_leaves():
         nitro.Nitro(Plain(), weight_decay=0.1, decay_to=nitro.Nitro(Plain(), progress=False))
 
 
+def test_decay_to_a_tree_with_a_nan_leaf_is_refused_at_setup_naming_the_leaf():
+    anchors = nnx.split(Plain().build_model(nnx.Rngs(0)), nnx.Param, ...)[1]
+    bias = anchors["hidden"]["bias"]
+    bias[...] = bias[...].at[1].set(float("nan"))
+    with pytest.raises(
+        nitro.OptimizerError,
+        match=r"(?s)decay_to does not fit.*of finite values.*\n  hidden.bias: 1 of \d+ values "
+        r"are not finite$",
+    ):
+        nitro.Nitro(Plain(), weight_decay=0.1, decay_to=anchors)
+
+
 # ---------------------------------------------------------------------------- binding report
 
 

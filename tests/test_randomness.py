@@ -107,6 +107,35 @@ def test_resuming_draws_the_same_dropout_masks_and_data_order_as_an_uninterrupte
     assert_bitwise(full, resumed)
 
 
+def test_resuming_with_another_seed_goes_on_with_the_runs_seed_and_every_view_says_so(
+    tmp_path, capsys
+):
+    keywords = dict(progress=False, logger=None, checkpointer=Checkpointer(budget=None))
+    full = nitro.Nitro(Dropped(), seed=0, run_dir=str(tmp_path / "full"), **keywords)
+    full.train().wait()
+    cut = nitro.Nitro(Dropped(), seed=0, run_dir=str(tmp_path / "cut"), **keywords)
+    cut.train(epochs=1).wait()
+    cut.close()
+    capsys.readouterr()
+    resumed = nitro.Nitro(Dropped(), seed=5, run_dir=cut.run_dir, resume="auto", **keywords)
+    said = capsys.readouterr().err  # progress=False: the notes still reach a script
+    assert f"nitro: resume='auto' continues run {cut.run_id}: the run run_dir= names" in said
+    assert "nitro: the checkpoint's seed 0 replaces seed=5" in said
+    assert f"nitro: resumed run {cut.run_id} from its checkpoint at epoch 1, step" in said
+    assert resumed.seed == 0 and resumed.state.seed == 0
+    seed = resumed.keywords["seed"]
+    assert (seed.value, seed.source) == (
+        0,
+        "the checkpoint's, the run it resumes was trained with it; Nitro keyword gave 5",
+    )
+    assert "seed = 0  [the checkpoint's" in str(resumed.binding_report())
+    assert "<th style='text-align:left'>seed</th><td style='text-align:left'>0</td>" in (
+        resumed._repr_html_()
+    )
+    resumed.train().wait()  # the data order and the dropout keys of seed 0 go on
+    assert_bitwise(full, resumed)
+
+
 class DropoutMLP(nnx.Module):
     def __init__(self, rngs: nnx.Rngs):
         self.hidden = nnx.Linear(64, 64, rngs=rngs)

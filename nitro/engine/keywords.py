@@ -335,11 +335,29 @@ class RunKeyword:
     check: Callable[[Any], Any] | None = None
     computed: bool = False
     shown_default: str = ""  # how `help(Nitro)` shows a computed default
+    none: str = ""  # what None does ("turns weight decay off"); "": None is refused
 
     @property
     def default_text(self) -> str:
         """The default as `help(Nitro)` and `inspect.signature(Nitro)` show it."""
         return self.shown_default if self.computed else repr(self.default)
+
+    def checked(self, value: Any) -> Any:
+        """`value` as the run uses it, or a ValueError naming the keyword, what it takes and
+        the fix. None passes only where the keyword says what None does.
+
+        >>> RUN_KEYWORDS["max_epochs"].checked(None)
+        Traceback (most recent call last):
+        ValueError: max_epochs=None is not a setting (max_epochs: epochs `train()` runs to). Leave it out for the default (the framework's: max_epochs=1)
+        """
+        if value is None:
+            if self.none:
+                return None
+            raise ValueError(
+                f"{self.name}=None is not a setting ({self.name}: {self.doc}). Leave it out "
+                f"for the default (the framework's: {self.name}={self.default_text})"
+            )
+        return value if self.check is None else self.check(value)
 
     def default_value(self, experiment: Any) -> Any:
         if self.computed:
@@ -361,12 +379,14 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             None,
             "this run's directory (default runs/<Experiment>/<run id>)",
             _path("run_dir"),
+            none="runs/<Experiment>/<run id>",
         ),
         RunKeyword(
             "checkpointer",
             _DEFAULT_CHECKPOINTER,
             "a nitro.Checkpointer, or None to save no checkpoints",
             _checkpointer,
+            none="saves no checkpoints",
         ),
         RunKeyword(
             "logger",
@@ -376,12 +396,14 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             _logger,
             computed=True,
             shown_default="JSONLinesLogger()",
+            none="logs nothing",
         ),
         RunKeyword(
             "early_stop",
             None,
             "a nitro.EarlyStopping, or None",
             _early_stop,
+            none="never stops early",
         ),
         RunKeyword(
             "resume",
@@ -396,6 +418,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "this run's name, recorded in run.json; resume='auto' continues the run this name "
             "last trained first (%nitro train exp names its runs exp_run)",
             _name,
+            none="unnamed",
         ),
         RunKeyword(
             "n_devs",
@@ -404,6 +427,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             _positive_int("n_devs"),
             computed=True,
             shown_default="jax.device_count()",
+            none="every visible device",
         ),
         RunKeyword(
             "mesh",
@@ -412,6 +436,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "batch's), e.g. {'data': 4, 'model': 2}; it spans their product of devices, which "
             "n_devs then defaults to (None: a 'data' mesh over n_devs)",
             _mesh,
+            none="a 'data' mesh over n_devs",
         ),
         RunKeyword(
             "sharding",
@@ -429,6 +454,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "the optimizer step training stops at, mid-epoch if need be (None: no limit; "
             "max_epochs still applies)",
             _max_steps,
+            none="no limit",
         ),
         RunKeyword(
             "val_every_steps",
@@ -436,6 +462,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "also evaluate the eval splits every N optimizer steps within epochs (Lightning's "
             "val_check_interval); the results: n.validations() (None: at epochs' ends only)",
             _val_every_steps,
+            none="at epochs' ends only",
         ),
         RunKeyword(
             "eval_splits",
@@ -443,6 +470,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "the splits evaluated at each epoch's end, each under its prefix (val_loss, "
             "test_loss, ...); default ('val',) when build_data has one",
             _eval_splits,
+            none="('val',) when build_data has one",
         ),
         RunKeyword(
             "schedules",
@@ -451,19 +479,26 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             _schedules,
         ),
         RunKeyword("learning_rate", 1e-3, "learning rate of the default optimizer", _learning_rate),
-        RunKeyword("optimizer", None, "an optax GradientTransformation or factory (default: adam)"),
+        RunKeyword(
+            "optimizer",
+            None,
+            "an optax GradientTransformation or factory (default: adam)",
+            none="adam",
+        ),
         RunKeyword(
             "group_lr",
             None,
             "parameter group -> learning-rate ratio (groups come from a param_group(self, path) "
             "method)",
             _group_lr,
+            none="one learning rate for every parameter",
         ),
         RunKeyword(
             "weight_decay",
             None,
             "decoupled weight decay, scaled by the learning rate (None: off)",
             _number("weight_decay", ranges.OPTAX["weight_decay"], off="turns weight decay off"),
+            none="off",
         ),
         RunKeyword(
             "decay_to",
@@ -476,6 +511,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             None,
             "(path, leaf) -> bool: the leaves that decay (default: those with ndim > 1)",
             _predicate("decay_mask", "(path, leaf) -> bool"),
+            none="the leaves with ndim > 1",
         ),
         RunKeyword(
             "gradient_clip_norm",
@@ -484,6 +520,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             _number(
                 "gradient_clip_norm", ranges.OPTAX["gradient_clip_norm"], off="turns clipping off"
             ),
+            none="off",
         ),
         RunKeyword(
             "check_divergence",
@@ -506,7 +543,12 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "batches staged on the device ahead of the loop",
             _positive_int("device_batches"),
         ),
-        RunKeyword("host_batches", None, "host batches built ahead (default 2 x prefetch_workers)"),
+        RunKeyword(
+            "host_batches",
+            None,
+            "host batches built ahead (default 2 x prefetch_workers)",
+            none="2 x prefetch_workers",
+        ),
         RunKeyword("ordered", True, "deliver batches in source order", _bool("ordered")),
         RunKeyword(
             "accum",
@@ -521,12 +563,14 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "keep a moving average of the weights: a decay in (0, 1) (warmed up as "
             "nitro.EMA(decay) is), a nitro.EMA, or None",
             _ema,
+            none="no moving average",
         ),
         RunKeyword(
             "sam",
             None,
             "sharpness-aware minimization: a radius, nitro.SAM(rho=), nitro.ASAM(rho=, eta=)",
             _sam,
+            none="off",
         ),
         RunKeyword(
             "precision",
@@ -561,7 +605,12 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "and the process's end); False starts them each call",
             _bool("persistent_workers"),
         ),
-        RunKeyword("progress", True, "True, False, 'lines', 'bar' or a reporter object"),
+        RunKeyword(
+            "progress",
+            True,
+            "True, False, 'lines', 'bar' or a reporter object",
+            none="silent, as False",
+        ),
     ]
 }
 
@@ -603,9 +652,9 @@ def resolve_run_keywords(experiment: Any, kwargs: Mapping[str, Any]) -> dict[str
             from nitro.runs.checkpoints import Checkpointer
 
             value = Checkpointer()
-        elif keyword.check is not None and value is not None:
+        else:
             try:
-                value = keyword.check(value)
+                value = keyword.checked(value)
             except ValueError as error:
                 raise SetupError(f"{error} [{source}]") from None
         resolved[name] = Resolved(freeze(value), source)  # a dict given becomes read-only

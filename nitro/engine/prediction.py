@@ -44,8 +44,11 @@ MAX_PREDICT_WIDTH = 1024  # the widest bucket; `nitro serve --max-batch` default
 
 
 def check_batches(setup: RunSetup, batches: Any) -> None:
-    """Refuse what is neither a dict of batch fields nor an iterable of such dicts."""
-    if isinstance(batches, (np.ndarray, jax.Array)) or not isinstance(batches, Iterable):
+    """Refuse what is neither a dict of batch fields nor an iterable of such dicts (a string
+    is iterable, of characters: refused too)."""
+    if isinstance(batches, (np.ndarray, jax.Array, str, bytes)) or not isinstance(
+        batches, Iterable
+    ):
         forward = setup.experiment.hook_fields["forward"]
         raise TypeError(
             f"predict takes a dict of batch fields (forward needs: {forward.describe()}) or "

@@ -166,8 +166,10 @@ class Nitro:
         if self._files.resume_from is not None:
             with events_module.using(self._events):
                 self._state, meta = self._files.restore(
-                    self._setup, self._state, self._events, runtime.device_values()
+                    self._setup, self._state, self._events, runtime.device_values(), say=self._say
                 )
+                if self._state.seed != self._setup.seed:
+                    self._continue_seed(instance, resolved, keywords, data)
             self._reattach_logger(meta)
             found = self._files.resume_from
             self._checkpoint = SavedWeights(
@@ -180,6 +182,23 @@ class Nitro:
         self._files.claim_planned(self._setup)
         self._target_epoch = max(self._setup.max_epochs, self._state.epoch)
         self._events.phase("ready")
+
+    def _continue_seed(
+        self, instance: Any, resolved: RunKeywords, given: Mapping[str, Any], data: Any
+    ) -> None:
+        """A resumed run goes on with the seed it was trained with (the restore said so): the
+        setup is built again with it, so the data order and the step keys continue the run's,
+        and `n.seed`, the binding report and the handle's table show the seed in force."""
+        seed = self._state.seed
+        source = (
+            f"the checkpoint's, the run it resumes was trained with it; "
+            f"{resolved.source('seed')} gave {resolved.seed}"
+        )
+        keywords = RunKeywords.of({**resolved.resolved, "seed": Resolved(seed, source)})
+        self._setup, self._runtime, _ = build(
+            instance, keywords, given, events=self._events, data=data
+        )
+        self._programs = ProgramSet(self._setup)
 
     def _phase_context(self) -> tuple[Nitro | None, int | None, int | None]:
         """(handle, step, epoch) for phase monitors; nothing while the handle is built."""

@@ -31,7 +31,7 @@ from nitro.engine.keywords import RUN_KEYWORDS, resolve_run_keywords
 from nitro.engine.resolved import RunKeywords
 from nitro.engine.runner import Run, RunControl, RunGuard, sigint_requests_stop, wait_for
 from nitro.engine.setup import build
-from nitro.errors import PopulationError
+from nitro.errors import PopulationError, SetupError
 from nitro.experiments.declaration import FieldKind, field_specs
 from nitro.handle.handle import Nitro, _check_amount, _check_experiment, _weights_source
 from nitro.handle.population_lifecycle import FILE_KEYWORDS, PopulationLife
@@ -213,7 +213,11 @@ class Population:
         instance = dataclasses.replace(self._experiment, **fields)
         given = {**self._shared_keywords, **{k: v for k, v in setting.items() if k not in fields}}
         keywords = {**given, "checkpointer": None, "logger": None, "progress": False}
-        resolved = RunKeywords.of(resolve_run_keywords(instance, keywords))
+        try:
+            resolved = RunKeywords.of(resolve_run_keywords(instance, keywords))
+        except SetupError as error:  # name the member whose value it is
+            shown = progress.settings_label(setting)
+            raise PopulationError(f"member {index} ({shown}): {error}") from None
         setup, runtime, state = build(
             instance,
             resolved,

@@ -16,6 +16,10 @@ dtype('float32')
 Traceback (most recent call last):
 ...
 nitro.mcp.lookup.ToolFailure: inputs.y: the model takes int32, but 1.7 (at [1]) is not a whole number; ...
+>>> as_batch({"x": [[1.0, 1e39]]}, {"x": "float32"})
+Traceback (most recent call last):
+...
+nitro.mcp.lookup.ToolFailure: inputs.x: the model takes float32, but 1e+39 (at [0, 1]) is outside its range (largest 3.4028235e+38); give float32 values for x
 """
 
 from __future__ import annotations
@@ -144,7 +148,24 @@ def _as_dtype(name: str, array: np.ndarray, dtype: np.dtype) -> np.ndarray:
                 f"inputs.{name}: the model takes {dtype.name}, but {_first(bad, array)} is "
                 f"outside {low}..{high}; {fix}"
             )
+    elif dtype.kind == "f" and dtype.itemsize < array.dtype.itemsize:
+        largest = float(_finfo(dtype).max)
+        bad = np.isfinite(array) & (np.abs(array) > largest)  # the cast would make them inf
+        if bad.any():
+            raise ToolFailure(
+                f"inputs.{name}: the model takes {dtype.name}, but {_first(bad, array)} is "
+                f"outside its range (largest {largest:.8g}); {fix}"
+            )
     return array.astype(dtype)
+
+
+def _finfo(dtype: np.dtype) -> Any:
+    try:
+        return np.finfo(dtype)
+    except ValueError:  # bfloat16 and the other ml_dtypes floats
+        import ml_dtypes
+
+        return ml_dtypes.finfo(dtype)
 
 
 def as_batch(
@@ -178,7 +199,7 @@ def as_batch(
         if wanted is not None:
             array = _as_dtype(name, array, np.dtype(wanted))
         elif array.dtype.kind == "f":
-            array = array.astype(np.float32)
+            array = _as_dtype(name, array, np.dtype(np.float32))
         elif array.dtype.kind in "iu":
             array = array.astype(np.int32)
         batch[name] = array

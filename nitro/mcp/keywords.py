@@ -156,9 +156,9 @@ def check_run_keywords(keywords: Mapping[str, Any], argument: Mapping[str, str])
         if name in _JSON_FORMS:
             value = _JSON_FORMS[name](where, value)
         keyword = RUN_KEYWORDS.get(name)
-        if keyword is not None and keyword.check is not None and value is not None:
+        if keyword is not None:
             try:
-                value = keyword.check(value)
+                value = keyword.checked(value)
             except ValueError as error:
                 raise ToolFailure(f"{where}: {error}") from None
         checked[name] = value

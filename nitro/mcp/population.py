@@ -222,6 +222,13 @@ class PopulationPlan:
     where: dict[str, str]
     argument: str  # "axes" or "members"
 
+    @property
+    def count(self) -> int:
+        """How many members the population has: one per member, or per axes' combination."""
+        if self.members is not None:
+            return len(self.members)
+        return math.prod(len(values) for values in self.axes.values())
+
     @classmethod
     def check(
         cls,

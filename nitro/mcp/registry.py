@@ -54,6 +54,11 @@ class RunRecord:
     finished: float | None = None
     stop_requested: bool = False
     done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
+    # a population still setting up: its member count, and the members nitro_stop asked to
+    # stop meanwhile (stopped before its first step); `setting_up` guards both with `population`
+    members: int | None = None
+    queued_stops: list[int] = dataclasses.field(default_factory=list)
+    setting_up: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
 
 class RunRegistry:
@@ -75,6 +80,7 @@ class RunRegistry:
         population: Any = None,
         source: str | None = None,
         before: Callable[[], None] | None = None,
+        members: int | None = None,
     ) -> RunRecord:
         """Record a new run and call `work(record)` on a thread; returns the record at once.
 
@@ -82,13 +88,20 @@ class RunRegistry:
         A training run's status (a population's too) comes from its `stop_reason` when the
         work returns.
         `before` runs first on the new thread (a notebook routes the thread's output with it).
+        `members`: a population's member count, known before it is built.
         """
         with self._lock:
             run_id = secrets.token_hex(4)
             while run_id in self._records:
                 run_id = secrets.token_hex(4)
             record = RunRecord(
-                run_id, kind, experiment, handle=handle, population=population, source=source
+                run_id,
+                kind,
+                experiment,
+                handle=handle,
+                population=population,
+                source=source,
+                members=members,
             )
             self._records[run_id] = record
             self._trim()

@@ -644,6 +644,13 @@ class ToolSession:
     def _prune(self, found: _Found, member: int) -> dict[str, Any]:
         """Stop one member of a population (`pop.stop(member)`); the others train on."""
         population = found.population
+        record = found.record
+        if population is None and record is not None and record.kind == "population":
+            with record.setting_up:
+                population = record.population
+                if population is None:  # still building its members: stop it once built
+                    return self._queue_stop(found, record, member)
+            found = self._find(found.run_id)
         if population is None:
             raise ToolFailure(
                 f"member: run {found.run_id} is a single run, not a population; leave member out "
@@ -671,6 +678,29 @@ class ToolSession:
                 f"member {member} is stopped: when the population trains on, its variables stay "
                 f"as they are and the other members train as they would have"
             )
+        return row
+
+    def _queue_stop(self, found: _Found, record: RunRecord, member: int) -> dict[str, Any]:
+        """Stop `member` of a population still setting up: before its first step (called
+        with the record's `setting_up` lock held)."""
+        count = record.members
+        if count is not None and member >= count:
+            raise ToolFailure(
+                f"member: population {found.run_id} has {count} members (0 to {count - 1}); got "
+                f"{member}"
+            )
+        if record.status is not RunStatus.RUNNING:  # its setup failed: nothing will train
+            raise ToolFailure(
+                f"run_id: population {found.run_id} did not set up ({record.error}); nothing "
+                f"to stop"
+            )
+        record.queued_stops.append(member)
+        row = self._describe(found, brief=True)
+        row["note"] = (
+            f"population {found.run_id} is still setting up its members; member {member} stops "
+            f"before the first step (its variables stay as built) and the others train as they "
+            f"would have"
+        )
         return row
 
     # ------------------------------------------------------------------------------------------
@@ -720,7 +750,7 @@ class ToolSession:
 
         def work(record: RunRecord) -> dict[str, Any]:
             try:
-                record.population = Population(
+                population = Population(
                     plan.instance,
                     members=plan.members,
                     progress=recorder,
@@ -732,13 +762,18 @@ class ToolSession:
                 raise
             finally:
                 ready.set()
-            return _population_training(record.population, epochs, steps)(record)
+            with record.setting_up:  # the members nitro_stop asked for meanwhile stop first
+                record.population = population
+                for member in dict.fromkeys(record.queued_stops):
+                    population.stop(member, why=f"stopped by nitro_stop (member {member})")
+            return _population_training(population, epochs, steps)(record)
 
         record = self.registry.start(
             "population",
             work,
             experiment=type(plan.instance).__qualname__,
             before=self.before_run,
+            members=plan.count,
         )
         if not ready.wait(wait_seconds):
             row = self._describe(self._find(record.run_id), brief=True)
@@ -813,6 +848,11 @@ class ToolSession:
     ) -> dict[str, Any]:
         found = self._find(run_id)
         population = found.population
+        if population is None and found.record is not None and found.record.kind == "population":
+            raise ToolFailure(
+                f"run_id: population {run_id} is still setting up its members; take a member "
+                f"once nitro_status shows them"
+            )
         if population is None:
             raise ToolFailure(
                 f"run_id: run {run_id} is a single run, not a population (nitro_runs marks them "

@@ -166,10 +166,14 @@ def anchor_leaves(decay_to: Any, params: Any) -> list:
                 f"  {path}: parameter shape {np.shape(param)}, decay_to {np.shape(anchor)}"
             )
             continue
+        bad = int(np.size(anchor) - jnp.count_nonzero(jnp.isfinite(anchor)))
+        if bad:  # weight decay would pull the weights to it: the run's first step diverges
+            problems.append(f"  {path}: {bad} of {np.size(anchor)} values are not finite")
+            continue
         leaves.append(jnp.array(anchor, dtype=param.dtype, copy=True))
     if problems:
         raise OptimizerError(
             "decay_to does not fit the parameters (give 'zero', 'init', a model, or a tree "
-            "shaped like the parameters):\n" + "\n".join(problems[:8])
+            "of finite values shaped like the parameters):\n" + "\n".join(problems[:8])
         )
     return leaves

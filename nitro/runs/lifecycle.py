@@ -226,11 +226,15 @@ class RunFiles:
         state: TrainState,
         events: Events,
         device: Mapping[str, Any],
+        say: Callable[[str], None] | None = None,
     ) -> tuple[TrainState, dict[str, Any]]:
         """The state to resume from, read from the checkpoint (a new `TrainState`; `state`,
         the fresh one, gives the arrays' shapes and stays as it was), and the checkpoint's
-        JSON record. `device`: the Device fields' values now, compared with the saved ones."""
+        JSON record. `device`: the Device fields' values now, compared with the saved ones.
+        `say`: how to tell the person what the resume continues and what differs (default:
+        an event note; a handle without progress prints them)."""
         assert self.resume_from is not None  # planned: a run that resumes
+        note = say or events.note
         directory, step = self.resume_from
         saved, meta = read_checkpoint(
             directory, step, targets=restore_targets(setup, state.variables)
@@ -243,8 +247,8 @@ class RunFiles:
                 f"member i's weights"
             )
         _check_config(setup, meta)
-        for note in _drift_notes(setup, meta, device):
-            events.note(note)
+        for line in _drift_notes(setup, meta, device):
+            note(line)
         variables = state.variables
         if variables.opt_state is not None and "opt_state" not in saved:
             raise SetupError(
@@ -258,7 +262,7 @@ class RunFiles:
             saved,
             misfit=_optimizer_misfit(setup, meta, self.resume_from),
             here="this run's",
-            note=events.note,
+            note=note,
         )
         differences = training_differences(meta.get("training"), training_config(setup))
         if differences is not None:
@@ -274,7 +278,7 @@ class RunFiles:
                 )
             else:  # a run that did not scale its loss before
                 scale = setup.precision.initial_scale if setup.precision is not None else 1.0
-                events.note(
+                note(
                     f"the checkpoint holds no loss scale (it was not trained in float16): the "
                     f"dynamic loss scale starts at {scale:g}"
                 )
@@ -294,9 +298,7 @@ class RunFiles:
                 f"{self.run_id} (the later checkpoints of {self.branched_from} stay as they "
                 f"were);"
             )
-        events.note(
-            f"{said} at epoch {restored.epoch}, step {restored.step} ({self.resume_from.path})"
-        )
+        note(f"{said} at epoch {restored.epoch}, step {restored.step} ({self.resume_from.path})")
         return restored, meta
 
     # ------------------------------------------------------------------------------------------
@@ -710,6 +712,7 @@ def _resume_source(
     if [run.path for run in runs] == [root.absolute()]:  # run_dir= names one run: that one
         if runs[0].checkpoints:
             check_free(root)
+            say(f"resume='auto' continues run {runs[0].run_id}: the run run_dir= names")
             return resolve_checkpoint(root, targets=targets)
         choice = None
     else:
@@ -938,7 +941,7 @@ def _drift_notes(setup: RunSetup, meta: dict[str, Any], device: Mapping[str, Any
     if int(meta.get("seed", setup.seed)) != setup.seed:
         notes.append(
             f"the checkpoint's seed {meta['seed']} replaces seed={setup.seed} (the data order "
-            f"continues as it began)"
+            f"and the hooks' rngs continue as they began)"
         )
     return notes
 
