@@ -118,6 +118,7 @@ def _member_copy(logger: Any, index: int, run_id: str) -> Any:
             run_name=f"{logger.run_name}-member-{index}" if logger.run_name else None,
             tags=logger.extra_tags,
             flush_secs=logger.flush_secs,
+            timeout=logger.timeout,
         )
     if isinstance(logger, WandbLogger):
         options = dict(logger.options)
