@@ -64,6 +64,23 @@ def test_a_worker_error_names_the_batch_and_chains_the_original():
     assert workers_of(os.getpid()) == []
 
 
+def test_a_worker_that_dies_gives_a_data_worker_error_naming_the_split_and_a_fresh_pool_next():
+    n = nitro.Nitro(
+        Pipe(max_epochs=1),
+        data={"train": Augmented(die_at=5)},
+        prefetch="processes",
+        prefetch_workers=2,
+        progress=False,
+    )
+    for _ in range(2):  # the handle stays usable: the second call starts a fresh pool
+        with pytest.raises(
+            DataWorkerError, match=r"worker process building the 'train' split died"
+        ):
+            n.train()
+        assert _wait_for(lambda: workers_of(os.getpid()) == [])
+    assert n.stop_reason == "error" and n.step < 8
+
+
 def test_a_source_that_does_not_pickle_or_has_no_index_is_refused_at_setup():
     source = Augmented()
     source.lock = threading.Lock()

@@ -137,7 +137,13 @@ class WorkerPool:
                 )
                 self._finalizer = weakref.finalize(self, _shut_down, self._executor, folder)
             executor = self._executor
-        return executor.submit(_build, epoch, index)
+        try:
+            return executor.submit(_build, epoch, index)
+        except concurrent.futures.process.BrokenProcessPool as error:
+            # a worker died since the last submit: the error is the batch's, read by result()
+            broken: concurrent.futures.Future = concurrent.futures.Future()
+            broken.set_exception(error)
+            return broken
 
     def result(self, future: concurrent.futures.Future, epoch: int, index: int) -> Any:
         """The batch a worker built, or its error, re-raised naming the batch."""
@@ -146,8 +152,8 @@ class WorkerPool:
         except concurrent.futures.process.BrokenProcessPool as error:
             self.release()  # the next epoch starts a fresh pool
             raise DataWorkerError(
-                f"a worker process building the '{self.split}' split died while batch "
-                f"{index} of epoch {epoch} was in flight: killed, out of memory, or it failed "
+                f"a worker process building the '{self.split}' split died by batch {index} "
+                f"of epoch {epoch}: killed, out of memory, crashed, or it failed "
                 f"to start (a script that trains needs `if __name__ == '__main__':` around "
                 f"it: each worker imports the main module; its error is above). The pool was "
                 f"shut down: {error}"
