@@ -231,6 +231,32 @@ def test_export_hooks_name_type_and_preprocess_the_wire(trained, tmp_path):
     np.testing.assert_allclose(model(x=x)["output"], trained.predict({"x": 2 * x}), atol=1e-6)
 
 
+def test_python_lists_convert_by_the_input_dtype_and_values_that_do_not_fit_are_refused(
+    trained, exported, tmp_path
+):
+    nitro.Nitro(Pixels(), weights=trained, progress=False).export(str(tmp_path / "pixels"))
+    pixels = nitro.bundle.load(tmp_path / "pixels")
+    row = [0, 255, 3, 4, 5]
+    np.testing.assert_array_equal(
+        pixels(pixels=[row])["logits"], pixels(pixels=np.array([row], np.uint8))["logits"]
+    )
+    error = nitro.bundle.BundleError
+    with pytest.raises(
+        error,
+        match=r"input 'pixels' must be uint8\[batch, 5\]: 1\.7 is not a whole number, and "
+        r"uint8 takes integers only; give values that fit, or an array of that dtype",
+    ):
+        pixels(pixels=[[1.7, 0, 0, 0, 0]])
+    with pytest.raises(error, match=r"1099511627776 is out of the range of uint8 \(0 to 255\)"):
+        pixels(pixels=[[2**40, 0, 0, 0, 0]])
+    with pytest.raises(error, match=r"256 is out of the range of uint8"):
+        pixels(pixels=[[256, 0, 0, 0, 0]])
+    floats = nitro.bundle.load(exported)
+    with pytest.raises(error, match=r"input 'x' must be float32\[batch, 5\]: 1e\+39 is out of"):
+        floats(x=[[1e39, 0.0, 0.0, 0.0, 0.0]])
+    assert floats(x=[[1.7, 0.0, 0.0, 0.0, 0.0]])["output"].shape == (1, 2)
+
+
 def test_export_errors_name_the_hook_or_argument_and_the_fix(trained, tmp_path):
     with pytest.raises(ExportError, match=r"does not trace for a batch of 1.*Python int"):
         nitro.Nitro(FixedBatch(), progress=False).export(str(tmp_path / "fixed"))

@@ -38,6 +38,8 @@ import jax
 import numpy as np
 from jax import export as jax_export
 
+from nitro.serving.values import value_problem
+
 __all__ = [
     "BATCH",
     "FORMAT",
@@ -322,10 +324,16 @@ class Bundle:
                     f"{self.name} needs input {spec.name!r} ({spec}); it takes {expected}"
                 )
             value = given[spec.name]
-            if not hasattr(value, "dtype"):  # a list or a number carries no dtype to check
+            if not hasattr(value, "dtype"):  # a list or a number: converted by the input's dtype
+                problem = value_problem(value, np.dtype(spec.dtype), spec.dtype)
+                if problem is not None:
+                    raise BundleError(
+                        f"input {spec.name!r} must be {spec.dtype}{spec.shape_text()}: "
+                        f"{problem}; give values that fit, or an array of that dtype"
+                    )
                 try:
                     value = np.asarray(value, dtype=spec.dtype)
-                except (TypeError, ValueError) as error:
+                except (TypeError, ValueError, OverflowError) as error:
                     raise BundleError(
                         f"input {spec.name!r} must be {spec.dtype}{spec.shape_text()}: {error}"
                     ) from None
