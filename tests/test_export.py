@@ -19,7 +19,7 @@ from toys import Toy, X
 
 import nitro
 import nitro.bundle
-from nitro.serving.export import ExportError
+from nitro.serving.export import DEFAULT_PLATFORMS, ExportError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RNG = np.random.default_rng(1)
@@ -59,6 +59,24 @@ class Declared(Toy):
 class FixedBatch(Toy):
     def forward(self, model, *, x):
         return model(x.reshape(16, 5))
+
+
+@nitro.experiment
+class HostCheck(Toy):
+    """A forward that calls back to Python on the host, as a library's runtime check does."""
+
+    def forward(self, model, *, x):
+        jax.debug.callback(lambda rows: None, x)
+        return model(x)
+
+
+@nitro.experiment
+class HostTransform(Toy):
+    def forward(self, model, *, x):
+        doubled = jax.pure_callback(
+            lambda rows: np.asarray(rows) * 2, jax.ShapeDtypeStruct(x.shape, x.dtype), x
+        )
+        return model(doubled)
 
 
 @nitro.experiment
@@ -255,6 +273,25 @@ def test_python_lists_convert_by_the_input_dtype_and_values_that_do_not_fit_are_
     with pytest.raises(error, match=r"input 'x' must be float32\[batch, 5\]: 1e\+39 is out of"):
         floats(x=[[1e39, 0.0, 0.0, 0.0, 0.0]])
     assert floats(x=[[1.7, 0.0, 0.0, 0.0, 0.0]])["output"].shape == (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("experiment", "primitive"),
+    [(HostCheck, "debug_callback"), (HostTransform, "pure_callback")],
+)
+@pytest.mark.parametrize("platforms", [("cpu",), DEFAULT_PLATFORMS])
+def test_a_forward_with_a_host_callback_is_refused_naming_the_cause_and_the_fix(
+    trained, tmp_path, experiment, primitive, platforms
+):
+    n = nitro.Nitro(experiment(), weights=trained, progress=False)
+    assert n.predict({"x": X[:3]}).shape == (3, 2)  # it trains and predicts in the process
+    with pytest.raises(
+        ExportError,
+        match=rf"forward holds 1 host callback \({primitive} at .*test_export\.py.*\).*a bundle "
+        r"cannot hold.*EQX_ON_ERROR=nan.*throw=False",
+    ):
+        n.export(str(tmp_path / "bundle"), platforms=platforms)
+    assert not (tmp_path / "bundle").exists()
 
 
 def test_export_errors_name_the_hook_or_argument_and_the_fix(trained, tmp_path):
