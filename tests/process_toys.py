@@ -51,3 +51,17 @@ class Augmented(ArrayLoader):
         busy(self.work)
         time.sleep(self.sleep)
         return batch
+
+
+class StartsInNoWorker(Augmented):
+    """An `Augmented` that cannot be loaded in another process (as a source whose module a
+    worker cannot import): worker processes die before their first batch."""
+
+    def __init__(self, work: int = 0):
+        super().__init__(work=work)
+        self.home = os.getpid()
+
+    def __setstate__(self, state):
+        if state["home"] != os.getpid():
+            raise ImportError("this source cannot be loaded in a worker process")
+        self.__dict__.update(state)

@@ -16,7 +16,7 @@ import numpy as np
 import psutil
 import pytest
 from pipeline_toys import Pipe, PlainBatches, params_of
-from process_toys import Augmented
+from process_toys import Augmented, StartsInNoWorker
 from worker_processes import gone, survivors_of_a_kill, workers_of
 from worker_processes import wait_for as _wait_for
 
@@ -128,7 +128,7 @@ def test_no_worker_outlives_its_parent_killed_mid_run():
         sys.path.insert(0, {str(TESTS)!r})
         import nitro
         from pipeline_toys import Pipe
-        from process_toys import Augmented
+        from process_toys import Augmented, StartsInNoWorker
         n = nitro.Nitro(Pipe(max_epochs=100_000), data={{"train": Augmented(work=1_000)}},
                         prefetch="processes", prefetch_workers=2, progress=False)
         n.train()
@@ -153,6 +153,48 @@ def test_auto_measures_and_the_binding_report_says_which_and_why():
     assert "prefetch inline: a batch builds in" in str(arrays.binding_report())
 
 
+@pytest.mark.serial  # auto's choice is a measurement of this machine
+def test_auto_runs_a_script_without_a_main_guard_on_threads_with_one_note(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            sys.path.insert(0, {str(TESTS)!r})
+            import nitro
+            from pipeline_toys import Pipe
+            from process_toys import Augmented, StartsInNoWorker
+            n = nitro.Nitro(Pipe(max_epochs=2), data={{"train": Augmented(work=10_000)}},
+                            steps_per_dispatch=1, progress=False)
+            n.train()
+            print(n.step, n.stop_reason)
+            """
+        )
+    )
+    done = subprocess.run(
+        [sys.executable, str(script)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["16", "completed"]
+    notes = [line for line in done.stderr.splitlines() if "prefetch='auto' builds" in line]
+    assert len(notes) == 1, done.stderr[-3000:]
+    assert "on threads: 2 threads built batches" in notes[0]
+    assert 'train.py again: it trains outside `if __name__ == "__main__":`' in notes[0]
+
+
+@pytest.mark.serial  # auto's choice is a measurement of this machine
+def test_auto_goes_on_with_threads_when_its_worker_processes_die_before_their_first_batch():
+    with pytest.warns(RuntimeWarning, match=r"died before they built a batch") as caught:
+        n = train(StartsInNoWorker(work=10_000), steps_per_dispatch=1)
+    assert [str(w.message).count("prefetch='auto'") for w in caught] == [1]
+    assert n.stop_reason == "completed" and n.step == 16
+    assert "prefetch fanout: 2 workers" in str(n.binding_report())
+    assert "threads instead" in str(n.binding_report())
+    threads = train(StartsInNoWorker(work=10_000), prefetch="threads", steps_per_dispatch=1)
+    assert n.history()["loss"].tolist() == threads.history()["loss"].tolist()
+    assert workers_of(os.getpid()) == []
+
+
 def test_a_script_without_a_main_guard_fails_naming_the_guard_instead_of_hanging(tmp_path):
     # each worker imports the main module, which here trains again and fails to start a pool
     script = tmp_path / "train.py"
@@ -163,7 +205,7 @@ def test_a_script_without_a_main_guard_fails_naming_the_guard_instead_of_hanging
             sys.path.insert(0, {str(TESTS)!r})
             import nitro
             from pipeline_toys import Pipe
-            from process_toys import Augmented
+            from process_toys import Augmented, StartsInNoWorker
             n = nitro.Nitro(Pipe(max_epochs=1), data={{"train": Augmented()}},
                             prefetch="processes", progress=False)
             n.train()
