@@ -26,7 +26,6 @@ from typing import Any
 import numpy as np
 
 from nitro.serving import bundle as bundles
-from nitro.serving.values import value_problem
 
 __all__ = [
     "HostGRPCServer",
@@ -116,7 +115,7 @@ def decode_inputs(
                 f"{max_batch} per request (nitro serve --max-batch)"
             )
         if isinstance(item.data, (list, tuple, np.ndarray)):  # numbers, not binary data
-            problem = value_problem(item.data, np.dtype(spec.dtype), item.datatype)
+            problem = bundles.value_problem(item.data, np.dtype(spec.dtype), item.datatype)
             if problem is not None:
                 raise InvalidInput(f"input {item.name!r}: {problem}")
         try:
