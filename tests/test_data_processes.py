@@ -10,6 +10,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -163,30 +164,40 @@ def test_auto_runs_a_script_without_a_main_guard_on_threads_with_one_note(tmp_pa
             sys.path.insert(0, {str(TESTS)!r})
             import nitro
             from pipeline_toys import Pipe
-            from process_toys import Augmented, StartsInNoWorker
+            from process_toys import Augmented
             n = nitro.Nitro(Pipe(max_epochs=2), data={{"train": Augmented(work=10_000)}},
                             steps_per_dispatch=1, progress=False)
             n.train()
             print(n.step, n.stop_reason)
+            print(n.binding_report())
             """
         )
     )
-    done = subprocess.run(
-        [sys.executable, str(script)], capture_output=True, text=True, timeout=600
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.split() == ["16", "completed"]
+    for _ in range(3):  # a busy machine can make 2 threads look faster than 1: then again
+        done = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.split()[:2] == ["16", "completed"]
+        if "runs in parallel on threads" not in done.stdout:
+            break
     notes = [line for line in done.stderr.splitlines() if "prefetch='auto' builds" in line]
-    assert len(notes) == 1, done.stderr[-3000:]
+    assert len(notes) == 1, done.stdout + done.stderr[-3000:]
     assert "on threads: 2 threads built batches" in notes[0]
     assert 'train.py again: it trains outside `if __name__ == "__main__":`' in notes[0]
+    assert "prefetch fanout: " in done.stdout and "train.py again" in done.stdout
 
 
 @pytest.mark.serial  # auto's choice is a measurement of this machine
 def test_auto_goes_on_with_threads_when_its_worker_processes_die_before_their_first_batch():
-    with pytest.warns(RuntimeWarning, match=r"died before they built a batch") as caught:
-        n = train(StartsInNoWorker(work=10_000), steps_per_dispatch=1)
-    assert [str(w.message).count("prefetch='auto'") for w in caught] == [1]
+    for _ in range(3):  # a busy machine can make 2 threads look faster than 1: then again
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            n = train(StartsInNoWorker(work=10_000), steps_per_dispatch=1)
+        if "runs in parallel on threads" not in str(n.binding_report()):
+            break
+    notes = [str(w.message) for w in caught if "prefetch='auto'" in str(w.message)]
+    assert len(notes) == 1 and "died before they built a batch" in notes[0], notes
     assert n.stop_reason == "completed" and n.step == 16
     assert "prefetch fanout: 2 workers" in str(n.binding_report())
     assert "threads instead" in str(n.binding_report())
@@ -218,6 +229,8 @@ def test_a_script_without_a_main_guard_fails_naming_the_guard_instead_of_hanging
     assert done.returncode != 0
     assert "DataWorkerError" in done.stderr
     assert "if __name__ == '__main__':" in done.stderr
+    assert "so each would train again" in done.stderr
+    assert "bootstrapping phase" not in done.stderr  # refused before any worker ran the script
 
 
 def test_a_population_on_worker_processes_trains_as_on_threads_and_leaves_no_worker():

@@ -172,6 +172,14 @@ class WorkerPool:
                 if _key(self.source, pickled) != self._key:  # changed since: fresh workers
                     self._stop_locked()
             if self._executor is None:
+                script = unguarded_script()
+                if script is not None:  # each worker would run it, and fail to start its own
+                    raise DataWorkerError(
+                        f"prefetch='processes' starts worker processes for the '{self.split}' "
+                        f"split, and each imports {script}, which trains outside "
+                        f"`if __name__ == '__main__':`, so each would train again. Put the "
+                        f"training under that guard, or use prefetch='threads'"
+                    )
                 folder = tempfile.mkdtemp(prefix="nitro-workers-")
                 path = os.path.join(folder, "source.pkl")
                 pickled = pickled_source(self.source, self.split)
