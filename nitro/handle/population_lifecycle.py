@@ -125,7 +125,7 @@ def _member_copy(logger: Any, index: int, run_id: str) -> Any:
         if options.get("name"):
             options["name"] = f"{options['name']}-member-{index}"
         options["group"] = options.get("group") or run_id  # the population's runs together
-        return WandbLogger(logger.project, dir=logger._dir, **options)
+        return WandbLogger(logger.project, dir=logger._dir, timeout=logger.timeout, **options)
     raise PopulationError(
         f"logger={logger!r}: a population gives each member a logger run of its own, and "
         f"{type(logger).__qualname__} is not one of Nitro's loggers, which it copies per "
