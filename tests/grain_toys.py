@@ -6,6 +6,8 @@ the middle of epoch 3) and `resume` (resume RUN_DIR, finish, write OUT)."""
 
 from __future__ import annotations
 
+import functools
+import os
 import sys
 from pathlib import Path
 
@@ -36,6 +38,19 @@ def jitter(sample, rng: np.random.Generator):
 def augmented(seed: int = 11):
     """64 training samples, randomly augmented by Grain (`random_map`, seeded)."""
     return grain.MapDataset.source(rows(0, 64)).random_map(jitter, seed=seed)
+
+
+def _mark(folder: str, batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    """A per-batch map that notes which process ran it: a line in a file named by its pid."""
+    with open(Path(folder, str(os.getpid())), "a") as file:
+        file.write("batch\n")
+    return batch
+
+
+def batched_marked(folder: str):
+    """The 64 training samples in batches of 8, in order, through a Python map per batch that
+    marks its process in `folder`."""
+    return grain.MapDataset.source(rows(0, 64)).batch(8).map(functools.partial(_mark, folder))
 
 
 class MLP(nnx.Module):

@@ -7,6 +7,7 @@ datasets (built in memory: no download)."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -17,7 +18,7 @@ import numpy as np
 import optax
 import pytest
 from flax import nnx
-from grain_toys import MLP, Augmented, augmented, rows
+from grain_toys import MLP, Augmented, augmented, batched_marked, rows
 from lifecycle_toys import parameters
 from system import child_env
 
@@ -347,3 +348,32 @@ def test_a_dataset_of_samples_without_a_batch_size_is_refused_with_the_fixes():
         GrainSource(ids().batch(4), batch_size=4)
     with pytest.raises(SetupError, match=r"DatasetDict of splits \['train'\]; give one split each"):
         build(datasets.DatasetDict({"train": table(0, 8)}))
+
+
+def test_a_batched_pipeline_runs_its_map_in_the_worker_processes_with_the_batches_of_threads(
+    tmp_path,
+):
+    losses, marks = {}, {}
+    for mode in ("threads", "processes"):
+        folder = tmp_path / mode
+        folder.mkdir()
+        n = nitro.Nitro(
+            Augmented(max_epochs=2),
+            data={
+                "train": batched_marked(str(folder)),
+                "val": grain.MapDataset.source(rows(64, 96)),
+            },
+            prefetch=mode,
+            prefetch_workers=2,
+            steps_per_dispatch=1,
+            checkpointer=None,
+            progress=False,
+        )
+        losses[mode] = n.train().history()["loss"].tolist()
+        marks[mode] = {int(p.name): len(p.read_text().split()) for p in folder.iterdir()}
+    assert losses["processes"] == losses["threads"]
+    trained = 2 * 8  # batches: the rest the parent reads at setup, for the shapes
+    assert list(marks["threads"]) == [os.getpid()] and marks["threads"][os.getpid()] > trained
+    in_workers = {pid: count for pid, count in marks["processes"].items() if pid != os.getpid()}
+    assert sum(in_workers.values()) == trained  # the workers ran the map of every batch
+    assert marks["processes"][os.getpid()] == marks["threads"][os.getpid()] - trained

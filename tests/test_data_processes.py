@@ -10,13 +10,14 @@ import subprocess
 import sys
 import textwrap
 import threading
+import warnings
 from pathlib import Path
 
 import numpy as np
 import psutil
 import pytest
 from pipeline_toys import Pipe, PlainBatches, params_of
-from process_toys import Augmented
+from process_toys import Augmented, StartsInNoWorker
 from worker_processes import gone, survivors_of_a_kill, workers_of
 from worker_processes import wait_for as _wait_for
 
@@ -62,6 +63,23 @@ def test_a_worker_error_names_the_batch_and_chains_the_original():
     assert isinstance(original, ValueError)
     assert "in batch_at" in str(original.__cause__)  # the worker's own traceback
     assert workers_of(os.getpid()) == []
+
+
+def test_a_worker_that_dies_gives_a_data_worker_error_naming_the_split_and_a_fresh_pool_next():
+    n = nitro.Nitro(
+        Pipe(max_epochs=1),
+        data={"train": Augmented(die_at=5)},
+        prefetch="processes",
+        prefetch_workers=2,
+        progress=False,
+    )
+    for _ in range(2):  # the handle stays usable: the second call starts a fresh pool
+        with pytest.raises(
+            DataWorkerError, match=r"worker process building the 'train' split died"
+        ):
+            n.train()
+        assert _wait_for(lambda: workers_of(os.getpid()) == [])
+    assert n.stop_reason == "error" and n.step < 8
 
 
 def test_a_source_that_does_not_pickle_or_has_no_index_is_refused_at_setup():
@@ -111,7 +129,7 @@ def test_no_worker_outlives_its_parent_killed_mid_run():
         sys.path.insert(0, {str(TESTS)!r})
         import nitro
         from pipeline_toys import Pipe
-        from process_toys import Augmented
+        from process_toys import Augmented, StartsInNoWorker
         n = nitro.Nitro(Pipe(max_epochs=100_000), data={{"train": Augmented(work=1_000)}},
                         prefetch="processes", prefetch_workers=2, progress=False)
         n.train()
@@ -136,6 +154,58 @@ def test_auto_measures_and_the_binding_report_says_which_and_why():
     assert "prefetch inline: a batch builds in" in str(arrays.binding_report())
 
 
+@pytest.mark.serial  # auto's choice is a measurement of this machine
+def test_auto_runs_a_script_without_a_main_guard_on_threads_with_one_note(tmp_path):
+    script = tmp_path / "train.py"
+    script.write_text(
+        textwrap.dedent(
+            f"""
+            import sys
+            sys.path.insert(0, {str(TESTS)!r})
+            import nitro
+            from pipeline_toys import Pipe
+            from process_toys import Augmented
+            n = nitro.Nitro(Pipe(max_epochs=2), data={{"train": Augmented(work=10_000)}},
+                            steps_per_dispatch=1, progress=False)
+            n.train()
+            print(n.step, n.stop_reason)
+            print(n.binding_report())
+            """
+        )
+    )
+    for _ in range(3):  # a busy machine can make 2 threads look faster than 1: then again
+        done = subprocess.run(
+            [sys.executable, str(script)], capture_output=True, text=True, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert done.stdout.split()[:2] == ["16", "completed"]
+        if "runs in parallel on threads" not in done.stdout:
+            break
+    notes = [line for line in done.stderr.splitlines() if "prefetch='auto' builds" in line]
+    assert len(notes) == 1, done.stdout + done.stderr[-3000:]
+    assert "on threads: 2 threads built batches" in notes[0]
+    assert 'train.py again: it trains outside `if __name__ == "__main__":`' in notes[0]
+    assert "prefetch fanout: " in done.stdout and "train.py again" in done.stdout
+
+
+@pytest.mark.serial  # auto's choice is a measurement of this machine
+def test_auto_goes_on_with_threads_when_its_worker_processes_die_before_their_first_batch():
+    for _ in range(3):  # a busy machine can make 2 threads look faster than 1: then again
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            n = train(StartsInNoWorker(work=10_000), steps_per_dispatch=1)
+        if "runs in parallel on threads" not in str(n.binding_report()):
+            break
+    notes = [str(w.message) for w in caught if "prefetch='auto'" in str(w.message)]
+    assert len(notes) == 1 and "died before they built a batch" in notes[0], notes
+    assert n.stop_reason == "completed" and n.step == 16
+    assert "prefetch fanout: 2 workers" in str(n.binding_report())
+    assert "threads instead" in str(n.binding_report())
+    threads = train(StartsInNoWorker(work=10_000), prefetch="threads", steps_per_dispatch=1)
+    assert n.history()["loss"].tolist() == threads.history()["loss"].tolist()
+    assert workers_of(os.getpid()) == []
+
+
 def test_a_script_without_a_main_guard_fails_naming_the_guard_instead_of_hanging(tmp_path):
     # each worker imports the main module, which here trains again and fails to start a pool
     script = tmp_path / "train.py"
@@ -146,7 +216,7 @@ def test_a_script_without_a_main_guard_fails_naming_the_guard_instead_of_hanging
             sys.path.insert(0, {str(TESTS)!r})
             import nitro
             from pipeline_toys import Pipe
-            from process_toys import Augmented
+            from process_toys import Augmented, StartsInNoWorker
             n = nitro.Nitro(Pipe(max_epochs=1), data={{"train": Augmented()}},
                             prefetch="processes", progress=False)
             n.train()
@@ -159,6 +229,8 @@ def test_a_script_without_a_main_guard_fails_naming_the_guard_instead_of_hanging
     assert done.returncode != 0
     assert "DataWorkerError" in done.stderr
     assert "if __name__ == '__main__':" in done.stderr
+    assert "so each would train again" in done.stderr
+    assert "bootstrapping phase" not in done.stderr  # refused before any worker ran the script
 
 
 def test_a_population_on_worker_processes_trains_as_on_threads_and_leaves_no_worker():

@@ -19,7 +19,7 @@ from toys import Toy, X
 
 import nitro
 import nitro.bundle
-from nitro.serving.export import ExportError
+from nitro.serving.export import DEFAULT_PLATFORMS, ExportError
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 RNG = np.random.default_rng(1)
@@ -59,6 +59,24 @@ class Declared(Toy):
 class FixedBatch(Toy):
     def forward(self, model, *, x):
         return model(x.reshape(16, 5))
+
+
+@nitro.experiment
+class HostCheck(Toy):
+    """A forward that calls back to Python on the host, as a library's runtime check does."""
+
+    def forward(self, model, *, x):
+        jax.debug.callback(lambda rows: None, x)
+        return model(x)
+
+
+@nitro.experiment
+class HostTransform(Toy):
+    def forward(self, model, *, x):
+        doubled = jax.pure_callback(
+            lambda rows: np.asarray(rows) * 2, jax.ShapeDtypeStruct(x.shape, x.dtype), x
+        )
+        return model(doubled)
 
 
 @nitro.experiment
@@ -229,6 +247,51 @@ def test_export_hooks_name_type_and_preprocess_the_wire(trained, tmp_path):
     x = batch(4)
     assert [str(s) for s in model.inputs] == ["x: float32[batch, 5]"]
     np.testing.assert_allclose(model(x=x)["output"], trained.predict({"x": 2 * x}), atol=1e-6)
+
+
+def test_python_lists_convert_by_the_input_dtype_and_values_that_do_not_fit_are_refused(
+    trained, exported, tmp_path
+):
+    nitro.Nitro(Pixels(), weights=trained, progress=False).export(str(tmp_path / "pixels"))
+    pixels = nitro.bundle.load(tmp_path / "pixels")
+    row = [0, 255, 3, 4, 5]
+    np.testing.assert_array_equal(
+        pixels(pixels=[row])["logits"], pixels(pixels=np.array([row], np.uint8))["logits"]
+    )
+    error = nitro.bundle.BundleError
+    with pytest.raises(
+        error,
+        match=r"input 'pixels' must be uint8\[batch, 5\]: 1\.7 is not a whole number, and "
+        r"uint8 takes integers only; give values that fit, or an array of that dtype",
+    ):
+        pixels(pixels=[[1.7, 0, 0, 0, 0]])
+    with pytest.raises(error, match=r"1099511627776 is out of the range of uint8 \(0 to 255\)"):
+        pixels(pixels=[[2**40, 0, 0, 0, 0]])
+    with pytest.raises(error, match=r"256 is out of the range of uint8"):
+        pixels(pixels=[[256, 0, 0, 0, 0]])
+    floats = nitro.bundle.load(exported)
+    with pytest.raises(error, match=r"input 'x' must be float32\[batch, 5\]: 1e\+39 is out of"):
+        floats(x=[[1e39, 0.0, 0.0, 0.0, 0.0]])
+    assert floats(x=[[1.7, 0.0, 0.0, 0.0, 0.0]])["output"].shape == (1, 2)
+
+
+@pytest.mark.parametrize(
+    ("experiment", "primitive"),
+    [(HostCheck, "debug_callback"), (HostTransform, "pure_callback")],
+)
+@pytest.mark.parametrize("platforms", [("cpu",), DEFAULT_PLATFORMS])
+def test_a_forward_with_a_host_callback_is_refused_naming_the_cause_and_the_fix(
+    trained, tmp_path, experiment, primitive, platforms
+):
+    n = nitro.Nitro(experiment(), weights=trained, progress=False)
+    assert n.predict({"x": X[:3]}).shape == (3, 2)  # it trains and predicts in the process
+    with pytest.raises(
+        ExportError,
+        match=rf"forward holds 1 host callback \({primitive} at .*test_export\.py.*\).*a bundle "
+        r"cannot hold.*EQX_ON_ERROR=nan.*throw=False",
+    ):
+        n.export(str(tmp_path / "bundle"), platforms=platforms)
+    assert not (tmp_path / "bundle").exists()
 
 
 def test_export_errors_name_the_hook_or_argument_and_the_fix(trained, tmp_path):

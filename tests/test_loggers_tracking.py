@@ -4,8 +4,13 @@ and W&B's offline run files (its `.wandb` log read with W&B's own protobuf schem
 
 import glob
 import io
+import os
+import socket
 import struct
+import subprocess
+import sys
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -201,6 +206,70 @@ def test_mlflow_refuses_a_run_its_store_does_not_hold(tmp_path, mlflow_store):
         logger.reattach({"logdir": "x"})
     with pytest.raises(TypeError, match=r"tracking_uri=\.\.\.\) takes a URI string"):
         nitro.loggers.MLflowLogger(42)
+
+
+def test_mlflow_with_no_tracking_uri_writes_a_local_store_out_of_the_box(tmp_path, monkeypatch):
+    """What `pip install 'nitro[mlflow]'` gives a first run with no server and no settings:
+    MLflow's default store (`sqlite:///mlflow.db` in the working directory) works."""
+    pytest.importorskip("mlflow", reason="MLflowLogger needs pip install 'nitro[mlflow]'")
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.delenv("MLFLOW_ALLOW_FILE_STORE", raising=False)
+    monkeypatch.chdir(tmp_path)
+    script = """
+import nitro
+from nitro.examples.digits import Digits
+from mlflow.tracking import MlflowClient
+
+logger = nitro.loggers.MLflowLogger()
+n = nitro.Nitro(Digits(max_epochs=1), logger=logger, progress=False)
+n.train()
+run = MlflowClient().get_run(logger.run_id)
+print(run.info.status, len(MlflowClient().get_metric_history(logger.run_id, "loss")))
+"""
+    done = subprocess.run(
+        [sys.executable, "-W", "error::RuntimeWarning", "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["FINISHED", "9"]
+    assert os.path.isfile(tmp_path / "mlflow.db")
+
+
+def closed_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on: a connection is refused."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def test_a_tracking_server_that_is_down_is_switched_off_with_one_warning_and_the_run_stops_on_request(
+    tmp_path,
+):
+    pytest.importorskip("mlflow", reason="MLflowLogger needs pip install 'nitro[mlflow]'")
+    uri = f"http://127.0.0.1:{closed_port()}"
+    n = nitro.Nitro(
+        ToyWithMetrics(max_epochs=100_000),
+        run_dir=str(tmp_path / "run"),
+        logger=nitro.loggers.MLflowLogger(uri),
+        progress=False,
+    )
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        n.train(background=True)
+        deadline = time.monotonic() + 120  # MLflow's own retries alone take about 4 minutes
+        while n.step < 3 * STEPS_PER_EPOCH and n.running and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert n.step >= 3 * STEPS_PER_EPOCH, "the run did not get past its first steps"
+        n.stop().wait()
+    assert (n.running, n.stop_reason) == (False, "requested")
+    assert n.epoch < 100_000 and len(n.history()) >= 2
+    mentions = [str(w.message) for w in caught if "MLflowLogger" in str(w.message)]
+    assert len(mentions) == 1, mentions
+    assert f"no MLflow server answers at {uri}" in mentions[0]
+    assert "switched off for the rest of this run" in mentions[0]
 
 
 # ---------------------------------------------------------------------------------------------

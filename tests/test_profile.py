@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import shutil
 from pathlib import Path
 
 import jax
@@ -181,6 +182,48 @@ def test_profile_refuses_bad_steps_a_running_handle_and_a_running_trace(tmp_path
     finally:
         busy.stop().wait()
     assert busy.runtime.profiler is None
+
+
+def test_a_trace_directory_that_cannot_be_created_is_refused_before_anything_trains(tmp_path):
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "profile").write_text("a file where the trace directory would go")
+    n = _handle(run_dir=str(run_dir))
+    with pytest.raises(
+        OSError,
+        match=r"profile\(\) writes its trace under .*run/profile, which "
+        r"cannot be created.*profile\(trace=False\).*Nothing was trained",
+    ):
+        n.profile(steps=2)
+    assert n.step == 0 and n.runtime.profiler is None
+    report = n.profile(steps=2, trace=False)
+    assert report.steps == 2 and report.trace_dir is None
+
+
+def test_a_trace_directory_taken_away_during_the_steps_keeps_the_report_and_the_trace(tmp_path):
+    class TakesTheTraceDirectoryAway:
+        """Something else replaces the trace directory with a file while the steps train."""
+
+        def start_run(self, handle, target_epoch):
+            folder = Path(handle.run_dir) / "profile"
+            shutil.rmtree(folder)
+            folder.write_text("in the way")
+
+    n = _handle(run_dir=str(tmp_path / "run"))
+    taker = TakesTheTraceDirectoryAway()
+    n.events.add(taker)
+    report = n.profile(steps=3)
+    assert report.steps == 3 == n.step
+    assert any("The trace could not be moved under" in note for note in report.notes)
+    kept = Path(report.trace_dir)
+    assert not kept.is_relative_to(tmp_path) and (kept / "perfetto_trace.json.gz").is_file()
+    shutil.rmtree(kept.parents[2])
+
+    n.events.remove(taker)
+    (tmp_path / "run" / "profile").unlink()
+    again = n.profile(steps=1)  # jax's profiler is free again
+    assert Path(again.trace_dir).parent == tmp_path / "run" / "profile" / "plugins" / "profile"
+    assert {Path(f).name for f in again.trace_files} >= {"perfetto_trace.json.gz"}
 
 
 def test_every_epoch_has_host_ms_and_device_ms_that_split_its_time():

@@ -23,6 +23,7 @@ import os
 import queue
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
@@ -31,7 +32,7 @@ import numpy as np
 
 from nitro.data.iter_state import open_epoch
 from nitro.data.loaders import NoPrefetch, is_index_addressable
-from nitro.data.processes import WorkerPool, gil_speedup
+from nitro.data.processes import WorkerPool, WorkersDidNotStart, gil_speedup, unguarded_script
 from nitro.errors import SetupError
 
 __all__ = [
@@ -216,6 +217,12 @@ class _Failure:
 _END = _End()
 
 
+def _note(message: str) -> None:
+    """What "auto" changed from its choice, on stderr with or without a reporter (a script's
+    `progress=False` too): once, as a warning."""
+    warnings.warn(message, RuntimeWarning, stacklevel=3)
+
+
 class Prefetcher:
     """Wraps one split's source. `epoch(e, start)` returns a stream of `StagedBatch`es."""
 
@@ -301,11 +308,31 @@ class Prefetcher:
         measured = f"2 threads built batches {speedup:.2f}x as fast as 1, a batch in {seconds * 1e3:.1f} ms"
         if speedup >= THREADS_SCALE_AT:
             return "threads", f"{measured}: the work runs in parallel on threads"
+        script = unguarded_script()
+        if script is not None:
+            reason = (
+                f"{measured}, but worker processes would run {os.path.basename(script)} again: "
+                f'it trains outside `if __name__ == "__main__":`, which worker processes '
+                f"need (put the training under it)"
+            )
+            _note(f"prefetch='auto' builds the '{self.name}' split's batches on threads: {reason}")
+            return "threads", reason
         try:
-            self.pool = WorkerPool(self.source, self.settings.workers, self.name)
+            self.pool = WorkerPool(self.source, self.settings.workers, self.name, fallback=True)
         except SetupError as error:
             return "threads", f"{measured}, but the source does not pickle ({error.__cause__})"
         return "processes", f"{measured}: the work holds the interpreter lock"
+
+    def fall_back_to_threads(self, error: WorkersDidNotStart) -> None:
+        """ "auto"'s worker processes died before their first batch: threads from now on,
+        said once."""
+        assert self._auto is not None  # only "auto" falls back
+        self.pool = None
+        self._auto = ("threads", f"{self._auto[1]}, but {error}: threads instead")
+        _note(
+            f"prefetch='auto' builds the '{self.name}' split's batches on threads: {error} "
+            f"(their error is above; prefetch='processes' raises it)"
+        )
 
     @property
     def path(self) -> str:
@@ -787,6 +814,17 @@ class _ThreadedStream(EpochStream):
         )
 
     def _fan_out(self, source, epoch: int, start: int) -> None:
+        try:
+            self._fan_out_once(source, epoch, start)
+        except WorkersDidNotStart as error:  # "auto"'s processes: nothing was built by them
+            self.owner.fall_back_to_threads(error)
+            self.executor = concurrent.futures.ThreadPoolExecutor(
+                max_workers=self.settings.workers,
+                thread_name_prefix=f"nitro-prefetch-{self.owner.name}-worker",
+            )
+            self._fan_out_once(source, epoch, start)
+
+    def _fan_out_once(self, source, epoch: int, start: int) -> None:
         executor = self.executor
         pending: dict[int, concurrent.futures.Future] = {}
         try:
@@ -822,6 +860,8 @@ class _ThreadedStream(EpochStream):
                 if not self._flush():
                     return
             self._put(self.out, _END)
+        except WorkersDidNotStart:
+            raise
         except BaseException as error:  # noqa: BLE001 - re-raised in the loop
             self._put(self.out, _Failure(error))
         finally:

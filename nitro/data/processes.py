@@ -21,11 +21,16 @@ parent process is gone (killed, a kernel restart), so no worker outlives the pro
 started it.
 
 `gil_speedup` measures what decides between threads and processes for `prefetch="auto"`: how
-much faster two threads build a few batches than one.
+much faster two threads build a few batches than one. `unguarded_script` says when worker
+processes cannot start at all: each imports the script that runs, and one whose training is
+not under `if __name__ == "__main__":` would train again in every worker. A pool that "auto"
+chose and that dies before its first batch raises `WorkersDidNotStart`, on which the
+prefetcher goes on with threads.
 """
 
 from __future__ import annotations
 
+import ast
 import concurrent.futures
 import concurrent.futures.process
 import hashlib
@@ -42,7 +47,7 @@ from typing import Any
 
 from nitro.errors import DataWorkerError, SetupError
 
-__all__ = ["WorkerPool", "gil_speedup", "pickled_source"]
+__all__ = ["WorkerPool", "WorkersDidNotStart", "gil_speedup", "pickled_source", "unguarded_script"]
 
 # In a worker process: the source and the plan of the epoch it is building.
 _worker_source: Any = None
@@ -91,12 +96,57 @@ def _build(epoch: int, index: int) -> Any:
     return _worker_source.batch_at(index, _worker_plan[1])
 
 
-class WorkerPool:
-    """`workers` processes building one split's batches; started on first use."""
+class WorkersDidNotStart(DataWorkerError):
+    """A pool that `prefetch="auto"` chose died before it built its first batch."""
 
-    def __init__(self, source: Any, workers: int, split: str):
+
+def _is_main_guard(test: ast.expr) -> bool:
+    if not isinstance(test, ast.Compare) or len(test.comparators) != 1:
+        return False
+    sides = [test.left, test.comparators[0]]
+    names = [s for s in sides if isinstance(s, ast.Name) and s.id == "__name__"]
+    mains = [s for s in sides if isinstance(s, ast.Constant) and s.value == "__main__"]
+    return isinstance(test.ops[0], ast.Eq) and len(names) == 1 and len(mains) == 1
+
+
+def unguarded_script() -> str | None:
+    """The script this process runs when its main thread is in the script's own top-level
+    code outside an `if __name__ == "__main__":` block: a worker process started with
+    "spawn" imports that script, so it would run that code (train) again. None in a
+    notebook, a REPL, `python -c`, or under the guard."""
+    main = sys.modules.get("__main__")
+    path = getattr(main, "__file__", None)
+    if main is None or not isinstance(path, str) or not os.path.isfile(path):
+        return None
+    frame = sys._current_frames().get(threading.main_thread().ident or -1)
+    while frame is not None:
+        if frame.f_globals is vars(main) and frame.f_code.co_name == "<module>":
+            break
+        frame = frame.f_back
+    if frame is None:
+        return None
+    line = frame.f_lineno
+    try:
+        with open(path, encoding="utf-8") as file:
+            tree = ast.parse(file.read())
+    except (OSError, SyntaxError, ValueError):
+        return None
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and _is_main_guard(node.test):
+            if node.lineno <= line <= (node.end_lineno or node.lineno):
+                return None
+    return path
+
+
+class WorkerPool:
+    """`workers` processes building one split's batches; started on first use. `fallback`:
+    "auto" chose it, so a pool that dies before its first batch raises `WorkersDidNotStart`."""
+
+    def __init__(self, source: Any, workers: int, split: str, fallback: bool = False):
         pickled_source(source, split)  # refuse what does not pickle now, at setup
         self.source, self.workers, self.split = source, workers, split
+        self.fallback = fallback
+        self.delivered = 0  # batches the workers built: none means they never started
         self._executor: concurrent.futures.ProcessPoolExecutor | None = None
         self._lock = threading.Lock()
         self._finalizer: weakref.finalize | None = None
@@ -122,6 +172,14 @@ class WorkerPool:
                 if _key(self.source, pickled) != self._key:  # changed since: fresh workers
                     self._stop_locked()
             if self._executor is None:
+                script = unguarded_script()
+                if script is not None:  # each worker would run it, and fail to start its own
+                    raise DataWorkerError(
+                        f"prefetch='processes' starts worker processes for the '{self.split}' "
+                        f"split, and each imports {script}, which trains outside "
+                        f"`if __name__ == '__main__':`, so each would train again. Put the "
+                        f"training under that guard, or use prefetch='threads'"
+                    )
                 folder = tempfile.mkdtemp(prefix="nitro-workers-")
                 path = os.path.join(folder, "source.pkl")
                 pickled = pickled_source(self.source, self.split)
@@ -137,17 +195,28 @@ class WorkerPool:
                 )
                 self._finalizer = weakref.finalize(self, _shut_down, self._executor, folder)
             executor = self._executor
-        return executor.submit(_build, epoch, index)
+        try:
+            return executor.submit(_build, epoch, index)
+        except concurrent.futures.process.BrokenProcessPool as error:
+            # a worker died since the last submit: the error is the batch's, read by result()
+            broken: concurrent.futures.Future = concurrent.futures.Future()
+            broken.set_exception(error)
+            return broken
 
     def result(self, future: concurrent.futures.Future, epoch: int, index: int) -> Any:
         """The batch a worker built, or its error, re-raised naming the batch."""
         try:
-            return future.result()
+            batch = future.result()
         except concurrent.futures.process.BrokenProcessPool as error:
             self.release()  # the next epoch starts a fresh pool
+            if self.fallback and not self.delivered:
+                raise WorkersDidNotStart(
+                    f"the worker processes for the '{self.split}' split died before they "
+                    f"built a batch ({error})"
+                ) from error
             raise DataWorkerError(
-                f"a worker process building the '{self.split}' split died while batch "
-                f"{index} of epoch {epoch} was in flight: killed, out of memory, or it failed "
+                f"a worker process building the '{self.split}' split died by batch {index} "
+                f"of epoch {epoch}: killed, out of memory, crashed, or it failed "
                 f"to start (a script that trains needs `if __name__ == '__main__':` around "
                 f"it: each worker imports the main module; its error is above). The pool was "
                 f"shut down: {error}"
@@ -158,6 +227,8 @@ class WorkerPool:
                 f"worker process: {type(error).__name__}: {error} (the worker's traceback is "
                 f"chained below)"
             ) from error
+        self.delivered += 1
+        return batch
 
     def park(self) -> None:
         """Keep the workers for the next run (`persistent_workers=True`), which checks first

@@ -118,13 +118,14 @@ def _member_copy(logger: Any, index: int, run_id: str) -> Any:
             run_name=f"{logger.run_name}-member-{index}" if logger.run_name else None,
             tags=logger.extra_tags,
             flush_secs=logger.flush_secs,
+            timeout=logger.timeout,
         )
     if isinstance(logger, WandbLogger):
         options = dict(logger.options)
         if options.get("name"):
             options["name"] = f"{options['name']}-member-{index}"
         options["group"] = options.get("group") or run_id  # the population's runs together
-        return WandbLogger(logger.project, dir=logger._dir, **options)
+        return WandbLogger(logger.project, dir=logger._dir, timeout=logger.timeout, **options)
     raise PopulationError(
         f"logger={logger!r}: a population gives each member a logger run of its own, and "
         f"{type(logger).__qualname__} is not one of Nitro's loggers, which it copies per "

@@ -13,7 +13,9 @@ The report adds what XLA says each program costs (`Program.cost()`) and the devi
 from __future__ import annotations
 
 import dataclasses
+import shutil
 import statistics
+import tempfile
 import time
 from html import escape
 from pathlib import Path
@@ -285,9 +287,19 @@ def profile_handle(
     ]
     timer = CallTimer()
     trace_root = Path(handle.run_dir) / "profile"
-    began, started = time.perf_counter(), time.time()
     if trace:
-        _start_trace(trace_root, python)
+        _check_trace_root(trace_root)
+    # jax writes the trace when it stops, after the steps trained: into a directory of our
+    # own, then moved under the run directory, so nothing there can fail it and lose them
+    scratch = Path(tempfile.mkdtemp(prefix="nitro-trace-")) if trace else None
+    began = time.perf_counter()
+    if scratch is not None:
+        try:
+            _start_trace(scratch, python)
+        except BaseException:
+            shutil.rmtree(scratch, ignore_errors=True)
+            raise
+    trace_failure: str | None = None
     runtime.profiler = timer
     try:
         if plan.measuring:  # "auto" still timing: the profile's waits would skew its measurement
@@ -306,9 +318,25 @@ def profile_handle(
         runtime.dispatch = plan
         timer.close()
         if trace:
-            jax.profiler.stop_trace()  # writes the trace's files
+            try:
+                jax.profiler.stop_trace()  # writes the trace's files
+            except Exception as error:  # noqa: BLE001 - the steps trained: keep their report
+                trace_failure = f"{type(error).__name__}: {error}"
     calls = timer.calls()
-    trace_dir, files = _written(trace_root, started) if trace else (None, ())
+    trace_dir, files = None, ()
+    if scratch is not None and trace_failure is None:
+        trace_dir, files, kept_at = _keep_trace(scratch, trace_root)
+        if kept_at is not None:
+            notes.append(
+                f"The trace could not be moved under {trace_root} ({kept_at}); it is in "
+                f"{trace_dir}. Make {trace_root} a writable directory for the next profile."
+            )
+    elif scratch is not None:
+        shutil.rmtree(scratch, ignore_errors=True)
+        notes.append(
+            f"The trace could not be written ({trace_failure}); the times below are the call "
+            f"timer's."
+        )
     if _apply_trace(calls, files):
         notes.append(
             "The device program's time is each call's execution as the trace records it; "
@@ -367,6 +395,24 @@ def _apply_trace(calls: list[CallRecord], files: tuple[str, ...]) -> bool:
     return bool(calls) and taken == len(calls)
 
 
+def _check_trace_root(root: Path) -> None:
+    """Refuse, before anything trains, a trace directory that cannot be created or written
+    (jax would fail only at the end, after the steps trained)."""
+    folder = root / "plugins" / "profile"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=folder):
+            pass
+    except OSError as error:
+        raise type(error)(
+            f"profile() writes its trace under {root}, which cannot be created or written "
+            f"({error.strerror or error}: {error.filename}); make it a writable directory "
+            f"(move away what is in its way, or fix its permissions), give the handle another "
+            f"run_dir=, or call profile(trace=False) to time the calls without a trace. "
+            f"Nothing was trained"
+        ) from None
+
+
 def _start_trace(root: Path, python: bool) -> None:
     options = jax.profiler.ProfileOptions()
     options.python_tracer_level = 1 if python else 0  # off: it slows host-side Python
@@ -380,18 +426,26 @@ def _start_trace(root: Path, python: bool) -> None:
         ) from None
 
 
-def _written(root: Path, since: float) -> tuple[str | None, tuple[str, ...]]:
-    """The trace directory under `root` the profile wrote to (jax names it by the second it
-    began: two profiles within a second share one) and the files it wrote there."""
-    folder = root / "plugins" / "profile"
-    written = [
-        p for p in (folder.iterdir() if folder.is_dir() else ()) if p.stat().st_mtime >= since - 1
-    ]
+def _keep_trace(scratch: Path, root: Path) -> tuple[str | None, tuple[str, ...], str | None]:
+    """Move the trace jax wrote under `scratch` to `root` (the same layout: jax names the
+    folder by the second it began, and two profiles within a second share one): its folder,
+    its files, and None; or, when the move fails, the trace left in `scratch` and why."""
+    written = sorted((scratch / "plugins" / "profile").glob("*"))
     if not written:
-        return None, ()
-    newest = max(written, key=lambda p: p.stat().st_mtime)
-    files = [f for f in newest.iterdir() if f.stat().st_mtime >= since - 1]
-    return str(newest), tuple(sorted(str(f) for f in files))
+        shutil.rmtree(scratch, ignore_errors=True)
+        return None, (), None
+    source = written[-1]
+    target = root / "plugins" / "profile" / source.name
+    names = sorted(f.name for f in source.iterdir())
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        for name in names:
+            shutil.move(str(source / name), str(target / name))
+    except OSError as error:
+        files = tuple(sorted(str(f) for f in source.iterdir()))
+        return str(source), files, f"{type(error).__name__}: {error}"
+    shutil.rmtree(scratch, ignore_errors=True)
+    return str(target), tuple(str(target / name) for name in names), None
 
 
 def _programs(handle: Nitro, calls: list[CallRecord]) -> list[ProgramProfile]:

@@ -13,6 +13,12 @@ the binding report and other values text files saved with the run, a confusion m
 `wandb.Table`, figures and images `wandb.Image`s. `finish` ends the run (exit code 1 for an
 error) with the status in its summary (`nitro_status`); `state()` is the W&B run's id, and
 `reattach` continues it (`resume="allow"`).
+
+Every call to W&B (`wandb.init` included, which waits for W&B's servers when online) runs on
+a thread of the logger's own (`Sender`), never the training thread; a checkpoint's `state()`
+and `finish` wait for it `timeout` seconds at most. A W&B that fails or does not answer in
+time makes the logger raise at its next verb, and the run's `LoggerGroup` switches it off
+with one warning; the run goes on.
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ from typing import Any
 
 from nitro.loggers.media import check_figure, figure_png, image_pixels
 from nitro.loggers.protocol import BaseLogger, confusion_rows, plain_value
+from nitro.loggers.sender import Sender
 
 __all__ = ["WandbLogger"]
 
@@ -44,7 +51,8 @@ class WandbLogger(BaseLogger):
 
     `project`, `entity`, `name` (None: the Nitro run id), `tags`, `group`, `mode` ("online",
     "offline", "disabled"; None: W&B's default, `WANDB_MODE`) and `dir` (None: the Nitro run
-    directory) go to `wandb.init`, with any other keyword in `init`.
+    directory) go to `wandb.init`, with any other keyword in `init`. `timeout`: how long a
+    checkpoint or the end of a run waits for W&B at most (seconds).
     """
 
     def __init__(
@@ -57,9 +65,15 @@ class WandbLogger(BaseLogger):
         group: str | None = None,
         mode: str | None = None,
         dir: str | os.PathLike | None = None,
+        timeout: float = 30.0,
         **init: Any,
     ):
         _require_wandb()
+        if isinstance(timeout, bool) or not isinstance(timeout, int | float) or timeout <= 0:
+            raise ValueError(
+                f"WandbLogger(timeout=...) takes the seconds a checkpoint waits for W&B at "
+                f"most, a positive number; got {timeout!r}"
+            )
         if mode not in (None, "online", "offline", "disabled"):
             raise ValueError(
                 f"WandbLogger(mode=...) takes 'online', 'offline', 'disabled' or None "
@@ -82,6 +96,35 @@ class WandbLogger(BaseLogger):
         self._resume_id: str | None = None
         self._wandb_id: str | None = None
         self._step: int | None = None
+        self.timeout = float(timeout)
+        self._sender = Sender("nitro-wandb")
+
+    # the sender ---------------------------------------------------------------------------
+
+    def _send(self, call) -> None:
+        """`call()` on the sender's thread, after what was sent before; a failure of W&B so
+        far raises here first."""
+        self._check()
+        self._sender.submit(call)
+
+    def _check(self) -> None:
+        failure = self._sender.failure
+        if failure is None:
+            return
+        cause = (
+            f"W&B gave {failure}"
+            if isinstance(failure, TimeoutError)
+            else f"W&B failed with {type(failure).__name__}: {failure}"
+        )
+        raise RuntimeError(
+            f"{cause}. Nothing more is sent to it; check the network and the login (wandb "
+            f"login), or log offline: WandbLogger(mode='offline'), which wandb sync uploads "
+            f"later"
+        )
+
+    def _wait(self) -> None:
+        self._sender.wait(self.timeout)
+        self._check()
 
     def bind_run(self, run_dir: str, run_id: str | None) -> None:
         self._run_id = run_id
@@ -109,66 +152,85 @@ class WandbLogger(BaseLogger):
     # the verbs ----------------------------------------------------------------------------
 
     def log_metrics(self, metrics, *, step, epoch, context) -> None:
-        run = self._live()
         if step is not None:
             self._step = step
         values = {name: float(value) for name, value in metrics.items()}
         if epoch is not None:
             values["epoch"] = epoch
-        run.log(values, **self._at(step))
+        at = self._at(step)
+        self._send(lambda: self._live().log(values, **at))
 
     def log_params(self, params: Mapping[str, Any]) -> None:
         values = {name: plain_value(value) for name, value in params.items()}
-        self._live().config.update(values, allow_val_change=True)
+        self._send(lambda: self._live().config.update(values, allow_val_change=True))
 
     def log_tags(self, tags: Mapping[str, str]) -> None:
-        run = self._live()
         added = [f"{k}={v}"[:64] for k, v in tags.items()]  # W&B's limit on a tag
-        run.tags = tuple(dict.fromkeys((*run.tags, *added)))
+
+        def send() -> None:
+            run = self._live()
+            run.tags = tuple(dict.fromkeys((*run.tags, *added)))
+
+        self._send(send)
 
     def log_other(self, key: str, value: Any) -> None:
-        run = self._live()
         text = value if isinstance(value, str) else json.dumps(value, default=plain_value)
-        path = os.path.join(run.dir, f"{key}.txt")
-        with open(path, "w", encoding="utf-8") as file:
-            file.write(text)
-        run.save(path, base_path=run.dir, policy="end")
+
+        def send() -> None:
+            run = self._live()
+            path = os.path.join(run.dir, f"{key}.txt")
+            with open(path, "w", encoding="utf-8") as file:
+                file.write(text)
+            run.save(path, base_path=run.dir, policy="end")
+
+        self._send(send)
 
     def log_confusion(self, matrix: Any, labels: Sequence[Any], *, epoch: int | None) -> None:
         wandb = _require_wandb()
         rows, names = confusion_rows(matrix, labels)
-        table = wandb.Table(
-            columns=["true", *names], data=[[n, *r] for n, r in zip(names, rows, strict=True)]
+        data = [[n, *r] for n, r in zip(names, rows, strict=True)]
+        at = self._at(None)
+        self._send(
+            lambda: self._live().log(
+                {"confusion": wandb.Table(columns=["true", *names], data=data)}, **at
+            )
         )
-        self._live().log({"confusion": table}, **self._at(None))
 
     def log_figure(self, name: str, figure: Any, *, step: int | None = None) -> None:
-        """The figure as a `wandb.Image` under `name` at `step` (default: the latest step)."""
-        wandb = _require_wandb()
+        """The figure as a `wandb.Image` under `name` at `step` (default: the latest step).
+        Rendered here: the caller may close it."""
         check_figure(figure, name)
         _, pixels = figure_png(figure, name)
-        self._live().log({name: wandb.Image(pixels)}, **self._at(step))
+        self._send_image(name, pixels, self._at(step))
 
     def log_image(self, name: str, image: Any, *, step: int | None = None) -> None:
         """The image as a `wandb.Image` under `name` at `step` (default: the latest step)."""
-        wandb = _require_wandb()
-        pixels = image_pixels(image, name)
+        pixels = image_pixels(image, name).copy()  # the caller may reuse its array
         if pixels.shape[2] == 1:
             pixels = pixels[:, :, 0]
-        self._live().log({name: wandb.Image(pixels)}, **self._at(step))
+        self._send_image(name, pixels, self._at(step))
+
+    def _send_image(self, name: str, pixels: Any, at: dict[str, Any]) -> None:
+        wandb = _require_wandb()
+        self._send(lambda: self._live().log({name: wandb.Image(pixels)}, **at))
 
     def finish(self, status: str) -> None:
-        run = self._live()
-        run.summary["nitro_status"] = status
-        run.finish(exit_code=1 if status == "error" else 0)
-        self._run = None
-        self._resume_id = self._wandb_id  # a later train() continues the same W&B run
+        def send() -> None:
+            run = self._live()
+            run.summary["nitro_status"] = status
+            run.finish(exit_code=1 if status == "error" else 0)
+            self._run = None
+            self._resume_id = self._wandb_id  # a later train() continues the same W&B run
+
+        self._send(send)
+        self._wait()
 
     # resume -------------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any] | None:
         """The W&B run's id, project and entity, and the latest step logged; None before the
         run started."""
+        self._wait()  # the run W&B is starting, if any
         if self._wandb_id is None:
             return None
         run = self._run
@@ -189,13 +251,18 @@ class WandbLogger(BaseLogger):
                 f"WandbLogger.reattach takes the state() of a WandbLogger, a dict with 'id'; "
                 f"got {state!r}"
             )
-        if self._run is not None:
-            self._run.finish()
-            self._run = None
-        self._resume_id = self._wandb_id = str(state["id"])
+
+        def send() -> None:
+            if self._run is not None:
+                self._run.finish()
+                self._run = None
+            self._resume_id = self._wandb_id = str(state["id"])
+            if self.project is None and state.get("project"):
+                self.project = state["project"]
+
         self._step = state.get("step")
-        if self.project is None and state.get("project"):
-            self.project = state["project"]
+        self._send(send)
+        self._wait()
 
     @property
     def run_id(self) -> str | None:

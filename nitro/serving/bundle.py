@@ -30,6 +30,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import math
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -50,6 +51,7 @@ __all__ = [
     "TensorSpec",
     "load",
     "read_weights",
+    "value_problem",
 ]
 
 FORMAT = "nitro-bundle"
@@ -279,6 +281,61 @@ def _check_file(directory: str, name: str, manifest: Mapping[str, Any]) -> str:
     return path
 
 
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 24 else f"{text[:12]}... ({len(text)} digits)"
+
+
+def value_problem(data: Any, dtype: np.dtype, wire: str) -> str | None:
+    """What in Python values (a list, JSON or gRPC contents; not binary data) does not fit
+    `dtype` exactly, or None: NumPy would truncate 1.7 to 1 for an integer input, wrap 300
+    for int8, make 1e39 infinite for float32, or raise a raw OverflowError for 2**40.
+
+    >>> value_problem([1.0, 1.7], np.dtype("int32"), "int32")
+    '1.7 is not a whole number, and int32 takes integers only'
+    >>> value_problem([2**40], np.dtype("int32"), "int32")
+    '1099511627776 is out of the range of int32 (-2147483648 to 2147483647)'
+    >>> value_problem([[1, 2]], np.dtype("float32"), "float32") is None
+    True
+    """
+    try:
+        values = np.asarray(data)
+    except (ValueError, TypeError, OverflowError):
+        return None  # not a block of numbers: decoding names the problem
+    if values.dtype.kind not in "iufO" or values.size == 0:
+        return None
+    if values.dtype.kind == "O":  # integers beyond int64: each is a Python number
+        items = values.ravel().tolist()
+        if not all(type(v) in (int, float) for v in items):
+            return None
+    else:
+        items = None
+    if dtype.kind in "iu":
+        info = np.iinfo(dtype)
+        if items is not None:
+            fraction = [v for v in items if isinstance(v, float) and not v.is_integer()]
+            outside = [v for v in items if not info.min <= v <= info.max]
+        else:
+            floats = values.dtype.kind == "f"
+            whole = np.isfinite(values) & (values == np.trunc(values)) if floats else True
+            fraction = values[~whole].tolist() if floats else []
+            outside = values[(values < info.min) | (values > info.max)].tolist()
+        if fraction:
+            return f"{_shown(fraction[0])} is not a whole number, and {wire} takes integers only"
+        if outside:
+            return f"{_shown(outside[0])} is out of the range of {wire} ({info.min} to {info.max})"
+    elif dtype.kind == "f" and dtype.itemsize < 8:
+        largest = float(np.finfo(dtype).max)
+        if items is not None:  # Python numbers, some beyond what a float64 holds
+            outside = [v for v in items if abs(v) > largest and v not in (math.inf, -math.inf)]
+        else:
+            numbers = values.astype(np.float64)
+            outside = values[np.isfinite(numbers) & (np.abs(numbers) > largest)].tolist()
+        if outside:
+            return f"{_shown(outside[0])} is out of the range of {wire} (largest {largest:.8g})"
+    return None
+
+
 class Bundle:
     """A loaded bundle: call it with its inputs by name; it returns its outputs by name.
 
@@ -322,10 +379,16 @@ class Bundle:
                     f"{self.name} needs input {spec.name!r} ({spec}); it takes {expected}"
                 )
             value = given[spec.name]
-            if not hasattr(value, "dtype"):  # a list or a number carries no dtype to check
+            if not hasattr(value, "dtype"):  # a list or a number: converted by the input's dtype
+                problem = value_problem(value, np.dtype(spec.dtype), spec.dtype)
+                if problem is not None:
+                    raise BundleError(
+                        f"input {spec.name!r} must be {spec.dtype}{spec.shape_text()}: "
+                        f"{problem}; give values that fit, or an array of that dtype"
+                    )
                 try:
                     value = np.asarray(value, dtype=spec.dtype)
-                except (TypeError, ValueError) as error:
+                except (TypeError, ValueError, OverflowError) as error:
                     raise BundleError(
                         f"input {spec.name!r} must be {spec.dtype}{spec.shape_text()}: {error}"
                     ) from None

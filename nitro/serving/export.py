@@ -256,6 +256,54 @@ def _jsonable(value: Any) -> Any:
         return repr(value)
 
 
+def _callbacks(jaxpr: Any) -> list[Any]:
+    """The host-callback equations of a jaxpr, its sub-programs' (a scan's body, a cond's
+    branches, a nested jit) included."""
+    found = []
+    for eqn in jaxpr.eqns:
+        if "callback" in eqn.primitive.name:
+            found.append(eqn)
+        for param in eqn.params.values():
+            for sub in param if isinstance(param, list | tuple) else (param,):
+                inner = getattr(sub, "jaxpr", sub)
+                if hasattr(inner, "eqns"):
+                    found.extend(_callbacks(inner))
+    return found
+
+
+def _refuse_host_callbacks(
+    program: Any, weight_specs: Any, inputs: Mapping[str, Any], error: Exception
+) -> None:
+    """After a failed export: when forward holds a host callback, which no bundle can hold
+    (it calls Python in this process), say so and how to take it out, instead of JAX's error
+    about lowering it."""
+    concrete = {
+        name: jax.ShapeDtypeStruct((2, *spec.shape), spec.dtype) for name, spec in inputs.items()
+    }
+    try:
+        found = _callbacks(jax.make_jaxpr(program)(weight_specs, concrete).jaxpr)
+    except Exception:  # noqa: BLE001 - forward does not trace: the export's error says why
+        return
+    if not found:
+        return
+    try:
+        from jax._src import source_info_util  # where each one is: the best line of user code
+
+        where = f" at {source_info_util.summarize(found[0].source_info)}"
+    except Exception:  # noqa: BLE001 - a private helper of JAX's: the place is a nicety
+        where = ""
+    names = sorted({eqn.primitive.name for eqn in found})
+    raise ExportError(
+        f"forward holds {len(found)} host callback{'s' * (len(found) != 1)} "
+        f"({', '.join(names)}{where}): jax.pure_callback, jax.debug.callback, jax.debug.print "
+        f"or a library's runtime check calls Python in this process, which a bundle cannot "
+        f"hold. Take it out of forward for export (or behind a Device field you set off "
+        f"before exporting). Diffrax's default error checks are such callbacks: set "
+        f"EQX_ON_ERROR=nan in the environment before equinox is imported, or give "
+        f"diffeqsolve(..., throw=False). JAX's error: {type(error).__name__}: {error}"
+    ) from error
+
+
 def write_bundle(
     source: ExportSource,
     directory: str | os.PathLike,
@@ -303,6 +351,7 @@ def write_bundle(
             weight_specs, input_specs
         )
     except Exception as error:
+        _refuse_host_callbacks(program, weight_specs, source.inputs, error)
         kind = type(error).__name__
         if "Dimension" in kind or "symbolic" in str(error).lower():
             raise ExportError(

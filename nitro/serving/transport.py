@@ -81,53 +81,6 @@ def _holds_null(data: Any) -> bool:
     return data is None
 
 
-def _shown(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 24 else f"{text[:12]}... ({len(text)} digits)"
-
-
-def _value_problem(data: Any, dtype: np.dtype, wire: str) -> str | None:
-    """What in JSON or gRPC values (numbers, not binary data) does not fit `dtype` exactly,
-    or None: NumPy would truncate 1.7 to 1 for an integer input, wrap 300 for INT8, or make
-    1e39 infinite for FP32."""
-    try:
-        values = np.asarray(data)
-    except (ValueError, TypeError, OverflowError):
-        return None  # not a block of numbers: decoding names the problem
-    if values.dtype.kind not in "iufO" or values.size == 0:
-        return None
-    if values.dtype.kind == "O":  # integers beyond int64: each is a Python number
-        items = values.ravel().tolist()
-        if not all(type(v) in (int, float) for v in items):
-            return None
-    else:
-        items = None
-    if dtype.kind in "iu":
-        info = np.iinfo(dtype)
-        if items is not None:
-            fraction = [v for v in items if isinstance(v, float) and not v.is_integer()]
-            outside = [v for v in items if not info.min <= v <= info.max]
-        else:
-            floats = values.dtype.kind == "f"
-            whole = np.isfinite(values) & (values == np.trunc(values)) if floats else True
-            fraction = values[~whole].tolist() if floats else []
-            outside = values[(values < info.min) | (values > info.max)].tolist()
-        if fraction:
-            return f"{_shown(fraction[0])} is not a whole number, and {wire} takes integers only"
-        if outside:
-            return f"{_shown(outside[0])} is out of the range of {wire} ({info.min} to {info.max})"
-    elif dtype.kind == "f" and dtype.itemsize < 8:
-        largest = float(np.finfo(dtype).max)
-        if items is not None:  # Python numbers, some beyond what a float64 holds
-            outside = [v for v in items if abs(v) > largest and v not in (math.inf, -math.inf)]
-        else:
-            numbers = values.astype(np.float64)
-            outside = values[np.isfinite(numbers) & (np.abs(numbers) > largest)].tolist()
-        if outside:
-            return f"{_shown(outside[0])} is out of the range of {wire} (largest {largest:.8g})"
-    return None
-
-
 def decode_inputs(
     request: InferRequest, current: bundles.Bundle, *, model: str, max_batch: int
 ) -> tuple[dict[str, np.ndarray], int]:
@@ -162,7 +115,7 @@ def decode_inputs(
                 f"{max_batch} per request (nitro serve --max-batch)"
             )
         if isinstance(item.data, (list, tuple, np.ndarray)):  # numbers, not binary data
-            problem = _value_problem(item.data, np.dtype(spec.dtype), item.datatype)
+            problem = bundles.value_problem(item.data, np.dtype(spec.dtype), item.datatype)
             if problem is not None:
                 raise InvalidInput(f"input {item.name!r}: {problem}")
         try:
