@@ -133,8 +133,7 @@ class PopulationPanelReporter(PanelDrawing):
     def phase(self, phase):
         from .panel import BAR_STYLE
 
-        if phase != "training":
-            self.stats.pause()
+        self.stats.follow(phase)
         if phase == "failed":  # called from the run's `except` clause
             self._failure_note()
         if self.active:

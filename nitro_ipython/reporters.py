@@ -79,8 +79,8 @@ class _Tracking:
         super().step(step, loss)
 
     def phase(self, phase):
-        if phase != "training" and self.stats is not None:
-            self.stats.pause()
+        if self.stats is not None:
+            self.stats.follow(phase)
         if phase == "failed" and (handle := self._handle()) is not None:
             failures.report(handle, self.note)
         super().phase(phase)
@@ -308,8 +308,7 @@ class PanelReporter(PanelDrawing):
     def phase(self, phase):
         from .panel import BAR_STYLE
 
-        if phase != "training":
-            self.stats.pause()
+        self.stats.follow(phase)
         if phase == "failed":  # called from the run's `except` clause
             handle = self._handle()
             if handle is not None:  # the cell that waits re-raises it; the record shows it
