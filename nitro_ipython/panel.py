@@ -262,7 +262,7 @@ def status_text(
 ) -> list[str]:
     """The status line's parts: phase, epochs finished of the target, the batch under way,
     step, loss, throughput and, from the latest history row `row`, a step's split between
-    host and device (`host_ms`, `device_ms`), elapsed time."""
+    the host's work and the wait for the device (`host_ms`, `device_ms`), elapsed time."""
     rate = stats.steps_per_second
     parts = [phase, f"epoch {epoch}/{target}"]
     if in_epoch:
@@ -273,7 +273,8 @@ def status_text(
     if rate == rate:
         parts.append(f"{rate:,.0f} steps/s")
     if row and isinstance(row.get("host_ms"), float) and isinstance(row.get("device_ms"), float):
-        parts.append(f"host {row['host_ms']:.3g} ms + device {row['device_ms']:.3g} ms a step")
+        # the history's device_ms: the wait for the device the host's work did not hide
+        parts.append(f"host {row['host_ms']:.3g} ms + device wait {row['device_ms']:.3g} ms a step")
     parts.append(f"{stats.elapsed:.1f} s")
     return parts
 
