@@ -123,6 +123,7 @@ class CurveFigure:
 
     def _build(self, layout: tuple) -> None:
         from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
 
         has_steps, groups = layout
         panels = 1 + len(groups)
@@ -139,17 +140,24 @@ class CurveFigure:
             (lines[0, key],) = axes[0].plot([], [], style, markersize=3, label=key)
         self._legends = {}
         axes[0].set_xlabel("step", fontsize=8)
-        axes[0].set_title("loss", fontsize=9)
+        axes[0].set_title("loss", fontsize=9, loc="left")
         for index, (base, names) in enumerate(groups, start=1):
             for name in names:
                 (lines[index, name],) = axes[index].plot([], [], "o-", markersize=3, label=name)
             axes[index].set_xlabel("epoch", fontsize=8)
-            axes[index].set_title(base, fontsize=9)
+            axes[index].set_title(base, fontsize=9, loc="left")
         for ax in axes:
             ax.grid(alpha=0.3)
             ax.tick_params(labelsize=7)
+        for ax in axes:  # steps and epochs are whole numbers: no tick at epoch 0.98
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         self._figure, self._layout, self._lines = figure, layout, lines
         self._marks, self._marked = [], []
+
+    @property
+    def figure(self):
+        """The matplotlib `Figure` as the latest `png()` drew it (None before the first)."""
+        return self._figure
 
     def _draw_marks(self, marks: list[tuple[int, str]]) -> None:
         """Vertical lines on the loss plot at the steps of live edits, each labelled."""
@@ -166,16 +174,23 @@ class CurveFigure:
                 ax.text(
                     step,
                     0.98,
-                    f" {label}",
+                    f" {label} ",
                     transform=ax.get_xaxis_transform(),
                     rotation=90,
                     va="top",
-                    ha="left",
                     fontsize=6,
                     color=color,
                 )
             )
         self._marked = list(marks)
+
+    def _place_mark_labels(self) -> None:
+        """Each edit's label beside its line, inside the plot: to the line's left in the
+        plot's right fifth (where it would run past the plot's edge), else to its right."""
+        low, high = self._figure.axes[0].get_xlim()
+        for text in self._marks[1::2]:
+            late = text.get_position()[0] > low + 0.8 * (high - low)
+            text.set_horizontalalignment("right" if late else "left")
 
     def png(self, data: CurveData) -> bytes | None:
         steps, losses, rows, _ = data.snapshot()
@@ -200,9 +215,19 @@ class CurveFigure:
             shown = tuple(h for h in ax.get_lines() if len(h.get_xdata()) and h not in self._marks)
             if shown and self._legends.get(index) != shown:
                 self._legends[index] = shown
+                # above the plot, right of its title: never over the latest points
                 ax.legend(
-                    handles=shown, fontsize=7, loc="upper right" if index == 0 else "lower right"
+                    handles=shown,
+                    fontsize=7,
+                    loc="lower right",
+                    bbox_to_anchor=(1.0, 1.0),
+                    ncol=len(shown),
+                    frameon=False,
+                    borderaxespad=0.1,
+                    handlelength=1.2,
+                    columnspacing=0.8,
                 )
+        self._place_mark_labels()
         buffer = io.BytesIO()
         self._figure.savefig(buffer, format="png", pil_kwargs={"compress_level": 1})
         return buffer.getvalue()

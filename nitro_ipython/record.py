@@ -10,7 +10,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from .panel import BAR_STYLE, metrics_html, notes_html, status_html
+from .panel import BAR_STYLE, edits_html, metrics_html, notes_html, status_html
 
 __all__ = ["record_html", "record_text"]
 
@@ -28,8 +28,10 @@ def record_html(
     fraction: float,
     row: dict[str, Any] | None,
     notes: list[str],
+    edits: list[tuple[int, str]] = (),
 ) -> str:
-    """The final panel as static HTML: title, bar, status line, latest metrics, notes."""
+    """The final panel as static HTML: title, bar, status line, latest metrics, the key to
+    the curves' marks of live edits (`edits`: (step, label)), notes."""
     colour = _BAR_COLOURS[BAR_STYLE.get(parts[0], "info")]
     percent = max(0.0, min(1.0, fraction)) * 100
     bar = (
@@ -42,6 +44,7 @@ def record_html(
         bar,
         f"<div>{status_html(parts)}</div>",
         metrics_html(row),
+        f"<div>{edits_html(list(edits))}</div>" if edits else "",
         f"<div>{notes_html(notes)}</div>" if notes else "",
         "</div>",
     ]

@@ -417,8 +417,9 @@ class PanelReporter(PanelDrawing):
         parts = self._status_parts()
         with self._lock:
             notes = list(self._notes)
+        edits = self.curves.marks()
         return (
-            record_html(self._title, parts, self._fraction(), self._row, notes),
+            record_html(self._title, parts, self._fraction(), self._row, notes, edits),
             record_text(self._title, parts),
         )
 
