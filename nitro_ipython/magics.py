@@ -373,10 +373,15 @@ class NitroMagics(Magics):
         finally:
             worker.reserve_panel(None)  # a setup panel no run took
         if args.background and handle.running:
-            print(
-                f"nitro: {name} is training in the background; `%nitro status` shows how far "
-                f"it is, `%nitro stop` stops it"
+            said = (
+                f"{name} is training in the background; `%nitro status` shows how far it is, "
+                f"`%nitro stop` stops it"
             )
+            panel = worker.cell_panel()
+            if panel is not None:  # said while the panel lives, gone from the run's record
+                panel.say(said)
+            else:
+                print(f"nitro: {said}")
             return None
         return handle
 

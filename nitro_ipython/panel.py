@@ -119,8 +119,10 @@ class LivePanel(widgets.VBox):
         self.curves = widgets.Image(format="png", layout=widgets.Layout(display="none"))
         self.edits = widgets.HTML()  # the key to the curves' marks of live edits
         self.notes = widgets.HTML()
+        # what the live panel alone says (a background run's commands): never in its record
+        self.hint = widgets.HTML(layout=widgets.Layout(flex="1 1 auto", margin="0 8px"))
         self.header = widgets.HBox(
-            [self.title, self.stop_button],
+            [self.title, self.hint, self.stop_button],
             layout=widgets.Layout(justify_content="space-between", align_items="center"),
         )
         super().__init__(
@@ -168,6 +170,11 @@ class LivePanel(widgets.VBox):
         below it, for a notebook saved while the run lives (any thread)."""
         if self._displays is not None and not self.closed:
             self._displays[1].update(_Record({"text/html": standin_html(html), "text/plain": text}))
+
+    def say(self, text: str) -> None:
+        """A line beside the title while the panel lives ("training in the background;
+        `%nitro status` ..."); its record and its stand-in do not keep it."""
+        self.hint.value = f"<span style='font-size:85%;color:#555'>{escape(text)}</span>"
 
     def cell_finished(self) -> None:
         """The cell that displayed the panel ended: from now on a click reaches the kernel."""
@@ -279,8 +286,11 @@ def status_text(
     return parts
 
 
-def status_html(parts: list[str]) -> str:
-    return " &middot; ".join([f"<b>{escape(parts[0])}</b>", *map(escape, parts[1:])])
+def status_html(parts: list[str], last_seen: bool = False) -> str:
+    """The status line, its phase in bold; `last_seen`: a stand-in's, whose phase is only
+    what the run was doing when it was last updated ("last seen validating")."""
+    phase = f"last seen {escape(parts[0])}" if last_seen else f"<b>{escape(parts[0])}</b>"
+    return " &middot; ".join([phase, *map(escape, parts[1:])])
 
 
 def metrics_html(row: dict[str, Any] | None) -> str:

@@ -195,6 +195,10 @@ class PanelDrawing:
         """The run's state so far as a record: its HTML and its text."""
         raise NotImplementedError
 
+    def _standin(self) -> tuple[str, str]:
+        """The run's state so far as its stand-in shows it (where its live panel is dead)."""
+        return self._record()
+
     def _new_figure(self) -> Any:
         raise NotImplementedError
 
@@ -221,7 +225,7 @@ class PanelDrawing:
             self._standin_stale = True
             return
         self._standin_shown, self._standin_stale = now, False
-        panel.show_standin(*self._record())
+        panel.show_standin(*self._standin())
 
     def _show_curves(self, png: bytes, css_width: int) -> None:
         panel = self.panel
@@ -411,17 +415,21 @@ class PanelReporter(PanelDrawing):
         panel.progress.value = self._fraction()
         panel.status.value = status_html(self._status_parts())
 
-    def _record(self) -> tuple[str, str]:
+    def _record(self, last_seen: bool = False) -> tuple[str, str]:
         from .record import record_html, record_text
 
         parts = self._status_parts()
         with self._lock:
             notes = list(self._notes)
         edits = self.curves.marks()
+        fraction = self._fraction()
         return (
-            record_html(self._title, parts, self._fraction(), self._row, notes, edits),
-            record_text(self._title, parts),
+            record_html(self._title, parts, fraction, self._row, notes, edits, last_seen),
+            record_text(self._title, parts, last_seen),
         )
+
+    def _standin(self) -> tuple[str, str]:
+        return self._record(last_seen=True)
 
     def _new_figure(self):
         from .curves import acquire_figure

@@ -26,6 +26,7 @@ from typing import Any
 
 __all__ = [
     "cell_finished",
+    "cell_panel",
     "claim_panel",
     "initializer",
     "is_quiet",
@@ -131,6 +132,13 @@ def claim_panel():
     panel = getattr(_LOCAL, "panel", None)
     _LOCAL.panel = None
     return panel
+
+
+def cell_panel():
+    """The panel the running cell displayed last, while its run lives (main thread), or
+    None."""
+    live = [held for held in _IN_CELL if not held.closed]
+    return live[-1] if live else None
 
 
 def _hold_until_cell_ends(panel: Any) -> None:

@@ -90,14 +90,16 @@ def test_a_notebook_saved_while_a_run_lives_holds_its_latest_state_not_only_a_wi
     assert WIDGET in panel["data"]  # the live widget, with a fallback for viewers without it
     assert panel["data"]["text/plain"].startswith("nitro: live training panel")
     html, text = standin["data"]["text/html"], standin["data"]["text/plain"]
-    assert re.search(
-        r"<b>(training|validating|checkpointing|compiling [a-z -]+)</b> &middot; epoch \d+/1000",
-        html,
-    )
+    # what the run did when the stand-in was last updated, not in bold as if it did it now
+    phase = r"(training|validating|checkpointing|compiling [a-z -]+)"
+    assert re.search(rf"last seen {phase} &middot; epoch \d+/1000", html)
+    assert not re.search(rf"<b>{phase}</b>", html)
     assert "<style>" in html and ".widget-vbox" in html  # hidden while the widget lives
-    assert re.match(
-        r"Tiny: (training|validating|checkpointing|compiling [a-z -]+) · epoch \d+/1000", text
-    )
+    assert re.match(rf"Tiny: last seen {phase} · epoch \d+/1000", text)
+    # the magic's word on the background run: in the live panel only, not under the stand-in
+    assert "in the background" not in started.stdout
+    said = kernel.eval(f"{PANEL.format('alive_run')}.hint.value")
+    assert "alive_run is training in the background; `%nitro status` shows how far" in said
 
     kernel.run("%nitro stop alive_run")
     kernel.wait_for(
@@ -111,6 +113,8 @@ def test_a_notebook_saved_while_a_run_lives_holds_its_latest_state_not_only_a_wi
     summary, curves = _saved(kernel, started.msg_id)
     assert WIDGET not in summary["data"] and "<b>stopped</b>" in summary["data"]["text/html"]
     assert "image/png" in curves["data"] and "text/html" not in curves["data"]
+    saved = kernel.outputs(started.msg_id)
+    assert not any("in the background" in str(output) for output in saved)
 
 
 def test_the_stop_button_of_a_foreground_run_points_to_the_interrupt_button(kernel):
