@@ -13,8 +13,10 @@ from pathlib import Path
 import anyio
 import pytest
 from agent_client import call, http_session, httpx2, poll, refusal
-from notebook_kernel import Kernel
-from notebook_kernel import kernel_fixture  # noqa: F401 - provides the `kernel` fixture
+from notebook_kernel import (
+    Kernel,
+    kernel_fixture,  # noqa: F401 - provides the `kernel` fixture
+)
 
 
 def _serve(kernel, options: str = "") -> tuple[str, str, str]:
