@@ -1,7 +1,8 @@
 """Training curves: what a run collects, a figure redrawn in place, and the thread that redraws it.
 
-The curves are a PNG in an `ipywidgets.Image`, drawn with matplotlib's object API (no pyplot,
-safe off the main thread) at twice the size they are displayed at, so they stay sharp on
+The curves are PNGs in `ipywidgets.Image`s, one per plot (side by side, wrapping under each
+other in a narrow panel), drawn with matplotlib's object API (no pyplot, safe off the main
+thread) at twice the size they are displayed at, so they stay sharp on
 high-density screens and are never stretched. The figure is built once per run and its lines
 are moved as data arrives; a redraw costs a few tens of milliseconds. A live edit swapped in
 (or rolled back) while the run trains is a labelled vertical line on the loss plot at its
@@ -129,10 +130,11 @@ class CurveFigure:
         panels = 1 + len(groups)
         dpi = 100 * self.pixel_ratio
         figure = Figure(figsize=(CSS_PANEL_WIDTH * panels / 100, CSS_HEIGHT / 100), dpi=dpi)
-        axes = figure.subplots(1, panels, squeeze=False)[0]
-        figure.subplots_adjust(
-            left=0.16 / panels, right=1 - 0.02 / panels, bottom=0.2, top=0.88, wspace=0.3
-        )
+        # each plot in its own slice of the figure, CSS_PANEL_WIDTH wide: `pngs` cuts there
+        axes = [
+            figure.add_axes(((index + 0.16) / panels, 0.2, 0.82 / panels, 0.68))
+            for index in range(panels)
+        ]
         lines: dict[tuple[int, str], Any] = {}
         if has_steps:
             (lines[0, "step loss"],) = axes[0].plot([], [], lw=0.8, alpha=0.5, label="step loss")
@@ -193,9 +195,40 @@ class CurveFigure:
             text.set_horizontalalignment("right" if late else "left")
 
     def png(self, data: CurveData) -> bytes | None:
+        """Every plot in one PNG (a run's record), or None before any data."""
+        if not self._update(data):
+            return None
+        buffer = io.BytesIO()
+        self._figure.savefig(buffer, format="png", pil_kwargs={"compress_level": 1})
+        return buffer.getvalue()
+
+    def pngs(self, data: CurveData) -> list[bytes]:
+        """One PNG per plot, each `CSS_PANEL_WIDTH` wide at the pixel ratio (the live panel
+        lays them out side by side, or under each other where it is narrow); [] before any
+        data."""
+        import numpy as np
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from PIL import Image
+
+        if not self._update(data):
+            return []
+        canvas = FigureCanvasAgg(self._figure)
+        canvas.draw()
+        pixels = np.asarray(canvas.buffer_rgba())
+        width = pixels.shape[1] // len(self._figure.axes)
+        images = []
+        for index in range(len(self._figure.axes)):
+            buffer = io.BytesIO()
+            piece = Image.fromarray(pixels[:, index * width : (index + 1) * width])
+            piece.save(buffer, format="png", compress_level=1)
+            images.append(buffer.getvalue())
+        return images
+
+    def _update(self, data: CurveData) -> bool:
+        """Bring the figure up to `data`; False when there is nothing to draw yet."""
         steps, losses, rows, _ = data.snapshot()
         if not steps and not rows:
-            return None
+            return False
         layout = (bool(steps), tuple((b, tuple(n)) for b, n in metric_groups(rows)))
         if layout != self._layout:
             self._build(layout)
@@ -228,9 +261,7 @@ class CurveFigure:
                     columnspacing=0.8,
                 )
         self._place_mark_labels()
-        buffer = io.BytesIO()
-        self._figure.savefig(buffer, format="png", pil_kwargs={"compress_level": 1})
-        return buffer.getvalue()
+        return True
 
 
 _IDLE_FIGURES: list[CurveFigure] = []
@@ -294,9 +325,13 @@ class CurveRenderer:
 
     def _draw(self, figure: CurveFigure) -> None:
         try:
-            png = figure.png(self.data)
-            if png is not None:
-                self._show(png, figure.css_width)
+            if hasattr(figure, "pngs"):  # one image per plot
+                images, width = figure.pngs(self.data), CSS_PANEL_WIDTH
+            else:
+                image = figure.png(self.data)
+                images, width = [image] if image is not None else [], figure.css_width
+            if images:
+                self._show(images, width)
         except Exception as error:  # noqa: BLE001 - a plot must never break a run
             print(f"nitro: could not draw the curves: {error!r}")
 

@@ -227,13 +227,10 @@ class PanelDrawing:
         self._standin_shown, self._standin_stale = now, False
         panel.show_standin(*self._standin())
 
-    def _show_curves(self, png: bytes, css_width: int) -> None:
+    def _show_curves(self, images: list[bytes], css_width: int) -> None:
         panel = self.panel
         if panel is not None:
-            panel.curves.value = png
-            panel.curves.layout.width = f"{css_width}px"
-            panel.curves.layout.max_width = "100%"
-            panel.curves.layout.display = ""
+            panel.show_plots(images, css_width)
 
     def _finish(self, phase: str) -> None:
         """The run ended (done, stopped, failed): stop drawing, leave the static record."""
@@ -413,7 +410,7 @@ class PanelReporter(PanelDrawing):
             self._shown_row = self._row
             panel.metrics.value = metrics_html(self._row)
         panel.progress.value = self._fraction()
-        panel.status.value = status_html(self._status_parts())
+        panel.status.value = status_html(self._status_parts(), whole=True)
 
     def _record(self, last_seen: bool = False) -> tuple[str, str]:
         from .record import record_html, record_text

@@ -115,3 +115,23 @@ def test_a_diverged_member_leaves_the_population_plot_readable_and_is_named_abov
     said = " ".join(t.get_text() for t in wild_ax.texts)
     assert "member 5" in said and "above the plot" in said
     assert not any("above the plot" in t.get_text() for t in calm_ax.texts)
+
+
+def test_each_plot_is_its_own_image_cut_where_no_plot_crosses():
+    """The live panel shows one image per plot, wrapping them under each other where it is
+    narrow: each image is one plot's slice of the figure, with all of that plot in it."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    figure = CurveFigure()
+    images = [Image.open(BytesIO(png)) for png in figure.pngs(_run(epochs=3))]
+    assert [image.size for image in images] == [(2 * 380, 2 * 230)] * 2
+    width = 2 * 380
+    for index, ax in enumerate(figure.figure.axes):
+        extent = ax.get_tightbbox()  # the plot with its ticks, labels, title and legend
+        assert index * width <= extent.x0 and extent.x1 <= (index + 1) * width, index
+    whole = np.asarray(Image.open(BytesIO(figure.png(_run(epochs=3)))).convert("RGBA"))
+    joined = np.concatenate([np.asarray(image.convert("RGBA")) for image in images], axis=1)
+    assert joined.shape == whole.shape
+    assert np.abs(joined.astype(int) - whole.astype(int)).mean() < 1  # the same picture

@@ -170,9 +170,8 @@ def test_epoch_counts_agree_everywhere_and_the_stop_advice_resumes(kernel):
     assert f"epoch {counted}," in kernel.run("%nitro status cnt_run").stdout
     assert re.search(rf"cnt_run +Tiny +stopped +{counted}", kernel.run("%nitro runs").data()[-1])
     assert f"epoch {counted}," in kernel.eval("repr(cnt_run)")
-    assert f"epoch {counted} " in kernel.eval(f"{PANEL.format('cnt_run')}.status.value").replace(
-        " &middot;", ""
-    )
+    shown = re.sub(r"<[^>]+>", "", kernel.eval(f"{PANEL.format('cnt_run')}.status.value"))
+    assert f"&middot; epoch {counted} &middot;" in shown
 
     kernel.run("%nitro train cnt_run --background")  # the advice works: it resumes
     assert ast.literal_eval(kernel.eval("(cnt_run.running, cnt_run.target_epoch)")) == (True, 1002)
@@ -198,6 +197,38 @@ def test_steps_per_second_count_each_runs_steps_over_their_own_time_without_the_
         with_compile = history[-1][0] / sum(seconds for _, seconds in history)
         built_ahead = 8  # at most, of each epoch's 40 batches
         assert with_compile / 2 <= rate <= 40 / ((40 - built_ahead) * delay), (name, rate)
+
+
+def test_a_narrow_panel_wraps_between_its_parts_and_keeps_each_plot_its_size(kernel):
+    """A notebook beside an editor (~450 px): the header, the status line, the metrics and the
+    plots wrap between whole parts, and each plot keeps its 380 px instead of all of them
+    shrinking into one thumbnail-sized image."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    cell = kernel.run(
+        "slim = tiny_exp.Tiny(batches=20, delay=0.03, max_epochs=2)\n%nitro train slim"
+    )
+    wrapping = [s for s in _opened(cell, "LayoutModel") if s.get("flex_flow") == "row wrap"]
+    assert len(wrapping) == 2  # what the frontend lays out: the header and the curves
+    panel = PANEL.format("slim_run")
+    plots = ast.literal_eval(
+        kernel.eval(
+            f"[(p.layout.display, p.layout.width, p.layout.max_width, len(p.value)) "
+            f"for p in {panel}.plots]"
+        )
+    )
+    shown = [plot for plot in plots if plot[0] != "none"]
+    assert [plot[:3] for plot in shown] == [("", "380px", "100%")] * 2  # loss, acc
+    assert all(size > 0 for *_, size in shown)
+    loss = Image.open(BytesIO(ast.literal_eval(kernel.eval(f"bytes({panel}.plots[0].value)"))))
+    assert loss.size == (760, 460)  # one plot, at twice its displayed size
+    status = ast.literal_eval(kernel.eval(f"{panel}.status.value"))
+    parts = status.count(" &middot; ") + 1
+    assert status.count("<span style='white-space:nowrap'>") == parts >= 5
+    metrics = ast.literal_eval(kernel.eval(f"{panel}.metrics.value"))
+    assert "flex-wrap:wrap" in metrics and "<table>" not in metrics
 
 
 def test_notebook_commands_during_a_background_run_answer_in_one_line(kernel):
