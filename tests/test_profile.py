@@ -299,6 +299,6 @@ def test_a_profiles_counts_and_shares_agree_in_the_panel_the_tables_and_the_verd
         assert table[label] == share, (label, share, table)  # the table's number, quoted
     if quoted:  # the host's or the device's rows, added up (to the table's rounding)
         total = sum(float(share.rstrip("%")) for share in quoted.values())
-        assert abs(float(verdict.group(1).rstrip("%")) - total) <= 0.1, (verdict, table)
+        assert abs(float(verdict.group(1).rstrip("%")) - total) < 0.15, (verdict, table)
     else:
         assert verdict.group(1) == table["waiting for data"]
