@@ -151,14 +151,15 @@ class CurveFigure:
         for ax in axes:
             ax.grid(alpha=0.3)
             ax.tick_params(labelsize=7)
-        for ax in axes:  # steps and epochs are whole numbers: no tick at epoch 0.98
+            # steps and epochs are whole numbers: no tick at epoch 0.98
             ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         self._figure, self._layout, self._lines = figure, layout, lines
         self._marks, self._marked = [], []
 
     @property
     def figure(self):
-        """The matplotlib `Figure` as the latest `png()` drew it (None before the first)."""
+        """The matplotlib `Figure` as the latest `png()` or `pngs()` drew it (None before
+        the first)."""
         return self._figure
 
     def _draw_marks(self, marks: list[tuple[int, str]]) -> None:

@@ -330,12 +330,11 @@ def metrics_html(row: dict[str, Any] | None) -> str:
     ]
     if not cells:
         return ""
-    # one item per metric, wrapping between them in a narrow panel
+    # one item per metric, wrapping between them in a narrow panel (spaced where a viewer
+    # drops the style)
+    epoch = f"<span style='white-space:nowrap'>epoch {row.get('epoch')}:</span>"
     return (
-        "<div style='display:flex;flex-wrap:wrap;column-gap:10px'>"
-        f"<span style='white-space:nowrap'>epoch {row.get('epoch')}:</span>"
-        + "".join(cells)
-        + "</div>"
+        f"<div style='display:flex;flex-wrap:wrap;column-gap:10px'>{epoch} {' '.join(cells)}</div>"
     )
 
 
