@@ -373,15 +373,10 @@ class NitroMagics(Magics):
         finally:
             worker.reserve_panel(None)  # a setup panel no run took
         if args.background and handle.running:
-            said = (
+            worker.say(
                 f"{name} is training in the background; `%nitro status` shows how far it is, "
                 f"`%nitro stop` stops it"
             )
-            panel = worker.cell_panel()
-            if panel is not None:  # said while the panel lives, gone from the run's record
-                panel.say(said)
-            else:
-                print(f"nitro: {said}")
             return None
         return handle
 

@@ -26,7 +26,6 @@ from typing import Any
 
 __all__ = [
     "cell_finished",
-    "cell_panel",
     "claim_panel",
     "initializer",
     "is_quiet",
@@ -34,6 +33,7 @@ __all__ = [
     "quiet_thread",
     "reserve_panel",
     "reserved_panel",
+    "say",
     "widgets_available",
 ]
 
@@ -134,11 +134,15 @@ def claim_panel():
     return panel
 
 
-def cell_panel():
-    """The panel the running cell displayed last, while its run lives (main thread), or
-    None."""
+def say(text: str) -> None:
+    """Say `text` beside the title of the panel the running cell displayed last, while its
+    run lives (its record and stand-in leave it out, so it never stays under a finished run);
+    on stdout, as `nitro: text`, without one (main thread)."""
     live = [held for held in _IN_CELL if not held.closed]
-    return live[-1] if live else None
+    if live:
+        live[-1].say(text)
+    else:
+        print(f"nitro: {text}")
 
 
 def _hold_until_cell_ends(panel: Any) -> None:
