@@ -6,11 +6,13 @@ directory, beside the kernel's connection file), never into a cell's output, whi
 saves. Its tools look experiments and handles up in the notebook's namespace, so the agent sees
 the person's runs and the person sees the agent's (in `%nitro runs`). The agent's runs print no
 progress into any cell (the agent reads it through its tools; `%nitro panel RUN_ID` shows it);
-a warning they raise goes to the cell that ran `%nitro mcp start`.
+a warning they raise goes to the cell that ran `%nitro mcp start`. The token file goes when
+serving stops, and when the kernel ends (shut down or restarted) while it serves.
 """
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 from pathlib import Path
@@ -126,6 +128,8 @@ def start(
         raise UsageError(f"cannot write the token to {token_file} ({error})") from None
     server.token_file = token_file  # removed when serving stops
     _SERVER[0] = server
+    atexit.unregister(_remove_token)
+    atexit.register(_remove_token)  # and when the kernel ends while it serves
     places = ", ".join(map(str, session.paths.places))
     return (
         f"nitro: serving this kernel's runs to coding agents at {server.url} (loopback only)\n"
@@ -135,6 +139,14 @@ def start(
         f"Runs the agent starts show in `%nitro runs` (their progress: `%nitro panel RUN_ID`); "
         f"`%nitro mcp stop` stops serving."
     )
+
+
+def _remove_token() -> None:
+    """The kernel ends: the token of its server goes with it (a file that names no live
+    server would only mislead a client)."""
+    server = _SERVER[0]
+    if server is not None and server.token_file is not None:
+        Path(server.token_file).unlink(missing_ok=True)
 
 
 def stop() -> str:

@@ -1,7 +1,8 @@
 """Training curves: what a run collects, a figure redrawn in place, and the thread that redraws it.
 
-The curves are a PNG in an `ipywidgets.Image`, drawn with matplotlib's object API (no pyplot,
-safe off the main thread) at twice the size they are displayed at, so they stay sharp on
+The curves are PNGs in `ipywidgets.Image`s, one per plot (side by side, wrapping under each
+other in a narrow panel), drawn with matplotlib's object API (no pyplot, safe off the main
+thread) at twice the size they are displayed at, so they stay sharp on
 high-density screens and are never stretched. The figure is built once per run and its lines
 are moved as data arrives; a redraw costs a few tens of milliseconds. A live edit swapped in
 (or rolled back) while the run trains is a labelled vertical line on the loss plot at its
@@ -123,15 +124,17 @@ class CurveFigure:
 
     def _build(self, layout: tuple) -> None:
         from matplotlib.figure import Figure
+        from matplotlib.ticker import MaxNLocator
 
         has_steps, groups = layout
         panels = 1 + len(groups)
         dpi = 100 * self.pixel_ratio
         figure = Figure(figsize=(CSS_PANEL_WIDTH * panels / 100, CSS_HEIGHT / 100), dpi=dpi)
-        axes = figure.subplots(1, panels, squeeze=False)[0]
-        figure.subplots_adjust(
-            left=0.16 / panels, right=1 - 0.02 / panels, bottom=0.2, top=0.88, wspace=0.3
-        )
+        # each plot in its own slice of the figure, CSS_PANEL_WIDTH wide: `pngs` cuts there
+        axes = [
+            figure.add_axes(((index + 0.16) / panels, 0.2, 0.82 / panels, 0.68))
+            for index in range(panels)
+        ]
         lines: dict[tuple[int, str], Any] = {}
         if has_steps:
             (lines[0, "step loss"],) = axes[0].plot([], [], lw=0.8, alpha=0.5, label="step loss")
@@ -139,17 +142,25 @@ class CurveFigure:
             (lines[0, key],) = axes[0].plot([], [], style, markersize=3, label=key)
         self._legends = {}
         axes[0].set_xlabel("step", fontsize=8)
-        axes[0].set_title("loss", fontsize=9)
+        axes[0].set_title("loss", fontsize=9, loc="left")
         for index, (base, names) in enumerate(groups, start=1):
             for name in names:
                 (lines[index, name],) = axes[index].plot([], [], "o-", markersize=3, label=name)
             axes[index].set_xlabel("epoch", fontsize=8)
-            axes[index].set_title(base, fontsize=9)
+            axes[index].set_title(base, fontsize=9, loc="left")
         for ax in axes:
             ax.grid(alpha=0.3)
             ax.tick_params(labelsize=7)
+            # steps and epochs are whole numbers: no tick at epoch 0.98
+            ax.xaxis.set_major_locator(MaxNLocator(integer=True, min_n_ticks=1))
         self._figure, self._layout, self._lines = figure, layout, lines
         self._marks, self._marked = [], []
+
+    @property
+    def figure(self):
+        """The matplotlib `Figure` as the latest `png()` or `pngs()` drew it (None before
+        the first)."""
+        return self._figure
 
     def _draw_marks(self, marks: list[tuple[int, str]]) -> None:
         """Vertical lines on the loss plot at the steps of live edits, each labelled."""
@@ -166,21 +177,59 @@ class CurveFigure:
                 ax.text(
                     step,
                     0.98,
-                    f" {label}",
+                    f" {label} ",
                     transform=ax.get_xaxis_transform(),
                     rotation=90,
                     va="top",
-                    ha="left",
                     fontsize=6,
                     color=color,
                 )
             )
         self._marked = list(marks)
 
+    def _place_mark_labels(self) -> None:
+        """Each edit's label beside its line, inside the plot: to the line's left in the
+        plot's right fifth (where it would run past the plot's edge), else to its right."""
+        low, high = self._figure.axes[0].get_xlim()
+        for text in self._marks[1::2]:
+            late = text.get_position()[0] > low + 0.8 * (high - low)
+            text.set_horizontalalignment("right" if late else "left")
+
     def png(self, data: CurveData) -> bytes | None:
+        """Every plot in one PNG (a run's record), or None before any data."""
+        if not self._update(data):
+            return None
+        buffer = io.BytesIO()
+        self._figure.savefig(buffer, format="png", pil_kwargs={"compress_level": 1})
+        return buffer.getvalue()
+
+    def pngs(self, data: CurveData) -> list[bytes]:
+        """One PNG per plot, each `CSS_PANEL_WIDTH` wide at the pixel ratio (the live panel
+        lays them out side by side, or under each other where it is narrow); [] before any
+        data."""
+        import numpy as np
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from PIL import Image
+
+        if not self._update(data):
+            return []
+        canvas = FigureCanvasAgg(self._figure)
+        canvas.draw()
+        pixels = np.asarray(canvas.buffer_rgba())
+        width = pixels.shape[1] // len(self._figure.axes)
+        images = []
+        for index in range(len(self._figure.axes)):
+            buffer = io.BytesIO()
+            piece = Image.fromarray(pixels[:, index * width : (index + 1) * width])
+            piece.save(buffer, format="png", compress_level=1)
+            images.append(buffer.getvalue())
+        return images
+
+    def _update(self, data: CurveData) -> bool:
+        """Bring the figure up to `data`; False when there is nothing to draw yet."""
         steps, losses, rows, _ = data.snapshot()
         if not steps and not rows:
-            return None
+            return False
         layout = (bool(steps), tuple((b, tuple(n)) for b, n in metric_groups(rows)))
         if layout != self._layout:
             self._build(layout)
@@ -200,12 +249,20 @@ class CurveFigure:
             shown = tuple(h for h in ax.get_lines() if len(h.get_xdata()) and h not in self._marks)
             if shown and self._legends.get(index) != shown:
                 self._legends[index] = shown
+                # above the plot, right of its title: never over the latest points
                 ax.legend(
-                    handles=shown, fontsize=7, loc="upper right" if index == 0 else "lower right"
+                    handles=shown,
+                    fontsize=7,
+                    loc="lower right",
+                    bbox_to_anchor=(1.0, 1.0),
+                    ncol=len(shown),
+                    frameon=False,
+                    borderaxespad=0.1,
+                    handlelength=1.2,
+                    columnspacing=0.8,
                 )
-        buffer = io.BytesIO()
-        self._figure.savefig(buffer, format="png", pil_kwargs={"compress_level": 1})
-        return buffer.getvalue()
+        self._place_mark_labels()
+        return True
 
 
 _IDLE_FIGURES: list[CurveFigure] = []
@@ -269,9 +326,13 @@ class CurveRenderer:
 
     def _draw(self, figure: CurveFigure) -> None:
         try:
-            png = figure.png(self.data)
-            if png is not None:
-                self._show(png, figure.css_width)
+            if hasattr(figure, "pngs"):  # one image per plot
+                images, width = figure.pngs(self.data), CSS_PANEL_WIDTH
+            else:
+                image = figure.png(self.data)
+                images, width = [image] if image is not None else [], figure.css_width
+            if images:
+                self._show(images, width)
         except Exception as error:  # noqa: BLE001 - a plot must never break a run
             print(f"nitro: could not draw the curves: {error!r}")
 

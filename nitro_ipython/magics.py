@@ -387,9 +387,9 @@ class NitroMagics(Magics):
         finally:
             worker.reserve_panel(None)  # a setup panel no run took
         if args.background and handle.running:
-            print(
-                f"nitro: {name} is training in the background; `%nitro status` shows how far "
-                f"it is, `%nitro stop` stops it"
+            worker.say(
+                f"{name} is training in the background; `%nitro status` shows how far it is, "
+                f"`%nitro stop` stops it"
             )
             return None
         return handle

@@ -52,6 +52,8 @@ FOREGROUND_TIP = (
 )
 BACKGROUND_TIP = "Stop the run after the current step."
 
+PLOTS = 3  # the most plots a run's curves draw: the loss and two metrics
+
 # What the panel's output shows where its widget cannot be drawn (no live kernel behind it).
 PANEL_FALLBACK = "nitro: live training panel (its latest state is in the output below)"
 
@@ -116,12 +118,24 @@ class LivePanel(widgets.VBox):
         )
         self.status = widgets.HTML()
         self.metrics = widgets.HTML()
-        self.curves = widgets.Image(format="png", layout=widgets.Layout(display="none"))
+        # one image per plot, side by side, wrapping under each other in a narrow panel (a
+        # notebook beside an editor) instead of shrinking to thumbnails
+        self.plots = [
+            widgets.Image(format="png", layout=widgets.Layout(display="none", max_width="100%"))
+            for _ in range(PLOTS)
+        ]
+        self.curves = widgets.Box(
+            self.plots, layout=widgets.Layout(display="none", flex_flow="row wrap")
+        )
         self.edits = widgets.HTML()  # the key to the curves' marks of live edits
         self.notes = widgets.HTML()
+        # what the live panel alone says (a background run's commands): never in its record
+        self.hint = widgets.HTML(layout=widgets.Layout(flex="1 1 auto", margin="0 8px"))
         self.header = widgets.HBox(
-            [self.title, self.stop_button],
-            layout=widgets.Layout(justify_content="space-between", align_items="center"),
+            [self.title, self.hint, self.stop_button],
+            layout=widgets.Layout(
+                justify_content="space-between", align_items="center", flex_flow="row wrap"
+            ),
         )
         super().__init__(
             [
@@ -168,6 +182,22 @@ class LivePanel(widgets.VBox):
         below it, for a notebook saved while the run lives (any thread)."""
         if self._displays is not None and not self.closed:
             self._displays[1].update(_Record({"text/html": standin_html(html), "text/plain": text}))
+
+    def show_plots(self, images: list[bytes], css_width: int) -> None:
+        """Show `images` (PNGs, one per plot, each drawn for `css_width` pixels) in the
+        curves, in order, and hide the plots left over (any thread)."""
+        for plot, image in zip(self.plots, images, strict=False):
+            plot.value = image
+            plot.layout.width = f"{css_width}px"
+            plot.layout.display = ""
+        for plot in self.plots[len(images) :]:
+            plot.layout.display = "none"
+        self.curves.layout.display = ""
+
+    def say(self, text: str) -> None:
+        """A line beside the title while the panel lives ("training in the background;
+        `%nitro status` ..."); its record and its stand-in do not keep it."""
+        self.hint.value = f"<span style='font-size:85%;color:#555'>{escape(text)}</span>"
 
     def cell_finished(self) -> None:
         """The cell that displayed the panel ended: from now on a click reaches the kernel."""
@@ -238,7 +268,7 @@ class LivePanel(widgets.VBox):
 
     def _parts(self) -> list[Any]:
         """Every widget the panel shows, itself first."""
-        return [self, self.header, *self.header.children, *self.children]
+        return [self, self.header, *self.header.children, *self.children, *self.plots]
 
     def close_all(self) -> None:
         """Close every widget of the panel, with their layouts and styles."""
@@ -262,7 +292,7 @@ def status_text(
 ) -> list[str]:
     """The status line's parts: phase, epochs finished of the target, the batch under way,
     step, loss, throughput and, from the latest history row `row`, a step's split between
-    host and device (`host_ms`, `device_ms`), elapsed time."""
+    the host's work and the wait for the device (`host_ms`, `device_ms`), elapsed time."""
     rate = stats.steps_per_second
     parts = [phase, f"epoch {epoch}/{target}"]
     if in_epoch:
@@ -273,27 +303,38 @@ def status_text(
     if rate == rate:
         parts.append(f"{rate:,.0f} steps/s")
     if row and isinstance(row.get("host_ms"), float) and isinstance(row.get("device_ms"), float):
-        parts.append(f"host {row['host_ms']:.3g} ms + device {row['device_ms']:.3g} ms a step")
+        # the history's device_ms: the wait for the device the host's work did not hide
+        parts.append(f"host {row['host_ms']:.3g} ms + device wait {row['device_ms']:.3g} ms a step")
     parts.append(f"{stats.elapsed:.1f} s")
     return parts
 
 
-def status_html(parts: list[str]) -> str:
-    return " &middot; ".join([f"<b>{escape(parts[0])}</b>", *map(escape, parts[1:])])
+def status_html(parts: list[str], last_seen: bool = False, whole: bool = False) -> str:
+    """The status line, its phase in bold; `last_seen`: a stand-in's, whose phase is only
+    what the run was doing when it was last updated ("last seen validating"); `whole`: each
+    part kept on one line, so a narrow panel wraps the line between parts only."""
+    phase = f"last seen {escape(parts[0])}" if last_seen else f"<b>{escape(parts[0])}</b>"
+    shown = [phase, *map(escape, parts[1:])]
+    if whole:
+        shown = [f"<span style='white-space:nowrap'>{part}</span>" for part in shown]
+    return " &middot; ".join(shown)
 
 
 def metrics_html(row: dict[str, Any] | None) -> str:
     if not row:
         return ""
     cells = [
-        f"<td style='padding:0 10px 0 0'>{escape(k)} <b>{v:.4g}</b></td>"
+        f"<span style='white-space:nowrap'>{escape(k)} <b>{v:.4g}</b></span>"
         for k, v in row.items()
         if k not in _SKIP_COLUMNS and isinstance(v, (int, float))
     ]
     if not cells:
         return ""
-    return f"<table><tr><td style='padding-right:10px'>epoch {row.get('epoch')}:</td>" + (
-        "".join(cells) + "</tr></table>"
+    # one item per metric, wrapping between them in a narrow panel (spaced where a viewer
+    # drops the style)
+    epoch = f"<span style='white-space:nowrap'>epoch {row.get('epoch')}:</span>"
+    return (
+        f"<div style='display:flex;flex-wrap:wrap;column-gap:10px'>{epoch} {' '.join(cells)}</div>"
     )
 
 

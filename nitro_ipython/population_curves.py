@@ -17,7 +17,13 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["CSS_WIDTH", "PopulationCurves", "PopulationFigure", "member_colours"]
+__all__ = [
+    "CSS_WIDTH",
+    "PopulationCurves",
+    "PopulationFigure",
+    "member_colours",
+    "readable_limits",
+]
 
 CSS_WIDTH = 620  # displayed pixels: the plot and, to its right, the legend
 CSS_HEIGHT = 260
@@ -35,6 +41,40 @@ def member_colours(count: int) -> list[str]:
     if count <= 20:
         return [to_hex(colormaps["tab20"](i)) for i in range(count)]
     return [to_hex(colormaps["viridis"](i / max(1, count - 1))) for i in range(count)]
+
+
+def readable_limits(
+    losses: np.ndarray, validation: Sequence[Sequence[tuple[int, float]]] = ()
+) -> tuple[tuple[float, float] | None, list[int]]:
+    """The y limits that keep every member's curve readable when some diverge, and the
+    members left above them. `losses`: [steps, members]. A member diverged when the median
+    of the later half of its finite losses is more above the members' median start than the
+    start is from zero (twice the start, for a positive loss); the limits span the others'
+    losses and validation losses, padded 5%. None when no member diverged (the axis scales
+    itself) or every one did."""
+    if losses.size == 0:
+        return None, []
+    firsts, laters = [], []
+    for member in range(losses.shape[1]):
+        values = losses[:, member]
+        values = values[np.isfinite(values)]
+        firsts.append(values[0] if len(values) else np.nan)
+        laters.append(np.median(values[len(values) // 2 :]) if len(values) else np.nan)
+    starts = np.asarray(firsts)[np.isfinite(firsts)]
+    if not len(starts):
+        return None, []
+    start = float(np.median(starts))
+    above = [m for m, later in enumerate(laters) if later > start + abs(start)]
+    kept = [m for m in range(losses.shape[1]) if m not in above]
+    if not above or not kept:
+        return None, above if kept else []
+    values = [losses[:, kept].ravel()]
+    values += [np.asarray([v for _, v in validation[m]]) for m in kept if m < len(validation)]
+    shown = np.concatenate(values)
+    shown = shown[np.isfinite(shown)]
+    low, high = float(shown.min()), float(shown.max())
+    pad = 0.05 * (high - low) or 0.05 * abs(high) or 0.05
+    return (low - pad, high + pad), above
 
 
 class PopulationCurves:
@@ -129,10 +169,19 @@ class PopulationFigure:
             frameon=False, borderaxespad=0.0,
         )  # fmt: skip
         self._ax = ax
+        self._above = ax.text(
+            0.99, 0.98, "", transform=ax.transAxes, ha="right", va="top", fontsize=6.5,
+            color="#c0392b",
+        )  # fmt: skip
 
     @property
     def css_width(self) -> int:
         return CSS_WIDTH
+
+    @property
+    def figure(self):
+        """The matplotlib `Figure` as the latest `png()` drew it."""
+        return self._figure
 
     def png(self, data: PopulationCurves) -> bytes | None:
         steps, losses, validation, _ = data.snapshot()
@@ -146,6 +195,14 @@ class PopulationFigure:
             line.set_markersize(3 if len(points) <= 40 else 0)
         self._ax.relim()
         self._ax.autoscale_view()
+        limits, above = readable_limits(losses, validation)
+        if limits is not None:
+            self._ax.set_ylim(*limits)
+        self._above.set_text(
+            f"member{'s' * (len(above) > 1)} {', '.join(map(str, above))} above the plot (diverged)"
+            if above
+            else ""
+        )
         buffer = io.BytesIO()
         self._figure.savefig(buffer, format="png", pil_kwargs={"compress_level": 1})
         return buffer.getvalue()

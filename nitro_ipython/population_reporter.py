@@ -133,8 +133,7 @@ class PopulationPanelReporter(PanelDrawing):
     def phase(self, phase):
         from .panel import BAR_STYLE
 
-        if phase != "training":
-            self.stats.pause()
+        self.stats.follow(phase)
         if phase == "failed":  # called from the run's `except` clause
             self._failure_note()
         if self.active:
@@ -250,7 +249,7 @@ class PopulationPanelReporter(PanelDrawing):
             [(view.index, row_html(view, columns, metric, self.active)) for view in order],
         )
 
-    def _record(self) -> tuple[str, str]:
+    def _record(self, last_seen: bool = False) -> tuple[str, str]:
         from .panel import notes_html
         from .population_panel import members_table_html
         from .record import record_html, record_text
@@ -260,15 +259,18 @@ class PopulationPanelReporter(PanelDrawing):
             notes = list(self._notes)
         metric, mode, order = self._ranked()
         html = _with_table(  # the table, then the notes
-            record_html(self._title, parts, self._fraction(), None, []),
+            record_html(self._title, parts, self._fraction(), None, [], last_seen=last_seen),
             members_table_html(order, metric, mode, active=self.active)
             + (f"<div>{notes_html(notes)}</div>" if notes else ""),
         )
-        lines = [record_text(self._title, parts)]
+        lines = [record_text(self._title, parts, last_seen)]
         for view in order:
             results = "  ".join(f"{k} {v:.4g}" for k, v in view.metrics().items())
             lines.append(f"  {view.index}: {view.label}  {view.state(self.active)}  {results}")
         return html, "\n".join(lines)
+
+    def _standin(self) -> tuple[str, str]:
+        return self._record(last_seen=True)
 
     def _finish(self, phase: str) -> None:
         self._sync_stopped()

@@ -20,6 +20,8 @@ from IPython.core.error import UsageError
 import nitro
 from nitro.progress import ranked_members, settings_label
 
+from . import worker
+
 __all__ = [
     "best_member",
     "members_text",
@@ -79,10 +81,10 @@ def train(pop: Any, name: str, args) -> Any:
         return pop
     pop.train(epochs=args.epochs, background=args.background)
     if args.background and pop.running:
-        print(
-            f"nitro: {name} ({len(pop)} members) is training in the background; `%nitro "
-            f"status` shows how far it is, `%nitro stop {name}` stops it, `%nitro stop {name} "
-            f"I` stops member I"
+        worker.say(  # beside its panel's title while it lives, not under its record
+            f"{name} ({len(pop)} members) is training in the background; `%nitro status` "
+            f"shows how far it is, `%nitro stop {name}` stops it, `%nitro stop {name} I` stops "
+            f"member I"
         )
         return None
     return pop

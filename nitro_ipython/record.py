@@ -10,15 +10,18 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from .panel import BAR_STYLE, metrics_html, notes_html, status_html
+from .panel import BAR_STYLE, edits_html, metrics_html, notes_html, status_html
 
 __all__ = ["record_html", "record_text"]
 
 _BAR_COLOURS = {"success": "#4caf50", "warning": "#ff9800", "danger": "#f44336", "info": "#2196f3"}
 
 
-def record_text(title: str, parts: list[str]) -> str:
-    """`Digits: done · epoch 6/6 · step 168 · loss 0.1234 · 930 steps/s · 4.2 s`."""
+def record_text(title: str, parts: list[str], last_seen: bool = False) -> str:
+    """`Digits: done · epoch 6/6 · step 168 · loss 0.1234 · 930 steps/s · 4.2 s`; a
+    stand-in's (`last_seen`): `Digits: last seen training · epoch 3/6 · ...`."""
+    if last_seen:
+        parts = [f"last seen {parts[0]}", *parts[1:]]
     return f"{title}: " + " · ".join(parts)
 
 
@@ -28,8 +31,12 @@ def record_html(
     fraction: float,
     row: dict[str, Any] | None,
     notes: list[str],
+    edits: list[tuple[int, str]] = (),
+    last_seen: bool = False,
 ) -> str:
-    """The final panel as static HTML: title, bar, status line, latest metrics, notes."""
+    """The final panel as static HTML: title, bar, status line, latest metrics, the key to
+    the curves' marks of live edits (`edits`: (step, label)), notes; `last_seen`: a live
+    run's stand-in, whose phase is what the run did when it was last updated."""
     colour = _BAR_COLOURS[BAR_STYLE.get(parts[0], "info")]
     percent = max(0.0, min(1.0, fraction)) * 100
     bar = (
@@ -40,8 +47,9 @@ def record_html(
         "<div class='nitro-record' style='border:1px solid #ddd;padding:4px 8px'>",
         f"<b>{escape(title)}</b>",
         bar,
-        f"<div>{status_html(parts)}</div>",
+        f"<div>{status_html(parts, last_seen)}</div>",
         metrics_html(row),
+        f"<div>{edits_html(list(edits))}</div>" if edits else "",
         f"<div>{notes_html(notes)}</div>" if notes else "",
         "</div>",
     ]

@@ -79,8 +79,8 @@ class _Tracking:
         super().step(step, loss)
 
     def phase(self, phase):
-        if phase != "training" and self.stats is not None:
-            self.stats.pause()
+        if self.stats is not None:
+            self.stats.follow(phase)
         if phase == "failed" and (handle := self._handle()) is not None:
             failures.report(handle, self.note)
         super().phase(phase)
@@ -195,6 +195,10 @@ class PanelDrawing:
         """The run's state so far as a record: its HTML and its text."""
         raise NotImplementedError
 
+    def _standin(self) -> tuple[str, str]:
+        """The run's state so far as its stand-in shows it (where its live panel is dead)."""
+        return self._record()
+
     def _new_figure(self) -> Any:
         raise NotImplementedError
 
@@ -221,15 +225,12 @@ class PanelDrawing:
             self._standin_stale = True
             return
         self._standin_shown, self._standin_stale = now, False
-        panel.show_standin(*self._record())
+        panel.show_standin(*self._standin())
 
-    def _show_curves(self, png: bytes, css_width: int) -> None:
+    def _show_curves(self, images: list[bytes], css_width: int) -> None:
         panel = self.panel
         if panel is not None:
-            panel.curves.value = png
-            panel.curves.layout.width = f"{css_width}px"
-            panel.curves.layout.max_width = "100%"
-            panel.curves.layout.display = ""
+            panel.show_plots(images, css_width)
 
     def _finish(self, phase: str) -> None:
         """The run ended (done, stopped, failed): stop drawing, leave the static record."""
@@ -308,8 +309,7 @@ class PanelReporter(PanelDrawing):
     def phase(self, phase):
         from .panel import BAR_STYLE
 
-        if phase != "training":
-            self.stats.pause()
+        self.stats.follow(phase)
         if phase == "failed":  # called from the run's `except` clause
             handle = self._handle()
             if handle is not None:  # the cell that waits re-raises it; the record shows it
@@ -410,18 +410,23 @@ class PanelReporter(PanelDrawing):
             self._shown_row = self._row
             panel.metrics.value = metrics_html(self._row)
         panel.progress.value = self._fraction()
-        panel.status.value = status_html(self._status_parts())
+        panel.status.value = status_html(self._status_parts(), whole=True)
 
-    def _record(self) -> tuple[str, str]:
+    def _record(self, last_seen: bool = False) -> tuple[str, str]:
         from .record import record_html, record_text
 
         parts = self._status_parts()
         with self._lock:
             notes = list(self._notes)
+        edits = self.curves.marks()
+        fraction = self._fraction()
         return (
-            record_html(self._title, parts, self._fraction(), self._row, notes),
-            record_text(self._title, parts),
+            record_html(self._title, parts, fraction, self._row, notes, edits, last_seen),
+            record_text(self._title, parts, last_seen),
         )
+
+    def _standin(self) -> tuple[str, str]:
+        return self._record(last_seen=True)
 
     def _new_figure(self):
         from .curves import acquire_figure

@@ -40,13 +40,13 @@ __all__ = [
 class RunStats:
     """What a reporter saw of one handle's latest run: step, loss, throughput, elapsed time.
 
-    Throughput is measured on a training clock that runs only while an epoch trains (not
-    during validation, not between runs), over a sliding window of the last few seconds of
-    it, across epoch boundaries. The clock counts what the history's `epoch_seconds` count
-    (from the start of each epoch: the first epoch's compile, data waits): a run shorter
-    than the window shows the history's rate, steps over the sum of `epoch_seconds`, and a
-    longer one follows changes within a few seconds. `observe` runs once per step on the training thread: it
-    stores two numbers and, every few milliseconds, one sample.
+    Throughput is measured on a training clock that runs only while the run trains: it stops
+    while the run compiles a program, validates or saves a checkpoint (each phase other than
+    "training") and between runs, and runs again when training goes on. The rate is the steps
+    over that clock in a sliding window of its last few seconds, across epoch boundaries: a
+    step's cost, without the compiles (their notes say how long each took). `observe` runs
+    once per step on the training thread: it stores two numbers and, every few milliseconds,
+    one sample.
     """
 
     WINDOW = 3.0  # seconds of training clock the rate is measured over
@@ -70,16 +70,25 @@ class RunStats:
         self.step = step
 
     def resume(self) -> None:
-        """An epoch starts (or resumes) training: the training clock runs. The run's first
-        sample is taken here, before its first step: the window of a run shorter than it
-        counts the compile and the first batch, as the history's `epoch_seconds` do."""
+        """Training starts or goes on: the training clock runs. The run's first sample is
+        taken here, before its first step, so the window of a run shorter than it counts the
+        wait for the first batch."""
         if self._stretch is None:
             self._stretch = time.perf_counter()
         if not self._samples:
             self._samples.append((self.step, self._clock()))
 
+    def follow(self, phase: str) -> None:
+        """The run's phase changed: the training clock runs while it is "training" and stops
+        in any other (a compile, validation, a checkpoint, the run's end)."""
+        if phase == "training":
+            self.resume()
+        else:
+            self.pause()
+
     def pause(self) -> None:
-        """Training pauses (validation, the end of the run): the training clock stops."""
+        """Training pauses (a compile, validation, the end of the run): the training clock
+        stops."""
         if self._stretch is not None:
             self._clock_base += time.perf_counter() - self._stretch
             self._stretch = None

@@ -33,6 +33,7 @@ __all__ = [
     "quiet_thread",
     "reserve_panel",
     "reserved_panel",
+    "say",
     "widgets_available",
 ]
 
@@ -131,6 +132,17 @@ def claim_panel():
     panel = getattr(_LOCAL, "panel", None)
     _LOCAL.panel = None
     return panel
+
+
+def say(text: str) -> None:
+    """Say `text` beside the title of the panel the running cell displayed last, while its
+    run lives (its record and stand-in leave it out, so it never stays under a finished run);
+    on stdout, as `nitro: text`, without one (main thread)."""
+    live = [held for held in _IN_CELL if not held.closed]
+    if live:
+        live[-1].say(text)
+    else:
+        print(f"nitro: {text}")
 
 
 def _hold_until_cell_ends(panel: Any) -> None:

@@ -45,6 +45,23 @@ def test_fields_table_lists_name_type_default_kind_and_doc():
     assert nitro.fields(Documented(width=7)).loc["width", "value"] == 7
 
 
+def test_the_fields_table_shows_its_docs_left_aligned_with_their_code_as_code():
+    @nitro.experiment
+    class Documented:
+        width: GraphConst[int] = 128
+        "hidden width of `nnx.Linear` <in> layers"
+        epochs: int = 5
+
+    html = nitro.fields(Documented)._repr_html_()  # what a notebook shows
+    cell = (
+        "<div style='text-align:left'>hidden width of <code>nnx.Linear</code> &lt;in&gt; "
+        "layers</div>"
+    )
+    assert cell in html and "`" not in html
+    assert "<th style='text-align:left'>doc</th>" in html
+    assert nitro.fields(Documented)[["doc"]]._repr_html_().count("<code>") == 0  # a plain frame
+
+
 def test_graphconst_value_must_hash_by_content():
     @nitro.experiment
     class WithList:

@@ -202,6 +202,28 @@ def test_the_result_shows_itself(tmp_path):
     assert result.frame.index.name == "learning_rate"
 
 
+def test_the_plot_spans_the_rates_that_trained_when_one_diverged_to_a_huge_loss():
+    rates = np.geomspace(1e-4, 1.0, 5)
+    result = nitro.LRFindResult(
+        method="grid",
+        learning_rates=rates,
+        losses=np.array([2.1, 1.2, 0.6, 0.9, 42_000.0]),
+        suggestion=1e-2,
+        rule="within 10% of the best drop",
+        diverged={1.0: "its loss rose from 2.3 to 42000"},
+        curves=np.zeros((5, 10)),
+        start_loss=2.3,
+        steps=10,
+        seconds=1.0,
+    )
+    (ax,) = result.plot().axes
+    low, high = ax.get_ylim()
+    assert 0.4 < low < 0.6 and 2.3 < high < 3.0  # the trained rates and the start, not 42,000
+    (crossed,) = [line for line in ax.get_lines() if line.get_label() == "diverged (above)"]
+    assert list(crossed.get_xdata()) == [1.0]
+    assert ax.get_window_extent().contains(*crossed.get_transform().transform((1.0, 0.96)))
+
+
 def test_a_population_takes_weights_and_data_shared_by_every_member():
     n = _handle()
     n.train(epochs=1)

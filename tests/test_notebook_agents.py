@@ -13,7 +13,10 @@ from pathlib import Path
 import anyio
 import pytest
 from agent_client import call, http_session, httpx2, poll, refusal
-from notebook_kernel import kernel_fixture  # noqa: F401 - provides the `kernel` fixture
+from notebook_kernel import (
+    Kernel,
+    kernel_fixture,  # noqa: F401 - provides the `kernel` fixture
+)
 
 
 def _serve(kernel, options: str = "") -> tuple[str, str, str]:
@@ -209,3 +212,16 @@ def test_the_agent_writes_only_inside_the_notebooks_directory_unless_the_person_
     assert not (root.parent / "elsewhere").exists()
     assert allowed["result"]["directory"] == str(shared.resolve() / "tiny")
     kernel.run("%nitro mcp stop")
+
+
+def test_the_token_file_goes_when_the_kernel_that_served_it_shuts_down(tmp_path):
+    kernel = Kernel(tmp_path)
+    try:
+        kernel.run("%load_ext nitro")
+        started = kernel.run("%nitro mcp start").stdout
+        token_file = Path(re.search(r"token: in (\S+) \(readable by you only", started).group(1))
+        assert token_file.is_file()
+    finally:
+        kernel.client.stop_channels()
+        kernel.manager.shutdown_kernel(now=False)  # as Jupyter shuts a kernel down
+    assert not token_file.exists()

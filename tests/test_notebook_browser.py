@@ -262,7 +262,7 @@ def test_a_notebook_saved_while_a_run_trains_reopens_with_its_latest_state(lab):
     )
     shown, text = lab.js(standin, 2)
     assert shown != "none" and re.search(
-        r"Digits\s+(training|validating|checkpointing|compiling [a-z -]+)", text
+        r"Digits\s+last seen (training|validating|checkpointing|compiling [a-z -]+)", text
     )
     assert re.search(r"epoch [1-9]\d*/30000", text), text
     page = lab.js("return nb.content.node.innerText;")

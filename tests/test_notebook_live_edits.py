@@ -32,16 +32,18 @@ def _until(kernel, expression: str, what: str, timeout: float = WAIT) -> None:
         time.sleep(0.2)
 
 
-def _start(kernel, name: str, flags: str = "") -> None:
-    """A long background run of module `name`'s Tiny as `{name}_run`, a few steps in."""
+def _start(kernel, name: str, flags: str = ""):
+    """A long background run of module `name`'s Tiny as `{name}_run`, a few steps in; the
+    cell that started it."""
     _write(kernel, name, TINY_MODULE)
-    kernel.run(
+    cell = kernel.run(
         f"import {name}\n"
         f"{name}_run = nitro.Nitro({name}.Tiny(max_epochs=100_000, delay=0.002), "
         f"steps_per_dispatch=1)\n"
         f"%nitro train {name}_run --background {flags}"
     )
     _until(kernel, f"{name}_run.running and {name}_run.step > 30", "a few steps")
+    return cell
 
 
 def _stop(kernel, name: str) -> None:
@@ -127,7 +129,7 @@ def test_a_loss_edit_saved_during_a_background_run_swaps_in_and_the_run_goes_on(
 
 
 def test_broken_edits_leave_the_run_training_and_the_next_good_edit_applies(kernel):
-    _start(kernel, "live_b")
+    started = _start(kernel, "live_b")
 
     # a syntax error: the module keeps its code, the run goes on
     _write(kernel, "live_b", TINY_MODULE.replace("def scale(x):", "def scale(x)"))
@@ -176,6 +178,21 @@ def test_broken_edits_leave_the_run_training_and_the_next_good_edit_applies(kern
     status = kernel.run("%nitro status live_b_run").stdout
     assert "edit of loss rolled back (non-finite loss nan at step" in status
     _stop(kernel, "live_b")
+
+    # the run's record keeps the key to the curves' marks: every edit, at its step
+    record = kernel.wait_for(
+        lambda m: (
+            m["parent_header"].get("msg_id") == started.msg_id
+            and m["msg_type"] == "update_display_data"
+            and "nitro-record" in m["content"]["data"].get("text/html", "")
+            and "nitro-standin" not in m["content"]["data"]["text/html"]
+        ),
+        timeout=WAIT,
+        what="the run's record",
+    )["content"]["data"]["text/html"]
+    good = _swaps(kernel, "live_b")[2]["step"]
+    assert f"edit: loss (rolled back) at step {rolled['step']}" in record
+    assert f"edit: loss at step {good}" in record
 
 
 def test_a_model_structure_edit_is_refused_live_and_the_run_goes_on(kernel):

@@ -102,6 +102,10 @@ def test_the_gan_notebook_trains_two_models_with_a_train_step_hook(tmp_path):
     match = _find(texts, r"generated mean \[ *(-?\d\.\d*) +(-?\d\.\d*) *\] data mean")
     generated = np.array([float(match.group(1)), float(match.group(2))])
     assert np.linalg.norm(generated - np.array([2.0, -1.0])) < 1.0
+    # a spread along both axes, as the data's (0.3 each): not points collapsed onto a line
+    match = _find(texts, r"generated spread \[ *(\d\.\d*) +(\d\.\d*) *\] data spread")
+    narrow, wide = float(match.group(1)), float(match.group(2))
+    assert 0.08 < narrow <= wide < 0.9, (narrow, wide)  # collapsed: narrow 0.05
     _find(texts, r"gen/learning_rate = 0.003")
     _find(texts, r"\[image/png\]")
     _find(texts, r"d_loss")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -274,7 +275,7 @@ def test_the_status_line_shows_a_steps_split_between_host_and_device():
 
     row = {"epoch": 1, "host_ms": 0.25, "device_ms": 1.5}
     parts = status_text("training", 1, 3, 4, 9, RunStats(), True, row)
-    assert "host 0.25 ms + device 1.5 ms a step" in parts
+    assert "host 0.25 ms + device wait 1.5 ms a step" in parts
     assert not any("host" in p for p in status_text("training", 0, 3, 4, 9, RunStats(), True))
 
 
@@ -314,3 +315,33 @@ def test_a_call_that_compiles_its_program_is_kept_apart_from_the_averages():
     assert report.timed_calls == tuple(rest)
     assert report.total_seconds()["compile"] == first.compile
     assert "(the 1 that compiled its program" in str(report)
+
+
+def test_a_profiles_counts_and_shares_agree_in_the_panel_the_tables_and_the_verdict(kernel):
+    kernel.run("agree = tiny_exp.Tiny(batches=5, max_epochs=1)\n%nitro train agree")
+    cell = kernel.run("%nitro profile agree_run --steps 7")  # steps 6-12: they end in epoch 3
+    assert kernel.eval("(agree_run.epoch, agree_run.step)") == "(2, 12)"
+    counted = "epoch 2/3"
+    panel = kernel.eval("nitro_ipython.live_panel(agree_run).status.value")
+    assert f"done &middot; {counted} &middot;" in re.sub(r"<[^>]+>", "", panel)
+    assert f"{counted}," in kernel.run("%nitro status agree_run").stdout
+    assert re.search(r"agree_run +Tiny +done +2/3 ", kernel.run("%nitro runs").data()[-1])
+    assert f"{counted}," in kernel.eval("repr(agree_run)")
+    assert "device wait" in panel  # the history's device_ms: a wait, not the program's time
+
+    (text,) = [
+        m["content"]["data"]["text/plain"]
+        for m in cell.messages
+        if m["msg_type"] == "execute_result"
+    ]
+    table = dict(re.findall(r"^  (\S.*?) +[\d.]+ ms +([\d.]+%)$", text, flags=re.M))
+    assert len(table) == len(ROWS)
+    verdict = re.search(r"takes the most of a call \(([\d.]+%)(?:: (.*?))?\)", text)
+    quoted = dict(re.findall(r"(\D+?) ([\d.]+%)(?: \+ |$)", verdict.group(2) or ""))
+    for label, share in quoted.items():
+        assert table[label] == share, (label, share, table)  # the table's number, quoted
+    if quoted:  # the host's or the device's rows, added up (to the table's rounding)
+        total = sum(float(share.rstrip("%")) for share in quoted.values())
+        assert abs(float(verdict.group(1).rstrip("%")) - total) < 0.15, (verdict, table)
+    else:
+        assert verdict.group(1) == table["waiting for data"]

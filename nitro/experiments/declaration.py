@@ -15,9 +15,12 @@ import ast
 import copy
 import dataclasses
 import enum
+import functools
+import html
 import inspect
 import itertools
 import linecache
+import re
 import sys
 import textwrap
 import types
@@ -363,7 +366,8 @@ def field_specs(obj: Any) -> tuple[FieldSpec, ...]:
 def fields(obj: Any):
     """A table of the experiment's fields: name, type, default, kind and doc.
 
-    Accepts the class or an instance (then `value` shows the instance's values).
+    Accepts the class or an instance (then `value` shows the instance's values). A
+    DataFrame; a notebook shows its docs left-aligned, with their `code` set as code.
     """
     import pandas as pd
 
@@ -382,7 +386,34 @@ def fields(obj: Any):
     columns = ["name", "type", "default", "kind", "doc"] + (
         [] if isinstance(obj, type) else ["value"]
     )
-    return pd.DataFrame(rows, columns=pd.Index(columns), dtype=object).set_index("name")
+    table = pd.DataFrame(rows, columns=pd.Index(columns), dtype=object).set_index("name")
+    return _field_table()(table)
+
+
+@functools.cache
+def _field_table() -> type:
+    """The DataFrame class of `fields()`: its HTML reads as text (pandas builds it on first
+    use; frames derived from it are plain DataFrames)."""
+    import pandas as pd
+
+    class FieldTable(pd.DataFrame):
+        @property
+        def _constructor(self):
+            return pd.DataFrame
+
+        def _repr_html_(self) -> str:
+            def text(value: Any) -> str:
+                return html.escape(str(value))
+
+            def doc(value: Any) -> str:
+                code = re.sub(r"`([^`]+)`", r"<code>\1</code>", text(value))
+                return f"<div style='text-align:left'>{code}</div>"
+
+            formatters = {name: doc if name == "doc" else text for name in self.columns}
+            table = pd.DataFrame(self).to_html(formatters=formatters, escape=False)
+            return table.replace("<th>doc</th>", "<th style='text-align:left'>doc</th>", 1)
+
+    return FieldTable
 
 
 def _type_name(tp: Any) -> str:

@@ -181,6 +181,7 @@ class Nitro:
             )
         self._files.claim_planned(self._setup)
         self._target_epoch = max(self._setup.max_epochs, self._state.epoch)
+        self._run_target = self._target_epoch  # the latest run's aim, `train(steps=)`'s too
         self._events.phase("ready")
 
     def _continue_seed(
@@ -312,9 +313,10 @@ class Nitro:
 
     @property
     def target_epoch(self) -> int:
-        """The epoch the current (or latest) run trains to: `max_epochs`, or the epoch
-        `train(epochs=N)` aimed at."""
-        return self._target_epoch
+        """The epoch the current (or latest) run trains to: `max_epochs`, the epoch
+        `train(epochs=N)` aimed at, or the one in which `train(steps=N)`'s (and
+        `profile()`'s) steps end, as its progress shows it."""
+        return self._run_target
 
     @property
     def run_dir(self) -> str:
@@ -461,7 +463,8 @@ class Nitro:
                     )
                     return self
                 if steps is None:
-                    self._target_epoch = target
+                    self._target_epoch = target  # where a stopped run resumes to
+                self._run_target = target
                 self._control.stop.clear()
                 self._stop_reason = None
                 self._error = None

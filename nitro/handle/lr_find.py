@@ -115,8 +115,9 @@ class LRFindResult:
         return frame
 
     def plot(self, path: str | None = None):
-        """The loss against the learning rate (log axis), the diverged rates crossed out and
-        the suggestion marked. Returns the matplotlib Figure; writes a PNG when `path` is
+        """The loss against the learning rate (log axis), the diverged rates crossed out at
+        its top edge (the axis spans the rates that trained, and the start) and the
+        suggestion marked. Returns the matplotlib Figure; writes a PNG when `path` is
         given."""
         try:
             from matplotlib.figure import Figure
@@ -126,12 +127,19 @@ class LRFindResult:
         ax = figure.subplots()
         rates, losses = self.learning_rates, self.losses
         if self.method == "grid":
-            ax.plot(rates, losses, marker="o", markersize=4, label="loss, last quarter")
             bad = [i for i, lr in enumerate(rates) if float(lr) in self.diverged]
-            if bad:
-                shown = [min(losses[i], 2 * self.start_loss) for i in bad]
-                shown = [self.start_loss if not math.isfinite(v) else v for v in shown]
-                ax.plot(rates[bad], shown, "x", color="tab:red", markersize=8, label="diverged")
+            kept = np.asarray(losses, np.float64).copy()
+            kept[bad] = np.nan  # a diverged rate's loss (up to 1e4 and more) is no scale
+            ax.plot(rates, kept, marker="o", markersize=4, label="loss, last quarter")
+            finite = [*kept[np.isfinite(kept)], self.start_loss]
+            low, high = min(finite), max(finite)
+            pad = 0.08 * (high - low) or 0.08 * abs(high) or 0.08
+            ax.set_ylim(low - pad, high + 2 * pad)
+            if bad:  # at the top edge, where the diverged losses went
+                ax.plot(
+                    rates[bad], [0.96] * len(bad), "x", color="tab:red", markersize=8,
+                    transform=ax.get_xaxis_transform(), label="diverged (above)",
+                )  # fmt: skip
         else:
             ax.plot(rates, losses, label="smoothed loss")
         ax.axhline(self.start_loss, color="0.6", linewidth=1, linestyle=":", label="start")

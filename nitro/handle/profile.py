@@ -144,6 +144,13 @@ class ProfileReport:
             for label, parts in ROWS
         }
 
+    def shares(self) -> dict[str, float]:
+        """Each part's share of a call (of `part_seconds`), as the table shows it and the
+        advice quotes it."""
+        parts = self.part_seconds()
+        total = sum(parts.values())
+        return {label: seconds / total if total else 0.0 for label, seconds in parts.items()}
+
     def total_seconds(self) -> dict[str, float]:
         """Every call's parts added up, in seconds (with `compile`)."""
         totals: dict[str, float] = {
@@ -199,14 +206,14 @@ class ProfileReport:
         return said
 
     def __str__(self) -> str:
-        parts = self.part_seconds()
+        parts, shares = self.part_seconds(), self.shares()
         total = sum(parts.values())
         lines = [self._header()]
         if self.trace_dir:
             lines.append(f"trace: {self.trace_dir}")
         lines.append(self._average_note() + ":")
         for label, seconds in parts.items():
-            share = seconds / total if total else 0.0
+            share = shares[label]
             lines.append(f"  {label:<34}{seconds * 1e3:>10.3f} ms {share:>7.1%}")
         lines.append(f"  {'a call':<34}{total * 1e3:>10.3f} ms")
         lines.append("programs:")
@@ -222,14 +229,14 @@ class ProfileReport:
         return str(self)
 
     def _repr_html_(self) -> str:
-        parts = self.part_seconds()
+        parts, shares = self.part_seconds(), self.shares()
         total = sum(parts.values())
         rows = "".join(
             f"<tr><td style='text-align:left'>{escape(label)}</td>"
             f"<td style='text-align:right'>{seconds * 1e3:.3f} ms</td>"
-            f"<td style='text-align:right'>{(seconds / total if total else 0):.1%}</td>"
+            f"<td style='text-align:right'>{shares[label]:.1%}</td>"
             f"<td style='text-align:left'><div style='background:#4c78a8;height:0.8em;"
-            f"width:{200 * (seconds / total if total else 0):.0f}px'></div></td></tr>"
+            f"width:{200 * shares[label]:.0f}px'></div></td></tr>"
             for label, seconds in parts.items()
         )
         rows += (
@@ -283,7 +290,9 @@ def profile_handle(
         "Each call was waited for before the next was dispatched, so the device's time is "
         "apart from the host's; training overlaps the host's work on one call with the "
         "device's on the call before, so it runs a little faster than this. The history's "
-        "host_ms and device_ms give that split for every epoch trained, at no cost.",
+        "host_ms and device_ms split every epoch trained at no cost, with that overlap: "
+        "their device_ms (the live panel's 'device wait') is the wait for the device that "
+        "the host's work did not hide, not the device program's time.",
     ]
     timer = CallTimer()
     trace_root = Path(handle.run_dir) / "profile"
@@ -474,25 +483,36 @@ def _programs(handle: Nitro, calls: list[CallRecord]) -> list[ProgramProfile]:
 
 
 def _advice(handle: Nitro, report: ProfileReport) -> str:
-    parts = report.part_seconds()
-    data = parts["waiting for data"]
-    host = parts["host: feed and dispatch"] + parts["host: bookkeeping and reporters"]
-    device = parts["device program"] + parts["readback"]
-    total = data + host + device
-    if total <= 0:
+    """What to change for the part of a call that takes the most: the data, the host or the
+    device, each the sum of its rows of the table, with the rows' shares as the table
+    shows them."""
+    shares = report.shares()
+    groups = {
+        "data": ("waiting for data",),
+        "host": ("host: feed and dispatch", "host: bookkeeping and reporters"),
+        "device": ("device program", "readback"),
+    }
+    if not any(shares.values()):
         return "Nothing was timed."
-    share = {"data": data / total, "host": host / total, "device": device / total}
+    share = {name: sum(shares[label] for label in rows) for name, rows in groups.items()}
     most = max(share, key=share.__getitem__)
+
+    def quoted(name: str) -> str:
+        rows = groups[name]
+        if len(rows) == 1:
+            return f"{share[name]:.1%}"
+        return f"{share[name]:.1%}: " + " + ".join(f"{row} {shares[row]:.1%}" for row in rows)
+
     if most == "data":
         prefetcher = handle.runtime.prefetcher("train")
         return (
-            f"Waiting for data takes the most of a call ({share['data']:.0%}): the device "
+            f"Waiting for data takes the most of a call ({quoted('data')}): the device "
             f"idles until the next batch is built. " + data_wait_advice(handle.setup, prefetcher)
         )
     if most == "host":
         per_call = handle.dispatch.steps or 1
         return (
-            f"Host-side Python takes the most of a call ({share['host']:.0%}): the device "
+            f"Host-side Python takes the most of a call ({quoted('host')}): the device "
             f"finishes before the host has the next call ready. Fuse more steps a call "
             f"(steps_per_dispatch=K; now {per_call}, {handle.dispatch.reason or 'as set'}), "
             f"train larger batches (more work a call), keep train metrics on the device, "
@@ -501,8 +521,8 @@ def _advice(handle: Nitro, report: ProfileReport) -> str:
     utilization = [p.utilization for p in report.programs if p.utilization is not None]
     low = bool(utilization) and max(utilization) < 0.3
     said = (
-        f"The device program takes the most of a call ({share['device']:.0%}): the host and "
-        f"the data keep up, the model's compute is what to speed up."
+        f"The device takes the most of a call ({quoted('device')}): the host and the data "
+        f"keep up, the model's compute is what to speed up."
     )
     if low:
         said += (
