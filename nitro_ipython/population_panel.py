@@ -1,5 +1,5 @@
 """A population's live panel: the single run's panel, with every member's curves on one plot
-and a table of the members, best first, each with its own Stop button.
+and a table of the members, each with its rank and its own Stop button.
 
 `PopulationPanel` is a `LivePanel` (the same Stop button for the whole run, progress bar,
 status line, notes, stand-in and static record), whose metrics line is replaced by the
@@ -16,6 +16,7 @@ run (`%nitro train pop --background`, `pop.train(background=True)`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from html import escape
@@ -73,7 +74,7 @@ def member_ranks(ranked: Sequence[MemberView], metric: str) -> dict[int, int]:
     ranks: dict[int, int] = {}
     for view in ranked:
         value = view.metrics().get(metric)
-        if value is not None and value == value and abs(value) != float("inf"):
+        if value is not None and math.isfinite(value):
             ranks[view.index] = len(ranks) + 1
     return ranks
 

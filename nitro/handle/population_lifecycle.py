@@ -205,7 +205,7 @@ class _MemberView:
 
     def binding_report(self):
         member = self._member
-        step = self._population.step if member.stopped is None else member.state.step
+        step = self._population.step if member.stopped is None else member.stopped_at
         return binding_report(member.setup, member.runtime, step, self.run_dir, self.run_id)
 
 
