@@ -198,9 +198,11 @@ class NitroMagics(Magics):
             its hooks (or a class re-defined in a cell) is compiled beside the run and
             swapped in at its next step; --no-live-edits makes the edit wait until the run
             stops (the handle's `live_edits=False`).
-        %nitro train POP [--epochs N] [--background]
+        %nitro train POP [--epochs N] [--background] [--resume [RUN_ID]]
             POP is a nitro.Population: trains every member, with a live panel of their
-            curves and a table of them, best first, each with a Stop button.
+            curves and a table of them (each member's rank, a Stop button per member).
+            --resume continues its run on disk (after a kernel restart) in a new
+            population of POP's keywords, stored as POP.
         %nitro stop [RUN]        stop RUN (default: every running run) after its current step
         %nitro stop POP MEMBER   stop one member of a population (its index); the others
                                  train on
@@ -328,7 +330,7 @@ class NitroMagics(Magics):
             raise UsageError("--resume continues a run on disk, --fresh starts over: pass one")
         value = self._value(args.target)
         if isinstance(value, nitro.Population):
-            return populations.train(value, args.target, args)
+            return populations.train(value, args.target, args, self._ns)
         base = args.target if args.target.isidentifier() else None
         previous = None
         if isinstance(value, nitro.Nitro):

@@ -1,11 +1,13 @@
 """A population's live panel: the single run's panel, with every member's curves on one plot
-and a table of the members, best first, each with its own Stop button.
+and a table of the members, each with its rank and its own Stop button.
 
 `PopulationPanel` is a `LivePanel` (the same Stop button for the whole run, progress bar,
 status line, notes, stand-in and static record), whose metrics line is replaced by the
-members' table: a header row and one row per member (its colour, settings, state, latest
-results, and a Stop button that prunes it: `pop.stop(i)`). The rows are built with the panel,
-on the main thread; the training thread only reorders them and assigns their traits.
+members' table: a header row and one row per member, in member order (its colour, its rank
+by the sorting metric, settings, state, latest results, and a Stop button that prunes it:
+`pop.stop(i)`). The rows stay in place as the ranks change, so a Stop button never moves
+under the pointer. The rows are built with the panel, on the main thread; the training thread
+only assigns their traits.
 
 As with the whole run's Stop button, a member's button takes clicks only once the cell that
 started the run has ended (the kernel reads widget messages between cells): for a background
@@ -14,6 +16,7 @@ run (`%nitro train pop --background`, `pop.train(background=True)`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
 from html import escape
@@ -25,7 +28,7 @@ from nitro.progress import member_metrics, settings_label
 
 from .panel import LivePanel
 
-__all__ = ["MemberView", "PopulationPanel", "members_table_html", "table_columns"]
+__all__ = ["MemberView", "PopulationPanel", "member_ranks", "members_table_html", "table_columns"]
 
 MEMBER_TIP = "Stop this member after the current call (prune it); the others train on."
 MEMBER_FOREGROUND_TIP = (
@@ -33,7 +36,7 @@ MEMBER_FOREGROUND_TIP = (
     "train the population with --background to stop members from here."
 )
 
-_WIDTHS = {"#": 30, "settings": 230, "state": 210, "epoch": 50}
+_WIDTHS = {"#": 30, "rank": 40, "settings": 230, "state": 210, "epoch": 50}
 _METRIC_WIDTH = 80
 
 
@@ -65,6 +68,17 @@ def table_columns(views: Sequence[MemberView]) -> list[str]:
     return list(columns)
 
 
+def member_ranks(ranked: Sequence[MemberView], metric: str) -> dict[int, int]:
+    """Member -> its rank (1: the best) in `ranked` (best first), for the members with a
+    finite `metric`; the others have none."""
+    ranks: dict[int, int] = {}
+    for view in ranked:
+        value = view.metrics().get(metric)
+        if value is not None and math.isfinite(value):
+            ranks[view.index] = len(ranks) + 1
+    return ranks
+
+
 def _fmt(value: Any) -> str:
     return f"{value:.4g}" if isinstance(value, float) and value == value else "-"
 
@@ -89,18 +103,21 @@ def _swatch(colour: str) -> str:
 
 
 def head_html(columns: Sequence[str], metric: str, mode: str) -> str:
-    cells = [_cell(escape(name), _WIDTHS[name], bold=True) for name in ("#", "settings", "state")]
-    cells.append(_cell("epoch", _WIDTHS["epoch"], bold=True))
+    names = ("#", "rank", "settings", "state", "epoch")
+    cells = [_cell(escape(name), _WIDTHS[name], bold=True) for name in names]
     cells += [_cell(_heading(c, metric, mode), _METRIC_WIDTH, bold=True) for c in columns]
     return f"<div style='font-size:90%;white-space:nowrap'>{''.join(cells)}</div>"
 
 
-def row_html(view: MemberView, columns: Sequence[str], metric: str, active: bool) -> str:
+def row_html(
+    view: MemberView, columns: Sequence[str], metric: str, active: bool, rank: int | None = None
+) -> str:
     state = view.state(active)
     colour = "#b26a00" if view.stopped is not None else "inherit"
     values = view.metrics()
     cells = [
         _cell(f"{_swatch(view.colour)} {view.index}", _WIDTHS["#"]),
+        _cell("-" if rank is None else str(rank), _WIDTHS["rank"]),
         _cell(escape(view.label or "-"), _WIDTHS["settings"], title=view.label),
         _cell(
             f"<span style='color:{colour}'>{escape(state)}</span>", _WIDTHS["state"], title=state
@@ -112,21 +129,28 @@ def row_html(view: MemberView, columns: Sequence[str], metric: str, active: bool
 
 
 def members_table_html(
-    views: Sequence[MemberView], metric: str, mode: str, active: bool = False
+    views: Sequence[MemberView],
+    metric: str,
+    mode: str,
+    active: bool = False,
+    ranks: Mapping[int, int] | None = None,
 ) -> str:
     """The members' table as static HTML (for the stand-in and the record), in `views`'
-    order (best first)."""
+    order (member order, as the live table), with each member's rank (`ranks`)."""
     columns = table_columns(views)
+    ranks = ranks or {}
     style = "style='padding:1px 8px 1px 0;text-align:left'"
     head = "".join(
         f"<th {style}>{_heading(c, metric, mode)}</th>"
-        for c in ["#", "settings", "state", "epoch", *columns]
+        for c in ["#", "rank", "settings", "state", "epoch", *columns]
     )
     body = []
     for view in views:
         values = view.metrics()
+        rank = ranks.get(view.index)
         cells = [
             f"{_swatch(view.colour)} {view.index}",
+            "-" if rank is None else str(rank),
             escape(view.label or "-"),
             escape(view.state(active)),
             str(view.row.get("epoch", "-")),
@@ -144,7 +168,7 @@ def members_table_html(
 
 class PopulationPanel(LivePanel):
     """A population's panel: `stop_button` stops the run, `member_buttons[i]` prunes member
-    `i`; `member_rows` (in member order) are shown best first in `table`.
+    `i`; `member_rows` are shown in member order in `table`, whatever the ranks.
 
     >>> panel = nitro_ipython.live_panel(pop)                     # doctest: +SKIP
     >>> panel.member_buttons[2].click()                           # doctest: +SKIP
@@ -225,13 +249,12 @@ class PopulationPanel(LivePanel):
         button.tooltip = "This member stopped training."
 
     def show_table(self, head: str, rows: Sequence[tuple[int, str]]) -> None:
-        """The table: `head`, then each `(member, html)` in that order (best first)."""
+        """The table: `head`, and each `(member, html)` into that member's row, which stays
+        where it is (the rank is a column: a row that moved could take a click meant for
+        another member's Stop button)."""
         self.table_head.value = head
         for index, html in rows:
             self.member_cells[index].value = html
-        order = tuple(self.member_rows[index] for index, _ in rows)
-        if tuple(self.table.children[1:]) != order:
-            self.table.children = (self.table_head, *order)
 
     def finish(self) -> None:
         super().finish()

@@ -4,8 +4,8 @@
 extension installs its factory with `nitro.progress.set_default_factory(...,
 population=True)`). The worker initializer shows its panel in the cell that starts the run,
 as it does a single run's; the reporter follows the run by its events: `member_steps` feeds the
-curves and the status line, `member_rows` the members' table (best first by `metric`) and the
-stand-in, and the end of the run leaves the static record (the table as HTML, the curves as
+curves and the status line, `member_rows` the members' table (in member order, ranked by
+`metric` in a column) and the stand-in, and the end of the run leaves the static record (the table as HTML, the curves as
 a PNG). Members pruned by their Stop button, by `%nitro stop pop 3` or by `pop.stop(3)` show
 as stopped in the table, from the population's `stopped`. Without a panel (a run started off
 the main thread) it prints a line per epoch, as the terminal's reporter does.
@@ -39,8 +39,8 @@ def panel_of(population: Any):
 class PopulationPanelReporter(PanelDrawing):
     """Draws a population's runs into `PopulationPanel`s; lines on stdout without one.
 
-    `metric` (default `val_loss`, else `loss` until the rows have it) orders the members'
-    table, `mode` "min" for a metric named like a loss, else "max".
+    `metric` (default `val_loss`, else `loss` until the rows have it) ranks the members in
+    the table's rank column, `mode` "min" for a metric named like a loss, else "max".
     """
 
     def __init__(
@@ -237,36 +237,44 @@ class PopulationPanelReporter(PanelDrawing):
                 self._show_table()
 
     def _show_table(self) -> None:
-        from .population_panel import head_html, row_html, table_columns
+        from .population_panel import head_html, member_ranks, row_html, table_columns
 
         panel = self.panel
         if panel is None:
             return
         metric, mode, order = self._ranked()
-        columns = table_columns(order)
+        ranks = member_ranks(order, metric)
+        columns = table_columns(self._views)
         panel.show_table(
             head_html(columns, metric, mode),
-            [(view.index, row_html(view, columns, metric, self.active)) for view in order],
+            [
+                (view.index, row_html(view, columns, metric, self.active, ranks.get(view.index)))
+                for view in self._views
+            ],
         )
 
     def _record(self, last_seen: bool = False) -> tuple[str, str]:
         from .panel import notes_html
-        from .population_panel import members_table_html
+        from .population_panel import member_ranks, members_table_html
         from .record import record_html, record_text
 
         parts = self._status_parts()
         with self._lock:
             notes = list(self._notes)
         metric, mode, order = self._ranked()
+        ranks = member_ranks(order, metric)
         html = _with_table(  # the table, then the notes
             record_html(self._title, parts, self._fraction(), None, [], last_seen=last_seen),
-            members_table_html(order, metric, mode, active=self.active)
+            members_table_html(self._views, metric, mode, active=self.active, ranks=ranks)
             + (f"<div>{notes_html(notes)}</div>" if notes else ""),
         )
         lines = [record_text(self._title, parts, last_seen)]
-        for view in order:
+        for view in self._views:  # in member order, as the live table
             results = "  ".join(f"{k} {v:.4g}" for k, v in view.metrics().items())
-            lines.append(f"  {view.index}: {view.label}  {view.state(self.active)}  {results}")
+            rank = f"rank {ranks[view.index]}" if view.index in ranks else "rank -"
+            lines.append(
+                f"  {view.index}: {view.label}  {view.state(self.active)}  {rank}  {results}"
+            )
         return html, "\n".join(lines)
 
     def _standin(self) -> tuple[str, str]:

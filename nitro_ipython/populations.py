@@ -3,7 +3,9 @@
 A population is not a `nitro.Nitro` handle: `%nitro train pop` trains it as `pop.train()` does
 (`--epochs N`, `--background`), `%nitro stop pop` stops the run after the current call and
 `%nitro stop pop 3` prunes member 3 (`pop.stop(3)`): the magic waits until the loop has
-stopped it, so `pop.stopped` names it when the cell ends. The magics find populations by
+stopped it, so `pop.stopped` names it when the cell ends. `%nitro train pop --resume [RUN_ID]`
+continues the population's run on disk (after a kernel restart, say) in a new population of
+the same keywords, stored under the same name. The magics find populations by
 their names in the notebook; the status line gives the phase, epoch, step, how many members
 still train and the best member by the monitored metric.
 """
@@ -12,7 +14,9 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Mapping
+import warnings
+from collections.abc import Mapping, MutableMapping
+from pathlib import Path
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -26,6 +30,7 @@ __all__ = [
     "best_member",
     "members_text",
     "named",
+    "resumed",
     "status_lines",
     "stop",
     "stop_member",
@@ -37,7 +42,6 @@ __all__ = [
 # `%nitro train` options a population does not take, and why
 _NOT_FOR_POPULATIONS = {
     "fresh": ("--fresh", "build a new nitro.Population to start over"),
-    "resume": ("--resume", "a population writes no run directory to resume from"),
     "no_live_edits": ("--no-live-edits", "a population takes no live edits"),
 }
 
@@ -65,14 +69,19 @@ def _ended(pop: Any) -> str:
     return f"{said[pop.phase]} {at}" if pop.phase in said else f"{pop.phase}, {at}"
 
 
-def train(pop: Any, name: str, args) -> Any:
-    """`%nitro train POP [--epochs N] [--background]`."""
+def train(pop: Any, name: str, args, namespace: MutableMapping[str, Any] | None = None) -> Any:
+    """`%nitro train POP [--epochs N] [--background] [--resume [RUN_ID]]`; a resumed
+    population is stored as `name` in `namespace`."""
     for option, (flag, why) in _NOT_FOR_POPULATIONS.items():
         if getattr(args, option, False):
             raise UsageError(
                 f"%nitro train {name} {flag}: {name} is a nitro.Population, and {why}; "
-                f"train it with `%nitro train {name} [--epochs N] [--background]`"
+                f"train it with `%nitro train {name} [--epochs N] [--background] [--resume]`"
             )
+    if getattr(args, "resume", False):
+        pop = resumed(pop, name, args.resume)
+        if namespace is not None and name.isidentifier():
+            namespace[name] = pop
     if args.epochs is None and pop.epoch >= max(pop.target_epoch, pop.max_epochs):
         print(
             f"nitro: {name} already trained its {pop.epoch} epochs (max_epochs="
@@ -88,6 +97,45 @@ def train(pop: Any, name: str, args) -> Any:
         )
         return None
     return pop
+
+
+def resumed(pop: Any, name: str, resume: bool | str) -> Any:
+    """A new population of `pop`'s experiment and keywords that continues a run on disk:
+    `resume` True, this experiment's population of the same members (`resume="auto"`); a
+    run id, that run beside `pop`'s directory; a path, that run. Refused, saying why, when
+    there is none or it is not these members'."""
+    if pop.running:
+        raise UsageError(
+            f"%nitro train {name} --resume: {name} is {pop.phase} in the background; `%nitro "
+            f"stop {name}` stops it (then `%nitro train {name}` goes on from where it stopped)"
+        )
+    target: Any = True
+    root = Path(pop.given_keywords.get("run_dir") or Path(pop.run_dir).parent)
+    if isinstance(resume, str):
+        target = resume if Path(resume).exists() else str(Path(pop.run_dir).parent / resume)
+    keywords = {**pop.given_keywords, "resume": target}
+    pop.close()  # the new population may write where it did; its next train() holds it again
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            new = nitro.Population(pop.experiment, **keywords)
+        except (nitro.PopulationError, nitro.SetupError) as error:
+            raise UsageError(f"%nitro train {name} --resume: {error}") from None
+    if not new.step:  # resume="auto" found no checkpoint: nothing to continue
+        new.close()
+        raise UsageError(
+            f"%nitro train {name} --resume: no checkpoint of a {pop.cls.__name__} population "
+            f"under {str(root.absolute())!r} to continue (a population saves one in its run "
+            f"directory after its epochs, unless checkpointer=None); `%nitro train {name}` "
+            f"trains {name} on from epoch {pop.epoch}, `--resume RUN_ID` names a run"
+        )
+    for warning in caught:  # what the resume said (a changed setting): the user's to read
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    print(
+        f"nitro: {name} continues population {new.run_id} from its checkpoint at epoch "
+        f"{new.epoch}, step {new.step} ({new.run_dir})"
+    )
+    return new
 
 
 def stop(pop: Any, name: str) -> None:
@@ -137,10 +185,16 @@ def stop_member(pop: Any, name: str, member: str, timeout: float = 600.0) -> Non
             pop.stop(index, why)
             break
         time.sleep(0.02)
+    if index not in pop.stopped:
+        print(
+            f"nitro: {label} of {name} stops at the population's next call (it asked at step "
+            f"{pop.step}); `%nitro status {name}` lists it once it has"
+        )
+        return
     training = len(pop) - len(pop.stopped)
-    print(
-        f"nitro: stopped {label} of {name} at step {pop.step}; {training} of {len(pop)} "
-        f"members train on"
+    print(  # the step it stopped at, as its record has it: the run has gone on since
+        f"nitro: stopped {label} of {name} at step {pop.stopped_at[index]}; {training} of "
+        f"{len(pop)} members train on"
         + ("" if pop.running else f" when `%nitro train {name}` trains it again")
     )
 

@@ -1,5 +1,5 @@
 """Populations in a real kernel: `%nitro train pop`, its live panel (every member's curves, a
-table of them best first, a Stop button per member), pruning from the panel and from the
+table of them in member order with their ranks, a Stop button per member), pruning from the panel and from the
 magic, `%nitro status`, and the record the run leaves."""
 
 from __future__ import annotations
@@ -11,21 +11,31 @@ from notebook_kernel import kernel_fixture  # noqa: F401 - provides the `kernel`
 
 PANEL = "nitro_ipython.live_panel({})"
 
-# Defined in the kernel: the live table's member order, and the members best first by their
-# latest val_loss in the history (what the table must show).
+# Defined in the kernel: the live table's member order and rank column, and the members best
+# first by their latest val_loss in the history (what the ranks must say).
 HELPERS = """
+import re as _re
+
 def _table_order(pop):
     panel = nitro_ipython.live_panel(pop)
     return [panel.member_rows.index(row) for row in panel.table.children[1:]]
+
+def _table_ranks(pop):
+    cells = nitro_ipython.live_panel(pop).member_cells
+    return [_re.search("width:40px;[^>]*>([^<]*)</span>", c.value).group(1) for c in cells]
 
 def _ranked(pop):
     latest = pop.history().groupby(level="member").tail(1).reset_index()
     return latest.sort_values(["val_loss", "member"])["member"].tolist()
 
+def _ranks(pop):
+    ranked = _ranked(pop)
+    return [str(ranked.index(member) + 1) for member in range(len(pop))]
+
 def _table_is_ranked(pop):
     history = len(pop.history())  # the history before and after: one epoch's table
-    order, ranked = _table_order(pop), _ranked(pop)
-    return history > 0 and history == len(pop.history()) and order == ranked
+    ranks, expected = _table_ranks(pop), _ranks(pop)
+    return history > 0 and history == len(pop.history()) and ranks == expected
 """
 
 
@@ -44,6 +54,11 @@ def _record_members(html: str) -> list[int]:
     return [int(i) for i in re.findall(r"&#x25A0;</span> (\d+)</td>", html)]
 
 
+def _record_ranks(html: str) -> list[str]:
+    """The rank column of a record's table, in its order."""
+    return re.findall(r"&#x25A0;</span> \d+</td><td [^>]*>([^<]*)</td>", html)
+
+
 def _comms(kernel) -> int:
     return int(kernel.eval("len(__import__('comm').get_comm_manager().comms)"))
 
@@ -56,7 +71,7 @@ def _opened(cell, model: str) -> list[dict]:
     ]
 
 
-def test_a_population_trained_with_the_magic_leaves_a_record_of_every_member_best_first(kernel):
+def test_a_population_trained_with_the_magic_leaves_a_record_of_every_member_ranked(kernel):
     kernel.run(
         "pop = nitro.Population(tiny_exp.Tiny(batches=5, max_epochs=2), "
         "learning_rate=[1e-3, 3e-2, 1e-1], seed=[0, 1])"
@@ -69,16 +84,17 @@ def test_a_population_trained_with_the_magic_leaves_a_record_of_every_member_bes
     assert all(b["disabled"] for b in buttons)  # a foreground run: the interrupt button stops
 
     kernel.run(HELPERS)
-    ranked = ast.literal_eval(kernel.eval("_ranked(pop)"))
+    ranks = ast.literal_eval(kernel.eval("_ranks(pop)"))
     summary, curves = _saved(kernel, cell.msg_id)  # the record replaced panel and stand-in
     html, text = summary["data"]["text/html"], summary["data"]["text/plain"]
-    assert _record_members(html) == ranked and sorted(ranked) == list(range(6))
+    assert _record_members(html) == list(range(6))  # member order, as the live table
+    assert _record_ranks(html) == ranks and sorted(ranks) == [str(r) for r in range(1, 7)]
     assert re.search(r"<b>done</b> &middot; epoch 2/2 &middot; step 10 &middot; 6 members", html)
     assert "val_loss &#x25B2;" in html  # the column it is sorted by, ascending
     assert text.startswith("Tiny population of 6: done · epoch 2/2 · step 10")
     for member, settings in enumerate(ast.literal_eval(kernel.eval("pop.members"))):
         label = f"learning_rate={settings['learning_rate']:g} seed={settings['seed']}"
-        assert f"  {member}: {label}  trained  loss " in text
+        assert f"  {member}: {label}  trained  rank {ranks[member]}  loss " in text
     assert set(curves["data"]) == {"image/png", "text/plain"}  # every member's curves
     assert _comms(kernel) == before  # every widget of the panel closed
 
@@ -100,7 +116,10 @@ def test_a_member_stop_button_prunes_it_and_the_others_train_on(kernel):
     said = kernel.eval("nitro_ipython.live_panel(popb).hint.value")
     assert "popb (3 members) is training in the background" in said
     kernel.wait_until("popb.epoch >= 2")
-    kernel.wait_until("_table_is_ranked(popb)")  # the live table: best val_loss first
+    kernel.wait_until("_table_is_ranked(popb)")  # the live table: each member's rank
+    # its rows stay in member order, although the best member is not member 0
+    assert kernel.eval("_ranked(popb)[0] != 0 and _table_order(popb) == [0, 1, 2]") == "True"
+    rows = kernel.eval(f"[row.model_id for row in {PANEL.format('popb')}.table.children]")
 
     def standin() -> str:  # what a notebook saved now shows where the widget is dead
         kernel.pump(0.2)
@@ -125,12 +144,20 @@ def test_a_member_stop_button_prunes_it_and_the_others_train_on(kernel):
 
     epoch = int(kernel.eval("popb.epoch"))
     kernel.wait_until(f"popb.epoch >= {epoch + 2}")  # the others train on
+    kernel.wait_until("_table_is_ranked(popb)")
+    assert kernel.eval(f"[row.model_id for row in {panel}.table.children]") == rows
     kernel.run("%nitro stop popb")
     val = ast.literal_eval(
-        kernel.eval("popb.history()['val_loss'].unstack('member').iloc[-2:].values.tolist()")
+        kernel.eval(
+            "popb.history()['val_loss'].unstack('member')[[0, 2]].iloc[-2:].values.tolist()"
+        )
     )
-    assert val[0][1] == val[1][1]  # the pruned member's weights no longer change
-    assert val[0][0] != val[1][0] and val[0][2] != val[1][2]  # the others' do
+    assert val[0][0] != val[1][0] and val[0][1] != val[1][1]  # the others' weights change
+    # the pruned member's record ended at its stop: its epoch no longer counts
+    last = int(kernel.eval("int(popb.history().loc[1].index[-1])"))
+    assert last <= epoch + 1 < int(kernel.eval("popb.epoch"))
+    step = "int(popb.history().loc[1, 'step'].iloc[-1]) == popb.stopped_at[1]"
+    assert kernel.eval(step) == "True"  # its last row is where it stopped
 
     kernel.wait_for(
         lambda m: (
@@ -166,11 +193,12 @@ def test_stop_a_member_with_the_magic_and_status_lists_the_population(kernel):
     assert "popc has 3 members" in kernel.run("%nitro stop popc one", check=False).error
 
     stopped = kernel.run("%nitro stop popc 1").stdout
-    assert re.match(
-        r"nitro: stopped member 1 \(learning_rate=0.03\) of popc at step \d+; 2 of 3 members "
+    said = re.match(
+        r"nitro: stopped member 1 \(learning_rate=0.03\) of popc at step (\d+); 2 of 3 members "
         r"train on",
         stopped,
     )
+    assert said and int(said.group(1)) == int(kernel.eval("popc.stopped_at[1]"))
     assert kernel.eval("popc.stopped") == "{1: 'stopped by %nitro stop popc 1'}"
     status = kernel.run("%nitro status popc").stdout
     assert "2 of 3 members training" in status
@@ -181,6 +209,9 @@ def test_stop_a_member_with_the_magic_and_status_lists_the_population(kernel):
 
     step = int(kernel.eval("popc.step"))
     kernel.wait_until(f"popc.step > {step + 10}")  # the others train on
+    # one number: its record's last row has the step the magic said
+    kernel.wait_until("bool(popc.epoch > popc.history().loc[1].index[-1])")
+    assert int(kernel.eval("int(popc.history().loc[1, 'step'].iloc[-1])")) == int(said.group(1))
     ended = kernel.run("%nitro stop popc").stdout
     assert re.match(r"nitro: stopped popc at epoch \d+, step \d+ .*`%nitro train popc`", ended)
     assert "1 of 3 members stopped" in kernel.run("%nitro status popc").stdout
@@ -215,6 +246,32 @@ def test_a_population_refuses_what_it_does_not_take_in_one_line(kernel):
     assert all(
         cell.reply["content"]["traceback"] == [] for cell in (fresh, validate, extra, member)
     )
+
+
+def test_resume_continues_a_population_s_run_on_disk_or_says_why_it_cannot(kernel):
+    build = "nitro.Population(tiny_exp.Tiny(batches=4, max_epochs=3), learning_rate=[2e-3, 2e-2])"
+    kernel.run(f"popr = {build}\n%nitro train popr --epochs 2")
+    first = kernel.eval("popr.run_dir")
+    kernel.run(f"popr = {build}")  # as after a kernel restart: a new population, epoch 0
+    assert kernel.eval("(popr.epoch, popr.run_dir != " + first + ")") == "(0, True)"
+
+    cell = kernel.run("%nitro train popr --resume")
+    assert re.search(
+        r"nitro: popr continues population \S+ from its checkpoint at epoch 2, step 8", cell.stdout
+    ), cell.stdout
+    assert kernel.eval("(popr.epoch, popr.step, popr.run_dir == " + first + ")") == "(3, 12, True)"
+    assert kernel.eval("popr.history().index.get_level_values('epoch').tolist()") == str(
+        [1, 2, 3, 1, 2, 3]
+    )
+
+    nothing = kernel.run(
+        "popn = nitro.Population(tiny_exp.Tiny(batches=4), learning_rate=[2e-3], "
+        "run_dir='elsewhere/popn')\n%nitro train popn --resume",
+        check=False,
+    )
+    assert nothing.reply["content"]["ename"] == "UsageError"
+    assert "no checkpoint of a Tiny population under" in nothing.error
+    assert "elsewhere/popn" in nothing.error and "checkpointer=None" in nothing.error
 
 
 def test_the_interrupt_button_stops_a_population_trained_in_the_foreground(kernel):

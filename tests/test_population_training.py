@@ -5,7 +5,9 @@ Real JAX, Flax and Optax; members are checked against the same settings trained 
 against populations trained without the change under test.
 """
 
+import json
 import threading
+from pathlib import Path
 
 import jax
 import jax.monitoring
@@ -63,6 +65,39 @@ def test_pruning_a_member_leaves_the_others_bitwise_equal(check_divergence):
     assert pruned.best("val_loss").given_keywords["learning_rate"] != 3e-3
 
 
+class _Rows:
+    def __init__(self):
+        self.rows = []
+
+    def member_rows(self, rows):
+        self.rows.append([(row["member"], row["epoch"], row["step"]) for row in rows])
+
+
+def test_a_pruned_member_s_epoch_step_and_record_freeze_at_its_stop():
+    shown = _Rows()
+    pop = nitro.Population(
+        Digits(max_epochs=3, **SMALL), learning_rate=[1e-3, 1e-2], progress=shown
+    )
+    pop.train(steps=20)  # mid-epoch 1 (39 steps an epoch)
+    pop.stop(1)
+    pop.train()
+    assert pop.stopped_at == {1: 20} and (pop.epoch, pop.step) == (3, 117)
+    history = pop.history()
+    # its last row is the epoch it stopped in, at the step it stopped on; then no more
+    assert history.loc[1].index.tolist() == [1] and history.loc[0].index.tolist() == [1, 2, 3]
+    assert history.loc[(1, 1), "step"] == 20 and history.loc[(0, 1), "step"] == 39
+    assert history.loc[(1, 1), "stopped"] == "stopped by pop.stop(1)"
+    # what the reporters were shown: the stopped member's epoch never moved on
+    assert shown.rows == [[(0, 1, 39), (1, 1, 20)], [(0, 2, 78)], [(0, 3, 117)]]
+    # its logger's lines end at the stop, too
+    logged = [
+        json.loads(line)
+        for line in (Path(pop.run_dir) / "member-1" / "metrics.jsonl").read_text().splitlines()
+    ]
+    assert max(line.get("epoch", 0) for line in logged) == 1
+    assert "at epoch 1, step 20" in pop.member(1).weights_origin
+
+
 def test_stop_refuses_a_member_out_of_range():
     pop = nitro.Population(Digits(max_epochs=1, **SMALL), seed=[0, 1], progress=False)
     with pytest.raises(IndexError, match="member 2 of a population of 2"):
@@ -79,11 +114,14 @@ def test_every_member_pruned_ends_the_run_and_train_says_so():
     assert pop.step == 0
 
 
-def test_members_on_their_own_data_order_equal_their_seeds_trained_alone():
-    pop = nitro.Population(
-        Digits(max_epochs=2, **SMALL), seed=[0, 1], batches="own", progress=False
+def test_members_of_other_seeds_read_their_own_data_order_and_equal_their_seeds_alone():
+    pop = nitro.Population(Digits(max_epochs=2, **SMALL), seed=[0, 1], progress=False)
+    assert pop.batches == "own"  # the seeds differ: each member reads its seed's order
+    pop.train()
+    shared = nitro.Population(
+        Digits(max_epochs=2, **SMALL), seed=[0, 1], batches="shared", progress=False
     ).train()
-    shared = nitro.Population(Digits(max_epochs=2, **SMALL), seed=[0, 1], progress=False).train()
+    assert nitro.Population(Digits(), learning_rate=[1e-3, 1e-2]).batches == "shared"
     for index, seed in enumerate((0, 1)):
         solo = _alone(2, seed=seed)
         np.testing.assert_allclose(
@@ -188,9 +226,11 @@ def test_a_background_run_reports_every_members_steps_and_rows_and_prunes_live()
     assert all(np.isnan(losses[2, 0]) for first, losses in recorder.steps if first >= stopped_at)
     assert all(np.isfinite(losses[:2]).all() for _, losses in recorder.steps)
     assert len(recorder.rows) == 2
-    assert [row["member"] for row in recorder.rows[-1]] == [0, 1, 2]
-    assert recorder.rows[-1][2]["learning_rate"] == 3e-2
-    assert recorder.rows[-1][2]["stopped"].startswith("stopped by pop.stop(2)")
+    assert [row["member"] for row in recorder.rows[0]] == [0, 1, 2]
+    assert recorder.rows[0][2]["learning_rate"] == 3e-2
+    assert recorder.rows[0][2]["stopped"].startswith("stopped by pop.stop(2)")
+    assert recorder.rows[0][2]["step"] == pop.stopped_at[2] == stopped_at - 1
+    assert [row["member"] for row in recorder.rows[1]] == [0, 1]  # its record has ended
 
 
 def test_one_compile_for_eight_members_counted_by_jax(fresh_cache):

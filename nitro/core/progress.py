@@ -127,7 +127,8 @@ def format_members(
         label = settings_label(settings)
         results = "  ".join(f"{k} {v:.4g}" for k, v in member_metrics(best, settings).items())
         parts.append(f"best member {index}" + (f" ({label})" if label else "") + f": {results}")
-    parts.append(f"{len(training)} of {len(rows)} members training")
+    # a stopped member's record has ended: it has no row, but counts among the members
+    parts.append(f"{len(training)} of {max(len(members), len(rows))} members training")
     seconds = rows[0].get("epoch_seconds") if rows else None
     if isinstance(seconds, float):
         parts.append(f"({seconds:.2f} s)")

@@ -5,7 +5,8 @@ Each member is a run's setup, run-time record and train state (`Member`), built 
 (`PopulationState.variables`), with one `healthy` flag per member. Every call feeds each
 member its own hyperparameters and Device fields (its schedules, evaluated on the host and
 stacked into one transfer) and the same batch, from the first member's data stream (its
-seed's order). A member whose step is not finite is stopped by the guard: its `healthy` flag
+seed's order), or, with `batches="own"` (the default when the seeds differ), each member its
+own stream's batch. A member whose step is not finite is stopped by the guard: its `healthy` flag
 stays False, so every later step leaves its variables as they were (the guard's rule, per
 member), and the others train on.
 
@@ -213,18 +214,19 @@ def _train_until(
         rows = _validated_rows(members, state, programs, control)
         if rows is None:
             return "requested"
+        shown = []
         for member, row in zip(members, rows, strict=True):
-            member.state.history.append(row)
-            member.state.step, member.state.epoch = state.step, state.epoch + 1
             member.totals = None
+            if row is None:  # stopped before this epoch: its record ended at the stop
+                continue
+            member.state.history.append(row)
+            member.state.step, member.state.epoch = row["step"], row["epoch"]
+            shown.append({"member": member.index, **shown_settings(member.settings), **row})
         state.epoch += 1
         state.position = 0
-        shown = [
-            {"member": m.index, **shown_settings(m.settings), **row}
-            for m, row in zip(members, rows, strict=True)
-        ]
         _early_stops(members, state, say)
-        events.member_rows(shown)
+        if shown:
+            events.member_rows(shown)
         if after_epoch is not None:
             after_epoch(shown)
         if all(m.stopped is not None for m in members):
@@ -498,14 +500,20 @@ def _train_metrics(member: Member, program: Program, metrics, staged, offset: in
     totals.train_metrics.add(specs, leaves, staged.n_real)
 
 
-def _validated_rows(members, state: PopulationState, programs, control) -> list[dict] | None:
+def _validated_rows(members, state: PopulationState, programs, control) -> list[dict | None] | None:
     """Each member's history row of the epoch just trained: its training loss, then every
-    eval split's metrics; None when a stop request cut validation short."""
-    rows = []
+    eval split's metrics; None when a stop request cut validation short. A stopped member's
+    record ends at its stop: the epoch it stopped in gets a last row (its step the one it
+    stopped at, its results those of its final weights), later epochs none (None)."""
+    rows: list[dict | None] = []
     for member in members:
         totals = member.totals
         assert totals is not None
-        row: dict[str, Any] = {"epoch": state.epoch + 1, "step": state.step}
+        if member.stopped is not None and not totals.steps:
+            rows.append(None)
+            continue
+        step = state.step if member.stopped is None else member.stopped_at
+        row: dict[str, Any] = {"epoch": state.epoch + 1, "step": step}
         if totals.nonfinite:
             row["loss"] = math.nan
             row["nonfinite_steps"] = totals.nonfinite
@@ -520,9 +528,12 @@ def _validated_rows(members, state: PopulationState, programs, control) -> list[
         if metrics is None:
             return None
         for row, values in zip(rows, metrics, strict=True):
-            row.update(values)
+            if row is not None:
+                row.update(values)
     for member, row in zip(members, rows, strict=True):
         assert member.totals is not None
+        if row is None:
+            continue
         row["epoch_seconds"] = member.totals.seconds
         if member.stopped is not None:
             row["stopped"] = member.stopped

@@ -94,23 +94,24 @@ class Population:
         experiment: Any,
         *,
         members: Sequence[Mapping[str, Any]] | None = None,
-        batches: str = "shared",
+        batches: str | None = None,
         mesh_axis: str = "members",
         **keywords: Any,
     ):
         cls = _check_experiment(experiment)
+        given = {"members": members, "batches": batches, "mesh_axis": mesh_axis}
+        self._given = (experiment, {k: v for k, v in given.items() if v is not None} | keywords)
         if mesh_axis not in ("members", "batch"):
             raise PopulationError(
                 f"mesh_axis={mesh_axis!r}: pass 'members' (each device trains its share of the "
                 f"members on whole batches) or 'batch' (every member on every device, each batch "
                 f"split across them)"
             )
-        if batches not in ("shared", "own"):
+        if batches not in (None, "shared", "own"):
             raise PopulationError(
                 f"batches={batches!r}: pass 'shared' (every member trains on the same batches, "
                 f"a fair comparison of the settings) or 'own' (each member its seed's data order)"
             )
-        self._batches_mode = batches
         self._mesh_axis = mesh_axis
         # shared by every member, as Nitro(...) takes them: where the weights start, the splits
         self._weights = _weights_source(keywords.pop("weights", None))
@@ -142,6 +143,10 @@ class Population:
             ]
         if not settings:
             raise PopulationError("members=[] has no members: give at least one")
+        if batches is None:  # members of other seeds read their own seed's order, as alone
+            seeds = {repr(s.get("seed", shared.get("seed"))) for s in settings}
+            batches = "own" if len(seeds) > 1 else "shared"
+        self._batches_mode = batches
         specs = {s.name: s for s in field_specs(cls)}
         for name in dict.fromkeys(k for s in settings for k in s):
             _check_axis(cls, specs, name)
@@ -247,6 +252,17 @@ class Population:
         return [dict(s) for s in self._settings]
 
     @property
+    def experiment(self) -> Any:
+        """The experiment the population was built from (its shared fields as given)."""
+        return self._given[0]
+
+    @property
+    def given_keywords(self) -> dict[str, Any]:
+        """The keywords the population was built with: `nitro.Population(pop.experiment,
+        **pop.given_keywords)` builds it again (with `resume=`, to continue its run)."""
+        return dict(self._given[1])
+
+    @property
     def cls(self) -> type:
         """The experiment class (as `Nitro.cls`)."""
         return self._cls
@@ -255,6 +271,12 @@ class Population:
     def stopped(self) -> dict[int, str]:
         """Member -> why it stopped training (a diverged member), for the members that did."""
         return {m.index: m.stopped for m in self._members if m.stopped is not None}
+
+    @property
+    def stopped_at(self) -> dict[int, int]:
+        """Member -> the steps it trained before it stopped, for the members that did: its
+        history's last row has that step, and its weights are those of that step."""
+        return {m.index: int(m.stopped_at or 0) for m in self._members if m.stopped is not None}
 
     @property
     def step(self) -> int:
@@ -376,7 +398,8 @@ class Population:
     @property
     def batches(self) -> str:
         """ "shared": every member trains on the same batches (the first member's data order);
-        "own": each member on its own seed's order (`Population(..., batches="own")`)."""
+        "own": each member on its own seed's order, as it would alone (the default when the
+        members' seeds differ; `Population(..., batches="shared")` shares the first's)."""
         return self._batches_mode
 
     def _train_body(self, target: int, stop_at: int | None) -> None:
@@ -590,6 +613,9 @@ class Population:
         """Copies of member `index`'s current weights (the population is held)."""
         member = self._members[index]
         model = member.setup.model
+        epoch, step = self.epoch, self.step
+        if member.stopped is not None:  # its weights are those of its stop
+            epoch, step = member.state.epoch, member.stopped_at
         if self._state is None:
             variables = member.state.variables
             params_leaves, rest_leaves = variables.params, variables.model_state
@@ -600,8 +626,7 @@ class Population:
         weights = WeightsSource(
             jax.tree.map(copy_array, jax.tree.unflatten(model.params_def, params_leaves)),
             jax.tree.map(copy_array, jax.tree.unflatten(model.model_state_def, rest_leaves)),
-            f"{member.label} of a {self._cls.__name__} population at epoch {self.epoch}, "
-            f"step {self.step}",
+            f"{member.label} of a {self._cls.__name__} population at epoch {epoch}, step {step}",
         )
         return weights
 

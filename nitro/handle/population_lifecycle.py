@@ -189,7 +189,8 @@ class _MemberView:
 
     @property
     def epoch(self) -> int:
-        return self._population.epoch
+        member = self._member  # a stopped member's epoch stays where it stopped
+        return self._population.epoch if member.stopped is None else member.state.epoch
 
     @property
     def stop_reason(self) -> str | None:
@@ -205,9 +206,8 @@ class _MemberView:
 
     def binding_report(self):
         member = self._member
-        return binding_report(
-            member.setup, member.runtime, self._population.step, self.run_dir, self.run_id
-        )
+        step = self._population.step if member.stopped is None else member.stopped_at
+        return binding_report(member.setup, member.runtime, step, self.run_dir, self.run_id)
 
 
 class MemberLogging:
@@ -231,10 +231,11 @@ class MemberLogging:
             reporter.steps(first, row.tolist())
 
     def member_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:
-        for reporter, view in zip(self.reporters, self.views, strict=True):
-            history = view._member.state.history
+        for row in rows:  # the members that trained this epoch (a stopped one's ended)
+            index = int(row["member"])
+            history = self.views[index]._member.state.history
             if history:
-                reporter.end_epoch(history[-1])
+                self.reporters[index].end_epoch(history[-1])
 
     def phase(self, phase: str) -> None:
         for reporter in self.reporters:
@@ -361,6 +362,10 @@ class PopulationLife:
             member.state.history = [dict(row) for row in entry.get("history", [])]
             member.state.step, member.state.epoch = state.step, state.epoch
             member.stopped, member.stopped_at = entry.get("stopped"), entry.get("stopped_at")
+            if member.stopped is not None:  # its counters stay where it stopped
+                last = member.state.history[-1] if member.state.history else {}
+                member.state.step = int(member.stopped_at or 0)
+                member.state.epoch = int(last.get("epoch", 0))
             partial = entry.get("partial_epoch")
             member.totals = None
             if partial:
