@@ -486,6 +486,7 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
                         cost = seconds + run.compiled.pop(count, 0.0)
                         switch = plan.checked(count, same, cost, seconds) or switch
                 else:
+                    assert program is not None  # compiled above unless one step at a time
                     out = program(*args)
             except TypeError as error:
                 staged.free()

@@ -527,16 +527,16 @@ def _validated_rows(members, state: PopulationState, programs, control) -> list[
         metrics = evaluate_members(members, state, programs, control, split)
         if metrics is None:
             return None
-        for row, values in zip(rows, metrics, strict=True):
-            if row is not None:
-                row.update(values)
-    for member, row in zip(members, rows, strict=True):
+        for kept, values in zip(rows, metrics, strict=True):
+            if kept is not None:
+                kept.update(values)
+    for member, kept in zip(members, rows, strict=True):
         assert member.totals is not None
-        if row is None:
+        if kept is None:
             continue
-        row["epoch_seconds"] = member.totals.seconds
+        kept["epoch_seconds"] = member.totals.seconds
         if member.stopped is not None:
-            row["stopped"] = member.stopped
+            kept["stopped"] = member.stopped
     return rows
 
 

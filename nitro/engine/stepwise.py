@@ -43,7 +43,7 @@ def identical(a: Any, b: Any) -> bool:
 
 
 def one_at_a_time(
-    single: Callable[[tuple], Any],
+    single: Callable[..., Any],
     feed: Any,
     index: int,
     args: tuple,

@@ -126,7 +126,13 @@ class Nitro:
         self._control.say = self._say
         self._guard = RunGuard(lambda: f"this {cls.__name__} handle")
         take_ready_edit = weakref.WeakMethod(self._take_ready_edit)  # the guard holds no handle
-        self._guard.on_release = lambda: (take := take_ready_edit()) is not None and take()
+
+        def on_release() -> None:
+            take = take_ready_edit()
+            if take is not None:
+                take()
+
+        self._guard.on_release = on_release
         self._run: Run | None = None
         self._stop_reason: str | None = None
         self._error: BaseException | None = None

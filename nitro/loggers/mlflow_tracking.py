@@ -195,11 +195,11 @@ class MLflowLogger(BaseLogger):
             experiment_id, run_name=self.run_name or self._run_id, tags=tags
         )
         self._experiment_id = experiment_id
-        self._mlflow_id = run.info.run_id
+        self._mlflow_id = mlflow_id = run.info.run_id
         if self._waiting_params is not None:
             params, self._waiting_params = self._waiting_params, None
             self._send_params(params)
-        return self._mlflow_id
+        return mlflow_id
 
     # metrics, buffered --------------------------------------------------------------------
 

@@ -188,7 +188,7 @@ class WandbLogger(BaseLogger):
     def log_confusion(self, matrix: Any, labels: Sequence[Any], *, epoch: int | None) -> None:
         wandb = _require_wandb()
         rows, names = confusion_rows(matrix, labels)
-        data = [[n, *r] for n, r in zip(names, rows, strict=True)]
+        data: list[Any] = [[n, *r] for n, r in zip(names, rows, strict=True)]
         at = self._at(None)
         self._send(
             lambda: self._live().log(
