@@ -131,7 +131,9 @@ def test_live_panel_updates_from_the_training_thread_and_its_stop_button_works(k
     cell = kernel.run("%nitro train panel_exp --background")
     idle_at = len(kernel.log)  # everything after this arrived while no cell was running
     panel = "nitro_ipython.live_panel(panel_exp_run)"
-    bar_id = ast.literal_eval(kernel.eval(f"{panel}.progress.model_id"))  # claimed at start
+    # the run claims the panel its cell displayed once its setup (on the training thread) ends
+    kernel.wait_until(f"{panel} is not None", timeout=300)
+    bar_id = ast.literal_eval(kernel.eval(f"{panel}.progress.model_id"))
     curves_id = ast.literal_eval(kernel.eval(f"{panel}.plots[0].model_id"))  # the loss plot
     panel_id = ast.literal_eval(kernel.eval(f"{panel}.model_id"))
     views = cell.data("application/vnd.jupyter.widget-view+json")
