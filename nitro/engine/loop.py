@@ -54,7 +54,6 @@ from nitro.engine.stepwise import one_at_a_time
 from nitro.engine.swaps import (
     HostHookFailed,
     Probation,
-    code_digest_of,
     host_probation_for,
     probation_for,
     record_swap,
@@ -636,19 +635,10 @@ def _roll_back(run: _Epoch, state: TrainState, cause: _RollBack) -> None:
         f"its first steps: rolled back to the code and the weights of step {back_to}; "
         f"the run goes on. Fix the edit and save again"
     )
-    row = {
-        "step": back_to + 1,  # the first step on the old code again
-        "epoch": state.epoch + 1,
-        "status": "rolled back",
-        "changed": list(edit.changes),
-        "code": code_digest_of(probation.setup),
-        "reason": f"non-finite loss {cause.value} at step {cause.step}",
-        "at": time.time(),
-    }
-    state.swaps.append(row)
-    edit._settle("rolled back", note)
-    run.events.swapped(row)
-    run.control.say(note)
+    reason = f"non-finite loss {cause.value} at step {cause.step}"
+    swaps.record_roll_back(
+        state, edit, probation.setup, back_to + 1, reason, note, run.events, run.control.say
+    )
 
 
 def _timed(run: _Epoch, plan, item: _Pending, updates: int | None, state: TrainState) -> bool:

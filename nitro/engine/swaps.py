@@ -322,13 +322,29 @@ def roll_back_host(
         f"{message}. Rolled back to the code it had before; the run goes on. Fix the edit "
         f"and save again"
     )
+    reason = f"`{failure.hook}` raised {type(error).__name__}: {message}"
+    record_roll_back(state, edit, probation.setup, state.step + 1, reason, note, events, say)
+
+
+def record_roll_back(
+    state: TrainState,
+    edit: Any,
+    setup: RunSetup,
+    step: int,
+    reason: str,
+    note: str,
+    events: Any,
+    say: Callable[[str], None],
+) -> None:
+    """What a roll-back leaves: a row in `state.swaps` at `step` (the first step on the old
+    code again), the edit settled "rolled back", the `swapped` event and the note."""
     row = {
-        "step": state.step + 1,
+        "step": step,
         "epoch": state.epoch + 1,
         "status": "rolled back",
         "changed": list(edit.changes),
-        "code": code_digest_of(probation.setup),
-        "reason": f"`{failure.hook}` raised {type(error).__name__}: {message}",
+        "code": code_digest_of(setup),
+        "reason": reason,
         "at": time.time(),
     }
     state.swaps.append(row)
