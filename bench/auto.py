@@ -20,16 +20,19 @@ Python busy loop), the busy neighbours a shared machine has.
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 
 sys.path.insert(0, os.path.dirname(__file__))
 
-from loops import HandWritten, WithNitro, alternate_rounds, close_handles  # noqa: E402
+from loops import (  # noqa: E402
+    HandWritten,
+    WithNitro,
+    alternate_rounds,
+    busy_neighbours,
+    close_handles,
+)
 from peers import MODELS  # noqa: E402
 
 MAX_WARMUP = 20  # warm-up rounds at most, while an auto handle is still deciding
@@ -104,21 +107,13 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         parser.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
-    try:
-        print(
-            f"bench/auto.py: {os.cpu_count()} cpus, {args.load} busy processes beside it, "
-            f"load average {os.getloadavg()[0]:.1f}"
-        )
-        results = {}
-        with tempfile.TemporaryDirectory(prefix="nitro-auto-") as runs, contextlib.chdir(runs):
-            for name in names:
-                results[name] = bench_model(
-                    name, ks, args.autos, args.rounds, args.warmup, args.epochs, args.scale
-                )
-    finally:
-        for process in busy:
-            process.kill()
+    with busy_neighbours(args.load, "bench/auto.py", "nitro-auto-"):
+        results = {
+            name: bench_model(
+                name, ks, args.autos, args.rounds, args.warmup, args.epochs, args.scale
+            )
+            for name in names
+        }
     print("\nworst auto handle as a share of the best fixed K:")
     for name, r in results.items():
         print(f"  {name}: {r['auto_share']:.2f} (best {r['best']}, {r['best_ratio']:.2f}x)")

@@ -25,18 +25,15 @@ CPU-bound processes beside it (each a Python busy loop), a shared machine's neig
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(__file__))
 
 import jax  # noqa: E402
-from loops import HandWritten, WithNitro  # noqa: E402
+from loops import HandWritten, WithNitro, busy_neighbours  # noqa: E402
 from peers import MODELS  # noqa: E402
 
 import nitro  # noqa: E402
@@ -97,17 +94,8 @@ def main(argv: list[str] | None = None) -> None:
     unknown = [n for n in names if n not in MODELS]
     if unknown:
         parser.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
-    try:
-        print(
-            f"bench/fresh.py: {os.cpu_count()} cpus, {args.load} busy processes beside it, "
-            f"load average {os.getloadavg()[0]:.1f}"
-        )
-        with tempfile.TemporaryDirectory(prefix="nitro-fresh-") as runs, contextlib.chdir(runs):
-            results = {name: bench_model(name, args.epochs, args.rounds) for name in names}
-    finally:
-        for process in busy:
-            process.kill()
+    with busy_neighbours(args.load, "bench/fresh.py", "nitro-fresh-"):
+        results = {name: bench_model(name, args.epochs, args.rounds) for name in names}
     print("\na fresh handle's whole run over the hand-written loop's (goal >= 0.95):")
     for name, ratio in results.items():
         print(f"  {name}: {ratio:.2f}x")

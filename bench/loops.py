@@ -18,10 +18,14 @@ shape (B, T)).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
+import subprocess
+import sys
+import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
@@ -298,3 +302,21 @@ def close_handles(loops: dict) -> None:
     for loop in loops.values():
         if isinstance(loop, WithNitro):
             loop.handle.close()
+
+
+@contextlib.contextmanager
+def busy_neighbours(count: int, script: str, runs: str) -> Iterator[None]:
+    """`count` CPU-bound processes beside the benchmark (each a Python busy loop), killed when
+    it ends, and a temporary working directory for its run directories (`runs`: its prefix);
+    prints the machine's cores and load first."""
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(count)]
+    try:
+        print(
+            f"{script}: {os.cpu_count()} cpus, {count} busy processes beside it, "
+            f"load average {os.getloadavg()[0]:.1f}"
+        )
+        with tempfile.TemporaryDirectory(prefix=runs) as directory, contextlib.chdir(directory):
+            yield
+    finally:
+        for process in busy:
+            process.kill()
