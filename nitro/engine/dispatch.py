@@ -371,31 +371,27 @@ class DispatchPlan:
             self._decided(candidates=kept, steps=kept[0], reason=f"{self.reason}; {steps} dropped")
             self._round_done()  # the round under way may have every other size's pair
             return True
-        self._differs = True
-        self._rounds, self._singles, self._pairs, self._run, self._first = [], [], {}, [], None
-        self._decided(
-            steps=1,
-            checking=False,
-            reason=f"auto: one step per call, as a fused call of {steps} steps did not compute "
-            f"bit for bit as {steps} single steps (XLA compiles a loop's body otherwise here), "
-            f"and a run's result must not depend on what a timing chose "
-            f"(steps_per_dispatch={steps} fuses anyway)",
+        return self._one_step_per_call(
+            f"a fused call of {steps} steps did not compute bit for bit as {steps} single "
+            f"steps (XLA compiles a loop's body otherwise here), and a run's result must not "
+            f"depend on what a timing chose (steps_per_dispatch={steps} fuses anyway)"
         )
-        return True
 
     def too_large(self, steps: int, size: int) -> bool:
         """The variables (`size` bytes) are too large to copy for the check of a fused size's
         first call: the run keeps one step per call (True), as it does where a check fails."""
+        return self._one_step_per_call(
+            f"the variables ({size / 2**30:.1f} GiB) are too large to check a fused call of "
+            f"{steps} on a copy against single steps, and a run's result must not depend on "
+            f"what a timing chose (steps_per_dispatch={steps} fuses unchecked)"
+        )
+
+    def _one_step_per_call(self, why: str) -> bool:
+        """Fused calls are given up for this run: one step per call, timing ended (True: the
+        call sizes change)."""
         self._differs = True
         self._rounds, self._singles, self._pairs, self._run, self._first = [], [], {}, [], None
-        self._decided(
-            steps=1,
-            checking=False,
-            reason=f"auto: one step per call, as the variables ({size / 2**30:.1f} GiB) are "
-            f"too large to check a fused call of {steps} on a copy against single steps, and a "
-            f"run's result must not depend on what a timing chose (steps_per_dispatch={steps} "
-            f"fuses unchecked)",
-        )
+        self._decided(steps=1, checking=False, reason=f"auto: one step per call, as {why}")
         return True
 
     def _over_budget(self) -> bool:
