@@ -155,8 +155,8 @@ def live_handles(user_ns: Mapping[str, Any]) -> list[Any]:
     for value in list(user_ns.values()):
         if isinstance(value, nitro.Nitro):
             seen.setdefault(id(value), value)
-    with _LOCK:
-        tracked = list(_STATS.keys())
+    with _LOCK:  # a population's numbers too: its status lines are its own
+        tracked = [h for h in _STATS.keys() if isinstance(h, nitro.Nitro)]
     for handle in [*agent_runs().values(), *tracked]:
         seen.setdefault(id(handle), handle)
     return list(seen.values())

@@ -76,7 +76,7 @@ def test_a_population_trained_with_the_magic_leaves_a_record_of_every_member_ran
         "pop = nitro.Population(tiny_exp.Tiny(batches=5, max_epochs=2), "
         "learning_rate=[1e-3, 3e-2, 1e-1], seed=[0, 1])"
     )
-    assert kernel.eval("type(pop.reporter).__name__") == "'PopulationPanelReporter'"
+    assert kernel.eval("type(pop.reporter).__name__") == "'PanelReporter'"  # a run's
     before = _comms(kernel)
     cell = kernel.run("%nitro train pop")
     buttons = _opened(cell, "ButtonModel")  # the run's Stop, then one per member
