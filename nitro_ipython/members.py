@@ -9,6 +9,7 @@ the live panel's rows and as the record's HTML) and the count of members still t
 from __future__ import annotations
 
 import math
+import time
 from collections.abc import Mapping, Sequence
 from html import escape
 from typing import Any
@@ -18,6 +19,7 @@ from nitro.progress import member_metrics, ranked_members, settings_label
 __all__ = [
     "MemberView",
     "best_member",
+    "stop_member",
     "head_html",
     "member_ranks",
     "members_of",
@@ -200,3 +202,41 @@ def best_member(pop: Any) -> tuple[str, float, int] | None:
     if isinstance(value, float) and math.isfinite(value):
         return metric, value, int(order[0]["member"])
     return None
+
+
+def stop_member(pop: Any, name: str, member: str, timeout: float = 600.0) -> None:
+    """`%nitro stop POP I`: prune member I (`pop.stop(I)`); a running population stops it at
+    its next call, and the magic waits for that, so `pop.stopped` names it afterwards."""
+    from IPython.core.error import UsageError
+
+    last = len(pop.members) - 1
+    index = int(member) if member.isdigit() else -1
+    if not 0 <= index <= last:
+        raise UsageError(
+            f"%nitro stop {name} {member}: {name} has {last + 1} members, numbered 0 to "
+            f"{last}; name one of them (`%nitro stop {name} {last}`), or none to stop the run"
+        )
+    label = f"member {index} ({settings_label(pop.members[index])})"
+    if index in pop.stopped:
+        print(f"nitro: {label} of {name} already stopped: {pop.stopped[index]}")
+        return
+    why = f"stopped by %nitro stop {name} {index}"
+    pop.stop(index, why)
+    deadline = time.monotonic() + timeout
+    while index not in pop.stopped and time.monotonic() < deadline:
+        if not pop.running:  # the run ended before its next call: stop it now
+            pop.stop(index, why)
+            break
+        time.sleep(0.02)
+    if index not in pop.stopped:
+        print(
+            f"nitro: {label} of {name} stops at the population's next call (it asked at step "
+            f"{pop.step}); `%nitro status {name}` lists it once it has"
+        )
+        return
+    training = last + 1 - len(pop.stopped)
+    print(  # the step it stopped at, as its record has it: the run has gone on since
+        f"nitro: stopped {label} of {name} at step {pop.stopped_at[index]}; {training} of "
+        f"{last + 1} members train on"
+        + ("" if pop.running else f" when `%nitro train {name}` trains it again")
+    )
