@@ -208,7 +208,8 @@ def stop(target: Any, name: str) -> None:
 
 def status_lines(target: Any, name: str = "") -> list[str]:
     """`%nitro status`: a run's line and, under it, the live edits swapped in (or rolled
-    back) while it trained; a population's line and, under it, each stopped member."""
+    back) while it trained; a population's line and, under it, each stopped member and the
+    step it stopped at."""
     if not isinstance(target, nitro.Population):
         return [status_line(target, name), *(f"  {line}" for line in _swap_lines(target))]
     stopped, members = target.stopped, target.members
@@ -223,8 +224,10 @@ def status_lines(target: Any, name: str = "") -> list[str]:
         text += f", best {metric} {value:.4g} (member {best}: {settings_label(members[best])})"
     if not target.running and target.stop_reason:
         text += f" (stop reason: {target.stop_reason})"
+    at = target.stopped_at  # where each stopped member's record ends, not the run's step
     return [text] + [
         f"  member {index} ({settings_label(members[index])}): {why}"
+        + (f" (at step {at[index]})" if index in at else "")
         for index, why in stopped.items()
     ]
 
