@@ -229,6 +229,9 @@ def test_stop_a_member_with_the_magic_and_status_lists_the_population(kernel):
         r"^popc +Tiny +stopped +\d+/1000 +\d+ +1 of 3 members stopped +(.*)$", listed, re.M
     )
     assert row and re.match(r"val_loss [\d.e+-]+ \(member [02]: learning_rate=", row.group(1))
+    # and its run directory among the runs on disk, named as the notebook names it
+    run_id = ast.literal_eval(kernel.eval("popc.run_id"))
+    assert re.search(rf"^{run_id} +popc +Tiny ", listed.split("on disk:")[1], re.M), listed
 
 
 def test_a_population_refuses_what_it_does_not_take_in_one_line(kernel):
