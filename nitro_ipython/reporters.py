@@ -30,7 +30,6 @@ from .members import (
     ranked_views,
     row_html,
 )
-from .panel import BAR_STYLE, notes_html
 from .runs import RunStats, stats_of
 
 __all__ = [
@@ -44,6 +43,7 @@ __all__ = [
 ]
 
 _PANELS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+ENDED = ("done", "stopped", "failed")  # the phases a run ends in (its record's bar style)
 
 
 def panel_of(handle: Any):
@@ -285,7 +285,7 @@ class PanelReporter:
         if self.active:
             self._phase = phase
             self._refresh()
-        elif phase not in BAR_STYLE:  # setting up: the panel `%nitro train` showed for it
+        elif phase not in ENDED:  # setting up: the panel `%nitro train` showed for it
             panel = worker.reserved_panel()
             if panel is not None and phase != "ready":
                 panel.status.value = f"<b>setting up</b> &middot; {escape(phase)} ..."
@@ -302,6 +302,8 @@ class PanelReporter:
         reserved = worker.reserved_panel() if not self.active else None
         if reserved is not None:  # the setup's notes ("resumed run ..."): in the run's panel
             self._setup_notes.append(message)
+            from .panel import notes_html
+
             reserved.notes.value = notes_html(self._setup_notes[-5:])
         elif self.panel is None or not self.active:
             if not worker.is_quiet():  # an agent's run: the agent reads it through its tools
@@ -337,7 +339,7 @@ class PanelReporter:
                 self._figure = self._new_figure()
             self.renderer.start(self._figure)
         else:  # the run has ended: show its record with the curves so far
-            self._finish(self._phase if self._phase in BAR_STYLE else "done")
+            self._finish(self._phase if self._phase in ENDED else "done")
 
     def _claim(self, panel) -> None:
         handle = self._handle()
@@ -372,6 +374,8 @@ class PanelReporter:
     def show_note(self, message: str, replace_pending: bool = False) -> None:
         """Add a line to the panel's notes (the last few are kept); a "done" note replaces
         the "compiling ..." note it completes."""
+        from .panel import notes_html
+
         panel = self.panel
         if panel is None:
             return
@@ -519,6 +523,7 @@ class PanelReporter:
     def _finish(self, phase: str) -> None:
         """The run ended (done, stopped, failed): stop drawing, leave the static record."""
         from .curves import release_figure
+        from .panel import BAR_STYLE
 
         panel = self.panel
         self._ended = False
