@@ -267,8 +267,8 @@ class PanelReporter:
                 continue
             view = self._views[index]
             view.row = {k: v for k, v in row.items() if k != "member"}
-            results = {k: v for k, v in view.row.items() if k not in view.settings}
-            self.curves.add_row(results, index)
+            where = {k: row[k] for k in ("epoch", "step", "stopped") if k in row}
+            self.curves.add_row({**where, **view.metrics()}, index)
 
     def swapped(self, row):
         """A live edit swapped in (or rolled back): a marker on the loss curve at its step,
