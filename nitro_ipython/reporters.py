@@ -418,6 +418,8 @@ class PanelReporter:
     def _status_parts(self) -> list[str]:
         from .panel import status_text
 
+        rows = [view.row for view in self._views if view.row]
+        latest = max(rows, key=lambda row: row.get("epoch", 0)) if rows else None
         members = None
         if self._members is not None:
             training = sum(view.stopped is None for view in self._views)
@@ -430,7 +432,7 @@ class PanelReporter:
             self._batches,
             self.stats,
             self._in_epoch,
-            self._row,
+            latest,  # a step's host and device time: one program for every member
             members,
         )
 
