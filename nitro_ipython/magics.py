@@ -94,7 +94,7 @@ class NitroMagics(Magics):
         nargs="?",
         metavar="TARGET",
         help="train: an experiment instance, a handle or a nitro.Population; stop, wait, "
-        "status, history, panel: a handle or a population; validate, evaluate, predict, plot, "
+        "status, validate, evaluate, history, panel: a handle or a population; predict, plot, "
         "profile, bind: a handle (default: the latest, _nitro); export: a directory; mcp: "
         "start or stop",
     )
@@ -207,7 +207,8 @@ class NitroMagics(Magics):
         %nitro runs              every run in the notebook, as a table, and the run
                                  directories of its experiments on disk (best metric,
                                  checkpoints)
-        %nitro validate [RUN]    loss and metrics on the 'val' split
+        %nitro validate [RUN]    loss and metrics on the 'val' split (a population's: a
+                                 row per member)
         %nitro evaluate [RUN] [--split S]
         %nitro predict [RUN] [--batch VAR]
         %nitro history [RUN]     the history table (a population's: every member's)
@@ -314,7 +315,7 @@ class NitroMagics(Magics):
             raise UsageError(
                 f"{name!r} is a nitro.Population; %nitro {what} takes a handle: "
                 f"`{name}.best()` or `{name}.member(i)` is one (%nitro train, stop, wait, "
-                f"status, history and panel take a population)"
+                f"status, validate, evaluate, history and panel take a population)"
             )
         raise UsageError(
             f"{name!r} is a {type(value).__name__}, not a run; %nitro {what} takes a handle "
@@ -472,12 +473,11 @@ class NitroMagics(Magics):
         live = runs.runs_table(self._ns, handles) if handles else None
         return runs.RunTables(live, on_disk, pops)
 
-    def _validate(self, args) -> dict:
-        return self._idle(*self._handle(args.target, "validate"), "validate").validate()
+    def _validate(self, args):
+        return self._idle(*self._run(args.target, "validate"), "validate").validate()
 
-    def _evaluate(self, args) -> dict:
-        handle = self._idle(*self._handle(args.target, "evaluate"), "evaluate")
-        return handle.evaluate(split=args.split)
+    def _evaluate(self, args):
+        return self._idle(*self._run(args.target, "evaluate"), "evaluate").evaluate(args.split)
 
     def _predict(self, args):
         name, handle = self._handle(args.target, "predict")

@@ -245,8 +245,10 @@ def test_a_population_refuses_what_it_does_not_take_in_one_line(kernel):
 
     fresh = kernel.run("%nitro train popd --fresh", check=False)
     assert "popd is a nitro.Population" in fresh.error and "--fresh" in fresh.error
-    validate = kernel.run("%nitro validate popd", check=False)
+    validate = kernel.run("%nitro predict popd", check=False)
     assert "'popd' is a nitro.Population" in validate.error and "popd.best()" in validate.error
+    rows = kernel.run("%nitro validate popd").data()[-1]  # a row per member, as pop.validate()
+    assert "val_loss" in rows and "learning_rate" in rows
     extra = kernel.run("%nitro train popd 1", check=False)
     assert "%nitro train takes one target" in extra.error
     kernel.run("solo = tiny_exp.Tiny(batches=2)\n%nitro train solo")
@@ -331,3 +333,4 @@ def test_panel_and_history_take_a_population_as_they_take_a_run(kernel):
     assert "member" in history and "learning_rate" in history and "val_loss" in history
     plot = kernel.run("%nitro plot popt", check=False)
     assert "'popt' is a nitro.Population" in plot.error and "history and panel" in plot.error
+    assert "popt.best()" in plot.error
