@@ -266,6 +266,8 @@ class PanelReporter:
             if not 0 <= index < len(self._views):
                 continue
             view = self._views[index]
+            if view.row is not None and "stopped" in view.row:
+                continue  # its record ended with the epoch it stopped in: its epoch stays
             view.row = {k: v for k, v in row.items() if k != "member"}
             where = {k: row[k] for k in ("epoch", "step", "stopped") if k in row}
             self.curves.add_row({**where, **view.metrics()}, index)
