@@ -14,7 +14,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.2.0"
+from nitro._version import __version__ as __version__  # the one version (a leaf module)
 
 # public name -> the module that defines it
 _EXPORTS = {

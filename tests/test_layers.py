@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import ast
 import pathlib
+import tomllib
 
 import nitro
 
@@ -11,6 +12,7 @@ ROOT = pathlib.Path(nitro.__file__).parent
 
 # bottom-up; a package may import any package listed before it, never one after it
 LAYERS = [
+    "_version",
     "errors",
     "experiments",
     "data",
@@ -91,3 +93,25 @@ def test_relative_imports_are_not_used_so_a_moved_module_cannot_silently_change_
         if isinstance(node, ast.ImportFrom) and node.level
     ]
     assert relative == []
+
+
+def test_the_version_is_set_once_in_a_leaf_module_that_pyproject_reads():
+    leaf = ROOT / "_version.py"
+    imports = [
+        node
+        for node in ast.walk(ast.parse(leaf.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Import | ast.ImportFrom)
+    ]
+    pyproject = tomllib.loads((ROOT.parent / "pyproject.toml").read_text(encoding="utf-8"))
+    assert imports == []
+    assert pyproject["tool"]["setuptools"]["dynamic"]["version"] == {
+        "attr": "nitro._version.__version__"
+    }
+    assigned = [
+        path.relative_to(ROOT).as_posix()
+        for path in ROOT.rglob("*.py")
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8")))
+        if isinstance(node, ast.Assign)
+        and any(isinstance(t, ast.Name) and t.id == "__version__" for t in node.targets)
+    ]
+    assert assigned == ["_version.py"]
