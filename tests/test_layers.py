@@ -6,6 +6,8 @@ import ast
 import pathlib
 import tomllib
 
+import grimp
+
 import nitro
 
 ROOT = pathlib.Path(nitro.__file__).parent
@@ -115,3 +117,19 @@ def test_the_version_is_set_once_in_a_leaf_module_that_pyproject_reads():
         and any(isinstance(t, ast.Name) and t.id == "__version__" for t in node.targets)
     ]
     assert assigned == ["_version.py"]
+
+
+def test_no_module_of_nitro_imports_itself_through_others():
+    # every import counts: at module level, inside functions and under TYPE_CHECKING; the
+    # `%load_ext nitro` shim's import of nitro_ipython leaves the package, so it is no edge here
+    graph = grimp.build_graph("nitro", cache_dir=None)
+    # the facade imports the module of each public name when the name is first used
+    for module in {*nitro._EXPORTS.values(), *(f"nitro.{m}" for m in nitro._SUBMODULES)}:
+        graph.add_import(importer="nitro", imported=module)
+    circles = set()
+    for importer in graph.modules:
+        for imported in graph.find_modules_directly_imported_by(importer):
+            back = graph.find_shortest_chain(importer=imported, imported=importer)
+            if back is not None:
+                circles.add(" -> ".join((importer, *back)))
+    assert sorted(circles) == []
