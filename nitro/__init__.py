@@ -50,6 +50,7 @@ _EXPORTS = {
     "EarlyStopping": "nitro.runs.early_stopping",
     "on_phase": "nitro.core.events",
     "saved_runs": "nitro.runs.run_dirs",
+    "run_to_resume": "nitro.runs.lifecycle",
     "Interrupted": "nitro.errors",
     "WeightsError": "nitro.errors",
     "average": "nitro.runs.weights",
@@ -107,6 +108,7 @@ __all__ = [
     "loggers",
     "on_phase",
     "progress",
+    "run_to_resume",
     "runner",
     "saved_runs",
     "set_compilation_cache",
@@ -171,6 +173,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     )
     from nitro.runs.checkpoints import Checkpointer
     from nitro.runs.early_stopping import EarlyStopping
+    from nitro.runs.lifecycle import run_to_resume
     from nitro.runs.run_dirs import saved_runs
     from nitro.runs.weights import average
 

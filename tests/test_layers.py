@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import pathlib
 import tomllib
 
@@ -42,6 +43,16 @@ ALIASES = {
     "dispatch": "engine",
     "datasets": "data",
     "cli": "serving",
+}
+
+
+# what nitro_ipython may import: the facade, the public import paths and the public packages
+PUBLIC = {
+    "nitro",
+    *(f"nitro.{alias}" for alias in ALIASES if alias != "cli"),
+    "nitro.data",
+    "nitro.loggers",
+    "nitro.mcp",
 }
 
 
@@ -133,3 +144,29 @@ def test_no_module_of_nitro_imports_itself_through_others():
             if back is not None:
                 circles.add(" -> ".join((importer, *back)))
     assert sorted(circles) == []
+
+
+def test_the_notebook_layer_imports_only_public_modules_and_their_public_names():
+    private = []
+    for path in (ROOT.parent / "nitro_ipython").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Import):
+                modules = {a.name: [] for a in node.names if a.name.split(".")[0] == "nitro"}
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                modules = {node.module: [a.name for a in node.names]}
+            else:
+                continue
+            for module, names in modules.items():
+                if module.split(".")[0] != "nitro":
+                    continue
+                where = f"nitro_ipython/{path.name}:{node.lineno}"
+                if module not in PUBLIC:
+                    private.append(f"{where} imports the internal module {module}")
+                    continue
+                public = set(importlib.import_module(module).__all__)
+                private += [
+                    f"{where} imports {module}.{name}, which is not in its __all__"
+                    for name in names
+                    if name not in public
+                ]
+    assert private == []
