@@ -11,7 +11,7 @@
 - watches the source files of live experiments and reloads them on save, reporting which
   compiled programs the edit makes stale, or, for a run training meanwhile, compiling the edit
   beside it and swapping it in (`code_watcher.py`; the safe reload itself in `reload.py`;
-  `staleness.py`).
+  `edit_impact.py`: which programs an edit makes stale).
 
 `%nitro mcp start` serves the kernel's runs to a coding agent (`agents.py`).
 

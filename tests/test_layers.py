@@ -170,3 +170,21 @@ def test_the_notebook_layer_imports_only_public_modules_and_their_public_names()
                     if name not in public
                 ]
     assert private == []
+
+
+def test_no_two_modules_share_a_name_except_a_public_import_path_and_its_module():
+    by_name: dict[str, set[str]] = {}
+    for path in [*ROOT.rglob("*.py"), *(ROOT.parent / "nitro_ipython").rglob("*.py")]:
+        if path.name not in ("__init__.py", "__main__.py"):
+            by_name.setdefault(path.stem, set()).add(path.relative_to(ROOT.parent).as_posix())
+    shared = {name: paths for name, paths in by_name.items() if len(paths) > 1}
+    expected = {
+        alias: {f"nitro/{alias}.py", f"nitro/{package}/{alias}.py"}
+        for alias, package in ALIASES.items()
+        if alias != "cli"
+    }
+    # a population's module in each layer it reaches
+    population = {f"nitro/{p}/population.py" for p in ("programs", "engine", "handle", "mcp")}
+    if shared.get("population", set()) <= population:
+        shared.pop("population", None)
+    assert shared == expected

@@ -9,7 +9,7 @@ Internal. Imports only lower layers (`experiments`, `optim`, `data`).
 - `placement`: one device or a data-parallel mesh; batch sharding
 - `frozen`: `FrozenDict` and `freeze`, the read-only containers of the records
 - `metrics`: metric accumulation and split modes
-- `keywords`: `Resolved`, a run keyword's value and its source
+- `provenance`: `Resolved`, a run keyword's value and its source
 - `events`, `progress`: the event path, the reporter protocol, the default reporters
 """
 

@@ -5,7 +5,7 @@ control.
 Internal, except `nitro.dispatch` and `nitro.runner` (public import paths). Imports `runs` and
 below; never the handle.
 
-- `keywords`: every run keyword declared once, with its resolution order
+- `run_keywords`: every run keyword declared once, with its resolution order
 - `resolved`: `RunKeywords`, the resolved keywords as one typed record
 - `setup`: the setup sequence, one function per step
 - `run_time`: `RunTime`, what changes while a run lives (feed, dispatch, prefetchers, the live

@@ -51,7 +51,7 @@ from nitro.mcp.convert import (
     shapes,
 )
 from nitro.mcp.describe import describe_run, latest_step
-from nitro.mcp.keywords import check_run_keywords, checkpoint_pair
+from nitro.mcp.json_keywords import check_run_keywords, checkpoint_pair
 from nitro.mcp.lookup import ToolFailure, build_experiment, find_experiment
 from nitro.mcp.paths import PathPolicy
 from nitro.mcp.population import (

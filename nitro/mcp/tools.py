@@ -25,8 +25,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails
 
 from nitro._version import __version__
-from nitro.engine.keywords import KEYWORD_ONLY, RUN_KEYWORDS
-from nitro.mcp.keywords import OBJECT_KEYWORDS
+from nitro.engine.run_keywords import KEYWORD_ONLY, RUN_KEYWORDS
+from nitro.mcp.json_keywords import OBJECT_KEYWORDS
 from nitro.mcp.lookup import ToolFailure
 from nitro.mcp.session import ToolSession
 
