@@ -16,6 +16,7 @@ ROOT = pathlib.Path(nitro.__file__).parent
 # bottom-up; a package may import any package listed before it, never one after it
 LAYERS = [
     "_version",
+    "_public_path",
     "errors",
     "experiments",
     "data",
@@ -30,8 +31,8 @@ LAYERS = [
     "mcp",
     "examples",
 ]
-# public import paths kept at the top level: each is the module of a package (`nitro.bundle` is
-# `nitro.serving.bundle`)
+# public import paths kept at the top level: each stands for the module of a package
+# (`nitro.bundle` for `nitro.serving.bundle`)
 ALIASES = {
     "bundle": "serving",
     "serve": "serving",
@@ -188,3 +189,24 @@ def test_no_two_modules_share_a_name_except_a_public_import_path_and_its_module(
     if shared.get("population", set()) <= population:
         shared.pop("population", None)
     assert shared == expected
+
+
+def test_each_public_import_path_is_its_own_files_module_and_reads_and_sets_its_modules_names(
+    monkeypatch,
+):
+    for alias, package in ALIASES.items():
+        if alias == "cli":
+            continue
+        public = importlib.import_module(f"nitro.{alias}")
+        module = importlib.import_module(f"nitro.{package}.{alias}")
+        # what `pytest --doctest-modules nitro` checks of every file it imports
+        assert public.__file__ == str(ROOT / f"{alias}.py")
+        assert {n: getattr(public, n) for n in module.__all__} == {
+            n: getattr(module, n) for n in module.__all__
+        }
+    engine = importlib.import_module("nitro.engine.dispatch")
+    share = engine.PROBE_SHARE
+    with monkeypatch.context() as patch:
+        patch.setattr(nitro.dispatch, "PROBE_SHARE", share * 2)
+        assert engine.PROBE_SHARE == share * 2
+    assert engine.PROBE_SHARE == nitro.dispatch.PROBE_SHARE == share
