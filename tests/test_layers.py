@@ -210,3 +210,19 @@ def test_each_public_import_path_is_its_own_files_module_and_reads_and_sets_its_
         patch.setattr(nitro.dispatch, "PROBE_SHARE", share * 2)
         assert engine.PROBE_SHARE == share * 2
     assert engine.PROBE_SHARE == nitro.dispatch.PROBE_SHARE == share
+
+
+def test_every_module_is_the_module_of_its_file_as_standard_tools_import_it():
+    # what `pytest --doctest-modules nitro nitro_ipython` checks of each file it imports; the
+    # serving's server modules are imported in a server process only (conftest.py)
+    elsewhere = {ROOT / "serving" / "server.py", ROOT / "serving" / "transport.py"}
+    mismatched = []
+    for package in (ROOT, ROOT.parent / "nitro_ipython"):
+        for path in sorted(package.rglob("*.py")):
+            if path.name == "__main__.py" or path in elsewhere:
+                continue
+            parts = path.relative_to(ROOT.parent).with_suffix("").parts
+            name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+            if pathlib.Path(importlib.import_module(name).__file__ or "") != path:
+                mismatched.append(name)
+    assert mismatched == []
