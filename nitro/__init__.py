@@ -7,6 +7,13 @@ and an edit recompiles only the programs it reaches.
 
 Public names load on first use (PEP 562), so `import nitro.bundle` in a serving process
 imports JAX and nothing of Flax or Optax.
+
+Packages by layer, bottom-up (docs/architecture.md): `experiments`, `data`, `optim`, `core`,
+`programs`, `runs`, `loggers`, `engine`, `serving`, `handle`, `mcp`, `examples`. Modules:
+`errors` (every error raised on purpose), `_version` (`__version__`), `cli` (the `nitro`
+command), and the public import paths `bundle`, `serve`, `manual`, `staleness`, `events`,
+`progress`, `runner`, `dispatch` and `datasets`, each standing for a module inside a package
+(`_public_path`).
 """
 
 from __future__ import annotations

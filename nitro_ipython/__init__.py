@@ -15,6 +15,11 @@
 
 `%nitro mcp start` serves the kernel's runs to a coding agent (`agents.py`).
 
+Also: `runs.py` (handles by name, their live numbers, status lines), `populations.py` (`%nitro`
+on a `nitro.Population`), `curves.py` (training curves redrawn in place), `record.py` (the
+static record a run leaves in its cell), `failures.py` (a failed run's folded traceback),
+`cache_table.py` (`%nitro cache` as tables).
+
 Uses only nitro's public API; nitro never imports this package at module level.
 """
 

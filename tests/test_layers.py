@@ -226,3 +226,22 @@ def test_every_module_is_the_module_of_its_file_as_standard_tools_import_it():
             if pathlib.Path(importlib.import_module(name).__file__ or "") != path:
                 mismatched.append(name)
     assert mismatched == []
+
+
+def test_every_package_has_a_docstring_that_names_each_of_its_modules():
+    unnamed = []
+    files = [*ROOT.rglob("*.py"), *(ROOT.parent / "nitro_ipython").rglob("*.py")]
+    for package in sorted({path.parent for path in files}):
+        init = package / "__init__.py"
+        doc = (
+            ast.get_docstring(ast.parse(init.read_text(encoding="utf-8"))) if init.exists() else ""
+        )
+        parts = [p for p in package.iterdir() if p.suffix == ".py" or (p / "__init__.py").exists()]
+        names = {p.stem for p in parts} - {"__init__", "__main__"}
+        where = package.relative_to(ROOT.parent).as_posix()
+        unnamed += [
+            f"{where}: {name}"
+            for name in sorted(names)
+            if f"`{name}`" not in (doc or "") and f"`{name}.py`" not in (doc or "")
+        ]
+    assert unnamed == [], unnamed
