@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from nitro.handle.handle import Nitro
+from nitro.handle.population import Population
 
 __all__ = ["MAX_FINISHED_RUNS", "RUNS", "RunRecord", "RunRegistry", "RunStatus"]
 
@@ -142,14 +142,13 @@ class RunRegistry:
         with self._lock:
             return list(self._records.values())
 
-    def handles(self) -> dict[str, Nitro]:
-        """Run id -> handle for every kept run that has built a `nitro.Nitro` one (several
-        runs may share a handle: a validation of a training run uses the training run's
-        handle); populations are left out."""
+    def handles(self) -> dict[str, Any]:
+        """Run id -> handle for every kept run that has built one (several runs may share a
+        handle: a validation of a training run uses the training run's handle); populations
+        are left out."""
         with self._lock:
-            return {
-                r.run_id: r.handle for r in self._records.values() if isinstance(r.handle, Nitro)
-            }
+            records = self._records.values()
+            return {r.run_id: r.handle for r in records if _single(r.handle)}
 
     def wait(self, run_id: str, timeout: float | None = None) -> RunRecord:
         """Wait until the run finishes or `timeout` seconds pass; returns its record."""
@@ -158,6 +157,10 @@ class RunRegistry:
             raise KeyError(f"no run {run_id!r}")
         record.done.wait(timeout)
         return record
+
+
+def _single(handle: Any) -> bool:
+    return handle is not None and not isinstance(handle, Population)
 
 
 def _stopped(record: RunRecord) -> bool:
