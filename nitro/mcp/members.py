@@ -36,6 +36,7 @@ __all__ = [
     "MemberPlan",
     "axes_of",
     "best_member",
+    "check_member",
     "latest_rows",
     "member_files",
     "member_rows",
@@ -111,6 +112,14 @@ def member_rows(population: Population, losses: Sequence[Any]) -> list[dict[str,
         }
         for m, setting in enumerate(population.members)
     ]
+
+
+def check_member(run_id: str, count: int | None, member: int | None) -> None:
+    """Refuse a member index the population `run_id` of `count` members does not have."""
+    if count is not None and member is not None and member >= count:
+        raise ToolFailure(
+            f"member: population {run_id} has {count} members (0 to {count - 1}); got {member}"
+        )
 
 
 def member_files(population: Population) -> dict[str, Any]:

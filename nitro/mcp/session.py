@@ -55,7 +55,13 @@ from nitro.mcp.convert import (
 from nitro.mcp.describe import describe, latest_steps
 from nitro.mcp.keywords import check_run_keywords, checkpoint_pair
 from nitro.mcp.lookup import ToolFailure, build_experiment, find_experiment
-from nitro.mcp.members import MemberPlan, best_member, member_files, population_failure
+from nitro.mcp.members import (
+    MemberPlan,
+    best_member,
+    check_member,
+    member_files,
+    population_failure,
+)
 from nitro.mcp.paths import PathPolicy
 from nitro.mcp.registry import RUNS, RunRecord, RunRegistry, RunStatus
 
@@ -282,6 +288,27 @@ class ToolSession:
                 "module-qualified one ('nitro.examples.digits.Digits'); or run_id for a run "
                 "that exists"
             )
+        for name in overrides or {}:
+            if name in (keywords or {}) or typed.get(name) is not None:
+                raise ToolFailure(
+                    f"overrides.{name}: {name!r} is given both as a field override and as the run "
+                    f"keyword {name}; give it once"
+                )
+        target = find_experiment(experiment, self.namespace)
+        checked = self._run_keywords(keywords, typed)
+        instance = build_experiment(target, overrides)
+        cls = type(instance)
+        declares = has_method(cls, "n_devs") or any(s.name == "n_devs" for s in field_specs(cls))
+        if self.n_devs is not None and "n_devs" not in checked and not declares:
+            checked["n_devs"] = self.n_devs
+        return instance, checked
+
+    def _run_keywords(
+        self, keywords: Mapping[str, Any] | None, typed: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """`keywords` and the run keywords given as arguments of their own (`typed`), checked:
+        their JSON forms turned into the engine's values, paths inside the root, `weights`
+        resolved."""
         typed = {k: v for k, v in typed.items() if v is not None}
         extra = dict(keywords or {})
         for name in typed:
@@ -290,25 +317,13 @@ class ToolSession:
                     f"{name}: given both as the {name} argument and in keywords; give it once"
                 )
         run_keywords = {**extra, **typed}
-        for name in overrides or {}:
-            if name in run_keywords:
-                raise ToolFailure(
-                    f"overrides.{name}: {name!r} is given both as a field override and as the run "
-                    f"keyword {name}; give it once"
-                )
-        target = find_experiment(experiment, self.namespace)
         where = {name: name for name in typed}
         weights = run_keywords.pop("weights", None)
         checked = check_run_keywords(run_keywords, where)
         self._confine_run_paths(checked, where)
         if weights is not None:
             checked["weights"] = self._weights(weights, where.get("weights", "keywords.weights"))
-        instance = build_experiment(target, overrides)
-        cls = type(instance)
-        declares = has_method(cls, "n_devs") or any(s.name == "n_devs" for s in field_specs(cls))
-        if self.n_devs is not None and "n_devs" not in checked and not declares:
-            checked["n_devs"] = self.n_devs
-        return instance, checked
+        return checked
 
     def _confine_run_paths(self, checked: dict[str, Any], where: Mapping[str, str]) -> None:
         """`run_dir` and `resume` resolved inside the root; without `run_dir`, the default
@@ -470,6 +485,10 @@ class ToolSession:
             record = self.registry.start(
                 kind, work, experiment=type(instance).__qualname__, before=self.before_run
             )
+        return self._answer(kind, record, wait_seconds)
+
+    def _answer(self, kind: str, record: RunRecord, wait_seconds: float) -> dict[str, Any]:
+        """A tool run's result once it finishes within `wait_seconds`, else its run id."""
         self.registry.wait(record.run_id, wait_seconds)
         if record.status is RunStatus.FAILED:
             raise ToolFailure(f"{kind} (run {record.run_id}) failed: {record.error}")
@@ -658,12 +677,7 @@ class ToolSession:
                 f"member: run {found.run_id} is a single run, not a population; leave member out "
                 f"to stop it"
             )
-        count = len(population)
-        if member >= count:
-            raise ToolFailure(
-                f"member: population {found.run_id} has {count} members (0 to {count - 1}); got "
-                f"{member}"
-            )
+        check_member(found.run_id, len(population), member)
         already = population.stopped.get(member)
         if already is None:
             population.stop(member, why=f"stopped by nitro_stop (member {member})")
@@ -685,12 +699,7 @@ class ToolSession:
     def _queue_stop(self, found: _Found, record: RunRecord, member: int) -> dict[str, Any]:
         """Stop `member` of a population still setting up: before its first step (called
         with the record's `setting_up` lock held)."""
-        count = record.members
-        if count is not None and member >= count:
-            raise ToolFailure(
-                f"member: population {found.run_id} has {count} members (0 to {count - 1}); got "
-                f"{member}"
-            )
+        check_member(found.run_id, record.members, member)
         if record.status is not RunStatus.RUNNING:  # its setup failed: nothing will train
             raise ToolFailure(
                 f"run_id: population {found.run_id} did not set up ({record.error}); nothing "
@@ -805,11 +814,7 @@ class ToolSession:
                 f'"population": true); nitro_member takes a member of one'
             )
         self._handle(run_id, "take a member", population=True)  # not while it trains
-        count = len(population)
-        if member is not None and member >= count:
-            raise ToolFailure(
-                f"member: population {run_id} has {count} members (0 to {count - 1}); got {member}"
-            )
+        check_member(run_id, len(population), member)
         index, value = member, None
         if index is None:
             index, value, columns = best_member(population, metric, mode)
@@ -819,20 +824,11 @@ class ToolSession:
                     f"metric: no member of population {run_id} that still trains has a finite "
                     f"{metric!r} to choose by{known}; train it first, or give member=i"
                 )
-        extra = dict(keywords or {})
-        if "weights" in extra:
+        if "weights" in (keywords or {}):
             raise ToolFailure(
                 "keywords.weights: the run starts from the member's weights; leave weights out"
             )
-        where = {}
-        if max_epochs is not None:
-            if "max_epochs" in extra:
-                raise ToolFailure(
-                    "max_epochs: given both as the max_epochs argument and in keywords; give it once"
-                )
-            extra["max_epochs"], where["max_epochs"] = max_epochs, "max_epochs"
-        checked = check_run_keywords(extra, where)
-        self._confine_run_paths(checked, where)
+        checked = self._run_keywords(keywords, {"max_epochs": max_epochs})
         settings = jsonable(shown_settings(population.members[index]))
         chosen = index
 
@@ -853,20 +849,12 @@ class ToolSession:
             source=found.run_id,
             before=self.before_run,
         )
-        self.registry.wait(record.run_id, wait_seconds)
-        if record.status is RunStatus.FAILED:
-            raise ToolFailure(f"member (run {record.run_id}) failed: {record.error}")
-        answer: dict[str, Any] = {"run_id": record.run_id, "status": record.status.value}
-        if record.status is RunStatus.RUNNING:
-            answer["note"] = (
-                f"still building the run after {wait_seconds:g} s; nitro_status with this run_id "
-                f"shows it when it is ready"
-            )
+        answer = self._answer("member", record, wait_seconds)
+        if answer["status"] == "running":
             return answer
         return {
             **answer,
             "handle_run_id": record.handle.run_id,
-            "result": record.result,
             "note": "a single run with the member's weights (its optimizer state and counters "
             "start fresh): nitro_validate, nitro_evaluate, nitro_predict, nitro_export and "
             "nitro_train (run_id, epochs) take this run_id",
