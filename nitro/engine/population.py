@@ -489,7 +489,7 @@ def _train_metrics(member: Member, program: Program, metrics, staged, offset: in
     setup, totals = member.setup, member.totals
     assert totals is not None
     if setup.experiment.train_metrics_residency == "device":
-        totals.train_metrics.add(program.aux["specs"], metrics, staged.n_real)
+        totals.train_metrics.add(program.metric_specs, metrics, staged.n_real)
         return
     host = staged.host if not staged.stacked else staged.host[offset]
     fields = setup.placement.gather(
