@@ -279,10 +279,17 @@ def test_what_a_population_cannot_vary_or_take_is_refused_naming_the_argument(co
                 await refusal(
                     session, "nitro_population", experiment=DIGITS, axes=lr, epochs=1, steps=2
                 ),
+                await refusal(
+                    session,
+                    "nitro_population",
+                    experiment=DIGITS,
+                    axes=lr,
+                    keywords={"run_dir": "/elsewhere/pop"},
+                ),
             ]
 
-    graphconst, host, program, not_yet, value, both, neither, twice, unknown, by = anyio.run(
-        scenario
+    graphconst, host, program, not_yet, value, both, neither, twice, unknown, by, outside = (
+        anyio.run(scenario)
     )
     assert graphconst.startswith(
         "nitro_population: axes.width: width cannot vary across a population: it is a "
@@ -302,6 +309,9 @@ def test_what_a_population_cannot_vary_or_take_is_refused_naming_the_argument(co
     assert twice.startswith("nitro_population: axes.learning_rate: 'learning_rate' varies")
     assert unknown.startswith("nitro_population: axes.lr: lr is neither a run keyword nor a field")
     assert by.startswith("nitro_population: steps: give epochs")
+    # a population's run directory stays inside the root, as a run's
+    assert outside.startswith("nitro_population: keywords.run_dir: '/elsewhere/pop' is ")
+    assert "outside this session's root" in outside
 
 
 def test_a_notebooks_population_is_listed_read_and_taken_from_by_its_variable_name():
