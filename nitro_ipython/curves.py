@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from nitro.core.train_state import TIMING_COLUMNS
+from nitro.progress import TIMING_COLUMNS
 
 __all__ = [
     "CSS_HEIGHT",

@@ -27,8 +27,8 @@ from nitro.core import progress
 from nitro.core.events import Events
 from nitro.core.train_state import Variables
 from nitro.engine import population as engine
-from nitro.engine.keywords import RUN_KEYWORDS, resolve_run_keywords
 from nitro.engine.resolved import RunKeywords
+from nitro.engine.run_keywords import RUN_KEYWORDS, resolve_run_keywords
 from nitro.engine.runner import Run, RunControl, RunGuard, sigint_requests_stop, wait_for
 from nitro.engine.setup import build
 from nitro.errors import PopulationError, SetupError
