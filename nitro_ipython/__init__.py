@@ -5,8 +5,9 @@
 - registers the `%nitro` line magic (`%nitro?` for help; see `magics.py`, and `rebuild.py`
   for when `%nitro train` builds a new handle after an edit);
 - makes runs with `progress=True` report into a live widget panel in a notebook, or a tqdm
-  bar in a terminal IPython (`reporters.py`, `panel.py`, `curves.py`), populations too (a
-  run is a population of one; what only several members have, their table, is `members.py`);
+  bar in a terminal IPython (`reporters.py`, `panel.py`, `curves.py`, `record.py`),
+  populations too (a run is a population of one; what only several members have, their
+  table, is `member_table.py`);
 - routes each training thread's output to the cell that started it (`worker.py`);
 - watches the source files of live experiments and reloads them on save, reporting which
   compiled programs the edit makes stale, or, for a run training meanwhile, compiling the edit

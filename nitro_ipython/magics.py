@@ -18,7 +18,7 @@ from nitro.staleness import is_experiment
 
 from . import agents, rebuild, runs, worker
 from .cache_table import CacheTable
-from .members import stop_member
+from .member_table import stop_member
 
 __all__ = ["NitroMagics"]
 

@@ -21,7 +21,7 @@ from typing import Any
 from nitro.progress import LineReporter, TqdmReporter
 
 from . import failures, worker
-from .members import (
+from .member_table import (
     MemberView,
     head_html,
     members_of,
@@ -110,8 +110,8 @@ class PanelReporter:
     """Draws a handle's runs into `LivePanel`s; falls back to lines on stdout without one.
 
     A run is a population of one: a `nitro.Population`'s reporter is this one too, and its
-    panel adds what only several members have, a table of them (`members.py`) with a Stop
-    button each, and their curves in the members' colours. `metric` (default `val_loss`,
+    panel adds what only several members have, a table of them (`member_table.py`) with a
+    Stop button each, and their curves in the members' colours. `metric` (default `val_loss`,
     else `loss` until the rows have it) ranks a population's members in the table's rank
     column, `mode` "min" for a metric named like a loss, else "max".
 

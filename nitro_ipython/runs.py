@@ -25,7 +25,7 @@ from nitro.progress import settings_label
 from nitro.staleness import is_experiment
 
 from .agents import agent_runs
-from .members import best_member, members_text
+from .member_table import best_member, members_text
 
 __all__ = [
     "RunStats",

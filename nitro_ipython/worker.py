@@ -86,7 +86,7 @@ def initializer(handle: Any = None):
     on_main = threading.current_thread() is threading.main_thread()
     reporter = getattr(handle, "reporter", None)
     if on_main and widgets_available(shell) and reporter in set(panel_reporters):
-        from .members import members_of
+        from .member_table import members_of
 
         members = members_of(handle)
         if members is None:  # a run: the panel its setup showed, if it did
