@@ -3,7 +3,8 @@
 A run is a population of one: the panel, curves, reporter and magics work on a list of
 members, one for a run. What only a population of several has is here: each member's view
 (settings, colour, state, latest row), its rank by the sorting metric, the members' table (as
-the live panel's rows and as the record's HTML) and the count of members still training.
+the live panel's rows and as the record's HTML), the count of members still training, the
+best member (`%nitro status`, `%nitro runs`) and `%nitro stop POP I`, which prunes one.
 """
 
 from __future__ import annotations
