@@ -21,6 +21,7 @@ from typing import Any
 from IPython.core.error import UsageError
 
 from . import worker
+from .runs import agent_runs  # the runs it started: `nitro_ipython.agents.agent_runs()`
 
 __all__ = ["agent_runs", "config_snippets", "serving", "start", "stop", "token_path"]
 
@@ -31,16 +32,6 @@ def serving():
     """The running server (an `HttpServer`), or None."""
     server = _SERVER[0]
     return server if server is not None and server.running else None
-
-
-def agent_runs() -> dict[str, Any]:
-    """Run id -> handle of the runs agent tools started in this process (empty when the
-    agent extra is not installed)."""
-    try:
-        from nitro.mcp import RUNS
-    except ImportError:  # pragma: no cover - the registry needs only the engine
-        return {}
-    return RUNS.handles()
 
 
 def token_path(port: int) -> Path:

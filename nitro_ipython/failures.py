@@ -19,12 +19,10 @@ import nitro
 
 __all__ = ["describe", "failing_hook", "folded_traceback", "keep_for_ipython", "report"]
 
-import nitro_ipython
-
-# Nitro's frames: the package and this extension
+# Nitro's frames: the package and this extension (the directory of this module: importing the
+# extension's package from here would import this module back through it)
 _NITRO_DIRS = tuple(
-    os.path.dirname(os.path.abspath(package.__file__)) + os.sep
-    for package in (nitro, nitro_ipython)
+    os.path.dirname(os.path.abspath(file)) + os.sep for file in (nitro.__file__, __file__)
 )
 
 

@@ -252,8 +252,8 @@ class NitroMagics(Magics):
         return self.shell.user_ns
 
     def _value(self, name: str) -> Any:
-        if name not in self._ns and name in agents.agent_runs():  # a coding agent's run id
-            return agents.agent_runs()[name]
+        if name not in self._ns and name in runs.agent_runs():  # a coding agent's run id
+            return runs.agent_runs()[name]
         if name.isidentifier():
             if name not in self._ns:
                 raise UsageError(
@@ -268,7 +268,7 @@ class NitroMagics(Magics):
 
     def _population(self, name: str | None) -> nitro.Population | None:
         """The population named `name`, or None when it names something else."""
-        if name is None or (name not in self._ns and name in agents.agent_runs()):
+        if name is None or (name not in self._ns and name in runs.agent_runs()):
             return None
         value = self._value(name)
         return value if isinstance(value, nitro.Population) else None
@@ -289,7 +289,7 @@ class NitroMagics(Magics):
 
     def _handle(self, name: str | None, what: str) -> tuple[str, nitro.Nitro]:
         """The handle named `name`; by default the latest one (`_nitro`)."""
-        agent_handle = agents.agent_runs().get(name) if name is not None else None
+        agent_handle = runs.agent_runs().get(name) if name is not None else None
         if agent_handle is not None:
             return name, agent_handle
         if name is None:

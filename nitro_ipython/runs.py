@@ -24,12 +24,12 @@ import nitro
 from nitro.progress import settings_label
 from nitro.staleness import is_experiment
 
-from .agents import agent_runs
 from .member_table import best_member, members_text
 
 __all__ = [
     "RunStats",
     "RunTables",
+    "agent_runs",
     "ended",
     "handle_names",
     "live_handles",
@@ -146,6 +146,16 @@ def stats_of(handle: Any, create: bool = False) -> RunStats | None:
         if stats is None and create:
             stats = _STATS[handle] = RunStats()
         return stats
+
+
+def agent_runs() -> dict[str, Any]:
+    """Run id -> handle of the runs agent tools started in this process (empty when the
+    agent extra is not installed)."""
+    try:
+        from nitro.mcp import RUNS
+    except ImportError:  # pragma: no cover - the registry needs only the engine
+        return {}
+    return RUNS.handles()
 
 
 def handle_names(user_ns: Mapping[str, Any], handle: Any) -> list[str]:
