@@ -16,12 +16,14 @@
 
 `%nitro mcp start` serves the kernel's runs to a coding agent (`agents.py`).
 
-Also: `runs.py` (handles by name, their live numbers, status lines), `populations.py` (`%nitro`
-on a `nitro.Population`), `curves.py` (training curves redrawn in place), `record.py` (the
-static record a run leaves in its cell), `failures.py` (a failed run's folded traceback),
-`cache_table.py` (`%nitro cache` as tables).
+Also: `runs.py` (handles by name, their live numbers, status lines, the runs an agent
+started), `curves.py` (training curves redrawn in place), `record.py` (the static record a run
+leaves in its cell), `failures.py` (a failed run's folded traceback), `cache_table.py`
+(`%nitro cache` as tables).
 
-Uses only nitro's public API; nitro never imports this package at module level.
+Uses only nitro's public API; nitro never imports this package at module level. No module of
+this package imports itself through others: the extension's functions here import the modules,
+and no module imports this package.
 """
 
 from __future__ import annotations
