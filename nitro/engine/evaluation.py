@@ -258,4 +258,4 @@ def device_metrics(
     delete(values)
     for tree in sliced:
         delete(tree)
-    return program.aux["specs"], leaves
+    return program.metric_specs, leaves

@@ -10,13 +10,19 @@ program checks each step but selects nothing and does not donate its variables, 
 keeps each call's input until the call is read back. At a non-finite step it goes back to that
 input and runs the steps before the bad one again, one at a time (`_restored`): the variables
 the select would have kept, for about a third less device time a fused step on a model of a
-few thousand parameters. Copies of the weights asked for while
-training (`RunControl.request_copy`) are served once the call in flight is read back.
+few thousand parameters.
+
+A stream's calls go out one after another (`_run_stream`); the work between two calls is a
+list of boundary steps with one interface (`Boundary`), built once per `train_epochs` call:
+copies of the weights asked for while training (`RunControl.request_copy`, served once the
+variables are kept ones), a live edit's swap, "auto"'s measurement of steps per call, and the
+evaluations `val_every_steps` asks for. A call dispatched and not read back yet is a
+`_Pending` (`run.in_flight`); a stream opened ahead of its epoch is an `Upcoming`.
 
 Each readback is timed: how long it blocked is the epoch's wait for the device, and the
 loop thread's other time, less data waits, compiles and evaluations, its host time (the
-history's `device_ms` and `host_ms`). While `n.profile()` runs, the run-time record holds a
-call timer (`RunTime.profiler`) on which the loop marks each call's parts.
+history's `device_ms` and `host_ms`). The loop marks each call's parts on a call timer:
+`n.profile()`'s (`RunTime.profiler`), else one whose marks do nothing (`PASS_THROUGH`).
 
 The loop is the only in-place writer of the `TrainState` it is given: it updates it as steps
 complete (the handle reads its counters live) and returns it. It reads the `RunSetup` and
@@ -48,6 +54,8 @@ from nitro.data.prefetch import EpochStream
 from nitro.engine import swaps
 from nitro.engine.diagnostics import data_wait_advice, divergence_message, shape_error
 from nitro.engine.evaluation import delete, evaluate_split, finalize_metrics
+from nitro.engine.members import SINGLE
+from nitro.engine.profiling import PASS_THROUGH
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl
 from nitro.engine.stepwise import one_at_a_time
@@ -89,6 +97,16 @@ class _Pending:
     output: Any = None  # and its output (compared, never read: the next call may donate it)
 
 
+@dataclasses.dataclass(frozen=True)
+class Upcoming:
+    """A stream opened ahead of its epoch (during the previous epoch's validation): the
+    epoch it trains, the call layout it was staged for, and the stream."""
+
+    epoch: int
+    layout: tuple[str, int]
+    stream: EpochStream
+
+
 class _Epoch:
     """What one train_epochs call carries between steps and epochs."""
 
@@ -99,23 +117,47 @@ class _Epoch:
         programs: ProgramSet,
         events: Events,
         control: RunControl,
+        members: Any = SINGLE,
+        state: TrainState | None = None,
     ):
         self.setup = setup
         self.runtime = runtime
         self.programs = programs
         self.events = events
         self.control = control
-        self.healthy = setup.placement.put_replicated(jnp.asarray(True))
+        self.members = members  # SINGLE, or a population's `Stacked` members
+        self.feed = members.feed(runtime)
+        if members.stacked:
+            self.healthy = state.healthy  # type: ignore[union-attr]
+        else:
+            self.healthy = setup.placement.put_replicated(jnp.asarray(True))
         self.dispatched = 0
         self.target = 0  # the epoch this run trains to
         self.stop_at: int | None = None  # the step this run stops at (max_steps, steps=)
-        # (epoch, block, stream) started early, during validation
-        self.upcoming: tuple[int, tuple[str, int], EpochStream] | None = None
+        self.upcoming: Upcoming | None = None  # started early, during validation
         # (steps, micro, restore) per call -> program
         self.programs_by_count: dict[tuple, Any] = {}
         self.probation: Probation | None = None  # a live edit's first steps, and the way back
         self.compiled: dict[int, float] = {}  # steps per call -> its program's compile seconds
-        self.profiler = runtime.profiler  # n.profile()'s call timer, or None
+        # n.profile()'s call timer, else one that marks nothing
+        self.profiler = runtime.profiler or PASS_THROUGH
+        self.in_flight: _Pending | None = None  # the call dispatched and not read back yet
+        self.switchable = False  # the stream under way can reopen with other call sizes
+        self.boundaries = Boundaries(_boundaries(setup))
+
+    def settle(self, state: TrainState) -> _Pending | None:
+        """Read back the call in flight, if any: every step so far counted, the weights
+        current. Returns it."""
+        call, self.in_flight = self.in_flight, None
+        if call is not None:
+            _complete(self, state, call)
+        return call
+
+    def restart_timing(self) -> None:
+        """The calls go on after work that is no call's (a stream's start, an evaluation, a
+        swap, a copy's wait): no timed interval spans it."""
+        self.runtime.dispatch.start_stream()
+        self.profiler.start_stream()
 
 
 class _RollBack(Exception):
@@ -134,8 +176,9 @@ def train_epochs(
     events: Events,
     control: RunControl,
     target: int,
-    after_epoch: Callable[[TrainState, dict[str, Any], int | None], str | None] | None = None,
+    after_epoch: Callable[[TrainState, Any, int | None], str | None] | None = None,
     stop_at: int | None = None,
+    members: Any = SINGLE,
 ) -> tuple[TrainState, str]:
     """Train until epoch `target`, step `stop_at` (mid-epoch if need be: the last call is cut
     to end there) or a stop request; returns the state and the stop reason ("completed",
@@ -149,8 +192,11 @@ def train_epochs(
     An epoch is a transaction: its history row is committed (and `state.epoch` moves) once
     its training and its validation are both complete. An epoch trained but not validated
     (a stop or an error during validation) is validated first by the next call.
+
+    `members`: who trains (`nitro.engine.members`): `SINGLE`, or a population's `Stacked`
+    members, whose rows `after_epoch` then gets as a list (`finish_epoch`).
     """
-    run = _Epoch(setup, runtime, programs, events, control)
+    run = _Epoch(setup, runtime, programs, events, control, members, state)
     runtime.dispatch.start_run()
     run.dispatched = state.step
     run.target = target
@@ -162,7 +208,9 @@ def train_epochs(
                 row = _host_guarded(
                     run,
                     state,
-                    lambda: finish_epoch(run.setup, runtime, state, run.programs, events, control),
+                    lambda: finish_epoch(
+                        run.setup, runtime, state, run.programs, events, control, members
+                    ),
                 )
                 if row is None:
                     break  # validation stopped: the epoch stays trained, not committed
@@ -175,17 +223,22 @@ def train_epochs(
                 break
             events.phase("training")
             if state.totals is None:
-                state.totals = EpochTotals(train_metrics=MetricAccumulator("train_metrics"))
+                state.totals = (
+                    members.start_epoch(state)
+                    if members.stacked
+                    else EpochTotals(train_metrics=MetricAccumulator("train_metrics"))
+                )
             if not _train_epoch(run, state, target):
                 break
             state.epoch_trained = True
             if state.epoch + 1 < target and not stop.is_set() and not _reached(run, state):
                 # start producing the next epoch now, so validation overlaps with it
                 plan, updates = runtime.dispatch, _updates(run.setup)
-                run.upcoming = (
+                run.upcoming = Upcoming(
                     state.epoch + 1,
                     plan.layout(updates),
-                    runtime.prefetcher("train").epoch(
+                    _open(
+                        run,
                         state.epoch + 1,
                         block=_capped(run, plan.blocks(updates), state.step),
                         group=run.setup.accum,
@@ -200,7 +253,7 @@ def train_epochs(
         )
     finally:
         if run.upcoming is not None:
-            run.upcoming[2].close()
+            run.upcoming.stream.close()
             run.upcoming = None
         for prefetcher in runtime.prefetchers.values():
             prefetcher.release_workers()  # worker processes live as long as the run
@@ -214,11 +267,16 @@ def finish_epoch(
     programs: ProgramSet,
     events: Events,
     control: RunControl,
-) -> dict[str, Any] | None:
+    members: Any = SINGLE,
+) -> Any:
     """Validate a trained epoch and commit its history row; returns the row, or None when a
-    stop request cut validation short (then nothing is recorded and the epoch stays trained)."""
+    stop request cut validation short (then nothing is recorded and the epoch stays trained).
+    A population's (`members` stacked): every member's row, committed to its history, and
+    the rows of those that trained in the epoch returned as `Population.history()` has them."""
     totals = state.totals
     assert totals is not None  # a trained epoch has its totals
+    if members.stacked:
+        return _finish_members(setup, runtime, state, programs, events, control, members)
     row: dict[str, Any] = {"epoch": state.epoch + 1, "step": state.step}
     if totals.nonfinite:  # check_divergence=False trained through them: the mean is NaN
         row["loss"] = math.nan
@@ -246,18 +304,55 @@ def finish_epoch(
             _acknowledge_interrupt(control)  # an interrupt during the epoch's validation
             return None
         row.update(metrics)
-    wait_frac = totals.wait_seconds / totals.seconds if totals.seconds > 0 else 0.0
-    row["data_wait_frac"] = wait_frac
-    row["epoch_seconds"] = totals.seconds
-    row.update(totals.step_times())  # host_ms, device_ms
-    # commit
+    row.update(_timing(totals))
     state.history.append(row)
+    _commit(state)
+    events.end_epoch(row)
+    _advise(setup, runtime, state, totals)
+    return row
+
+
+def _finish_members(setup, runtime, state, programs, events, control, members) -> Any:
+    """`finish_epoch` for a population: each member's row, evaluated by one vmapped forward
+    per batch, committed to its own history."""
+    totals = state.totals
+    rows = members.rows(state, finalize_metrics)
+    for split in setup.eval_splits:
+        if control.stop.is_set():
+            return None
+        events.phase("validating")
+        results = evaluate_split(setup, runtime, state, programs, control, split, members=members)
+        if results is None:
+            _acknowledge_interrupt(control)
+            return None
+        for row, metrics in zip(rows, results, strict=True):
+            if row is not None:
+                row.update(metrics)
+    shown = members.commit(state, rows, _timing(totals), events)
+    _commit(state)
+    _advise(setup, runtime, state, totals)
+    return shown
+
+
+def _timing(totals: EpochTotals) -> dict[str, float]:
+    """An epoch's timing columns: its data waits, its seconds, a step's host and device
+    time (`host_ms`, `device_ms`)."""
+    wait_frac = totals.wait_seconds / totals.seconds if totals.seconds > 0 else 0.0
+    return {"data_wait_frac": wait_frac, "epoch_seconds": totals.seconds, **totals.step_times()}
+
+
+def _commit(state: TrainState) -> None:
+    """An epoch's end in the counters: the next one starts at its first batch."""
     state.epoch += 1
     state.position = 0
     state.data_state = None
     state.totals = None
     state.epoch_trained = False
-    events.end_epoch(row)
+
+
+def _advise(setup: RunSetup, runtime: RunTime, state: TrainState, totals: EpochTotals) -> None:
+    """Advice, once a process, on an epoch that waited long for its data."""
+    wait_frac = totals.wait_seconds / totals.seconds if totals.seconds > 0 else 0.0
     prefetcher = runtime.prefetcher("train")
     # batches "auto" chose to build on the loop thread took microseconds each: worker threads
     # would cost more in hand-overs than they save (measured), so their share is not advice
@@ -268,7 +363,6 @@ def finish_epoch(
             + data_wait_advice(setup, prefetcher),
             module="nitro.engine.loop",
         )
-    return row
 
 
 def _acknowledge_interrupt(control: RunControl) -> None:
@@ -293,16 +387,18 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
             plan, updates = runtime.dispatch, _updates(setup)
             if (
                 upcoming is not None
-                and upcoming[:2] == (state.epoch, plan.layout(updates))
-                and (state.position == 0)
+                and upcoming.epoch == state.epoch
+                and upcoming.layout == plan.layout(updates)
+                and state.position == 0
             ):
-                stream = upcoming[2]
+                stream = upcoming.stream
             else:
                 if upcoming is not None:
-                    upcoming[2].close()
+                    upcoming.stream.close()
                 done = state.position // setup.accum
                 blocks = _aligned(plan.blocks(updates, done), done)
-                stream = runtime.prefetcher("train").epoch(
+                stream = _open(
+                    run,
                     state.epoch,
                     start=state.position,
                     block=_capped(run, blocks, state.step),
@@ -320,7 +416,7 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
                 break
     finally:
         if upcoming is not None:
-            upcoming[2].close()
+            upcoming.stream.close()
         totals.seconds += time.perf_counter() - begin
     if ended in ("interrupted", "max_steps"):
         return False
@@ -344,6 +440,13 @@ def _aligned(blocks: int | Iterable[int], step_in_epoch: int) -> int | Iterable[
         return blocks
     lead = blocks - step_in_epoch % blocks
     return itertools.chain(itertools.repeat(1, lead), itertools.repeat(blocks))
+
+
+def _open(run: _Epoch, epoch: int, **options: Any) -> Any:
+    """The train split's stream of `epoch` (a population's: its members', `Stacked.open`)."""
+    if run.members.stacked:
+        return run.members.open(run.runtime, epoch, **options)
+    return run.runtime.prefetcher("train").epoch(epoch, **options)
 
 
 def _reached(run: _Epoch, state: TrainState) -> bool:
@@ -394,157 +497,69 @@ def _remaining(run: _Epoch, state: TrainState) -> int | None:
 
 
 def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
-    """Dispatch every staged call of `stream`, reading each back one call late. Returns
-    "ended" (the stream ended), "interrupted" (a stop request) or "switch" (the dispatch plan
-    changed its call sizes: K to time against one step, or its decision; reopen the stream)."""
-    setup, control = run.setup, run.control
-    feed, stop, plan = run.runtime.feed, control.stop, run.runtime.dispatch
-    updates = _updates(setup)
-    switchable = is_index_addressable(run.runtime.prefetcher("train").source)
-    plan.start_stream()
-    totals = state.totals
-    assert totals is not None  # set when the epoch began
-    profiler = run.profiler
-    if profiler is not None:
-        profiler.start_stream()
-    pending: _Pending | None = None
+    """Dispatch every staged call of `stream`, reading each back one call late, with the
+    run's boundary steps between two calls (`Boundary`). Returns "ended" (the stream ended),
+    "interrupted" (a stop request) or "switch" (the dispatch plan changed its call sizes: K to
+    time against one step, or its decision; reopen the stream)."""
+    stop, stop_at, profiler, steps = run.control.stop, run.stop_at, run.profiler, run.boundaries
+    members = run.members
+    run.switchable = switchable = is_index_addressable(run.runtime.prefetcher("train").source)
+    run.restart_timing()
     ended = "ended"
-    switch = False  # the plan changed its call sizes at this call: reopen after it
     try:
         for staged in stream:
             if stop.is_set():
                 staged.free()
                 ended = "interrupted"
-                _acknowledge_interrupt(control)
+                _acknowledge_interrupt(run.control)
                 break
-            if run.stop_at is not None and run.dispatched >= run.stop_at:
+            if stop_at is not None and run.dispatched >= stop_at:
                 staged.free()  # staged ahead: the run stops at max_steps before it
                 ended = "max_steps"
                 break
-            if profiler is not None:
-                profiler.mark("data", run.dispatched)
-            if control.copies_pending and pending is not None and pending.before is not None:
-                # the call in flight kept nothing yet: its verdicts first, then the copies
-                previous, pending = pending, None
-                _complete(run, state, previous)
-                control.serve_copies()
-                plan.start_stream()  # no timed interval spans the wait
-                if profiler is not None:
-                    profiler.start_stream()
-            if run.runtime.live.pending is not None:  # an edit compiled beside the run
-                if pending is not None:  # the old code's last call counts before the swap
-                    previous, pending = pending, None
-                    _complete(run, state, previous)
-                _swap_in(run, state)
-                setup = run.setup
-                plan.start_stream()  # no timed interval spans the swap
-                if profiler is not None:
-                    profiler.start_stream()
-            index, count, micro = run.dispatched, staged.count, staged.group
-            if count == 1:
-                args = (
-                    state.variables,
-                    run.healthy,
-                    feed.device(index),
-                    feed.hparams(index),
-                    staged.device,
-                )
-            else:
-                args = (
-                    state.variables,
-                    run.healthy,
-                    feed.device_block(index, count),
-                    feed.hparams_block(index, count),
-                    staged.device,
-                )
-            restore = _restores(run, state)
-            # "auto": a fused size's first call is compared with single steps; a size found
-            # to differ runs one step at a time (`stepwise`)
-            checking = count > 1 and plan.unchecked(count)
-            if checking and not restore:  # the check copies the variables
-                size = sum(x.nbytes for x in jax.tree.leaves(state.variables))
-                if size > swaps.PROBATION_COPY_BYTES:
-                    checking, switch = False, plan.too_large(count, size) or switch
-            stepwise = checking or (count > 1 and plan.one_at_a_time())
-            program = None
-            if checking or not stepwise:
-                program = run.programs_by_count.get((count, micro, restore)) or _program(
-                    run, state, index, args, count, micro
-                )
-            if count == 1 and plan.probing and plan.recall(program, updates):
-                switch = True  # an earlier handle of this program measured: its choice
-            before = state.variables if restore else None  # not donated: kept as it is
-            try:
-                if stepwise:
-                    single = functools.partial(_program, run, state, index, count=1, micro=micro)
-                    out, same, seconds = one_at_a_time(
-                        single, feed, index, args, count, micro, restore, program
-                    )
-                    program = run.programs_by_count[(1, micro, restore)]
-                    if checking:
-                        cost = seconds + run.compiled.pop(count, 0.0)
-                        switch = plan.checked(count, same, cost, seconds) or switch
-                else:
-                    assert program is not None  # compiled above unless one step at a time
-                    out = program(*args)
-            except TypeError as error:
-                staged.free()
-                raise shape_error(setup, staged, error) from None
-            if profiler is not None:  # waits for the call: the device's time apart
-                profiler.dispatched(index, count, program, out.report)
-            state.variables, run.healthy = out.variables, out.healthy
-            run.dispatched += count
-            if control.copies_pending and before is None:  # before the next step donates them
-                control.serve_copies()
-            previous = pending
-            after = out.variables if before is not None else None
-            pending = _Pending(index, out.report, out.metrics, staged, program, before, after)
-            if previous is None and plan.measuring:
-                plan.began()  # none in flight before it: timed from its dispatch
-            if previous is not None:
-                _complete(run, state, previous)
-                if plan.measuring and _timed(run, plan, previous, updates, state):
-                    if switchable:
-                        ended = "switch"
-                        break
-            if _evaluation_due(run, staged):
-                previous, pending = pending, None
-                _complete(run, state, previous)  # every step so far counted, weights current
-                begin = time.perf_counter()
-                validated = _validate_within(run, state)
-                totals.untimed_seconds += time.perf_counter() - begin
-                if not validated:
-                    ended = "interrupted"
-                    break
-                plan.start_stream()  # the evaluation is no call's time
-                if profiler is not None:
-                    profiler.start_stream()
-            if switch and switchable:
-                ended = "switch"
+            if members.stacked and members.before_call(run, state):
+                staged.free()  # every member has stopped (pop.stop(i), early stopping)
+                ended = "interrupted"
                 break
-        if pending is not None:
-            previous, pending = pending, None
-            _complete(run, state, previous)
-            if ended == "ended" and plan.measuring:  # the stream's last call is timed too
-                _timed(run, plan, previous, updates, state)
-        if control.copies_pending:  # every call read back: the variables are kept ones
-            control.serve_copies()
+            profiler.mark("data", run.dispatched)
+            for before_call in steps.before_call:
+                before_call(run, state)
+            call, switch = _dispatch(run, state, staged)
+            for dispatched in steps.dispatched:
+                dispatched(run, state, call)
+            done, run.in_flight = run.in_flight, call
+            if done is not None:
+                _complete(run, state, done)
+            reason = None
+            for after_call in steps.after_call:
+                reason = after_call(run, state, done)
+                if reason is not None:
+                    break
+            if reason is None and switch and switchable:
+                reason = "switch"
+            if reason is not None:
+                ended = reason
+                break
+        last = run.settle(state)
+        for stream_ended in steps.stream_ended:
+            stream_ended(run, state, last, ended)
     except _RollBack as rollback:
-        if pending is not None:  # ran the edited code too: drain it, count nothing
-            _drain(pending)
-            pending = None
+        if run.in_flight is not None:  # ran the edited code too: drain it, count nothing
+            _drain(run.in_flight)
+            run.in_flight = None
         _roll_back(run, state, rollback)
         ended = "switch"  # reopen the stream where the state now is
     except DivergenceError:
+        pending, run.in_flight = run.in_flight, None
         if pending is not None:  # skipped by the guard: drain it, count nothing
             _drain(pending)
             if pending.before is not None and state.variables is pending.output:
                 # the call before it kept its weights, and this one, which keeps nothing,
                 # trained on from them: they are its input
                 state.variables = pending.before
-            pending = None
         raise
     finally:
+        pending, run.in_flight = run.in_flight, None
         if pending is not None:  # another error: the step in flight still counts
             try:
                 _complete(run, state, pending)
@@ -553,6 +568,205 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
         if ended != "switch":
             run.probation = None  # a stream's end (an epoch's, a stop's) ends a probation
     return ended
+
+
+def _dispatch(run: _Epoch, state: TrainState, staged) -> tuple[_Pending, bool]:
+    """Dispatch the call of `staged` on the run's variables (they become its output); returns
+    the call, and whether the dispatch plan changed its call sizes at it (the stream then
+    reopens once it is read back, where the stream's source allows)."""
+    feed, plan = run.feed, run.runtime.dispatch
+    index, count, micro = run.dispatched, staged.count, staged.group
+    if count == 1:
+        args = (
+            state.variables,
+            run.healthy,
+            feed.device(index),
+            feed.hparams(index),
+            staged.device,
+        )
+    else:
+        args = (
+            state.variables,
+            run.healthy,
+            feed.device_block(index, count),
+            feed.hparams_block(index, count),
+            staged.device,
+        )
+    restore = _restores(run, state)
+    switch = False
+    # "auto": a fused size's first call is compared with single steps; a size found
+    # to differ runs one step at a time (`stepwise`)
+    checking = count > 1 and plan.unchecked(count)
+    if checking and not restore:  # the check copies the variables
+        size = sum(x.nbytes for x in jax.tree.leaves(state.variables))
+        if size > swaps.PROBATION_COPY_BYTES:
+            checking, switch = False, plan.too_large(count, size)
+    stepwise = checking or (count > 1 and plan.one_at_a_time())
+    program = None
+    if checking or not stepwise:
+        program = run.programs_by_count.get((count, micro, restore)) or _program(
+            run, state, index, args, count, micro
+        )
+    if count == 1 and plan.probing and plan.recall(program, _updates(run.setup)):
+        switch = True  # an earlier handle of this program measured: its choice
+    before = state.variables if restore else None  # not donated: kept as it is
+    try:
+        if stepwise:
+            single = functools.partial(_program, run, state, index, count=1, micro=micro)
+            out, same, seconds = one_at_a_time(
+                single, feed, index, args, count, micro, restore, program, run.members.stacked
+            )
+            program = run.programs_by_count[(1, micro, restore)]
+            if checking:
+                cost = seconds + run.compiled.pop(count, 0.0)
+                switch = plan.checked(count, same, cost, seconds) or switch
+        else:
+            assert program is not None  # compiled above unless one step at a time
+            out = program(*args)
+    except TypeError as error:
+        staged.free()
+        raise shape_error(run.setup, staged, error) from None
+    run.profiler.dispatched(index, count, program, out.report)  # a timer waits for it here
+    state.variables, run.healthy = out.variables, out.healthy
+    if run.members.stacked:
+        state.healthy = out.healthy  # type: ignore[attr-defined]
+    run.dispatched += count
+    after = out.variables if before is not None else None
+    return _Pending(index, out.report, out.metrics, staged, program, before, after), switch
+
+
+# ---------------------------------------------------------------------------------------------
+# the work between two calls
+
+
+class Boundary:
+    """One piece of the work between two calls of a stream (kauldron's hooks, Keras's
+    callbacks). Each method does nothing here; a step overrides those it needs, and the loop
+    calls only those (`Boundaries`). The run's steps are built once per `train_epochs` call
+    (`_boundaries`), in the order they run."""
+
+    def before_call(self, run: _Epoch, state: TrainState) -> None:
+        """A call's batches are in hand; the call before it (`run.in_flight`) is in flight."""
+
+    def dispatched(self, run: _Epoch, state: TrainState, call: _Pending) -> None:
+        """`call` was dispatched (`state.variables` are its output); the call before it is
+        still `run.in_flight`, not read back."""
+
+    def after_call(self, run: _Epoch, state: TrainState, done: _Pending | None) -> str | None:
+        """`done`, the call before the one now in flight, was read back (None: there was
+        none). A reason returned ("interrupted", "switch") ends the stream."""
+        return None
+
+    def stream_ended(
+        self, run: _Epoch, state: TrainState, last: _Pending | None, ended: str
+    ) -> None:
+        """Every call of the stream was read back, `last` the last one (None: it was read
+        back earlier); `ended` is how the stream ended."""
+
+
+class Boundaries:
+    """The run's boundary steps, as the loop calls them: per method, the bound methods of the
+    steps that override it, in order (a method no step overrides costs a call nothing)."""
+
+    def __init__(self, steps: Iterable[Boundary]):
+        self.steps = tuple(steps)
+
+        def overriding(name: str) -> tuple[Callable[..., Any], ...]:
+            base = getattr(Boundary, name)
+            return tuple(getattr(s, name) for s in self.steps if getattr(type(s), name) is not base)
+
+        self.before_call = overriding("before_call")
+        self.dispatched = overriding("dispatched")
+        self.after_call = overriding("after_call")
+        self.stream_ended = overriding("stream_ended")
+
+
+class ServeCopies(Boundary):
+    """Copies of the weights asked for while training (`RunControl.request_copy`), served
+    once the variables are kept ones: before the next call donates them, or, where the call
+    in flight keeps nothing yet (a `restore` call), once its verdicts are read back."""
+
+    def before_call(self, run: _Epoch, state: TrainState) -> None:
+        call = run.in_flight
+        if run.control.copies_pending and call is not None and call.before is not None:
+            run.settle(state)  # the call in flight kept nothing yet: its verdicts first
+            run.control.serve_copies()
+            run.restart_timing()  # no timed interval spans the wait
+
+    def dispatched(self, run: _Epoch, state: TrainState, call: _Pending) -> None:
+        if run.control.copies_pending and call.before is None:  # before the next call donates
+            run.control.serve_copies()
+
+    def stream_ended(
+        self, run: _Epoch, state: TrainState, last: _Pending | None, ended: str
+    ) -> None:
+        if run.control.copies_pending:  # every call read back: the variables are kept ones
+            run.control.serve_copies()
+
+
+class SwapIn(Boundary):
+    """A live edit compiled beside the run takes over between two calls: the old code's call
+    in flight is read back first (`_swap_in`)."""
+
+    def before_call(self, run: _Epoch, state: TrainState) -> None:
+        if run.runtime.live.pending is not None:
+            run.settle(state)  # the old code's last call counts before the swap
+            _swap_in(run, state)
+            run.restart_timing()  # no timed interval spans the swap
+
+
+class MeasureDispatch(Boundary):
+    """ "auto"'s measurement of steps per call: each call read back while it measures is
+    timed (`_timed`); a change of call sizes reopens the stream where its source allows."""
+
+    def dispatched(self, run: _Epoch, state: TrainState, call: _Pending) -> None:
+        plan = run.runtime.dispatch
+        if run.in_flight is None and plan.measuring:
+            plan.began()  # none in flight before it: timed from its dispatch
+
+    def after_call(self, run: _Epoch, state: TrainState, done: _Pending | None) -> str | None:
+        plan = run.runtime.dispatch
+        if done is not None and plan.measuring:
+            if _timed(run, plan, done, _updates(run.setup), state) and run.switchable:
+                return "switch"
+        return None
+
+    def stream_ended(
+        self, run: _Epoch, state: TrainState, last: _Pending | None, ended: str
+    ) -> None:
+        plan = run.runtime.dispatch
+        if last is not None and ended == "ended" and plan.measuring:
+            _timed(run, plan, last, _updates(run.setup), state)  # the stream's last call too
+
+
+class EvaluateWithin(Boundary):
+    """An evaluation of the eval splits every `val_every_steps` steps, within an epoch, once
+    every step before it is read back (`_validate_within`); the evaluation is no call's
+    time."""
+
+    def after_call(self, run: _Epoch, state: TrainState, done: _Pending | None) -> str | None:
+        call = run.in_flight
+        if call is None or not _evaluation_due(run, call.staged):
+            return None
+        run.settle(state)  # every step so far counted, weights current
+        begin = time.perf_counter()
+        validated = _validate_within(run, state)
+        assert state.totals is not None  # set when the epoch began
+        state.totals.untimed_seconds += time.perf_counter() - begin
+        if not validated:
+            return "interrupted"
+        run.restart_timing()
+        return None
+
+
+def _boundaries(setup: RunSetup) -> list[Boundary]:
+    """The boundary steps of a run of `setup`, in the order they run: those a request may
+    call for at any time (a copy of the weights, a live edit, "auto"'s measurement), and
+    the evaluations `val_every_steps` asks for."""
+    steps: list[Boundary] = [ServeCopies(), SwapIn(), MeasureDispatch()]
+    if setup.val_every_steps is not None:
+        steps.append(EvaluateWithin())
+    return steps
 
 
 def _program(run: _Epoch, state: TrainState, index: int, args, count: int, micro: int):
@@ -568,8 +782,7 @@ def _program(run: _Epoch, state: TrainState, index: int, args, count: int, micro
         run.compiled[count] = compiling
         assert state.totals is not None  # set when the epoch began
         state.totals.untimed_seconds += compiling
-        if run.profiler is not None:
-            run.profiler.compiled(index, compiling)
+        run.profiler.compiled(index, compiling)
     return program
 
 
@@ -666,19 +879,28 @@ def _validate_within(run: _Epoch, state: TrainState) -> bool:
     to the reporters. False when a stop request cut it short (nothing is recorded)."""
     setup, runtime, control, events = run.setup, run.runtime, run.control, run.events
     row: dict[str, Any] = {"step": state.step, "epoch": state.epoch + 1}
+    members, results = run.members, None  # a population's: each member's metrics
     for split in setup.eval_splits:
         events.phase("validating")
         metrics = _host_guarded(
             run,
             state,
             lambda split=split: evaluate_split(
-                run.setup, runtime, state, run.programs, control, split
+                run.setup, runtime, state, run.programs, control, split, members=members
             ),
         )
         if metrics is None:
             _acknowledge_interrupt(control)
             return False
-        row.update(metrics)
+        if members.stacked:
+            merged = zip(results or metrics, metrics, strict=True)
+            results = [{**a, **b} for a, b in merged]
+        else:
+            row.update(metrics)
+    if results is not None:
+        members.validated(state, results)
+        events.phase("training")
+        return True
     state.validations.append(row)
     events.validated(row)
     events.phase("training")
@@ -697,6 +919,12 @@ def _drain(item: _Pending) -> None:
 def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
     """Read back one call (it has finished once its report arrives), free its batches, and
     account each of its steps."""
+    if run.members.stacked:
+        try:
+            run.members.complete(state, item, run.events, item.program)
+        finally:
+            delete(item.metrics)
+        return
     setup = run.setup
     residency = setup.experiment.train_metrics_residency
     metrics = item.metrics
@@ -706,8 +934,7 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
         begin = time.perf_counter()
         reports = np.asarray(item.report).reshape(-1, 2)  # waits for the call to finish
         waited = time.perf_counter() - begin
-        if profiler is not None:
-            profiler.mark("readback", item.index)
+        profiler.mark("readback", item.index)
         if residency is not None:
             metrics = setup.placement.gather(metrics)
         if item.before is not None and run.probation is None and reports[:, 1].any():
@@ -732,8 +959,7 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
         state.data_state = after[count * micro - 1] if after is not None else None
         totals.steps += count
         run.events.steps(first, losses)
-        if profiler is not None:
-            profiler.mark("bookkeeping", item.index)
+        profiler.mark("bookkeeping", item.index)
         return
     try:
         for offset, (value, code) in enumerate(reports.tolist()):
@@ -777,8 +1003,7 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
     finally:
         if losses:  # the call's steps counted so far, in one event
             run.events.steps(first, losses)
-        if profiler is not None:
-            profiler.mark("bookkeeping", item.index)
+        profiler.mark("bookkeeping", item.index)
     if probation is not None and state.step >= probation.until:
         run.probation = None  # the edit's first steps were finite: it stays
 
@@ -840,7 +1065,7 @@ def _train_metrics(
 ) -> None:
     setup = run.setup
     if setup.experiment.train_metrics_residency == "device":
-        totals.train_metrics.add(program.aux["specs"], metrics, staged.n_real)
+        totals.train_metrics.add(program.metric_specs, metrics, staged.n_real)
         return
     host = staged.host if not staged.stacked else staged.host[offset]
     batch = setup.splits["train"].hook_fields["train_metrics"]

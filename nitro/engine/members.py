@@ -109,13 +109,14 @@ class Stacked:
         ]
         return _Zipped(streams)
 
-    def before_call(self, state: PopulationState) -> tuple[Any, bool]:
-        """Take the prunes asked for since the last call (`pop.stop(i)`); returns the flags
-        the next call gets (`state.healthy`, which the loop keeps as each call returns it),
-        and whether every member has stopped."""
+    def before_call(self, run: Any, state: PopulationState) -> bool:
+        """Take the prunes asked for since the last call (`pop.stop(i)`, early stopping):
+        the next call gets the flags (`state.healthy`, which the loop keeps as each call
+        returns it). True when every member has stopped: no call is left to make."""
         if state.prune:
             apply_prunes(self.members, state, self.say)
-        return state.healthy, all(m.stopped is not None for m in self.members)
+        run.healthy = state.healthy
+        return all(m.stopped is not None for m in self.members)
 
     def start_epoch(self, state: PopulationState) -> EpochTotals:
         """The epoch's shared totals (its time), and each member's running sums."""
@@ -199,7 +200,7 @@ class Stacked:
             for sub in range(micro):  # each micro-batch's train metrics
                 batch_metrics = step_metrics if micro == 1 else unstack(step_metrics, sub)
                 if setup.experiment.train_metrics_residency == "device":
-                    totals.train_metrics.add(program.aux["specs"], batch_metrics, part.n_real)
+                    totals.train_metrics.add(program.metric_specs, batch_metrics, part.n_real)
                     continue
                 host = part.host if not part.stacked else part.host[offset * micro + sub]
                 fields = setup.placement.gather(

@@ -1,7 +1,8 @@
 """`n.profile()`'s measurements: each call's time taken apart, and the device's peak.
 
-`CallTimer` is what the loop marks while `n.profile()` trains (`RunTime.profiler`; None
-otherwise, so a run pays one `is not None` per mark). Each mark ends a part of one call (the
+`CallTimer` is what the loop marks while `n.profile()` trains (`RunTime.profiler`);
+otherwise the loop marks `PASS_THROUGH`, a timer whose marks do nothing (Lightning's
+`PassThroughProfiler`). Each mark ends a part of one call (the
 call whose first step has global index `index`): the time since the previous mark is that
 part's. The parts, in the order the loop goes through them:
 
@@ -31,7 +32,7 @@ from typing import Any
 
 import jax
 
-__all__ = ["PARTS", "CallRecord", "CallTimer", "Peak", "device_peak"]
+__all__ = ["PARTS", "PASS_THROUGH", "CallRecord", "CallTimer", "PassThrough", "Peak", "device_peak"]
 
 PARTS = ("data", "feed", "compile", "device", "readback", "bookkeeping")
 
@@ -123,6 +124,30 @@ class CallTimer:
     def calls(self) -> list[CallRecord]:
         """The calls dispatched, in order."""
         return sorted((r for r in self.records.values() if r.steps), key=lambda r: r.index)
+
+
+class PassThrough:
+    """The call timer of a run that is not profiled: its marks do nothing."""
+
+    __slots__ = ()
+
+    def start_stream(self) -> None:
+        pass
+
+    def mark(self, part: str, index: int) -> None:
+        pass
+
+    def compiled(self, index: int, seconds: float) -> None:
+        pass
+
+    def dispatched(self, index: int, steps: int, program: Any, report: Any) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+PASS_THROUGH = PassThrough()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -426,7 +426,7 @@ class Population:
                 try:
                     self._life.open(self._members, events)
                     try:
-                        _, self._stop_reason = train_epochs(
+                        _, reason = train_epochs(
                             lead.setup,
                             lead.runtime,
                             state,
@@ -438,6 +438,7 @@ class Population:
                             stop_at=stop_at,
                             members=members,
                         )
+                        self._stop_reason = self._ended(reason)
                     finally:
                         for member in self._members:  # worker processes live as the run
                             for prefetcher in member.runtime.prefetchers.values():
@@ -471,9 +472,14 @@ class Population:
             if state.prune:
                 engine.apply_prunes(self._members, state, self._say)
         self._life.after_epoch(self._members, state, self._events)
+        return self._ended(None)
+
+    def _ended(self, reason: str | None) -> str | None:
+        """Why the run ended: once every member has stopped, early stopping's verdict (or a
+        stop request: the prunings), else `reason`."""
         if all(m.stopped is not None for m in self._members):
-            return "early_stop" if policy is not None else "requested"
-        return None
+            return "early_stop" if self._members[0].setup.early_stop is not None else "requested"
+        return reason
 
     @property
     def running(self) -> bool:

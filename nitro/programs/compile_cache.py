@@ -191,6 +191,15 @@ def _show_change(old: Any, new: Any) -> str:
     return f"{old!r} -> {new!r}"
 
 
+@dataclasses.dataclass
+class Traced:
+    """What a program's function finds out about itself while it is traced, for its compiled
+    `Program`: the specs (`split_modes`) of the metrics it returns. A spec's `build` hangs one
+    on the function it returns (`fn.nitro_traced`); the function fills it in as it traces."""
+
+    metric_specs: Any = None
+
+
 class Program:
     """A compiled program. Calling it runs the XLA executable and counts a cache hit."""
 
@@ -206,7 +215,7 @@ class Program:
         "graphconst",
         "compile_seconds",
         "calls",
-        "aux",
+        "metric_specs",
         "_cost",
     )
 
@@ -222,7 +231,7 @@ class Program:
         self.graphconst = dict(graphconst)  # as the cache compares them (`graphconst_keys`)
         self.compile_seconds = seconds
         self.calls = 0
-        self.aux = {}
+        self.metric_specs: Any = None  # its metrics' specs, as its trace found them
         self._cost: ProgramCost | None = None
 
     def cost(self) -> ProgramCost:
@@ -447,7 +456,7 @@ class CompileCache:
         progress.note(f"compiled {spec.title} in {seconds:.2f} s ({reason})", done=True)
         values = {name: graphconst[name] for name in sorted(reads) if name in graphconst}
         program = Program(spec, compiled, values, signature, seconds, graphconst)
-        program.aux = getattr(fn, "nitro_aux", {})
+        program.metric_specs = getattr(fn, "nitro_traced", Traced()).metric_specs
         return program
 
     def _explain(self, spec: ProgramSpec, signature, graphconst) -> str:

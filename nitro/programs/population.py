@@ -59,7 +59,8 @@ def _vmapped(
         def program(*args: Any) -> Any:
             return mapped(*args)
 
-        program.nitro_aux = getattr(fn, "nitro_aux", {})  # pyright: ignore[reportFunctionMemberAccess]
+        if hasattr(fn, "nitro_traced"):  # its metrics' specs, found as it traces
+            program.nitro_traced = fn.nitro_traced  # pyright: ignore[reportFunctionMemberAccess]
         # the name XLA's compile events carry: jit(population_train_step)
         program.__name__ = program.__qualname__ = kind.value.replace(" ", "_")
         return program

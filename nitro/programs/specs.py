@@ -34,7 +34,14 @@ from nitro.core.train_state import EvalOutput, Variables
 from nitro.experiments.routing import select
 from nitro.optim.precision import FLOAT32
 from nitro.programs import tracing
-from nitro.programs.compile_cache import CACHE, Opaque, Program, ProgramKind, ProgramSpec
+from nitro.programs.compile_cache import (
+    CACHE,
+    Opaque,
+    Program,
+    ProgramKind,
+    ProgramSpec,
+    Traced,
+)
 from nitro.programs.population import population_eval_spec, population_train_spec
 from nitro.programs.train_step import TRAIN_UNITS, train_step_spec
 
@@ -83,8 +90,6 @@ def eval_spec(
     precision = setup.precision or FLOAT32
 
     def build(reads: set[str]):
-        aux: dict[str, Any] = {}
-
         def evaluate(variables: Variables, device, batch, n_real) -> EvalOutput:
             params, rest = tracing.unflatten(setup, variables)
             view = tracing.view(setup, device, reads)
@@ -100,13 +105,12 @@ def eval_spec(
             if return_outputs:
                 tracing.check_batch_axis(outputs, inputs)
             if with_loss:
-                loss_sum, aux["exact"] = _masked_loss_sum(
+                loss_sum, _ = _masked_loss_sum(
                     setup, view, outputs, select(batch, fields["loss"]), n_real
                 )
             return EvalOutput(loss_sum=loss_sum, outputs=outputs if return_outputs else None)
 
         if batches == 1:
-            evaluate.nitro_aux = aux
             return evaluate
 
         def evaluate_block(variables: Variables, device, batch, n_real) -> EvalOutput:
@@ -115,7 +119,6 @@ def eval_spec(
 
             return jax.lax.scan(one, None, (batch, n_real))[1]
 
-        evaluate_block.nitro_aux = aux
         return evaluate_block
 
     kind = ProgramKind.EVAL_FORWARD if with_loss else ProgramKind.PREDICT
@@ -181,15 +184,15 @@ def _masked_loss_sum(setup, view, outputs, fields, n_real):
 
 def device_metrics_spec(setup: RunSetup, fields: Mapping[str, tuple[str, ...]]) -> ProgramSpec:
     def build(reads: set[str]):
-        aux: dict[str, Any] = {}
+        traced = Traced()
 
         def metrics(outputs, device, batch):
             view = tracing.view(setup, device, reads)
             values = tracing.call(setup, "metrics", view, outputs, **batch)
-            aux["specs"], leaves = split_modes(values, "metrics")
+            traced.metric_specs, leaves = split_modes(values, "metrics")
             return leaves
 
-        metrics.nitro_aux = aux
+        metrics.nitro_traced = traced
         return metrics
 
     return ProgramSpec(

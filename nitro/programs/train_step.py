@@ -50,7 +50,7 @@ from nitro.optim.guard import Failure
 from nitro.optim.optimizer import OptimizerSetup
 from nitro.optim.precision import FLOAT32
 from nitro.programs import tracing
-from nitro.programs.compile_cache import Opaque, ProgramKind, ProgramSpec
+from nitro.programs.compile_cache import Opaque, ProgramKind, ProgramSpec, Traced
 
 __all__ = ["TRAIN_UNITS", "step_function", "train_step_spec"]
 
@@ -62,7 +62,7 @@ def step_function(
     setup: RunSetup,
     fields: Mapping[str, tuple[str, ...]],
     reads: set[str],
-    aux: dict,
+    traced: Traced,
     micro: int = 1,
     keep: bool = True,
 ) -> Callable[..., StepOutput]:
@@ -131,7 +131,7 @@ def step_function(
                 values = tracing.call(
                     setup, "train_metrics", view, outputs, **select(batch, fields["train_metrics"])
                 )
-                aux["specs"], leaves = split_modes(values, "train_metrics")
+                traced.metric_specs, leaves = split_modes(values, "train_metrics")
                 return leaves
             return []
 
@@ -192,7 +192,7 @@ def manual_step_function(
     setup: RunSetup,
     fields: Mapping[str, tuple[str, ...]],
     reads: set[str],
-    aux: dict,
+    traced: Traced,
     keep: bool = True,
 ) -> Callable[..., StepOutput]:
     """A step of a `train_step` hook: the hook gets a `nitro.manual.Step` (the models, their
@@ -233,7 +233,7 @@ def manual_step_function(
                 + (f" with keys {sorted(values)}" if isinstance(values, Mapping) else "")
             )
         loss = tracing.check_scalar_loss(values["loss"])
-        aux["specs"], metrics = split_modes(
+        traced.metric_specs, metrics = split_modes(
             {k: v for k, v in values.items() if k != "loss"}, "train_step"
         )
         new_params = jax.tree.map(lambda x: x, params)  # same structure, new values below
@@ -367,15 +367,15 @@ def train_step_spec(
     model = setup.model
 
     def build(reads: set[str]):
-        aux: dict[str, Any] = {}
+        traced = Traced()
         if setup.experiment.manual:
-            step = manual_step_function(setup, fields, reads, aux, keep=not restore)
+            step = manual_step_function(setup, fields, reads, traced, keep=not restore)
         else:
-            step = step_function(setup, fields, reads, aux, micro, keep=not restore)
+            step = step_function(setup, fields, reads, traced, micro, keep=not restore)
         fn = step if steps == 1 else _scanned(step)
         if steps > 1 and micro > 1:
             fn = _regrouped(fn, steps, micro)
-        fn.nitro_aux = aux
+        fn.nitro_traced = traced
         return fn
 
     units = [u for u in TRAIN_UNITS if u != "train_metrics"]
