@@ -16,12 +16,6 @@ from _pytest.doctest import DoctestItem, DoctestModule
 NITRO = Path(__file__).resolve().parent / "nitro"
 
 
-def _is_alias(path: Path) -> bool:
-    """A public import path that swaps itself for the real module in sys.modules
-    (`nitro.bundle` is `nitro.serving.bundle`): its examples are collected at the real path."""
-    return "sys.modules[__name__] = " in path.read_text(encoding="utf-8")
-
-
 # KServe's gRPC protos and tritonclient's (the tests' client, tests/test_serve.py) register the
 # same proto file, so one process cannot import both: the server's modules are tested through a
 # server process and real clients instead, and their one example (it starts a server) is skipped
@@ -29,12 +23,13 @@ _IN_A_SERVER_PROCESS_ONLY = {NITRO / "serving" / "server.py", NITRO / "serving" 
 
 
 def pytest_collect_file(file_path: Path, parent: pytest.Collector) -> pytest.Collector | None:
-    # __main__.py is an entry point: importing it must not run it, so it is never collected
+    # __main__.py is an entry point: importing it must not run it, so it is never collected;
+    # with --doctest-modules pytest collects every module itself
     if (
-        file_path.suffix == ".py"
+        not parent.config.option.doctestmodules
+        and file_path.suffix == ".py"
         and NITRO in file_path.parents
         and file_path.name != "__main__.py"
-        and not _is_alias(file_path)
         and file_path not in _IN_A_SERVER_PROCESS_ONLY
     ):
         return DoctestModule.from_parent(parent, path=file_path)

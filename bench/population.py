@@ -1,6 +1,10 @@
 """Population runs: 8 members trained by one vmapped program against 8 sequential Nitro runs
 and against one run.
 
+Models (`--models`): the digits MLPs of bench/dispatch.py (`small`, `medium`), and the CNN
+and the transformer LM of bench/peers.py (`cnn`: digits as 8x8x1 images, batch 128; `lm`: the
+generated token sequences, batch 32).
+
 For each model, in one process, alternating rounds, medians of the seconds one epoch takes
 (compiles excluded: every program is warmed by an epoch first):
 
@@ -19,7 +23,7 @@ of that many runs) and the sequential runs' against the population's, and member
 per second. Ratios only mean something within one process on one machine: other work on it
 moves every figure.
 
-    python bench/population.py [--rounds 5] [--members 8] [--tile 4] [--models small,medium]
+    python bench/population.py [--rounds 5] [--members 8] [--tile 4] [--models small,cnn,lm]
                                [--n-devs 2 --mesh-axis members|batch]
 """
 
@@ -39,11 +43,19 @@ if "--n-devs" in sys.argv:  # fake CPU devices: only before JAX starts
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_devices}"
     )
 
-from dispatch import MODELS  # noqa: E402
+from dispatch import MODELS as DIGITS  # noqa: E402
 from loops import WithNitro, experiment_for, keras_loop  # noqa: E402
 from overhead import train_arrays  # noqa: E402
+from peers import MODELS as PEERS  # noqa: E402
 
 import nitro  # noqa: E402
+
+# name -> (spec, its train arrays for `--tile T`)
+MODELS = {
+    **{name: (spec, train_arrays) for name, spec in DIGITS.items()},
+    "cnn": (PEERS["cnn"][0], train_arrays),  # with its Keras twin
+    "lm": PEERS["lm"][:2],  # `--tile` x 256 generated token sequences
+}
 
 
 def rates(members: int) -> list[float]:
@@ -63,8 +75,8 @@ def bench_model(
     name: str, members: int, rounds: int, tile: int, n_devs: int = 1, mesh_axis: str = "members"
 ) -> None:
     nitro.cache_reset()  # count this model's programs alone
-    spec = MODELS[name]
-    arrays = train_arrays(tile)
+    spec, data = MODELS[name]
+    arrays = data(tile)
     one = WithNitro(spec, arrays)
     sequential = [WithNitro(spec, arrays, learning_rate=lr) for lr in rates(members)]
     population = nitro.Population(
@@ -134,11 +146,14 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--members", type=int, default=8)
-    parser.add_argument("--tile", type=int, default=4, help="digits train split repeats")
-    parser.add_argument("--models", default="small")
+    parser.add_argument("--tile", type=int, default=4, help="data size multiplier")
+    parser.add_argument("--models", default="small", help="of " + ",".join(MODELS))
     parser.add_argument("--n-devs", type=int, default=1, help="devices of the population's mesh")
     parser.add_argument("--mesh-axis", default="members", choices=("members", "batch"))
     args = parser.parse_args(argv)
+    unknown = [name for name in args.models.split(",") if name not in MODELS]
+    if unknown:
+        parser.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     for name in args.models.split(","):
         bench_model(name, args.members, args.rounds, args.tile, args.n_devs, args.mesh_axis)
 

@@ -7,6 +7,13 @@ and an edit recompiles only the programs it reaches.
 
 Public names load on first use (PEP 562), so `import nitro.bundle` in a serving process
 imports JAX and nothing of Flax or Optax.
+
+Packages by layer, bottom-up (docs/architecture.md): `experiments`, `data`, `optim`, `core`,
+`programs`, `runs`, `loggers`, `engine`, `serving`, `handle`, `mcp`, `examples`. Modules:
+`errors` (every error raised on purpose), `_version` (`__version__`), `cli` (the `nitro`
+command), and the public import paths `bundle`, `serve`, `manual`, `staleness`, `events`,
+`progress`, `runner`, `dispatch` and `datasets`, each standing for a module inside a package
+(`_public_path`).
 """
 
 from __future__ import annotations
@@ -14,7 +21,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-__version__ = "0.2.0"
+from nitro._version import __version__ as __version__  # the one version (a leaf module)
 
 # public name -> the module that defines it
 _EXPORTS = {
@@ -50,6 +57,7 @@ _EXPORTS = {
     "EarlyStopping": "nitro.runs.early_stopping",
     "on_phase": "nitro.core.events",
     "saved_runs": "nitro.runs.run_dirs",
+    "run_to_resume": "nitro.runs.lifecycle",
     "Interrupted": "nitro.errors",
     "WeightsError": "nitro.errors",
     "average": "nitro.runs.weights",
@@ -107,6 +115,7 @@ __all__ = [
     "loggers",
     "on_phase",
     "progress",
+    "run_to_resume",
     "runner",
     "saved_runs",
     "set_compilation_cache",
@@ -171,6 +180,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     )
     from nitro.runs.checkpoints import Checkpointer
     from nitro.runs.early_stopping import EarlyStopping
+    from nitro.runs.lifecycle import run_to_resume
     from nitro.runs.run_dirs import saved_runs
     from nitro.runs.weights import average
 

@@ -1,7 +1,13 @@
-"""Public import path of `nitro.serving.bundle` (loading an exported bundle)."""
+"""Public import path of `nitro.serving.bundle` (loading an exported bundle).
 
-import sys
+Its names are read and set there (`nitro._public_path`).
+"""
 
-from nitro.serving import bundle as _module
+import typing
 
-sys.modules[__name__] = _module  # `nitro.bundle` is `nitro.serving.bundle` itself
+from nitro import _public_path
+
+_public_path.stand_for(__name__, "nitro.serving.bundle")
+
+if typing.TYPE_CHECKING:  # its names, for type checkers and readers
+    from nitro.serving.bundle import *  # noqa: F403

@@ -1,7 +1,13 @@
-"""Public import path of `nitro.data.datasets` (the built-in data sets)."""
+"""Public import path of `nitro.data.datasets` (the built-in data sets).
 
-import sys
+Its names are read and set there (`nitro._public_path`).
+"""
 
-from nitro.data import datasets as _module
+import typing
 
-sys.modules[__name__] = _module  # `nitro.datasets` is `nitro.data.datasets` itself
+from nitro import _public_path
+
+_public_path.stand_for(__name__, "nitro.data.datasets")
+
+if typing.TYPE_CHECKING:  # its names, for type checkers and readers
+    from nitro.data.datasets import *  # noqa: F403

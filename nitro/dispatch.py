@@ -1,7 +1,13 @@
-"""Public import path of `nitro.engine.dispatch` (steps per program call)."""
+"""Public import path of `nitro.engine.dispatch` (steps per program call).
 
-import sys
+Its names are read and set there (`nitro._public_path`).
+"""
 
-from nitro.engine import dispatch as _module
+import typing
 
-sys.modules[__name__] = _module  # `nitro.dispatch` is `nitro.engine.dispatch` itself
+from nitro import _public_path
+
+_public_path.stand_for(__name__, "nitro.engine.dispatch")
+
+if typing.TYPE_CHECKING:  # its names, for type checkers and readers
+    from nitro.engine.dispatch import *  # noqa: F403

@@ -1,7 +1,13 @@
-"""Public import path of `nitro.core.events` (the event path and the reporter protocol)."""
+"""Public import path of `nitro.core.events` (the event path and the reporter protocol).
 
-import sys
+Its names are read and set there (`nitro._public_path`).
+"""
 
-from nitro.core import events as _module
+import typing
 
-sys.modules[__name__] = _module  # `nitro.events` is `nitro.core.events` itself
+from nitro import _public_path
+
+_public_path.stand_for(__name__, "nitro.core.events")
+
+if typing.TYPE_CHECKING:  # its names, for type checkers and readers
+    from nitro.core.events import *  # noqa: F403

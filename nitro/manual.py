@@ -1,7 +1,13 @@
-"""Public import path of `nitro.programs.manual` (`Step` for `train_step` hooks)."""
+"""Public import path of `nitro.programs.manual` (`Step` for `train_step` hooks).
 
-import sys
+Its names are read and set there (`nitro._public_path`).
+"""
 
-from nitro.programs import manual as _module
+import typing
 
-sys.modules[__name__] = _module  # `nitro.manual` is `nitro.programs.manual` itself
+from nitro import _public_path
+
+_public_path.stand_for(__name__, "nitro.programs.manual")
+
+if typing.TYPE_CHECKING:  # its names, for type checkers and readers
+    from nitro.programs.manual import *  # noqa: F403

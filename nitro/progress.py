@@ -1,7 +1,13 @@
-"""Public import path of `nitro.core.progress` (the default reporters)."""
+"""Public import path of `nitro.core.progress` (the default reporters).
 
-import sys
+Its names are read and set there (`nitro._public_path`).
+"""
 
-from nitro.core import progress as _module
+import typing
 
-sys.modules[__name__] = _module  # `nitro.progress` is `nitro.core.progress` itself
+from nitro import _public_path
+
+_public_path.stand_for(__name__, "nitro.core.progress")
+
+if typing.TYPE_CHECKING:  # its names, for type checkers and readers
+    from nitro.core.progress import *  # noqa: F403

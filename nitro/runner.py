@@ -1,7 +1,13 @@
-"""Public import path of `nitro.engine.runner` (worker threads, interrupts, run control)."""
+"""Public import path of `nitro.engine.runner` (worker threads, interrupts, run control).
 
-import sys
+Its names are read and set there (`nitro._public_path`).
+"""
 
-from nitro.engine import runner as _module
+import typing
 
-sys.modules[__name__] = _module  # `nitro.runner` is `nitro.engine.runner` itself
+from nitro import _public_path
+
+_public_path.stand_for(__name__, "nitro.engine.runner")
+
+if typing.TYPE_CHECKING:  # its names, for type checkers and readers
+    from nitro.engine.runner import *  # noqa: F403

@@ -1,12 +1,18 @@
-"""Public import path of `nitro.serving.serve` (`nitro serve`: serving exported bundles)."""
+"""Public import path of `nitro.serving.serve` (`nitro serve`: serving exported bundles).
 
-import sys
+Its names are read and set there (`nitro._public_path`).
+"""
+
+import typing
 
 if __name__ == "__main__":  # python -m nitro.serve
     from nitro.serving.serve import main
 
     main()
 else:
-    from nitro.serving import serve as _module
+    from nitro import _public_path
 
-    sys.modules[__name__] = _module
+    _public_path.stand_for(__name__, "nitro.serving.serve")
+
+if typing.TYPE_CHECKING:  # its names, for type checkers and readers
+    from nitro.serving.serve import *  # noqa: F403

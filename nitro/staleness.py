@@ -1,7 +1,14 @@
-"""Public import path of `nitro.programs.staleness` (what an edit changed and which programs it reaches)."""
+"""Public import path of `nitro.programs.staleness` (what an edit changed and which programs
+it reaches).
 
-import sys
+Its names are read and set there (`nitro._public_path`).
+"""
 
-from nitro.programs import staleness as _module
+import typing
 
-sys.modules[__name__] = _module  # `nitro.staleness` is `nitro.programs.staleness` itself
+from nitro import _public_path
+
+_public_path.stand_for(__name__, "nitro.programs.staleness")
+
+if typing.TYPE_CHECKING:  # its names, for type checkers and readers
+    from nitro.programs.staleness import *  # noqa: F403

@@ -11,9 +11,14 @@
 - watches the source files of live experiments and reloads them on save, reporting which
   compiled programs the edit makes stale, or, for a run training meanwhile, compiling the edit
   beside it and swapping it in (`code_watcher.py`; the safe reload itself in `reload.py`;
-  `staleness.py`).
+  `edit_impact.py`: which programs an edit makes stale).
 
 `%nitro mcp start` serves the kernel's runs to a coding agent (`agents.py`).
+
+Also: `runs.py` (handles by name, their live numbers, status lines), `populations.py` (`%nitro`
+on a `nitro.Population`), `curves.py` (training curves redrawn in place), `record.py` (the
+static record a run leaves in its cell), `failures.py` (a failed run's folded traceback),
+`cache_table.py` (`%nitro cache` as tables).
 
 Uses only nitro's public API; nitro never imports this package at module level.
 """

@@ -37,7 +37,7 @@ def agent_runs() -> dict[str, Any]:
     """Run id -> handle of the runs agent tools started in this process (empty when the
     agent extra is not installed)."""
     try:
-        from nitro.mcp.registry import RUNS
+        from nitro.mcp import RUNS
     except ImportError:  # pragma: no cover - the registry needs only the engine
         return {}
     return RUNS.handles()
@@ -120,7 +120,7 @@ def start(
     assert server.port is not None  # bound by start
     token_file = token_path(server.port)
     try:
-        from nitro.mcp.http import write_token_file
+        from nitro.mcp import write_token_file
 
         write_token_file(token_file, server.token)
     except OSError as error:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from html import escape
 from typing import Any
 
-from nitro.programs.costs import format_bytes, format_flops
+from nitro.progress import format_bytes, format_flops
 
 __all__ = ["CacheTable"]
 

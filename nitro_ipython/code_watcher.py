@@ -43,9 +43,9 @@ from nitro.staleness import (
     is_library_module,
 )
 
+from .edit_impact import EditImpact, edit_impact
 from .reload import changed_names, code_tokens, reload_module, syntax_error
 from .runs import handle_names, live_handles
-from .staleness import EditImpact, edit_impact
 
 __all__ = ["CodeWatcher"]
 

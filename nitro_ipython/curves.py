@@ -17,7 +17,7 @@ import threading
 import time
 from typing import Any
 
-from nitro.core.train_state import TIMING_COLUMNS
+from nitro.progress import TIMING_COLUMNS
 
 __all__ = [
     "CSS_HEIGHT",

@@ -24,7 +24,7 @@ from typing import Any
 import ipywidgets as widgets
 from IPython.display import display
 
-from nitro.core.train_state import TIMING_COLUMNS
+from nitro.progress import TIMING_COLUMNS
 
 from .runs import RunStats
 

@@ -181,8 +181,6 @@ def _cause(note: str) -> str:
 def _run_to_resume(name: str, experiment: Any, run_name: str, resume: bool | str):
     """The run `%nitro train ... --resume [RUN_ID]` continues (None: none has a checkpoint;
     the new handle starts a fresh run, which is said)."""
-    from nitro.runs.lifecycle import run_to_resume
-
     target = name.removesuffix("_run")
     hint = (
         f"Pick one: `%nitro train {target} --resume RUN_ID` (or a run directory's path); "
@@ -190,7 +188,7 @@ def _run_to_resume(name: str, experiment: Any, run_name: str, resume: bool | str
     )
     pick = resume if isinstance(resume, str) else None
     try:
-        choice = run_to_resume(experiment, run_name, pick=pick, pick_hint=hint)
+        choice = nitro.run_to_resume(experiment, run_name, pick=pick, pick_hint=hint)
     except nitro.SetupError as error:
         raise UsageError(f"%nitro train --resume: {error}") from None
     if choice is None:

@@ -109,7 +109,7 @@ def store_checks(work: Path) -> dict:
 
 
 def sharding_keyword() -> dict:
-    from nitro.engine.keywords import RUN_KEYWORDS
+    from nitro.engine.run_keywords import RUN_KEYWORDS
 
     return {"sharding": "fsdp"} if "sharding" in RUN_KEYWORDS else {}
 

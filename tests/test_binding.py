@@ -12,7 +12,7 @@ from toys import Toy, X, Y
 
 import nitro
 from nitro.core.metrics import MetricAccumulator, split_modes
-from nitro.engine.keywords import KEYWORD_ONLY, RUN_KEYWORDS
+from nitro.engine.run_keywords import KEYWORD_ONLY, RUN_KEYWORDS
 
 
 def unshuffled(samples=64, batch_size=16, **extra):

@@ -132,6 +132,27 @@ def test_profile_steps_are_training_steps_and_an_epoch_ending_among_them_commits
     assert sum(c.steps for c in report.calls) == 12
 
 
+@pytest.mark.parametrize("steps_per_dispatch", [1, 3])
+def test_profiled_steps_train_the_weights_and_the_history_of_the_same_steps_unprofiled(
+    steps_per_dispatch,
+):
+    profiled = _handle(steps_per_dispatch=steps_per_dispatch)
+    plain = _handle(steps_per_dispatch=steps_per_dispatch)
+    for n in (profiled, plain):
+        n.train(epochs=1)
+    report = profiled.profile(steps=12)  # 9 batches an epoch: epoch 2 ends among them
+    plain.train(steps=12)
+
+    assert sum(c.steps for c in report.calls) == 12
+    assert profiled.step == plain.step == 21
+    for a, b in zip(profiled.state.variables.params, plain.state.variables.params, strict=True):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+    columns = ["step", "loss", "val_loss"]
+    mine, theirs = profiled.history()[columns], plain.history()[columns]
+    assert len(mine) == 2
+    np.testing.assert_array_equal(mine.to_numpy(), theirs.to_numpy())
+
+
 def test_fused_calls_count_xla_loop_body_once_per_step(fresh_cache):
     """XLA's cost analysis counts a loop's body once: a call of 3 fused steps reports one
     step's FLOPs, and the report multiplies by the steps."""

@@ -7,6 +7,9 @@ integrations install their own reporter factory with `set_default_factory`.
 A population (`nitro.Population`) reports to the same reporters: one line per epoch naming its
 best member (by `val_loss`, else `loss`) and how many members still train, and on a terminal a
 bar over each epoch's steps with the best member's latest step loss.
+
+What reporters (and the notebook's panel) show: `format_bytes`, `format_flops`, and
+`TIMING_COLUMNS`, the history's columns that time an epoch rather than measure the model.
 """
 
 from __future__ import annotations
@@ -25,7 +28,10 @@ __all__ = [
     "LineReporter",
     "Reporter",
     "SilentReporter",
+    "TIMING_COLUMNS",
     "TqdmReporter",
+    "format_bytes",
+    "format_flops",
     "make_reporter",
     "member_metrics",
     "note",
@@ -33,6 +39,40 @@ __all__ = [
     "set_default_factory",
     "settings_label",
 ]
+
+
+def format_flops(flops: float | None) -> str:
+    """FLOPs as a reader takes them in.
+
+    >>> format_flops(63.3e6)
+    '63.3 MFLOP'
+    """
+    return _scaled(flops, "FLOP", 1000.0)
+
+
+def format_bytes(size: float | None) -> str:
+    """A size in bytes as a reader takes it in.
+
+    >>> format_bytes(1 << 20)
+    '1.0 MiB'
+    """
+    if size is None:
+        return "-"
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")
+
+
+def _scaled(value: float | None, unit: str, base: float) -> str:
+    if value is None:
+        return "-"
+    for prefix in ("", "K", "M", "G", "T", "P"):
+        if abs(value) < base or prefix == "P":
+            return f"{value:.3g} {prefix}{unit}"
+        value /= base
+    raise AssertionError("unreachable")
 
 
 def format_row(row: dict[str, Any], max_epochs: int | None = None) -> str:

@@ -18,7 +18,7 @@ import dataclasses
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
-from nitro.core.keywords import Resolved
+from nitro.core.provenance import Resolved
 
 # jax.tree_util.PyTreeDef, a class of jaxlib's that type checkers see as a variable
 PyTreeDef = Any

@@ -4,6 +4,15 @@
 and `HFIterableSource` a Hugging Face dataset; any restartable iterable of dicts of numpy
 arrays works as a source too. Every split is prefetched by default; wrap a source in `NoPrefetch`
 to opt out.
+
+- `loaders`: `ArrayLoader` over in-memory arrays, and the index-addressable protocol
+- `grain_source`: `GrainSource` over a `grain.MapDataset`
+- `hf_source`: `HFSource` and `HFIterableSource` over Hugging Face datasets
+- `adopt`: splits from data libraries (a `grain.MapDataset`, a Hugging Face dataset) given as is
+- `iter_state`: the iterator state of sources without random access, for exact resume
+- `prefetch`: the prefetcher: worker threads build host batches, one stage transfers them
+- `processes`: worker processes for sources whose batches cost Python time
+- `datasets`: built-in data sets that need no download (`nitro.datasets`)
 """
 
 from nitro.data.adopt import adopt

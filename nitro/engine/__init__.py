@@ -5,7 +5,7 @@ control.
 Internal, except `nitro.dispatch` and `nitro.runner` (public import paths). Imports `runs` and
 below; never the handle.
 
-- `keywords`: every run keyword declared once, with its resolution order
+- `run_keywords`: every run keyword declared once, with its resolution order
 - `resolved`: `RunKeywords`, the resolved keywords as one typed record
 - `setup`: the setup sequence, one function per step
 - `run_time`: `RunTime`, what changes while a run lives (feed, dispatch, prefetchers, the live
@@ -19,6 +19,12 @@ below; never the handle.
 - `feed`: per-step hyperparameters and Device values fed as arguments
 - `runner`: worker threads, interrupts, the run guard, run control
 - `weights_copy`: a copy of a handle's weights, taken at a step boundary while it trains
+- `live_edit`: code edited while a handle trains, re-frozen and compiled beside the run
+- `swaps`: the records of live edits, and the loop's side of a swap
+- `profiling`: `n.profile()`'s measurements: each call's time taken apart, the device's peak
+- `members`: who the loop, evaluation and prediction train: `SINGLE` (a run) or `Stacked` (a
+  population's members, on a leading axis)
+- `population`: a population's records (its members, the stacked state, pruning)
 """
 
 __all__: list[str] = []

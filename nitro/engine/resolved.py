@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any, Literal
 
 from nitro.core.frozen import FrozenDict
-from nitro.core.keywords import Resolved
-from nitro.engine.keywords import DEFAULT
+from nitro.core.provenance import Resolved
+from nitro.engine.run_keywords import DEFAULT
 
 if TYPE_CHECKING:
     from nitro.optim.ema import EMA

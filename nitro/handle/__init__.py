@@ -4,12 +4,14 @@
 
 - `handle`: `Nitro`
 - `population`: `Population`, many variants of one experiment trained as one vmapped program
-- `lr_find`: `n.lr_find()` and its `LRFindResult`, a learning rate from a log grid trained as a population
-- `signature`: `Nitro`'s signature and keyword help, generated from the run keywords
+- `lr_find`: `n.lr_find()` and its `LRFindResult`, a learning rate from a log grid trained as a
+  population
+- `population_lifecycle`: a population's files, checkpoints, resume and a logger run per member
 - `binding_report`: where every value came from
 - `displays`, `plotting`: the handle's repr and HTML; history plots
 - `summary`: `n.summary()`, the model's modules, output shapes and sizes (eval_shape, no compile)
 - `signature`: `Nitro(...)`'s signature and keyword help, generated from the run keywords
+- `profile`: `n.profile(steps=20)`, a few steps under `jax.profiler` and where a call's time went
 """
 
 from nitro.handle import lr_find as _lr_find  # noqa: F401 - registers `Nitro.lr_find`

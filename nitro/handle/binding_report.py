@@ -62,7 +62,7 @@ def _sharding(setup: RunSetup, limit: int = 12) -> list[str]:
     """Each parameter's shape, spec and bytes per device, and the parameters' and optimizer
     state's bytes per device against replicated; only for a sharded layout or a mesh of more
     than one device. The largest `limit` parameters are listed, the rest counted."""
-    from nitro.programs.costs import format_bytes
+    from nitro.core.progress import format_bytes
 
     placement = setup.placement
     layout = placement.layout

@@ -27,13 +27,13 @@ from flax import nnx
 from nitro.core import events as events_module
 from nitro.core import progress
 from nitro.core.events import Events
-from nitro.core.keywords import Resolved
+from nitro.core.provenance import Resolved
 from nitro.core.run_setup import RunSetup, SavedWeights
 from nitro.core.train_state import TrainState
 from nitro.engine import evaluation, live_edit, loop, prediction, swaps
 from nitro.engine.dispatch import DispatchChoice
-from nitro.engine.keywords import resolve_run_keywords
 from nitro.engine.resolved import RunKeywords
+from nitro.engine.run_keywords import resolve_run_keywords
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import Run, RunControl, RunGuard, sigint_requests_stop, wait_for
 from nitro.engine.setup import build

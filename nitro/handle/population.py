@@ -28,11 +28,11 @@ from nitro.core.events import Events
 from nitro.core.train_state import Variables
 from nitro.engine import population as engine
 from nitro.engine.evaluation import evaluate_split
-from nitro.engine.keywords import RUN_KEYWORDS, resolve_run_keywords
 from nitro.engine.loop import train_epochs
 from nitro.engine.members import Stacked
 from nitro.engine.prediction import predict_batch
 from nitro.engine.resolved import RunKeywords
+from nitro.engine.run_keywords import RUN_KEYWORDS, resolve_run_keywords
 from nitro.engine.runner import Run, RunControl, RunGuard, sigint_requests_stop, wait_for
 from nitro.engine.setup import build
 from nitro.errors import PopulationError, SetupError

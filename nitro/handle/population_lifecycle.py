@@ -23,7 +23,7 @@ import numpy as np
 from nitro.core.events import Events
 from nitro.core.metrics import MetricAccumulator
 from nitro.core.train_state import EpochTotals
-from nitro.engine.keywords import resolve_run_keywords
+from nitro.engine.run_keywords import resolve_run_keywords
 from nitro.errors import PopulationError, SetupError
 from nitro.handle.binding_report import binding_report
 from nitro.loggers import (

@@ -23,6 +23,7 @@ from typing import Any, TypeAlias
 
 import jax
 
+from nitro.core.progress import format_bytes, format_flops
 from nitro.engine.diagnostics import data_wait_advice
 from nitro.engine.dispatch import DispatchChoice, DispatchPlan
 from nitro.engine.profiling import (
@@ -34,7 +35,7 @@ from nitro.engine.profiling import (
     trace_executions,
 )
 from nitro.errors import RunningError, SetupError
-from nitro.programs.costs import ProgramCost, format_bytes, format_flops
+from nitro.programs.costs import ProgramCost
 
 # the handle (a `nitro.Nitro`): this module sits beneath it, `Nitro.profile` calls it
 Nitro: TypeAlias = Any

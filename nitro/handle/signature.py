@@ -10,7 +10,7 @@ import textwrap
 from collections.abc import Callable
 from typing import Any
 
-from nitro.engine.keywords import KEYWORD_ONLY, RUN_KEYWORDS
+from nitro.engine.run_keywords import KEYWORD_ONLY, RUN_KEYWORDS
 
 __all__ = ["keyword_signature", "keywords_doc"]
 

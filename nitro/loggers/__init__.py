@@ -12,6 +12,16 @@ list) fans out. Backends: `JSONLinesLogger` (the default, `<run_dir>/metrics.jso
 backends that cannot store images) put matplotlib figures and images in TensorBoard, MLflow
 and W&B. See docs/logging.md.
 
+- `protocol`: the ten verbs (`Logger`, `BaseLogger`) and `LoggerGroup`, which fans out
+- `reporter`: `LoggingReporter`, a run's events as logger calls
+- `files`: `JSONLinesLogger` and `CSVLogger`, appending to one local file
+- `tensorboard_events`: `TensorBoardLogger`, TensorBoard event files written with tensorboardX
+- `mlflow_tracking`: `MLflowLogger`, a run in an MLflow tracking store
+- `wandb_runs`: `WandbLogger`, a Weights & Biases run
+- `sender`: `Sender`, the thread that runs a network logger's calls in order, off the training
+  thread
+- `media`: images and figures, checked and brought to 8-bit for the loggers that store them
+
 ```python
 from nitro.loggers import JSONLinesLogger, LoggingReporter, TensorBoardLogger
 

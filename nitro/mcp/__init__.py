@@ -6,12 +6,13 @@ Twelve tools (`nitro_setup`, `nitro_train`, `nitro_validate`, `nitro_evaluate`,
 
 - from a shell, `python -m nitro.mcp` serves them over stdio;
 - in a notebook, `%nitro mcp start` serves the live kernel's session over streamable HTTP on
-  loopback, behind a random bearer token kept in an owner-only file (`HttpServer`).
+  loopback, behind a random bearer token kept in an owner-only file (`HttpServer`,
+  `write_token_file`).
 
 Paths the tools take stay inside the session's root and the directories the user allowed.
 
 Modules: `registry` (the runs the tools started), `lookup` (experiments by name, checked
-overrides), `keywords` (run keywords from JSON), `convert` (JSON in and out), `paths` (where
+overrides), `json_keywords` (run keywords from JSON), `convert` (JSON in and out), `paths` (where
 tools may read and write), `describe` (what status says about a run), `population` (what it
 says about a population), `session` (what each tool does), `tools` (argument schemas and the
 MCP server), `http` (the loopback server). Only `registry` loads without the SDK; the rest
@@ -35,6 +36,7 @@ _EXPORTS = {
     "TOOLS": "nitro.mcp.tools",
     "build_server": "nitro.mcp.tools",
     "HttpServer": "nitro.mcp.http",
+    "write_token_file": "nitro.mcp.http",
 }
 
 __all__ = [  # sorted(_EXPORTS)
@@ -46,6 +48,7 @@ __all__ = [  # sorted(_EXPORTS)
     "ToolFailure",
     "ToolSession",
     "build_server",
+    "write_token_file",
 ]
 
 
@@ -59,7 +62,7 @@ def __getattr__(name: str) -> Any:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from nitro.mcp.http import HttpServer
+    from nitro.mcp.http import HttpServer, write_token_file
     from nitro.mcp.lookup import ToolFailure
     from nitro.mcp.registry import RUNS, RunRecord, RunRegistry
     from nitro.mcp.session import ToolSession

@@ -17,7 +17,7 @@ import json
 from collections.abc import Mapping
 from typing import Any
 
-from nitro.engine.keywords import RUN_KEYWORDS
+from nitro.engine.run_keywords import RUN_KEYWORDS
 from nitro.experiments.declaration import ExperimentError, field_specs, is_experiment
 
 __all__ = ["ToolFailure", "build_experiment", "close_matches", "find_experiment"]

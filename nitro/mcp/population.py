@@ -27,13 +27,13 @@ from typing import Any
 
 import numpy as np
 
-from nitro.engine.keywords import RUN_KEYWORDS
 from nitro.engine.population import shown_settings
+from nitro.engine.run_keywords import RUN_KEYWORDS
 from nitro.errors import PopulationError
 from nitro.handle.population import Population
 from nitro.mcp.convert import jsonable
 from nitro.mcp.describe import identity, tool_outcome
-from nitro.mcp.keywords import check_run_keywords
+from nitro.mcp.json_keywords import check_run_keywords
 from nitro.mcp.lookup import ToolFailure, build_experiment, find_experiment
 from nitro.mcp.registry import RunRecord
 

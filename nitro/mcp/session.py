@@ -33,6 +33,7 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+from nitro._version import __version__
 from nitro.engine.population import shown_settings
 from nitro.errors import PopulationError
 from nitro.experiments.declaration import field_specs, has_method
@@ -50,7 +51,7 @@ from nitro.mcp.convert import (
     shapes,
 )
 from nitro.mcp.describe import describe_run, latest_step
-from nitro.mcp.keywords import check_run_keywords, checkpoint_pair
+from nitro.mcp.json_keywords import check_run_keywords, checkpoint_pair
 from nitro.mcp.lookup import ToolFailure, build_experiment, find_experiment
 from nitro.mcp.paths import PathPolicy
 from nitro.mcp.population import (
@@ -251,8 +252,6 @@ class ToolSession:
     def setup(self, backend: str | None = None, n_devs: int | None = None) -> dict[str, Any]:
         import jax
 
-        import nitro
-
         current = jax.default_backend()
         if backend is not None and backend != current:
             raise ToolFailure(
@@ -277,7 +276,7 @@ class ToolSession:
             "n_devs": self.n_devs if self.n_devs is not None else count,
             "n_devs_source": "nitro_setup" if self.n_devs is not None else "all devices (default)",
             "jax_version": jax.__version__,
-            "nitro_version": nitro.__version__,
+            "nitro_version": __version__,
         }
 
     def _new_handle_plan(

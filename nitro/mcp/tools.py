@@ -24,8 +24,9 @@ from mcp.server.lowlevel import Server
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic_core import ErrorDetails
 
-from nitro.engine.keywords import KEYWORD_ONLY, RUN_KEYWORDS
-from nitro.mcp.keywords import OBJECT_KEYWORDS
+from nitro._version import __version__
+from nitro.engine.run_keywords import KEYWORD_ONLY, RUN_KEYWORDS
+from nitro.mcp.json_keywords import OBJECT_KEYWORDS
 from nitro.mcp.lookup import ToolFailure
 from nitro.mcp.session import ToolSession
 
@@ -390,7 +391,6 @@ INSTRUCTIONS = (
 
 def build_server(session: ToolSession) -> Server:
     """An MCP server (the SDK's low-level `Server`) offering the twelve tools on `session`."""
-    import nitro
 
     async def list_tools(ctx, params) -> types.ListToolsResult:
         return types.ListToolsResult(
@@ -411,7 +411,7 @@ def build_server(session: ToolSession) -> Server:
 
     return Server(
         "nitro",
-        version=nitro.__version__,
+        version=__version__,
         instructions=INSTRUCTIONS,
         on_list_tools=list_tools,
         on_call_tool=call_tool,

@@ -13,6 +13,7 @@ Imports only `nitro.errors` and `nitro.experiments`.
 - `stages`: the train step's stages: accumulation, SAM's gradient, the update, the average
 - `guard`: the divergence guard's one rule: a skipped step keeps every variable
 - `fed_optimizer`: `FedOptimizer`, what the engine needs of an optimizer (both kinds)
+- `precision`: mixed precision (`precision=`): the jmp policy, float16's loss scale
 """
 
 __all__: list[str] = []

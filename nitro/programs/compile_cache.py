@@ -28,6 +28,7 @@ from typing import Any
 import jax
 
 from nitro.core import events, progress
+from nitro.core.progress import format_bytes, format_flops
 from nitro.experiments.fingerprint import (
     CodeFingerprint,
     callable_token,
@@ -35,7 +36,7 @@ from nitro.experiments.fingerprint import (
     diff_parts,
     is_function_like,
 )
-from nitro.programs.costs import ProgramCost, format_bytes, format_flops, program_cost
+from nitro.programs.costs import ProgramCost, program_cost
 from nitro.programs.persistent_cache import (  # noqa: F401 - compilation_cache_dir is re-exported
     compilation_cache_dir,
     configure_persistent_cache,

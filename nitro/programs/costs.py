@@ -22,7 +22,9 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["ProgramCost", "format_bytes", "format_flops", "program_cost"]
+from nitro.core.progress import format_bytes, format_flops
+
+__all__ = ["ProgramCost", "program_cost"]
 
 # what the variables' leaves hold, by the field of `Variables` their path starts with
 _VARIABLE_PARTS = {
@@ -174,29 +176,3 @@ def _itemsize(dtype: str) -> int:
             return jnp.dtype(dtype).itemsize  # bfloat16 and the other ml_dtypes
         except TypeError:
             return 0  # a key type: a few words, not worth a guess
-
-
-def format_flops(flops: float | None) -> str:
-    """`63.3 MFLOP`."""
-    return _scaled(flops, "FLOP", 1000.0)
-
-
-def format_bytes(size: float | None) -> str:
-    """`1.0 MiB`."""
-    if size is None:
-        return "-"
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(size) < 1024 or unit == "TiB":
-            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
-        size /= 1024
-    raise AssertionError("unreachable")
-
-
-def _scaled(value: float | None, unit: str, base: float) -> str:
-    if value is None:
-        return "-"
-    for prefix in ("", "K", "M", "G", "T", "P"):
-        if abs(value) < base or prefix == "P":
-            return f"{value:.3g} {prefix}{unit}"
-        value /= base
-    raise AssertionError("unreachable")

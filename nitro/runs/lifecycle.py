@@ -18,7 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from nitro import __version__
+from nitro._version import __version__
 from nitro.core.events import Events
 from nitro.core.run_setup import CheckpointRef, RunSetup, SplitSetup
 from nitro.core.train_state import TrainState, Variables

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from nitro import __version__
+from nitro._version import __version__
 from nitro.core.run_setup import CheckpointPolicy, CheckpointRef, RunSetup
 from nitro.core.train_state import Variables
 from nitro.errors import SetupError

@@ -10,7 +10,8 @@ DIR/
 ```
 
 This module imports only the standard library, NumPy, JAX and safetensors, so a serving process
-loads a bundle without the training stack (`import nitro.bundle` runs no other nitro module).
+loads a bundle without the training stack (`import nitro.bundle` runs no other nitro module
+but two leaves, `nitro._version` and `nitro._public_path`).
 One bundle serves every batch size; each new size compiles once in this process.
 
 >>> import nitro                                   # the training process exports

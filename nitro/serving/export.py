@@ -45,6 +45,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export as jax_export
 
+from nitro._version import __version__
 from nitro.programs.compile_cache import ProgramKind, record_compile
 from nitro.serving import bundle
 
@@ -627,8 +628,6 @@ def _first_batch(source: Any, split: str) -> Mapping[str, Any]:
 def _provenance(handle: Any, graphconst: Mapping[str, Any]) -> dict[str, Any]:
     import inspect
 
-    import nitro
-
     try:
         where = os.path.dirname(inspect.getsourcefile(handle.cls) or "") or os.getcwd()
     except (TypeError, OSError):  # defined in a notebook cell or the REPL: the working directory
@@ -642,7 +641,7 @@ def _provenance(handle: Any, graphconst: Mapping[str, Any]) -> dict[str, Any]:
         "weights_origin": getattr(handle, "weights_origin", None),
         "run_id": getattr(handle, "run_id", None),
         "checkpoint": getattr(handle, "weights_checkpoint", None),
-        "versions": {"nitro": nitro.__version__, "jax": jax.__version__},
+        "versions": {"nitro": __version__, "jax": jax.__version__},
         **_git_state(where),
         "exported_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }

@@ -21,7 +21,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from nitro.engine.keywords import KEYWORD_ONLY, RUN_KEYWORDS
+from nitro.engine.run_keywords import KEYWORD_ONLY, RUN_KEYWORDS
 from nitro.errors import SetupError
 from nitro.mcp.lookup import ToolFailure, close_matches
 

@@ -14,7 +14,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from nitro.core.frozen import freeze
-from nitro.core.keywords import Resolved
+from nitro.core.provenance import Resolved
 from nitro.engine.dispatch import DispatchChoice
 from nitro.errors import SetupError
 from nitro.experiments.declaration import FieldKind, field_specs, has_method
