@@ -257,6 +257,21 @@ class Stacked:
             events.member_rows(shown)
         return shown
 
+    def early_stops(self, state: PopulationState) -> None:
+        """Stop each member whose monitored metric stopped improving (`early_stop=`), as a
+        single run of its settings would have stopped; the others train on."""
+        policy = self.members[0].setup.early_stop
+        if policy is None:
+            return
+        for member in self.members:
+            if member.stopped is None and policy.should_stop(member.state.history):
+                state.prune[member.index] = (
+                    f"early stop at epoch {state.epoch}: {policy.metric} did not improve for "
+                    f"{policy.patience} epochs"
+                )
+        if state.prune:
+            apply_prunes(self.members, state, self.say)
+
     def validated(self, state: PopulationState, results: list[dict[str, Any]]) -> None:
         """An evaluation within the epoch (`val_every_steps`): a row in each training
         member's validations."""

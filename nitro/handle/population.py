@@ -461,16 +461,7 @@ class Population:
         """After an epoch's rows: stop each member whose monitored metric stopped improving
         (`early_stop=`) as its single run would have stopped, save, and end the run once
         every member has stopped."""
-        policy = self._members[0].setup.early_stop
-        if policy is not None:
-            for member in self._members:
-                if member.stopped is None and policy.should_stop(member.state.history):
-                    state.prune[member.index] = (
-                        f"early stop at epoch {state.epoch}: {policy.metric} did not improve "
-                        f"for {policy.patience} epochs"
-                    )
-            if state.prune:
-                engine.apply_prunes(self._members, state, self._say)
+        self._stacked_members().early_stops(state)
         self._life.after_epoch(self._members, state, self._events)
         return self._ended(None)
 
@@ -638,33 +629,26 @@ class Population:
     def history(self):
         """A pandas DataFrame indexed by (member, epoch): each member's settings, then its
         history row (loss, validation metrics, timing), as `Nitro.history()` has it."""
-        import pandas as pd
-
-        rows = [
-            {"member": m.index, **engine.shown_settings(m.settings), **row}
-            for m in self._members
-            for row in m.state.history
-        ]
-        frame = pd.DataFrame([{k: v for k, v in r.items() if np.ndim(v) == 0} for r in rows])
-        if not frame.empty:
-            frame = frame.set_index(["member", "epoch"])
-        return frame
+        return self._table("history", "epoch")
 
     def validations(self):
         """A pandas DataFrame indexed by (member, step) of the evaluations within epochs
         (`val_every_steps=N`), as `Nitro.validations()` has them: each member's settings, the
         epoch under way and each eval split's metrics. A stopped member has none after its
         stop."""
+        return self._table("validations", "step")
+
+    def _table(self, records: str, index: str):
         import pandas as pd
 
         rows = [
             {"member": m.index, **engine.shown_settings(m.settings), **row}
             for m in self._members
-            for row in m.state.validations
+            for row in getattr(m.state, records)
         ]
         frame = pd.DataFrame([{k: v for k, v in r.items() if np.ndim(v) == 0} for r in rows])
         if not frame.empty:
-            frame = frame.set_index(["member", "step"])
+            frame = frame.set_index(["member", index])
         return frame
 
     # ------------------------------------------------------------------------------------------
