@@ -194,8 +194,7 @@ def test_a_member_pruned_between_trainings_by_steps_stays_as_it_was(connect):
             part = await poll(session, run_id, finished, timeout=300)
             refused = [
                 await refusal(session, "nitro_stop", run_id=run_id, member=3),
-                await refusal(session, "nitro_validate", run_id=run_id),
-                await refusal(session, "nitro_population", run_id=run_id),
+                await refusal(session, "nitro_predict", run_id=run_id, inputs={"x": [[0.0]]}),
                 await refusal(session, "nitro_population", run_id=run_id, epochs=1, axes={}),
                 await refusal(session, "nitro_member", run_id=run_id, member=7),
                 await refusal(session, "nitro_member", run_id=run_id),  # no epoch yet
@@ -216,15 +215,12 @@ def test_a_member_pruned_between_trainings_by_steps_stays_as_it_was(connect):
         0,
         3,
     )
-    member, validate, no_epochs, mixed, index, no_metric = refused
+    member, predict, mixed, index, no_metric = refused
     assert member == "nitro_stop: member: population " + started["run_id"] + (
         " has 3 members (0 to 2); got 3"
     )
-    assert "nitro_validate: run_id: run " in validate and "is a population of 3 members" in validate
-    assert "nitro_member" in validate  # the way to a single run
-    assert "nitro_population: epochs: population " in no_epochs and "epochs=N or steps=N" in (
-        no_epochs
-    )
+    assert "nitro_predict: run_id: run " in predict and "is a population of 3 members" in predict
+    assert "nitro_member" in predict  # the way to a single run
     assert "nitro_population: axes: run_id continues population" in mixed
     assert "nitro_member: member: population " in index and "got 7" in index
     assert "nitro_member: metric: no member of population" in no_metric
@@ -272,20 +268,20 @@ def test_what_a_population_cannot_vary_or_take_is_refused_naming_the_argument(co
                     axes=lr,
                     keywords={"learning_rate": 0.1},
                 ),
+                await refusal(session, "nitro_population", experiment=DIGITS, axes={"lr": [1, 2]}),
+                await refusal(
+                    session, "nitro_population", experiment=DIGITS, axes=lr, epochs=1, steps=2
+                ),
                 await refusal(
                     session,
                     "nitro_population",
                     experiment=DIGITS,
                     axes=lr,
-                    keywords={"progress": True},
-                ),
-                await refusal(session, "nitro_population", experiment=DIGITS, axes={"lr": [1, 2]}),
-                await refusal(
-                    session, "nitro_population", experiment=DIGITS, axes=lr, epochs=1, steps=2
+                    keywords={"run_dir": "/elsewhere/pop"},
                 ),
             ]
 
-    graphconst, host, program, value, both, neither, twice, progress, unknown, by = anyio.run(
+    graphconst, host, program, value, both, neither, twice, unknown, by, outside = anyio.run(
         scenario
     )
     assert graphconst.startswith(
@@ -300,9 +296,11 @@ def test_what_a_population_cannot_vary_or_take_is_refused_naming_the_argument(co
     assert both.startswith("nitro_population: members: give axes")
     assert neither.startswith("nitro_population: axes: give what varies across the members")
     assert twice.startswith("nitro_population: axes.learning_rate: 'learning_rate' varies")
-    assert progress.startswith("nitro_population: keywords.progress:")
     assert unknown.startswith("nitro_population: axes.lr: lr is neither a run keyword nor a field")
     assert by.startswith("nitro_population: steps: give epochs")
+    # a population's run directory stays inside the root, as a run's
+    assert outside.startswith("nitro_population: keywords.run_dir: '/elsewhere/pop' is ")
+    assert "outside this session's root" in outside
 
 
 def test_a_notebooks_population_is_listed_read_and_taken_from_by_its_variable_name():
@@ -332,8 +330,54 @@ def test_a_notebooks_population_is_listed_read_and_taken_from_by_its_variable_na
         True,
     )
     assert (row["members"], row["axes"], row["status"]) == (2, {"seed": [0, 1]}, "done")
-    assert status["names"] == ["pop"] and status["target_epoch"] is None
+    assert status["names"] == ["pop"] and status["target_epoch"] == 1
     assert [(r["member"], r["seed"]) for r in status["history"]] == [(0, 0), (1, 1)]
     assert taken["result"]["member"] == 1
     val_loss = status["member_status"][1]["metrics"]["val_loss"]
     assert validated["result"]["val_loss"] == pytest.approx(val_loss, rel=1e-5)
+
+
+def test_the_tools_for_runs_validate_train_on_and_read_the_files_of_a_population():
+    import nitro
+    from nitro.examples.digits import Digits
+
+    pop = nitro.Population(Digits(width=32, max_epochs=1), seed=[0, 1], progress=False).train()
+    pop.stop(1)  # pruned: its epoch and step stay where it stopped
+    server = HttpServer(ToolSession(registry=RunRegistry(), namespace={"pop": pop})).start()
+
+    async def scenario():
+        async with http_session(server.url, server.token) as session:
+            validated = await call(session, "nitro_validate", run_id="pop")
+            evaluated = await call(session, "nitro_evaluate", run_id="pop", split="val")
+            files = await call(session, "nitro_logger", run_id="pop")
+            more = await call(session, "nitro_train", run_id="pop", epochs=1)
+            done = await poll(session, more["run_id"], finished, timeout=300)
+            stopped = await call(session, "nitro_stop", run_id=more["run_id"])
+            status = await call(session, "nitro_status", run_id="pop")
+            finished_run = await refusal(session, "nitro_train", run_id="pop")
+            return validated, evaluated, files, more, done, stopped, status, finished_run
+
+    try:
+        validated, evaluated, files, more, done, stopped, status, finished_run = anyio.run(scenario)
+    finally:
+        server.stop()
+    rows = validated["result"]  # one row per member, with its settings
+    assert [(r["member"], r["seed"]) for r in rows] == [(0, 0), (1, 1)]
+    expected = pop.history().xs(1, level="epoch")["val_loss"].tolist()
+    assert [r["val_loss"] for r in rows] == pytest.approx(expected, rel=1e-5)
+    assert [r["val_loss"] for r in evaluated["result"]] == pytest.approx(expected, rel=1e-5)
+
+    assert (files["run_dir"], files["handle_run_id"]) == (pop.run_dir, pop.run_id)
+    assert [m["dir"] for m in files["members"]] == [f"{pop.run_dir}/member-{i}" for i in (0, 1)]
+    assert all("metrics.jsonl" in m["files"] for m in files["members"])
+
+    assert (more["kind"], more["population"], more["members"]) == ("population", True, 2)
+    assert (done["status"], done["epoch"], done["source"]) == ("done", 2, "pop")
+    assert done["result"]["stopped"] == [1]
+    assert "is not running" in stopped["note"] and stopped["note"].startswith("population")
+    assert (status["run_dir"], status["handle_run_id"]) == (pop.run_dir, pop.run_id)
+    trained, pruned = status["member_status"]
+    assert (trained["epoch"], trained["step"]) == (2, pop.step)
+    assert (pruned["epoch"], pruned["step"]) == (1, pop.stopped_at[1])
+    assert pruned["step"] < trained["step"]
+    assert "nitro_train: epochs: population pop already trained its 2 epochs" in finished_run

@@ -501,7 +501,8 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
     run's boundary steps between two calls (`Boundary`). Returns "ended" (the stream ended),
     "interrupted" (a stop request) or "switch" (the dispatch plan changed its call sizes: K to
     time against one step, or its decision; reopen the stream)."""
-    stop, stop_at, profiler, steps = run.control.stop, run.stop_at, run.profiler, run.boundaries
+    stop, stop_at, profiler = run.control.stop, run.stop_at, run.profiler
+    steps = run.boundaries.for_stream(run)
     members = run.members
     run.switchable = switchable = is_index_addressable(run.runtime.prefetcher("train").source)
     run.restart_timing()
@@ -642,8 +643,12 @@ def _dispatch(run: _Epoch, state: TrainState, staged) -> tuple[_Pending, bool]:
 class Boundary:
     """One piece of the work between two calls of a stream (kauldron's hooks, Keras's
     callbacks). Each method does nothing here; a step overrides those it needs, and the loop
-    calls only those (`Boundaries`). The run's steps are built once per `train_epochs` call
-    (`_boundaries`), in the order they run."""
+    calls only those, in a stream the step `opens` to (`Boundaries`). The run's steps are
+    built once per `train_epochs` call (`_boundaries`), in the order they run."""
+
+    def opens(self, run: _Epoch) -> bool:
+        """Whether the step has work in the stream that opens now (asked once a stream)."""
+        return True
 
     def before_call(self, run: _Epoch, state: TrainState) -> None:
         """A call's batches are in hand; the call before it (`run.in_flight`) is in flight."""
@@ -665,15 +670,30 @@ class Boundary:
 
 
 class Boundaries:
-    """The run's boundary steps, as the loop calls them: per method, the bound methods of the
-    steps that override it, in order (a method no step overrides costs a call nothing)."""
+    """The run's boundary steps (`steps`) and, for a stream, their methods as the loop calls
+    them (`for_stream`)."""
 
     def __init__(self, steps: Iterable[Boundary]):
         self.steps = tuple(steps)
+        self._hooks: dict[tuple[Boundary, ...], _Hooks] = {}
 
+    def for_stream(self, run: _Epoch) -> _Hooks:
+        """The hooks of the steps that open to the stream opening now."""
+        steps = tuple(step for step in self.steps if step.opens(run))
+        hooks = self._hooks.get(steps)
+        if hooks is None:
+            hooks = self._hooks[steps] = _Hooks(steps)
+        return hooks
+
+
+class _Hooks:
+    """Per method of `Boundary`, the bound methods of the steps that override it, in order:
+    a method no step overrides costs a call nothing."""
+
+    def __init__(self, steps: tuple[Boundary, ...]):
         def overriding(name: str) -> tuple[Callable[..., Any], ...]:
             base = getattr(Boundary, name)
-            return tuple(getattr(s, name) for s in self.steps if getattr(type(s), name) is not base)
+            return tuple(getattr(s, name) for s in steps if getattr(type(s), name) is not base)
 
         self.before_call = overriding("before_call")
         self.dispatched = overriding("dispatched")
@@ -717,7 +737,12 @@ class SwapIn(Boundary):
 
 class MeasureDispatch(Boundary):
     """ "auto"'s measurement of steps per call: each call read back while it measures is
-    timed (`_timed`); a change of call sizes reopens the stream where its source allows."""
+    timed (`_timed`); a change of call sizes reopens the stream where its source allows.
+    A stream that opens while the plan does not measure has nothing to time: measuring
+    starts again only with a `train_epochs` call (`DispatchPlan.start_run`)."""
+
+    def opens(self, run: _Epoch) -> bool:
+        return run.runtime.dispatch.measuring
 
     def dispatched(self, run: _Epoch, state: TrainState, call: _Pending) -> None:
         plan = run.runtime.dispatch

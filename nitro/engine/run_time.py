@@ -11,7 +11,8 @@ beside the setup (`train_epochs(setup, runtime, state, ...)`):
 - `live`: the live edits: the newest, and the swap compiled beside the run that waits for
   the loop's next dispatch boundary (`nitro.engine.live_edit`);
 - `profiler`: while `n.profile()` trains, the timer the loop marks each call's parts on
-  (`nitro.engine.profiling`); None otherwise.
+  (`nitro.engine.profiling`); None otherwise, and the loop marks `PASS_THROUGH`, whose marks
+  do nothing.
 
 The setup stays as it was decided; the `TrainState` (arrays, counters, history) is the
 third record, which only the loop writes in place.

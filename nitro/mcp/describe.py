@@ -1,4 +1,5 @@
-"""What `nitro_status` and `nitro_runs` say about a run, from the handle's public API.
+"""What `nitro_status` and `nitro_runs` say about a run or a population (a run of many
+members), from the handle's public API: one row, with a population's members in it.
 
 A row names the run two ways: `run_id`, the id the tools know it by (a tool run's 8 hex
 digits, or a notebook variable's name), and `handle_run_id`, the handle's own `n.run_id`
@@ -9,22 +10,30 @@ continuing, validating, exporting), and a resumed handle takes the id of the run
 >>> import nitro
 >>> from nitro.examples.digits import Digits
 >>> n = nitro.Nitro(Digits(max_epochs=1), progress=False).train()   # a notebook's run
->>> row = describe_run("n", None, n, names=["n"])
+>>> row = describe("n", None, n, names=["n"])
 >>> row["run_id"], row["status"], row["handle_run_id"] == n.run_id
 ('n', 'done', True)
+>>> pop = nitro.Population(Digits(max_epochs=1), seed=[0, 1], progress=False).train()
+>>> row = describe("pop", None, pop, names=["pop"], brief=True)
+>>> row["population"], row["members"], row["axes"], row["status"], row["epoch"]
+(True, 2, {'seed': [0, 1]}, 'done', 1)
 """
 
 from __future__ import annotations
 
+import collections
 import time
 from typing import Any
+
+import numpy as np
 
 from nitro.handle.handle import Nitro
 from nitro.handle.population import Population
 from nitro.mcp.convert import jsonable
+from nitro.mcp.members import axes_of, best_member, latest_rows, member_rows
 from nitro.mcp.registry import RunRecord, RunStatus
 
-__all__ = ["LatestStep", "describe_run", "error_text", "latest_step"]
+__all__ = ["LatestSteps", "describe", "error_text", "latest_steps"]
 
 # A handle's (or population's) latest stop_reason -> the status of a run the person started.
 _STATUS = {
@@ -36,27 +45,42 @@ _STATUS = {
 }
 
 
-class LatestStep:
-    """A reporter keeping a run's latest step and loss: the history has whole epochs only, so
-    a status in the middle of an epoch reads the current loss here."""
+class LatestSteps:
+    """A reporter keeping what a run's history does not hold yet (it has whole epochs only):
+    the latest step and its loss, one per member of a population (a member that had stopped
+    keeps its last), and the run's latest notes (compiles, a member stopped, a diverged
+    step)."""
 
-    def __init__(self) -> None:
+    def __init__(self, notes: int = 10) -> None:
         self.latest_step: int | None = None
-        self.latest_loss: float | None = None
+        self.losses: list[float | None] = []
+        self.notes: collections.deque[str] = collections.deque(maxlen=notes)
 
     def step(self, step: int, loss: float) -> None:
-        self.latest_step, self.latest_loss = step, loss
+        self.latest_step, self.losses = step, [loss]
+
+    def member_steps(self, first: int, losses: Any) -> None:
+        values = np.asarray(losses, dtype=np.float64)
+        latest = list(self.losses) + [None] * (values.shape[0] - len(self.losses))
+        for i, row in enumerate(values):
+            finite = row[np.isfinite(row)]  # NaN: the member had stopped
+            if finite.size:
+                latest[i] = float(finite[-1])
+        self.losses, self.latest_step = latest, first + values.shape[1] - 1
+
+    def note(self, message: str, done: bool = False) -> None:
+        self.notes.append(message)
 
 
-def latest_step(handle: Nitro, create: bool = False) -> LatestStep | None:
-    """The `LatestStep` on `handle`'s event path; with `create`, added when there is none."""
-    for reporter in handle.events.reporters:
-        if isinstance(reporter, LatestStep):
+def latest_steps(run: Nitro | Population, create: bool = False) -> LatestSteps | None:
+    """The `LatestSteps` on `run`'s event path; with `create`, added when there is none."""
+    for reporter in run.events.reporters:
+        if isinstance(reporter, LatestSteps):
             return reporter
     if not create:
         return None
-    recorder = LatestStep()
-    handle.events.add(recorder)
+    recorder = LatestSteps()
+    run.events.add(recorder)
     return recorder
 
 
@@ -99,48 +123,79 @@ def tool_outcome(record: RunRecord) -> dict[str, Any]:
     }
 
 
-def describe_run(
+def describe(
     run_id: str,
     record: RunRecord | None,
-    handle: Nitro | None,
+    run: Nitro | Population | None,
     names: list[str],
     brief: bool = False,
 ) -> dict[str, Any]:
-    """The run's row: identity, status and progress; unless `brief`, its metrics, files,
-    weights, result and error too."""
-    row: dict[str, Any] = {"run_id": run_id, **identity(record, handle)}
-    if handle is None:
-        row.update(handle_run_id=None, phase="setup", epoch=0, step=0, loss=None)
+    """The row of a run or a population: identity, status and progress; unless `brief`, its
+    metrics (a population's: each member's), files, notes, result and error too. `run` is
+    None while a tool run sets it up."""
+    row: dict[str, Any] = {"run_id": run_id, **identity(record, run)}
+    population = isinstance(run, Population) or (
+        run is None and record is not None and record.kind == "population"
+    )
+    recorder = None if run is None else latest_steps(run)
+    if run is None:
+        row.update(handle_run_id=None, phase="setup", epoch=0, step=0)
     else:
-        loss = handle.last_metrics.get("loss")
-        recorder = latest_step(handle)
-        if recorder is not None and recorder.latest_step is not None:
-            loss = recorder.latest_loss
         row.update(
-            handle_run_id=handle.run_id,
-            phase=handle.phase,
-            epoch=handle.epoch,
-            max_epochs=handle.max_epochs,
-            step=handle.step,
-            loss=jsonable(loss),
+            handle_run_id=run.run_id,
+            phase=run.phase,
+            epoch=run.epoch,
+            max_epochs=run.max_epochs,
+            target_epoch=run.target_epoch,
+            step=run.step,
         )
+    if isinstance(run, Population):
+        losses = _member_losses(run, recorder)
+        row.update(population=True, members=len(run), axes=axes_of(run.members), losses=losses)
+    elif population:
+        row.update(
+            population=True, members=record.members if record else None, axes=None, losses=None
+        )
+    else:
+        loss = None if run is None else run.last_metrics.get("loss")
+        if recorder is not None and recorder.latest_step is not None:
+            loss = recorder.losses[0]
+        row["loss"] = jsonable(loss)
     if brief:
         return row
-    if handle is not None:
-        metrics = {k: v for k, v in handle.last_metrics.items() if k not in ("epoch", "step")}
+    if run is not None:
+        row.update(running=run.running, stop_reason=run.stop_reason, run_dir=run.run_dir)
+    if isinstance(run, Population):
+        best, value, _ = best_member(run, "val_loss", "min")
         row.update(
-            running=handle.running,
-            stop_reason=handle.stop_reason,
-            metrics=jsonable(metrics),
-            run_dir=handle.run_dir,
-            weights_origin=handle.weights_origin,
-            weights_checkpoint=jsonable(handle.weights_checkpoint),
-            logger=_loggers(handle),
-            names=names,
+            stopped=sorted(run.stopped),
+            best={"metric": "val_loss", "member": best, "value": value},
+            steps_per_call=run.steps_per_call,
+            member_status=member_rows(run, row["losses"]),
         )
+    elif run is not None:
+        metrics = {k: v for k, v in run.last_metrics.items() if k not in ("epoch", "step")}
+        row.update(
+            metrics=jsonable(metrics),
+            weights_origin=run.weights_origin,
+            weights_checkpoint=jsonable(run.weights_checkpoint),
+            logger=_loggers(run),
+        )
+    if run is not None:
+        row.update(names=names, notes=[] if recorder is None else list(recorder.notes))
     if record is not None:
         row.update(tool_outcome(record))
     else:
-        assert handle is not None  # a run without a record is a notebook's handle
-        row["error"] = error_text(handle.error)
+        row["error"] = error_text(getattr(run, "error", None))
     return row
+
+
+def _member_losses(population: Population, recorder: LatestSteps | None) -> list[Any]:
+    """Each member's latest loss: the latest step's, read back by the reporter, else the
+    latest epoch's."""
+    read = [] if recorder is None else recorder.losses
+    rows = latest_rows(population)
+    losses = [
+        read[m] if m < len(read) else rows.get(m, {}).get("loss") for m in range(len(population))
+    ]
+    return jsonable(losses)

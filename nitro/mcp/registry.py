@@ -1,7 +1,7 @@
 """The runs that agent tools started: run id -> handle, kind, status, result or error text.
 
-Each run is a piece of work on its own thread (`start`): set up and train a handle, validate,
-evaluate or export. The registry records what the work returned or the error it raised, so
+Each run is a piece of work on its own thread (`start`): set up and train a handle (a
+`nitro.Nitro`, or a `nitro.Population`: a run of many members), validate, evaluate or export. The registry records what the work returned or the error it raised, so
 an agent can poll it. At most `max_finished` finished runs are kept (the oldest go first);
 running ones are never dropped. Every method may be called from any thread.
 
@@ -24,6 +24,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from nitro.handle.population import Population
+
 __all__ = ["MAX_FINISHED_RUNS", "RUNS", "RunRecord", "RunRegistry", "RunStatus"]
 
 MAX_FINISHED_RUNS = 20
@@ -38,14 +40,13 @@ class RunStatus(enum.StrEnum):
 
 @dataclasses.dataclass
 class RunRecord:
-    """One run: `handle` is None until the work has built it (a training run sets up first);
-    a population's run holds its `nitro.Population` in `population` instead."""
+    """One run: `handle` (a `nitro.Nitro` or a `nitro.Population`) is None until the work
+    has built it (a training run sets up first)."""
 
     run_id: str
     kind: str  # "train", "validate", "evaluate", "export", "population" or "member"
     experiment: str
     handle: Any = None
-    population: Any = None
     source: str | None = None  # the run whose handle this work used, if any
     status: RunStatus = RunStatus.RUNNING
     result: Any = None
@@ -55,7 +56,7 @@ class RunRecord:
     stop_requested: bool = False
     done: threading.Event = dataclasses.field(default_factory=threading.Event, repr=False)
     # a population still setting up: its member count, and the members nitro_stop asked to
-    # stop meanwhile (stopped before its first step); `setting_up` guards both with `population`
+    # stop meanwhile (stopped before its first step); `setting_up` guards both with `handle`
     members: int | None = None
     queued_stops: list[int] = dataclasses.field(default_factory=list)
     setting_up: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
@@ -77,7 +78,6 @@ class RunRegistry:
         *,
         experiment: str,
         handle: Any = None,
-        population: Any = None,
         source: str | None = None,
         before: Callable[[], None] | None = None,
         members: int | None = None,
@@ -99,7 +99,6 @@ class RunRegistry:
                 kind,
                 experiment,
                 handle=handle,
-                population=population,
                 source=source,
                 members=members,
             )
@@ -145,9 +144,11 @@ class RunRegistry:
 
     def handles(self) -> dict[str, Any]:
         """Run id -> handle for every kept run that has built one (several runs may share a
-        handle: a validation of a training run uses the training run's handle)."""
+        handle: a validation of a training run uses the training run's handle); populations
+        are left out."""
         with self._lock:
-            return {r.run_id: r.handle for r in self._records.values() if r.handle is not None}
+            records = self._records.values()
+            return {r.run_id: r.handle for r in records if _single(r.handle)}
 
     def wait(self, run_id: str, timeout: float | None = None) -> RunRecord:
         """Wait until the run finishes or `timeout` seconds pass; returns its record."""
@@ -158,8 +159,12 @@ class RunRegistry:
         return record
 
 
+def _single(handle: Any) -> bool:
+    return handle is not None and not isinstance(handle, Population)
+
+
 def _stopped(record: RunRecord) -> bool:
-    run = record.population if record.kind == "population" else record.handle
+    run = record.handle
     if run is None:  # stopped while it was setting up
         return record.stop_requested
     return run.stop_reason == "requested"

@@ -1,13 +1,16 @@
 """What the agent tools do, on the runs of one session.
 
-A `ToolSession` acts on two kinds of runs:
+A run is a `nitro.Nitro` handle or a `nitro.Population` (a run of many members, trained by
+one program): the tools read, train on, stop, validate and evaluate either through one code
+path, and only what a population alone has (its members: creating them, pruning one, taking
+one as a run) is its own. A `ToolSession` acts on
 
 - runs the tools started, kept in a `RunRegistry` under 8-hex-digit run ids;
-- handles (`nitro.Nitro`) bound to names in the session's namespace, such as the runs a person
+- handles and populations bound to names in the session's namespace, such as the runs a person
   started in the notebook; their run id is the variable name.
 
-Either is also found by its handle's own id (`n.run_id`, the run directory's name); see
-`describe` for why the tools keep ids of their own.
+Either is also found by its own id (`n.run_id`, the run directory's name); see `describe` for
+why the tools keep ids of their own.
 
 Each method takes the tool's arguments and returns plain data (the tool's JSON answer), or
 raises `ToolFailure` with a message for the agent. Only the handle's public API is used.
@@ -50,17 +53,17 @@ from nitro.mcp.convert import (
     save_outputs,
     shapes,
 )
-from nitro.mcp.describe import describe_run, latest_step
+from nitro.mcp.describe import describe, latest_steps
 from nitro.mcp.json_keywords import check_run_keywords, checkpoint_pair
 from nitro.mcp.lookup import ToolFailure, build_experiment, find_experiment
-from nitro.mcp.paths import PathPolicy
-from nitro.mcp.population import (
-    MemberSteps,
-    PopulationPlan,
+from nitro.mcp.members import (
+    MemberPlan,
     best_member,
-    describe_population,
+    check_member,
+    member_files,
     population_failure,
 )
+from nitro.mcp.paths import PathPolicy
 from nitro.mcp.registry import RUNS, RunRecord, RunRegistry, RunStatus
 
 __all__ = ["ToolSession"]
@@ -76,64 +79,60 @@ def _input_dtypes(handle: Nitro) -> dict[str, str]:
     return dtypes
 
 
-def _summary(handle: Nitro) -> dict[str, Any]:
-    return {"epoch": handle.epoch, "step": handle.step, "stop_reason": handle.stop_reason}
+Run = Nitro | Population
+
+
+def _noun(run: Run | None, record: RunRecord | None = None) -> str:
+    population = isinstance(run, Population) or (record is not None and record.kind == "population")
+    return "population" if population else "run"
+
+
+def _summary(run: Run) -> dict[str, Any]:
+    summary = {"epoch": run.epoch, "step": run.step, "stop_reason": run.stop_reason}
+    if isinstance(run, Population):
+        summary["stopped"] = sorted(run.stopped)
+    return summary
+
+
+def _table(value: Any) -> Any:
+    """A population's answer (a DataFrame, one row per member) as a list of rows."""
+    if hasattr(value, "reset_index"):
+        return value.reset_index().to_dict("records")
+    return value
 
 
 def _training(
-    build: Callable[[RunRecord], Nitro], epochs: int | None
+    build: Callable[[RunRecord], Run], epochs: int | None, steps: int | None
 ) -> Callable[[RunRecord], dict[str, Any]]:
-    """The work of a training run: get the handle, train it, wait for the end."""
+    """The work of a training run (a population's too): get the run, train it, wait for the
+    end."""
 
     def work(record: RunRecord) -> dict[str, Any]:
-        handle = build(record)
-        latest_step(handle, create=True)
+        run = build(record)
+        latest_steps(run, create=True)
         if not record.stop_requested:
-            handle.train(epochs, background=True)
+            run.train(epochs, steps=steps, background=True)
             if record.stop_requested:  # asked while the run was starting
-                handle.stop()
-            handle.wait()
-        return _summary(handle)
+                run.stop()
+            run.wait()
+        return _summary(run)
 
     return work
 
 
-def _population_training(
-    population: Population, epochs: int | None, steps: int | None
-) -> Callable[[RunRecord], dict[str, Any]]:
-    """The work of a population's training run, once it is set up: train, wait for the end."""
-
-    def work(record: RunRecord) -> dict[str, Any]:
-        if not record.stop_requested:
-            population.train(epochs, steps=steps, background=True)
-            if record.stop_requested:  # asked while the run was starting
-                population.stop()
-            population.wait()
-        return {
-            "epoch": population.epoch,
-            "step": population.step,
-            "stop_reason": population.stop_reason,
-            "stopped": sorted(population.stopped),
-        }
-
-    return work
+def _check_amount(epochs: int | None, steps: int | None) -> None:
+    if epochs is not None and steps is not None:
+        raise ToolFailure(
+            f"steps: give epochs (whole epochs more) or steps (steps more), not both; got "
+            f"epochs={epochs}, steps={steps}"
+        )
 
 
 @dataclasses.dataclass
 class _Found:
     run_id: str
     record: RunRecord | None
-    handle: Nitro | None
-    population: Population | None = None
-
-
-@dataclasses.dataclass
-class _SetUp:
-    """A run whose handle is set up."""
-
-    run_id: str
-    record: RunRecord | None
-    handle: Nitro
+    handle: Run | None  # None while a tool run sets it up
 
 
 class ToolSession:
@@ -163,42 +162,30 @@ class ToolSession:
     # ------------------------------------------------------------------------------------------
     # finding runs
 
-    def _notebook_runs(self) -> dict[str, Nitro]:
-        """Name -> handle for handles in the namespace that no tool run holds."""
-        held = {id(h) for h in self.registry.handles().values()}
-        found: dict[str, Nitro] = {}
+    def _notebook_runs(self) -> dict[str, Run]:
+        """Name -> run (a handle or a population) in the namespace that no tool run holds."""
+        held = {id(r.handle) for r in self.registry.records() if r.handle is not None}
+        found: dict[str, Run] = {}
         for name, value in list(self.namespace.items()):
-            if name.startswith("_") or not isinstance(value, Nitro) or id(value) in held:
-                continue
-            if all(other is not value for other in found.values()):
-                found[name] = value
-        return found
-
-    def _notebook_populations(self) -> dict[str, Population]:
-        """Name -> population for populations in the namespace that no tool run holds."""
-        held = {id(r.population) for r in self.registry.records() if r.population is not None}
-        found: dict[str, Population] = {}
-        for name, value in list(self.namespace.items()):
-            if name.startswith("_") or not isinstance(value, Population) or id(value) in held:
+            if name.startswith("_") or not isinstance(value, Run) or id(value) in held:
                 continue
             if all(other is not value for other in found.values()):
                 found[name] = value
         return found
 
     def _lookup(self, run_id: str) -> _Found | None:
-        """A tool run by its id, a notebook handle or population by its name, or a handle
-        by its own run id (`n.run_id`; the newest training run holding it)."""
+        """A tool run by its id, a notebook handle or population by its name, or a run by
+        its own run id (`n.run_id`; the newest training run holding it)."""
         record = self.registry.get(run_id)
         if record is not None:
-            return _Found(run_id, record, record.handle, record.population)
+            return _Found(run_id, record, record.handle)
         value = self.namespace.get(run_id)
-        if isinstance(value, Nitro):
+        if isinstance(value, Run):
             return _Found(run_id, None, value)
-        if isinstance(value, Population):
-            return _Found(run_id, None, None, value)
         records = [r for r in self.registry.records() if r.handle and r.handle.run_id == run_id]
         if records:
-            record = ([r for r in records if r.kind == "train"] or records)[-1]
+            training = [r for r in records if r.kind in ("train", "population")]
+            record = (training or records)[-1]
             return _Found(record.run_id, record, record.handle)
         for name, handle in self._notebook_runs().items():
             if handle.run_id == run_id:
@@ -210,38 +197,44 @@ class ToolSession:
         if found is not None:
             return found
         known = [r.run_id for r in self.registry.records()]
-        known += [*self._notebook_runs(), *self._notebook_populations()]
+        known += list(self._notebook_runs())
         listing = f"runs: {', '.join(known)}" if known else "there are no runs yet"
         raise ToolFailure(f"run_id: no run {run_id!r}; {listing} (nitro_runs lists them)")
 
-    def _handle(self, run_id: str, what: str, idle: bool = True) -> _SetUp:
+    def _handle(
+        self, run_id: str, what: str, idle: bool = True, population: bool = False
+    ) -> _Found:
+        """The run `run_id`, set up (and, with `idle`, not training); a population only
+        where the tool works on one (`population`)."""
         found = self._find(run_id)
-        if found.population is not None:
+        run, record = found.handle, found.record
+        if isinstance(run, Population) and not population:
             raise ToolFailure(
-                f"run_id: run {run_id} is a population of {len(found.population)} members, "
-                f"not a single run; to {what}, take one member as a run with nitro_member "
-                f"(the best, or member=i). nitro_population with run_id trains the population on"
+                f"run_id: run {run_id} is a population of {len(run)} members, not a single "
+                f"run; to {what}, take one member as a run with nitro_member (the best, or "
+                f"member=i)"
             )
-        handle = found.handle
-        if handle is None:
+        if run is None:
+            if _noun(run, record) == "population":
+                raise ToolFailure(
+                    f"run_id: population {run_id} is still setting up its members; {what} "
+                    f"once nitro_status shows them"
+                )
             raise ToolFailure(
                 f"run_id: run {run_id} is still setting up; {what} once nitro_status shows "
                 f"phase 'training' or later"
             )
-        if idle and handle.running:
+        if idle and run.running:
             raise ToolFailure(
-                f"run_id: run {run_id} is {handle.phase} (epoch {handle.epoch}/"
-                f"{handle.max_epochs}); {what} after it finishes, or nitro_stop it first"
+                f"run_id: {_noun(run)} {run_id} is {run.phase} (epoch {run.epoch}/"
+                f"{run.max_epochs}, step {run.step}); {what} after it finishes, or nitro_stop "
+                f"it first"
             )
-        return _SetUp(found.run_id, found.record, handle)
+        return found
 
     def _describe(self, found: _Found, brief: bool = False) -> dict[str, Any]:
-        population, record = found.population, found.record
-        if population is not None or (record is not None and record.kind == "population"):
-            names = [] if population is None else self._names(population)
-            return describe_population(found.run_id, record, population, names, brief)
         names = [] if found.handle is None else self._names(found.handle)
-        return describe_run(found.run_id, found.record, found.handle, names, brief)
+        return describe(found.run_id, found.record, found.handle, names, brief)
 
     def _names(self, handle: Any) -> list[str]:
         return [k for k, v in list(self.namespace.items()) if v is handle and not k.startswith("_")]
@@ -294,6 +287,27 @@ class ToolSession:
                 "module-qualified one ('nitro.examples.digits.Digits'); or run_id for a run "
                 "that exists"
             )
+        for name in overrides or {}:
+            if name in (keywords or {}) or typed.get(name) is not None:
+                raise ToolFailure(
+                    f"overrides.{name}: {name!r} is given both as a field override and as the run "
+                    f"keyword {name}; give it once"
+                )
+        target = find_experiment(experiment, self.namespace)
+        checked = self._run_keywords(keywords, typed)
+        instance = build_experiment(target, overrides)
+        cls = type(instance)
+        declares = has_method(cls, "n_devs") or any(s.name == "n_devs" for s in field_specs(cls))
+        if self.n_devs is not None and "n_devs" not in checked and not declares:
+            checked["n_devs"] = self.n_devs
+        return instance, checked
+
+    def _run_keywords(
+        self, keywords: Mapping[str, Any] | None, typed: Mapping[str, Any]
+    ) -> dict[str, Any]:
+        """`keywords` and the run keywords given as arguments of their own (`typed`), checked:
+        their JSON forms turned into the engine's values, paths inside the root, `weights`
+        resolved."""
         typed = {k: v for k, v in typed.items() if v is not None}
         extra = dict(keywords or {})
         for name in typed:
@@ -302,25 +316,13 @@ class ToolSession:
                     f"{name}: given both as the {name} argument and in keywords; give it once"
                 )
         run_keywords = {**extra, **typed}
-        for name in overrides or {}:
-            if name in run_keywords:
-                raise ToolFailure(
-                    f"overrides.{name}: {name!r} is given both as a field override and as the run "
-                    f"keyword {name}; give it once"
-                )
-        target = find_experiment(experiment, self.namespace)
         where = {name: name for name in typed}
         weights = run_keywords.pop("weights", None)
         checked = check_run_keywords(run_keywords, where)
         self._confine_run_paths(checked, where)
         if weights is not None:
             checked["weights"] = self._weights(weights, where.get("weights", "keywords.weights"))
-        instance = build_experiment(target, overrides)
-        cls = type(instance)
-        declares = has_method(cls, "n_devs") or any(s.name == "n_devs" for s in field_specs(cls))
-        if self.n_devs is not None and "n_devs" not in checked and not declares:
-            checked["n_devs"] = self.n_devs
-        return instance, checked
+        return checked
 
     def _confine_run_paths(self, checked: dict[str, Any], where: Mapping[str, str]) -> None:
         """`run_dir` and `resume` resolved inside the root; without `run_dir`, the default
@@ -375,23 +377,20 @@ class ToolSession:
         experiment: str | None = None,
         overrides: Mapping[str, Any] | None = None,
         epochs: int | None = None,
+        steps: int | None = None,
         run_id: str | None = None,
         keywords: Mapping[str, Any] | None = None,
         **typed: Any,
     ) -> dict[str, Any]:
+        _check_amount(epochs, steps)
         if run_id is not None:
             others = {"experiment": experiment, "overrides": overrides, "keywords": keywords}
-            given = [n for n, v in {**others, **typed}.items() if v is not None]
-            if given:
-                raise ToolFailure(
-                    f"{given[0]}: run_id continues run {run_id} as it is; leave out "
-                    f"{', '.join(given)}, or start a new run from experiment instead"
-                )
-            return self._continue(run_id, epochs)
+            self._continues(run_id, {**others, **typed})
+            return self._continue(run_id, epochs, steps)
         instance, checked = self._new_handle_plan(experiment, overrides, keywords, typed)
         record = self.registry.start(
             "train",
-            _training(lambda record: self._build(record, instance, checked), epochs),
+            _training(lambda record: self._build(record, instance, checked), epochs, steps),
             experiment=type(instance).__qualname__,
             before=self.before_run,
         )
@@ -403,43 +402,59 @@ class ToolSession:
             "shows handle_run_id and run_dir once the run is set up)",
         }
 
-    def _continue(self, run_id: str, epochs: int | None) -> dict[str, Any]:
-        found = self._handle(run_id, "train it")
-        handle = found.handle
-        if epochs is None and handle.epoch >= handle.max_epochs:
+    def _continues(self, run_id: str, others: Mapping[str, Any]) -> None:
+        """Refuse what a new run would take beside `run_id`, which continues a run as it is."""
+        given = [name for name, value in others.items() if value is not None]
+        if given:
+            noun = _noun(None, self.registry.get(run_id))
+            if isinstance(self.namespace.get(run_id), Population):
+                noun = "population"
             raise ToolFailure(
-                f"epochs: run {run_id} already trained its {handle.epoch} epochs "
-                f"(max_epochs={handle.max_epochs}); pass epochs=N to train N more"
+                f"{given[0]}: run_id continues {noun} {run_id} as it is; leave out "
+                f"{', '.join(given)}, or start a new {noun} from experiment instead"
             )
-        experiment = handle.cls.__qualname__
+
+    def _continue(self, run_id: str, epochs: int | None, steps: int | None) -> dict[str, Any]:
+        """Train run `run_id` (a population too) on: `epochs` or `steps` more, or to its
+        max_epochs; under a new run id whose `source` is `run_id`."""
+        found = self._handle(run_id, "train it on", population=True)
+        run = found.handle
+        noun = _noun(run)
+        if epochs is None and steps is None and run.epoch >= run.max_epochs:
+            raise ToolFailure(
+                f"epochs: {noun} {run_id} already trained its {run.epoch} epochs "
+                f"(max_epochs={run.max_epochs}); pass epochs=N (or steps=N) to train N more"
+            )
+        if isinstance(run, Population) and len(run.stopped) == len(run):
+            raise ToolFailure(
+                f"run_id: every member of population {run_id} has stopped; nitro_member takes "
+                f"one as a run that trains on"
+            )
         record = self.registry.start(
-            "train",
-            _training(lambda record: handle, epochs),
-            experiment=experiment,
-            handle=handle,
+            "population" if noun == "population" else "train",
+            _training(lambda record: run, epochs, steps),
+            experiment=run.cls.__qualname__,
+            handle=run,
             source=found.run_id,
             before=self.before_run,
         )
-        return {
-            "run_id": record.run_id,
-            "status": "running",
-            "experiment": experiment,
-            "handle_run_id": handle.run_id,
-            "run_dir": handle.run_dir,
-            "note": f"continues run {found.run_id} on a background thread; poll nitro_status",
-        }
+        row = self._describe(self._find(record.run_id), brief=True)
+        row["run_dir"] = run.run_dir
+        row["note"] = f"continues {noun} {found.run_id} on a background thread; poll nitro_status"
+        return row
 
     def _job(
         self,
         kind: str,
-        action: Callable[[Nitro], Any],
+        action: Callable[[Any], Any],
         run_id: str | None,
         new_handle: Mapping[str, Any],
         wait_seconds: float,
+        population: bool = False,
     ) -> dict[str, Any]:
-        """Run `action(handle)` on a thread, on the handle of `run_id` or on a new handle
-        (`new_handle`: experiment, overrides, keywords, weights); answer its result if it
-        finishes within `wait_seconds`."""
+        """Run `action(handle)` on a thread, on the run `run_id` (a population too, where
+        `population`) or on a new handle (`new_handle`: experiment, overrides, keywords,
+        weights); answer its result if it finishes within `wait_seconds`."""
         if run_id is not None:
             given = [name for name, value in new_handle.items() if value is not None]
             if given:
@@ -447,11 +462,11 @@ class ToolSession:
                     f"run_id: give either run_id (an existing run) or experiment (a new handle, "
                     f"with {', '.join(new_handle)}), not both; {', '.join(given)} given too"
                 )
-            found = self._handle(run_id, kind)
+            found = self._handle(run_id, kind, population=population)
             handle = found.handle
             record = self.registry.start(
                 kind,
-                lambda record: jsonable(action(handle)),
+                lambda record: jsonable(_table(action(handle))),
                 experiment=handle.cls.__qualname__,
                 handle=handle,
                 source=found.run_id,
@@ -469,6 +484,10 @@ class ToolSession:
             record = self.registry.start(
                 kind, work, experiment=type(instance).__qualname__, before=self.before_run
             )
+        return self._answer(kind, record, wait_seconds)
+
+    def _answer(self, kind: str, record: RunRecord, wait_seconds: float) -> dict[str, Any]:
+        """A tool run's result once it finishes within `wait_seconds`, else its run id."""
         self.registry.wait(record.run_id, wait_seconds)
         if record.status is RunStatus.FAILED:
             raise ToolFailure(f"{kind} (run {record.run_id}) failed: {record.error}")
@@ -487,7 +506,9 @@ class ToolSession:
         wait_seconds: float = 60.0,
         **new_handle: Any,
     ) -> dict[str, Any]:
-        return self._job("validate", lambda h: h.validate(), run_id, new_handle, wait_seconds)
+        return self._job(
+            "validate", lambda h: h.validate(), run_id, new_handle, wait_seconds, population=True
+        )
 
     def evaluate(
         self,
@@ -497,14 +518,20 @@ class ToolSession:
         **new_handle: Any,
     ) -> dict[str, Any]:
         if run_id is not None:
-            splits = self._handle(run_id, "evaluate").handle.splits
-            if split not in splits:
+            run = self._handle(run_id, "evaluate", population=True).handle
+            splits = run.splits if isinstance(run, Nitro) else None
+            if splits is not None and split not in splits:
                 raise ToolFailure(
                     f"split: run {run_id} has no split {split!r}; its splits: "
                     f"{', '.join(splits) or 'none'}"
                 )
         return self._job(
-            "evaluate", lambda h: h.evaluate(split=split), run_id, new_handle, wait_seconds
+            "evaluate",
+            lambda h: h.evaluate(split=split),
+            run_id,
+            new_handle,
+            wait_seconds,
+            population=True,
         )
 
     def predict(
@@ -565,33 +592,29 @@ class ToolSession:
 
     def runs(self) -> dict[str, Any]:
         rows = [
-            self._describe(_Found(r.run_id, r, r.handle, r.population), brief=True)
+            self._describe(_Found(r.run_id, r, r.handle), brief=True)
             for r in self.registry.records()
         ]
         rows += [
-            self._describe(_Found(name, None, handle), brief=True)
-            for name, handle in self._notebook_runs().items()
-        ]
-        rows += [
-            self._describe(_Found(name, None, None, population), brief=True)
-            for name, population in self._notebook_populations().items()
+            self._describe(_Found(name, None, run), brief=True)
+            for name, run in self._notebook_runs().items()
         ]
         return {"runs": rows, "kept_finished": self.registry.max_finished}
 
     def status(self, run_id: str, history: bool = False) -> dict[str, Any]:
         found = self._find(run_id)
         row = self._describe(found)
-        run = found.population if found.population is not None else found.handle
-        if history and run is not None:
-            frame = run.history()
-            row["history"] = jsonable(frame.reset_index().to_dict("records"))
+        if history and found.handle is not None:
+            row["history"] = jsonable(_table(found.handle.history()))
         return row
 
     def logger(self, run_id: str) -> dict[str, Any]:
-        found = self._handle(run_id, "read its logger", idle=False)
+        found = self._handle(run_id, "read its logger", idle=False, population=True)
         handle = found.handle
-        logger = handle.logger
         answer = {"run_id": found.run_id, "handle_run_id": handle.run_id, "run_dir": handle.run_dir}
+        if isinstance(handle, Population):
+            return {**answer, **member_files(handle)}
+        logger = handle.logger
         if logger is None:
             return {
                 **answer,
@@ -613,8 +636,7 @@ class ToolSession:
         found = self._find(run_id)
         if member is not None:
             return self._prune(found, member)
-        record = found.record
-        handle = found.population if found.population is not None else found.handle
+        record, handle = found.record, found.handle
         record_running = record is not None and record.status is RunStatus.RUNNING
         if record_running and record is not None:
             record.stop_requested = True
@@ -622,12 +644,12 @@ class ToolSession:
             handle.stop()
         elif not record_running:
             row = self._describe(found)
-            row["note"] = f"run {run_id} is not running ({row['phase']}); nothing to stop"
+            noun = _noun(handle, record)
+            row["note"] = f"{noun} {run_id} is not running ({row['phase']}); nothing to stop"
             return row
         deadline = time.monotonic() + wait_seconds
         while time.monotonic() < deadline:
-            run = found.population if found.population is not None else found.handle
-            idle = run is None or not run.running
+            idle = found.handle is None or not found.handle.running
             if record.done.is_set() if record is not None else idle:
                 break
             time.sleep(0.05)
@@ -642,25 +664,19 @@ class ToolSession:
 
     def _prune(self, found: _Found, member: int) -> dict[str, Any]:
         """Stop one member of a population (`pop.stop(member)`); the others train on."""
-        population = found.population
-        record = found.record
+        population, record = found.handle, found.record
         if population is None and record is not None and record.kind == "population":
             with record.setting_up:
-                population = record.population
+                population = record.handle
                 if population is None:  # still building its members: stop it once built
                     return self._queue_stop(found, record, member)
             found = self._find(found.run_id)
-        if population is None:
+        if not isinstance(population, Population):
             raise ToolFailure(
                 f"member: run {found.run_id} is a single run, not a population; leave member out "
                 f"to stop it"
             )
-        count = len(population)
-        if member >= count:
-            raise ToolFailure(
-                f"member: population {found.run_id} has {count} members (0 to {count - 1}); got "
-                f"{member}"
-            )
+        check_member(found.run_id, len(population), member)
         already = population.stopped.get(member)
         if already is None:
             population.stop(member, why=f"stopped by nitro_stop (member {member})")
@@ -682,12 +698,7 @@ class ToolSession:
     def _queue_stop(self, found: _Found, record: RunRecord, member: int) -> dict[str, Any]:
         """Stop `member` of a population still setting up: before its first step (called
         with the record's `setting_up` lock held)."""
-        count = record.members
-        if count is not None and member >= count:
-            raise ToolFailure(
-                f"member: population {found.run_id} has {count} members (0 to {count - 1}); got "
-                f"{member}"
-            )
+        check_member(found.run_id, record.members, member)
         if record.status is not RunStatus.RUNNING:  # its setup failed: nothing will train
             raise ToolFailure(
                 f"run_id: population {found.run_id} did not set up ({record.error}); nothing "
@@ -710,6 +721,7 @@ class ToolSession:
         experiment: str | None = None,
         overrides: Mapping[str, Any] | None = None,
         keywords: Mapping[str, Any] | None = None,
+        weights: Any = None,
         axes: Mapping[str, list[Any]] | None = None,
         members: list[Mapping[str, Any]] | None = None,
         max_epochs: int | None = None,
@@ -718,59 +730,49 @@ class ToolSession:
         run_id: str | None = None,
         wait_seconds: float = 60.0,
     ) -> dict[str, Any]:
-        if epochs is not None and steps is not None:
-            raise ToolFailure(
-                f"steps: give epochs (whole epochs more) or steps (steps more), not both; got "
-                f"epochs={epochs}, steps={steps}"
-            )
+        _check_amount(epochs, steps)
         if run_id is not None:
             others = {
                 "experiment": experiment,
                 "overrides": overrides,
                 "keywords": keywords,
+                "weights": weights,
                 "axes": axes,
                 "members": members,
                 "max_epochs": max_epochs,
             }
-            given = [name for name, value in others.items() if value is not None]
-            if given:
-                raise ToolFailure(
-                    f"{given[0]}: run_id continues population {run_id} as it is; leave out "
-                    f"{', '.join(given)}, or start a new population from experiment instead"
-                )
-            return self._continue_population(run_id, epochs, steps)
-        plan = PopulationPlan.check(self.namespace, experiment, overrides, keywords, axes, members)
-        if max_epochs is not None:
-            plan.shared["max_epochs"] = max_epochs
-            plan.where["max_epochs"] = "max_epochs"
-        recorder = MemberSteps()
+            self._continues(run_id, others)
+            return self._continue(run_id, epochs, steps)
+        typed = {"max_epochs": max_epochs, "weights": weights}
+        shared = {name: f"keywords.{name}" for name in keywords or {}}
+        shared |= {name: name for name, value in typed.items() if value is not None}
+        plan = MemberPlan.check(axes, members, shared, overrides)
+        instance, checked = self._new_handle_plan(experiment, overrides, keywords, typed)
+        # a list would be an axis: a shared value that is a list (eval_splits) goes as a tuple
+        checked = {
+            k: tuple(v) if isinstance(v, list) and k != "logger" else v for k, v in checked.items()
+        }
         ready = threading.Event()
         refused: list[PopulationError] = []
 
-        def work(record: RunRecord) -> dict[str, Any]:
+        def build(record: RunRecord) -> Population:
             try:
-                population = Population(
-                    plan.instance,
-                    members=plan.members,
-                    progress=recorder,
-                    **plan.axes,
-                    **plan.shared,
-                )
+                population = Population(instance, members=plan.members, **plan.axes, **checked)
             except PopulationError as error:
                 refused.append(error)
                 raise
             finally:
                 ready.set()
             with record.setting_up:  # the members nitro_stop asked for meanwhile stop first
-                record.population = population
+                record.handle = population
                 for member in dict.fromkeys(record.queued_stops):
                     population.stop(member, why=f"stopped by nitro_stop (member {member})")
-            return _population_training(population, epochs, steps)(record)
+            return population
 
         record = self.registry.start(
             "population",
-            work,
-            experiment=type(plan.instance).__qualname__,
+            _training(build, epochs, steps),
+            experiment=type(instance).__qualname__,
             before=self.before_run,
             members=plan.count,
         )
@@ -783,55 +785,13 @@ class ToolSession:
             return row
         if refused:
             raise population_failure(refused[0], plan.where, plan.argument)
-        if record.population is None:  # the setup failed: a hook, the data
+        if record.handle is None:  # the setup failed: a hook, the data
             self.registry.wait(record.run_id, 30)
             raise ToolFailure(f"population (run {record.run_id}) failed: {record.error}")
         row = self._describe(self._find(record.run_id), brief=True)
         row["note"] = (
             "training every member on a background thread; poll nitro_status with this run_id "
             "(history=true: every member's epochs), nitro_member takes one as a run"
-        )
-        return row
-
-    def _continue_population(
-        self, run_id: str, epochs: int | None, steps: int | None
-    ) -> dict[str, Any]:
-        found = self._find(run_id)
-        population = found.population
-        if population is None:
-            setting_up = found.record is not None and found.record.kind == "population"
-            raise ToolFailure(
-                f"run_id: population {run_id} is still setting up; train it on once "
-                f"nitro_status shows its members"
-                if setting_up
-                else f"run_id: run {run_id} is a single run, not a population; nitro_train "
-                f"with run_id trains it on"
-            )
-        if population.running:
-            raise ToolFailure(
-                f"run_id: population {run_id} is {population.phase} (epoch {population.epoch}, "
-                f"step {population.step}); train it on after it finishes, or nitro_stop it first"
-            )
-        if epochs is None and steps is None:
-            raise ToolFailure(
-                f"epochs: population {run_id} trains on by epochs=N or steps=N; give one"
-            )
-        if len(population.stopped) == len(population):
-            raise ToolFailure(
-                f"run_id: every member of population {run_id} has stopped; nitro_member takes "
-                f"one as a run that trains on"
-            )
-        record = self.registry.start(
-            "population",
-            _population_training(population, epochs, steps),
-            experiment=population.cls.__qualname__,
-            population=population,
-            source=found.run_id,
-            before=self.before_run,
-        )
-        row = self._describe(self._find(record.run_id), brief=True)
-        row["note"] = (
-            f"continues population {found.run_id} on a background thread; poll nitro_status"
         )
         return row
 
@@ -845,28 +805,15 @@ class ToolSession:
         max_epochs: int | None = None,
         wait_seconds: float = 60.0,
     ) -> dict[str, Any]:
-        found = self._find(run_id)
-        population = found.population
-        if population is None and found.record is not None and found.record.kind == "population":
-            raise ToolFailure(
-                f"run_id: population {run_id} is still setting up its members; take a member "
-                f"once nitro_status shows them"
-            )
-        if population is None:
+        found = self._handle(run_id, "take a member", idle=False, population=True)
+        population = found.handle
+        if not isinstance(population, Population):
             raise ToolFailure(
                 f"run_id: run {run_id} is a single run, not a population (nitro_runs marks them "
                 f'"population": true); nitro_member takes a member of one'
             )
-        if population.running:
-            raise ToolFailure(
-                f"run_id: population {run_id} is {population.phase} (epoch {population.epoch}, "
-                f"step {population.step}); take a member after it finishes, or nitro_stop it first"
-            )
-        count = len(population)
-        if member is not None and member >= count:
-            raise ToolFailure(
-                f"member: population {run_id} has {count} members (0 to {count - 1}); got {member}"
-            )
+        self._handle(run_id, "take a member", population=True)  # not while it trains
+        check_member(run_id, len(population), member)
         index, value = member, None
         if index is None:
             index, value, columns = best_member(population, metric, mode)
@@ -876,21 +823,11 @@ class ToolSession:
                     f"metric: no member of population {run_id} that still trains has a finite "
                     f"{metric!r} to choose by{known}; train it first, or give member=i"
                 )
-        extra = dict(keywords or {})
-        if "weights" in extra:
+        if "weights" in (keywords or {}):
             raise ToolFailure(
                 "keywords.weights: the run starts from the member's weights; leave weights out"
             )
-        where = {}
-        if max_epochs is not None:
-            if "max_epochs" in extra:
-                raise ToolFailure(
-                    "max_epochs: given both as the max_epochs argument and in keywords; give it once"
-                )
-            extra["max_epochs"], where["max_epochs"] = max_epochs, "max_epochs"
-        checked = check_run_keywords(extra, where)
-        self._confine_run_paths(checked, where)
-        checked.setdefault("progress", True)  # not the population's reporter
+        checked = self._run_keywords(keywords, {"max_epochs": max_epochs})
         settings = jsonable(shown_settings(population.members[index]))
         chosen = index
 
@@ -911,20 +848,12 @@ class ToolSession:
             source=found.run_id,
             before=self.before_run,
         )
-        self.registry.wait(record.run_id, wait_seconds)
-        if record.status is RunStatus.FAILED:
-            raise ToolFailure(f"member (run {record.run_id}) failed: {record.error}")
-        answer: dict[str, Any] = {"run_id": record.run_id, "status": record.status.value}
-        if record.status is RunStatus.RUNNING:
-            answer["note"] = (
-                f"still building the run after {wait_seconds:g} s; nitro_status with this run_id "
-                f"shows it when it is ready"
-            )
+        answer = self._answer("member", record, wait_seconds)
+        if answer["status"] == "running":
             return answer
         return {
             **answer,
             "handle_run_id": record.handle.run_id,
-            "result": record.result,
             "note": "a single run with the member's weights (its optimizer state and counters "
             "start fresh): nitro_validate, nitro_evaluate, nitro_predict, nitro_export and "
             "nitro_train (run_id, epochs) take this run_id",

@@ -33,8 +33,8 @@ from nitro.mcp.session import ToolSession
 __all__ = ["TOOLS", "ToolSpec", "build_server", "call"]
 
 RUN_ID = (
-    "a run id from nitro_train or nitro_runs (a notebook's run: its variable name), or a "
-    "handle_run_id (the run directory's id)"
+    "a run id from nitro_train, nitro_population or nitro_runs (a notebook's run or population: "
+    "its variable name), or a handle_run_id (the run directory's id)"
 )
 WAIT = "seconds to wait for the result; a longer job answers its run id to poll with nitro_status"
 
@@ -83,6 +83,9 @@ class _NewHandle(_Experiment):
 class TrainArguments(_NewHandle):
     max_epochs: int | None = Field(None, ge=1, description="epochs the run trains to")
     epochs: int | None = Field(None, ge=1, description="train this many epochs (more)")
+    steps: int | None = Field(
+        None, ge=1, description="train this many steps (more), mid-epoch if need be"
+    )
     seed: int | None = Field(None, description="seeds the model's initialization and data order")
     run_dir: str | None = Field(
         None,
@@ -99,7 +102,8 @@ class TrainArguments(_NewHandle):
         f"under runs/, or under run_dir), {CHECKPOINT}; false starts afresh",
     )
     run_id: str | None = Field(
-        None, description="continue this run (stopped or finished) instead of starting one"
+        None,
+        description="continue this run or population (stopped or finished) instead of starting one",
     )
 
 
@@ -167,12 +171,13 @@ class StopArguments(_Arguments):
     )
 
 
-class PopulationArguments(_Experiment):
+class PopulationArguments(_NewHandle):
     keywords: dict[str, Any] | None = Field(
         None,
         description="run keywords every member shares, in nitro_train's JSON forms (e.g. "
-        '{"steps_per_dispatch": 1, "check_divergence": true}); a population takes no '
-        "checkpointer, logger, resume, run_dir or early_stop yet",
+        '{"steps_per_dispatch": 1, "early_stop": {"metric": "val_loss", "patience": 2}, '
+        '"logger": "csv"}): one run directory holds the members\' checkpoint and a '
+        "directory per member for its logs",
     )
     axes: dict[str, list[Any]] | None = Field(
         None,
@@ -194,7 +199,7 @@ class PopulationArguments(_Experiment):
     )
     run_id: str | None = Field(
         None,
-        description="train this population on (by epochs or steps) instead of starting one",
+        description="train this population on (as nitro_train with run_id) instead of starting one",
     )
     wait_seconds: float = Field(
         60.0,
@@ -248,20 +253,23 @@ TOOLS: dict[str, ToolSpec] = {
             "nitro_train",
             "Start training an experiment on a background thread and answer its run id at "
             "once; poll nitro_status. Field overrides and run keywords are checked first. With "
-            "run_id (and optionally epochs) it continues an existing run instead.",
+            "run_id (and optionally epochs or steps) it continues an existing run or "
+            "population instead.",
             TrainArguments,
             "train",
         ),
         ToolSpec(
             "nitro_validate",
-            "Loss and metrics on the 'val' split of a run (run_id), or of a new handle of an "
-            "experiment (e.g. with weights from a checkpoint path or run directory).",
+            "Loss and metrics on the 'val' split of a run (run_id; a population's: one row per "
+            "member), or of a new handle of an experiment (e.g. with weights from a checkpoint "
+            "path or run directory).",
             ValidateArguments,
             "validate",
         ),
         ToolSpec(
             "nitro_evaluate",
-            "Loss and metrics on any split (default 'test') of a run, or of a new handle.",
+            "Loss and metrics on any split (default 'test') of a run (a population's: one row "
+            "per member), or of a new handle.",
             EvaluateArguments,
             "evaluate",
         ),
@@ -284,7 +292,7 @@ TOOLS: dict[str, ToolSpec] = {
         ToolSpec(
             "nitro_runs",
             "Every run: the agent's (id, kind, status) and the notebook's, with phase, epoch, "
-            "step and latest loss.",
+            "step and latest loss; a population's with its members, axes and their losses.",
             RunsArguments,
             "runs",
         ),
@@ -293,14 +301,16 @@ TOOLS: dict[str, ToolSpec] = {
             "One run in detail: status, phase, epoch, step, latest loss and metrics, "
             "stop_reason (completed, early_stop, requested, error), run directory and "
             "handle_run_id, where its weights came from, result or error text; history=true "
-            "adds every epoch.",
+            "adds every epoch. A population's adds each member's settings, epoch, step, loss "
+            "and metrics, and the best member.",
             StatusArguments,
             "status",
         ),
         ToolSpec(
             "nitro_logger",
             "The run's loggers: their types and files (metrics.jsonl in the run directory by "
-            "default), and where to look at them.",
+            "default), and where to look at them; a population's: each member's directory "
+            "and files.",
             RunIdArguments,
             "logger",
         ),
@@ -316,9 +326,11 @@ TOOLS: dict[str, ToolSpec] = {
             "nitro_population",
             "Start a population: members of one experiment that differ in fed values (axes: "
             "learning rates, seeds, Device fields), trained side by side by one program on a "
-            "background thread; answers its run id at once. nitro_status reads it (history=true: "
-            "every member's epochs with its settings), nitro_stop stops it or one member, "
-            "nitro_member takes one member as a run. With run_id it trains a population on.",
+            "background thread; answers its run id once the members are set up. The tools for "
+            "runs work on its run id (nitro_status, history=true: every member's epochs with "
+            "its settings; nitro_validate, nitro_evaluate: one row per member; nitro_train "
+            "with run_id trains it on; nitro_stop stops it, or one member with member); "
+            "nitro_member takes one member as a run.",
             PopulationArguments,
             "population",
         ),
