@@ -74,7 +74,7 @@ def evaluate_split(
 ) -> Any:
     """Loss and metrics over one split, prefixed with its name (`val_loss`, `val_acc`); None
     when a stop request cut it short (partial results are never returned). With `members`
-    (a `Stacked` members object: `nitro.engine.members`), every member's, from one vmapped
+    (a `Stacked` members object: `nitro.engine.member_axis`), every member's, from one vmapped
     forward per batch: a list of one dict per member, each member's metrics hook on its own
     outputs."""
     stacked = members is not None and members.stacked

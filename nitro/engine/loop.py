@@ -54,7 +54,7 @@ from nitro.data.prefetch import EpochStream
 from nitro.engine import swaps
 from nitro.engine.diagnostics import data_wait_advice, divergence_message, shape_error
 from nitro.engine.evaluation import delete, evaluate_split, finalize_metrics
-from nitro.engine.members import SINGLE
+from nitro.engine.member_axis import SINGLE
 from nitro.engine.profiling import PASS_THROUGH
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl
@@ -193,7 +193,7 @@ def train_epochs(
     its training and its validation are both complete. An epoch trained but not validated
     (a stop or an error during validation) is validated first by the next call.
 
-    `members`: who trains (`nitro.engine.members`): `SINGLE`, or a population's `Stacked`
+    `members`: who trains (`nitro.engine.member_axis`): `SINGLE`, or a population's `Stacked`
     members, whose rows `after_epoch` then gets as a list (`finish_epoch`).
     """
     run = _Epoch(setup, runtime, programs, events, control, members, state)

@@ -3,7 +3,7 @@
 variables stacked on a leading member axis, with one `healthy` flag per member).
 
 A population trains through the run's loop, evaluation and prediction with a `Stacked`
-members object (`nitro.engine.members`); what is here is only what a population has and a
+members object (`nitro.engine.member_axis`); what is here is only what a population has and a
 run has not: its members' records, their layout on the devices, and pruning.
 """
 

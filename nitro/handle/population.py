@@ -29,7 +29,7 @@ from nitro.core.train_state import Variables
 from nitro.engine import population as engine
 from nitro.engine.evaluation import evaluate_split
 from nitro.engine.loop import train_epochs
-from nitro.engine.members import Stacked
+from nitro.engine.member_axis import Stacked
 from nitro.engine.prediction import predict_batch
 from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_keywords import RUN_KEYWORDS, resolve_run_keywords
