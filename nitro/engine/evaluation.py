@@ -16,6 +16,7 @@ from nitro.core.metrics import MetricAccumulator, flatten_metrics, split_modes
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import EvalOutput, TrainState, Variables
 from nitro.engine.feed import StepFeed
+from nitro.engine.member_axis import SINGLE
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl
 from nitro.errors import SetupError
@@ -70,16 +71,15 @@ def evaluate_split(
     control: RunControl,
     split: str,
     weights: str | None = None,
-    members: Any = None,
+    members: Any = SINGLE,
 ) -> Any:
     """Loss and metrics over one split, prefixed with its name (`val_loss`, `val_acc`); None
     when a stop request cut it short (partial results are never returned). With `members`
     (a `Stacked` members object: `nitro.engine.member_axis`), every member's, from one vmapped
     forward per batch: a list of one dict per member, each member's metrics hook on its own
     outputs."""
-    stacked = members is not None and members.stacked
-    parts = members.parts(setup, runtime) if stacked else ((setup, runtime),)
-    feed = members.feed(runtime) if stacked else runtime.feed
+    stacked = members.stacked
+    parts, feed = members.parts(setup, runtime), members.feed(runtime)
     info = setup.split(split)
     fields = info.hook_fields
     with_loss = "loss" in fields

@@ -22,6 +22,7 @@ from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState
 from nitro.data import pad_batch
 from nitro.engine.evaluation import delete, weights_of
+from nitro.engine.member_axis import SINGLE
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl
 from nitro.engine.setup import batch_size
@@ -173,17 +174,17 @@ def predict_batch(
     control: RunControl,
     batch: Mapping[str, Any],
     weights: str | None = None,
-    members: Any = None,
+    members: Any = SINGLE,
 ) -> Any:
     """`forward`'s outputs for every row of `batch`, as host numpy: `ceil(rows / width)`
     device calls of one compiled width (`prediction_width`), whatever ran before. With
     `members` (a `Stacked` members object), every member's, with a leading member axis
     (`[members, rows, ...]`), from one vmapped forward per chunk."""
-    stacked = members is not None and members.stacked
+    stacked = members.stacked
     variables = weights_of(setup, state, weights)
     fields = setup.experiment.hook_fields["forward"].resolve(tuple(batch), "predict")
     host = check_fields(setup, {k: batch[k] for k in fields})
-    feed = members.feed(runtime) if stacked else runtime.feed
+    feed = members.feed(runtime)
     values = feed.current_device() if stacked else None  # stacked once: one transfer
 
     def run(part: Mapping[str, np.ndarray], n_real: int, width: int) -> Any:
