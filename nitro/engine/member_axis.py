@@ -120,12 +120,25 @@ class Stacked:
 
     def start_epoch(self, state: PopulationState) -> EpochTotals:
         """The epoch's shared totals (its time), and each member's running sums."""
-        seconds = 0.0
         for member in self.members:
             if member.totals is None:
                 member.totals = EpochTotals(train_metrics=MetricAccumulator("train_metrics"))
-            seconds = max(seconds, member.totals.seconds)  # a resumed epoch's time so far
-        return EpochTotals(train_metrics=MetricAccumulator("train_metrics"), seconds=seconds)
+        resumed = self.members[0].totals  # a resumed epoch's time so far (`keep_time`)
+        assert resumed is not None
+        return EpochTotals(
+            train_metrics=MetricAccumulator("train_metrics"),
+            seconds=resumed.seconds,
+            wait_seconds=resumed.wait_seconds,
+        )
+
+    def keep_time(self, state: PopulationState) -> None:
+        """After the loop: each member's running sums of an epoch under way (a run stopped
+        in its middle) take the epoch's time so far, which its checkpoint saves."""
+        shared = state.totals
+        for member in self.members:
+            if shared is not None and member.totals is not None:
+                member.totals.seconds = shared.seconds
+                member.totals.wait_seconds = shared.wait_seconds
 
     def complete(self, state: PopulationState, item: Any, events: Events, program: Any) -> None:
         """Read one call back: each member's losses and finiteness codes, its train metrics;

@@ -440,6 +440,7 @@ class Population:
                         )
                         self._stop_reason = self._ended(reason)
                     finally:
+                        members.keep_time(state)
                         for member in self._members:  # worker processes live as the run
                             for prefetcher in member.runtime.prefetchers.values():
                                 prefetcher.release_workers()
