@@ -237,11 +237,6 @@ class ProgramSet:
             self._slots[slot] = program  # `for_setup` on another thread reads both
         return program
 
-    def program(self, slot: tuple, make_spec: Callable[[RunSetup], ProgramSpec], args) -> Program:
-        """The program of `slot`, made by `make_spec(setup)` and looked up in the module
-        cache on first use (another layer's programs: a population's, say)."""
-        return self._get(slot, make_spec, args)
-
     def train_step(self, args, steps: int = 1, micro: int = 1, restore: bool = False) -> Program:
         """The train step (`steps == 1`), or `steps` of them fused in one program; each step
         accumulates `micro` micro-batches. `restore`: steps whose guard only checks, over
