@@ -50,6 +50,8 @@ def test_max_steps_stops_every_member_at_that_step_mid_epoch():
     ).train()
     assert (pop.step, pop.epoch, pop.stop_reason) == (50, 1, "max_steps")
     assert pop.history().index.tolist() == [(0, 1), (1, 1)]  # epoch 2 is under way
+    assert pop.train().step == 50  # trained to max_steps already: nothing more
+    assert pop.train(steps=3).step == 53  # steps=N trains N more, as a run's
     solo = _alone(3, learning_rate=1e-2, max_steps=50)
     assert (solo.step, solo.epoch) == (50, 1)
     np.testing.assert_allclose(
