@@ -46,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nitro.core.events import Events
-from nitro.core.metrics import MetricAccumulator, split_modes
+from nitro.core.metrics import split_modes
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import EpochTotals, TrainState
 from nitro.data import is_index_addressable
@@ -127,10 +127,7 @@ class _Epoch:
         self.control = control
         self.members = members  # SINGLE, or a population's `Stacked` members
         self.feed = members.feed(runtime)
-        if members.stacked:
-            self.healthy = state.healthy  # type: ignore[union-attr]
-        else:
-            self.healthy = setup.placement.put_replicated(jnp.asarray(True))
+        self.healthy = members.healthy(setup, state)
         self.dispatched = 0
         self.target = 0  # the epoch this run trains to
         self.stop_at: int | None = None  # the step this run stops at (max_steps, steps=)
@@ -223,11 +220,7 @@ def train_epochs(
                 break
             events.phase("training")
             if state.totals is None:
-                state.totals = (
-                    members.start_epoch(state)
-                    if members.stacked
-                    else EpochTotals(train_metrics=MetricAccumulator("train_metrics"))
-                )
+                state.totals = members.start_epoch(state)
             if not _train_epoch(run, state, target):
                 break
             state.epoch_trained = True
@@ -237,8 +230,8 @@ def train_epochs(
                 run.upcoming = Upcoming(
                     state.epoch + 1,
                     plan.layout(updates),
-                    _open(
-                        run,
+                    members.open(
+                        runtime,
                         state.epoch + 1,
                         block=_capped(run, plan.blocks(updates), state.step),
                         group=run.setup.accum,
@@ -397,8 +390,8 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
                     upcoming.stream.close()
                 done = state.position // setup.accum
                 blocks = _aligned(plan.blocks(updates, done), done)
-                stream = _open(
-                    run,
+                stream = run.members.open(
+                    runtime,
                     state.epoch,
                     start=state.position,
                     block=_capped(run, blocks, state.step),
@@ -440,13 +433,6 @@ def _aligned(blocks: int | Iterable[int], step_in_epoch: int) -> int | Iterable[
         return blocks
     lead = blocks - step_in_epoch % blocks
     return itertools.chain(itertools.repeat(1, lead), itertools.repeat(blocks))
-
-
-def _open(run: _Epoch, epoch: int, **options: Any) -> Any:
-    """The train split's stream of `epoch` (a population's: its members', `Stacked.open`)."""
-    if run.members.stacked:
-        return run.members.open(run.runtime, epoch, **options)
-    return run.runtime.prefetcher("train").epoch(epoch, **options)
 
 
 def _reached(run: _Epoch, state: TrainState) -> bool:

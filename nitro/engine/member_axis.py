@@ -62,6 +62,18 @@ class Single:
         """Each member's setup and run-time record (its host hooks, its finalize)."""
         return ((setup, runtime),)
 
+    def healthy(self, setup: RunSetup, state: Any) -> Any:
+        """The guard's flag a run's first call gets."""
+        return setup.placement.put_replicated(jnp.asarray(True))
+
+    def open(self, runtime: RunTime, epoch: int, **options: Any) -> Any:
+        """The train split's stream of `epoch`."""
+        return runtime.prefetcher("train").epoch(epoch, **options)
+
+    def start_epoch(self, state: Any) -> EpochTotals:
+        """The running sums of an epoch."""
+        return EpochTotals(train_metrics=MetricAccumulator("train_metrics"))
+
 
 SINGLE = Single()
 
@@ -88,6 +100,10 @@ class Stacked:
 
     def parts(self, setup: RunSetup, runtime: RunTime) -> tuple[tuple[RunSetup, RunTime], ...]:
         return tuple((m.setup, m.runtime) for m in self.members)
+
+    def healthy(self, setup: RunSetup, state: PopulationState) -> Any:
+        """Each member's flag: False for one that stopped."""
+        return state.healthy
 
     # ------------------------------------------------------------------------------------------
     # a call: its batches, the prunes before it, its report
