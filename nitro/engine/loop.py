@@ -48,7 +48,7 @@ import numpy as np
 from nitro.core.events import Events
 from nitro.core.metrics import split_modes
 from nitro.core.run_setup import RunSetup
-from nitro.core.train_state import EpochTotals, TrainState
+from nitro.core.train_state import TrainState
 from nitro.data import is_index_addressable
 from nitro.data.prefetch import EpochStream
 from nitro.engine import swaps
@@ -264,12 +264,59 @@ def finish_epoch(
 ) -> Any:
     """Validate a trained epoch and commit its history row; returns the row, or None when a
     stop request cut validation short (then nothing is recorded and the epoch stays trained).
-    A population's (`members` stacked): every member's row, committed to its history, and
-    the rows of those that trained in the epoch returned as `Population.history()` has them."""
+    A population's (`members` stacked): every member's row, evaluated by one vmapped forward
+    per batch and committed to its own history; the rows of those that trained in the epoch
+    are returned as `Population.history()` has them."""
     totals = state.totals
     assert totals is not None  # a trained epoch has its totals
-    if members.stacked:
-        return _finish_members(setup, runtime, state, programs, events, control, members)
+    stacked = members.stacked
+    rows = members.rows(state, finalize_metrics) if stacked else [_row(setup, runtime, state)]
+    for split in setup.eval_splits:  # ("val",) by default, each under its own prefix
+        if control.stop.is_set():
+            return None
+        events.phase("validating")
+        metrics = evaluate_split(setup, runtime, state, programs, control, split, members=members)
+        if metrics is None:
+            _acknowledge_interrupt(control)  # an interrupt during the epoch's validation
+            return None
+        for row, values in zip(rows, metrics if stacked else [metrics], strict=True):
+            if row is not None:  # None: a member stopped before the epoch
+                row.update(values)
+    wait_frac = totals.wait_seconds / totals.seconds if totals.seconds > 0 else 0.0
+    timing = {"data_wait_frac": wait_frac, "epoch_seconds": totals.seconds}
+    timing.update(totals.step_times())  # host_ms, device_ms
+    if stacked:
+        committed = members.commit(state, rows, timing, events)
+    else:
+        committed = rows[0]
+        committed.update(timing)
+        state.history.append(committed)
+    state.epoch += 1
+    state.position = 0
+    state.data_state = None
+    state.totals = None
+    state.epoch_trained = False
+    if not stacked:
+        events.end_epoch(committed)
+    prefetcher = runtime.prefetcher("train")
+    # batches "auto" chose to build on the loop thread took microseconds each: worker threads
+    # would cost more in hand-overs than they save (measured), so their share is not advice
+    cheap = prefetcher.path == "inline" and prefetcher.auto_inline
+    if wait_frac > DATA_WAIT_WARN and totals.steps >= DATA_WAIT_MIN_STEPS and not cheap:
+        DATA_WAIT_WARNING.warn(
+            f"the training loop waited for data {wait_frac:.0%} of epoch {state.epoch}. "
+            + data_wait_advice(setup, prefetcher),
+            module="nitro.engine.loop",
+        )
+    return committed
+
+
+def _row(setup: RunSetup, runtime: RunTime, state: TrainState) -> dict[str, Any]:
+    """A run's row of the epoch just trained, before evaluation: its training loss (NaN,
+    with a count, where `check_divergence=False` trained through non-finite steps), float16's
+    loss scale and the train metrics."""
+    totals = state.totals
+    assert totals is not None  # a trained epoch has its totals
     row: dict[str, Any] = {"epoch": state.epoch + 1, "step": state.step}
     if totals.nonfinite:  # check_divergence=False trained through them: the mean is NaN
         row["loss"] = math.nan
@@ -281,81 +328,14 @@ def finish_epoch(
                 f"epoch's loss is NaN; the history's 'nonfinite_steps' column counts them. "
                 f"The weights may be NaN too: check_divergence=True stops at the first.",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
     elif totals.loss_count:
         row["loss"] = totals.loss_sum / totals.loss_count
     row.update(epoch_columns(state.variables.loss_scale, state.history))  # float16's scale
     if not totals.train_metrics.empty:
         row.update(finalize_metrics(setup, runtime, totals.train_metrics.result(), "train"))
-    for split in setup.eval_splits:  # ("val",) by default, each under its own prefix
-        if control.stop.is_set():
-            return None
-        events.phase("validating")
-        metrics = evaluate_split(setup, runtime, state, programs, control, split)
-        if metrics is None:
-            _acknowledge_interrupt(control)  # an interrupt during the epoch's validation
-            return None
-        row.update(metrics)
-    row.update(_timing(totals))
-    state.history.append(row)
-    _commit(state)
-    events.end_epoch(row)
-    _advise(setup, runtime, state, totals)
     return row
-
-
-def _finish_members(setup, runtime, state, programs, events, control, members) -> Any:
-    """`finish_epoch` for a population: each member's row, evaluated by one vmapped forward
-    per batch, committed to its own history."""
-    totals = state.totals
-    rows = members.rows(state, finalize_metrics)
-    for split in setup.eval_splits:
-        if control.stop.is_set():
-            return None
-        events.phase("validating")
-        results = evaluate_split(setup, runtime, state, programs, control, split, members=members)
-        if results is None:
-            _acknowledge_interrupt(control)
-            return None
-        for row, metrics in zip(rows, results, strict=True):
-            if row is not None:
-                row.update(metrics)
-    shown = members.commit(state, rows, _timing(totals), events)
-    _commit(state)
-    _advise(setup, runtime, state, totals)
-    return shown
-
-
-def _timing(totals: EpochTotals) -> dict[str, float]:
-    """An epoch's timing columns: its data waits, its seconds, a step's host and device
-    time (`host_ms`, `device_ms`)."""
-    wait_frac = totals.wait_seconds / totals.seconds if totals.seconds > 0 else 0.0
-    return {"data_wait_frac": wait_frac, "epoch_seconds": totals.seconds, **totals.step_times()}
-
-
-def _commit(state: TrainState) -> None:
-    """An epoch's end in the counters: the next one starts at its first batch."""
-    state.epoch += 1
-    state.position = 0
-    state.data_state = None
-    state.totals = None
-    state.epoch_trained = False
-
-
-def _advise(setup: RunSetup, runtime: RunTime, state: TrainState, totals: EpochTotals) -> None:
-    """Advice, once a process, on an epoch that waited long for its data."""
-    wait_frac = totals.wait_seconds / totals.seconds if totals.seconds > 0 else 0.0
-    prefetcher = runtime.prefetcher("train")
-    # batches "auto" chose to build on the loop thread took microseconds each: worker threads
-    # would cost more in hand-overs than they save (measured), so their share is not advice
-    cheap = prefetcher.path == "inline" and prefetcher.auto_inline
-    if wait_frac > DATA_WAIT_WARN and totals.steps >= DATA_WAIT_MIN_STEPS and not cheap:
-        DATA_WAIT_WARNING.warn(
-            f"the training loop waited for data {wait_frac:.0%} of epoch {state.epoch}. "
-            + data_wait_advice(setup, prefetcher),
-            module="nitro.engine.loop",
-        )
 
 
 def _acknowledge_interrupt(control: RunControl) -> None:
