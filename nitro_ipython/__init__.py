@@ -5,8 +5,9 @@
 - registers the `%nitro` line magic (`%nitro?` for help; see `magics.py`, and `rebuild.py`
   for when `%nitro train` builds a new handle after an edit);
 - makes runs with `progress=True` report into a live widget panel in a notebook, or a tqdm
-  bar in a terminal IPython (`reporters.py`, `panel.py`), and populations into theirs
-  (`population_reporter.py`, `population_panel.py`, `population_curves.py`);
+  bar in a terminal IPython (`reporters.py`, `panel.py`, `curves.py`, `record.py`),
+  populations too (a run is a population of one; what only several members have, their
+  table, is `member_table.py`);
 - routes each training thread's output to the cell that started it (`worker.py`);
 - watches the source files of live experiments and reloads them on save, reporting which
   compiled programs the edit makes stale, or, for a run training meanwhile, compiling the edit
@@ -39,7 +40,7 @@ def load_ipython_extension(ipython) -> None:
     from . import worker
     from .code_watcher import CodeWatcher
     from .magics import NitroMagics
-    from .reporters import make_factory, make_population_factory
+    from .reporters import make_factory
 
     if _STATE.get("shell") is ipython:
         return
@@ -48,8 +49,9 @@ def load_ipython_extension(ipython) -> None:
     code_watcher.track()
     ipython.register_magics(NitroMagics(ipython, watcher=code_watcher))
     ipython.events.register("post_run_cell", worker.cell_finished)
-    nitro.progress.set_default_factory(make_factory(ipython))
-    nitro.progress.set_default_factory(make_population_factory(ipython), population=True)
+    factory = make_factory(ipython)
+    nitro.progress.set_default_factory(factory)
+    nitro.progress.set_default_factory(factory, population=True)
     nitro.runner.add_worker_initializer(worker.initializer)
     png = ipython.display_formatter.formatters["image/png"]
     png.for_type_by_name("matplotlib.figure", "Figure", _figure_png)
@@ -93,10 +95,9 @@ def _figure_png(figure) -> bytes:
 def live_panel(handle):
     """The live widget panel of `handle`'s latest run in this notebook (None if it has none);
     `handle` may be a `nitro.Population`."""
-    from .population_reporter import panel_of as population_panel_of
     from .reporters import panel_of
 
-    return panel_of(handle) or population_panel_of(handle)
+    return panel_of(handle)
 
 
 def watcher():

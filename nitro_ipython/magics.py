@@ -7,7 +7,6 @@ is `rebuild.py`'s.
 
 from __future__ import annotations
 
-import time
 from typing import Any
 
 from IPython.core import magic_arguments
@@ -17,8 +16,9 @@ from IPython.core.magic import Magics, line_magic, magics_class
 import nitro
 from nitro.staleness import is_experiment
 
-from . import agents, populations, rebuild, runs, worker
+from . import agents, rebuild, runs, worker
 from .cache_table import CacheTable
+from .member_table import stop_member
 
 __all__ = ["NitroMagics"]
 
@@ -54,13 +54,6 @@ class _Shown:
 
     def _repr_html_(self) -> str:
         return self.report._repr_html_()
-
-
-def _ended(handle: nitro.Nitro) -> str:
-    """How a handle that is not running ended: "finished at epoch 4/4, step 24"."""
-    at = f"at epoch {handle.epoch}/{handle.target_epoch}, step {handle.step}"
-    said = {"done": "finished", "stopped": "stopped", "failed": "failed"}
-    return f"{said[handle.phase]} {at}" if handle.phase in said else f"{handle.phase}, {at}"
 
 
 def _without_comment(line: str) -> str:
@@ -101,8 +94,9 @@ class NitroMagics(Magics):
         nargs="?",
         metavar="TARGET",
         help="train: an experiment instance, a handle or a nitro.Population; stop, wait, "
-        "status: a handle or a population; validate, evaluate, predict, history, plot, panel, "
-        "profile, bind: a handle (default: the latest, _nitro); export: a directory; mcp: start or stop",
+        "status, validate, evaluate, history, panel: a handle or a population; predict, plot, "
+        "profile, bind: a handle (default: the latest, _nitro); export: a directory; mcp: "
+        "start or stop",
     )
     @magic_arguments.argument(
         "member",
@@ -213,13 +207,14 @@ class NitroMagics(Magics):
         %nitro runs              every run in the notebook, as a table, and the run
                                  directories of its experiments on disk (best metric,
                                  checkpoints)
-        %nitro validate [RUN]    loss and metrics on the 'val' split
+        %nitro validate [RUN]    loss and metrics on the 'val' split (a population's: a
+                                 row per member)
         %nitro evaluate [RUN] [--split S]
         %nitro predict [RUN] [--batch VAR]
-        %nitro history [RUN]     the history table
+        %nitro history [RUN]     the history table (a population's: every member's)
         %nitro plot [RUN]        the history's curves
-        %nitro panel [RUN]       RUN's live panel in this cell (for a run started elsewhere,
-                                 such as by an agent)
+        %nitro panel [RUN]       RUN's live panel in this cell (for a run or population
+                                 started elsewhere, such as by an agent)
         %nitro cache             compile cache statistics (each program's calls, compile
                                  time, FLOPs and memory) and why each program compiled
         %nitro profile [RUN] [--steps N]
@@ -278,8 +273,19 @@ class NitroMagics(Magics):
         value = self._value(name)
         return value if isinstance(value, nitro.Population) else None
 
-    def _running_populations(self) -> list[tuple[str, nitro.Population]]:
-        return [(n, p) for n, p in populations.named(self._ns) if p.running]
+    def _run(self, name: str | None, what: str) -> tuple[str, Any]:
+        """The population named `name`, else the handle (by default the latest)."""
+        pop = self._population(name)
+        return (name, pop) if pop is not None and name is not None else self._handle(name, what)
+
+    def _targets(self, name: str | None, what: str) -> list[tuple[str, Any]]:
+        """The run or population `name`; without a name, every population and run that
+        trains."""
+        if name is not None:
+            return [self._run(name, what)]
+        pops = [(n, p) for n, p in runs.named_populations(self._ns) if p.running]
+        handles = [h for h in runs.live_handles(self._ns) if h.running]
+        return pops + [(self._name_of(h), h) for h in handles]
 
     def _handle(self, name: str | None, what: str) -> tuple[str, nitro.Nitro]:
         """The handle named `name`; by default the latest one (`_nitro`)."""
@@ -308,8 +314,8 @@ class NitroMagics(Magics):
         if isinstance(value, nitro.Population):
             raise UsageError(
                 f"{name!r} is a nitro.Population; %nitro {what} takes a handle: "
-                f"`{name}.best()` or `{name}.member(i)` is one (%nitro train, stop, wait and "
-                f"status take a population)"
+                f"`{name}.best()` or `{name}.member(i)` is one (%nitro train, stop, wait, "
+                f"status, validate, evaluate, history and panel take a population)"
             )
         raise UsageError(
             f"{name!r} is a {type(value).__name__}, not a run; %nitro {what} takes a handle "
@@ -329,11 +335,11 @@ class NitroMagics(Magics):
         if args.resume and args.fresh:
             raise UsageError("--resume continues a run on disk, --fresh starts over: pass one")
         value = self._value(args.target)
-        if isinstance(value, nitro.Population):
-            return populations.train(value, args.target, args, self._ns)
         base = args.target if args.target.isidentifier() else None
         previous = None
-        if isinstance(value, nitro.Nitro):
+        if isinstance(value, nitro.Population):
+            name, handle = args.target, rebuild.population_to_train(value, args.target, args)
+        elif isinstance(value, nitro.Nitro):
             name = base if base and base != "_nitro" else self._name_of(value, "_nitro")
             handle = rebuild.handle_to_train(
                 name,
@@ -369,19 +375,22 @@ class NitroMagics(Magics):
                 f"instance (a class decorated with @nitro.experiment), a nitro.Nitro handle or "
                 f"a nitro.Population"
             )
+        population = isinstance(handle, nitro.Population)
         before = value if isinstance(value, nitro.Nitro) else previous
         if args.no_live_edits:
             handle.live_edits = False
         elif before is not None and handle is not before and handle.live_edits is None:
             handle.live_edits = before.live_edits  # a rebuilt handle keeps the choice
-        self._ns[name] = handle
-        self._ns["_nitro"] = handle
+        if not population or name.isidentifier():
+            self._ns[name] = handle
+        if not population:  # the latest run, which commands take by default
+            self._ns["_nitro"] = handle
         # train() without epochs resumes to target_epoch, else trains to max_epochs
         if args.epochs is None and handle.epoch >= max(handle.target_epoch, handle.max_epochs):
             print(
                 f"nitro: {name} already trained its {handle.epoch} epochs "
                 f"(max_epochs={handle.max_epochs}); `%nitro train {args.target} --epochs N` "
-                f"trains N more, `--fresh` starts over"
+                f"trains N more" + ("" if population else ", `--fresh` starts over")
             )
             return handle
         try:
@@ -389,9 +398,11 @@ class NitroMagics(Magics):
         finally:
             worker.reserve_panel(None)  # a setup panel no run took
         if args.background and handle.running:
-            worker.say(
-                f"{name} is training in the background; `%nitro status` shows how far it is, "
-                f"`%nitro stop` stops it"
+            members = f" ({len(handle.members)} members)" if population else ""
+            worker.say(  # beside its panel's title while it lives, not under its record
+                f"{name}{members} is training in the background; `%nitro status` shows how far "
+                f"it is, `%nitro stop {name}` stops it"
+                + (f", `%nitro stop {name} I` stops member I" if population else "")
             )
             return None
         return handle
@@ -400,62 +411,29 @@ class NitroMagics(Magics):
     # runs
 
     def _stop(self, args) -> None:
-        pops = []
-        pop = self._population(args.target)
-        if pop is not None:
-            if args.member is not None:
-                return populations.stop_member(pop, args.target, args.member)
-            return populations.stop(pop, args.target)
         if args.member is not None:
-            raise UsageError(
-                f"%nitro stop {args.target} {args.member}: a member is for a population, and "
-                f"{args.target} is not a nitro.Population; `%nitro stop {args.target}` stops it"
-            )
-        if args.target is not None:
-            targets = [self._handle(args.target, "stop")]
-        else:
-            targets = [(self._name_of(h), h) for h in runs.live_handles(self._ns) if h.running]
-            pops = self._running_populations()
-            if not targets and not pops:
-                print("nitro: no run is training")
-                return
-        for name, pop in pops:
-            populations.stop(pop, name)
-        for name, handle in targets:
-            if not handle.running:
-                print(f"nitro: {name} is not running ({_ended(handle)}); nothing to stop")
-                continue
-            began = time.monotonic()
-            handle.stop()
-            try:
-                handle.wait()
-            finally:
-                if handle.stop_reason != "requested":  # it ended before the stop took effect
-                    print(f"nitro: {name} is not running ({_ended(handle)}); nothing to stop")
-            if handle.stop_reason == "requested":
-                print(
-                    f"nitro: stopped {name} at epoch {handle.epoch}, step {handle.step} "
-                    f"(in {time.monotonic() - began:.1f} s); `%nitro train {name}` resumes it"
+            pop = self._population(args.target)
+            if pop is None:
+                raise UsageError(
+                    f"%nitro stop {args.target} {args.member}: a member is for a population, "
+                    f"and {args.target} is not a nitro.Population; `%nitro stop {args.target}` "
+                    f"stops it"
                 )
+            return stop_member(pop, args.target, args.member)
+        targets = self._targets(args.target, "stop")
+        if not targets:
+            print("nitro: no run is training")
+        for name, target in targets:
+            runs.stop(target, name)
 
     def _wait(self, args) -> None:
-        pops = []
-        pop = self._population(args.target)
-        if pop is not None:
-            return populations.wait(pop, args.target)
-        if args.target is not None:
-            targets = [self._handle(args.target, "wait")]
-        else:
-            targets = [(self._name_of(h), h) for h in runs.live_handles(self._ns) if h.running]
-            pops = self._running_populations()
-            if not targets and not pops:
-                print("nitro: no run is training")
-                return
-        for name, pop in pops:
-            populations.wait(pop, name)
-        for name, handle in targets:
-            handle.wait()
-            print(runs.status_line(handle, name))
+        targets = self._targets(args.target, "wait")
+        if not targets:
+            print("nitro: no run is training")
+        for name, target in targets:
+            target.wait()
+            for line in runs.status_lines(target, name):
+                print(line)
 
     def _idle(self, name: str, handle: nitro.Nitro, what: str) -> nitro.Nitro:
         """`handle`, unless it is training in the background (then a one-line error)."""
@@ -471,53 +449,35 @@ class NitroMagics(Magics):
         return names[0] if names else default or f"a {handle.cls.__name__} run"
 
     def _status(self, args) -> None:
-        pops = []
-        pop = self._population(args.target)
-        if pop is not None:
-            pops = [(args.target, pop)]
-            targets = []
-        elif args.target is not None:
-            targets = [self._handle(args.target, "status")]
-        else:
-            handles = runs.live_handles(self._ns)
-            running = [h for h in handles if h.running]
-            pops = self._running_populations()
+        targets = self._targets(args.target, "status")
+        if not targets and args.target is None:  # nothing trains: the latest run, populations
             latest = self._ns.get("_nitro")
-            if running or pops:
-                chosen = running
-            else:  # nothing runs: the latest run, and the notebook's populations
-                chosen = [latest] if isinstance(latest, nitro.Nitro) else handles
-                pops = populations.named(self._ns)
-            targets = [(self._name_of(h), h) for h in chosen]
-        if not targets and not pops:
+            handles = [latest] if isinstance(latest, nitro.Nitro) else runs.live_handles(self._ns)
+            targets = runs.named_populations(self._ns)
+            targets += [(self._name_of(h), h) for h in handles]
+        if not targets:
             print("nitro: no runs yet; %nitro train EXP starts one")
-            return
-        for name, pop in pops:
-            for line in populations.status_lines(pop, name):
+        for name, target in targets:
+            for line in runs.status_lines(target, name):
                 print(line)
-        for name, handle in targets:
-            print(runs.status_line(handle, name))
-            for line in runs.swap_lines(handle):
-                print(f"  {line}")
 
     def _runs(self, args):
         handles = [
             h for h in runs.live_handles(self._ns) if h.running or runs.handle_names(self._ns, h)
         ]
         on_disk = runs.runs_on_disk(self._ns, handles)
-        pops = populations.table(self._ns)
+        pops = runs.populations_table(self._ns)
         if not handles and on_disk.empty and pops is None:
             print("nitro: no runs yet; %nitro train EXP starts one")
             return None
         live = runs.runs_table(self._ns, handles) if handles else None
         return runs.RunTables(live, on_disk, pops)
 
-    def _validate(self, args) -> dict:
-        return self._idle(*self._handle(args.target, "validate"), "validate").validate()
+    def _validate(self, args):
+        return self._idle(*self._run(args.target, "validate"), "validate").validate()
 
-    def _evaluate(self, args) -> dict:
-        handle = self._idle(*self._handle(args.target, "evaluate"), "evaluate")
-        return handle.evaluate(split=args.split)
+    def _evaluate(self, args):
+        return self._idle(*self._run(args.target, "evaluate"), "evaluate").evaluate(args.split)
 
     def _predict(self, args):
         name, handle = self._handle(args.target, "predict")
@@ -535,7 +495,7 @@ class NitroMagics(Magics):
         )
 
     def _history(self, args):
-        return self._handle(args.target, "history")[1].history()
+        return self._run(args.target, "history")[1].history()
 
     def _plot(self, args):
         name, handle = self._handle(args.target, "plot")
@@ -546,7 +506,7 @@ class NitroMagics(Magics):
     def _panel(self, args):
         from .reporters import show_panel
 
-        name, handle = self._handle(args.target, "panel")
+        name, handle = self._run(args.target, "panel")
         panel = show_panel(handle)
         if panel is None:
             raise UsageError(

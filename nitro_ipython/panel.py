@@ -18,6 +18,8 @@ no widgets behind.
 from __future__ import annotations
 
 import threading
+from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from html import escape
 from typing import Any
 
@@ -51,8 +53,13 @@ FOREGROUND_TIP = (
     "stop the run with the notebook's interrupt button (■). It stops after the current step."
 )
 BACKGROUND_TIP = "Stop the run after the current step."
+MEMBER_TIP = "Stop this member after the current call (prune it); the others train on."
+MEMBER_FOREGROUND_TIP = (
+    "This cell is still running, and the kernel handles widget clicks only between cells: "
+    "train the population with --background to stop members from here."
+)
 
-PLOTS = 3  # the most plots a run's curves draw: the loss and two metrics
+PLOTS = 4  # the most plots the curves draw: the loss, two metrics, a population's members
 
 # What the panel's output shows where its widget cannot be drawn (no live kernel behind it).
 PANEL_FALLBACK = "nitro: live training panel (its latest state is in the output below)"
@@ -99,12 +106,19 @@ class _Record:
 class LivePanel(widgets.VBox):
     """One run's panel. Hidden until a run (or its setup) shows it.
 
+    A population's (`members`: each member's settings) has a table of the members below its
+    curves: `member_rows` in member order (the rank is a column: a row that moved could take a
+    click meant for another member's button), each with its `member_buttons[i]`, which prunes
+    member `i`. The rows are built with the panel, on the main thread; the training thread
+    only assigns their traits.
+
     >>> panel = nitro_ipython.live_panel(exp_run)         # doctest: +SKIP
     >>> panel.progress.value, panel.stop_button.description  # doctest: +SKIP
     (0.42, 'Stop')
+    >>> nitro_ipython.live_panel(pop).member_buttons[2].click()  # doctest: +SKIP
     """
 
-    def __init__(self) -> None:
+    def __init__(self, members: Sequence[Mapping[str, Any]] | None = None) -> None:
         self.title = widgets.HTML("<b>nitro</b>")
         self.stop_button = widgets.Button(
             description=FOREGROUND_STOP,
@@ -137,26 +151,48 @@ class LivePanel(widgets.VBox):
                 justify_content="space-between", align_items="center", flex_flow="row wrap"
             ),
         )
+        self.member_cells: list[widgets.HTML] = []
+        self.member_buttons: list[widgets.Button] = []
+        self.member_rows: list[widgets.HBox] = []
+        self.table: widgets.VBox | None = None
+        parts = [self.header, self.progress, self.status, self.metrics, self.curves]
+        if members is not None:
+            self._build_table(len(members))
+            parts.append(self.table)
         super().__init__(
-            [
-                self.header,
-                self.progress,
-                self.status,
-                self.metrics,
-                self.curves,
-                self.edits,
-                self.notes,
-            ],
+            [*parts, self.edits, self.notes],
             layout=widgets.Layout(
                 display="none", border="1px solid #ddd", padding="4px 8px", overflow="hidden"
             ),
         )
         self._lock = threading.Lock()
         self._stop_callback = None
+        self._member_stop: Callable[[int], Any] | None = None
+        self._stopped: set[int] = set()
         self._cell_running = True
         self._displays: tuple[Any, Any] | None = None
         self.closed = False  # its widgets are closed: the run left its record, or none ran
         self.stop_button.on_click(self._on_stop)
+
+    def _build_table(self, count: int) -> None:
+        self.table_head = widgets.HTML()
+        self.member_cells = [widgets.HTML() for _ in range(count)]
+        self.member_buttons = [
+            widgets.Button(
+                description="Stop",
+                disabled=True,
+                tooltip=MEMBER_FOREGROUND_TIP,
+                layout=widgets.Layout(width="auto"),
+            )
+            for _ in range(count)
+        ]
+        self.member_rows = [
+            widgets.HBox([cell, button], layout=widgets.Layout(align_items="center"))
+            for cell, button in zip(self.member_cells, self.member_buttons, strict=True)
+        ]
+        self.table = widgets.VBox([self.table_head, *self.member_rows])
+        for index, button in enumerate(self.member_buttons):
+            button.on_click(partial(self._on_member_stop, index))
 
     def _repr_mimebundle_(self, **kwargs):
         data = super()._repr_mimebundle_(**kwargs)
@@ -205,14 +241,20 @@ class LivePanel(widgets.VBox):
             self._cell_running = False
             if self._stop_callback is not None:
                 self._enable_stop()
+            if self._member_stop is not None:
+                self._enable_members()
 
     # ------------------------------------------------------------------------------------------
     # training thread
 
-    def claim(self, title: str, stop) -> None:
-        """Show the panel for a run (trait updates only)."""
+    def claim(self, title: str, stop, member_stop: Callable[[int], Any] | None = None) -> None:
+        """Show the panel for a run (trait updates only); `member_stop(i)` prunes member `i`
+        of a population."""
         with self._lock:
             self._stop_callback = stop
+            self._member_stop = member_stop
+            if member_stop is not None and not self._cell_running:
+                self._enable_members()
             self.title.value = f"<b>{escape(title)}</b>"
             self.progress.bar_style = "info"
             if self._cell_running:
@@ -238,11 +280,42 @@ class LivePanel(widgets.VBox):
             self.stop_button.description = "Stopping"
             callback()
 
+    def _enable_members(self) -> None:
+        for index, button in enumerate(self.member_buttons):
+            if index not in self._stopped:
+                button.description, button.icon = "Stop", "stop"
+                button.tooltip, button.disabled = MEMBER_TIP, False
+
+    def _on_member_stop(self, index: int, _button) -> None:
+        with self._lock:
+            callback = self._member_stop
+        if callback is not None and index not in self._stopped:
+            button = self.member_buttons[index]
+            button.disabled, button.description = True, "Stopping"
+            callback(index)
+
+    def mark_stopped(self, index: int) -> None:
+        """Member `index` stopped: its button says so, and takes no more clicks."""
+        with self._lock:
+            self._stopped.add(index)
+        button = self.member_buttons[index]
+        button.disabled, button.description, button.icon = True, "Stopped", ""
+        button.tooltip = "This member stopped training."
+
+    def show_table(self, head: str, rows: Sequence[str]) -> None:
+        """The members' table: `head`, and each member's row (in member order) into its
+        place, which stays where it is whatever the ranks."""
+        self.table_head.value = head
+        for cell, html in zip(self.member_cells, rows, strict=True):
+            cell.value = html
+
     def finish(self) -> None:
         """The run ended: nothing left to stop."""
         with self._lock:
-            self._stop_callback = None
+            self._stop_callback = self._member_stop = None
         self.stop_button.disabled = True
+        for button in self.member_buttons:
+            button.disabled = True
 
     def replace_with_record(
         self, html: str, text: str, png: bytes | None, png_width: int | None = None
@@ -268,7 +341,11 @@ class LivePanel(widgets.VBox):
 
     def _parts(self) -> list[Any]:
         """Every widget the panel shows, itself first."""
-        return [self, self.header, *self.header.children, *self.children, *self.plots]
+        parts = [self, self.header, *self.header.children, *self.children, *self.plots]
+        if self.table is not None:
+            parts += [self.table_head, *self.member_rows, *self.member_cells]
+            parts += self.member_buttons
+        return parts
 
     def close_all(self) -> None:
         """Close every widget of the panel, with their layouts and styles."""
@@ -289,17 +366,21 @@ def status_text(
     stats: RunStats,
     in_epoch: bool,
     row: dict[str, Any] | None = None,
+    members: str | None = None,
 ) -> list[str]:
     """The status line's parts: phase, epochs finished of the target, the batch under way,
-    step, loss, throughput and, from the latest history row `row`, a step's split between
+    step, a population's `members` ("5 of 6 members training"), the latest loss (its best
+    member's), throughput and, from the latest history row `row`, a step's split between
     the host's work and the wait for the device (`host_ms`, `device_ms`), elapsed time."""
     rate = stats.steps_per_second
     parts = [phase, f"epoch {epoch}/{target}"]
     if in_epoch:
         parts.append(f"batch {position}/{batches}" if batches else f"batch {position}")
     parts.append(f"step {stats.step}")
+    if members is not None:
+        parts.append(members)
     if stats.loss == stats.loss:
-        parts.append(f"loss {stats.loss:.4g}")
+        parts.append(f"{'best loss' if members else 'loss'} {stats.loss:.4g}")
     if rate == rate:
         parts.append(f"{rate:,.0f} steps/s")
     if row and isinstance(row.get("host_ms"), float) and isinstance(row.get("device_ms"), float):

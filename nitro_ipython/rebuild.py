@@ -11,12 +11,18 @@ it measured, and says why. With `--resume` it continues the handle's run on disk
 name last trained, else the only one that fits). Each new handle's run is named after the
 handle (`exp_run`).
 In a notebook a panel shows the new handle's setup while it builds.
+
+A `nitro.Population` takes no edits and starts over as a new population: `population_to_train`
+refuses `--fresh` and `--no-live-edits`, saying why, and with `--resume` builds a new population
+of the same keywords that continues the run on disk.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
+from pathlib import Path
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -27,7 +33,13 @@ from nitro.staleness import current_class, is_experiment
 
 from . import worker
 
-__all__ = ["handle_to_train", "has_epochs_to_go", "runs_experiment"]
+__all__ = ["handle_to_train", "has_epochs_to_go", "population_to_train", "runs_experiment"]
+
+# `%nitro train` options a population does not take, and why
+_NOT_FOR_POPULATIONS = {
+    "fresh": ("--fresh", "build a new nitro.Population to start over"),
+    "no_live_edits": ("--no-live-edits", "a population takes no live edits"),
+}
 
 
 def _fields(experiment: Any) -> dict[str, Any]:
@@ -228,3 +240,52 @@ def runs_experiment(handle: Any, experiment: Any) -> bool:
     return (
         isinstance(handle, nitro.Nitro) and handle.owner == f"{cls.__module__}.{cls.__qualname__}"
     )
+
+
+def population_to_train(pop: Any, name: str, args) -> Any:
+    """The population `%nitro train POP` trains: `pop`, or with `--resume [RUN_ID]` a new
+    one of its experiment and keywords that continues a run on disk (`resume=`: this
+    experiment's population of the same members, the run RUN_ID beside `pop`'s directory, or
+    a path). Refused, saying why, for the options a population does not take, and when there
+    is no checkpoint to continue or it is not these members'."""
+    for option, (flag, why) in _NOT_FOR_POPULATIONS.items():
+        if getattr(args, option, False):
+            raise UsageError(
+                f"%nitro train {name} {flag}: {name} is a nitro.Population, and {why}; "
+                f"train it with `%nitro train {name} [--epochs N] [--background] [--resume]`"
+            )
+    if not args.resume:
+        return pop
+    if pop.running:
+        raise UsageError(
+            f"%nitro train {name} --resume: {name} is {pop.phase} in the background; `%nitro "
+            f"stop {name}` stops it (then `%nitro train {name}` goes on from where it stopped)"
+        )
+    target: Any = True
+    root = Path(pop.given_keywords.get("run_dir") or Path(pop.run_dir).parent)
+    if isinstance(args.resume, str):
+        beside = Path(pop.run_dir).parent / args.resume
+        target = args.resume if Path(args.resume).exists() else str(beside)
+    keywords = {**pop.given_keywords, "resume": target}
+    pop.close()  # the new population may write where it did; its next train() holds it again
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            new = nitro.Population(pop.experiment, **keywords)
+        except (nitro.PopulationError, nitro.SetupError) as error:
+            raise UsageError(f"%nitro train {name} --resume: {error}") from None
+    if not new.step:  # resume="auto" found no checkpoint: nothing to continue
+        new.close()
+        raise UsageError(
+            f"%nitro train {name} --resume: no checkpoint of a {pop.cls.__name__} population "
+            f"under {str(root.absolute())!r} to continue (a population saves one in its run "
+            f"directory after its epochs, unless checkpointer=None); `%nitro train {name}` "
+            f"trains {name} on from epoch {pop.epoch}, `--resume RUN_ID` names a run"
+        )
+    for warning in caught:  # what the resume said (a changed setting): the user's to read
+        warnings.warn_explicit(warning.message, warning.category, warning.filename, warning.lineno)
+    print(
+        f"nitro: {name} continues population {new.run_id} from its checkpoint at epoch "
+        f"{new.epoch}, step {new.step} ({new.run_dir})"
+    )
+    return new

@@ -7,6 +7,7 @@ notebook, nbconvert's HTML and GitHub's renderer all show it; the curves are a s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from html import escape
 from typing import Any
 
@@ -17,12 +18,15 @@ __all__ = ["record_html", "record_text"]
 _BAR_COLOURS = {"success": "#4caf50", "warning": "#ff9800", "danger": "#f44336", "info": "#2196f3"}
 
 
-def record_text(title: str, parts: list[str], last_seen: bool = False) -> str:
-    """`Digits: done · epoch 6/6 · step 168 · loss 0.1234 · 930 steps/s · 4.2 s`; a
-    stand-in's (`last_seen`): `Digits: last seen training · epoch 3/6 · ...`."""
+def record_text(
+    title: str, parts: list[str], last_seen: bool = False, lines: Sequence[str] = ()
+) -> str:
+    """`Digits: done · epoch 6/6 · step 168 · loss 0.1234 · 930 steps/s · 4.2 s`, then
+    `lines` (a population's members); a stand-in's (`last_seen`): `Digits: last seen
+    training · epoch 3/6 · ...`."""
     if last_seen:
         parts = [f"last seen {parts[0]}", *parts[1:]]
-    return f"{title}: " + " · ".join(parts)
+    return "\n".join([f"{title}: " + " · ".join(parts), *lines])
 
 
 def record_html(
@@ -31,12 +35,14 @@ def record_html(
     fraction: float,
     row: dict[str, Any] | None,
     notes: list[str],
-    edits: list[tuple[int, str]] = (),
+    edits: Sequence[tuple[int, str]] = (),
     last_seen: bool = False,
+    table: str = "",
 ) -> str:
-    """The final panel as static HTML: title, bar, status line, latest metrics, the key to
-    the curves' marks of live edits (`edits`: (step, label)), notes; `last_seen`: a live
-    run's stand-in, whose phase is what the run did when it was last updated."""
+    """The final panel as static HTML: title, bar, status line, latest metrics, a
+    population's members' `table`, the key to the curves' marks of live edits (`edits`:
+    (step, label)), notes; `last_seen`: a live run's stand-in, whose phase is what the run
+    did when it was last updated."""
     colour = _BAR_COLOURS[BAR_STYLE.get(parts[0], "info")]
     percent = max(0.0, min(1.0, fraction)) * 100
     bar = (
@@ -49,6 +55,7 @@ def record_html(
         bar,
         f"<div>{status_html(parts, last_seen)}</div>",
         metrics_html(row),
+        table,
         f"<div>{edits_html(list(edits))}</div>" if edits else "",
         f"<div>{notes_html(notes)}</div>" if notes else "",
         "</div>",

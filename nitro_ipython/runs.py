@@ -2,7 +2,9 @@
 
 Every reporter this package installs keeps a `RunStats` per handle (latest loss, throughput,
 elapsed time), so `%nitro status` and `%nitro runs` can answer while a run trains in the
-background. Handles built outside the magics are found in the user namespace, and the runs a
+background. A `nitro.Population` is stopped, waited for and listed as a run is; its status
+line says how many members still train and which is best, and a line per stopped member
+follows it, as the live edits swapped in follow a run's. Handles built outside the magics are found in the user namespace, and the runs a
 coding agent started (`%nitro mcp start`) in the agent tools' registry, under their run ids.
 `%nitro runs` also lists the run directories of the notebook's experiments on disk
 (`nitro.saved_runs`), so a restarted kernel sees what it can resume.
@@ -19,21 +21,27 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 import nitro
+from nitro.progress import settings_label
 from nitro.staleness import is_experiment
 
 from .agents import agent_runs
+from .member_table import best_member, members_text
 
 __all__ = [
     "RunStats",
     "RunTables",
+    "ended",
     "handle_names",
     "live_handles",
+    "named_populations",
+    "populations_table",
     "runs_on_disk",
     "runs_table",
     "stats_of",
     "status_line",
+    "status_lines",
     "status_row",
-    "swap_lines",
+    "stop",
 ]
 
 
@@ -155,11 +163,102 @@ def live_handles(user_ns: Mapping[str, Any]) -> list[Any]:
     for value in list(user_ns.values()):
         if isinstance(value, nitro.Nitro):
             seen.setdefault(id(value), value)
-    with _LOCK:
-        tracked = list(_STATS.keys())
+    with _LOCK:  # a population's numbers too: its status lines are its own
+        tracked = [h for h in _STATS.keys() if isinstance(h, nitro.Nitro)]
     for handle in [*agent_runs().values(), *tracked]:
         seen.setdefault(id(handle), handle)
     return list(seen.values())
+
+
+def named_populations(user_ns: Mapping[str, Any]) -> list[tuple[str, Any]]:
+    """The populations the notebook names (public names), one entry each."""
+    seen: dict[int, tuple[str, Any]] = {}
+    for key, value in list(user_ns.items()):
+        if isinstance(value, nitro.Population) and not key.startswith("_"):
+            seen.setdefault(id(value), (key, value))
+    return list(seen.values())
+
+
+def ended(target: Any) -> str:
+    """How a run or population that is not running ended: "finished at epoch 4/4, step 24"."""
+    at = f"at epoch {target.epoch}/{target.target_epoch or target.max_epochs}, step {target.step}"
+    said = {"done": "finished", "stopped": "stopped", "failed": "failed"}
+    return f"{said[target.phase]} {at}" if target.phase in said else f"{target.phase}, {at}"
+
+
+def stop(target: Any, name: str) -> None:
+    """`%nitro stop RUN`: stop a run or a population after its current step (a population's
+    current call) and wait until it stopped; say where, or that it was not running."""
+    if not target.running:
+        print(f"nitro: {name} is not running ({ended(target)}); nothing to stop")
+        return
+    began = time.monotonic()
+    target.stop()
+    try:
+        target.wait()
+    finally:
+        if target.stop_reason != "requested":  # it ended before the stop took effect
+            print(f"nitro: {name} is not running ({ended(target)}); nothing to stop")
+    if target.stop_reason == "requested":
+        print(
+            f"nitro: stopped {name} at epoch {target.epoch}, step {target.step} (in "
+            f"{time.monotonic() - began:.1f} s); `%nitro train {name}` resumes it"
+        )
+
+
+def status_lines(target: Any, name: str = "") -> list[str]:
+    """`%nitro status`: a run's line and, under it, the live edits swapped in (or rolled
+    back) while it trained; a population's line and, under it, each stopped member and the
+    step it stopped at."""
+    if not isinstance(target, nitro.Population):
+        return [status_line(target, name), *(f"  {line}" for line in _swap_lines(target))]
+    stopped, members = target.stopped, target.members
+    text = (
+        f"{name} ({target.cls.__name__} population of {len(members)}): {target.phase}, epoch "
+        f"{target.epoch}/{target.target_epoch or target.max_epochs}, step {target.step}, "
+        + members_text(len(members) - len(stopped), len(members), target.running)
+    )
+    found = best_member(target)
+    if found is not None:
+        metric, value, best = found
+        text += f", best {metric} {value:.4g} (member {best}: {settings_label(members[best])})"
+    if not target.running and target.stop_reason:
+        text += f" (stop reason: {target.stop_reason})"
+    at = target.stopped_at  # where each stopped member's record ends, not the run's step
+    return [text] + [
+        f"  member {index} ({settings_label(members[index])}): {why}"
+        + (f" (at step {at[index]})" if index in at else "")
+        for index, why in stopped.items()
+    ]
+
+
+def populations_table(user_ns: Mapping[str, Any]):
+    """`%nitro runs`' populations: one row per population the notebook names (its run
+    directory among them), or None."""
+    import pandas as pd
+
+    rows = []
+    for name, pop in named_populations(user_ns):
+        found = best_member(pop)
+        members = len(pop.members)
+        rows.append(
+            {
+                "population": name,
+                "experiment": pop.cls.__name__,
+                "phase": pop.phase,
+                "epoch": f"{pop.epoch}/{pop.target_epoch or pop.max_epochs}",
+                "step": pop.step,
+                "members": members_text(members - len(pop.stopped), members, pop.running),
+                "best": (
+                    f"{found[0]} {found[1]:.4g} (member {found[2]}: "
+                    f"{settings_label(pop.members[found[2]])})"
+                    if found is not None
+                    else "-"
+                ),
+                "running": pop.running,
+            }
+        )
+    return pd.DataFrame(rows).set_index("population") if rows else None
 
 
 def _fmt(value: Any, spec: str = ".4g") -> str:
@@ -212,7 +311,7 @@ def status_line(handle: Any, name: str = "") -> str:
     return text
 
 
-def swap_lines(handle: Any) -> list[str]:
+def _swap_lines(handle: Any) -> list[str]:
     """One line per live edit swapped in (or rolled back) while `handle` trained: step, what
     changed, status."""
     lines = []
@@ -261,19 +360,22 @@ def _experiment_names(user_ns: Mapping[str, Any], handles: Iterable[Any]) -> lis
 
 def runs_on_disk(user_ns: Mapping[str, Any], handles: Iterable[Any]):
     """One row per run directory of the notebook's experiments under `runs/` (the newest
-    `DISK_RUNS_SHOWN` of each) and of its handles elsewhere (`run_dir=`): experiment,
-    started, the run's recorded name, checkpoints, latest epoch, best metric, path, and the notebook's name for it
-    when a handle here is that run."""
+    `DISK_RUNS_SHOWN` of each) and of its handles and populations elsewhere (`run_dir=`):
+    experiment, started, the run's recorded name, checkpoints, latest epoch, best metric,
+    path, and the notebook's name for it when a handle or population here is that run."""
     import pandas as pd
 
     handles = list(handles)
     names_by_id = {h.run_id: ", ".join(handle_names(user_ns, h)) for h in handles}
+    populations = named_populations(user_ns)
+    names_by_id.update((pop.run_id, name) for name, pop in populations)
+    held = [*handles, *(pop for _, pop in populations)]
     frames = []
-    for name in _experiment_names(user_ns, handles):
+    for name in _experiment_names(user_ns, held):
         frame = nitro.saved_runs(name).tail(DISK_RUNS_SHOWN)
         frames.append(frame.assign(experiment=name))
     shown = {path for frame in frames for path in frame["path"]}
-    for handle in handles:
+    for handle in held:
         if handle.run_dir not in shown and os.path.isdir(handle.run_dir):
             frame = nitro.saved_runs(handle.run_dir)
             frames.append(frame.assign(experiment=handle.cls.__name__))

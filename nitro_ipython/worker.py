@@ -3,8 +3,8 @@
 `nitro.runner` calls `initializer(handle)` on the starting thread and runs what it returns
 first on the worker. On the starting (main) thread it captures the cell's parent message and,
 in a notebook, when the run reports to a panel, displays a hidden `LivePanel` in that cell
-(or the panel `%nitro train` already showed while it set the run up; a reporter with a
-`make_panel(handle)` method, a population's, makes its own). On the worker it routes
+(the panel `%nitro train` already showed while it set the run up, or for a population one
+with a table of its members). On the worker it routes
 the thread's output to that cell and leaves the panel for the run's reporter to claim.
 Without the routing, ipykernel sends a thread's output to whichever cell is running at the
 time (or, in some versions, nowhere); with it, a background run writes into the cell that
@@ -86,18 +86,16 @@ def initializer(handle: Any = None):
     on_main = threading.current_thread() is threading.main_thread()
     reporter = getattr(handle, "reporter", None)
     if on_main and widgets_available(shell) and reporter in set(panel_reporters):
-        make_panel = getattr(reporter, "make_panel", None)
-        if make_panel is not None:  # a panel of the reporter's own kind (a population's)
-            panel = make_panel(handle)
-            panel.show()
-            _hold_until_cell_ends(panel)
-        else:
+        from .member_table import members_of
+
+        members = members_of(handle)
+        if members is None:  # a run: the panel its setup showed, if it did
             panel = getattr(_LOCAL, "reserved", None)
             _LOCAL.reserved = None
         if panel is None:
             from .panel import LivePanel
 
-            panel = LivePanel()
+            panel = LivePanel(members)
             panel.show()
             _hold_until_cell_ends(panel)
 

@@ -337,6 +337,63 @@ def test_an_edit_saved_during_a_background_run_is_marked_on_its_curves(lab):
     lab.save_and_close()
 
 
+def test_a_population_s_panel_is_the_run_s_with_its_members_table_and_buttons(lab):
+    """A population in the browser: the run's panel (bar, status, the loss and metric plots
+    side by side) with every member's curves, a plot naming the members, and the members'
+    table; a member's Stop button prunes it, the run's Stop button stops the run, and the
+    record keeps the table."""
+    import nbformat
+    from notebook_kernel import TINY_MODULE
+
+    cells = [
+        f"from pathlib import Path\nPath('pop_demo.py').write_text({TINY_MODULE!r})\n"
+        "%load_ext nitro\nimport nitro, pop_demo",
+        "pop = nitro.Population(pop_demo.Tiny(max_epochs=100_000, delay=0.002), "
+        "learning_rate=[1e-3, 1e-2], seed=[0, 1], steps_per_dispatch=1)\n"
+        "%nitro train pop --background",
+    ]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
+    nbformat.write(notebook, lab.root / "population.ipynb")
+    lab.open("population.ipynb")
+    lab.run(0)
+    lab.start(1)
+    lab.wait_done(1)
+    shown_images = (
+        "[...window.jupyterapp.shell.currentWidget.content.widgets[1].node"
+        ".querySelectorAll('.jp-OutputArea img')].filter(i => i.offsetParent !== null"
+        " && i.naturalWidth > 0).length"
+    )
+    lab.wait_for(f"{shown_images} === 3", 120, what="the loss, acc and members plots")
+    lab.wait_for(
+        "(window.jupyterapp.shell.currentWidget.content.widgets[1].node.querySelector("
+        "'.jp-OutputArea')?.innerText || '').match(/epoch [2-9]\\d*\\/100000/)",
+        120,
+        what="a few epochs",
+    )
+    buttons = "return [...nb.content.widgets[1].node.querySelectorAll('button')].map(b => [b.textContent.trim(), b.disabled]);"
+    assert lab.js(buttons) == [["Stop", False]] * 5  # the run's, then one per member
+    live = lab.panel(1)
+    assert live["widgets"] and "4 of 4 members training" in live["status"]
+
+    from selenium.webdriver.common.by import By
+
+    lab.output(1).find_elements(By.CSS_SELECTOR, "button")[3].click()  # member 2's
+    lab.wait_for(
+        "(window.jupyterapp.shell.currentWidget.content.widgets[1].node.querySelector("
+        "'.jp-OutputArea')?.innerText || '').includes('3 of 4 members training')",
+        120,
+        what="member 2 pruned",
+    )
+    assert lab.js(buttons)[3] == ["Stopped", True]
+    time.sleep(1.0)  # the curves redraw with member 2's ended
+    lab.screenshot("population-panel", lab.cell(1))
+    _stop(lab, 1)
+    record = lab.panel(1)["record"]
+    assert "stopped by its Stop button in the panel" in record and "rank" in record
+    lab.save_and_close()
+
+
 def test_without_chromium_the_browser_tests_skip_and_say_how_to_install_it(monkeypatch):
     monkeypatch.setattr(browser, "CHROMIUM", "/nonexistent/chromium")
     with pytest.raises(pytest.skip.Exception, match=r"make browser.*apt-get install chromium"):

@@ -1,6 +1,6 @@
 """The curves a run and a population draw, read off the real matplotlib figures: whole-number
 ticks, legends clear of the data, edit labels inside the figure, axes that stay readable when
-one member diverges."""
+one member diverges, a population's metrics plotted per member as a run's are."""
 
 from __future__ import annotations
 
@@ -12,7 +12,6 @@ pytest.importorskip("matplotlib")
 from matplotlib.text import Text  # noqa: E402
 
 from nitro_ipython.curves import CurveData, CurveFigure  # noqa: E402
-from nitro_ipython.population_curves import PopulationCurves, PopulationFigure  # noqa: E402
 
 
 def _run(epochs: int, steps_per_epoch: int = 20) -> CurveData:
@@ -88,8 +87,8 @@ def test_an_edit_at_the_last_step_is_labelled_inside_the_plot_and_clear_of_the_l
     assert early.get_horizontalalignment() == "left" and late.get_horizontalalignment() == "right"
 
 
-def _population(diverged: int | None, members: int = 6, steps: int = 200) -> PopulationCurves:
-    curves = PopulationCurves(members)
+def _population(diverged: int | None, members: int = 6, steps: int = 200) -> CurveData:
+    curves = CurveData(members)
     rng = np.random.default_rng(0)
     t = np.arange(1, steps + 1)
     losses = np.stack([2.3 * (1 + m / 10) / t**0.3 for m in range(members)])
@@ -102,9 +101,9 @@ def _population(diverged: int | None, members: int = 6, steps: int = 200) -> Pop
 
 def test_a_diverged_member_leaves_the_population_plot_readable_and_is_named_above_it():
     labels = [f"learning_rate={lr:g}" for lr in (1e-4, 3e-4, 1e-3, 3e-3, 1e-2, 3)]
-    calm = PopulationFigure(labels)
+    calm = CurveFigure(labels)
     calm.png(_population(diverged=None))
-    wild = PopulationFigure(labels)
+    wild = CurveFigure(labels)
     wild.png(_population(diverged=5))
     (calm_ax,) = [ax for ax in calm.figure.axes if ax.get_lines()]
     (wild_ax,) = [ax for ax in wild.figure.axes if ax.get_lines()]
@@ -115,6 +114,35 @@ def test_a_diverged_member_leaves_the_population_plot_readable_and_is_named_abov
     said = " ".join(t.get_text() for t in wild_ax.texts)
     assert "member 5" in said and "above the plot" in said
     assert not any("above the plot" in t.get_text() for t in calm_ax.texts)
+
+
+def test_a_population_plots_each_metric_per_member_beside_its_loss_as_a_run_does():
+    """A run's metric plots (acc with val_acc by epoch) work for a population: one curve per
+    member in its colour, keyed by kind above the plot, and a last plot naming the members."""
+    labels = ["learning_rate=0.001", "learning_rate=0.01", "learning_rate=0.1"]
+    data = CurveData(len(labels))
+    data.add_steps(1, np.linspace(2.0, 0.5, 3 * 40).reshape(3, 40))
+    for epoch in (1, 2):
+        for member in range(3):
+            acc = 0.5 + 0.1 * epoch + 0.05 * member
+            row = {"epoch": epoch, "step": 20 * epoch, "loss": 1.0, "val_loss": 1.1}
+            data.add_row(row | {"acc": acc, "val_acc": acc - 0.02}, member)
+    data.add_row({"epoch": 3, "step": 40, "val_loss": 0.9, "stopped": "pruned"}, 1)
+    data.add_row({"epoch": 4, "step": 60, "val_loss": 0.8}, 1)  # after its stop: not drawn
+    figure = CurveFigure(labels)
+    images = figure.pngs(data)
+    loss, acc, members = figure.figure.axes
+    assert len(images) == 3 and figure.css_width == 3 * 380
+    assert acc.get_title("left") == "acc" and members.get_title("left") == "members"
+    colours = {line.get_color() for line in acc.get_lines() if len(line.get_xdata())}
+    assert len(colours) == 3  # each member's acc and val_acc, in its colour
+    assert len([line for line in acc.get_lines() if len(line.get_xdata()) == 2]) == 6
+    shown = [t.get_text() for t in acc.get_legend().get_texts()]
+    assert shown == ["acc", "val_acc"]  # one key per kind, not per member
+    named = [t.get_text() for t in members.get_legend().get_texts()]
+    assert named == [f"{i}: {label}" for i, label in enumerate(labels)]
+    val = [line for line in loss.get_lines() if line.get_label() == "val_loss"]
+    assert [list(line.get_xdata()) for line in val] == [[20, 40], [20, 40, 40], [20, 40]]
 
 
 def test_each_plot_is_its_own_image_cut_where_no_plot_crosses():

@@ -79,3 +79,30 @@ def test_a_failure_without_a_panel_prints_the_summary_and_the_traceback(kernel):
     )
     assert "nitro: " + SUMMARY.format("lines") in cell.stdout + cell.stderr
     _check_folded(cell.reply["content"]["traceback"])
+
+
+def test_a_population_whose_hook_fails_names_the_hook_as_a_run_does(kernel):
+    _import_broken(kernel)
+    started = kernel.run(
+        "popf = nitro.Population(broken_exp.Broken(), learning_rate=[1e-3, 1e-2])\n"
+        "%nitro train popf --background"
+    )
+    kernel.wait_for(
+        lambda m: (
+            m["parent_header"].get("msg_id") == started.msg_id
+            and m["msg_type"] == "stream"
+            and "RuntimeError: the loss is broken" in m["content"]["text"]
+        ),
+        what="the background population's traceback",
+    )
+    waited = kernel.run("%nitro wait popf", check=False)
+    assert "RuntimeError" in waited.error  # its wait() raises it
+    outputs = kernel.outputs(started.msg_id)
+    printed = "".join(o["text"] for o in outputs if o["output_type"] == "stream")
+    _check_folded(printed.splitlines())
+    records = [o["data"].get("text/html", "") for o in outputs if o["output_type"] != "stream"]
+    summary = (
+        "failed in hook Broken.loss (broken_exp.py, line 9): RuntimeError: the loss is broken "
+        "(`popf.wait()` raises it)"
+    )
+    assert any(summary in r and "<b>failed</b>" in r for r in records), (records, printed)

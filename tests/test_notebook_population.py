@@ -76,7 +76,7 @@ def test_a_population_trained_with_the_magic_leaves_a_record_of_every_member_ran
         "pop = nitro.Population(tiny_exp.Tiny(batches=5, max_epochs=2), "
         "learning_rate=[1e-3, 3e-2, 1e-1], seed=[0, 1])"
     )
-    assert kernel.eval("type(pop.reporter).__name__") == "'PopulationPanelReporter'"
+    assert kernel.eval("type(pop.reporter).__name__") == "'PanelReporter'"  # a run's
     before = _comms(kernel)
     cell = kernel.run("%nitro train pop")
     buttons = _opened(cell, "ButtonModel")  # the run's Stop, then one per member
@@ -117,6 +117,9 @@ def test_a_member_stop_button_prunes_it_and_the_others_train_on(kernel):
     assert "popb (3 members) is training in the background" in said
     kernel.wait_until("popb.epoch >= 2")
     kernel.wait_until("_table_is_ranked(popb)")  # the live table: each member's rank
+    # the run's plots: the loss and acc (each member's), then the members named
+    shown = f"[p.layout.display for p in {PANEL.format('popb')}.plots]"
+    kernel.wait_until(f"{shown} == ['', '', '', 'none']")
     # its rows stay in member order, although the best member is not member 0
     assert kernel.eval("_ranked(popb)[0] != 0 and _table_order(popb) == [0, 1, 2]") == "True"
     rows = kernel.eval(f"[row.model_id for row in {PANEL.format('popb')}.table.children]")
@@ -202,7 +205,10 @@ def test_stop_a_member_with_the_magic_and_status_lists_the_population(kernel):
     assert kernel.eval("popc.stopped") == "{1: 'stopped by %nitro stop popc 1'}"
     status = kernel.run("%nitro status popc").stdout
     assert "2 of 3 members training" in status
-    assert "  member 1 (learning_rate=0.03): stopped by %nitro stop popc 1" in status
+    stopped_at = (
+        f"  member 1 (learning_rate=0.03): stopped by %nitro stop popc 1 (at step {said[1]})"
+    )
+    assert stopped_at in status  # the step its record ends at, while the others train on
     assert "already stopped" in kernel.run("%nitro stop popc 1").stdout
     panel = PANEL.format("popc")
     kernel.wait_until(f"{panel}.member_buttons[1].description == 'Stopped'")
@@ -223,6 +229,9 @@ def test_stop_a_member_with_the_magic_and_status_lists_the_population(kernel):
         r"^popc +Tiny +stopped +\d+/1000 +\d+ +1 of 3 members stopped +(.*)$", listed, re.M
     )
     assert row and re.match(r"val_loss [\d.e+-]+ \(member [02]: learning_rate=", row.group(1))
+    # and its run directory among the runs on disk, named as the notebook names it
+    run_id = ast.literal_eval(kernel.eval("popc.run_id"))
+    assert re.search(rf"^{run_id} +popc +Tiny ", listed.split("on disk:")[1], re.M), listed
 
 
 def test_a_population_refuses_what_it_does_not_take_in_one_line(kernel):
@@ -236,8 +245,10 @@ def test_a_population_refuses_what_it_does_not_take_in_one_line(kernel):
 
     fresh = kernel.run("%nitro train popd --fresh", check=False)
     assert "popd is a nitro.Population" in fresh.error and "--fresh" in fresh.error
-    validate = kernel.run("%nitro validate popd", check=False)
+    validate = kernel.run("%nitro predict popd", check=False)
     assert "'popd' is a nitro.Population" in validate.error and "popd.best()" in validate.error
+    rows = kernel.run("%nitro validate popd").data()[-1]  # a row per member, as pop.validate()
+    assert "val_loss" in rows and "learning_rate" in rows
     extra = kernel.run("%nitro train popd 1", check=False)
     assert "%nitro train takes one target" in extra.error
     kernel.run("solo = tiny_exp.Tiny(batches=2)\n%nitro train solo")
@@ -263,6 +274,9 @@ def test_resume_continues_a_population_s_run_on_disk_or_says_why_it_cannot(kerne
     assert kernel.eval("popr.history().index.get_level_values('epoch').tolist()") == str(
         [1, 2, 3, 1, 2, 3]
     )
+    # its panel's curves start with the history it resumed, as a resumed run's do
+    curves = "[[r['epoch'] for r in rows] for rows in popr.reporter.curves.rows]"
+    assert kernel.eval(curves) == "[[1, 2, 3], [1, 2, 3]]"
 
     nothing = kernel.run(
         "popn = nitro.Population(tiny_exp.Tiny(batches=4), learning_rate=[2e-3], "
@@ -298,3 +312,25 @@ def test_the_interrupt_button_stops_a_population_trained_in_the_foreground(kerne
     assert sorted(_record_members(record)) == [0, 1], record
     step, reason = ast.literal_eval(kernel.eval("(pope.step, pope.stop_reason)"))
     assert reason == "requested" and 0 < step < 1000
+
+
+def test_panel_and_history_take_a_population_as_they_take_a_run(kernel):
+    """`%nitro panel` shows the panel of a population trained where no cell showed one (as
+    an agent's run), with its members' table and curves; `%nitro history` is its history."""
+    kernel.run(
+        "import threading\n"
+        "popt = nitro.Population(tiny_exp.Tiny(batches=4, max_epochs=2), "
+        "learning_rate=[1e-3, 1e-1])\n"
+        "_thread = threading.Thread(target=popt.train)\n_thread.start()\n_thread.join()"
+    )
+    assert kernel.eval("(popt.epoch, nitro_ipython.live_panel(popt))") == "(2, None)"
+    cell = kernel.run("%nitro panel popt")
+    (record,) = cell.updates()  # the run has ended: its record, with the curves so far
+    assert _record_members(record) == [0, 1] and "val_loss &#x25B2;" in record
+    assert re.search(r"<b>done</b> &middot; epoch 2/2 &middot; step 8 &middot; 2 members", record)
+    assert any("image/png" in m["content"]["data"] for m in cell.messages if "data" in m["content"])
+    history = kernel.run("%nitro history popt").data()[-1]
+    assert "member" in history and "learning_rate" in history and "val_loss" in history
+    plot = kernel.run("%nitro plot popt", check=False)
+    assert "'popt' is a nitro.Population" in plot.error and "history and panel" in plot.error
+    assert "popt.best()" in plot.error
