@@ -255,13 +255,6 @@ def test_what_a_population_cannot_vary_or_take_is_refused_naming_the_argument(co
                     session, "nitro_population", experiment=DIGITS, axes={"accum": [1, 2]}
                 ),
                 await refusal(
-                    session,
-                    "nitro_population",
-                    experiment=DIGITS,
-                    axes=lr,
-                    keywords={"val_every_steps": 10},
-                ),
-                await refusal(
                     session, "nitro_population", experiment=DIGITS, axes={"learning_rate": [-1.0]}
                 ),
                 await refusal(
@@ -288,8 +281,8 @@ def test_what_a_population_cannot_vary_or_take_is_refused_naming_the_argument(co
                 ),
             ]
 
-    graphconst, host, program, not_yet, value, both, neither, twice, unknown, by, outside = (
-        anyio.run(scenario)
+    graphconst, host, program, value, both, neither, twice, unknown, by, outside = anyio.run(
+        scenario
     )
     assert graphconst.startswith(
         "nitro_population: axes.width: width cannot vary across a population: it is a "
@@ -299,10 +292,6 @@ def test_what_a_population_cannot_vary_or_take_is_refused_naming_the_argument(co
     assert host.startswith("nitro_population: members[0].batch_size: batch_size cannot vary")
     assert "it is a Host field of Digits" in host
     assert program.startswith("nitro_population: axes.accum: accum cannot vary")
-    assert not_yet.startswith(
-        "nitro_population: keywords.val_every_steps: Population() does not take "
-        "val_every_steps= yet"
-    )
     assert value.startswith("nitro_population: axes.learning_rate[0]: learning_rate must be")
     assert both.startswith("nitro_population: members: give axes")
     assert neither.startswith("nitro_population: axes: give what varies across the members")

@@ -150,5 +150,3 @@ def test_members_list_and_shared_keywords():
     assert pop.steps_per_call == 1
     with pytest.raises(nitro.PopulationError, match="members= or list-valued axes"):
         nitro.Population(Digits(), members=[{}], seed=[0, 1])
-    with pytest.raises(nitro.PopulationError, match="val_every_steps"):
-        nitro.Population(Digits(), seed=[0, 1], val_every_steps=10)

@@ -58,7 +58,8 @@ def leaves(tree) -> dict[str, np.ndarray]:
 
 
 def without_timing(history: pd.DataFrame) -> pd.DataFrame:
-    return history.drop(columns=["epoch_seconds"])
+    timing = ["epoch_seconds", "data_wait_frac", "host_ms", "device_ms"]
+    return history.drop(columns=[c for c in timing if c in history])
 
 
 class PruneAfterFirstEpoch:

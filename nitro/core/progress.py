@@ -97,7 +97,7 @@ def format_row(row: dict[str, Any], max_epochs: int | None = None) -> str:
 
 
 # The columns of a population's rows that are not a member's results.
-_MEMBER_BOOKKEEPING = {"member", "epoch", "step", "epoch_seconds", "stopped", "nonfinite_steps"}
+_MEMBER_BOOKKEEPING = {"member", "epoch", "step", "stopped", "nonfinite_steps", *TIMING_COLUMNS}
 
 
 def settings_label(settings: Mapping[str, Any]) -> str:

@@ -22,7 +22,9 @@ below; never the handle.
 - `live_edit`: code edited while a handle trains, re-frozen and compiled beside the run
 - `swaps`: the records of live edits, and the loop's side of a swap
 - `profiling`: `n.profile()`'s measurements: each call's time taken apart, the device's peak
-- `population`: a population's loop (members stacked on a leading axis)
+- `member_axis`: who the loop, evaluation and prediction train: `SINGLE` (a run) or `Stacked` (a
+  population's members, on a leading axis)
+- `population`: a population's records (its members, the stacked state, pruning)
 """
 
 __all__: list[str] = []

@@ -16,6 +16,7 @@ from nitro.core.metrics import MetricAccumulator, flatten_metrics, split_modes
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import EvalOutput, TrainState, Variables
 from nitro.engine.feed import StepFeed
+from nitro.engine.member_axis import SINGLE
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl
 from nitro.errors import SetupError
@@ -70,38 +71,60 @@ def evaluate_split(
     control: RunControl,
     split: str,
     weights: str | None = None,
-) -> dict[str, Any] | None:
+    members: Any = SINGLE,
+) -> Any:
     """Loss and metrics over one split, prefixed with its name (`val_loss`, `val_acc`); None
-    when a stop request cut it short (partial results are never returned)."""
+    when a stop request cut it short (partial results are never returned). With `members`
+    (a `Stacked` members object: `nitro.engine.member_axis`), every member's, from one vmapped
+    forward per batch: a list of one dict per member, each member's metrics hook on its own
+    outputs."""
+    stacked = members.stacked
+    parts, feed = members.parts(setup, runtime), members.feed(runtime)
     info = setup.split(split)
     fields = info.hook_fields
     with_loss = "loss" in fields
     has_metrics = "metrics" in setup.experiment.hooks
     residency = setup.experiment.residency.get("metrics", "host")
-    accumulator = MetricAccumulator("metrics")
-    loss_sum, samples = 0.0, 0
+    accumulators = [MetricAccumulator("metrics") for _ in parts]
+    loss_sums, samples = [0.0] * len(parts), 0
     programs_by_count: dict[int, Any] = {}
     variables = weights_of(setup, state, weights)
-    block = _eval_block(setup, runtime, info, has_metrics and residency == "device")
+    block = (
+        1 if stacked else _eval_block(setup, runtime, info, has_metrics and residency == "device")
+    )
     stream = runtime.prefetcher(split).epoch(0, block=block)
-    feed = runtime.feed
+    device = feed.current_device() if stacked else None  # stacked once: one transfer
 
     def account_batch(result: EvalOutput, host_fields, n_real: int, outputs=None) -> None:
-        nonlocal loss_sum, samples
+        nonlocal samples
         if with_loss:
-            loss_sum += float(result.loss_sum)
+            if stacked:
+                for i, value in enumerate(np.asarray(result.loss_sum, np.float64).tolist()):
+                    loss_sums[i] += value
+            else:
+                loss_sums[0] += float(result.loss_sum)
         if has_metrics:
+            host = None
             if residency == "host":
-                outputs = jax.tree.map(lambda a, n=n_real: a[:n], outputs)
+                rows = (slice(None), slice(0, n_real)) if stacked else slice(0, n_real)
+                outputs = jax.tree.map(lambda a, rows=rows: a[rows], outputs)
                 host = setup.placement.gather(select(host_fields, fields["metrics"]))
                 host = {k: v[:n_real] for k, v in host.items()}
-                values = runtime.call_host_hook(setup, "metrics", outputs, **host)
-                specs, leaves = split_modes(values, "metrics")
-            else:
-                specs, leaves = device_metrics(
-                    setup, feed, programs, split, result.outputs, staged_now, n_real
-                )
-            accumulator.add(specs, leaves, n_real)
+            for i, (own_setup, own_runtime) in enumerate(parts):
+                if residency == "host":
+                    mine = outputs if not stacked else jax.tree.map(lambda a, i=i: a[i], outputs)
+                    values = own_runtime.call_host_hook(own_setup, "metrics", mine, **host)
+                    specs, leaves = split_modes(values, "metrics")
+                else:
+                    mine = result.outputs
+                    if stacked:
+                        mine = jax.tree.map(lambda a, i=i: a[i], result.outputs)
+                    specs, leaves = device_metrics(
+                        own_setup, own_runtime.feed, programs, split, mine, staged_now, n_real
+                    )
+                    if stacked:
+                        delete(mine)
+                accumulators[i].add(specs, leaves, n_real)
         samples += n_real
 
     def account(staged, result: EvalOutput, n_real) -> None:
@@ -130,7 +153,7 @@ def evaluate_split(
     def dispatch(staged) -> EvalOutput:
         count = staged.count
         real = _real(staged)
-        args = (variables, feed.current_device(), staged.device, real)
+        args = (variables, device if stacked else feed.current_device(), staged.device, real)
         program = programs_by_count.get(count)
         if program is None:
             program = programs_by_count[count] = programs.eval_forward(
@@ -138,18 +161,27 @@ def evaluate_split(
             )
         return program(*args)
 
-    stopped = not read_one_late(
-        stream, control, dispatch, lambda staged, result: account(staged, result, _real(staged))
-    )
+    try:
+        stopped = not read_one_late(
+            stream, control, dispatch, lambda staged, result: account(staged, result, _real(staged))
+        )
+    finally:
+        if stacked:
+            delete(device)
     if stopped:
         return None
-    results: dict[str, Any] = {}
-    if with_loss and samples:
-        results["loss"] = loss_sum / samples
-    if not accumulator.empty:
-        results.update(accumulator.result())
-    results = finalize_metrics(setup, runtime, results, split)
-    return {f"{split}_{k}": v for k, v in results.items()}
+    out = []
+    for (own_setup, own_runtime), accumulator, loss_sum in zip(
+        parts, accumulators, loss_sums, strict=True
+    ):
+        results: dict[str, Any] = {}
+        if with_loss and samples:
+            results["loss"] = loss_sum / samples
+        if not accumulator.empty:
+            results.update(accumulator.result())
+        results = finalize_metrics(own_setup, own_runtime, results, split)
+        out.append({f"{split}_{k}": v for k, v in results.items()})
+    return out if stacked else out[0]
 
 
 def _real(staged) -> Any:

@@ -27,7 +27,7 @@ import numpy as np
 from nitro.optim.schedules import BoundSchedule
 from nitro.programs.tracing import RNG_FIELD
 
-__all__ = ["StepFeed"]
+__all__ = ["StackedFeed", "StepFeed"]
 
 _CHUNK = 1024
 
@@ -332,3 +332,39 @@ class StepFeed:
         self._device_host[name] = array
         self._device = {**self._device, name: self.placement.put_replicated(array)}
         self._version += 1
+
+
+def _stacked(values: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
+    return {name: np.stack([v[name] for v in values]) for name in values[0]}
+
+
+class StackedFeed:
+    """The feeds of a population's members as one feed, with `StepFeed`'s interface for the
+    loop: each value is every member's, evaluated on the host as its own run's feed does,
+    stacked on a leading member axis and placed by `place` (one transfer per argument)."""
+
+    def __init__(self, feeds: Sequence[StepFeed], place: Callable[[Any], Any]):
+        self.feeds = tuple(feeds)
+        self.place = place
+        self.hyper_names = self.feeds[0].hyper_names
+        self.device_dtypes = self.feeds[0].device_dtypes
+
+    def hparams(self, step: int):
+        return self.place(np.stack([feed.hparams_host(step) for feed in self.feeds]))
+
+    def hparams_block(self, start: int, count: int):
+        return self.place(np.stack([feed.hparams_host(start, count) for feed in self.feeds]))
+
+    def device(self, step: int) -> dict[str, Any]:
+        return self.place(_stacked([feed.device_host(step) for feed in self.feeds]))
+
+    def device_block(self, start: int, count: int) -> dict[str, Any]:
+        return self.place(_stacked([feed.device_host(start, count) for feed in self.feeds]))
+
+    def current_device(self) -> dict[str, Any]:
+        """Every member's Device fields as they are now (what evaluation sees)."""
+        return self.place(_stacked([feed.device_host_values() for feed in self.feeds]))
+
+    def hyperparams_at(self, step: int) -> dict[str, float]:
+        """The first member's hyperparameters at `step` (a member's own feed has its own)."""
+        return self.feeds[0].hyperparams_at(step)

@@ -46,14 +46,15 @@ import jax.numpy as jnp
 import numpy as np
 
 from nitro.core.events import Events
-from nitro.core.metrics import MetricAccumulator, split_modes
+from nitro.core.metrics import split_modes
 from nitro.core.run_setup import RunSetup
-from nitro.core.train_state import EpochTotals, TrainState
+from nitro.core.train_state import TrainState
 from nitro.data import is_index_addressable
 from nitro.data.prefetch import EpochStream
 from nitro.engine import swaps
 from nitro.engine.diagnostics import data_wait_advice, divergence_message, shape_error
 from nitro.engine.evaluation import delete, evaluate_split, finalize_metrics
+from nitro.engine.member_axis import SINGLE
 from nitro.engine.profiling import PASS_THROUGH
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl
@@ -116,13 +117,17 @@ class _Epoch:
         programs: ProgramSet,
         events: Events,
         control: RunControl,
+        members: Any = SINGLE,
+        state: TrainState | None = None,
     ):
         self.setup = setup
         self.runtime = runtime
         self.programs = programs
         self.events = events
         self.control = control
-        self.healthy = setup.placement.put_replicated(jnp.asarray(True))
+        self.members = members  # SINGLE, or a population's `Stacked` members
+        self.feed = members.feed(runtime)
+        self.healthy = members.healthy(setup, state)
         self.dispatched = 0
         self.target = 0  # the epoch this run trains to
         self.stop_at: int | None = None  # the step this run stops at (max_steps, steps=)
@@ -168,8 +173,9 @@ def train_epochs(
     events: Events,
     control: RunControl,
     target: int,
-    after_epoch: Callable[[TrainState, dict[str, Any], int | None], str | None] | None = None,
+    after_epoch: Callable[[TrainState, Any, int | None], str | None] | None = None,
     stop_at: int | None = None,
+    members: Any = SINGLE,
 ) -> tuple[TrainState, str]:
     """Train until epoch `target`, step `stop_at` (mid-epoch if need be: the last call is cut
     to end there) or a stop request; returns the state and the stop reason ("completed",
@@ -183,8 +189,11 @@ def train_epochs(
     An epoch is a transaction: its history row is committed (and `state.epoch` moves) once
     its training and its validation are both complete. An epoch trained but not validated
     (a stop or an error during validation) is validated first by the next call.
+
+    `members`: who trains (`nitro.engine.member_axis`): `SINGLE`, or a population's `Stacked`
+    members, whose rows `after_epoch` then gets as a list (`finish_epoch`).
     """
-    run = _Epoch(setup, runtime, programs, events, control)
+    run = _Epoch(setup, runtime, programs, events, control, members, state)
     runtime.dispatch.start_run()
     run.dispatched = state.step
     run.target = target
@@ -196,7 +205,9 @@ def train_epochs(
                 row = _host_guarded(
                     run,
                     state,
-                    lambda: finish_epoch(run.setup, runtime, state, run.programs, events, control),
+                    lambda: finish_epoch(
+                        run.setup, runtime, state, run.programs, events, control, members
+                    ),
                 )
                 if row is None:
                     break  # validation stopped: the epoch stays trained, not committed
@@ -209,7 +220,7 @@ def train_epochs(
                 break
             events.phase("training")
             if state.totals is None:
-                state.totals = EpochTotals(train_metrics=MetricAccumulator("train_metrics"))
+                state.totals = members.start_epoch(state)
             if not _train_epoch(run, state, target):
                 break
             state.epoch_trained = True
@@ -219,7 +230,8 @@ def train_epochs(
                 run.upcoming = Upcoming(
                     state.epoch + 1,
                     plan.layout(updates),
-                    runtime.prefetcher("train").epoch(
+                    members.open(
+                        runtime,
                         state.epoch + 1,
                         block=_capped(run, plan.blocks(updates), state.step),
                         group=run.setup.accum,
@@ -248,9 +260,61 @@ def finish_epoch(
     programs: ProgramSet,
     events: Events,
     control: RunControl,
-) -> dict[str, Any] | None:
+    members: Any = SINGLE,
+) -> Any:
     """Validate a trained epoch and commit its history row; returns the row, or None when a
-    stop request cut validation short (then nothing is recorded and the epoch stays trained)."""
+    stop request cut validation short (then nothing is recorded and the epoch stays trained).
+    A population's (`members` stacked): every member's row, evaluated by one vmapped forward
+    per batch and committed to its own history; the rows of those that trained in the epoch
+    are returned as `Population.history()` has them."""
+    totals = state.totals
+    assert totals is not None  # a trained epoch has its totals
+    stacked = members.stacked
+    rows = members.rows(state, finalize_metrics) if stacked else [_row(setup, runtime, state)]
+    for split in setup.eval_splits:  # ("val",) by default, each under its own prefix
+        if control.stop.is_set():
+            return None
+        events.phase("validating")
+        metrics = evaluate_split(setup, runtime, state, programs, control, split, members=members)
+        if metrics is None:
+            _acknowledge_interrupt(control)  # an interrupt during the epoch's validation
+            return None
+        for row, values in zip(rows, metrics if stacked else [metrics], strict=True):
+            if row is not None:  # None: a member stopped before the epoch
+                row.update(values)
+    wait_frac = totals.wait_seconds / totals.seconds if totals.seconds > 0 else 0.0
+    timing = {"data_wait_frac": wait_frac, "epoch_seconds": totals.seconds}
+    timing.update(totals.step_times())  # host_ms, device_ms
+    if stacked:
+        committed = members.commit(state, rows, timing, events)
+    else:
+        committed = rows[0]
+        committed.update(timing)
+        state.history.append(committed)
+    state.epoch += 1
+    state.position = 0
+    state.data_state = None
+    state.totals = None
+    state.epoch_trained = False
+    if not stacked:
+        events.end_epoch(committed)
+    prefetcher = runtime.prefetcher("train")
+    # batches "auto" chose to build on the loop thread took microseconds each: worker threads
+    # would cost more in hand-overs than they save (measured), so their share is not advice
+    cheap = prefetcher.path == "inline" and prefetcher.auto_inline
+    if wait_frac > DATA_WAIT_WARN and totals.steps >= DATA_WAIT_MIN_STEPS and not cheap:
+        DATA_WAIT_WARNING.warn(
+            f"the training loop waited for data {wait_frac:.0%} of epoch {state.epoch}. "
+            + data_wait_advice(setup, prefetcher),
+            module="nitro.engine.loop",
+        )
+    return committed
+
+
+def _row(setup: RunSetup, runtime: RunTime, state: TrainState) -> dict[str, Any]:
+    """A run's row of the epoch just trained, before evaluation: its training loss (NaN,
+    with a count, where `check_divergence=False` trained through non-finite steps), float16's
+    loss scale and the train metrics."""
     totals = state.totals
     assert totals is not None  # a trained epoch has its totals
     row: dict[str, Any] = {"epoch": state.epoch + 1, "step": state.step}
@@ -264,44 +328,13 @@ def finish_epoch(
                 f"epoch's loss is NaN; the history's 'nonfinite_steps' column counts them. "
                 f"The weights may be NaN too: check_divergence=True stops at the first.",
                 RuntimeWarning,
-                stacklevel=2,
+                stacklevel=3,
             )
     elif totals.loss_count:
         row["loss"] = totals.loss_sum / totals.loss_count
     row.update(epoch_columns(state.variables.loss_scale, state.history))  # float16's scale
     if not totals.train_metrics.empty:
         row.update(finalize_metrics(setup, runtime, totals.train_metrics.result(), "train"))
-    for split in setup.eval_splits:  # ("val",) by default, each under its own prefix
-        if control.stop.is_set():
-            return None
-        events.phase("validating")
-        metrics = evaluate_split(setup, runtime, state, programs, control, split)
-        if metrics is None:
-            _acknowledge_interrupt(control)  # an interrupt during the epoch's validation
-            return None
-        row.update(metrics)
-    wait_frac = totals.wait_seconds / totals.seconds if totals.seconds > 0 else 0.0
-    row["data_wait_frac"] = wait_frac
-    row["epoch_seconds"] = totals.seconds
-    row.update(totals.step_times())  # host_ms, device_ms
-    # commit
-    state.history.append(row)
-    state.epoch += 1
-    state.position = 0
-    state.data_state = None
-    state.totals = None
-    state.epoch_trained = False
-    events.end_epoch(row)
-    prefetcher = runtime.prefetcher("train")
-    # batches "auto" chose to build on the loop thread took microseconds each: worker threads
-    # would cost more in hand-overs than they save (measured), so their share is not advice
-    cheap = prefetcher.path == "inline" and prefetcher.auto_inline
-    if wait_frac > DATA_WAIT_WARN and totals.steps >= DATA_WAIT_MIN_STEPS and not cheap:
-        DATA_WAIT_WARNING.warn(
-            f"the training loop waited for data {wait_frac:.0%} of epoch {state.epoch}. "
-            + data_wait_advice(setup, prefetcher),
-            module="nitro.engine.loop",
-        )
     return row
 
 
@@ -337,7 +370,8 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
                     upcoming.stream.close()
                 done = state.position // setup.accum
                 blocks = _aligned(plan.blocks(updates, done), done)
-                stream = runtime.prefetcher("train").epoch(
+                stream = run.members.open(
+                    runtime,
                     state.epoch,
                     start=state.position,
                     block=_capped(run, blocks, state.step),
@@ -435,6 +469,7 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
     time against one step, or its decision; reopen the stream)."""
     stop, stop_at, profiler = run.control.stop, run.stop_at, run.profiler
     steps = run.boundaries.for_stream(run)
+    members = run.members
     run.switchable = switchable = is_index_addressable(run.runtime.prefetcher("train").source)
     run.restart_timing()
     ended = "ended"
@@ -448,6 +483,10 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
             if stop_at is not None and run.dispatched >= stop_at:
                 staged.free()  # staged ahead: the run stops at max_steps before it
                 ended = "max_steps"
+                break
+            if members.stacked and members.before_call(run, state):
+                staged.free()  # every member has stopped (pop.stop(i), early stopping)
+                ended = "interrupted"
                 break
             profiler.mark("data", run.dispatched)
             for before_call in steps.before_call:
@@ -502,7 +541,7 @@ def _dispatch(run: _Epoch, state: TrainState, staged) -> tuple[_Pending, bool]:
     """Dispatch the call of `staged` on the run's variables (they become its output); returns
     the call, and whether the dispatch plan changed its call sizes at it (the stream then
     reopens once it is read back, where the stream's source allows)."""
-    feed, plan = run.runtime.feed, run.runtime.dispatch
+    feed, plan = run.feed, run.runtime.dispatch
     index, count, micro = run.dispatched, staged.count, staged.group
     if count == 1:
         args = (
@@ -542,7 +581,7 @@ def _dispatch(run: _Epoch, state: TrainState, staged) -> tuple[_Pending, bool]:
         if stepwise:
             single = functools.partial(_program, run, state, index, count=1, micro=micro)
             out, same, seconds = one_at_a_time(
-                single, feed, index, args, count, micro, restore, program
+                single, feed, index, args, count, micro, restore, program, run.members.stacked
             )
             program = run.programs_by_count[(1, micro, restore)]
             if checking:
@@ -556,6 +595,8 @@ def _dispatch(run: _Epoch, state: TrainState, staged) -> tuple[_Pending, bool]:
         raise shape_error(run.setup, staged, error) from None
     run.profiler.dispatched(index, count, program, out.report)  # a timer waits for it here
     state.variables, run.healthy = out.variables, out.healthy
+    if run.members.stacked:
+        state.healthy = out.healthy  # type: ignore[attr-defined]
     run.dispatched += count
     after = out.variables if before is not None else None
     return _Pending(index, out.report, out.metrics, staged, program, before, after), switch
@@ -829,19 +870,28 @@ def _validate_within(run: _Epoch, state: TrainState) -> bool:
     to the reporters. False when a stop request cut it short (nothing is recorded)."""
     setup, runtime, control, events = run.setup, run.runtime, run.control, run.events
     row: dict[str, Any] = {"step": state.step, "epoch": state.epoch + 1}
+    members, results = run.members, None  # a population's: each member's metrics
     for split in setup.eval_splits:
         events.phase("validating")
         metrics = _host_guarded(
             run,
             state,
             lambda split=split: evaluate_split(
-                run.setup, runtime, state, run.programs, control, split
+                run.setup, runtime, state, run.programs, control, split, members=members
             ),
         )
         if metrics is None:
             _acknowledge_interrupt(control)
             return False
-        row.update(metrics)
+        if members.stacked:
+            merged = zip(results or metrics, metrics, strict=True)
+            results = [{**a, **b} for a, b in merged]
+        else:
+            row.update(metrics)
+    if results is not None:
+        members.validated(state, results)
+        events.phase("training")
+        return True
     state.validations.append(row)
     events.validated(row)
     events.phase("training")
@@ -860,6 +910,12 @@ def _drain(item: _Pending) -> None:
 def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
     """Read back one call (it has finished once its report arrives), free its batches, and
     account each of its steps."""
+    if run.members.stacked:
+        try:
+            run.members.complete(state, item, run.events, item.program)
+        finally:
+            delete(item.metrics)
+        return
     setup = run.setup
     residency = setup.experiment.train_metrics_residency
     metrics = item.metrics

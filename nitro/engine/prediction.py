@@ -22,6 +22,7 @@ from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState
 from nitro.data import pad_batch
 from nitro.engine.evaluation import delete, weights_of
+from nitro.engine.member_axis import SINGLE
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl
 from nitro.engine.setup import batch_size
@@ -173,16 +174,23 @@ def predict_batch(
     control: RunControl,
     batch: Mapping[str, Any],
     weights: str | None = None,
+    members: Any = SINGLE,
 ) -> Any:
     """`forward`'s outputs for every row of `batch`, as host numpy: `ceil(rows / width)`
-    device calls of one compiled width (`prediction_width`), whatever ran before."""
+    device calls of one compiled width (`prediction_width`), whatever ran before. With
+    `members` (a `Stacked` members object), every member's, with a leading member axis
+    (`[members, rows, ...]`), from one vmapped forward per chunk."""
+    stacked = members.stacked
     variables = weights_of(setup, state, weights)
     fields = setup.experiment.hook_fields["forward"].resolve(tuple(batch), "predict")
     host = check_fields(setup, {k: batch[k] for k in fields})
+    feed = members.feed(runtime)
+    values = feed.current_device() if stacked else None  # stacked once: one transfer
 
     def run(part: Mapping[str, np.ndarray], n_real: int, width: int) -> Any:
         device = setup.placement.put_batch(setup.placement.local_rows(part))
-        args = (variables, runtime.feed.current_device(), device, np.int32(n_real))
+        fed = values if stacked else feed.current_device()
+        args = (variables, fed, device, np.int32(n_real))
         try:
             result = programs.predict(width, fields, args)(*args)
         except (TypeError, ValueError) as error:
@@ -195,7 +203,11 @@ def predict_batch(
         delete(device)
         return outputs
 
-    return in_chunks(setup, control, host, run)
+    try:
+        return in_chunks(setup, control, host, run, axis=1 if stacked else 0)
+    finally:
+        if stacked:
+            delete(values)
 
 
 def in_chunks(

@@ -51,13 +51,15 @@ def one_at_a_time(
     micro: int,
     restore: bool,
     fused: Any = None,
+    members: bool = False,
 ) -> tuple[StepOutput, bool, float]:
     """The `count` steps of a fused call (its `args`, from step `index`), one at a time by the
     single-step program (`single(args=)`, given the first step's arguments): their output stacked as the fused call's would be. With
     `fused` (the fused program), that runs first on a copy of the variables (the input
     itself where `restore`: nothing is donated) and is thrown away; returns (the output,
     whether the fused call's variables and reports matched the single steps' bit for bit,
-    the seconds the copy's call took)."""
+    the seconds the copy's call took). `members`: a population's call, whose reports and
+    metrics have the member axis before the steps'."""
     variables, healthy, _, _, batches = args
     shadow, seconds = None, 0.0
     if fused is not None:
@@ -75,11 +77,12 @@ def one_at_a_time(
         out = single(args=one)(*one)
         variables, healthy = out.variables, out.healthy
         outputs.append(out)
+    axis = 1 if members else 0
     stacked = StepOutput(
         variables,
         healthy,
-        jnp.stack([o.report for o in outputs]),
-        jax.tree.map(lambda *xs: jnp.stack(xs), *[o.metrics for o in outputs]),
+        jnp.stack([o.report for o in outputs], axis),
+        jax.tree.map(lambda *xs: jnp.stack(xs, axis), *[o.metrics for o in outputs]),
     )
     same = True
     if shadow is not None:

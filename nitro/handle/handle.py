@@ -58,7 +58,7 @@ from nitro.programs.staleness import stale_changes, stale_report
 from nitro.runs.lifecycle import RunFiles, check_watched_metrics
 from nitro.runs.weights import AveragedWeights, CheckpointWeights, WeightsSource
 
-__all__ = ["EXTENSIONS", "Nitro"]
+__all__ = ["EXTENSIONS", "Nitro", "check_amount", "check_experiment", "weights_source"]
 
 # Methods of the handle built on the layer above it (a population): that layer registers
 # them here on import (`nitro.handle` imports it), so the handle never imports it.
@@ -66,7 +66,7 @@ __all__ = ["EXTENSIONS", "Nitro"]
 EXTENSIONS: dict[str, Callable[..., Any]] = {}
 
 
-def _check_experiment(experiment: Any) -> type:
+def check_experiment(experiment: Any) -> type:
     if isinstance(experiment, type) and hasattr(experiment, "__nitro_fields__"):
         raise ExperimentError(
             f"Nitro() takes an experiment instance, not the class: Nitro({experiment.__name__}())"
@@ -102,7 +102,7 @@ class Nitro:
     """
 
     def __init__(self, experiment: Any, **keywords: Any):
-        cls = _check_experiment(experiment)
+        cls = check_experiment(experiment)
         instance = dataclasses.replace(experiment)  # frozen copy of the configuration
         weights = keywords.pop("weights", None)
         data = keywords.pop("data", None)
@@ -142,7 +142,7 @@ class Nitro:
         self._live_scheduled: set[str] = set()  # Device fields scheduled by set_schedule
         self._live_lock = threading.Lock()
         self._stale_checked = (edit_generation(), 0.0)
-        source = _weights_source(weights)
+        source = weights_source(weights)
         with events_module.using(self._events):
             self._setup, self._runtime, self._state = build(
                 instance,
@@ -440,7 +440,7 @@ class Nitro:
                     f"{', '.join(self._setup.splits) or 'none'}); it can validate, evaluate "
                     f"and predict"
                 )
-            _check_amount(epochs, steps)
+            check_amount(epochs, steps)
             self._guard.claim("training", background=background)
             started = False
             try:
@@ -1208,7 +1208,7 @@ if Nitro.__doc__ is not None:  # None under python -OO
     Nitro.__doc__ = f"{inspect.cleandoc(Nitro.__doc__)}\n\n{keywords_doc()}"
 
 
-def _check_amount(epochs: Any, steps: Any) -> None:
+def check_amount(epochs: Any, steps: Any) -> None:
     """Refuse `train(epochs=, steps=)` unless each given is a positive int, and not both."""
     for name, value in (("epochs", epochs), ("steps", steps)):
         if value is not None and (
@@ -1226,7 +1226,8 @@ def _prefixed(row: Mapping[str, Any], prefix: str) -> dict[str, Any]:
     return {k: v for k, v in row.items() if k.startswith(prefix)}
 
 
-def _weights_source(weights: Any):
+def weights_source(weights: Any):
+    """What `weights=` names, as a source of initial weights (None: fresh ones)."""
     if weights is None:
         return None
     if isinstance(weights, Nitro):

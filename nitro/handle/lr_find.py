@@ -22,9 +22,10 @@ from typing import Any
 import jax
 import numpy as np
 
+from nitro.engine.dispatch import MAX_STEPS as FUSED_LIMIT
 from nitro.errors import DivergenceError, Interrupted, OptimizerError, ScheduleError, SetupError
 from nitro.handle.handle import EXTENSIONS, Nitro
-from nitro.handle.population import AUTO_STEPS_LIMIT, Population
+from nitro.handle.population import Population
 from nitro.runs.weights import WeightsSource, copy_array
 
 __all__ = ["LRFindResult", "lr_find"]
@@ -340,11 +341,11 @@ def _steps_an_epoch(handle: Nitro) -> int | None:
 def _calls(steps: int, per_epoch: int | None) -> tuple[int, int]:
     """(steps per call, `steps` rounded up to whole calls) such that every call is the same
     program: K-step calls that fit the first epoch, or, past it, a K that divides the epoch."""
-    calls = -(-steps // AUTO_STEPS_LIMIT)
+    calls = -(-steps // FUSED_LIMIT)
     k = -(-steps // calls)
     if per_epoch is None or calls * k <= per_epoch:
         return k, calls * k
-    k = max(d for d in range(1, min(per_epoch, AUTO_STEPS_LIMIT) + 1) if not per_epoch % d)
+    k = max(d for d in range(1, min(per_epoch, FUSED_LIMIT) + 1) if not per_epoch % d)
     return k, -(-steps // k) * k
 
 

@@ -27,13 +27,17 @@ from nitro.core import progress
 from nitro.core.events import Events
 from nitro.core.train_state import Variables
 from nitro.engine import population as engine
+from nitro.engine.evaluation import evaluate_split
+from nitro.engine.loop import train_epochs
+from nitro.engine.member_axis import Stacked
+from nitro.engine.prediction import predict_batch
 from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_keywords import RUN_KEYWORDS, resolve_run_keywords
 from nitro.engine.runner import Run, RunControl, RunGuard, sigint_requests_stop, wait_for
 from nitro.engine.setup import build
 from nitro.errors import PopulationError, SetupError
 from nitro.experiments.declaration import FieldKind, field_specs
-from nitro.handle.handle import Nitro, _check_amount, _check_experiment, _weights_source
+from nitro.handle.handle import Nitro, check_amount, check_experiment, weights_source
 from nitro.handle.population_lifecycle import FILE_KEYWORDS, PopulationLife
 from nitro.programs.compile_cache import graphconst_keys
 from nitro.programs.specs import ProgramSet
@@ -68,14 +72,6 @@ PROGRAM_KEYWORDS = {
     "eval_splits": "the population validates one set of splits",
 }
 
-# Shared keywords a population does not take yet (each would need its own per-member record).
-NOT_YET = {
-    "val_every_steps": "evaluation within epochs",
-    "max_steps": "max_steps",
-}
-
-AUTO_STEPS_LIMIT = 64  # "auto" fuses at most this many steps per call
-
 
 class Population:
     """Members of one experiment, differing in fed values, trained by one program.
@@ -98,7 +94,7 @@ class Population:
         mesh_axis: str = "members",
         **keywords: Any,
     ):
-        cls = _check_experiment(experiment)
+        cls = check_experiment(experiment)
         given = {"members": members, "batches": batches, "mesh_axis": mesh_axis}
         self._given = (experiment, {k: v for k, v in given.items() if v is not None} | keywords)
         if mesh_axis not in ("members", "batch"):
@@ -114,7 +110,7 @@ class Population:
             )
         self._mesh_axis = mesh_axis
         # shared by every member, as Nitro(...) takes them: where the weights start, the splits
-        self._weights = _weights_source(keywords.pop("weights", None))
+        self._weights = weights_source(keywords.pop("weights", None))
         self._data = keywords.pop("data", None)
         # a list is an axis; logger=[...] is the population's loggers (each member a copy)
         axes = {k: v for k, v in keywords.items() if isinstance(v, list) and k != "logger"}
@@ -196,10 +192,10 @@ class Population:
         if lead.setup.early_stop is not None:
             setup = lead.setup
             lead.setup.early_stop.check(tuple(setup.splits), None, setup.eval_splits)
-        self._programs = ProgramSet(lead.setup)
+        self._programs = ProgramSet(lead.setup, len(settings), own_batches=batches == "own")
         self._state: engine.PopulationState | None = None  # stacked on first use
+        self._axis: Stacked | None = None  # the loop's members object, with the state
         self._stacking = threading.Lock()  # pop.stop(i) may stack before the run's thread
-        self._steps_per_call = _steps_per_call(lead.setup, lead.setup.keywords)
         self._stop_reason: str | None = None
         guard = self._guard  # not the population: its run directory's lock must not keep it
         self._life = PopulationLife.plan(
@@ -296,12 +292,15 @@ class Population:
         return self._target
 
     @property
-    def steps_per_call(self) -> int:
+    def steps_per_call(self) -> int | None:
         """Training steps each program call runs for every member (`steps_per_dispatch=`;
-        "auto": the K up to 64 that makes an epoch the fewest calls, K-step calls then the
-        remainder one step per call; on a tie one that divides the epoch, so that every
-        call is one program)."""
-        return self._steps_per_call
+        "auto": as a run's, measured while the population trains; None until it decided)."""
+        return self._members[0].runtime.dispatch.steps
+
+    @property
+    def dispatch(self):
+        """Steps per program call as decided so far (a `DispatchChoice`, as `n.dispatch`)."""
+        return self._members[0].runtime.dispatch.choice
 
     @property
     def stop_reason(self) -> str | None:
@@ -320,16 +319,22 @@ class Population:
                     state.variables = Variables(params=[], model_state=[])
                 lead = states[0]
                 setup = self._members[0].setup
-                place = engine.member_placement(setup, self._mesh_axis, len(states))
+                place = engine.member_placement(setup, self._mesh_axis)
                 self._state = engine.PopulationState(
-                    place(variables),
-                    place(healthy),
-                    lead.step,
-                    lead.epoch,
+                    variables=place(variables),
+                    step=lead.step,
+                    epoch=lead.epoch,
+                    healthy=place(healthy),
                     batches=self._batches_mode,
                     place=place,
                 )
+                self._axis = Stacked(self._members, self._state, self._say)
             return self._state
+
+    def _stacked_members(self) -> Stacked:
+        self._stacked()
+        assert self._axis is not None  # made with the state
+        return self._axis
 
     # ------------------------------------------------------------------------------------------
     # training and evaluation
@@ -341,17 +346,25 @@ class Population:
         more steps (mid-epoch if need be), in one program per call, on a worker thread.
         Blocks unless `background=True` (then `pop.wait()` waits, `pop.stop()` stops);
         Ctrl-C stops after the current call, and `train()` again goes on from there."""
-        _check_amount(epochs, steps)
+        check_amount(epochs, steps)
         lead = self._members[0]
-        stop_at = None
+        pending = int(self._state is not None and self._state.epoch_trained)
+        # epochs=N or steps=N train that much more, past max_epochs and max_steps
+        stop_at = lead.setup.max_steps if epochs is None else None
         if steps is not None:
             stop_at = self.step + steps
             target = self.epoch + 1 + (steps + self._position() - 1) // max(1, self._batches())
+        elif stop_at is not None and self.step >= stop_at and not pending:
+            progress.note(
+                f"already trained to max_steps={stop_at}; pop.train(steps=N) trains N more "
+                f"steps, pop.train(epochs=N) N more epochs"
+            )
+            return self
         elif epochs is not None:
-            target = self.epoch + epochs
+            target = self.epoch + pending + epochs
         else:
             target = max(lead.setup.max_epochs, self._target)
-        if target <= self.epoch:
+        if target <= self.epoch and not pending:
             progress.note(
                 f"already trained {self.epoch} of max_epochs={lead.setup.max_epochs} epochs; "
                 f"pop.train(epochs=N) trains N more"
@@ -408,23 +421,29 @@ class Population:
             with events_module.using(events):
                 self._life.prepare()  # refused here: nothing has started
                 events.start_run(self, target)
-                state = self._stacked()
+                members = self._stacked_members()
+                state, lead = members.state, self._members[0]
                 try:
                     self._life.open(self._members, events)
-                    self._stop_reason = engine.train_population(
-                        self._members,
-                        state,
-                        self._programs,
-                        self._control,
-                        target,
-                        self._steps_per_call,
-                        self._say,
-                        events,
-                        stop_at=stop_at,
-                        after_epoch=lambda rows: self._life.after_epoch(
-                            self._members, state, events
-                        ),
-                    )
+                    try:
+                        _, reason = train_epochs(
+                            lead.setup,
+                            lead.runtime,
+                            state,
+                            self._programs,
+                            events,
+                            self._control,
+                            target,
+                            after_epoch=lambda state, rows, left: self._after_epoch(state),
+                            stop_at=stop_at,
+                            members=members,
+                        )
+                        self._stop_reason = self._ended(reason)
+                    finally:
+                        members.keep_time(state)
+                        for member in self._members:  # worker processes live as the run
+                            for prefetcher in member.runtime.prefetchers.values():
+                                prefetcher.release_workers()
                     self._life.end_run(self._members, state, events, self._stop_reason)
                 except BaseException:
                     self._stop_reason = "error"
@@ -438,6 +457,21 @@ class Population:
             raise
         finally:
             self._guard.release()
+
+    def _after_epoch(self, state: engine.PopulationState) -> str | None:
+        """After an epoch's rows: stop each member whose monitored metric stopped improving
+        (`early_stop=`) as its single run would have stopped, save, and end the run once
+        every member has stopped."""
+        self._stacked_members().early_stops(state)
+        self._life.after_epoch(self._members, state, self._events)
+        return self._ended(None)
+
+    def _ended(self, reason: str | None) -> str | None:
+        """Why the run ended: once every member has stopped, early stopping's verdict (or a
+        stop request: the prunings), else `reason`."""
+        if all(m.stopped is not None for m in self._members):
+            return "early_stop" if self._members[0].setup.early_stop is not None else "requested"
+        return reason
 
     @property
     def running(self) -> bool:
@@ -535,13 +569,21 @@ class Population:
             events_module.using(self._events),
         ):
             self._control.stop.clear()
-            self._members[0].setup.split(split)
+            lead = self._members[0]
+            lead.setup.split(split)
+            members = self._stacked_members()
             try:
-                rows = engine.evaluate_members(
-                    self._members, self._stacked(), self._programs, self._control, split
+                rows = evaluate_split(
+                    lead.setup,
+                    lead.runtime,
+                    members.state,
+                    self._programs,
+                    self._control,
+                    split,
+                    members=members,
                 )
             finally:
-                self._members[0].runtime.prefetcher(split).release_workers()
+                lead.runtime.prefetcher(split).release_workers()
         if rows is None:
             from nitro.errors import Interrupted
 
@@ -574,23 +616,40 @@ class Population:
             events_module.using(self._events),
         ):
             self._control.stop.clear()
-            return engine.predict_members(
-                self._members, self._stacked(), self._programs, self._control, batch
+            lead, members = self._members[0], self._stacked_members()
+            return predict_batch(
+                lead.setup,
+                lead.runtime,
+                members.state,
+                self._programs,
+                self._control,
+                batch,
+                members=members,
             )
 
     def history(self):
         """A pandas DataFrame indexed by (member, epoch): each member's settings, then its
         history row (loss, validation metrics, timing), as `Nitro.history()` has it."""
+        return self._table("history", "epoch")
+
+    def validations(self):
+        """A pandas DataFrame indexed by (member, step) of the evaluations within epochs
+        (`val_every_steps=N`), as `Nitro.validations()` has them: each member's settings, the
+        epoch under way and each eval split's metrics. A stopped member has none after its
+        stop."""
+        return self._table("validations", "step")
+
+    def _table(self, records: str, index: str):
         import pandas as pd
 
         rows = [
             {"member": m.index, **engine.shown_settings(m.settings), **row}
             for m in self._members
-            for row in m.state.history
+            for row in getattr(m.state, records)
         ]
         frame = pd.DataFrame([{k: v for k, v in r.items() if np.ndim(v) == 0} for r in rows])
         if not frame.empty:
-            frame = frame.set_index(["member", "epoch"])
+            frame = frame.set_index(["member", index])
         return frame
 
     # ------------------------------------------------------------------------------------------
@@ -692,11 +751,6 @@ def _check_axis(cls: type, specs: Mapping[str, Any], name: str) -> None:
 
 
 def _check_shared(specs: Mapping[str, Any], name: str, value: Any) -> None:
-    if name in NOT_YET and value is not None:
-        raise PopulationError(
-            f"Population() does not take {name}= yet: {NOT_YET[name]} is for later. Train the "
-            f"population without it, then pop.best() (a Nitro handle) with {name}=."
-        )
     if name not in RUN_KEYWORDS and name not in specs:
         raise PopulationError(f"{name} is neither a run keyword nor a field of the experiment")
 
@@ -734,22 +788,3 @@ def _program_identity(member: engine.Member) -> dict[str, Any]:
         "Device fields": tuple((k, str(v)) for k, v in feed.device_dtypes.items()),
         "batches": tuple(sorted((k, str(v.batch_spec)) for k, v in setup.splits.items())),
     }
-
-
-def _steps_per_call(setup, keywords) -> int:
-    value = keywords["steps_per_dispatch"].value
-    if isinstance(value, int) and not isinstance(value, bool):
-        return value
-    steps = getattr(value, "steps", None)  # a DispatchChoice to continue
-    if isinstance(steps, int):
-        return steps
-    batches = setup.splits["train"].batches
-    if batches is None:
-        return 1
-    batches = -(-batches // setup.accum)  # optimizer steps an epoch
-    # the fewest calls an epoch (K-step calls, then the remainder one step per call); on a
-    # tie, one program (K divides the epoch), then the larger K
-    return min(
-        range(1, min(batches, AUTO_STEPS_LIMIT) + 1),
-        key=lambda k: (batches // k + batches % k, batches % k != 0, -k),
-    )

@@ -6,34 +6,30 @@ and setting of the program: what differs between them (their variables, the fed
 hyperparameters, the Device fields, the step keys) rides on a leading axis of N, and the
 batch is the same for every member. The function traced is the one a single run traces
 (`train_step_spec`, `eval_spec`), wrapped in `jax.vmap`: no second train step.
+`ProgramSet(setup, members=N)` makes every program of a handle this way.
 
 Arguments, as a single run's with a member axis in front:
 
 - train step: `(variables[N], healthy[N], device fields[N], hyperparameters[N], batch)`;
   K fused steps take `device fields[N, K]`, `hyperparameters[N, K, H]` and K stacked batches;
-  with each member's own data order the batches carry the member axis too (`batch[N]`);
+  with each member's own data order the batches carry the member axis too: `batch[N]` for
+  one step, `batch[K, N]` for a stack of K (steps, or micro-batches), so that a stack's
+  rows are sliced as a single run's are;
 - eval forward: `(variables[N], device fields[N], batch, real samples)`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any
 
 import jax
 
-from nitro.core.run_setup import RunSetup
 from nitro.optim import guard
 from nitro.programs.compile_cache import ProgramKind, ProgramSpec
-from nitro.programs.specs import eval_spec
-from nitro.programs.train_step import train_step_spec
 
 __all__ = ["population_eval_spec", "population_train_spec"]
-
-# the member axis of each argument (None: shared by every member)
-TRAIN_AXES = (0, 0, 0, 0, None)
-EVAL_AXES = (0, 0, None, None)
 
 
 def _masked(fn: Callable) -> Callable:
@@ -79,35 +75,19 @@ def _vmapped(
 
 
 def population_train_spec(
-    setup: RunSetup,
-    fields: Mapping[str, tuple[str, ...]],
-    members: int,
-    steps: int = 1,
-    micro: int = 1,
-    *,
-    own_batches: bool = False,
+    spec: ProgramSpec, members: int, *, stacked: bool, own_batches: bool, guarded: bool
 ) -> ProgramSpec:
-    """The train step (`steps == 1`) or `steps` fused steps of `setup` (each of `micro`
-    accumulated micro-batches), for `members` members at once; `own_batches`: the batches
-    carry a leading member axis too (each member's own data order)."""
+    """A run's train step `spec` (one step or fused ones) for `members` members at once;
+    `stacked`: its batch is a stack (of steps or micro-batches); `own_batches`: the batches
+    carry a member axis too (each member's own data order), after the stack's; `guarded`:
+    the step has the guard (else a stopped member is kept by a select of its own)."""
+    batch_axis = (1 if stacked else 0) if own_batches else None
     spec = _vmapped(
-        train_step_spec(setup, fields, steps, micro),
-        ProgramKind.POPULATION_STEP,
-        members,
-        (*TRAIN_AXES[:-1], 0) if own_batches else TRAIN_AXES,
-        mask=not setup.check_divergence,
+        spec, ProgramKind.POPULATION_STEP, members, (0, 0, 0, 0, batch_axis), mask=not guarded
     )
     return dataclasses.replace(spec, static={**spec.static, "own batches": own_batches})
 
 
-def population_eval_spec(
-    setup: RunSetup,
-    fields: Mapping[str, tuple[str, ...]],
-    members: int,
-    *,
-    with_loss: bool,
-    return_outputs: bool,
-) -> ProgramSpec:
-    """Eval forward (with the loss) of one batch, for `members` members at once."""
-    spec = eval_spec(setup, fields, with_loss=with_loss, return_outputs=return_outputs)
-    return _vmapped(spec, ProgramKind.POPULATION_EVAL, members, EVAL_AXES)
+def population_eval_spec(spec: ProgramSpec, members: int) -> ProgramSpec:
+    """A run's eval forward or predict `spec` for `members` members at once."""
+    return _vmapped(spec, ProgramKind.POPULATION_EVAL, members, (0, 0, None, None))

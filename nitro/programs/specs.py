@@ -13,7 +13,8 @@ experiment. Programs:
 - device metrics: a metrics hook traced on device.
 
 `ProgramSet` holds the programs one handle uses, each looked up in the module-level cache
-once.
+once; a population's (`members=N`) are the same programs vmapped over a leading member axis
+(`nitro.programs.population`).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from nitro.programs.compile_cache import (
     ProgramSpec,
     Traced,
 )
+from nitro.programs.population import population_eval_spec, population_train_spec
 from nitro.programs.train_step import TRAIN_UNITS, train_step_spec
 
 __all__ = [
@@ -212,12 +214,20 @@ class ProgramSet:
     """The programs one handle uses. Each slot is looked up in the module cache once; later
     calls reuse the program the slot holds. Each slot also keeps how its spec is made from a
     setup and the abstract arguments it was compiled for, so `for_setup` can make the same
-    programs for edited code (a live edit) without a call."""
+    programs for edited code (a live edit) without a call.
 
-    def __init__(self, setup: RunSetup):
+    `members=N` (a population): every program is the run's, vmapped over a leading member
+    axis of N; `own_batches`: each member's batches carry that axis too."""
+
+    def __init__(self, setup: RunSetup, members: int | None = None, own_batches: bool = False):
         self.setup = setup
+        self.members = members
+        self.own_batches = own_batches
         self._slots: dict[tuple, Program] = {}
         self._makers: dict[tuple, tuple[Callable[[RunSetup], ProgramSpec], Any]] = {}
+
+    def _eval(self, spec: ProgramSpec) -> ProgramSpec:
+        return spec if self.members is None else population_eval_spec(spec, self.members)
 
     def _get(self, slot: tuple, make_spec: Callable[[RunSetup], ProgramSpec], args) -> Program:
         program = self._slots.get(slot)
@@ -227,22 +237,23 @@ class ProgramSet:
             self._slots[slot] = program  # `for_setup` on another thread reads both
         return program
 
-    def program(self, slot: tuple, make_spec: Callable[[RunSetup], ProgramSpec], args) -> Program:
-        """The program of `slot`, made by `make_spec(setup)` and looked up in the module
-        cache on first use (another layer's programs: a population's, say)."""
-        return self._get(slot, make_spec, args)
-
     def train_step(self, args, steps: int = 1, micro: int = 1, restore: bool = False) -> Program:
         """The train step (`steps == 1`), or `steps` of them fused in one program; each step
         accumulates `micro` micro-batches. `restore`: steps whose guard only checks, over
         variables not donated, which the loop restores (`train_step_spec`)."""
-        return self._get(
-            ("train", steps, micro, restore),
-            lambda setup: train_step_spec(
-                setup, setup.splits["train"].hook_fields, steps, micro, restore
-            ),
-            args,
-        )
+        members, own = self.members, self.own_batches
+
+        def make(setup: RunSetup) -> ProgramSpec:
+            spec = train_step_spec(setup, setup.splits["train"].hook_fields, steps, micro, restore)
+            if members is None:
+                return spec
+            stacked = steps > 1 or micro > 1
+            guarded = setup.check_divergence
+            return population_train_spec(
+                spec, members, stacked=stacked, own_batches=own, guarded=guarded
+            )
+
+        return self._get(("train", steps, micro, restore), make, args)
 
     def eval_forward(
         self, split: str, args, *, with_loss: bool, return_outputs: bool, batches: int = 1
@@ -250,12 +261,14 @@ class ProgramSet:
         info = self.setup.splits[split]
         return self._get(
             ("eval", split, info.width, batches),
-            lambda setup: eval_spec(
-                setup,
-                setup.splits[split].hook_fields,
-                with_loss=with_loss,
-                return_outputs=return_outputs,
-                batches=batches,
+            lambda setup: self._eval(
+                eval_spec(
+                    setup,
+                    setup.splits[split].hook_fields,
+                    with_loss=with_loss,
+                    return_outputs=return_outputs,
+                    batches=batches,
+                )
             ),
             args,
         )
@@ -271,8 +284,8 @@ class ProgramSet:
     def predict(self, width: int, fields: tuple[str, ...], args) -> Program:
         return self._get(
             ("predict", width, fields),
-            lambda setup: eval_spec(
-                setup, {"forward": fields}, with_loss=False, return_outputs=True
+            lambda setup: self._eval(
+                eval_spec(setup, {"forward": fields}, with_loss=False, return_outputs=True)
             ),
             args,
         )
@@ -285,7 +298,7 @@ class ProgramSet:
         """The programs of this set for `setup` (the same experiment with edited code): a
         new set holding every program whose code and settings the edit leaves as they were,
         and the programs it still has to compile (`compile_pending`)."""
-        new = ProgramSet(setup)
+        new = ProgramSet(setup, self.members, self.own_batches)
         pending = []
         for slot, program in list(self._slots.items()):  # the loop may add slots meanwhile
             make, arguments = self._makers[slot]

@@ -1,0 +1,364 @@
+"""The members axis of a run: who the loop, evaluation and prediction train and measure.
+
+A run is a population of one. The loop, `evaluate_split` and `predict_batch` take a members
+object and call it at the few points where one member and many differ: the fed values and
+the data stream of a call, reading a call's report back, an epoch's rows, evaluation's sums
+(Lightning's `Strategy` plays this part for devices). Nowhere else do they tell the two
+apart.
+
+- `SINGLE` (`Single`): a plain run. The loop takes its own path: no member axis, no stacking,
+  nothing added to a call but the look-up of `stacked`.
+- `Stacked`: a population. Its variables lie on a leading member axis (the loop's state is a
+  `PopulationState`), its programs are the run's vmapped (`ProgramSet(setup, members=N)`),
+  every member's fed values are stacked per call (`StackedFeed`), and each member keeps its
+  own running sums, history rows, validations and verdicts: a member whose step is not
+  finite stops (its `healthy` flag stays False) and the others train on; the run raises
+  `DivergenceError` when every member has stopped and one of them diverged.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+import operator
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from nitro.core.events import Events
+from nitro.core.metrics import MetricAccumulator, split_modes
+from nitro.core.run_setup import RunSetup
+from nitro.core.train_state import EpochTotals
+from nitro.engine.diagnostics import divergence_message
+from nitro.engine.feed import StackedFeed
+from nitro.engine.population import (
+    Member,
+    PopulationState,
+    apply_prunes,
+    shown_settings,
+    unstack,
+)
+from nitro.engine.run_time import RunTime
+from nitro.errors import DivergenceError
+from nitro.experiments.routing import select
+
+__all__ = ["SINGLE", "Single", "Stacked"]
+
+
+class Single:
+    """One run, no member axis: the loop's, evaluation's and prediction's own path."""
+
+    stacked = False
+    count = 1
+
+    def feed(self, runtime: RunTime):
+        return runtime.feed
+
+    def parts(self, setup: RunSetup, runtime: RunTime) -> tuple[tuple[RunSetup, RunTime], ...]:
+        """Each member's setup and run-time record (its host hooks, its finalize)."""
+        return ((setup, runtime),)
+
+    def healthy(self, setup: RunSetup, state: Any) -> Any:
+        """The guard's flag a run's first call gets."""
+        return setup.placement.put_replicated(jnp.asarray(True))
+
+    def open(self, runtime: RunTime, epoch: int, **options: Any) -> Any:
+        """The train split's stream of `epoch`."""
+        return runtime.prefetcher("train").epoch(epoch, **options)
+
+    def start_epoch(self, state: Any) -> EpochTotals:
+        """The running sums of an epoch."""
+        return EpochTotals(train_metrics=MetricAccumulator("train_metrics"))
+
+
+SINGLE = Single()
+
+
+class Stacked:
+    """A population's members, trained together on a leading member axis."""
+
+    stacked = True
+
+    def __init__(self, members: Sequence[Member], state: PopulationState, say: Callable):
+        self.members = tuple(members)
+        self.count = len(self.members)
+        self.state = state
+        self.say = say
+        self.own = state.batches == "own"
+        place = state.place or self.members[0].setup.placement.put_replicated
+        self._feed = StackedFeed([m.runtime.feed for m in self.members], place)
+        # the guard keeps a member's variables in the program (its select, per member): the
+        # loop never restores a population's calls
+        self.members[0].runtime.restores = False
+
+    def feed(self, runtime: RunTime) -> StackedFeed:
+        return self._feed
+
+    def parts(self, setup: RunSetup, runtime: RunTime) -> tuple[tuple[RunSetup, RunTime], ...]:
+        return tuple((m.setup, m.runtime) for m in self.members)
+
+    def healthy(self, setup: RunSetup, state: PopulationState) -> Any:
+        """Each member's flag: False for one that stopped."""
+        return state.healthy
+
+    # ------------------------------------------------------------------------------------------
+    # a call: its batches, the prunes before it, its report
+
+    def open(self, runtime: RunTime, epoch: int, *, block: int | Iterable[int], **kw) -> Any:
+        """The train split's stream of an epoch: the first member's (shared batches), or
+        every member's own, zipped (each call's batches stacked on a member axis)."""
+        if not self.own:
+            return runtime.prefetcher("train").epoch(epoch, block=block, **kw)
+        sizes = (
+            itertools.repeat(block, self.count)
+            if isinstance(block, int)
+            else itertools.tee(block, self.count)
+        )
+        kw.pop("state", None)  # each member's stream replays to its position
+        streams = [
+            m.runtime.prefetcher("train").epoch(epoch, block=size, **kw)
+            for m, size in zip(self.members, sizes, strict=True)
+        ]
+        return _Zipped(streams)
+
+    def before_call(self, run: Any, state: PopulationState) -> bool:
+        """Take the prunes asked for since the last call (`pop.stop(i)`, early stopping):
+        the next call gets the flags (`state.healthy`, which the loop keeps as each call
+        returns it). True when every member has stopped: no call is left to make."""
+        if state.prune:
+            apply_prunes(self.members, state, self.say)
+        run.healthy = state.healthy
+        return all(m.stopped is not None for m in self.members)
+
+    def start_epoch(self, state: PopulationState) -> EpochTotals:
+        """The epoch's shared totals (its time), and each member's running sums."""
+        for member in self.members:
+            if member.totals is None:
+                member.totals = EpochTotals(train_metrics=MetricAccumulator("train_metrics"))
+        resumed = self.members[0].totals  # a resumed epoch's time so far (`keep_time`)
+        assert resumed is not None
+        return EpochTotals(
+            train_metrics=MetricAccumulator("train_metrics"),
+            seconds=resumed.seconds,
+            wait_seconds=resumed.wait_seconds,
+        )
+
+    def keep_time(self, state: PopulationState) -> None:
+        """After the loop: each member's running sums of an epoch under way (a run stopped
+        in its middle) take the epoch's time so far, which its checkpoint saves."""
+        shared = state.totals
+        for member in self.members:
+            if shared is not None and member.totals is not None:
+                member.totals.seconds = shared.seconds
+                member.totals.wait_seconds = shared.wait_seconds
+
+    def complete(self, state: PopulationState, item: Any, events: Events, program: Any) -> None:
+        """Read one call back: each member's losses and finiteness codes, its train metrics;
+        a member whose step was not finite stops there, and the others train on."""
+        staged = item.staged
+        lead = self.members[0].setup
+        try:
+            reports = np.asarray(item.report).reshape(self.count, -1, 2)
+            metrics = None
+            if lead.experiment.train_metrics_residency is not None:
+                metrics = jax.device_get(item.metrics)
+        finally:
+            staged.free()
+        losses = reports[..., 0].astype(np.float64)
+        codes = reports[..., 1]
+        steps = reports.shape[1]
+        for i, member in enumerate(self.members):
+            totals = member.totals
+            assert totals is not None  # set when the epoch began
+            limit = steps  # the steps of this call the member trained
+            if member.stopped_at is not None:
+                limit = max(0, min(steps, member.stopped_at - item.index))
+            bad = np.flatnonzero(codes[i, :limit])
+            if bad.size:
+                offset = int(bad[0])
+                message = divergence_message(
+                    member.setup,
+                    member.runtime.feed,
+                    member.state,
+                    item.index + offset,
+                    float(losses[i, offset]),
+                    int(codes[i, offset]),
+                )
+                member.stopped = f"diverged at step {item.index + offset + 1}"
+                member.stopped_at = item.index + offset
+                self.say(f"{member.label} stopped: {message}; the other members train on")
+                limit = offset
+            losses[i, limit:] = np.nan
+            values = losses[i, :limit]
+            finite = np.isfinite(values)
+            counted = int(finite.sum())
+            totals.nonfinite += limit - counted  # check_divergence=False: trains on, counted
+            # added one by one, in order, as a single run adds its steps' losses
+            totals.loss_sum = functools.reduce(
+                operator.add, values[finite].tolist(), totals.loss_sum
+            )
+            totals.loss_count += counted
+            totals.steps += limit
+            if metrics is not None:
+                self._train_metrics(member, program, unstack(metrics, i), staged, i, limit)
+        count, micro = staged.count, staged.group
+        state.step += count
+        state.position += count * micro
+        shared = state.totals
+        assert shared is not None  # set when the epoch began
+        shared.steps += count
+        events.member_steps(item.index + 1, losses)  # steps count from 1, as a run's
+        stopped = [m for m in self.members if m.stopped is not None]
+        if len(stopped) == self.count and any(m.stopped.startswith("diverged") for m in stopped):
+            raise DivergenceError(
+                "every member of the population stopped: "
+                + "; ".join(f"{m.label}: {m.stopped}" for m in self.members)
+            )
+
+    def _train_metrics(self, member: Member, program, metrics, staged, i: int, limit: int):
+        setup, totals = member.setup, member.totals
+        assert totals is not None
+        micro = staged.group
+        part = staged.part(i) if isinstance(staged, _Together) else staged
+        for offset in range(limit):
+            step_metrics = metrics if staged.count == 1 else unstack(metrics, offset)
+            for sub in range(micro):  # each micro-batch's train metrics
+                batch_metrics = step_metrics if micro == 1 else unstack(step_metrics, sub)
+                if setup.experiment.train_metrics_residency == "device":
+                    totals.train_metrics.add(program.metric_specs, batch_metrics, part.n_real)
+                    continue
+                host = part.host if not part.stacked else part.host[offset * micro + sub]
+                fields = setup.placement.gather(
+                    select(host, setup.splits["train"].hook_fields["train_metrics"])
+                )
+                values = member.runtime.call_host_hook(
+                    setup, "train_metrics", batch_metrics, **fields
+                )
+                specs, leaves = split_modes(values, "train_metrics")
+                totals.train_metrics.add(specs, leaves, part.n_real)
+
+    # ------------------------------------------------------------------------------------------
+    # an epoch's rows
+
+    def rows(self, state: PopulationState, finalize: Callable) -> list[dict[str, Any] | None]:
+        """Each member's row of the epoch just trained, before evaluation: its training loss
+        and train metrics. A stopped member's record ends at its stop: the epoch it stopped
+        in gets a last row (its step the one it stopped at), later epochs none (None)."""
+        rows: list[dict[str, Any] | None] = []
+        for member in self.members:
+            totals = member.totals
+            assert totals is not None  # set when the epoch began
+            if member.stopped is not None and not totals.steps:
+                rows.append(None)
+                continue
+            step = state.step if member.stopped is None else member.stopped_at
+            row: dict[str, Any] = {"epoch": state.epoch + 1, "step": step}
+            if totals.nonfinite:
+                row["loss"] = math.nan
+                row["nonfinite_steps"] = totals.nonfinite
+            elif totals.loss_count:
+                row["loss"] = totals.loss_sum / totals.loss_count
+            if not totals.train_metrics.empty:
+                results = totals.train_metrics.result()
+                row.update(finalize(member.setup, member.runtime, results, "train"))
+            rows.append(row)
+        return rows
+
+    def commit(self, state: PopulationState, rows, shared: dict[str, Any], events: Events):
+        """Commit the epoch: each member's row (with the epoch's shared timing columns) to
+        its history; the `member_rows` event; returns the rows as `history()` shows them."""
+        shown = []
+        for member, row in zip(self.members, rows, strict=True):
+            member.totals = None
+            if row is None:  # stopped before this epoch: its record ended at the stop
+                continue
+            row.update(shared)
+            if member.stopped is not None:
+                row["stopped"] = member.stopped
+            member.state.history.append(row)
+            member.state.step, member.state.epoch = row["step"], row["epoch"]
+            shown.append({"member": member.index, **shown_settings(member.settings), **row})
+        if shown:
+            events.member_rows(shown)
+        return shown
+
+    def early_stops(self, state: PopulationState) -> None:
+        """Stop each member whose monitored metric stopped improving (`early_stop=`), as a
+        single run of its settings would have stopped; the others train on."""
+        policy = self.members[0].setup.early_stop
+        if policy is None:
+            return
+        for member in self.members:
+            if member.stopped is None and policy.should_stop(member.state.history):
+                state.prune[member.index] = (
+                    f"early stop at epoch {state.epoch}: {policy.metric} did not improve for "
+                    f"{policy.patience} epochs"
+                )
+        if state.prune:
+            apply_prunes(self.members, state, self.say)
+
+    def validated(self, state: PopulationState, results: list[dict[str, Any]]) -> None:
+        """An evaluation within the epoch (`val_every_steps`): a row in each training
+        member's validations."""
+        for member, metrics in zip(self.members, results, strict=True):
+            if member.stopped is None:
+                member.state.validations.append(
+                    {"step": state.step, "epoch": state.epoch + 1, **metrics}
+                )
+
+
+class _Together:
+    """One call's batches of every member, each from its own data stream (`batches="own"`):
+    stacked on a member axis, after the stack's axis in a stack of steps or micro-batches
+    (`nitro.programs.population`)."""
+
+    def __init__(self, parts: Sequence[Any]):
+        self.parts = parts
+        lead = parts[0]
+        self.index, self.count, self.group = lead.index, lead.count, lead.group
+        self.n_real, self.host, self.after = lead.n_real, lead.host, None
+        axis = 1 if lead.stacked else 0
+        self.device = jax.tree.map(
+            lambda *leaves: jnp.stack(leaves, axis), *(p.device for p in parts)
+        )
+
+    @property
+    def stacked(self) -> bool:
+        return self.count * self.group > 1
+
+    def part(self, member: int) -> Any:
+        return self.parts[member]
+
+    def free(self) -> None:
+        for part in self.parts:
+            part.free()
+        for leaf in jax.tree.leaves(self.device):
+            if isinstance(leaf, jax.Array) and not leaf.is_deleted():
+                leaf.delete()
+
+
+class _Zipped:
+    """Every member's stream of an epoch, read together."""
+
+    def __init__(self, streams: Sequence[Any]):
+        self.streams = streams
+
+    def __iter__(self):
+        for parts in zip(*self.streams, strict=False):
+            yield _Together(parts)
+
+    @property
+    def wait_seconds(self) -> float:
+        return sum(s.wait_seconds for s in self.streams)
+
+    @property
+    def fill_seconds(self) -> float:
+        return sum(s.fill_seconds for s in self.streams)
+
+    def close(self) -> None:
+        for stream in self.streams:
+            stream.close()
