@@ -59,7 +59,9 @@ def store() -> None:
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    from nitro.runs.checkpoints import CheckpointStore, _saved, read_checkpoint
+    from nitro.runs.checkpoint_reads import read_checkpoint
+    from nitro.runs.checkpoint_trees import _saved
+    from nitro.runs.checkpoint_writer import CheckpointStore
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
     sharding = NamedSharding(mesh, PartitionSpec("data"))

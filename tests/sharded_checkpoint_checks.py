@@ -33,11 +33,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec  # noqa: E402
 from lifecycle_toys import Dropped, KillAt, parameters  # noqa: E402
 
 import nitro  # noqa: E402
-from nitro.runs.checkpoints import (  # noqa: E402
-    CheckpointStore,
-    read_checkpoint,
-    resolve_checkpoint,
-)
+from nitro.runs.checkpoint_reads import read_checkpoint, resolve_checkpoint  # noqa: E402
+from nitro.runs.checkpoint_writer import CheckpointStore  # noqa: E402
 
 EVERY_EPOCH = nitro.Checkpointer(budget=None)
 STEPS_PER_EPOCH = 8  # Dropped: 64 samples in batches of 8
@@ -71,7 +68,7 @@ def store_checks(work: Path) -> dict:
     whole = np.arange(16 * 3, dtype=np.float32).reshape(16, 3)
     live = jax.device_put(whole, sharded)
     tree = {"params": {"w": live, "b": np.ones(3, np.float32)}}
-    from nitro.runs.checkpoints import _saved
+    from nitro.runs.checkpoint_trees import _saved
 
     snapshot = _saved(live)
     tree = {"params": {"w": snapshot, "b": tree["params"]["b"]}}

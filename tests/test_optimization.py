@@ -472,7 +472,7 @@ class Validated(Plain):
 
 
 def saved(path):
-    from nitro.runs.checkpoints import read_checkpoint
+    from nitro.runs.checkpoint_reads import read_checkpoint
 
     path = Path(path)
     return read_checkpoint(path.parent, int(path.name))[0]["params"]

@@ -952,7 +952,7 @@ class Nitro:
         metric (empty when none are saved yet)."""
         import pandas as pd
 
-        from nitro.runs.checkpoints import describe_saved
+        from nitro.runs.checkpoint_reads import describe_saved
 
         if self._files.store is not None:
             self._files.store.wait()

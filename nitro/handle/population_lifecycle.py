@@ -38,7 +38,8 @@ from nitro.loggers import (
 )
 from nitro.loggers.protocol import plain_value
 from nitro.optim.fed_optimizer import describe_optimizer
-from nitro.runs.checkpoints import Checkpointer, host_tree
+from nitro.runs.checkpoint_trees import host_tree
+from nitro.runs.checkpoints import Checkpointer
 from nitro.runs.lifecycle import (
     _ScalarRows,
     _scalars,

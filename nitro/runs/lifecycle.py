@@ -26,22 +26,17 @@ from nitro.errors import SetupError
 from nitro.experiments.declaration import FieldKind, field_specs
 from nitro.experiments.fingerprint import code_digest
 from nitro.optim.fed_optimizer import describe_optimizer
-from nitro.runs.checkpoints import (
+from nitro.runs.checkpoint_reads import SavedStep, read_checkpoint, resolve_checkpoint
+from nitro.runs.checkpoint_trees import (
     LOSS_SCALE_KEYS,
-    Checkpointer,
-    CheckpointStore,
-    Save,
-    SavedStep,
-    _json_safe,
-    await_writers,
     host_tree,
+    json_safe,
     leaves_from,
     place_like,
-    read_checkpoint,
-    resolve_checkpoint,
     restore_targets,
-    warm_up,
 )
+from nitro.runs.checkpoint_writer import CheckpointStore, Save, await_writers, warm_up
+from nitro.runs.checkpoints import Checkpointer
 from nitro.runs.identity import (
     Choice,
     RunIdentity,
@@ -81,7 +76,7 @@ def config_token(value: Any) -> Any:
     """A JSON value standing for a GraphConst value; functions stand for their code."""
     if callable(value) and not isinstance(value, type) and hasattr(value, "__code__"):
         return f"<code {code_digest(value)}>"
-    return _json_safe(value)
+    return json_safe(value)
 
 
 def config_of(setup: RunSetup) -> dict[str, Any]:
@@ -933,7 +928,7 @@ def _drift_notes(setup: RunSetup, meta: dict[str, Any], device: Mapping[str, Any
         )
     devices = meta.get("device") or {}
     for name, value in device.items():
-        if name in devices and devices[name] != _json_safe(value):
+        if name in devices and devices[name] != json_safe(value):
             notes.append(
                 f"Device field {name!r} is {value!r} here and was {devices[name]!r} in the "
                 f"checkpoint; the run continues with {value!r}"

@@ -42,12 +42,8 @@ from nitro.core.run_setup import CheckpointPolicy, CheckpointRef, RunSetup
 from nitro.core.train_state import Variables
 from nitro.errors import SetupError
 from nitro.experiments.fingerprint import code_digest
-from nitro.runs.checkpoints import (
-    CheckpointStore,
-    SavedStep,
-    read_checkpoint,
-    resolve_checkpoint,
-)
+from nitro.runs.checkpoint_reads import SavedStep, read_checkpoint, resolve_checkpoint
+from nitro.runs.checkpoint_writer import CheckpointStore
 from nitro.runs.identity import RunIdentity
 from nitro.runs.lifecycle import (
     _optimizer_misfit,

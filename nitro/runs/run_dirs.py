@@ -106,7 +106,7 @@ def _is_run_dir(path: Path) -> bool:
 def list_runs(root: str | os.PathLike) -> list[RunInfo]:
     """The runs under `root` (an experiment's folder such as `runs/Digits`, or one run
     directory), oldest first, with their checkpoints and best metric."""
-    from nitro.runs.checkpoints import describe_checkpoints
+    from nitro.runs.checkpoint_reads import describe_checkpoints
 
     root = Path(root)
     if not root.is_dir():

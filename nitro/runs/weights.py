@@ -102,7 +102,8 @@ class CheckpointWeights:
 
     def resolve(self, params: Any, model_state: Any) -> ResolvedWeights:
         """The checkpoint's parameters and model state, shaped like the given model's."""
-        from nitro.runs.checkpoints import leaves_from, read_checkpoint, resolve_checkpoint
+        from nitro.runs.checkpoint_reads import read_checkpoint, resolve_checkpoint
+        from nitro.runs.checkpoint_trees import leaves_from
 
         directory, step = resolve_checkpoint(self.source)
         saved, meta = read_checkpoint(directory, step)
@@ -152,7 +153,8 @@ class AveragedWeights:
         """The mean of the checkpoints' weights, shaped like the given model's."""
         from pathlib import Path
 
-        from nitro.runs.checkpoints import leaves_from, read_checkpoint
+        from nitro.runs.checkpoint_reads import read_checkpoint
+        from nitro.runs.checkpoint_trees import leaves_from
 
         trees = {"parameters": ("params", params), "model state": ("model_state", model_state)}
         sums: dict[str, list] = {}
@@ -243,7 +245,8 @@ def average(source: Any, k: int = 3) -> AveragedWeights:
     """
     from pathlib import Path
 
-    from nitro.runs.checkpoints import await_writers, ranked_steps, resolve_checkpoint
+    from nitro.runs.checkpoint_reads import ranked_steps, resolve_checkpoint
+    from nitro.runs.checkpoint_writer import await_writers
 
     if isinstance(source, (list, tuple)) and not (
         len(source) == 2 and source[1] in ("best", "latest")
@@ -334,7 +337,8 @@ class MemberWeights(CheckpointWeights):
 
     def resolve(self, params: Any, model_state: Any) -> ResolvedWeights:
         """The member's parameters and model state, shaped like the given model's."""
-        from nitro.runs.checkpoints import leaves_from, read_checkpoint, resolve_checkpoint
+        from nitro.runs.checkpoint_reads import read_checkpoint, resolve_checkpoint
+        from nitro.runs.checkpoint_trees import leaves_from
 
         directory, step = resolve_checkpoint(self.source)
         saved, meta = read_checkpoint(directory, step)
