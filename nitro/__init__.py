@@ -57,7 +57,7 @@ _EXPORTS = {
     "EarlyStopping": "nitro.runs.early_stopping",
     "on_phase": "nitro.core.events",
     "saved_runs": "nitro.runs.run_dirs",
-    "run_to_resume": "nitro.runs.lifecycle",
+    "run_to_resume": "nitro.runs.resume",
     "Interrupted": "nitro.errors",
     "WeightsError": "nitro.errors",
     "average": "nitro.runs.weights",
@@ -180,7 +180,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     )
     from nitro.runs.checkpoints import Checkpointer
     from nitro.runs.early_stopping import EarlyStopping
-    from nitro.runs.lifecycle import run_to_resume
+    from nitro.runs.resume import run_to_resume
     from nitro.runs.run_dirs import saved_runs
     from nitro.runs.weights import average
 

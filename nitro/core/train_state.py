@@ -14,15 +14,18 @@ model's RNG streams are variables in `model_state`: nothing else is needed to re
 from __future__ import annotations
 
 import dataclasses
+import threading
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import jax
+import numpy as np
 
 __all__ = [
     "TIMING_COLUMNS",
     "EpochTotals",
     "EvalOutput",
+    "HistoryRows",
     "StepOutput",
     "TrainState",
     "Variables",
@@ -91,6 +94,32 @@ class EpochTotals:
     device_seconds: float = 0.0
     untimed_seconds: float = 0.0
 
+    _SUMS: ClassVar = (
+        "loss_sum",
+        "loss_count",
+        "nonfinite",
+        "steps",
+        "wait_seconds",
+        "seconds",
+        "device_seconds",
+        "untimed_seconds",
+    )
+
+    def to_json(self) -> dict[str, float | int]:
+        """The running sums, as a checkpoint of a run stopped mid-epoch records them (the
+        train metrics start again from there)."""
+        return {name: getattr(self, name) for name in self._SUMS}
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> EpochTotals:
+        """The running sums `to_json` recorded (a sum not recorded is 0), with fresh train
+        metrics."""
+        from nitro.core.metrics import MetricAccumulator
+
+        # each sum as its default's type (float or int)
+        sums = {name: type(getattr(cls, name))(data.get(name, 0)) for name in cls._SUMS}
+        return cls(**sums, train_metrics=MetricAccumulator("train_metrics"))
+
     def step_times(self) -> dict[str, float]:
         """`host_ms` and `device_ms` a step: the loop thread's time a step, split into its own
         work (staging, dispatch, bookkeeping, reporters: what is not waiting) and its wait for
@@ -150,41 +179,35 @@ class TrainState:
     def last_row(self) -> Mapping[str, Any]:
         return self.history[-1] if self.history else {}
 
-    @classmethod
-    def from_checkpoint(
-        cls, variables: Variables, meta: Mapping[str, Any], *, seed: int
-    ) -> TrainState:
-        """The state a checkpoint saved: `variables` (its arrays, read and placed) and the
-        counters, seed and history of its JSON record `meta` (`seed`: when it records none).
-        It resumes where the checkpoint was saved: at the start of the epoch after its last
-        committed one, or, for a run stopped in the middle of an epoch, at the next batch of
-        that epoch, with the epoch's running loss (`meta["partial_epoch"]`)."""
-        partial = meta.get("partial_epoch") or {}
-        totals = None
-        if partial:
-            from nitro.core.metrics import MetricAccumulator
 
-            totals = EpochTotals(
-                loss_sum=float(partial.get("loss_sum", 0.0)),
-                loss_count=int(partial.get("loss_count", 0)),
-                nonfinite=int(partial.get("nonfinite", 0)),
-                steps=int(partial.get("steps", 0)),
-                wait_seconds=float(partial.get("wait_seconds", 0.0)),
-                seconds=float(partial.get("seconds", 0.0)),
-                device_seconds=float(partial.get("device_seconds", 0.0)),
-                untimed_seconds=float(partial.get("untimed_seconds", 0.0)),
-                train_metrics=MetricAccumulator("train_metrics"),
-            )
-        return cls(
-            variables=variables,
-            step=int(meta["step"]),
-            epoch=int(meta["epoch"]),
-            position=int(partial.get("position", 0)),
-            seed=int(meta.get("seed", seed)),
-            history=[dict(row) for row in meta.get("history", [])],
-            validations=[dict(row) for row in meta.get("validations", [])],
-            swaps=[dict(row) for row in meta.get("swaps", [])],
-            totals=totals,
-            epoch_trained=bool(partial.get("trained", False)),
-            data_state=partial.get("data_state"),
-        )
+def scalars(row: Mapping[str, Any]) -> dict[str, Any]:
+    """A history row's scalar columns (what a checkpoint records of it)."""
+    return {k: v for k, v in row.items() if np.ndim(v) == 0}
+
+
+class HistoryRows:
+    """A history (or validations) as a checkpoint records it, `to_json`, and back,
+    `from_json`. Each row is converted once: a handle that trained a thousand one-epoch
+    calls does not convert a thousand rows per save. Rows are never changed once committed;
+    a history that is not the one seen last (another handle's, or one replaced by a resume)
+    is converted afresh."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._seen: list[Mapping[str, Any]] = []
+        self._rows: list[dict[str, Any]] = []
+
+    def to_json(self, history: list[Mapping[str, Any]]) -> tuple[dict[str, Any], ...]:
+        with self._lock:
+            n = len(self._seen)
+            if n > len(history) or (n and history[n - 1] is not self._seen[-1]):
+                self._seen, self._rows, n = [], [], 0
+            for row in history[n:]:
+                self._seen.append(row)
+                self._rows.append(scalars(row))
+            return tuple(self._rows)
+
+    @staticmethod
+    def from_json(rows: Any) -> list[Mapping[str, Any]]:
+        """The rows a checkpoint recorded, as a history (none where it recorded none)."""
+        return [dict(row) for row in rows or () if isinstance(row, Mapping)]

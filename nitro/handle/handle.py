@@ -55,7 +55,9 @@ from nitro.handle.summary import ModelSummary
 from nitro.optim.schedules import bind_schedules, check_schedule_values
 from nitro.programs.specs import ProgramSet
 from nitro.programs.staleness import stale_changes, stale_report
-from nitro.runs.lifecycle import RunFiles, check_watched_metrics
+from nitro.runs.resume import restore
+from nitro.runs.run_files import RunFiles
+from nitro.runs.watched_metrics import check_watched_metrics
 from nitro.runs.weights import AveragedWeights, CheckpointWeights, WeightsSource
 
 __all__ = ["EXTENSIONS", "Nitro", "check_amount", "check_experiment", "weights_source"]
@@ -167,23 +169,28 @@ class Nitro:
             state=self._state,
         )
         if self._logging is not None:
-            self._files.logger_state = self._logging.logger.state
+            self._files.saves.logger_state = self._logging.logger.state
         self._checkpoint = self._setup.model.weights_checkpoint
         if self._files.resume_from is not None:
             with events_module.using(self._events):
-                self._state, meta = self._files.restore(
-                    self._setup, self._state, self._events, runtime.device_values(), say=self._say
+                self._state, record = restore(
+                    self._files,
+                    self._setup,
+                    self._state,
+                    self._events,
+                    runtime.device_values(),
+                    say=self._say,
                 )
                 if self._state.seed != self._setup.seed:
                     self._continue_seed(instance, resolved, keywords, data)
-            self._reattach_logger(meta)
+            self._reattach_logger(record.member.logger)
             found = self._files.resume_from
             self._checkpoint = SavedWeights(
                 paths=(str(found.path),),
-                run_id=meta.get("run_id"),
+                run_id=record.run_id,
                 steps=(found.step,),
-                epochs=(meta.get("epoch"),),
-                metrics=(meta.get("metrics"),),
+                epochs=(record.epoch,),
+                metrics=(record.metrics,),
             )
         self._files.claim_planned(self._setup)
         self._target_epoch = max(self._setup.max_epochs, self._state.epoch)
@@ -212,8 +219,7 @@ class Nitro:
         state: TrainState | None = getattr(self, "_state", None)
         return (None, None, None) if state is None else (self, state.step, state.epoch)
 
-    def _reattach_logger(self, meta: Mapping[str, Any]) -> None:
-        saved = meta.get("logger")
+    def _reattach_logger(self, saved: Any) -> None:
         if saved is None or self._logging is None:
             return
         try:
@@ -539,7 +545,7 @@ class Nitro:
         runtime = self._runtime
         if epochs_left is None and stop_at is not None and state.step >= stop_at:
             epochs_left = 0
-        return self._files.after_epoch(
+        return self._files.saves.after_epoch(
             self._setup,
             state,
             row,
@@ -572,7 +578,7 @@ class Nitro:
                         ),
                         stop_at=stop_at,
                     )
-                    self._files.end_run(
+                    self._files.saves.end_run(
                         self._setup,
                         self._state,
                         events,

@@ -21,8 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from nitro.core.events import Events
-from nitro.core.metrics import MetricAccumulator
-from nitro.core.train_state import EpochTotals
+from nitro.core.train_state import HistoryRows, scalars
 from nitro.engine.run_keywords import resolve_run_keywords
 from nitro.errors import PopulationError, SetupError
 from nitro.handle.binding_report import binding_report
@@ -37,26 +36,24 @@ from nitro.loggers import (
     as_logger,
 )
 from nitro.loggers.protocol import plain_value
-from nitro.optim.fed_optimizer import describe_optimizer
+from nitro.runs.checkpoint_record import (
+    POPULATION,
+    CheckpointRecord,
+    MemberRecord,
+    PartialEpoch,
+    config_of,
+)
 from nitro.runs.checkpoint_trees import host_tree
 from nitro.runs.checkpoints import Checkpointer
-from nitro.runs.lifecycle import (
-    _ScalarRows,
-    _scalars,
-    config_of,
-    metric_names,
-    warn_user,
-)
 from nitro.runs.population_files import (
-    KIND,
     PopulationFiles,
     member_dir,
     member_run_id,
-    restore_variables,
     setting_differences,
     setting_token,
 )
-from nitro.runs.training_config import training_config, training_differences
+from nitro.runs.resume import restore_variables, said_resumed
+from nitro.runs.watched_metrics import metric_names
 
 __all__ = ["FILE_KEYWORDS", "MemberLogging", "PopulationLife", "member_loggers"]
 
@@ -256,7 +253,7 @@ class PopulationLife:
     files: PopulationFiles
     logging: MemberLogging | None
     tokens: list[dict[str, Any]]  # each member's settings, as the records keep them
-    _rows: list[_ScalarRows] = dataclasses.field(default_factory=list)
+    _rows: list[tuple[HistoryRows, HistoryRows]] = dataclasses.field(default_factory=list)
 
     @classmethod
     def plan(
@@ -291,7 +288,7 @@ class PopulationLife:
             say=say,
             busy=busy,
         )
-        life = cls(files, None, tokens, [_ScalarRows() for _ in members])
+        life = cls(files, None, tokens, [(HistoryRows(), HistoryRows()) for _ in members])
         groups = member_loggers(logger, len(members), files.run_id)
         if groups is not None:
             life.logging = MemberLogging(
@@ -322,14 +319,13 @@ class PopulationLife:
         refused, naming what differs, when the members' settings or the program do not."""
         found = self.files.resume_from
         assert found is not None
-        saved, meta = self.files.read()
+        saved, record = self.files.read()
         lead = members[0]
-        recorded = [dict(m.get("settings") or {}) for m in meta.get("members") or []]
-        lines = setting_differences(recorded, self.tokens)
-        batches, before = getattr(state, "batches", "shared"), meta.get("batches", "shared")
+        lines = setting_differences([m.settings for m in record.members], self.tokens)
+        batches, before = getattr(state, "batches", "shared"), record.batches
         if before != batches:
             lines.append(f"  batches: the checkpoint's {before!r}, this population's {batches!r}")
-        graphconst, now = meta.get("graphconst") or {}, config_of(lead.setup)
+        graphconst, now = record.graphconst, config_of(lead.setup)
         lines += [
             f"  {name}: the checkpoint's {graphconst.get(name, '<unset>')!r}, this "
             f"population's {now.get(name, '<unset>')!r}"
@@ -345,43 +341,38 @@ class PopulationLife:
                 f"{str(found.directory.parent / 'population.json')!r}), or start a new one "
                 f"(without resume=, or with another run_dir)"
             )
-        differences = training_differences(meta.get("training"), training_config(lead.setup))
-        if differences is not None:
-            warn_user(differences)
-        state.variables = restore_variables(lead.setup, state.variables, saved, found, meta)
-        entries = meta["members"]
-        state.healthy = jnp.asarray([bool(e.get("healthy", True)) for e in entries])
+        state.variables = restore_variables(
+            lead.setup,
+            state.variables,
+            saved,
+            record,
+            found,
+            here="this population's",
+            note=events.note,
+        )
+        entries = record.members
+        state.healthy = jnp.asarray([e.healthy for e in entries])
         if state.place is not None:  # laid out as the population lays out its members
             state.variables, state.healthy = (
                 state.place(state.variables),
                 state.place(state.healthy),
             )
-        state.step, state.epoch = int(meta["step"]), int(meta["epoch"])
-        state.position = int(meta.get("position", 0))
-        state.prune = {int(k): str(v) for k, v in (meta.get("prune") or {}).items()}
+        state.step, state.epoch, state.position = record.step, record.epoch, record.position
+        state.prune = dict(record.prune)
         for member, entry in zip(members, entries, strict=True):
-            member.state.history = [dict(row) for row in entry.get("history", [])]
+            member.state.history = list(entry.history)
+            member.state.validations = list(entry.validations)
             member.state.step, member.state.epoch = state.step, state.epoch
-            member.stopped, member.stopped_at = entry.get("stopped"), entry.get("stopped_at")
+            member.stopped, member.stopped_at = entry.stopped, entry.stopped_at
             if member.stopped is not None:  # its counters stay where it stopped
-                last = member.state.history[-1] if member.state.history else {}
+                last = member.state.last_row
                 member.state.step = int(member.stopped_at or 0)
                 member.state.epoch = int(last.get("epoch", 0))
-            partial = entry.get("partial_epoch")
-            member.totals = None
-            if partial:
-                member.totals = EpochTotals(
-                    loss_sum=float(partial["loss_sum"]),
-                    loss_count=int(partial["loss_count"]),
-                    nonfinite=int(partial["nonfinite"]),
-                    steps=int(partial["steps"]),
-                    wait_seconds=float(partial.get("wait_seconds", 0.0)),
-                    seconds=float(partial.get("seconds", 0.0)),
-                    train_metrics=MetricAccumulator("train_metrics"),
-                )
+            partial = entry.partial_epoch
+            member.totals = partial.totals() if partial is not None else None
         if self.logging is not None:
             for reporter, entry in zip(self.logging.reporters, entries, strict=True):
-                saved_state = entry.get("logger")
+                saved_state = entry.logger
                 if saved_state is None:
                     continue
                 try:
@@ -391,18 +382,7 @@ class PopulationLife:
                         f"cannot resume into this logger: {error}. Resume with the loggers the "
                         f"population was started with, or logger=None"
                     ) from None
-        store = self.files.store
-        if store is not None:
-            store.saved_epoch, store.saved_step = state.epoch, state.step
-        if self.files.branched_from is None:
-            said = f"resumed population {self.files.run_id} from its checkpoint"
-        else:
-            said = (
-                f"resumed from population {self.files.branched_from}'s earlier checkpoint as a "
-                f"new population {self.files.run_id} (the later checkpoints of "
-                f"{self.files.branched_from} stay as they were);"
-            )
-        events.note(f"{said} at epoch {state.epoch}, step {state.step} ({found.path})")
+        said_resumed(self.files, "population", state.epoch, state.step, events.note)
 
     def claim_planned(self) -> None:
         self.files.claim_planned()
@@ -484,7 +464,7 @@ class PopulationLife:
         loggers = self.logging.reporters if self.logging is not None else [None] * len(members)
         entries = []
         best = None
-        for member, token, rows, ok, reporter in zip(
+        for member, token, (history, validations), ok, reporter in zip(
             members, self.tokens, self._rows, healthy, loggers, strict=True
         ):
             row = member.state.last_row
@@ -492,45 +472,41 @@ class PopulationLife:
             if ok and isinstance(value, (int, float)) and np.isfinite(value):
                 if best is None or checkpointer.better(float(value), best):
                     best = float(value)
+            partial = None
+            if member.totals is not None and state.position:  # stopped mid-epoch
+                partial = PartialEpoch.of(state.position, member.totals)
             entries.append(
-                {
-                    "member": member.index,
-                    "run_id": member_run_id(self.files.run_id, member.index),
-                    "settings": token,
-                    "seed": member.setup.seed,
-                    "healthy": bool(ok),
-                    "stopped": member.stopped,
-                    "stopped_at": member.stopped_at,
-                    "history": rows.of(member.state.history),
-                    "metrics": _scalars(row),
-                    "partial_epoch": _partial_epoch(member, state),
-                    "device": member.runtime.device_values(),
-                    "logger": reporter.logger.state() if reporter is not None else None,
-                }
+                MemberRecord(
+                    index=member.index,
+                    run_id=member_run_id(self.files.run_id, member.index),
+                    settings=token,
+                    seed=member.setup.seed,
+                    healthy=bool(ok),
+                    stopped=member.stopped,
+                    stopped_at=member.stopped_at,
+                    history=history.to_json(member.state.history),
+                    validations=validations.to_json(member.state.validations),
+                    metrics=scalars(row),
+                    partial_epoch=partial,
+                    device=member.runtime.device_values(),
+                    logger=reporter.logger.state() if reporter is not None else None,
+                )
             )
         setup = lead.setup
-        meta = {
-            "format": 1,
-            "kind": KIND,
-            "run_id": self.files.run_id,
-            "experiment": setup.owner,
-            "step": state.step,
-            "epoch": state.epoch,
-            "position": state.position,
-            "batches": getattr(state, "batches", "shared"),
-            "prune": {str(k): v for k, v in state.prune.items()},
-            "members": entries,
-            "metrics": {checkpointer.metric: best} if best is not None else {},
-            "stop_reason": reason,
-            "graphconst": config_of(setup),
-            "code": {unit: fp.digest for unit, fp in setup.experiment.code.items()},
-            "optimizer": (
-                describe_optimizer(setup.optimizer) if setup.optimizer is not None else None
-            ),
-            "training": training_config(setup),
-            "checkpointer": dataclasses.asdict(checkpointer),
-        }
-        store.save(state.step, host_tree(setup, state.variables), meta, best, then_close=last)
+        record = CheckpointRecord.of(
+            setup,
+            run_id=self.files.run_id,
+            step=state.step,
+            epoch=state.epoch,
+            members=tuple(entries),
+            kind=POPULATION,
+            position=state.position,
+            batches=getattr(state, "batches", "shared"),
+            prune=dict(state.prune),
+            metrics={checkpointer.metric: best} if best is not None else {},
+            stop_reason=reason,
+        )
+        store.save(state.step, host_tree(setup, state.variables), record, best, then_close=last)
 
     def close(self) -> None:
         self.files.close()
@@ -540,24 +516,6 @@ class PopulationLife:
 
     def wait(self) -> None:
         self.files.wait()
-
-
-def _partial_epoch(member: Any, state: Any) -> dict[str, Any] | None:
-    """The epoch under way of a population stopped in its middle (None at an epoch
-    boundary): the member's running sums, so a resume reports the epoch's mean over all of
-    its steps. Its train metrics start again from there, as a single run's."""
-    totals = member.totals
-    if totals is None or not state.position:
-        return None
-    return {
-        "position": state.position,
-        "loss_sum": totals.loss_sum,
-        "loss_count": totals.loss_count,
-        "nonfinite": totals.nonfinite,
-        "steps": totals.steps,
-        "wait_seconds": totals.wait_seconds,
-        "seconds": totals.seconds,
-    }
 
 
 def _check_metric(lead: Any, checkpointer: Checkpointer) -> None:

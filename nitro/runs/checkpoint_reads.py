@@ -17,6 +17,7 @@ import numpy as np
 
 from nitro.core.run_setup import CheckpointRef
 from nitro.errors import SetupError
+from nitro.runs.checkpoint_record import CheckpointRecord
 from nitro.runs.checkpoint_writer import (
     ORBAX,
     await_writers,
@@ -86,8 +87,8 @@ def _skip(directory: Path, step: int, why: str) -> None:
     )
 
 
-def _records(manager, directory: Path) -> list[tuple[int, dict]]:
-    """(step, JSON record) of each saved step whose record reads, oldest first; a step whose
+def _records(manager, directory: Path) -> list[tuple[int, CheckpointRecord]]:
+    """(step, `CheckpointRecord`) of each saved step whose record reads, oldest first; a step whose
     record does not (an empty step directory, a truncated or corrupted file) is skipped with
     a warning naming it. Reads no array."""
     found = []
@@ -96,10 +97,9 @@ def _records(manager, directory: Path) -> list[tuple[int, dict]]:
             meta = manager.restore(step, args=_meta_args())["meta"]
             if not isinstance(meta, Mapping):
                 raise ValueError(f"its record is {type(meta).__name__}, not a JSON object")
+            found.append((step, CheckpointRecord.from_json(meta)))
         except Exception as error:  # noqa: BLE001 - any unreadable step is skipped, named
             _skip(directory, step, describe_error(error))
-            continue
-        found.append((step, dict(meta)))
     return found
 
 
@@ -111,10 +111,10 @@ def _metric_value(manager, step: int, metric: str | None) -> float | None:
     return value if isinstance(value, (int, float)) else None
 
 
-def _ranking(manager, records: list[tuple[int, dict]]) -> tuple[str | None, str, list]:
+def _ranking(manager, records: list[tuple[int, CheckpointRecord]]) -> tuple[str | None, str, list]:
     """(metric, mode, [(step, value)] best first) by the checkpointer's own metric and mode,
     as recorded in the newest readable checkpoint."""
-    config = (records[-1][1].get("checkpointer") if records else None) or {}
+    config = (records[-1][1].checkpointer if records else None) or {}
     metric, mode = config.get("metric"), config.get("mode", "min")
     ranked = [
         (step, value)
@@ -157,7 +157,7 @@ def describe_checkpoints(directory: str | os.PathLike):
         )
         return [], None, None, None
     best = ranked[0][1] if ranked else None
-    return [step for step, _ in records], records[-1][1].get("epoch"), metric, best
+    return [step for step, _ in records], records[-1][1].epoch, metric, best
 
 
 def describe_saved(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
@@ -168,8 +168,8 @@ def describe_saved(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
         return []
     with _reader(directory) as manager:
         rows = []
-        for step, meta in _records(manager, directory):
-            row = {"step": step, "epoch": meta.get("epoch")}
+        for step, record in _records(manager, directory):
+            row = {"step": step, "epoch": record.epoch}
             try:
                 row.update(manager.metrics(step) or {})
             except Exception:  # noqa: BLE001 - the step itself reads: list it without them
@@ -182,7 +182,7 @@ def describe_saved(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
 # The last step `resolve_checkpoint` read whole to check it, kept for the `read_checkpoint`
 # that follows it (resume and weights= read the step they resolved at once): one entry,
 # taken by that read, so a checked step is not read twice.
-_CHECKED: dict[tuple[Path, int], tuple[Any, dict[str, Any]]] = {}
+_CHECKED: dict[tuple[Path, int], tuple[Any, CheckpointRecord]] = {}
 
 
 def _restore_item(manager, step: int, targets: Mapping[tuple[str, ...], Any]) -> Any:
@@ -234,7 +234,7 @@ def _flatten_keys(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict
 
 def _restore(
     manager, step: int, targets: Mapping[tuple[str, ...], Any] | None = None
-) -> tuple[Any, dict[str, Any]]:
+) -> tuple[Any, CheckpointRecord]:
     """(state, meta) of one step, the leaves named in `targets` onto their shardings. A step
     that reads whole to the host where the targeted read failed is not damaged: that read is
     returned instead (`place_like` lays its leaves out), so only a step whose own tree does
@@ -252,7 +252,7 @@ def _restore(
         raise failed from None
 
 
-def _read_item(manager, step: int, item: Any) -> tuple[Any, dict[str, Any]]:
+def _read_item(manager, step: int, item: Any) -> tuple[Any, CheckpointRecord]:
     import orbax.checkpoint as ocp
 
     restored = manager.restore(
@@ -264,7 +264,7 @@ def _read_item(manager, step: int, item: Any) -> tuple[Any, dict[str, Any]]:
         raise ValueError("its state holds no parameters")
     if not isinstance(meta, Mapping):
         raise ValueError("its record is not a JSON object")
-    return state, dict(meta)
+    return state, CheckpointRecord.from_json(meta)
 
 
 def read_checkpoint(
@@ -272,8 +272,8 @@ def read_checkpoint(
     step: int,
     weights_only: bool = False,
     targets: Mapping[tuple[str, ...], Any] | None = None,
-) -> tuple[Any, dict[str, Any]]:
-    """(state tree of numpy arrays, meta) of one saved step. A step that cannot be read (a
+) -> tuple[Any, CheckpointRecord]:
+    """(state tree of numpy arrays, `CheckpointRecord`) of one saved step. A step that cannot be read (a
     truncated file, corrupted bytes: a checksum failure) raises a `SetupError` naming it.
 
     `targets` (`restore_targets`: checkpoint path -> `jax.ShapeDtypeStruct` with a sharding)

@@ -21,10 +21,13 @@ import weakref
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from nitro.core.run_setup import CheckpointPolicy
-from nitro.runs.checkpoint_trees import json_safe, materialized
+from nitro.runs.checkpoint_trees import materialized
+
+if TYPE_CHECKING:
+    from nitro.runs.checkpoint_record import CheckpointRecord
 
 __all__ = [
     "ORBAX",
@@ -250,7 +253,7 @@ class CheckpointStore:
         self,
         step: int,
         tree: Mapping[str, Any],
-        meta: Mapping[str, Any],
+        record: CheckpointRecord,
         value,
         *,
         then_close: bool = False,
@@ -265,10 +268,10 @@ class CheckpointStore:
         budget did not save), written first. `then_close`: the run ends here; once written,
         the manager closes (unless another save is waiting)."""
         if self.saved_step is None or step >= self.saved_step:  # not a best held since
-            self.saved_epoch = meta.get("epoch")
+            self.saved_epoch = record.epoch
             self.saved_step = step
         saves = (earlier,) if earlier is not None else ()
-        self._submit(_Job((*saves, Save(step, tree, meta, value, best)), then_close))
+        self._submit(_Job((*saves, Save(step, tree, record, value, best)), then_close))
 
     def close_later(self) -> None:
         """Finish the writes in flight and close the manager, in the background."""
@@ -333,7 +336,7 @@ class CheckpointStore:
         if job.then_close and self._pending is None:
             self._close_manager()
 
-    def _write(self, step: int, tree: Mapping[str, Any], meta: Mapping[str, Any], value) -> bool:
+    def _write(self, step: int, tree: Mapping[str, Any], record: CheckpointRecord, value) -> bool:
         """Hand the save to orbax, after the previous write; False when nothing was begun."""
         import orbax.checkpoint as ocp
 
@@ -360,7 +363,7 @@ class CheckpointStore:
                         step,
                         args=ocp.args.Composite(
                             state=ocp.args.StandardSave(tree),
-                            meta=ocp.args.JsonSave(json_safe(meta)),
+                            meta=ocp.args.JsonSave(record.to_json()),
                         ),
                         metrics=metrics,
                         force=True,
@@ -480,7 +483,7 @@ class Save(NamedTuple):
 
     step: int
     tree: Mapping[str, Any]
-    meta: Mapping[str, Any]
+    record: CheckpointRecord
     value: Any
     best: bool = False
 

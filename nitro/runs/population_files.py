@@ -38,20 +38,13 @@ from typing import Any
 import numpy as np
 
 from nitro._version import __version__
-from nitro.core.run_setup import CheckpointPolicy, CheckpointRef, RunSetup
-from nitro.core.train_state import Variables
+from nitro.core.run_setup import CheckpointPolicy, CheckpointRef
 from nitro.errors import SetupError
 from nitro.experiments.fingerprint import code_digest
 from nitro.runs.checkpoint_reads import SavedStep, read_checkpoint, resolve_checkpoint
+from nitro.runs.checkpoint_record import CheckpointRecord
 from nitro.runs.checkpoint_writer import CheckpointStore
 from nitro.runs.identity import RunIdentity
-from nitro.runs.lifecycle import (
-    _optimizer_misfit,
-    _saved_steps,
-    placed_like,
-    restore_leaves,
-    warn_user,
-)
 from nitro.runs.population_dirs import (
     KIND,
     MEMBER_KIND,
@@ -61,6 +54,7 @@ from nitro.runs.population_dirs import (
     population_of,
     refuse_for_a_run,
 )
+from nitro.runs.resume import warn_user
 from nitro.runs.run_dirs import (
     checkpoint_dir,
     default_run_dir,
@@ -70,6 +64,7 @@ from nitro.runs.run_dirs import (
     read_run_json,
     write_run_json,
 )
+from nitro.runs.run_files import saved_steps
 from nitro.runs.run_lock import RunLock, acquire, check_free, describe_holder, holder_record
 from nitro.runs.weights import MemberWeights, shown_setting
 
@@ -83,7 +78,6 @@ __all__ = [
     "member_run_id",
     "population_of",
     "refuse_for_a_run",
-    "restore_variables",
     "setting_token",
     "setting_differences",
 ]
@@ -207,7 +201,7 @@ class PopulationFiles:
         if found is not None:
             directory = found.directory.parent
             run_id = read_run_json(directory).get("run_id") or directory.name
-            if found.step < max(_saved_steps(found.directory), default=found.step):
+            if found.step < max(saved_steps(found.directory), default=found.step):
                 # an earlier checkpoint: the later ones stay; this population goes on elsewhere
                 branched_from, origin = run_id, directory
                 directory, run_id = _new_run_dir(experiment_cls, run_dir, besides=origin)
@@ -351,18 +345,18 @@ class PopulationFiles:
         self.opened = True
         say(f"population {self.run_id} in {self.run_dir} ({self.members} members)")
 
-    def read(self) -> tuple[Any, dict[str, Any]]:
+    def read(self) -> tuple[Any, CheckpointRecord]:
         """(the state tree, the record) of the checkpoint this population resumes from;
         refused when it is not a population's."""
         assert self.resume_from is not None  # planned: a population that resumes
         directory, step = self.resume_from
-        saved, meta = read_checkpoint(directory, step)
-        if meta.get("kind") != KIND:
+        saved, record = read_checkpoint(directory, step)
+        if record.kind != KIND:
             raise SetupError(
                 f"{str(self.resume_from.path)!r} is a single run's checkpoint, not a "
                 f"population's: Nitro(..., resume={str(directory.parent)!r}) continues it"
             )
-        return saved, meta
+        return saved, record
 
     def release(self) -> None:
         """Finish the saves and let go of the run directory."""
@@ -398,7 +392,7 @@ def _new_run_dir(
         return default_run_dir(experiment_cls.__name__, run_id), run_id
     path = Path(run_dir).absolute()
     existing = read_run_json(path)
-    steps = _saved_steps(checkpoint_dir(path))
+    steps = saved_steps(checkpoint_dir(path))
     if steps or (existing and existing.get("kind") != KIND):
         what = "a population" if existing.get("kind") == KIND else "a run"
         raise SetupError(
@@ -460,22 +454,3 @@ def _recorded_settings(run_dir: Path) -> list[dict[str, Any]] | None:
         return [dict(m["settings"]) for m in info["members"]]
     except (OSError, ValueError, KeyError, TypeError):
         return None
-
-
-# ---------------------------------------------------------------------------------------------
-# reading a checkpoint back
-
-
-def restore_variables(
-    setup: RunSetup, template: Variables, saved: Mapping[str, Any], found: SavedStep, meta
-) -> Variables:
-    """The stacked variables of a population's checkpoint, shaped like `template` (the fresh
-    stacked variables) and placed as `setup` places them; a misfit names the leaves."""
-    params, rest, opt, ema, ema_steps = restore_leaves(
-        setup,
-        template,
-        saved,
-        misfit=_optimizer_misfit(setup, meta, found),
-        here="this population's",
-    )
-    return placed_like(setup, template, params, rest, opt, ema, ema_steps)

@@ -24,6 +24,7 @@ from nitro.core.frozen import freeze
 from nitro.core.run_setup import CheckpointRef, SavedWeights
 from nitro.errors import SetupError, WeightsError
 from nitro.optim.param_groups import leaf_paths
+from nitro.runs.checkpoint_trees import leaves_from
 from nitro.runs.population_dirs import KIND, population_of
 
 __all__ = [
@@ -103,36 +104,26 @@ class CheckpointWeights:
     def resolve(self, params: Any, model_state: Any) -> ResolvedWeights:
         """The checkpoint's parameters and model state, shaped like the given model's."""
         from nitro.runs.checkpoint_reads import read_checkpoint, resolve_checkpoint
-        from nitro.runs.checkpoint_trees import leaves_from
 
         directory, step = resolve_checkpoint(self.source)
-        saved, meta = read_checkpoint(directory, step)
-        if meta.get("kind") == "population":
+        saved, record = read_checkpoint(directory, step)
+        if record.kind == KIND:
             raise WeightsError(
                 f"{str(directory / str(step))!r} is a population's checkpoint, which holds "
                 f"every member's weights: weights=({str(directory.parent)!r}, i) reads member i"
             )
-        restored = []
-        for what, key, tree in (
-            ("parameters", "params", params),
-            ("model state", "model_state", model_state),
-        ):
-            template = jax.tree.leaves(tree)
-            leaves = leaves_from(what, saved.get(key, {}), leaf_paths(tree), template)
-            leaves = [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in leaves]
-            restored.append(jax.tree.unflatten(jax.tree.structure(tree), leaves))
+        restored = _weights_of(saved, params, model_state)
         origin = (
-            f"checkpoint {directory.parent.name or directory}/step {step} (epoch "
-            f"{meta.get('epoch')})"
+            f"checkpoint {directory.parent.name or directory}/step {step} (epoch {record.epoch})"
         )
         checkpoint = SavedWeights(
             paths=(str(directory / str(step)),),
-            run_id=meta.get("run_id"),
+            run_id=record.run_id,
             steps=(step,),
-            epochs=(meta.get("epoch"),),
-            metrics=(freeze(meta.get("metrics")),),
+            epochs=(record.epoch,),
+            metrics=(freeze(record.metrics),),
         )
-        return ResolvedWeights(restored[0], restored[1], origin, checkpoint)
+        return ResolvedWeights(*restored, origin, checkpoint)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -154,18 +145,17 @@ class AveragedWeights:
         from pathlib import Path
 
         from nitro.runs.checkpoint_reads import read_checkpoint
-        from nitro.runs.checkpoint_trees import leaves_from
 
         trees = {"parameters": ("params", params), "model state": ("model_state", model_state)}
         sums: dict[str, list] = {}
         firsts: dict[str, list] = {}
-        metas, used, damaged = [], [], []
+        records, used, damaged = [], [], []
         k = len(self.checkpoints)
         for directory, step in self.checkpoints + self.spares:
             if len(used) == k:
                 break
             try:
-                saved, meta = read_checkpoint(Path(directory), step)
+                saved, record = read_checkpoint(Path(directory), step)
             except SetupError as error:
                 if "given" in self.ranking:  # the caller's list: no other takes its place
                     raise WeightsError(f"average(): {error}") from error
@@ -176,7 +166,7 @@ class AveragedWeights:
                 )
                 damaged.append(str(Path(directory) / str(step)))
                 continue
-            metas.append(meta)
+            records.append(record)
             used.append((directory, step))
             for what, (key, tree) in trees.items():
                 leaves = leaves_from(
@@ -212,10 +202,10 @@ class AveragedWeights:
         )
         checkpoint = SavedWeights(
             paths=tuple(str(Path(d) / str(s)) for d, s in used),
-            run_id=metas[0].get("run_id"),
+            run_id=records[0].run_id,
             steps=tuple(steps),
-            epochs=tuple(m.get("epoch") for m in metas),
-            metrics=tuple(freeze(m.get("metrics")) for m in metas),
+            epochs=tuple(r.epoch for r in records),
+            metrics=tuple(freeze(r.metrics) for r in records),
             averaged=True,
         )
         return ResolvedWeights(averaged[0], averaged[1], origin, checkpoint)
@@ -338,48 +328,51 @@ class MemberWeights(CheckpointWeights):
     def resolve(self, params: Any, model_state: Any) -> ResolvedWeights:
         """The member's parameters and model state, shaped like the given model's."""
         from nitro.runs.checkpoint_reads import read_checkpoint, resolve_checkpoint
-        from nitro.runs.checkpoint_trees import leaves_from
 
         directory, step = resolve_checkpoint(self.source)
-        saved, meta = read_checkpoint(directory, step)
+        saved, record = read_checkpoint(directory, step)
         where = str(directory / str(step))
-        if meta.get("kind") != KIND:
+        if record.kind != KIND:
             raise WeightsError(
                 f"weights=({self.source.path!r}, {self.member}): {where!r} is a single run's "
                 f"checkpoint, not a population's; weights={self.source.path!r} reads it"
             )
-        entries = meta.get("members") or []
+        entries = record.members
         if not 0 <= self.member < len(entries):
             raise WeightsError(
                 f"weights=({self.source.path!r}, {self.member}): the population in "
                 f"{str(directory.parent)!r} has {len(entries)} members (0..{len(entries) - 1})"
             )
-        restored = []
-        for what, key, tree in (
-            ("parameters", "params", params),
-            ("model state", "model_state", model_state),
-        ):
-            template = jax.tree.leaves(tree)
-            mine = jax.tree.map(lambda a: np.asarray(a)[self.member], saved.get(key, {}))
-            leaves = leaves_from(what, mine, leaf_paths(tree), template)
-            leaves = [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in leaves]
-            restored.append(jax.tree.unflatten(jax.tree.structure(tree), leaves))
+        mine = jax.tree.map(lambda a: np.asarray(a)[self.member], saved)
+        restored = _weights_of(mine, params, model_state)
         entry = entries[self.member]
-        shown = ", ".join(
-            f"{k}={shown_setting(v)}" for k, v in (entry.get("settings") or {}).items()
-        )
+        shown = ", ".join(f"{k}={shown_setting(v)}" for k, v in entry.settings.items())
         origin = (
-            f"member {self.member} ({shown}) of population {meta.get('run_id')}, checkpoint "
-            f"step {step} (epoch {meta.get('epoch')})"
+            f"member {self.member} ({shown}) of population {record.run_id}, checkpoint "
+            f"step {step} (epoch {record.epoch})"
         )
         checkpoint = SavedWeights(
             paths=(where,),
-            run_id=entry.get("run_id"),
+            run_id=entry.run_id,
             steps=(step,),
-            epochs=(meta.get("epoch"),),
-            metrics=(freeze(entry.get("metrics")),),
+            epochs=(record.epoch,),
+            metrics=(freeze(entry.metrics),),
         )
-        return ResolvedWeights(restored[0], restored[1], origin, checkpoint)
+        return ResolvedWeights(*restored, origin, checkpoint)
+
+
+def _weights_of(saved: Mapping[str, Any], params: Any, model_state: Any) -> tuple[Any, Any]:
+    """A checkpoint's parameters and model state, shaped like the given model's trees."""
+
+    restored = []
+    for what, key, tree in (
+        ("parameters", "params", params),
+        ("model state", "model_state", model_state),
+    ):
+        leaves = leaves_from(what, saved.get(key, {}), leaf_paths(tree), jax.tree.leaves(tree))
+        leaves = [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in leaves]
+        restored.append(jax.tree.unflatten(jax.tree.structure(tree), leaves))
+    return restored[0], restored[1]
 
 
 def shown_setting(token: Any) -> str:

@@ -1,0 +1,317 @@
+"""What a checkpoint records besides its arrays: one frozen, typed `CheckpointRecord`, the JSON
+item `meta` of every saved step, for a run and a population alike (a run is a population of
+one member). `to_json` writes it and `from_json` reads it back; a record of an earlier release
+(keys missing, or others not known here) reads with defaults for what it lacks.
+
+A run's record keeps its member's fields at the top level (`saved["meta"]["history"]`), as
+Nitro has always written them; a population's lists them under `members`, with the shared
+counters (position in the epoch, pruning asked for) beside them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+
+from nitro._version import __version__
+from nitro.core.run_setup import RunSetup
+from nitro.core.train_state import EpochTotals, HistoryRows, TrainState, Variables
+from nitro.experiments.fingerprint import code_digest
+from nitro.optim.fed_optimizer import describe_optimizer
+from nitro.runs.checkpoint_trees import json_safe
+from nitro.runs.training_config import training_config
+
+__all__ = [
+    "FORMAT",
+    "POPULATION",
+    "RUN",
+    "CheckpointRecord",
+    "MemberRecord",
+    "PartialEpoch",
+    "config_of",
+    "config_token",
+]
+
+FORMAT = 1
+RUN, POPULATION = "run", "population"
+
+
+def config_token(value: Any) -> Any:
+    """A JSON value standing for a GraphConst value; functions stand for their code."""
+    if callable(value) and not isinstance(value, type) and hasattr(value, "__code__"):
+        return f"<code {code_digest(value)}>"
+    return json_safe(value)
+
+
+def config_of(setup: RunSetup) -> dict[str, Any]:
+    """The GraphConst values of a run, as its records keep them."""
+    return {name: config_token(v) for name, v in setup.experiment.graphconst.items()}
+
+
+@dataclasses.dataclass(frozen=True)
+class PartialEpoch:
+    """The epoch under way of a run stopped in its middle: the batches it completed, whether
+    it trained them all (its validation not done), its running sums and the training
+    source's iterator state, so a resume continues at the next batch."""
+
+    position: int
+    sums: Mapping[str, float | int]  # `EpochTotals.to_json`
+    trained: bool = False
+    data_state: Any = None
+
+    @classmethod
+    def of(cls, position: int, totals: EpochTotals, **fields: Any) -> PartialEpoch:
+        return cls(position, totals.to_json(), **fields)
+
+    def totals(self) -> EpochTotals:
+        """The epoch's running sums, a new `EpochTotals` (its train metrics start afresh)."""
+        return EpochTotals.from_json(self.sums)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "position": self.position,
+            "trained": self.trained,
+            **self.sums,
+            "data_state": self.data_state,
+        }
+
+    @classmethod
+    def from_json(cls, data: Any) -> PartialEpoch | None:
+        if not isinstance(data, Mapping) or not data:
+            return None
+        return cls(
+            position=int(data.get("position", 0)),
+            sums=EpochTotals.from_json(data).to_json(),
+            trained=bool(data.get("trained", False)),
+            data_state=data.get("data_state"),
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class MemberRecord:
+    """One member's part of a checkpoint: its history, validations within epochs, the
+    metrics of its newest epoch, its epoch under way, its Device values and its loggers'
+    state; in a population also its index, run id, settings, whether its steps are finite
+    and why and at which step it stopped."""
+
+    seed: int | None = None
+    history: tuple[Mapping[str, Any], ...] = ()
+    metrics: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    validations: tuple[Mapping[str, Any], ...] = ()
+    partial_epoch: PartialEpoch | None = None
+    device: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    logger: Any = None
+    index: int = 0
+    run_id: str | None = None
+    settings: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    healthy: bool = True
+    stopped: str | None = None
+    stopped_at: int | None = None
+
+    def to_json(self, in_population: bool) -> dict[str, Any]:
+        own = {
+            "seed": self.seed,
+            "history": list(self.history),
+            "metrics": dict(self.metrics),
+            "validations": list(self.validations),
+            "partial_epoch": self.partial_epoch.to_json() if self.partial_epoch else None,
+            "device": dict(self.device),
+            "logger": self.logger,
+        }
+        if not in_population:
+            return own
+        return {
+            "member": self.index,
+            "run_id": self.run_id,
+            "settings": dict(self.settings),
+            "healthy": self.healthy,
+            "stopped": self.stopped,
+            "stopped_at": self.stopped_at,
+            **own,
+        }
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any], index: int = 0) -> MemberRecord:
+        seed, stopped_at = data.get("seed"), data.get("stopped_at")
+        return cls(
+            seed=int(seed) if seed is not None else None,
+            history=tuple(HistoryRows.from_json(data.get("history"))),
+            metrics=dict(data.get("metrics") or {}),
+            validations=tuple(HistoryRows.from_json(data.get("validations"))),
+            partial_epoch=PartialEpoch.from_json(data.get("partial_epoch")),
+            device=dict(data.get("device") or {}),
+            logger=data.get("logger"),
+            index=int(data.get("member", index)),
+            run_id=data.get("run_id"),
+            settings=dict(data.get("settings") or {}),
+            healthy=bool(data.get("healthy", True)),
+            stopped=data.get("stopped"),
+            stopped_at=int(stopped_at) if stopped_at is not None else None,
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointRecord:
+    """The JSON record of one saved step (orbax item `meta`).
+
+    Attributes:
+      kind: "run" or "population".
+      run_id, experiment: the run (or population) and its experiment's owner.
+      step, epoch: the counters it was saved at.
+      members: one `MemberRecord` (a run: `member`), or one per member of a population.
+      metrics: a run's newest epoch's metrics; a population's best value of the
+        checkpointer's metric among its healthy members.
+      stop_reason: why the run ended at this step (None: it went on).
+      swaps: the live edits swapped in while training (a run's).
+      position, batches, prune: a population's position in the epoch under way, whether
+        its members share batches, and the members it was asked to prune.
+      graphconst, code, optimizer, training, checkpointer: what a resume compares.
+      format, nitro, jax: the record's format and the versions that wrote it.
+    """
+
+    run_id: str
+    step: int
+    epoch: int
+    members: tuple[MemberRecord, ...]
+    kind: str = RUN
+    experiment: str | None = None
+    metrics: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    stop_reason: str | None = None
+    swaps: tuple[Mapping[str, Any], ...] = ()
+    position: int = 0
+    batches: str = "shared"
+    prune: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    graphconst: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    code: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    optimizer: str | None = None
+    training: Mapping[str, Any] | None = None
+    checkpointer: Mapping[str, Any] | None = None
+    format: int = FORMAT
+    nitro: str | None = __version__
+    jax: str | None = jax.__version__
+
+    @classmethod
+    def of(
+        cls,
+        setup: RunSetup,
+        *,
+        run_id: str,
+        step: int,
+        epoch: int,
+        members: tuple[MemberRecord, ...],
+        **fields: Any,
+    ) -> CheckpointRecord:
+        """A record of a run (or a population whose members share `setup`'s program): what
+        a resume compares is taken from `setup`."""
+        checkpointer = setup.checkpointer
+        return cls(
+            run_id=run_id,
+            step=step,
+            epoch=epoch,
+            members=members,
+            experiment=setup.owner,
+            graphconst=config_of(setup),
+            code={unit: fp.digest for unit, fp in setup.experiment.code.items()},
+            optimizer=describe_optimizer(setup.optimizer) if setup.optimizer is not None else None,
+            training=training_config(setup),
+            checkpointer=dataclasses.asdict(checkpointer) if checkpointer is not None else None,  # pyright: ignore[reportArgumentType]  # a Checkpointer: the keyword's check
+            **fields,
+        )
+
+    @property
+    def member(self) -> MemberRecord:
+        """A run's own record (a population's first member)."""
+        return self.members[0]
+
+    def to_json(self) -> dict[str, Any]:
+        common = {
+            "format": self.format,
+            "kind": self.kind,
+            "nitro": self.nitro,
+            "jax": self.jax,
+            "run_id": self.run_id,
+            "experiment": self.experiment,
+            "step": self.step,
+            "epoch": self.epoch,
+        }
+        if self.kind == POPULATION:
+            own = {
+                "position": self.position,
+                "batches": self.batches,
+                "prune": {str(k): v for k, v in self.prune.items()},
+                "members": [m.to_json(in_population=True) for m in self.members],
+                "metrics": dict(self.metrics),
+            }
+        else:
+            own = {**self.member.to_json(in_population=False), "swaps": list(self.swaps)}
+        return json_safe(
+            {
+                **common,
+                **own,
+                "stop_reason": self.stop_reason,
+                "graphconst": dict(self.graphconst),
+                "code": dict(self.code),
+                "optimizer": self.optimizer,
+                "training": self.training,
+                "checkpointer": self.checkpointer,
+            }
+        )
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> CheckpointRecord:
+        """The record `to_json` wrote, or an earlier release did (what it lacks takes its
+        default; keys not known here are left out)."""
+        kind = data.get("kind") or RUN
+        if kind == POPULATION:
+            members = tuple(
+                MemberRecord.from_json(m, i)
+                for i, m in enumerate(data.get("members") or ())
+                if isinstance(m, Mapping)
+            )
+        else:
+            members = (MemberRecord.from_json(data),)
+        return cls(
+            run_id=str(data.get("run_id") or ""),
+            step=int(data.get("step") or 0),
+            epoch=int(data.get("epoch") or 0),
+            members=members,
+            kind=kind,
+            experiment=data.get("experiment"),
+            metrics=dict(data.get("metrics") or {}),
+            stop_reason=data.get("stop_reason"),
+            swaps=tuple(HistoryRows.from_json(data.get("swaps"))),
+            position=int(data.get("position") or 0),
+            batches=data.get("batches") or "shared",
+            prune={int(k): str(v) for k, v in (data.get("prune") or {}).items()},
+            graphconst=dict(data.get("graphconst") or {}),
+            code=dict(data.get("code") or {}),
+            optimizer=data.get("optimizer"),
+            training=data.get("training"),
+            checkpointer=data.get("checkpointer"),
+            format=int(data.get("format") or FORMAT),
+            nitro=data.get("nitro"),
+            jax=data.get("jax"),
+        )
+
+    def train_state(self, variables: Variables, *, seed: int) -> TrainState:
+        """The state a run's checkpoint saved: `variables` (its arrays, read and placed) and
+        the counters, seed and history recorded here (`seed`: where it records none). It
+        resumes at the start of the epoch after its last committed one, or, for a run stopped
+        in the middle of an epoch, at the next batch of that epoch with its running sums."""
+        member, partial = self.member, self.member.partial_epoch
+        return TrainState(
+            variables=variables,
+            step=self.step,
+            epoch=self.epoch,
+            position=partial.position if partial else 0,
+            seed=member.seed if member.seed is not None else seed,
+            history=list(member.history),
+            validations=list(member.validations),
+            swaps=[dict(row) for row in self.swaps],
+            totals=partial.totals() if partial else None,
+            epoch_trained=partial.trained if partial else False,
+            data_state=partial.data_state if partial else None,
+        )

@@ -1,0 +1,296 @@
+"""Saving a run at the end of its epochs: a checkpoint after each committed epoch when the
+budget allows (its best epoch by the checkpointer's metric always, held on the host until the
+next save), the newest epoch at the end of a call, the step a stopped run stopped on, and the
+`CheckpointRecord` of each save. Early stopping is asked after each epoch too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from nitro.core.events import Events
+from nitro.core.run_setup import RunSetup
+from nitro.core.train_state import HistoryRows, TrainState, scalars
+from nitro.runs.checkpoint_record import CheckpointRecord, MemberRecord, PartialEpoch
+from nitro.runs.checkpoint_trees import (
+    host_tree,
+)
+from nitro.runs.checkpoint_writer import CheckpointStore, Save
+
+__all__ = ["EpochSaves", "run_record"]
+
+
+@dataclasses.dataclass
+class EpochSaves:
+    """What a run saves at the end of its epochs and of its calls: its best epoch so far by
+    the checkpointer's metric (held on the host when the budget skips it, written with the
+    next save), and each save's `CheckpointRecord` (`run_record`). The loop calls
+    `after_epoch` once an epoch's row is committed, and the handle `end_run` at a call's end.
+    `store`: the run's checkpoint writer (None: `checkpointer=None`, nothing is saved)."""
+
+    run_id: str
+    store: CheckpointStore | None
+    _history_rows: HistoryRows = dataclasses.field(default_factory=HistoryRows)
+    _validation_rows: HistoryRows = dataclasses.field(default_factory=HistoryRows)
+    epoch_began: float | None = None  # when the epoch under way began (or its run)
+    # the best value of the checkpointer's metric in the history's first `_best_rows` rows
+    _best: float | None = None
+    _best_rows: int = -1
+    _held: Save | None = None  # a new best the budget did not save: written with the next save
+    _end_best: bool = False  # the epoch the run's end saves is its best so far
+
+    logger_state: Any = None  # () -> the logger's state(), stored in each checkpoint
+
+    def after_epoch(
+        self,
+        setup: RunSetup,
+        state: TrainState,
+        row: dict[str, Any],
+        events: Events,
+        device: Mapping[str, Any],
+        epochs_left: int | None = None,
+        lazy: bool = False,
+        measuring: bool = False,
+    ) -> str | None:
+        """Checkpoint the committed epoch (when due), then ask early stopping. `device`: the
+        Device fields' values now (the checkpoint records them). `epochs_left`: the epochs
+        the call trains after this one; at this epoch's pace, when they end (and the call's
+        end saves) sooner than the budget would allow another save, this one is not due.
+        `lazy`: no later call donates the variables (`RunTime.restores`), so a save copies them
+        to the host when it is written, and a save that a newer one replaces copies nothing.
+        `measuring`: "auto" is timing its call sizes (for a few seconds of training), and a
+        write beside them would slow the calls it compares: under a budget, no save is due
+        mid-call until it decides (the call's end saves its newest epoch, as always)."""
+        store = self.store
+        now = time.perf_counter()
+        began, self.epoch_began = self.epoch_began, now
+        ends_in = None
+        if epochs_left is not None and began is not None:
+            ends_in = epochs_left * (now - began)
+        hold = measuring and (epochs_left is None or epochs_left > 0)  # mid-call
+        verdict = None
+        if setup.early_stop is not None and setup.early_stop.should_stop(state.history):
+            verdict = "early_stop"
+        if store is None:
+            return verdict
+        best = self._new_best(store, state, row)
+        if epochs_left == 0 or verdict is not None:
+            # the run's end saves this epoch, with its stop reason (`end_run`)
+            self._end_best = best
+            if best:
+                self._held = None
+        elif store.due(state.epoch, ends_in=ends_in, hold=hold):
+            self._save(setup, state, row, events, device, lazy=lazy, best=best)
+        elif best:  # kept on the host, written with the next save or at the call's end
+            self._held = self._snapshot(setup, state, row, device, None, lazy, best=True)
+        return verdict
+
+    def _new_best(self, store: CheckpointStore, state: TrainState, row: Mapping) -> bool:
+        """Whether the epoch just committed (`row`, the history's last) is the run's best so
+        far by the checkpointer's metric and mode."""
+        config = store.config
+        value = _finite(row.get(config.metric))
+        history = state.history
+        if self._best_rows != len(history) - 1:  # another history: a resume, restore_best
+            self._best = None
+            for earlier in history[:-1]:
+                seen = _finite(earlier.get(config.metric))
+                if seen is not None and (self._best is None or config.better(seen, self._best)):
+                    self._best = seen
+        self._best_rows = len(history)
+        if value is None or (self._best is not None and not config.better(value, self._best)):
+            return False
+        self._best = value
+        return True
+
+    def end_run(
+        self,
+        setup: RunSetup,
+        state: TrainState,
+        events: Events,
+        reason: str,
+        device: Mapping[str, Any],
+        lazy: bool = False,
+    ) -> None:
+        """A run that ends at an epoch boundary leaves its newest epoch saved (`lazy`: as
+        `after_epoch`). `train()`
+        returns at once: the save is written in the background, and the next save, a reader
+        of the run's checkpoints, `close()` and the process's end wait for it. A stopped run
+        waits for its save, to say where it resumes from."""
+        store = self.store
+        if store is None:
+            return
+        at_boundary = not (state.epoch == 0 or state.position or state.epoch_trained)
+        # a stop request or max_steps, in the middle of an epoch: saved where it stopped
+        stopped = reason in ("requested", "max_steps") and (state.position or state.epoch_trained)
+        failures = len(store.failures)
+        end_best, self._end_best = self._end_best, False
+        recorded_earlier = True
+        if (at_boundary and store.saved_epoch != state.epoch) or (
+            stopped and store.saved_step != state.step
+        ):
+            recorded_earlier = False
+            self._save(
+                setup,
+                state,
+                state.last_row,
+                events,
+                device,
+                reason,
+                last=True,
+                lazy=lazy,
+                best=at_boundary and end_best,
+            )
+        else:
+            self._write_held()
+            store.close_later()  # the writes finish, then the manager's threads end
+        if reason == "requested" or (reason == "max_steps" and stopped):
+            store.close()
+            saved = store.saved_step == state.step and len(store.failures) == failures
+            if saved and recorded_earlier:  # an epoch saved before the stop came
+                store.record_reason(state.step, reason)
+            events.note(_resume_point(state, store, saved))
+
+    def _save(
+        self,
+        setup: RunSetup,
+        state: TrainState,
+        row: Mapping[str, Any],
+        events: Events,
+        device: Mapping[str, Any],
+        reason: str | None = None,
+        last: bool = False,
+        lazy: bool = False,
+        best: bool = False,
+    ) -> None:
+        """Save the committed state (after the best epoch held since, if any). `best`: it is
+        the run's best so far by the checkpointer's metric, and no newer save replaces it."""
+        events.phase("checkpointing")  # the loop (or the run's end) sets the next phase
+        store = self.store
+        assert store is not None  # saves come from a run with a store
+        save = self._snapshot(setup, state, row, device, reason, lazy, best)
+        held, self._held = self._held, None
+        if held is not None and held.step == save.step:
+            held, save = None, save._replace(best=True)
+        store.save(*save[:4], then_close=last, best=save.best, earlier=held)
+
+    def _snapshot(
+        self,
+        setup: RunSetup,
+        state: TrainState,
+        row: Mapping[str, Any],
+        device: Mapping[str, Any],
+        reason: str | None,
+        lazy: bool,
+        best: bool,
+    ) -> Save:
+        """The committed state as a save: host copies (`host_tree`) and its JSON record."""
+        store = self.store
+        assert store is not None
+        return Save(
+            state.step,
+            host_tree(setup, state.variables, lazy=lazy),
+            run_record(
+                setup,
+                state,
+                self.run_id,
+                row,
+                reason,
+                device,
+                self.logger_state() if self.logger_state is not None else None,
+                self._history_rows,
+                self._validation_rows,
+            ),
+            _finite(row.get(store.config.metric)),
+            best,
+        )
+
+    def _write_held(self, then_close: bool = False) -> None:
+        """Hand the best epoch held on the host to the store (the call ends without a save
+        of its own that would write it)."""
+        held, self._held = self._held, None
+        if held is not None and self.store is not None:
+            self.store.save(*held[:4], then_close=then_close, best=True)
+
+    def close(self) -> None:
+        self._write_held()
+        if self.store is not None:
+            self.store.close()
+
+
+def _finite(value: Any) -> float | None:
+    """A metric's value as a float, None when it is missing or not finite."""
+    if isinstance(value, (int, float, np.number)) and not isinstance(value, bool):
+        value = float(value)
+        return value if np.isfinite(value) else None
+    return None
+
+
+def _resume_point(state: TrainState, store: CheckpointStore, saved: bool) -> str:
+    """Where a stopped run can resume from: the step it stopped on, when that was saved."""
+    where = f"epoch {state.epoch + 1}, batch {state.position}"
+    if state.epoch_trained:
+        where = f"epoch {state.epoch + 1} trained, before its validation"
+    elif not state.position:
+        where = f"the end of epoch {state.epoch}"
+    if saved:
+        return (
+            f"stopped at step {state.step} ({where}); saved {store.directory / str(state.step)}: "
+            f"resume= continues from there"
+        )
+    return (
+        f"stopped at step {state.step} ({where}); that step could not be saved (see the "
+        f"warning), so resume= continues from the newest checkpoint in {store.directory}"
+    )
+
+
+def run_record(
+    setup: RunSetup,
+    state: TrainState,
+    run_id: str,
+    row: Mapping[str, Any],
+    reason: str | None,
+    device: Mapping[str, Any],
+    logger_state: Any = None,
+    history: HistoryRows | None = None,
+    validations: HistoryRows | None = None,
+) -> CheckpointRecord:
+    """The record of a run's save: its counters, history and epoch under way, with what a
+    resume compares (`history`, `validations`: the converted rows kept across saves)."""
+    member = MemberRecord(
+        seed=state.seed,
+        history=(history or HistoryRows()).to_json(state.history),
+        metrics=scalars(row),
+        validations=(validations or HistoryRows()).to_json(state.validations),
+        partial_epoch=_partial_epoch(state),
+        device=dict(device),
+        logger=logger_state,
+    )
+    return CheckpointRecord.of(
+        setup,
+        run_id=run_id,
+        step=state.step,
+        epoch=state.epoch,
+        members=(member,),
+        metrics=member.metrics,
+        stop_reason=reason,
+        swaps=tuple(dict(r) for r in state.swaps),
+    )
+
+
+def _partial_epoch(state: TrainState) -> PartialEpoch | None:
+    """The epoch under way of a run stopped in its middle (None at an epoch boundary): the
+    batches it completed and its running sums, so a resume continues at the next batch.
+    The epoch's train metrics (the train_metrics hook) start again from there."""
+    totals = state.totals
+    if totals is None or not (state.position or state.epoch_trained):
+        return None
+    # the source's iterator state, when it has one
+    return PartialEpoch.of(
+        state.position, totals, trained=state.epoch_trained, data_state=state.data_state
+    )

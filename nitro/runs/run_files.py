@@ -1,0 +1,272 @@
+"""A run's identity and files: its directory and run id (a new one, or the one a resume
+continues), one writer per directory (`run.lock`), and its run.json. The handle composes one
+`RunFiles`; its `saves` (`nitro.runs.epoch_saves`) write the checkpoints, and a resume reads
+one back (`nitro.runs.resume`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import jax
+
+from nitro._version import __version__
+from nitro.core.events import Events
+from nitro.core.run_setup import RunSetup
+from nitro.core.train_state import TrainState
+from nitro.errors import SetupError
+from nitro.runs.checkpoint_reads import SavedStep
+from nitro.runs.checkpoint_record import config_of
+from nitro.runs.checkpoint_trees import (
+    restore_targets,
+)
+from nitro.runs.checkpoint_writer import CheckpointStore, await_writers, warm_up
+from nitro.runs.epoch_saves import EpochSaves
+from nitro.runs.identity import (
+    RunIdentity,
+    record_name,
+    recorded,
+)
+from nitro.runs.resume import resume_source
+from nitro.runs.run_dirs import (
+    checkpoint_dir,
+    default_run_dir,
+    experiment_root,
+    new_run_id,
+    read_run_json,
+    write_run_json,
+)
+from nitro.runs.run_lock import RunLock, acquire, describe_holder, holder_record
+
+__all__ = ["RunFiles", "new_run_dir", "saved_steps"]
+
+
+@dataclasses.dataclass
+class RunFiles:
+    """Where this run lives and what it saves there. `lock`: this run's hold on its
+    directory (`nitro.runs.run_lock`), taken at the first write, or at `plan` for a run that
+    resumes or a `run_dir=` named; `busy()`: whether the handle works now."""
+
+    run_id: str
+    run_dir: Path
+    resume_from: SavedStep | None
+    store: CheckpointStore | None
+    opened: bool = False
+    branched_from: str | None = None  # resumed from an earlier checkpoint of this run
+    identity: RunIdentity | None = None
+    busy: Callable[[], bool] = lambda: False
+    lock: RunLock | None = None
+    locks: bool = True  # False on the secondary processes of a multi-process run
+    claim: bool | None = None  # planned: hold the directory (True: may take it over) at once
+    saves: EpochSaves = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.saves = EpochSaves(self.run_id, self.store)
+
+    @classmethod
+    def plan(
+        cls,
+        setup: RunSetup,
+        events: Events,
+        *,
+        say: Callable[[str], None] | None = None,
+        busy: Callable[[], bool] = lambda: False,
+        state: TrainState | None = None,
+    ) -> RunFiles:
+        """Decide the run's directory and id; nothing is written yet. A run that continues a
+        directory that exists or names one (`run_dir=`) holds it once the handle is built
+        (`claim_planned`, after a resume's checks passed). `say`: how to tell the person which
+        run `resume='auto'` continues (default: an event note). `state`: the fresh state, whose
+        sharded leaves a resume reads its checkpoint onto."""
+        identity = RunIdentity.of(setup.cls, setup.name)
+        if setup.run_dir is not None:
+            from nitro.runs.population_dirs import refuse_for_a_run
+
+            refuse_for_a_run(setup.run_dir, "run_dir")
+        targets = restore_targets(setup, state.variables) if state is not None else None
+        found = (
+            resume_source(setup, identity, say or events.note, targets) if setup.resume else None
+        )
+        branched_from = None
+        if found is not None:
+            directory, step = found
+            run_dir = directory.parent
+            run_id = read_run_json(run_dir).get("run_id") or run_dir.name
+            if step < max(saved_steps(directory), default=step):
+                # an earlier checkpoint: its run's later ones stay; this run goes on elsewhere
+                branched_from, origin = run_id, run_dir
+                run_dir, run_id = new_run_dir(setup, besides=origin)
+        else:
+            run_dir, run_id = new_run_dir(setup)
+        store = None
+        if setup.checkpointer is not None:
+            store = CheckpointStore(
+                checkpoint_dir(run_dir),
+                setup.checkpointer,
+                deterministic=setup.placement.multi_process,
+            )
+        files = cls(
+            run_id,
+            run_dir,
+            found,
+            store,
+            branched_from=branched_from,
+            identity=identity,
+            busy=busy,
+            locks=not setup.placement.multi_process or jax.process_index() == 0,
+        )
+        named = setup.run_dir is not None and Path(setup.run_dir).absolute() == run_dir
+        # this run goes on in its directory: resumed, or a run_dir= whose run it continues
+        # (run.json but no checkpoints yet: its run id is taken); it may take the directory
+        # over from an idle handle of this process
+        continues = (found is not None and branched_from is None) or (
+            named and read_run_json(run_dir).get("run_id") == run_id
+        )
+        if continues or named:
+            files.claim = continues
+        return files
+
+    def claim_planned(self, setup: RunSetup) -> None:
+        """Hold the directory `plan` decided to hold (a refused resume holds nothing, and an
+        idle handle it would have taken the directory from keeps it)."""
+        if self.claim is not None:
+            self.hold(setup, take_over=self.claim)
+            self.claim = None
+
+    # ------------------------------------------------------------------------------------------
+    # one writer
+
+    def hold(self, setup: RunSetup, *, take_over: bool = False) -> None:
+        """Hold the run directory for writing (see `nitro.runs.run_lock`); refused with a
+        SetupError while another handle, here or in another process, holds it."""
+        lock = self.lock
+        if lock is not None and lock.taken_by is not None:
+            raise SetupError(
+                f"this handle no longer writes run {self.run_id}: a later handle resumed it "
+                f"and took {str(self.run_dir)!r} over ({describe_holder(lock.taken_by)}). "
+                f"Train that handle, or build a new one: Nitro(..., resume={str(self.run_dir)!r})"
+            )
+        if (lock is not None and lock.held) or not self.locks:
+            return
+        holder = holder_record(self.run_id, setup.name, setup.owner)
+        self.lock = acquire(self.run_dir, holder, self.busy, take_over=take_over)
+
+    def release(self) -> None:
+        """Finish the saves and let go of the run directory (`Nitro.close`); a later write
+        holds it again, if no other handle has taken it meanwhile."""
+        self.close()
+        if self.lock is not None and self.lock.taken_by is None:
+            self.lock.release()
+            self.lock = None
+
+    # ------------------------------------------------------------------------------------------
+    # resume
+
+    # ------------------------------------------------------------------------------------------
+    # during a run
+
+    def open(self, setup: RunSetup, events: Events) -> None:
+        """Hold the run directory, create it and its run.json; the first line of a run names
+        them. A run that saves under a name records it in `handles.json` beside the runs."""
+        self.prepare(setup)
+        if self.opened:
+            return
+        if self.store is not None:
+            warm_up()
+        try:
+            self._write_run_json(setup)
+        except OSError as error:
+            raise self._unwritable(error) from None
+        self.opened = True
+        events.note(f"run {self.run_id} in {self.run_dir}")
+
+    def prepare(self, setup: RunSetup) -> None:
+        """Hold the run directory and create it, before the run starts (and its loggers
+        write there): a read-only or vanished directory is refused before any training."""
+        self.saves.epoch_began = time.perf_counter()
+        try:
+            self.hold(setup)
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise self._unwritable(error) from None
+
+    def _unwritable(self, error: OSError) -> SetupError:
+        """The refusal of a run directory this handle cannot write; a handle that has written
+        nothing there lets go of it, so another handle may use it at once."""
+        if not self.opened and self.lock is not None and self.lock.taken_by is None:
+            self.lock.release()
+            self.lock = None
+        return SetupError(
+            f"cannot create the run directory {str(self.run_dir)!r} "
+            f"({type(error).__name__}: {error.strerror or error}); nothing was trained. "
+            f"Put the run where it can write with run_dir='/some/writable/dir' (every run "
+            f"writes its run.json, even with checkpointer=None and logger=None)"
+        )
+
+    def _write_run_json(self, setup: RunSetup) -> None:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        info = read_run_json(self.run_dir)
+        identity = self.identity or RunIdentity.of(setup.cls, setup.name)
+        if info.get("run_id") not in (None, self.run_id):
+            raise SetupError(
+                f"run_dir {str(self.run_dir)!r} now holds run {info['run_id']}, written by "
+                f"another handle since this one was built; one run directory holds one run: "
+                f"build this handle with another run_dir, or resume={str(self.run_dir)!r} to "
+                f"continue that run"
+            )
+        if not info:
+            write_run_json(
+                self.run_dir,
+                {
+                    "run_id": self.run_id,
+                    "experiment": setup.owner,
+                    **identity.as_json(),
+                    "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+                    "seed": setup.seed,
+                    "graphconst": config_of(setup),
+                    "nitro": __version__,
+                    "resumed_from": (
+                        str(self.resume_from[0] / str(self.resume_from[1]))
+                        if self.resume_from is not None
+                        else None
+                    ),
+                },
+            )
+        elif not recorded(info):  # a run of an older Nitro, resumed: it records who it is now
+            write_run_json(self.run_dir, {**info, **identity.as_json()})
+        root = experiment_root(setup.cls.__name__).absolute()
+        if self.run_dir.parent == root:
+            record_name(root, identity, self.run_id, self.run_dir)
+
+    def close(self) -> None:
+        """Write the best epoch held on the host and finish the saves."""
+        self.saves.close()
+
+
+def new_run_dir(setup: RunSetup, besides: Path | None = None) -> tuple[Path, str]:
+    """(directory, run id) of a new run: `run_dir=`, refused when it holds checkpoints
+    already, or `runs/<Experiment>/<new run id>` (also when `run_dir=` names `besides`, the
+    run an earlier checkpoint is resumed from)."""
+    if setup.run_dir is None or Path(setup.run_dir).absolute() == besides:
+        run_id = new_run_id()
+        return default_run_dir(setup.cls.__name__, run_id), run_id
+    run_dir = Path(setup.run_dir).absolute()
+    existing = read_run_json(run_dir)
+    steps = saved_steps(checkpoint_dir(run_dir))
+    if steps:
+        raise SetupError(
+            f"run_dir {str(run_dir)!r} already holds checkpoints of run "
+            f"{existing.get('run_id', run_dir.name)} (steps {steps[0]}..{steps[-1]}): "
+            f"resume='auto' continues it; choose another run_dir for a new run"
+        )
+    return run_dir, existing.get("run_id") or new_run_id()
+
+
+def saved_steps(directory: Path) -> list[int]:
+    await_writers(directory)
+    if not directory.is_dir():
+        return []
+    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
