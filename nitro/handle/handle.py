@@ -192,7 +192,7 @@ class Nitro:
                 epochs=(record.epoch,),
                 metrics=(record.metrics,),
             )
-        self._files.claim_planned(self._setup)
+        self._files.claim_planned()
         self._target_epoch = max(self._setup.max_epochs, self._state.epoch)
         self._run_target = self._target_epoch  # the latest run's aim, `train(steps=)`'s too
         self._events.phase("ready")

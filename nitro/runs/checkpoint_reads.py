@@ -169,7 +169,7 @@ def describe_saved(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
     with _reader(directory) as manager:
         rows = []
         for step, record in _records(manager, directory):
-            row = {"step": step, "epoch": record.epoch}
+            row: dict[str, Any] = {"step": step, "epoch": record.epoch}
             try:
                 row.update(manager.metrics(step) or {})
             except Exception:  # noqa: BLE001 - the step itself reads: list it without them

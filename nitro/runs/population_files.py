@@ -16,9 +16,11 @@ runs/Digits/20261130-181500-a3f9/
 
 One orbax step holds the whole population, so a save is one write, made atomic by orbax (a
 step is renamed into place once it is whole): a crash loses that save only, and a resume finds
-every member at the same step. The record holds the shared counters (step, epoch, position in
-the epoch) and, per member, its settings, history, healthy flag, why it stopped, the running
-sums of the epoch under way and its loggers' state.
+every member at the same step. The files are a run's (`PopulationFiles` is a `RunFiles`: the
+same lock, writer and reader), and the record is a run's `CheckpointRecord` of kind
+"population": the shared counters (step, epoch, position in the epoch) and a `MemberRecord` per
+member (its settings, history, validations, healthy flag, why it stopped, the running sums of
+the epoch under way and its loggers' state).
 
 `weights=(run_dir, i)` or `weights=<run_dir>/member-<i>` on a plain `Nitro` reads member i's
 slice of the population's newest checkpoint (`MemberWeights`).
@@ -27,13 +29,14 @@ slice of the population's newest checkpoint (`MemberWeights`).
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 import os
 import re
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import numpy as np
 
@@ -54,18 +57,16 @@ from nitro.runs.population_dirs import (
     population_of,
     refuse_for_a_run,
 )
-from nitro.runs.resume import warn_user
+from nitro.runs.resume import check_no_writer, warn_user
 from nitro.runs.run_dirs import (
     checkpoint_dir,
-    default_run_dir,
     experiment_root,
     list_runs,
-    new_run_id,
     read_run_json,
     write_run_json,
 )
-from nitro.runs.run_files import saved_steps
-from nitro.runs.run_lock import RunLock, acquire, check_free, describe_holder, holder_record
+from nitro.runs.run_files import RunFiles
+from nitro.runs.run_lock import check_free
 from nitro.runs.weights import MemberWeights, shown_setting
 
 __all__ = [
@@ -156,26 +157,18 @@ def setting_differences(saved: Sequence[Mapping[str, Any]], now: Sequence[Mappin
 
 
 @dataclasses.dataclass
-class PopulationFiles:
-    """Where a population lives and what it saves there. `lock`: its hold on the directory
-    (`nitro.runs.run_lock`), taken at the first write, or at once for a population that
-    resumes or names its `run_dir=`; `busy()`: whether the population works now."""
+class PopulationFiles(RunFiles):
+    """Where a population lives and what it saves there: a run's files (`RunFiles`: its
+    directory, lock, checkpoint writer) with a directory per member. `writes`: False with
+    checkpointer=None, logger=None and no run_dir=: nothing on disk."""
 
-    run_id: str
-    run_dir: Path
-    members: int
-    store: CheckpointStore | None
-    resume_from: SavedStep | None
-    identity: RunIdentity
-    writes: bool  # False: checkpointer=None, logger=None and no run_dir=: nothing on disk
-    branched_from: str | None = None
-    busy: Callable[[], bool] = lambda: False
-    lock: RunLock | None = None
-    claim: bool | None = None  # planned: hold the directory (True: may take it over)
-    opened: bool = False
+    members: int = 1
+    writes: bool = True
+    WHO: ClassVar[str] = "this population"
+    BUILD: ClassVar[str] = "Population"
 
     @classmethod
-    def plan(
+    def plan(  # pyright: ignore[reportIncompatibleMethodOverride]  # a population's keywords
         cls,
         experiment_cls: type,
         *,
@@ -197,59 +190,25 @@ class PopulationFiles:
         found = None
         if resume:
             found = _resume_source(experiment_cls, identity, run_dir, resume, settings, say)
-        branched_from = None
-        if found is not None:
-            directory = found.directory.parent
-            run_id = read_run_json(directory).get("run_id") or directory.name
-            if found.step < max(saved_steps(found.directory), default=found.step):
-                # an earlier checkpoint: the later ones stay; this population goes on elsewhere
-                branched_from, origin = run_id, directory
-                directory, run_id = _new_run_dir(experiment_cls, run_dir, besides=origin)
-        else:
-            directory, run_id = _new_run_dir(experiment_cls, run_dir)
+        directory, run_id, branched_from = cls.located(
+            experiment_cls.__name__, run_dir, found, kind=KIND
+        )
         store = None
         if checkpointer is not None:
             store = CheckpointStore(checkpoint_dir(directory), checkpointer, deterministic=False)
         files = cls(
             run_id,
             directory,
-            members,
-            store,
             found,
+            store,
             identity,
-            writes=store is not None or logs or run_dir is not None or found is not None,
             branched_from=branched_from,
             busy=busy,
+            members=members,
+            writes=store is not None or logs or run_dir is not None or found is not None,
         )
-        named = run_dir is not None and Path(run_dir).absolute() == directory
-        continues = (found is not None and branched_from is None) or (
-            named and read_run_json(directory).get("run_id") == run_id
-        )
-        if continues or named:
-            files.claim = continues
+        files.plan_claim(run_dir)
         return files
-
-    def claim_planned(self) -> None:
-        """Hold the directory `plan` decided to hold (once a resume's checks passed)."""
-        if self.claim is not None:
-            self.hold(take_over=self.claim)
-            self.claim = None
-
-    def hold(self, take_over: bool = False) -> None:
-        """Hold the run directory for writing; refused with a SetupError while another
-        handle, here or in another process, holds it."""
-        lock = self.lock
-        if lock is not None and lock.taken_by is not None:
-            raise SetupError(
-                f"this population no longer writes run {self.run_id}: a later handle resumed "
-                f"it and took {str(self.run_dir)!r} over ({describe_holder(lock.taken_by)}). "
-                f"Train that one, or build a new one: Population(..., "
-                f"resume={str(self.run_dir)!r})"
-            )
-        if lock is not None and lock.held:
-            return
-        holder = holder_record(self.run_id, self.identity.name, self.identity.owner)
-        self.lock = acquire(self.run_dir, holder, self.busy, take_over=take_over)
 
     def prepare(self) -> None:
         """Hold the run directory and create it and the members' directories, before the run
@@ -308,8 +267,8 @@ class PopulationFiles:
             )
         members = record["members"]
         if not (self.run_dir / POPULATION_JSON).is_file():
-            _write_json(
-                self.run_dir / POPULATION_JSON,
+            write_run_json(
+                self.run_dir,
                 {
                     "run_id": self.run_id,
                     "experiment": record["experiment"],
@@ -325,6 +284,7 @@ class PopulationFiles:
                         for i, m in enumerate(members)
                     ],
                 },
+                POPULATION_JSON,
             )
         for i, m in enumerate(members):
             directory = member_dir(self.run_dir, i)
@@ -358,50 +318,9 @@ class PopulationFiles:
             )
         return saved, record
 
-    def release(self) -> None:
-        """Finish the saves and let go of the run directory."""
-        self.close()
-        if self.lock is not None and self.lock.taken_by is None:
-            self.lock.release()
-            self.lock = None
-
-    def close(self) -> None:
-        if self.store is not None:
-            self.store.close()
-
     def wait(self) -> None:
         if self.store is not None:
             self.store.wait()
-
-
-def _write_json(path: Path, info: Mapping[str, Any]) -> None:
-    import json
-
-    temporary = path.with_suffix(".json.tmp")
-    temporary.write_text(json.dumps(info, indent=2, default=repr))
-    os.replace(temporary, path)
-
-
-def _new_run_dir(
-    experiment_cls: type, run_dir: str | None, besides: Path | None = None
-) -> tuple[Path, str]:
-    """(directory, run id) of a new population: `run_dir=` (refused when it holds
-    checkpoints already, or is a single run's), or `runs/<Experiment>/<new run id>`."""
-    if run_dir is None or Path(run_dir).absolute() == besides:
-        run_id = new_run_id()
-        return default_run_dir(experiment_cls.__name__, run_id), run_id
-    path = Path(run_dir).absolute()
-    existing = read_run_json(path)
-    steps = saved_steps(checkpoint_dir(path))
-    if steps or (existing and existing.get("kind") != KIND):
-        what = "a population" if existing.get("kind") == KIND else "a run"
-        raise SetupError(
-            f"run_dir {str(path)!r} already holds {what} "
-            f"({existing.get('run_id', path.name)}"
-            + (f", checkpoints at steps {steps[0]}..{steps[-1]}" if steps else "")
-            + "): resume= continues a population there; choose another run_dir for a new one"
-        )
-    return path, existing.get("run_id") or new_run_id()
 
 
 def _resume_source(
@@ -415,10 +334,7 @@ def _resume_source(
     if resume != "auto":
         path, which = resume if isinstance(resume, tuple) else (resume, "latest")
         path = Path(path).absolute()
-        for directory in (path, path.parent, path.parent.parent):
-            if (directory / "checkpoints").is_dir():
-                check_free(directory)
-                break
+        check_no_writer(path)
         return resolve_checkpoint(CheckpointRef(os.fspath(path), which))
     root = Path(run_dir) if run_dir is not None else experiment_root(experiment_cls.__name__)
     if population_of(root) is not None and read_run_json(root).get("kind") != MEMBER_KIND:
@@ -447,8 +363,6 @@ def _resume_source(
 
 
 def _recorded_settings(run_dir: Path) -> list[dict[str, Any]] | None:
-    import json
-
     try:
         info = json.loads((run_dir / POPULATION_JSON).read_text())
         return [dict(m["settings"]) for m in info["members"]]

@@ -11,7 +11,7 @@ import sys
 import warnings
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
@@ -46,9 +46,6 @@ from nitro.runs.run_dirs import (
 from nitro.runs.run_lock import check_free
 from nitro.runs.training_config import training_config, training_differences
 
-if TYPE_CHECKING:
-    from nitro.runs.run_files import RunFiles
-
 __all__ = [
     "check_no_writer",
     "restore",
@@ -81,16 +78,16 @@ def _config_of_instance(experiment: Any) -> dict[str, Any]:
 
 
 def restore(
-    files: RunFiles,
+    files: Any,
     setup: RunSetup,
     state: TrainState,
     events: Events,
     device: Mapping[str, Any],
     say: Callable[[str], None] | None = None,
 ) -> tuple[TrainState, CheckpointRecord]:
-    """The state a run resumes from, read from the checkpoint `files` planned to continue (a
-    new `TrainState`; `state`, the fresh one, gives the arrays' shapes and stays as it was),
-    and the checkpoint's record. `device`: the Device fields' values now, compared with the
+    """The state a run resumes from, read from the checkpoint `files` (its `RunFiles`) planned
+    to continue (a new `TrainState`; `state`, the fresh one, gives the arrays' shapes and
+    stays as it was), and the checkpoint's record. `device`: the Device fields' values now, compared with the
     saved ones. `say`: how to tell the person what the resume continues and what differs
     (default: an event note; a handle without progress prints them)."""
     found = files.resume_from

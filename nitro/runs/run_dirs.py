@@ -55,9 +55,10 @@ def checkpoint_dir(run_dir: str | os.PathLike) -> Path:
     return Path(run_dir) / "checkpoints"
 
 
-def write_run_json(run_dir: str | os.PathLike, info: dict[str, Any]) -> None:
-    """Write `run.json` atomically (a temporary file, then a rename)."""
-    path = Path(run_dir) / RUN_JSON
+def write_run_json(run_dir: str | os.PathLike, info: dict[str, Any], name: str = RUN_JSON) -> None:
+    """Write `run.json` (or another JSON file of the run, `name`) atomically (a temporary
+    file, then a rename)."""
+    path = Path(run_dir) / name
     path.parent.mkdir(parents=True, exist_ok=True)
     temporary = path.with_suffix(".json.tmp")
     temporary.write_text(json.dumps(info, indent=2, default=repr))

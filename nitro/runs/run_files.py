@@ -10,6 +10,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import ClassVar
 
 import jax
 
@@ -19,7 +20,7 @@ from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState
 from nitro.errors import SetupError
 from nitro.runs.checkpoint_reads import SavedStep
-from nitro.runs.checkpoint_record import config_of
+from nitro.runs.checkpoint_record import POPULATION, RUN, config_of
 from nitro.runs.checkpoint_trees import (
     restore_targets,
 )
@@ -54,17 +55,46 @@ class RunFiles:
     run_dir: Path
     resume_from: SavedStep | None
     store: CheckpointStore | None
+    identity: RunIdentity
     opened: bool = False
     branched_from: str | None = None  # resumed from an earlier checkpoint of this run
-    identity: RunIdentity | None = None
     busy: Callable[[], bool] = lambda: False
     lock: RunLock | None = None
     locks: bool = True  # False on the secondary processes of a multi-process run
     claim: bool | None = None  # planned: hold the directory (True: may take it over) at once
     saves: EpochSaves = dataclasses.field(init=False)
+    # how the refusals name this handle and the one to build instead
+    WHO: ClassVar[str] = "this handle"
+    BUILD: ClassVar[str] = "Nitro"
 
     def __post_init__(self) -> None:
         self.saves = EpochSaves(self.run_id, self.store)
+
+    @staticmethod
+    def located(
+        experiment_name: str, run_dir: str | None, found: SavedStep | None, kind: str = RUN
+    ) -> tuple[Path, str, str | None]:
+        """(directory, run id, the run it branched from) of a run (or population, `kind`)
+        that resumes `found` or starts afresh (in `run_dir=`, or a new directory)."""
+        if found is None:
+            return (*new_run_dir(experiment_name, run_dir, kind=kind), None)
+        directory = found.directory.parent
+        run_id = read_run_json(directory).get("run_id") or directory.name
+        if found.step < max(saved_steps(found.directory), default=found.step):
+            # an earlier checkpoint: its run's later ones stay; this run goes on elsewhere
+            return (*new_run_dir(experiment_name, run_dir, besides=directory, kind=kind), run_id)
+        return directory, run_id, None
+
+    def plan_claim(self, run_dir: str | None) -> None:
+        """Whether it holds its directory once built: a run that goes on in its directory
+        (resumed, or a run_dir= whose run it continues: run.json but no checkpoints yet) may
+        take it over from an idle handle of this process; a new run in `run_dir=` holds it."""
+        named = run_dir is not None and Path(run_dir).absolute() == self.run_dir
+        continues = (self.resume_from is not None and self.branched_from is None) or (
+            named and read_run_json(self.run_dir).get("run_id") == self.run_id
+        )
+        if continues or named:
+            self.claim = continues
 
     @classmethod
     def plan(
@@ -90,17 +120,7 @@ class RunFiles:
         found = (
             resume_source(setup, identity, say or events.note, targets) if setup.resume else None
         )
-        branched_from = None
-        if found is not None:
-            directory, step = found
-            run_dir = directory.parent
-            run_id = read_run_json(run_dir).get("run_id") or run_dir.name
-            if step < max(saved_steps(directory), default=step):
-                # an earlier checkpoint: its run's later ones stay; this run goes on elsewhere
-                branched_from, origin = run_id, run_dir
-                run_dir, run_id = new_run_dir(setup, besides=origin)
-        else:
-            run_dir, run_id = new_run_dir(setup)
+        run_dir, run_id, branched_from = cls.located(setup.cls.__name__, setup.run_dir, found)
         store = None
         if setup.checkpointer is not None:
             store = CheckpointStore(
@@ -113,45 +133,38 @@ class RunFiles:
             run_dir,
             found,
             store,
+            identity,
             branched_from=branched_from,
-            identity=identity,
             busy=busy,
             locks=not setup.placement.multi_process or jax.process_index() == 0,
         )
-        named = setup.run_dir is not None and Path(setup.run_dir).absolute() == run_dir
-        # this run goes on in its directory: resumed, or a run_dir= whose run it continues
-        # (run.json but no checkpoints yet: its run id is taken); it may take the directory
-        # over from an idle handle of this process
-        continues = (found is not None and branched_from is None) or (
-            named and read_run_json(run_dir).get("run_id") == run_id
-        )
-        if continues or named:
-            files.claim = continues
+        files.plan_claim(setup.run_dir)
         return files
 
-    def claim_planned(self, setup: RunSetup) -> None:
+    def claim_planned(self) -> None:
         """Hold the directory `plan` decided to hold (a refused resume holds nothing, and an
         idle handle it would have taken the directory from keeps it)."""
         if self.claim is not None:
-            self.hold(setup, take_over=self.claim)
+            self.hold(take_over=self.claim)
             self.claim = None
 
     # ------------------------------------------------------------------------------------------
     # one writer
 
-    def hold(self, setup: RunSetup, *, take_over: bool = False) -> None:
+    def hold(self, *, take_over: bool = False) -> None:
         """Hold the run directory for writing (see `nitro.runs.run_lock`); refused with a
         SetupError while another handle, here or in another process, holds it."""
         lock = self.lock
         if lock is not None and lock.taken_by is not None:
             raise SetupError(
-                f"this handle no longer writes run {self.run_id}: a later handle resumed it "
+                f"{self.WHO} no longer writes run {self.run_id}: a later handle resumed it "
                 f"and took {str(self.run_dir)!r} over ({describe_holder(lock.taken_by)}). "
-                f"Train that handle, or build a new one: Nitro(..., resume={str(self.run_dir)!r})"
+                f"Train that one, or build a new one: "
+                f"{self.BUILD}(..., resume={str(self.run_dir)!r})"
             )
         if (lock is not None and lock.held) or not self.locks:
             return
-        holder = holder_record(self.run_id, setup.name, setup.owner)
+        holder = holder_record(self.run_id, self.identity.name, self.identity.owner)
         self.lock = acquire(self.run_dir, holder, self.busy, take_over=take_over)
 
     def release(self) -> None:
@@ -161,9 +174,6 @@ class RunFiles:
         if self.lock is not None and self.lock.taken_by is None:
             self.lock.release()
             self.lock = None
-
-    # ------------------------------------------------------------------------------------------
-    # resume
 
     # ------------------------------------------------------------------------------------------
     # during a run
@@ -188,7 +198,7 @@ class RunFiles:
         write there): a read-only or vanished directory is refused before any training."""
         self.saves.epoch_began = time.perf_counter()
         try:
-            self.hold(setup)
+            self.hold()
             self.run_dir.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise self._unwritable(error) from None
@@ -209,7 +219,7 @@ class RunFiles:
     def _write_run_json(self, setup: RunSetup) -> None:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         info = read_run_json(self.run_dir)
-        identity = self.identity or RunIdentity.of(setup.cls, setup.name)
+        identity = self.identity
         if info.get("run_id") not in (None, self.run_id):
             raise SetupError(
                 f"run_dir {str(self.run_dir)!r} now holds run {info['run_id']}, written by "
@@ -246,23 +256,31 @@ class RunFiles:
         self.saves.close()
 
 
-def new_run_dir(setup: RunSetup, besides: Path | None = None) -> tuple[Path, str]:
-    """(directory, run id) of a new run: `run_dir=`, refused when it holds checkpoints
-    already, or `runs/<Experiment>/<new run id>` (also when `run_dir=` names `besides`, the
-    run an earlier checkpoint is resumed from)."""
-    if setup.run_dir is None or Path(setup.run_dir).absolute() == besides:
+def new_run_dir(
+    experiment_name: str, run_dir: str | None, besides: Path | None = None, kind: str = RUN
+) -> tuple[Path, str]:
+    """(directory, run id) of a new run (or population, `kind`): `run_dir=`, refused when it
+    holds checkpoints already (or, for a population, a run's files), or
+    `runs/<Experiment>/<new run id>` (also when `run_dir=` names `besides`, the run an
+    earlier checkpoint is resumed from)."""
+    if run_dir is None or Path(run_dir).absolute() == besides:
         run_id = new_run_id()
-        return default_run_dir(setup.cls.__name__, run_id), run_id
-    run_dir = Path(setup.run_dir).absolute()
-    existing = read_run_json(run_dir)
-    steps = saved_steps(checkpoint_dir(run_dir))
-    if steps:
+        return default_run_dir(experiment_name, run_id), run_id
+    path = Path(run_dir).absolute()
+    existing = read_run_json(path)
+    steps = saved_steps(checkpoint_dir(path))
+    other = kind == POPULATION and existing and existing.get("kind") != POPULATION
+    if steps or other:
+        held = existing.get("run_id", path.name)
+        what = f"checkpoints of run {held}"
+        if kind == POPULATION:
+            what = f"a {'population' if existing.get('kind') == POPULATION else 'run'} ({held})"
         raise SetupError(
-            f"run_dir {str(run_dir)!r} already holds checkpoints of run "
-            f"{existing.get('run_id', run_dir.name)} (steps {steps[0]}..{steps[-1]}): "
-            f"resume='auto' continues it; choose another run_dir for a new run"
+            f"run_dir {str(path)!r} already holds {what}"
+            + (f" (steps {steps[0]}..{steps[-1]})" if steps else "")
+            + f": resume='auto' continues it; choose another run_dir for a new {kind}"
         )
-    return run_dir, existing.get("run_id") or new_run_id()
+    return path, existing.get("run_id") or new_run_id()
 
 
 def saved_steps(directory: Path) -> list[int]:

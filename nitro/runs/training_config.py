@@ -10,6 +10,7 @@ was trained. An optimizer whose state no longer fits is refused before this, by 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
 from nitro.core.run_setup import RunSetup
@@ -58,7 +59,7 @@ def training_config(setup: RunSetup) -> dict[str, Any]:
     }
 
 
-def training_differences(saved: dict[str, Any] | None, now: dict[str, Any]) -> str | None:
+def training_differences(saved: Mapping[str, Any] | None, now: dict[str, Any]) -> str | None:
     """What a resume warns, when this run's training keywords differ from the checkpoint's
     (`saved`; None: a checkpoint of a Nitro that did not record them: nothing to compare).
 
