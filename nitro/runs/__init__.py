@@ -1,10 +1,11 @@
-"""A run on disk: its directory, checkpoints, saves at epoch end, resume, early stopping, and the weights
-a run starts from.
+"""A run on disk: its directory, checkpoints, saves at epoch end, resume, early stopping, and
+the weights a run starts from.
 
 Internal, except the names the facade re-exports (`nitro.Checkpointer`, `nitro.EarlyStopping`,
 `nitro.saved_runs`, `nitro.average`). Imports `programs` and below.
 
-- `run_dirs`: run directories, the runs of an experiment on disk (`nitro.saved_runs`)
+- `run_dirs`: run directories, the runs of an experiment on disk (`nitro.saved_runs`), which
+  directories are a population's
 - `run_lock`: one writer per run directory (an advisory lock on `run.lock`)
 - `identity`: which experiment a run belongs to, which run `resume="auto"` continues
 - `run_files`: a run's identity and files: its directory, run id, run.json, one writer
@@ -20,7 +21,6 @@ Internal, except the names the facade re-exports (`nitro.Checkpointer`, `nitro.E
 - `training_config`: the training keywords a checkpoint records and a resume compares
 - `early_stopping`: `EarlyStopping`, ending a run when a validation metric stops improving
 - `weights`: the weights a run starts from (`weights=`, `nitro.average`) and their fit
-- `population_dirs`: which directories are a population's
 - `population_files`: a population's directory: a directory per member, its run.json and
   population.json; its checkpoints are a run's (one `CheckpointRecord`, the same writer)
 """

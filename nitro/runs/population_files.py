@@ -48,21 +48,19 @@ from nitro.runs.checkpoint_reads import SavedStep, read_checkpoint, resolve_chec
 from nitro.runs.checkpoint_record import CheckpointRecord
 from nitro.runs.checkpoint_writer import CheckpointStore
 from nitro.runs.identity import RunIdentity
-from nitro.runs.population_dirs import (
+from nitro.runs.resume import check_no_writer, warn_user
+from nitro.runs.run_dirs import (
     KIND,
     MEMBER_KIND,
     POPULATION_JSON,
-    member_dir,
-    member_run_id,
-    population_of,
-    refuse_for_a_run,
-)
-from nitro.runs.resume import check_no_writer, warn_user
-from nitro.runs.run_dirs import (
     checkpoint_dir,
     experiment_root,
     list_runs,
+    member_dir,
+    member_run_id,
+    population_of,
     read_run_json,
+    refuse_for_a_run,
     write_run_json,
 )
 from nitro.runs.run_files import RunFiles

@@ -38,6 +38,7 @@ from nitro.runs.run_dirs import (
     experiment_root,
     new_run_id,
     read_run_json,
+    refuse_for_a_run,
     write_run_json,
 )
 from nitro.runs.run_lock import RunLock, acquire, describe_holder, holder_record
@@ -113,8 +114,6 @@ class RunFiles:
         sharded leaves a resume reads its checkpoint onto."""
         identity = RunIdentity.of(setup.cls, setup.name)
         if setup.run_dir is not None:
-            from nitro.runs.population_dirs import refuse_for_a_run
-
             refuse_for_a_run(setup.run_dir, "run_dir")
         targets = restore_targets(setup, state.variables) if state is not None else None
         found = (

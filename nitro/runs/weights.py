@@ -25,7 +25,7 @@ from nitro.core.run_setup import CheckpointRef, SavedWeights
 from nitro.errors import SetupError, WeightsError
 from nitro.optim.param_groups import leaf_paths
 from nitro.runs.checkpoint_trees import leaves_from
-from nitro.runs.population_dirs import KIND, population_of
+from nitro.runs.run_dirs import KIND, population_of
 
 __all__ = [
     "AveragedWeights",
