@@ -119,7 +119,6 @@ def test_population_code_imports_no_private_helper_of_the_run():
         "handle/population_lifecycle.py",
         "handle/lr_find.py",
         "programs/population.py",
-        "runs/population_files.py",
     ]
     found = {name: _private_imports(ROOT / name) for name in modules}
     assert found == {name: [] for name in modules}

@@ -5,7 +5,7 @@ resume, and one logger run per member.
 directory, and a resume restores every member's state before anything runs), held at the
 start of each `train()` (`prepare`, `open`), called by the loop after each epoch
 (`after_epoch`) and at the end of the run (`end_run`). The files are
-`nitro.runs.population_files`'s; the loggers are the single run's (`LoggingReporter`), one per
+`nitro.runs.run_files`'s (`PopulationFiles`); the loggers are the single run's (`LoggingReporter`), one per
 member, each bound to the member's directory. See docs/population.md.
 """
 
@@ -42,17 +42,14 @@ from nitro.runs.checkpoint_record import (
     MemberRecord,
     PartialEpoch,
     config_of,
-)
-from nitro.runs.checkpoint_trees import host_tree
-from nitro.runs.checkpoints import Checkpointer
-from nitro.runs.population_files import (
-    PopulationFiles,
-    member_dir,
-    member_run_id,
     setting_differences,
     setting_token,
 )
+from nitro.runs.checkpoint_trees import host_tree
+from nitro.runs.checkpoints import Checkpointer
 from nitro.runs.resume import restore_variables, said_resumed
+from nitro.runs.run_dirs import member_dir, member_run_id
+from nitro.runs.run_files import PopulationFiles
 from nitro.runs.watched_metrics import metric_names
 
 __all__ = ["FILE_KEYWORDS", "MemberLogging", "PopulationLife", "member_loggers"]

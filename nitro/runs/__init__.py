@@ -8,7 +8,8 @@ Internal, except the names the facade re-exports (`nitro.Checkpointer`, `nitro.E
   directories are a population's
 - `run_lock`: one writer per run directory (an advisory lock on `run.lock`)
 - `identity`: which experiment a run belongs to, which run `resume="auto"` continues
-- `run_files`: a run's identity and files: its directory, run id, run.json, one writer
+- `run_files`: a run's identity and files: its directory, run id, run.json, one writer; a
+  population's (`PopulationFiles`: the run's, with a directory per member)
 - `epoch_saves`: saving a run at the end of its epochs and calls, its best epoch held until saved
 - `resume`: which checkpoint `resume=` continues, what differs, its `Variables` read back
 - `watched_metrics`: an early stop or checkpointer watching a metric the run lacks, refused
@@ -21,8 +22,6 @@ Internal, except the names the facade re-exports (`nitro.Checkpointer`, `nitro.E
 - `training_config`: the training keywords a checkpoint records and a resume compares
 - `early_stopping`: `EarlyStopping`, ending a run when a validation metric stops improving
 - `weights`: the weights a run starts from (`weights=`, `nitro.average`) and their fit
-- `population_files`: a population's directory: a directory per member, its run.json and
-  population.json; its checkpoints are a run's (one `CheckpointRecord`, the same writer)
 """
 
 __all__: list[str] = []

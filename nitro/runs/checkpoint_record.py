@@ -11,10 +11,13 @@ counters (position in the epoch, pruning asked for) beside them.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+import math
+import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from nitro._version import __version__
 from nitro.core.run_setup import RunSetup
@@ -33,6 +36,9 @@ __all__ = [
     "PartialEpoch",
     "config_of",
     "config_token",
+    "setting_differences",
+    "setting_token",
+    "shown_setting",
 ]
 
 FORMAT = 1
@@ -315,3 +321,76 @@ class CheckpointRecord:
             epoch_trained=partial.trained if partial else False,
             data_state=partial.data_state if partial else None,
         )
+
+
+# ---------------------------------------------------------------------------------------------
+# a population member's settings, as the records keep them
+
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def setting_token(value: Any, _depth: int = 0) -> Any:
+    """A member's setting as JSON that is the same in every process for the same value:
+    numbers, strings and containers as they are; a function as its qualified name, a
+    digest of its code and the plain values it closes over (an optax schedule's init and end
+    values, its steps); other objects by their repr, less memory addresses.
+
+    >>> import optax
+    >>> token = lambda end: setting_token(optax.linear_schedule(1e-3, end, 60))
+    >>> token(1e-2) == token(1e-2), token(1e-2) == token(2e-2)
+    (True, False)
+    """
+    if isinstance(value, np.generic):
+        value = value.item()
+    if isinstance(value, float) and not math.isfinite(value):
+        return repr(value)
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if isinstance(value, (list, tuple)):
+        return [setting_token(v, _depth) for v in value]
+    if isinstance(value, Mapping):
+        return {str(k): setting_token(v, _depth) for k, v in value.items()}
+    if callable(value) and hasattr(value, "__code__"):
+        name = getattr(value, "__qualname__", type(value).__name__)
+        token: dict[str, Any] = {"function": name, "code": code_digest(value)}
+        if _depth < 4:  # the schedules an optax schedule joins; not a recursion of its own
+            closure = [cell.cell_contents for cell in getattr(value, "__closure__", None) or ()]
+            token["closure"] = [
+                setting_token(c, _depth + 1)
+                for c in closure
+                if c is None or isinstance(c, (bool, int, float, str, np.generic)) or callable(c)
+            ]
+        return token
+    return _ADDRESS.sub("", repr(value))
+
+
+def setting_differences(saved: Sequence[Mapping[str, Any]], now: Sequence[Mapping[str, Any]]):
+    """What differs between a checkpoint's members' settings and this population's, one
+    line each (empty: the same members)."""
+    lines = []
+    saved_axes = sorted({k for s in saved for k in s})
+    axes = sorted({k for s in now for k in s})
+    if saved_axes != axes:
+        lines.append(
+            f"  axes: the checkpoint's {', '.join(saved_axes) or 'none'}; this population's "
+            f"{', '.join(axes) or 'none'}"
+        )
+    if len(saved) != len(now):
+        lines.append(f"  members: the checkpoint's {len(saved)}, this population's {len(now)}")
+    for index, (before, after) in enumerate(zip(saved, now, strict=False)):
+        for name in sorted(set(before) | set(after)):
+            if before.get(name, "<unset>") != after.get(name, "<unset>"):
+                lines.append(
+                    f"  member {index} {name}: the checkpoint's "
+                    f"{shown_setting(before.get(name, '<unset>'))}, this population's "
+                    f"{shown_setting(after.get(name, '<unset>'))}"
+                )
+    return lines
+
+
+def shown_setting(token: Any) -> str:
+    """A member's setting as a record keeps it (`setting_token`), shown short."""
+    if isinstance(token, Mapping) and "function" in token:
+        return f"{token['function']} {token.get('closure')}"
+    text = repr(token)
+    return text if len(text) <= 80 else text[:77] + "..."

@@ -2,48 +2,57 @@
 continues), one writer per directory (`run.lock`), and its run.json. The handle composes one
 `RunFiles`; its `saves` (`nitro.runs.epoch_saves`) write the checkpoints, and a resume reads
 one back (`nitro.runs.resume`).
+
+A population's files are a run's (`PopulationFiles`: the same lock, checkpoint writer and
+reader, one `CheckpointRecord` of kind "population" per saved step, every member's variables
+stacked in it) with a directory per member for its logs, and population.json listing the
+members' settings. One orbax step holds the whole population, so a save is one write: a crash
+loses that save only, and a resume finds every member at the same step.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import jax
 
 from nitro._version import __version__
 from nitro.core.events import Events
-from nitro.core.run_setup import RunSetup
+from nitro.core.run_setup import CheckpointPolicy, CheckpointRef, RunSetup
 from nitro.core.train_state import TrainState
 from nitro.errors import SetupError
-from nitro.runs.checkpoint_reads import SavedStep
-from nitro.runs.checkpoint_record import POPULATION, RUN, config_of
-from nitro.runs.checkpoint_trees import (
-    restore_targets,
-)
+from nitro.runs.checkpoint_reads import SavedStep, read_checkpoint, resolve_checkpoint
+from nitro.runs.checkpoint_record import POPULATION, RUN, CheckpointRecord, config_of
+from nitro.runs.checkpoint_trees import restore_targets
 from nitro.runs.checkpoint_writer import CheckpointStore, await_writers, warm_up
 from nitro.runs.epoch_saves import EpochSaves
-from nitro.runs.identity import (
-    RunIdentity,
-    record_name,
-    recorded,
-)
-from nitro.runs.resume import resume_source
+from nitro.runs.identity import RunIdentity, record_name, recorded
+from nitro.runs.resume import check_no_writer, resume_source, warn_user
 from nitro.runs.run_dirs import (
+    KIND,
+    MEMBER_KIND,
+    POPULATION_JSON,
     checkpoint_dir,
     default_run_dir,
     experiment_root,
+    list_runs,
+    member_dir,
+    member_run_id,
     new_run_id,
+    population_of,
     read_run_json,
     refuse_for_a_run,
     write_run_json,
 )
-from nitro.runs.run_lock import RunLock, acquire, describe_holder, holder_record
+from nitro.runs.run_lock import RunLock, acquire, check_free, describe_holder, holder_record
 
-__all__ = ["RunFiles", "new_run_dir", "saved_steps"]
+__all__ = ["PopulationFiles", "RunFiles", "new_run_dir", "saved_steps"]
 
 
 @dataclasses.dataclass
@@ -287,3 +296,221 @@ def saved_steps(directory: Path) -> list[int]:
     if not directory.is_dir():
         return []
     return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+
+
+# ---------------------------------------------------------------------------------------------
+# a population's files
+
+
+@dataclasses.dataclass
+class PopulationFiles(RunFiles):
+    """Where a population lives and what it saves there: a run's files (`RunFiles`: its
+    directory, lock, checkpoint writer) with a directory per member. `writes`: False with
+    checkpointer=None, logger=None and no run_dir=: nothing on disk."""
+
+    members: int = 1
+    writes: bool = True
+    WHO: ClassVar[str] = "this population"
+    BUILD: ClassVar[str] = "Population"
+
+    @classmethod
+    def plan(  # pyright: ignore[reportIncompatibleMethodOverride]  # a population's keywords
+        cls,
+        experiment_cls: type,
+        *,
+        members: int,
+        name: str | None,
+        run_dir: str | None,
+        resume: Any,
+        checkpointer: CheckpointPolicy | None,
+        settings: Sequence[Mapping[str, Any]],
+        logs: bool,
+        say: Callable[[str], None],
+        busy: Callable[[], bool] = lambda: False,
+    ) -> PopulationFiles:
+        """Decide the population's directory and id; nothing is written yet. `resume`: the
+        resolved keyword (False, "auto", a path or (path, "best" | "latest")); `settings`:
+        the members' settings as `setting_token` makes them (resume="auto" prefers a
+        population of the same members); `logs`: whether it has loggers."""
+        identity = RunIdentity.of(experiment_cls, name)
+        found = None
+        if resume:
+            found = _resume_source(experiment_cls, identity, run_dir, resume, settings, say)
+        directory, run_id, branched_from = cls.located(
+            experiment_cls.__name__, run_dir, found, kind=KIND
+        )
+        store = None
+        if checkpointer is not None:
+            store = CheckpointStore(checkpoint_dir(directory), checkpointer, deterministic=False)
+        files = cls(
+            run_id,
+            directory,
+            found,
+            store,
+            identity,
+            branched_from=branched_from,
+            busy=busy,
+            members=members,
+            writes=store is not None or logs or run_dir is not None or found is not None,
+        )
+        files.plan_claim(run_dir)
+        return files
+
+    def prepare(self) -> None:
+        """Hold the run directory and create it and the members' directories, before the run
+        starts (and its loggers write there): refused before any training when it cannot be
+        created."""
+        if not self.writes:
+            return
+        try:
+            self.hold()
+            for index in range(self.members):
+                member_dir(self.run_dir, index).mkdir(parents=True, exist_ok=True)
+        except OSError as error:
+            raise SetupError(
+                f"cannot create the population's run directory {str(self.run_dir)!r} "
+                f"({type(error).__name__}: {error.strerror or error}); nothing was trained. "
+                f"Put it where it can write with run_dir='/some/writable/dir', or "
+                f"checkpointer=None, logger=None to write nothing"
+            ) from None
+
+    def open(self, record: Mapping[str, Any], say: Callable[[str], None]) -> None:
+        """Write run.json, population.json and each member's run.json (those missing), once;
+        the first line of the population's first run names its directory. `record`: the
+        experiment (`experiment`), its GraphConst values (`graphconst`), the axes (`axes`),
+        and per member its settings and seed (`members`)."""
+        self.prepare()
+        if self.opened or not self.writes:
+            return
+        info = read_run_json(self.run_dir)
+        if info.get("run_id") not in (None, self.run_id):
+            raise SetupError(
+                f"run_dir {str(self.run_dir)!r} now holds run {info['run_id']}, written by "
+                f"another handle since this population was built; one run directory holds one "
+                f"run: build the population with another run_dir, or "
+                f"resume={str(self.run_dir)!r} to continue that one"
+            )
+        started = time.strftime("%Y-%m-%d %H:%M:%S")
+        common = {
+            "experiment": record["experiment"],
+            **self.identity.as_json(),
+            "started": started,
+            "graphconst": record["graphconst"],
+            "nitro": __version__,
+        }
+        if not info:
+            write_run_json(
+                self.run_dir,
+                {
+                    "run_id": self.run_id,
+                    "kind": KIND,
+                    **common,
+                    "members": self.members,
+                    "resumed_from": (
+                        str(self.resume_from.path) if self.resume_from is not None else None
+                    ),
+                },
+            )
+        members = record["members"]
+        if not (self.run_dir / POPULATION_JSON).is_file():
+            write_run_json(
+                self.run_dir,
+                {
+                    "run_id": self.run_id,
+                    "experiment": record["experiment"],
+                    "axes": record["axes"],
+                    "members": [
+                        {
+                            "member": i,
+                            "run_id": member_run_id(self.run_id, i),
+                            "dir": member_dir(".", i).name,
+                            "settings": m["settings"],
+                            "seed": m["seed"],
+                        }
+                        for i, m in enumerate(members)
+                    ],
+                },
+                POPULATION_JSON,
+            )
+        for i, m in enumerate(members):
+            directory = member_dir(self.run_dir, i)
+            if read_run_json(directory):
+                continue
+            write_run_json(
+                directory,
+                {
+                    "run_id": member_run_id(self.run_id, i),
+                    "kind": MEMBER_KIND,
+                    "member": i,
+                    "population": self.run_id,
+                    **common,
+                    "settings": m["settings"],
+                    "seed": m["seed"],
+                },
+            )
+        self.opened = True
+        say(f"population {self.run_id} in {self.run_dir} ({self.members} members)")
+
+    def read(self) -> tuple[Any, CheckpointRecord]:
+        """(the state tree, the record) of the checkpoint this population resumes from;
+        refused when it is not a population's."""
+        assert self.resume_from is not None  # planned: a population that resumes
+        directory, step = self.resume_from
+        saved, record = read_checkpoint(directory, step)
+        if record.kind != KIND:
+            raise SetupError(
+                f"{str(self.resume_from.path)!r} is a single run's checkpoint, not a "
+                f"population's: Nitro(..., resume={str(directory.parent)!r}) continues it"
+            )
+        return saved, record
+
+    def wait(self) -> None:
+        if self.store is not None:
+            self.store.wait()
+
+
+def _resume_source(
+    experiment_cls: type,
+    identity: RunIdentity,
+    run_dir: str | None,
+    resume: Any,
+    settings: Sequence[Mapping[str, Any]],
+    say: Callable[[str], None],
+) -> SavedStep | None:
+    if resume != "auto":
+        path, which = resume if isinstance(resume, tuple) else (resume, "latest")
+        path = Path(path).absolute()
+        check_no_writer(path)
+        return resolve_checkpoint(CheckpointRef(os.fspath(path), which))
+    root = Path(run_dir) if run_dir is not None else experiment_root(experiment_cls.__name__)
+    if population_of(root) is not None and read_run_json(root).get("kind") != MEMBER_KIND:
+        runs = list_runs(root)
+        if runs and runs[0].checkpoints:
+            check_free(root)
+            return resolve_checkpoint(root)
+        return None
+    candidates = []
+    for run in list_runs(root):
+        info = read_run_json(run.path)
+        if run.checkpoints and info.get("kind") == KIND and identity.same_experiment(info):
+            same = _recorded_settings(run.path) == [dict(s) for s in settings]
+            candidates.append((same, run.latest_epoch or 0, max(run.checkpoints), run))
+    if not candidates:
+        warn_user(
+            f"resume='auto' found no population's checkpoint under {str(root.absolute())!r} "
+            f"of {identity.where()}; starting a fresh population"
+        )
+        return None
+    same, epoch, step, run = max(candidates, key=lambda c: c[:3])
+    why = "with these members" if same else "(none has these members: resuming it is refused)"
+    say(f"resume='auto' continues population {run.run_id} (epoch {epoch}, step {step}) {why}")
+    check_free(run.path)
+    return resolve_checkpoint(run.path)
+
+
+def _recorded_settings(run_dir: Path) -> list[dict[str, Any]] | None:
+    try:
+        info = json.loads((run_dir / POPULATION_JSON).read_text())
+        return [dict(m["settings"]) for m in info["members"]]
+    except (OSError, ValueError, KeyError, TypeError):
+        return None

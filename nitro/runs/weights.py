@@ -24,6 +24,7 @@ from nitro.core.frozen import freeze
 from nitro.core.run_setup import CheckpointRef, SavedWeights
 from nitro.errors import SetupError, WeightsError
 from nitro.optim.param_groups import leaf_paths
+from nitro.runs.checkpoint_record import shown_setting
 from nitro.runs.checkpoint_trees import leaves_from
 from nitro.runs.run_dirs import KIND, population_of
 
@@ -373,11 +374,3 @@ def _weights_of(saved: Mapping[str, Any], params: Any, model_state: Any) -> tupl
         leaves = [jnp.asarray(x) if not isinstance(x, jax.Array) else x for x in leaves]
         restored.append(jax.tree.unflatten(jax.tree.structure(tree), leaves))
     return restored[0], restored[1]
-
-
-def shown_setting(token: Any) -> str:
-    """A member's setting as a record keeps it (`setting_token`), shown short."""
-    if isinstance(token, Mapping) and "function" in token:
-        return f"{token['function']} {token.get('closure')}"
-    text = repr(token)
-    return text if len(text) <= 80 else text[:77] + "..."
