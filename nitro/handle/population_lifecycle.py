@@ -47,6 +47,7 @@ from nitro.runs.checkpoint_record import (
 )
 from nitro.runs.checkpoint_trees import host_tree
 from nitro.runs.checkpoints import Checkpointer
+from nitro.runs.epoch_saves import resume_point
 from nitro.runs.resume import restore_variables, said_resumed
 from nitro.runs.run_dirs import member_dir, member_run_id
 from nitro.runs.run_files import PopulationFiles
@@ -322,13 +323,7 @@ class PopulationLife:
         batches, before = getattr(state, "batches", "shared"), record.batches
         if before != batches:
             lines.append(f"  batches: the checkpoint's {before!r}, this population's {batches!r}")
-        graphconst, now = record.graphconst, config_of(lead.setup)
-        lines += [
-            f"  {name}: the checkpoint's {graphconst.get(name, '<unset>')!r}, this "
-            f"population's {now.get(name, '<unset>')!r}"
-            for name in sorted(set(graphconst) | set(now))
-            if graphconst.get(name) != now.get(name)
-        ]
+        lines += record.graphconst_differences(lead.setup, "the checkpoint's", "this population's")
         if lines:
             raise PopulationError(
                 f"cannot resume the population in {str(found.directory.parent)!r}: this "
@@ -428,22 +423,8 @@ class PopulationLife:
             store.close_later()
         if reason == "requested" or stopped:
             store.close()
-            where = (
-                f"epoch {state.epoch + 1}, step {state.position} of it"
-                if state.position
-                else f"the end of epoch {state.epoch}"
-            )
-            if store.saved_step == state.step and len(store.failures) == failures:
-                events.note(
-                    f"stopped at step {state.step} ({where}); saved "
-                    f"{store.directory / str(state.step)}: resume= continues from there"
-                )
-            else:
-                events.note(
-                    f"stopped at step {state.step} ({where}); that step could not be saved "
-                    f"(see the warning), so resume= continues from the newest checkpoint in "
-                    f"{store.directory}"
-                )
+            saved = store.saved_step == state.step and len(store.failures) == failures
+            events.note(resume_point(state, store, saved))
 
     def _save(
         self,

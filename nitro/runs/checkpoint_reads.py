@@ -18,6 +18,7 @@ import numpy as np
 from nitro.core.run_setup import CheckpointRef
 from nitro.errors import SetupError
 from nitro.runs.checkpoint_record import CheckpointRecord
+from nitro.runs.checkpoint_trees import flatten
 from nitro.runs.checkpoint_writer import (
     ORBAX,
     await_writers,
@@ -204,9 +205,7 @@ def _restore_item(manager, step: int, targets: Mapping[tuple[str, ...], Any]) ->
         tree = handler.metadata(epath.Path(manager.directory) / str(step) / "state").tree
     finally:
         handler.close()
-    if not targets and all(
-        getattr(m, "sharding", None) is None for m in _flatten_keys(tree).values()
-    ):
+    if not targets and all(getattr(m, "sharding", None) is None for m in flatten(tree).values()):
         return None
     return _item_of(tree, targets, ())
 
@@ -220,16 +219,6 @@ def _item_of(node: Any, targets: Mapping[tuple[str, ...], Any], path: tuple[str,
     if target is None or tuple(target.shape) != shape or np.dtype(target.dtype) != dtype:
         return np.broadcast_to(np.zeros((), dtype), shape)  # a numpy leaf, no memory
     return target
-
-
-def _flatten_keys(tree: Mapping[str, Any], prefix: tuple[str, ...] = ()) -> dict[tuple, Any]:
-    flat: dict[tuple, Any] = {}
-    for key, value in tree.items():
-        if isinstance(value, Mapping):
-            flat.update(_flatten_keys(value, (*prefix, str(key))))
-        else:
-            flat[(*prefix, str(key))] = value
-    return flat
 
 
 def _restore(

@@ -227,6 +227,16 @@ class CheckpointRecord:
             **fields,
         )
 
+    def graphconst_differences(self, setup: RunSetup, saved_as: str, now_as: str) -> list[str]:
+        """One line per GraphConst value that differs between this record and `setup`."""
+        saved, now = self.graphconst, config_of(setup)
+        return [
+            f"  {name}: {saved_as} {saved.get(name, '<unset>')!r}, "
+            f"{now_as} {now.get(name, '<unset>')!r}"
+            for name in sorted(set(saved) | set(now))
+            if saved.get(name) != now.get(name)
+        ]
+
     @property
     def member(self) -> MemberRecord:
         """A run's own record (a population's first member)."""

@@ -17,6 +17,7 @@ from nitro.errors import SetupError
 
 __all__ = [
     "LOSS_SCALE_KEYS",
+    "flatten",
     "host_tree",
     "is_sharded",
     "json_safe",
@@ -101,12 +102,13 @@ def _nest(paths: tuple[str, ...], leaves: list) -> dict[str, Any]:
     return tree
 
 
-def _flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+def flatten(tree: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """A nested dict's leaves by their dotted paths."""
     flat: dict[str, Any] = {}
     for key, value in tree.items():
         path = f"{prefix}.{key}" if prefix else str(key)
         if isinstance(value, Mapping):
-            flat.update(_flatten(value, path))
+            flat.update(flatten(value, path))
         else:
             flat[path] = value
     return flat
@@ -198,7 +200,7 @@ def leaves_from(
     """Leaves in the template's order from a saved nested dict; a mismatch names the leaves
     (`here`: what the template is), after `misfit` (what it means and the fix; by default,
     that the model differs)."""
-    flat = _flatten(saved) if paths != ("",) else {"": saved.get("value")}
+    flat = flatten(saved) if paths != ("",) else {"": saved.get("value")}
     missing = [p for p in paths if p not in flat]
     extra = [p for p in flat if p not in set(paths)]
     problems = [f"  {p}: missing from the checkpoint" for p in missing[:6]]

@@ -22,7 +22,7 @@ from nitro.runs.checkpoint_trees import (
 )
 from nitro.runs.checkpoint_writer import CheckpointStore, Save
 
-__all__ = ["EpochSaves", "run_record"]
+__all__ = ["EpochSaves", "resume_point", "run_record"]
 
 
 @dataclasses.dataclass
@@ -154,7 +154,7 @@ class EpochSaves:
             saved = store.saved_step == state.step and len(store.failures) == failures
             if saved and recorded_earlier:  # an epoch saved before the stop came
                 store.record_reason(state.step, reason)
-            events.note(_resume_point(state, store, saved))
+            events.note(resume_point(state, store, saved))
 
     def _save(
         self,
@@ -231,10 +231,11 @@ def _finite(value: Any) -> float | None:
     return None
 
 
-def _resume_point(state: TrainState, store: CheckpointStore, saved: bool) -> str:
-    """Where a stopped run can resume from: the step it stopped on, when that was saved."""
+def resume_point(state: Any, store: CheckpointStore, saved: bool) -> str:
+    """Where a stopped run (or population) can resume from: the step it stopped on, when that
+    was saved."""
     where = f"epoch {state.epoch + 1}, batch {state.position}"
-    if state.epoch_trained:
+    if getattr(state, "epoch_trained", False):
         where = f"epoch {state.epoch + 1} trained, before its validation"
     elif not state.position:
         where = f"the end of epoch {state.epoch}"

@@ -217,13 +217,7 @@ def run_to_resume(
 
 
 def _check_config(setup: RunSetup, record: CheckpointRecord) -> None:
-    saved = record.graphconst
-    now = config_of(setup)
-    changed = [
-        f"  {name}: checkpoint {saved.get(name, '<unset>')!r}, now {now.get(name, '<unset>')!r}"
-        for name in sorted(set(saved) | set(now))
-        if saved.get(name) != now.get(name)
-    ]
+    changed = record.graphconst_differences(setup, "checkpoint", "now")
     if changed:
         raise SetupError(
             "cannot resume: GraphConst fields differ from the checkpoint's, so its state does "

@@ -225,39 +225,38 @@ class RunFiles:
         )
 
     def _write_run_json(self, setup: RunSetup) -> None:
+        self._write_own_json(setup.owner, config_of(setup), seed=setup.seed)
+        root = experiment_root(setup.cls.__name__).absolute()
+        if self.run_dir.parent == root:
+            record_name(root, self.identity, self.run_id, self.run_dir)
+
+    def _write_own_json(self, experiment: str, graphconst: Any, **own: Any) -> dict[str, Any]:
+        """Write run.json (unless this run has one already; refused when the directory now
+        holds another run's), and return the fields every run.json of this run shares."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         info = read_run_json(self.run_dir)
-        identity = self.identity
         if info.get("run_id") not in (None, self.run_id):
             raise SetupError(
                 f"run_dir {str(self.run_dir)!r} now holds run {info['run_id']}, written by "
-                f"another handle since this one was built; one run directory holds one run: "
-                f"build this handle with another run_dir, or resume={str(self.run_dir)!r} to "
-                f"continue that run"
+                f"another handle since {self.WHO} was built; one run directory holds one run: "
+                f"build it with another run_dir, or resume={str(self.run_dir)!r} to continue "
+                f"that run"
             )
+        common = {
+            "experiment": experiment,
+            **self.identity.as_json(),
+            "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+            "graphconst": graphconst,
+            "nitro": __version__,
+        }
         if not info:
+            resumed = str(self.resume_from.path) if self.resume_from is not None else None
             write_run_json(
-                self.run_dir,
-                {
-                    "run_id": self.run_id,
-                    "experiment": setup.owner,
-                    **identity.as_json(),
-                    "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-                    "seed": setup.seed,
-                    "graphconst": config_of(setup),
-                    "nitro": __version__,
-                    "resumed_from": (
-                        str(self.resume_from[0] / str(self.resume_from[1]))
-                        if self.resume_from is not None
-                        else None
-                    ),
-                },
+                self.run_dir, {"run_id": self.run_id, **own, **common, "resumed_from": resumed}
             )
         elif not recorded(info):  # a run of an older Nitro, resumed: it records who it is now
-            write_run_json(self.run_dir, {**info, **identity.as_json()})
-        root = experiment_root(setup.cls.__name__).absolute()
-        if self.run_dir.parent == root:
-            record_name(root, identity, self.run_id, self.run_dir)
+            write_run_json(self.run_dir, {**info, **self.identity.as_json()})
+        return common
 
     def close(self) -> None:
         """Write the best epoch held on the host and finish the saves."""
@@ -382,35 +381,9 @@ class PopulationFiles(RunFiles):
         self.prepare()
         if self.opened or not self.writes:
             return
-        info = read_run_json(self.run_dir)
-        if info.get("run_id") not in (None, self.run_id):
-            raise SetupError(
-                f"run_dir {str(self.run_dir)!r} now holds run {info['run_id']}, written by "
-                f"another handle since this population was built; one run directory holds one "
-                f"run: build the population with another run_dir, or "
-                f"resume={str(self.run_dir)!r} to continue that one"
-            )
-        started = time.strftime("%Y-%m-%d %H:%M:%S")
-        common = {
-            "experiment": record["experiment"],
-            **self.identity.as_json(),
-            "started": started,
-            "graphconst": record["graphconst"],
-            "nitro": __version__,
-        }
-        if not info:
-            write_run_json(
-                self.run_dir,
-                {
-                    "run_id": self.run_id,
-                    "kind": KIND,
-                    **common,
-                    "members": self.members,
-                    "resumed_from": (
-                        str(self.resume_from.path) if self.resume_from is not None else None
-                    ),
-                },
-            )
+        common = self._write_own_json(
+            record["experiment"], record["graphconst"], kind=KIND, members=self.members
+        )
         members = record["members"]
         if not (self.run_dir / POPULATION_JSON).is_file():
             write_run_json(
