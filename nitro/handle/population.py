@@ -434,7 +434,7 @@ class Population:
                             events,
                             self._control,
                             target,
-                            after_epoch=lambda state, rows, left: self._after_epoch(state),
+                            after_epoch=lambda state, rows, left: self._after_epoch(members.state),
                             stop_at=stop_at,
                             members=members,
                         )

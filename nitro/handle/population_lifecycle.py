@@ -431,7 +431,9 @@ class PopulationLife:
         if store is not None and store.due(state.epoch):
             self._save(members, state, events)
 
-    def end_run(self, members: Sequence[Any], state: Any, events: Events, reason: str) -> None:
+    def end_run(
+        self, members: Sequence[Any], state: Any, events: Events, reason: str | None
+    ) -> None:
         """A population that ends at an epoch boundary leaves its newest epoch saved; one
         stopped in the middle of an epoch saves the step it stopped on (as a single run)."""
         store = self.files.store
