@@ -104,7 +104,7 @@ def evaluate_split(
             else:
                 loss_sums[0] += float(result.loss_sum)
         if has_metrics:
-            host = None
+            host: dict[str, Any] = {}
             if residency == "host":
                 rows = (slice(None), slice(0, n_real)) if stacked else slice(0, n_real)
                 outputs = jax.tree.map(lambda a, rows=rows: a[rows], outputs)

@@ -213,7 +213,9 @@ class Stacked:
         shared.steps += count
         events.member_steps(item.index + 1, losses)  # steps count from 1, as a run's
         stopped = [m for m in self.members if m.stopped is not None]
-        if len(stopped) == self.count and any(m.stopped.startswith("diverged") for m in stopped):
+        if len(stopped) == self.count and any(
+            (m.stopped or "").startswith("diverged") for m in stopped
+        ):
             raise DivergenceError(
                 "every member of the population stopped: "
                 + "; ".join(f"{m.label}: {m.stopped}" for m in self.members)

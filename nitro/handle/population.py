@@ -434,7 +434,7 @@ class Population:
                             events,
                             self._control,
                             target,
-                            after_epoch=lambda state, rows, left: self._after_epoch(state),  # pyright: ignore[reportArgumentType]  # the loop passes the PopulationState it trains
+                            after_epoch=lambda state, rows, left: self._after_epoch(members.state),
                             stop_at=stop_at,
                             members=members,
                         )
@@ -522,7 +522,7 @@ class Population:
         checkpointer's metric (its best member's), empty when none are saved yet."""
         import pandas as pd
 
-        from nitro.runs.checkpoint_reads import describe_saved
+        from nitro.runs.checkpoints import describe_saved
 
         self._life.wait()
         return pd.DataFrame(describe_saved(self._life.run_dir))

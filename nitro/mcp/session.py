@@ -135,6 +135,15 @@ class _Found:
     handle: Run | None  # None while a tool run sets it up
 
 
+@dataclasses.dataclass
+class _Ready:
+    """A run found and set up: its handle is there."""
+
+    run_id: str
+    record: RunRecord | None
+    handle: Run
+
+
 class ToolSession:
     """The runs and experiments the tools see.
 
@@ -203,7 +212,7 @@ class ToolSession:
 
     def _handle(
         self, run_id: str, what: str, idle: bool = True, population: bool = False
-    ) -> _Found:
+    ) -> _Ready:
         """The run `run_id`, set up (and, with `idle`, not training); a population only
         where the tool works on one (`population`)."""
         found = self._find(run_id)
@@ -230,7 +239,7 @@ class ToolSession:
                 f"{run.max_epochs}, step {run.step}); {what} after it finishes, or nitro_stop "
                 f"it first"
             )
-        return found
+        return _Ready(found.run_id, record, run)
 
     def _describe(self, found: _Found, brief: bool = False) -> dict[str, Any]:
         names = [] if found.handle is None else self._names(found.handle)
@@ -538,6 +547,7 @@ class ToolSession:
         self, run_id: str, inputs: Mapping[str, Any], out: str | None = None
     ) -> dict[str, Any]:
         handle = self._handle(run_id, "predict").handle
+        assert isinstance(handle, Nitro)  # a population is refused above
         path = None if out is None else self.paths.check("out", out)
         if path is not None and path.suffix not in OUTPUT_FILES:
             raise ToolFailure(
@@ -749,7 +759,7 @@ class ToolSession:
         plan = MemberPlan.check(axes, members, shared, overrides)
         instance, checked = self._new_handle_plan(experiment, overrides, keywords, typed)
         # a list would be an axis: a shared value that is a list (eval_splits) goes as a tuple
-        checked = {
+        checked: dict[str, Any] = {
             k: tuple(v) if isinstance(v, list) and k != "logger" else v for k, v in checked.items()
         }
         ready = threading.Event()
