@@ -60,6 +60,7 @@ def store() -> None:
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
     from nitro.runs.checkpoint_reads import read_checkpoint
+    from nitro.runs.checkpoint_record import CheckpointRecord, MemberRecord
     from nitro.runs.checkpoint_trees import _saved
     from nitro.runs.checkpoint_writer import CheckpointStore
 
@@ -69,7 +70,8 @@ def store() -> None:
     live = jax.make_array_from_callback(whole.shape, sharding, lambda index: whole[index])
     directory = Path(run_dir) / "checkpoints"
     saver = CheckpointStore(directory, nitro.Checkpointer(budget=None), deterministic=True)
-    saver.save(1, {"params": {"w": _saved(live), "b": np.ones(3, np.float32)}}, {"epoch": 1}, 0.5)
+    record = CheckpointRecord(run_id="checks", step=1, epoch=1, members=(MemberRecord(),))
+    saver.save(1, {"params": {"w": _saved(live), "b": np.ones(3, np.float32)}}, record, 0.5)
     saver.close()
     target = jax.ShapeDtypeStruct(whole.shape, jnp.float32, sharding=sharding)
     onto, _ = read_checkpoint(directory, 1, targets={("params", "w"): target})

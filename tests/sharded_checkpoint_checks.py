@@ -34,6 +34,7 @@ from lifecycle_toys import Dropped, KillAt, parameters  # noqa: E402
 
 import nitro  # noqa: E402
 from nitro.runs.checkpoint_reads import read_checkpoint, resolve_checkpoint  # noqa: E402
+from nitro.runs.checkpoint_record import CheckpointRecord, MemberRecord  # noqa: E402
 from nitro.runs.checkpoint_writer import CheckpointStore  # noqa: E402
 
 EVERY_EPOCH = nitro.Checkpointer(budget=None)
@@ -74,7 +75,8 @@ def store_checks(work: Path) -> dict:
     tree = {"params": {"w": snapshot, "b": tree["params"]["b"]}}
     directory = work / "store" / "checkpoints"
     store = CheckpointStore(directory, nitro.Checkpointer(budget=None), deterministic=False)
-    store.save(1, tree, {"epoch": 1}, 0.5)
+    record = CheckpointRecord(run_id="checks", step=1, epoch=1, members=(MemberRecord(),))
+    store.save(1, tree, record, 0.5)
     live.delete()  # what the next step's donation does to the live array
     store.close()
     metadata = json.loads((directory / "1" / "state" / "_METADATA").read_text())

@@ -139,8 +139,8 @@ class TrainState:
 
     One in-place writer: the loop updates it as steps complete and returns it; read it, do
     not write it, while the handle runs. Restoring a checkpoint makes a new state
-    (`from_checkpoint`, or `dataclasses.replace` for new weights) that the handle swaps in
-    while nothing runs.
+    (`CheckpointRecord.train_state`, or `dataclasses.replace` for new weights) that the handle
+    swaps in while nothing runs.
 
     Attributes:
       variables: the arrays (`Variables`).

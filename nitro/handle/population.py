@@ -522,7 +522,7 @@ class Population:
         checkpointer's metric (its best member's), empty when none are saved yet."""
         import pandas as pd
 
-        from nitro.runs.checkpoints import describe_saved
+        from nitro.runs.checkpoint_reads import describe_saved
 
         self._life.wait()
         return pd.DataFrame(describe_saved(self._life.run_dir))

@@ -4,9 +4,10 @@ resume, and one logger run per member.
 `Population` composes one `PopulationLife`: built with the population (it plans the
 directory, and a resume restores every member's state before anything runs), held at the
 start of each `train()` (`prepare`, `open`), called by the loop after each epoch
-(`after_epoch`) and at the end of the run (`end_run`). The files are
-`nitro.runs.run_files`'s (`PopulationFiles`); the loggers are the single run's (`LoggingReporter`), one per
-member, each bound to the member's directory. See docs/population.md.
+(`after_epoch`) and at the end of the run (`end_run`). The files are a run's
+(`nitro.runs.run_files.PopulationFiles`), and so are the checkpoints' record, writer and reader;
+the loggers are the single run's (`LoggingReporter`), one per member, each bound to the
+member's directory. See docs/population.md.
 """
 
 from __future__ import annotations

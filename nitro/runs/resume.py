@@ -87,9 +87,9 @@ def restore(
 ) -> tuple[TrainState, CheckpointRecord]:
     """The state a run resumes from, read from the checkpoint `files` (its `RunFiles`) planned
     to continue (a new `TrainState`; `state`, the fresh one, gives the arrays' shapes and
-    stays as it was), and the checkpoint's record. `device`: the Device fields' values now, compared with the
-    saved ones. `say`: how to tell the person what the resume continues and what differs
-    (default: an event note; a handle without progress prints them)."""
+    stays as it was), and the checkpoint's record. `device`: the Device fields' values now,
+    compared with the saved ones. `say`: how to tell the person what the resume continues and
+    what differs (default: an event note; a handle without progress prints them)."""
     found = files.resume_from
     assert found is not None  # planned: a run that resumes
     note = say or events.note
