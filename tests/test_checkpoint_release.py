@@ -20,7 +20,7 @@ from nitro.examples.digits import Digits
 FIXTURES = Path(__file__).parent / "fixtures" / "release-0.3"
 EXPECTED = json.loads((FIXTURES / "expected.json").read_text())
 SMALL = dict(width=8, batch_size=128, max_epochs=4)
-AXES = dict(learning_rate=[1e-3, 1e-2])
+LEARNING_RATES = [1e-3, 1e-2]
 
 
 def copied(name: str) -> str:
@@ -62,7 +62,9 @@ def test_a_population_saved_by_release_0_3_resumes_and_continues_as_0_3_did():
     step, saved = plain(run_dir)
     assert step == 18 and saved["meta"]["kind"] == "population"
     assert [m["member"] for m in saved["meta"]["members"]] == [0, 1]
-    pop = nitro.Population(Digits(**SMALL), resume=run_dir, progress=False, **AXES)
+    pop = nitro.Population(
+        Digits(**SMALL), resume=run_dir, progress=False, learning_rate=LEARNING_RATES
+    )
     assert (pop.epoch, pop.step) == (2, 18)
     pop.train().wait()
     expected = EXPECTED["population"]
