@@ -47,8 +47,9 @@ from nitro.runs.checkpoint_record import (
     setting_token,
 )
 from nitro.runs.checkpoint_trees import host_tree
+from nitro.runs.checkpoint_writer import Save
 from nitro.runs.checkpoints import Checkpointer
-from nitro.runs.epoch_saves import resume_point
+from nitro.runs.epoch_saves import finite
 from nitro.runs.resume import restore_variables, said_resumed
 from nitro.runs.run_dirs import member_dir, member_run_id
 from nitro.runs.run_files import PopulationFiles
@@ -403,39 +404,18 @@ class PopulationLife:
         """Checkpoint the epoch just committed, when due."""
         store = self.files.store
         if store is not None and store.due(state.epoch):
-            self._save(members, state, events)
+            self.files.saves.save(self._snapshot(members, state, None), events)
 
     def end_run(
         self, members: Sequence[Any], state: Any, events: Events, reason: str | None
     ) -> None:
-        """A population that ends at an epoch boundary leaves its newest epoch saved; one
-        stopped in the middle of an epoch saves the step it stopped on (as a single run)."""
-        store = self.files.store
-        if store is None:
-            return
-        at_boundary = state.epoch > 0 and not state.position
-        stopped = reason in ("requested", "max_steps") and bool(state.position)
-        failures = len(store.failures)
-        if (at_boundary and store.saved_epoch != state.epoch) or (
-            stopped and store.saved_step != state.step
-        ):
-            self._save(members, state, events, reason, last=True)
-        else:
-            store.close_later()
-        if reason == "requested" or stopped:
-            store.close()
-            saved = store.saved_step == state.step and len(store.failures) == failures
-            events.note(resume_point(state, store, saved))
+        """The end of a run of the population, as a single run's (`EpochSaves.end`)."""
+        self.files.saves.end(
+            state, events, reason, lambda _: self._snapshot(members, state, reason)
+        )
 
-    def _save(
-        self,
-        members: Sequence[Any],
-        state: Any,
-        events: Events,
-        reason: str | None = None,
-        last: bool = False,
-    ) -> None:
-        events.phase("checkpointing")  # the loop (or the run's end) sets the next phase
+    def _snapshot(self, members: Sequence[Any], state: Any, reason: str | None) -> Save:
+        """Every member's state as one save: the stacked variables and the record."""
         store = self.files.store
         assert store is not None
         lead = members[0]
@@ -450,9 +430,9 @@ class PopulationLife:
         ):
             row = member.state.last_row
             value = row.get(checkpointer.metric)
-            if ok and isinstance(value, (int, float)) and np.isfinite(value):
-                if best is None or checkpointer.better(float(value), best):
-                    best = float(value)
+            if ok and (value := finite(value)) is not None:
+                if best is None or checkpointer.better(value, best):
+                    best = value
             partial = None
             if member.totals is not None and state.position:  # stopped mid-epoch
                 partial = PartialEpoch.of(state.position, member.totals)
@@ -487,7 +467,7 @@ class PopulationLife:
             metrics={checkpointer.metric: best} if best is not None else {},
             stop_reason=reason,
         )
-        store.save(state.step, host_tree(setup, state.variables), record, best, then_close=last)
+        return Save(state.step, host_tree(setup, state.variables), record, best)
 
     def close(self) -> None:
         self.files.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,7 @@ from nitro.runs.checkpoint_trees import (
 )
 from nitro.runs.checkpoint_writer import CheckpointStore, Save
 
-__all__ = ["EpochSaves", "resume_point", "run_record"]
+__all__ = ["EpochSaves", "finite", "resume_point", "run_record"]
 
 
 @dataclasses.dataclass
@@ -85,7 +85,7 @@ class EpochSaves:
             if best:
                 self._held = None
         elif store.due(state.epoch, ends_in=ends_in, hold=hold):
-            self._save(setup, state, row, events, device, lazy=lazy, best=best)
+            self.save(self._snapshot(setup, state, row, device, None, lazy, best), events)
         elif best:  # kept on the host, written with the next save or at the call's end
             self._held = self._snapshot(setup, state, row, device, None, lazy, best=True)
         return verdict
@@ -94,12 +94,12 @@ class EpochSaves:
         """Whether the epoch just committed (`row`, the history's last) is the run's best so
         far by the checkpointer's metric and mode."""
         config = store.config
-        value = _finite(row.get(config.metric))
+        value = finite(row.get(config.metric))
         history = state.history
         if self._best_rows != len(history) - 1:  # another history: a resume, restore_best
             self._best = None
             for earlier in history[:-1]:
-                seen = _finite(earlier.get(config.metric))
+                seen = finite(earlier.get(config.metric))
                 if seen is not None and (self._best is None or config.better(seen, self._best)):
                     self._best = seen
         self._best_rows = len(history)
@@ -118,16 +118,28 @@ class EpochSaves:
         lazy: bool = False,
     ) -> None:
         """A run that ends at an epoch boundary leaves its newest epoch saved (`lazy`: as
-        `after_epoch`). `train()`
-        returns at once: the save is written in the background, and the next save, a reader
-        of the run's checkpoints, `close()` and the process's end wait for it. A stopped run
-        waits for its save, to say where it resumes from."""
+        `after_epoch`); see `end`."""
+        row = state.last_row
+        self.end(
+            state,
+            events,
+            reason,
+            lambda best: self._snapshot(setup, state, row, device, reason, lazy, best),
+        )
+
+    def end(self, state: Any, events: Events, reason: str | None, snapshot: Callable) -> None:
+        """A run (or population) that ends at an epoch boundary leaves its newest epoch saved,
+        one stopped in the middle of an epoch the step it stopped on (`snapshot(best)`: the
+        save). `train()` returns at once: the save is written in the background, and the next
+        save, a reader of the run's checkpoints, `close()` and the process's end wait for it.
+        A stopped run waits for its save, to say where it resumes from."""
         store = self.store
         if store is None:
             return
-        at_boundary = not (state.epoch == 0 or state.position or state.epoch_trained)
+        midway = state.position or getattr(state, "epoch_trained", False)
+        at_boundary = not (state.epoch == 0 or midway)
         # a stop request or max_steps, in the middle of an epoch: saved where it stopped
-        stopped = reason in ("requested", "max_steps") and (state.position or state.epoch_trained)
+        stopped = reason in ("requested", "max_steps") and midway
         failures = len(store.failures)
         end_best, self._end_best = self._end_best, False
         recorded_earlier = True
@@ -135,45 +147,24 @@ class EpochSaves:
             stopped and store.saved_step != state.step
         ):
             recorded_earlier = False
-            self._save(
-                setup,
-                state,
-                state.last_row,
-                events,
-                device,
-                reason,
-                last=True,
-                lazy=lazy,
-                best=at_boundary and end_best,
-            )
+            self.save(snapshot(at_boundary and end_best), events, last=True)
         else:
             self._write_held()
             store.close_later()  # the writes finish, then the manager's threads end
-        if reason == "requested" or (reason == "max_steps" and stopped):
+        if reason is not None and (reason == "requested" or stopped):
             store.close()
             saved = store.saved_step == state.step and len(store.failures) == failures
             if saved and recorded_earlier:  # an epoch saved before the stop came
                 store.record_reason(state.step, reason)
             events.note(resume_point(state, store, saved))
 
-    def _save(
-        self,
-        setup: RunSetup,
-        state: TrainState,
-        row: Mapping[str, Any],
-        events: Events,
-        device: Mapping[str, Any],
-        reason: str | None = None,
-        last: bool = False,
-        lazy: bool = False,
-        best: bool = False,
-    ) -> None:
-        """Save the committed state (after the best epoch held since, if any). `best`: it is
-        the run's best so far by the checkpointer's metric, and no newer save replaces it."""
+    def save(self, save: Save, events: Events, last: bool = False) -> None:
+        """Save the committed state (after the best epoch held since, if any); `save.best`:
+        it is the run's best so far by the checkpointer's metric, and no newer save replaces
+        it. `last`: the call ends here."""
         events.phase("checkpointing")  # the loop (or the run's end) sets the next phase
         store = self.store
         assert store is not None  # saves come from a run with a store
-        save = self._snapshot(setup, state, row, device, reason, lazy, best)
         held, self._held = self._held, None
         if held is not None and held.step == save.step:
             held, save = None, save._replace(best=True)
@@ -206,7 +197,7 @@ class EpochSaves:
                 self._history_rows,
                 self._validation_rows,
             ),
-            _finite(row.get(store.config.metric)),
+            finite(row.get(store.config.metric)),
             best,
         )
 
@@ -223,7 +214,7 @@ class EpochSaves:
             self.store.close()
 
 
-def _finite(value: Any) -> float | None:
+def finite(value: Any) -> float | None:
     """A metric's value as a float, None when it is missing or not finite."""
     if isinstance(value, (int, float, np.number)) and not isinstance(value, bool):
         value = float(value)
