@@ -31,7 +31,6 @@ from nitro.runs.run_dirs import KIND, population_of
 __all__ = [
     "AveragedWeights",
     "CheckpointWeights",
-    "MemberWeights",
     "ResolvedWeights",
     "WeightsSource",
     "average",
@@ -74,20 +73,22 @@ class WeightsSource:
 @dataclasses.dataclass(frozen=True)
 class CheckpointWeights:
     """The weights of a saved checkpoint: a run directory's newest or best, or one
-    checkpoint's directory."""
+    checkpoint's directory; with `member`, that member's of a population's checkpoint
+    (`weights=(run_dir, i)`, `weights=<run_dir>/member-<i>`)."""
 
     source: CheckpointRef
+    member: int | None = None  # a population's member: its slice of the stacked variables
 
     @classmethod
     def of(cls, source: str | os.PathLike | tuple) -> CheckpointWeights:
         """From what `weights=` takes: a path, or (run_dir, "best" | "latest"); a member of a
         population: (its run_dir, member index) or the member's directory."""
         if isinstance(source, tuple) and len(source) == 2 and isinstance(source[1], int):
-            return MemberWeights.member_of(source[0], source[1])
+            return cls.member_of(source[0], source[1])
         if isinstance(source, (str, os.PathLike)):
             found = population_of(source)
             if found is not None and found[1] is not None:
-                return MemberWeights.member_of(found[0], found[1])
+                return cls.member_of(found[0], found[1])
             if found is not None:
                 raise SetupError(
                     f"weights={os.fspath(source)!r} is a population's run directory, which "
@@ -102,29 +103,55 @@ class CheckpointWeights:
             return cls(CheckpointRef(os.fspath(source[0]), source[1]))
         return cls(CheckpointRef(os.fspath(source)))
 
+    @classmethod
+    def member_of(cls, path: str | os.PathLike, member: Any) -> CheckpointWeights:
+        if isinstance(member, bool) or not isinstance(member, int) or member < 0:
+            raise SetupError(
+                f"weights=(run_dir, member) names a member by its index, an int >= 0; got "
+                f"{member!r}"
+            )
+        return cls(CheckpointRef(os.fspath(path)), member)
+
     def resolve(self, params: Any, model_state: Any) -> ResolvedWeights:
-        """The checkpoint's parameters and model state, shaped like the given model's."""
+        """The checkpoint's parameters and model state (a member's slice of a population's),
+        shaped like the given model's."""
         from nitro.runs.checkpoint_reads import read_checkpoint, resolve_checkpoint
 
         directory, step = resolve_checkpoint(self.source)
         saved, record = read_checkpoint(directory, step)
-        if record.kind == KIND:
+        where, index = str(directory / str(step)), self.member
+        if (record.kind == KIND) != (index is not None):
             raise WeightsError(
-                f"{str(directory / str(step))!r} is a population's checkpoint, which holds "
-                f"every member's weights: weights=({str(directory.parent)!r}, i) reads member i"
+                f"{where!r} is a population's checkpoint, which holds every member's weights: "
+                f"weights=({str(directory.parent)!r}, i) reads member i"
+                if index is None
+                else f"weights=({self.source.path!r}, {index}): {where!r} is a single run's "
+                f"checkpoint, not a population's; weights={self.source.path!r} reads it"
             )
-        restored = _weights_of(saved, params, model_state)
-        origin = (
-            f"checkpoint {directory.parent.name or directory}/step {step} (epoch {record.epoch})"
-        )
+        origin = f"checkpoint {directory.parent.name or directory}/step {step}"
+        entry = record.member
+        if index is not None:
+            count = len(record.members)
+            if not 0 <= index < count:
+                raise WeightsError(
+                    f"weights=({self.source.path!r}, {index}): the population in "
+                    f"{str(directory.parent)!r} has {count} members (0..{count - 1})"
+                )
+            saved = jax.tree.map(lambda a: np.asarray(a)[index], saved)
+            entry = record.members[index]
+            shown = ", ".join(f"{k}={shown_setting(v)}" for k, v in entry.settings.items())
+            origin = (
+                f"member {index} ({shown}) of population {record.run_id}, checkpoint step {step}"
+            )
         checkpoint = SavedWeights(
-            paths=(str(directory / str(step)),),
-            run_id=record.run_id,
+            paths=(where,),
+            run_id=entry.run_id or record.run_id,
             steps=(step,),
             epochs=(record.epoch,),
-            metrics=(freeze(record.metrics),),
+            metrics=(freeze(entry.metrics),),
         )
-        return ResolvedWeights(*restored, origin, checkpoint)
+        restored = _weights_of(saved, params, model_state)
+        return ResolvedWeights(*restored, f"{origin} (epoch {record.epoch})", checkpoint)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,59 +334,6 @@ def check_same_tree(what: str, expected: Any, given: Any) -> None:
         f"weights= does not fit: the {what} differ (build the model with the same GraphConst "
         f"values)\n" + "\n".join(lines[:6]) + more
     )
-
-
-@dataclasses.dataclass(frozen=True)
-class MemberWeights(CheckpointWeights):
-    """The weights of one member of a population's checkpoint (`weights=(run_dir, i)`,
-    `weights=<run_dir>/member-<i>`): its slice of the stacked variables. `source`: the
-    population's run directory, or one of its checkpoints."""
-
-    member: int = 0
-
-    @classmethod
-    def member_of(cls, path: str | os.PathLike, member: Any) -> MemberWeights:
-        if isinstance(member, bool) or not isinstance(member, int) or member < 0:
-            raise SetupError(
-                f"weights=(run_dir, member) names a member by its index, an int >= 0; got "
-                f"{member!r}"
-            )
-        return cls(CheckpointRef(os.fspath(path)), member)
-
-    def resolve(self, params: Any, model_state: Any) -> ResolvedWeights:
-        """The member's parameters and model state, shaped like the given model's."""
-        from nitro.runs.checkpoint_reads import read_checkpoint, resolve_checkpoint
-
-        directory, step = resolve_checkpoint(self.source)
-        saved, record = read_checkpoint(directory, step)
-        where = str(directory / str(step))
-        if record.kind != KIND:
-            raise WeightsError(
-                f"weights=({self.source.path!r}, {self.member}): {where!r} is a single run's "
-                f"checkpoint, not a population's; weights={self.source.path!r} reads it"
-            )
-        entries = record.members
-        if not 0 <= self.member < len(entries):
-            raise WeightsError(
-                f"weights=({self.source.path!r}, {self.member}): the population in "
-                f"{str(directory.parent)!r} has {len(entries)} members (0..{len(entries) - 1})"
-            )
-        mine = jax.tree.map(lambda a: np.asarray(a)[self.member], saved)
-        restored = _weights_of(mine, params, model_state)
-        entry = entries[self.member]
-        shown = ", ".join(f"{k}={shown_setting(v)}" for k, v in entry.settings.items())
-        origin = (
-            f"member {self.member} ({shown}) of population {record.run_id}, checkpoint "
-            f"step {step} (epoch {record.epoch})"
-        )
-        checkpoint = SavedWeights(
-            paths=(where,),
-            run_id=entry.run_id,
-            steps=(step,),
-            epochs=(record.epoch,),
-            metrics=(freeze(entry.metrics),),
-        )
-        return ResolvedWeights(*restored, origin, checkpoint)
 
 
 def _weights_of(saved: Mapping[str, Any], params: Any, model_state: Any) -> tuple[Any, Any]:
