@@ -96,6 +96,10 @@ class PartialEpoch:
         )
 
 
+# the fields of a population's member that a run's record has not
+_MEMBER_ONLY = ("index", "run_id", "settings", "healthy", "stopped", "stopped_at")
+
+
 @dataclasses.dataclass(frozen=True)
 class MemberRecord:
     """One member's part of a checkpoint: its history, validations within epochs, the
@@ -118,26 +122,13 @@ class MemberRecord:
     stopped_at: int | None = None
 
     def to_json(self, in_population: bool) -> dict[str, Any]:
-        own = {
-            "seed": self.seed,
-            "history": list(self.history),
-            "metrics": dict(self.metrics),
-            "validations": list(self.validations),
-            "partial_epoch": self.partial_epoch.to_json() if self.partial_epoch else None,
-            "device": dict(self.device),
-            "logger": self.logger,
-        }
-        if not in_population:
-            return own
-        return {
-            "member": self.index,
-            "run_id": self.run_id,
-            "settings": dict(self.settings),
-            "healthy": self.healthy,
-            "stopped": self.stopped,
-            "stopped_at": self.stopped_at,
-            **own,
-        }
+        """Its JSON fields (made JSON-safe by `CheckpointRecord.to_json`); a run's lack the
+        fields only a population's member has."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        data["partial_epoch"] = self.partial_epoch.to_json() if self.partial_epoch else None
+        if in_population:
+            return {"member": data.pop("index"), **data}
+        return {k: v for k, v in data.items() if k not in _MEMBER_ONLY}
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any], index: int = 0) -> MemberRecord:
@@ -243,38 +234,16 @@ class CheckpointRecord:
         return self.members[0]
 
     def to_json(self) -> dict[str, Any]:
-        common = {
-            "format": self.format,
-            "kind": self.kind,
-            "nitro": self.nitro,
-            "jax": self.jax,
-            "run_id": self.run_id,
-            "experiment": self.experiment,
-            "step": self.step,
-            "epoch": self.epoch,
-        }
+        """The record as JSON: a run's member fields at the top level, a population's under
+        `members` (with the fields only a population has)."""
+        data = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
         if self.kind == POPULATION:
-            own = {
-                "position": self.position,
-                "batches": self.batches,
-                "prune": {str(k): v for k, v in self.prune.items()},
-                "members": [m.to_json(in_population=True) for m in self.members],
-                "metrics": dict(self.metrics),
-            }
+            data["members"] = [m.to_json(in_population=True) for m in self.members]
+            del data["swaps"]
         else:
-            own = {**self.member.to_json(in_population=False), "swaps": list(self.swaps)}
-        return json_safe(
-            {
-                **common,
-                **own,
-                "stop_reason": self.stop_reason,
-                "graphconst": dict(self.graphconst),
-                "code": dict(self.code),
-                "optimizer": self.optimizer,
-                "training": self.training,
-                "checkpointer": self.checkpointer,
-            }
-        )
+            del data["members"], data["position"], data["batches"], data["prune"]
+            data.update(self.member.to_json(in_population=False))
+        return json_safe(data)
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CheckpointRecord:
