@@ -35,7 +35,7 @@ from nitro.engine.dispatch import DispatchChoice
 from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_keywords import resolve_run_keywords
 from nitro.engine.run_time import RunTime
-from nitro.engine.runner import Run, RunControl, RunGuard, sigint_requests_stop, wait_for
+from nitro.engine.runner import RunGuard, sigint_requests_stop
 from nitro.engine.setup import build
 from nitro.engine.swaps import LiveEdit
 from nitro.engine.weights_copy import copy_weights
@@ -50,6 +50,7 @@ from nitro.experiments.declaration import (
 )
 from nitro.handle.binding_report import BindingReport, binding_report
 from nitro.handle.displays import handle_html, short_repr
+from nitro.handle.run_handle import RunHandle, check_amount
 from nitro.handle.signature import keyword_signature, keywords_doc
 from nitro.handle.summary import ModelSummary
 from nitro.optim.schedules import bind_schedules, check_schedule_values
@@ -93,7 +94,7 @@ def check_experiment(experiment: Any) -> type:
     return cls
 
 
-class Nitro:
+class Nitro(RunHandle):
     """The handle of one run of an experiment.
 
     >>> import nitro
@@ -115,18 +116,19 @@ class Nitro:
                 "optimizer state, counters and history); weights= starts a new run from "
                 "weights only. Pass one of them."
             )
-        self._progress = progress.make_reporter(resolved.progress)
+        reporter = progress.make_reporter(resolved.progress)
         self._state: TrainState  # built below; monitors see setup phases first (without it)
-        self._events = Events([self._progress], context=self._phase_context)
+        self._init_run(
+            reporter,
+            Events([reporter], context=self._phase_context),
+            RunGuard(lambda: f"this {cls.__name__} handle"),
+        )
         self._logging = None
         if resolved.logger is not None:
             from nitro.loggers import LoggingReporter
 
             self._logging = LoggingReporter(resolved.logger)
             self._events.add(self._logging)
-        self._control = RunControl()
-        self._control.say = self._say
-        self._guard = RunGuard(lambda: f"this {cls.__name__} handle")
         take_ready_edit = weakref.WeakMethod(self._take_ready_edit)  # the guard holds no handle
 
         def on_release() -> None:
@@ -135,9 +137,6 @@ class Nitro:
                 take()
 
         self._guard.on_release = on_release
-        self._run: Run | None = None
-        self._stop_reason: str | None = None
-        self._error: BaseException | None = None
         self._checkpoint: SavedWeights | None = None
         self._stale_seen: str | None = None
         self._live_edits: bool | None = None
@@ -196,6 +195,36 @@ class Nitro:
         self._target_epoch = max(self._setup.max_epochs, self._state.epoch)
         self._run_target = self._target_epoch  # the latest run's aim, `train(steps=)`'s too
         self._events.phase("ready")
+
+    @property
+    def _counters(self) -> TrainState:
+        return self._state
+
+    @property
+    def _lead_setup(self) -> RunSetup:
+        return self._setup
+
+    @property
+    def _run_files(self) -> RunFiles:
+        return self._files
+
+    def _wait_saves(self) -> None:
+        if self._files.store is not None:
+            self._files.store.wait()
+
+    def _release(self) -> None:
+        self._files.release()
+        for prefetcher in self._runtime.prefetchers.values():
+            prefetcher.release_workers(final=True)
+
+    def _check_trainable(self) -> None:
+        self._check_stale("train")
+        if "train" not in self._setup.splits:
+            raise SetupError(
+                f"this handle has no 'train' split (splits: "
+                f"{', '.join(self._setup.splits) or 'none'}); it can validate, evaluate "
+                f"and predict"
+            )
 
     def _continue_seed(
         self, instance: Any, resolved: RunKeywords, given: Mapping[str, Any], data: Any
@@ -320,31 +349,10 @@ class Nitro:
         return self._setup.seed
 
     @property
-    def max_epochs(self) -> int:
-        return self._setup.max_epochs
-
-    @property
-    def target_epoch(self) -> int:
-        """The epoch the current (or latest) run trains to: `max_epochs`, the epoch
-        `train(epochs=N)` aimed at, or the one in which `train(steps=N)`'s (and
-        `profile()`'s) steps end, as its progress shows it."""
-        return self._run_target
-
-    @property
-    def run_dir(self) -> str:
-        """This run's directory: checkpoints, logs and run.json live there."""
-        return str(self._files.run_dir)
-
-    @property
     def name(self) -> str | None:
         """The run's name (the `name=` keyword; `%nitro train exp` names its runs `exp_run`),
         recorded in run.json; `resume='auto'` continues the run its name last trained."""
         return self._setup.name
-
-    @property
-    def run_id(self) -> str:
-        """A sortable timestamp plus a short random suffix; a resumed run keeps its id."""
-        return self._files.run_id
 
     @property
     def total_steps(self) -> int | None:
@@ -367,133 +375,12 @@ class Nitro:
         return self._setup.model.weights_origin
 
     @property
-    def step(self) -> int:
-        """Optimizer steps completed."""
-        return self._state.step
-
-    @property
-    def epoch(self) -> int:
-        """Epochs completed."""
-        return self._state.epoch
-
-    @property
-    def phase(self) -> str:
-        """Where the handle is: setup, building data, building model, routing, ready,
-        training, validating, evaluating <split>, predicting, done, stopped or failed."""
-        return self._events.current_phase
-
-    @property
-    def stop_reason(self) -> str | None:
-        """Why the latest run ended: "completed", "requested" or "error" (None before)."""
-        return self._stop_reason
-
-    @property
     def last_metrics(self) -> dict[str, Any]:
         """The latest history row (loss, validation metrics, timing)."""
         return dict(self._state.last_row)
 
-    @property
-    def reporter(self) -> Any:
-        """The progress reporter this handle's runs report to (None when silent)."""
-        return self._progress
-
-    def on_phase(self, fn) -> Nitro:
-        """Call `fn(change)` (a `nitro.events.PhaseChange`: phase, previous, step, epoch and,
-        after validation, the epoch's metrics) on every phase transition of this handle."""
-        self._events.add_monitor(fn)
-        return self
-
-    @property
-    def error(self) -> BaseException | None:
-        """The exception the latest run failed with (None when it did not fail)."""
-        return self._error
-
-    @property
-    def events(self) -> Events:
-        """The event path of this handle's runs; `events.add(reporter)` adds a reporter."""
-        return self._events
-
-    @property
-    def running(self) -> bool:
-        """True while a training run is in progress (in the foreground or the background)."""
-        return self._run is not None and self._run.running
-
-    @property
-    def background(self) -> bool:
-        """True while a run started with `train(background=True)` is in progress: nothing
-        waits to re-raise its error (`n.error` keeps it)."""
-        return self.running and self._guard.background
-
     # ------------------------------------------------------------------------------------------
     # training
-
-    def train(
-        self, epochs: int | None = None, *, steps: int | None = None, background: bool = False
-    ) -> Nitro:
-        """Train until `max_epochs` or `max_steps` (or for `epochs` more epochs, or `steps`
-        more optimizer steps, mid-epoch if need be) on a worker thread.
-
-        Blocks unless `background=True`. Ctrl-C stops after the current step; the handle
-        stays usable and `train()` again continues from where it stopped. An epoch trained
-        but not yet validated (a stop during validation) is validated first; `epochs=N` then
-        trains N more epochs after it.
-        """
-        with sigint_requests_stop(self._control):
-            self._check_stale("train")
-            if "train" not in self._setup.splits:
-                raise SetupError(
-                    f"this handle has no 'train' split (splits: "
-                    f"{', '.join(self._setup.splits) or 'none'}); it can validate, evaluate "
-                    f"and predict"
-                )
-            check_amount(epochs, steps)
-            self._guard.claim("training", background=background)
-            started = False
-            try:
-                # epochs=N or steps=N train that much more, past max_epochs and max_steps
-                stop_at = self._setup.max_steps if epochs is None else None
-                if steps is not None:
-                    stop_at = self.step + steps
-                    target = self._epoch_of_step(steps)
-                elif stop_at is not None and self.step >= stop_at and not self._pending():
-                    progress.note(
-                        f"already trained to max_steps={stop_at}; n.train(steps=N) trains N "
-                        f"more steps, n.train(epochs=N) N more epochs"
-                    )
-                    return self
-                elif epochs is not None:  # N more epochs of training: an epoch trained but
-                    # not validated (a stop during validation) is validated, then N follow
-                    target = self.epoch + self._pending() + epochs
-                elif self.epoch < self._target_epoch:
-                    target = self._target_epoch  # a stopped run resumes to where it was going
-                else:
-                    target = self.max_epochs
-                if target <= self.epoch and not self._pending():
-                    progress.note(
-                        f"already trained {self.epoch} of max_epochs={self.max_epochs} epochs; "
-                        f"n.train(epochs=N) trains N more"
-                    )
-                    return self
-                if steps is None:
-                    self._target_epoch = target  # where a stopped run resumes to
-                self._run_target = target
-                self._control.stop.clear()
-                self._stop_reason = None
-                self._error = None
-                run = Run(
-                    lambda: self._train_body(target, stop_at),
-                    name=f"nitro-training-{self.cls.__name__}",
-                    context=self,
-                )
-                self._run = run
-                run.start()
-                started = True
-            finally:
-                if not started:
-                    self._guard.release()
-            if not background:
-                self._wait(run)
-        return self
 
     def profile(self, steps: int = 20, *, trace: bool = True, python: bool = False):
         """Train `steps` more steps under `jax.profiler` and say where a call's time went:
@@ -518,20 +405,6 @@ class Nitro:
         from nitro.handle.profile import profile_handle
 
         return profile_handle(self, steps, trace=trace, python=python)
-
-    def _pending(self) -> bool:
-        return self._state.epoch_trained
-
-    def _epoch_of_step(self, steps: int) -> int:
-        """The epoch (counted from 1) in which `steps` more optimizer steps end: where
-        `train(steps=)` aims (an upper bound when the epoch length is unknown)."""
-        batches = self._setup.splits["train"].batches
-        state = self._state
-        if batches is None:
-            return state.epoch + int(state.epoch_trained) + steps
-        accum = self._setup.accum
-        per_epoch, done = -(-batches // accum), -(-state.position // accum)
-        return state.epoch + -(-(done + steps) // per_epoch)
 
     def _after_epoch(
         self,
@@ -603,52 +476,6 @@ class Nitro:
             self._guard.release()
             if self._runtime.live.pending is not None:
                 self._take_swap()  # compiled after the run's last call: the handle takes it
-
-    def close(self) -> Nitro:
-        """Finish this run's saves and let go of its run directory, so another handle (here
-        or in another process) may write there; the handle stays usable, and its next write
-        (`train()`) holds the directory again. Dropping the handle, or the process ending,
-        lets go too: `close()` is for when the handle is kept. It also stops the worker
-        processes `persistent_workers=True` kept (the next run starts new ones)."""
-        with self._guard.hold("closing"):
-            self._files.release()
-            for prefetcher in self._runtime.prefetchers.values():
-                prefetcher.release_workers(final=True)
-        return self
-
-    def wait(self) -> Nitro:
-        """Wait for a background run, then for its checkpoints' writes (a `train()` returns
-        while its last save is still being written); Ctrl-C turns into a stop request.
-        Re-raises the run's error, if it failed."""
-        run = self._run
-        if run is not None:
-            with sigint_requests_stop(self._control):
-                self._wait(run)
-        if self._files.store is not None:
-            self._files.store.wait()
-        return self
-
-    def _wait(self, run: Run) -> None:
-        wait_for(run, self._control, self._say, "training")
-        if run.error is not None:
-            error, run.error = run.error, None
-            raise error
-
-    def _say(self, message: str) -> None:
-        """A note for the person at the keyboard: through the reporters, or on stderr."""
-        if self._progress is not None:
-            self._events.note(message)
-        else:
-            import sys
-
-            print(f"nitro: {message}", file=sys.stderr, flush=True)
-
-    def stop(self) -> Nitro:
-        """Ask a running loop to stop after the current step. Returns at once, while the
-        run finishes that step and saves it (`running` is still True): `n.stop().wait()`
-        returns once it has stopped, its step, history and checkpoint in agreement."""
-        self._control.stop.set()
-        return self
 
     # ------------------------------------------------------------------------------------------
     # evaluation and prediction
@@ -764,8 +591,7 @@ class Nitro:
 
         self._check_stale("export")
         with self._guard.hold("exporting"):
-            if self._files.store is not None:
-                self._files.store.wait()  # the bundle's run has its checkpoints on disk
+            self._wait_saves()  # the bundle's run has its checkpoints on disk
             variables = evaluation.weights_of(self._setup, self._state, weights)
             return export_handle(
                 self,
@@ -936,8 +762,7 @@ class Nitro:
         """Load the weights (parameters and model state) of this run's best checkpoint by the
         checkpointer's metric; the optimizer state, counters and history stay."""
         with self._guard.hold("restoring its best weights"):
-            if self._files.store is not None:
-                self._files.store.wait()
+            self._wait_saves()
             source = CheckpointWeights.of((str(self._files.run_dir), "best"))
             found = source.resolve(*self._trees())
             place = self._setup.placement.put_like  # on the live leaves' shardings
@@ -953,17 +778,6 @@ class Nitro:
         self._say(f"restored the weights of {found.origin}")
         return self
 
-    def checkpoints(self):
-        """This run's saved checkpoints: a DataFrame of step, epoch and the checkpointer's
-        metric (empty when none are saved yet)."""
-        import pandas as pd
-
-        from nitro.runs.checkpoint_reads import describe_saved
-
-        if self._files.store is not None:
-            self._files.store.wait()
-        return pd.DataFrame(describe_saved(self._files.run_dir))
-
     @property
     def hyperparameters(self) -> dict[str, float]:
         """The optimizer's injected hyperparameters as the last step used them."""
@@ -973,30 +787,6 @@ class Nitro:
 
     # ------------------------------------------------------------------------------------------
     # results and reports
-
-    def history(self):
-        """A pandas DataFrame indexed by epoch: loss, val_loss, metrics, timing."""
-        import pandas as pd
-
-        rows = [{k: v for k, v in row.items() if np.ndim(v) == 0} for row in self._state.history]
-        frame = pd.DataFrame(rows)
-        if not frame.empty:
-            frame = frame.set_index("epoch")
-        return frame
-
-    def validations(self):
-        """A pandas DataFrame indexed by step of the evaluations within epochs
-        (`val_every_steps=N`): the epoch under way and each eval split's metrics under its
-        prefix. The evaluations at epochs' ends are the history's (`n.history()`)."""
-        import pandas as pd
-
-        rows = [
-            {k: v for k, v in row.items() if np.ndim(v) == 0} for row in self._state.validations
-        ]
-        frame = pd.DataFrame(rows)
-        if not frame.empty:
-            frame = frame.set_index("step")
-        return frame
 
     def plot(self, path: str | None = None, metrics: Iterable[str] | None = None):
         """Draw the history (loss and metric curves), with a dashed line at each live edit's
@@ -1213,19 +1003,6 @@ Nitro.__init__.__signature__ = keyword_signature(Nitro.__init__)
 if Nitro.__doc__ is not None:  # None under python -OO
     Nitro.__doc__ = f"{inspect.cleandoc(Nitro.__doc__)}\n\n{keywords_doc()}"
 
-
-def check_amount(epochs: Any, steps: Any) -> None:
-    """Refuse `train(epochs=, steps=)` unless each given is a positive int, and not both."""
-    for name, value in (("epochs", epochs), ("steps", steps)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if steps is not None and epochs is not None:
-        raise ValueError(
-            f"train() takes epochs= or steps=, not both (got epochs={epochs}, "
-            f"steps={steps}): train(steps=N) trains N more optimizer steps"
-        )
 
 
 def _prefixed(row: Mapping[str, Any], prefix: str) -> dict[str, Any]:
