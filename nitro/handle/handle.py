@@ -50,7 +50,7 @@ from nitro.experiments.declaration import (
 )
 from nitro.handle.binding_report import BindingReport, binding_report
 from nitro.handle.displays import handle_html, short_repr
-from nitro.handle.run_handle import RunHandle, check_amount
+from nitro.handle.run_handle import RunHandle
 from nitro.handle.signature import keyword_signature, keywords_doc
 from nitro.handle.summary import ModelSummary
 from nitro.optim.schedules import bind_schedules, check_schedule_values
@@ -61,7 +61,7 @@ from nitro.runs.run_files import RunFiles
 from nitro.runs.watched_metrics import check_watched_metrics
 from nitro.runs.weights import AveragedWeights, CheckpointWeights, WeightsSource
 
-__all__ = ["EXTENSIONS", "Nitro", "check_amount", "check_experiment", "weights_source"]
+__all__ = ["EXTENSIONS", "Nitro", "check_experiment", "weights_source"]
 
 # Methods of the handle built on the layer above it (a population): that layer registers
 # them here on import (`nitro.handle` imports it), so the handle never imports it.
@@ -296,10 +296,6 @@ class Nitro(RunHandle):
         `.describe()`). `Nitro(e2, weights=n)`, or `steps_per_dispatch=n.dispatch`, continues
         it instead of measuring again."""
         return self._runtime.dispatch.choice
-
-    @property
-    def cls(self) -> type:
-        return self._setup.cls
 
     @property
     def owner(self) -> str:
@@ -1002,7 +998,6 @@ class Nitro(RunHandle):
 Nitro.__init__.__signature__ = keyword_signature(Nitro.__init__)
 if Nitro.__doc__ is not None:  # None under python -OO
     Nitro.__doc__ = f"{inspect.cleandoc(Nitro.__doc__)}\n\n{keywords_doc()}"
-
 
 
 def _prefixed(row: Mapping[str, Any], prefix: str) -> dict[str, Any]:

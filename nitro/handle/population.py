@@ -13,19 +13,17 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import math
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax
 import jax.numpy as jnp
-import numpy as np
 
 from nitro.core import events as events_module
 from nitro.core import progress
 from nitro.core.events import Events
-from nitro.core.train_state import Variables
+from nitro.core.run_setup import RunSetup
+from nitro.core.train_state import TrainState, Variables
 from nitro.engine import population as engine
 from nitro.engine.evaluation import evaluate_split
 from nitro.engine.loop import train_epochs
@@ -33,47 +31,25 @@ from nitro.engine.member_axis import Stacked
 from nitro.engine.prediction import predict_batch
 from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_keywords import RUN_KEYWORDS, resolve_run_keywords
-from nitro.engine.runner import Run, RunControl, RunGuard, sigint_requests_stop, wait_for
+from nitro.engine.runner import RunGuard, sigint_requests_stop
 from nitro.engine.setup import build
 from nitro.errors import PopulationError, SetupError
-from nitro.experiments.declaration import FieldKind, field_specs
-from nitro.handle.handle import Nitro, check_amount, check_experiment, weights_source
+from nitro.experiments.declaration import field_specs
+from nitro.handle.handle import check_experiment, weights_source
 from nitro.handle.population_lifecycle import FILE_KEYWORDS, PopulationLife
-from nitro.programs.compile_cache import graphconst_keys
+from nitro.handle.population_members import (
+    PopulationMembers,
+    check_axis,
+    check_one_program,
+    check_shared,
+)
+from nitro.handle.run_handle import RunHandle
 from nitro.programs.specs import ProgramSet
-from nitro.programs.train_step import train_step_spec
-from nitro.runs.weights import WeightsSource, copy_array
 
 __all__ = ["Population"]
 
-# Run keywords a member may set for itself: their values are fed to the program (or, for
-# the seed, make its initial weights and step keys), never part of it.
-MEMBER_KEYWORDS = (
-    "seed",
-    "learning_rate",
-    "schedules",
-    "weight_decay",
-    "gradient_clip_norm",
-    "group_lr",
-)
 
-# Run keywords that shape the train-step program: shared by every member.
-PROGRAM_KEYWORDS = {
-    "optimizer": "it is the optimizer's structure; vary its fed hyperparameters instead "
-    "(learning_rate=, weight_decay=, schedules=)",
-    "accum": "micro-batches per step are the program's shape",
-    "ema": "the moving average is part of the program",
-    "sam": "sharpness-aware minimization is part of the program",
-    "check_divergence": "the guard is part of the program",
-    "steps_per_dispatch": "steps per call are the program's shape",
-    "n_devs": "the mesh is the program's placement",
-    "decay_to": "where weight decay pulls is part of the optimizer's structure",
-    "decay_mask": "which leaves decay is part of the optimizer's structure",
-    "eval_splits": "the population validates one set of splits",
-}
-
-
-class Population:
+class Population(PopulationMembers, RunHandle):
     """Members of one experiment, differing in fed values, trained by one program.
 
     >>> import nitro
@@ -84,6 +60,8 @@ class Population:
     >>> pop.train().history().index.names
     FrozenList(['member', 'epoch'])
     """
+
+    _noun, _thread, _waiting = "pop", "population", "the population"
 
     def __init__(
         self,
@@ -145,9 +123,9 @@ class Population:
         self._batches_mode = batches
         specs = {s.name: s for s in field_specs(cls)}
         for name in dict.fromkeys(k for s in settings for k in s):
-            _check_axis(cls, specs, name)
+            check_axis(cls, specs, name)
         for name, value in shared.items():
-            _check_shared(specs, name, value)
+            check_shared(specs, name, value)
         self._cls = cls
         self._settings = settings
         shared_fields = {k: v for k, v in shared.items() if k in specs and k not in RUN_KEYWORDS}
@@ -156,16 +134,14 @@ class Population:
         }
         files = {k: v for k, v in shared.items() if k in FILE_KEYWORDS}  # the population's own
         self._experiment = dataclasses.replace(experiment, **shared_fields)
-        self._control = RunControl()
-        self._control.say = self._say
-        self._guard = RunGuard(lambda: f"this {cls.__name__} population", name="pop")
         reporter = progress.make_reporter(
             self._shared_keywords.get("progress", True), population=True
         )
-        self._reporter = reporter
-        self._events = Events([reporter] if reporter is not None else [])
-        self._run: Run | None = None
-        self._target = 0
+        self._init_run(
+            reporter,
+            Events([reporter] if reporter is not None else []),
+            RunGuard(lambda: f"this {cls.__name__} population", name="pop"),
+        )
         with events_module.using(self._events):
             self._members = [self._build_member(0, settings[0], specs)]
             # with shared batches only the first member's stream is read: the others take its
@@ -179,7 +155,7 @@ class Population:
                 for i, s in enumerate(settings)
                 if i > 0
             ]
-        _check_one_program(self._members)
+        check_one_program(self._members)
         lead = self._members[0]
         engine.check_member_layout(lead.setup)
         devices = lead.setup.placement.n_devs
@@ -196,7 +172,6 @@ class Population:
         self._state: engine.PopulationState | None = None  # stacked on first use
         self._axis: Stacked | None = None  # the loop's members object, with the state
         self._stacking = threading.Lock()  # pop.stop(i) may stack before the run's thread
-        self._stop_reason: str | None = None
         guard = self._guard  # not the population: its run directory's lock must not keep it
         self._life = PopulationLife.plan(
             self, self._members, files, self._say, lambda: guard.activity is not None
@@ -206,6 +181,7 @@ class Population:
             with events_module.using(self._events):
                 self._life.restore(self._members, self._stacked(), self._events)
         self._life.claim_planned()
+        self._target_epoch = self._run_target = max(self.max_epochs, self.epoch)
 
     def _build_member(
         self, index: int, setting: Mapping[str, Any], specs, data: Any = None
@@ -232,9 +208,6 @@ class Population:
     # ------------------------------------------------------------------------------------------
     # what it holds
 
-    def __len__(self) -> int:
-        return len(self._members)
-
     def __repr__(self) -> str:
         axes = sorted({k for s in self._settings for k in s})
         return (
@@ -259,11 +232,6 @@ class Population:
         return dict(self._given[1])
 
     @property
-    def cls(self) -> type:
-        """The experiment class (as `Nitro.cls`)."""
-        return self._cls
-
-    @property
     def stopped(self) -> dict[int, str]:
         """Member -> why it stopped training (a diverged member), for the members that did."""
         return {m.index: m.stopped for m in self._members if m.stopped is not None}
@@ -273,23 +241,6 @@ class Population:
         """Member -> the steps it trained before it stopped, for the members that did: its
         history's last row has that step, and its weights are those of that step."""
         return {m.index: int(m.stopped_at or 0) for m in self._members if m.stopped is not None}
-
-    @property
-    def step(self) -> int:
-        return self._members[0].state.step if self._state is None else self._state.step
-
-    @property
-    def epoch(self) -> int:
-        return self._members[0].state.epoch if self._state is None else self._state.epoch
-
-    @property
-    def max_epochs(self) -> int:
-        return self._members[0].setup.max_epochs
-
-    @property
-    def target_epoch(self) -> int:
-        """The epoch the current (or latest) run trains to (0 before the first)."""
-        return self._target
 
     @property
     def steps_per_call(self) -> int | None:
@@ -303,11 +254,30 @@ class Population:
         return self._members[0].runtime.dispatch.choice
 
     @property
-    def stop_reason(self) -> str | None:
-        return self._stop_reason
+    def _counters(self) -> TrainState:
+        return self._members[0].state if self._state is None else self._state
 
-    def _say(self, message: str) -> None:
-        self._events.note(message)
+    @property
+    def _lead_setup(self) -> RunSetup:
+        return self._members[0].setup
+
+    @property
+    def _run_files(self) -> PopulationLife:
+        return self._life
+
+    def _wait_saves(self) -> None:
+        self._life.wait()
+
+    def _release(self) -> None:
+        self._life.release()
+
+    def _check_trainable(self) -> None:
+        if all(m.stopped is not None for m in self._members):
+            raise PopulationError(
+                "every member of this population has stopped ("
+                + "; ".join(f"{m.label}: {m.stopped}" for m in self._members)
+                + "): pop.best() or pop.member(i) is a handle that trains on"
+            )
 
     def _stacked(self) -> engine.PopulationState:
         with self._stacking:
@@ -338,75 +308,6 @@ class Population:
 
     # ------------------------------------------------------------------------------------------
     # training and evaluation
-
-    def train(
-        self, epochs: int | None = None, *, steps: int | None = None, background: bool = False
-    ) -> Population:
-        """Train every member for `epochs` more epochs (default: to `max_epochs`), or `steps`
-        more steps (mid-epoch if need be), in one program per call, on a worker thread.
-        Blocks unless `background=True` (then `pop.wait()` waits, `pop.stop()` stops);
-        Ctrl-C stops after the current call, and `train()` again goes on from there."""
-        check_amount(epochs, steps)
-        lead = self._members[0]
-        pending = int(self._state is not None and self._state.epoch_trained)
-        # epochs=N or steps=N train that much more, past max_epochs and max_steps
-        stop_at = lead.setup.max_steps if epochs is None else None
-        if steps is not None:
-            stop_at = self.step + steps
-            target = self.epoch + 1 + (steps + self._position() - 1) // max(1, self._batches())
-        elif stop_at is not None and self.step >= stop_at and not pending:
-            progress.note(
-                f"already trained to max_steps={stop_at}; pop.train(steps=N) trains N more "
-                f"steps, pop.train(epochs=N) N more epochs"
-            )
-            return self
-        elif epochs is not None:
-            target = self.epoch + pending + epochs
-        else:
-            target = max(lead.setup.max_epochs, self._target)
-        if target <= self.epoch and not pending:
-            progress.note(
-                f"already trained {self.epoch} of max_epochs={lead.setup.max_epochs} epochs; "
-                f"pop.train(epochs=N) trains N more"
-            )
-            return self
-        if all(m.stopped is not None for m in self._members):
-            raise PopulationError(
-                "every member of this population has stopped ("
-                + "; ".join(f"{m.label}: {m.stopped}" for m in self._members)
-                + "): pop.best() or pop.member(i) is a handle that trains on"
-            )
-        # Ctrl-C from here on is a stop request, also between the start and the wait
-        with sigint_requests_stop(self._control):
-            self._guard.claim("training", background=background)
-            started = False
-            try:
-                self._target = target if steps is None else self._target
-                self._control.stop.clear()
-                self._stop_reason = None
-                self._run = run = Run(
-                    lambda: self._train_body(target, stop_at),
-                    name=f"nitro-population-{self._cls.__name__}",
-                    context=self,
-                )
-                run.start()
-                started = True
-            finally:
-                if not started:
-                    self._guard.release()
-            if not background:
-                self._wait(run)
-        return self
-
-    def _batches(self) -> int:
-        """Optimizer steps an epoch."""
-        setup = self._members[0].setup
-        return -(-(setup.splits["train"].batches or 1) // setup.accum)
-
-    def _position(self) -> int:
-        """Optimizer steps into the epoch under way."""
-        position = 0 if self._state is None else self._state.position
-        return -(-position // self._members[0].setup.accum)
 
     @property
     def batches(self) -> str:
@@ -452,7 +353,8 @@ class Population:
                 finally:
                     events.end_run(self)
                 events.phase("stopped" if self._stop_reason == "requested" else "done")
-        except BaseException:
+        except BaseException as error:
+            self._error = error
             events.phase("failed")
             raise
         finally:
@@ -473,81 +375,13 @@ class Population:
             return "early_stop" if self._members[0].setup.early_stop is not None else "requested"
         return reason
 
-    @property
-    def running(self) -> bool:
-        """True while a training run is in progress (in the foreground or the background)."""
-        return self._run is not None and self._run.running
-
-    @property
-    def background(self) -> bool:
-        return self.running and self._guard.background
-
-    @property
-    def phase(self) -> str:
-        return self._events.current_phase
-
-    @property
-    def reporter(self) -> Any:
-        """The progress reporter (`progress=`), or None."""
-        return self._reporter
-
-    @property
-    def events(self) -> Events:
-        """The path of this population's events: `pop.events.add(reporter)` adds a reporter
-        (`member_steps`, `member_rows`, ...; see `nitro.events.Reporter`) beside `progress=`."""
-        return self._events
-
-    def wait(self) -> Population:
-        """Wait for a background run; Ctrl-C turns into a stop request. Re-raises the run's
-        error, if it failed."""
-        run = self._run
-        if run is not None:
-            with sigint_requests_stop(self._control):
-                self._wait(run)
-        self._life.wait()  # and for its checkpoints' writes
-        return self
-
-    @property
-    def run_dir(self) -> str:
-        """The population's run directory: its checkpoints, and a directory per member
-        (`member-<i>`) for its logs."""
-        return str(self._life.run_dir)
-
-    @property
-    def run_id(self) -> str:
-        return self._life.run_id
-
-    def checkpoints(self):
-        """The population's saved checkpoints: a DataFrame of step, epoch and the
-        checkpointer's metric (its best member's), empty when none are saved yet."""
-        import pandas as pd
-
-        from nitro.runs.checkpoint_reads import describe_saved
-
-        self._life.wait()
-        return pd.DataFrame(describe_saved(self._life.run_dir))
-
-    def close(self) -> Population:
-        """Finish the population's saves and let go of its run directory, so another
-        handle may write there; its next `train()` holds the directory again."""
-        with self._guard.hold("closing"):
-            self._life.release()
-        return self
-
-    def _wait(self, run: Run) -> None:
-        wait_for(run, self._control, self._say, "the population")
-        if run.error is not None:
-            error, run.error = run.error, None
-            raise error
-
     def stop(self, member: int | None = None, why: str | None = None) -> Population:
         """`pop.stop()`: ask a running population to stop after the current call.
         `pop.stop(i)`: stop member `i` only (prune it): from the next call on its variables
         stay as they are and the others train on, each as it would have without the pruning.
         Its slot still runs in every call (masked), so pruning saves no time."""
         if member is None:
-            self._control.stop.set()
-            return self
+            return super().stop()
         if isinstance(member, bool) or not isinstance(member, int):
             raise TypeError(f"pop.stop(member) takes a member index, got {member!r}")
         if not 0 <= member < len(self):
@@ -626,165 +460,3 @@ class Population:
                 batch,
                 members=members,
             )
-
-    def history(self):
-        """A pandas DataFrame indexed by (member, epoch): each member's settings, then its
-        history row (loss, validation metrics, timing), as `Nitro.history()` has it."""
-        return self._table("history", "epoch")
-
-    def validations(self):
-        """A pandas DataFrame indexed by (member, step) of the evaluations within epochs
-        (`val_every_steps=N`), as `Nitro.validations()` has them: each member's settings, the
-        epoch under way and each eval split's metrics. A stopped member has none after its
-        stop."""
-        return self._table("validations", "step")
-
-    def _table(self, records: str, index: str):
-        import pandas as pd
-
-        rows = [
-            {"member": m.index, **engine.shown_settings(m.settings), **row}
-            for m in self._members
-            for row in getattr(m.state, records)
-        ]
-        frame = pd.DataFrame([{k: v for k, v in r.items() if np.ndim(v) == 0} for r in rows])
-        if not frame.empty:
-            frame = frame.set_index(["member", index])
-        return frame
-
-    # ------------------------------------------------------------------------------------------
-    # members as handles
-
-    def member(self, index: int, **keywords: Any) -> Nitro:
-        """A `Nitro` handle of member `index`: its settings as keywords, its current weights
-        via `weights=` (the optimizer state and counters start fresh, as `weights=` does);
-        `keywords` are passed on (e.g. `max_epochs=`, `run_dir=`)."""
-        if not 0 <= index < len(self):
-            raise IndexError(f"member {index} of a population of {len(self)}")
-        with self._guard.hold(f"taking member {index} as a handle"):
-            weights = self._member_weights(index)
-        member = self._members[index]
-        given = dict(member.setup.given_keywords)
-        data = {} if self._data is None else {"data": self._data}
-        return Nitro(member.experiment, weights=weights, **{**data, **given, **keywords})
-
-    def _member_weights(self, index: int) -> WeightsSource:
-        """Copies of member `index`'s current weights (the population is held)."""
-        member = self._members[index]
-        model = member.setup.model
-        epoch, step = self.epoch, self.step
-        if member.stopped is not None:  # its weights are those of its stop
-            epoch, step = member.state.epoch, member.stopped_at
-        if self._state is None:
-            variables = member.state.variables
-            params_leaves, rest_leaves = variables.params, variables.model_state
-        else:
-            stacked = self._state.variables
-            params_leaves = [leaf[index] for leaf in stacked.params]
-            rest_leaves = [leaf[index] for leaf in stacked.model_state]
-        weights = WeightsSource(
-            jax.tree.map(copy_array, jax.tree.unflatten(model.params_def, params_leaves)),
-            jax.tree.map(copy_array, jax.tree.unflatten(model.model_state_def, rest_leaves)),
-            f"{member.label} of a {self._cls.__name__} population at epoch {epoch}, step {step}",
-        )
-        return weights
-
-    def best(self, metric: str = "val_loss", mode: str | None = None, **keywords: Any) -> Nitro:
-        """A `Nitro` handle of the member whose latest `metric` is best (`mode` "min" or
-        "max"; default "min" for a metric named like a loss, else "max"); members that
-        stopped (diverged) are passed over. See `member()` for what the handle holds."""
-        mode = mode or ("min" if "loss" in metric else "max")
-        if mode not in ("min", "max"):
-            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
-        scored = []
-        for m in self._members:
-            value = m.state.last_row.get(metric) if m.state.history else None
-            if m.stopped is None and value is not None and math.isfinite(float(value)):
-                scored.append((float(value) if mode == "min" else -float(value), m.index))
-        if not scored:
-            known = sorted({k for m in self._members for k in m.state.last_row})
-            raise PopulationError(
-                f"no member has a finite {metric!r} to choose by"
-                + (f" (history columns: {', '.join(known)})" if known else ": train first")
-            )
-        return self.member(min(scored)[1], **keywords)
-
-
-def _check_axis(cls: type, specs: Mapping[str, Any], name: str) -> None:
-    """Refuse an axis that would change the program, or that members cannot hold apart."""
-    spec = specs.get(name)
-    if spec is not None and name not in MEMBER_KEYWORDS:
-        if spec.kind is FieldKind.DEVICE:
-            return
-        if spec.kind is FieldKind.GRAPHCONST:
-            raise PopulationError(
-                f"{name} cannot vary across a population: it is a GraphConst field of "
-                f"{cls.__qualname__}, which bakes into the program, and a population's "
-                f"members share one program. Build one population per value of {name}, or "
-                f"declare it Device[...] if it is a traced value."
-            )
-        raise PopulationError(
-            f"{name} cannot vary across a population: it is a Host field of "
-            f"{cls.__qualname__}, read by build_data or build_model, so it can change the "
-            f"data or the shapes every member shares. Build one population per value of {name}."
-        )
-    if name in MEMBER_KEYWORDS:
-        return
-    if name in PROGRAM_KEYWORDS:
-        raise PopulationError(
-            f"{name} cannot vary across a population: {PROGRAM_KEYWORDS[name]}, and a "
-            f"population's members share one program. Pass one value (not a list), or build "
-            f"one population per value."
-        )
-    if name in RUN_KEYWORDS:
-        raise PopulationError(
-            f"{name} cannot vary across a population: it is the population's run keyword, "
-            f"the same for every member that trains beside the others. Pass one value (not a "
-            f"list)."
-        )
-    device = [s.name for s in specs.values() if s.kind is FieldKind.DEVICE]
-    raise PopulationError(
-        f"{name} is neither a run keyword nor a field of {cls.__qualname__}. A population's "
-        f"axes: the run keywords {', '.join(MEMBER_KEYWORDS)}, and the Device fields "
-        f"({', '.join(device) or 'none'})"
-    )
-
-
-def _check_shared(specs: Mapping[str, Any], name: str, value: Any) -> None:
-    if name not in RUN_KEYWORDS and name not in specs:
-        raise PopulationError(f"{name} is neither a run keyword nor a field of the experiment")
-
-
-def _check_one_program(members: Sequence[engine.Member]) -> None:
-    """Refuse members whose train steps would not be one program (what the axis checks let
-    through but the setup decided differently: a weight decay of None beside 1e-4, say)."""
-    lead = members[0]
-    expected = _program_identity(lead)
-    for member in members[1:]:
-        found = _program_identity(member)
-        for what in expected:
-            if expected[what] != found[what]:
-                raise PopulationError(
-                    f"{member.label} cannot train in one program with {lead.label}: its "
-                    f"{what} differs. A population's members share one program: give every "
-                    f"member values of the same kind (a weight_decay of None and of 1e-4 "
-                    f"are two optimizers, say)."
-                )
-
-
-def _program_identity(member: engine.Member) -> dict[str, Any]:
-    setup, state, feed = member.setup, member.state, member.runtime.feed
-    spec = train_step_spec(setup, setup.splits["train"].hook_fields)
-    leaves, tree = jax.tree.flatten(state.variables)
-    return {
-        "code (hooks, model, optimizer)": spec.code.digest,
-        "program settings": tuple(sorted((k, str(v)) for k, v in spec.static.items())),
-        "GraphConst values": graphconst_keys(setup.experiment.graphconst),
-        "variables (parameters, model and optimizer state)": (
-            tree,
-            tuple((x.shape, str(x.dtype)) for x in leaves),
-        ),
-        "fed hyperparameters": feed.hyper_names,
-        "Device fields": tuple((k, str(v)) for k, v in feed.device_dtypes.items()),
-        "batches": tuple(sorted((k, str(v.batch_spec)) for k, v in setup.splits.items())),
-    }

@@ -98,6 +98,11 @@ class RunHandle:
         return self._counters.epoch
 
     @property
+    def cls(self) -> type:
+        """The experiment class."""
+        return self._lead_setup.cls
+
+    @property
     def max_epochs(self) -> int:
         return self._lead_setup.max_epochs
 

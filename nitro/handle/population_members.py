@@ -1,0 +1,218 @@
+"""A population's members: a member as a `Nitro` handle, the best member, the tables of
+every member's rows, and the refusals of axes and values the members cannot share.
+
+`Population` takes `PopulationMembers` in; `check_axis`, `check_shared` and
+`check_one_program` are its checks at construction. See docs/population.md.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+
+from nitro.engine import population as engine
+from nitro.engine.run_keywords import RUN_KEYWORDS
+from nitro.errors import PopulationError
+from nitro.experiments.declaration import FieldKind
+from nitro.handle.handle import Nitro
+from nitro.handle.run_handle import scalar_frame
+from nitro.programs.compile_cache import graphconst_keys
+from nitro.programs.train_step import train_step_spec
+from nitro.runs.weights import WeightsSource, copy_array
+
+__all__ = [
+    "MEMBER_KEYWORDS",
+    "PROGRAM_KEYWORDS",
+    "PopulationMembers",
+    "check_axis",
+    "check_one_program",
+    "check_shared",
+]
+
+# Run keywords a member may set for itself: their values are fed to the program (or, for
+# the seed, make its initial weights and step keys), never part of it.
+MEMBER_KEYWORDS = (
+    "seed",
+    "learning_rate",
+    "schedules",
+    "weight_decay",
+    "gradient_clip_norm",
+    "group_lr",
+)
+
+# Run keywords that shape the train-step program: shared by every member.
+PROGRAM_KEYWORDS = {
+    "optimizer": "it is the optimizer's structure; vary its fed hyperparameters instead "
+    "(learning_rate=, weight_decay=, schedules=)",
+    "accum": "micro-batches per step are the program's shape",
+    "ema": "the moving average is part of the program",
+    "sam": "sharpness-aware minimization is part of the program",
+    "check_divergence": "the guard is part of the program",
+    "steps_per_dispatch": "steps per call are the program's shape",
+    "n_devs": "the mesh is the program's placement",
+    "decay_to": "where weight decay pulls is part of the optimizer's structure",
+    "decay_mask": "which leaves decay is part of the optimizer's structure",
+    "eval_splits": "the population validates one set of splits",
+}
+
+
+class PopulationMembers:
+    """A population's members as handles and as tables (what `Population` holds: its
+    members, their stacked state, its guard)."""
+
+    _members: list[engine.Member]
+    _state: engine.PopulationState | None
+    _data: Any
+    _cls: type
+    _guard: Any
+    epoch: int
+    step: int
+
+    def __len__(self) -> int:
+        return len(self._members)
+
+    def _table(self, records: str, index: str):
+        """Every member's `records` rows, indexed by (member, `index`), its settings first."""
+        rows = [
+            {"member": m.index, **engine.shown_settings(m.settings), **row}
+            for m in self._members
+            for row in getattr(m.state, records)
+        ]
+        return scalar_frame(rows, ["member", index])
+
+    def member(self, index: int, **keywords: Any) -> Nitro:
+        """A `Nitro` handle of member `index`: its settings as keywords, its current weights
+        via `weights=` (the optimizer state and counters start fresh, as `weights=` does);
+        `keywords` are passed on (e.g. `max_epochs=`, `run_dir=`)."""
+        if not 0 <= index < len(self):
+            raise IndexError(f"member {index} of a population of {len(self)}")
+        with self._guard.hold(f"taking member {index} as a handle"):
+            weights = self._member_weights(index)
+        member = self._members[index]
+        given = dict(member.setup.given_keywords)
+        data = {} if self._data is None else {"data": self._data}
+        return Nitro(member.experiment, weights=weights, **{**data, **given, **keywords})
+
+    def _member_weights(self, index: int) -> WeightsSource:
+        """Copies of member `index`'s current weights (the population is held)."""
+        member = self._members[index]
+        model = member.setup.model
+        epoch, step = self.epoch, self.step
+        if member.stopped is not None:  # its weights are those of its stop
+            epoch, step = member.state.epoch, member.stopped_at
+        if self._state is None:
+            variables = member.state.variables
+            params_leaves, rest_leaves = variables.params, variables.model_state
+        else:
+            stacked = self._state.variables
+            params_leaves = [leaf[index] for leaf in stacked.params]
+            rest_leaves = [leaf[index] for leaf in stacked.model_state]
+        weights = WeightsSource(
+            jax.tree.map(copy_array, jax.tree.unflatten(model.params_def, params_leaves)),
+            jax.tree.map(copy_array, jax.tree.unflatten(model.model_state_def, rest_leaves)),
+            f"{member.label} of a {self._cls.__name__} population at epoch {epoch}, step {step}",
+        )
+        return weights
+
+    def best(self, metric: str = "val_loss", mode: str | None = None, **keywords: Any) -> Nitro:
+        """A `Nitro` handle of the member whose latest `metric` is best (`mode` "min" or
+        "max"; default "min" for a metric named like a loss, else "max"); members that
+        stopped (diverged) are passed over. See `member()` for what the handle holds."""
+        mode = mode or ("min" if "loss" in metric else "max")
+        if mode not in ("min", "max"):
+            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
+        scored = []
+        for m in self._members:
+            value = m.state.last_row.get(metric) if m.state.history else None
+            if m.stopped is None and value is not None and math.isfinite(float(value)):
+                scored.append((float(value) if mode == "min" else -float(value), m.index))
+        if not scored:
+            known = sorted({k for m in self._members for k in m.state.last_row})
+            raise PopulationError(
+                f"no member has a finite {metric!r} to choose by"
+                + (f" (history columns: {', '.join(known)})" if known else ": train first")
+            )
+        return self.member(min(scored)[1], **keywords)
+
+
+def check_axis(cls: type, specs: Mapping[str, Any], name: str) -> None:
+    """Refuse an axis that would change the program, or that members cannot hold apart."""
+    spec = specs.get(name)
+    if spec is not None and name not in MEMBER_KEYWORDS:
+        if spec.kind is FieldKind.DEVICE:
+            return
+        if spec.kind is FieldKind.GRAPHCONST:
+            raise PopulationError(
+                f"{name} cannot vary across a population: it is a GraphConst field of "
+                f"{cls.__qualname__}, which bakes into the program, and a population's "
+                f"members share one program. Build one population per value of {name}, or "
+                f"declare it Device[...] if it is a traced value."
+            )
+        raise PopulationError(
+            f"{name} cannot vary across a population: it is a Host field of "
+            f"{cls.__qualname__}, read by build_data or build_model, so it can change the "
+            f"data or the shapes every member shares. Build one population per value of {name}."
+        )
+    if name in MEMBER_KEYWORDS:
+        return
+    if name in PROGRAM_KEYWORDS:
+        raise PopulationError(
+            f"{name} cannot vary across a population: {PROGRAM_KEYWORDS[name]}, and a "
+            f"population's members share one program. Pass one value (not a list), or build "
+            f"one population per value."
+        )
+    if name in RUN_KEYWORDS:
+        raise PopulationError(
+            f"{name} cannot vary across a population: it is the population's run keyword, "
+            f"the same for every member that trains beside the others. Pass one value (not a "
+            f"list)."
+        )
+    device = [s.name for s in specs.values() if s.kind is FieldKind.DEVICE]
+    raise PopulationError(
+        f"{name} is neither a run keyword nor a field of {cls.__qualname__}. A population's "
+        f"axes: the run keywords {', '.join(MEMBER_KEYWORDS)}, and the Device fields "
+        f"({', '.join(device) or 'none'})"
+    )
+
+
+def check_shared(specs: Mapping[str, Any], name: str, value: Any) -> None:
+    if name not in RUN_KEYWORDS and name not in specs:
+        raise PopulationError(f"{name} is neither a run keyword nor a field of the experiment")
+
+
+def check_one_program(members: Sequence[engine.Member]) -> None:
+    """Refuse members whose train steps would not be one program (what the axis checks let
+    through but the setup decided differently: a weight decay of None beside 1e-4, say)."""
+    lead = members[0]
+    expected = _program_identity(lead)
+    for member in members[1:]:
+        found = _program_identity(member)
+        for what in expected:
+            if expected[what] != found[what]:
+                raise PopulationError(
+                    f"{member.label} cannot train in one program with {lead.label}: its "
+                    f"{what} differs. A population's members share one program: give every "
+                    f"member values of the same kind (a weight_decay of None and of 1e-4 "
+                    f"are two optimizers, say)."
+                )
+
+
+def _program_identity(member: engine.Member) -> dict[str, Any]:
+    setup, state, feed = member.setup, member.state, member.runtime.feed
+    spec = train_step_spec(setup, setup.splits["train"].hook_fields)
+    leaves, tree = jax.tree.flatten(state.variables)
+    return {
+        "code (hooks, model, optimizer)": spec.code.digest,
+        "program settings": tuple(sorted((k, str(v)) for k, v in spec.static.items())),
+        "GraphConst values": graphconst_keys(setup.experiment.graphconst),
+        "variables (parameters, model and optimizer state)": (
+            tree,
+            tuple((x.shape, str(x.dtype)) for x in leaves),
+        ),
+        "fed hyperparameters": feed.hyper_names,
+        "Device fields": tuple((k, str(v)) for k, v in feed.device_dtypes.items()),
+        "batches": tuple(sorted((k, str(v.batch_spec)) for k, v in setup.splits.items())),
+    }
