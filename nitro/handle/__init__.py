@@ -2,8 +2,11 @@
 
 `nitro.Nitro` is the public name. Imports `engine` and below.
 
-- `handle`: `Nitro`
+- `run_handle`: `RunHandle`, what a run and a population share as handles (train, wait, stop,
+  close, counters, events, run directory, checkpoints, history)
+- `handle`: `Nitro`, the handle of one run
 - `population`: `Population`, many variants of one experiment trained as one vmapped program
+- `population_members`: a population's members as handles and tables, and its refusals
 - `lr_find`: `n.lr_find()` and its `LRFindResult`, a learning rate from a log grid trained as a
   population
 - `population_lifecycle`: a population's files, checkpoints, resume and a logger run per member
