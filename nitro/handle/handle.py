@@ -35,7 +35,7 @@ from nitro.engine.dispatch import DispatchChoice
 from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_keywords import resolve_run_keywords
 from nitro.engine.run_time import RunTime
-from nitro.engine.runner import RunGuard, sigint_requests_stop
+from nitro.engine.runner import RunGuard
 from nitro.engine.setup import build
 from nitro.engine.swaps import LiveEdit
 from nitro.engine.weights_copy import copy_weights
@@ -488,27 +488,25 @@ class Nitro(RunHandle):
         validated and its history row committed. Ctrl-C stops cleanly between batches and
         raises `nitro.Interrupted`; nothing is recorded.
         """
-        with sigint_requests_stop(self._control):
-            self._check_stale("evaluate")
-            with self._guard.hold(f"evaluating {split}"), events_module.using(self._events):
-                self._setup.split(split)
-                self._control.stop.clear()
-                previous = self.phase
+        self._check_stale("evaluate")
+        with self._held(f"evaluating {split}"):
+            self._setup.split(split)
+            previous = self.phase
+            try:
                 try:
-                    try:
-                        result = self._evaluate(split, weights)
-                    except swaps.HostHookFailed as failure:
-                        self._roll_back_host(failure)
-                        result = self._evaluate(split, weights)
-                finally:
-                    self._runtime.prefetcher(split).release_workers()
-                    self._events.phase(previous)
-                if result is None:
-                    raise Interrupted(
-                        f"evaluating the {split!r} split was interrupted; it stopped cleanly "
-                        f"between batches and recorded nothing"
-                    )
-                return result
+                    result = self._evaluate(split, weights)
+                except swaps.HostHookFailed as failure:
+                    self._roll_back_host(failure)
+                    result = self._evaluate(split, weights)
+            finally:
+                self._runtime.prefetcher(split).release_workers()
+                self._events.phase(previous)
+            if result is None:
+                raise Interrupted(
+                    f"evaluating the {split!r} split was interrupted; it stopped cleanly "
+                    f"between batches and recorded nothing"
+                )
+            return result
 
     def _evaluate(self, split: str, weights: str | None) -> dict[str, Any] | None:
         if split == "val" and self._pending() and weights is None:
@@ -523,7 +521,7 @@ class Nitro(RunHandle):
             if row is not None:
                 self._files.open(self._setup, self._events)
                 self._after_epoch(self._state, row)
-            return None if row is None else _prefixed(row, "val_")
+            return None if row is None else {k: v for k, v in row.items() if k[:4] == "val_"}
         self._events.phase(f"evaluating {split}")
         return evaluation.evaluate_split(
             self._setup,
@@ -552,19 +550,16 @@ class Nitro(RunHandle):
         return (self._predict_batch(b, weights) for b in batch)
 
     def _predict_batch(self, batch: Mapping[str, Any], weights: str | None = None):
-        with sigint_requests_stop(self._control), self._guard.hold("predicting"):
-            self._control.stop.clear()
-            with events_module.using(self._events):
-                outputs = prediction.predict_batch(
-                    self._setup,
-                    self._runtime,
-                    self._state,
-                    self._programs,
-                    self._control,
-                    batch,
-                    weights,
-                )
-        return outputs
+        with self._held("predicting"):
+            return prediction.predict_batch(
+                self._setup,
+                self._runtime,
+                self._state,
+                self._programs,
+                self._control,
+                batch,
+                weights,
+            )
 
     def export(
         self,
@@ -998,10 +993,6 @@ class Nitro(RunHandle):
 Nitro.__init__.__signature__ = keyword_signature(Nitro.__init__)
 if Nitro.__doc__ is not None:  # None under python -OO
     Nitro.__doc__ = f"{inspect.cleandoc(Nitro.__doc__)}\n\n{keywords_doc()}"
-
-
-def _prefixed(row: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-    return {k: v for k, v in row.items() if k.startswith(prefix)}
 
 
 def weights_source(weights: Any):

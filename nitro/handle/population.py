@@ -31,7 +31,7 @@ from nitro.engine.member_axis import Stacked
 from nitro.engine.prediction import predict_batch
 from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_keywords import RUN_KEYWORDS, resolve_run_keywords
-from nitro.engine.runner import RunGuard, sigint_requests_stop
+from nitro.engine.runner import RunGuard
 from nitro.engine.setup import build
 from nitro.errors import PopulationError, SetupError
 from nitro.experiments.declaration import field_specs
@@ -43,13 +43,12 @@ from nitro.handle.population_members import (
     check_one_program,
     check_shared,
 )
-from nitro.handle.run_handle import RunHandle
 from nitro.programs.specs import ProgramSet
 
 __all__ = ["Population"]
 
 
-class Population(PopulationMembers, RunHandle):
+class Population(PopulationMembers):
     """Members of one experiment, differing in fed values, trained by one program.
 
     >>> import nitro
@@ -397,12 +396,7 @@ class Population(PopulationMembers, RunHandle):
         indexed by member, with its settings)."""
         import pandas as pd
 
-        with (
-            sigint_requests_stop(self._control),
-            self._guard.hold(f"evaluating {split}"),
-            events_module.using(self._events),
-        ):
-            self._control.stop.clear()
+        with self._held(f"evaluating {split}"):
             lead = self._members[0]
             lead.setup.split(split)
             members = self._stacked_members()
@@ -444,12 +438,7 @@ class Population(PopulationMembers, RunHandle):
                 f"pop.predict takes a dict of batch fields, got {type(batch).__name__}: "
                 f"pop.predict({{'x': xs}})"
             )
-        with (
-            sigint_requests_stop(self._control),
-            self._guard.hold("predicting"),
-            events_module.using(self._events),
-        ):
-            self._control.stop.clear()
+        with self._held("predicting"):
             lead, members = self._members[0], self._stacked_members()
             return predict_batch(
                 lead.setup,

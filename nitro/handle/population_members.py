@@ -18,19 +18,12 @@ from nitro.engine.run_keywords import RUN_KEYWORDS
 from nitro.errors import PopulationError
 from nitro.experiments.declaration import FieldKind
 from nitro.handle.handle import Nitro
-from nitro.handle.run_handle import scalar_frame
+from nitro.handle.run_handle import RunHandle, scalar_frame
 from nitro.programs.compile_cache import graphconst_keys
 from nitro.programs.train_step import train_step_spec
 from nitro.runs.weights import WeightsSource, copy_array
 
-__all__ = [
-    "MEMBER_KEYWORDS",
-    "PROGRAM_KEYWORDS",
-    "PopulationMembers",
-    "check_axis",
-    "check_one_program",
-    "check_shared",
-]
+__all__ = ["PopulationMembers", "check_axis", "check_one_program", "check_shared"]
 
 # Run keywords a member may set for itself: their values are fed to the program (or, for
 # the seed, make its initial weights and step keys), never part of it.
@@ -59,7 +52,7 @@ PROGRAM_KEYWORDS = {
 }
 
 
-class PopulationMembers:
+class PopulationMembers(RunHandle):
     """A population's members as handles and as tables (what `Population` holds: its
     members, their stacked state, its guard)."""
 
@@ -67,9 +60,6 @@ class PopulationMembers:
     _state: engine.PopulationState | None
     _data: Any
     _cls: type
-    _guard: Any
-    epoch: int
-    step: int
 
     def __len__(self) -> int:
         return len(self._members)

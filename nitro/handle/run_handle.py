@@ -10,12 +10,14 @@ its files are, and what its worker thread runs (`_train_body`).
 
 from __future__ import annotations
 
+import contextlib
 import sys
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Self
 
 import numpy as np
 
+from nitro.core import events as events_module
 from nitro.core import progress
 from nitro.core.events import Events
 from nitro.core.run_setup import RunSetup
@@ -315,6 +317,15 @@ class RunHandle:
         with self._guard.hold("closing"):
             self._release()
         return self
+
+    @contextlib.contextmanager
+    def _held(self, what: str) -> Iterator[None]:
+        """The handle held for `what` (evaluating, predicting) on its event path; Ctrl-C
+        asks the work to stop."""
+        with sigint_requests_stop(self._control), self._guard.hold(what):
+            self._control.stop.clear()
+            with events_module.using(self._events):
+                yield
 
     def _say(self, message: str) -> None:
         """A note for the person at the keyboard: through the reporters, or on stderr."""
