@@ -191,9 +191,9 @@ def test_each_member_logs_to_its_own_files_read_back(tmp_path):
         losses = [r["metrics"]["val_loss"] for r in lines if r.get("context") == "validate"]
         np.testing.assert_allclose(losses, history.loc[i]["val_loss"], rtol=1e-6)
         with open(folder / "metrics.csv") as file:
-            rows = [row for row in csv.DictReader(file) if row.get("val_loss")]
+            rows = [row for row in csv.DictReader(file) if row["name"] == "val_loss"]
         np.testing.assert_allclose(
-            [float(r["val_loss"]) for r in rows], history.loc[i]["val_loss"], rtol=1e-6
+            [float(r["value"]) for r in rows], history.loc[i]["val_loss"], rtol=1e-6
         )
         events = event_accumulator.EventAccumulator(str(folder))
         events.Reload()
