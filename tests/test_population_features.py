@@ -13,6 +13,7 @@ import csv
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import optax
@@ -26,7 +27,7 @@ from nitro.loggers import CSVLogger, JSONLinesLogger, TensorBoardLogger
 
 SMALL = dict(width=16, batch_size=128)  # 9 steps an epoch
 RATES = [1e-3, 1e-2]
-QUIET = dict(progress=False, checkpointer=None, logger=None)
+QUIET: dict[str, Any] = dict(progress=False, checkpointer=None, logger=None)
 
 
 def population(epochs=1, **keywords) -> nitro.Population:
@@ -145,7 +146,7 @@ def saved_state(run_dir) -> dict:
 
 def test_resume_restores_each_members_float16_loss_scale(tmp_path):
     half = nitro.Precision("float16", loss_scale=2.0**10, growth_interval=2)
-    keywords = dict(precision=half, checkpointer=nitro.Checkpointer())
+    keywords: dict[str, Any] = dict(precision=half, checkpointer=nitro.Checkpointer())
     first = population(run_dir=tmp_path / "a", **keywords)
     first.train(steps=5)  # the scale has grown twice
     first.close()
@@ -180,7 +181,9 @@ def test_resume_restores_each_members_validations(tmp_path):
 
 def test_each_member_logs_to_its_own_files_read_back(tmp_path):
     logger = [JSONLinesLogger(), CSVLogger(), TensorBoardLogger()]
-    keywords = dict(progress=False, checkpointer=None, logger=logger, run_dir=tmp_path / "p")
+    keywords: dict[str, Any] = dict(
+        progress=False, checkpointer=None, logger=logger, run_dir=tmp_path / "p"
+    )
     pop = nitro.Population(Digits(max_epochs=2, **SMALL), learning_rate=RATES, **keywords)
     pop.train()
     pop.close()
@@ -233,13 +236,15 @@ def test_a_never_trained_population_predicts_validates_and_evaluates():
 def test_member_and_best_are_handles_equal_to_the_member():
     pop = population().train()
     best = pop.best("val_loss")
-    index = int(pop.history().groupby(level="member")["val_loss"].last().idxmin())
+    index = int(np.argmin(pop.history().groupby(level="member")["val_loss"].last().to_numpy()))
     member = pop.member(index)
     for a, b in zip(params(best), params(member), strict=True):
         np.testing.assert_array_equal(a, b)
     assert best.validate()["val_loss"] == pytest.approx(
         pop.history().loc[index]["val_loss"].iloc[-1], abs=1e-6
     )
-    np.testing.assert_allclose(member.predict({"x": np.zeros((3, 64), np.float32)}),
-                               pop.predict({"x": np.zeros((3, 64), np.float32)})[index],
-                               atol=1e-6)
+    np.testing.assert_allclose(
+        member.predict({"x": np.zeros((3, 64), np.float32)}),
+        pop.predict({"x": np.zeros((3, 64), np.float32)})[index],
+        atol=1e-6,
+    )
