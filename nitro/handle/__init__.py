@@ -2,6 +2,8 @@
 
 `nitro.Nitro` is the public name. Imports `engine` and below.
 
+- `run_handle`: `RunHandle`, what a run's handle and a population's share: training on a worker
+  thread, waiting, stopping, closing, the phase and the run's files
 - `handle`: `Nitro`
 - `population`: `Population`, many variants of one experiment trained as one vmapped program
 - `lr_find`: `n.lr_find()` and its `LRFindResult`, a learning rate from a log grid trained as a

@@ -35,7 +35,7 @@ from nitro.engine.dispatch import DispatchChoice
 from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_keywords import resolve_run_keywords
 from nitro.engine.run_time import RunTime
-from nitro.engine.runner import Run, RunControl, RunGuard, sigint_requests_stop, wait_for
+from nitro.engine.runner import Run, RunControl, RunGuard, sigint_requests_stop
 from nitro.engine.setup import build
 from nitro.engine.swaps import LiveEdit
 from nitro.engine.weights_copy import copy_weights
@@ -50,6 +50,7 @@ from nitro.experiments.declaration import (
 )
 from nitro.handle.binding_report import BindingReport, binding_report
 from nitro.handle.displays import handle_html, short_repr
+from nitro.handle.run_handle import RunHandle
 from nitro.handle.signature import keyword_signature, keywords_doc
 from nitro.handle.summary import ModelSummary
 from nitro.optim.schedules import bind_schedules, check_schedule_values
@@ -60,7 +61,7 @@ from nitro.runs.run_files import RunFiles
 from nitro.runs.watched_metrics import check_watched_metrics
 from nitro.runs.weights import AveragedWeights, CheckpointWeights, WeightsSource
 
-__all__ = ["EXTENSIONS", "Nitro", "check_amount", "check_experiment", "weights_source"]
+__all__ = ["EXTENSIONS", "Nitro", "check_experiment", "weights_source"]
 
 # Methods of the handle built on the layer above it (a population): that layer registers
 # them here on import (`nitro.handle` imports it), so the handle never imports it.
@@ -93,7 +94,7 @@ def check_experiment(experiment: Any) -> type:
     return cls
 
 
-class Nitro:
+class Nitro(RunHandle):
     """The handle of one run of an experiment.
 
     >>> import nitro
@@ -320,31 +321,10 @@ class Nitro:
         return self._setup.seed
 
     @property
-    def max_epochs(self) -> int:
-        return self._setup.max_epochs
-
-    @property
-    def target_epoch(self) -> int:
-        """The epoch the current (or latest) run trains to: `max_epochs`, the epoch
-        `train(epochs=N)` aimed at, or the one in which `train(steps=N)`'s (and
-        `profile()`'s) steps end, as its progress shows it."""
-        return self._run_target
-
-    @property
-    def run_dir(self) -> str:
-        """This run's directory: checkpoints, logs and run.json live there."""
-        return str(self._files.run_dir)
-
-    @property
     def name(self) -> str | None:
         """The run's name (the `name=` keyword; `%nitro train exp` names its runs `exp_run`),
         recorded in run.json; `resume='auto'` continues the run its name last trained."""
         return self._setup.name
-
-    @property
-    def run_id(self) -> str:
-        """A sortable timestamp plus a short random suffix; a resumed run keeps its id."""
-        return self._files.run_id
 
     @property
     def total_steps(self) -> int | None:
@@ -367,133 +347,12 @@ class Nitro:
         return self._setup.model.weights_origin
 
     @property
-    def step(self) -> int:
-        """Optimizer steps completed."""
-        return self._state.step
-
-    @property
-    def epoch(self) -> int:
-        """Epochs completed."""
-        return self._state.epoch
-
-    @property
-    def phase(self) -> str:
-        """Where the handle is: setup, building data, building model, routing, ready,
-        training, validating, evaluating <split>, predicting, done, stopped or failed."""
-        return self._events.current_phase
-
-    @property
-    def stop_reason(self) -> str | None:
-        """Why the latest run ended: "completed", "requested" or "error" (None before)."""
-        return self._stop_reason
-
-    @property
     def last_metrics(self) -> dict[str, Any]:
         """The latest history row (loss, validation metrics, timing)."""
         return dict(self._state.last_row)
 
-    @property
-    def reporter(self) -> Any:
-        """The progress reporter this handle's runs report to (None when silent)."""
-        return self._progress
-
-    def on_phase(self, fn) -> Nitro:
-        """Call `fn(change)` (a `nitro.events.PhaseChange`: phase, previous, step, epoch and,
-        after validation, the epoch's metrics) on every phase transition of this handle."""
-        self._events.add_monitor(fn)
-        return self
-
-    @property
-    def error(self) -> BaseException | None:
-        """The exception the latest run failed with (None when it did not fail)."""
-        return self._error
-
-    @property
-    def events(self) -> Events:
-        """The event path of this handle's runs; `events.add(reporter)` adds a reporter."""
-        return self._events
-
-    @property
-    def running(self) -> bool:
-        """True while a training run is in progress (in the foreground or the background)."""
-        return self._run is not None and self._run.running
-
-    @property
-    def background(self) -> bool:
-        """True while a run started with `train(background=True)` is in progress: nothing
-        waits to re-raise its error (`n.error` keeps it)."""
-        return self.running and self._guard.background
-
     # ------------------------------------------------------------------------------------------
     # training
-
-    def train(
-        self, epochs: int | None = None, *, steps: int | None = None, background: bool = False
-    ) -> Nitro:
-        """Train until `max_epochs` or `max_steps` (or for `epochs` more epochs, or `steps`
-        more optimizer steps, mid-epoch if need be) on a worker thread.
-
-        Blocks unless `background=True`. Ctrl-C stops after the current step; the handle
-        stays usable and `train()` again continues from where it stopped. An epoch trained
-        but not yet validated (a stop during validation) is validated first; `epochs=N` then
-        trains N more epochs after it.
-        """
-        with sigint_requests_stop(self._control):
-            self._check_stale("train")
-            if "train" not in self._setup.splits:
-                raise SetupError(
-                    f"this handle has no 'train' split (splits: "
-                    f"{', '.join(self._setup.splits) or 'none'}); it can validate, evaluate "
-                    f"and predict"
-                )
-            check_amount(epochs, steps)
-            self._guard.claim("training", background=background)
-            started = False
-            try:
-                # epochs=N or steps=N train that much more, past max_epochs and max_steps
-                stop_at = self._setup.max_steps if epochs is None else None
-                if steps is not None:
-                    stop_at = self.step + steps
-                    target = self._epoch_of_step(steps)
-                elif stop_at is not None and self.step >= stop_at and not self._pending():
-                    progress.note(
-                        f"already trained to max_steps={stop_at}; n.train(steps=N) trains N "
-                        f"more steps, n.train(epochs=N) N more epochs"
-                    )
-                    return self
-                elif epochs is not None:  # N more epochs of training: an epoch trained but
-                    # not validated (a stop during validation) is validated, then N follow
-                    target = self.epoch + self._pending() + epochs
-                elif self.epoch < self._target_epoch:
-                    target = self._target_epoch  # a stopped run resumes to where it was going
-                else:
-                    target = self.max_epochs
-                if target <= self.epoch and not self._pending():
-                    progress.note(
-                        f"already trained {self.epoch} of max_epochs={self.max_epochs} epochs; "
-                        f"n.train(epochs=N) trains N more"
-                    )
-                    return self
-                if steps is None:
-                    self._target_epoch = target  # where a stopped run resumes to
-                self._run_target = target
-                self._control.stop.clear()
-                self._stop_reason = None
-                self._error = None
-                run = Run(
-                    lambda: self._train_body(target, stop_at),
-                    name=f"nitro-training-{self.cls.__name__}",
-                    context=self,
-                )
-                self._run = run
-                run.start()
-                started = True
-            finally:
-                if not started:
-                    self._guard.release()
-            if not background:
-                self._wait(run)
-        return self
 
     def profile(self, steps: int = 20, *, trace: bool = True, python: bool = False):
         """Train `steps` more steps under `jax.profiler` and say where a call's time went:
@@ -519,20 +378,6 @@ class Nitro:
 
         return profile_handle(self, steps, trace=trace, python=python)
 
-    def _pending(self) -> bool:
-        return self._state.epoch_trained
-
-    def _epoch_of_step(self, steps: int) -> int:
-        """The epoch (counted from 1) in which `steps` more optimizer steps end: where
-        `train(steps=)` aims (an upper bound when the epoch length is unknown)."""
-        batches = self._setup.splits["train"].batches
-        state = self._state
-        if batches is None:
-            return state.epoch + int(state.epoch_trained) + steps
-        accum = self._setup.accum
-        per_epoch, done = -(-batches // accum), -(-state.position // accum)
-        return state.epoch + -(-(done + steps) // per_epoch)
-
     def _after_epoch(
         self,
         state: TrainState,
@@ -556,99 +401,56 @@ class Nitro:
             measuring=runtime.dispatch.measuring,
         )
 
-    def _train_body(self, target: int, stop_at: int | None = None) -> None:
-        """The worker thread's work: the loop between start_run and end_run, then the phase."""
-        events = self._events
-        try:
-            with events_module.using(events):
-                self._files.prepare(self._setup)  # refused here: nothing has started
-                events.start_run(self, target)
-                try:
-                    self._files.open(self._setup, events)
-                    self._state, reason = loop.train_epochs(
-                        self._setup,
-                        self._runtime,
-                        self._state,
-                        self._programs,
-                        events,
-                        self._control,
-                        target,
-                        after_epoch=lambda state, row, left: self._after_epoch(
-                            state, row, left, stop_at
-                        ),
-                        stop_at=stop_at,
-                    )
-                    self._files.saves.end_run(
-                        self._setup,
-                        self._state,
-                        events,
-                        reason,
-                        self._runtime.device_values(),
-                        lazy=self._runtime.restores is True,
-                    )
-                    self._stop_reason = reason
-                except BaseException:
-                    self._stop_reason = "error"
-                    self._files.close()  # saves already begun finish; nothing partial is added
-                    raise
-                finally:
-                    events.end_run(self)  # the stop reason is known here
-                events.phase("stopped" if reason == "requested" else "done")
-        except BaseException as error:
-            self._stop_reason = "error"
-            self._error = error
-            events.phase("failed")
-            raise
-        finally:
-            self._guard.release()
-            if self._runtime.live.pending is not None:
-                self._take_swap()  # compiled after the run's last call: the handle takes it
+    @property
+    def _counters(self) -> TrainState:
+        return self._state
 
-    def close(self) -> Nitro:
-        """Finish this run's saves and let go of its run directory, so another handle (here
-        or in another process) may write there; the handle stays usable, and its next write
-        (`train()`) holds the directory again. Dropping the handle, or the process ending,
-        lets go too: `close()` is for when the handle is kept. It also stops the worker
-        processes `persistent_workers=True` kept (the next run starts new ones)."""
-        with self._guard.hold("closing"):
-            self._files.release()
-            for prefetcher in self._runtime.prefetchers.values():
-                prefetcher.release_workers(final=True)
-        return self
+    @property
+    def _lead_setup(self) -> RunSetup:
+        return self._setup
 
-    def wait(self) -> Nitro:
-        """Wait for a background run, then for its checkpoints' writes (a `train()` returns
-        while its last save is still being written); Ctrl-C turns into a stop request.
-        Re-raises the run's error, if it failed."""
-        run = self._run
-        if run is not None:
-            with sigint_requests_stop(self._control):
-                self._wait(run)
-        if self._files.store is not None:
-            self._files.store.wait()
-        return self
+    def _check_trainable(self) -> None:
+        self._check_stale("train")
+        if "train" not in self._setup.splits:
+            raise SetupError(
+                f"this handle has no 'train' split (splits: "
+                f"{', '.join(self._setup.splits) or 'none'}); it can validate, evaluate "
+                f"and predict"
+            )
 
-    def _wait(self, run: Run) -> None:
-        wait_for(run, self._control, self._say, "training")
-        if run.error is not None:
-            error, run.error = run.error, None
-            raise error
+    def _prepare_files(self) -> None:
+        self._files.prepare(self._setup)
 
-    def _say(self, message: str) -> None:
-        """A note for the person at the keyboard: through the reporters, or on stderr."""
-        if self._progress is not None:
-            self._events.note(message)
-        else:
-            import sys
+    def _train_run(self, target: int, stop_at: int | None, events: Events) -> str:
+        self._files.open(self._setup, events)
+        self._state, reason = loop.train_epochs(
+            self._setup,
+            self._runtime,
+            self._state,
+            self._programs,
+            events,
+            self._control,
+            target,
+            after_epoch=lambda state, row, left: self._after_epoch(state, row, left, stop_at),
+            stop_at=stop_at,
+        )
+        self._files.saves.end_run(
+            self._setup,
+            self._state,
+            events,
+            reason,
+            self._runtime.device_values(),
+            lazy=self._runtime.restores is True,
+        )
+        return reason
 
-            print(f"nitro: {message}", file=sys.stderr, flush=True)
+    def _after_run(self) -> None:
+        if self._runtime.live.pending is not None:
+            self._take_swap()  # compiled after the run's last call: the handle takes it
 
-    def stop(self) -> Nitro:
-        """Ask a running loop to stop after the current step. Returns at once, while the
-        run finishes that step and saves it (`running` is still True): `n.stop().wait()`
-        returns once it has stopped, its step, history and checkpoint in agreement."""
-        self._control.stop.set()
-        return self
+    def _release_workers(self) -> None:
+        for prefetcher in self._runtime.prefetchers.values():
+            prefetcher.release_workers(final=True)
 
     # ------------------------------------------------------------------------------------------
     # evaluation and prediction
@@ -688,7 +490,7 @@ class Nitro:
                 return result
 
     def _evaluate(self, split: str, weights: str | None) -> dict[str, Any] | None:
-        if split == "val" and self._pending() and weights is None:
+        if split == "val" and self._state.epoch_trained and weights is None:
             row = loop.finish_epoch(
                 self._setup,
                 self._runtime,
@@ -953,17 +755,6 @@ class Nitro:
         self._say(f"restored the weights of {found.origin}")
         return self
 
-    def checkpoints(self):
-        """This run's saved checkpoints: a DataFrame of step, epoch and the checkpointer's
-        metric (empty when none are saved yet)."""
-        import pandas as pd
-
-        from nitro.runs.checkpoint_reads import describe_saved
-
-        if self._files.store is not None:
-            self._files.store.wait()
-        return pd.DataFrame(describe_saved(self._files.run_dir))
-
     @property
     def hyperparameters(self) -> dict[str, float]:
         """The optimizer's injected hyperparameters as the last step used them."""
@@ -1212,20 +1003,6 @@ class Nitro:
 Nitro.__init__.__signature__ = keyword_signature(Nitro.__init__)
 if Nitro.__doc__ is not None:  # None under python -OO
     Nitro.__doc__ = f"{inspect.cleandoc(Nitro.__doc__)}\n\n{keywords_doc()}"
-
-
-def check_amount(epochs: Any, steps: Any) -> None:
-    """Refuse `train(epochs=, steps=)` unless each given is a positive int, and not both."""
-    for name, value in (("epochs", epochs), ("steps", steps)):
-        if value is not None and (
-            isinstance(value, bool) or not isinstance(value, int) or value < 1
-        ):
-            raise ValueError(f"{name} must be a positive int, got {value!r}")
-    if steps is not None and epochs is not None:
-        raise ValueError(
-            f"train() takes epochs= or steps=, not both (got epochs={epochs}, "
-            f"steps={steps}): train(steps=N) trains N more optimizer steps"
-        )
 
 
 def _prefixed(row: Mapping[str, Any], prefix: str) -> dict[str, Any]:

@@ -25,7 +25,8 @@ import numpy as np
 from nitro.core import events as events_module
 from nitro.core import progress
 from nitro.core.events import Events
-from nitro.core.train_state import Variables
+from nitro.core.run_setup import RunSetup
+from nitro.core.train_state import TrainState, Variables
 from nitro.engine import population as engine
 from nitro.engine.evaluation import evaluate_split
 from nitro.engine.loop import train_epochs
@@ -33,12 +34,13 @@ from nitro.engine.member_axis import Stacked
 from nitro.engine.prediction import predict_batch
 from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_keywords import RUN_KEYWORDS, resolve_run_keywords
-from nitro.engine.runner import Run, RunControl, RunGuard, sigint_requests_stop, wait_for
+from nitro.engine.runner import RunControl, RunGuard, sigint_requests_stop
 from nitro.engine.setup import build
 from nitro.errors import PopulationError, SetupError
 from nitro.experiments.declaration import FieldKind, field_specs
-from nitro.handle.handle import Nitro, check_amount, check_experiment, weights_source
+from nitro.handle.handle import Nitro, check_experiment, weights_source
 from nitro.handle.population_lifecycle import FILE_KEYWORDS, PopulationLife
+from nitro.handle.run_handle import RunHandle
 from nitro.programs.compile_cache import graphconst_keys
 from nitro.programs.specs import ProgramSet
 from nitro.programs.train_step import train_step_spec
@@ -73,7 +75,7 @@ PROGRAM_KEYWORDS = {
 }
 
 
-class Population:
+class Population(RunHandle):
     """Members of one experiment, differing in fed values, trained by one program.
 
     >>> import nitro
@@ -162,10 +164,8 @@ class Population:
         reporter = progress.make_reporter(
             self._shared_keywords.get("progress", True), population=True
         )
-        self._reporter = reporter
+        self._progress = reporter
         self._events = Events([reporter] if reporter is not None else [])
-        self._run: Run | None = None
-        self._target = 0
         with events_module.using(self._events):
             self._members = [self._build_member(0, settings[0], specs)]
             # with shared batches only the first member's stream is read: the others take its
@@ -196,11 +196,11 @@ class Population:
         self._state: engine.PopulationState | None = None  # stacked on first use
         self._axis: Stacked | None = None  # the loop's members object, with the state
         self._stacking = threading.Lock()  # pop.stop(i) may stack before the run's thread
-        self._stop_reason: str | None = None
         guard = self._guard  # not the population: its run directory's lock must not keep it
         self._life = PopulationLife.plan(
             self, self._members, files, self._say, lambda: guard.activity is not None
         )
+        self._files = self._life.files
         self._events.add(self._life.logging)
         if self._life.resumes:
             with events_module.using(self._events):
@@ -275,23 +275,6 @@ class Population:
         return {m.index: int(m.stopped_at or 0) for m in self._members if m.stopped is not None}
 
     @property
-    def step(self) -> int:
-        return self._members[0].state.step if self._state is None else self._state.step
-
-    @property
-    def epoch(self) -> int:
-        return self._members[0].state.epoch if self._state is None else self._state.epoch
-
-    @property
-    def max_epochs(self) -> int:
-        return self._members[0].setup.max_epochs
-
-    @property
-    def target_epoch(self) -> int:
-        """The epoch the current (or latest) run trains to (0 before the first)."""
-        return self._target
-
-    @property
     def steps_per_call(self) -> int | None:
         """Training steps each program call runs for every member (`steps_per_dispatch=`;
         "auto": as a run's, measured while the population trains; None until it decided)."""
@@ -301,13 +284,6 @@ class Population:
     def dispatch(self):
         """Steps per program call as decided so far (a `DispatchChoice`, as `n.dispatch`)."""
         return self._members[0].runtime.dispatch.choice
-
-    @property
-    def stop_reason(self) -> str | None:
-        return self._stop_reason
-
-    def _say(self, message: str) -> None:
-        self._events.note(message)
 
     def _stacked(self) -> engine.PopulationState:
         with self._stacking:
@@ -339,75 +315,6 @@ class Population:
     # ------------------------------------------------------------------------------------------
     # training and evaluation
 
-    def train(
-        self, epochs: int | None = None, *, steps: int | None = None, background: bool = False
-    ) -> Population:
-        """Train every member for `epochs` more epochs (default: to `max_epochs`), or `steps`
-        more steps (mid-epoch if need be), in one program per call, on a worker thread.
-        Blocks unless `background=True` (then `pop.wait()` waits, `pop.stop()` stops);
-        Ctrl-C stops after the current call, and `train()` again goes on from there."""
-        check_amount(epochs, steps)
-        lead = self._members[0]
-        pending = int(self._state is not None and self._state.epoch_trained)
-        # epochs=N or steps=N train that much more, past max_epochs and max_steps
-        stop_at = lead.setup.max_steps if epochs is None else None
-        if steps is not None:
-            stop_at = self.step + steps
-            target = self.epoch + 1 + (steps + self._position() - 1) // max(1, self._batches())
-        elif stop_at is not None and self.step >= stop_at and not pending:
-            progress.note(
-                f"already trained to max_steps={stop_at}; pop.train(steps=N) trains N more "
-                f"steps, pop.train(epochs=N) N more epochs"
-            )
-            return self
-        elif epochs is not None:
-            target = self.epoch + pending + epochs
-        else:
-            target = max(lead.setup.max_epochs, self._target)
-        if target <= self.epoch and not pending:
-            progress.note(
-                f"already trained {self.epoch} of max_epochs={lead.setup.max_epochs} epochs; "
-                f"pop.train(epochs=N) trains N more"
-            )
-            return self
-        if all(m.stopped is not None for m in self._members):
-            raise PopulationError(
-                "every member of this population has stopped ("
-                + "; ".join(f"{m.label}: {m.stopped}" for m in self._members)
-                + "): pop.best() or pop.member(i) is a handle that trains on"
-            )
-        # Ctrl-C from here on is a stop request, also between the start and the wait
-        with sigint_requests_stop(self._control):
-            self._guard.claim("training", background=background)
-            started = False
-            try:
-                self._target = target if steps is None else self._target
-                self._control.stop.clear()
-                self._stop_reason = None
-                self._run = run = Run(
-                    lambda: self._train_body(target, stop_at),
-                    name=f"nitro-population-{self._cls.__name__}",
-                    context=self,
-                )
-                run.start()
-                started = True
-            finally:
-                if not started:
-                    self._guard.release()
-            if not background:
-                self._wait(run)
-        return self
-
-    def _batches(self) -> int:
-        """Optimizer steps an epoch."""
-        setup = self._members[0].setup
-        return -(-(setup.splits["train"].batches or 1) // setup.accum)
-
-    def _position(self) -> int:
-        """Optimizer steps into the epoch under way."""
-        position = 0 if self._state is None else self._state.position
-        return -(-position // self._members[0].setup.accum)
-
     @property
     def batches(self) -> str:
         """ "shared": every member trains on the same batches (the first member's data order);
@@ -415,48 +322,51 @@ class Population:
         members' seeds differ; `Population(..., batches="shared")` shares the first's)."""
         return self._batches_mode
 
-    def _train_body(self, target: int, stop_at: int | None) -> None:
-        events = self._events
+    @property
+    def _counters(self) -> TrainState:
+        return self._members[0].state if self._state is None else self._state
+
+    @property
+    def _lead_setup(self) -> RunSetup:
+        return self._members[0].setup
+
+    def _check_trainable(self) -> None:
+        if all(m.stopped is not None for m in self._members):
+            raise PopulationError(
+                "every member of this population has stopped ("
+                + "; ".join(f"{m.label}: {m.stopped}" for m in self._members)
+                + "): pop.best() or pop.member(i) is a handle that trains on"
+            )
+
+    def _prepare_files(self) -> None:
+        self._life.prepare()
+
+    def _train_run(self, target: int, stop_at: int | None, events: Events) -> str:
+        members = self._stacked_members()
+        state, lead = members.state, self._members[0]
+        self._life.open(self._members, events)
         try:
-            with events_module.using(events):
-                self._life.prepare()  # refused here: nothing has started
-                events.start_run(self, target)
-                members = self._stacked_members()
-                state, lead = members.state, self._members[0]
-                try:
-                    self._life.open(self._members, events)
-                    try:
-                        _, reason = train_epochs(
-                            lead.setup,
-                            lead.runtime,
-                            state,
-                            self._programs,
-                            events,
-                            self._control,
-                            target,
-                            after_epoch=lambda state, rows, left: self._after_epoch(members.state),
-                            stop_at=stop_at,
-                            members=members,
-                        )
-                        self._stop_reason = self._ended(reason)
-                    finally:
-                        members.keep_time(state)
-                        for member in self._members:  # worker processes live as the run
-                            for prefetcher in member.runtime.prefetchers.values():
-                                prefetcher.release_workers()
-                    self._life.end_run(self._members, state, events, self._stop_reason)
-                except BaseException:
-                    self._stop_reason = "error"
-                    self._life.close()  # saves already begun finish; nothing partial is added
-                    raise
-                finally:
-                    events.end_run(self)
-                events.phase("stopped" if self._stop_reason == "requested" else "done")
-        except BaseException:
-            events.phase("failed")
-            raise
+            _, reason = train_epochs(
+                lead.setup,
+                lead.runtime,
+                state,
+                self._programs,
+                events,
+                self._control,
+                target,
+                after_epoch=lambda state, rows, left: self._after_epoch(members.state),
+                stop_at=stop_at,
+                members=members,
+            )
+            reason = self._ended(reason) or reason
         finally:
-            self._guard.release()
+            members.keep_time(state)
+            for member in self._members:  # worker processes live as the run
+                for prefetcher in member.runtime.prefetchers.values():
+                    prefetcher.release_workers()
+        self._stop_reason = reason
+        self._life.end_run(self._members, state, events, reason)
+        return reason
 
     def _after_epoch(self, state: engine.PopulationState) -> str | None:
         """After an epoch's rows: stop each member whose monitored metric stopped improving
@@ -472,73 +382,6 @@ class Population:
         if all(m.stopped is not None for m in self._members):
             return "early_stop" if self._members[0].setup.early_stop is not None else "requested"
         return reason
-
-    @property
-    def running(self) -> bool:
-        """True while a training run is in progress (in the foreground or the background)."""
-        return self._run is not None and self._run.running
-
-    @property
-    def background(self) -> bool:
-        return self.running and self._guard.background
-
-    @property
-    def phase(self) -> str:
-        return self._events.current_phase
-
-    @property
-    def reporter(self) -> Any:
-        """The progress reporter (`progress=`), or None."""
-        return self._reporter
-
-    @property
-    def events(self) -> Events:
-        """The path of this population's events: `pop.events.add(reporter)` adds a reporter
-        (`member_steps`, `member_rows`, ...; see `nitro.events.Reporter`) beside `progress=`."""
-        return self._events
-
-    def wait(self) -> Population:
-        """Wait for a background run; Ctrl-C turns into a stop request. Re-raises the run's
-        error, if it failed."""
-        run = self._run
-        if run is not None:
-            with sigint_requests_stop(self._control):
-                self._wait(run)
-        self._life.wait()  # and for its checkpoints' writes
-        return self
-
-    @property
-    def run_dir(self) -> str:
-        """The population's run directory: its checkpoints, and a directory per member
-        (`member-<i>`) for its logs."""
-        return str(self._life.run_dir)
-
-    @property
-    def run_id(self) -> str:
-        return self._life.run_id
-
-    def checkpoints(self):
-        """The population's saved checkpoints: a DataFrame of step, epoch and the
-        checkpointer's metric (its best member's), empty when none are saved yet."""
-        import pandas as pd
-
-        from nitro.runs.checkpoint_reads import describe_saved
-
-        self._life.wait()
-        return pd.DataFrame(describe_saved(self._life.run_dir))
-
-    def close(self) -> Population:
-        """Finish the population's saves and let go of its run directory, so another
-        handle may write there; its next `train()` holds the directory again."""
-        with self._guard.hold("closing"):
-            self._life.release()
-        return self
-
-    def _wait(self, run: Run) -> None:
-        wait_for(run, self._control, self._say, "the population")
-        if run.error is not None:
-            error, run.error = run.error, None
-            raise error
 
     def stop(self, member: int | None = None, why: str | None = None) -> Population:
         """`pop.stop()`: ask a running population to stop after the current call.
