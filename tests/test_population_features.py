@@ -248,3 +248,38 @@ def test_member_and_best_are_handles_equal_to_the_member():
         pop.predict({"x": np.zeros((3, 64), np.float32)})[index],
         atol=1e-6,
     )
+
+
+def test_a_member_that_stops_early_keeps_its_epoch_while_the_others_train_on(tmp_path):
+    stop = nitro.EarlyStopping(metric="val_loss", patience=1, min_delta=0.05)
+    keywords: dict[str, Any] = dict(early_stop=stop, checkpointer=nitro.Checkpointer())
+    pop = population(epochs=4, learning_rate=[1e-4, 3e-2], run_dir=tmp_path / "p", **keywords)
+    pop.train(epochs=3)
+    pop.close()
+    again = population(epochs=4, learning_rate=[1e-4, 3e-2], resume=tmp_path / "p", **keywords)
+    assert again.stopped == pop.stopped and again.stopped_at == pop.stopped_at
+    again.train()
+    history = again.history()
+    for i, settings in enumerate(again.members):
+        solo = alone(settings, 4, early_stop=stop)
+        assert history.loc[i].index.tolist() == solo.history().index.tolist()
+        np.testing.assert_allclose(
+            history.loc[i]["val_loss"], solo.history()["val_loss"], atol=1e-5
+        )
+    assert 0 in again.stopped and len(history.loc[0]) < len(history.loc[1])
+    again.close()
+
+
+@pytest.mark.parametrize(
+    "keywords",
+    [
+        dict(ema=nitro.EMA(0.9, evaluate=True)),
+        dict(precision="float16", accum=2, steps_per_dispatch=3),
+        dict(precision="bfloat16", sam=0.05, check_divergence=True),
+    ],
+    ids=["ema-evaluated", "float16-accum-fused", "bfloat16-sam-guard"],
+)
+def test_features_combined_train_each_member_as_alone(keywords):
+    pop = population(**keywords).train()
+    atol = 5e-2 if "precision" in keywords else 1e-5
+    assert_members_equal_alone(pop, 1, atol=atol, **keywords)
