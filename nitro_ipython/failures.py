@@ -99,9 +99,6 @@ def describe(error: BaseException, handle: Any, name: str | None) -> str:
         label = f"{owner}.{hook.name}" if owner else hook.name
         where = f" in hook {label} ({os.path.basename(hook.filename)}, line {hook.lineno})"
     kept = f"{name}.error" if name else "the handle's .error"
-    if not hasattr(handle, "error"):  # a population: a background run's wait() raises it
-        waits = f" (`{name or 'pop'}.wait()` raises it)" if handle.background else ""
-        return f"failed{where}: {type(error).__name__}: {error}{waits}"
     return f"failed{where}: {type(error).__name__}: {error} (the exception is kept in {kept})"
 
 

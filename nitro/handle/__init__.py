@@ -2,11 +2,12 @@
 
 `nitro.Nitro` is the public name. Imports `engine` and below.
 
-- `run_handle`: `RunHandle`, what a run and a population share as handles (train, wait, stop,
-  close, counters, events, run directory, checkpoints, history)
-- `handle`: `Nitro`, the handle of one run
+- `run_handle`: `RunHandle`, what a run's handle and a population's share: training on a worker
+  thread, waiting, stopping, closing, the phase and the run's files
+- `handle`: `Nitro`
 - `population`: `Population`, many variants of one experiment trained as one vmapped program
-- `population_members`: a population's members as handles and tables, and its refusals
+- `population_members`: a population's members as `Nitro` handles and tables, and its refusals
+  of axes and values the members cannot share
 - `lr_find`: `n.lr_find()` and its `LRFindResult`, a learning rate from a log grid trained as a
   population
 - `population_lifecycle`: a population's files, checkpoints, resume and a logger run per member

@@ -35,7 +35,7 @@ from nitro.engine.dispatch import DispatchChoice
 from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_keywords import resolve_run_keywords
 from nitro.engine.run_time import RunTime
-from nitro.engine.runner import RunGuard
+from nitro.engine.runner import Run, RunControl, RunGuard
 from nitro.engine.setup import build
 from nitro.engine.swaps import LiveEdit
 from nitro.engine.weights_copy import copy_weights
@@ -116,19 +116,18 @@ class Nitro(RunHandle):
                 "optimizer state, counters and history); weights= starts a new run from "
                 "weights only. Pass one of them."
             )
-        reporter = progress.make_reporter(resolved.progress)
+        self._progress = progress.make_reporter(resolved.progress)
         self._state: TrainState  # built below; monitors see setup phases first (without it)
-        self._init_run(
-            reporter,
-            Events([reporter], context=self._phase_context),
-            RunGuard(lambda: f"this {cls.__name__} handle"),
-        )
+        self._events = Events([self._progress], context=self._phase_context)
         self._logging = None
         if resolved.logger is not None:
             from nitro.loggers import LoggingReporter
 
             self._logging = LoggingReporter(resolved.logger)
             self._events.add(self._logging)
+        self._control = RunControl()
+        self._control.say = self._say
+        self._guard = RunGuard(lambda: f"this {cls.__name__} handle")
         take_ready_edit = weakref.WeakMethod(self._take_ready_edit)  # the guard holds no handle
 
         def on_release() -> None:
@@ -137,6 +136,9 @@ class Nitro(RunHandle):
                 take()
 
         self._guard.on_release = on_release
+        self._run: Run | None = None
+        self._stop_reason: str | None = None
+        self._error: BaseException | None = None
         self._checkpoint: SavedWeights | None = None
         self._stale_seen: str | None = None
         self._live_edits: bool | None = None
@@ -195,36 +197,6 @@ class Nitro(RunHandle):
         self._target_epoch = max(self._setup.max_epochs, self._state.epoch)
         self._run_target = self._target_epoch  # the latest run's aim, `train(steps=)`'s too
         self._events.phase("ready")
-
-    @property
-    def _counters(self) -> TrainState:
-        return self._state
-
-    @property
-    def _lead_setup(self) -> RunSetup:
-        return self._setup
-
-    @property
-    def _run_files(self) -> RunFiles:
-        return self._files
-
-    def _wait_saves(self) -> None:
-        if self._files.store is not None:
-            self._files.store.wait()
-
-    def _release(self) -> None:
-        self._files.release()
-        for prefetcher in self._runtime.prefetchers.values():
-            prefetcher.release_workers(final=True)
-
-    def _check_trainable(self) -> None:
-        self._check_stale("train")
-        if "train" not in self._setup.splits:
-            raise SetupError(
-                f"this handle has no 'train' split (splits: "
-                f"{', '.join(self._setup.splits) or 'none'}); it can validate, evaluate "
-                f"and predict"
-            )
 
     def _continue_seed(
         self, instance: Any, resolved: RunKeywords, given: Mapping[str, Any], data: Any
@@ -425,53 +397,56 @@ class Nitro(RunHandle):
             measuring=runtime.dispatch.measuring,
         )
 
-    def _train_body(self, target: int, stop_at: int | None = None) -> None:
-        """The worker thread's work: the loop between start_run and end_run, then the phase."""
-        events = self._events
-        try:
-            with events_module.using(events):
-                self._files.prepare(self._setup)  # refused here: nothing has started
-                events.start_run(self, target)
-                try:
-                    self._files.open(self._setup, events)
-                    self._state, reason = loop.train_epochs(
-                        self._setup,
-                        self._runtime,
-                        self._state,
-                        self._programs,
-                        events,
-                        self._control,
-                        target,
-                        after_epoch=lambda state, row, left: self._after_epoch(
-                            state, row, left, stop_at
-                        ),
-                        stop_at=stop_at,
-                    )
-                    self._files.saves.end_run(
-                        self._setup,
-                        self._state,
-                        events,
-                        reason,
-                        self._runtime.device_values(),
-                        lazy=self._runtime.restores is True,
-                    )
-                    self._stop_reason = reason
-                except BaseException:
-                    self._stop_reason = "error"
-                    self._files.close()  # saves already begun finish; nothing partial is added
-                    raise
-                finally:
-                    events.end_run(self)  # the stop reason is known here
-                events.phase("stopped" if reason == "requested" else "done")
-        except BaseException as error:
-            self._stop_reason = "error"
-            self._error = error
-            events.phase("failed")
-            raise
-        finally:
-            self._guard.release()
-            if self._runtime.live.pending is not None:
-                self._take_swap()  # compiled after the run's last call: the handle takes it
+    @property
+    def _counters(self) -> TrainState:
+        return self._state
+
+    @property
+    def _lead_setup(self) -> RunSetup:
+        return self._setup
+
+    def _check_trainable(self) -> None:
+        self._check_stale("train")
+        if "train" not in self._setup.splits:
+            raise SetupError(
+                f"this handle has no 'train' split (splits: "
+                f"{', '.join(self._setup.splits) or 'none'}); it can validate, evaluate "
+                f"and predict"
+            )
+
+    def _prepare_files(self) -> None:
+        self._files.prepare(self._setup)
+
+    def _train_run(self, target: int, stop_at: int | None, events: Events) -> str:
+        self._files.open(self._setup, events)
+        self._state, reason = loop.train_epochs(
+            self._setup,
+            self._runtime,
+            self._state,
+            self._programs,
+            events,
+            self._control,
+            target,
+            after_epoch=lambda state, row, left: self._after_epoch(state, row, left, stop_at),
+            stop_at=stop_at,
+        )
+        self._files.saves.end_run(
+            self._setup,
+            self._state,
+            events,
+            reason,
+            self._runtime.device_values(),
+            lazy=self._runtime.restores is True,
+        )
+        return reason
+
+    def _after_run(self) -> None:
+        if self._runtime.live.pending is not None:
+            self._take_swap()  # compiled after the run's last call: the handle takes it
+
+    def _release_workers(self) -> None:
+        for prefetcher in self._runtime.prefetchers.values():
+            prefetcher.release_workers(final=True)
 
     # ------------------------------------------------------------------------------------------
     # evaluation and prediction
@@ -509,7 +484,7 @@ class Nitro(RunHandle):
             return result
 
     def _evaluate(self, split: str, weights: str | None) -> dict[str, Any] | None:
-        if split == "val" and self._pending() and weights is None:
+        if split == "val" and self._state.epoch_trained and weights is None:
             row = loop.finish_epoch(
                 self._setup,
                 self._runtime,
@@ -582,7 +557,7 @@ class Nitro(RunHandle):
 
         self._check_stale("export")
         with self._guard.hold("exporting"):
-            self._wait_saves()  # the bundle's run has its checkpoints on disk
+            self._files.wait()  # the bundle's run has its checkpoints on disk
             variables = evaluation.weights_of(self._setup, self._state, weights)
             return export_handle(
                 self,
@@ -753,7 +728,7 @@ class Nitro(RunHandle):
         """Load the weights (parameters and model state) of this run's best checkpoint by the
         checkpointer's metric; the optimizer state, counters and history stay."""
         with self._guard.hold("restoring its best weights"):
-            self._wait_saves()
+            self._files.wait()
             source = CheckpointWeights.of((str(self._files.run_dir), "best"))
             found = source.resolve(*self._trees())
             place = self._setup.placement.put_like  # on the live leaves' shardings

@@ -31,7 +31,7 @@ from nitro.engine.member_axis import Stacked
 from nitro.engine.prediction import predict_batch
 from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_keywords import RUN_KEYWORDS, resolve_run_keywords
-from nitro.engine.runner import RunGuard
+from nitro.engine.runner import RunControl, RunGuard
 from nitro.engine.setup import build
 from nitro.errors import PopulationError, SetupError
 from nitro.experiments.declaration import field_specs
@@ -59,8 +59,6 @@ class Population(PopulationMembers):
     >>> pop.train().history().index.names
     FrozenList(['member', 'epoch'])
     """
-
-    _noun, _thread, _waiting = "pop", "population", "the population"
 
     def __init__(
         self,
@@ -125,7 +123,6 @@ class Population(PopulationMembers):
             check_axis(cls, specs, name)
         for name, value in shared.items():
             check_shared(specs, name, value)
-        self._cls = cls
         self._settings = settings
         shared_fields = {k: v for k, v in shared.items() if k in specs and k not in RUN_KEYWORDS}
         self._shared_keywords = {
@@ -133,14 +130,14 @@ class Population(PopulationMembers):
         }
         files = {k: v for k, v in shared.items() if k in FILE_KEYWORDS}  # the population's own
         self._experiment = dataclasses.replace(experiment, **shared_fields)
+        self._control = RunControl()
+        self._control.say = self._say
+        self._guard = RunGuard(lambda: f"this {cls.__name__} population", name="pop")
         reporter = progress.make_reporter(
             self._shared_keywords.get("progress", True), population=True
         )
-        self._init_run(
-            reporter,
-            Events([reporter] if reporter is not None else []),
-            RunGuard(lambda: f"this {cls.__name__} population", name="pop"),
-        )
+        self._progress = reporter
+        self._events = Events([reporter] if reporter is not None else [])
         with events_module.using(self._events):
             self._members = [self._build_member(0, settings[0], specs)]
             # with shared batches only the first member's stream is read: the others take its
@@ -175,12 +172,12 @@ class Population(PopulationMembers):
         self._life = PopulationLife.plan(
             self, self._members, files, self._say, lambda: guard.activity is not None
         )
+        self._files = self._life.files
         self._events.add(self._life.logging)
         if self._life.resumes:
             with events_module.using(self._events):
                 self._life.restore(self._members, self._stacked(), self._events)
         self._life.claim_planned()
-        self._target_epoch = self._run_target = max(self.max_epochs, self.epoch)
 
     def _build_member(
         self, index: int, setting: Mapping[str, Any], specs, data: Any = None
@@ -210,7 +207,7 @@ class Population(PopulationMembers):
     def __repr__(self) -> str:
         axes = sorted({k for s in self._settings for k in s})
         return (
-            f"<Population of {len(self)} {self._cls.__name__} members over "
+            f"<Population of {len(self)} {self.cls.__name__} members over "
             f"{', '.join(axes) or 'nothing'}: epoch {self.epoch}, step {self.step}>"
         )
 
@@ -252,32 +249,6 @@ class Population(PopulationMembers):
         """Steps per program call as decided so far (a `DispatchChoice`, as `n.dispatch`)."""
         return self._members[0].runtime.dispatch.choice
 
-    @property
-    def _counters(self) -> TrainState:
-        return self._members[0].state if self._state is None else self._state
-
-    @property
-    def _lead_setup(self) -> RunSetup:
-        return self._members[0].setup
-
-    @property
-    def _run_files(self) -> PopulationLife:
-        return self._life
-
-    def _wait_saves(self) -> None:
-        self._life.wait()
-
-    def _release(self) -> None:
-        self._life.release()
-
-    def _check_trainable(self) -> None:
-        if all(m.stopped is not None for m in self._members):
-            raise PopulationError(
-                "every member of this population has stopped ("
-                + "; ".join(f"{m.label}: {m.stopped}" for m in self._members)
-                + "): pop.best() or pop.member(i) is a handle that trains on"
-            )
-
     def _stacked(self) -> engine.PopulationState:
         with self._stacking:
             if self._state is None:
@@ -315,49 +286,51 @@ class Population(PopulationMembers):
         members' seeds differ; `Population(..., batches="shared")` shares the first's)."""
         return self._batches_mode
 
-    def _train_body(self, target: int, stop_at: int | None) -> None:
-        events = self._events
+    @property
+    def _counters(self) -> TrainState:
+        return self._members[0].state if self._state is None else self._state
+
+    @property
+    def _lead_setup(self) -> RunSetup:
+        return self._members[0].setup
+
+    def _check_trainable(self) -> None:
+        if all(m.stopped is not None for m in self._members):
+            raise PopulationError(
+                "every member of this population has stopped ("
+                + "; ".join(f"{m.label}: {m.stopped}" for m in self._members)
+                + "): pop.best() or pop.member(i) is a handle that trains on"
+            )
+
+    def _prepare_files(self) -> None:
+        self._life.prepare()
+
+    def _train_run(self, target: int, stop_at: int | None, events: Events) -> str:
+        members = self._stacked_members()
+        state, lead = members.state, self._members[0]
+        self._life.open(self._members, events)
         try:
-            with events_module.using(events):
-                self._life.prepare()  # refused here: nothing has started
-                events.start_run(self, target)
-                members = self._stacked_members()
-                state, lead = members.state, self._members[0]
-                try:
-                    self._life.open(self._members, events)
-                    try:
-                        _, reason = train_epochs(
-                            lead.setup,
-                            lead.runtime,
-                            state,
-                            self._programs,
-                            events,
-                            self._control,
-                            target,
-                            after_epoch=lambda state, rows, left: self._after_epoch(members.state),
-                            stop_at=stop_at,
-                            members=members,
-                        )
-                        self._stop_reason = self._ended(reason)
-                    finally:
-                        members.keep_time(state)
-                        for member in self._members:  # worker processes live as the run
-                            for prefetcher in member.runtime.prefetchers.values():
-                                prefetcher.release_workers()
-                    self._life.end_run(self._members, state, events, self._stop_reason)
-                except BaseException:
-                    self._stop_reason = "error"
-                    self._life.close()  # saves already begun finish; nothing partial is added
-                    raise
-                finally:
-                    events.end_run(self)
-                events.phase("stopped" if self._stop_reason == "requested" else "done")
-        except BaseException as error:
-            self._error = error
-            events.phase("failed")
-            raise
+            _, reason = train_epochs(
+                lead.setup,
+                lead.runtime,
+                state,
+                self._programs,
+                events,
+                self._control,
+                target,
+                after_epoch=lambda state, rows, left: self._after_epoch(members.state),
+                stop_at=stop_at,
+                members=members,
+            )
+            reason = self._ended(reason) or reason
         finally:
-            self._guard.release()
+            members.keep_time(state)
+            for member in self._members:  # worker processes live as the run
+                for prefetcher in member.runtime.prefetchers.values():
+                    prefetcher.release_workers()
+        self._stop_reason = reason
+        self._life.end_run(self._members, state, events, reason)
+        return reason
 
     def _after_epoch(self, state: engine.PopulationState) -> str | None:
         """After an epoch's rows: stop each member whose monitored metric stopped improving
@@ -380,7 +353,8 @@ class Population(PopulationMembers):
         stay as they are and the others train on, each as it would have without the pruning.
         Its slot still runs in every call (masked), so pruning saves no time."""
         if member is None:
-            return super().stop()
+            self._control.stop.set()
+            return self
         if isinstance(member, bool) or not isinstance(member, int):
             raise TypeError(f"pop.stop(member) takes a member index, got {member!r}")
         if not 0 <= member < len(self):

@@ -53,13 +53,11 @@ PROGRAM_KEYWORDS = {
 
 
 class PopulationMembers(RunHandle):
-    """A population's members as handles and as tables (what `Population` holds: its
-    members, their stacked state, its guard)."""
+    """A population's members as `Nitro` handles and as tables."""
 
     _members: list[engine.Member]
     _state: engine.PopulationState | None
     _data: Any
-    _cls: type
 
     def __len__(self) -> int:
         return len(self._members)
@@ -100,12 +98,11 @@ class PopulationMembers(RunHandle):
             stacked = self._state.variables
             params_leaves = [leaf[index] for leaf in stacked.params]
             rest_leaves = [leaf[index] for leaf in stacked.model_state]
-        weights = WeightsSource(
+        return WeightsSource(
             jax.tree.map(copy_array, jax.tree.unflatten(model.params_def, params_leaves)),
             jax.tree.map(copy_array, jax.tree.unflatten(model.model_state_def, rest_leaves)),
-            f"{member.label} of a {self._cls.__name__} population at epoch {epoch}, step {step}",
+            f"{member.label} of a {self.cls.__name__} population at epoch {epoch}, step {step}",
         )
-        return weights
 
     def best(self, metric: str = "val_loss", mode: str | None = None, **keywords: Any) -> Nitro:
         """A `Nitro` handle of the member whose latest `metric` is best (`mode` "min" or

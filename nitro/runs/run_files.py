@@ -258,6 +258,11 @@ class RunFiles:
             write_run_json(self.run_dir, {**info, **self.identity.as_json()})
         return common
 
+    def wait(self) -> None:
+        """Wait for the saves under way to be written."""
+        if self.store is not None:
+            self.store.wait()
+
     def close(self) -> None:
         """Write the best epoch held on the host and finish the saves."""
         self.saves.close()
@@ -436,10 +441,6 @@ class PopulationFiles(RunFiles):
                 f"population's: Nitro(..., resume={str(directory.parent)!r}) continues it"
             )
         return saved, record
-
-    def wait(self) -> None:
-        if self.store is not None:
-            self.store.wait()
 
 
 def _resume_source(
