@@ -1,9 +1,6 @@
-"""A population's members: a member as a `Nitro` handle, the best member, the tables of
-every member's rows, and the refusals of axes and values the members cannot share.
-
-`Population` takes `PopulationMembers` in; `check_axis`, `check_shared` and
-`check_one_program` are its checks at construction. See docs/population.md.
-"""
+"""A population's members as `Nitro` handles (`member`, `best`) and as tables, and the
+refusals of axes and values they cannot share (`check_axis`, `check_shared`,
+`check_one_program`). See docs/population.md."""
 
 from __future__ import annotations
 
