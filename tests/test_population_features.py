@@ -52,6 +52,10 @@ def assert_members_equal_alone(pop, epochs, atol=1e-5, **keywords):
         assert mine["step"].tolist() == solo.history()["step"].tolist()
         for column in ("loss", "val_loss"):
             np.testing.assert_allclose(mine[column], solo.history()[column], rtol=0, atol=atol)
+        for column in ("loss_scale", "skipped_steps"):  # float16's: each member's own
+            assert (column in mine) == (column in solo.history())
+            if column in mine:
+                assert mine[column].tolist() == solo.history()[column].tolist()
         for a, b in zip(params(pop.member(i)), params(solo), strict=True):
             np.testing.assert_allclose(a, b, rtol=0, atol=atol * 10)
 
@@ -85,6 +89,7 @@ def test_schedules_per_member_equal_each_alone():
 @pytest.mark.parametrize("precision", ["bfloat16", "float16"])
 def test_precision_trains_every_member_as_alone(precision):
     pop = population(precision=precision).train()
+    assert ("loss_scale" in pop.history()) == (precision == "float16")
     assert np.isfinite(pop.history()["loss"]).all()
     assert_members_equal_alone(pop, 1, atol=5e-2, precision=precision)
 

@@ -45,6 +45,7 @@ from nitro.engine.population import (
 from nitro.engine.run_time import RunTime
 from nitro.errors import DivergenceError
 from nitro.experiments.routing import select
+from nitro.optim.precision import epoch_columns
 
 __all__ = ["SINGLE", "Single", "Stacked"]
 
@@ -251,7 +252,8 @@ class Stacked:
         and train metrics. A stopped member's record ends at its stop: the epoch it stopped
         in gets a last row (its step the one it stopped at), later epochs none (None)."""
         rows: list[dict[str, Any] | None] = []
-        for member in self.members:
+        scale = state.variables.loss_scale  # float16's: each member's own, stacked
+        for i, member in enumerate(self.members):
             totals = member.totals
             assert totals is not None  # set when the epoch began
             if member.stopped is not None and not totals.steps:
@@ -264,6 +266,8 @@ class Stacked:
                 row["nonfinite_steps"] = totals.nonfinite
             elif totals.loss_count:
                 row["loss"] = totals.loss_sum / totals.loss_count
+            if scale is not None:
+                row.update(epoch_columns([leaf[i] for leaf in scale], member.state.history))
             if not totals.train_metrics.empty:
                 results = totals.train_metrics.result()
                 row.update(finalize(member.setup, member.runtime, results, "train"))
