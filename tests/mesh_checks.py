@@ -245,7 +245,7 @@ def population():
             mesh_axis=mesh_axis,
             progress=False,
         ).train()
-        leaf = pop._state.variables.params[0]
+        leaf = pop._axis.state.variables.params[0]
         return {
             "val_loss": pop.history()["val_loss"].tolist(),
             "weights": [np.asarray(p).tolist() for p in pop.member(3).state.variables.params],

@@ -113,7 +113,6 @@ def _private_imports(path: Path) -> list[str]:
 
 def test_population_code_imports_no_private_helper_of_the_run():
     modules = [
-        "engine/population.py",
         "engine/member_axis.py",
         "handle/population.py",
         "handle/population_lifecycle.py",

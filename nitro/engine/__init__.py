@@ -23,8 +23,8 @@ below; never the handle.
 - `swaps`: the records of live edits, and the loop's side of a swap
 - `profiling`: `n.profile()`'s measurements: each call's time taken apart, the device's peak
 - `member_axis`: who the loop, evaluation and prediction train: `SINGLE` (a run) or `Stacked` (a
-  population's members, on a leading axis)
-- `population`: a population's records (its members, the stacked state, pruning)
+  population's members, on a leading axis), and a population's records (its members, the
+  stacked state, pruning)
 """
 
 __all__: list[str] = []

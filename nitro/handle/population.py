@@ -17,17 +17,21 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-import jax.numpy as jnp
-
 from nitro.core import events as events_module
 from nitro.core import progress
 from nitro.core.events import Events
 from nitro.core.run_setup import RunSetup
-from nitro.core.train_state import TrainState, Variables
-from nitro.engine import population as engine
+from nitro.core.train_state import TrainState
 from nitro.engine.evaluation import evaluate_split
 from nitro.engine.loop import train_epochs
-from nitro.engine.member_axis import Stacked
+from nitro.engine.member_axis import (
+    Member,
+    PopulationState,
+    Stacked,
+    apply_prunes,
+    check_member_layout,
+    shown_settings,
+)
 from nitro.engine.prediction import predict_batch
 from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_keywords import RUN_KEYWORDS, resolve_run_keywords
@@ -153,7 +157,7 @@ class Population(PopulationMembers):
             ]
         check_one_program(self._members)
         lead = self._members[0]
-        engine.check_member_layout(lead.setup)
+        check_member_layout(lead.setup)
         devices = lead.setup.placement.n_devs
         if mesh_axis == "members" and devices > 1 and len(settings) % devices:
             raise PopulationError(
@@ -165,8 +169,7 @@ class Population(PopulationMembers):
             setup = lead.setup
             lead.setup.early_stop.check(tuple(setup.splits), None, setup.eval_splits)
         self._programs = ProgramSet(lead.setup, len(settings), own_batches=batches == "own")
-        self._state: engine.PopulationState | None = None  # stacked on first use
-        self._axis: Stacked | None = None  # the loop's members object, with the state
+        self._axis: Stacked | None = None  # the loop's members object: stacked on first use
         self._stacking = threading.Lock()  # pop.stop(i) may stack before the run's thread
         guard = self._guard  # not the population: its run directory's lock must not keep it
         self._life = PopulationLife.plan(
@@ -176,12 +179,12 @@ class Population(PopulationMembers):
         self._events.add(self._life.logging)
         if self._life.resumes:
             with events_module.using(self._events):
-                self._life.restore(self._members, self._stacked(), self._events)
+                self._life.restore(self._members, self._stacked().state, self._events)
         self._life.claim_planned()
 
     def _build_member(
         self, index: int, setting: Mapping[str, Any], specs, data: Any = None
-    ) -> engine.Member:
+    ) -> Member:
         fields = {k: v for k, v in setting.items() if k in specs and k not in RUN_KEYWORDS}
         instance = dataclasses.replace(self._experiment, **fields)
         given = {**self._shared_keywords, **{k: v for k, v in setting.items() if k not in fields}}
@@ -199,7 +202,7 @@ class Population(PopulationMembers):
             data=self._data if data is None else data,
             weights=self._weights,
         )
-        return engine.Member(index, dict(setting), instance, setup, runtime, state)
+        return Member(index, dict(setting), instance, setup, runtime, state)
 
     # ------------------------------------------------------------------------------------------
     # what it holds
@@ -249,32 +252,13 @@ class Population(PopulationMembers):
         """Steps per program call as decided so far (a `DispatchChoice`, as `n.dispatch`)."""
         return self._members[0].runtime.dispatch.choice
 
-    def _stacked(self) -> engine.PopulationState:
+    def _stacked(self) -> Stacked:
+        """The members stacked, once: the loop's members object, with the stacked state."""
         with self._stacking:
-            if self._state is None:
-                states = [m.state for m in self._members]
-                variables = engine.stack([s.variables for s in states])
-                healthy = jnp.ones(len(states), bool)
-                for state in states:  # the population holds them, stacked
-                    state.variables = Variables(params=[], model_state=[])
-                lead = states[0]
-                setup = self._members[0].setup
-                place = engine.member_placement(setup, self._mesh_axis)
-                self._state = engine.PopulationState(
-                    variables=place(variables),
-                    step=lead.step,
-                    epoch=lead.epoch,
-                    healthy=place(healthy),
-                    batches=self._batches_mode,
-                    place=place,
-                )
-                self._axis = Stacked(self._members, self._state, self._say)
-            return self._state
-
-    def _stacked_members(self) -> Stacked:
-        self._stacked()
-        assert self._axis is not None  # made with the state
-        return self._axis
+            if self._axis is None:
+                members, say = self._members, self._say
+                self._axis = Stacked.of(members, self._batches_mode, self._mesh_axis, say)
+            return self._axis
 
     # ------------------------------------------------------------------------------------------
     # training and evaluation
@@ -288,7 +272,7 @@ class Population(PopulationMembers):
 
     @property
     def _counters(self) -> TrainState:
-        return self._members[0].state if self._state is None else self._state
+        return self._members[0].state if self._axis is None else self._axis.state
 
     @property
     def _lead_setup(self) -> RunSetup:
@@ -306,7 +290,7 @@ class Population(PopulationMembers):
         self._life.prepare()
 
     def _train_run(self, target: int, stop_at: int | None, events: Events) -> str:
-        members = self._stacked_members()
+        members = self._stacked()
         state, lead = members.state, self._members[0]
         self._life.open(self._members, events)
         try:
@@ -332,11 +316,11 @@ class Population(PopulationMembers):
         self._life.end_run(self._members, state, events, reason)
         return reason
 
-    def _after_epoch(self, state: engine.PopulationState) -> str | None:
+    def _after_epoch(self, state: PopulationState) -> str | None:
         """After an epoch's rows: stop each member whose monitored metric stopped improving
         (`early_stop=`) as its single run would have stopped, save, and end the run once
         every member has stopped."""
-        self._stacked_members().early_stops(state)
+        self._stacked().early_stops(state)
         self._life.after_epoch(self._members, state, self._events)
         return self._ended(None)
 
@@ -359,10 +343,10 @@ class Population(PopulationMembers):
             raise TypeError(f"pop.stop(member) takes a member index, got {member!r}")
         if not 0 <= member < len(self):
             raise IndexError(f"member {member} of a population of {len(self)}")
-        state = self._stacked()  # a run that has not stacked its members yet finds it so
+        state = self._stacked().state  # a run that has not stacked its members yet finds it so
         state.prune[member] = why or f"stopped by pop.stop({member})"
         if not self.running:
-            engine.apply_prunes(self._members, state, self._say)
+            apply_prunes(self._members, state, self._say)
         return self
 
     def validate(self, split: str = "val"):
@@ -373,7 +357,7 @@ class Population(PopulationMembers):
         with self._held(f"evaluating {split}"):
             lead = self._members[0]
             lead.setup.split(split)
-            members = self._stacked_members()
+            members = self._stacked()
             try:
                 rows = evaluate_split(
                     lead.setup,
@@ -392,7 +376,7 @@ class Population(PopulationMembers):
             raise Interrupted(f"evaluating the {split!r} split was interrupted; nothing recorded")
         frame = pd.DataFrame(
             [
-                {**engine.shown_settings(m.settings), **row}
+                {**shown_settings(m.settings), **row}
                 for m, row in zip(self._members, rows, strict=True)
             ]
         )
@@ -413,7 +397,7 @@ class Population(PopulationMembers):
                 f"pop.predict({{'x': xs}})"
             )
         with self._held("predicting"):
-            lead, members = self._members[0], self._stacked_members()
+            lead, members = self._members[0], self._stacked()
             return predict_batch(
                 lead.setup,
                 lead.runtime,

@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from nitro.engine import population as engine
+from nitro.engine.member_axis import Member, Stacked, shown_settings
 from nitro.engine.run_keywords import RUN_KEYWORDS
 from nitro.errors import PopulationError
 from nitro.experiments.declaration import FieldKind
@@ -52,8 +52,8 @@ PROGRAM_KEYWORDS = {
 class PopulationMembers(RunHandle):
     """A population's members as `Nitro` handles and as tables."""
 
-    _members: list[engine.Member]
-    _state: engine.PopulationState | None
+    _members: list[Member]
+    _axis: Stacked | None
     _data: Any
 
     def __len__(self) -> int:
@@ -62,7 +62,7 @@ class PopulationMembers(RunHandle):
     def _table(self, records: str, index: str):
         """Every member's `records` rows, indexed by (member, `index`), its settings first."""
         rows = [
-            {"member": m.index, **engine.shown_settings(m.settings), **row}
+            {"member": m.index, **shown_settings(m.settings), **row}
             for m in self._members
             for row in getattr(m.state, records)
         ]
@@ -88,11 +88,11 @@ class PopulationMembers(RunHandle):
         epoch, step = self.epoch, self.step
         if member.stopped is not None:  # its weights are those of its stop
             epoch, step = member.state.epoch, member.stopped_at
-        if self._state is None:
+        if self._axis is None:
             variables = member.state.variables
             params_leaves, rest_leaves = variables.params, variables.model_state
         else:
-            stacked = self._state.variables
+            stacked = self._axis.state.variables
             params_leaves = [leaf[index] for leaf in stacked.params]
             rest_leaves = [leaf[index] for leaf in stacked.model_state]
         return WeightsSource(
@@ -167,7 +167,7 @@ def check_shared(specs: Mapping[str, Any], name: str, value: Any) -> None:
         raise PopulationError(f"{name} is neither a run keyword nor a field of the experiment")
 
 
-def check_one_program(members: Sequence[engine.Member]) -> None:
+def check_one_program(members: Sequence[Member]) -> None:
     """Refuse members whose train steps would not be one program (what the axis checks let
     through but the setup decided differently: a weight decay of None beside 1e-4, say)."""
     lead = members[0]
@@ -184,7 +184,7 @@ def check_one_program(members: Sequence[engine.Member]) -> None:
                 )
 
 
-def _program_identity(member: engine.Member) -> dict[str, Any]:
+def _program_identity(member: Member) -> dict[str, Any]:
     setup, state, feed = member.setup, member.state, member.runtime.feed
     spec = train_step_spec(setup, setup.splits["train"].hook_fields)
     leaves, tree = jax.tree.flatten(state.variables)

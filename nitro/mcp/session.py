@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from nitro._version import __version__
-from nitro.engine.population import shown_settings
+from nitro.engine.member_axis import shown_settings
 from nitro.errors import PopulationError
 from nitro.experiments.declaration import field_specs, has_method
 from nitro.handle.handle import Nitro
