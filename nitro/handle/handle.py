@@ -184,7 +184,8 @@ class Nitro(RunHandle):
                 )
                 if self._state.seed != self._setup.seed:
                     self._continue_seed(instance, resolved, keywords, data)
-            self._reattach_logger(record.member.logger)
+            if self._logging is not None:
+                self._logging.reattach(record.member.logger)
             found = self._files.resume_from
             self._checkpoint = SavedWeights(
                 paths=(str(found.path),),
@@ -219,17 +220,6 @@ class Nitro(RunHandle):
         """(handle, step, epoch) for phase monitors; nothing while the handle is built."""
         state: TrainState | None = getattr(self, "_state", None)
         return (None, None, None) if state is None else (self, state.step, state.epoch)
-
-    def _reattach_logger(self, saved: Any) -> None:
-        if saved is None or self._logging is None:
-            return
-        try:
-            self._logging.logger.reattach(saved)
-        except (TypeError, ValueError) as error:
-            raise SetupError(
-                f"cannot resume into this logger: {error}. Resume with the logger the run "
-                f"was started with (its checkpoint recorded {saved!r}), or logger=None"
-            ) from None
 
     @property
     def logger(self):
@@ -413,9 +403,6 @@ class Nitro(RunHandle):
                 f"{', '.join(self._setup.splits) or 'none'}); it can validate, evaluate "
                 f"and predict"
             )
-
-    def _prepare_files(self) -> None:
-        self._files.prepare(self._setup)
 
     def _train_run(self, target: int, stop_at: int | None, events: Events) -> str:
         self._files.open(self._setup, events)

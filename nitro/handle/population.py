@@ -48,6 +48,7 @@ from nitro.handle.population_members import (
     check_shared,
 )
 from nitro.programs.specs import ProgramSet
+from nitro.runs.watched_metrics import check_watched_metrics
 
 __all__ = ["Population"]
 
@@ -132,7 +133,8 @@ class Population(PopulationMembers):
         self._shared_keywords = {
             k: v for k, v in shared.items() if k not in shared_fields and k not in FILE_KEYWORDS
         }
-        files = {k: v for k, v in shared.items() if k in FILE_KEYWORDS}  # the population's own
+        # the population's own: its members' setups say where it lives and what it saves
+        self._files_keywords = {k: v for k, v in shared.items() if k in FILE_KEYWORDS}
         self._experiment = dataclasses.replace(experiment, **shared_fields)
         self._control = RunControl()
         self._control.say = self._say
@@ -165,22 +167,26 @@ class Population(PopulationMembers):
                 f"(mesh_axis='members' gives each device its share of the members): give a "
                 f"multiple of {devices} members, or mesh_axis='batch' to split each batch instead"
             )
-        if lead.setup.early_stop is not None:
-            setup = lead.setup
-            lead.setup.early_stop.check(tuple(setup.splits), None, setup.eval_splits)
+        try:  # early_stop= and checkpointer= watch what the members produce, as a run's
+            runtime = lead.runtime
+            check_watched_metrics(
+                lead.setup, lead.state, runtime.experiment, runtime.feed.current_device()
+            )
+        except SetupError as error:
+            raise PopulationError(str(error)) from None
         self._programs = ProgramSet(lead.setup, len(settings), own_batches=batches == "own")
         self._axis: Stacked | None = None  # the loop's members object: stacked on first use
         self._stacking = threading.Lock()  # pop.stop(i) may stack before the run's thread
         guard = self._guard  # not the population: its run directory's lock must not keep it
         self._life = PopulationLife.plan(
-            self, self._members, files, self._say, lambda: guard.activity is not None
+            self, self._members, self._files_keywords, self._say, lambda: guard.activity is not None
         )
         self._files = self._life.files
         self._events.add(self._life.logging)
-        if self._life.resumes:
+        if self._files.resume_from is not None:
             with events_module.using(self._events):
                 self._life.restore(self._members, self._stacked().state, self._events)
-        self._life.claim_planned()
+        self._files.claim_planned()
 
     def _build_member(
         self, index: int, setting: Mapping[str, Any], specs, data: Any = None
@@ -188,7 +194,8 @@ class Population(PopulationMembers):
         fields = {k: v for k, v in setting.items() if k in specs and k not in RUN_KEYWORDS}
         instance = dataclasses.replace(self._experiment, **fields)
         given = {**self._shared_keywords, **{k: v for k, v in setting.items() if k not in fields}}
-        keywords = {**given, "checkpointer": None, "logger": None, "progress": False}
+        files = {k: v for k, v in self._files_keywords.items() if k != "logger"}
+        keywords = {**given, **files, "logger": None, "progress": False}
         try:
             resolved = RunKeywords.of(resolve_run_keywords(instance, keywords))
         except SetupError as error:  # name the member whose value it is
@@ -285,9 +292,6 @@ class Population(PopulationMembers):
                 + "; ".join(f"{m.label}: {m.stopped}" for m in self._members)
                 + "): pop.best() or pop.member(i) is a handle that trains on"
             )
-
-    def _prepare_files(self) -> None:
-        self._life.prepare()
 
     def _train_run(self, target: int, stop_at: int | None, events: Events) -> str:
         members = self._stacked()

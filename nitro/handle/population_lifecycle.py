@@ -15,7 +15,6 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Mapping, Sequence
-from pathlib import Path
 from typing import Any
 
 import jax.numpy as jnp
@@ -23,8 +22,7 @@ import numpy as np
 
 from nitro.core.events import Events
 from nitro.core.train_state import HistoryRows, scalars
-from nitro.engine.run_keywords import resolve_run_keywords
-from nitro.errors import PopulationError, SetupError
+from nitro.errors import PopulationError
 from nitro.handle.binding_report import binding_report
 from nitro.loggers import (
     CSVLogger,
@@ -53,7 +51,6 @@ from nitro.runs.epoch_saves import finite
 from nitro.runs.resume import restore_variables, said_resumed
 from nitro.runs.run_dirs import member_dir, member_run_id
 from nitro.runs.run_files import PopulationFiles
-from nitro.runs.watched_metrics import metric_names
 
 __all__ = ["FILE_KEYWORDS", "MemberLogging", "PopulationLife", "member_loggers"]
 
@@ -133,10 +130,12 @@ def _member_copy(logger: Any, index: int, run_id: str) -> Any:
 
 
 class _MemberView:
-    """What a `LoggingReporter` reads of its handle, for one member of a population."""
+    """What a `LoggingReporter` reads of its handle, for one member of a population: the
+    member's setup and run-time record, and where it stands in the population's run."""
 
     def __init__(self, life: PopulationLife, member: Any, population: Any):
         self._life, self._member, self._population = life, member, population
+        self.setup, self.runtime = member.setup, member.runtime
 
     @property
     def run_dir(self) -> str:
@@ -154,38 +153,6 @@ class _MemberView:
         )
 
     @property
-    def setup(self) -> Any:
-        return self._member.setup
-
-    @property
-    def experiment(self) -> Any:
-        return self._member.runtime.experiment
-
-    @property
-    def owner(self) -> str:
-        return self._member.setup.owner
-
-    @property
-    def keywords(self) -> Mapping[str, Any]:
-        return self._member.setup.keywords
-
-    @property
-    def seed(self) -> int:
-        return self._member.setup.seed
-
-    @property
-    def schedules(self) -> tuple:
-        return self._member.setup.schedules
-
-    @property
-    def optimizer(self) -> Any:
-        return self._member.setup.optimizer
-
-    @property
-    def param_count(self) -> int:
-        return self._member.setup.model.param_count
-
-    @property
     def epoch(self) -> int:
         member = self._member  # a stopped member's epoch stays where it stopped
         return self._population.epoch if member.stopped is None else member.state.epoch
@@ -198,9 +165,6 @@ class _MemberView:
         if stopped.startswith("diverged"):
             return "error"
         return "early_stop" if stopped.startswith("early stop") else "requested"
-
-    def device_value(self, name: str) -> Any:
-        return self._member.runtime.feed.device_value(name)
 
     def binding_report(self):
         member = self._member
@@ -264,25 +228,20 @@ class PopulationLife:
         say: Callable[[str], None],
         busy: Callable[[], bool],
     ) -> PopulationLife:
-        """Decide where `population` lives and what it saves there (`keywords`: the
-        population's `run_dir=`, `checkpointer=`, `logger=`, `resume=` given), with the
-        defaults of a single run: `runs/<Experiment>/<run id>`, `Checkpointer()`, a
-        `JSONLinesLogger()` per member."""
-        lead = members[0]
-        given = {k: keywords[k] for k in ("run_dir", "checkpointer", "resume") if k in keywords}
-        resolved = resolve_run_keywords(lead.experiment, given)
-        checkpointer = resolved["checkpointer"].value
-        if checkpointer is not None:
-            _check_metric(lead, checkpointer)
-        tokens = [{k: setting_token(v) for k, v in m.settings.items()} for m in members]
+        """Decide where `population` lives and what it saves there, as its members' setups
+        have it (the population's `run_dir=`, `checkpointer=` and `resume=`, with the
+        defaults of a single run: `runs/<Experiment>/<run id>`, `Checkpointer()`), and its
+        loggers (`keywords`: its `logger=`, if given: a `JSONLinesLogger()` per member)."""
+        setup = members[0].setup
         logger = keywords.get("logger", _DEFAULT)
+        tokens = [{k: setting_token(v) for k, v in m.settings.items()} for m in members]
         files = PopulationFiles.plan(
-            lead.setup.cls,
+            setup.cls,
             members=len(members),
-            name=lead.setup.name,
-            run_dir=resolved["run_dir"].value,
-            resume=resolved["resume"].value,
-            checkpointer=checkpointer,
+            name=setup.name,
+            run_dir=setup.run_dir,
+            resume=setup.resume,
+            checkpointer=setup.checkpointer,
             settings=tokens,
             logs=logger is not None,
             say=say,
@@ -296,18 +255,6 @@ class PopulationLife:
                 [_MemberView(life, m, population) for m in members],
             )
         return life
-
-    @property
-    def resumes(self) -> bool:
-        return self.files.resume_from is not None
-
-    @property
-    def run_dir(self) -> Path:
-        return self.files.run_dir
-
-    @property
-    def run_id(self) -> str:
-        return self.files.run_id
 
     # ------------------------------------------------------------------------------------------
     # resume
@@ -366,26 +313,11 @@ class PopulationLife:
             member.totals = partial.totals() if partial is not None else None
         if self.logging is not None:
             for reporter, entry in zip(self.logging.reporters, entries, strict=True):
-                saved_state = entry.logger
-                if saved_state is None:
-                    continue
-                try:
-                    reporter.logger.reattach(saved_state)
-                except (TypeError, ValueError) as error:
-                    raise SetupError(
-                        f"cannot resume into this logger: {error}. Resume with the loggers the "
-                        f"population was started with, or logger=None"
-                    ) from None
+                reporter.reattach(entry.logger)
         said_resumed(self.files, "population", state.epoch, state.step, events.note)
-
-    def claim_planned(self) -> None:
-        self.files.claim_planned()
 
     # ------------------------------------------------------------------------------------------
     # during a run
-
-    def prepare(self) -> None:
-        self.files.prepare()
 
     def open(self, members: Sequence[Any], events: Events) -> None:
         lead = members[0]
@@ -468,30 +400,3 @@ class PopulationLife:
             stop_reason=reason,
         )
         return Save(state.step, host_tree(setup, state.variables), record, best)
-
-    def close(self) -> None:
-        self.files.close()
-
-    def release(self) -> None:
-        self.files.release()
-
-    def wait(self) -> None:
-        self.files.wait()
-
-
-def _check_metric(lead: Any, checkpointer: Checkpointer) -> None:
-    """Refuse, when the population is built, a checkpointer ranking by a column its members
-    do not produce (the metrics hook is probed for its names, as for a single run)."""
-    setup = lead.setup
-    known = {"loss", "val_loss"} | {f"{split}_loss" for split in setup.eval_splits}
-    if checkpointer.metric in known:
-        return
-    names = metric_names(
-        setup, lead.state, lead.runtime.experiment, lead.runtime.feed.current_device()
-    )
-    if names is not None and checkpointer.metric not in names:
-        raise PopulationError(
-            f"Checkpointer(metric={checkpointer.metric!r}) ranks the population's checkpoints "
-            f"by a column its members do not produce; their metrics are "
-            f"{', '.join(sorted(names))}"
-        )

@@ -58,9 +58,6 @@ class RunHandle:
     def _check_trainable(self) -> None:
         """Refuse a `train()` that cannot start, before anything is claimed."""
 
-    def _prepare_files(self) -> None:
-        """Refuse, in the worker thread before the run starts, what its files cannot take."""
-
     def _train_run(self, target: int, stop_at: int | None, events: Events) -> str:
         """One run between start_run and end_run: the loop and its end's save; its stop reason."""
         raise NotImplementedError
@@ -254,7 +251,7 @@ class RunHandle:
         events = self._events
         try:
             with events_module.using(events):
-                self._prepare_files()  # refused here: nothing has started
+                self._files.prepare()  # refused here: nothing has started
                 events.start_run(self, target)
                 try:
                     reason = self._train_run(target, stop_at, events)

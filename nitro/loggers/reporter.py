@@ -31,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from nitro.errors import SetupError
 from nitro.experiments.declaration import FieldKind, field_specs
 from nitro.loggers.protocol import (
     FINISH_STATUSES,
@@ -60,30 +61,32 @@ def finish_status(stop_reason: str | None) -> str:
 def run_params(handle: Any) -> dict[str, Any]:
     """The parameters of a run as a flat table: every field of the experiment (Device fields
     at their current value), the seed, the run keywords (schedules as `schedules.<key>`),
-    the optimizer with its initial hyperparameters, and the parameter count."""
+    the optimizer with its initial hyperparameters, and the parameter count. `handle`: what
+    holds the run's `setup` and `runtime` (a `Nitro`, or a member of a population)."""
     params: dict[str, Any] = {}
-    experiment = handle.experiment
+    setup, runtime = handle.setup, handle.runtime
+    experiment = runtime.experiment
     for spec in field_specs(experiment):
         if spec.kind is FieldKind.DEVICE:
-            value = handle.device_value(spec.name)
+            value = runtime.feed.device_value(spec.name)
         else:
             value = getattr(experiment, spec.name)
         params[spec.name] = plain_value(value)
-    for name, resolved in handle.keywords.items():
+    for name, resolved in setup.keywords.items():
         if name in _NOT_PARAMETERS or name in ("schedules", "optimizer"):
             continue
         params[name] = plain_value(resolved.value)
-    params["seed"] = handle.seed
-    for schedule in handle.schedules:
+    params["seed"] = setup.seed
+    for schedule in setup.schedules:
         params[f"schedules.{schedule.key}"] = schedule.qualified
-    optimizer = handle.optimizer
+    optimizer = setup.optimizer
     if optimizer is not None:
         params["optimizer"] = optimizer.description
         for name, value in optimizer.hyperparams.items():
             # in the dtype the step is fed (float32 0.9 shows as 0.9)
             value = np.asarray(value, optimizer.dtypes.get(name))[()]
             params[f"optimizer.{name}"] = plain_value(value)
-    params["param_count"] = handle.param_count
+    params["param_count"] = setup.model.param_count
     return params
 
 
@@ -148,7 +151,7 @@ class LoggingReporter:
         described = {
             "params": run_params(handle),
             # a population's member adds its own (population, member, settings)
-            "tags": {"experiment": handle.owner, **getattr(handle, "logger_tags", {})},
+            "tags": {"experiment": handle.setup.owner, **getattr(handle, "logger_tags", {})},
             "binding_report": str(handle.binding_report()),
         }
         changed = {k: v for k, v in described.items() if self._described.get(k) != v}
@@ -162,7 +165,7 @@ class LoggingReporter:
         if changed:
             logger.flush()  # on disk before the first compile
         self._epoch = handle.epoch + 1
-        self._evaluated = tuple(getattr(handle.setup, "eval_splits", ("val",)))
+        self._evaluated = tuple(handle.setup.eval_splits)
 
     def start_epoch(self, epoch: int, target_epoch: int, batches: int | None, start: int) -> None:
         self._epoch = epoch + 1  # the epoch under way, as its history row will number it
@@ -205,3 +208,16 @@ class LoggingReporter:
 
     def end_run(self, handle: Any) -> None:
         self.logger.finish(finish_status(handle.stop_reason))
+
+    def reattach(self, saved: Any) -> None:
+        """Continue the logger runs a resumed checkpoint recorded (`saved`: its loggers'
+        `state()`; None: nothing to continue); refused, naming the fix, when they cannot."""
+        if saved is None:
+            return
+        try:
+            self.logger.reattach(saved)
+        except (TypeError, ValueError) as error:
+            raise SetupError(
+                f"cannot resume into this logger: {error}. Resume with the logger the run "
+                f"was started with (its checkpoint recorded {saved!r}), or logger=None"
+            ) from None

@@ -189,7 +189,7 @@ class RunFiles:
     def open(self, setup: RunSetup, events: Events) -> None:
         """Hold the run directory, create it and its run.json; the first line of a run names
         them. A run that saves under a name records it in `handles.json` beside the runs."""
-        self.prepare(setup)
+        self.prepare()
         if self.opened:
             return
         if self.store is not None:
@@ -201,7 +201,7 @@ class RunFiles:
         self.opened = True
         events.note(f"run {self.run_id} in {self.run_dir}")
 
-    def prepare(self, setup: RunSetup) -> None:
+    def prepare(self) -> None:
         """Hold the run directory and create it, before the run starts (and its loggers
         write there): a read-only or vanished directory is refused before any training."""
         self.saves.epoch_began = time.perf_counter()
@@ -332,8 +332,8 @@ class PopulationFiles(RunFiles):
         say: Callable[[str], None],
         busy: Callable[[], bool] = lambda: False,
     ) -> PopulationFiles:
-        """Decide the population's directory and id; nothing is written yet. `resume`: the
-        resolved keyword (False, "auto", a path or (path, "best" | "latest")); `settings`:
+        """Decide the population's directory and id; nothing is written yet. `resume`: as the
+        setup keeps it (None, "auto" or a `CheckpointRef`); `settings`:
         the members' settings as `setting_token` makes them (resume="auto" prefers a
         population of the same members); `logs`: whether it has loggers."""
         identity = RunIdentity.of(experiment_cls, name)
@@ -451,11 +451,10 @@ def _resume_source(
     settings: Sequence[Mapping[str, Any]],
     say: Callable[[str], None],
 ) -> SavedStep | None:
-    if resume != "auto":
-        path, which = resume if isinstance(resume, tuple) else (resume, "latest")
-        path = Path(path).absolute()
+    if isinstance(resume, CheckpointRef):
+        path = Path(resume.path).absolute()
         check_no_writer(path)
-        return resolve_checkpoint(CheckpointRef(os.fspath(path), which))
+        return resolve_checkpoint(CheckpointRef(os.fspath(path), resume.which))
     root = Path(run_dir) if run_dir is not None else experiment_root(experiment_cls.__name__)
     if population_of(root) is not None and read_run_json(root).get("kind") != MEMBER_KIND:
         runs = list_runs(root)
