@@ -296,7 +296,7 @@ class Population(PopulationMembers):
     def _train_run(self, target: int, stop_at: int | None, events: Events) -> str:
         members = self._stacked()
         state, lead = members.state, self._members[0]
-        self._life.open(self._members, events)
+        self._files.open(lead.setup, events)
         try:
             _, reason = train_epochs(
                 lead.setup,

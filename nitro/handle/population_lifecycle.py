@@ -2,10 +2,10 @@
 resume, and one logger run per member.
 
 `Population` composes one `PopulationLife`: built with the population (it plans the
-directory, and a resume restores every member's state before anything runs), held at the
-start of each `train()` (`prepare`, `open`), called by the loop after each epoch
-(`after_epoch`) and at the end of the run (`end_run`). The files are a run's
-(`nitro.runs.run_files.PopulationFiles`), and so are the checkpoints' record, writer and reader;
+directory, and a resume restores every member's state before anything runs), called by the
+loop after each epoch (`after_epoch`) and at the end of the run (`end_run`). The files are a
+run's (`nitro.runs.run_files.PopulationFiles`, planned, held and opened as a run's are), and
+so are the checkpoints' record, writer and reader;
 the loggers are the single run's (`LoggingReporter`), one per member, each bound to the
 member's directory. See docs/population.md.
 """
@@ -40,7 +40,6 @@ from nitro.runs.checkpoint_record import (
     CheckpointRecord,
     MemberRecord,
     PartialEpoch,
-    config_of,
     setting_differences,
     setting_token,
 )
@@ -236,16 +235,13 @@ class PopulationLife:
         logger = keywords.get("logger", _DEFAULT)
         tokens = [{k: setting_token(v) for k, v in m.settings.items()} for m in members]
         files = PopulationFiles.plan(
-            setup.cls,
-            members=len(members),
-            name=setup.name,
-            run_dir=setup.run_dir,
-            resume=setup.resume,
-            checkpointer=setup.checkpointer,
-            settings=tokens,
-            logs=logger is not None,
+            setup,
+            population.events,
             say=say,
             busy=busy,
+            settings=tokens,
+            seeds=[m.setup.seed for m in members],
+            logs=logger is not None,
         )
         life = cls(files, None, tokens, [(HistoryRows(), HistoryRows()) for _ in members])
         groups = member_loggers(logger, len(members), files.run_id)
@@ -318,19 +314,6 @@ class PopulationLife:
 
     # ------------------------------------------------------------------------------------------
     # during a run
-
-    def open(self, members: Sequence[Any], events: Events) -> None:
-        lead = members[0]
-        record = {
-            "experiment": lead.setup.owner,
-            "graphconst": config_of(lead.setup),
-            "axes": sorted({k for m in members for k in m.settings}),
-            "members": [
-                {"settings": token, "seed": m.setup.seed}
-                for m, token in zip(members, self.tokens, strict=True)
-            ],
-        }
-        self.files.open(record, events.note)
 
     def after_epoch(self, members: Sequence[Any], state: Any, events: Events) -> None:
         """Checkpoint the epoch just committed, when due."""

@@ -18,13 +18,13 @@ import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import jax
 
 from nitro._version import __version__
 from nitro.core.events import Events
-from nitro.core.run_setup import CheckpointPolicy, CheckpointRef, RunSetup
+from nitro.core.run_setup import CheckpointRef, RunSetup
 from nitro.core.train_state import TrainState
 from nitro.errors import SetupError
 from nitro.runs.checkpoint_reads import SavedStep, read_checkpoint, resolve_checkpoint
@@ -72,20 +72,26 @@ class RunFiles:
     lock: RunLock | None = None
     locks: bool = True  # False on the secondary processes of a multi-process run
     claim: bool | None = None  # planned: hold the directory (True: may take it over) at once
+    writes: bool = True  # False: nothing on disk (a population that saves and logs nothing)
     saves: EpochSaves = dataclasses.field(init=False)
-    # how the refusals name this handle and the one to build instead
+    # how the refusals name this handle and the one to build instead, the kind of run it is
     WHO: ClassVar[str] = "this handle"
     BUILD: ClassVar[str] = "Nitro"
+    KIND: ClassVar[str] = RUN
+    WRITES: ClassVar[str] = (
+        "(every run writes its run.json, even with checkpointer=None and logger=None)"
+    )
 
     def __post_init__(self) -> None:
         self.saves = EpochSaves(self.run_id, self.store)
 
-    @staticmethod
+    @classmethod
     def located(
-        experiment_name: str, run_dir: str | None, found: SavedStep | None, kind: str = RUN
+        cls, experiment_name: str, run_dir: str | None, found: SavedStep | None
     ) -> tuple[Path, str, str | None]:
-        """(directory, run id, the run it branched from) of a run (or population, `kind`)
-        that resumes `found` or starts afresh (in `run_dir=`, or a new directory)."""
+        """(directory, run id, the run it branched from) of a run (or population) that
+        resumes `found` or starts afresh (in `run_dir=`, or a new directory)."""
+        kind = cls.KIND
         if found is None:
             return (*new_run_dir(experiment_name, run_dir, kind=kind), None)
         directory = found.directory.parent
@@ -115,19 +121,16 @@ class RunFiles:
         say: Callable[[str], None] | None = None,
         busy: Callable[[], bool] = lambda: False,
         state: TrainState | None = None,
-    ) -> RunFiles:
+        **fields: Any,
+    ) -> Self:
         """Decide the run's directory and id; nothing is written yet. A run that continues a
         directory that exists or names one (`run_dir=`) holds it once the handle is built
         (`claim_planned`, after a resume's checks passed). `say`: how to tell the person which
         run `resume='auto'` continues (default: an event note). `state`: the fresh state, whose
-        sharded leaves a resume reads its checkpoint onto."""
+        sharded leaves a resume reads its checkpoint onto. `fields`: a subclass's own."""
         identity = RunIdentity.of(setup.cls, setup.name)
-        if setup.run_dir is not None:
-            refuse_for_a_run(setup.run_dir, "run_dir")
         targets = restore_targets(setup, state.variables) if state is not None else None
-        found = (
-            resume_source(setup, identity, say or events.note, targets) if setup.resume else None
-        )
+        found = cls.resume_source(setup, identity, say or events.note, targets, **fields)
         run_dir, run_id, branched_from = cls.located(setup.cls.__name__, setup.run_dir, found)
         store = None
         if setup.checkpointer is not None:
@@ -145,9 +148,20 @@ class RunFiles:
             branched_from=branched_from,
             busy=busy,
             locks=not setup.placement.multi_process or jax.process_index() == 0,
+            **fields,
         )
         files.plan_claim(setup.run_dir)
         return files
+
+    @staticmethod
+    def resume_source(
+        setup: RunSetup, identity: RunIdentity, say: Callable, targets: Any, **fields: Any
+    ) -> SavedStep | None:
+        """The checkpoint `resume=` continues (None: a new run); a `run_dir=` that names a
+        population's directory is refused first."""
+        if setup.run_dir is not None:
+            refuse_for_a_run(setup.run_dir, "run_dir")
+        return resume_source(setup, identity, say, targets) if setup.resume else None
 
     def claim_planned(self) -> None:
         """Hold the directory `plan` decided to hold (a refused resume holds nothing, and an
@@ -190,7 +204,7 @@ class RunFiles:
         """Hold the run directory, create it and its run.json; the first line of a run names
         them. A run that saves under a name records it in `handles.json` beside the runs."""
         self.prepare()
-        if self.opened:
+        if self.opened or not self.writes:
             return
         if self.store is not None:
             warm_up()
@@ -199,17 +213,25 @@ class RunFiles:
         except OSError as error:
             raise self._unwritable(error) from None
         self.opened = True
-        events.note(f"run {self.run_id} in {self.run_dir}")
+        events.note(f"{self.KIND} {self.run_id} in {self.run_dir}")
 
     def prepare(self) -> None:
-        """Hold the run directory and create it, before the run starts (and its loggers
-        write there): a read-only or vanished directory is refused before any training."""
+        """Hold the run directory and create it (a population's, with a directory per
+        member), before the run starts (and its loggers write there): a read-only or vanished
+        directory is refused before any training."""
         self.saves.epoch_began = time.perf_counter()
+        if not self.writes:
+            return
         try:
             self.hold()
-            self.run_dir.mkdir(parents=True, exist_ok=True)
+            for directory in self.directories():
+                directory.mkdir(parents=True, exist_ok=True)
         except OSError as error:
             raise self._unwritable(error) from None
+
+    def directories(self) -> list[Path]:
+        """The directories the run writes in."""
+        return [self.run_dir]
 
     def _unwritable(self, error: OSError) -> SetupError:
         """The refusal of a run directory this handle cannot write; a handle that has written
@@ -220,8 +242,7 @@ class RunFiles:
         return SetupError(
             f"cannot create the run directory {str(self.run_dir)!r} "
             f"({type(error).__name__}: {error.strerror or error}); nothing was trained. "
-            f"Put the run where it can write with run_dir='/some/writable/dir' (every run "
-            f"writes its run.json, even with checkpointer=None and logger=None)"
+            f"Put the run where it can write with run_dir='/some/writable/dir' {self.WRITES}"
         )
 
     def _write_run_json(self, setup: RunSetup) -> None:
@@ -309,101 +330,85 @@ def saved_steps(directory: Path) -> list[int]:
 @dataclasses.dataclass
 class PopulationFiles(RunFiles):
     """Where a population lives and what it saves there: a run's files (`RunFiles`: its
-    directory, lock, checkpoint writer) with a directory per member. `writes`: False with
-    checkpointer=None, logger=None and no run_dir=: nothing on disk."""
+    directory, lock, checkpoint writer) with a directory per member and population.json.
+    `settings`: each member's, as `setting_token` makes them (resume="auto" prefers a
+    population of the same members), `seeds` theirs; `logs`: whether it has loggers."""
 
-    members: int = 1
-    writes: bool = True
+    settings: Sequence[Mapping[str, Any]] = ()
+    seeds: Sequence[int] = ()
+    logs: bool = True
     WHO: ClassVar[str] = "this population"
     BUILD: ClassVar[str] = "Population"
+    KIND: ClassVar[str] = POPULATION
+    WRITES: ClassVar[str] = "(or checkpointer=None, logger=None to write nothing)"
 
-    @classmethod
-    def plan(  # pyright: ignore[reportIncompatibleMethodOverride]  # a population's keywords
-        cls,
-        experiment_cls: type,
-        *,
-        members: int,
-        name: str | None,
-        run_dir: str | None,
-        resume: Any,
-        checkpointer: CheckpointPolicy | None,
-        settings: Sequence[Mapping[str, Any]],
-        logs: bool,
-        say: Callable[[str], None],
-        busy: Callable[[], bool] = lambda: False,
-    ) -> PopulationFiles:
-        """Decide the population's directory and id; nothing is written yet. `resume`: as the
-        setup keeps it (None, "auto" or a `CheckpointRef`); `settings`:
-        the members' settings as `setting_token` makes them (resume="auto" prefers a
-        population of the same members); `logs`: whether it has loggers."""
-        identity = RunIdentity.of(experiment_cls, name)
-        found = None
-        if resume:
-            found = _resume_source(experiment_cls, identity, run_dir, resume, settings, say)
-        directory, run_id, branched_from = cls.located(
-            experiment_cls.__name__, run_dir, found, kind=KIND
-        )
-        store = None
-        if checkpointer is not None:
-            store = CheckpointStore(checkpoint_dir(directory), checkpointer, deterministic=False)
-        files = cls(
-            run_id,
-            directory,
-            found,
-            store,
-            identity,
-            branched_from=branched_from,
-            busy=busy,
-            members=members,
-            writes=store is not None or logs or run_dir is not None or found is not None,
-        )
-        files.plan_claim(run_dir)
-        return files
+    def plan_claim(self, run_dir: str | None) -> None:
+        super().plan_claim(run_dir)
+        # checkpointer=None, logger=None and no run_dir=: nothing on disk
+        named = run_dir is not None or self.resume_from is not None
+        self.writes = self.store is not None or self.logs or named
 
-    def prepare(self) -> None:
-        """Hold the run directory and create it and the members' directories, before the run
-        starts (and its loggers write there): refused before any training when it cannot be
-        created."""
-        if not self.writes:
-            return
-        try:
-            self.hold()
-            for index in range(self.members):
-                member_dir(self.run_dir, index).mkdir(parents=True, exist_ok=True)
-        except OSError as error:
-            raise SetupError(
-                f"cannot create the population's run directory {str(self.run_dir)!r} "
-                f"({type(error).__name__}: {error.strerror or error}); nothing was trained. "
-                f"Put it where it can write with run_dir='/some/writable/dir', or "
-                f"checkpointer=None, logger=None to write nothing"
-            ) from None
+    @staticmethod
+    def resume_source(
+        setup: RunSetup, identity: RunIdentity, say: Callable, targets: Any, **fields: Any
+    ) -> SavedStep | None:
+        resume, settings = setup.resume, fields["settings"]
+        if resume is None:
+            return None
+        if isinstance(resume, CheckpointRef):
+            path = Path(resume.path).absolute()
+            check_no_writer(path)
+            return resolve_checkpoint(CheckpointRef(os.fspath(path), resume.which))
+        cls_name = setup.cls.__name__
+        root = Path(setup.run_dir) if setup.run_dir is not None else experiment_root(cls_name)
+        if population_of(root) is not None and read_run_json(root).get("kind") != MEMBER_KIND:
+            runs = list_runs(root)
+            if runs and runs[0].checkpoints:
+                check_free(root)
+                return resolve_checkpoint(root)
+            return None
+        candidates = []
+        for run in list_runs(root):
+            info = read_run_json(run.path)
+            if run.checkpoints and info.get("kind") == KIND and identity.same_experiment(info):
+                same = _recorded_settings(run.path) == [dict(s) for s in settings]
+                candidates.append((same, run.latest_epoch or 0, max(run.checkpoints), run))
+        if not candidates:
+            warn_user(
+                f"resume='auto' found no population's checkpoint under "
+                f"{str(root.absolute())!r} of {identity.where()}; starting a fresh population"
+            )
+            return None
+        same, epoch, step, run = max(candidates, key=lambda c: c[:3])
+        why = "with these members" if same else "(none has these members: resuming it is refused)"
+        say(f"resume='auto' continues population {run.run_id} (epoch {epoch}, step {step}) {why}")
+        check_free(run.path)
+        return resolve_checkpoint(run.path)
 
-    def open(self, record: Mapping[str, Any], say: Callable[[str], None]) -> None:
-        """Write run.json, population.json and each member's run.json (those missing), once;
-        the first line of the population's first run names its directory. `record`: the
-        experiment (`experiment`), its GraphConst values (`graphconst`), the axes (`axes`),
-        and per member its settings and seed (`members`)."""
-        self.prepare()
-        if self.opened or not self.writes:
-            return
-        common = self._write_own_json(
-            record["experiment"], record["graphconst"], kind=KIND, members=self.members
-        )
-        members = record["members"]
+    def directories(self) -> list[Path]:
+        return [member_dir(self.run_dir, index) for index in range(len(self.settings))]
+
+    def _write_run_json(self, setup: RunSetup) -> None:
+        """Write run.json, population.json and each member's run.json (those missing)."""
+        count = len(self.settings)
+        common = self._write_own_json(setup.owner, config_of(setup), kind=KIND, members=count)
+        members = [
+            {"settings": dict(settings), "seed": seed}
+            for settings, seed in zip(self.settings, self.seeds, strict=True)
+        ]
         if not (self.run_dir / POPULATION_JSON).is_file():
             write_run_json(
                 self.run_dir,
                 {
                     "run_id": self.run_id,
-                    "experiment": record["experiment"],
-                    "axes": record["axes"],
+                    "experiment": setup.owner,
+                    "axes": sorted({k for m in self.settings for k in m}),
                     "members": [
                         {
                             "member": i,
                             "run_id": member_run_id(self.run_id, i),
                             "dir": member_dir(".", i).name,
-                            "settings": m["settings"],
-                            "seed": m["seed"],
+                            **m,
                         }
                         for i, m in enumerate(members)
                     ],
@@ -422,12 +427,9 @@ class PopulationFiles(RunFiles):
                     "member": i,
                     "population": self.run_id,
                     **common,
-                    "settings": m["settings"],
-                    "seed": m["seed"],
+                    **m,
                 },
             )
-        self.opened = True
-        say(f"population {self.run_id} in {self.run_dir} ({self.members} members)")
 
     def read(self) -> tuple[Any, CheckpointRecord]:
         """(the state tree, the record) of the checkpoint this population resumes from;
@@ -441,44 +443,6 @@ class PopulationFiles(RunFiles):
                 f"population's: Nitro(..., resume={str(directory.parent)!r}) continues it"
             )
         return saved, record
-
-
-def _resume_source(
-    experiment_cls: type,
-    identity: RunIdentity,
-    run_dir: str | None,
-    resume: Any,
-    settings: Sequence[Mapping[str, Any]],
-    say: Callable[[str], None],
-) -> SavedStep | None:
-    if isinstance(resume, CheckpointRef):
-        path = Path(resume.path).absolute()
-        check_no_writer(path)
-        return resolve_checkpoint(CheckpointRef(os.fspath(path), resume.which))
-    root = Path(run_dir) if run_dir is not None else experiment_root(experiment_cls.__name__)
-    if population_of(root) is not None and read_run_json(root).get("kind") != MEMBER_KIND:
-        runs = list_runs(root)
-        if runs and runs[0].checkpoints:
-            check_free(root)
-            return resolve_checkpoint(root)
-        return None
-    candidates = []
-    for run in list_runs(root):
-        info = read_run_json(run.path)
-        if run.checkpoints and info.get("kind") == KIND and identity.same_experiment(info):
-            same = _recorded_settings(run.path) == [dict(s) for s in settings]
-            candidates.append((same, run.latest_epoch or 0, max(run.checkpoints), run))
-    if not candidates:
-        warn_user(
-            f"resume='auto' found no population's checkpoint under {str(root.absolute())!r} "
-            f"of {identity.where()}; starting a fresh population"
-        )
-        return None
-    same, epoch, step, run = max(candidates, key=lambda c: c[:3])
-    why = "with these members" if same else "(none has these members: resuming it is refused)"
-    say(f"resume='auto' continues population {run.run_id} (epoch {epoch}, step {step}) {why}")
-    check_free(run.path)
-    return resolve_checkpoint(run.path)
 
 
 def _recorded_settings(run_dir: Path) -> list[dict[str, Any]] | None:
