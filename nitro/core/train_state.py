@@ -120,6 +120,19 @@ class EpochTotals:
         sums = {name: type(getattr(cls, name))(data.get(name, 0)) for name in cls._SUMS}
         return cls(**sums, train_metrics=MetricAccumulator("train_metrics"))
 
+    def add_losses(self, values: np.ndarray) -> list[float]:
+        """Add a call's losses to the sums, one by one, in order (as one step at a time adds
+        them); a non-finite one, which `check_divergence=False` trains through, is counted
+        apart. Returns them."""
+        finite = values[np.isfinite(values)].tolist()
+        loss_sum = self.loss_sum
+        for value in finite:
+            loss_sum += value
+        self.loss_sum = loss_sum
+        self.loss_count += len(finite)
+        self.nonfinite += len(values) - len(finite)
+        return values.tolist()
+
     def step_times(self) -> dict[str, float]:
         """`host_ms` and `device_ms` a step: the loop thread's time a step, split into its own
         work (staging, dispatch, bookkeeping, reporters: what is not waiting) and its wait for

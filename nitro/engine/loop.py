@@ -70,7 +70,6 @@ from nitro.engine.swaps import (
 )
 from nitro.errors import DivergenceError, Once
 from nitro.experiments.routing import select
-from nitro.optim.precision import epoch_columns
 from nitro.programs.specs import ProgramSet
 
 __all__ = ["finish_epoch", "train_epochs"]
@@ -270,7 +269,7 @@ def finish_epoch(
     totals = state.totals
     assert totals is not None  # a trained epoch has its totals
     stacked = members.stacked
-    rows = members.rows(state, finalize_metrics) if stacked else [_row(setup, runtime, state)]
+    rows = members.rows(setup, runtime, state, finalize_metrics)
     for split in setup.eval_splits:  # ("val",) by default, each under its own prefix
         if control.stop.is_set():
             return None
@@ -309,33 +308,6 @@ def finish_epoch(
             module="nitro.engine.loop",
         )
     return committed
-
-
-def _row(setup: RunSetup, runtime: RunTime, state: TrainState) -> dict[str, Any]:
-    """A run's row of the epoch just trained, before evaluation: its training loss (NaN,
-    with a count, where `check_divergence=False` trained through non-finite steps), float16's
-    loss scale and the train metrics."""
-    totals = state.totals
-    assert totals is not None  # a trained epoch has its totals
-    row: dict[str, Any] = {"epoch": state.epoch + 1, "step": state.step}
-    if totals.nonfinite:  # check_divergence=False trained through them: the mean is NaN
-        row["loss"] = math.nan
-        row["nonfinite_steps"] = totals.nonfinite
-        if not any(r.get("nonfinite_steps") for r in state.history):  # once a run
-            warnings.warn(
-                f"epoch {state.epoch + 1}: {totals.nonfinite} of {totals.steps} training "
-                f"steps had a non-finite loss (check_divergence=False trains on), so the "
-                f"epoch's loss is NaN; the history's 'nonfinite_steps' column counts them. "
-                f"The weights may be NaN too: check_divergence=True stops at the first.",
-                RuntimeWarning,
-                stacklevel=3,
-            )
-    elif totals.loss_count:
-        row["loss"] = totals.loss_sum / totals.loss_count
-    row.update(epoch_columns(state.variables.loss_scale, state.history))  # float16's scale
-    if not totals.train_metrics.empty:
-        row.update(finalize_metrics(setup, runtime, totals.train_metrics.result(), "train"))
-    return row
 
 
 def _acknowledge_interrupt(control: RunControl) -> None:
@@ -943,7 +915,7 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
     first, losses = state.step + 1, []
     if probation is None and residency is None and not reports[:, 1].any():
         # every step finite by the guard's verdict, nothing to report per step: in bulk
-        losses = _count_losses(totals, reports[:, 0])
+        losses = totals.add_losses(reports[:, 0])
         state.step += count
         state.position += count * micro
         after = staged.after
@@ -1036,19 +1008,6 @@ def _restored(run: _Epoch, item: _Pending, bad: int):
         out = program(*args)
         variables, healthy = out.variables, out.healthy
     return variables
-
-
-def _count_losses(totals, values: np.ndarray) -> list[float]:
-    """Add a call's losses to the epoch's totals, one by one (a non-finite one, which
-    `check_divergence=False` trains through, is counted apart); returns them."""
-    finite = values[np.isfinite(values)].tolist()
-    loss_sum = totals.loss_sum
-    for value in finite:  # in order, as one step at a time adds them
-        loss_sum += value
-    totals.loss_sum = loss_sum
-    totals.loss_count += len(finite)
-    totals.nonfinite += len(values) - len(finite)
-    return values.tolist()
 
 
 def _train_metrics(

@@ -22,10 +22,9 @@ apart.
 from __future__ import annotations
 
 import dataclasses
-import functools
 import itertools
 import math
-import operator
+import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -81,6 +80,45 @@ class Single:
     def start_epoch(self, state: Any) -> EpochTotals:
         """The running sums of an epoch."""
         return EpochTotals(train_metrics=MetricAccumulator("train_metrics"))
+
+    def rows(self, setup: RunSetup, runtime: RunTime, state: Any, finalize: Callable) -> list:
+        """The row of the epoch just trained, before evaluation (`epoch_row`)."""
+        row = {"epoch": state.epoch + 1, "step": state.step}
+        scale = state.variables.loss_scale
+        return [epoch_row(setup, runtime, state.totals, row, scale, state.history, finalize)]
+
+
+def epoch_row(
+    setup: RunSetup,
+    runtime: RunTime,
+    totals: EpochTotals,
+    row: dict[str, Any],
+    scale: Any,
+    history: Sequence[Mapping[str, Any]],
+    finalize: Callable,
+) -> dict[str, Any]:
+    """A run's (or a member's) row of the epoch just trained, before evaluation: `row` (its
+    epoch and step) with its training loss (NaN, with a count, where `check_divergence=False`
+    trained through non-finite steps), float16's loss `scale` (`history`: the rows committed
+    before) and the train metrics (`finalize`: the `finalize_metrics` hook's call)."""
+    if totals.nonfinite:  # check_divergence=False trained through them: the mean is NaN
+        row["loss"] = math.nan
+        row["nonfinite_steps"] = totals.nonfinite
+        if not any(r.get("nonfinite_steps") for r in history):  # once a run
+            warnings.warn(
+                f"epoch {row['epoch']}: {totals.nonfinite} of {totals.steps} training "
+                f"steps had a non-finite loss (check_divergence=False trains on), so the "
+                f"epoch's loss is NaN; the history's 'nonfinite_steps' column counts them. "
+                f"The weights may be NaN too: check_divergence=True stops at the first.",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+    elif totals.loss_count:
+        row["loss"] = totals.loss_sum / totals.loss_count
+    row.update(epoch_columns(scale, history))  # float16's scale
+    if not totals.train_metrics.empty:
+        row.update(finalize(setup, runtime, totals.train_metrics.result(), "train"))
+    return row
 
 
 SINGLE = Single()
@@ -313,15 +351,7 @@ class Stacked:
                 self.say(f"{member.label} stopped: {message}; the other members train on")
                 limit = offset
             losses[i, limit:] = np.nan
-            values = losses[i, :limit]
-            finite = np.isfinite(values)
-            counted = int(finite.sum())
-            totals.nonfinite += limit - counted  # check_divergence=False: trains on, counted
-            # added one by one, in order, as a single run adds its steps' losses
-            totals.loss_sum = functools.reduce(
-                operator.add, values[finite].tolist(), totals.loss_sum
-            )
-            totals.loss_count += counted
+            totals.add_losses(losses[i, :limit])  # as a single run adds its steps' losses
             totals.steps += limit
             if metrics is not None:
                 self._train_metrics(member, program, unstack(metrics, i), staged, i, limit)
@@ -366,10 +396,12 @@ class Stacked:
     # ------------------------------------------------------------------------------------------
     # an epoch's rows
 
-    def rows(self, state: PopulationState, finalize: Callable) -> list[dict[str, Any] | None]:
-        """Each member's row of the epoch just trained, before evaluation: its training loss
-        and train metrics. A stopped member's record ends at its stop: the epoch it stopped
-        in gets a last row (its step the one it stopped at), later epochs none (None)."""
+    def rows(
+        self, setup: RunSetup, runtime: RunTime, state: PopulationState, finalize: Callable
+    ) -> list[dict[str, Any] | None]:
+        """Each member's row of the epoch just trained, before evaluation (`epoch_row`). A
+        stopped member's record ends at its stop: the epoch it stopped in gets a last row
+        (its step the one it stopped at), later epochs none (None)."""
         rows: list[dict[str, Any] | None] = []
         scale = state.variables.loss_scale  # float16's: each member's own, stacked
         for i, member in enumerate(self.members):
@@ -379,18 +411,12 @@ class Stacked:
                 rows.append(None)
                 continue
             step = state.step if member.stopped is None else member.stopped_at
-            row: dict[str, Any] = {"epoch": state.epoch + 1, "step": step}
-            if totals.nonfinite:
-                row["loss"] = math.nan
-                row["nonfinite_steps"] = totals.nonfinite
-            elif totals.loss_count:
-                row["loss"] = totals.loss_sum / totals.loss_count
-            if scale is not None:
-                row.update(epoch_columns([leaf[i] for leaf in scale], member.state.history))
-            if not totals.train_metrics.empty:
-                results = totals.train_metrics.result()
-                row.update(finalize(member.setup, member.runtime, results, "train"))
-            rows.append(row)
+            own = None if scale is None else [leaf[i] for leaf in scale]
+            row = {"epoch": state.epoch + 1, "step": step}
+            history = member.state.history
+            rows.append(
+                epoch_row(member.setup, member.runtime, totals, row, own, history, finalize)
+            )
         return rows
 
     def commit(self, state: PopulationState, rows, shared: dict[str, Any], events: Events):
