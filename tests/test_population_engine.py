@@ -115,7 +115,7 @@ def test_population_code_imports_no_private_helper_of_the_run():
     modules = [
         "engine/member_axis.py",
         "handle/population.py",
-        "handle/population_lifecycle.py",
+        "handle/population_loggers.py",
         "handle/lr_find.py",
         "programs/population.py",
     ]

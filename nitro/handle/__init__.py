@@ -10,7 +10,7 @@
   of axes and values the members cannot share
 - `lr_find`: `n.lr_find()` and its `LRFindResult`, a learning rate from a log grid trained as a
   population
-- `population_lifecycle`: a population's files, checkpoints, resume and a logger run per member
+- `population_loggers`: a population's loggers, a logger run per member
 - `binding_report`: where every value came from
 - `displays`, `plotting`: the handle's repr and HTML; history plots
 - `summary`: `n.summary()`, the model's modules, output shapes and sizes (eval_shape, no compile)

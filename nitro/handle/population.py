@@ -40,7 +40,7 @@ from nitro.engine.setup import build
 from nitro.errors import PopulationError, SetupError
 from nitro.experiments.declaration import field_specs
 from nitro.handle.handle import check_experiment, weights_source
-from nitro.handle.population_lifecycle import FILE_KEYWORDS, PopulationLife
+from nitro.handle.population_loggers import FILE_KEYWORDS, MemberLogging
 from nitro.handle.population_members import (
     PopulationMembers,
     check_axis,
@@ -48,6 +48,10 @@ from nitro.handle.population_members import (
     check_shared,
 )
 from nitro.programs.specs import ProgramSet
+from nitro.runs.checkpoint_record import setting_token
+from nitro.runs.epoch_saves import population_save
+from nitro.runs.resume import restore_population
+from nitro.runs.run_files import PopulationFiles
 from nitro.runs.watched_metrics import check_watched_metrics
 
 __all__ = ["Population"]
@@ -178,14 +182,25 @@ class Population(PopulationMembers):
         self._axis: Stacked | None = None  # the loop's members object: stacked on first use
         self._stacking = threading.Lock()  # pop.stop(i) may stack before the run's thread
         guard = self._guard  # not the population: its run directory's lock must not keep it
-        self._life = PopulationLife.plan(
-            self, self._members, self._files_keywords, self._say, lambda: guard.activity is not None
+        own = self._files_keywords  # where it lives and what it saves: its members' setups say
+        logs = own.get("logger", True) is not None
+        self._files = PopulationFiles.plan(
+            lead.setup,
+            self._events,
+            say=self._say,
+            busy=lambda: guard.activity is not None,
+            settings=[{k: setting_token(v) for k, v in m.settings.items()} for m in self._members],
+            seeds=[m.setup.seed for m in self._members],
+            logs=logs,
         )
-        self._files = self._life.files
-        self._events.add(self._life.logging)
+        loggers = {k: v for k, v in own.items() if k == "logger"}
+        self._logging = MemberLogging.of(self, self._members, self._files, **loggers)
+        self._events.add(self._logging)
         if self._files.resume_from is not None:
+            reporters = self._logging.reporters if self._logging is not None else None
             with events_module.using(self._events):
-                self._life.restore(self._members, self._stacked().state, self._events)
+                state = self._stacked().state
+                restore_population(self._files, self._members, state, reporters, self._say)
         self._files.claim_planned()
 
     def _build_member(
@@ -316,16 +331,21 @@ class Population(PopulationMembers):
             for member in self._members:  # worker processes live as the run
                 for prefetcher in member.runtime.prefetchers.values():
                     prefetcher.release_workers()
-        self._stop_reason = reason
-        self._life.end_run(self._members, state, events, reason)
+        self._files.saves.end(state, events, reason, lambda _: self._save(state, reason))
         return reason
+
+    def _save(self, state: PopulationState, reason: str | None):
+        reporters = self._logging.reporters if self._logging is not None else None
+        return population_save(self._files, self._members, state, reason, reporters)
 
     def _after_epoch(self, state: PopulationState) -> str | None:
         """After an epoch's rows: stop each member whose monitored metric stopped improving
         (`early_stop=`) as its single run would have stopped, save, and end the run once
         every member has stopped."""
         self._stacked().early_stops(state)
-        self._life.after_epoch(self._members, state, self._events)
+        store = self._files.store
+        if store is not None and store.due(state.epoch):
+            self._files.saves.save(self._save(state, None), self._events)
         return self._ended(None)
 
     def _ended(self, reason: str | None) -> str | None:

@@ -1,14 +1,15 @@
 """Saving a run at the end of its epochs: a checkpoint after each committed epoch when the
 budget allows (its best epoch by the checkpointer's metric always, held on the host until the
 next save), the newest epoch at the end of a call, the step a stopped run stopped on, and the
-`CheckpointRecord` of each save. Early stopping is asked after each epoch too.
+`CheckpointRecord` of each save (a population's: `population_save`, every member at once).
+Early stopping is asked after each epoch too.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -16,13 +17,14 @@ import numpy as np
 from nitro.core.events import Events
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import HistoryRows, TrainState, scalars
-from nitro.runs.checkpoint_record import CheckpointRecord, MemberRecord, PartialEpoch
+from nitro.runs.checkpoint_record import POPULATION, CheckpointRecord, MemberRecord, PartialEpoch
 from nitro.runs.checkpoint_trees import (
     host_tree,
 )
 from nitro.runs.checkpoint_writer import CheckpointStore, Save
+from nitro.runs.run_dirs import member_run_id
 
-__all__ = ["EpochSaves", "finite", "resume_point", "run_record"]
+__all__ = ["EpochSaves", "finite", "population_save", "resume_point", "run_record"]
 
 
 @dataclasses.dataclass
@@ -273,6 +275,65 @@ def run_record(
         stop_reason=reason,
         swaps=tuple(dict(r) for r in state.swaps),
     )
+
+
+def population_save(
+    files: Any, members: Sequence[Any], state: Any, reason: str | None, reporters: Any
+) -> Save:
+    """Every member of a population as one save: the stacked variables, and the record of
+    each member's counters, history, epoch under way and loggers (`reporters`: each member's
+    `LoggingReporter`, or None) beside the shared counters; ranked by its best member's
+    value of the checkpointer's metric. `files`: the population's (`PopulationFiles`)."""
+    store = files.store
+    assert store is not None
+    checkpointer = store.config
+    healthy = np.asarray(state.healthy).tolist()
+    loggers = reporters if reporters is not None else [None] * len(members)
+    entries = []
+    best = None
+    for member, token, (history, validations), ok, reporter in zip(
+        members, files.settings, files.rows, healthy, loggers, strict=True
+    ):
+        row = member.state.last_row
+        value = row.get(checkpointer.metric)
+        if ok and (value := finite(value)) is not None:
+            if best is None or checkpointer.better(value, best):
+                best = value
+        partial = None
+        if member.totals is not None and state.position:  # stopped mid-epoch
+            partial = PartialEpoch.of(state.position, member.totals)
+        entries.append(
+            MemberRecord(
+                index=member.index,
+                run_id=member_run_id(files.run_id, member.index),
+                settings=token,
+                seed=member.setup.seed,
+                healthy=bool(ok),
+                stopped=member.stopped,
+                stopped_at=member.stopped_at,
+                history=history.to_json(member.state.history),
+                validations=validations.to_json(member.state.validations),
+                metrics=scalars(row),
+                partial_epoch=partial,
+                device=member.runtime.device_values(),
+                logger=reporter.logger.state() if reporter is not None else None,
+            )
+        )
+    setup = members[0].setup
+    record = CheckpointRecord.of(
+        setup,
+        run_id=files.run_id,
+        step=state.step,
+        epoch=state.epoch,
+        members=tuple(entries),
+        kind=POPULATION,
+        position=state.position,
+        batches=state.batches,
+        prune=dict(state.prune),
+        metrics={checkpointer.metric: best} if best is not None else {},
+        stop_reason=reason,
+    )
+    return Save(state.step, host_tree(setup, state.variables), record, best)
 
 
 def _partial_epoch(state: TrainState) -> PartialEpoch | None:

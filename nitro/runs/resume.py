@@ -1,7 +1,8 @@
 """Resuming a run: which checkpoint `resume=` continues (`resume_source`, `run_to_resume`),
 what differs from it (GraphConst values are refused, changed code, Device values and the seed
 are said), and its arrays read back as the run's `Variables` (`restore_variables`, for a run
-and a population alike) and its record as the run's new `TrainState`.
+and a population alike) and its record as the run's new `TrainState` (a population's, with
+`restore_population`, as its stacked state and its members' records).
 """
 
 from __future__ import annotations
@@ -9,20 +10,27 @@ from __future__ import annotations
 import os
 import sys
 import warnings
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
 from nitro.core.events import Events
 from nitro.core.run_setup import CheckpointRef, RunSetup
 from nitro.core.train_state import TrainState, Variables
-from nitro.errors import SetupError
+from nitro.errors import PopulationError, SetupError
 from nitro.experiments.declaration import FieldKind, field_specs
 from nitro.optim.fed_optimizer import describe_optimizer
 from nitro.runs.checkpoint_reads import SavedStep, read_checkpoint, resolve_checkpoint
-from nitro.runs.checkpoint_record import POPULATION, CheckpointRecord, config_of, config_token
+from nitro.runs.checkpoint_record import (
+    POPULATION,
+    CheckpointRecord,
+    config_of,
+    config_token,
+    setting_differences,
+)
 from nitro.runs.checkpoint_trees import (
     LOSS_SCALE_KEYS,
     json_safe,
@@ -49,6 +57,7 @@ from nitro.runs.training_config import training_config, training_differences
 __all__ = [
     "check_no_writer",
     "restore",
+    "restore_population",
     "restore_variables",
     "resume_source",
     "run_to_resume",
@@ -114,6 +123,57 @@ def restore(
     restored = record.train_state(variables, seed=state.seed)
     said_resumed(files, "run", restored.epoch, restored.step, note)
     return restored, record
+
+
+def restore_population(
+    files: Any, members: Sequence[Any], state: Any, reporters: Sequence[Any] | None, note: Callable
+) -> None:
+    """Continue the checkpoint a population's files found (`files.resume_from`): every
+    member's variables, optimizer state, healthy flag, why it stopped, history and the
+    running sums of its epoch under way, and the shared counters, into `state` (the fresh
+    stacked state) and the members (`reporters`: each member's `LoggingReporter`, which
+    reattaches its logger runs); refused, naming what differs, when the members' settings
+    or the program do not."""
+    found = files.resume_from
+    assert found is not None
+    saved, record = files.read()
+    lead = members[0]
+    lines = setting_differences([m.settings for m in record.members], files.settings)
+    batches, before = state.batches, record.batches
+    if before != batches:
+        lines.append(f"  batches: the checkpoint's {before!r}, this population's {batches!r}")
+    lines += record.graphconst_differences(lead.setup, "the checkpoint's", "this population's")
+    if lines:
+        raise PopulationError(
+            f"cannot resume the population in {str(found.directory.parent)!r}: this "
+            f"population differs from the one its checkpoint saved:\n"
+            + "\n".join(lines)
+            + f"\nBuild the population as it was (its members are listed in "
+            f"{str(found.directory.parent / 'population.json')!r}), or start a new one "
+            f"(without resume=, or with another run_dir)"
+        )
+    state.variables = restore_variables(
+        lead.setup, state.variables, saved, record, found, here="this population's", note=note
+    )
+    entries = record.members
+    state.healthy = jnp.asarray([e.healthy for e in entries])
+    if state.place is not None:  # laid out as the population lays out its members
+        state.variables, state.healthy = state.place(state.variables), state.place(state.healthy)
+    state.step, state.epoch, state.position = record.step, record.epoch, record.position
+    state.prune = dict(record.prune)
+    for member, entry in zip(members, entries, strict=True):
+        member.state.history = list(entry.history)
+        member.state.validations = list(entry.validations)
+        member.state.step, member.state.epoch = state.step, state.epoch
+        member.stopped, member.stopped_at = entry.stopped, entry.stopped_at
+        if member.stopped is not None:  # its counters stay where it stopped
+            member.state.step = int(member.stopped_at or 0)
+            member.state.epoch = int(member.state.last_row.get("epoch", 0))
+        partial = entry.partial_epoch
+        member.totals = partial.totals() if partial is not None else None
+    for reporter, entry in zip(reporters or (), entries, strict=False):
+        reporter.reattach(entry.logger)
+    said_resumed(files, "population", state.epoch, state.step, note)
 
 
 def said_resumed(files: Any, what: str, epoch: int, step: int, note: Callable) -> None:

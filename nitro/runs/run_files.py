@@ -25,7 +25,7 @@ import jax
 from nitro._version import __version__
 from nitro.core.events import Events
 from nitro.core.run_setup import CheckpointRef, RunSetup
-from nitro.core.train_state import TrainState
+from nitro.core.train_state import HistoryRows, TrainState
 from nitro.errors import SetupError
 from nitro.runs.checkpoint_reads import SavedStep, read_checkpoint, resolve_checkpoint
 from nitro.runs.checkpoint_record import POPULATION, RUN, CheckpointRecord, config_of
@@ -337,10 +337,16 @@ class PopulationFiles(RunFiles):
     settings: Sequence[Mapping[str, Any]] = ()
     seeds: Sequence[int] = ()
     logs: bool = True
+    # each member's history and validations as its saves convert them, kept across saves
+    rows: list[tuple[HistoryRows, HistoryRows]] = dataclasses.field(init=False)
     WHO: ClassVar[str] = "this population"
     BUILD: ClassVar[str] = "Population"
     KIND: ClassVar[str] = POPULATION
     WRITES: ClassVar[str] = "(or checkpointer=None, logger=None to write nothing)"
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        self.rows = [(HistoryRows(), HistoryRows()) for _ in self.settings]
 
     def plan_claim(self, run_dir: str | None) -> None:
         super().plan_claim(run_dir)
