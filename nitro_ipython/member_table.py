@@ -190,19 +190,10 @@ def members_table_html(
 
 
 def best_member(pop: Any) -> tuple[str, float, int] | None:
-    """(metric, value, member) of the best member still training, by the monitored metric of
-    each one's latest row; None before any row."""
-    stopped = pop.stopped
-    history = pop.history()
-    if history.empty:
-        return None
-    latest = history.groupby(level="member").tail(1).reset_index()
-    rows = [r for r in latest.to_dict("records") if int(r["member"]) not in stopped]
-    metric, order = ranked_members(rows)
-    value = order[0].get(metric) if order else None
-    if isinstance(value, float) and math.isfinite(value):
-        return metric, value, int(order[0]["member"])
-    return None
+    """(metric, value, member) of the best member still training (`pop.ranking()`: by
+    `val_loss` when the rows have it, else `loss`); None before any row."""
+    metric, ranked = pop.ranking()
+    return (metric, ranked[0][1], ranked[0][0]) if ranked else None
 
 
 def stop_member(pop: Any, name: str, member: str, timeout: float = 600.0) -> None:

@@ -4,12 +4,12 @@ refusals of axes and values they cannot share (`check_axis`, `check_shared`,
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
 
+from nitro.core.progress import ranked_members
 from nitro.engine.member_axis import Member, Stacked, shown_settings
 from nitro.engine.run_keywords import RUN_KEYWORDS
 from nitro.errors import PopulationError
@@ -18,6 +18,7 @@ from nitro.handle.handle import Nitro
 from nitro.handle.run_handle import RunHandle, scalar_frame
 from nitro.programs.compile_cache import graphconst_keys
 from nitro.programs.train_step import train_step_spec
+from nitro.runs.epoch_saves import finite
 from nitro.runs.weights import WeightsSource, copy_array
 
 __all__ = ["PopulationMembers", "check_axis", "check_one_program", "check_shared"]
@@ -101,25 +102,29 @@ class PopulationMembers(RunHandle):
             f"{member.label} of a {self.cls.__name__} population at epoch {epoch}, step {step}",
         )
 
+    def ranking(
+        self, metric: str | None = None, mode: str | None = None
+    ) -> tuple[str, list[tuple[int, float]]]:
+        """The metric the members rank by and, best first, (member, value) for each member
+        still training whose latest `metric` is finite (default: `val_loss` when their rows
+        have it, else `loss`; `mode` "min" for a metric named like a loss, else "max")."""
+        rows = [{"member": m.index, **m.state.last_row} for m in self._members if m.stopped is None]
+        metric, order = ranked_members(rows, metric, mode)
+        ranked = [(int(row["member"]), finite(row.get(metric))) for row in order]
+        return metric, [(index, value) for index, value in ranked if value is not None]
+
     def best(self, metric: str = "val_loss", mode: str | None = None, **keywords: Any) -> Nitro:
-        """A `Nitro` handle of the member whose latest `metric` is best (`mode` "min" or
-        "max"; default "min" for a metric named like a loss, else "max"); members that
-        stopped (diverged) are passed over. See `member()` for what the handle holds."""
-        mode = mode or ("min" if "loss" in metric else "max")
-        if mode not in ("min", "max"):
-            raise ValueError(f"mode must be 'min' or 'max', got {mode!r}")
-        scored = []
-        for m in self._members:
-            value = m.state.last_row.get(metric) if m.state.history else None
-            if m.stopped is None and value is not None and math.isfinite(float(value)):
-                scored.append((float(value) if mode == "min" else -float(value), m.index))
-        if not scored:
+        """A `Nitro` handle of the member whose latest `metric` is best (`ranking`: `mode`
+        "min" or "max"; default "min" for a metric named like a loss, else "max"); members
+        that stopped (diverged) are passed over. See `member()` for what the handle holds."""
+        _, ranked = self.ranking(metric, mode)
+        if not ranked:
             known = sorted({k for m in self._members for k in m.state.last_row})
             raise PopulationError(
                 f"no member has a finite {metric!r} to choose by"
                 + (f" (history columns: {', '.join(known)})" if known else ": train first")
             )
-        return self.member(min(scored)[1], **keywords)
+        return self.member(ranked[0][0], **keywords)
 
 
 def check_axis(cls: type, specs: Mapping[str, Any], name: str) -> None:

@@ -30,7 +30,7 @@ import numpy as np
 from nitro.handle.handle import Nitro
 from nitro.handle.population import Population
 from nitro.mcp.convert import jsonable
-from nitro.mcp.members import axes_of, best_member, latest_rows, member_rows
+from nitro.mcp.members import axes_of, latest_rows, member_rows
 from nitro.mcp.registry import RunRecord, RunStatus
 
 __all__ = ["LatestSteps", "describe", "error_text", "latest_steps"]
@@ -166,7 +166,8 @@ def describe(
     if run is not None:
         row.update(running=run.running, stop_reason=run.stop_reason, run_dir=run.run_dir)
     if isinstance(run, Population):
-        best, value, _ = best_member(run, "val_loss", "min")
+        _, ranked = run.ranking("val_loss", "min")
+        best, value = ranked[0] if ranked else (None, None)
         row.update(
             stopped=sorted(run.stopped),
             best={"metric": "val_loss", "member": best, "value": value},

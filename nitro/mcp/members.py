@@ -1,6 +1,6 @@
-"""What only a population has, over the tools: its members' rows in `nitro_status`, the best
-member `nitro_member` takes, and `nitro_population`'s axes or members checked (`MemberPlan`),
-with the argument a `PopulationError` is about.
+"""What only a population has, over the tools: its members' rows in `nitro_status`, and
+`nitro_population`'s axes or members checked (`MemberPlan`), with the argument a
+`PopulationError` is about (the best member is `Population.ranking`'s first).
 
 A population (`nitro.Population`, docs/population.md) is one run of many members trained by
 one program; everything else the tools say or do about it is what they say or do about a run
@@ -35,7 +35,6 @@ from nitro.mcp.lookup import ToolFailure
 __all__ = [
     "MemberPlan",
     "axes_of",
-    "best_member",
     "check_member",
     "latest_rows",
     "member_files",
@@ -66,28 +65,6 @@ def latest_rows(population: Population) -> dict[int, dict[str, Any]]:
     for row in frame.reset_index().to_dict("records"):
         latest[int(row["member"])] = {str(k): v for k, v in row.items() if k not in left_out}
     return latest
-
-
-def best_member(
-    population: Population, metric: str, mode: str | None
-) -> tuple[int | None, float | None, list[str]]:
-    """(member, value) whose latest `metric` is best among the members still training
-    (`mode` "min" or "max"; default "min" for a metric named like a loss, as `pop.best()`
-    has it), or (None, None) when none has a finite one; and the history's columns."""
-    mode = mode or ("min" if "loss" in metric else "max")
-    rows = latest_rows(population)
-    stopped = population.stopped
-    scored = []
-    for index, row in rows.items():
-        value = row.get(metric)
-        if index in stopped or not isinstance(value, (int, float)) or not math.isfinite(value):
-            continue
-        scored.append((value if mode == "min" else -value, index, float(value)))
-    columns = sorted({k for row in rows.values() for k in row})
-    if not scored:
-        return None, None, columns
-    _, index, value = min(scored)
-    return index, value, columns
 
 
 def member_rows(population: Population, losses: Sequence[Any]) -> list[dict[str, Any]]:

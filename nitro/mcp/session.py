@@ -58,8 +58,8 @@ from nitro.mcp.json_keywords import check_run_keywords, checkpoint_pair
 from nitro.mcp.lookup import ToolFailure, build_experiment, find_experiment
 from nitro.mcp.members import (
     MemberPlan,
-    best_member,
     check_member,
+    latest_rows,
     member_files,
     population_failure,
 )
@@ -826,13 +826,15 @@ class ToolSession:
         check_member(run_id, len(population), member)
         index, value = member, None
         if index is None:
-            index, value, columns = best_member(population, metric, mode)
-            if index is None:
+            _, ranked = population.ranking(metric, mode)
+            if not ranked:
+                columns = sorted({k for row in latest_rows(population).values() for k in row})
                 known = f"; history columns: {', '.join(columns)}" if columns else ""
                 raise ToolFailure(
                     f"metric: no member of population {run_id} that still trains has a finite "
                     f"{metric!r} to choose by{known}; train it first, or give member=i"
                 )
+            index, value = ranked[0]
         if "weights" in (keywords or {}):
             raise ToolFailure(
                 "keywords.weights: the run starts from the member's weights; leave weights out"
