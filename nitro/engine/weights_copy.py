@@ -8,12 +8,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-import jax
-
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState
 from nitro.engine.runner import RunControl, RunGuard, at_step_boundary
-from nitro.runs.weights import WeightsSource, copy_array
+from nitro.runs.weights import WeightsSource
 
 __all__ = ["copy_weights"]
 
@@ -26,12 +24,9 @@ def copy_weights(
 
     def copy() -> WeightsSource:
         current = state()
-        model = setup.model
-        params = jax.tree.unflatten(model.params_def, current.variables.params)
-        rest = jax.tree.unflatten(model.model_state_def, current.variables.model_state)
-        return WeightsSource(
-            jax.tree.map(copy_array, params),
-            jax.tree.map(copy_array, rest),
+        return WeightsSource.of(
+            setup.model,
+            current.variables,
             f"the weights of a {setup.cls.__name__} run at epoch {current.epoch}, "
             f"step {current.step}",
         )

@@ -19,14 +19,13 @@ from collections.abc import Mapping
 from html import escape
 from typing import Any
 
-import jax
 import numpy as np
 
 from nitro.engine.dispatch import MAX_STEPS as FUSED_LIMIT
 from nitro.errors import DivergenceError, Interrupted, OptimizerError, ScheduleError, SetupError
 from nitro.handle.handle import EXTENSIONS, Nitro
 from nitro.handle.population import Population
-from nitro.runs.weights import WeightsSource, copy_array
+from nitro.runs.weights import WeightsSource
 
 __all__ = ["LRFindResult", "lr_find"]
 
@@ -325,10 +324,9 @@ def _keywords(handle: Nitro, progress: Any) -> dict[str, Any]:
 
 def _current_weights(handle: Nitro) -> WeightsSource:
     """Copies of the handle's current parameters and model state (the handle is held)."""
-    params, rest = handle._trees()
-    return WeightsSource(
-        jax.tree.map(copy_array, params),
-        jax.tree.map(copy_array, rest),
+    return WeightsSource.of(
+        handle.setup.model,
+        handle.state.variables,
         f"the weights of a {handle.cls.__name__} run at epoch {handle.epoch}, step {handle.step}",
     )
 

@@ -10,6 +10,7 @@ from typing import Any
 import jax
 
 from nitro.core.progress import ranked_members
+from nitro.core.train_state import Variables
 from nitro.engine.member_axis import Member, Stacked, shown_settings
 from nitro.engine.run_keywords import RUN_KEYWORDS
 from nitro.errors import PopulationError
@@ -19,7 +20,7 @@ from nitro.handle.run_handle import RunHandle, scalar_frame
 from nitro.programs.compile_cache import graphconst_keys
 from nitro.programs.train_step import train_step_spec
 from nitro.runs.epoch_saves import finite
-from nitro.runs.weights import WeightsSource, copy_array
+from nitro.runs.weights import WeightsSource
 
 __all__ = ["PopulationMembers", "check_axis", "check_one_program", "check_shared"]
 
@@ -85,20 +86,19 @@ class PopulationMembers(RunHandle):
     def _member_weights(self, index: int) -> WeightsSource:
         """Copies of member `index`'s current weights (the population is held)."""
         member = self._members[index]
-        model = member.setup.model
         epoch, step = self.epoch, self.step
         if member.stopped is not None:  # its weights are those of its stop
             epoch, step = member.state.epoch, member.stopped_at
-        if self._axis is None:
-            variables = member.state.variables
-            params_leaves, rest_leaves = variables.params, variables.model_state
-        else:
+        variables = member.state.variables
+        if self._axis is not None:  # its slice of the stacked variables
             stacked = self._axis.state.variables
-            params_leaves = [leaf[index] for leaf in stacked.params]
-            rest_leaves = [leaf[index] for leaf in stacked.model_state]
-        return WeightsSource(
-            jax.tree.map(copy_array, jax.tree.unflatten(model.params_def, params_leaves)),
-            jax.tree.map(copy_array, jax.tree.unflatten(model.model_state_def, rest_leaves)),
+            variables = Variables(
+                params=[leaf[index] for leaf in stacked.params],
+                model_state=[leaf[index] for leaf in stacked.model_state],
+            )
+        return WeightsSource.of(
+            member.setup.model,
+            variables,
             f"{member.label} of a {self.cls.__name__} population at epoch {epoch}, step {step}",
         )
 

@@ -58,6 +58,14 @@ class WeightsSource:
     model_state: Any
     origin: str
 
+    @classmethod
+    def of(cls, model: Any, variables: Any, origin: str) -> WeightsSource:
+        """Copies of the parameters and model state of `variables` (a `Variables`: flat
+        leaves), as trees of `model` (its `ModelSetup`)."""
+        params = jax.tree.unflatten(model.params_def, variables.params)
+        rest = jax.tree.unflatten(model.model_state_def, variables.model_state)
+        return cls(jax.tree.map(copy_array, params), jax.tree.map(copy_array, rest), origin)
+
     def resolve(self, params: Any, model_state: Any) -> ResolvedWeights:
         """These weights, shaped like the given model's (refused otherwise), copied."""
         check_same_tree("parameters", params, self.params)
