@@ -35,7 +35,7 @@ from nitro.engine.dispatch import DispatchChoice
 from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_keywords import resolve_run_keywords
 from nitro.engine.run_time import RunTime
-from nitro.engine.runner import Run, RunControl, RunGuard
+from nitro.engine.runner import RunControl, RunGuard
 from nitro.engine.setup import build
 from nitro.engine.swaps import LiveEdit
 from nitro.engine.weights_copy import copy_weights
@@ -136,9 +136,6 @@ class Nitro(RunHandle):
                 take()
 
         self._guard.on_release = on_release
-        self._run: Run | None = None
-        self._stop_reason: str | None = None
-        self._error: BaseException | None = None
         self._checkpoint: SavedWeights | None = None
         self._stale_seen: str | None = None
         self._live_edits: bool | None = None

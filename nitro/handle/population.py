@@ -40,7 +40,7 @@ from nitro.engine.setup import build
 from nitro.errors import PopulationError, SetupError
 from nitro.experiments.declaration import field_specs
 from nitro.handle.handle import check_experiment, weights_source
-from nitro.handle.population_loggers import FILE_KEYWORDS, MemberLogging
+from nitro.handle.population_loggers import MemberLogging
 from nitro.handle.population_members import (
     PopulationMembers,
     check_axis,
@@ -55,6 +55,10 @@ from nitro.runs.run_files import PopulationFiles
 from nitro.runs.watched_metrics import check_watched_metrics
 
 __all__ = ["Population"]
+
+# where the population lives and what it saves: its members' setups hold them, not their given
+# keywords (a member taken as a handle starts a run of its own); `logger=` is the population's
+FILE_KEYWORDS = ("run_dir", "checkpointer", "resume")
 
 
 class Population(PopulationMembers):
@@ -134,10 +138,10 @@ class Population(PopulationMembers):
             check_shared(specs, name, value)
         self._settings = settings
         shared_fields = {k: v for k, v in shared.items() if k in specs and k not in RUN_KEYWORDS}
+        own = (*FILE_KEYWORDS, "logger")
         self._shared_keywords = {
-            k: v for k, v in shared.items() if k not in shared_fields and k not in FILE_KEYWORDS
+            k: v for k, v in shared.items() if k not in shared_fields and k not in own
         }
-        # the population's own: its members' setups say where it lives and what it saves
         self._files_keywords = {k: v for k, v in shared.items() if k in FILE_KEYWORDS}
         self._experiment = dataclasses.replace(experiment, **shared_fields)
         self._control = RunControl()
@@ -182,8 +186,7 @@ class Population(PopulationMembers):
         self._axis: Stacked | None = None  # the loop's members object: stacked on first use
         self._stacking = threading.Lock()  # pop.stop(i) may stack before the run's thread
         guard = self._guard  # not the population: its run directory's lock must not keep it
-        own = self._files_keywords  # where it lives and what it saves: its members' setups say
-        logs = own.get("logger", True) is not None
+        loggers = {k: v for k, v in shared.items() if k == "logger"}
         self._files = PopulationFiles.plan(
             lead.setup,
             self._events,
@@ -191,9 +194,8 @@ class Population(PopulationMembers):
             busy=lambda: guard.activity is not None,
             settings=[{k: setting_token(v) for k, v in m.settings.items()} for m in self._members],
             seeds=[m.setup.seed for m in self._members],
-            logs=logs,
+            logs=loggers.get("logger", True) is not None,
         )
-        loggers = {k: v for k, v in own.items() if k == "logger"}
         self._logging = MemberLogging.of(self, self._members, self._files, **loggers)
         self._events.add(self._logging)
         if self._files.resume_from is not None:
@@ -209,8 +211,7 @@ class Population(PopulationMembers):
         fields = {k: v for k, v in setting.items() if k in specs and k not in RUN_KEYWORDS}
         instance = dataclasses.replace(self._experiment, **fields)
         given = {**self._shared_keywords, **{k: v for k, v in setting.items() if k not in fields}}
-        files = {k: v for k, v in self._files_keywords.items() if k != "logger"}
-        keywords = {**given, **files, "logger": None, "progress": False}
+        keywords = {**given, **self._files_keywords, "logger": None, "progress": False}
         try:
             resolved = RunKeywords.of(resolve_run_keywords(instance, keywords))
         except SetupError as error:  # name the member whose value it is

@@ -27,10 +27,7 @@ from nitro.loggers.protocol import plain_value
 from nitro.runs.run_dirs import member_dir, member_run_id
 from nitro.runs.run_files import PopulationFiles
 
-__all__ = ["FILE_KEYWORDS", "MemberLogging", "member_loggers"]
-
-# the run keywords a population takes for itself: they are not its members'
-FILE_KEYWORDS = ("run_dir", "checkpointer", "logger", "resume")
+__all__ = ["MemberLogging", "member_loggers"]
 
 _DEFAULT = object()  # logger= not given: JSON Lines per member, as a single run
 
