@@ -12,11 +12,12 @@ its first step, its notes, and "trained" if `train()` returns. KIND says who sig
 - `checkpointing`: the child sends itself SIGTERM when its N-th save begins, and SIGUSR1
   while that save is being written, 60 ms later.
 
-A child ends as the script would: `SystemExit` from `train()`, or the end of its code (the
-interpreter's exit, which waits for the saves still being written). The zygote prints
-"child <pid>", waits for a line on stdin (so the test can signal the pid
-while it is certainly this child's, a zombie at worst), reaps the child and prints
-"exit <code>" (`os.waitstatus_to_exitcode`: 75, 0, or -15 for a process SIGTERM ended).
+A child that `train()` ends with `SystemExit` exits at once with its code, skipping the
+interpreter's exit (a second or more): the save and the logs must be on disk before
+`train()` raises. One that trains to the end ends as a script ends, the interpreter's exit
+waiting for the saves still being written. The zygote prints "child <pid>", waits for a
+line on stdin (so the test can signal the pid while it is certainly this child's, a zombie
+at worst), reaps the child and prints "exit <code>" (`os.waitstatus_to_exitcode`: 75, 0, or -15 for a process SIGTERM ended).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 import nitro
 from nitro.examples.digits import Digits
@@ -33,7 +35,7 @@ from nitro.examples.digits import Digits
 EPOCHS = 5
 
 
-def handle(run_dir: str, progress=False, **keywords) -> nitro.Nitro:
+def handle(run_dir: str, progress: Any = False, **keywords: Any) -> nitro.Nitro:
     """The digits demo as the children and the test train it: 39 steps an epoch, a checkpoint
     after every epoch."""
     return nitro.Nitro(
@@ -96,9 +98,13 @@ def zygote() -> None:
         run_dir, kind, nth = line.split()
         sys.stdout.flush()
         pid = os.fork()
-        if pid == 0:  # ends as a script ends: SystemExit(75), or the interpreter's exit
-            script(run_dir, kind, int(nth))
-            return
+        if pid == 0:
+            try:
+                script(run_dir, kind, int(nth))
+            except SystemExit as exit:  # preempted
+                sys.stdout.flush()
+                os._exit(exit.code if isinstance(exit.code, int) else 1)
+            return  # the interpreter's exit waits for the saves still being written
         print(f"child {pid}", flush=True)
         sys.stdin.readline()  # the test is done signalling it
         _, status = os.waitpid(pid, 0)

@@ -47,12 +47,14 @@ class Zygote:
             cwd=cwd,
             env=child_env(),
         )
+        assert self.process.stdin is not None and self.process.stdout is not None
+        self.stdin, self.stdout = self.process.stdin, self.process.stdout
         self.lines: queue.Queue[str] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
         assert self.line() == "ready"
 
     def _read(self) -> None:
-        for line in self.process.stdout:
+        for line in self.stdout:
             self.lines.put(line.strip())
 
     def line(self, timeout: float = 180) -> str:
@@ -62,8 +64,8 @@ class Zygote:
             raise AssertionError(f"the zygote said nothing for {timeout} s") from None
 
     def start(self, run_dir: Path, kind: str, nth: int = 0) -> int:
-        self.process.stdin.write(f"{run_dir} {kind} {nth}\n")
-        self.process.stdin.flush()
+        self.stdin.write(f"{run_dir} {kind} {nth}\n")
+        self.stdin.flush()
         self.said: list[str] = []
         return int(self.line().removeprefix("child "))
 
@@ -75,13 +77,13 @@ class Zygote:
 
     def finish(self) -> tuple[int, list[str]]:
         """Let the zygote reap the child: its exit code and the lines it printed."""
-        self.process.stdin.write("reap\n")
-        self.process.stdin.flush()
+        self.stdin.write("reap\n")
+        self.stdin.flush()
         code = int(self.until("exit ").removeprefix("exit "))
         return code, self.said
 
     def close(self) -> None:
-        self.process.stdin.close()
+        self.stdin.close()
         self.process.wait(timeout=60)
         self.log.close()
 
@@ -174,3 +176,205 @@ def test_preemption_is_off_in_a_notebook_and_where_the_program_handles_the_signa
 def test_a_bad_preemption_setting_is_refused_naming_the_choices():
     with pytest.raises(nitro.SetupError, match=r"preemption must be 'auto', True or False, got 1"):
         handle("unused", preemption=1)
+
+
+GROUP = """
+import os, sys
+import nitro
+from pipeline_toys import Pipe
+from process_toys import Augmented
+
+class Started:
+    def step(self, step, loss):
+        if step == 1:
+            print("training", flush=True)
+
+n = nitro.Nitro(
+    Pipe(max_epochs=20),
+    data={"train": Augmented(sleep=0.05)},
+    run_dir=sys.argv[1],
+    resume="auto",
+    prefetch="processes",
+    prefetch_workers=1,
+    progress=Started(),
+)
+n.train()
+"""
+
+
+def test_a_run_whose_worker_processes_are_signalled_with_it_saves_and_exits_75(tmp_path):
+    """As SLURM signals every process of a job step: the run's worker process, which builds
+    the batch its next step waits for (50 ms a batch), is sent SIGTERM with it."""
+    from pipeline_toys import Pipe
+    from process_toys import Augmented
+    from worker_processes import gone, workers_of
+
+    def run(**keywords) -> nitro.Nitro:
+        data = {"train": Augmented()}
+        return nitro.Nitro(Pipe(max_epochs=20), data=data, progress=False, **keywords)
+
+    script = subprocess.Popen(
+        [sys.executable, "-c", GROUP, str(tmp_path / "run")],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,  # its own process group, as a job step's
+    )
+    try:
+        assert script.stdout is not None and script.stdout.readline() == "training\n"
+        workers = workers_of(script.pid)
+        os.killpg(script.pid, signal.SIGTERM)
+        _, err = script.communicate(timeout=180)
+    finally:
+        if script.poll() is None:
+            os.killpg(script.pid, signal.SIGKILL)
+    assert script.returncode == PREEMPTED_EXIT_CODE, err
+    assert gone(workers) == []
+    resumed = run(run_dir=str(tmp_path / "run"), resume="auto")
+    assert resumed.step > 0  # the step it stopped on
+    expected = run(steps_per_dispatch=1).train()
+    resumed.train()
+    assert resumed.history()["loss"].tolist() == expected.history()["loss"].tolist()
+
+
+# ---------------------------------------------------------------------------------------------
+# the recipes of docs/preemption.md
+
+PAGE = Path(__file__).resolve().parents[1] / "docs" / "preemption.md"
+
+# Stand-ins for SLURM's commands: `srun` runs the step (its pid in $STEP_PID, where SLURM's
+# --signal would reach it), `scontrol` records what it is asked
+SRUN = '#!/bin/sh\necho $$ > "$STEP_PID"\nexec "$@"\n'
+SCONTROL = '#!/bin/sh\necho "$@" >> "$SCONTROL_LOG"\n'
+# Imported by the job's Python at its start: with $PAUSE_AT_VALIDATION=N, the process stops
+# itself (SIGSTOP) when its N-th validation begins, so the signal arrives mid-run
+PAUSE = """
+import os, signal
+if os.environ.get("PAUSE_AT_VALIDATION"):
+    import nitro
+    seen = []
+    def pause(change):
+        if change.phase == "validating":
+            seen.append(change.step)
+            if len(seen) == int(os.environ["PAUSE_AT_VALIDATION"]):
+                os.kill(os.getpid(), signal.SIGSTOP)
+    nitro.on_phase(pause)
+"""
+
+
+def fence(language: str, heading: str | None = None) -> str:
+    """The first ```language block of docs/preemption.md (under `heading`, if given)."""
+    markdown_it = pytest.importorskip("markdown_it")
+    tokens = markdown_it.MarkdownIt("commonmark").parse(PAGE.read_text(encoding="utf-8"))
+    under = None
+    for before, token in zip([None, *tokens], tokens, strict=False):
+        if before is not None and before.type == "heading_open":
+            under = token.content
+        if token.type == "fence" and token.info.split()[:1] == [language]:
+            if heading is None or under == heading:
+                return token.content
+    raise AssertionError(f"no {language} block under {heading!r} in {PAGE.name}")
+
+
+def test_the_slurm_recipe_requeues_a_preempted_job_and_the_requeued_job_finishes_it_bitwise(
+    tmp_path,
+):
+    import psutil
+    from worker_processes import wait_for
+
+    (tmp_path / "train.py").write_text(fence("python"))
+    (tmp_path / "job.sh").write_text(fence("sh", "SLURM"))
+    stand_ins = tmp_path / "bin"
+    stand_ins.mkdir()
+    hooks = tmp_path / "hooks"
+    hooks.mkdir()
+    (hooks / "sitecustomize.py").write_text(PAUSE)
+    for name, text in [
+        ("srun", SRUN),
+        ("scontrol", SCONTROL),
+        ("python", f'#!/bin/sh\nexec {sys.executable} "$@"\n'),
+    ]:
+        (stand_ins / name).write_text(text)
+        (stand_ins / name).chmod(0o755)
+    env = child_env()
+    env.update(
+        PATH=f"{stand_ins}{os.pathsep}{env['PATH']}",
+        PYTHONPATH=f"{hooks}{os.pathsep}{env['PYTHONPATH']}",
+        SLURM_JOB_ID="4242",
+        STEP_PID=str(tmp_path / "step.pid"),
+        SCONTROL_LOG=str(tmp_path / "scontrol.log"),
+    )
+
+    def job(**more: str) -> subprocess.Popen:
+        return subprocess.Popen(
+            ["bash", "job.sh"],
+            cwd=tmp_path,
+            env={**env, **more},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+
+    first = job(PAUSE_AT_VALIDATION="3")
+    try:
+        step = tmp_path / "step.pid"
+
+        def paused() -> bool:
+            assert first.poll() is None, first.communicate()[0]
+            if not step.is_file() or not step.read_text().strip():
+                return False
+            return psutil.Process(int(step.read_text())).status() == psutil.STATUS_STOPPED
+
+        assert wait_for(paused, 180), "the job never reached its third validation"
+        pid = int(step.read_text())
+        os.kill(pid, signal.SIGUSR1)  # as --signal=USR1@90 sends it
+        os.kill(pid, signal.SIGCONT)
+        said, _ = first.communicate(timeout=180)
+    finally:
+        if first.poll() is None:
+            first.kill()
+    assert first.returncode == PREEMPTED_EXIT_CODE, said
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"
+    exit = EXIT.search(said)
+    assert exit is not None and exit["signal"] == "SIGUSR1", said
+
+    again = job()  # the requeued job
+    said_again, _ = again.communicate(timeout=300)
+    assert again.returncode == 0, said_again
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n"  # not requeued again
+    (run,) = (tmp_path / "runs" / "Digits").iterdir()
+    resumed = f"nitro: resumed run {run.name} from its checkpoint at epoch \\d+, step (\\d+) "
+    found = re.search(resumed, said_again)
+    assert found is not None and found[1] == exit["step"], said_again
+
+    from nitro.examples.digits import Digits
+
+    finished = nitro.Nitro(Digits(), run_dir=str(run), resume="auto", progress=False)
+    expected = nitro.Nitro(Digits(), run_dir=str(tmp_path / "whole"), progress=False).train()
+    assert finished.epoch == expected.epoch == 30
+    assert outcome(finished)[0] == outcome(expected)[0]  # bitwise
+    for name, value in outcome(expected)[1].items():
+        assert np.array_equal(outcome(finished)[1][name], value), name
+
+
+def test_the_kubernetes_recipe_replaces_a_pod_that_exits_75_and_gives_it_time_to_save():
+    yaml = pytest.importorskip("yaml")
+    job = yaml.safe_load(fence("yaml", "Kubernetes"))
+    assert job["kind"] == "Job"
+    pod = job["spec"]["template"]["spec"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["python", "train.py"]
+    assert pod["restartPolicy"] == "Never"  # what podFailurePolicy requires
+    assert pod["terminationGracePeriodSeconds"] >= 60
+    rules = job["spec"]["podFailurePolicy"]["rules"]
+    assert rules[0] == {
+        "action": "Ignore",
+        "onExitCodes": {
+            "containerName": container["name"],
+            "operator": "In",
+            "values": [PREEMPTED_EXIT_CODE],
+        },
+    }
+    mount = container["volumeMounts"][0]["mountPath"]
+    assert mount == f"{container['workingDir']}/runs"  # runs/ outlives the pod

@@ -299,9 +299,12 @@ class RunHandle:
         return self
 
     def _signals(self) -> contextlib.AbstractContextManager[None]:
-        """Ctrl-C, and the preemption signals `preemption=` takes here, as stop requests while
-        `train()` or `wait()` runs."""
-        setting = self._lead_setup.keywords["preemption"].value
+        """Ctrl-C, and the preemption signals `preemption=` takes here (none in a run across
+        processes), as stop requests while `train()` or `wait()` runs."""
+        setup = self._lead_setup
+        # the processes of one run would each stop at a step of their own, and wait forever
+        # for the others' part of the next: they end on the signal, as before
+        setting = setup.keywords["preemption"].value and not setup.placement.multi_process
         return signals_request_stop(
             self._control, preemption_signals(setting), on_preempted=self._preempted
         )
