@@ -238,6 +238,59 @@ def test_a_run_whose_worker_processes_are_signalled_with_it_saves_and_exits_75(t
     assert resumed.history()["loss"].tolist() == expected.history()["loss"].tolist()
 
 
+POPULATION = """
+import os, signal, sys
+import nitro
+from nitro.examples.digits import Digits
+
+class SignalAtThirdValidation:
+    seen = 0
+    def note(self, message, done=False):
+        print(message, file=sys.stderr)
+    def phase(self, phase):
+        if phase == "validating":
+            self.seen += 1
+            if self.seen == 3:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+nitro.Population(
+    Digits(max_epochs=4, batch_size=32),
+    learning_rate=[1e-3, 3e-3],
+    run_dir=sys.argv[1],
+    progress=SignalAtThirdValidation(),
+).train()
+"""
+
+
+def test_a_population_preempted_in_a_script_exits_75_and_resumes_bitwise(tmp_path):
+    from nitro.examples.digits import Digits
+
+    def population(**keywords) -> nitro.Population:
+        return nitro.Population(
+            Digits(max_epochs=4, batch_size=32),
+            learning_rate=[1e-3, 3e-3],
+            progress=False,
+            **keywords,
+        )
+
+    done = subprocess.run(
+        [sys.executable, "-c", POPULATION, str(tmp_path / "pop")],
+        env=child_env(),
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == PREEMPTED_EXIT_CODE, done.stderr
+    exit = EXIT.search(done.stderr)
+    assert exit is not None and exit["signal"] == "SIGTERM", done.stderr
+    resumed = population(run_dir=str(tmp_path / "pop"), resume="auto")
+    assert resumed.step == int(exit["step"]) > 0
+    expected = population(run_dir=str(tmp_path / "whole")).train()
+    resumed.train()
+    assert resumed.history()["loss"].tolist() == expected.history()["loss"].tolist()
+    assert resumed.history()["val_loss"].tolist() == expected.history()["val_loss"].tolist()
+
+
 # ---------------------------------------------------------------------------------------------
 # the recipes of docs/preemption.md
 
