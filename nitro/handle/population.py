@@ -153,6 +153,7 @@ class Population(PopulationMembers):
             ]
         check_one_program(self._members)
         lead = self._members[0]
+        lead.runtime.dispatch.for_members(len(settings))  # its calls train every member
         engine.check_member_layout(lead.setup)
         devices = lead.setup.placement.n_devs
         if mesh_axis == "members" and devices > 1 and len(settings) % devices:
