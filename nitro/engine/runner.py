@@ -315,7 +315,7 @@ def wait_for(run: Run, control: RunControl, note: Callable[[str], None], what: s
             preempted = control.preempted
             note(
                 f"{getattr(preempted, 'name', preempted)}: stopping {what} after the current "
-                f"step to save it; the process then exits with code {PREEMPTED_EXIT_CODE}"
+                f"step; once it is saved, the process exits with code {PREEMPTED_EXIT_CODE}"
             )
         if control.interrupts != seen:
             seen = control.interrupts

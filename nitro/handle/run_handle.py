@@ -206,6 +206,8 @@ class RunHandle:
                     self._target_epoch = target
                 self._run_target = target
                 self._control.stop.clear()
+                if self._control.preempted is not None:  # a signal came as this call began
+                    self._control.stop.set()
                 self._stop_reason = None
                 self._error = None
                 run = Run(
