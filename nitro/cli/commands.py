@@ -55,7 +55,8 @@ def _predict(n: Any, settings: Any) -> None:
     if path is None:
         print(outputs)
     elif isinstance(outputs, dict):
-        np.savez(path, **{k: np.asarray(v) for k, v in outputs.items()})
+        arrays = {str(k): np.asarray(v) for k, v in outputs.items()}
+        np.savez(path, **arrays)  # pyright: ignore[reportArgumentType]  # names, not savez's flags
     else:
         np.save(path, np.asarray(outputs))
 
@@ -143,7 +144,7 @@ def _usage(command: Command) -> str:
 
 def run(name: str, argv: Sequence[str]) -> int:
     """Run the experiment command `name` with its arguments; the exit status."""
-    from nitro.cli import options
+    from nitro.cli.options import CommandError, config_text, parse, resolved_config
 
     command = COMMANDS[name]
     prog = f"nitro {name}"
@@ -151,15 +152,15 @@ def run(name: str, argv: Sequence[str]) -> int:
         print(_usage(command))
         return 0 if argv else 2
     try:
-        settings, print_config = options.parse(prog, command.description, argv, command.options)
+        settings, print_config = parse(prog, command.description, argv, command.options)
         experiment = settings.experiment()
         keywords = settings.run_keywords()
-        config = options.resolved_config(settings, experiment)
+        config = resolved_config(settings, experiment)
         if print_config:
-            sys.stdout.write(options.config_text(config))
+            sys.stdout.write(config_text(config))
             return 0
         handle = _handle(command, experiment, keywords)
-    except options.CommandError as error:
+    except CommandError as error:
         print(f"{prog}: error: {error}", file=sys.stderr)
         return 2
     try:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import importlib
+import os
 import re
 import sys
 import types
@@ -336,6 +337,8 @@ def import_experiment(target: str) -> type:
         raise CommandError(
             f"{target!r} names no experiment: give module:Class, e.g. nitro.examples.digits:Digits"
         )
+    if os.getcwd() not in sys.path and "" not in sys.path:
+        sys.path.insert(0, os.getcwd())  # as `python -m` does: a module beside the shell
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as error:
@@ -370,8 +373,16 @@ def build_parser(
 ):
     """The jsonargparse parser of an experiment command: `--config`, `--print-config`,
     `--preset`, the command's own options, then one per field and run keyword."""
-    from jsonargparse import ActionConfigFile, ArgumentParser
-
+    try:
+        from jsonargparse import (
+            ActionConfigFile,  # pyright: ignore[reportPrivateImportUsage]
+            ArgumentParser,
+        )
+    except ImportError:
+        raise CommandError(
+            f"{prog} reads its options with jsonargparse, which is not installed: "
+            f"pip install 'nitro[cli]'"
+        ) from None
     _register_loader()
     parser = ArgumentParser(
         prog=prog,
@@ -502,21 +513,24 @@ _NOT_PLAIN = object()
 
 def resolved_config(settings: Settings, experiment: Any) -> dict[str, Any]:
     """The configuration that rebuilds this run: the experiment, its preset, every field's
-    value (those a YAML file can hold; a field given as a `class_path` as given) and the run
-    keywords given. `nitro train --config` of it trains the same run."""
+    value in declaration order (those a YAML file can hold; one given as a `class_path`, as
+    given), then the run keywords given. `nitro train --config` of it trains the same run."""
     config: dict[str, Any] = {"experiment": settings.target, "preset": settings.preset}
-    # a Host field named like a run keyword is what the keyword resolves to, when not given
-    names = {spec.name for spec in field_specs(settings.cls) if spec.kind is FieldKind.HOST}
+    given = {**settings.fields, **settings.keywords}
+    for spec in field_specs(settings.cls):
+        if spec.name in given:
+            config[spec.name] = given[spec.name]
+        elif spec.name not in RUN_KEYWORDS or spec.kind is FieldKind.HOST:
+            # a Host field named like a run keyword is what the keyword resolves to
+            config[spec.name] = _plain(getattr(experiment, spec.name))
     for option in settings.options:
-        if option.keyword and (option.name in settings.keywords or option.name not in names):
-            continue
-        given = settings.fields.get(option.name, _NOT_PLAIN)
-        value = _plain(getattr(experiment, option.name)) if given is _NOT_PLAIN else given
-        if value is not _NOT_PLAIN:
-            config[option.name] = _plain(value) if _plain(value) is not _NOT_PLAIN else value
-    for name, value in settings.keywords.items():
-        config[name] = _plain(value) if _plain(value) is not _NOT_PLAIN else value
-    return config
+        if option.keyword and option.name in given:
+            config[option.name] = given[option.name]
+    return {
+        k: _plain(v) if _plain(v) is not _NOT_PLAIN else v
+        for k, v in config.items()
+        if v is not _NOT_PLAIN
+    }
 
 
 def config_text(config: Mapping[str, Any]) -> str:
@@ -527,8 +541,6 @@ def config_text(config: Mapping[str, Any]) -> str:
 
 def write_config(run_dir: str, config: Mapping[str, Any]) -> str:
     """Write `config` as the run's `config.yaml` (a temporary file, then a rename)."""
-    import os
-
     path = os.path.join(run_dir, CONFIG_FILE)
     os.makedirs(run_dir, exist_ok=True)
     temporary = f"{path}.{os.getpid()}.tmp"

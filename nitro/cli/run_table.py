@@ -39,7 +39,7 @@ def runs_command(argv: Sequence[str]) -> int:
     if table.empty:
         print(f"no runs under {argv[0] if argv else 'runs'}")
     else:
-        print(table.to_string())
+        print(table.to_string(index=False))
     return 0
 
 
@@ -62,24 +62,28 @@ def runs_on_disk(directory: str = "runs"):
             continue
         infos = [read_run_json(path) for path in frame["path"]]
         configs = [_config(path) for path in frame["path"]]
-        frame.insert(0, "experiment", [_experiment_name(i, folder) for i in infos])
-        frame.insert(
-            3,
-            "preset",
-            [i.get("preset") or c.get("preset") or "" for i, c in zip(infos, configs, strict=True)],
+        pairs = list(zip(infos, configs, strict=True))
+        frames.append(
+            frame.assign(
+                experiment=[_experiment_name(info, folder) for info in infos],
+                preset=[info.get("preset") or config.get("preset") or "" for info, config in pairs],
+                settings=[settings_label(_settings(info, config)) for info, config in pairs],
+            )
         )
-        frame.insert(
-            len(frame.columns) - 1,
-            "settings",
-            [
-                settings_label(_settings(info, config))
-                for info, config in zip(infos, configs, strict=True)
-            ],
-        )
-        frames.append(frame)
     if not frames:
         return pd.DataFrame()
-    return pd.concat(frames)
+    columns = ["experiment", "started", "name", "preset", "checkpoints", "latest epoch", "best"]
+    table = pd.concat(frames)[[*columns, "settings", "path"]].reset_index()
+    table["path"] = [_relative(path) for path in table["path"]]
+    return table
+
+
+def _relative(path: str) -> str:
+    """`path` from the working directory when it lies under it."""
+    import os
+
+    relative = os.path.relpath(path)
+    return path if relative.startswith("..") else relative
 
 
 def _experiment_name(info: Mapping[str, Any], folder: Path) -> str:
@@ -113,7 +117,7 @@ def _flat(section: str, value: Any, into: dict[str, Any], path: str = "") -> Non
 
 def run_record(run_dir: str | Path) -> dict[str, Any]:
     """What a run records about itself, flat: `setting <name>` (the fields and run keywords
-    it resolved, as its logger's params and its config.yaml say), `code <unit>` (the digests
+    it resolved, as its logger's params say; else its config.yaml), `code <unit>` (the digests
     of its hooks' code in its newest checkpoint), `version <package>`, and `run.json <key>`
     for the rest of its run.json."""
     from nitro.runs.checkpoint_reads import newest_record
@@ -129,8 +133,7 @@ def run_record(run_dir: str | Path) -> dict[str, Any]:
                     settings.update(json.loads(line).get("params") or {})
                 except ValueError:
                     continue
-    settings.update(_config(run_dir))
-    _flat("setting", settings, record)
+    _flat("setting", settings or _config(run_dir), record)
     saved = newest_record(run_dir)
     if saved is not None:
         _flat("code", dict(saved.code), record)
