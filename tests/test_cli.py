@@ -111,7 +111,7 @@ def test_rerunning_the_command_continues_its_run_bitwise(trained, tmp_path):
     _, run_dir, _ = trained
     half = [*OPTIONS[:2], "--max-epochs", "1", *OPTIONS[4:]]
     first = nitro_command(tmp_path, "train", DIGITS, *half)
-    assert "resume='auto' found no checkpoint" in first.stderr  # a new run, said in one line
+    assert "nitro: no run to continue under runs/Digits: a new run" in first.stderr
     second = nitro_command(tmp_path, "train", DIGITS, *OPTIONS)
 
     assert "resumed run" in second.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
@@ -190,7 +191,9 @@ def _handle(command: Command, experiment: Any, keywords: dict[str, Any]) -> Any:
         text = str(warning.message)
         if text.startswith("resume='auto' found no checkpoint"):
             if command.trains:  # the first run of a job: news, not a warning
-                print(f"nitro: {text}", file=sys.stderr)
+                named = keywords.get("run_dir")  # the run's own directory, else its folder's
+                where = os.path.relpath(named or os.path.dirname(handle.run_dir))
+                print(f"nitro: no run to continue under {where}: a new run", file=sys.stderr)
             continue  # the others say below what to do
         warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
     if not command.trains and handle.weights_checkpoint is None:

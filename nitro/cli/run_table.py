@@ -44,8 +44,8 @@ def runs_command(argv: Sequence[str]) -> int:
 
 
 def runs_on_disk(directory: str = "runs"):
-    """One row per run under `directory` (an experiment's folder, a folder of them such as
-    `runs/`, or one run directory): experiment, started, name, preset, checkpoints, latest
+    """One row per run under `directory` (one run directory, or a folder of run directories
+    and of folders of them, such as `runs/`): experiment, started, name, preset, checkpoints, latest
     epoch, best metric, settings (the fields and run keywords its config.yaml gives, else its
     GraphConst values), path; oldest first within each experiment."""
     import pandas as pd
@@ -54,7 +54,12 @@ def runs_on_disk(directory: str = "runs"):
     from nitro.runs.run_dirs import list_runs, read_run_json, saved_runs
 
     root = Path(directory)
-    folders = [root] if list_runs(root) else sorted(p for p in root.glob("*") if p.is_dir())
+    listed = {run.path for run in list_runs(root)}  # root itself, or the run directories in it
+    folders = [root] + [
+        child
+        for child in sorted(root.glob("*"))
+        if child.is_dir() and child.absolute() not in listed
+    ]
     frames = []
     for folder in folders:
         frame = saved_runs(str(folder))
