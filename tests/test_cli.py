@@ -112,6 +112,7 @@ def test_rerunning_the_command_continues_its_run_bitwise(trained, tmp_path):
     half = [*OPTIONS[:2], "--max-epochs", "1", *OPTIONS[4:]]
     first = nitro_command(tmp_path, "train", DIGITS, *half)
     assert "nitro: no run to continue under runs/Digits: a new run" in first.stderr
+    assert "RuntimeWarning" not in first.stderr
     second = nitro_command(tmp_path, "train", DIGITS, *OPTIONS)
 
     assert "resumed run" in second.stderr
@@ -193,7 +194,11 @@ def test_evaluate_validate_predict_and_export_use_the_trained_run(trained, tmp_p
     assert (tmp_path / "bundle" / "manifest.json").is_file()
 
     assert main(["evaluate", DIGITS, "--width", "24"]) == 2
-    assert "no trained run of Digits to evaluate" in capsys.readouterr().err
+    assert capsys.readouterr().err == (
+        "nitro evaluate: error: no trained run of Digits with these GraphConst values under "
+        "runs/Digits to evaluate: train one with nitro train, or name one with --resume DIR or "
+        "--weights DIR\n"
+    )
 
 
 def test_runs_lists_the_runs_on_disk_and_diff_shows_what_differs(trained, capsys):
@@ -207,4 +212,15 @@ def test_runs_lists_the_runs_on_disk_and_diff_shows_what_differs(trained, capsys
     assert main(["runs", "diff", handle.run_dir, str(run_dir)]) == 0
     lines = capsys.readouterr().out.splitlines()
     differing = {line.split()[0] + " " + line.split()[1] for line in lines[3:-1]}
-    assert differing == {"setting resume", "run.json notebook"}  # False in Python
+    assert differing == {"run.json notebook"}  # the same settings, code and versions
+
+
+def test_a_graphconst_change_starts_a_new_run_and_going_back_continues_the_first(tmp_path):
+    tiny = [DIGITS, "--max-epochs", "1", "--progress", "false"]
+    assert main(["train", *tiny, "--width", "16"]) == 0
+    assert main(["train", *tiny, "--width", "8"]) == 0  # resume="auto" would refuse the first
+    assert main(["train", *tiny, "--width", "16", "--max-epochs", "2"]) == 0
+
+    runs = nitro.saved_runs("Digits")
+    widths = [json.loads((Path(p) / "run.json").read_text())["graphconst"] for p in runs["path"]]
+    assert sorted(zip([w["width"] for w in widths], runs["latest epoch"])) == [(8, 1), (16, 2)]

@@ -10,9 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import sys
-import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -174,36 +172,36 @@ def run(name: str, argv: Sequence[str]) -> int:
 
 
 def _handle(command: Command, experiment: Any, keywords: dict[str, Any]) -> Any:
-    """The handle the command runs: continuing the experiment's run unless told otherwise;
-    a command other than train refuses a handle that holds no trained weights."""
+    """The handle the command runs. Unless told which run (`--resume`, `--weights`), it
+    continues the experiment's run with these GraphConst values (or the run `--run-dir`
+    names); without one, `train` starts a new run, and the others refuse: they need trained
+    weights."""
     import nitro
     from nitro.cli.options import CommandError
+    from nitro.runs.resume import fitting_run
+    from nitro.runs.run_dirs import list_runs
 
+    name = type(experiment).__name__
     if "resume" not in keywords and "weights" not in keywords:
         keywords["resume"] = "auto"
+        run_dir = keywords.get("run_dir")
+        if run_dir is not None:
+            where, found = run_dir, any(run.checkpoints for run in list_runs(run_dir))
+        else:
+            where, found = f"runs/{name}", fitting_run(experiment, keywords.get("name"))
+        if not found and not command.trains:
+            raise CommandError(
+                f"no trained run of {name} with these GraphConst values under {where} to "
+                f"{command.name}: train one with nitro train, or name one with --resume DIR "
+                f"or --weights DIR"
+            )
+        if not found:
+            keywords["resume"] = False
+            print(f"nitro: no run to continue under {where}: a new run", file=sys.stderr)
     try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            handle = nitro.Nitro(experiment, **keywords)
+        return nitro.Nitro(experiment, **keywords)
     except (nitro.SetupError, nitro.ExperimentError, TypeError, ValueError) as error:
         raise CommandError(str(error)) from None
-    for warning in caught:
-        text = str(warning.message)
-        if text.startswith("resume='auto' found no checkpoint"):
-            if command.trains:  # the first run of a job: news, not a warning
-                named = keywords.get("run_dir")  # the run's own directory, else its folder's
-                where = os.path.relpath(named or os.path.dirname(handle.run_dir))
-                print(f"nitro: no run to continue under {where}: a new run", file=sys.stderr)
-            continue  # the others say below what to do
-        warnings.showwarning(warning.message, warning.category, warning.filename, warning.lineno)
-    if not command.trains and handle.weights_checkpoint is None:
-        handle.close()
-        raise CommandError(
-            f"no trained run of {type(experiment).__name__} to {command.name} (none with "
-            f"these GraphConst values under {handle.run_dir.rsplit('/', 1)[0]}): train one "
-            f"with nitro train, or name one with --resume DIR or --weights DIR"
-        )
-    return handle
 
 
 def _save_config(run_dir: str, config: dict[str, Any]) -> None:
