@@ -130,7 +130,7 @@ def experiment_options(cls: type) -> list[Option]:
         if not keyword.computed:
             default = _default_text(keyword.default, default)
         if name == "resume":
-            default = "auto (the command's; false in Python)"
+            default = "the command's: auto where a run with these GraphConst values has a checkpoint, else a new run"
         spec = specs.get(name)
         if has_method(cls, name):
             default = f"{cls.__name__}.{name}()"
