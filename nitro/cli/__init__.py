@@ -9,6 +9,8 @@ Modules:
   `RUN_KEYWORDS` and read by jsonargparse from the command line and configuration files; the
   resolved configuration written back out (`--print-config`, a run's `config.yaml`).
 - `run_table`: `nitro runs`, the runs on disk, and `nitro runs diff`, how two runs differ.
+- `cluster`: an experiment command as one process of a run across hosts: joining the others
+  (`jax.distributed.initialize()`) when the launcher's environment or the options say so.
 - `__main__`: `python -m nitro.cli`.
 
 Importing this package loads no JAX: `nitro serve`, `nitro runs` and `--help` stay quick.

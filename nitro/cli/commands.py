@@ -29,19 +29,38 @@ class Command:
     def trains(self) -> bool:
         return self.name == "train"
 
+    @property
+    def joins(self) -> bool:
+        """Whether it runs as one process of several (`nitro.cli.cluster`); `export`
+        writes its bundle from one."""
+        return self.name != "export"
+
+
+def _first_process() -> bool:
+    """Whether this process prints and writes what a run prints and writes once: process 0
+    of a run across processes."""
+    import jax
+
+    return jax.process_index() == 0
+
 
 def _train(n: Any, settings: Any) -> None:
     n.train()
-    print(n.history().to_string())
-    print(f"run {n.run_id}: {n.run_dir}")
+    if _first_process():
+        print(n.history().to_string())
+        print(f"run {n.run_id}: {n.run_dir}")
 
 
 def _validate(n: Any, settings: Any) -> None:
-    print(json.dumps(n.validate()))
+    metrics = n.validate()
+    if _first_process():
+        print(json.dumps(metrics))
 
 
 def _evaluate(n: Any, settings: Any) -> None:
-    print(json.dumps(n.evaluate(split=settings.command["split"])))
+    metrics = n.evaluate(split=settings.command["split"])
+    if _first_process():
+        print(json.dumps(metrics))
 
 
 def _predict(n: Any, settings: Any) -> None:
@@ -51,6 +70,8 @@ def _predict(n: Any, settings: Any) -> None:
         batch = {name: arrays[name] for name in arrays.files}
     outputs = n.predict(batch)
     path = settings.command.get("output")
+    if not _first_process():
+        return
     if path is None:
         print(outputs)
     elif isinstance(outputs, dict):
@@ -143,6 +164,7 @@ def _usage(command: Command) -> str:
 
 def run(name: str, argv: Sequence[str]) -> int:
     """Run the experiment command `name` with its arguments; the exit status."""
+    from nitro.cli.cluster import OPTIONS, flags_in, join, split
     from nitro.cli.options import CommandError, config_text, parse, resolved_config
 
     command = COMMANDS[name]
@@ -151,7 +173,17 @@ def run(name: str, argv: Sequence[str]) -> int:
         print(_usage(command))
         return 0 if argv else 2
     try:
-        settings, print_config = parse(prog, command.description, argv, command.options)
+        given, argv = split(argv)
+        if not {"-h", "--help", "--print-config"} & set(argv):
+            join(given, name, command.joins)  # before anything touches a backend
+        own = (*command.options, *OPTIONS)  # listed by --help
+        settings, print_config = parse(prog, command.description, argv, own)
+        in_file = flags_in(settings.command)
+        if in_file:
+            raise CommandError(
+                f"{', '.join(in_file)} in a configuration file: each process of a run has its "
+                f"own, on its command line"
+            )
         experiment = settings.experiment()
         keywords = settings.run_keywords()
         config = resolved_config(settings, experiment)
@@ -197,7 +229,8 @@ def _handle(command: Command, experiment: Any, keywords: dict[str, Any]) -> Any:
             )
         if not found:
             keywords["resume"] = False
-            print(f"nitro: no run to continue under {where}: a new run", file=sys.stderr)
+            if _first_process():
+                print(f"nitro: no run to continue under {where}: a new run", file=sys.stderr)
     try:
         return nitro.Nitro(experiment, **keywords)
     except (nitro.SetupError, nitro.ExperimentError, TypeError, ValueError) as error:
@@ -206,9 +239,7 @@ def _handle(command: Command, experiment: Any, keywords: dict[str, Any]) -> Any:
 
 def _save_config(run_dir: str, config: dict[str, Any]) -> None:
     """The run's config.yaml, written by one process of a multi-process run."""
-    import jax
-
     from nitro.cli.options import write_config
 
-    if jax.process_index() == 0:
+    if _first_process():
         write_config(run_dir, config)
