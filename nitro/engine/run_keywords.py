@@ -440,6 +440,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "a REPL, for each signal the program left at its default; True: wherever train() "
             "runs on the main thread; False: the signals keep their handlers (docs/preemption.md)",
             _preemption,
+            type=Literal["auto"] | bool,
         ),
         RunKeyword(
             "name",
