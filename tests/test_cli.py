@@ -11,12 +11,14 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
 
 import nitro
 from nitro.cli import main
+from nitro.engine.run_keywords import RUN_KEYWORDS
 from nitro.examples.digits import Digits
 
 pytest.importorskip("jsonargparse")
@@ -222,5 +224,27 @@ def test_a_graphconst_change_starts_a_new_run_and_going_back_continues_the_first
     assert main(["train", *tiny, "--width", "16", "--max-epochs", "2"]) == 0
 
     runs = nitro.saved_runs("Digits")
-    widths = [json.loads((Path(p) / "run.json").read_text())["graphconst"] for p in runs["path"]]
-    assert sorted(zip([w["width"] for w in widths], runs["latest epoch"])) == [(8, 1), (16, 2)]
+    widths = [
+        json.loads((Path(p) / "run.json").read_text())["graphconst"]["width"] for p in runs["path"]
+    ]
+    epochs = runs["latest epoch"].tolist()
+    assert sorted(zip(widths, epochs, strict=True)) == [(8, 1), (16, 2)]
+
+
+def test_help_lists_every_field_and_run_keyword_with_its_doc_type_and_default(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["train", DIGITS, "--help"])
+    assert exited.value.code == 0
+    shown = " ".join(capsys.readouterr().out.split())  # the columns' wrapping undone
+    assert (
+        "--width WIDTH GraphConst: hidden width; bakes into the program (changing it "
+        "recompiles) [int; default: 256]"
+    ) in shown
+    assert (
+        "--max-epochs MAX_EPOCHS, --max_epochs MAX_EPOCHS epochs train() runs to [int; "
+        "default: 30 (Digits.max_epochs)]"
+    ) in shown
+    assert "--prefetch PREFETCH" in shown and "[auto | threads | processes | inline;" in shown
+    for name, keyword in RUN_KEYWORDS.items():
+        assert keyword.type is not Any, f"{name} declares no type for the command line"
+        assert f"--{name.replace('_', '-')} " in shown

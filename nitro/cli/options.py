@@ -60,10 +60,6 @@ class Option:
     keyword: bool  # a run keyword (passed to Nitro); else a field of the experiment
     namespace: Mapping[str, Any] | None = None  # resolves a field's string annotation
 
-    @property
-    def flag(self) -> str:
-        return "--" + self.name.replace("_", "-")
-
     def read(self, value: Any) -> Any:
         """A value as given (text from the command line, or what a configuration file held)
         read for this option; never refuses."""
@@ -157,39 +153,11 @@ def _field_doc(cls: type, spec: Any) -> str:
 # reading text and files
 
 
-def _yaml_loader() -> type:
-    """PyYAML's safe loader reading floats as YAML 1.2 does (`1e-3` is a number)."""
-    import yaml
-
-    class Loader(yaml.SafeLoader):
-        pass
-
-    Loader.yaml_implicit_resolvers = {
-        first: [(tag, pattern) for tag, pattern in resolvers if tag != "tag:yaml.org,2002:float"]
-        for first, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-    }
-    Loader.add_implicit_resolver(
-        "tag:yaml.org,2002:float",
-        re.compile(
-            r"^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?"
-            r"|[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)"
-            r"|\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
-            r"|[-+]?\.(?:inf|Inf|INF)|\.(?:nan|NaN|NAN))$"
-        ),
-        list("-+0123456789."),
-    )
-    return Loader
-
-
-_LOADER: list[type] = []
-
-
 def _yaml_load(text: str) -> Any:
-    import yaml
+    """YAML as jsonargparse reads it: floats as YAML 1.2 reads them (`1e-3` is a number)."""
+    from jsonargparse import get_loader
 
-    if not _LOADER:
-        _LOADER.append(_yaml_loader())
-    return yaml.load(text, Loader=_LOADER[0])  # noqa: S506 - a safe loader
+    return get_loader("yaml")(text)
 
 
 def load_config_text(text: str) -> Any:
@@ -259,9 +227,12 @@ class Settings:
                 f"required: {self.cls.__name__} declares no default for "
                 f"{', '.join(missing)}"
             )
+        from_preset = getattr(self.cls, "from_preset", None)
+        if self.preset is not None and from_preset is None:
+            raise CommandError(f"--preset {self.preset}: {self.cls.__name__} declares no presets")
         try:
             if self.preset is not None:
-                return self.cls.from_preset(self.preset, **fields)  # pyright: ignore[reportAttributeAccessIssue]
+                return from_preset(self.preset, **fields)  # pyright: ignore[reportOptionalCall]
             return self.cls(**fields)
         except (ExperimentError, TypeError, ValueError) as error:
             raise CommandError(str(error)) from None
@@ -321,7 +292,7 @@ def target_in_configs(argv: Sequence[str]) -> str | None:
         try:
             with open(path, encoding="utf-8") as file:
                 config = load_config_text(file.read())
-        except (OSError, ValueError) as error:
+        except Exception as error:  # noqa: BLE001 - a missing file, YAML or TOML that does not parse
             raise CommandError(f"--config {path}: cannot read it ({error})") from None
         if isinstance(config, dict) and isinstance(config.get("experiment"), str):
             found = config["experiment"]
@@ -418,8 +389,14 @@ def build_parser(
         False: parser.add_argument_group(f"fields of {cls.__qualname__}"),
         True: parser.add_argument_group("run keywords (nitro.Nitro(...))"),
     }
+    own = {"--experiment", "--config", "--print-config", "--preset", *(c["flag"] for c in command)}
     for option in options:
-        names = [option.flag] + ([f"--{option.name}"] if "_" in option.name else [])
+        if _flag(option.name) in own:
+            raise CommandError(
+                f"{cls.__name__}.{option.name} would be the option {_flag(option.name)}, which "
+                f"{prog} has of its own: rename the field"
+            )
+        names = [_flag(option.name)] + ([f"--{option.name}"] if "_" in option.name else [])
         groups[option.keyword].add_argument(
             *names,
             dest=option.name,
@@ -444,9 +421,11 @@ class _Reader:
         return self.option.read(value)
 
 
-def parse(prog: str, description: str, argv: Sequence[str], command: Sequence[dict]) -> Any:
-    """The `Settings` of an experiment command's arguments, or (`--print-config`) the parser's
-    namespace too: returns (settings, print_config)."""
+def parse(
+    prog: str, description: str, argv: Sequence[str], command: Sequence[dict]
+) -> tuple[Settings, bool]:
+    """(the `Settings` an experiment command's arguments give, whether `--print-config` was
+    given)."""
     target, rest = split_target(argv)
     target = target or target_in_configs(rest)
     if target is None:
@@ -479,7 +458,7 @@ def parse(prog: str, description: str, argv: Sequence[str], command: Sequence[di
 
 def _with_hint(message: str, options: Sequence[Option], command: Sequence[dict]) -> str:
     """jsonargparse's message, with the options meant where a name was mistyped."""
-    known = [o.flag for o in options] + [s["flag"] for s in command]
+    known = [_flag(o.name) for o in options] + [s["flag"] for s in command]
     known += ["--config", "--print-config", "--preset"]
     unknown = re.findall(r"(--[\w-]+)", message) if "unrecognized" in message else []
     unknown += ["--" + k.replace("_", "-") for k in re.findall(r"Option '([\w.]+)'", message)]

@@ -205,6 +205,16 @@ def _resume(value):
     )
 
 
+def _preemption(value):
+    if value is True or value is False or value == "auto":
+        return value
+    raise ValueError(
+        f"preemption must be 'auto', True or False, got {value!r}: 'auto' saves and exits on "
+        f"SIGTERM or SIGUSR1 in a script, True wherever train() runs on the main thread, "
+        f"False never"
+    )
+
+
 def _ema(value):
     from nitro.optim.ema import EMA
 
@@ -420,6 +430,17 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "trained), a run directory or checkpoint, or False",
             _resume,
             type=str | bool | tuple[str, str],
+        ),
+        RunKeyword(
+            "preemption",
+            "auto",
+            "what SIGTERM and SIGUSR1 do while train() runs: stop after the current step, save "
+            "it and exit the process with code 75, for resume='auto' to continue (a job's "
+            "preemption or time limit); 'auto': so in a script, not in a notebook, IPython or "
+            "a REPL, for each signal the program left at its default; True: wherever train() "
+            "runs on the main thread; False: the signals keep their handlers (docs/preemption.md)",
+            _preemption,
+            type=Literal["auto"] | bool,
         ),
         RunKeyword(
             "name",
