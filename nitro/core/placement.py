@@ -187,6 +187,20 @@ class Placement:
         agreed = multihost_utils.broadcast_one_to_all(np.asarray(values, np.float32))
         return [float(v) for v in np.asarray(agreed)]
 
+    def gather_texts(self, text: str) -> list[str]:
+        """Every process's `text`, in process order (`[text]` in one process): what each
+        process decided on its own (a run directory), for all to compare."""
+        if not self.multi_process:
+            return [text]
+        from jax.experimental import multihost_utils
+
+        data = np.frombuffer(text.encode(), np.uint8)
+        sizes = np.ravel(multihost_utils.process_allgather(np.array([data.size], np.int32)))
+        padded = np.zeros(max(int(sizes.max()), 1), np.uint8)
+        padded[: data.size] = data
+        rows = np.asarray(multihost_utils.process_allgather(padded))
+        return [bytes(row[:size]).decode() for row, size in zip(rows, sizes, strict=True)]
+
     def local_rows(self, batch: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """This process's share of a global host batch (all of it in one process)."""
         if not self.multi_process:

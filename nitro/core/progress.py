@@ -332,7 +332,13 @@ def set_default_factory(factory: Callable[[], Any] | None, *, population: bool =
 def make_reporter(setting: Any, *, population: bool = False) -> Any:
     """`True` -> the default reporter (a population's, with `population=True`),
     `False`/`None` -> None (silent), `"lines"`/`"bar"`, or an object implementing any of the
-    `nitro.events.Reporter` methods."""
+    `nitro.events.Reporter` methods. In a run of several processes the others than process 0
+    show nothing (a silent reporter, which takes the notes a run without one would print);
+    a reporter object reports in every process."""
+    built_in = setting is True or setting is False or setting is None
+    built_in = built_in or (isinstance(setting, str) and setting in ("lines", "bar"))
+    if built_in and _later_process():
+        return SilentReporter()
     if setting is True:
         return (_POPULATION_FACTORY if population else _FACTORY)[0]()
     if setting is False or setting is None:
@@ -350,6 +356,12 @@ def make_reporter(setting: Any, *, population: bool = False) -> Any:
         f"reporter, an object with any of the methods {', '.join(EVENT_NAMES)} "
         f"(see nitro.events.Reporter)"
     )
+
+
+def _later_process() -> bool:
+    import jax
+
+    return jax.process_index() > 0
 
 
 def note(message: str, done: bool = False) -> None:

@@ -55,7 +55,10 @@ def digits(
     `val` and `test` in order, keeping their final partial batch.
 
     `seed` picks which samples go to which split (0 when None) and, when given, the train
-    order; None leaves the train order to the run's `seed=`.
+    order; None leaves the train order to the run's `seed=`. Across processes
+    (`jax.distributed`) each feeds its share of every global train batch, and the whole of
+    `val` and `test`, whose last batch must then be full: a `batch_size` that divides the
+    180 samples of `val` (60, 90, ...).
 
     >>> splits = digits(batch_size=128)
     >>> sorted(splits), len(splits["train"])
@@ -63,7 +66,9 @@ def digits(
     """
     arrays = digits_arrays(0 if seed is None else seed, val_fraction, test_fraction)
     return {
-        "train": ArrayLoader(arrays["train"], batch_size, shuffle=True, drop_last=True, seed=seed),
+        "train": ArrayLoader(
+            arrays["train"], batch_size, shuffle=True, drop_last=True, seed=seed, per_process=True
+        ),
         "val": ArrayLoader(arrays["val"], batch_size, shuffle=False, drop_last=False),
         "test": ArrayLoader(arrays["test"], batch_size, shuffle=False, drop_last=False),
     }

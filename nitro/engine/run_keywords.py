@@ -11,7 +11,7 @@ import dataclasses
 import difflib
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from nitro.core.frozen import freeze
 from nitro.core.provenance import Resolved
@@ -346,6 +346,9 @@ class RunKeyword:
     computed: bool = False
     shown_default: str = ""  # how `help(Nitro)` shows a computed default
     none: str = ""  # what None does ("turns weight decay off"); "": None is refused
+    # what the keyword takes, as `nitro train --help` shows it and reads a value given as text:
+    # an annotation, or a string naming objects that only Python builds
+    type: Any = Any
 
     @property
     def default_text(self) -> str:
@@ -383,6 +386,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             0,
             "seeds the model's nnx.Rngs, the data order and the hooks' rngs",
             _int("seed"),
+            type=int,
         ),
         RunKeyword(
             "run_dir",
@@ -390,6 +394,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "this run's directory (default runs/<Experiment>/<run id>)",
             _path("run_dir"),
             none="runs/<Experiment>/<run id>",
+            type=str | None,
         ),
         RunKeyword(
             "checkpointer",
@@ -397,6 +402,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "a nitro.Checkpointer, or None to save no checkpoints",
             _checkpointer,
             none="saves no checkpoints",
+            type="Checkpointer | bool | None",
         ),
         RunKeyword(
             "logger",
@@ -407,6 +413,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             computed=True,
             shown_default="JSONLinesLogger()",
             none="logs nothing",
+            type="logger | list[logger] | None",
         ),
         RunKeyword(
             "early_stop",
@@ -414,6 +421,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "a nitro.EarlyStopping, or None",
             _early_stop,
             none="never stops early",
+            type="EarlyStopping | None",
         ),
         RunKeyword(
             "resume",
@@ -421,6 +429,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "'auto' (this experiment's run: the one its name last trained, else the furthest "
             "trained), a run directory or checkpoint, or False",
             _resume,
+            type=str | bool | tuple[str, str],
         ),
         RunKeyword(
             "preemption",
@@ -431,6 +440,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "a REPL, for each signal the program left at its default; True: wherever train() "
             "runs on the main thread; False: the signals keep their handlers (docs/preemption.md)",
             _preemption,
+            type=Literal["auto"] | bool,
         ),
         RunKeyword(
             "name",
@@ -439,6 +449,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "last trained first (%nitro train exp names its runs exp_run)",
             _name,
             none="unnamed",
+            type=str | None,
         ),
         RunKeyword(
             "n_devs",
@@ -448,6 +459,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             computed=True,
             shown_default="jax.device_count()",
             none="every visible device",
+            type=int | None,
         ),
         RunKeyword(
             "mesh",
@@ -457,6 +469,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "n_devs then defaults to (None: a 'data' mesh over n_devs)",
             _mesh,
             none="a 'data' mesh over n_devs",
+            type=dict[str, int] | None,
         ),
         RunKeyword(
             "sharding",
@@ -466,8 +479,11 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "(the model's nnx.with_partitioning annotations), or a dict of parameter path regex "
             "-> PartitionSpec (it takes precedence over annotations); docs/distributed.md",
             _sharding,
+            type=Literal["replicated", "fsdp", "rules"] | dict[str, Any],
         ),
-        RunKeyword("max_epochs", 1, "epochs `train()` runs to", _positive_int("max_epochs")),
+        RunKeyword(
+            "max_epochs", 1, "epochs `train()` runs to", _positive_int("max_epochs"), type=int
+        ),
         RunKeyword(
             "max_steps",
             None,
@@ -475,6 +491,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "max_epochs still applies)",
             _max_steps,
             none="no limit",
+            type=int | None,
         ),
         RunKeyword(
             "val_every_steps",
@@ -483,6 +500,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "val_check_interval); the results: n.validations() (None: at epochs' ends only)",
             _val_every_steps,
             none="at epochs' ends only",
+            type=int | None,
         ),
         RunKeyword(
             "eval_splits",
@@ -491,19 +509,28 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "test_loss, ...); default ('val',) when build_data has one",
             _eval_splits,
             none="('val',) when build_data has one",
+            type=str | tuple[str, ...] | None,
         ),
         RunKeyword(
             "schedules",
             {},
             "key -> schedule for optimizer hyperparameters or Device fields",
             _schedules,
+            type="dict[str, schedule]",
         ),
-        RunKeyword("learning_rate", 1e-3, "learning rate of the default optimizer", _learning_rate),
+        RunKeyword(
+            "learning_rate",
+            1e-3,
+            "learning rate of the default optimizer",
+            _learning_rate,
+            type=float,
+        ),
         RunKeyword(
             "optimizer",
             None,
             "an optax GradientTransformation or factory (default: adam)",
             none="adam",
+            type="optax.GradientTransformation | factory | None",
         ),
         RunKeyword(
             "group_lr",
@@ -512,6 +539,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "method)",
             _group_lr,
             none="one learning rate for every parameter",
+            type=dict[str, float] | None,
         ),
         RunKeyword(
             "weight_decay",
@@ -519,12 +547,14 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "decoupled weight decay, scaled by the learning rate (None: off)",
             _number("weight_decay", ranges.OPTAX["weight_decay"], off="turns weight decay off"),
             none="off",
+            type=float | None,
         ),
         RunKeyword(
             "decay_to",
             "zero",
             "where weight decay pulls: 'zero', 'init' (L2-SP), or a model or tree of anchors",
             _decay_to,
+            type=Literal["zero", "init"],
         ),
         RunKeyword(
             "decay_mask",
@@ -532,6 +562,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "(path, leaf) -> bool: the leaves that decay (default: those with ndim > 1)",
             _predicate("decay_mask", "(path, leaf) -> bool"),
             none="the leaves with ndim > 1",
+            type="(path, leaf) -> bool | None",
         ),
         RunKeyword(
             "gradient_clip_norm",
@@ -541,12 +572,14 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
                 "gradient_clip_norm", ranges.OPTAX["gradient_clip_norm"], off="turns clipping off"
             ),
             none="off",
+            type=float | None,
         ),
         RunKeyword(
             "check_divergence",
             True,
             "stop with an error on a non-finite loss",
             _bool("check_divergence"),
+            type=bool,
         ),
         RunKeyword(
             "prefetch_workers",
@@ -556,26 +589,30 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             _positive_int("prefetch_workers"),
             computed=True,
             shown_default="min(4, os.cpu_count())",
+            type=int,
         ),
         RunKeyword(
             "device_batches",
             1,
             "batches staged on the device ahead of the loop",
             _positive_int("device_batches"),
+            type=int,
         ),
         RunKeyword(
             "host_batches",
             None,
             "host batches built ahead (default 2 x prefetch_workers)",
             none="2 x prefetch_workers",
+            type=int | None,
         ),
-        RunKeyword("ordered", True, "deliver batches in source order", _bool("ordered")),
+        RunKeyword("ordered", True, "deliver batches in source order", _bool("ordered"), type=bool),
         RunKeyword(
             "accum",
             1,
             "micro-batches per optimizer step (gradient accumulation; schedules count steps; an "
             "epoch's last step takes the micro-batches left, their mean gradient)",
             _positive_int("accum"),
+            type=int,
         ),
         RunKeyword(
             "ema",
@@ -584,6 +621,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "nitro.EMA(decay) is), a nitro.EMA, or None",
             _ema,
             none="no moving average",
+            type="float | EMA | None",
         ),
         RunKeyword(
             "sam",
@@ -591,6 +629,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "sharpness-aware minimization: a radius, nitro.SAM(rho=), nitro.ASAM(rho=, eta=)",
             _sam,
             none="off",
+            type="float | SAM | ASAM | None",
         ),
         RunKeyword(
             "precision",
@@ -599,6 +638,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "'float16' (with dynamic loss scaling); parameters, optimizer state and loss stay "
             "float32 (or a nitro.Precision(...))",
             _precision,
+            type=Literal["float32", "bfloat16", "float16"] | str,
         ),
         RunKeyword(
             "steps_per_dispatch",
@@ -607,6 +647,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "and pick K so one call does a few milliseconds of work), or an earlier handle's "
             "n.dispatch (continue what it measured)",
             _steps_per_dispatch,
+            type=Literal["auto"] | int,
         ),
         RunKeyword(
             "prefetch",
@@ -616,6 +657,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "batches build in microseconds, processes when two threads measure no faster than "
             "one (the work holds the interpreter lock), threads otherwise",
             _choice("prefetch", ("auto", "threads", "processes", "inline")),
+            type=Literal["auto", "threads", "processes", "inline"],
         ),
         RunKeyword(
             "persistent_workers",
@@ -624,12 +666,14 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "call to the next (stopped by close(), a change of the source or its code's files, "
             "and the process's end); False starts them each call",
             _bool("persistent_workers"),
+            type=bool,
         ),
         RunKeyword(
             "progress",
             True,
             "True, False, 'lines', 'bar' or a reporter object",
             none="silent, as False",
+            type=bool | Literal["lines", "bar"] | None,
         ),
     ]
 }

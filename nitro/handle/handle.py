@@ -116,7 +116,7 @@ class Nitro(RunHandle):
         self._state: TrainState  # built below; monitors see setup phases first (without it)
         self._events = Events([self._progress], context=self._phase_context)
         self._logging = None
-        if resolved.logger is not None:
+        if resolved.logger is not None and jax.process_index() == 0:  # of several, one logs
             from nitro.loggers import LoggingReporter
 
             self._logging = LoggingReporter(resolved.logger)

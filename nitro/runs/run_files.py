@@ -70,7 +70,9 @@ class RunFiles:
     branched_from: str | None = None  # resumed from an earlier checkpoint of this run
     busy: Callable[[], bool] = lambda: False
     lock: RunLock | None = None
-    locks: bool = True  # False on the secondary processes of a multi-process run
+    # False in the processes after the first of a multi-process run: process 0 alone holds
+    # the lock and writes run.json (every process writes its own shards of each checkpoint)
+    primary: bool = True
     claim: bool | None = None  # planned: hold the directory (True: may take it over) at once
     writes: bool = True  # False: nothing on disk (a population that saves and logs nothing)
     saves: EpochSaves = dataclasses.field(init=False)
@@ -132,6 +134,10 @@ class RunFiles:
         targets = restore_targets(setup, state.variables) if state is not None else None
         found = cls.resume_source(setup, identity, say or events.note, targets, **fields)
         run_dir, run_id, branched_from = cls.located(setup.cls.__name__, setup.run_dir, found)
+        if setup.placement.multi_process:
+            run_dir, run_id, branched_from = _process_zeros(
+                setup.placement, found, run_dir, run_id, branched_from
+            )
         store = None
         if setup.checkpointer is not None:
             store = CheckpointStore(
@@ -147,7 +153,7 @@ class RunFiles:
             identity,
             branched_from=branched_from,
             busy=busy,
-            locks=not setup.placement.multi_process or jax.process_index() == 0,
+            primary=not setup.placement.multi_process or jax.process_index() == 0,
             **fields,
         )
         files.plan_claim(setup.run_dir)
@@ -184,7 +190,7 @@ class RunFiles:
                 f"Train that one, or build a new one: "
                 f"{self.BUILD}(..., resume={str(self.run_dir)!r})"
             )
-        if (lock is not None and lock.held) or not self.locks:
+        if (lock is not None and lock.held) or not self.primary:
             return
         holder = holder_record(self.run_id, self.identity.name, self.identity.owner)
         self.lock = acquire(self.run_dir, holder, self.busy, take_over=take_over)
@@ -209,7 +215,8 @@ class RunFiles:
         if self.store is not None:
             warm_up()
         try:
-            self._write_run_json(setup)
+            if self.primary:
+                self._write_run_json(setup)
         except OSError as error:
             raise self._unwritable(error) from None
         self.opened = True
@@ -287,6 +294,30 @@ class RunFiles:
     def close(self) -> None:
         """Write the best epoch held on the host and finish the saves."""
         self.saves.close()
+
+
+def _process_zeros(
+    placement: Any,
+    found: SavedStep | None,
+    run_dir: Path,
+    run_id: str,
+    branched_from: str | None,
+) -> tuple[Path, str, str | None]:
+    """Process 0's run directory and id, in every process of a multi-process run: one run,
+    one directory (each process draws a new run's id on its own). Refused in every process
+    when they would resume different checkpoints: their file systems differ."""
+    resumes = str(found.path) if found is not None else None
+    texts = placement.gather_texts(json.dumps([resumes, str(run_dir), run_id, branched_from]))
+    decided = [json.loads(text) for text in texts]
+    if any(d[0] != resumes for d in decided):
+        seen = "; ".join(f"process {i}: {d[0] or 'none'}" for i, d in enumerate(decided))
+        raise SetupError(
+            f"the processes of this run found different checkpoints to resume ({seen}): "
+            f"every process must see the same run directories. Put runs/ (or run_dir=) on a "
+            f"file system every host shares"
+        )
+    _, directory, run_id, branched_from = decided[0]
+    return Path(directory), run_id, branched_from
 
 
 def new_run_dir(
