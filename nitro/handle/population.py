@@ -11,7 +11,6 @@ refused naming the field. See docs/population.md.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 from collections.abc import Mapping, Sequence
@@ -35,7 +34,8 @@ from nitro.engine.runner import RunControl, RunGuard
 from nitro.engine.setup import build
 from nitro.errors import PopulationError, SetupError
 from nitro.experiments.declaration import field_specs
-from nitro.handle.handle import check_experiment, weights_source
+from nitro.experiments.presets import replace
+from nitro.handle.handle import check_experiment, experiment_to_run, weights_source
 from nitro.handle.population_lifecycle import FILE_KEYWORDS, PopulationLife
 from nitro.handle.population_members import (
     PopulationMembers,
@@ -67,8 +67,10 @@ class Population(PopulationMembers):
         members: Sequence[Mapping[str, Any]] | None = None,
         batches: str | None = None,
         mesh_axis: str = "members",
+        preset: str | None = None,
         **keywords: Any,
     ):
+        experiment = experiment_to_run(experiment, preset, keywords, call="Population")
         cls = check_experiment(experiment)
         given = {"members": members, "batches": batches, "mesh_axis": mesh_axis}
         self._given = (experiment, {k: v for k, v in given.items() if v is not None} | keywords)
@@ -129,7 +131,7 @@ class Population(PopulationMembers):
             k: v for k, v in shared.items() if k not in shared_fields and k not in FILE_KEYWORDS
         }
         files = {k: v for k, v in shared.items() if k in FILE_KEYWORDS}  # the population's own
-        self._experiment = dataclasses.replace(experiment, **shared_fields)
+        self._experiment = replace(experiment, **shared_fields)
         self._control = RunControl()
         self._control.say = self._say
         self._guard = RunGuard(lambda: f"this {cls.__name__} population", name="pop")
@@ -183,7 +185,7 @@ class Population(PopulationMembers):
         self, index: int, setting: Mapping[str, Any], specs, data: Any = None
     ) -> engine.Member:
         fields = {k: v for k, v in setting.items() if k in specs and k not in RUN_KEYWORDS}
-        instance = dataclasses.replace(self._experiment, **fields)
+        instance = replace(self._experiment, **fields)
         given = {**self._shared_keywords, **{k: v for k, v in setting.items() if k not in fields}}
         keywords = {**given, "checkpointer": None, "logger": None, "progress": False}
         try:

@@ -42,7 +42,6 @@ from nitro.runs.checkpoint_record import (
     CheckpointRecord,
     MemberRecord,
     PartialEpoch,
-    config_of,
     setting_differences,
     setting_token,
 )
@@ -50,6 +49,7 @@ from nitro.runs.checkpoint_trees import host_tree
 from nitro.runs.checkpoint_writer import Save
 from nitro.runs.checkpoints import Checkpointer
 from nitro.runs.epoch_saves import finite
+from nitro.runs.provenance import run_config
 from nitro.runs.resume import restore_variables, said_resumed
 from nitro.runs.run_dirs import member_dir, member_run_id
 from nitro.runs.run_files import PopulationFiles
@@ -390,15 +390,13 @@ class PopulationLife:
     def open(self, members: Sequence[Any], events: Events) -> None:
         lead = members[0]
         record = {
-            "experiment": lead.setup.owner,
-            "graphconst": config_of(lead.setup),
             "axes": sorted({k for m in members for k in m.settings}),
             "members": [
-                {"settings": token, "seed": m.setup.seed}
+                {"settings": token, "seed": m.setup.seed, "config": run_config(m.setup)}
                 for m, token in zip(members, self.tokens, strict=True)
             ],
         }
-        self.files.open(record, events.note)
+        self.files.open(lead.setup, record, events.note)
 
     def after_epoch(self, members: Sequence[Any], state: Any, events: Events) -> None:
         """Checkpoint the epoch just committed, when due."""

@@ -33,6 +33,7 @@ from nitro.runs.checkpoint_trees import restore_targets
 from nitro.runs.checkpoint_writer import CheckpointStore, await_writers, warm_up
 from nitro.runs.epoch_saves import EpochSaves
 from nitro.runs.identity import RunIdentity, record_name, recorded
+from nitro.runs.provenance import PATCH, provenance, run_config
 from nitro.runs.resume import check_no_writer, resume_source, warn_user
 from nitro.runs.run_dirs import (
     KIND,
@@ -225,14 +226,18 @@ class RunFiles:
         )
 
     def _write_run_json(self, setup: RunSetup) -> None:
-        self._write_own_json(setup.owner, config_of(setup), seed=setup.seed)
+        self._write_own_json(setup, run_config(setup), seed=setup.seed)
         root = experiment_root(setup.cls.__name__).absolute()
         if self.run_dir.parent == root:
             record_name(root, self.identity, self.run_id, self.run_dir)
 
-    def _write_own_json(self, experiment: str, graphconst: Any, **own: Any) -> dict[str, Any]:
+    def _write_own_json(
+        self, setup: RunSetup, config: Mapping[str, Any], **own: Any
+    ) -> dict[str, Any]:
         """Write run.json (unless this run has one already; refused when the directory now
-        holds another run's), and return the fields every run.json of this run shares."""
+        holds another run's) with where the run comes from (`nitro.runs.provenance`: the
+        git state, the uncommitted diff beside it, the packages) and its resolved `config`,
+        and return the fields every run.json of this run shares."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         info = read_run_json(self.run_dir)
         if info.get("run_id") not in (None, self.run_id):
@@ -243,16 +248,28 @@ class RunFiles:
                 f"that run"
             )
         common = {
-            "experiment": experiment,
+            "experiment": setup.owner,
             **self.identity.as_json(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "graphconst": graphconst,
+            "graphconst": config_of(setup),
             "nitro": __version__,
+            "preset": setup.experiment.preset,
         }
         if not info:
             resumed = str(self.resume_from.path) if self.resume_from is not None else None
+            origin, patch = provenance(setup.cls)
+            if patch is not None:
+                (self.run_dir / PATCH).write_bytes(patch)
             write_run_json(
-                self.run_dir, {"run_id": self.run_id, **own, **common, "resumed_from": resumed}
+                self.run_dir,
+                {
+                    "run_id": self.run_id,
+                    **own,
+                    **common,
+                    "resumed_from": resumed,
+                    "config": config,
+                    **origin,
+                },
             )
         elif not recorded(info):  # a run of an older Nitro, resumed: it records who it is now
             write_run_json(self.run_dir, {**info, **self.identity.as_json()})
@@ -378,24 +395,29 @@ class PopulationFiles(RunFiles):
                 f"checkpointer=None, logger=None to write nothing"
             ) from None
 
-    def open(self, record: Mapping[str, Any], say: Callable[[str], None]) -> None:
+    def open(self, lead: RunSetup, record: Mapping[str, Any], say: Callable[[str], None]) -> None:
         """Write run.json, population.json and each member's run.json (those missing), once;
-        the first line of the population's first run names its directory. `record`: the
-        experiment (`experiment`), its GraphConst values (`graphconst`), the axes (`axes`),
-        and per member its settings and seed (`members`)."""
+        the first line of the population's first run names its directory. `lead`: the first
+        member's setup (the experiment, its preset and GraphConst values); `record`: the axes
+        (`axes`), and per member its settings, seed and resolved configuration (`members`).
+        The population's run.json records the configuration its members share (the axes
+        left out)."""
         self.prepare()
         if self.opened or not self.writes:
             return
-        common = self._write_own_json(
-            record["experiment"], record["graphconst"], kind=KIND, members=self.members
-        )
+        axes = set(record["axes"])
+        shared = {
+            part: {k: v for k, v in values.items() if k not in axes}
+            for part, values in run_config(lead).items()
+        }
+        common = self._write_own_json(lead, shared, kind=KIND, members=self.members)
         members = record["members"]
         if not (self.run_dir / POPULATION_JSON).is_file():
             write_run_json(
                 self.run_dir,
                 {
                     "run_id": self.run_id,
-                    "experiment": record["experiment"],
+                    "experiment": lead.owner,
                     "axes": record["axes"],
                     "members": [
                         {
@@ -424,6 +446,7 @@ class PopulationFiles(RunFiles):
                     **common,
                     "settings": m["settings"],
                     "seed": m["seed"],
+                    "config": m["config"],
                 },
             )
         self.opened = True
