@@ -49,10 +49,10 @@ from nitro.runs.checkpoint_trees import host_tree
 from nitro.runs.checkpoint_writer import Save
 from nitro.runs.checkpoints import Checkpointer
 from nitro.runs.epoch_saves import finite
-from nitro.runs.provenance import run_config
 from nitro.runs.resume import restore_variables, said_resumed
 from nitro.runs.run_dirs import member_dir, member_run_id
 from nitro.runs.run_files import PopulationFiles
+from nitro.runs.run_origin import run_config
 from nitro.runs.watched_metrics import metric_names
 
 __all__ = ["FILE_KEYWORDS", "MemberLogging", "PopulationLife", "member_loggers"]

@@ -8,7 +8,7 @@ directory; the run id is a sortable timestamp plus a short random suffix
 runs/Digits/20261130-181500-a3f9/
     run.json          the run id, the experiment, when it started, its preset and resolved
                       configuration, the git state of its code and the packages' versions
-    working_tree.patch  the code's uncommitted diff, when it had one (`nitro.runs.provenance`)
+    working_tree.patch  the code's uncommitted diff, when it had one (`nitro.runs.run_origin`)
     checkpoints/      orbax: one directory per saved step
     metrics.jsonl     the default logger's lines
 ```

@@ -33,7 +33,6 @@ from nitro.runs.checkpoint_trees import restore_targets
 from nitro.runs.checkpoint_writer import CheckpointStore, await_writers, warm_up
 from nitro.runs.epoch_saves import EpochSaves
 from nitro.runs.identity import RunIdentity, record_name, recorded
-from nitro.runs.provenance import PATCH, provenance, run_config
 from nitro.runs.resume import check_no_writer, resume_source, warn_user
 from nitro.runs.run_dirs import (
     KIND,
@@ -52,6 +51,7 @@ from nitro.runs.run_dirs import (
     write_run_json,
 )
 from nitro.runs.run_lock import RunLock, acquire, check_free, describe_holder, holder_record
+from nitro.runs.run_origin import PATCH, provenance, run_config
 
 __all__ = ["PopulationFiles", "RunFiles", "new_run_dir", "saved_steps"]
 
@@ -235,7 +235,7 @@ class RunFiles:
         self, setup: RunSetup, config: Mapping[str, Any], **own: Any
     ) -> dict[str, Any]:
         """Write run.json (unless this run has one already; refused when the directory now
-        holds another run's) with where the run comes from (`nitro.runs.provenance`: the
+        holds another run's) with where the run comes from (`nitro.runs.run_origin`: the
         git state, the uncommitted diff beside it, the packages) and its resolved `config`,
         and return the fields every run.json of this run shares."""
         self.run_dir.mkdir(parents=True, exist_ok=True)

@@ -45,7 +45,7 @@ import numpy as np
 from jax import export as jax_export
 
 from nitro.programs.compile_cache import ProgramKind, record_compile
-from nitro.runs.provenance import PATCH, package_versions, provenance, run_config
+from nitro.runs.run_origin import PATCH, package_versions, provenance, run_config
 from nitro.serving import bundle
 
 __all__ = ["DEFAULT_PLATFORMS", "ExportError", "ExportSource", "export_handle", "write_bundle"]
