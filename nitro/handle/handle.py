@@ -60,6 +60,7 @@ from nitro.programs.specs import ProgramSet
 from nitro.programs.staleness import stale_changes, stale_report
 from nitro.runs.resume import restore
 from nitro.runs.run_files import RunFiles
+from nitro.runs.run_origin import OriginProbe
 from nitro.runs.watched_metrics import check_watched_metrics
 from nitro.runs.weights import AveragedWeights, CheckpointWeights, WeightsSource
 
@@ -145,6 +146,7 @@ class Nitro(RunHandle):
     def __init__(self, experiment: Any, *, preset: str | None = None, **keywords: Any):
         experiment = experiment_to_run(experiment, preset, keywords)
         cls = check_experiment(experiment)
+        origin = OriginProbe(cls)  # git runs beside the setup
         instance = replace(experiment)  # frozen copy of the configuration
         weights = keywords.pop("weights", None)
         data = keywords.pop("data", None)
@@ -207,6 +209,7 @@ class Nitro(RunHandle):
             say=self._say,
             busy=lambda: guard.activity is not None,
             state=self._state,
+            origin=origin,
         )
         if self._logging is not None:
             self._files.saves.logger_state = self._logging.logger.state

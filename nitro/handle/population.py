@@ -44,6 +44,7 @@ from nitro.handle.population_members import (
     check_shared,
 )
 from nitro.programs.specs import ProgramSet
+from nitro.runs.run_origin import OriginProbe
 
 __all__ = ["Population"]
 
@@ -72,6 +73,7 @@ class Population(PopulationMembers):
     ):
         experiment = experiment_to_run(experiment, preset, keywords, call="Population")
         cls = check_experiment(experiment)
+        origin = OriginProbe(cls)  # git runs beside the members' setup
         given = {"members": members, "batches": batches, "mesh_axis": mesh_axis}
         self._given = (experiment, {k: v for k, v in given.items() if v is not None} | keywords)
         if mesh_axis not in ("members", "batch"):
@@ -172,7 +174,7 @@ class Population(PopulationMembers):
         self._stacking = threading.Lock()  # pop.stop(i) may stack before the run's thread
         guard = self._guard  # not the population: its run directory's lock must not keep it
         self._life = PopulationLife.plan(
-            self, self._members, files, self._say, lambda: guard.activity is not None
+            self, self._members, files, self._say, lambda: guard.activity is not None, origin
         )
         self._files = self._life.files
         self._events.add(self._life.logging)

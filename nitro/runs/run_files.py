@@ -51,7 +51,7 @@ from nitro.runs.run_dirs import (
     write_run_json,
 )
 from nitro.runs.run_lock import RunLock, acquire, check_free, describe_holder, holder_record
-from nitro.runs.run_origin import PATCH, provenance, run_config
+from nitro.runs.run_origin import PATCH, OriginProbe, provenance, run_config
 
 __all__ = ["PopulationFiles", "RunFiles", "new_run_dir", "saved_steps"]
 
@@ -73,6 +73,7 @@ class RunFiles:
     lock: RunLock | None = None
     locks: bool = True  # False on the secondary processes of a multi-process run
     claim: bool | None = None  # planned: hold the directory (True: may take it over) at once
+    origin: OriginProbe | None = None  # where the run comes from, found while it sets up
     saves: EpochSaves = dataclasses.field(init=False)
     # how the refusals name this handle and the one to build instead
     WHO: ClassVar[str] = "this handle"
@@ -116,12 +117,14 @@ class RunFiles:
         say: Callable[[str], None] | None = None,
         busy: Callable[[], bool] = lambda: False,
         state: TrainState | None = None,
+        origin: OriginProbe | None = None,
     ) -> RunFiles:
         """Decide the run's directory and id; nothing is written yet. A run that continues a
         directory that exists or names one (`run_dir=`) holds it once the handle is built
         (`claim_planned`, after a resume's checks passed). `say`: how to tell the person which
         run `resume='auto'` continues (default: an event note). `state`: the fresh state, whose
-        sharded leaves a resume reads its checkpoint onto."""
+        sharded leaves a resume reads its checkpoint onto. `origin`: where the run comes
+        from, probed since the handle began building."""
         identity = RunIdentity.of(setup.cls, setup.name)
         if setup.run_dir is not None:
             refuse_for_a_run(setup.run_dir, "run_dir")
@@ -146,6 +149,7 @@ class RunFiles:
             branched_from=branched_from,
             busy=busy,
             locks=not setup.placement.multi_process or jax.process_index() == 0,
+            origin=origin,
         )
         files.plan_claim(setup.run_dir)
         return files
@@ -257,7 +261,8 @@ class RunFiles:
         }
         if not info:
             resumed = str(self.resume_from.path) if self.resume_from is not None else None
-            origin, patch = provenance(setup.cls)
+            probe = self.origin
+            origin, patch = probe.result() if probe is not None else provenance(setup.cls)
             if patch is not None:
                 (self.run_dir / PATCH).write_bytes(patch)
             write_run_json(
@@ -348,6 +353,7 @@ class PopulationFiles(RunFiles):
         logs: bool,
         say: Callable[[str], None],
         busy: Callable[[], bool] = lambda: False,
+        origin: OriginProbe | None = None,
     ) -> PopulationFiles:
         """Decide the population's directory and id; nothing is written yet. `resume`: the
         resolved keyword (False, "auto", a path or (path, "best" | "latest")); `settings`:
@@ -373,6 +379,7 @@ class PopulationFiles(RunFiles):
             busy=busy,
             members=members,
             writes=store is not None or logs or run_dir is not None or found is not None,
+            origin=origin,
         )
         files.plan_claim(run_dir)
         return files

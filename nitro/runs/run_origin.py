@@ -6,10 +6,10 @@ keyword's, as plain JSON).
 
 Git is asked where the experiment's class is defined (its source file's directory; the working
 directory for a class defined in a notebook cell or the REPL). It never fails a run: without
-git, outside a work tree, or when git errs or hangs, the record says `"git": null`. The four
-git commands run side by side, at a run's first start only (a run that goes on keeps its
-run.json), so a run starts a few milliseconds later; the package versions are read once per
-process.
+git, outside a work tree, or when git errs or hangs, the record says `"git": null`. Two git
+commands run side by side (where HEAD is; the diff), on a thread started when the handle is
+built (`OriginProbe`), so they overlap its setup; the remote is read once per work tree and process, the package
+versions once per process (`bench/run_origin.py` measures what this adds to a run's start).
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import os
 import re
 import select
 import subprocess
+import threading
 import time
 from typing import Any
 
@@ -34,6 +35,7 @@ __all__ = [
     "PATCH",
     "PATCH_LIMIT",
     "GitState",
+    "OriginProbe",
     "code_directory",
     "git_state",
     "package_versions",
@@ -90,14 +92,21 @@ class GitState:
         return record
 
 
+BRANCH = ("--symbolic-full-name", "HEAD")  # the ref checked out: refs/heads/<branch>, or HEAD
+
+
+def _environment() -> dict[str, str]:
+    """git's: read-only (no index refresh written), no prompt for credentials."""
+    return {**os.environ, "GIT_OPTIONAL_LOCKS": "0", "GIT_TERMINAL_PROMPT": "0"}
+
+
 def _git(directory: str, *args: str) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
         ["git", "-C", directory, *args],
         stdin=subprocess.DEVNULL,
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
-        # read-only: no index refresh written, no prompt for credentials
-        env={**os.environ, "GIT_OPTIONAL_LOCKS": "0", "GIT_TERMINAL_PROMPT": "0"},
+        env=_environment(),
     )
 
 
@@ -123,23 +132,20 @@ def git_state(directory: str | os.PathLike) -> GitState | None:
     tree (or one with no commit yet), or when git fails or takes longer than `GIT_SECONDS`."""
     where = os.fspath(directory)
     deadline = time.monotonic() + GIT_SECONDS
+    processes: list[subprocess.Popen[bytes]] = []
     try:
-        processes = [
-            _git(where, "rev-parse", "--show-toplevel", "HEAD", "HEAD^{tree}"),
-            _git(where, "symbolic-ref", "--quiet", "--short", "HEAD"),
-            _git(where, "config", "--get-regexp", r"^remote\..*\.url$"),
-            _git(where, "diff", "HEAD", "--binary", "--no-color", "--no-ext-diff", "--no-textconv"),
-        ]
-    except OSError:  # no git on this machine
+        # the top directory, the commit, its tree, the ref checked out ("HEAD": detached)
+        processes.append(
+            _git(where, "rev-parse", "--show-toplevel", "HEAD", "HEAD^{tree}", *BRANCH)
+        )
+        processes.append(
+            _git(where, "diff", "HEAD", "--binary", "--no-color", "--no-ext-diff", "--no-textconv")
+        )
+        located, diffing = processes
+        diff = _read_capped(diffing, PATCH_LIMIT, deadline)
+        out, _ = located.communicate(timeout=max(deadline - time.monotonic(), 0.001))
+    except (OSError, subprocess.TimeoutExpired):  # no git on this machine, or it hangs
         return None
-    try:
-        diff = _read_capped(processes[-1], PATCH_LIMIT, deadline)
-        outputs = []
-        for process in processes[:-1]:
-            out, _ = process.communicate(timeout=max(deadline - time.monotonic(), 0.001))
-            outputs.append((process.returncode, out.decode(errors="replace")))
-    except (OSError, subprocess.TimeoutExpired):
-        diff = None
     finally:
         for process in processes:
             if process.poll() is None:
@@ -147,31 +153,42 @@ def git_state(directory: str | os.PathLike) -> GitState | None:
             process.wait()
             if process.stdout is not None:
                 process.stdout.close()
-    if diff is None or processes[-1].returncode not in (0, -9):
+    lines = out.decode(errors="replace").splitlines()
+    if diff is None or located.returncode != 0 or diffing.returncode not in (0, -9):
         return None
-    (located, lines), (on_branch, branch), (_, remotes) = outputs
-    lines = lines.split()
-    if located != 0 or len(lines) != 3:
+    if len(lines) != 4:
         return None
+    root, commit, tree, ref = lines
     return GitState(
-        root=lines[0],
-        commit=lines[1],
-        tree=lines[2],
-        branch=branch.strip() if on_branch == 0 and branch.strip() else None,
-        remote=_remote(remotes),
+        root=root,
+        commit=commit,
+        tree=tree,
+        branch=ref.removeprefix("refs/heads/") if ref.startswith("refs/heads/") else None,
+        remote=_remote(root),
         diff=diff[:PATCH_LIMIT],
         cut=len(diff) > PATCH_LIMIT,
     )
 
 
-def _remote(listing: str) -> str | None:
-    """The URL of `origin`, else of the first remote, from `git config --get-regexp`'s lines
-    (`remote.<name>.url <url>`), without credentials."""
+@functools.cache
+def _remote(root: str) -> str | None:
+    """The URL of the remote `origin` of the work tree at `root`, else of its first remote,
+    without credentials; None without one. Read once per work tree and process: remotes
+    rarely change while a process lives, the code's state does."""
+    try:
+        done = subprocess.run(
+            ["git", "-C", root, "config", "--get-regexp", r"^remote\..*\.url$"],
+            capture_output=True,
+            stdin=subprocess.DEVNULL,
+            timeout=GIT_SECONDS,
+            env=_environment(),
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
     urls = {}
-    for line in listing.splitlines():
+    for line in done.stdout.decode(errors="replace").splitlines():
         key, _, url = line.partition(" ")
-        name = key.removeprefix("remote.").removesuffix(".url")
-        urls.setdefault(name, url.strip())
+        urls.setdefault(key.removeprefix("remote.").removesuffix(".url"), url.strip())
     if not urls:
         return None
     url = urls.get("origin") or urls[min(urls)]
@@ -210,6 +227,30 @@ def provenance(cls: type) -> tuple[dict[str, Any], bytes | None]:
         return {"git": None, "packages": package_versions()}, None
     patch = state.diff if state.dirty else None
     return {"git": state.as_json(), "packages": package_versions()}, patch
+
+
+class OriginProbe:
+    """`provenance(cls)` found on a thread started when a handle is built, so git runs beside
+    the setup instead of before the first step; `result()` waits for it. The git state is the
+    one of the code the handle froze."""
+
+    def __init__(self, cls: type):
+        self._found: tuple[dict[str, Any], bytes | None] | None = None
+        self._done = threading.Event()
+        thread = threading.Thread(target=self._probe, args=(cls,), name="nitro-origin", daemon=True)
+        thread.start()
+
+    def _probe(self, cls: type) -> None:
+        try:
+            self._found = provenance(cls)
+        finally:
+            self._done.set()
+
+    def result(self) -> tuple[dict[str, Any], bytes | None]:
+        self._done.wait()
+        if self._found is None:  # the probe raised: nothing is known of where the run comes from
+            return {"git": None, "packages": package_versions()}, None
+        return self._found
 
 
 def run_config(setup: RunSetup) -> dict[str, Any]:
