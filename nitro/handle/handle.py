@@ -73,13 +73,17 @@ EXTENSIONS: dict[str, Callable[..., Any]] = {}
 
 
 def experiment_to_run(
-    experiment: Any, preset: str | None, keywords: dict[str, Any], call: str = "Nitro"
+    experiment: Any,
+    preset: str | None,
+    keywords: dict[str, Any],
+    call: str = "Nitro",
+    take_fields: bool = True,
 ) -> Any:
     """The experiment instance `Nitro(experiment, preset=..., **keywords)` runs. A class is
     built from `preset` (None: its defaults) with its fields among `keywords`, taken out of
-    them (a name that is both a field and a run keyword stays a run keyword); a population
-    (`call`) sets the fields itself, a list being an axis. An instance runs as it is:
-    `preset=` is refused."""
+    them (a name that is both a field and a run keyword stays a run keyword; `take_fields`
+    False leaves them: a population sets them itself, a list being an axis). An instance
+    runs as it is: `preset=` is refused, naming `call`."""
     if not (isinstance(experiment, type) and is_experiment(experiment)):
         if preset is not None:
             name = type(experiment).__name__
@@ -90,7 +94,7 @@ def experiment_to_run(
                 f"preset)"
             )
         return experiment
-    if call != "Nitro":  # a population sets the fields itself (a list is an axis)
+    if not take_fields:
         return from_preset(experiment, preset)
     specs = [spec.name for spec in field_specs(experiment)]
     known = set(RUN_KEYWORDS) | set(KEYWORD_ONLY)

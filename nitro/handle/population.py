@@ -71,7 +71,9 @@ class Population(PopulationMembers):
         preset: str | None = None,
         **keywords: Any,
     ):
-        experiment = experiment_to_run(experiment, preset, keywords, call="Population")
+        experiment = experiment_to_run(
+            experiment, preset, keywords, call="Population", take_fields=False
+        )
         cls = check_experiment(experiment)
         origin = OriginProbe(cls)  # git runs beside the members' setup
         given = {"members": members, "batches": batches, "mesh_axis": mesh_axis}
