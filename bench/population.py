@@ -6,7 +6,8 @@ and the transformer LM of bench/peers.py (`cnn`: digits as 8x8x1 images, batch 1
 generated token sequences, batch 32).
 
 For each model, in one process, alternating rounds, medians of the seconds one epoch takes
-(compiles excluded: every program is warmed by an epoch first):
+(compiles excluded: every program is warmed by an epoch first, and trained on until its
+`steps_per_dispatch="auto"` has decided):
 
 - one run: `nitro.Nitro(e)` with its defaults (`steps_per_dispatch="auto"`);
 - 8 sequential runs: 8 handles at 8 learning rates, one epoch each, one after another (they
@@ -65,6 +66,15 @@ def rates(members: int) -> list[float]:
     return [float(10 ** (-4 + 2 * i / (members - 1))) for i in range(members)]
 
 
+def settle(train, choice, most: int = 60) -> None:
+    """Train an epoch at a time until the dispatch `choice()` has decided (at most `most`)."""
+    for _ in range(most):
+        decided = choice()
+        if decided is None or not (decided.probing or decided.checking):
+            return
+        train()
+
+
 def timed(fn) -> float:
     start = time.perf_counter()
     fn()
@@ -88,11 +98,15 @@ def bench_model(
     )
     keras = [keras_loop(spec, arrays) for _ in range(members)]
     keras = [k for k in keras if k is not None]
-    # warm every program (and the "auto" measurement) with one epoch each
+    # warm every program with one epoch each, and train on until "auto" has decided: the
+    # rounds time what a run settles at (the measurement's own cost is bounded apart, a
+    # share of the run's work: docs/performance.md)
     one.run(1)
     for run in sequential:
         run.run(1)
     population.train(epochs=1)
+    settle(lambda: one.run(1), lambda: one.handle.dispatch)
+    settle(lambda: population.train(epochs=1), lambda: getattr(population, "dispatch", None))
     for run in keras:
         run.run(1)
     times: dict[str, list[float]] = {"one": [], "sequential": [], "population": []}

@@ -45,7 +45,7 @@ from nitro.staleness import (
 
 from .edit_impact import EditImpact, edit_impact
 from .reload import changed_names, code_tokens, reload_module, syntax_error
-from .runs import handle_names, live_handles
+from .runs import handle_names, live_handles, live_runs
 
 __all__ = ["CodeWatcher"]
 
@@ -147,7 +147,7 @@ class CodeWatcher:
         ns = self.shell.user_ns
         classes = set()
         for value in list(ns.values()):
-            if isinstance(value, nitro.Nitro):
+            if isinstance(value, (nitro.Nitro, nitro.Population)):
                 classes.add(value.cls)
             elif is_experiment(value):
                 classes.add(value if isinstance(value, type) else type(value))
@@ -282,12 +282,12 @@ class CodeWatcher:
                         f"{name} line {error.lineno}: {error.msg}. Kept the last good code of "
                         f"{source.module} (not reloaded); fix the file and save it again."
                     )
-                    running = [h for h in live_handles(self.shell.user_ns) if _holds(h, source)]
+                    running = [h for h in live_runs(self.shell.user_ns) if _holds(h, source)]
                     if running:
                         messages[-1] += " The run goes on with the code it had."
                         self._note(running, messages[-1])
                     continue
-                busy = [h for h in live_handles(self.shell.user_ns) if _holds(h, source)]
+                busy = [h for h in live_runs(self.shell.user_ns) if _holds(h, source)]
                 waiting = [h for h in busy if h.live_edits is False]
                 if waiting:
                     if not source.deferred:
@@ -427,7 +427,7 @@ class CodeWatcher:
         self._generation = edit_generation()
         ns = self.shell.user_ns
         messages = []
-        for handle in live_handles(ns):
+        for handle in live_runs(ns):
             names = handle_names(ns, handle)
             live = handle.running and handle.live_edits is not False
             if not live and (not names or names == ["_nitro"]):

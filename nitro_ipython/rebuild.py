@@ -38,7 +38,6 @@ __all__ = ["handle_to_train", "has_epochs_to_go", "population_to_train", "runs_e
 # `%nitro train` options a population does not take, and why
 _NOT_FOR_POPULATIONS = {
     "fresh": ("--fresh", "build a new nitro.Population to start over"),
-    "no_live_edits": ("--no-live-edits", "a population takes no live edits"),
 }
 
 

@@ -33,6 +33,7 @@ __all__ = [
     "ended",
     "handle_names",
     "live_handles",
+    "live_runs",
     "named_populations",
     "populations_table",
     "runs_on_disk",
@@ -178,6 +179,13 @@ def live_handles(user_ns: Mapping[str, Any]) -> list[Any]:
     for handle in [*agent_runs().values(), *tracked]:
         seen.setdefault(id(handle), handle)
     return list(seen.values())
+
+
+def live_runs(user_ns: Mapping[str, Any]) -> list[Any]:
+    """`live_handles`, and the populations the notebook names that are training: what an
+    edit of the code reaches while it trains."""
+    running = [p for _, p in named_populations(user_ns) if p.running]
+    return [*live_handles(user_ns), *running]
 
 
 def named_populations(user_ns: Mapping[str, Any]) -> list[tuple[str, Any]]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import collections
 import itertools
 import math
 import os
@@ -371,6 +372,44 @@ def test_a_larger_size_is_dropped_on_a_pair_only_when_it_reads_far_too_slow(
     assert choice.steps == kept, choice
     assert ("8 dropped" in choice.reason) == (candidates == (4,)), choice.reason
     assert ("faster of 2 pairs" in choice.reason) == (slowed > 3), choice.reason
+
+
+def test_a_population_may_fuse_as_many_steps_as_its_members_calls_would_take(monkeypatch):
+    # a 140 ms step (eight members of a small language model), faster fused, as XLA's CPU
+    # backend runs it: a run keeps a stop waiting at most 0.5 s, so it times 4 steps a call
+    # at most; a population of 8 may keep it 8 times as long, and fuses half an epoch
+    seconds = {1: 140e-3, 4: 80e-3, 8: 75e-3, 32: 70e-3}
+    monkeypatch.setattr(nitro.dispatch, "PROBE_SHARE", math.inf)
+    chosen = {}
+    for members in (1, 8):
+        clock = Clock(seconds)
+        monkeypatch.setattr(nitro.engine.dispatch, "time", clock)  # the plan's clock
+        plan = nitro.dispatch.DispatchPlan(nitro.dispatch.DispatchChoice.of("auto"))
+        plan.for_members(members)
+        _drive(plan, 64, 60, clock.work)
+        assert not plan.choice.checking, plan.choice
+        chosen[members] = plan.choice
+    assert chosen[1].candidates == (4,) and chosen[1].steps == 4, chosen[1]
+    assert chosen[8].candidates == (4, 8, 32) and chosen[8].steps == 32, chosen[8]
+    assert "over 4 s" not in chosen[8].reason and "32: 70.000" in chosen[8].reason
+
+
+def test_an_epoch_of_prime_length_is_split_evenly_not_left_to_single_steps(monkeypatch):
+    # 157 batches (the digits at batch 32) has no divisor to fuse by: each size timed splits
+    # the epoch into calls of one size, with fewer single steps left over than calls
+    monkeypatch.setattr(nitro.dispatch, "PROBE_SHARE", math.inf)
+    clock = Clock(collections.defaultdict(lambda: 0.5e-3, {1: 1e-3}))
+    monkeypatch.setattr(nitro.engine.dispatch, "time", clock)  # the plan's clock
+    plan = nitro.dispatch.DispatchPlan(nitro.dispatch.DispatchChoice.of("auto"))
+    calls = _drive(plan, 157, 40, clock.work)
+    choice = plan.choice
+    assert not choice.checking and max(choice.candidates) == 52, choice
+    for k in choice.candidates:
+        assert 157 % k < 157 // k, (k, choice)
+    last = list(itertools.accumulate(reversed(calls))).index(157) + 1
+    assert sorted(calls[-last:], reverse=True) == [choice.steps] * (157 // choice.steps) + [1] * (
+        157 % choice.steps
+    )
 
 
 def test_timing_stops_once_it_cost_its_share_of_the_run(monkeypatch):

@@ -540,3 +540,62 @@ def test_the_history_plot_marks_each_swap_at_its_step(tmp_path):
     assert where == pytest.approx(edit.record["step"] / batches)  # epochs of equal length
     assert any(t.get_text() == "edit: loss" for t in figure.axes[0].texts)
     assert steps.iloc[0] == batches
+
+
+class MemberRecorder(Recorder):
+    """Each member's loss at every step of a population's calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.member_losses: dict[int, list[float]] = {}
+
+    def member_steps(self, first, losses):
+        for offset, column in enumerate(np.asarray(losses).T):
+            self.member_losses[first + offset] = column.tolist()
+
+
+def test_a_population_takes_a_live_edit_into_every_member_at_one_step(tmp_path):
+    module = Module(tmp_path)
+    recorder = MemberRecorder()
+    rates = [1e-3, 3e-3]
+    pop = nitro.Population(
+        module.module.Live(),
+        learning_rate=rates,
+        max_epochs=10_000,
+        progress=recorder,
+        checkpointer=None,
+        logger=None,
+        steps_per_dispatch=1,
+    )
+    assert pop.live_edits is None and pop.live_edit is None
+    pop.train(background=True)
+    wait_until(lambda: pop.step >= 20, "the population's first steps")
+
+    module.edit("* SCALE", "* SCALE * 1000.0")
+    edit = pop.apply_edits().wait(DEADLINE)
+    assert edit.status == "swapped", edit
+    swap = edit.record["step"]
+    wait_until(lambda: pop.step >= swap + 10, "steps on the new code")
+    assert pop.running and pop.live_edit is edit
+    pop.stop().wait()
+    assert list(pop.swaps().index) == [swap] and edit.record["changed"] == ["loss"]
+    compiled = edit.record["compiled"]  # one program for every member (eval's, once validated)
+    assert "population train step" in compiled, compiled
+    assert set(compiled) <= {"population train step", "population eval forward"}, compiled
+    losses = recorder.member_losses
+    for member in range(len(rates)):  # every member's loss is scaled from the same step
+        assert losses[swap][member] > 100 * losses[swap - 1][member]
+    assert any(f"swapped in the edit of `loss` at step {swap}" in m for m in recorder.notes)
+
+    # before the swap, each member's steps are those of its run alone on the old code (to
+    # float32 rounding: a vmapped step sums in another order)
+    module.edit("* SCALE * 1000.0", "* SCALE")
+    for member, rate in enumerate(rates):
+        alone = Recorder()
+        module.handle(progress=alone, learning_rate=rate).train(steps=swap - 1)
+        mine = [losses[s][member] for s in range(1, swap)]
+        np.testing.assert_allclose(mine, [alone.losses[s] for s in range(1, swap)], atol=1e-5)
+    # an idle population takes an edit at once, and its members train on the new code
+    module.edit("* SCALE", "* SCALE * 1000.0")
+    assert pop.apply_edits().wait(DEADLINE).status == "swapped"
+    assert type(pop.member(1).experiment) is module.module.Live

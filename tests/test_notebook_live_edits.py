@@ -320,3 +320,35 @@ def test_a_live_reload_never_leaves_a_global_missing_for_code_running_meanwhile(
     finally:
         sys.path.remove(str(tmp_path))
         sys.modules.pop("live_globals", None)
+
+
+def test_a_loss_edit_saved_while_a_population_trains_reaches_every_member(kernel):
+    _write(kernel, "live_p", TINY_MODULE)
+    kernel.run(
+        "import live_p\n"
+        "live_pop = nitro.Population(live_p.Tiny(max_epochs=100_000, delay=0.002), "
+        "learning_rate=[1e-3, 1e-2], steps_per_dispatch=1)\n"
+        "%nitro train live_pop --background"
+    )
+    _until(kernel, "live_pop.running and live_pop.step > 30", "a few steps")
+    _write(kernel, "live_p", TINY_MODULE.replace(LOSS, ".mean() + 1000.0" + LOSS[7:]))
+    _until(kernel, "len(live_pop.swaps()) == 1", "the swap")
+    swap = ast.literal_eval(kernel.eval("live_pop.swaps().reset_index().iloc[0].to_dict()"))
+    assert swap["status"] == "swapped" and swap["changed"] == ["loss"], swap
+    assert kernel.eval("live_pop.running") == "True"  # it never stopped
+    step = swap["step"]
+    _until(kernel, f"live_pop.epoch > {step} // 20 + 2", "two epochs after the swap")
+    rows = ast.literal_eval(
+        kernel.eval(
+            "live_pop.history().reset_index()[['member', 'step', 'loss']].to_dict('records')"
+        )
+    )
+    for member in (0, 1):  # every member's curve moves above 1000 from the swap on
+        mine = [r for r in rows if r["member"] == member]
+        before = [r["loss"] for r in mine if r["step"] < step]
+        after = [r["loss"] for r in mine if r["step"] - 20 >= step]
+        assert before and after and max(before) < 1000.0 <= min(after), mine
+    said = kernel.run("pass").stdout
+    assert "live_pop: compiling the edit of `loss` beside the run" in said, said
+    kernel.run("%nitro stop live_pop")
+    assert kernel.eval("live_pop.stale_changes()") == "{}"  # it holds the new code

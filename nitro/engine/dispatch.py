@@ -15,7 +15,7 @@ one compiled program (`lax.scan` over K stacked batches). `steps_per_dispatch=K`
    slow for it: in one pair where a call would take over twice the limit, else in the
    faster of two), and what lets a pair of fused calls fit in an epoch), with a geometric
    middle one where the largest is over `SPREAD` times the target; each a
-   divisor of the epoch where one is near. The probe may cost `PROBE_SHARE` of the work
+   divisor of the epoch where one is near, else the epoch split evenly into calls. The probe may cost `PROBE_SHARE` of the work
    left in the run (each candidate's compile, reckoned at `COMPILE_RATIO` times the single
    step's, and its first call): a run too short for one keeps one step per call for now, a
    longer run of the same handle decides again; one too short for every candidate times
@@ -36,7 +36,8 @@ one compiled program (`lax.scan` over K stacked batches). `steps_per_dispatch=K`
    divide by), or the largest within `TIE` of it (rounds on a shared machine scatter by about
    that much, and more steps a call share more of the bookkeeping the pairs leave out). Where
    none pays, one step per call. A size whose calls measure over `MAX_CALL_SECONDS` is
-   dropped.
+   dropped. A population's call trains all N members, so its limit is N times a run's
+   (`for_members`): its members' calls trained one after another would keep a stop as long.
    "auto" never keeps a K that measured slower than one step
    per call: XLA's CPU backend, for one, runs convolutions inside a loop body several times
    slower than alone, and some long steps run faster in a loop.
@@ -187,11 +188,13 @@ def _ms(seconds: float) -> str:
 
 def _near_divisor(steps: int, batches: int | None) -> int:
     """`steps`, or the largest divisor of the epoch's `batches` down to half of it (no
-    remainder of single steps)."""
-    if not batches or steps <= 1 or not batches % steps:
+    remainder of single steps), else the epoch split evenly into as many calls as `steps`
+    makes (fewer single steps left over than calls: 157 batches at up to 64 a call are 3
+    calls of 52 and 1 step, not 2 of 64 and 29 single steps)."""
+    if not batches or steps <= 1 or steps >= batches or not batches % steps:
         return steps
     near = [d for d in range(max(2, steps // 2), steps + 1) if not batches % d]
-    return max(near) if near else steps
+    return max(near) if near else batches // -(-batches // steps)
 
 
 def _singles_after(steps: int) -> int:
@@ -230,6 +233,9 @@ class DispatchPlan:
     ):
         self.choice = start
         self.agree = agree
+        # the longest a call may keep a stop waiting: a population's call trains every member,
+        # so it may last as long as one call of each member's run would (`for_members`)
+        self.call_seconds = MAX_CALL_SECONDS
         self._last: float | None = None
         self._intervals: list[float] = []  # single steps timed by the probe
         self._seen: set[int] = set()  # fused sizes run once (their first call compiles)
@@ -250,6 +256,12 @@ class DispatchPlan:
         self._differs = False  # one differed: a fused call still in a stream runs stepwise
         self._budget = math.inf  # what the probe may cost (`PROBE_SHARE` of the run)
         self._spent = 0.0  # and what it cost so far
+
+    def for_members(self, count: int) -> None:
+        """The plan of a population of `count` members: a call trains all of them, and keeps a
+        stop waiting at most `count` times a run's limit (what the members' calls would take
+        trained one after another)."""
+        self.call_seconds = MAX_CALL_SECONDS * max(1, count)
 
     def start_run(self) -> None:
         """A `train()` call begins: an "undecided" verdict (too little work left) is
@@ -548,7 +560,7 @@ class DispatchPlan:
         seconds = min(timed)
         if self.agree is not None:
             (seconds,) = self.agree([seconds])
-        limit = MAX_CALL_SECONDS if len(timed) > 1 else 2 * MAX_CALL_SECONDS
+        limit = self.call_seconds if len(timed) > 1 else 2 * self.call_seconds
         dropped = [k for k in larger if k * seconds > limit]
         if not dropped:
             return False
@@ -561,7 +573,7 @@ class DispatchPlan:
         note = (
             f"; {', '.join(map(str, dropped))} dropped, as a fused step of {steps} took "
             f"{_ms(seconds)}{f' (the faster of {len(timed)} pairs)' if len(timed) > 1 else ''} "
-            f"and a call of them would keep a stop waiting over {MAX_CALL_SECONDS:g} s"
+            f"and a call of them would keep a stop waiting over {self.call_seconds:g} s"
         )
         self._dropped += note
         self._decided(candidates=kept, steps=kept[0], reason=self.reason + note)
@@ -599,10 +611,10 @@ class DispatchPlan:
         self._intervals = []
         wanted = max(MIN_STEPS, math.ceil(TARGET_SECONDS / seconds) if seconds > 0 else 1)
         caps = {MAX_STEPS: f"K is at most {MAX_STEPS}"}
-        held = int(HEADROOM * MAX_CALL_SECONDS / seconds) if seconds > 0 else MAX_STEPS
+        held = int(HEADROOM * self.call_seconds / seconds) if seconds > 0 else MAX_STEPS
         caps.setdefault(
             held,
-            f"a call of more steps would keep a stop waiting over {MAX_CALL_SECONDS:g} s unless "
+            f"a call of more steps would keep a stop waiting over {self.call_seconds:g} s unless "
             f"a fused step took under {1 / HEADROOM:.2g} of a step alone",
         )
         if batches:

@@ -60,7 +60,7 @@ from nitro.programs.compile_cache import short_dtype
 from nitro.programs.specs import ProgramSet
 from nitro.programs.staleness import class_is_gone, current_class
 
-__all__ = ["Refused", "refreeze", "start_edit"]
+__all__ = ["Refused", "live_instance", "refreeze", "start_edit"]
 
 
 class Refused(Exception):
@@ -96,7 +96,9 @@ def _fields(experiment: Any) -> dict[str, Any]:
     return {f.name: getattr(experiment, f.name) for f in dataclasses.fields(experiment) if f.init}
 
 
-def _live_instance(experiment: Any, cls: type) -> Any:
+def live_instance(experiment: Any, cls: type) -> Any:
+    """`experiment`, or an instance of `cls` (its class as edited, or as it was before an
+    edit) with the same field values."""
     if type(experiment) is cls:
         return experiment
     return remember(cls(**_fields(experiment)), preset_of(experiment))
@@ -200,7 +202,7 @@ def refreeze(
                 f"{_fields_of(spec)}): the batch routing is decided at setup. Stop the run "
                 f"and train again"
             )
-    instance = _live_instance(experiment, cls)
+    instance = live_instance(experiment, cls)
     if resolve_residency(instance) != dict(setup.experiment.residency):
         raise Refused(
             "metrics_residency changed where metrics run: decided at setup. Stop the run and "

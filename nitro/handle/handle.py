@@ -14,9 +14,7 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-import threading
 import time
-import weakref
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any, overload
 
@@ -30,16 +28,15 @@ from nitro.core.events import Events
 from nitro.core.provenance import Resolved
 from nitro.core.run_setup import RunSetup, SavedWeights
 from nitro.core.train_state import TrainState
-from nitro.engine import evaluation, live_edit, loop, prediction, swaps
+from nitro.engine import evaluation, loop, prediction, swaps
 from nitro.engine.dispatch import DispatchChoice
 from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_keywords import KEYWORD_ONLY, RUN_KEYWORDS, resolve_run_keywords
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import Run, RunControl, RunGuard
 from nitro.engine.setup import build
-from nitro.engine.swaps import LiveEdit
 from nitro.engine.weights_copy import copy_weights
-from nitro.errors import ExperimentError, Interrupted, RunningError, SetupError, did_you_mean
+from nitro.errors import ExperimentError, Interrupted, SetupError, did_you_mean
 from nitro.experiments.declaration import (
     REQUIRED_HOOKS,
     FieldKind,
@@ -57,7 +54,6 @@ from nitro.handle.signature import keyword_signature, keywords_doc
 from nitro.handle.summary import ModelSummary
 from nitro.optim.schedules import bind_schedules, check_schedule_values
 from nitro.programs.specs import ProgramSet
-from nitro.programs.staleness import stale_changes, stale_report
 from nitro.runs.resume import restore
 from nitro.runs.run_files import RunFiles
 from nitro.runs.run_origin import OriginProbe
@@ -173,22 +169,13 @@ class Nitro(RunHandle):
         self._control = RunControl()
         self._control.say = self._say
         self._guard = RunGuard(lambda: f"this {cls.__name__} handle")
-        take_ready_edit = weakref.WeakMethod(self._take_ready_edit)  # the guard holds no handle
-
-        def on_release() -> None:
-            take = take_ready_edit()
-            if take is not None:
-                take()
-
-        self._guard.on_release = on_release
+        self._take_edits_when_free()
         self._run: Run | None = None
         self._stop_reason: str | None = None
         self._error: BaseException | None = None
         self._checkpoint: SavedWeights | None = None
         self._stale_seen: str | None = None
-        self._live_edits: bool | None = None
         self._live_scheduled: set[str] = set()  # Device fields scheduled by set_schedule
-        self._live_lock = threading.Lock()
         self._stale_checked = (edit_generation(), 0.0)
         source = weights_source(weights)
         with events_module.using(self._events):
@@ -316,11 +303,6 @@ class Nitro(RunHandle):
         return self._runtime.dispatch.choice
 
     @property
-    def owner(self) -> str:
-        """`module.QualName` of the experiment class (how the compile cache names it)."""
-        return self._setup.owner
-
-    @property
     def experiment(self) -> Any:
         """The handle's copy of the experiment (Device fields follow `set_device`)."""
         return self._runtime.experiment
@@ -334,11 +316,6 @@ class Nitro(RunHandle):
     def given_keywords(self) -> dict[str, Any]:
         """The run keywords passed to `Nitro(...)` (not `weights` or `data`)."""
         return dict(self._setup.given_keywords)
-
-    @property
-    def splits(self) -> dict[str, Any]:
-        """Split name -> the source `build_data` (or `data=`) gave."""
-        return {name: split.source for name, split in self._setup.splits.items()}
 
     @property
     def batch_specs(self) -> dict[str, dict[str, tuple[tuple[int, ...], str]]]:
@@ -863,134 +840,16 @@ class Nitro(RunHandle):
             history=self._state.history,
         )
 
-    def stale_changes(self) -> dict[str, list[str]]:
-        """Code that changed since this handle was built: unit (a hook name or "model") ->
-        the parts that changed in it ("helper mlp_block", "method MLP.__call__"; empty when
-        the hook itself changed). `nitro.staleness.programs_using(unit)` names the programs
-        each unit reaches."""
-        return stale_changes(self._setup)
-
-    def stale_report(self) -> str | None:
-        """What changed in the experiment's code since this handle was built, or None."""
-        return stale_report(self._setup, self._programs.held())
-
-    def held_programs(self) -> list[str]:
-        """The kinds of the compiled programs this handle holds."""
-        return self._programs.held()
-
-    # ------------------------------------------------------------------------------------------
-    # live edits
-
     @property
-    def live_edits(self) -> bool | None:
-        """Whether an edit of this run's code applies while it trains (compiled beside the
-        run, swapped in at the next dispatch boundary): True, False, or None, the default: on
-        where the notebook extension watches the code (`%load_ext nitro`), and off in scripts,
-        where `apply_edits()` applies an edit when asked. Settable."""
-        return self._live_edits
+    def _lead_runtime(self) -> RunTime:
+        return self._runtime
 
-    @live_edits.setter
-    def live_edits(self, value: bool | None) -> None:
-        if value is not None and not isinstance(value, bool):
-            raise TypeError(
-                f"live_edits must be True, False or None (on where the notebook extension "
-                f"watches the code), got {value!r}"
-            )
-        self._live_edits = value
-
-    def apply_edits(self) -> LiveEdit:
-        """Apply the experiment's code as it is now (its hooks, the helpers they call, the
-        model's classes), edited since this handle was built or last swapped code: the
-        programs the edit reaches compile on a thread of their own while a run goes on
-        training, and swap in at its next dispatch boundary (at once when nothing trains, or
-        once the call that holds the handle, such as `validate()`, returns).
-
-        Returns the `LiveEdit` (`.wait()`, `.status`, `.note`, `.record`). An edit that
-        changes what a live run keeps (the fields, the set of hooks, the batch fields a hook
-        takes, the model's structure) is refused, and one that does not trace or compile
-        fails; either way the run goes on with the code it had and `.note` says why. The
-        first steps of swapped-in code are on probation: a non-finite loss there rolls the
-        run back to the old code and the weights from before the swap, and a host hook
-        (host metrics, `finalize_metrics`) that raises on its first call rolls back to the
-        old code. `n.swaps()` lists the swaps."""
-        with self._live_lock:
-            runtime = self._runtime
-            return live_edit.start_edit(
-                self._setup,
-                runtime.experiment,
-                self._state.variables,
-                self._programs,
-                runtime.live,
-                self._events,
-                adopt=self._adopt_code,
-                on_settled=self._edit_settled,
-                on_ready=self._edit_ready,
-                dispatch=runtime.dispatch,
-            )
-
-    @property
-    def live_edit(self) -> LiveEdit | None:
-        """The newest live edit (`apply_edits()`), or None."""
-        return self._runtime.live.latest
-
-    def swaps(self):
-        """A pandas DataFrame of the live edits swapped in (and rolled back) while training,
-        indexed by the step whose call first ran the new code: status, what changed, the
-        code's digest, the programs compiled, the compile's and the swap's seconds."""
-        import pandas as pd
-
-        frame = pd.DataFrame([dict(row) for row in self._state.swaps])
-        if not frame.empty:
-            frame = frame.set_index("step")
-        return frame
+    def _edit_variables(self) -> Any:
+        return self._state.variables
 
     def _adopt_code(self, setup: RunSetup, programs: ProgramSet) -> None:
         """A swap or a roll-back: the handle's code is the code the run trains on."""
         self._setup, self._programs = setup, programs
-
-    def _edit_settled(self, edit: LiveEdit) -> None:
-        """A refused or failed edit: said to a run's reporters (an idle handle's caller holds
-        the edit and its note)."""
-        if edit.note and self.running:
-            self._say(edit.note)
-
-    def _edit_ready(self) -> None:
-        """Compiled: a run takes it at its next dispatch boundary; a handle that is not
-        training takes it now."""
-        if not self.running:
-            self._take_swap()
-
-    def _take_ready_edit(self) -> None:
-        """The handle is free again: an edit that became ready while it was busy (validating,
-        predicting) is taken now. A run takes its own at its next dispatch boundary."""
-        runtime = getattr(self, "_runtime", None)  # None while the handle is being built
-        if runtime is not None and runtime.live.pending is not None and not self.running:
-            self._take_swap()
-
-    def _take_swap(self) -> None:
-        try:
-            with self._guard.hold("applying an edit"):
-                swap = self._runtime.live.take()
-                if swap is None:
-                    return
-                self._runtime.live.host_probation = swaps.host_probation_for(
-                    swap, self._setup, self._programs, self._runtime.experiment
-                )
-                self._adopt_code(swap.setup, swap.programs)
-                self._runtime.experiment = swap.experiment
-                swaps.record_swap(swap, self._state, self._events, self._say, 0.0, settle=False)
-        except RunningError:
-            return  # a run started meanwhile: it takes the swap at its first call
-        # settled once the handle is free: whoever waits on the edit may use the handle at once
-        swap.edit._settle("swapped")
-
-    def _roll_back_host(self, failure: swaps.HostHookFailed) -> None:
-        """A host hook an edit changed raised on its first call: back to the code before it."""
-        live = self._runtime.live
-        probation, live.host_probation = live.host_probation, None
-        assert probation is not None  # raised only on probation
-        self._runtime.experiment = probation.experiment
-        swaps.roll_back_host(probation, failure, self._state, self._events, self._say)
 
     def _check_stale(self, entry: str) -> None:
         generation, last = self._stale_checked

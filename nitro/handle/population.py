@@ -11,11 +11,13 @@ refused naming the field. See docs/population.md.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 
 from nitro.core import events as events_module
@@ -25,11 +27,13 @@ from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState, Variables
 from nitro.engine import population as engine
 from nitro.engine.evaluation import evaluate_split
+from nitro.engine.live_edit import live_instance
 from nitro.engine.loop import train_epochs
 from nitro.engine.member_axis import Stacked
 from nitro.engine.prediction import predict_batch
 from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_keywords import RUN_KEYWORDS, resolve_run_keywords
+from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl, RunGuard
 from nitro.engine.setup import build
 from nitro.errors import PopulationError, SetupError
@@ -139,6 +143,7 @@ class Population(PopulationMembers):
         self._control = RunControl()
         self._control.say = self._say
         self._guard = RunGuard(lambda: f"this {cls.__name__} population", name="pop")
+        self._take_edits_when_free()
         reporter = progress.make_reporter(
             self._shared_keywords.get("progress", True), population=True
         )
@@ -159,6 +164,7 @@ class Population(PopulationMembers):
             ]
         check_one_program(self._members)
         lead = self._members[0]
+        lead.runtime.dispatch.for_members(len(settings))  # its calls train every member
         engine.check_member_layout(lead.setup)
         devices = lead.setup.placement.n_devs
         if mesh_axis == "members" and devices > 1 and len(settings) % devices:
@@ -299,6 +305,30 @@ class Population(PopulationMembers):
     @property
     def _lead_setup(self) -> RunSetup:
         return self._members[0].setup
+
+    @property
+    def _lead_runtime(self) -> RunTime:
+        return self._members[0].runtime
+
+    def _edit_variables(self) -> Any:
+        """One member's variables as shapes (a running population's may be donated)."""
+        stacked = self._stacked().variables
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape[1:], x.dtype), stacked)
+
+    def _adopt_code(self, setup: RunSetup, programs: ProgramSet) -> None:
+        """A swap or a roll-back: every member runs the code (the first member's `setup`,
+        the others' their own with its experiment and model), each its experiment's
+        instance of the class it names."""
+        self._programs = programs
+        for member in self._members:
+            if member.index == 0:
+                member.setup = setup
+            else:
+                member.setup = dataclasses.replace(
+                    member.setup, experiment=setup.experiment, model=setup.model
+                )
+            member.experiment = live_instance(member.experiment, setup.cls)
+            member.runtime.experiment = live_instance(member.runtime.experiment, setup.cls)
 
     def _check_trainable(self) -> None:
         if all(m.stopped is not None for m in self._members):

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import sys
+import threading
+import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Self
 
@@ -21,7 +23,13 @@ from nitro.core import progress
 from nitro.core.events import Events
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState
+from nitro.engine import live_edit, swaps
+from nitro.engine.run_time import RunTime
 from nitro.engine.runner import Run, RunControl, RunGuard, sigint_requests_stop, wait_for
+from nitro.engine.swaps import LiveEdit
+from nitro.errors import RunningError
+from nitro.programs.specs import ProgramSet
+from nitro.programs.staleness import stale_changes, stale_report
 from nitro.runs.run_files import RunFiles
 
 __all__ = ["RunHandle", "check_amount", "scalar_frame"]
@@ -95,6 +103,17 @@ class RunHandle:
         `Exp.from_preset(...)`), recorded in run.json, the checkpoints, the logged params and
         the export; None when none."""
         return self._lead_setup.experiment.preset
+
+    @property
+    def owner(self) -> str:
+        """`module.QualName` of the experiment class (how the compile cache names it)."""
+        return self._lead_setup.owner
+
+    @property
+    def splits(self) -> dict[str, Any]:
+        """Split name -> the source `build_data` (or `data=`) gave (a population's: its first
+        member's)."""
+        return {name: split.source for name, split in self._lead_setup.splits.items()}
 
     @property
     def max_epochs(self) -> int:
@@ -346,6 +365,167 @@ class RunHandle:
             self._events.note(message)
         else:
             print(f"nitro: {message}", file=sys.stderr, flush=True)
+
+    # ------------------------------------------------------------------------------------------
+    # the code it runs, and live edits
+
+    _programs: ProgramSet
+    _live_edits: bool | None = None
+
+    def _take_edits_when_free(self) -> None:
+        """Built with the guard: an edit that became ready while the handle was busy
+        (validating, predicting) is taken once the guard lets go."""
+        self._live_lock = threading.Lock()
+        take_ready_edit = weakref.WeakMethod(self._take_ready_edit)  # the guard holds no handle
+
+        def on_release() -> None:
+            take = take_ready_edit()
+            if take is not None:
+                take()
+
+        self._guard.on_release = on_release
+
+    @property
+    def _lead_runtime(self) -> RunTime:
+        """The run time of the run (a population's first member's): its live edits."""
+        raise NotImplementedError
+
+    def _edit_variables(self) -> Any:
+        """Variables of one run, whose layout an edit of the model must keep."""
+        raise NotImplementedError
+
+    def stale_changes(self) -> dict[str, list[str]]:
+        """Code that changed since this handle was built: unit (a hook name or "model") ->
+        the parts that changed in it ("helper mlp_block", "method MLP.__call__"; empty when
+        the hook itself changed). `nitro.staleness.programs_using(unit)` names the programs
+        each unit reaches."""
+        return stale_changes(self._lead_setup)
+
+    def stale_report(self) -> str | None:
+        """What changed in the experiment's code since this handle was built, or None."""
+        return stale_report(self._lead_setup, self._programs.held())
+
+    def held_programs(self) -> list[str]:
+        """The kinds of the compiled programs this handle holds."""
+        return self._programs.held()
+
+    # ------------------------------------------------------------------------------------------
+    # live edits
+
+    @property
+    def live_edits(self) -> bool | None:
+        """Whether an edit of this run's code applies while it trains (compiled beside the
+        run, swapped in at the next dispatch boundary): True, False, or None, the default: on
+        where the notebook extension watches the code (`%load_ext nitro`), and off in scripts,
+        where `apply_edits()` applies an edit when asked. Settable."""
+        return self._live_edits
+
+    @live_edits.setter
+    def live_edits(self, value: bool | None) -> None:
+        if value is not None and not isinstance(value, bool):
+            raise TypeError(
+                f"live_edits must be True, False or None (on where the notebook extension "
+                f"watches the code), got {value!r}"
+            )
+        self._live_edits = value
+
+    def apply_edits(self) -> LiveEdit:
+        """Apply the experiment's code as it is now (its hooks, the helpers they call, the
+        model's classes), edited since this handle was built or last swapped code: the
+        programs the edit reaches compile on a thread of their own while a run goes on
+        training, and swap in at its next dispatch boundary (at once when nothing trains, or
+        once the call that holds the handle, such as `validate()`, returns).
+
+        Returns the `LiveEdit` (`.wait()`, `.status`, `.note`, `.record`). An edit that
+        changes what a live run keeps (the fields, the set of hooks, the batch fields a hook
+        takes, the model's structure) is refused, and one that does not trace or compile
+        fails; either way the run goes on with the code it had and `.note` says why. The
+        first steps of swapped-in code are on probation: a non-finite loss there rolls the
+        run back to the old code and the weights from before the swap, and a host hook
+        (host metrics, `finalize_metrics`) that raises on its first call rolls back to the
+        old code. `n.swaps()` lists the swaps."""
+        with self._live_lock:
+            runtime = self._lead_runtime
+            return live_edit.start_edit(
+                self._lead_setup,
+                runtime.experiment,
+                self._edit_variables(),
+                self._programs,
+                runtime.live,
+                self._events,
+                adopt=self._adopt_code,
+                on_settled=self._edit_settled,
+                on_ready=self._edit_ready,
+                dispatch=runtime.dispatch,
+            )
+
+    @property
+    def live_edit(self) -> LiveEdit | None:
+        """The newest live edit (`apply_edits()`), or None."""
+        return self._lead_runtime.live.latest
+
+    def swaps(self):
+        """A pandas DataFrame of the live edits swapped in (and rolled back) while training,
+        indexed by the step whose call first ran the new code: status, what changed, the
+        code's digest, the programs compiled, the compile's and the swap's seconds."""
+        import pandas as pd
+
+        frame = pd.DataFrame([dict(row) for row in self._counters.swaps])
+        if not frame.empty:
+            frame = frame.set_index("step")
+        return frame
+
+    def _adopt_code(self, setup: RunSetup, programs: ProgramSet) -> None:
+        """A swap or a roll-back: the handle's code is the code the run trains on."""
+        raise NotImplementedError
+
+    def _edit_settled(self, edit: LiveEdit) -> None:
+        """A refused or failed edit: said to a run's reporters (an idle handle's caller holds
+        the edit and its note)."""
+        if edit.note and self.running:
+            self._say(edit.note)
+
+    def _edit_ready(self) -> None:
+        """Compiled: a run takes it at its next dispatch boundary; a handle that is not
+        training takes it now."""
+        if not self.running:
+            self._take_swap()
+
+    def _take_ready_edit(self) -> None:
+        """The handle is free again: an edit that became ready while it was busy (validating,
+        predicting) is taken now. A run takes its own at its next dispatch boundary."""
+        try:
+            runtime = self._lead_runtime
+        except AttributeError:  # the handle is being built
+            return
+        if runtime.live.pending is not None and not self.running:
+            self._take_swap()
+
+    def _take_swap(self) -> None:
+        try:
+            with self._guard.hold("applying an edit"):
+                runtime = self._lead_runtime
+                swap = runtime.live.take()
+                if swap is None:
+                    return
+                runtime.live.host_probation = swaps.host_probation_for(
+                    swap, self._lead_setup, self._programs, runtime.experiment
+                )
+                self._adopt_code(swap.setup, swap.programs)
+                runtime.experiment = swap.experiment
+                swaps.record_swap(swap, self._counters, self._events, self._say, 0.0, settle=False)
+        except RunningError:
+            return  # a run started meanwhile: it takes the swap at its first call
+        # settled once the handle is free: whoever waits on the edit may use the handle at once
+        swap.edit._settle("swapped")
+
+    def _roll_back_host(self, failure: swaps.HostHookFailed) -> None:
+        """A host hook an edit changed raised on its first call: back to the code before it."""
+        runtime = self._lead_runtime
+        probation, runtime.live.host_probation = runtime.live.host_probation, None
+        assert probation is not None  # raised only on probation
+        runtime.experiment = probation.experiment
+        swaps.roll_back_host(probation, failure, self._counters, self._events, self._say)
 
 
 def check_amount(epochs: Any, steps: Any) -> None:
