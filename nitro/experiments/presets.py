@@ -39,10 +39,6 @@ __all__ = ["from_preset", "preset_of", "presets", "remember", "replace"]
 _PRESET = "__nitro_preset__"
 
 
-def _owner(cls: type) -> str:
-    return cls.__qualname__
-
-
 def _declared(cls: type) -> Mapping[str, Any]:
     """What `cls.presets()` returns, checked to be a mapping of names to mappings."""
     if "presets" in {spec.name for spec in field_specs(cls)}:
@@ -53,7 +49,7 @@ def _declared(cls: type) -> Mapping[str, Any]:
         return {}
     if not isinstance(attribute, (classmethod, staticmethod)) and not inspect.isfunction(attribute):
         raise ExperimentError(
-            f"{_owner(cls)}.presets is a {type(attribute).__name__}; declare the presets with a "
+            f"{cls.__qualname__}.presets is a {type(attribute).__name__}; declare the presets with a "
             f"classmethod: @classmethod def presets(cls): return {{'small': {{'width': 32}}}}"
         )
     table = cls.presets()  # pyright: ignore[reportAttributeAccessIssue]  # found just above
@@ -61,7 +57,7 @@ def _declared(cls: type) -> Mapping[str, Any]:
         isinstance(name, str) and isinstance(values, Mapping) for name, values in table.items()
     ):
         raise ExperimentError(
-            f"{_owner(cls)}.presets() must return a dict of preset name -> field values, "
+            f"{cls.__qualname__}.presets() must return a dict of preset name -> field values, "
             f"e.g. {{'small': {{'width': 32}}}}; got {table!r}"
         )
     return table
@@ -81,7 +77,7 @@ def check_field_names(cls: type, names: Any, where: str) -> None:
                 f"one), or pass it to Nitro(..., {name}=...)."
             )
         raise ExperimentError(
-            f"{where} sets {name!r}, which is not a field of {_owner(cls)}."
+            f"{where} sets {name!r}, which is not a field of {cls.__qualname__}."
             f"{did_you_mean(name, fields)}{from_keyword} Its fields: {', '.join(fields)}."
         )
 
@@ -98,7 +94,7 @@ def presets(experiment: Any) -> dict[str, dict[str, Any]]:
     cls = experiment if isinstance(experiment, type) else type(experiment)
     table = _declared(cls)
     for name, values in table.items():
-        check_field_names(cls, values, f"{_owner(cls)}.presets()[{name!r}]")
+        check_field_names(cls, values, f"{cls.__qualname__}.presets()[{name!r}]")
     return {name: dict(values) for name, values in table.items()}
 
 
@@ -112,7 +108,7 @@ def from_preset(cls: type, name: str | None, /, **overrides: Any) -> Any:
     >>> e.width, e.max_epochs, nitro.preset_of(e)
     (64, 2, 'small')
     """
-    check_field_names(cls, overrides, f"{_owner(cls)}.from_preset({name!r}, ...)")
+    check_field_names(cls, overrides, f"{cls.__qualname__}.from_preset({name!r}, ...)")
     values: Mapping[str, Any] = {}
     if name is not None:
         table = _declared(cls)
@@ -125,14 +121,14 @@ def from_preset(cls: type, name: str | None, /, **overrides: Any) -> Any:
                 "{'small': {'width': 32}} declares them)."
             )
             raise ExperimentError(
-                f"{_owner(cls)} has no preset {name!r}.{did_you_mean(name, known)} {listing}"
+                f"{cls.__qualname__} has no preset {name!r}.{did_you_mean(name, known)} {listing}"
             )
         values = table[name]
-        check_field_names(cls, values, f"{_owner(cls)}.presets()[{name!r}]")
+        check_field_names(cls, values, f"{cls.__qualname__}.presets()[{name!r}]")
     try:
         instance = cls(**{**values, **overrides})
     except ExperimentError as error:
-        raise ExperimentError(f"preset {name!r} of {_owner(cls)}: {error}") from None
+        raise ExperimentError(f"preset {name!r} of {cls.__qualname__}: {error}") from None
     remember(instance, name)
     return instance
 

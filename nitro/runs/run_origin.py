@@ -236,18 +236,16 @@ class OriginProbe:
 
     def __init__(self, cls: type):
         self._found: tuple[dict[str, Any], bytes | None] | None = None
-        self._done = threading.Event()
-        thread = threading.Thread(target=self._probe, args=(cls,), name="nitro-origin", daemon=True)
-        thread.start()
+        self._thread = threading.Thread(
+            target=self._probe, args=(cls,), name="nitro-origin", daemon=True
+        )
+        self._thread.start()
 
     def _probe(self, cls: type) -> None:
-        try:
-            self._found = provenance(cls)
-        finally:
-            self._done.set()
+        self._found = provenance(cls)
 
     def result(self) -> tuple[dict[str, Any], bytes | None]:
-        self._done.wait()
+        self._thread.join()  # ended: no thread of it outlives the run's start
         if self._found is None:  # the probe raised: nothing is known of where the run comes from
             return {"git": None, "packages": package_versions()}, None
         return self._found
