@@ -81,7 +81,7 @@ def experiment_to_run(
     False leaves them: a population sets them itself, a list being an axis). An instance
     runs as it is: `preset=` is refused, naming `call`."""
     if not (isinstance(experiment, type) and is_experiment(experiment)):
-        if preset is not None:
+        if preset is not None and is_experiment(experiment):
             name = type(experiment).__name__
             raise ExperimentError(
                 f"{call}(preset={preset!r}) builds the experiment from its class: "

@@ -63,6 +63,10 @@ class Population(PopulationMembers):
     (2, [{'learning_rate': 0.001}, {'learning_rate': 0.01}])
     >>> pop.train().history().index.names
     FrozenList(['member', 'epoch'])
+
+    Given the class, `preset=` builds the members' experiment from that preset
+    (`Population(Digits, preset="small", learning_rate=[...])`); the keywords that name fields
+    then share or vary them, as for an instance.
     """
 
     def __init__(
