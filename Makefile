@@ -3,8 +3,9 @@ PYTHON ?= python3
 VENV   ?= .venv
 PY     := $(VENV)/bin/python
 # Two installs into the one .venv, each redone when pyproject.toml changes: what the demo
-# needs (nitro, scikit-learn for the digits, matplotlib for its plot), and everything (every
-# extra: the notebook, serving, agents, the test and lint tools) for the rest.
+# needs (nitro, scikit-learn for the digits, matplotlib for its plot, the `nitro train`
+# command's options and config files), and everything (every extra: the notebook, serving,
+# agents, the command, the test and lint tools) for the rest.
 DEMO_STAMP := $(VENV)/.nitro-demo-installed
 STAMP      := $(VENV)/.nitro-installed
 
@@ -17,13 +18,13 @@ $(VENV)/bin/python:
 # the full install includes the demo's: once it is current, the demo installs nothing
 $(DEMO_STAMP): pyproject.toml | $(VENV)/bin/python
 	@if [ $(STAMP) -nt pyproject.toml ]; then :; else \
-		echo "$(PY) -m pip install --quiet -e '.[examples,plot]'"; \
-		$(PY) -m pip install --quiet -e ".[examples,plot]"; \
+		echo "$(PY) -m pip install --quiet -e '.[examples,plot,cli]'"; \
+		$(PY) -m pip install --quiet -e ".[examples,plot,cli]"; \
 	fi
 	@touch $(DEMO_STAMP)
 
 $(STAMP): pyproject.toml | $(VENV)/bin/python
-	$(PY) -m pip install --quiet -e ".[notebook,examples,agents,dev,serve]"
+	$(PY) -m pip install --quiet -e ".[notebook,examples,agents,dev,serve,cli]"
 	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	@touch $(STAMP)
 

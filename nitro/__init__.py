@@ -9,9 +9,9 @@ Public names load on first use (PEP 562), so `import nitro.bundle` in a serving 
 imports JAX and nothing of Flax or Optax.
 
 Packages by layer, bottom-up (docs/architecture.md): `experiments`, `data`, `optim`, `core`,
-`programs`, `runs`, `loggers`, `engine`, `serving`, `handle`, `mcp`, `examples`. Modules:
-`errors` (every error raised on purpose), `_version` (`__version__`), `cli` (the `nitro`
-command), and the public import paths `bundle`, `serve`, `manual`, `staleness`, `events`,
+`programs`, `runs`, `loggers`, `engine`, `serving`, `handle`, `mcp`, `examples`, `cli` (the
+`nitro` command). Modules: `errors` (every error raised on purpose), `_version`
+(`__version__`), and the public import paths `bundle`, `serve`, `manual`, `staleness`, `events`,
 `progress`, `runner`, `dispatch` and `datasets`, each standing for a module inside a package
 (`_public_path`).
 """

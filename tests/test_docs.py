@@ -15,7 +15,11 @@ says why, and is only checked to parse:
     ...
     ```
 
-Output, shell commands and other languages take their own fence (```text, ```sh, ```json).
+Output, shell commands and other languages take their own fence (```text, ```sh, ```json). A
+```sh block whose every command is `nitro ...` (the command line, docs/command-line.md) runs
+too, in its page's kernel's directory after the blocks before it: each command as the shell
+runs it, `nitro` being `python -m nitro.cli`, and each must exit 0. A not-run comment may
+precede it as it precedes a ```python block.
 """
 
 from __future__ import annotations
@@ -53,6 +57,18 @@ def _nitro_docs_block(source, path, line):
         return
     code = get_ipython().transform_cell(source)
     exec(compile("\\n" * (line - 1) + code, path, "exec"), globals())
+
+
+def _nitro_docs_commands(commands, path, line):
+    import shlex, subprocess, sys
+    for command in commands:
+        shell = shlex.quote(sys.executable) + " -m nitro.cli" + command[len("nitro"):]
+        done = subprocess.run(shell, shell=True, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise AssertionError(
+                f"{path}:{line}: `{command}` exited with {done.returncode}:\\n"
+                f"{done.stdout[-3000:]}{done.stderr[-3000:]}"
+            )
 """
 
 
@@ -62,6 +78,7 @@ class Block:
     line: int  # the page's line of the block's first line of code
     source: str
     not_run: str | None  # why it does not run here, or None
+    commands: tuple[str, ...] = ()  # a ```sh block's `nitro ...` commands (else Python)
 
     @property
     def where(self) -> str:
@@ -78,17 +95,34 @@ def fences(page: Path) -> list[tuple[object, object]]:
     ]
 
 
+def nitro_commands(source: str) -> tuple[str, ...]:
+    """The commands of a ```sh block when each is `nitro ...` (continued lines joined, comment
+    lines left out); () otherwise."""
+    lines = [line for line in source.replace("\\\n", " ").splitlines() if line.strip()]
+    commands = tuple(line.strip() for line in lines if not line.lstrip().startswith("#"))
+    return commands if commands and all(c.startswith("nitro ") for c in commands) else ()
+
+
+def runs(token) -> bool:
+    """A fence the suite runs: ```python, or ```sh of `nitro` commands."""
+    language = token.info.split()[:1]
+    return language == ["python"] or (language == ["sh"] and bool(nitro_commands(token.content)))
+
+
 def python_blocks(page: Path) -> list[Block]:
+    """The blocks of `page` the suite runs, in order: ```python, and ```sh of `nitro`
+    commands."""
     blocks = []
     for token, before in fences(page):
-        if token.info.split()[:1] != ["python"]:
+        if not runs(token):
             continue
         marker = None
         if before is not None and before.type == "html_block":
             found = NOT_RUN.fullmatch(before.content)
             marker = found["why"].strip() if found else None
             assert marker != "", f"{page.relative_to(REPO)}:{before.map[0] + 1}: say why"
-        blocks.append(Block(page, token.map[0] + 2, token.content, marker))
+        commands = nitro_commands(token.content) if token.info.split()[:1] == ["sh"] else ()
+        blocks.append(Block(page, token.map[0] + 2, token.content, marker, commands))
     return blocks
 
 
@@ -157,14 +191,15 @@ def test_every_python_block_of_the_page_runs(page: Path, page_kernel):
     try:
         for block in python_blocks(page):
             if block.not_run is not None:
-                if not block.source.lstrip().startswith(("%", ">>>")):
+                if not block.commands and not block.source.lstrip().startswith(("%", ">>>")):
                     ast.parse(block.source, filename=block.where)
                 continue
-            cell = kernel.run(
-                f"_nitro_docs_block({block.source!r}, {str(page)!r}, {block.line})",
-                timeout=300,
-                check=False,
+            call = (
+                f"_nitro_docs_commands({block.commands!r}, {str(page)!r}, {block.line})"
+                if block.commands
+                else f"_nitro_docs_block({block.source!r}, {str(page)!r}, {block.line})"
             )
+            cell = kernel.run(call, timeout=300, check=False)
             if cell.status != "ok":
                 traceback = ANSI.sub("", "\n".join(cell.reply["content"]["traceback"]))
                 traceback = traceback[traceback.find(f"File {page}") :]  # from the page's frame
@@ -185,12 +220,12 @@ def test_every_fence_names_its_language(page: Path):
 
 
 @pytest.mark.parametrize("page", PAGES, ids=_page_id)
-def test_a_not_run_marker_stands_right_before_a_python_block(page: Path):
+def test_a_not_run_marker_stands_right_before_a_block_that_runs(page: Path):
     tokens = markdown_it.MarkdownIt("commonmark").parse(page.read_text(encoding="utf-8"))
     for token, after in zip(tokens, [*tokens[1:], None], strict=True):
         if token.type == "html_block" and NOT_RUN.fullmatch(token.content):
             assert after is not None and after.type == "fence", (
                 f"{_page_id(page)}:{token.map[0] + 1}: a `<!-- not run: ... -->` comment must "
-                "stand right before a ```python fence"
+                "stand right before a ```python fence or a ```sh fence of nitro commands"
             )
-            assert after.info.split()[:1] == ["python"], f"{_page_id(page)}:{token.map[0] + 1}"
+            assert runs(after), f"{_page_id(page)}:{token.map[0] + 1}"

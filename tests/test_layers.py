@@ -30,6 +30,7 @@ LAYERS = [
     "handle",
     "mcp",
     "examples",
+    "cli",
 ]
 # public import paths kept at the top level: each stands for the module of a package
 # (`nitro.bundle` for `nitro.serving.bundle`)
@@ -43,14 +44,13 @@ ALIASES = {
     "runner": "engine",
     "dispatch": "engine",
     "datasets": "data",
-    "cli": "serving",
 }
 
 
 # what nitro_ipython may import: the facade, the public import paths and the public packages
 PUBLIC = {
     "nitro",
-    *(f"nitro.{alias}" for alias in ALIASES if alias != "cli"),
+    *(f"nitro.{alias}" for alias in ALIASES),
     "nitro.data",
     "nitro.loggers",
     "nitro.mcp",
@@ -193,7 +193,6 @@ def test_no_two_modules_share_a_name_except_a_public_import_path_and_its_module(
     expected = {
         alias: {f"nitro/{alias}.py", f"nitro/{package}/{alias}.py"}
         for alias, package in ALIASES.items()
-        if alias != "cli"
     }
     # a population's module in each layer it reaches
     population = {f"nitro/{p}/population.py" for p in ("programs", "engine", "handle", "mcp")}
@@ -206,8 +205,6 @@ def test_each_public_import_path_is_its_own_files_module_and_reads_and_sets_its_
     monkeypatch,
 ):
     for alias, package in ALIASES.items():
-        if alias == "cli":
-            continue
         public = importlib.import_module(f"nitro.{alias}")
         module = importlib.import_module(f"nitro.{package}.{alias}")
         # what `pytest --doctest-modules nitro` checks of every file it imports

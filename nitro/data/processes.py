@@ -16,7 +16,8 @@ with `persistent_workers=True`, from run to run (`park()` at a run's end): the f
 the next run compares the source's pickle and the modification times of its code's files
 with those the workers started from, and starts fresh workers when they differ, so the
 workers never build batches from a source or code the run no longer has. A worker ignores
-Ctrl-C (the run handles it and closes the pool), and exits as soon as its
+Ctrl-C and SIGUSR1 and outlives SIGTERM by a second (a job's scheduler signals every process:
+the run handles the signal, stops and closes the pool), and exits as soon as its
 parent process is gone (killed, a kernel restart), so no worker outlives the process that
 started it.
 
@@ -49,6 +50,8 @@ from nitro.errors import DataWorkerError, SetupError
 
 __all__ = ["WorkerPool", "WorkersDidNotStart", "gil_speedup", "pickled_source", "unguarded_script"]
 
+TERM_GRACE = 1.0  # seconds a worker lives on after SIGTERM
+
 # In a worker process: the source and the plan of the epoch it is building.
 _worker_source: Any = None
 _worker_plan: tuple[int, Any] | None = None
@@ -73,10 +76,22 @@ def _start_worker(path: str, parent: int) -> None:
     import cloudpickle
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is the run's to handle
+    # SLURM signals every process of a job step: the run, signalled too, stops after its step
+    # and closes the pool (`preemption=`), and must not lose the batch that step waits for
+    if hasattr(signal, "SIGUSR1"):
+        signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _exit_soon)
     threading.Thread(target=_watch_parent, args=(parent, path), daemon=True).start()
     global _worker_source
     with open(path, "rb") as file:
         _worker_source = cloudpickle.load(file)
+
+
+def _exit_soon(signum: int, frame: Any) -> None:
+    """SIGTERM: exit `TERM_GRACE` seconds later, so a run that received it too has set its
+    stop request (it needs no batch after that), while the pool's shutdown, which ends its
+    workers with SIGTERM, still ends this one."""
+    threading.Timer(TERM_GRACE, os._exit, (128 + signum,)).start()
 
 
 def _watch_parent(parent: int, path: str) -> None:

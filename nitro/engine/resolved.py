@@ -37,6 +37,7 @@ class RunKeywords:
     logger: Any  # a logger or a LoggerGroup (nitro.loggers), or None
     early_stop: EarlyStopping | None
     resume: Literal[False, "auto"] | str | tuple[str, Literal["best", "latest"]]
+    preemption: bool | Literal["auto"]
     name: str | None
     n_devs: int
     mesh: Mapping[str, int] | None

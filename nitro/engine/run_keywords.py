@@ -10,7 +10,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Callable, Mapping
-from typing import Any
+from typing import Any, Literal
 
 from nitro.core.frozen import freeze
 from nitro.core.provenance import Resolved
@@ -204,6 +204,16 @@ def _resume(value):
     )
 
 
+def _preemption(value):
+    if value is True or value is False or value == "auto":
+        return value
+    raise ValueError(
+        f"preemption must be 'auto', True or False, got {value!r}: 'auto' saves and exits on "
+        f"SIGTERM or SIGUSR1 in a script, True wherever train() runs on the main thread, "
+        f"False never"
+    )
+
+
 def _ema(value):
     from nitro.optim.ema import EMA
 
@@ -335,6 +345,9 @@ class RunKeyword:
     computed: bool = False
     shown_default: str = ""  # how `help(Nitro)` shows a computed default
     none: str = ""  # what None does ("turns weight decay off"); "": None is refused
+    # what the keyword takes, as `nitro train --help` shows it and reads a value given as text:
+    # an annotation, or a string naming objects that only Python builds
+    type: Any = Any
 
     @property
     def default_text(self) -> str:
@@ -372,6 +385,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             0,
             "seeds the model's nnx.Rngs, the data order and the hooks' rngs",
             _int("seed"),
+            type=int,
         ),
         RunKeyword(
             "run_dir",
@@ -379,6 +393,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "this run's directory (default runs/<Experiment>/<run id>)",
             _path("run_dir"),
             none="runs/<Experiment>/<run id>",
+            type=str | None,
         ),
         RunKeyword(
             "checkpointer",
@@ -386,6 +401,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "a nitro.Checkpointer, or None to save no checkpoints",
             _checkpointer,
             none="saves no checkpoints",
+            type="Checkpointer | bool | None",
         ),
         RunKeyword(
             "logger",
@@ -396,6 +412,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             computed=True,
             shown_default="JSONLinesLogger()",
             none="logs nothing",
+            type="logger | list[logger] | None",
         ),
         RunKeyword(
             "early_stop",
@@ -403,6 +420,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "a nitro.EarlyStopping, or None",
             _early_stop,
             none="never stops early",
+            type="EarlyStopping | None",
         ),
         RunKeyword(
             "resume",
@@ -410,6 +428,18 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "'auto' (this experiment's run: the one its name last trained, else the furthest "
             "trained), a run directory or checkpoint, or False",
             _resume,
+            type=str | bool | tuple[str, str],
+        ),
+        RunKeyword(
+            "preemption",
+            "auto",
+            "what SIGTERM and SIGUSR1 do while train() runs: stop after the current step, save "
+            "it and exit the process with code 75, for resume='auto' to continue (a job's "
+            "preemption or time limit); 'auto': so in a script, not in a notebook, IPython or "
+            "a REPL, for each signal the program left at its default; True: wherever train() "
+            "runs on the main thread; False: the signals keep their handlers (docs/preemption.md)",
+            _preemption,
+            type=Literal["auto"] | bool,
         ),
         RunKeyword(
             "name",
@@ -418,6 +448,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "last trained first (%nitro train exp names its runs exp_run)",
             _name,
             none="unnamed",
+            type=str | None,
         ),
         RunKeyword(
             "n_devs",
@@ -427,6 +458,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             computed=True,
             shown_default="jax.device_count()",
             none="every visible device",
+            type=int | None,
         ),
         RunKeyword(
             "mesh",
@@ -436,6 +468,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "n_devs then defaults to (None: a 'data' mesh over n_devs)",
             _mesh,
             none="a 'data' mesh over n_devs",
+            type=dict[str, int] | None,
         ),
         RunKeyword(
             "sharding",
@@ -445,8 +478,11 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "(the model's nnx.with_partitioning annotations), or a dict of parameter path regex "
             "-> PartitionSpec (it takes precedence over annotations); docs/distributed.md",
             _sharding,
+            type=Literal["replicated", "fsdp", "rules"] | dict[str, Any],
         ),
-        RunKeyword("max_epochs", 1, "epochs `train()` runs to", _positive_int("max_epochs")),
+        RunKeyword(
+            "max_epochs", 1, "epochs `train()` runs to", _positive_int("max_epochs"), type=int
+        ),
         RunKeyword(
             "max_steps",
             None,
@@ -454,6 +490,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "max_epochs still applies)",
             _max_steps,
             none="no limit",
+            type=int | None,
         ),
         RunKeyword(
             "val_every_steps",
@@ -462,6 +499,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "val_check_interval); the results: n.validations() (None: at epochs' ends only)",
             _val_every_steps,
             none="at epochs' ends only",
+            type=int | None,
         ),
         RunKeyword(
             "eval_splits",
@@ -470,19 +508,28 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "test_loss, ...); default ('val',) when build_data has one",
             _eval_splits,
             none="('val',) when build_data has one",
+            type=str | tuple[str, ...] | None,
         ),
         RunKeyword(
             "schedules",
             {},
             "key -> schedule for optimizer hyperparameters or Device fields",
             _schedules,
+            type="dict[str, schedule]",
         ),
-        RunKeyword("learning_rate", 1e-3, "learning rate of the default optimizer", _learning_rate),
+        RunKeyword(
+            "learning_rate",
+            1e-3,
+            "learning rate of the default optimizer",
+            _learning_rate,
+            type=float,
+        ),
         RunKeyword(
             "optimizer",
             None,
             "an optax GradientTransformation or factory (default: adam)",
             none="adam",
+            type="optax.GradientTransformation | factory | None",
         ),
         RunKeyword(
             "group_lr",
@@ -491,6 +538,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "method)",
             _group_lr,
             none="one learning rate for every parameter",
+            type=dict[str, float] | None,
         ),
         RunKeyword(
             "weight_decay",
@@ -498,12 +546,14 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "decoupled weight decay, scaled by the learning rate (None: off)",
             _number("weight_decay", ranges.OPTAX["weight_decay"], off="turns weight decay off"),
             none="off",
+            type=float | None,
         ),
         RunKeyword(
             "decay_to",
             "zero",
             "where weight decay pulls: 'zero', 'init' (L2-SP), or a model or tree of anchors",
             _decay_to,
+            type=Literal["zero", "init"],
         ),
         RunKeyword(
             "decay_mask",
@@ -511,6 +561,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "(path, leaf) -> bool: the leaves that decay (default: those with ndim > 1)",
             _predicate("decay_mask", "(path, leaf) -> bool"),
             none="the leaves with ndim > 1",
+            type="(path, leaf) -> bool | None",
         ),
         RunKeyword(
             "gradient_clip_norm",
@@ -520,12 +571,14 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
                 "gradient_clip_norm", ranges.OPTAX["gradient_clip_norm"], off="turns clipping off"
             ),
             none="off",
+            type=float | None,
         ),
         RunKeyword(
             "check_divergence",
             True,
             "stop with an error on a non-finite loss",
             _bool("check_divergence"),
+            type=bool,
         ),
         RunKeyword(
             "prefetch_workers",
@@ -535,26 +588,30 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             _positive_int("prefetch_workers"),
             computed=True,
             shown_default="min(4, os.cpu_count())",
+            type=int,
         ),
         RunKeyword(
             "device_batches",
             1,
             "batches staged on the device ahead of the loop",
             _positive_int("device_batches"),
+            type=int,
         ),
         RunKeyword(
             "host_batches",
             None,
             "host batches built ahead (default 2 x prefetch_workers)",
             none="2 x prefetch_workers",
+            type=int | None,
         ),
-        RunKeyword("ordered", True, "deliver batches in source order", _bool("ordered")),
+        RunKeyword("ordered", True, "deliver batches in source order", _bool("ordered"), type=bool),
         RunKeyword(
             "accum",
             1,
             "micro-batches per optimizer step (gradient accumulation; schedules count steps; an "
             "epoch's last step takes the micro-batches left, their mean gradient)",
             _positive_int("accum"),
+            type=int,
         ),
         RunKeyword(
             "ema",
@@ -563,6 +620,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "nitro.EMA(decay) is), a nitro.EMA, or None",
             _ema,
             none="no moving average",
+            type="float | EMA | None",
         ),
         RunKeyword(
             "sam",
@@ -570,6 +628,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "sharpness-aware minimization: a radius, nitro.SAM(rho=), nitro.ASAM(rho=, eta=)",
             _sam,
             none="off",
+            type="float | SAM | ASAM | None",
         ),
         RunKeyword(
             "precision",
@@ -578,6 +637,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "'float16' (with dynamic loss scaling); parameters, optimizer state and loss stay "
             "float32 (or a nitro.Precision(...))",
             _precision,
+            type=Literal["float32", "bfloat16", "float16"] | str,
         ),
         RunKeyword(
             "steps_per_dispatch",
@@ -586,6 +646,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "and pick K so one call does a few milliseconds of work), or an earlier handle's "
             "n.dispatch (continue what it measured)",
             _steps_per_dispatch,
+            type=Literal["auto"] | int,
         ),
         RunKeyword(
             "prefetch",
@@ -595,6 +656,7 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "batches build in microseconds, processes when two threads measure no faster than "
             "one (the work holds the interpreter lock), threads otherwise",
             _choice("prefetch", ("auto", "threads", "processes", "inline")),
+            type=Literal["auto", "threads", "processes", "inline"],
         ),
         RunKeyword(
             "persistent_workers",
@@ -603,12 +665,14 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "call to the next (stopped by close(), a change of the source or its code's files, "
             "and the process's end); False starts them each call",
             _bool("persistent_workers"),
+            type=bool,
         ),
         RunKeyword(
             "progress",
             True,
             "True, False, 'lines', 'bar' or a reporter object",
             none="silent, as False",
+            type=bool | Literal["lines", "bar"] | None,
         ),
     ]
 }

@@ -1,12 +1,18 @@
 """Running work on a worker thread, so an interrupt never lands inside a donated step.
 
 The caller waits on an Event (never `Thread.join`, which misbehaves under interrupts on
-Python 3.11). While a call of the handle runs on the main thread, `sigint_requests_stop`
+Python 3.11). While a call of the handle runs on the main thread, `signals_request_stop`
 replaces the SIGINT handler with one that only sets the stop request, so Ctrl-C, or a
 notebook's interrupt, can never land between two bytecodes of the engine's bookkeeping: the
 current step finishes, its loss is read back, its batch is freed, and the call returns with
 the handle intact. A third Ctrl-C while `train()` waits gives up waiting (the run still stops
 cleanly in the background).
+
+Preemption (`preemption=`, `preemption_signals`): while `train()` or `wait()` runs on the main
+thread of a script, SIGTERM and SIGUSR1 set the stop request the same way; once the run has
+stopped and its save is written, the process exits with `PREEMPTED_EXIT_CODE` (75,
+`os.EX_TEMPFAIL`: a temporary failure, run it again). Further signals meanwhile only count,
+so nothing cuts the save short.
 
 `RunGuard` says what a handle is doing. Work that needs the handle's state claims it; a second
 claim while the first holds answers at once with a `RunningError` that says how to stop or
@@ -18,6 +24,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import signal
+import sys
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -26,15 +33,28 @@ from typing import Any
 from nitro.errors import RunningError
 
 __all__ = [
+    "PREEMPTED_EXIT_CODE",
+    "PREEMPTION_SIGNALS",
     "Run",
     "RunControl",
     "RunGuard",
     "add_worker_initializer",
     "at_step_boundary",
     "remove_worker_initializer",
-    "sigint_requests_stop",
+    "preemption_signals",
+    "signals_request_stop",
     "wait_for",
 ]
+
+# sysexits.h's EX_TEMPFAIL ("a temporary failure; the user is invited to retry"): the run saved
+# the step it was on and continues where it stopped when started again. Apart from a crash (1)
+# and a kill (137, 143), so a job script requeues on it and on nothing else.
+PREEMPTED_EXIT_CODE = 75
+# what a scheduler sends before it takes the machine back: Kubernetes, Docker and SLURM's
+# preemption send SIGTERM; SLURM's `--signal=USR1@90` warns ahead of the time limit
+PREEMPTION_SIGNALS: tuple[signal.Signals, ...] = tuple(
+    getattr(signal, name) for name in ("SIGTERM", "SIGUSR1") if hasattr(signal, name)
+)
 
 # Each initializer runs on the starting thread with the run's handle and returns a callable
 # run first on the worker (notebook integrations route the worker's output this way).
@@ -103,6 +123,7 @@ class RunControl:
         self.stop = threading.Event()
         self.interrupts = 0  # Ctrl-C presses while a call of the handle ran on the main thread
         self.acknowledged = 0  # presses already answered with a note
+        self.preempted: signal.Signals | None = None  # the first preemption signal received
         self.say: Callable[[str], None] = _to_stderr  # notes for the person at the keyboard
         self.copies_pending = False  # read once per step by the loop: a plain attribute
         self._copies: list[tuple[Callable[[], Any], concurrent.futures.Future]] = []
@@ -212,51 +233,90 @@ def at_step_boundary(guard: RunGuard, control: RunControl, fn: Callable[[], Any]
     return future.result()
 
 
+def preemption_signals(setting: bool | str) -> tuple[signal.Signals, ...]:
+    """The signals `train()` here turns into a save and an exit (`preemption=`): none off the
+    main thread (Python runs signal handlers there only); with "auto", none in a process a
+    person is typing into (IPython or a notebook's kernel, a REPL, `python -i`), and only
+    those the program left at their default (a handler of its own, or an ignored signal,
+    stays as it is); with True, each that Python can handle."""
+    if setting is False or threading.current_thread() is not threading.main_thread():
+        return ()
+    if setting != "auto":
+        return tuple(s for s in PREEMPTION_SIGNALS if signal.getsignal(s) is not None)
+    ipython = sys.modules.get("IPython")
+    shell = getattr(ipython, "get_ipython", lambda: None)()
+    if shell is not None or hasattr(sys, "ps1") or sys.flags.interactive:
+        return ()
+    return tuple(s for s in PREEMPTION_SIGNALS if signal.getsignal(s) is signal.SIG_DFL)
+
+
 @contextmanager
-def sigint_requests_stop(control: RunControl) -> Iterator[None]:
+def signals_request_stop(
+    control: RunControl,
+    preempt_on: tuple[signal.Signals, ...] = (),
+    on_preempted: Callable[[signal.Signals], None] | None = None,
+) -> Iterator[None]:
     """While active on the main thread, SIGINT sets `control.stop` (and counts the press)
-    instead of raising KeyboardInterrupt wherever the main thread happens to be. Elsewhere,
-    or where Python does not own SIGINT, it does nothing."""
+    instead of raising KeyboardInterrupt wherever the main thread happens to be. The signals
+    `preempt_on` (`preemption_signals`) set it too, and record the first in
+    `control.preempted`; once the body has run, `on_preempted(signal)` is called, still under
+    these handlers (it waits for the run's save and exits). Elsewhere, or where Python does
+    not own SIGINT, SIGINT is left alone."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    try:
-        previous = signal.getsignal(signal.SIGINT)
-    except (ValueError, OSError):  # pragma: no cover - no signals here
-        yield
-        return
-    if previous in (signal.SIG_IGN, None):  # SIGINT is not Python's to handle right now
-        yield
-        return
 
-    def handler(signum, frame):  # runs between two bytecodes of the main thread: set flags only
+    def interrupted(signum, frame):  # runs between two bytecodes of the main thread: flags only
         control.interrupts += 1
         control.stop.set()
 
+    def preempted(signum, frame):
+        if control.preempted is None:
+            control.preempted = signal.Signals(signum)
+        control.stop.set()
+
+    try:
+        wanted = [(signum, preempted) for signum in preempt_on]
+        if signal.getsignal(signal.SIGINT) not in (signal.SIG_IGN, None):
+            wanted.append((signal.SIGINT, interrupted))  # else not Python's to handle now
+        previous = [(signum, signal.signal(signum, handler)) for signum, handler in wanted]
+    except (ValueError, OSError):  # pragma: no cover - no signals here
+        yield
+        return
     control.interrupts = control.acknowledged = 0
-    signal.signal(signal.SIGINT, handler)
+    control.preempted = None
     try:
         yield
+        if control.preempted is not None and on_preempted is not None:
+            on_preempted(control.preempted)
     finally:
-        signal.signal(signal.SIGINT, previous)
+        for signum, handler in previous:
+            signal.signal(signum, handler)
 
 
 def wait_for(run: Run, control: RunControl, note: Callable[[str], None], what: str) -> None:
-    """Wait for `run`. Under `sigint_requests_stop` Ctrl-C arrives as `control.interrupts`;
+    """Wait for `run`. Under `signals_request_stop` Ctrl-C arrives as `control.interrupts`;
     elsewhere as KeyboardInterrupt, turned into the same count. The first press asks the run to
     stop after the current step, the second says it is still stopping, the third stops waiting
-    (KeyboardInterrupt; the run finishes its stop in the background)."""
-    seen = control.interrupts
+    (KeyboardInterrupt; the run finishes its stop in the background). A preemption signal
+    is said once; it never stops the waiting."""
+    seen, preempted = control.interrupts, control.preempted
     while True:
         try:
             # `done` is set when the run ends and wakes this at once; bounded, because the
-            # handler of `sigint_requests_stop` only counts a press (taking a lock in a signal
+            # handler of `signals_request_stop` only counts a press (taking a lock in a signal
             # handler can deadlock), so the count is read here within 50 ms
             finished = run.done.wait(0.05)
         except KeyboardInterrupt:  # not on the main thread's handler: count it ourselves
             control.interrupts += 1
             control.stop.set()
             finished = False
+        if control.preempted is not preempted:
+            preempted = control.preempted
+            note(
+                f"{getattr(preempted, 'name', preempted)}: stopping {what} after the current "
+                f"step; once it is saved, the process exits with code {PREEMPTED_EXIT_CODE}"
+            )
         if control.interrupts != seen:
             seen = control.interrupts
             if seen == 1:

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from nitro.errors import ExperimentError
 
-__all__ = ["check_field_value"]
+__all__ = ["check_field_value", "fits_type"]
 
 _UNKNOWN = None  # "cannot tell": the value is accepted
 
@@ -67,6 +67,16 @@ def check_field_value(owner: str, spec: Any, value: Any, *, call: str, namespace
     if spec.has_default and not callable(default) and _expected(kind, declared, default) is None:
         message += f", e.g. {call}({spec.name}={_REPR.repr(default)})"
     raise ExperimentError(message)
+
+
+def fits_type(tp: Any, value: Any, namespace=None) -> bool | None:
+    """Whether `value` fits the annotation `tp` by GraphConst's rules: True or False, or None
+    when it cannot be told (the command line reads text by it).
+
+    >>> fits_type(tuple[int, ...], (1, 2)), fits_type(int, "8"), fits_type("Model", 1)
+    (True, False, None)
+    """
+    return _matches(_resolve(tp, namespace), value)
 
 
 def _expected(kind: str, declared: Any, value: Any) -> str | None:

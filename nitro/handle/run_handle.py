@@ -10,11 +10,12 @@ events, control and guard, and says how one run of its trains (`_train_run`); th
 from __future__ import annotations
 
 import contextlib
+import signal
 import sys
 import threading
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, Self
+from typing import Any, NoReturn, Self
 
 import numpy as np
 
@@ -25,7 +26,15 @@ from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState
 from nitro.engine import live_edit, swaps
 from nitro.engine.run_time import RunTime
-from nitro.engine.runner import Run, RunControl, RunGuard, sigint_requests_stop, wait_for
+from nitro.engine.runner import (
+    PREEMPTED_EXIT_CODE,
+    Run,
+    RunControl,
+    RunGuard,
+    preemption_signals,
+    signals_request_stop,
+    wait_for,
+)
 from nitro.engine.swaps import LiveEdit
 from nitro.errors import RunningError
 from nitro.programs.specs import ProgramSet
@@ -205,8 +214,11 @@ class RunHandle:
         after the current call; the handle stays usable and `train()` again continues from
         where it stopped. An epoch trained but not yet validated (a stop during validation)
         is validated first; `epochs=N` then trains N more epochs after it.
+
+        In a script (`preemption=`), SIGTERM or SIGUSR1 stops the run the same way, and once
+        its step is saved the process exits with code 75; `resume="auto"` continues it.
         """
-        with sigint_requests_stop(self._control):
+        with self._signals():
             self._check_trainable()
             check_amount(epochs, steps)
             self._guard.claim("training", background=background)
@@ -220,6 +232,8 @@ class RunHandle:
                     self._target_epoch = target
                 self._run_target = target
                 self._control.stop.clear()
+                if self._control.preempted is not None:  # a signal came as this call began
+                    self._control.stop.set()
                 self._stop_reason = None
                 self._error = None
                 run = Run(
@@ -307,10 +321,38 @@ class RunHandle:
         Re-raises the run's error, if it failed."""
         run = self._run
         if run is not None:
-            with sigint_requests_stop(self._control):
+            with self._signals():
                 self._wait(run)
         self._files.wait()
         return self
+
+    def _signals(self) -> contextlib.AbstractContextManager[None]:
+        """Ctrl-C, and the preemption signals `preemption=` takes here (none in a run across
+        processes), as stop requests while `train()` or `wait()` runs."""
+        setup = self._lead_setup
+        # the processes of one run would each stop at a step of their own, and wait forever
+        # for the others' part of the next: they end on the signal, as before
+        setting = setup.keywords["preemption"].value and not setup.placement.multi_process
+        return signals_request_stop(
+            self._control, preemption_signals(setting), on_preempted=self._preempted
+        )
+
+    def _preempted(self, signum: signal.Signals) -> NoReturn:
+        """After a preemption signal: wait for the run's stop and its save, then exit the
+        process with `PREEMPTED_EXIT_CODE` (its loggers have finished with the run)."""
+        run = self._run
+        if run is not None:
+            wait_for(run, self._control, self._say, "training")
+        self._files.wait()
+        where = (
+            f"resume='auto' continues the run from its newest checkpoint in {self.run_dir}"
+            if self._files.store is not None
+            else "nothing was saved (checkpointer=None)"
+        )
+        self._say(
+            f"{signum.name}: exiting with code {PREEMPTED_EXIT_CODE} at step {self.step}; {where}"
+        )
+        raise SystemExit(PREEMPTED_EXIT_CODE)
 
     def _wait(self, run: Run) -> None:
         wait_for(run, self._control, self._say, "training")
@@ -354,7 +396,7 @@ class RunHandle:
     def _held(self, what: str) -> Iterator[None]:
         """The handle held for `what` (evaluating, predicting) on its event path; Ctrl-C
         asks the work to stop."""
-        with sigint_requests_stop(self._control), self._guard.hold(what):
+        with signals_request_stop(self._control), self._guard.hold(what):
             self._control.stop.clear()
             with events_module.using(self._events):
                 yield

@@ -43,7 +43,7 @@ from nitro.loggers.protocol import (
 __all__ = ["LoggingReporter", "finish_status", "run_params"]
 
 # run keywords that are objects of the session, not parameters of the run
-_NOT_PARAMETERS = ("progress", "logger", "checkpointer", "early_stop")
+_NOT_PARAMETERS = ("progress", "logger", "checkpointer", "early_stop", "preemption")
 # the phases of a run under way; any other phase is a pause, where the loggers flush
 _BUSY_PHASES = frozenset(("training", "validating", "checkpointing"))
 

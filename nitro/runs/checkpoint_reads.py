@@ -31,6 +31,7 @@ __all__ = [
     "SavedStep",
     "describe_checkpoints",
     "describe_saved",
+    "newest_record",
     "ranked_steps",
     "read_checkpoint",
     "resolve_checkpoint",
@@ -178,6 +179,18 @@ def describe_saved(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
             row["path"] = str(directory / str(step))
             rows.append(row)
         return rows
+
+
+def newest_record(run_dir: str | os.PathLike) -> CheckpointRecord | None:
+    """The record of a run's newest readable checkpoint (its code digests, training settings,
+    the versions that wrote it), or None; reads no array."""
+    directory = Path(run_dir) / "checkpoints"
+    await_writers(directory)
+    if not directory.is_dir():
+        return None
+    with _reader(directory) as manager:
+        records = _records(manager, directory)
+    return records[-1][1] if records else None
 
 
 # The last step `resolve_checkpoint` read whole to check it, kept for the `read_checkpoint`

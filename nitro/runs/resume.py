@@ -48,6 +48,7 @@ from nitro.runs.training_config import training_config, training_differences
 
 __all__ = [
     "check_no_writer",
+    "fitting_run",
     "restore",
     "restore_variables",
     "resume_source",
@@ -214,6 +215,20 @@ def run_to_resume(
         + (":\nruns of " + identity.where() + ":\n" + "\n".join(known) if known else "")
         + "\nGive a run id from that list, or a run directory's path"
     )
+
+
+def fitting_run(experiment: Any, name: str | None = None) -> Choice | None:
+    """The run under `runs/<Experiment>/` that `resume="auto"` continues for `experiment` (a
+    handle named `name`) when one of its runs has these GraphConst values; None when none
+    has: then `resume="auto"` would pick the newest and refuse it, naming the values that
+    differ, and `nitro train` starts a new run instead."""
+    cls = type(experiment)
+    config = _config_of_instance(experiment)
+    root = experiment_root(cls.__name__)
+    choice = choose_run(root, RunIdentity.of(cls, name), config)
+    if choice is None or read_run_json(choice.path).get("graphconst") != config:
+        return None
+    return choice
 
 
 def _check_config(setup: RunSetup, record: CheckpointRecord) -> None:
