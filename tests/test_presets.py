@@ -238,3 +238,17 @@ def test_a_frozen_experiment_remembers_its_preset_and_the_handles_copy_keeps_it(
     assert (e.width, nitro.preset_of(e)) == (2, "narrow")
     n = nitro.Nitro(e, progress=False)
     assert (n.preset, n.experiment.width, nitro.preset_of(n.experiment)) == ("narrow", 2, "narrow")
+
+
+def test_the_command_builds_a_preset_and_its_run_records_it():
+    pytest.importorskip("jsonargparse")
+    from nitro.cli import main
+
+    tiny = ["--width", "8", "--max-epochs", "1", "--progress", "false"]
+    assert main(["train", "nitro.examples.digits:Digits", "--preset", "small", *tiny]) == 0
+    (run_dir,) = Path("runs", "Digits").iterdir()
+    info = json.loads((run_dir / "run.json").read_text())
+    assert info["preset"] == "small"
+    assert info["config"]["fields"] == {"width": 8, "scale": 1.0, "batch_size": 64, "max_epochs": 2}
+    assert "preset: small\n" in (run_dir / "config.yaml").read_text()
+    assert main(["train", "nitro.examples.digits:Digits", "--preset", "smal", *tiny]) == 2

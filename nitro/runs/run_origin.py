@@ -34,6 +34,7 @@ __all__ = [
     "PACKAGES",
     "PATCH",
     "PATCH_LIMIT",
+    "SESSION_KEYWORDS",
     "GitState",
     "OriginProbe",
     "code_directory",
@@ -45,6 +46,7 @@ __all__ = [
 
 PACKAGES = ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "numpy")
 PATCH = "working_tree.patch"
+SESSION_KEYWORDS = ("progress", "logger")  # the run keywords its configuration leaves out
 PATCH_LIMIT = 1 << 20  # bytes of the uncommitted diff kept; a longer one is cut, and said so
 GIT_SECONDS = 10.0  # the most the git commands may take together; then git counts as absent
 
@@ -253,8 +255,14 @@ class OriginProbe:
 
 def run_config(setup: RunSetup) -> dict[str, Any]:
     """The resolved configuration of a run as plain JSON: every field's value at setup
-    (`fields`) and every run keyword's resolved value (`keywords`)."""
+    (`fields`) and every run keyword's resolved value (`keywords`), but those of the session
+    that change nothing the run computes or saves (`SESSION_KEYWORDS`: how it shows progress,
+    the loggers, which name their run's own files)."""
     return {
         "fields": setting_token(setup.experiment.values),
-        "keywords": {name: setting_token(r.value) for name, r in setup.keywords.items()},
+        "keywords": {
+            name: setting_token(r.value)
+            for name, r in setup.keywords.items()
+            if name not in SESSION_KEYWORDS
+        },
     }
