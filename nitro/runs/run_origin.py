@@ -8,8 +8,9 @@ Git is asked where the experiment's class is defined (its source file's director
 directory for a class defined in a notebook cell or the REPL). It never fails a run: without
 git, outside a work tree, or when git errs or hangs, the record says `"git": null`. Two git
 commands run side by side (where HEAD is; the diff), on a thread started when the handle is
-built (`OriginProbe`), so they overlap its setup; the remote is read once per work tree and process, the package
-versions once per process (`bench/run_origin.py` measures what this adds to a run's start).
+built (`OriginProbe`), so they overlap its setup; the remote is read once per work tree and
+process, the package versions once per process (`bench/run_origin.py` measures what this
+adds to a run's start).
 """
 
 from __future__ import annotations
