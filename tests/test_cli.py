@@ -76,8 +76,8 @@ def trained(tmp_path_factory):
     """The same run trained in Python and by `nitro train` with the equivalent options."""
     here = tmp_path_factory.mktemp("python")
     os.chdir(here)
-    handle = nitro.Nitro(
-        Digits(width=16, max_epochs=2), seed=3, learning_rate=0.01, progress=False
+    handle = nitro.Nitro(  # max_epochs: the run keyword, as the command takes it
+        Digits(width=16), max_epochs=2, seed=3, learning_rate=0.01, progress=False
     ).train()
     command = tmp_path_factory.mktemp("command")
     done = nitro_command(command, "train", DIGITS, *OPTIONS)

@@ -38,7 +38,8 @@ from nitro.engine.runner import RunControl, RunGuard
 from nitro.engine.setup import build
 from nitro.errors import PopulationError, SetupError
 from nitro.experiments.declaration import field_specs
-from nitro.handle.handle import check_experiment, weights_source
+from nitro.experiments.presets import replace
+from nitro.handle.handle import check_experiment, experiment_to_run, weights_source
 from nitro.handle.population_lifecycle import FILE_KEYWORDS, PopulationLife
 from nitro.handle.population_members import (
     PopulationMembers,
@@ -47,6 +48,7 @@ from nitro.handle.population_members import (
     check_shared,
 )
 from nitro.programs.specs import ProgramSet
+from nitro.runs.run_origin import OriginProbe
 
 __all__ = ["Population"]
 
@@ -61,6 +63,10 @@ class Population(PopulationMembers):
     (2, [{'learning_rate': 0.001}, {'learning_rate': 0.01}])
     >>> pop.train().history().index.names
     FrozenList(['member', 'epoch'])
+
+    Given the class, `preset=` builds the members' experiment from that preset
+    (`Population(Digits, preset="small", learning_rate=[...])`); the keywords that name fields
+    then share or vary them, as for an instance.
     """
 
     def __init__(
@@ -70,9 +76,14 @@ class Population(PopulationMembers):
         members: Sequence[Mapping[str, Any]] | None = None,
         batches: str | None = None,
         mesh_axis: str = "members",
+        preset: str | None = None,
         **keywords: Any,
     ):
+        experiment = experiment_to_run(
+            experiment, preset, keywords, call="Population", take_fields=False
+        )
         cls = check_experiment(experiment)
+        origin = OriginProbe(cls)  # git runs beside the members' setup
         given = {"members": members, "batches": batches, "mesh_axis": mesh_axis}
         self._given = (experiment, {k: v for k, v in given.items() if v is not None} | keywords)
         if mesh_axis not in ("members", "batch"):
@@ -132,7 +143,7 @@ class Population(PopulationMembers):
             k: v for k, v in shared.items() if k not in shared_fields and k not in FILE_KEYWORDS
         }
         files = {k: v for k, v in shared.items() if k in FILE_KEYWORDS}  # the population's own
-        self._experiment = dataclasses.replace(experiment, **shared_fields)
+        self._experiment = replace(experiment, **shared_fields)
         self._control = RunControl()
         self._control.say = self._say
         self._guard = RunGuard(lambda: f"this {cls.__name__} population", name="pop")
@@ -175,7 +186,7 @@ class Population(PopulationMembers):
         self._stacking = threading.Lock()  # pop.stop(i) may stack before the run's thread
         guard = self._guard  # not the population: its run directory's lock must not keep it
         self._life = PopulationLife.plan(
-            self, self._members, files, self._say, lambda: guard.activity is not None
+            self, self._members, files, self._say, lambda: guard.activity is not None, origin
         )
         self._files = self._life.files
         self._events.add(self._life.logging)
@@ -188,7 +199,7 @@ class Population(PopulationMembers):
         self, index: int, setting: Mapping[str, Any], specs, data: Any = None
     ) -> engine.Member:
         fields = {k: v for k, v in setting.items() if k in specs and k not in RUN_KEYWORDS}
-        instance = dataclasses.replace(self._experiment, **fields)
+        instance = replace(self._experiment, **fields)
         given = {**self._shared_keywords, **{k: v for k, v in setting.items() if k not in fields}}
         keywords = {**given, "checkpointer": None, "logger": None, "progress": False}
         try:

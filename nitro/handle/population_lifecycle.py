@@ -42,7 +42,6 @@ from nitro.runs.checkpoint_record import (
     CheckpointRecord,
     MemberRecord,
     PartialEpoch,
-    config_of,
     setting_differences,
     setting_token,
 )
@@ -53,6 +52,7 @@ from nitro.runs.epoch_saves import finite
 from nitro.runs.resume import restore_variables, said_resumed
 from nitro.runs.run_dirs import member_dir, member_run_id
 from nitro.runs.run_files import PopulationFiles
+from nitro.runs.run_origin import OriginProbe, run_config
 from nitro.runs.watched_metrics import metric_names
 
 __all__ = ["FILE_KEYWORDS", "MemberLogging", "PopulationLife", "member_loggers"]
@@ -263,11 +263,13 @@ class PopulationLife:
         keywords: Mapping[str, Any],
         say: Callable[[str], None],
         busy: Callable[[], bool],
+        origin: OriginProbe | None = None,
     ) -> PopulationLife:
         """Decide where `population` lives and what it saves there (`keywords`: the
         population's `run_dir=`, `checkpointer=`, `logger=`, `resume=` given), with the
         defaults of a single run: `runs/<Experiment>/<run id>`, `Checkpointer()`, a
-        `JSONLinesLogger()` per member."""
+        `JSONLinesLogger()` per member. `origin`: where it comes from, probed since it began
+        building."""
         lead = members[0]
         given = {k: keywords[k] for k in ("run_dir", "checkpointer", "resume") if k in keywords}
         resolved = resolve_run_keywords(lead.experiment, given)
@@ -287,6 +289,7 @@ class PopulationLife:
             logs=logger is not None,
             say=say,
             busy=busy,
+            origin=origin,
         )
         life = cls(files, None, tokens, [(HistoryRows(), HistoryRows()) for _ in members])
         groups = member_loggers(logger, len(members), files.run_id)
@@ -390,15 +393,13 @@ class PopulationLife:
     def open(self, members: Sequence[Any], events: Events) -> None:
         lead = members[0]
         record = {
-            "experiment": lead.setup.owner,
-            "graphconst": config_of(lead.setup),
             "axes": sorted({k for m in members for k in m.settings}),
             "members": [
-                {"settings": token, "seed": m.setup.seed}
+                {"settings": token, "seed": m.setup.seed, "config": run_config(m.setup)}
                 for m, token in zip(members, self.tokens, strict=True)
             ],
         }
-        self.files.open(record, events.note)
+        self.files.open(lead.setup, record, events.note)
 
     def after_epoch(self, members: Sequence[Any], state: Any, events: Events) -> None:
         """Checkpoint the epoch just committed, when due."""

@@ -51,6 +51,7 @@ from nitro.runs.run_dirs import (
     write_run_json,
 )
 from nitro.runs.run_lock import RunLock, acquire, check_free, describe_holder, holder_record
+from nitro.runs.run_origin import PATCH, OriginProbe, provenance, run_config
 
 __all__ = ["PopulationFiles", "RunFiles", "new_run_dir", "saved_steps"]
 
@@ -74,6 +75,7 @@ class RunFiles:
     # the lock and writes run.json (every process writes its own shards of each checkpoint)
     primary: bool = True
     claim: bool | None = None  # planned: hold the directory (True: may take it over) at once
+    origin: OriginProbe | None = None  # where the run comes from, found while it sets up
     saves: EpochSaves = dataclasses.field(init=False)
     # how the refusals name this handle and the one to build instead
     WHO: ClassVar[str] = "this handle"
@@ -117,12 +119,14 @@ class RunFiles:
         say: Callable[[str], None] | None = None,
         busy: Callable[[], bool] = lambda: False,
         state: TrainState | None = None,
+        origin: OriginProbe | None = None,
     ) -> RunFiles:
         """Decide the run's directory and id; nothing is written yet. A run that continues a
         directory that exists or names one (`run_dir=`) holds it once the handle is built
         (`claim_planned`, after a resume's checks passed). `say`: how to tell the person which
         run `resume='auto'` continues (default: an event note). `state`: the fresh state, whose
-        sharded leaves a resume reads its checkpoint onto."""
+        sharded leaves a resume reads its checkpoint onto. `origin`: where the run comes
+        from, probed since the handle began building."""
         identity = RunIdentity.of(setup.cls, setup.name)
         if setup.run_dir is not None:
             refuse_for_a_run(setup.run_dir, "run_dir")
@@ -151,6 +155,7 @@ class RunFiles:
             branched_from=branched_from,
             busy=busy,
             primary=not setup.placement.multi_process or jax.process_index() == 0,
+            origin=origin,
         )
         files.plan_claim(setup.run_dir)
         return files
@@ -232,14 +237,18 @@ class RunFiles:
         )
 
     def _write_run_json(self, setup: RunSetup) -> None:
-        self._write_own_json(setup.owner, config_of(setup), seed=setup.seed)
+        self._write_own_json(setup, run_config(setup), seed=setup.seed)
         root = experiment_root(setup.cls.__name__).absolute()
         if self.run_dir.parent == root:
             record_name(root, self.identity, self.run_id, self.run_dir)
 
-    def _write_own_json(self, experiment: str, graphconst: Any, **own: Any) -> dict[str, Any]:
+    def _write_own_json(
+        self, setup: RunSetup, config: Mapping[str, Any], **own: Any
+    ) -> dict[str, Any]:
         """Write run.json (unless this run has one already; refused when the directory now
-        holds another run's), and return the fields every run.json of this run shares."""
+        holds another run's) with where the run comes from (`nitro.runs.run_origin`: the
+        git state, the uncommitted diff beside it, the packages) and its resolved `config`,
+        and return the fields every run.json of this run shares."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         info = read_run_json(self.run_dir)
         if info.get("run_id") not in (None, self.run_id):
@@ -250,16 +259,29 @@ class RunFiles:
                 f"that run"
             )
         common = {
-            "experiment": experiment,
+            "experiment": setup.owner,
             **self.identity.as_json(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "graphconst": graphconst,
+            "graphconst": config_of(setup),
             "nitro": __version__,
+            "preset": setup.experiment.preset,
         }
         if not info:
             resumed = str(self.resume_from.path) if self.resume_from is not None else None
+            probe = self.origin
+            origin, patch = probe.result() if probe is not None else provenance(setup.cls)
+            if patch is not None:
+                (self.run_dir / PATCH).write_bytes(patch)
             write_run_json(
-                self.run_dir, {"run_id": self.run_id, **own, **common, "resumed_from": resumed}
+                self.run_dir,
+                {
+                    "run_id": self.run_id,
+                    **own,
+                    **common,
+                    "resumed_from": resumed,
+                    "config": config,
+                    **origin,
+                },
             )
         elif not recorded(info):  # a run of an older Nitro, resumed: it records who it is now
             write_run_json(self.run_dir, {**info, **self.identity.as_json()})
@@ -362,6 +384,7 @@ class PopulationFiles(RunFiles):
         logs: bool,
         say: Callable[[str], None],
         busy: Callable[[], bool] = lambda: False,
+        origin: OriginProbe | None = None,
     ) -> PopulationFiles:
         """Decide the population's directory and id; nothing is written yet. `resume`: the
         resolved keyword (False, "auto", a path or (path, "best" | "latest")); `settings`:
@@ -387,6 +410,7 @@ class PopulationFiles(RunFiles):
             busy=busy,
             members=members,
             writes=store is not None or logs or run_dir is not None or found is not None,
+            origin=origin,
         )
         files.plan_claim(run_dir)
         return files
@@ -409,24 +433,29 @@ class PopulationFiles(RunFiles):
                 f"checkpointer=None, logger=None to write nothing"
             ) from None
 
-    def open(self, record: Mapping[str, Any], say: Callable[[str], None]) -> None:
+    def open(self, lead: RunSetup, record: Mapping[str, Any], say: Callable[[str], None]) -> None:
         """Write run.json, population.json and each member's run.json (those missing), once;
-        the first line of the population's first run names its directory. `record`: the
-        experiment (`experiment`), its GraphConst values (`graphconst`), the axes (`axes`),
-        and per member its settings and seed (`members`)."""
+        the first line of the population's first run names its directory. `lead`: the first
+        member's setup (the experiment, its preset and GraphConst values); `record`: the axes
+        (`axes`), and per member its settings, seed and resolved configuration (`members`).
+        The population's run.json records the configuration its members share (the axes
+        left out)."""
         self.prepare()
         if self.opened or not self.writes:
             return
-        common = self._write_own_json(
-            record["experiment"], record["graphconst"], kind=KIND, members=self.members
-        )
+        axes = set(record["axes"])
+        shared = {
+            part: {k: v for k, v in values.items() if k not in axes}
+            for part, values in run_config(lead).items()
+        }
+        common = self._write_own_json(lead, shared, kind=KIND, members=self.members)
         members = record["members"]
         if not (self.run_dir / POPULATION_JSON).is_file():
             write_run_json(
                 self.run_dir,
                 {
                     "run_id": self.run_id,
-                    "experiment": record["experiment"],
+                    "experiment": lead.owner,
                     "axes": record["axes"],
                     "members": [
                         {
@@ -455,6 +484,7 @@ class PopulationFiles(RunFiles):
                     **common,
                     "settings": m["settings"],
                     "seed": m["seed"],
+                    "config": m["config"],
                 },
             )
         self.opened = True
