@@ -40,6 +40,8 @@ _EXPORTS = {
     "GraphConst": "nitro.experiments",
     "experiment": "nitro.experiments",
     "fields": "nitro.experiments",
+    "presets": "nitro.experiments",
+    "preset_of": "nitro.experiments",
     "CompilationCacheError": "nitro.errors",
     "ExperimentError": "nitro.errors",
     "SetupError": "nitro.errors",
@@ -114,6 +116,8 @@ __all__ = [
     "load_ipython_extension",
     "loggers",
     "on_phase",
+    "preset_of",
+    "presets",
     "progress",
     "run_to_resume",
     "runner",
@@ -163,6 +167,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
         WeightsError,
     )
     from nitro.experiments.declaration import Device, FieldKind, GraphConst, experiment, fields
+    from nitro.experiments.presets import preset_of, presets
     from nitro.handle.handle import Nitro
     from nitro.handle.lr_find import LRFindResult
     from nitro.handle.population import Population

@@ -1,13 +1,16 @@
 """Every error the engine raises on purpose, in one leaf module (it imports nothing of nitro),
-and `Once`, for a warning (or a configuration) given once per process.
+`did_you_mean`, the hint their messages give for a misspelt name, and `Once`, for a warning
+(or a configuration) given once per process.
 
 Each error says what was wrong, where (the field, hook, keyword or split) and how to fix it.
 """
 
 from __future__ import annotations
 
+import difflib
 import threading
 import warnings
+from collections.abc import Iterable
 
 __all__ = [
     "CompilationCacheError",
@@ -26,6 +29,7 @@ __all__ = [
     "ScheduleError",
     "SetupError",
     "WeightsError",
+    "did_you_mean",
 ]
 
 
@@ -90,6 +94,16 @@ class Interrupted(KeyboardInterrupt):
 
 class RunningError(RuntimeError):
     """The handle is busy (training in the background); the message says how to stop or wait."""
+
+
+def did_you_mean(name: str, choices: Iterable[str]) -> str:
+    """` Did you mean 'a', 'b'?` for the choices close to a misspelt `name`, or nothing.
+
+    >>> did_you_mean("widht", ["width", "scale"])
+    " Did you mean 'width'?"
+    """
+    close = difflib.get_close_matches(name, sorted(choices), n=3, cutoff=0.5)
+    return f" Did you mean {', '.join(map(repr, close))}?" if close else ""
 
 
 class Once:

@@ -7,6 +7,7 @@ is `rebuild.py`'s.
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from IPython.core import magic_arguments
@@ -133,6 +134,14 @@ class NitroMagics(Magics):
         "handle's live_edits=False); by default it is compiled beside the run and swapped in",
     )
     @magic_arguments.argument(
+        "--preset",
+        "-p",
+        metavar="NAME",
+        help="train: build the experiment from its class's preset NAME (`%%nitro train Digits "
+        "--preset small`, as Digits.from_preset('small')); the handle is stored as "
+        "`digits_small_run`",
+    )
+    @magic_arguments.argument(
         "--fresh",
         action="store_true",
         help="start from build_model's weights, not from the previous run of the experiment",
@@ -192,6 +201,11 @@ class NitroMagics(Magics):
             its hooks (or a class re-defined in a cell) is compiled beside the run and
             swapped in at its next step; --no-live-edits makes the edit wait until the run
             stops (the handle's `live_edits=False`).
+        %nitro train CLASS --preset NAME [options of %nitro train EXP]
+            builds the experiment from the class's preset NAME (CLASS.from_preset(NAME))
+            and trains it as an experiment, stored as `class_name_run` (`digits_small_run`
+            for `%nitro train Digits --preset small`); training it again continues that
+            handle, as for EXP. The run records the preset.
         %nitro train POP [--epochs N] [--background] [--resume [RUN_ID]]
             POP is a nitro.Population: trains every member, with a live panel of their
             curves and a table of them (each member's rank, a Stop button per member).
@@ -337,6 +351,8 @@ class NitroMagics(Magics):
         value = self._value(args.target)
         base = args.target if args.target.isidentifier() else None
         previous = None
+        if args.preset is not None:
+            value, base = self._from_preset(args.target, value, args.preset)
         if isinstance(value, nitro.Population):
             name, handle = args.target, rebuild.population_to_train(value, args.target, args)
         elif isinstance(value, nitro.Nitro):
@@ -365,9 +381,16 @@ class NitroMagics(Magics):
                 more=args.epochs is not None,
             )
         elif isinstance(value, type) and is_experiment(value):
+            presets = nitro.presets(value)
+            hint = (
+                f", or build it from a preset: `%nitro train {args.target} --preset NAME` "
+                f"(its presets: {', '.join(presets)})"
+                if presets
+                else ""
+            )
             raise UsageError(
                 f"{args.target} is the experiment class; pass an instance: "
-                f"`exp = {value.__name__}()` then `%nitro train exp`"
+                f"`exp = {value.__name__}()` then `%nitro train exp`{hint}"
             )
         else:
             raise UsageError(
@@ -406,6 +429,26 @@ class NitroMagics(Magics):
             )
             return None
         return handle
+
+    def _from_preset(self, target: str, value: Any, preset: str) -> tuple[Any, str]:
+        """`%nitro train CLASS --preset NAME`: the experiment CLASS.from_preset(NAME) and the
+        base of its handle's name (`digits_small` for `_run`)."""
+        if not (isinstance(value, type) and is_experiment(value)):
+            what = (
+                type(value.experiment).__name__
+                if isinstance(value, nitro.Nitro)
+                else type(value).__name__
+            )
+            raise UsageError(
+                f"%nitro train {target} --preset {preset}: --preset builds the experiment from "
+                f"its class, and {target} is a {type(value).__name__}; name the class: "
+                f"`%nitro train {what} --preset {preset}`"
+            )
+        try:
+            experiment = value.from_preset(preset)
+        except nitro.ExperimentError as error:
+            raise UsageError(f"%nitro train {target} --preset {preset}: {error}") from None
+        return experiment, re.sub(r"\W", "_", f"{value.__name__}_{preset}".lower())
 
     # ------------------------------------------------------------------------------------------
     # runs

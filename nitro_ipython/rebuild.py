@@ -53,12 +53,17 @@ def _live_class(cls: type) -> type:
 
 
 def _live_experiment(experiment: Any) -> Any:
-    """`experiment` as an instance of the live class (same field values), for edited code."""
+    """`experiment` as an instance of the live class (same field values, and the preset it
+    was built from), for edited code."""
     cls = _live_class(type(experiment))
     if cls is type(experiment):
         return experiment
     known = {f.name for f in dataclasses.fields(cls) if f.init}
-    return cls(**{k: v for k, v in _fields(experiment).items() if k in known})
+    values = {k: v for k, v in _fields(experiment).items() if k in known}
+    preset = nitro.preset_of(experiment)
+    if preset is not None and preset in nitro.presets(cls):
+        return cls.from_preset(preset, **values)
+    return cls(**values)
 
 
 def handle_to_train(

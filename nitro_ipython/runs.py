@@ -263,6 +263,7 @@ def populations_table(user_ns: Mapping[str, Any]):
             {
                 "population": name,
                 "experiment": pop.cls.__name__,
+                "preset": pop.preset or "",
                 "phase": pop.phase,
                 "epoch": f"{pop.epoch}/{pop.target_epoch or pop.max_epochs}",
                 "step": pop.step,
@@ -307,6 +308,7 @@ def status_row(handle: Any, name: str = "") -> dict[str, Any]:
     return {
         "run": name,
         "experiment": handle.cls.__name__,
+        "preset": handle.preset or "",
         "phase": handle.phase,
         "epoch": f"{handle.epoch}/{handle.target_epoch}",
         "step": handle.step,
@@ -343,13 +345,15 @@ def _swap_lines(handle: Any) -> list[str]:
 
 
 def runs_table(user_ns: Mapping[str, Any], handles: Iterable[Any]):
-    """A DataFrame with one row per handle: phase, epoch, step, latest loss, throughput."""
+    """A DataFrame with one row per handle: experiment, preset, phase, epoch, step, latest
+    loss, throughput."""
     import pandas as pd
 
     rows = [status_row(h, ", ".join(handle_names(user_ns, h)) or "(unnamed)") for h in handles]
     columns = [
         "run",
         "experiment",
+        "preset",
         "phase",
         "epoch",
         "step",
@@ -379,7 +383,7 @@ def _experiment_names(user_ns: Mapping[str, Any], handles: Iterable[Any]) -> lis
 def runs_on_disk(user_ns: Mapping[str, Any], handles: Iterable[Any]):
     """One row per run directory of the notebook's experiments under `runs/` (the newest
     `DISK_RUNS_SHOWN` of each) and of its handles and populations elsewhere (`run_dir=`):
-    experiment, started, the run's recorded name, checkpoints, latest epoch, best metric,
+    experiment, started, the run's recorded name and preset, checkpoints, latest epoch, best metric,
     path, and the notebook's name for it when a handle or population here is that run."""
     import pandas as pd
 
@@ -397,7 +401,16 @@ def runs_on_disk(user_ns: Mapping[str, Any], handles: Iterable[Any]):
         if handle.run_dir not in shown and os.path.isdir(handle.run_dir):
             frame = nitro.saved_runs(handle.run_dir)
             frames.append(frame.assign(experiment=handle.cls.__name__))
-    columns = ["experiment", "started", "name", "checkpoints", "latest epoch", "best", "path"]
+    columns = [
+        "experiment",
+        "started",
+        "name",
+        "preset",
+        "checkpoints",
+        "latest epoch",
+        "best",
+        "path",
+    ]
     frames = [f for f in frames if not f.empty]
     if not frames:
         return pd.DataFrame(columns=["in this kernel", *columns])

@@ -42,7 +42,7 @@ def test_the_twelve_tools_are_listed_with_their_input_schemas(connect):
     assert set(schemas) == TOOL_NAMES
     train = schemas["nitro_train"]
     assert train["additionalProperties"] is False
-    assert {"experiment", "overrides", "max_epochs", "seed", "resume", "keywords"} <= set(
+    assert {"experiment", "overrides", "preset", "max_epochs", "seed", "resume", "keywords"} <= set(
         train["properties"]
     )
     max_epochs = train["properties"]["max_epochs"]["anyOf"][0]
@@ -639,3 +639,30 @@ def test_a_second_run_into_the_same_run_dir_is_refused_naming_the_writer(connect
     lines = (Path(done["run_dir"]) / "metrics.jsonl").read_text().splitlines()
     kinds = [json.loads(line)["type"] for line in lines]
     assert kinds.count("params") == 1  # one run's lines only
+
+
+def test_nitro_train_builds_a_preset_of_the_class_and_the_run_records_it(http_server, tmp_path):
+    async def scenario():
+        async with http_session(http_server.url, http_server.token) as session:
+            started = await call(
+                session,
+                "nitro_train",
+                experiment="nitro.examples.digits.Digits",
+                preset="small",
+                overrides={"width": 8},
+                max_epochs=1,
+            )
+            done = await poll(session, started["run_id"], lambda s: s["status"] != "running")
+            unknown = await refusal(
+                session, "nitro_train", experiment="nitro.examples.digits.Digits", preset="tiny"
+            )
+            return done, unknown
+
+    done, unknown = anyio.run(scenario)
+    assert (done["status"], done["preset"], done["step"]) == ("done", "small", 19)
+    info = json.loads((Path(done["run_dir"]) / "run.json").read_text())
+    assert (info["preset"], info["config"]["fields"]["width"]) == ("small", 8)
+    assert info["config"]["fields"]["batch_size"] == 64  # the preset's, under the overrides
+    assert unknown == (
+        "nitro_train: preset: Digits has no preset 'tiny'. Its presets: 'small', 'large'."
+    )

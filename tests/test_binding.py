@@ -155,7 +155,7 @@ def test_help_and_the_signature_of_nitro_show_every_run_keyword_with_its_default
     signature = inspect.signature(nitro.Nitro)
     help_text = pydoc.render_doc(nitro.Nitro, renderer=pydoc.plaintext)
     names = [*RUN_KEYWORDS, *KEYWORD_ONLY]
-    assert list(signature.parameters) == ["experiment", *names]
+    assert list(signature.parameters) == ["experiment", "preset", *names]
     assert list(nitro.Nitro(Toy(), progress=False).keywords) == list(RUN_KEYWORDS)
     for name in names:
         parameter = signature.parameters[name]

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,7 @@ import nitro
 from nitro.cli import main
 from nitro.engine.run_keywords import RUN_KEYWORDS
 from nitro.examples.digits import Digits
+from nitro.runner import PREEMPTED_EXIT_CODE
 
 pytest.importorskip("jsonargparse")
 
@@ -73,8 +76,8 @@ def trained(tmp_path_factory):
     """The same run trained in Python and by `nitro train` with the equivalent options."""
     here = tmp_path_factory.mktemp("python")
     os.chdir(here)
-    handle = nitro.Nitro(
-        Digits(width=16, max_epochs=2), seed=3, learning_rate=0.01, progress=False
+    handle = nitro.Nitro(  # max_epochs: the run keyword, as the command takes it
+        Digits(width=16), max_epochs=2, seed=3, learning_rate=0.01, progress=False
     ).train()
     command = tmp_path_factory.mktemp("command")
     done = nitro_command(command, "train", DIGITS, *OPTIONS)
@@ -248,3 +251,45 @@ def test_help_lists_every_field_and_run_keyword_with_its_doc_type_and_default(ca
     for name, keyword in RUN_KEYWORDS.items():
         assert keyword.type is not Any, f"{name} declares no type for the command line"
         assert f"--{name.replace('_', '-')} " in shown
+
+
+def test_a_signalled_command_rerun_as_it_was_ends_bitwise_as_one_never_signalled(tmp_path):
+    # a job's life: the command is signalled at a random moment of its run, exits (75: saved,
+    # run me again; or killed, when the signal came before training or after it ended), and
+    # the job's rerun of the same command continues it: the run ends as one never signalled
+    options = ["--max-epochs", "3", "--batch-size", "32", "--seed", "5"]
+    baseline = tmp_path / "baseline"
+    nitro_command(baseline, "train", DIGITS, *options)
+    expected = logged(only_run(baseline))
+    rng = np.random.default_rng(0)
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.setdefault("JAX_PLATFORMS", "cpu")
+    codes = []
+    for trial, signal_name in enumerate(["SIGTERM", "SIGTERM", "SIGUSR1"]):
+        number = getattr(signal, signal_name)
+        cwd = tmp_path / f"trial-{trial}"
+        cwd.mkdir()
+        job = subprocess.Popen(
+            [sys.executable, "-m", "nitro.cli", "train", DIGITS, *options],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        deadline = time.monotonic() + 300
+        while job.poll() is None and time.monotonic() < deadline:
+            if list(cwd.glob("runs/Digits/*/metrics.jsonl")):  # it trains
+                break
+            time.sleep(0.005)
+        time.sleep(float(rng.uniform(0.0, 0.6)))  # a random moment of the run, not a bound
+        job.send_signal(number)
+        _, err = job.communicate(timeout=300)
+        codes.append(job.returncode)
+        assert job.returncode in (0, PREEMPTED_EXIT_CODE, -number), err[-3000:]
+        if job.returncode == PREEMPTED_EXIT_CODE:
+            assert f"{signal_name}: exiting with code {PREEMPTED_EXIT_CODE} at step" in err
+        nitro_command(cwd, "train", DIGITS, *options)  # the job's rerun
+        assert logged(only_run(cwd)) == expected, (trial, codes)
+    assert PREEMPTED_EXIT_CODE in codes, codes  # at least one was cut short in its run

@@ -196,8 +196,8 @@ def test_missing_required_hooks_are_named():
         nitro.Nitro(NoLoss())
 
 
-def test_nitro_refuses_a_class_or_a_plain_object():
-    with pytest.raises(nitro.ExperimentError, match=r"instance, not the class"):
-        nitro.Nitro(Toy)
+def test_nitro_builds_a_class_with_its_field_keywords_and_refuses_a_plain_object():
+    n = nitro.Nitro(Toy, width=4, seed=3, progress=False)
+    assert (n.experiment, n.seed, n.preset) == (Toy(width=4), 3, None)
     with pytest.raises(nitro.ExperimentError, match="@nitro.experiment"):
         nitro.Nitro(object())

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -99,6 +100,15 @@ def exported(trained, tmp_path_factory):
     return directory
 
 
+def bundle_files(directory) -> list[str]:
+    """The files of a bundle: its manifest, program and weights, and the uncommitted diff of
+    the code when its manifest says the work tree was dirty (as it is while developing)."""
+    manifest = json.loads((Path(directory) / "manifest.json").read_text())
+    git = manifest["provenance"]["git"]
+    patch = ["working_tree.patch"] if git is not None and git["dirty"] else []
+    return sorted(["manifest.json", "program.jaxexport", "weights.safetensors", *patch])
+
+
 def test_a_bundle_loads_without_nitro_flax_or_optax_and_matches_predict(
     trained, exported, tmp_path
 ):
@@ -152,15 +162,12 @@ def test_the_manifest_records_the_wire_device_values_and_provenance(trained, exp
     assert provenance["experiment"] == "toys.Toy"
     assert provenance["graphconst"] == {"width": 8, "offset": 0.0}
     assert (provenance["seed"], provenance["step"], provenance["epoch"]) == (0, 8, 2)
-    assert provenance["versions"] == {"nitro": nitro.__version__, "jax": jax.__version__}
-    assert len(provenance["git_commit"]) == 40 and isinstance(provenance["git_dirty"], bool)
+    assert provenance["versions"]["nitro"] == nitro.__version__
+    assert provenance["versions"]["jax"] == jax.__version__
+    assert len(provenance["git"]["commit"]) == 40 and isinstance(provenance["git"]["dirty"], bool)
     assert provenance["run_id"] == trained.run_id
     assert provenance["checkpoint"] is None  # its weights came from build_model and training
-    assert sorted(os.listdir(exported)) == [
-        "manifest.json",
-        "program.jaxexport",
-        "weights.safetensors",
-    ]
+    assert sorted(os.listdir(exported)) == bundle_files(exported)
 
 
 def test_weights_are_arguments_of_the_program_not_constants(tmp_path):
@@ -319,16 +326,9 @@ def test_reexporting_to_the_same_directory_replaces_the_bundle(tmp_path):
     n.export(str(tmp_path / "again"))
     after = nitro.bundle.load(tmp_path / "again")
     x = batch(3)
-    assert sorted(os.listdir(tmp_path / "again")) == [
-        "manifest.json",
-        "program.jaxexport",
-        "weights.safetensors",
-    ]
+    assert sorted(os.listdir(tmp_path / "again")) == bundle_files(tmp_path / "again")
     assert after.manifest["provenance"]["step"] == 4 and before.manifest["provenance"]["step"] == 0
     np.testing.assert_allclose(after(x=x)["output"], n.predict({"x": x}), atol=1e-6)
-
-
-BUNDLE_FILES = ["manifest.json", "program.jaxexport", "weights.safetensors"]
 
 
 def test_a_reexport_swaps_the_whole_directory_in_and_keeps_a_symlink(tmp_path):
@@ -342,7 +342,7 @@ def test_a_reexport_swaps_the_whole_directory_in_and_keeps_a_symlink(tmp_path):
     n.train()
     n.export(str(place / "link"))
     assert os.path.islink(place / "link")
-    assert sorted(os.listdir(place / "real")) == BUNDLE_FILES  # the old temporary is gone
+    assert sorted(os.listdir(place / "real")) == bundle_files(place / "real")  # no temporary
     assert sorted(os.listdir(place)) == ["link", "real"]  # nothing left beside it
     x = batch(3)
     model = nitro.bundle.load(place / "link")
@@ -377,7 +377,7 @@ def test_a_reexport_that_fills_the_disk_leaves_the_previous_bundle_whole(small_d
     ):
         n.export(str(target))
     assert sorted(os.listdir(small_disk)) == ["bundle", "filler"]  # no temporary left
-    assert sorted(os.listdir(target)) == BUNDLE_FILES
+    assert sorted(os.listdir(target)) == bundle_files(target)
     model = nitro.bundle.load(target)
     assert model.manifest["provenance"]["step"] == 0
     np.testing.assert_array_equal(model(x=x)["output"], before)

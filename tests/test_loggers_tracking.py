@@ -369,7 +369,7 @@ def test_wandb_offline_run_holds_config_metrics_tags_images_and_exit(tmp_path, w
     tags = [r.run.tags for r in records if r.WhichOneof("record_type") == "run"]
     assert "toy" in tags[0]
     assert "exit" in kinds and next(r.exit for r in records if r.HasField("exit")).exit_code == 0
-    assert open(f"{run_dir}/files/binding_report.txt").read().startswith("splits")
+    assert open(f"{run_dir}/files/binding_report.txt").read().startswith("experiment toys.")
 
 
 def test_wandb_resume_continues_the_same_run(tmp_path, wandb_offline):

@@ -57,3 +57,36 @@ def test_one_more_epoch_after_a_stop_during_validation_trains_one_more_epoch(ker
     kernel.run("%nitro train sv_run --epochs 1")  # the stopped epoch is validated, then one more
     assert ast.literal_eval(kernel.eval("(sv_run.epoch, sv_run.step)")) == (2, 6)
     assert kernel.eval("sv_run.history()['step'].tolist()") == "[3, 6]"
+
+
+def test_train_a_class_with_a_preset_stores_its_run_and_runs_shows_the_preset(kernel):
+    kernel.run(
+        """
+        @nitro.experiment
+        class Sized(tiny_exp.Tiny):
+            @classmethod
+            def presets(cls):
+                return {"small": {"width": 4, "batches": 3}}
+        """
+    )
+    kernel.run("%nitro train Sized --preset small")
+    shown = kernel.eval(
+        "(sized_small_run.preset, sized_small_run.experiment.width, sized_small_run.step)"
+    )
+    assert shown == "('small', 4, 3)"
+    table = kernel.run("%nitro runs").data()[-1]
+    assert re.search(r"sized_small_run +Sized +small +done +1/1 +3 ", table), table
+    on_disk = r"sized_small_run +Sized +[\d-]+ [\d:]+ +sized_small_run +small +1 "
+    assert re.search(on_disk, table), table
+    unknown = kernel.run("%nitro train Sized --preset big", check=False)
+    assert unknown.reply["content"]["ename"] == "UsageError"
+    assert unknown.error == (
+        "UsageError: %nitro train Sized --preset big: Sized has no preset 'big'. Its presets: "
+        "'small'."
+    )
+    kernel.run("sized = Sized()")
+    instance = kernel.run("%nitro train sized --preset small", check=False)
+    assert instance.error == (
+        "UsageError: %nitro train sized --preset small: --preset builds the experiment from its "
+        "class, and sized is a Sized; name the class: `%nitro train Sized --preset small`"
+    )

@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Callable, Collection, Hashable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from nitro.core.frozen import FrozenDict
 from nitro.core.provenance import Resolved
 
 # jax.tree_util.PyTreeDef, a class of jaxlib's that type checkers see as a variable
@@ -142,6 +143,9 @@ class ExperimentSetup:
     residency: Mapping[str, Literal["host", "device"]]  # "metrics"/"train_metrics" -> where
     code: Mapping[str, CodeFingerprint]  # hook name, "model", "optimizer" -> fingerprint
     model_classes: tuple[type, ...]
+    preset: str | None = None  # the preset the experiment was built from
+    # field -> its value at setup, as JSON (`setting_token`), frozen
+    values: Mapping[str, Any] = dataclasses.field(default_factory=FrozenDict)
 
     @property
     def manual(self) -> bool:

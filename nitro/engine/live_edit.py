@@ -54,6 +54,7 @@ from nitro.experiments.fingerprint import (
     diff_parts,
 )
 from nitro.experiments.linen import is_linen
+from nitro.experiments.presets import preset_of, remember
 from nitro.optim.param_groups import leaf_paths
 from nitro.programs.compile_cache import short_dtype
 from nitro.programs.specs import ProgramSet
@@ -100,7 +101,7 @@ def live_instance(experiment: Any, cls: type) -> Any:
     edit) with the same field values."""
     if type(experiment) is cls:
         return experiment
-    return cls(**_fields(experiment))
+    return remember(cls(**_fields(experiment)), preset_of(experiment))
 
 
 def _model_setup(setup: RunSetup, instance: Any, variables: Any):

@@ -8,7 +8,6 @@ default. Adding a keyword is one `RunKeyword(...)` line in `RUN_KEYWORDS`.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import os
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
@@ -16,7 +15,7 @@ from typing import Any, Literal
 from nitro.core.frozen import freeze
 from nitro.core.provenance import Resolved
 from nitro.engine.dispatch import DispatchChoice
-from nitro.errors import SetupError
+from nitro.errors import SetupError, did_you_mean
 from nitro.experiments.declaration import FieldKind, field_specs, has_method
 from nitro.optim import ranges
 
@@ -690,10 +689,8 @@ def check_keywords(kwargs: Mapping[str, Any]) -> None:
     known = set(RUN_KEYWORDS) | set(KEYWORD_ONLY)
     for name in kwargs:
         if name not in known:
-            close = difflib.get_close_matches(name, sorted(known), n=3, cutoff=0.5)
-            hint = f" Did you mean {', '.join(map(repr, close))}?" if close else ""
             raise TypeError(
-                f"Nitro() got an unknown keyword {name!r}.{hint} Run keywords: "
+                f"Nitro() got an unknown keyword {name!r}.{did_you_mean(name, known)} Run keywords: "
                 f"{', '.join(sorted(known))}."
             )
 

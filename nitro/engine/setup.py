@@ -55,6 +55,7 @@ from nitro.errors import PlacementError, RoutingError, SetupError
 from nitro.experiments.declaration import FieldKind, field_specs, has_method
 from nitro.experiments.fingerprint import CodeFingerprint, Fingerprinter
 from nitro.experiments.linen import bridge_linen, is_linen
+from nitro.experiments.presets import preset_of
 from nitro.experiments.routing import hook_fields
 from nitro.optim.fed_optimizer import FedOptimizer
 from nitro.optim.optimizer import OptimizerSettings, build_optimizer
@@ -63,6 +64,7 @@ from nitro.optim.precision import Precision
 from nitro.optim.schedules import bind_schedules, check_schedule_values, optimizer_keys
 from nitro.programs.compile_cache import configure_persistent_cache
 from nitro.programs.tracing import EVAL_SEED
+from nitro.runs.checkpoint_record import setting_token
 from nitro.runs.weights import AveragedWeights, CheckpointWeights, WeightsSource, copy_array
 
 __all__ = [
@@ -161,6 +163,8 @@ def build(
         residency=FrozenDict(residency),
         code=code,
         model_classes=model_setup.pop("classes"),
+        preset=preset_of(instance),
+        values=freeze({s.name: setting_token(getattr(instance, s.name)) for s in field_specs(cls)}),
     )
     setup = RunSetup(
         experiment=experiment,

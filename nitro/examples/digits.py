@@ -42,6 +42,14 @@ class Digits:
     max_epochs: int = 30
     "epochs train() runs to"
 
+    @classmethod
+    def presets(cls):
+        """Named configurations: `Digits.from_preset("small")`, `Nitro(Digits, preset="small")`."""
+        return {
+            "small": {"width": 32, "batch_size": 64, "max_epochs": 2},
+            "large": {"width": 1024, "max_epochs": 60},
+        }
+
     def build_data(self):
         return nitro.datasets.digits(batch_size=self.batch_size)
 

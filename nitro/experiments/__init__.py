@@ -5,6 +5,8 @@ batch fields to hooks, the code fingerprints of hooks, and Flax Linen models.
 The lowest layer: it imports nothing of nitro but `nitro.errors`.
 
 - `declaration`: the markers, `@experiment`, field specs, the edit generation
+- `presets`: the named partial configurations an experiment declares, `from_preset`, and the
+  preset an instance was built from
 - `field_types`: GraphConst and Device values checked against their declared types
 - `trace_view`: the `self` traced hooks see; records GraphConst reads
 - `routing`: which batch fields each hook receives
@@ -25,6 +27,7 @@ from nitro.experiments.declaration import (
     fields,
     is_experiment,
 )
+from nitro.experiments.presets import from_preset, preset_of, presets
 
 __all__ = [
     "Device",
@@ -35,6 +38,9 @@ __all__ = [
     "experiment",
     "fields",
     "field_specs",
+    "from_preset",
+    "preset_of",
+    "presets",
     "is_experiment",
     "REQUIRED_HOOKS",
     "DRIVER_ONLY_NAMES",

@@ -118,6 +118,10 @@ DRIVER_ONLY_NAMES = frozenset(
 
 _NO_DEFAULT = dataclasses.MISSING
 
+# Methods every experiment class gets (unless it defines its own), registered by the modules
+# built on this one when they load (`nitro.experiments` loads them): "from_preset".
+CLASS_METHODS: dict[str, Any] = {}
+
 
 @dataclasses.dataclass(frozen=True)
 class FieldSpec:
@@ -309,6 +313,9 @@ def experiment(cls=None, /, **dataclass_options):
                 )
             specs.append(FieldSpec(f.name, base, default, kind, doc))
         datacls.__nitro_fields__ = tuple(specs)
+        for name, method in CLASS_METHODS.items():
+            if name not in vars(datacls):
+                setattr(datacls, name, method)
         _bump_edit_generation()
         return datacls
 

@@ -1,6 +1,7 @@
 """The binding report: where every value of a run came from.
 
-Splits and their batch geometry, which batch fields each hook receives, every run keyword with
+The experiment's fields (each from the preset, the field's default, or given), splits and
+their batch geometry, which batch fields each hook receives, every run keyword with
 its source (a `Nitro(...)` keyword, a method or field of the experiment, or the framework
 default), the schedules, the optimizer's hyperparameters and the Device fields.
 """
@@ -14,6 +15,9 @@ from typing import Any
 
 from nitro.core.run_setup import RunSetup
 from nitro.engine.run_time import RunTime
+from nitro.errors import ExperimentError
+from nitro.experiments.presets import presets
+from nitro.runs.checkpoint_record import setting_token
 
 __all__ = ["BindingReport", "binding_report"]
 
@@ -129,6 +133,35 @@ def _precision(setup: RunSetup, history: Sequence[Mapping[str, Any]]) -> list[st
     return lines
 
 
+def _fields(setup: RunSetup) -> tuple[str, list[str]]:
+    """The experiment's section: its title (the class and its preset) and one line per field
+    with its value at setup and where it came from."""
+    experiment = setup.experiment
+    preset = experiment.preset
+    try:
+        preset_values = presets(setup.cls).get(preset, {}) if preset is not None else {}
+    except ExperimentError:  # its presets() was since edited into an error: say nothing of them
+        preset_values = {}
+    defaults = {}
+    for f in dataclasses.fields(setup.cls):
+        if f.default is not dataclasses.MISSING:
+            defaults[f.name] = setting_token(f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            defaults[f.name] = setting_token(f.default_factory())
+    lines = []
+    for name, value in experiment.values.items():
+        value = setting_token(value)
+        if name in preset_values and setting_token(preset_values[name]) == value:
+            source = f"preset {preset!r}"
+        elif name in defaults and defaults[name] == value:
+            source = "default"
+        else:
+            source = "given"
+        lines.append(f"{name} = {_fmt(value)}  [{source}]")
+    title = f"experiment {setup.owner}" + (f", preset {preset!r}" if preset is not None else "")
+    return title, lines or ["no fields"]
+
+
 def binding_report(
     setup: RunSetup,
     runtime: RunTime,
@@ -142,7 +175,7 @@ def binding_report(
     committed epochs, for float16's loss scale at the last one)."""
     experiment = setup.experiment
     feed = runtime.feed
-    sections = []
+    sections = [_fields(setup)]
     lines = []
     for split, info in setup.splits.items():
         counts = (

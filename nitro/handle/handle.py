@@ -31,12 +31,12 @@ from nitro.core.train_state import TrainState
 from nitro.engine import evaluation, loop, prediction, swaps
 from nitro.engine.dispatch import DispatchChoice
 from nitro.engine.resolved import RunKeywords
-from nitro.engine.run_keywords import resolve_run_keywords
+from nitro.engine.run_keywords import KEYWORD_ONLY, RUN_KEYWORDS, resolve_run_keywords
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl, RunGuard
 from nitro.engine.setup import build
 from nitro.engine.weights_copy import copy_weights
-from nitro.errors import ExperimentError, Interrupted, SetupError
+from nitro.errors import ExperimentError, Interrupted, SetupError, did_you_mean
 from nitro.experiments.declaration import (
     REQUIRED_HOOKS,
     FieldKind,
@@ -44,7 +44,9 @@ from nitro.experiments.declaration import (
     edit_generation,
     field_specs,
     has_method,
+    is_experiment,
 )
+from nitro.experiments.presets import from_preset, replace
 from nitro.handle.binding_report import BindingReport, binding_report
 from nitro.handle.displays import handle_html, short_repr
 from nitro.handle.run_handle import RunHandle
@@ -54,10 +56,11 @@ from nitro.optim.schedules import bind_schedules, check_schedule_values
 from nitro.programs.specs import ProgramSet
 from nitro.runs.resume import restore
 from nitro.runs.run_files import RunFiles
+from nitro.runs.run_origin import OriginProbe
 from nitro.runs.watched_metrics import check_watched_metrics
 from nitro.runs.weights import AveragedWeights, CheckpointWeights, WeightsSource
 
-__all__ = ["EXTENSIONS", "Nitro", "check_experiment", "weights_source"]
+__all__ = ["EXTENSIONS", "Nitro", "check_experiment", "experiment_to_run", "weights_source"]
 
 # Methods of the handle built on the layer above it (a population): that layer registers
 # them here on import (`nitro.handle` imports it), so the handle never imports it.
@@ -65,11 +68,45 @@ __all__ = ["EXTENSIONS", "Nitro", "check_experiment", "weights_source"]
 EXTENSIONS: dict[str, Callable[..., Any]] = {}
 
 
+def experiment_to_run(
+    experiment: Any,
+    preset: str | None,
+    keywords: dict[str, Any],
+    call: str = "Nitro",
+    take_fields: bool = True,
+) -> Any:
+    """The experiment instance `Nitro(experiment, preset=..., **keywords)` runs. A class is
+    built from `preset` (None: its defaults) with its fields among `keywords`, taken out of
+    them (a name that is both a field and a run keyword stays a run keyword; `take_fields`
+    False leaves them: a population sets them itself, a list being an axis). An instance
+    runs as it is: `preset=` is refused, naming `call`."""
+    if not (isinstance(experiment, type) and is_experiment(experiment)):
+        if preset is not None and is_experiment(experiment):
+            name = type(experiment).__name__
+            raise ExperimentError(
+                f"{call}(preset={preset!r}) builds the experiment from its class: "
+                f"{call}({name}, preset={preset!r}, ...); this {name} instance has its field "
+                f"values already ({name}.from_preset({preset!r}, ...) builds one from the "
+                f"preset)"
+            )
+        return experiment
+    if not take_fields:
+        return from_preset(experiment, preset)
+    specs = [spec.name for spec in field_specs(experiment)]
+    known = set(RUN_KEYWORDS) | set(KEYWORD_ONLY)
+    for name in keywords:
+        if name not in known and name not in specs:
+            raise TypeError(
+                f"{call}({experiment.__name__}, ...) got an unknown keyword {name!r}, neither a "
+                f"field of {experiment.__name__} nor a run keyword."
+                f"{did_you_mean(name, [*specs, *known])} Fields: {', '.join(specs)}; run "
+                f"keywords: {', '.join(sorted(known))}."
+            )
+    fields = {name: keywords.pop(name) for name in specs if name in keywords and name not in known}
+    return from_preset(experiment, preset, **fields)
+
+
 def check_experiment(experiment: Any) -> type:
-    if isinstance(experiment, type) and hasattr(experiment, "__nitro_fields__"):
-        raise ExperimentError(
-            f"Nitro() takes an experiment instance, not the class: Nitro({experiment.__name__}())"
-        )
     cls = type(experiment)
     try:
         field_specs(cls)
@@ -98,11 +135,19 @@ class Nitro(RunHandle):
     >>> n = nitro.Nitro(Digits(max_epochs=1), seed=0, progress=False)   # compiles nothing
     >>> n.train().step
     9
+
+    `experiment` is an instance, or the class with `preset=` and field values among the
+    keywords: `Nitro(Digits, preset="small", width=64, seed=0)` runs
+    `Digits.from_preset("small", width=64)` with `seed=0` (a name that is both a field and a
+    run keyword, such as `max_epochs`, is the run keyword). The run records the preset's
+    name (`n.preset`); an instance built by `from_preset` records it too.
     """
 
-    def __init__(self, experiment: Any, **keywords: Any):
+    def __init__(self, experiment: Any, *, preset: str | None = None, **keywords: Any):
+        experiment = experiment_to_run(experiment, preset, keywords)
         cls = check_experiment(experiment)
-        instance = dataclasses.replace(experiment)  # frozen copy of the configuration
+        origin = OriginProbe(cls)  # git runs beside the setup
+        instance = replace(experiment)  # frozen copy of the configuration
         weights = keywords.pop("weights", None)
         data = keywords.pop("data", None)
         resolved = RunKeywords.of(resolve_run_keywords(instance, keywords))
@@ -152,6 +197,7 @@ class Nitro(RunHandle):
             say=self._say,
             busy=lambda: guard.activity is not None,
             state=self._state,
+            origin=origin,
         )
         if self._logging is not None:
             self._files.saves.logger_state = self._logging.logger.state

@@ -43,7 +43,8 @@ from nitro.engine.runner import RunControl, RunGuard
 from nitro.engine.setup import build
 from nitro.errors import PopulationError, SetupError
 from nitro.experiments.declaration import field_specs
-from nitro.handle.handle import check_experiment, weights_source
+from nitro.experiments.presets import replace
+from nitro.handle.handle import check_experiment, experiment_to_run, weights_source
 from nitro.handle.population_loggers import MemberLogging
 from nitro.handle.population_members import (
     PopulationMembers,
@@ -56,6 +57,7 @@ from nitro.runs.checkpoint_record import setting_token
 from nitro.runs.epoch_saves import population_save
 from nitro.runs.resume import restore_population
 from nitro.runs.run_files import PopulationFiles
+from nitro.runs.run_origin import OriginProbe, run_config
 from nitro.runs.watched_metrics import check_watched_metrics
 
 __all__ = ["Population"]
@@ -75,6 +77,10 @@ class Population(PopulationMembers):
     (2, [{'learning_rate': 0.001}, {'learning_rate': 0.01}])
     >>> pop.train().history().index.names
     FrozenList(['member', 'epoch'])
+
+    Given the class, `preset=` builds the members' experiment from that preset
+    (`Population(Digits, preset="small", learning_rate=[...])`); the keywords that name fields
+    then share or vary them, as for an instance.
     """
 
     def __init__(
@@ -84,9 +90,14 @@ class Population(PopulationMembers):
         members: Sequence[Mapping[str, Any]] | None = None,
         batches: str | None = None,
         mesh_axis: str = "members",
+        preset: str | None = None,
         **keywords: Any,
     ):
+        experiment = experiment_to_run(
+            experiment, preset, keywords, call="Population", take_fields=False
+        )
         cls = check_experiment(experiment)
+        origin = OriginProbe(cls)  # git runs beside the members' setup
         given = {"members": members, "batches": batches, "mesh_axis": mesh_axis}
         self._given = (experiment, {k: v for k, v in given.items() if v is not None} | keywords)
         if mesh_axis not in ("members", "batch"):
@@ -147,7 +158,7 @@ class Population(PopulationMembers):
             k: v for k, v in shared.items() if k not in shared_fields and k not in own
         }
         self._files_keywords = {k: v for k, v in shared.items() if k in FILE_KEYWORDS}
-        self._experiment = dataclasses.replace(experiment, **shared_fields)
+        self._experiment = replace(experiment, **shared_fields)
         self._control = RunControl()
         self._control.say = self._say
         self._guard = RunGuard(lambda: f"this {cls.__name__} population", name="pop")
@@ -198,8 +209,10 @@ class Population(PopulationMembers):
             self._events,
             say=self._say,
             busy=lambda: guard.activity is not None,
+            origin=origin,
             settings=[{k: setting_token(v) for k, v in m.settings.items()} for m in self._members],
             seeds=[m.setup.seed for m in self._members],
+            configs=[run_config(m.setup) for m in self._members],
             logs=loggers.get("logger", True) is not None,
         )
         self._logging = MemberLogging.of(self, self._members, self._files, **loggers)
@@ -215,7 +228,7 @@ class Population(PopulationMembers):
         self, index: int, setting: Mapping[str, Any], specs, data: Any = None
     ) -> Member:
         fields = {k: v for k, v in setting.items() if k in specs and k not in RUN_KEYWORDS}
-        instance = dataclasses.replace(self._experiment, **fields)
+        instance = replace(self._experiment, **fields)
         given = {**self._shared_keywords, **{k: v for k, v in setting.items() if k not in fields}}
         keywords = {**given, **self._files_keywords, "logger": None, "progress": False}
         try:

@@ -104,6 +104,13 @@ class RunHandle:
         return self._lead_setup.cls
 
     @property
+    def preset(self) -> str | None:
+        """The preset the experiment was built from (`Nitro(Exp, preset=...)`,
+        `Exp.from_preset(...)`), recorded in run.json, the checkpoints, the logged params and
+        the export; None when none."""
+        return self._lead_setup.experiment.preset
+
+    @property
     def owner(self) -> str:
         """`module.QualName` of the experiment class (how the compile cache names it)."""
         return self._lead_setup.owner

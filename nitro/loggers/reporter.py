@@ -59,12 +59,15 @@ def finish_status(stop_reason: str | None) -> str:
 
 
 def run_params(handle: Any) -> dict[str, Any]:
-    """The parameters of a run as a flat table: every field of the experiment (Device fields
-    at their current value), the seed, the run keywords (schedules as `schedules.<key>`),
-    the optimizer with its initial hyperparameters, and the parameter count. `handle`: what
-    holds the run's `setup` and `runtime` (a `Nitro`, or a member of a population)."""
+    """The parameters of a run as a flat table: the preset the experiment was built from
+    (when it was), every field of the experiment (Device fields at their current value), the
+    seed, the run keywords (schedules as `schedules.<key>`), the optimizer with its initial
+    hyperparameters, and the parameter count. `handle`: what holds the run's `setup` and
+    `runtime` (a `Nitro`, or a member of a population)."""
     params: dict[str, Any] = {}
     setup, runtime = handle.setup, handle.runtime
+    if setup.experiment.preset is not None:
+        params["preset"] = setup.experiment.preset
     experiment = runtime.experiment
     for spec in field_specs(experiment):
         if spec.kind is FieldKind.DEVICE:
@@ -148,10 +151,15 @@ class LoggingReporter:
             self._bound, self._described = binding, {}
         # what describes the run, logged by its first call and again only when it changed
         # (a short call on a live handle does not write a kilobyte of the same report again)
+        preset = handle.setup.experiment.preset
         described = {
             "params": run_params(handle),
             # a population's member adds its own (population, member, settings)
-            "tags": {"experiment": handle.setup.owner, **getattr(handle, "logger_tags", {})},
+            "tags": {
+                "experiment": handle.setup.owner,
+                **({"preset": preset} if preset is not None else {}),
+                **getattr(handle, "logger_tags", {}),
+            },
             "binding_report": str(handle.binding_report()),
         }
         changed = {k: v for k, v in described.items() if self._described.get(k) != v}

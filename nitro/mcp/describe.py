@@ -143,6 +143,7 @@ def describe(
     else:
         row.update(
             handle_run_id=run.run_id,
+            preset=run.preset,
             phase=run.phase,
             epoch=run.epoch,
             max_epochs=run.max_epochs,

@@ -10,7 +10,6 @@ it; the agent reads the text.
 
 from __future__ import annotations
 
-import dataclasses
 import difflib
 import importlib
 import json
@@ -19,6 +18,7 @@ from typing import Any
 
 from nitro.engine.run_keywords import RUN_KEYWORDS
 from nitro.experiments.declaration import ExperimentError, field_specs, is_experiment
+from nitro.experiments.presets import from_preset, replace
 
 __all__ = ["ToolFailure", "build_experiment", "close_matches", "find_experiment"]
 
@@ -140,9 +140,12 @@ def _convert(owner: str, name: str, tp: Any, value: Any) -> Any:
         ) from None
 
 
-def build_experiment(target: Any, overrides: Mapping[str, Any] | None) -> Any:
+def build_experiment(
+    target: Any, overrides: Mapping[str, Any] | None, preset: str | None = None
+) -> Any:
     """An instance of `target` (a class, or an instance to copy) with `overrides` applied,
-    each checked against the field's name and type."""
+    each checked against the field's name and type; a class is built from `preset`, when
+    given (its values under the overrides)."""
     cls = target if isinstance(target, type) else type(target)
     owner = cls.__qualname__
     specs = {s.name: s for s in field_specs(cls)}
@@ -160,10 +163,20 @@ def build_experiment(target: Any, overrides: Mapping[str, Any] | None) -> Any:
                 f"{', '.join(specs)}"
             )
         values[name] = _convert(owner, name, spec.type, value)
+    if preset is not None and not isinstance(target, type):
+        raise ToolFailure(
+            f"preset: a preset builds the experiment from its class, and the experiment named "
+            f"is a {owner} instance; name the class ({owner}) with preset, or leave preset out"
+        )
+    if preset is not None:
+        try:
+            return from_preset(target, preset, **values)
+        except ExperimentError as error:
+            raise ToolFailure(f"preset: {error}") from None
     try:
         if isinstance(target, type):
             return target(**values)
-        return dataclasses.replace(target, **values)
+        return replace(target, **values)
     except ExperimentError as error:
         raise ToolFailure(f"overrides: {error}") from None
     except TypeError as error:  # a required field without a value

@@ -287,9 +287,10 @@ class ToolSession:
         overrides: Mapping[str, Any] | None,
         keywords: Mapping[str, Any] | None,
         typed: Mapping[str, Any],
+        preset: str | None = None,
     ) -> tuple[Any, dict[str, Any]]:
-        """The experiment instance and checked run keywords for a new handle, refusing
-        anything wrong before a thread starts."""
+        """The experiment instance (from `preset` of its class, when given) and checked run
+        keywords for a new handle, refusing anything wrong before a thread starts."""
         if experiment is None:
             raise ToolFailure(
                 "experiment: required: an experiment class name ('Digits' in a notebook) or a "
@@ -304,7 +305,7 @@ class ToolSession:
                 )
         target = find_experiment(experiment, self.namespace)
         checked = self._run_keywords(keywords, typed)
-        instance = build_experiment(target, overrides)
+        instance = build_experiment(target, overrides, preset)
         cls = type(instance)
         declares = has_method(cls, "n_devs") or any(s.name == "n_devs" for s in field_specs(cls))
         if self.n_devs is not None and "n_devs" not in checked and not declares:
@@ -389,14 +390,20 @@ class ToolSession:
         steps: int | None = None,
         run_id: str | None = None,
         keywords: Mapping[str, Any] | None = None,
+        preset: str | None = None,
         **typed: Any,
     ) -> dict[str, Any]:
         _check_amount(epochs, steps)
         if run_id is not None:
-            others = {"experiment": experiment, "overrides": overrides, "keywords": keywords}
+            others = {
+                "experiment": experiment,
+                "overrides": overrides,
+                "keywords": keywords,
+                "preset": preset,
+            }
             self._continues(run_id, {**others, **typed})
             return self._continue(run_id, epochs, steps)
-        instance, checked = self._new_handle_plan(experiment, overrides, keywords, typed)
+        instance, checked = self._new_handle_plan(experiment, overrides, keywords, typed, preset)
         record = self.registry.start(
             "train",
             _training(lambda record: self._build(record, instance, checked), epochs, steps),
@@ -483,8 +490,13 @@ class ToolSession:
             )
         else:
             fields = dict(new_handle)
+            preset = fields.pop("preset", None)
             instance, checked = self._new_handle_plan(
-                fields.pop("experiment"), fields.pop("overrides"), fields.pop("keywords"), fields
+                fields.pop("experiment"),
+                fields.pop("overrides"),
+                fields.pop("keywords"),
+                fields,
+                preset,
             )
 
             def work(record: RunRecord) -> Any:
@@ -739,12 +751,14 @@ class ToolSession:
         steps: int | None = None,
         run_id: str | None = None,
         wait_seconds: float = 60.0,
+        preset: str | None = None,
     ) -> dict[str, Any]:
         _check_amount(epochs, steps)
         if run_id is not None:
             others = {
                 "experiment": experiment,
                 "overrides": overrides,
+                "preset": preset,
                 "keywords": keywords,
                 "weights": weights,
                 "axes": axes,
@@ -757,7 +771,7 @@ class ToolSession:
         shared = {name: f"keywords.{name}" for name in keywords or {}}
         shared |= {name: name for name, value in typed.items() if value is not None}
         plan = MemberPlan.check(axes, members, shared, overrides)
-        instance, checked = self._new_handle_plan(experiment, overrides, keywords, typed)
+        instance, checked = self._new_handle_plan(experiment, overrides, keywords, typed, preset)
         # a list would be an axis: a shared value that is a list (eval_splits) goes as a tuple
         checked: dict[str, Any] = {
             k: tuple(v) if isinstance(v, list) and k != "logger" else v for k, v in checked.items()

@@ -64,6 +64,11 @@ class _Experiment(_Arguments):
     overrides: dict[str, Any] | None = Field(
         None, description='field values, e.g. {"width": 256}; checked against the fields'
     )
+    preset: str | None = Field(
+        None,
+        description="build the experiment from this preset of its class (its presets() "
+        "names them), the overrides on top; the run records it",
+    )
 
 
 class _NewHandle(_Experiment):

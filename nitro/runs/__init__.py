@@ -10,6 +10,8 @@ Internal, except the names the facade re-exports (`nitro.Checkpointer`, `nitro.E
 - `identity`: which experiment a run belongs to, which run `resume="auto"` continues
 - `run_files`: a run's identity and files: its directory, run id, run.json, one writer; a
   population's (`PopulationFiles`: the run's, with a directory per member)
+- `run_origin`: where a run (or an export) comes from: the git state of its code, the
+  uncommitted diff (`working_tree.patch`), the packages' versions, its resolved configuration
 - `epoch_saves`: saving a run at the end of its epochs and calls, its best epoch held until saved
 - `resume`: which checkpoint `resume=` continues, what differs, its `Variables` read back
 - `watched_metrics`: an early stop or checkpointer watching a metric the run lacks, refused

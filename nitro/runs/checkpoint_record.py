@@ -166,6 +166,7 @@ class CheckpointRecord:
       position, batches, prune: a population's position in the epoch under way, whether
         its members share batches, and the members it was asked to prune.
       graphconst, code, optimizer, training, checkpointer: what a resume compares.
+      preset: the preset the experiment was built from (None: none, or an earlier release).
       format, nitro, jax: the record's format and the versions that wrote it.
     """
 
@@ -186,6 +187,7 @@ class CheckpointRecord:
     optimizer: str | None = None
     training: Mapping[str, Any] | None = None
     checkpointer: Mapping[str, Any] | None = None
+    preset: str | None = None
     format: int = FORMAT
     nitro: str | None = __version__
     jax: str | None = jax.__version__
@@ -215,6 +217,7 @@ class CheckpointRecord:
             optimizer=describe_optimizer(setup.optimizer) if setup.optimizer is not None else None,
             training=training_config(setup),
             checkpointer=dataclasses.asdict(checkpointer) if checkpointer is not None else None,  # pyright: ignore[reportArgumentType]  # a Checkpointer: the keyword's check
+            preset=setup.experiment.preset,
             **fields,
         )
 
@@ -276,6 +279,7 @@ class CheckpointRecord:
             optimizer=data.get("optimizer"),
             training=data.get("training"),
             checkpointer=data.get("checkpointer"),
+            preset=data.get("preset"),
             format=int(data.get("format") or FORMAT),
             nitro=data.get("nitro"),
             jax=data.get("jax"),

@@ -6,7 +6,9 @@ directory; the run id is a sortable timestamp plus a short random suffix
 
 ```
 runs/Digits/20261130-181500-a3f9/
-    run.json          the run id, the experiment, when it started, its configuration
+    run.json          the run id, the experiment, when it started, its preset and resolved
+                      configuration, the git state of its code and the packages' versions
+    working_tree.patch  the code's uncommitted diff, when it had one (`nitro.runs.run_origin`)
     checkpoints/      orbax: one directory per saved step
     metrics.jsonl     the default logger's lines
 ```
@@ -98,12 +100,14 @@ class RunInfo:
     best_metric: str | None
     best_value: float | None
     name: str | None = None  # the run's name (`name=`; `%nitro train exp` names it exp_run)
+    preset: str | None = None  # the preset its experiment was built from
 
     def as_row(self) -> dict[str, Any]:
         return {
             "run id": self.run_id,
             "started": self.started,
             "name": self.name or "",
+            "preset": self.preset or "",
             "checkpoints": len(self.checkpoints),
             "latest epoch": self.latest_epoch,
             "best": (
@@ -143,6 +147,7 @@ def list_runs(root: str | os.PathLike) -> list[RunInfo]:
                 best_metric=metric,
                 best_value=best,
                 name=info.get("name"),
+                preset=info.get("preset"),
             )
         )
     return runs
@@ -150,15 +155,15 @@ def list_runs(root: str | os.PathLike) -> list[RunInfo]:
 
 def saved_runs(where: Any = None):
     """The runs on disk of an experiment (a class, an instance or its name, under `runs/`),
-    or under a directory: a DataFrame with one row per run (id, start, checkpoints, latest
-    epoch, best metric, path), oldest first.
+    or under a directory: a DataFrame with one row per run (id, start, name, preset,
+    checkpoints, latest epoch, best metric, path), oldest first.
 
     >>> import nitro
     >>> from nitro.examples.digits import Digits
     >>> n = nitro.Nitro(Digits(max_epochs=1), progress=False).train()
     >>> runs = nitro.saved_runs("Digits")
     >>> runs.columns.tolist(), runs.index.tolist() == [n.run_id]
-    (['started', 'name', 'checkpoints', 'latest epoch', 'best', 'path'], True)
+    (['started', 'name', 'preset', 'checkpoints', 'latest epoch', 'best', 'path'], True)
     """
     import pandas as pd
 
@@ -171,7 +176,16 @@ def saved_runs(where: Any = None):
         name = name or type(where).__name__
         root = experiment_root(name)
     rows = [run.as_row() for run in list_runs(root)]
-    columns = ["run id", "started", "name", "checkpoints", "latest epoch", "best", "path"]
+    columns = [
+        "run id",
+        "started",
+        "name",
+        "preset",
+        "checkpoints",
+        "latest epoch",
+        "best",
+        "path",
+    ]
     frame = pd.DataFrame(rows, columns=columns)  # pyright: ignore[reportArgumentType]  # pandas' SequenceNotStr rejects list[str]
     return frame.set_index("run id")
 

@@ -51,6 +51,7 @@ from nitro.runs.run_dirs import (
     write_run_json,
 )
 from nitro.runs.run_lock import RunLock, acquire, check_free, describe_holder, holder_record
+from nitro.runs.run_origin import PATCH, OriginProbe, provenance, run_config
 
 __all__ = ["PopulationFiles", "RunFiles", "new_run_dir", "saved_steps"]
 
@@ -74,6 +75,7 @@ class RunFiles:
     # the lock and writes run.json (every process writes its own shards of each checkpoint)
     primary: bool = True
     claim: bool | None = None  # planned: hold the directory (True: may take it over) at once
+    origin: OriginProbe | None = None  # where the run comes from, found while it sets up
     writes: bool = True  # False: nothing on disk (a population that saves and logs nothing)
     saves: EpochSaves = dataclasses.field(init=False)
     # how the refusals name this handle and the one to build instead, the kind of run it is
@@ -123,13 +125,15 @@ class RunFiles:
         say: Callable[[str], None] | None = None,
         busy: Callable[[], bool] = lambda: False,
         state: TrainState | None = None,
+        origin: OriginProbe | None = None,
         **fields: Any,
     ) -> Self:
         """Decide the run's directory and id; nothing is written yet. A run that continues a
         directory that exists or names one (`run_dir=`) holds it once the handle is built
         (`claim_planned`, after a resume's checks passed). `say`: how to tell the person which
         run `resume='auto'` continues (default: an event note). `state`: the fresh state, whose
-        sharded leaves a resume reads its checkpoint onto. `fields`: a subclass's own."""
+        sharded leaves a resume reads its checkpoint onto. `origin`: where the run comes
+        from, probed since the handle began building. `fields`: a subclass's own."""
         identity = RunIdentity.of(setup.cls, setup.name)
         targets = restore_targets(setup, state.variables) if state is not None else None
         found = cls.resume_source(setup, identity, say or events.note, targets, **fields)
@@ -154,6 +158,7 @@ class RunFiles:
             branched_from=branched_from,
             busy=busy,
             primary=not setup.placement.multi_process or jax.process_index() == 0,
+            origin=origin,
             **fields,
         )
         files.plan_claim(setup.run_dir)
@@ -253,14 +258,18 @@ class RunFiles:
         )
 
     def _write_run_json(self, setup: RunSetup) -> None:
-        self._write_own_json(setup.owner, config_of(setup), seed=setup.seed)
+        self._write_own_json(setup, run_config(setup), seed=setup.seed)
         root = experiment_root(setup.cls.__name__).absolute()
         if self.run_dir.parent == root:
             record_name(root, self.identity, self.run_id, self.run_dir)
 
-    def _write_own_json(self, experiment: str, graphconst: Any, **own: Any) -> dict[str, Any]:
+    def _write_own_json(
+        self, setup: RunSetup, config: Mapping[str, Any], **own: Any
+    ) -> dict[str, Any]:
         """Write run.json (unless this run has one already; refused when the directory now
-        holds another run's), and return the fields every run.json of this run shares."""
+        holds another run's) with where the run comes from (`nitro.runs.run_origin`: the
+        git state, the uncommitted diff beside it, the packages) and its resolved `config`,
+        and return the fields every run.json of this run shares."""
         self.run_dir.mkdir(parents=True, exist_ok=True)
         info = read_run_json(self.run_dir)
         if info.get("run_id") not in (None, self.run_id):
@@ -271,16 +280,29 @@ class RunFiles:
                 f"that run"
             )
         common = {
-            "experiment": experiment,
+            "experiment": setup.owner,
             **self.identity.as_json(),
             "started": time.strftime("%Y-%m-%d %H:%M:%S"),
-            "graphconst": graphconst,
+            "graphconst": config_of(setup),
             "nitro": __version__,
+            "preset": setup.experiment.preset,
         }
         if not info:
             resumed = str(self.resume_from.path) if self.resume_from is not None else None
+            probe = self.origin
+            origin, patch = probe.result() if probe is not None else provenance(setup.cls)
+            if patch is not None:
+                (self.run_dir / PATCH).write_bytes(patch)
             write_run_json(
-                self.run_dir, {"run_id": self.run_id, **own, **common, "resumed_from": resumed}
+                self.run_dir,
+                {
+                    "run_id": self.run_id,
+                    **own,
+                    **common,
+                    "resumed_from": resumed,
+                    "config": config,
+                    **origin,
+                },
             )
         elif not recorded(info):  # a run of an older Nitro, resumed: it records who it is now
             write_run_json(self.run_dir, {**info, **self.identity.as_json()})
@@ -367,6 +389,7 @@ class PopulationFiles(RunFiles):
 
     settings: Sequence[Mapping[str, Any]] = ()
     seeds: Sequence[int] = ()
+    configs: Sequence[Mapping[str, Any]] = ()  # each member's resolved configuration
     logs: bool = True
     # each member's history and validations as its saves convert them, kept across saves
     rows: list[tuple[HistoryRows, HistoryRows]] = dataclasses.field(init=False)
@@ -426,9 +449,15 @@ class PopulationFiles(RunFiles):
         return [member_dir(self.run_dir, index) for index in range(len(self.settings))]
 
     def _write_run_json(self, setup: RunSetup) -> None:
-        """Write run.json, population.json and each member's run.json (those missing)."""
-        count = len(self.settings)
-        common = self._write_own_json(setup.owner, config_of(setup), kind=KIND, members=count)
+        """Write run.json, population.json and each member's run.json (those missing). The
+        population's run.json records the configuration its members share (`setup`: the
+        first member's, the axes left out)."""
+        count, axes = len(self.settings), sorted({k for m in self.settings for k in m})
+        shared = {
+            part: {k: v for k, v in values.items() if k not in axes}
+            for part, values in run_config(setup).items()
+        }
+        common = self._write_own_json(setup, shared, kind=KIND, members=count)
         members = [
             {"settings": dict(settings), "seed": seed}
             for settings, seed in zip(self.settings, self.seeds, strict=True)
@@ -439,7 +468,7 @@ class PopulationFiles(RunFiles):
                 {
                     "run_id": self.run_id,
                     "experiment": setup.owner,
-                    "axes": sorted({k for m in self.settings for k in m}),
+                    "axes": axes,
                     "members": [
                         {
                             "member": i,
@@ -452,7 +481,7 @@ class PopulationFiles(RunFiles):
                 },
                 POPULATION_JSON,
             )
-        for i, m in enumerate(members):
+        for i, (m, config) in enumerate(zip(members, self.configs, strict=True)):
             directory = member_dir(self.run_dir, i)
             if read_run_json(directory):
                 continue
@@ -465,6 +494,7 @@ class PopulationFiles(RunFiles):
                     "population": self.run_id,
                     **common,
                     **m,
+                    "config": config,
                 },
             )
 

@@ -35,7 +35,6 @@ import os
 import re
 import secrets
 import shutil
-import subprocess
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -45,8 +44,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import export as jax_export
 
-from nitro._version import __version__
 from nitro.programs.compile_cache import ProgramKind, record_compile
+from nitro.runs.run_origin import PATCH, package_versions, provenance, run_config
 from nitro.serving import bundle
 
 __all__ = ["DEFAULT_PLATFORMS", "ExportError", "ExportSource", "export_handle", "write_bundle"]
@@ -77,6 +76,7 @@ class ExportSource:
     device_values: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     provenance: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     owner: str = ""
+    files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)  # more of the bundle's
 
 
 def _dims(shape) -> list[int]:
@@ -126,7 +126,7 @@ def _serialize_weights(weights: Mapping[str, np.ndarray]) -> bytes:
 
 # Files a bundle directory may hold: the bundle's own, and the temporaries an export before
 # atomic bundles could leave behind (removed by the next export).
-_BUNDLE_FILES = (bundle.MANIFEST, bundle.PROGRAM, bundle.WEIGHTS)
+_BUNDLE_FILES = (bundle.MANIFEST, bundle.PROGRAM, bundle.WEIGHTS, PATCH)
 _OLD_TEMPORARY = re.compile(
     r"^\.(manifest\.json|program\.jaxexport|weights\.safetensors)\.\d+\.tmp$"
 )
@@ -404,7 +404,11 @@ def write_bundle(
         "provenance": {k: _jsonable(v) for k, v in source.provenance.items()},
         "files": {},
     }
-    files = {bundle.PROGRAM: bytes(blob), bundle.WEIGHTS: _serialize_weights(source.weights)}
+    files = {
+        bundle.PROGRAM: bytes(blob),
+        bundle.WEIGHTS: _serialize_weights(source.weights),
+        **source.files,
+    }
     _publish(directory, files, manifest)
     record_compile(
         ProgramKind.EXPORT.value,
@@ -568,6 +572,7 @@ def export_handle(
         for s in field_specs(cls)
         if s.kind is FieldKind.GRAPHCONST
     }
+    origin, patch = provenance(cls)
     source = ExportSource(
         name=name or cls.__name__.lower(),
         forward=forward,
@@ -575,8 +580,13 @@ def export_handle(
         inputs=inputs,
         outputs=outputs,
         device_values=device,
-        provenance={**_provenance(handle, graphconst), "dtype": precision.compute},
+        provenance={
+            **_provenance(handle, graphconst),
+            "git": origin["git"],
+            "dtype": precision.compute,
+        },
         owner=handle.owner,
+        files={PATCH: patch} if patch is not None else {},
     )
     return write_bundle(source, directory, platforms=platforms)
 
@@ -626,41 +636,19 @@ def _first_batch(source: Any, split: str) -> Mapping[str, Any]:
 
 
 def _provenance(handle: Any, graphconst: Mapping[str, Any]) -> dict[str, Any]:
-    import inspect
-
-    try:
-        where = os.path.dirname(inspect.getsourcefile(handle.cls) or "") or os.getcwd()
-    except (TypeError, OSError):  # defined in a notebook cell or the REPL: the working directory
-        where = os.getcwd()
+    """Where the bundle comes from: the experiment, its preset and resolved configuration,
+    the weights' run and step, the packages' versions (the git state is added beside it)."""
     return {
         "experiment": handle.owner,
+        "preset": handle.setup.experiment.preset,
         "graphconst": dict(graphconst),
+        "config": run_config(handle.setup),
         "seed": handle.seed,
         "step": handle.step,
         "epoch": handle.epoch,
         "weights_origin": getattr(handle, "weights_origin", None),
         "run_id": getattr(handle, "run_id", None),
         "checkpoint": getattr(handle, "weights_checkpoint", None),
-        "versions": {"nitro": __version__, "jax": jax.__version__},
-        **_git_state(where),
+        "versions": package_versions(),
         "exported_at": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
     }
-
-
-def _git_state(directory: str) -> dict[str, Any]:
-    """The commit and dirty flag of the git work tree holding `directory`, if any."""
-
-    def git(*args: str) -> str | None:
-        try:
-            done = subprocess.run(
-                ["git", "-C", directory, *args], capture_output=True, text=True, timeout=10
-            )
-        except (OSError, subprocess.SubprocessError):
-            return None
-        return done.stdout.strip() if done.returncode == 0 else None
-
-    commit = git("rev-parse", "HEAD")
-    if commit is None:
-        return {}
-    status = git("status", "--porcelain", "--untracked-files=no")
-    return {"git_commit": commit, "git_dirty": bool(status)}
