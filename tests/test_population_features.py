@@ -103,14 +103,24 @@ def test_auto_dispatch_decides_and_trains_as_one_step_a_call(monkeypatch):
     np.testing.assert_allclose(pop.history()["val_loss"], one.history()["val_loss"], atol=1e-6)
 
 
-def test_val_every_steps_gives_each_member_its_alone_validations():
-    pop = population(val_every_steps=4).train()
+def test_val_every_steps_gives_each_member_its_alone_validations(tmp_path):
+    pop = population(val_every_steps=4, logger=JSONLinesLogger(), run_dir=tmp_path / "p").train()
     table = pop.validations()
     for i, settings in enumerate(pop.members):
         solo = alone(settings, val_every_steps=4).validations()
         mine = table.loc[i]
         assert list(mine.index) == list(solo["step"] if "step" in solo else solo.index)
         np.testing.assert_allclose(mine["val_loss"], solo["val_loss"], atol=1e-5)
+        # each member's logger run logs its validations within the epoch, as a run's does
+        lines = (tmp_path / "p" / f"member-{i}" / "metrics.jsonl").read_text().splitlines()
+        records = [json.loads(line) for line in lines]
+        logged = [
+            (r["step"], r["metrics"]["val_loss"])
+            for r in records
+            if r.get("type") == "metrics" and r["context"] == "validate" and r["step"] % 4 == 0
+        ]
+        assert [step for step, _ in logged] == list(mine.index), logged
+        np.testing.assert_allclose([v for _, v in logged], mine["val_loss"], rtol=1e-6)
 
 
 def test_max_steps_stops_every_member_mid_epoch():

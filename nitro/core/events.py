@@ -108,6 +108,7 @@ class Reporter(Protocol):
     def end_run(self, handle: Any) -> None: ...
     def member_steps(self, first: int, losses: Any) -> None: ...
     def member_rows(self, rows: Sequence[Mapping[str, Any]]) -> None: ...
+    def member_validated(self, rows: Sequence[Mapping[str, Any]]) -> None: ...
 
 
 EVENT_NAMES = (
@@ -122,6 +123,7 @@ EVENT_NAMES = (
     "end_run",
     "member_steps",
     "member_rows",
+    "member_validated",
 )
 
 
@@ -291,6 +293,12 @@ class Events:
         index and settings (`Population.history()` rows)."""
         self._metrics = {"members": list(rows)}
         self._deliver("member_rows", rows)
+
+    def member_validated(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        """A population evaluated within an epoch (`val_every_steps`): one row per member
+        that trains, each with its `member` index, `step`, `epoch` and metrics (its
+        `validations()` row)."""
+        self._deliver("member_validated", rows)
 
 
 _LOCAL = threading.local()

@@ -211,6 +211,9 @@ class SilentReporter:
     def member_rows(self, rows):
         pass
 
+    def member_validated(self, rows):
+        pass
+
 
 class LineReporter(SilentReporter):
     """One line per epoch and per note: readable in logs, CI and captured output."""

@@ -861,7 +861,7 @@ def _validate_within(run: _Epoch, state: TrainState) -> bool:
         else:
             row.update(metrics)
     if results is not None:
-        members.validated(state, results)
+        members.validated(state, results, events)
         events.phase("training")
         return True
     state.validations.append(row)

@@ -452,14 +452,19 @@ class Stacked:
         if state.prune:
             apply_prunes(self.members, state, self.say)
 
-    def validated(self, state: PopulationState, results: list[dict[str, Any]]) -> None:
+    def validated(
+        self, state: PopulationState, results: list[dict[str, Any]], events: Events
+    ) -> None:
         """An evaluation within the epoch (`val_every_steps`): a row in each training
-        member's validations."""
+        member's validations, and the `member_validated` event (each member's logger run
+        logs its row)."""
+        rows = []
         for member, metrics in zip(self.members, results, strict=True):
             if member.stopped is None:
-                member.state.validations.append(
-                    {"step": state.step, "epoch": state.epoch + 1, **metrics}
-                )
+                row = {"step": state.step, "epoch": state.epoch + 1, **metrics}
+                member.state.validations.append(row)
+                rows.append({"member": member.index, **row})
+        events.member_validated(rows)
 
 
 class _Together:

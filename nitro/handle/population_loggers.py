@@ -176,6 +176,12 @@ class MemberLogging:
             if history:
                 self.reporters[index].end_epoch(history[-1])
 
+    def member_validated(self, rows: Sequence[Mapping[str, Any]]) -> None:
+        for row in rows:  # the members that train (a stopped one has no validation after)
+            self.reporters[int(row["member"])].validated(
+                {k: v for k, v in row.items() if k != "member"}
+            )
+
     def phase(self, phase: str) -> None:
         for reporter in self.reporters:
             reporter.phase(phase)
