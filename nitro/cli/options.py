@@ -28,6 +28,7 @@ from nitro.engine.run_keywords import KEYWORD_ONLY, RUN_KEYWORDS
 from nitro.errors import ExperimentError, SetupError
 from nitro.experiments.declaration import FieldKind, check_field_type, field_specs, has_method
 from nitro.experiments.field_types import fits_type
+from nitro.experiments.presets import from_preset
 
 __all__ = [
     "CONFIG_FILE",
@@ -227,13 +228,8 @@ class Settings:
                 f"required: {self.cls.__name__} declares no default for "
                 f"{', '.join(missing)}"
             )
-        from_preset = getattr(self.cls, "from_preset", None)
-        if self.preset is not None and from_preset is None:
-            raise CommandError(f"--preset {self.preset}: {self.cls.__name__} declares no presets")
-        try:
-            if self.preset is not None:
-                return from_preset(self.preset, **fields)  # pyright: ignore[reportOptionalCall]
-            return self.cls(**fields)
+        try:  # an unknown preset is refused there, listing the experiment's
+            return from_preset(self.cls, self.preset, **fields)
         except (ExperimentError, TypeError, ValueError) as error:
             raise CommandError(str(error)) from None
 
