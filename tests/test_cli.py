@@ -11,6 +11,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -257,7 +258,7 @@ def test_a_signalled_command_rerun_as_it_was_ends_bitwise_as_one_never_signalled
     # a job's life: the command is signalled at a random moment of its run, exits (75: saved,
     # run me again; or killed, when the signal came before training or after it ended), and
     # the job's rerun of the same command continues it: the run ends as one never signalled
-    options = ["--max-epochs", "3", "--batch-size", "32", "--seed", "5"]
+    options = ["--max-epochs", "6", "--batch-size", "32", "--seed", "5"]
     baseline = tmp_path / "baseline"
     nitro_command(baseline, "train", DIGITS, *options)
     expected = logged(only_run(baseline))
@@ -278,18 +279,26 @@ def test_a_signalled_command_rerun_as_it_was_ends_bitwise_as_one_never_signalled
             stderr=subprocess.PIPE,
             text=True,
         )
+        lines: list[str] = []
+        reader = threading.Thread(target=lines.extend, args=(job.stderr,), daemon=True)
+        reader.start()
         deadline = time.monotonic() + 300
         while job.poll() is None and time.monotonic() < deadline:
-            if list(cwd.glob("runs/Digits/*/metrics.jsonl")):  # it trains
+            if any(line.startswith("epoch 1/") for line in list(lines)):  # it trains
                 break
             time.sleep(0.005)
-        time.sleep(float(rng.uniform(0.0, 0.6)))  # a random moment of the run, not a bound
+        time.sleep(float(rng.uniform(0.0, 0.1)))  # a random moment of the run, not a bound
         job.send_signal(number)
-        _, err = job.communicate(timeout=300)
+        job.wait(timeout=300)
+        reader.join(timeout=300)
+        err = "".join(lines)
         codes.append(job.returncode)
         assert job.returncode in (0, PREEMPTED_EXIT_CODE, -number), err[-3000:]
         if job.returncode == PREEMPTED_EXIT_CODE:
             assert f"{signal_name}: exiting with code {PREEMPTED_EXIT_CODE} at step" in err
-        nitro_command(cwd, "train", DIGITS, *options)  # the job's rerun
-        assert logged(only_run(cwd)) == expected, (trial, codes)
+        # the job's rerun: it continues the run (or, killed before its first save, starts
+        # one beside it) and names the run it trained last
+        rerun = nitro_command(cwd, "train", DIGITS, *options)
+        run_dir = Path(rerun.stdout.splitlines()[-1].split(": ", 1)[1])
+        assert logged(run_dir) == expected, (trial, codes)
     assert PREEMPTED_EXIT_CODE in codes, codes  # at least one was cut short in its run
