@@ -292,8 +292,10 @@ def test_what_a_population_cannot_vary_or_take_is_refused_naming_the_argument(co
     assert host.startswith("nitro_population: members[0].batch_size: batch_size cannot vary")
     assert "it is a Host field of Digits" in host
     assert program.startswith("nitro_population: axes.accum: accum cannot vary")
-    assert value.startswith("nitro_population: axes.learning_rate[0]: learning_rate must be")
-    assert both.startswith("nitro_population: members: give axes")
+    assert value.startswith(
+        "nitro_population: axes.learning_rate: member 0 (learning_rate=-1): learning_rate must be"
+    )
+    assert both.startswith("nitro_population: members: Population() takes members= or list-valued")
     assert neither.startswith("nitro_population: axes: give what varies across the members")
     assert twice.startswith("nitro_population: axes.learning_rate: 'learning_rate' varies")
     assert unknown.startswith("nitro_population: axes.lr: lr is neither a run keyword nor a field")

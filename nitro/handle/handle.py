@@ -14,9 +14,8 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import os
-import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import Any, overload
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -28,15 +27,15 @@ from nitro.core.events import Events
 from nitro.core.provenance import Resolved
 from nitro.core.run_setup import RunSetup, SavedWeights
 from nitro.core.train_state import TrainState
-from nitro.engine import evaluation, loop, prediction, swaps
-from nitro.engine.dispatch import DispatchChoice
+from nitro.engine import evaluation, loop
+from nitro.engine.member_axis import SINGLE
 from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_keywords import KEYWORD_ONLY, RUN_KEYWORDS, resolve_run_keywords
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl, RunGuard
 from nitro.engine.setup import build
 from nitro.engine.weights_copy import copy_weights
-from nitro.errors import ExperimentError, Interrupted, SetupError, did_you_mean
+from nitro.errors import ExperimentError, SetupError, did_you_mean
 from nitro.experiments.declaration import (
     REQUIRED_HOOKS,
     FieldKind,
@@ -171,7 +170,6 @@ class Nitro(RunHandle):
         self._guard = RunGuard(lambda: f"this {cls.__name__} handle")
         self._take_edits_when_free()
         self._checkpoint: SavedWeights | None = None
-        self._stale_seen: str | None = None
         self._live_scheduled: set[str] = set()  # Device fields scheduled by set_schedule
         self._stale_checked = (edit_generation(), 0.0)
         source = weights_source(weights)
@@ -281,13 +279,6 @@ class Nitro(RunHandle):
         """What changes while this handle's runs live: the step feed, the steps-per-dispatch
         measurement, the prefetchers (one per split) and the live experiment copy."""
         return self._runtime
-
-    @property
-    def dispatch(self) -> DispatchChoice:
-        """Steps per program call as decided so far (a frozen value: `.steps`, `.reason`,
-        `.describe()`). `Nitro(e2, weights=n)`, or `steps_per_dispatch=n.dispatch`, continues
-        it instead of measuring again."""
-        return self._runtime.dispatch.choice
 
     @property
     def experiment(self) -> Any:
@@ -458,39 +449,12 @@ class Nitro(RunHandle):
     # ------------------------------------------------------------------------------------------
     # evaluation and prediction
 
-    def validate(self, *, weights: str | None = None) -> dict[str, Any]:
-        """Loss and metrics on the 'val' split, e.g. {'val_loss': ..., 'val_acc': ...}.
-        `weights="ema"` evaluates the moving average of the weights (`ema=`)."""
-        return self.evaluate(split="val", weights=weights)
-
-    def evaluate(self, split: str = "test", *, weights: str | None = None) -> dict[str, Any]:
-        """Loss and metrics on any split, prefixed with the split's name.
-
-        On 'val', an epoch trained but not yet validated (a stop during its validation) is
-        validated and its history row committed. Ctrl-C stops cleanly between batches and
-        raises `nitro.Interrupted`; nothing is recorded.
-        """
-        self._check_stale("evaluate")
-        with self._held(f"evaluating {split}"):
-            self._setup.split(split)
-            previous = self.phase
-            try:
-                try:
-                    result = self._evaluate(split, weights)
-                except swaps.HostHookFailed as failure:
-                    self._roll_back_host(failure)
-                    result = self._evaluate(split, weights)
-            finally:
-                self._runtime.prefetcher(split).release_workers()
-                self._events.phase(previous)
-            if result is None:
-                raise Interrupted(
-                    f"evaluating the {split!r} split was interrupted; it stopped cleanly "
-                    f"between batches and recorded nothing"
-                )
-            return result
+    def _trainees(self) -> tuple[Any, TrainState]:
+        return SINGLE, self._state
 
     def _evaluate(self, split: str, weights: str | None) -> dict[str, Any] | None:
+        """On 'val', an epoch trained but not validated (a stop during its validation) is
+        validated and its history row committed."""
         if split == "val" and self._state.epoch_trained and weights is None:
             row = loop.finish_epoch(
                 self._setup,
@@ -504,44 +468,7 @@ class Nitro(RunHandle):
                 self._files.open(self._setup, self._events)
                 self._after_epoch(self._state, row)
             return None if row is None else {k: v for k, v in row.items() if k[:4] == "val_"}
-        self._events.phase(f"evaluating {split}")
-        return evaluation.evaluate_split(
-            self._setup,
-            self._runtime,
-            self._state,
-            self._programs,
-            self._control,
-            split,
-            weights,
-        )
-
-    @overload
-    def predict(self, batch: Mapping[str, Any], *, weights: str | None = None) -> Any: ...
-    @overload
-    def predict(
-        self, batch: Iterable[Mapping[str, Any]], *, weights: str | None = None
-    ) -> Iterator[Any]: ...
-    def predict(self, batch: Any, *, weights: str | None = None):
-        """Run `forward` in eval mode. A dict of arrays -> host numpy outputs; an iterable of
-        such dicts -> an iterator of outputs, one per batch. `weights="ema"` predicts with the
-        moving average of the weights."""
-        self._check_stale("predict")
-        if isinstance(batch, Mapping):
-            return self._predict_batch(batch, weights)
-        prediction.check_batches(self._setup, batch)
-        return (self._predict_batch(b, weights) for b in batch)
-
-    def _predict_batch(self, batch: Mapping[str, Any], weights: str | None = None):
-        with self._held("predicting"):
-            return prediction.predict_batch(
-                self._setup,
-                self._runtime,
-                self._state,
-                self._programs,
-                self._control,
-                batch,
-                weights,
-            )
+        return super()._evaluate(split, weights)
 
     def export(
         self,
@@ -834,17 +761,6 @@ class Nitro(RunHandle):
     def _adopt_code(self, setup: RunSetup, programs: ProgramSet) -> None:
         """A swap or a roll-back: the handle's code is the code the run trains on."""
         self._setup, self._programs = setup, programs
-
-    def _check_stale(self, entry: str) -> None:
-        generation, last = self._stale_checked
-        now = time.monotonic()
-        if generation == edit_generation() and now - last < 1.0:
-            return
-        self._stale_checked = (edit_generation(), now)
-        text = self.stale_report()
-        if text and text != self._stale_seen:
-            progress.note(text)
-        self._stale_seen = text
 
     def __repr__(self) -> str:
         return short_repr(self)

@@ -24,7 +24,6 @@ from nitro.core import progress
 from nitro.core.events import Events
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState
-from nitro.engine.evaluation import evaluate_split
 from nitro.engine.live_edit import live_instance
 from nitro.engine.loop import train_epochs
 from nitro.engine.member_axis import (
@@ -35,7 +34,6 @@ from nitro.engine.member_axis import (
     check_member_layout,
     shown_settings,
 )
-from nitro.engine.prediction import predict_batch
 from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_keywords import RUN_KEYWORDS, resolve_run_keywords
 from nitro.engine.run_time import RunTime
@@ -52,6 +50,7 @@ from nitro.handle.population_members import (
     check_one_program,
     check_shared,
 )
+from nitro.handle.run_handle import scalar_frame
 from nitro.programs.specs import ProgramSet
 from nitro.runs.checkpoint_record import setting_token
 from nitro.runs.epoch_saves import population_save
@@ -283,17 +282,6 @@ class Population(PopulationMembers):
         history's last row has that step, and its weights are those of that step."""
         return {m.index: int(m.stopped_at or 0) for m in self._members if m.stopped is not None}
 
-    @property
-    def steps_per_call(self) -> int | None:
-        """Training steps each program call runs for every member (`steps_per_dispatch=`;
-        "auto": as a run's, measured while the population trains; None until it decided)."""
-        return self._members[0].runtime.dispatch.steps
-
-    @property
-    def dispatch(self):
-        """Steps per program call as decided so far (a `DispatchChoice`, as `n.dispatch`)."""
-        return self._members[0].runtime.dispatch.choice
-
     def _stacked(self) -> Stacked:
         """The members stacked, once: the loop's members object, with the stacked state."""
         with self._stacking:
@@ -417,61 +405,12 @@ class Population(PopulationMembers):
             apply_prunes(self._members, state, self._say)
         return self
 
-    def validate(self, split: str = "val"):
-        """Every member's loss and metrics on `split`, one row per member (a DataFrame
-        indexed by member, with its settings)."""
-        import pandas as pd
+    def _trainees(self) -> tuple[Stacked, PopulationState]:
+        members = self._stacked()
+        return members, members.state
 
-        with self._held(f"evaluating {split}"):
-            lead = self._members[0]
-            lead.setup.split(split)
-            members = self._stacked()
-            try:
-                rows = evaluate_split(
-                    lead.setup,
-                    lead.runtime,
-                    members.state,
-                    self._programs,
-                    self._control,
-                    split,
-                    members=members,
-                )
-            finally:
-                lead.runtime.prefetcher(split).release_workers()
-        if rows is None:
-            from nitro.errors import Interrupted
-
-            raise Interrupted(f"evaluating the {split!r} split was interrupted; nothing recorded")
-        frame = pd.DataFrame(
-            [
-                {**shown_settings(m.settings), **row}
-                for m, row in zip(self._members, rows, strict=True)
-            ]
-        )
-        frame.index.name = "member"
-        return frame
-
-    def evaluate(self, split: str = "test"):
-        """Every member's loss and metrics on any split (as `validate`), one row each."""
-        return self.validate(split)
-
-    def predict(self, batch: Mapping[str, Any]) -> Any:
-        """Every member's `forward` outputs (eval mode) for a dict of batch fields, as host
-        numpy with a leading member axis (`[members, rows, ...]`), from one vmapped
-        program per chunk of rows."""
-        if not isinstance(batch, Mapping):
-            raise TypeError(
-                f"pop.predict takes a dict of batch fields, got {type(batch).__name__}: "
-                f"pop.predict({{'x': xs}})"
-            )
-        with self._held("predicting"):
-            lead, members = self._members[0], self._stacked()
-            return predict_batch(
-                lead.setup,
-                lead.runtime,
-                members.state,
-                self._programs,
-                self._control,
-                batch,
-                members=members,
-            )
+    def _evaluation(self, rows: Any) -> Any:
+        """Every member's loss and metrics, a DataFrame indexed by member, its settings first."""
+        members = zip(self._members, rows, strict=True)
+        shown = [{"member": m.index, **shown_settings(m.settings), **row} for m, row in members]
+        return scalar_frame(shown, ["member"])

@@ -2,7 +2,8 @@
 
 One protocol for both: `train(epochs=, steps=, background=)` on a worker thread, `wait()`,
 `stop()`, `close()`, `phase`, `running`, `background`, `error`, `stop_reason`, `events`,
-`reporter`, `on_phase`, `run_dir`, `run_id`, `target_epoch` and `checkpoints()`. A subclass
+`reporter`, `on_phase`, `run_dir`, `run_id`, `target_epoch`, `dispatch`, `checkpoints()`,
+`validate`, `evaluate`, `predict`, `history()` and the live edits. A subclass
 builds its `_files` (`nitro.runs.run_files.RunFiles`, a population's `PopulationFiles`), its
 events, control and guard, and says how one run of its trains (`_train_run`); the rest is here.
 """
@@ -13,9 +14,10 @@ import contextlib
 import signal
 import sys
 import threading
+import time
 import weakref
 from collections.abc import Iterable, Iterator, Mapping
-from typing import Any, NoReturn, Self
+from typing import Any, NoReturn, Self, overload
 
 import numpy as np
 
@@ -24,7 +26,8 @@ from nitro.core import progress
 from nitro.core.events import Events
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState
-from nitro.engine import live_edit, swaps
+from nitro.engine import evaluation, live_edit, prediction, swaps
+from nitro.engine.dispatch import DispatchChoice
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import (
     PREEMPTED_EXIT_CODE,
@@ -36,7 +39,8 @@ from nitro.engine.runner import (
     wait_for,
 )
 from nitro.engine.swaps import LiveEdit
-from nitro.errors import RunningError
+from nitro.errors import Interrupted, RunningError
+from nitro.experiments.declaration import edit_generation
 from nitro.programs.specs import ProgramSet
 from nitro.programs.staleness import stale_changes, stale_report
 from nitro.runs.run_files import RunFiles
@@ -124,6 +128,19 @@ class RunHandle:
     @property
     def max_epochs(self) -> int:
         return self._lead_setup.max_epochs
+
+    @property
+    def dispatch(self) -> DispatchChoice:
+        """Steps per program call as decided so far (a frozen value: `.steps`, `.reason`,
+        `.describe()`). `Nitro(e2, weights=n)`, or `steps_per_dispatch=n.dispatch`, continues
+        it instead of measuring again."""
+        return self._lead_runtime.dispatch.choice
+
+    @property
+    def steps_per_call(self) -> int | None:
+        """Training steps each program call runs (a population's: for every member);
+        `steps_per_dispatch=`, or "auto"'s measured choice (None until it decided)."""
+        return self._lead_runtime.dispatch.steps
 
     @property
     def target_epoch(self) -> int:
@@ -397,6 +414,113 @@ class RunHandle:
             self._control.stop.clear()
             with events_module.using(self._events):
                 yield
+
+    # ------------------------------------------------------------------------------------------
+    # evaluation and prediction
+
+    def _trainees(self) -> tuple[Any, TrainState]:
+        """What the programs run on: `SINGLE` and the run's state (a population: its stacked
+        members and theirs)."""
+        raise NotImplementedError
+
+    def _evaluation(self, result: Any) -> Any:
+        """What `evaluate` answers for the programs' result (a population: a table)."""
+        return result
+
+    def validate(self, split: str = "val", *, weights: str | None = None) -> Any:
+        """Loss and metrics on the 'val' split, e.g. {'val_loss': ..., 'val_acc': ...} (a
+        population's: a DataFrame, one row per member, indexed by member with its settings).
+        `weights="ema"` evaluates the moving average of the weights (`ema=`)."""
+        return self.evaluate(split, weights=weights)
+
+    def evaluate(self, split: str = "test", *, weights: str | None = None) -> Any:
+        """Loss and metrics on any split, prefixed with the split's name (a population's:
+        every member's, from one vmapped eval forward per batch, as `validate`).
+
+        On 'val', an epoch trained but not yet validated (a stop during its validation) is
+        validated and its history row committed. Ctrl-C stops cleanly between batches and
+        raises `nitro.Interrupted`; nothing is recorded.
+        """
+        self._check_stale("evaluate")
+        with self._held(f"evaluating {split}"):
+            self._lead_setup.split(split)
+            previous = self.phase
+            try:
+                try:
+                    result = self._evaluate(split, weights)
+                except swaps.HostHookFailed as failure:
+                    self._roll_back_host(failure)
+                    result = self._evaluate(split, weights)
+            finally:
+                self._lead_runtime.prefetcher(split).release_workers()
+                self._events.phase(previous)
+            if result is None:
+                raise Interrupted(
+                    f"evaluating the {split!r} split was interrupted; it stopped cleanly "
+                    f"between batches and recorded nothing"
+                )
+            return self._evaluation(result)
+
+    def _evaluate(self, split: str, weights: str | None) -> Any:
+        self._events.phase(f"evaluating {split}")
+        members, state = self._trainees()
+        return evaluation.evaluate_split(
+            self._lead_setup,
+            self._lead_runtime,
+            state,
+            self._programs,
+            self._control,
+            split,
+            weights,
+            members=members,
+        )
+
+    @overload
+    def predict(self, batch: Mapping[str, Any], *, weights: str | None = None) -> Any: ...
+    @overload
+    def predict(
+        self, batch: Iterable[Mapping[str, Any]], *, weights: str | None = None
+    ) -> Iterator[Any]: ...
+    def predict(self, batch: Any, *, weights: str | None = None):
+        """Run `forward` in eval mode. A dict of arrays -> host numpy outputs (a population's
+        with a leading member axis, `[members, rows, ...]`, from one vmapped program per chunk
+        of rows); an iterable of such dicts -> an iterator of outputs, one per batch.
+        `weights="ema"` predicts with the moving average of the weights."""
+        self._check_stale("predict")
+        if isinstance(batch, Mapping):
+            return self._predict_batch(batch, weights)
+        prediction.check_batches(self._lead_setup, batch)
+        return (self._predict_batch(b, weights) for b in batch)
+
+    def _predict_batch(self, batch: Mapping[str, Any], weights: str | None = None):
+        with self._held("predicting"):
+            members, state = self._trainees()
+            return prediction.predict_batch(
+                self._lead_setup,
+                self._lead_runtime,
+                state,
+                self._programs,
+                self._control,
+                batch,
+                weights,
+                members=members,
+            )
+
+    _stale_checked: tuple[int, float] = (-1, 0.0)
+    _stale_seen: str | None = None
+
+    def _check_stale(self, entry: str) -> None:
+        """Say once, at most every second, what changed in the experiment's code since the
+        handle was built."""
+        generation, last = self._stale_checked
+        now = time.monotonic()
+        if generation == edit_generation() and now - last < 1.0:
+            return
+        self._stale_checked = (edit_generation(), now)
+        text = self.stale_report()
+        if text and text != self._stale_seen:
+            progress.note(text)
+        self._stale_seen = text
 
     def _say(self, message: str) -> None:
         """A note for the person at the keyboard: through the reporters, or on stderr."""

@@ -1,6 +1,6 @@
 """What only a population has, over the tools: its members' rows in `nitro_status`, and
-`nitro_population`'s axes or members checked (`MemberPlan`), with the argument a
-`PopulationError` is about (the best member is `Population.ranking`'s first).
+the argument a `PopulationError` is about (what a population may vary is the population's own
+refusal; the best member is `Population.ranking`'s first).
 
 A population (`nitro.Population`, docs/population.md) is one run of many members trained by
 one program; everything else the tools say or do about it is what they say or do about a run
@@ -18,28 +18,24 @@ one program; everything else the tools say or do about it is what they say or do
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from nitro.engine.member_axis import shown_settings
-from nitro.engine.run_keywords import RUN_KEYWORDS
 from nitro.errors import PopulationError
 from nitro.handle.population import Population
 from nitro.mcp.convert import jsonable
-from nitro.mcp.json_keywords import check_run_keywords
 from nitro.mcp.lookup import ToolFailure
 
 __all__ = [
-    "MemberPlan",
     "axes_of",
     "check_member",
     "latest_rows",
     "member_files",
     "member_rows",
     "population_failure",
+    "varied_by",
 ]
 
 
@@ -56,39 +52,41 @@ def axes_of(settings: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
 
 
 def latest_rows(population: Population) -> dict[int, dict[str, Any]]:
-    """Member -> its latest history row (without its settings, counters and `stopped`)."""
+    """Member -> its latest history row (its epoch, step and metrics: no settings, `stopped`)."""
     frame = population.history()
     if frame.empty:
         return {}
-    left_out = {k for s in population.members for k in s} | {"member", "epoch", "step", "stopped"}
-    latest: dict[int, dict[str, Any]] = {}
-    for row in frame.reset_index().to_dict("records"):
-        latest[int(row["member"])] = {str(k): v for k, v in row.items() if k not in left_out}
-    return latest
+    left_out = {k for s in population.members for k in s} | {"member", "stopped"}
+    latest = frame.groupby(level="member").tail(1).reset_index().to_dict("records")
+    return {
+        int(row["member"]): {str(k): v for k, v in row.items() if k not in left_out}
+        for row in latest
+    }
 
 
 def member_rows(population: Population, losses: Sequence[Any]) -> list[dict[str, Any]]:
     """Each member's settings, why it stopped, its own epoch and step (a stopped member's
     stay where it stopped), its latest loss (`losses`) and latest epoch's metrics."""
-    stopped, stopped_at = population.stopped, population.stopped_at
-    frame = population.history()
-    epochs: dict[int, int] = {}
-    if not frame.empty:
-        for member, epoch in frame.index:
-            epochs[int(member)] = max(int(epoch), epochs.get(int(member), 0))
-    rows = latest_rows(population)
-    return [
-        {
-            "member": m,
-            "settings": jsonable(shown_settings(setting)),
-            "stopped": stopped.get(m),
-            "epoch": epochs.get(m, 0) if m in stopped else population.epoch,
-            "step": stopped_at.get(m, population.step) if m in stopped else population.step,
-            "loss": jsonable(losses[m]),
-            "metrics": jsonable(rows.get(m, {})),
-        }
-        for m, setting in enumerate(population.members)
-    ]
+    stopped, rows = population.stopped, latest_rows(population)
+    answer = []
+    for m, setting in enumerate(population.members):
+        metrics = dict(rows.get(m, {}))
+        epoch, step = int(metrics.pop("epoch", 0)), metrics.pop("step", 0)
+        if m not in stopped:
+            epoch = population.epoch
+        step = population.stopped_at.get(m, population.step)
+        answer.append(
+            {
+                "member": m,
+                "settings": jsonable(shown_settings(setting)),
+                "stopped": stopped.get(m),
+                "epoch": epoch,
+                "step": step,
+                "loss": jsonable(losses[m]),
+                "metrics": jsonable(metrics),
+            }
+        )
+    return answer
 
 
 def check_member(run_id: str, count: int | None, member: int | None) -> None:
@@ -124,83 +122,33 @@ def population_failure(
     """`error`'s message as a tool error, led by the argument it is about: `where` maps the
     names the population was given (axes, member settings, shared keywords) to the argument
     that gave each (`axes.width`, `keywords.logger`)."""
-    message = str(error)
+    message = str(error)  # a member's value: "member 1 (seed=...): <what it is about>"
+    about = message.split("): ", 1)[-1] if message.startswith("member ") else message
     for name, argument in where.items():
-        if message.startswith((f"{name} ", f"axis {name}=")) or f"does not take {name}=" in message:
+        if about.startswith((f"{name} ", f"axis {name}=")) or f"does not take {name}=" in about:
             return ToolFailure(f"{argument}: {message}")
     return ToolFailure(f"{default}: {message}")
 
 
-@dataclasses.dataclass
-class MemberPlan:
-    """What varies across a population's members, checked: the axes or each member's
-    values, which argument gave each name (for a `PopulationError`), and the argument that
-    gave them (`axes` or `members`). The shared part is a run's (`nitro_train`'s checks)."""
-
-    axes: dict[str, list[Any]]
-    members: list[dict[str, Any]] | None
-    where: dict[str, str]
-    argument: str
-
-    @property
-    def count(self) -> int:
-        """How many members the population has: one per member, or per axes' combination."""
-        if self.members is not None:
-            return len(self.members)
-        return math.prod(len(values) for values in self.axes.values())
-
-    @classmethod
-    def check(
-        cls,
-        axes: Mapping[str, list[Any]] | None,
-        members: list[Mapping[str, Any]] | None,
-        shared: Mapping[str, str],
-        overrides: Mapping[str, Any] | None,
-    ) -> MemberPlan:
-        """`shared`: the run keywords every member shares -> the argument that gave each."""
-        if axes is not None and members is not None:
-            raise ToolFailure(
-                "members: give axes ({name: [values]}: every combination is a member) or "
-                "members ([{...}, ...]: one object per member), not both"
-            )
-        if axes is None and members is None:
-            raise ToolFailure(
-                'axes: give what varies across the members: axes {"learning_rate": [0.001, '
-                '0.01]} (every combination is a member) or members [{"learning_rate": 0.001}, '
-                "...]"
-            )
-        varied = {name: f"axes.{name}" for name in axes or {}}
-        for i, setting in enumerate(members or []):
-            for name in setting:
-                varied.setdefault(name, f"members[{i}].{name}")
-        for name, argument in varied.items():
-            if name in shared:
-                raise ToolFailure(
-                    f"{argument}: {name!r} varies across the members, and {shared[name]} gives "
-                    f"every member one value; give it once"
-                )
-            if name in (overrides or {}):
-                raise ToolFailure(
-                    f"{argument}: {name!r} varies across the members, and overrides.{name} "
-                    f"gives every member one value; give it once"
-                )
-        checked_axes = {
-            name: [_member_value(name, v, f"axes.{name}[{i}]") for i, v in enumerate(values)]
-            for name, values in (axes or {}).items()
-        }
-        checked_members = None
-        if members is not None:
-            checked_members = [
-                {k: _member_value(k, v, f"members[{i}].{k}") for k, v in setting.items()}
-                for i, setting in enumerate(members)
-            ]
-        argument = "axes" if axes is not None else "members"
-        return cls(checked_axes, checked_members, {**shared, **varied}, argument)
-
-
-def _member_value(name: str, value: Any, where: str) -> Any:
-    """One member's value of a run keyword, checked as `nitro_train` checks it (a field's
-    value is the population's to check)."""
-    if name not in RUN_KEYWORDS:
-        return value
-    return check_run_keywords({name: value}, {name: where})[name]
+def varied_by(
+    axes: Mapping[str, Any] | None,
+    members: Sequence[Mapping[str, Any]] | None,
+    shared: Mapping[str, str],
+) -> dict[str, str]:
+    """Each name the members vary -> the argument that gave it (`axes.lr`, `members[1].seed`),
+    refusing none, and a name `shared` (name -> its argument) gives every member once. The
+    rest is the population's to refuse (`population_failure` names the argument)."""
+    if axes is None and members is None:
+        raise ToolFailure(
+            'axes: give what varies across the members: axes {"learning_rate": [0.001, 0.01]} '
+            '(every combination is a member) or members [{"learning_rate": 0.001}, ...]'
+        )
+    varied = {name: f"axes.{name}" for name in axes or {}}
+    for i, setting in enumerate(members or []):
+        varied |= {name: f"members[{i}].{name}" for name in setting if name not in varied}
+    for name in sorted(varied.keys() & shared.keys()):
+        raise ToolFailure(
+            f"{varied[name]}: {name!r} varies across the members, and {shared[name]} gives "
+            f"every member one value; give it once"
+        )
+    return varied

@@ -28,6 +28,7 @@ raises `ToolFailure` with a message for the agent. Only the handle's public API 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import secrets
 import threading
@@ -57,11 +58,11 @@ from nitro.mcp.describe import describe, latest_steps
 from nitro.mcp.json_keywords import check_run_keywords, checkpoint_pair
 from nitro.mcp.lookup import ToolFailure, build_experiment, find_experiment
 from nitro.mcp.members import (
-    MemberPlan,
     check_member,
     latest_rows,
     member_files,
     population_failure,
+    varied_by,
 )
 from nitro.mcp.paths import PathPolicy
 from nitro.mcp.registry import RUNS, RunRecord, RunRegistry, RunStatus
@@ -770,7 +771,10 @@ class ToolSession:
         typed = {"max_epochs": max_epochs, "weights": weights}
         shared = {name: f"keywords.{name}" for name in keywords or {}}
         shared |= {name: name for name, value in typed.items() if value is not None}
-        plan = MemberPlan.check(axes, members, shared, overrides)
+        shared |= {name: f"overrides.{name}" for name in overrides or {}}
+        where = shared | varied_by(axes, members, shared)
+        argument = "members" if members is not None else "axes"
+        count = len(members) if members is not None else math.prod(map(len, (axes or {}).values()))
         instance, checked = self._new_handle_plan(experiment, overrides, keywords, typed, preset)
         # a list would be an axis: a shared value that is a list (eval_splits) goes as a tuple
         checked: dict[str, Any] = {
@@ -781,7 +785,7 @@ class ToolSession:
 
         def build(record: RunRecord) -> Population:
             try:
-                population = Population(instance, members=plan.members, **plan.axes, **checked)
+                population = Population(instance, members=members, **(axes or {}), **checked)
             except PopulationError as error:
                 refused.append(error)
                 raise
@@ -798,7 +802,7 @@ class ToolSession:
             _training(build, epochs, steps),
             experiment=type(instance).__qualname__,
             before=self.before_run,
-            members=plan.count,
+            members=count,
         )
         if not ready.wait(wait_seconds):
             row = self._describe(self._find(record.run_id), brief=True)
@@ -808,7 +812,7 @@ class ToolSession:
             )
             return row
         if refused:
-            raise population_failure(refused[0], plan.where, plan.argument)
+            raise population_failure(refused[0], where, argument)
         if record.handle is None:  # the setup failed: a hook, the data
             self.registry.wait(record.run_id, 30)
             raise ToolFailure(f"population (run {record.run_id}) failed: {record.error}")
