@@ -214,10 +214,11 @@ class Population(PopulationMembers):
             configs=[run_config(m.setup) for m in self._members],
             logs=loggers.get("logger", True) is not None,
         )
-        self._logging = MemberLogging.of(self, self._members, self._files, **loggers)
-        self._events.add(self._logging)
+        self._logging = MemberLogging(self, self._members, self._files, **loggers)
+        if self._logging.reporters:  # logger=None costs nothing
+            self._events.add(self._logging)
         if self._files.resume_from is not None:
-            reporters = self._logging.reporters if self._logging is not None else None
+            reporters = self._logging.reporters or None
             with events_module.using(self._events):
                 state = self._stacked().state
                 restore_population(self._files, self._members, state, reporters, self._say)
@@ -367,7 +368,7 @@ class Population(PopulationMembers):
         return reason
 
     def _save(self, state: PopulationState, reason: str | None):
-        reporters = self._logging.reporters if self._logging is not None else None
+        reporters = self._logging.reporters or None
         return population_save(self._files, self._members, state, reason, reporters)
 
     def _after_epoch(self, state: PopulationState) -> str | None:

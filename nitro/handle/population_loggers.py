@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -32,29 +33,20 @@ __all__ = ["MemberLogging", "member_loggers"]
 _DEFAULT = object()  # logger= not given: JSON Lines per member, as a single run
 
 
-def member_loggers(spec: Any, count: int, run_id: str) -> list[LoggerGroup] | None:
+def member_loggers(spec: Any, count: int, run_id: str) -> list[Any]:
     """What `logger=` of a population gives each member: not given, `JSONLinesLogger()` (as
     a single run); None, nothing; a function, what it returns for the member's index (a
     logger class is called with no argument); Nitro's own loggers (one, or a list), a copy
     of each per member, writing in the member's directory (one MLflow or W&B run each)."""
     if spec is None:
-        return None
-    if spec is _DEFAULT:
-        return [LoggerGroup([JSONLinesLogger()]) for _ in range(count)]
-    made: list[Any]
-    if isinstance(spec, type):
-        made = [spec() for _ in range(count)]
-    elif callable(spec) and not hasattr(spec, "log_metrics"):
-        made = [spec(i) for i in range(count)]
-    else:
-        given = as_logger(spec)  # refuses an object that is not a logger, naming what it lacks
-        loggers = given.loggers if isinstance(given, LoggerGroup) else (given,)
-        made = [[_member_copy(lg, i, run_id) for lg in loggers] for i in range(count)]
-    groups = []
-    for logger in made:
-        group = as_logger(logger)  # None: this member logs nothing
-        groups.append(group if isinstance(group, LoggerGroup) else LoggerGroup([group]))
-    return groups
+        return []
+    if spec is _DEFAULT or isinstance(spec, type):
+        return [(JSONLinesLogger if spec is _DEFAULT else spec)() for _ in range(count)]
+    if callable(spec) and not hasattr(spec, "log_metrics"):
+        return [spec(i) for i in range(count)]
+    given = as_logger(spec)  # refuses an object that is not a logger, naming what it lacks
+    loggers = given.loggers if isinstance(given, LoggerGroup) else (given,)
+    return [[_member_copy(logger, i, run_id) for logger in loggers] for i in range(count)]
 
 
 def _member_copy(logger: Any, index: int, run_id: str) -> Any:
@@ -97,69 +89,49 @@ def _member_copy(logger: Any, index: int, run_id: str) -> Any:
     )
 
 
-class _MemberView:
-    """What a `LoggingReporter` reads of its handle, for one member of a population: the
-    member's setup and run-time record, and where it stands in the population's run."""
-
-    def __init__(self, files: PopulationFiles, member: Any, population: Any):
-        self._files, self._member, self._population = files, member, population
-        self.setup, self.runtime = member.setup, member.runtime
-
-    @property
-    def run_dir(self) -> str:
-        return str(member_dir(self._files.run_dir, self._member.index))
-
-    @property
-    def run_id(self) -> str:
-        return member_run_id(self._files.run_id, self._member.index)
-
-    @property
-    def logger_tags(self) -> dict[str, str]:
-        settings = {k: str(plain_value(v)) for k, v in self._member.settings.items()}
-        return {"population": self._files.run_id, "member": str(self._member.index)} | settings
-
-    @property
-    def epoch(self) -> int:
-        member = self._member  # a stopped member's epoch stays where it stopped
-        return self._population.epoch if member.stopped is None else member.state.epoch
-
-    @property
-    def stop_reason(self) -> str | None:
-        stopped = self._member.stopped
-        if stopped is None:
-            return self._population.stop_reason
-        if stopped.startswith("diverged"):
-            return "error"
-        return "early_stop" if stopped.startswith("early stop") else "requested"
-
-    def binding_report(self):
-        member = self._member
-        step = self._population.step if member.stopped is None else member.stopped_at
-        return binding_report(member.setup, member.runtime, step, self.run_dir, self.run_id)
-
-
 class MemberLogging:
     """A reporter of the population's events: each member's logger run, through a
     `LoggingReporter` of its own (its steps' losses, its history rows, its end)."""
 
-    def __init__(self, reporters: Sequence[LoggingReporter], views: Sequence[_MemberView]):
-        self.reporters = list(reporters)
-        self.views = list(views)
+    def __init__(
+        self,
+        population: Any,
+        members: Sequence[Any],
+        files: PopulationFiles,
+        logger: Any = _DEFAULT,
+    ):
+        self.population, self.members, self.files = population, members, files
+        made = member_loggers(logger, len(members), files.run_id)  # None: a member logs nothing
+        self.reporters = [LoggingReporter(LoggerGroup([logger])) for logger in made]
 
-    @classmethod
-    def of(
-        cls, population: Any, members: Sequence[Any], files: PopulationFiles, logger: Any = _DEFAULT
-    ) -> MemberLogging | None:
-        """The members' logger runs `logger=` gives (`member_loggers`); None for none."""
-        groups = member_loggers(logger, len(members), files.run_id)
-        if groups is None:
-            return None
-        views = [_MemberView(files, m, population) for m in members]
-        return cls([LoggingReporter(group) for group in groups], views)
+    def _view(self, member: Any) -> SimpleNamespace:
+        """What a `LoggingReporter` reads of a run's handle, for `member` as it stands: its
+        setup and run-time record, its directory, and where it stands in the run."""
+        population, stopped, index = self.population, member.stopped, member.index
+        run_dir = str(member_dir(self.files.run_dir, index))
+        run_id = member_run_id(self.files.run_id, index)
+        step = population.step if stopped is None else member.stopped_at
+        reason = population.stop_reason
+        if stopped is not None:  # a stopped member's epoch and end stay where it stopped
+            kind = "early_stop" if stopped.startswith("early stop") else "requested"
+            reason = "error" if stopped.startswith("diverged") else kind
+        tags = {k: str(plain_value(v)) for k, v in member.settings.items()}
+        return SimpleNamespace(
+            setup=member.setup,
+            runtime=member.runtime,
+            run_dir=run_dir,
+            run_id=run_id,
+            logger_tags={"population": self.files.run_id, "member": str(index)} | tags,
+            epoch=population.epoch if stopped is None else member.state.epoch,
+            stop_reason=reason,
+            binding_report=lambda: binding_report(
+                member.setup, member.runtime, step, run_dir, run_id
+            ),
+        )
 
     def start_run(self, population: Any, target_epoch: int) -> None:
-        for reporter, view in zip(self.reporters, self.views, strict=True):
-            reporter.start_run(view, target_epoch)
+        for reporter, member in zip(self.reporters, self.members, strict=True):
+            reporter.start_run(self._view(member), target_epoch)
 
     def start_epoch(self, epoch: int, target_epoch: int, batches: int | None, start: int) -> None:
         for reporter in self.reporters:
@@ -171,21 +143,19 @@ class MemberLogging:
 
     def member_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:
         for row in rows:  # the members that trained this epoch (a stopped one's ended)
-            index = int(row["member"])
-            history = self.views[index]._member.state.history
+            history = self.members[int(row["member"])].state.history
             if history:
-                self.reporters[index].end_epoch(history[-1])
+                self.reporters[int(row["member"])].end_epoch(history[-1])
 
     def member_validated(self, rows: Sequence[Mapping[str, Any]]) -> None:
         for row in rows:  # the members that train (a stopped one has no validation after)
-            self.reporters[int(row["member"])].validated(
-                {k: v for k, v in row.items() if k != "member"}
-            )
+            values = {k: v for k, v in row.items() if k != "member"}
+            self.reporters[int(row["member"])].validated(values)
 
     def phase(self, phase: str) -> None:
         for reporter in self.reporters:
             reporter.phase(phase)
 
     def end_run(self, population: Any) -> None:
-        for reporter, view in zip(self.reporters, self.views, strict=True):
-            reporter.end_run(view)
+        for reporter, member in zip(self.reporters, self.members, strict=True):
+            reporter.end_run(self._view(member))
