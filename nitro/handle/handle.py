@@ -32,7 +32,7 @@ from nitro.engine.member_axis import SINGLE
 from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_keywords import KEYWORD_ONLY, RUN_KEYWORDS, resolve_run_keywords
 from nitro.engine.run_time import RunTime
-from nitro.engine.runner import RunControl, RunGuard
+from nitro.engine.runner import RunGuard
 from nitro.engine.setup import build
 from nitro.engine.weights_copy import copy_weights
 from nitro.errors import ExperimentError, SetupError, did_you_mean
@@ -165,10 +165,7 @@ class Nitro(RunHandle):
 
             self._logging = LoggingReporter(resolved.logger)
             self._events.add(self._logging)
-        self._control = RunControl()
-        self._control.say = self._say
-        self._guard = RunGuard(lambda: f"this {cls.__name__} handle")
-        self._take_edits_when_free()
+        self._guard_with(RunGuard(lambda: f"this {cls.__name__} handle"))
         self._checkpoint: SavedWeights | None = None
         self._live_scheduled: set[str] = set()  # Device fields scheduled by set_schedule
         self._stale_checked = (edit_generation(), 0.0)

@@ -37,7 +37,7 @@ from nitro.engine.member_axis import (
 from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_keywords import RUN_KEYWORDS, resolve_run_keywords
 from nitro.engine.run_time import RunTime
-from nitro.engine.runner import RunControl, RunGuard
+from nitro.engine.runner import RunGuard
 from nitro.engine.setup import build
 from nitro.errors import PopulationError, SetupError
 from nitro.experiments.declaration import field_specs
@@ -158,10 +158,7 @@ class Population(PopulationMembers):
         }
         self._files_keywords = {k: v for k, v in shared.items() if k in FILE_KEYWORDS}
         self._experiment = replace(experiment, **shared_fields)
-        self._control = RunControl()
-        self._control.say = self._say
-        self._guard = RunGuard(lambda: f"this {cls.__name__} population", name="pop")
-        self._take_edits_when_free()
+        self._guard_with(RunGuard(lambda: f"this {cls.__name__} population", name="pop"))
         reporter = progress.make_reporter(
             self._shared_keywords.get("progress", True), population=True
         )
@@ -324,12 +321,8 @@ class Population(PopulationMembers):
         instance of the class it names."""
         self._programs = programs
         for member in self._members:
-            if member.index == 0:
-                member.setup = setup
-            else:
-                member.setup = dataclasses.replace(
-                    member.setup, experiment=setup.experiment, model=setup.model
-                )
+            own = dataclasses.replace(member.setup, experiment=setup.experiment, model=setup.model)
+            member.setup = setup if member.index == 0 else own
             member.experiment = live_instance(member.experiment, setup.cls)
             member.runtime.experiment = live_instance(member.runtime.experiment, setup.cls)
 

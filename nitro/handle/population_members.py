@@ -11,7 +11,7 @@ import jax
 
 from nitro.core.progress import ranked_members
 from nitro.core.train_state import Variables
-from nitro.engine.member_axis import Member, Stacked, shown_settings
+from nitro.engine.member_axis import Member, Stacked, shown_settings, unstack
 from nitro.engine.run_keywords import RUN_KEYWORDS
 from nitro.errors import PopulationError
 from nitro.experiments.declaration import FieldKind
@@ -70,6 +70,12 @@ class PopulationMembers(RunHandle):
         ]
         return scalar_frame(rows, ["member", index])
 
+    @property
+    def last_metrics(self) -> list[dict[str, Any]]:
+        """Each member's latest history row (loss, validation metrics, timing; a stopped
+        member's last), as `Nitro.last_metrics` is a run's; empty before its first epoch."""
+        return [dict(m.state.last_row) for m in self._members]
+
     def member(self, index: int, **keywords: Any) -> Nitro:
         """A `Nitro` handle of member `index`: its settings as keywords, its current weights
         via `weights=` (the optimizer state and counters start fresh, as `weights=` does);
@@ -92,10 +98,7 @@ class PopulationMembers(RunHandle):
         variables = member.state.variables
         if self._axis is not None:  # its slice of the stacked variables
             stacked = self._axis.state.variables
-            variables = Variables(
-                params=[leaf[index] for leaf in stacked.params],
-                model_state=[leaf[index] for leaf in stacked.model_state],
-            )
+            variables = unstack(Variables(stacked.params, stacked.model_state), index)
         return WeightsSource.of(
             member.setup.model,
             variables,
@@ -108,7 +111,8 @@ class PopulationMembers(RunHandle):
         """The metric the members rank by and, best first, (member, value) for each member
         still training whose latest `metric` is finite (default: `val_loss` when their rows
         have it, else `loss`; `mode` "min" for a metric named like a loss, else "max")."""
-        rows = [{"member": m.index, **m.state.last_row} for m in self._members if m.stopped is None]
+        latest = zip(self._members, self.last_metrics, strict=True)
+        rows = [{"member": m.index, **row} for m, row in latest if m.stopped is None]
         metric, order = ranked_members(rows, metric, mode)
         ranked = [(int(row["member"]), finite(row.get(metric))) for row in order]
         return metric, [(index, value) for index, value in ranked if value is not None]
@@ -119,7 +123,7 @@ class PopulationMembers(RunHandle):
         that stopped (diverged) are passed over. See `member()` for what the handle holds."""
         _, ranked = self.ranking(metric, mode)
         if not ranked:
-            known = sorted({k for m in self._members for k in m.state.last_row})
+            known = sorted({k for row in self.last_metrics for k in row})
             raise PopulationError(
                 f"no member has a finite {metric!r} to choose by"
                 + (f" (history columns: {', '.join(known)})" if known else ": train first")

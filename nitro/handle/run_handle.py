@@ -535,9 +535,13 @@ class RunHandle:
     _programs: ProgramSet
     _live_edits: bool | None = None
 
-    def _take_edits_when_free(self) -> None:
-        """Built with the guard: an edit that became ready while the handle was busy
-        (validating, predicting) is taken once the guard lets go."""
+    def _guard_with(self, guard: RunGuard) -> None:
+        """The handle's control (its stop requests, its notes) and `guard`, which takes an
+        edit that became ready while the handle was busy (validating, predicting) once it
+        lets go."""
+        self._control = RunControl()
+        self._control.say = self._say
+        self._guard = guard
         self._live_lock = threading.Lock()
         take_ready_edit = weakref.WeakMethod(self._take_ready_edit)  # the guard holds no handle
 

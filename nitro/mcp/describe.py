@@ -30,7 +30,7 @@ import numpy as np
 from nitro.handle.handle import Nitro
 from nitro.handle.population import Population
 from nitro.mcp.convert import jsonable
-from nitro.mcp.members import axes_of, latest_rows, member_rows
+from nitro.mcp.members import axes_of, member_rows
 from nitro.mcp.registry import RunRecord, RunStatus
 
 __all__ = ["LatestSteps", "describe", "error_text", "latest_steps"]
@@ -196,8 +196,6 @@ def _member_losses(population: Population, recorder: LatestSteps | None) -> list
     """Each member's latest loss: the latest step's, read back by the reporter, else the
     latest epoch's."""
     read = [] if recorder is None else recorder.losses
-    rows = latest_rows(population)
-    losses = [
-        read[m] if m < len(read) else rows.get(m, {}).get("loss") for m in range(len(population))
-    ]
+    rows = population.last_metrics
+    losses = [read[m] if m < len(read) else rows[m].get("loss") for m in range(len(population))]
     return jsonable(losses)

@@ -31,7 +31,6 @@ from nitro.mcp.lookup import ToolFailure
 __all__ = [
     "axes_of",
     "check_member",
-    "latest_rows",
     "member_files",
     "member_rows",
     "population_failure",
@@ -51,29 +50,14 @@ def axes_of(settings: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
     return axes
 
 
-def latest_rows(population: Population) -> dict[int, dict[str, Any]]:
-    """Member -> its latest history row (its epoch, step and metrics: no settings, `stopped`)."""
-    frame = population.history()
-    if frame.empty:
-        return {}
-    left_out = {k for s in population.members for k in s} | {"member", "stopped"}
-    latest = frame.groupby(level="member").tail(1).reset_index().to_dict("records")
-    return {
-        int(row["member"]): {str(k): v for k, v in row.items() if k not in left_out}
-        for row in latest
-    }
-
-
 def member_rows(population: Population, losses: Sequence[Any]) -> list[dict[str, Any]]:
     """Each member's settings, why it stopped, its own epoch and step (a stopped member's
     stay where it stopped), its latest loss (`losses`) and latest epoch's metrics."""
-    stopped, rows = population.stopped, latest_rows(population)
+    stopped, latest = population.stopped, population.last_metrics
     answer = []
     for m, setting in enumerate(population.members):
-        metrics = dict(rows.get(m, {}))
-        epoch, step = int(metrics.pop("epoch", 0)), metrics.pop("step", 0)
-        if m not in stopped:
-            epoch = population.epoch
+        metrics = {k: v for k, v in latest[m].items() if k not in ("step", "stopped")}
+        epoch = int(metrics.pop("epoch", 0)) if m in stopped else population.epoch
         step = population.stopped_at.get(m, population.step)
         answer.append(
             {
@@ -101,14 +85,13 @@ def member_files(population: Population) -> dict[str, Any]:
     """What `nitro_logger` says about a population: each member logs into a directory of its
     own in the population's run directory, and the files there."""
     root = Path(population.run_dir)
-    members = []
-    for m in range(len(population)):
-        directory = root / f"member-{m}"
-        files = sorted(f.name for f in directory.iterdir()) if directory.is_dir() else []
-        members.append({"member": m, "dir": str(directory), "files": files})
+    directories = [root / f"member-{m}" for m in range(len(population))]
     return {
         "logger": "per member",
-        "members": members,
+        "members": [
+            {"member": m, "dir": str(d), "files": sorted(f.name for f in d.glob("*"))}
+            for m, d in enumerate(directories)
+        ],
         "run_url": root.as_uri(),
         "note": "each member logs into member-<i>/ of the run directory (metrics.jsonl by "
         "default; none before the population first trains); nitro_status with history=true "

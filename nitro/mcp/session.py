@@ -59,7 +59,6 @@ from nitro.mcp.json_keywords import check_run_keywords, checkpoint_pair
 from nitro.mcp.lookup import ToolFailure, build_experiment, find_experiment
 from nitro.mcp.members import (
     check_member,
-    latest_rows,
     member_files,
     population_failure,
     varied_by,
@@ -846,7 +845,7 @@ class ToolSession:
         if index is None:
             _, ranked = population.ranking(metric, mode)
             if not ranked:
-                columns = sorted({k for row in latest_rows(population).values() for k in row})
+                columns = sorted({k for row in population.last_metrics for k in row})
                 known = f"; history columns: {', '.join(columns)}" if columns else ""
                 raise ToolFailure(
                     f"metric: no member of population {run_id} that still trains has a finite "
