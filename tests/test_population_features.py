@@ -248,6 +248,18 @@ def test_a_never_trained_population_predicts_validates_and_evaluates():
         assert scores["val_loss"].iloc[i] == pytest.approx(solo.validate()["val_loss"], abs=1e-6)
 
 
+def test_a_population_evaluates_and_predicts_with_each_members_moving_average():
+    pop = population(ema=0.9).train()
+    x = {"x": np.zeros((3, 64), np.float32)}
+    scores, outputs = pop.validate(weights="ema"), pop.predict(x, weights="ema")
+    for i, settings in enumerate(pop.members):
+        solo = alone(settings, ema=0.9)
+        assert scores["val_loss"].iloc[i] == pytest.approx(
+            solo.validate(weights="ema")["val_loss"], abs=1e-5
+        )
+        np.testing.assert_allclose(outputs[i], solo.predict(x, weights="ema"), atol=1e-5)
+
+
 def test_member_and_best_are_handles_equal_to_the_member():
     pop = population().train()
     best = pop.best("val_loss")

@@ -82,28 +82,22 @@ class PopulationMembers(RunHandle):
         `keywords` are passed on (e.g. `max_epochs=`, `run_dir=`)."""
         if not 0 <= index < len(self):
             raise IndexError(f"member {index} of a population of {len(self)}")
-        with self._guard.hold(f"taking member {index} as a handle"):
-            weights = self._member_weights(index)
-        member = self._members[index]
-        given = dict(member.setup.given_keywords)
-        data = {} if self._data is None else {"data": self._data}
-        return Nitro(member.experiment, weights=weights, **{**data, **given, **keywords})
-
-    def _member_weights(self, index: int) -> WeightsSource:
-        """Copies of member `index`'s current weights (the population is held)."""
         member = self._members[index]
         epoch, step = self.epoch, self.step
         if member.stopped is not None:  # its weights are those of its stop
             epoch, step = member.state.epoch, member.stopped_at
-        variables = member.state.variables
-        if self._axis is not None:  # its slice of the stacked variables
-            stacked = self._axis.state.variables
-            variables = unstack(Variables(stacked.params, stacked.model_state), index)
-        return WeightsSource.of(
-            member.setup.model,
-            variables,
-            f"{member.label} of a {self.cls.__name__} population at epoch {epoch}, step {step}",
-        )
+        with self._guard.hold(f"taking member {index} as a handle"):
+            variables = member.state.variables
+            if self._axis is not None:  # its slice of the stacked variables (new arrays)
+                stacked = self._axis.state.variables
+                variables = unstack(Variables(stacked.params, stacked.model_state), index)
+            where = (
+                f"{member.label} of a {self.cls.__name__} population at epoch {epoch}, step {step}"
+            )
+            weights = WeightsSource.of(member.setup.model, variables, where)
+        data = {} if self._data is None else {"data": self._data}
+        given = dict(member.setup.given_keywords)
+        return Nitro(member.experiment, weights=weights, **{**data, **given, **keywords})
 
     def ranking(
         self, metric: str | None = None, mode: str | None = None
