@@ -218,7 +218,7 @@ def test_a_null_run_keyword_is_refused_naming_the_argument_and_the_default(conne
     keyword, axis = anyio.run(scenario)
     assert "keywords.accum: accum=None is not a setting (accum: micro-batches per" in keyword
     assert "Leave it out for the default (the framework's: accum=1)" in keyword
-    assert "axes.seed[1]: seed=None is not a setting (seed: seeds the model's" in axis
+    assert "axes.seed: member 1 (seed=None): seed=None is not a setting (seed: seeds" in axis
 
 
 def test_predict_refuses_ragged_inputs_and_names_a_missing_field(connect):

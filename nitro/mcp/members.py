@@ -108,7 +108,10 @@ def population_failure(
     message = str(error)  # a member's value: "member 1 (seed=...): <what it is about>"
     about = message.split("): ", 1)[-1] if message.startswith("member ") else message
     for name, argument in where.items():
-        if about.startswith((f"{name} ", f"axis {name}=")) or f"does not take {name}=" in about:
+        if (
+            about.startswith((f"{name} ", f"{name}=", f"axis {name}="))
+            or f"does not take {name}=" in about
+        ):
             return ToolFailure(f"{argument}: {message}")
     return ToolFailure(f"{default}: {message}")
 
