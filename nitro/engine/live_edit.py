@@ -53,6 +53,7 @@ from nitro.experiments.fingerprint import (
     code_digest,
     diff_parts,
 )
+from nitro.experiments.equinox import as_nnx_model
 from nitro.experiments.linen import is_linen
 from nitro.experiments.presets import preset_of, remember
 from nitro.optim.param_groups import leaf_paths
@@ -108,7 +109,7 @@ def _model_setup(setup: RunSetup, instance: Any, variables: Any):
     """The model's new graph definitions and fingerprint for edited model classes, when the
     parameters and the model state keep their layout (else `Refused`)."""
     abstract = nnx.eval_shape(
-        lambda: build_model(lambda: instance.build_model(nnx.Rngs(setup.seed)))
+        lambda: build_model(lambda: as_nnx_model(instance.build_model(nnx.Rngs(setup.seed))))
     )
     if isinstance(abstract, Mapping):
         abstract = nnx.Dict({str(k): v for k, v in abstract.items()})

@@ -53,6 +53,7 @@ from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_time import RunTime
 from nitro.errors import PlacementError, RoutingError, SetupError
 from nitro.experiments.declaration import FieldKind, field_specs, has_method
+from nitro.experiments.equinox import as_nnx_model
 from nitro.experiments.fingerprint import CodeFingerprint, Fingerprinter
 from nitro.experiments.linen import bridge_linen, is_linen
 from nitro.experiments.presets import preset_of
@@ -444,7 +445,7 @@ def _build_model(
 ) -> BuiltModel:
     """The model's graph definitions and weights (`weights=` copied over the new ones)."""
     events.phase("building model")
-    model = build_model(lambda: instance.build_model(nnx.Rngs(seed)))
+    model = build_model(lambda: as_nnx_model(instance.build_model(nnx.Rngs(seed))))
     if isinstance(model, Mapping):  # several models, by name (GANs, teacher and student, ...)
         bad = {k: type(v).__name__ for k, v in model.items() if not isinstance(v, nnx.Module)}
         if not model or bad:
@@ -463,8 +464,8 @@ def _build_model(
         model = bridge_linen(model, nnx.Rngs(seed), _first_forward(instance, *linen_init))
     if not isinstance(model, nnx.Module):
         raise SetupError(
-            f"build_model must return a flax.nnx.Module or a flax.linen.Module; got "
-            f"{type(model).__name__}"
+            f"build_model must return a flax.nnx.Module, a flax.linen.Module or an "
+            f"equinox.Module; got {type(model).__name__}"
         )
     graphdefs, params, rest = model_graphdefs(model)
     if weights is None:
