@@ -198,6 +198,7 @@ def build(
         eval_splits=eval_splits,
         max_steps=keywords.max_steps,
         val_every_steps=keywords.val_every_steps,
+        frozen_statistics=_frozen_statistics(instance, keywords, model.model_state, optimizer),
     )
     runtime = RunTime(
         experiment=instance,
@@ -223,6 +224,43 @@ def build(
         seed=keywords.seed,
     )
     return setup, runtime, state
+
+
+def _frozen_statistics(
+    instance: Any, keywords: RunKeywords, model_state: Any, optimizer: Any
+) -> tuple[tuple[int, str], ...]:
+    """`freeze_batch_stats=True`: each batch statistic (`nnx.BatchStat`) of the model state,
+    by leaf index, with the fed learning rate of its group (`param_group` of its path)."""
+    if not keywords.freeze_batch_stats or optimizer is None:
+        return ()
+    names = set(optimizer.names)
+    if "learning_rate" in names:  # no groups: the run's learning rate
+        group_of = lambda path: None  # noqa: E731
+    elif not has_method(type(instance), "param_group") or not optimizer.groups:
+        raise SetupError(
+            "freeze_batch_stats=True keeps a group's batch statistics while the group's "
+            "learning rate is 0, and this optimizer feeds no learning rate per group: define "
+            "`param_group(self, path)`, or drop freeze_batch_stats"
+        )
+    else:
+        group_of = instance.param_group
+    variables = jax.tree.leaves(model_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    frozen = []
+    for i, (path, variable) in enumerate(
+        zip(leaf_paths(model_state), variables, strict=True)
+    ):
+        if not isinstance(variable, nnx.BatchStat):
+            continue
+        group = group_of(path)
+        name = "learning_rate" if group is None else f"{group}/learning_rate"
+        if name not in names:
+            raise SetupError(
+                f"param_group({path!r}) returned {group!r} for a batch statistic "
+                f"(freeze_batch_stats=True groups them with the parameters), and no parameter "
+                f"is in that group; return the group of the layer's parameters"
+            )
+        frozen.append((i, name))
+    return tuple(frozen)
 
 
 def _placement(keywords: RunKeywords) -> Placement:
