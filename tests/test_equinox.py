@@ -76,21 +76,21 @@ def test_a_diffrax_style_equinox_model_trains_checkpoints_and_exports(tmp_path):
         "mlp.layers.2.weight",
     )
     # the trained equinox module, called as equinox code calls it, predicts what Nitro does
-    module = n.model.equinox
+    module = n.model.equinox  # pyright: ignore[reportAttributeAccessIssue]
     assert isinstance(module, Func)
     expected = jax.vmap(lambda y: module(0.0, y, None))(Y[:8])
     predicted = np.asarray(n.predict({"y": Y[:8]}))
     np.testing.assert_allclose(predicted, expected, rtol=1e-5, atol=1e-6)
     # a checkpoint read back into a new handle predicts the same
     step = int(n.checkpoints()["step"].iloc[-1])
-    back = nitro.Nitro(
-        VectorField(), weights=f"{n.run_dir}/checkpoints/{step}", progress=False
-    )
+    back = nitro.Nitro(VectorField(), weights=f"{n.run_dir}/checkpoints/{step}", progress=False)
     np.testing.assert_array_equal(np.asarray(back.predict({"y": Y[:8]})), predicted)
     # the export bundle loads without Nitro's model code and predicts the same
     n.export(str(tmp_path / "field"))
     bundle = nitro.bundle.load(str(tmp_path / "field"))
-    np.testing.assert_allclose(np.asarray(bundle(y=Y[:8])["output"]), predicted, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        np.asarray(bundle(y=Y[:8])["output"]), predicted, rtol=1e-5, atol=1e-6
+    )
 
 
 def test_parameter_groups_name_equinox_paths_and_a_zero_ratio_freezes_one():
@@ -135,7 +135,7 @@ def test_equinox_dropout_draws_keys_in_training_and_is_off_in_evaluation():
 
     n = nitro.Nitro(WithDropout(max_epochs=1), progress=False)
     n.train()
-    module = eqx.nn.inference_mode(n.model.equinox)
+    module = eqx.nn.inference_mode(n.model.equinox)  # pyright: ignore[reportAttributeAccessIssue]
     first, again = n.predict({"y": Y[:8]}), n.predict({"y": Y[:8]})
     np.testing.assert_array_equal(first, again)
     np.testing.assert_allclose(first, jax.vmap(module)(Y[:8]), rtol=1e-5, atol=1e-6)
@@ -166,7 +166,8 @@ def test_equinox_state_is_refused_by_name():
             )
 
     with pytest.raises(
-        nitro.SetupError, match=r"equinox module with state \(eqx.nn.State\): layers.1 \(BatchNorm\)"
+        nitro.SetupError,
+        match=r"equinox module with state \(eqx.nn.State\): layers.1 \(BatchNorm\)",
     ):
         nitro.Nitro(Normed(), progress=False)
 

@@ -30,7 +30,7 @@ class Net(nnx.Module):
 
 
 @nitro.experiment
-class Pretrained:
+class Ungrouped:
     batch_size: int = 16
 
     def build_data(self):
@@ -48,6 +48,9 @@ class Pretrained:
     def loss(self, logits, *, y):
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
+
+@nitro.experiment
+class Pretrained(Ungrouped):
     def param_group(self, path):
         return "backbone" if path.startswith("backbone") else "head"
 
@@ -63,17 +66,21 @@ def variables_at(n, epoch):
 def by_path(n):
     paths = n.setup.model.leaf_paths
     return (
-        {p: np.asarray(x) for p, x in zip(paths["parameter"], n.state.variables.params)},
-        {p: np.asarray(x) for p, x in zip(paths["model state"], n.state.variables.model_state)},
+        {
+            p: np.asarray(x)
+            for p, x in zip(paths["parameter"], n.state.variables.params, strict=True)
+        },
+        {
+            p: np.asarray(x)
+            for p, x in zip(paths["model state"], n.state.variables.model_state, strict=True)
+        },
     )
 
 
 def test_fine_tune_keeps_the_backbone_bitwise_while_frozen_and_compiles_one_program(
     fresh_cache,
 ):
-    n = nitro.Nitro(
-        Pretrained(), learning_rate=1e-2, checkpointer=SAVE_EVERY_EPOCH, progress=False
-    )
+    n = nitro.Nitro(Pretrained(), learning_rate=1e-2, checkpointer=SAVE_EVERY_EPOCH, progress=False)
     start, _ = by_path(n)
     n.fine_tune(2, freeze_epochs=1)
     assert n.epoch == 3
@@ -129,10 +136,6 @@ def test_freeze_batch_stats_keeps_a_frozen_groups_batchnorm_statistics(freeze_ba
 
 
 def test_fine_tune_refuses_what_it_cannot_do_naming_the_argument():
-    @nitro.experiment
-    class Ungrouped(Pretrained):
-        param_group = None
-
     with pytest.raises(nitro.SetupError, match="fine_tune trains parameter groups"):
         nitro.Nitro(Ungrouped(), progress=False).fine_tune(1)
     n = nitro.Nitro(Pretrained(), progress=False)

@@ -48,12 +48,12 @@ from nitro.engine.setup import (
 )
 from nitro.engine.swaps import LiveEdit, LiveEdits, Swap, where_raised
 from nitro.experiments.declaration import field_specs
+from nitro.experiments.equinox import as_nnx_model
 from nitro.experiments.fingerprint import (
     Fingerprinter,
     code_digest,
     diff_parts,
 )
-from nitro.experiments.equinox import as_nnx_model
 from nitro.experiments.linen import is_linen
 from nitro.experiments.presets import preset_of, remember
 from nitro.optim.param_groups import leaf_paths

@@ -246,9 +246,7 @@ def _frozen_statistics(
         group_of = instance.param_group
     variables = jax.tree.leaves(model_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
     frozen = []
-    for i, (path, variable) in enumerate(
-        zip(leaf_paths(model_state), variables, strict=True)
-    ):
+    for i, (path, variable) in enumerate(zip(leaf_paths(model_state), variables, strict=True)):
         if not isinstance(variable, nnx.BatchStat):
             continue
         group = group_of(path)

@@ -121,7 +121,9 @@ def as_nnx_model(model: Any) -> Any:
         if isinstance(node, (eqx.nn.StateIndex, eqx.nn.BatchNorm))
     ]
     if stateful:
-        where = ", ".join(f"{path or 'the model'} ({type(node).__name__})" for path, node in stateful)
+        where = ", ".join(
+            f"{path or 'the model'} ({type(node).__name__})" for path, node in stateful
+        )
         raise SetupError(
             f"build_model returned an equinox module with state (eqx.nn.State): {where}. "
             f"Nitro does not thread equinox's state through forward; use a layer without "

@@ -708,7 +708,7 @@ class Nitro(RunHandle):
         backbone = (backbone,) if isinstance(backbone, str) else tuple(backbone)
         optimizer = self._setup.optimizer
         groups = tuple(g.name for g in optimizer.groups) if optimizer else ()
-        if not groups:
+        if optimizer is None or not groups:
             raise SetupError(
                 "fine_tune trains parameter groups, and this experiment has none: define "
                 "`param_group(self, path) -> str` naming each parameter's group, e.g. "
