@@ -178,3 +178,57 @@ def test_equinox_state_is_refused_by_name():
 
     with pytest.raises(nitro.SetupError, match=r"returned a tuple \(BatchNorm, State\)"):
         nitro.Nitro(WithState(), progress=False)
+
+
+EDITED = """
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import nitro
+from nitro.data import ArrayLoader
+
+Y = np.random.default_rng(0).normal(size=(160, 2)).astype(np.float32)
+ARRAYS = {"train": {"x": Y, "y": Y[:, ::-1].copy()}, "val": {"x": Y[:32], "y": Y[:32, ::-1].copy()}}
+
+
+class Field(eqx.Module):
+    mlp: eqx.nn.MLP
+
+    def __init__(self, key):
+        self.mlp = eqx.nn.MLP(2, 2, 16, 1, activation=jax.nn.softplus, key=key)
+
+    def __call__(self, y):
+        return self.mlp(y)
+
+
+@nitro.experiment
+class Live:
+    def build_data(self):
+        return {"train": ArrayLoader(ARRAYS["train"], 16, shuffle=True)}
+
+    def build_model(self, rngs):
+        return Field(rngs.params())
+
+    def forward(self, model, *, x):
+        return jax.vmap(model)(x) * 1.0
+
+    def loss(self, outputs, *, y):
+        return jnp.mean((outputs - y) ** 2)
+"""
+
+
+def test_live_edits_of_forward_and_of_the_equinox_class_swap_into_a_running_run(tmp_path):
+    from test_live_edits import Module, apply, start
+
+    module = Module(tmp_path, EDITED)
+    n, _ = start(module)
+    assert apply(n, module, "* 1.0", "* 2.0").status == "swapped"
+    assert apply(n, module, "jax.nn.softplus", "jax.nn.tanh").status == "swapped"
+    n.stop().wait()
+    field = n.model.equinox  # pyright: ignore[reportAttributeAccessIssue]
+    assert field.mlp.activation is jax.nn.tanh
+    x = module.module.ARRAYS["val"]["x"][:8]
+    expected = 2.0 * jax.vmap(field)(x)
+    np.testing.assert_allclose(n.predict({"x": x}), expected, rtol=1e-5, atol=1e-6)
