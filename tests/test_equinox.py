@@ -151,7 +151,9 @@ def test_an_equinox_model_called_on_the_whole_batch_is_an_error_naming_the_hook(
             return model(y)  # equinox layers take one sample
 
     n = nitro.Nitro(Unmapped(), progress=False)
-    with pytest.raises(nitro.SetupError, match=r"hook `forward` failed calling its equinox"):
+    with pytest.raises(
+        nitro.SetupError, match=r"hook `forward` raised TypeError with an equinox model"
+    ):
         n.predict({"y": Y[:8]})
     with pytest.raises(nitro.SetupError, match=r"return jax.vmap\(model\)\(x\)"):
         n.train()

@@ -145,6 +145,8 @@ def test_fine_tune_refuses_what_it_cannot_do_naming_the_argument():
         n.fine_tune(1, backbone=["backbone", "head"])
     with pytest.raises(nitro.SetupError, match="freeze_epochs must be an int >= 0, got -1"):
         n.fine_tune(1, freeze_epochs=-1)
+    with pytest.raises(nitro.SetupError, match=r"pct_start must be a finite number in \(0, 1\)"):
+        n.fine_tune(1, pct_start=1.5)
     ratios = nitro.Nitro(Pretrained(), group_lr={"backbone": 0.0}, progress=False)
     with pytest.raises(nitro.SetupError, match=r"group_lr=\{'backbone': 0.0\} sets some too"):
         ratios.fine_tune(1)

@@ -59,6 +59,7 @@ from nitro.experiments.linen import bridge_linen, is_linen
 from nitro.experiments.presets import preset_of
 from nitro.experiments.routing import hook_fields
 from nitro.optim.fed_optimizer import FedOptimizer
+from nitro.optim.fine_tuning import steps_per_epoch
 from nitro.optim.optimizer import OptimizerSettings, build_optimizer
 from nitro.optim.param_groups import leaf_paths
 from nitro.optim.precision import Precision
@@ -794,7 +795,7 @@ def _bind_schedules(
     if train is not None and train.batches is not None:
         # an epoch's last optimizer step takes the micro-batches left, when accum does not
         # divide its batches
-        total = keywords.max_epochs * -(-train.batches // accum)  # optimizer steps
+        total = keywords.max_epochs * steps_per_epoch(train.batches, accum)
     schedules = bind_schedules(
         keywords.schedules,
         hyperparams=optimizer.schedulable if optimizer else {},

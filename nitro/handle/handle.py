@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -727,13 +728,23 @@ class Nitro(RunHandle):
                 f"fine_tune sets every group's learning rate, and group_lr={ratios!r} sets "
                 f"some too: drop group_lr (unfrozen_ratio= sets the backbone's ratio)"
             )
-        for name, value, low in (("epochs", epochs, 0), ("freeze_epochs", freeze_epochs, 0)):
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise SetupError(f"fine_tune's {name} must be an int >= {low}, got {value!r}")
+        for name, value in (("epochs", epochs), ("freeze_epochs", freeze_epochs)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise SetupError(f"fine_tune's {name} must be an int >= 0, got {value!r}")
+        for name, value, valid, bounds in (
+            ("base_lr", base_lr, base_lr is None or base_lr > 0, "> 0"),
+            ("unfrozen_ratio", unfrozen_ratio, unfrozen_ratio >= 0, ">= 0"),
+            ("pct_start", pct_start, 0 < pct_start < 1, "in (0, 1)"),
+            ("div", div, div > 0, "> 0"),
+        ):
+            if value is not None and not (math.isfinite(value) and valid):
+                raise SetupError(
+                    f"fine_tune's {name} must be a finite number {bounds}, got {value!r}"
+                )
         if epochs + freeze_epochs == 0:
             raise SetupError("fine_tune needs epochs or freeze_epochs > 0: nothing to train")
-        per_epoch = steps_per_epoch(self._setup.splits["train"].batches, self._setup.accum)
-        if per_epoch is None:
+        batches = self._setup.splits["train"].batches
+        if batches is None:
             raise SetupError(
                 "fine_tune counts its phases in epochs, and the train split has no len(): "
                 "give it a length, or set per-group schedules yourself with set_schedule"
@@ -743,7 +754,7 @@ class Nitro(RunHandle):
             groups,
             backbone,
             start=self.step,
-            steps_per_epoch=per_epoch,
+            steps_per_epoch=steps_per_epoch(batches, self._setup.accum),
             epochs=epochs,
             freeze_epochs=freeze_epochs,
             base_lr=rate,

@@ -105,6 +105,6 @@ def keep_frozen_statistics(
     return jax.tree.unflatten(treedef, leaves)
 
 
-def steps_per_epoch(batches: int | None, accum: int) -> int | None:
+def steps_per_epoch(batches: int, accum: int) -> int:
     """Optimizer steps an epoch of `batches` takes (the last update takes what is left)."""
-    return None if batches is None else math.ceil(batches / accum)
+    return math.ceil(batches / accum)

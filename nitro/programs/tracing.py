@@ -90,11 +90,12 @@ def call_equinox(fn, hook: str, view, model: EquinoxModel, *args, **kwargs):
         if isinstance(error, SetupError):
             raise
         raise SetupError(
-            f"hook `{hook}` failed calling its equinox model: {error}. Equinox layers take "
-            f"one sample, without a batch axis: map the model over the batch in `{hook}`, "
-            f"`return jax.vmap(model)(x)` (and for eqx.nn.Dropout while training, keys per "
-            f"sample: `jax.vmap(lambda x, k: model(x, key=k))(x, "
-            f"jax.random.split(rngs.dropout(), len(x)))`)"
+            f"hook `{hook}` raised {type(error).__name__} with an equinox model: {error}. "
+            f"Equinox layers take one sample, without a batch axis: if `{hook}` calls the "
+            f"model on the whole batch, map it over the batch, `return jax.vmap(model)(x)` "
+            f"(and for eqx.nn.Dropout while training, a key per sample: "
+            f"`jax.vmap(lambda x, k: model(x, key=k))(x, jax.random.split(rngs.dropout(), "
+            f"len(x)))`)"
         ) from error
 
 
