@@ -413,32 +413,16 @@ class Nitro(RunHandle):
                 f"and predict"
             )
 
-    def _train_run(self, target: int, stop_at: int | None, events: Events) -> str:
-        self._files.open(self._setup, events)
-        self._state, reason = loop.train_epochs(
-            self._setup,
-            self._runtime,
-            self._state,
-            self._programs,
-            events,
-            self._control,
-            target,
-            after_epoch=lambda state, row, left: self._after_epoch(state, row, left, stop_at),
-            stop_at=stop_at,
-        )
+    def _loop_left(self, state: TrainState) -> None:
+        self._state = state
+
+    def _end_save(self, state: TrainState, reason: str, events: Events) -> str:
+        runtime = self._runtime
+        lazy = runtime.restores is True
         self._files.saves.end_run(
-            self._setup,
-            self._state,
-            events,
-            reason,
-            self._runtime.device_values(),
-            lazy=self._runtime.restores is True,
+            self._setup, state, events, reason, runtime.device_values(), lazy=lazy
         )
         return reason
-
-    def _after_run(self) -> None:
-        if self._runtime.live.pending is not None:
-            self._take_swap()  # compiled after the run's last call: the handle takes it
 
     def _release_workers(self) -> None:
         for prefetcher in self._runtime.prefetchers.values():

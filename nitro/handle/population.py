@@ -25,7 +25,6 @@ from nitro.core.events import Events
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState
 from nitro.engine.live_edit import live_instance
-from nitro.engine.loop import train_epochs
 from nitro.engine.member_axis import (
     Member,
     PopulationState,
@@ -334,29 +333,14 @@ class Population(PopulationMembers):
                 + "): pop.best() or pop.member(i) is a handle that trains on"
             )
 
-    def _train_run(self, target: int, stop_at: int | None, events: Events) -> str:
-        members = self._stacked()
-        state, lead = members.state, self._members[0]
-        self._files.open(lead.setup, events)
-        try:
-            _, reason = train_epochs(
-                lead.setup,
-                lead.runtime,
-                state,
-                self._programs,
-                events,
-                self._control,
-                target,
-                after_epoch=lambda state, rows, left: self._after_epoch(members.state),
-                stop_at=stop_at,
-                members=members,
-            )
-            reason = self._ended(reason) or reason
-        finally:
-            members.keep_time(state)
-            for member in self._members:  # worker processes live as the run
-                for prefetcher in member.runtime.prefetchers.values():
-                    prefetcher.release_workers()
+    def _loop_left(self, state: PopulationState) -> None:
+        self._stacked().keep_time(state)
+        for member in self._members:  # worker processes live as the run
+            for prefetcher in member.runtime.prefetchers.values():
+                prefetcher.release_workers()
+
+    def _end_save(self, state: PopulationState, reason: str, events: Events) -> str:
+        reason = self._ended(reason) or reason
         self._files.saves.end(state, events, reason, lambda _: self._save(state, reason))
         return reason
 
@@ -364,7 +348,9 @@ class Population(PopulationMembers):
         reporters = self._logging.reporters or None
         return population_save(self._files, self._members, state, reason, reporters)
 
-    def _after_epoch(self, state: PopulationState) -> str | None:
+    def _after_epoch(
+        self, state: Any, row: Any, epochs_left: int | None = None, stop_at: int | None = None
+    ) -> str | None:
         """After an epoch's rows: stop each member whose monitored metric stopped improving
         (`early_stop=`) as its single run would have stopped, save, and end the run once
         every member has stopped."""

@@ -26,7 +26,7 @@ from nitro.core import progress
 from nitro.core.events import Events
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState
-from nitro.engine import evaluation, live_edit, prediction, swaps
+from nitro.engine import evaluation, live_edit, loop, prediction, swaps
 from nitro.engine.dispatch import DispatchChoice
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import (
@@ -79,12 +79,46 @@ class RunHandle:
     def _check_trainable(self) -> None:
         """Refuse a `train()` that cannot start, before anything is claimed."""
 
-    def _train_run(self, target: int, stop_at: int | None, events: Events) -> str:
-        """One run between start_run and end_run: the loop and its end's save; its stop reason."""
+    def _after_epoch(
+        self, state: Any, row: Any, epochs_left: int | None = None, stop_at: int | None = None
+    ) -> str | None:
+        """The run's files after a committed epoch (`row`: a population's every member's);
+        `stop_at`: the call's stop step. Returns why the run ends there, or None."""
         raise NotImplementedError
 
+    def _loop_left(self, state: Any) -> None:
+        """The loop has returned (or raised) with `state`."""
+
+    def _end_save(self, state: Any, reason: str, events: Events) -> str:
+        """The save at the run's end (with its stop reason); the run's final stop reason."""
+        raise NotImplementedError
+
+    def _train_run(self, target: int, stop_at: int | None, events: Events) -> str:
+        """One run between start_run and end_run: the loop and its end's save; its stop reason."""
+        members, state = self._trainees()
+        self._files.open(self._lead_setup, events)
+        try:
+            state, reason = loop.train_epochs(
+                self._lead_setup,
+                self._lead_runtime,
+                state,
+                self._programs,
+                events,
+                self._control,
+                target,
+                after_epoch=lambda state, row, left: self._after_epoch(state, row, left, stop_at),
+                stop_at=stop_at,
+                members=members,
+            )
+        finally:
+            self._loop_left(state)
+        return self._end_save(state, reason, events)
+
     def _after_run(self) -> None:
-        """After the run has let go of the handle."""
+        """After the run has let go of the handle: an edit compiled after its last call is
+        taken now."""
+        if self._lead_runtime.live.pending is not None:
+            self._take_swap()
 
     def _release_workers(self) -> None:
         """Stop the worker processes the data's `persistent_workers=True` kept."""
