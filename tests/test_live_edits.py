@@ -564,7 +564,7 @@ def test_a_population_takes_a_live_edit_into_every_member_at_one_step(tmp_path):
         max_epochs=10_000,
         progress=recorder,
         checkpointer=None,
-        logger=None,
+        run_dir=str(tmp_path / "pop"),
         steps_per_dispatch=1,
     )
     assert pop.live_edits is None and pop.live_edit is None
@@ -586,6 +586,10 @@ def test_a_population_takes_a_live_edit_into_every_member_at_one_step(tmp_path):
     for member in range(len(rates)):  # every member's loss is scaled from the same step
         assert losses[swap][member] > 100 * losses[swap - 1][member]
     assert any(f"swapped in the edit of `loss` at step {swap}" in m for m in recorder.notes)
+    for member in range(len(rates)):  # each member's logger run records the swap, as a run's
+        lines = (tmp_path / "pop" / f"member-{member}" / "metrics.jsonl").read_text().splitlines()
+        marks = [r for r in map(json.loads, lines) if r.get("key") == f"live_edit/step_{swap}"]
+        assert marks and marks[0]["value"]["changed"] == ["loss"]
 
     # before the swap, each member's steps are those of its run alone on the old code (to
     # float32 rounding: a vmapped step sums in another order)

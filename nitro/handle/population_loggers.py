@@ -156,6 +156,10 @@ class MemberLogging:
         for reporter in self.reporters:
             reporter.phase(phase)
 
+    def swapped(self, row: Mapping[str, Any]) -> None:
+        for reporter in self.reporters:  # every member runs the swapped-in code
+            reporter.swapped(row)
+
     def end_run(self, population: Any) -> None:
         for reporter, member in zip(self.reporters, self.members, strict=True):
             reporter.end_run(self._view(member))
