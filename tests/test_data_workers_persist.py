@@ -61,6 +61,26 @@ def test_persistent_workers_serve_every_train_call_of_a_handle_until_it_closes()
     assert gone(workers) == [] and pids() == []
 
 
+def test_a_populations_kept_workers_serve_its_next_call_until_it_closes():
+    pop = nitro.Population(
+        Pipe(max_epochs=4),
+        learning_rate=[1e-3, 1e-2],
+        data={"train": Augmented()},
+        steps_per_dispatch=1,
+        persistent_workers=True,
+        checkpointer=None,
+        **PROCESSES,
+    )
+    pop.train(epochs=1)
+    first = pids()
+    assert len(first) == 1  # the shared batches' worker, kept after the call
+    pop.train(epochs=1)
+    assert pids() == first
+    workers = workers_of(os.getpid())
+    pop.close()
+    assert gone(workers) == [] and pids() == []
+
+
 def test_a_changed_source_or_an_edited_file_of_its_code_gets_fresh_workers(tmp_path):
     module = tmp_path / "edited_source.py"
     module.write_text(

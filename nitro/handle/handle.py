@@ -424,10 +424,6 @@ class Nitro(RunHandle):
         )
         return reason
 
-    def _release_workers(self) -> None:
-        for prefetcher in self._runtime.prefetchers.values():
-            prefetcher.release_workers(final=True)
-
     # ------------------------------------------------------------------------------------------
     # evaluation and prediction
 

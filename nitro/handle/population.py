@@ -335,9 +335,10 @@ class Population(PopulationMembers):
 
     def _loop_left(self, state: PopulationState) -> None:
         self._stacked().keep_time(state)
-        for member in self._members:  # worker processes live as the run
-            for prefetcher in member.runtime.prefetchers.values():
-                prefetcher.release_workers()
+        self._release_workers(final=False)  # worker processes live as the run
+
+    def _runtimes(self) -> list[RunTime]:
+        return [m.runtime for m in self._members]
 
     def _end_save(self, state: PopulationState, reason: str, events: Events) -> str:
         reason = self._ended(reason) or reason

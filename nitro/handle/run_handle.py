@@ -120,8 +120,16 @@ class RunHandle:
         if self._lead_runtime.live.pending is not None:
             self._take_swap()
 
-    def _release_workers(self) -> None:
-        """Stop the worker processes the data's `persistent_workers=True` kept."""
+    def _runtimes(self) -> list[RunTime]:
+        """The run's run-time records (a population's: every member's)."""
+        return [self._lead_runtime]
+
+    def _release_workers(self, final: bool = True) -> None:
+        """Stop the worker processes the data's `persistent_workers=True` kept (`final`: on
+        `close()`; at a run's end, persistent ones are kept)."""
+        for runtime in self._runtimes():
+            for prefetcher in runtime.prefetchers.values():
+                prefetcher.release_workers(final=final)
 
     # ------------------------------------------------------------------------------------------
     # what it reports
