@@ -22,6 +22,7 @@ apart.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import warnings
@@ -49,6 +50,7 @@ __all__ = [
     "PopulationState",
     "Single",
     "Stacked",
+    "add_train_metrics",
     "apply_prunes",
     "check_member_layout",
     "member_placement",
@@ -119,6 +121,39 @@ def epoch_row(
     if not totals.train_metrics.empty:
         row.update(finalize(setup, runtime, totals.train_metrics.result(), "train"))
     return row
+
+
+def add_train_metrics(
+    setup: RunSetup,
+    totals: EpochTotals,
+    program: Any,
+    metrics: Any,
+    staged: Any,
+    steps: int,
+    call_hook: Callable[..., Any],
+) -> None:
+    """Add the train metrics of a call's first `steps` steps (each micro-batch's) to
+    `totals`: as the program computed them (`train_metrics_residency="device"`), or from the
+    `train_metrics` host hook (`call_hook("train_metrics", metrics, **fields)`)."""
+    micro, device = staged.group, setup.experiment.train_metrics_residency == "device"
+    for offset in range(steps):
+        step_metrics = metrics if staged.count == 1 else unstack(metrics, offset)
+        for sub in range(micro):
+            batch_metrics = step_metrics if micro == 1 else unstack(step_metrics, sub)
+            if device:
+                totals.train_metrics.add(program.metric_specs, batch_metrics, staged.n_real)
+                continue
+            host = staged.host[offset * micro + sub] if staged.stacked else staged.host
+            batch_fields = setup.splits["train"].hook_fields["train_metrics"]
+            fields = setup.placement.gather(select(host, batch_fields))
+            values = call_hook("train_metrics", batch_metrics, **fields)
+            specs, leaves = split_modes(values, "train_metrics")
+            totals.train_metrics.add(specs, leaves, staged.n_real)
+
+
+def unstack(tree: Any, index: int) -> Any:
+    """Member (or step) `index`'s slice of a stacked tree (new arrays)."""
+    return jax.tree.map(lambda leaf: leaf[index], tree)
 
 
 SINGLE = Single()
@@ -210,11 +245,6 @@ def shown_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
         k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)
         for k, v in settings.items()
     }
-
-
-def unstack(tree: Any, index: int) -> Any:
-    """Member `index`'s slice of a stacked tree (new arrays)."""
-    return jax.tree.map(lambda leaf: leaf[index], tree)
 
 
 class Stacked:
@@ -354,7 +384,16 @@ class Stacked:
             totals.add_losses(losses[i, :limit])  # as a single run adds its steps' losses
             totals.steps += limit
             if metrics is not None:
-                self._train_metrics(member, program, unstack(metrics, i), staged, i, limit)
+                part = staged.parts[i] if isinstance(staged, _Together) else staged
+                add_train_metrics(
+                    member.setup,
+                    totals,
+                    program,
+                    unstack(metrics, i),
+                    part,
+                    limit,
+                    functools.partial(member.runtime.call_host_hook, member.setup),
+                )
         count, micro = staged.count, staged.group
         state.step += count
         state.position += count * micro
@@ -370,28 +409,6 @@ class Stacked:
                 "every member of the population stopped: "
                 + "; ".join(f"{m.label}: {m.stopped}" for m in self.members)
             )
-
-    def _train_metrics(self, member: Member, program, metrics, staged, i: int, limit: int):
-        setup, totals = member.setup, member.totals
-        assert totals is not None
-        micro = staged.group
-        part = staged.part(i) if isinstance(staged, _Together) else staged
-        for offset in range(limit):
-            step_metrics = metrics if staged.count == 1 else unstack(metrics, offset)
-            for sub in range(micro):  # each micro-batch's train metrics
-                batch_metrics = step_metrics if micro == 1 else unstack(step_metrics, sub)
-                if setup.experiment.train_metrics_residency == "device":
-                    totals.train_metrics.add(program.metric_specs, batch_metrics, part.n_real)
-                    continue
-                host = part.host if not part.stacked else part.host[offset * micro + sub]
-                fields = setup.placement.gather(
-                    select(host, setup.splits["train"].hook_fields["train_metrics"])
-                )
-                values = member.runtime.call_host_hook(
-                    setup, "train_metrics", batch_metrics, **fields
-                )
-                specs, leaves = split_modes(values, "train_metrics")
-                totals.train_metrics.add(specs, leaves, part.n_real)
 
     # ------------------------------------------------------------------------------------------
     # an epoch's rows
@@ -485,9 +502,6 @@ class _Together:
     @property
     def stacked(self) -> bool:
         return self.count * self.group > 1
-
-    def part(self, member: int) -> Any:
-        return self.parts[member]
 
     def free(self) -> None:
         for part in self.parts:
