@@ -880,15 +880,9 @@ def _drain(item: _Pending) -> None:
 def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
     """Read back one call (it has finished once its report arrives), free its batches, and
     account each of its steps."""
-    if run.members.stacked:
-        try:
-            run.members.complete(state, item, run.events, item.program)
-        finally:
-            delete(item.metrics)
-        return
     setup = run.setup
     residency = setup.experiment.train_metrics_residency
-    metrics = item.metrics
+    metrics = None  # the call's train metrics, on the host
     staged = item.staged
     profiler = run.profiler
     try:
@@ -897,7 +891,7 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
         waited = time.perf_counter() - begin
         profiler.mark("readback", item.index)
         if residency is not None:
-            metrics = setup.placement.gather(metrics)
+            metrics = setup.placement.gather(item.metrics)
         if item.before is not None and run.probation is None and reports[:, 1].any():
             # the program kept nothing: back to the call's input, and its finite steps again
             # (on probation, the roll-back goes back further, to its own copy)
@@ -907,6 +901,13 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
     totals = state.totals
     assert totals is not None  # set when the epoch began
     totals.device_seconds += waited
+    if run.members.stacked:  # each member's steps, stopped where they were not finite
+        try:
+            run.members.complete(state, item, reports, metrics, run.events)
+        finally:
+            delete(item.metrics)
+            profiler.mark("bookkeeping", item.index)
+        return
     count, micro = staged.count, staged.group
     program = item.program
     probation = run.probation

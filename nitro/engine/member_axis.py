@@ -344,18 +344,12 @@ class Stacked:
                 member.totals.seconds = shared.seconds
                 member.totals.wait_seconds = shared.wait_seconds
 
-    def complete(self, state: PopulationState, item: Any, events: Events, program: Any) -> None:
-        """Read one call back: each member's losses and finiteness codes, its train metrics;
-        a member whose step was not finite stops there, and the others train on."""
-        staged = item.staged
-        lead = self.members[0].setup
-        try:
-            reports = np.asarray(item.report).reshape(self.count, -1, 2)
-            metrics = None
-            if lead.experiment.train_metrics_residency is not None:
-                metrics = jax.device_get(item.metrics)
-        finally:
-            staged.free()
+    def complete(self, state: PopulationState, item: Any, reports: Any, metrics: Any, events):
+        """Account a call the loop read back (`reports`: its losses and finiteness codes,
+        `metrics`: its train metrics on the host, or None): each member's; a member whose
+        step was not finite stops there, and the others train on."""
+        staged, program = item.staged, item.program
+        reports = reports.reshape(self.count, -1, 2)
         losses = reports[..., 0].astype(np.float64)
         codes = reports[..., 1]
         steps = reports.shape[1]
@@ -394,12 +388,10 @@ class Stacked:
                     limit,
                     functools.partial(member.runtime.call_host_hook, member.setup),
                 )
-        count, micro = staged.count, staged.group
-        state.step += count
-        state.position += count * micro
-        shared = state.totals
-        assert shared is not None  # set when the epoch began
-        shared.steps += count
+        state.step += staged.count
+        state.position += staged.count * staged.group
+        assert state.totals is not None  # set when the epoch began
+        state.totals.steps += staged.count
         events.member_steps(item.index + 1, losses)  # steps count from 1, as a run's
         stopped = [m for m in self.members if m.stopped is not None]
         if len(stopped) == self.count and any(
