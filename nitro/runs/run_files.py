@@ -448,7 +448,8 @@ class PopulationFiles(RunFiles):
         for run in list_runs(root):
             info = read_run_json(run.path)
             if run.checkpoints and info.get("kind") == KIND and identity.same_experiment(info):
-                same = _recorded_settings(run.path) == [dict(s) for s in settings]
+                listed = read_run_json(run.path, POPULATION_JSON).get("members") or ()
+                same = [m.get("settings") for m in listed] == [dict(s) for s in settings]
                 candidates.append((same, run.latest_epoch or 0, max(run.checkpoints), run))
         if not candidates:
             warn_user(
@@ -493,11 +494,3 @@ class PopulationFiles(RunFiles):
             if not read_run_json(directory):
                 own = {"kind": MEMBER_KIND, "population": self.run_id, **common, "config": config}
                 write_run_json(directory, {**member, **own})
-
-
-def _recorded_settings(run_dir: Path) -> list[dict[str, Any]] | None:
-    try:
-        info = json.loads((run_dir / POPULATION_JSON).read_text())
-        return [dict(m["settings"]) for m in info["members"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
