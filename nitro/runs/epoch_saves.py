@@ -315,7 +315,8 @@ def population_save(
             member.state.last_row,
             member.runtime.device_values(),
             reporter.logger.state() if reporter is not None else None,
-            *rows,
+            history,
+            validations,
             PartialEpoch.of(state.position, member.totals)
             if member.totals is not None and state.position  # stopped mid-epoch
             else None,
@@ -326,7 +327,7 @@ def population_save(
             stopped=member.stopped,
             stopped_at=member.stopped_at,
         )
-        for member, token, rows, ok, reporter in zip(
+        for member, token, (history, validations), ok, reporter in zip(
             members, files.settings, files.rows, healthy, loggers, strict=True
         )
     )
