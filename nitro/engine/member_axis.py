@@ -8,6 +8,8 @@ apart.
 
 - `SINGLE` (`Single`): a plain run. The loop takes its own path: no member axis, no stacking,
   nothing added to a call but the look-up of `stacked`.
+- `epoch_row` and `add_train_metrics`: an epoch's row and a call's train metrics, for a run
+  and for each member alike.
 - `Stacked`: a population. Its members (`Member`: each a run's setup, run-time record and
   train state) have their variables stacked on a leading member axis (the loop's state is a
   `PopulationState`, with one `healthy` flag per member), its programs are the run's vmapped
