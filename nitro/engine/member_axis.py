@@ -165,7 +165,8 @@ SINGLE = Single()
 class Member:
     """One member: its settings (the values of the population's axes), and the records a
     single run of those settings would have. Its `state` holds its counters, history and
-    validations; its variables live stacked in the `PopulationState`."""
+    validations and, as a run's, the running sums of its epoch under way (`state.totals`);
+    its variables live stacked in the `PopulationState`."""
 
     index: int
     settings: Mapping[str, Any]
@@ -175,7 +176,6 @@ class Member:
     state: TrainState
     stopped: str | None = None  # why it stopped training ("diverged at step 12"), or None
     stopped_at: int | None = None  # the steps it trained before it stopped
-    totals: EpochTotals | None = None  # its running sums of the epoch under way
 
     @property
     def label(self) -> str:
@@ -327,24 +327,22 @@ class Stacked:
     def start_epoch(self, state: PopulationState) -> EpochTotals:
         """The epoch's shared totals (its time), and each member's running sums."""
         for member in self.members:
-            if member.totals is None:
-                member.totals = EpochTotals(train_metrics=MetricAccumulator("train_metrics"))
-        resumed = self.members[0].totals  # a resumed epoch's time so far (`keep_time`)
+            if member.state.totals is None:
+                member.state.totals = SINGLE.start_epoch(member.state)
+        resumed = self.members[0].state.totals  # a resumed epoch's time so far (`keep_time`)
         assert resumed is not None
-        return EpochTotals(
-            train_metrics=MetricAccumulator("train_metrics"),
-            seconds=resumed.seconds,
-            wait_seconds=resumed.wait_seconds,
-        )
+        totals = SINGLE.start_epoch(state)
+        totals.seconds, totals.wait_seconds = resumed.seconds, resumed.wait_seconds
+        return totals
 
     def keep_time(self, state: PopulationState) -> None:
-        """After the loop: each member's running sums of an epoch under way (a run stopped
-        in its middle) take the epoch's time so far, which its checkpoint saves."""
+        """After the loop: each member's epoch under way (a run stopped in its middle) takes
+        the position and the time so far, which its checkpoint saves (`_partial_epoch`)."""
         shared = state.totals
         for member in self.members:
-            if shared is not None and member.totals is not None:
-                member.totals.seconds = shared.seconds
-                member.totals.wait_seconds = shared.wait_seconds
+            if shared is not None and (totals := member.state.totals) is not None:
+                totals.seconds, totals.wait_seconds = shared.seconds, shared.wait_seconds
+                member.state.position = state.position
 
     def complete(self, state: PopulationState, item: Any, reports: Any, metrics: Any, events):
         """Account a call the loop read back (`reports`: its losses and finiteness codes,
@@ -356,7 +354,7 @@ class Stacked:
         codes = reports[..., 1]
         steps = reports.shape[1]
         for i, member in enumerate(self.members):
-            totals = member.totals
+            totals = member.state.totals
             assert totals is not None  # set when the epoch began
             limit = steps  # the steps of this call the member trained
             if member.stopped_at is not None:
@@ -416,7 +414,7 @@ class Stacked:
         rows: list[dict[str, Any] | None] = []
         scale = state.variables.loss_scale  # float16's: each member's own, stacked
         for i, member in enumerate(self.members):
-            totals = member.totals
+            totals = member.state.totals
             assert totals is not None  # set when the epoch began
             if member.stopped is not None and not totals.steps:
                 rows.append(None)
@@ -435,7 +433,7 @@ class Stacked:
         its history; the `member_rows` event; returns the rows as `history()` shows them."""
         shown = []
         for member, row in zip(self.members, rows, strict=True):
-            member.totals = None
+            member.state.totals, member.state.position = None, 0
             if row is None:  # stopped before this epoch: its record ended at the stop
                 continue
             row.update(shared)

@@ -317,9 +317,7 @@ def population_save(
             reporter.logger.state() if reporter is not None else None,
             history,
             validations,
-            PartialEpoch.of(state.position, member.totals)
-            if member.totals is not None and state.position  # stopped mid-epoch
-            else None,
+            _partial_epoch(member.state),
             index=member.index,
             run_id=member_run_id(files.run_id, member.index),
             settings=token,

@@ -155,14 +155,13 @@ def restore_population(
     state.step, state.epoch, state.position = record.step, record.epoch, record.position
     state.prune = dict(record.prune)
     for member, entry, reporter in itertools.zip_longest(members, record.members, reporters or ()):
-        member.state.history = list(entry.history)
-        member.state.validations = list(entry.validations)
+        member.state = record.train_state(
+            member.state.variables, seed=member.state.seed, member=entry
+        )
         member.stopped, member.stopped_at = entry.stopped, entry.stopped_at
-        member.state.step, member.state.epoch = state.step, state.epoch
         if member.stopped is not None:  # its counters stay where it stopped
             member.state.step = int(member.stopped_at or 0)
             member.state.epoch = int(member.state.last_row.get("epoch", 0))
-        member.totals = entry.partial_epoch.totals() if entry.partial_epoch else None
         if reporter is not None:
             reporter.reattach(entry.logger)
     said_resumed(files, "population", state.epoch, state.step, note)
