@@ -87,24 +87,24 @@ class Single:
 
     def rows(self, setup: RunSetup, runtime: RunTime, state: Any, finalize: Callable) -> list:
         """The row of the epoch just trained, before evaluation (`epoch_row`)."""
-        row = {"epoch": state.epoch + 1, "step": state.step}
-        scale = state.variables.loss_scale
-        return [epoch_row(setup, runtime, state.totals, row, scale, state.history, finalize)]
+        return [epoch_row(setup, runtime, state, state.step, state.variables.loss_scale, finalize)]
 
 
 def epoch_row(
     setup: RunSetup,
     runtime: RunTime,
-    totals: EpochTotals,
-    row: dict[str, Any],
+    state: TrainState,
+    step: int,
     scale: Any,
-    history: Sequence[Mapping[str, Any]],
     finalize: Callable,
 ) -> dict[str, Any]:
-    """A run's (or a member's) row of the epoch just trained, before evaluation: `row` (its
-    epoch and step) with its training loss (NaN, with a count, where `check_divergence=False`
-    trained through non-finite steps), float16's loss `scale` (`history`: the rows committed
-    before) and the train metrics (`finalize`: the `finalize_metrics` hook's call)."""
+    """A run's (or a member's) row of the epoch just trained, before evaluation: its epoch
+    and `step`, its training loss (NaN, with a count, where `check_divergence=False` trained
+    through non-finite steps), float16's loss `scale` and the train metrics (`finalize`: the
+    `finalize_metrics` hook's call), from `state`'s running sums and history."""
+    totals, history = state.totals, state.history
+    assert totals is not None  # set when the epoch began
+    row: dict[str, Any] = {"epoch": state.epoch + 1, "step": step}
     if totals.nonfinite:  # check_divergence=False trained through them: the mean is NaN
         row["loss"] = math.nan
         row["nonfinite_steps"] = totals.nonfinite
@@ -415,17 +415,12 @@ class Stacked:
         scale = state.variables.loss_scale  # float16's: each member's own, stacked
         for i, member in enumerate(self.members):
             totals = member.state.totals
-            assert totals is not None  # set when the epoch began
-            if member.stopped is not None and not totals.steps:
+            if member.stopped is not None and not (totals and totals.steps):
                 rows.append(None)
                 continue
-            step = state.step if member.stopped is None else member.stopped_at
+            step = state.step if member.stopped_at is None else member.stopped_at
             own = None if scale is None else [leaf[i] for leaf in scale]
-            row = {"epoch": state.epoch + 1, "step": step}
-            history = member.state.history
-            rows.append(
-                epoch_row(member.setup, member.runtime, totals, row, own, history, finalize)
-            )
+            rows.append(epoch_row(member.setup, member.runtime, member.state, step, own, finalize))
         return rows
 
     def commit(self, state: PopulationState, rows, shared: dict[str, Any], events: Events):
