@@ -22,7 +22,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -202,15 +202,18 @@ def choose_run(
     *,
     strict: bool = False,
     pick_hint: str = "",
+    kind: str = "run",
+    prefer: Callable[[Path], bool] | None = None,
 ) -> Choice | None:
     """The run under `root` (an experiment's folder) that `identity` continues, or None when
     none of its runs has a checkpoint. `config`: the GraphConst values now (a run with other
     values cannot resume; when every candidate has other values, the newest is chosen, and
     resuming it refuses with the difference). `strict`: several candidates and no record of
-    the name's run raise a SetupError listing them (`pick_hint` says how to pick one)."""
+    the name's run raise a SetupError listing them (`pick_hint` says how to pick one). `kind`:
+    the runs considered ("run", or "population"); `prefer`: of those, the ones it holds first."""
     runs = [run for run in list_runs(root) if run.checkpoints]
     infos = {run.path: read_run_json(run.path) for run in runs}
-    runs = [run for run in runs if infos[run.path].get("kind", "run") == "run"]  # no population
+    runs = [run for run in runs if infos[run.path].get("kind", "run") == kind]
     ours = [
         run
         for run in runs
@@ -255,6 +258,7 @@ def choose_run(
             f"continued, and none is recorded as the last run of "
             f"{identity.name or 'this handle'}:\n{listed}\n{pick_hint}"
         )
+    chosen = [run for run in chosen if prefer is None or prefer(run.path)] or chosen
     best = max(chosen, key=_progress)
     runs_of = origin.replace("run of", "runs of", 1)
     if len(chosen) == 1 and named:

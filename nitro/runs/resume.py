@@ -188,7 +188,12 @@ def resume_source(
     identity: RunIdentity,
     say: Callable[[str], None],
     targets: Mapping[tuple[str, ...], Any] | None = None,
+    kind: str = "run",
+    prefer: Callable[[Path], bool] | None = None,
 ) -> SavedStep | None:
+    """The checkpoint `resume=` continues: the one it names, or for "auto" the run `run_dir=`
+    names, else the run of this experiment `choose_run` picks among those of `kind` (a
+    population's: `prefer`, its runs of the same members); None, with a warning, when none."""
     resume = setup.resume
     if isinstance(resume, CheckpointRef):
         check_no_writer(Path(resume.path))
@@ -199,11 +204,11 @@ def resume_source(
     if [run.path for run in runs] == [root.absolute()]:  # run_dir= names one run: that one
         if runs[0].checkpoints:
             check_free(root)
-            say(f"resume='auto' continues run {runs[0].run_id}: the run run_dir= names")
+            say(f"resume='auto' continues {kind} {runs[0].run_id}: the {kind} run_dir= names")
             return resolve_checkpoint(root, targets=targets)
         choice = None
     else:
-        choice = choose_run(root, identity, config_of(setup))
+        choice = choose_run(root, identity, config_of(setup), kind=kind, prefer=prefer)
     if choice is None:
         others = candidates_elsewhere(root, identity)
         aside = (
@@ -212,12 +217,13 @@ def resume_source(
             if others
             else ""
         )
+        what = "checkpoint" if kind == "run" else f"{kind}'s checkpoint"
         warn_user(
-            f"resume='auto' found no checkpoint under {str(root.absolute())!r} of "
-            f"{identity.where()}; starting a fresh run{aside}"
+            f"resume='auto' found no {what} under {str(root.absolute())!r} of "
+            f"{identity.where()}; starting a fresh {kind}{aside}"
         )
         return None
-    say(f"resume='auto' continues run {choice.run.run_id}: {choice.why}")
+    say(f"resume='auto' continues {kind} {choice.run.run_id}: {choice.why}")
     check_free(choice.path)
     return resolve_checkpoint(choice.path, targets=targets)
 

@@ -23,16 +23,16 @@ import jax
 
 from nitro._version import __version__
 from nitro.core.events import Events
-from nitro.core.run_setup import CheckpointRef, RunSetup
+from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import HistoryRows, TrainState
 from nitro.errors import SetupError
-from nitro.runs.checkpoint_reads import SavedStep, read_checkpoint, resolve_checkpoint
+from nitro.runs.checkpoint_reads import SavedStep, read_checkpoint
 from nitro.runs.checkpoint_record import POPULATION, RUN, CheckpointRecord, config_of
 from nitro.runs.checkpoint_trees import restore_targets
 from nitro.runs.checkpoint_writer import CheckpointStore, await_writers, warm_up
 from nitro.runs.epoch_saves import EpochSaves
 from nitro.runs.identity import RunIdentity, record_name, recorded
-from nitro.runs.resume import resume_source, warn_user
+from nitro.runs.resume import resume_source
 from nitro.runs.run_dirs import (
     KIND,
     MEMBER_KIND,
@@ -40,16 +40,14 @@ from nitro.runs.run_dirs import (
     checkpoint_dir,
     default_run_dir,
     experiment_root,
-    list_runs,
     member_dir,
     member_run_id,
     new_run_id,
-    population_of,
     read_run_json,
     refuse_for_a_run,
     write_run_json,
 )
-from nitro.runs.run_lock import RunLock, acquire, check_free, describe_holder, holder_record
+from nitro.runs.run_lock import RunLock, acquire, describe_holder, holder_record
 from nitro.runs.run_origin import PATCH, OriginProbe, provenance, run_config
 
 __all__ = ["PopulationFiles", "RunFiles", "new_run_dir", "saved_steps"]
@@ -431,37 +429,13 @@ class PopulationFiles(RunFiles):
     def resume_source(
         setup: RunSetup, identity: RunIdentity, say: Callable, targets: Any, **fields: Any
     ) -> SavedStep | None:
-        resume, settings = setup.resume, fields["settings"]
-        if resume is None:
-            return None
-        if isinstance(resume, CheckpointRef):
-            return resume_source(setup, identity, say)
-        cls_name = setup.cls.__name__
-        root = Path(setup.run_dir) if setup.run_dir is not None else experiment_root(cls_name)
-        if population_of(root) is not None and read_run_json(root).get("kind") != MEMBER_KIND:
-            runs = list_runs(root)
-            if runs and runs[0].checkpoints:
-                check_free(root)
-                return resolve_checkpoint(root)
-            return None
-        candidates = []
-        for run in list_runs(root):
-            info = read_run_json(run.path)
-            if run.checkpoints and info.get("kind") == KIND and identity.same_experiment(info):
-                listed = read_run_json(run.path, POPULATION_JSON).get("members") or ()
-                same = [m.get("settings") for m in listed] == [dict(s) for s in settings]
-                candidates.append((same, run.latest_epoch or 0, max(run.checkpoints), run))
-        if not candidates:
-            warn_user(
-                f"resume='auto' found no population's checkpoint under "
-                f"{str(root.absolute())!r} of {identity.where()}; starting a fresh population"
-            )
-            return None
-        same, epoch, step, run = max(candidates, key=lambda c: c[:3])
-        why = "with these members" if same else "(none has these members: resuming it is refused)"
-        say(f"resume='auto' continues population {run.run_id} (epoch {epoch}, step {step}) {why}")
-        check_free(run.path)
-        return resolve_checkpoint(run.path)
+        settings = [dict(s) for s in fields["settings"]]
+
+        def same(path: Path) -> bool:  # a population of these members
+            listed = read_run_json(path, POPULATION_JSON).get("members") or ()
+            return [m.get("settings") for m in listed] == settings
+
+        return resume_source(setup, identity, say, kind=KIND, prefer=same) if setup.resume else None
 
     def directories(self) -> list[Path]:
         return [member_dir(self.run_dir, index) for index in range(len(self.settings))]
