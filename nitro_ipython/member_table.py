@@ -100,22 +100,8 @@ def _heading(column: str, metric: str, mode: str) -> str:
     return f"{escape(column)}{arrow}"
 
 
-def _cells(view: MemberView, columns: Sequence[str], active: bool, rank: int | None) -> list[str]:
-    """The member's `#`, rank, settings, state, epoch (a stopped member's: the epoch it
-    stopped in, its last row's) and results, as HTML."""
-    values = view.metrics()
-    return [
-        f"<span style='color:{view.colour}'>&#x25A0;</span> {view.index}",
-        "-" if rank is None else str(rank),
-        escape(view.label or "-"),
-        escape(view.state(active)),
-        str((view.row or {}).get("epoch", "-")),
-        *(_fmt(values.get(c)) for c in columns),
-    ]
-
-
 def _line(cells: Sequence[tuple[str, int, bool, str]]) -> str:
-    """A row of the live table: (HTML, width, bold, title) per cell."""
+    """A row of the table: (HTML, width, bold, title) per cell."""
     spans = []
     for text, width, bold, title in cells:
         tip = f" title='{escape(title, quote=True)}'" if title else ""
@@ -128,7 +114,7 @@ def _line(cells: Sequence[tuple[str, int, bool, str]]) -> str:
 
 
 def head_html(views: Sequence[MemberView], metric: str, mode: str) -> str:
-    """The live table's header row."""
+    """The table's header row."""
     columns = _columns(views)
     cells = [(escape(name), width, True, "") for name, width in _WIDTHS.items()]
     return _line(cells + [(_heading(c, metric, mode), _METRIC_WIDTH, True, "") for c in columns])
@@ -137,42 +123,30 @@ def head_html(views: Sequence[MemberView], metric: str, mode: str) -> str:
 def row_html(
     view: MemberView, views: Sequence[MemberView], metric: str, active: bool, rank: int | None
 ) -> str:
-    """A member's row of the live table (its Stop button is a widget beside it)."""
-    columns, state = _columns(views), view.state(active)
-    number, shown_rank, label, _, epoch, *values = _cells(view, columns, active, rank)
+    """A member's row: its `#`, rank, settings, state, epoch (a stopped member's: the epoch
+    it stopped in, its last row's) and results (in the live table, its Stop button beside it)."""
+    state, values = view.state(active), view.metrics()
     colour = "#b26a00" if view.stopped is not None else "inherit"
     widths = list(_WIDTHS.values())
     cells = [
-        (number, widths[0], False, ""),
-        (shown_rank, widths[1], False, ""),
-        (label, widths[2], False, view.label),
+        (f"<span style='color:{view.colour}'>&#x25A0;</span> {view.index}", widths[0], False, ""),
+        ("-" if rank is None else str(rank), widths[1], False, ""),
+        (escape(view.label or "-"), widths[2], False, view.label),
         (f"<span style='color:{colour}'>{escape(state)}</span>", widths[3], False, state),
-        (epoch, widths[4], False, ""),
+        (str((view.row or {}).get("epoch", "-")), widths[4], False, ""),
     ]
     return _line(
-        cells + [(v, _METRIC_WIDTH, c == metric, "") for v, c in zip(values, columns, strict=True)]
+        cells + [(_fmt(values.get(c)), _METRIC_WIDTH, c == metric, "") for c in _columns(views)]
     )
 
 
 def members_table_html(
     views: Sequence[MemberView], metric: str, mode: str, active: bool, ranks: Mapping[int, int]
 ) -> str:
-    """The members' table as static HTML (the stand-in's and the record's), in member order
-    as the live table, with each member's rank."""
-    columns = _columns(views)
-    style = "style='padding:1px 8px 1px 0;text-align:left'"
-    head = "".join(f"<th {style}>{_heading(c, metric, mode)}</th>" for c in [*_WIDTHS, *columns])
-    body = []
-    for view in views:
-        cells = _cells(view, columns, active, ranks.get(view.index))
-        cells[5:] = [
-            f"<b>{v}</b>" if c == metric else v for v, c in zip(cells[5:], columns, strict=True)
-        ]
-        body.append("<tr>" + "".join(f"<td {style}>{c}</td>" for c in cells) + "</tr>")
-    return (
-        "<table class='nitro-members' style='font-size:90%;border-collapse:collapse'>"
-        f"<tr>{head}</tr>{''.join(body)}</table>"
-    )
+    """The members' table as static HTML (the stand-in's and the record's): the live table's
+    rows, in member order, with each member's rank."""
+    rows = [row_html(view, views, metric, active, ranks.get(view.index)) for view in views]
+    return f"<div class='nitro-members'>{head_html(views, metric, mode)}{''.join(rows)}</div>"
 
 
 def best_member(pop: Any) -> tuple[str, float, int] | None:

@@ -51,12 +51,12 @@ def _saved(kernel, cell_id: str) -> list[dict]:
 
 def _record_members(html: str) -> list[int]:
     """The members of a record's table, in its order."""
-    return [int(i) for i in re.findall(r"&#x25A0;</span> (\d+)</td>", html)]
+    return [int(i) for i in re.findall(r"&#x25A0;</span> (\d+)</span>", html)]
 
 
 def _record_ranks(html: str) -> list[str]:
     """The rank column of a record's table, in its order."""
-    return re.findall(r"&#x25A0;</span> \d+</td><td [^>]*>([^<]*)</td>", html)
+    return re.findall(r"&#x25A0;</span> \d+</span><span [^>]*>([^<]*)</span>", html)
 
 
 def _comms(kernel) -> int:
