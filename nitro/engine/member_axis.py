@@ -163,8 +163,8 @@ SINGLE = Single()
 
 @dataclasses.dataclass(eq=False)
 class Member:
-    """One member: its settings (the values of the population's axes), and the records a
-    single run of those settings would have. Its `state` holds its counters, history and
+    """One member: its settings (the values of the population's axes), and the records and
+    event path a single run of those settings would have. Its `state` holds its counters, history and
     validations and, as a run's, the running sums of its epoch under way (`state.totals`);
     its variables live stacked in the `PopulationState`."""
 
@@ -176,6 +176,8 @@ class Member:
     state: TrainState
     stopped: str | None = None  # why it stopped training ("diverged at step 12"), or None
     stopped_at: int | None = None  # the steps it trained before it stopped
+    # its own event path, as a run's: its steps, rows and validations (its logger run's)
+    events: Events = dataclasses.field(default_factory=Events)
 
     @property
     def label(self) -> str:
@@ -393,6 +395,9 @@ class Stacked:
         assert state.totals is not None  # set when the epoch began
         state.totals.steps += staged.count
         events.member_steps(item.index + 1, losses)  # steps count from 1, as a run's
+        for member, own in zip(self.members, losses, strict=True):
+            if member.events.reporters:
+                member.events.steps(item.index + 1, own.tolist())
         stopped = [m for m in self.members if m.stopped is not None]
         if len(stopped) == self.count and any(
             (m.stopped or "").startswith("diverged") for m in stopped
@@ -425,7 +430,7 @@ class Stacked:
 
     def commit(self, state: PopulationState, rows, shared: dict[str, Any], events: Events):
         """Commit the epoch: each member's row (with the epoch's shared timing columns) to
-        its history; the `member_rows` event; returns the rows as `history()` shows them."""
+        its history and its `end_epoch` event; the `member_rows` event; returns the rows as `history()` shows them."""
         shown = []
         for member, row in zip(self.members, rows, strict=True):
             member.state.totals, member.state.position = None, 0
@@ -436,6 +441,7 @@ class Stacked:
                 row["stopped"] = member.stopped
             member.state.history.append(row)
             member.state.step, member.state.epoch = row["step"], row["epoch"]
+            member.events.end_epoch(row)
             shown.append({"member": member.index, **shown_settings(member.settings), **row})
         if shown:
             events.member_rows(shown)
@@ -460,13 +466,13 @@ class Stacked:
         self, state: PopulationState, results: list[dict[str, Any]], events: Events
     ) -> None:
         """An evaluation within the epoch (`val_every_steps`): a row in each training
-        member's validations, and the `member_validated` event (each member's logger run
-        logs its row)."""
+        member's validations and its `validated` event, and the `member_validated` event."""
         rows = []
         for member, metrics in zip(self.members, results, strict=True):
             if member.stopped is None:
                 row = {"step": state.step, "epoch": state.epoch + 1, **metrics}
                 member.state.validations.append(row)
+                member.events.validated(row)
                 rows.append({"member": member.index, **row})
         events.member_validated(rows)
 

@@ -232,15 +232,16 @@ class Population(PopulationMembers):
         except SetupError as error:  # name the member whose value it is
             shown = progress.settings_label(setting)
             raise PopulationError(f"member {index} ({shown}): {error}") from None
+        events = Events()
         setup, runtime, state = build(
             instance,
             resolved,
             given,
-            events=Events(),
+            events=events,
             data=self._data if data is None else data,
             weights=self._weights,
         )
-        return Member(index, dict(setting), instance, setup, runtime, state)
+        return Member(index, dict(setting), instance, setup, runtime, state, events=events)
 
     # ------------------------------------------------------------------------------------------
     # what it holds

@@ -10,8 +10,6 @@ from collections.abc import Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
-import numpy as np
-
 from nitro.errors import PopulationError
 from nitro.handle.binding_report import binding_report
 from nitro.loggers import (
@@ -90,8 +88,9 @@ def _member_copy(logger: Any, index: int, run_id: str) -> Any:
 
 
 class MemberLogging:
-    """A reporter of the population's events: each member's logger run, through a
-    `LoggingReporter` of its own (its steps' losses, its history rows, its end)."""
+    """Each member's logger run, a `LoggingReporter` on the member's event path (its steps,
+    rows and validations come there, as a run's); a reporter of the population's events that
+    passes on the run's start, epochs, phases, swaps and end to every member's."""
 
     def __init__(
         self,
@@ -103,6 +102,8 @@ class MemberLogging:
         self.population, self.members, self.files = population, members, files
         made = member_loggers(logger, len(members), files.run_id)  # None: a member logs nothing
         self.reporters = [LoggingReporter(LoggerGroup([logger])) for logger in made]
+        for member, reporter in zip(members, self.reporters, strict=False):
+            member.events.add(reporter)  # its steps, rows and validations, as a run's
 
     def _view(self, member: Any) -> SimpleNamespace:
         """What a `LoggingReporter` reads of a run's handle, for `member` as it stands: its
@@ -130,36 +131,21 @@ class MemberLogging:
         )
 
     def start_run(self, population: Any, target_epoch: int) -> None:
-        for reporter, member in zip(self.reporters, self.members, strict=True):
-            reporter.start_run(self._view(member), target_epoch)
+        for member in self.members:
+            member.events.start_run(self._view(member), target_epoch)
 
     def start_epoch(self, epoch: int, target_epoch: int, batches: int | None, start: int) -> None:
-        for reporter in self.reporters:
-            reporter.start_epoch(epoch, target_epoch, batches, start)
-
-    def member_steps(self, first: int, losses: Any) -> None:
-        for reporter, row in zip(self.reporters, np.asarray(losses), strict=True):
-            reporter.steps(first, row.tolist())
-
-    def member_rows(self, rows: Sequence[Mapping[str, Any]]) -> None:
-        for row in rows:  # the members that trained this epoch (a stopped one's ended)
-            history = self.members[int(row["member"])].state.history
-            if history:
-                self.reporters[int(row["member"])].end_epoch(history[-1])
-
-    def member_validated(self, rows: Sequence[Mapping[str, Any]]) -> None:
-        for row in rows:  # the members that train (a stopped one has no validation after)
-            values = {k: v for k, v in row.items() if k != "member"}
-            self.reporters[int(row["member"])].validated(values)
+        for member in self.members:
+            member.events.start_epoch(epoch, target_epoch, batches, start)
 
     def phase(self, phase: str) -> None:
-        for reporter in self.reporters:
+        for reporter in self.reporters:  # not the members' phase: monitors watch the run's
             reporter.phase(phase)
 
     def swapped(self, row: Mapping[str, Any]) -> None:
-        for reporter in self.reporters:  # every member runs the swapped-in code
-            reporter.swapped(row)
+        for member in self.members:  # every member runs the swapped-in code
+            member.events.swapped(row)
 
     def end_run(self, population: Any) -> None:
-        for reporter, member in zip(self.reporters, self.members, strict=True):
-            reporter.end_run(self._view(member))
+        for member in self.members:
+            member.events.end_run(self._view(member))
