@@ -149,11 +149,14 @@ def members_table_html(
     return f"<div class='nitro-members'>{head_html(views, metric, mode)}{''.join(rows)}</div>"
 
 
-def best_member(pop: Any) -> tuple[str, float, int] | None:
-    """(metric, value, member) of the best member still training (`pop.ranking()`: by
-    `val_loss` when the rows have it, else `loss`); None before any row."""
+def best_member(pop: Any) -> str | None:
+    """`val_loss 0.36 (member 1: learning_rate=0.01)`: the best member still training
+    (`pop.ranking()`: by `val_loss` when the rows have it, else `loss`); None before any row."""
     metric, ranked = pop.ranking()
-    return (metric, ranked[0][1], ranked[0][0]) if ranked else None
+    if not ranked:
+        return None
+    index, value = ranked[0]
+    return f"{metric} {value:.4g} (member {index}: {settings_label(pop.members[index])})"
 
 
 def stop_member(pop: Any, name: str, member: str, timeout: float = 600.0) -> None:

@@ -236,10 +236,9 @@ def status_lines(target: Any, name: str = "") -> list[str]:
         f"{target.epoch}/{target.target_epoch or target.max_epochs}, step {target.step}, "
         + members_text(len(members) - len(stopped), len(members), target.running)
     )
-    found = best_member(target)
-    if found is not None:
-        metric, value, best = found
-        text += f", best {metric} {value:.4g} (member {best}: {settings_label(members[best])})"
+    best = best_member(target)
+    if best is not None:
+        text += f", best {best}"
     if not target.running and target.stop_reason:
         text += f" (stop reason: {target.stop_reason})"
     at = target.stopped_at  # where each stopped member's record ends, not the run's step
@@ -257,7 +256,6 @@ def populations_table(user_ns: Mapping[str, Any]):
 
     rows = []
     for name, pop in named_populations(user_ns):
-        found = best_member(pop)
         members = len(pop.members)
         rows.append(
             {
@@ -268,12 +266,7 @@ def populations_table(user_ns: Mapping[str, Any]):
                 "epoch": f"{pop.epoch}/{pop.target_epoch or pop.max_epochs}",
                 "step": pop.step,
                 "members": members_text(members - len(pop.stopped), members, pop.running),
-                "best": (
-                    f"{found[0]} {found[1]:.4g} (member {found[2]}: "
-                    f"{settings_label(pop.members[found[2]])})"
-                    if found is not None
-                    else "-"
-                ),
+                "best": best_member(pop) or "-",
                 "running": pop.running,
             }
         )
