@@ -178,6 +178,7 @@ class Member:
     stopped_at: int | None = None  # the steps it trained before it stopped
     # its own event path, as a run's: its steps, rows and validations (its logger run's)
     events: Events = dataclasses.field(default_factory=Events)
+    logging: Any = None  # its logger run's `LoggingReporter` on that path (None: no logger)
 
     @property
     def label(self) -> str:

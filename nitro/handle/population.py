@@ -214,10 +214,9 @@ class Population(PopulationMembers):
         if self._logging.reporters:  # logger=None costs nothing
             self._events.add(self._logging)
         if self._files.resume_from is not None:
-            reporters = self._logging.reporters or None
             with events_module.using(self._events):
                 state = self._stacked().state
-                restore_population(self._files, self._members, state, reporters, self._say)
+                restore_population(self._files, self._members, state, self._say)
         self._files.claim_planned()
 
     def _build_member(
@@ -347,8 +346,7 @@ class Population(PopulationMembers):
         return reason
 
     def _save(self, state: PopulationState, reason: str | None):
-        reporters = self._logging.reporters or None
-        return population_save(self._files, self._members, state, reason, reporters)
+        return population_save(self._files, self._members, state, reason)
 
     def _after_epoch(
         self, state: Any, row: Any, epochs_left: int | None = None, stop_at: int | None = None

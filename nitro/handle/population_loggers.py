@@ -103,7 +103,8 @@ class MemberLogging:
         made = member_loggers(logger, len(members), files.run_id)  # None: a member logs nothing
         self.reporters = [LoggingReporter(LoggerGroup([logger])) for logger in made]
         for member, reporter in zip(members, self.reporters, strict=False):
-            member.events.add(reporter)  # its steps, rows and validations, as a run's
+            member.logging = reporter  # its steps, rows and validations come as a run's
+            member.events.add(reporter)
 
     def _view(self, member: Any) -> SimpleNamespace:
         """What a `LoggingReporter` reads of a run's handle, for `member` as it stands: its

@@ -294,17 +294,15 @@ def member_record(
     )
 
 
-def population_save(
-    files: Any, members: Sequence[Any], state: Any, reason: str | None, reporters: Any
-) -> Save:
+def population_save(files: Any, members: Sequence[Any], state: Any, reason: str | None) -> Save:
     """Every member of a population as one save: the stacked variables, and each member's
-    record (`member_record`, `reporters`: each member's `LoggingReporter`, or None) beside
+    record (`member_record`, with its logger runs' state) beside
     the shared counters; ranked by its best healthy member's value of the checkpointer's
     metric. `files`: the population's (`PopulationFiles`)."""
     store = files.store
     assert store is not None
     config, healthy = store.config, np.asarray(state.healthy).tolist()
-    best, loggers = None, reporters or [None] * len(members)
+    best = None
     for member, ok in zip(members, healthy, strict=True):
         value = finite(member.state.last_row.get(config.metric)) if ok else None
         if value is not None and (best is None or config.better(value, best)):
@@ -314,7 +312,7 @@ def population_save(
             member.state,
             member.state.last_row,
             member.runtime.device_values(),
-            reporter.logger.state() if reporter is not None else None,
+            member.logging.logger.state() if member.logging is not None else None,
             history,
             validations,
             _partial_epoch(member.state),
@@ -325,8 +323,8 @@ def population_save(
             stopped=member.stopped,
             stopped_at=member.stopped_at,
         )
-        for member, token, (history, validations), ok, reporter in zip(
-            members, files.settings, files.rows, healthy, loggers, strict=True
+        for member, token, (history, validations), ok in zip(
+            members, files.settings, files.rows, healthy, strict=True
         )
     )
     setup = members[0].setup

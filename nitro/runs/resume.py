@@ -7,7 +7,6 @@ and a population alike) and its record as the run's new `TrainState` (a populati
 
 from __future__ import annotations
 
-import itertools
 import os
 import sys
 import warnings
@@ -119,14 +118,12 @@ def restore(
     return restored, record
 
 
-def restore_population(
-    files: Any, members: Sequence[Any], state: Any, reporters: Sequence[Any] | None, note: Callable
-) -> None:
+def restore_population(files: Any, members: Sequence[Any], state: Any, note: Callable) -> None:
     """Continue the checkpoint a population's files found, as `restore` continues a run's:
     every member's variables, optimizer state, healthy flag, why it stopped, history and the
     running sums of its epoch under way, and the shared counters, into `state` (the fresh
-    stacked state) and the members (`reporters`: each member's `LoggingReporter`, which
-    reattaches its logger runs); refused, naming what differs, when the members' settings
+    stacked state) and the members (each member's `LoggingReporter` reattaches its logger
+    runs); refused, naming what differs, when the members' settings
     or the program do not."""
     found = files.resume_from
     saved, record = files.read()
@@ -154,7 +151,7 @@ def restore_population(
     state.variables, state.healthy = place((variables, healthy))
     state.step, state.epoch, state.position = record.step, record.epoch, record.position
     state.prune = dict(record.prune)
-    for member, entry, reporter in itertools.zip_longest(members, record.members, reporters or ()):
+    for member, entry in zip(members, record.members, strict=True):
         member.state = record.train_state(
             member.state.variables, seed=member.state.seed, member=entry
         )
@@ -162,8 +159,8 @@ def restore_population(
         if member.stopped is not None:  # its counters stay where it stopped
             member.state.step = int(member.stopped_at or 0)
             member.state.epoch = int(member.state.last_row.get("epoch", 0))
-        if reporter is not None:
-            reporter.reattach(entry.logger)
+        if member.logging is not None:
+            member.logging.reattach(entry.logger)
     said_resumed(files, "population", state.epoch, state.step, note)
 
 
