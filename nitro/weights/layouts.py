@@ -215,7 +215,11 @@ def _module_bindings(
     without a rule: its leaves take their own NNX names)."""
 
     def pairs(rule, *names: tuple[str, str]) -> list[Binding]:
-        return [rule(prefix + t, prefix + n) for t, n in names if prefix + n in leaves]
+        return [
+            (SAME if t == n else rule)(prefix + t, prefix + n)
+            for t, n in names
+            if prefix + n in leaves
+        ]
 
     bias = pairs(SAME, ("bias", "bias"))
     if isinstance(module, nnx.Linear):
@@ -290,7 +294,7 @@ def to_torch(model: nnx.Module) -> dict[str, np.ndarray]:
     leaves = model_leaves(model)
     arrays: dict[str, np.ndarray] = {}
     for binding in bindings(model)[1]:
-        values = [np.asarray(leaves[t].value) for t in binding.targets]
+        values = [np.asarray(leaves[t].get_value()) for t in binding.targets]
         for name, array in zip(binding.sources, binding.to_torch(values), strict=True):
             arrays[name] = array
     for name in ignored_names(model):

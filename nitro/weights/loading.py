@@ -207,9 +207,13 @@ def load(
         short = _alias(name, aliases)
         if short != name:
             by_alias[short] = None if short in by_alias else name
+    ignored = ignored_names(model)
+    known |= ignored
+    for name in ignored:
+        by_alias.setdefault(_alias(name, aliases), name)
+    names = {k: n if n in known else by_alias.get(n) or n for k, n in names.items()}
     available: dict[str, str] = {}  # the binding's name -> source key
     for key, name in names.items():
-        name = name if name in known else by_alias.get(name) or name
         available.setdefault(name, key)
     plan: list[_Planned] = []
     filled: set[str] = set()
@@ -220,7 +224,6 @@ def load(
             plan.append(_Planned(binding, tuple(available[s] for s in binding.sources)))
             filled.update(binding.targets)
     used = {key for p in plan for key in p.keys}
-    ignored = ignored_names(model)
     unused = tuple(k for k in arrays if k not in used and names.get(k) not in ignored)
     left = tuple(path for path in leaves if path not in filled)
     if not plan:
@@ -240,10 +243,10 @@ def load(
             loaded[path] = LoadedLeaf("+".join(keys), binding.rule, cast)
     for path, value in values.items():
         variable = leaves[path]
-        current = variable.value
+        current = variable.get_value()
         if isinstance(current, jax.Array):
             value = jax.device_put(value, current.sharding)
-        variable.value = value
+        variable.set_value(value)
     order = {path: i for i, path in enumerate(leaves)}
     loaded = dict(sorted(loaded.items(), key=lambda item: order[item[0]]))
     dropped = tuple(k for k in arrays if names.get(k) in ignored)
@@ -275,7 +278,7 @@ def _converted(
 ) -> list[tuple[str, np.ndarray, str | None]]:
     """(leaf path, array in the leaf's layout and dtype, the cast or None) of one binding,
     refused when a shape or dtype does not fit."""
-    targets = [leaves[t].value for t in binding.targets]
+    targets = [leaves[t].get_value() for t in binding.targets]
     shapes = [tuple(np.shape(t)) for t in targets]
     expected = binding.source_shapes(shapes)
     sources = [arrays[k] for k in keys]

@@ -156,7 +156,9 @@ def _merged(path: Path, shards: list[Path]) -> dict[str, np.ndarray]:
 
 def _is_nitro_checkpoint(path: Path) -> bool:
     """A Nitro run directory, its checkpoints directory, or one of its checkpoints."""
-    if (path / "checkpoints").is_dir() or (path / "state").is_dir():
+    if (path / "run.json").is_file() or (path / "checkpoints").is_dir():
+        return True
+    if (path / "state").is_dir():
         return True
     return any(p.name.isdigit() and (p / "state").is_dir() for p in path.iterdir())
 
