@@ -314,6 +314,23 @@ def test_bfloat16_weights_round_trip_bitwise(tmp_path):
     assert np.asarray(model.kernel[...]).tobytes() == np.asarray(original.kernel[...]).tobytes()
 
 
+def test_the_loaded_model_shares_no_memory_with_the_callers_arrays_or_the_file(tmp_path):
+    bias = normal(3)
+    model = nnx.Linear(5, 3, rngs=nnx.Rngs(0))
+    nitro.weights.load({"weight": normal(3, 5), "bias": bias}, model)
+    bias[:] = 0
+    assert np.all(np.asarray(model.bias[...]) != 0)
+    path = tmp_path / "linear.safetensors"
+    save_file({"weight": normal(3, 5), "bias": np.ones(3, np.float32)}, str(path))
+    nitro.weights.load(path, model)
+    with open(path, "r+b") as file:  # the same bytes rewritten in place
+        data = bytearray(file.read())
+        data[-12:] = np.zeros(3, np.float32).tobytes()
+        file.seek(0)
+        file.write(data)
+    np.testing.assert_array_equal(model.bias[...], np.ones(3))
+
+
 # ---------------------------------------------------------------------------------------------
 # sources
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-__all__ = ["Binding", "bindings", "model_leaves", "to_torch"]
+__all__ = ["Binding", "ModelLayout", "dotted", "model_layout", "to_torch"]
 
 Shape = tuple[int, ...]
 
@@ -66,9 +66,25 @@ def _one(
     return bind
 
 
-def _conv_axes(rank: int) -> tuple[int, ...]:
-    """(O, I, *k) -> (*k, I, O)."""
-    return (*range(2, rank), 1, 0)
+def transposed(x: np.ndarray) -> np.ndarray:
+    """`x.T` of a 2-D array, contiguous, copied a band of rows at a time: each band's rows
+    become columns whose pieces are one cache line long (numpy's copy of `x.T` in one go
+    writes one element per cache line, missing the cache at every element)."""
+    rows, cols = x.shape
+    band = max(16, 64 // x.itemsize)
+    if rows * cols < 1 << 16:
+        return np.ascontiguousarray(x.T)
+    out = np.empty((cols, rows), x.dtype)
+    for i in range(0, rows, band):
+        out[:, i : i + band] = x[i : i + band].T
+    return out
+
+
+def _conv_to_nnx(x: np.ndarray) -> np.ndarray:
+    """(O, I, *k) -> (*k, I, O): (O, I*k) transposed, then I moved behind k (a copy of
+    contiguous runs of O)."""
+    flat = transposed(x.reshape(x.shape[0], -1)).reshape(*x.shape[1:], x.shape[0])
+    return np.moveaxis(flat, 0, -2)
 
 
 def _conv_back(rank: int) -> tuple[int, ...]:
@@ -92,11 +108,11 @@ def _transpose_kernel_back(x: np.ndarray) -> np.ndarray:
 
 
 SAME = _one("same", lambda s: s, lambda x, s: x, lambda x: x)
-LINEAR = _one("linear", lambda s: s[::-1], lambda x, s: x.T, lambda x: x.T)
+LINEAR = _one("linear", lambda s: s[::-1], lambda x, s: transposed(x), lambda x: x.T)
 CONV = _one(
     "conv",
     lambda s: tuple(s[i] for i in _conv_back(len(s))),
-    lambda x, s: x.transpose(_conv_axes(x.ndim)),
+    lambda x, s: _conv_to_nnx(x),
     lambda x: x.transpose(_conv_back(x.ndim)),
 )
 CONV_TRANSPOSE = _one(
@@ -128,7 +144,7 @@ EMBEDDING = _bound("embedding")
 PROJECTION = _one(
     "attention",
     lambda s: (int(np.prod(s[1:])), s[0]),
-    lambda x, s: x.T.reshape(s),
+    lambda x, s: transposed(x).reshape(s),
     lambda x: x.reshape(x.shape[0], -1).T,
 )
 PROJECTION_BIAS = _one(
@@ -137,7 +153,7 @@ PROJECTION_BIAS = _one(
 OUT_PROJECTION = _one(
     "attention",
     lambda s: (s[-1], int(np.prod(s[:-1]))),
-    lambda x, s: x.T.reshape(s),
+    lambda x, s: transposed(x).reshape(s),
     lambda x: x.reshape(-1, x.shape[-1]).T,
 )
 
@@ -157,7 +173,7 @@ def _fused(source: str, targets: tuple[str, ...], bias: bool) -> Binding:
         parts = np.split(arrays[0], np.cumsum(sizes(shapes))[:-1], axis=0)
         if bias:
             return [p.reshape(s) for p, s in zip(parts, shapes, strict=True)]
-        return [p.T.reshape(s) for p, s in zip(parts, shapes, strict=True)]
+        return [transposed(p).reshape(s) for p, s in zip(parts, shapes, strict=True)]
 
     def back(arrays: Sequence[np.ndarray]) -> list[np.ndarray]:
         if bias:
@@ -173,15 +189,6 @@ def _fused(source: str, targets: tuple[str, ...], bias: bool) -> Binding:
 
 def dotted(path: Sequence[Any]) -> str:
     return ".".join(str(p) for p in path)
-
-
-def model_leaves(model: nnx.Module) -> dict[str, nnx.Variable]:
-    """The model's variables by dotted path, RNG state left out (it is no weight)."""
-    return {
-        dotted(path): node
-        for path, node in nnx.iter_graph(model)
-        if isinstance(node, nnx.Variable) and not isinstance(node, nnx.RngState)
-    }
 
 
 def _attention(prefix: str, leaves: dict[str, nnx.Variable]) -> list[Binding]:
@@ -241,42 +248,48 @@ def _module_bindings(
     return []
 
 
-def ignored_names(model: nnx.Module) -> set[str]:
-    """Names a PyTorch file holds that no NNX leaf keeps: BatchNorm's `num_batches_tracked`."""
-    return {
-        f"{dotted(path)}.num_batches_tracked".lstrip(".")
-        for path, node in nnx.iter_graph(model)
-        if isinstance(node, nnx.BatchNorm)
+@dataclasses.dataclass(frozen=True)
+class ModelLayout:
+    """What one walk over a model finds: its leaves, the bindings they take, and the PyTorch
+    names that need no leaf or differ from NNX's paths."""
+
+    leaves: dict[str, nnx.Variable]  # dotted path -> variable (RNG state left out)
+    offered: list[Binding]  # PyTorch names first, then each leaf's own NNX name
+    written: list[Binding]  # the binding `to_torch` writes for each leaf
+    ignored: set[str]  # PyTorch names no NNX leaf keeps: BatchNorm's `num_batches_tracked`
+    # (`<path>.layers.`, `<path>.`) for each `nnx.Sequential`: PyTorch's `nn.Sequential`
+    # names its layers `0`, `1`, ... where NNX's names them `layers.0`
+    aliases: list[tuple[str, str]]
+
+
+def model_layout(model: nnx.Module) -> ModelLayout:
+    """The model's leaves and their bindings, from one walk over its graph."""
+    nodes = list(nnx.iter_graph(model))
+    leaves = {
+        dotted(path): node
+        for path, node in nodes
+        if isinstance(node, nnx.Variable) and not isinstance(node, nnx.RngState)
     }
-
-
-def sequential_aliases(model: nnx.Module) -> list[tuple[str, str]]:
-    """(`<path>.layers.`, `<path>.`) for each `nnx.Sequential`: PyTorch's `nn.Sequential`
-    names its layers `0`, `1`, ... where NNX's has `layers.0`."""
-    return [
-        (f"{dotted(path)}.layers.".lstrip("."), f"{dotted(path)}.".lstrip("."))
-        for path, node in nnx.iter_graph(model)
-        if isinstance(node, nnx.Sequential)
-    ]
-
-
-def bindings(model: nnx.Module) -> tuple[list[Binding], list[Binding]]:
-    """(every binding the model's leaves take: PyTorch names first, then each leaf's own NNX
-    name; the PyTorch binding `to_torch` writes for each leaf)."""
-    leaves = model_leaves(model)
-    torch: list[Binding] = []
+    offered: list[Binding] = []
     written: list[Binding] = []
-    for path, module in nnx.iter_graph(model):
+    ignored: set[str] = set()
+    aliases: list[tuple[str, str]] = []
+    for path, module in nodes:
         if not isinstance(module, nnx.Module):
             continue
-        found = _module_bindings(module, f"{dotted(path)}." if path else "", leaves)
-        torch += found
+        prefix = f"{dotted(path)}." if path else ""
+        found = _module_bindings(module, prefix, leaves)
+        offered += found
         attention = isinstance(module, nnx.MultiHeadAttention)
         written += _attention_written(found) if attention else found
+        if isinstance(module, nnx.BatchNorm):
+            ignored.add(f"{prefix}num_batches_tracked")
+        if isinstance(module, nnx.Sequential):
+            aliases.append((f"{prefix}layers.", prefix))
     same = [SAME(name, name) for name in leaves]
     filled = {t for b in written for t in b.targets}
     written += [b for b in same if b.targets[0] not in filled]
-    return torch + same, written
+    return ModelLayout(leaves, offered + same, written, ignored, aliases)
 
 
 def _attention_written(found: list[Binding]) -> list[Binding]:
@@ -291,12 +304,12 @@ def to_torch(model: nnx.Module) -> dict[str, np.ndarray]:
     Linear and Conv kernels transposed, BatchNorm's statistics as `running_mean` and
     `running_var` (with `num_batches_tracked`, as PyTorch saves it), attention fused as
     `nn.MultiheadAttention`'s `in_proj_weight`. `nitro.weights.load` reads it back exactly."""
-    leaves = model_leaves(model)
+    layout = model_layout(model)
     arrays: dict[str, np.ndarray] = {}
-    for binding in bindings(model)[1]:
-        values = [np.asarray(leaves[t].get_value()) for t in binding.targets]
+    for binding in layout.written:
+        values = [np.asarray(layout.leaves[t].get_value()) for t in binding.targets]
         for name, array in zip(binding.sources, binding.to_torch(values), strict=True):
             arrays[name] = array
-    for name in ignored_names(model):
+    for name in layout.ignored:
         arrays[name] = np.zeros((), np.int64)
     return arrays

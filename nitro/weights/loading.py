@@ -26,15 +26,8 @@ import numpy as np
 from flax import nnx
 
 from nitro.errors import WeightsError
-from nitro.weights.layouts import (
-    Binding,
-    bindings,
-    ignored_names,
-    model_leaves,
-    sequential_aliases,
-    to_torch,
-)
-from nitro.weights.weight_files import describe_source, read, write_safetensors
+from nitro.weights.layouts import Binding, model_layout, to_torch
+from nitro.weights.weight_files import describe_source, read_views, write_safetensors
 
 __all__ = ["KeyMap", "LoadReport", "LoadedLeaf", "load", "normal_name", "save"]
 
@@ -196,21 +189,18 @@ def load(
             f"nitro.weights.load fills a flax.nnx.Module; got {type(model).__name__} "
             f"(a Linen module: load into the nnx module that bridges it)"
         )
-    arrays = read(source)
+    arrays = read_views(source)
     names = _mapped_names(arrays, key_map, repr(where))
-    leaves = model_leaves(model)
-    offered, _ = bindings(model)
-    known = {s for b in offered for s in b.sources}
-    aliases = sequential_aliases(model)
+    layout = model_layout(model)
+    leaves, offered, ignored, aliases = (
+        layout.leaves, layout.offered, layout.ignored, layout.aliases
+    )  # fmt: skip
+    known = {s for b in offered for s in b.sources} | ignored
     by_alias: dict[str, str | None] = {}
     for name in known:
         short = _alias(name, aliases)
         if short != name:
             by_alias[short] = None if short in by_alias else name
-    ignored = ignored_names(model)
-    known |= ignored
-    for name in ignored:
-        by_alias.setdefault(_alias(name, aliases), name)
     names = {k: n if n in known else by_alias.get(n) or n for k, n in names.items()}
     available: dict[str, str] = {}  # the binding's name -> source key
     for key, name in names.items():
@@ -235,18 +225,20 @@ def load(
         )
     if strict and (left or unused):
         raise WeightsError(_strict_message(where, left, unused))
-    values = {}
-    loaded = {}
-    for binding, keys in plan:
-        for path, value, cast in _converted(binding, keys, arrays, leaves, where):
-            values[path] = value
-            loaded[path] = LoadedLeaf("+".join(keys), binding.rule, cast)
+    checked = [_checked(binding, keys, arrays, leaves, where) for binding, keys in plan]
+    values = _converted_all(checked)
+    loaded = {
+        path: LoadedLeaf("+".join(c.keys), c.binding.rule, cast)
+        for c in checked
+        for path, cast in zip(c.binding.targets, c.casts, strict=True)
+    }
+    on_devices = [p for p in values if isinstance(leaves[p].get_value(), jax.Array)]
+    shardings = [leaves[p].get_value().sharding for p in on_devices]
+    # onto the leaves' devices in one batched transfer; on the host, without a copy
+    placed = jax.device_put([values[p] for p in on_devices], shardings, may_alias=True)
+    values.update(zip(on_devices, placed, strict=True))
     for path, value in values.items():
-        variable = leaves[path]
-        current = variable.get_value()
-        if isinstance(current, jax.Array):
-            value = jax.device_put(value, current.sharding)
-        variable.set_value(value)
+        leaves[path].set_value(value)
     order = {path: i for i, path in enumerate(leaves)}
     loaded = dict(sorted(loaded.items(), key=lambda item: order[item[0]]))
     dropped = tuple(k for k in arrays if names.get(k) in ignored)
@@ -269,15 +261,26 @@ def _strict_message(where: str, left: tuple[str, ...], unused: tuple[str, ...]) 
     )
 
 
-def _converted(
+class _Checked(NamedTuple):
+    """A binding whose source arrays fit its leaves: their shapes, and each leaf's cast."""
+
+    binding: Binding
+    keys: tuple[str, ...]
+    sources: list[np.ndarray]
+    shapes: list[tuple[int, ...]]
+    dtypes: list[np.dtype]
+    casts: list[str | None]  # "float16 -> float32", or None
+
+
+def _checked(
     binding: Binding,
     keys: tuple[str, ...],
     arrays: Mapping[str, np.ndarray],
     leaves: Mapping[str, nnx.Variable],
     where: str,
-) -> list[tuple[str, np.ndarray, str | None]]:
-    """(leaf path, array in the leaf's layout and dtype, the cast or None) of one binding,
-    refused when a shape or dtype does not fit."""
+) -> _Checked:
+    """The binding's arrays checked against its leaves, refused when a shape or dtype does
+    not fit (before any leaf is written)."""
     targets = [leaves[t].get_value() for t in binding.targets]
     shapes = [tuple(np.shape(t)) for t in targets]
     expected = binding.source_shapes(shapes)
@@ -294,29 +297,58 @@ def _converted(
                 f"but the model's {model} takes {_shape(shape, array.dtype)}{layout}. Build "
                 f"the model with the source's sizes, or leave the key out with key_map"
             )
-    converted = binding.to_nnx(sources, shapes)
-    found = []
-    for path, value, target in zip(binding.targets, converted, targets, strict=True):
-        key = "+".join(keys)
-        value, cast = _cast(value, np.dtype(target.dtype), key, path, where)
-        found.append((path, value, cast))
-    return found
+    dtypes = [np.dtype(t.dtype) for t in targets]
+    given = sources[0].dtype
+    casts = [
+        _cast(given, dtype, "+".join(keys), path, where)
+        for path, dtype in zip(binding.targets, dtypes, strict=True)
+    ]
+    return _Checked(binding, keys, sources, shapes, dtypes, casts)
 
 
-def _cast(
-    value: np.ndarray, dtype: np.dtype, key: str, path: str, where: str
-) -> tuple[np.ndarray, str | None]:
-    """The array in the leaf's dtype: floating point to floating point, integer to integer."""
-    if value.dtype == dtype:
-        return np.ascontiguousarray(value), None
-    ints = np.issubdtype(value.dtype, np.integer) and np.issubdtype(dtype, np.integer)
-    if not (ints or (_floating(value.dtype) and _floating(dtype))):
+def _cast(given: np.dtype, dtype: np.dtype, key: str, path: str, where: str) -> str | None:
+    """The cast an array of dtype `given` takes into a leaf of `dtype` (floating point to
+    floating point, integer to integer), or None; refused otherwise."""
+    if given == dtype:
+        return None
+    ints = np.issubdtype(given, np.integer) and np.issubdtype(dtype, np.integer)
+    if not (ints or (_floating(given) and _floating(dtype))):
         raise WeightsError(
-            f"dtype mismatch: {key!r} of {where!r} is {value.dtype}, but the model's {path!r} "
+            f"dtype mismatch: {key!r} of {where!r} is {given}, but the model's {path!r} "
             f"is {dtype}, which does not take it (a cast would change what the values mean). "
             f"Write the file with {dtype} weights, or leave the key out with key_map"
         )
-    return value.astype(dtype), f"{value.dtype} -> {dtype}"
+    return f"{given} -> {dtype}"
+
+
+PARALLEL_BYTES = 1 << 24  # above this, arrays convert on several threads (numpy frees the GIL)
+
+
+def _converted_all(checked: list[_Checked]) -> dict[str, np.ndarray]:
+    """Leaf path -> its array in NNX's layout and the leaf's dtype, contiguous, and always a
+    copy: the model never shares memory with the caller's arrays or a mapped file."""
+
+    def convert(c: _Checked) -> list[tuple[str, np.ndarray]]:
+        found = []
+        converted = c.binding.to_nnx(c.sources, c.shapes)
+        for path, value, dtype in zip(c.binding.targets, converted, c.dtypes, strict=True):
+            if value.dtype != dtype:
+                value = value.astype(dtype)
+            elif any(np.may_share_memory(value, x) for x in c.sources):
+                value = np.array(value, order="C")
+            else:
+                value = np.ascontiguousarray(value)
+            found.append((path, value))
+        return found
+
+    size = sum(x.nbytes for c in checked for x in c.sources)
+    workers = min(8, os.cpu_count() or 1)
+    if size < PARALLEL_BYTES or workers == 1:
+        return dict(pair for c in checked for pair in convert(c))
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(workers, thread_name_prefix="nitro-weights") as pool:
+        return dict(pair for pairs in pool.map(convert, checked) for pair in pairs)
 
 
 def _floating(dtype: np.dtype) -> bool:

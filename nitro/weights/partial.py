@@ -17,7 +17,7 @@ from typing import Any
 from flax import nnx
 
 from nitro.errors import WeightsError, did_you_mean
-from nitro.weights.layouts import dotted, model_leaves
+from nitro.weights.layouts import dotted, model_layout
 from nitro.weights.loading import KeyMap, LoadReport, load
 from nitro.weights.weight_files import describe_source
 
@@ -86,7 +86,7 @@ class Partial:
             raise WeightsError(f"weights={self!r}: {error}") from None
         prefix = f"{self.into}." if self.into else ""
         where = report.source
-        leaves = dict.fromkeys(model_leaves(model), "build_model")
+        leaves = dict.fromkeys(model_layout(model).leaves, "build_model")
         for path, leaf in report.loaded.items():
             leaves[prefix + path] = f"{where}: {leaf.key} ({leaf.rule})"
         part = f"{self.into} from {where}" if self.into else where

@@ -20,7 +20,7 @@ import numpy as np
 
 from nitro.errors import SetupError, WeightsError
 
-__all__ = ["describe_source", "read", "write_safetensors"]
+__all__ = ["describe_source", "read", "read_views", "write_safetensors"]
 
 SHARD_INDEX = "model.safetensors.index.json"
 
@@ -62,6 +62,20 @@ def read(source: str | os.PathLike | Mapping[str, Any]) -> dict[str, np.ndarray]
     )
 
 
+def read_views(source: str | os.PathLike | Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """As `read`, but a safetensors file's (or shards') arrays are read-only views of the
+    file's bytes, mapped into memory, not copies: a reader that converts them (`load`)
+    touches each byte once, and several threads can read at once."""
+    if isinstance(source, Mapping) or not isinstance(source, (str, os.PathLike)):
+        return read(source)
+    path = Path(source)
+    if path.is_file() and path.suffix == ".safetensors":
+        return _view_safetensors(path)
+    if path.is_dir() and ((path / SHARD_INDEX).is_file() or any(path.glob("*.safetensors"))):
+        return _read_directory(path, _view_safetensors)
+    return read(source)
+
+
 def describe_source(source: Any) -> str:
     """How a report and an origin name `source`: its path, or "a dict of N arrays"."""
     if isinstance(source, Mapping):
@@ -89,10 +103,52 @@ def _read_safetensors(path: Path) -> dict[str, np.ndarray]:
     try:
         return load_file(str(path))
     except Exception as error:  # noqa: BLE001 - safetensors raises its own error and OSErrors
-        raise WeightsError(
-            f"{str(path)!r} cannot be read as safetensors ({type(error).__name__}: {error}): "
-            f"the file is truncated or not a safetensors file; download or write it again"
-        ) from error
+        raise _unreadable(path, error) from error
+
+
+# safetensors' dtype names (little-endian, as the format stores them)
+_DTYPES = {
+    "F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "I16": "<i2",
+    "I8": "i1", "U64": "<u8", "U32": "<u4", "U16": "<u2", "U8": "u1", "BOOL": "?",
+}  # fmt: skip
+_ML_DTYPES = {"BF16": "bfloat16", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+
+
+def _view_safetensors(path: Path) -> dict[str, np.ndarray]:
+    """The arrays of a safetensors file as views of its mapped bytes. safetensors itself
+    checks the header first (a truncated file is refused here, as `read` refuses it)."""
+    import mmap
+
+    import jax.numpy as jnp
+    from safetensors import safe_open
+
+    try:
+        with safe_open(str(path), framework="numpy") as checked:
+            checked.keys()
+    except Exception as error:  # noqa: BLE001 - safetensors raises its own error and OSErrors
+        raise _unreadable(path, error) from error
+    with open(path, "rb") as file:
+        size = int.from_bytes(file.read(8), "little")
+        header = json.loads(file.read(size))
+        mapped = mmap.mmap(file.fileno(), 0, access=mmap.ACCESS_READ) if header else b""
+    start = 8 + size
+    arrays = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        kind = info["dtype"]
+        dtype = np.dtype(_DTYPES.get(kind) or getattr(jnp, _ML_DTYPES[kind]))
+        begin, end = info["data_offsets"]
+        flat = np.frombuffer(mapped, dtype, (end - begin) // dtype.itemsize, start + begin)
+        arrays[name] = flat.reshape(info["shape"])
+    return arrays
+
+
+def _unreadable(path: Path, error: Exception) -> WeightsError:
+    return WeightsError(
+        f"{str(path)!r} cannot be read as safetensors ({type(error).__name__}: {error}): "
+        f"the file is truncated or not a safetensors file; download or write it again"
+    )
 
 
 def _read_npz(path: Path) -> dict[str, np.ndarray]:
@@ -106,13 +162,14 @@ def _read_npz(path: Path) -> dict[str, np.ndarray]:
         ) from error
 
 
-def _read_directory(path: Path) -> dict[str, np.ndarray]:
+def _read_directory(path: Path, reader: Any = None) -> dict[str, np.ndarray]:
+    reader = reader or _read_safetensors
     index = path / SHARD_INDEX
     if index.is_file():
-        return _read_shards(path, index)
+        return _read_shards(path, index, reader)
     shards = sorted(path.glob("*.safetensors"))
     if shards:
-        return _merged(path, shards)
+        return _merged(path, shards, reader)
     if _is_nitro_checkpoint(path):
         return _read_nitro(path)
     if _is_orbax(path):
@@ -123,7 +180,7 @@ def _read_directory(path: Path) -> dict[str, np.ndarray]:
     )
 
 
-def _read_shards(path: Path, index: Path) -> dict[str, np.ndarray]:
+def _read_shards(path: Path, index: Path, reader: Any) -> dict[str, np.ndarray]:
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
     except (ValueError, KeyError, TypeError) as error:
@@ -138,13 +195,13 @@ def _read_shards(path: Path, index: Path) -> dict[str, np.ndarray]:
             f"{str(index)!r} lists shards that are not in {str(path)!r}: {', '.join(missing)}; "
             f"download the missing shards"
         )
-    return _merged(path, files)
+    return _merged(path, files, reader)
 
 
-def _merged(path: Path, shards: list[Path]) -> dict[str, np.ndarray]:
+def _merged(path: Path, shards: list[Path], reader: Any) -> dict[str, np.ndarray]:
     arrays: dict[str, np.ndarray] = {}
     for shard in shards:
-        for name, array in _read_safetensors(shard).items():
+        for name, array in reader(shard).items():
             if name in arrays:
                 raise WeightsError(
                     f"the shards of {str(path)!r} hold {name!r} twice (in {shard.name} and an "
