@@ -26,7 +26,7 @@ import numpy as np
 from flax import nnx
 
 from nitro.errors import WeightsError
-from nitro.weights.layouts import Binding, model_layout, to_torch
+from nitro.weights.layouts import ALIGN, Binding, aligned_empty, model_layout, to_torch
 from nitro.weights.weight_files import describe_source, read_views, write_safetensors
 
 __all__ = ["KeyMap", "LoadReport", "LoadedLeaf", "load", "normal_name", "save"]
@@ -332,12 +332,11 @@ def _converted_all(checked: list[_Checked]) -> dict[str, np.ndarray]:
         found = []
         converted = c.binding.to_nnx(c.sources, c.shapes)
         for path, value, dtype in zip(c.binding.targets, converted, c.dtypes, strict=True):
-            if value.dtype != dtype:
-                value = value.astype(dtype)
-            elif any(np.may_share_memory(value, x) for x in c.sources):
-                value = np.array(value, order="C")
-            else:
-                value = np.ascontiguousarray(value)
+            fresh = not any(np.may_share_memory(value, x) for x in c.sources)
+            aligned = value.flags.c_contiguous and value.ctypes.data % ALIGN == 0
+            if value.dtype != dtype or not (fresh and aligned):
+                value, given = aligned_empty(value.shape, dtype), value
+                np.copyto(value, given, casting="unsafe")  # a cast `_checked` allowed
             found.append((path, value))
         return found
 
