@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-__all__ = ["Binding", "ModelLayout", "dotted", "model_layout", "to_torch"]
+__all__ = ["Binding", "ModelLayout", "dotted", "model_layout", "pytorch_name", "to_torch"]
 
 Shape = tuple[int, ...]
 
@@ -316,13 +316,23 @@ def to_torch(model: nnx.Module) -> dict[str, np.ndarray]:
     """The model's weights in PyTorch layout and names (a `state_dict` of numpy arrays):
     Linear and Conv kernels transposed, BatchNorm's statistics as `running_mean` and
     `running_var` (with `num_batches_tracked`, as PyTorch saves it), attention fused as
-    `nn.MultiheadAttention`'s `in_proj_weight`. `nitro.weights.load` reads it back exactly."""
+    `nn.MultiheadAttention`'s `in_proj_weight`, an `nnx.Sequential`'s layers numbered as
+    `nn.Sequential` numbers them (`features.0`). `nitro.weights.load` reads it back exactly."""
     layout = model_layout(model)
     arrays: dict[str, np.ndarray] = {}
     for binding in layout.written:
         values = [np.asarray(layout.leaves[t].get_value()) for t in binding.targets]
         for name, array in zip(binding.sources, binding.to_torch(values), strict=True):
-            arrays[name] = array
+            arrays[pytorch_name(name, layout.aliases)] = array
     for name in layout.ignored:
-        arrays[name] = np.zeros((), np.int64)
+        arrays[pytorch_name(name, layout.aliases)] = np.zeros((), np.int64)
     return arrays
+
+
+def pytorch_name(name: str, aliases: list[tuple[str, str]]) -> str:
+    """`name` with each `nnx.Sequential`'s `layers.` dropped, as PyTorch's `nn.Sequential`
+    names its layers (the innermost first)."""
+    for long, short in sorted(aliases, key=lambda pair: -len(pair[0])):
+        if name.startswith(long):
+            name = short + name[len(long) :]
+    return name

@@ -26,7 +26,14 @@ import numpy as np
 from flax import nnx
 
 from nitro.errors import WeightsError
-from nitro.weights.layouts import ALIGN, Binding, aligned_empty, model_layout, to_torch
+from nitro.weights.layouts import (
+    ALIGN,
+    Binding,
+    aligned_empty,
+    model_layout,
+    pytorch_name,
+    to_torch,
+)
 from nitro.weights.weight_files import describe_source, read_views, write_safetensors
 
 __all__ = ["KeyMap", "LoadReport", "LoadedLeaf", "load", "normal_name", "save"]
@@ -141,14 +148,6 @@ def _pairs(key_map: Any) -> list[tuple[re.Pattern, str]]:
     return pairs
 
 
-def _alias(name: str, aliases: list[tuple[str, str]]) -> str:
-    """`name` with each `nnx.Sequential`'s `layers.` dropped, the innermost first."""
-    for long, short in sorted(aliases, key=lambda pair: -len(pair[0])):
-        if name.startswith(long):
-            name = short + name[len(long) :]
-    return name
-
-
 def _shape(shape: Sequence[int], dtype: Any) -> str:
     from nitro.programs.compile_cache import short_dtype
 
@@ -198,7 +197,7 @@ def load(
     known = {s for b in offered for s in b.sources} | ignored
     by_alias: dict[str, str | None] = {}
     for name in known:
-        short = _alias(name, aliases)
+        short = pytorch_name(name, aliases)
         if short != name:
             by_alias[short] = None if short in by_alias else name
     names = {k: n if n in known else by_alias.get(n) or n for k, n in names.items()}
