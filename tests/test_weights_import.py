@@ -381,6 +381,18 @@ def test_read_takes_a_plain_orbax_checkpoint_of_an_nnx_state(tmp_path):
     assert_same(leaves(model), leaves(original))
 
 
+def test_read_takes_an_orbax_checkpoint_managers_newest_step(tmp_path):
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(tmp_path / "managed") as manager:
+        for step in (1, 2):
+            weights = {"weight": np.full((2, 3), step, np.float32), "bias": np.zeros(2)}
+            manager.save(step, args=ocp.args.StandardSave(weights))
+        manager.wait_until_finished()
+    read = nitro.weights.read(tmp_path / "managed")
+    np.testing.assert_array_equal(read["weight"], np.full((2, 3), 2))
+
+
 def test_read_takes_another_nitro_runs_directory():
     from toys import TinyMLP, Toy
 
@@ -534,6 +546,8 @@ def test_partial_loads_a_backbone_into_a_bigger_model_and_the_head_keeps_its_ini
     assert "  build_model: 2 leaves: head.bias, head.kernel" in report
     n.train()
     assert n.epoch == 1
+    manifest = n.export(str(tmp_path / "bundle"))
+    assert manifest["provenance"]["weights_origin"] == n.weights_origin
 
 
 def test_partial_with_a_wrong_sub_module_or_bad_file_refuses_the_handle(tmp_path):
