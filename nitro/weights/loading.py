@@ -340,8 +340,10 @@ def _converted_all(checked: list[_Checked]) -> dict[str, np.ndarray]:
         return found
 
     size = sum(x.nbytes for c in checked for x in c.sources)
-    workers = min(8, os.cpu_count() or 1)
-    if size < PARALLEL_BYTES or workers == 1:
+    # half the cores at most: on a machine of few cores, busy with other work, threads that
+    # hand the GIL back and forth between many small copies are slower than one
+    workers = min(8, (os.cpu_count() or 1) // 2)
+    if size < PARALLEL_BYTES or workers <= 1:
         return dict(pair for c in checked for pair in convert(c))
     from concurrent.futures import ThreadPoolExecutor
 
