@@ -61,7 +61,8 @@ class LoadReport:
     loaded: Mapping[str, LoadedLeaf]  # model leaf path -> where it came from
     left: tuple[str, ...]  # model leaves left at their initial values
     unused: tuple[str, ...]  # source keys that filled no leaf
-    ignored: tuple[str, ...] = ()  # source keys no NNX leaf keeps (`num_batches_tracked`)
+    # source keys no weight takes: PyTorch's `num_batches_tracked`, a saved model's RNG state
+    ignored: tuple[str, ...] = ()
 
     @property
     def converted(self) -> dict[str, str]:
