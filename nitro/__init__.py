@@ -9,7 +9,7 @@ Public names load on first use (PEP 562), so `import nitro.bundle` in a serving 
 imports JAX and nothing of Flax or Optax.
 
 Packages by layer, bottom-up (docs/architecture.md): `experiments`, `data`, `optim`, `core`,
-`programs`, `runs`, `loggers`, `engine`, `serving`, `handle`, `mcp`, `examples`, `cli` (the
+`programs`, `runs`, `weights`, `loggers`, `engine`, `serving`, `handle`, `mcp`, `examples`, `cli` (the
 `nitro` command). Modules: `errors` (every error raised on purpose), `_version`
 (`__version__`), and the public import paths `bundle`, `serve`, `manual`, `staleness`, `events`,
 `progress`, `runner`, `dispatch` and `datasets`, each standing for a module inside a package
@@ -62,7 +62,8 @@ _EXPORTS = {
     "run_to_resume": "nitro.runs.resume",
     "Interrupted": "nitro.errors",
     "WeightsError": "nitro.errors",
-    "average": "nitro.runs.weights",
+    "average": "nitro.runs.initial_weights",
+    "Partial": "nitro.weights.partial",
     "OptimizerError": "nitro.errors",
 }
 _SUBMODULES = (
@@ -74,6 +75,7 @@ _SUBMODULES = (
     "progress",
     "runner",
     "staleness",
+    "weights",
 )
 
 __all__ = [
@@ -96,6 +98,7 @@ __all__ = [
     "MetricError",
     "Nitro",
     "OptimizerError",
+    "Partial",
     "Population",
     "PopulationError",
     "Precision",
@@ -125,6 +128,7 @@ __all__ = [
     "set_compilation_cache",
     "staleness",
     "unload_ipython_extension",
+    "weights",
     "WeightsError",
 ]
 
@@ -146,7 +150,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from nitro import data, loggers
+    from nitro import data, loggers, weights
     from nitro.core import events, progress
     from nitro.core.events import on_phase
     from nitro.data import datasets
@@ -185,9 +189,10 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     )
     from nitro.runs.checkpoints import Checkpointer
     from nitro.runs.early_stopping import EarlyStopping
+    from nitro.runs.initial_weights import average
     from nitro.runs.resume import run_to_resume
     from nitro.runs.run_dirs import saved_runs
-    from nitro.runs.weights import average
+    from nitro.weights.partial import Partial
 
 
 def load_ipython_extension(ipython) -> None:

@@ -24,6 +24,7 @@ LAYERS = [
     "core",
     "programs",
     "runs",
+    "weights",
     "loggers",
     "engine",
     "serving",
@@ -54,6 +55,7 @@ PUBLIC = {
     "nitro.data",
     "nitro.loggers",
     "nitro.mcp",
+    "nitro.weights",
 }
 
 
