@@ -25,6 +25,7 @@ LAYERS = [
     "programs",
     "runs",
     "weights",
+    "models",
     "loggers",
     "engine",
     "serving",
