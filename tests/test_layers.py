@@ -57,6 +57,7 @@ PUBLIC = {
     "nitro.loggers",
     "nitro.mcp",
     "nitro.weights",
+    "nitro.models",
 }
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 from flax import nnx
 from huggingface_hub.file_download import repo_folder_name
-from safetensors.numpy import load_file, save_file
+from safetensors.numpy import load_file
 
 import nitro.models
 import nitro.weights
@@ -27,7 +27,7 @@ MANIFEST = json.loads((FIXTURES / "fixtures.json").read_text())
 BLOCKS = {"BasicBlock": nitro.models.BasicBlock, "Bottleneck": nitro.models.Bottleneck}
 
 
-def _tiny(name: str) -> nnx.Module:
+def _tiny(name: str) -> nitro.models.ResNet | nitro.models.ConvNeXt:
     spec = MANIFEST["fixtures"][name]
     kwargs = dict(spec["kwargs"], num_classes=spec["num_classes"], rngs=nnx.Rngs(1))
     if spec["family"] == "resnet":
@@ -35,7 +35,7 @@ def _tiny(name: str) -> nnx.Module:
     return nitro.models.ConvNeXt(**kwargs)
 
 
-def _loaded(name: str, mode: str, weights=None) -> nnx.Module:
+def _loaded(name: str, mode: str, weights=None) -> nitro.models.ResNet | nitro.models.ConvNeXt:
     model = _tiny(name)
     nitro.weights.load(weights or FIXTURES / f"{name}.safetensors", model)
     model.train() if mode == "train" else model.eval()
@@ -53,11 +53,13 @@ def _check_parity(name: str, mode: str, weights=None) -> None:
     model = _loaded(name, mode, weights)
     close(model(x), f"{mode}/logits")
     if mode == "train":  # the running statistics after one train-mode call, as PyTorch's
-        stats = nnx.to_flat_state(nnx.state(model, nnx.BatchStat))
-        assert len(stats) == sum(k.startswith("train/state/") for k in expected.files)
-        for path, value in stats:
-            kind = {"mean": "running_mean", "var": "running_var"}[path[-1]]
-            close(value[...], f"train/state/{'.'.join(map(str, path[:-1]))}.{kind}")
+        state = nitro.weights.to_torch(model)  # PyTorch's names: `bn1.running_var`
+        running = sorted(k for k in state if ".running_" in k)
+        assert running == sorted(
+            k.removeprefix("train/state/") for k in expected.files if "/state/" in k
+        )
+        for key in running:
+            close(state[key], f"train/state/{key}")
     close(_loaded(name, mode, weights).forward_features(x), f"{mode}/features")
     final, features = _loaded(name, mode, weights).forward_intermediates(x)
     close(final, f"{mode}/features")
@@ -111,7 +113,10 @@ def test_each_model_has_as_many_parameters_as_timm_s(name):
 )
 def test_timm_s_state_dict_of_each_full_model_loads_strictly_by_its_own_names(name):
     shapes = MANIFEST["models"][name]["state_dict"]
-    state = {k: np.full(s, 0.5, np.int64 if k.endswith("tracked") else np.float32) for k, s in shapes.items()}
+    state = {
+        k: np.full(s, 0.5, np.int64 if k.endswith("tracked") else np.float32)
+        for k, s in shapes.items()
+    }
     model = nitro.models.create(name, num_classes=5)
     report = nitro.weights.load(state, model)
     assert report.left == () and report.unused == ()
@@ -124,14 +129,17 @@ def test_create_builds_a_model_that_takes_nhwc_images_and_gives_features_by_timm
     x = jnp.zeros((2, 64, 64, 3))
     assert model(x).shape == (2, 9)
     assert model.forward_features(x).shape == (2, 2, 2, 320)
-    features = model.forward_intermediates(x, indices=2, intermediates_only=True)
+    final, features = model.forward_intermediates(x, indices=2)
+    assert final.shape == (2, 2, 2, 320)
     assert [f.shape for f in features] == [(2, 4, 4, 160), (2, 2, 2, 320)]
     resnet = nitro.models.create("resnet18d", num_classes=0, in_chans=1)
     assert resnet(jnp.zeros((1, 32, 32, 1))).shape == (1, 512)
 
 
 def test_an_unknown_name_is_refused_with_the_close_ones():
-    with pytest.raises(ValueError, match=r"no model named 'convnext_atto'.*Did you mean 'convnextv2_atto'"):
+    with pytest.raises(
+        ValueError, match=r"no model named 'convnext_atto'.*Did you mean 'convnextv2_atto'"
+    ):
         nitro.models.create("convnext_atto")
 
 
@@ -161,19 +169,21 @@ def test_pretrained_from_a_file_loads_every_leaf_and_a_new_classifier_starts_fre
     path = _timm_like_checkpoint(tmp_path, "convnextv2_atto", num_classes=1000)
     saved = load_file(path)
     model = nitro.models.create("convnextv2_atto", num_classes=9, pretrained=path)
-    fresh = nitro.models.create("convnextv2_atto", num_classes=9)
-    assert np.array_equal(model.stem[0].kernel[...], saved["stem.0.weight"].transpose(2, 3, 1, 0))
-    assert np.array_equal(model.stages[3].blocks[1].mlp.grn.weight[...], saved["stages.3.blocks.1.mlp.grn.weight"])
-    assert np.array_equal(model.head.fc.kernel[...], fresh.head.fc.kernel[...])
+    loaded = nitro.weights.to_torch(model)  # the model's weights in PyTorch's names and layout
+    fresh = nitro.weights.to_torch(nitro.models.create("convnextv2_atto", num_classes=9))
+    assert sorted(loaded) == sorted(k for k in saved if not k.endswith("num_batches_tracked"))
+    for key, array in loaded.items():
+        expected = fresh[key] if key.startswith("head.fc.") else saved[key]
+        assert np.array_equal(array, expected), key
     same = nitro.models.create("convnextv2_atto", num_classes=1000, pretrained=path)
-    assert np.array_equal(same.head.fc.kernel[...], saved["head.fc.weight"].T)
+    assert np.array_equal(nitro.weights.to_torch(same)["head.fc.weight"], saved["head.fc.weight"])
 
 
 def test_pretrained_rgb_weights_fit_a_one_channel_input_by_summing_the_first_convolution(tmp_path):
     path = _timm_like_checkpoint(tmp_path, "resnet18", num_classes=1000)
     model = nitro.models.create("resnet18", num_classes=2, in_chans=1, pretrained=path)
     rgb = load_file(path)["conv1.weight"]
-    assert np.allclose(model.conv1.kernel[...], rgb.sum(1, keepdims=True).transpose(2, 3, 1, 0))
+    assert np.allclose(nitro.weights.to_torch(model)["conv1.weight"], rgb.sum(1, keepdims=True))
 
 
 def test_pretrained_weights_of_another_model_are_refused_naming_the_leaves(tmp_path):
@@ -209,7 +219,7 @@ def test_a_hub_id_loads_offline_from_the_cache_at_main_or_a_pinned_revision(tmp_
     path = _timm_like_checkpoint(tmp_path, "convnextv2_atto", num_classes=1000)
     cache, commit = _hub_cache(tmp_path, "timm/convnextv2_atto.fcmae_ft_in1k", path)
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
-    saved = load_file(path)["stages.2.blocks.5.conv_dw.weight"].transpose(2, 3, 1, 0)
+    saved = load_file(path)["stages.2.blocks.5.conv_dw.weight"]
     for revision in (None, commit):
         model = nitro.models.create(
             "convnextv2_atto",
@@ -218,7 +228,9 @@ def test_a_hub_id_loads_offline_from_the_cache_at_main_or_a_pinned_revision(tmp_
             revision=revision,
             cache_dir=cache,
         )
-        assert np.array_equal(model.stages[2].blocks[5].conv_dw.kernel[...], saved)
+        assert np.array_equal(
+            nitro.weights.to_torch(model)["stages.2.blocks.5.conv_dw.weight"], saved
+        )
 
 
 def test_a_hub_id_offline_and_not_cached_names_the_id_and_the_fix(tmp_path, monkeypatch):
@@ -233,7 +245,10 @@ def test_a_hub_id_offline_and_not_cached_names_the_id_and_the_fix(tmp_path, monk
     assert "hf download timm/resnet18.a1_in1k model.safetensors" in message
     with pytest.raises(WeightsError, match="at revision 'v2'"):
         nitro.models.create(
-            "convnextv2_atto", pretrained="timm/convnextv2_atto.fcmae_ft_in1k", revision="v2", cache_dir=cache
+            "convnextv2_atto",
+            pretrained="timm/convnextv2_atto.fcmae_ft_in1k",
+            revision="v2",
+            cache_dir=cache,
         )
 
 

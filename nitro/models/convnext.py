@@ -108,7 +108,14 @@ class ConvNeXtStage(nnx.Module):
         rngs: nnx.Rngs,
     ) -> None:
         self.downsample = (
-            nnx.List([_norm(cin, rngs), nnx.Conv(cin, cout, (2, 2), strides=2, padding="VALID", kernel_init=_INIT, rngs=rngs)])
+            nnx.List(
+                [
+                    _norm(cin, rngs),
+                    nnx.Conv(
+                        cin, cout, (2, 2), strides=2, padding="VALID", kernel_init=_INIT, rngs=rngs
+                    ),
+                ]
+            )
             if downsample
             else None
         )
@@ -128,7 +135,9 @@ class NormMlpClassifierHead(nnx.Module):
     def __init__(self, dim: int, num_classes: int, drop_rate: float, *, rngs: nnx.Rngs) -> None:
         self.norm = _norm(dim, rngs)
         self.drop = nnx.Dropout(drop_rate, rngs=rngs)
-        self.fc = nnx.Linear(dim, num_classes, kernel_init=_INIT, rngs=rngs) if num_classes else None
+        self.fc = (
+            nnx.Linear(dim, num_classes, kernel_init=_INIT, rngs=rngs) if num_classes else None
+        )
 
     def __call__(self, x: jax.Array, pre_logits: bool = False) -> jax.Array:
         x = self.drop(self.norm(jnp.mean(x, axis=(1, 2))))
@@ -193,8 +202,7 @@ class ConvNeXt(nnx.Module):
         self,
         x: jax.Array,
         indices: int | Sequence[int] | None = None,
-        intermediates_only: bool = False,
-    ) -> tuple[jax.Array, list[jax.Array]] | list[jax.Array]:
+    ) -> tuple[jax.Array, list[jax.Array]]:
         """The last stage's map and the stages' maps `indices` picks, NHWC, as timm's
         `forward_intermediates` (0 to 3: strides 4, 8, 16, 32)."""
         taken = take_indices(len(self.stages), indices)
@@ -204,7 +212,7 @@ class ConvNeXt(nnx.Module):
             x = stage(x)
             if number in taken:
                 features.append(x)
-        return features if intermediates_only else (x, features)
+        return x, features
 
     def forward_features(self, x: jax.Array) -> jax.Array:
         """The last stage's feature map, `(batch, height / 32, width / 32, num_features)`."""

@@ -64,7 +64,11 @@ def hub_file(
     at = f" at revision {revision!r}" if revision else ""
     try:
         path = huggingface_hub.hf_hub_download(
-            repo_id, HUB_FILE, revision=revision, cache_dir=cache_dir, local_files_only=offline
+            repo_id,
+            HUB_FILE,
+            revision=revision,
+            cache_dir=None if cache_dir is None else str(cache_dir),
+            local_files_only=offline,
         )
     except LocalEntryNotFoundError as error:
         cache = cache_dir or huggingface_hub.constants.HF_HUB_CACHE
@@ -114,7 +118,9 @@ def load_pretrained(
             f"is a local path: drop revision="
         )
     if _is_hub_id(str(source)):
-        source = hub_file(str(source).removeprefix("hf-hub:"), revision=revision, cache_dir=cache_dir)
+        source = hub_file(
+            str(source).removeprefix("hf-hub:"), revision=revision, cache_dir=cache_dir
+        )
     arrays: dict[str, Any] = read(source)
     first, classifier = f"{model.first_conv}.weight", f"{model.classifier}."
     if first in arrays:

@@ -52,7 +52,9 @@ class BatchNorm(nnx.BatchNorm):
         unbiased = var * count / max(count - 1, 1)
         self.var[...] = jax.lax.stop_gradient(keep * self.var[...] + (1 - keep) * unbiased)
         y = (x - mean) * jax.lax.rsqrt(var + self.epsilon)
-        return y * self.scale[...] + self.bias[...]
+        if self.scale is not None:
+            y = y * self.scale[...]
+        return y if self.bias is None else y + self.bias[...]
 
 
 def _conv(cin: int, cout: int, size: int, stride: int, rngs: nnx.Rngs) -> nnx.Conv:
@@ -79,11 +81,12 @@ def _run(layers: Sequence[Any], x: jax.Array) -> jax.Array:
 def _avg_pool_ceil(x: jax.Array) -> jax.Array:
     """PyTorch's `AvgPool2d(2, 2, ceil_mode=True, count_include_pad=False)`."""
     padding = ((0, x.shape[1] % 2), (0, x.shape[2] % 2))
-    return linen.avg_pool(x, (2, 2), (2, 2), padding, count_include_pad=False)
+    # flax annotates `padding` by its default, "VALID"; it takes (low, high) pairs too
+    return linen.avg_pool(x, (2, 2), (2, 2), padding, False)  # pyright: ignore[reportArgumentType]
 
 
 def _max_pool(x: jax.Array) -> jax.Array:
-    return linen.max_pool(x, (3, 3), (2, 2), ((1, 1), (1, 1)))
+    return linen.max_pool(x, (3, 3), (2, 2), ((1, 1), (1, 1)))  # pyright: ignore[reportArgumentType]
 
 
 def _downsample(cin: int, cout: int, stride: int, avg_down: bool, rngs: nnx.Rngs) -> nnx.List:
@@ -223,8 +226,7 @@ class ResNet(nnx.Module):
         self,
         x: jax.Array,
         indices: int | Sequence[int] | None = None,
-        intermediates_only: bool = False,
-    ) -> tuple[jax.Array, list[jax.Array]] | list[jax.Array]:
+    ) -> tuple[jax.Array, list[jax.Array]]:
         """The last stage's map and the feature maps `indices` picks, NHWC, as timm's
         `forward_intermediates` (0: the stem, strides 2; 1 to 4: the stages, 4 to 32)."""
         taken = take_indices(5, indices)
@@ -235,7 +237,7 @@ class ResNet(nnx.Module):
             x = _run(stage, x)
             if number in taken:
                 features.append(x)
-        return features if intermediates_only else (x, features)
+        return x, features
 
     def forward_features(self, x: jax.Array) -> jax.Array:
         """The last stage's feature map, `(batch, height / 32, width / 32, num_features)`."""

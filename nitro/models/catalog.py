@@ -75,7 +75,9 @@ def create(
     if pretrained is not None:
         from nitro.models.pretrained import load_pretrained
 
-        load_pretrained(model, pretrained, in_chans=in_chans, revision=revision, cache_dir=cache_dir)
+        load_pretrained(
+            model, pretrained, in_chans=in_chans, revision=revision, cache_dir=cache_dir
+        )
     elif revision is not None:
         raise ValueError(f"revision={revision!r} pins pretrained weights; give pretrained= too")
     return model
