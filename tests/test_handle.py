@@ -252,7 +252,8 @@ def test_build_model_must_return_an_nnx_module():
             return lambda x: x
 
     with pytest.raises(
-        nitro.SetupError, match="flax.nnx.Module or a flax.linen.Module; got function"
+        nitro.SetupError,
+        match="flax.nnx.Module, a flax.linen.Module or an equinox.Module; got function",
     ):
         nitro.Nitro(NotAModule(), progress=False)
 

@@ -237,8 +237,7 @@ class Net(nnx.Module):
 
 def pytorch_names(model) -> dict[str, np.ndarray]:
     """The model's weights as a PyTorch module of the same structure names them."""
-    torch = nitro.weights.to_torch(model)
-    return {k.replace("features.layers.", "features."): v for k, v in torch.items()}
+    return nitro.weights.to_torch(model)
 
 
 def test_pytorch_names_find_the_nnx_leaves_sequential_indices_and_brackets_included():
@@ -296,7 +295,7 @@ def test_saved_in_pytorch_layout_and_loaded_back_the_weights_are_bitwise_equal(t
     path = nitro.weights.save(tmp_path / "net.safetensors", original)
     saved = load_file(str(path))
     assert saved["head.weight"].shape == (3, 4)  # PyTorch's (out, in)
-    assert saved["features.layers.0.weight"].shape == (4, 3, 3, 3)  # OIHW
+    assert saved["features.0.weight"].shape == (4, 3, 3, 3)  # OIHW, nn.Sequential's name
     assert saved["attention.in_proj_weight"].shape == (12, 4)
     model = Net(nnx.Rngs(2))
     report = nitro.weights.load(path, model)
@@ -380,6 +379,18 @@ def test_read_takes_a_plain_orbax_checkpoint_of_an_nnx_state(tmp_path):
     report = nitro.weights.load(tmp_path / "ckpt", model)
     assert report.converted == {} and report.left == ()
     assert_same(leaves(model), leaves(original))
+
+
+def test_read_takes_an_orbax_checkpoint_managers_newest_step(tmp_path):
+    import orbax.checkpoint as ocp
+
+    with ocp.CheckpointManager(tmp_path / "managed") as manager:
+        for step in (1, 2):
+            weights = {"weight": np.full((2, 3), step, np.float32), "bias": np.zeros(2)}
+            manager.save(step, args=ocp.args.StandardSave(weights))
+        manager.wait_until_finished()
+    read = nitro.weights.read(tmp_path / "managed")
+    np.testing.assert_array_equal(read["weight"], np.full((2, 3), 2))
 
 
 def test_read_takes_another_nitro_runs_directory():
@@ -535,6 +546,8 @@ def test_partial_loads_a_backbone_into_a_bigger_model_and_the_head_keeps_its_ini
     assert "  build_model: 2 leaves: head.bias, head.kernel" in report
     n.train()
     assert n.epoch == 1
+    manifest = n.export(str(tmp_path / "bundle"))
+    assert manifest["provenance"]["weights_origin"] == n.weights_origin
 
 
 def test_partial_with_a_wrong_sub_module_or_bad_file_refuses_the_handle(tmp_path):

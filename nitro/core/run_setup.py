@@ -227,6 +227,9 @@ class RunSetup:
     eval_splits: tuple[str, ...] = ()  # evaluated at each epoch's end
     max_steps: int | None = None  # the optimizer step training stops at
     val_every_steps: int | None = None  # eval splits also every N steps, within epochs
+    # freeze_batch_stats=True: (model-state leaf, its group's fed learning rate), the leaf
+    # kept while that rate is 0
+    frozen_statistics: tuple[tuple[int, str], ...] = ()
 
     @property
     def cls(self) -> type:

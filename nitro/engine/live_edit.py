@@ -48,6 +48,7 @@ from nitro.engine.setup import (
 )
 from nitro.engine.swaps import LiveEdit, LiveEdits, Swap, where_raised
 from nitro.experiments.declaration import field_specs
+from nitro.experiments.equinox import as_nnx_model
 from nitro.experiments.fingerprint import (
     Fingerprinter,
     code_digest,
@@ -108,7 +109,7 @@ def _model_setup(setup: RunSetup, instance: Any, variables: Any):
     """The model's new graph definitions and fingerprint for edited model classes, when the
     parameters and the model state keep their layout (else `Refused`)."""
     abstract = nnx.eval_shape(
-        lambda: build_model(lambda: instance.build_model(nnx.Rngs(setup.seed)))
+        lambda: build_model(lambda: as_nnx_model(instance.build_model(nnx.Rngs(setup.seed))))
     )
     if isinstance(abstract, Mapping):
         abstract = nnx.Dict({str(k): v for k, v in abstract.items()})

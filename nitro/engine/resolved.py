@@ -54,6 +54,7 @@ class RunKeywords:
     decay_to: Any  # "zero", "init", a model or a tree of anchor weights
     decay_mask: Callable[[str, Any], bool] | None
     gradient_clip_norm: float | None
+    freeze_batch_stats: bool
     check_divergence: bool
     prefetch_workers: int
     device_batches: int

@@ -574,6 +574,14 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             type=float | None,
         ),
         RunKeyword(
+            "freeze_batch_stats",
+            False,
+            "keep the batch statistics (BatchNorm's) of a parameter group while its learning "
+            "rate is 0 (a frozen backbone)",
+            _bool("freeze_batch_stats"),
+            type=bool,
+        ),
+        RunKeyword(
             "check_divergence",
             True,
             "stop with an error on a non-finite loss",

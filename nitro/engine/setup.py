@@ -53,11 +53,13 @@ from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_time import RunTime
 from nitro.errors import PlacementError, RoutingError, SetupError
 from nitro.experiments.declaration import FieldKind, field_specs, has_method
+from nitro.experiments.equinox import as_nnx_model
 from nitro.experiments.fingerprint import CodeFingerprint, Fingerprinter
 from nitro.experiments.linen import bridge_linen, is_linen
 from nitro.experiments.presets import preset_of
 from nitro.experiments.routing import hook_fields
 from nitro.optim.fed_optimizer import FedOptimizer
+from nitro.optim.fine_tuning import steps_per_epoch
 from nitro.optim.optimizer import OptimizerSettings, build_optimizer
 from nitro.optim.param_groups import leaf_paths
 from nitro.optim.precision import Precision
@@ -199,6 +201,7 @@ def build(
         eval_splits=eval_splits,
         max_steps=keywords.max_steps,
         val_every_steps=keywords.val_every_steps,
+        frozen_statistics=_frozen_statistics(instance, keywords, model.model_state, optimizer),
     )
     runtime = RunTime(
         experiment=instance,
@@ -224,6 +227,41 @@ def build(
         seed=keywords.seed,
     )
     return setup, runtime, state
+
+
+def _frozen_statistics(
+    instance: Any, keywords: RunKeywords, model_state: Any, optimizer: Any
+) -> tuple[tuple[int, str], ...]:
+    """`freeze_batch_stats=True`: each batch statistic (`nnx.BatchStat`) of the model state,
+    by leaf index, with the fed learning rate of its group (`param_group` of its path)."""
+    if not keywords.freeze_batch_stats or optimizer is None:
+        return ()
+    names = set(optimizer.names)
+    if "learning_rate" in names:  # no groups: the run's learning rate
+        group_of = lambda path: None  # noqa: E731
+    elif not has_method(type(instance), "param_group") or not optimizer.groups:
+        raise SetupError(
+            "freeze_batch_stats=True keeps a group's batch statistics while the group's "
+            "learning rate is 0, and this optimizer feeds no learning rate per group: define "
+            "`param_group(self, path)`, or drop freeze_batch_stats"
+        )
+    else:
+        group_of = instance.param_group
+    variables = jax.tree.leaves(model_state, is_leaf=lambda x: isinstance(x, nnx.Variable))
+    frozen = []
+    for i, (path, variable) in enumerate(zip(leaf_paths(model_state), variables, strict=True)):
+        if not isinstance(variable, nnx.BatchStat):
+            continue
+        group = group_of(path)
+        name = "learning_rate" if group is None else f"{group}/learning_rate"
+        if name not in names:
+            raise SetupError(
+                f"param_group({path!r}) returned {group!r} for a batch statistic "
+                f"(freeze_batch_stats=True groups them with the parameters), and no parameter "
+                f"is in that group; return the group of the layer's parameters"
+            )
+        frozen.append((i, name))
+    return tuple(frozen)
 
 
 def _placement(keywords: RunKeywords) -> Placement:
@@ -447,7 +485,7 @@ def _build_model(
 ) -> BuiltModel:
     """The model's graph definitions and weights (`weights=` copied over the new ones)."""
     events.phase("building model")
-    model = build_model(lambda: instance.build_model(nnx.Rngs(seed)))
+    model = build_model(lambda: as_nnx_model(instance.build_model(nnx.Rngs(seed))))
     if isinstance(model, Mapping):  # several models, by name (GANs, teacher and student, ...)
         bad = {k: type(v).__name__ for k, v in model.items() if not isinstance(v, nnx.Module)}
         if not model or bad:
@@ -466,8 +504,8 @@ def _build_model(
         model = bridge_linen(model, nnx.Rngs(seed), _first_forward(instance, *linen_init))
     if not isinstance(model, nnx.Module):
         raise SetupError(
-            f"build_model must return a flax.nnx.Module or a flax.linen.Module; got "
-            f"{type(model).__name__}"
+            f"build_model must return a flax.nnx.Module, a flax.linen.Module or an "
+            f"equinox.Module; got {type(model).__name__}"
         )
     if isinstance(weights, Partial):  # into the model itself: layouts follow its modules' types
         loaded = weights.load_into(model)
@@ -764,7 +802,7 @@ def _bind_schedules(
     if train is not None and train.batches is not None:
         # an epoch's last optimizer step takes the micro-batches left, when accum does not
         # divide its batches
-        total = keywords.max_epochs * -(-train.batches // accum)  # optimizer steps
+        total = keywords.max_epochs * steps_per_epoch(train.batches, accum)
     schedules = bind_schedules(
         keywords.schedules,
         hyperparams=optimizer.schedulable if optimizer else {},

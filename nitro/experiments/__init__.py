@@ -1,6 +1,6 @@
 """What a user declares: the field kinds (`GraphConst`, `Device`, Host), their declared types,
 the `@experiment` decorator and its field specs, the stripped view traced hooks see, the routing of
-batch fields to hooks, the code fingerprints of hooks, and Flax Linen models.
+batch fields to hooks, the code fingerprints of hooks, and Flax Linen and equinox models.
 
 The lowest layer: it imports nothing of nitro but `nitro.errors`.
 
@@ -12,6 +12,7 @@ The lowest layer: it imports nothing of nitro but `nitro.errors`.
 - `routing`: which batch fields each hook receives
 - `fingerprint`: digests of the code a program runs (hooks, helpers, classes)
 - `linen`: Flax Linen modules through `flax.nnx.bridge`
+- `equinox`: equinox modules, their arrays as NNX variables
 """
 
 from nitro.experiments.declaration import (

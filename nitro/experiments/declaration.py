@@ -102,6 +102,7 @@ DRIVER_ONLY_NAMES = frozenset(
         "learning_rate",
         "optimizer",
         "check_divergence",
+        "freeze_batch_stats",
         "prefetch_workers",
         "device_batches",
         "host_batches",

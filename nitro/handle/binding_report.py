@@ -163,8 +163,8 @@ def _fields(setup: RunSetup) -> tuple[str, list[str]]:
 
 
 def _weights(setup: RunSetup) -> list[str]:
-    """Where the initial weights came from; for `weights=nitro.Partial`, which leaves came
-    from the file (and the rule that converted them) and which from build_model."""
+    """Where the initial weights came from (`weights=`); for `weights=nitro.Partial`, which
+    leaves came from the file and which from build_model."""
     lines = [setup.model.weights_origin]
     by_source: dict[str, list[str]] = {}
     for path, origin in (setup.model.weights_from or {}).items():
@@ -256,7 +256,8 @@ def binding_report(
         lines.append(f"horizon: {setup.total_steps:,} optimizer steps")
     sections.append(("schedules", lines))
 
-    sections.append(("weights", _weights(setup)))
+    if setup.model.weights_origin != "build_model":
+        sections.append(("weights", _weights(setup)))
 
     lines = []
     optimizer = setup.optimizer

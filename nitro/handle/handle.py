@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import math
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
@@ -681,6 +682,89 @@ class Nitro(RunHandle):
         feed.set_schedules(bound)
         self._live_scheduled.update(s.name for s in bound if s.target == "device")
         return self
+
+    def fine_tune(
+        self,
+        epochs: int,
+        *,
+        freeze_epochs: int = 1,
+        base_lr: float | None = None,
+        backbone: str | Iterable[str] = "backbone",
+        unfrozen_ratio: float = 0.1,
+        pct_start: float = 0.3,
+        div: float = 5.0,
+        background: bool = False,
+    ) -> Nitro:
+        """Fine-tune a pretrained backbone, as fastai's `fine_tune`: train `freeze_epochs`
+        epochs with the `backbone` parameter group frozen (learning rate 0) and the other
+        groups on a one-cycle schedule to `base_lr` (default: the run's `learning_rate`),
+        then `epochs` epochs with every group on a one-cycle schedule to `base_lr / 2`, the
+        backbone's at `unfrozen_ratio` times it. One program for both phases: the rates are
+        per-group schedules (`set_schedule`), fed to every step, so nothing recompiles.
+
+        Groups come from the experiment's `param_group` hook; `Nitro(..., freeze_batch_stats=
+        True)` also keeps a frozen group's BatchNorm statistics. See docs/fine-tuning.md."""
+        from nitro.optim.fine_tuning import fine_tune_schedules, steps_per_epoch
+
+        self._check_trainable()
+        backbone = (backbone,) if isinstance(backbone, str) else tuple(backbone)
+        optimizer = self._setup.optimizer
+        groups = tuple(g.name for g in optimizer.groups) if optimizer else ()
+        if optimizer is None or not groups:
+            raise SetupError(
+                "fine_tune trains parameter groups, and this experiment has none: define "
+                "`param_group(self, path) -> str` naming each parameter's group, e.g. "
+                "`return 'backbone' if path.startswith('backbone') else 'head'`"
+            )
+        unknown = [g for g in backbone if g not in groups]
+        if unknown or set(backbone) == set(groups):
+            raise SetupError(
+                f"fine_tune(backbone={backbone!r}) must name some of the parameter groups "
+                f"{groups!r} and leave at least one (the head) to train while it is frozen"
+                + (did_you_mean(unknown[0], groups) if unknown else "")
+            )
+        ratios = {g.name: g.lr_ratio for g in optimizer.groups if g.lr_ratio is not None}
+        if ratios:
+            raise SetupError(
+                f"fine_tune sets every group's learning rate, and group_lr={ratios!r} sets "
+                f"some too: drop group_lr (unfrozen_ratio= sets the backbone's ratio)"
+            )
+        for name, value in (("epochs", epochs), ("freeze_epochs", freeze_epochs)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise SetupError(f"fine_tune's {name} must be an int >= 0, got {value!r}")
+        for name, value, valid, bounds in (
+            ("base_lr", base_lr, base_lr is None or base_lr > 0, "> 0"),
+            ("unfrozen_ratio", unfrozen_ratio, unfrozen_ratio >= 0, ">= 0"),
+            ("pct_start", pct_start, 0 < pct_start < 1, "in (0, 1)"),
+            ("div", div, div > 0, "> 0"),
+        ):
+            if value is not None and not (math.isfinite(value) and valid):
+                raise SetupError(
+                    f"fine_tune's {name} must be a finite number {bounds}, got {value!r}"
+                )
+        if epochs + freeze_epochs == 0:
+            raise SetupError("fine_tune needs epochs or freeze_epochs > 0: nothing to train")
+        batches = self._setup.splits["train"].batches
+        if batches is None:
+            raise SetupError(
+                "fine_tune counts its phases in epochs, and the train split has no len(): "
+                "give it a length, or set per-group schedules yourself with set_schedule"
+            )
+        rate = self._setup.keywords["learning_rate"].value if base_lr is None else base_lr
+        schedules = fine_tune_schedules(
+            groups,
+            backbone,
+            start=self.step,
+            steps_per_epoch=steps_per_epoch(batches, self._setup.accum),
+            epochs=epochs,
+            freeze_epochs=freeze_epochs,
+            base_lr=rate,
+            unfrozen_ratio=unfrozen_ratio,
+            pct_start=pct_start,
+            div=div,
+        )
+        self.set_schedule(**schedules)
+        return self.train(epochs=freeze_epochs + epochs, background=background)
 
     def set_host(self, **values: Any) -> Nitro:
         """Change Host fields (the unmarked ones) of the live experiment, also while it trains:

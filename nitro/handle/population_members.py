@@ -43,6 +43,7 @@ PROGRAM_KEYWORDS = {
     "ema": "the moving average is part of the program",
     "sam": "sharpness-aware minimization is part of the program",
     "check_divergence": "the guard is part of the program",
+    "freeze_batch_stats": "keeping a frozen group's batch statistics is part of the program",
     "steps_per_dispatch": "steps per call are the program's shape",
     "n_devs": "the mesh is the program's placement",
     "decay_to": "where weight decay pulls is part of the optimizer's structure",

@@ -14,6 +14,7 @@ Imports only `nitro.errors` and `nitro.experiments`.
 - `guard`: the divergence guard's one rule: a skipped step keeps every variable
 - `fed_optimizer`: `FedOptimizer`, what the engine needs of an optimizer (both kinds)
 - `precision`: mixed precision (`precision=`): the jmp policy, float16's loss scale
+- `fine_tuning`: `n.fine_tune`'s per-group schedules; `freeze_batch_stats`'s kept statistics
 """
 
 __all__: list[str] = []

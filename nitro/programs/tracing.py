@@ -13,6 +13,7 @@ from flax import nnx
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import Variables
 from nitro.errors import SetupError
+from nitro.experiments.equinox import EquinoxModel
 from nitro.experiments.fingerprint import CodeFingerprint
 from nitro.experiments.trace_view import TraceView
 
@@ -70,12 +71,32 @@ def call(setup: RunSetup, hook: str, view: TraceView, *args, rngs=None, **kwargs
     finds no keys is named with the fix, instead of Flax's error from inside the trace."""
     if takes_rngs(setup, hook):
         kwargs["rngs"] = rngs if rngs is not None else eval_rngs()
+    if args and isinstance(args[0], EquinoxModel):
+        return call_equinox(setup.experiment.hooks[hook], hook, view, *args, **kwargs)
     try:
         return setup.experiment.hooks[hook](view, *args, **kwargs)
     except ValueError as error:
         if _NO_RNGS not in str(error) or isinstance(error, SetupError):
             raise
         raise SetupError(missing_rngs_message(hook, takes_rngs(setup, hook))) from error
+
+
+def call_equinox(fn, hook: str, view, model: EquinoxModel, *args, **kwargs):
+    """`fn` called with the equinox module of `model`; a shape error inside it names the hook
+    and the usual cause (an equinox module called on a whole batch)."""
+    try:
+        return fn(view, model.equinox, *args, **kwargs)
+    except (TypeError, ValueError) as error:
+        if isinstance(error, SetupError):
+            raise
+        raise SetupError(
+            f"hook `{hook}` raised {type(error).__name__} with an equinox model: {error}. "
+            f"Equinox layers take one sample, without a batch axis: if `{hook}` calls the "
+            f"model on the whole batch, map it over the batch, `return jax.vmap(model)(x)` "
+            f"(and for eqx.nn.Dropout while training, a key per sample: "
+            f"`jax.vmap(lambda x, k: model(x, key=k))(x, jax.random.split(rngs.dropout(), "
+            f"len(x)))`)"
+        ) from error
 
 
 def missing_rngs_message(hook: str, takes: bool) -> str:

@@ -7,6 +7,7 @@ The step is assembled from the named stages of `nitro.optim.stages`, one line pe
 gradients  jax.value_and_grad of the loss hook over the forward hook, in the compute
            dtype (precision=), of the scaled loss (float16)
            -> accumulate (accum=)  -> sharpness_aware (sam=)
+           -> keep a frozen group's batch statistics (freeze_batch_stats=)
 update     inject the fed hyperparameters -> apply_update (the optimizer) -> strip them
 finish     moving_average (ema=) -> skip an overflow, adjust the loss scale (float16)
            -> the guard (check_divergence=): check, keep
@@ -46,6 +47,7 @@ from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import StepOutput, Variables
 from nitro.experiments.routing import select
 from nitro.optim import guard, stages
+from nitro.optim.fine_tuning import keep_frozen_statistics
 from nitro.optim.guard import Failure
 from nitro.optim.optimizer import OptimizerSetup
 from nitro.optim.precision import FLOAT32
@@ -152,6 +154,9 @@ def step_function(
         if setup.sam is not None:
             gradients = stages.sharpness_aware(gradients, setup.sam)
         loss, new_rest, grads, metrics = gradients(params, rest, batch)
+        new_rest = keep_frozen_statistics(
+            setup.frozen_statistics, optimizer.names, hparams, rest, new_rest
+        )
         opt_state = optimizer.inject(opt_state, hparams)
         new_params, new_opt = stages.apply_update(optimizer.tx, grads, opt_state, params)
 
@@ -398,6 +403,7 @@ def train_step_spec(
             "ema": repr(setup.ema),
             "sam": repr(setup.sam),
             "precision": (setup.precision or FLOAT32).program_key,
+            **({"frozen statistics": setup.frozen_statistics} if setup.frozen_statistics else {}),
             # the argument shardings key it too; named, so an explanation says which
             **({"sharding": setup.placement.sharding} if setup.placement.sharded else {}),
         },

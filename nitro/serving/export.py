@@ -450,6 +450,7 @@ def export_handle(
     from flax import nnx
 
     from nitro.experiments.declaration import FieldKind, field_specs, has_method
+    from nitro.experiments.equinox import hook_model
     from nitro.experiments.routing import hook_fields
     from nitro.experiments.trace_view import TraceView
     from nitro.programs.tracing import EVAL_SEED
@@ -526,7 +527,7 @@ def export_handle(
         chosen = precision.cast_compute(chosen)  # the bundle's dtype (dtype=)
         if forward_fields.takes_rngs:  # one fixed key: an export is deterministic
             chosen = {**chosen, "rngs": nnx.Rngs(EVAL_SEED)}
-        return precision.cast_output(forward_hook(view, model, **chosen))
+        return precision.cast_output(forward_hook(view, hook_model(model), **chosen))
 
     # The wire: export_inputs, else the first split's batch for the fields the wire takes.
     if has_method(cls, "export_inputs"):

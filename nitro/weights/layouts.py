@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 from flax import nnx
 
-__all__ = ["Binding", "ModelLayout", "dotted", "model_layout", "to_torch"]
+__all__ = ["Binding", "ModelLayout", "dotted", "model_layout", "pytorch_name", "to_torch"]
 
 Shape = tuple[int, ...]
 
@@ -66,15 +66,28 @@ def _one(
     return bind
 
 
+ALIGN = 64  # XLA's CPU client takes a host array aligned to this without copying it
+
+
+def aligned_empty(shape: Sequence[int], dtype: Any) -> np.ndarray:
+    """`np.empty`, its data aligned to `ALIGN` bytes (numpy aligns to 16)."""
+    dtype = np.dtype(dtype)
+    size = int(np.prod(shape)) * dtype.itemsize
+    raw = np.empty(size + ALIGN, np.uint8)
+    start = -raw.ctypes.data % ALIGN
+    return raw[start : start + size].view(dtype).reshape(shape)
+
+
 def transposed(x: np.ndarray) -> np.ndarray:
     """`x.T` of a 2-D array, contiguous, copied a band of rows at a time: each band's rows
     become columns whose pieces are one cache line long (numpy's copy of `x.T` in one go
     writes one element per cache line, missing the cache at every element)."""
     rows, cols = x.shape
     band = max(16, 64 // x.itemsize)
+    out = aligned_empty((cols, rows), x.dtype)
     if rows * cols < 1 << 16:
-        return np.ascontiguousarray(x.T)
-    out = np.empty((cols, rows), x.dtype)
+        out[...] = x.T
+        return out
     for i in range(0, rows, band):
         out[:, i : i + band] = x[i : i + band].T
     return out
@@ -303,13 +316,23 @@ def to_torch(model: nnx.Module) -> dict[str, np.ndarray]:
     """The model's weights in PyTorch layout and names (a `state_dict` of numpy arrays):
     Linear and Conv kernels transposed, BatchNorm's statistics as `running_mean` and
     `running_var` (with `num_batches_tracked`, as PyTorch saves it), attention fused as
-    `nn.MultiheadAttention`'s `in_proj_weight`. `nitro.weights.load` reads it back exactly."""
+    `nn.MultiheadAttention`'s `in_proj_weight`, an `nnx.Sequential`'s layers numbered as
+    `nn.Sequential` numbers them (`features.0`). `nitro.weights.load` reads it back exactly."""
     layout = model_layout(model)
     arrays: dict[str, np.ndarray] = {}
     for binding in layout.written:
         values = [np.asarray(layout.leaves[t].get_value()) for t in binding.targets]
         for name, array in zip(binding.sources, binding.to_torch(values), strict=True):
-            arrays[name] = array
+            arrays[pytorch_name(name, layout.aliases)] = array
     for name in layout.ignored:
-        arrays[name] = np.zeros((), np.int64)
+        arrays[pytorch_name(name, layout.aliases)] = np.zeros((), np.int64)
     return arrays
+
+
+def pytorch_name(name: str, aliases: list[tuple[str, str]]) -> str:
+    """`name` with each `nnx.Sequential`'s `layers.` dropped, as PyTorch's `nn.Sequential`
+    names its layers (the innermost first)."""
+    for long, short in sorted(aliases, key=lambda pair: -len(pair[0])):
+        if name.startswith(long):
+            name = short + name[len(long) :]
+    return name

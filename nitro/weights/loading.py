@@ -26,7 +26,14 @@ import numpy as np
 from flax import nnx
 
 from nitro.errors import WeightsError
-from nitro.weights.layouts import Binding, model_layout, to_torch
+from nitro.weights.layouts import (
+    ALIGN,
+    Binding,
+    aligned_empty,
+    model_layout,
+    pytorch_name,
+    to_torch,
+)
 from nitro.weights.weight_files import describe_source, read_views, write_safetensors
 
 __all__ = ["KeyMap", "LoadReport", "LoadedLeaf", "load", "normal_name", "save"]
@@ -141,14 +148,6 @@ def _pairs(key_map: Any) -> list[tuple[re.Pattern, str]]:
     return pairs
 
 
-def _alias(name: str, aliases: list[tuple[str, str]]) -> str:
-    """`name` with each `nnx.Sequential`'s `layers.` dropped, the innermost first."""
-    for long, short in sorted(aliases, key=lambda pair: -len(pair[0])):
-        if name.startswith(long):
-            name = short + name[len(long) :]
-    return name
-
-
 def _shape(shape: Sequence[int], dtype: Any) -> str:
     from nitro.programs.compile_cache import short_dtype
 
@@ -198,7 +197,7 @@ def load(
     known = {s for b in offered for s in b.sources} | ignored
     by_alias: dict[str, str | None] = {}
     for name in known:
-        short = _alias(name, aliases)
+        short = pytorch_name(name, aliases)
         if short != name:
             by_alias[short] = None if short in by_alias else name
     names = {k: n if n in known else by_alias.get(n) or n for k, n in names.items()}
@@ -332,12 +331,11 @@ def _converted_all(checked: list[_Checked]) -> dict[str, np.ndarray]:
         found = []
         converted = c.binding.to_nnx(c.sources, c.shapes)
         for path, value, dtype in zip(c.binding.targets, converted, c.dtypes, strict=True):
-            if value.dtype != dtype:
-                value = value.astype(dtype)
-            elif any(np.may_share_memory(value, x) for x in c.sources):
-                value = np.array(value, order="C")
-            else:
-                value = np.ascontiguousarray(value)
+            fresh = not any(np.may_share_memory(value, x) for x in c.sources)
+            aligned = value.flags.c_contiguous and value.ctypes.data % ALIGN == 0
+            if value.dtype != dtype or not (fresh and aligned):
+                value, given = aligned_empty(value.shape, dtype), value
+                np.copyto(value, given, casting="unsafe")  # a cast `_checked` allowed
             found.append((path, value))
         return found
 

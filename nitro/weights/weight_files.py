@@ -272,7 +272,10 @@ def _read_orbax(path: Path) -> dict[str, np.ndarray]:
         path = items[0]
     checkpointer = ocp.PyTreeCheckpointer()
     try:
-        tree = checkpointer.metadata(path).item_metadata.tree
+        item = checkpointer.metadata(path).item_metadata
+        if item is None:
+            raise ValueError("it records no tree of arrays")
+        tree = item.tree
         restore_args = _map_leaves(tree, lambda _: ocp.RestoreArgs(restore_type=np.ndarray))
         saved = checkpointer.restore(path, args=ocp.args.PyTreeRestore(restore_args=restore_args))
     except Exception as error:  # noqa: BLE001 - orbax and tensorstore raise many kinds
