@@ -22,10 +22,10 @@ __all__ = [
     "best_member",
     "stop_member",
     "head_html",
-    "member_ranks",
     "members_of",
     "members_table_html",
     "members_text",
+    "ranked_views",
     "row_html",
 ]
 
@@ -73,34 +73,22 @@ class MemberView:
         return f"  {self.index}: {self.label}  {self.state(active)}  {rank_text}  {results}"
 
 
-def member_ranks(ranked: Sequence[MemberView], metric: str) -> dict[int, int]:
-    """Member -> its rank (1: the best) in `ranked` (best first), for the members with a
-    finite `metric`; the others have none."""
-    ranks: dict[int, int] = {}
-    for view in ranked:
-        value = view.metrics().get(metric)
-        if value is not None and math.isfinite(value):
-            ranks[view.index] = len(ranks) + 1
-    return ranks
-
-
 def ranked_views(
     views: Sequence[MemberView], metric: str | None, mode: str | None
 ) -> tuple[str, str, dict[int, int]]:
-    """The metric the members rank by, its mode, and each member's rank."""
-    rows = [{"member": v.index, **v.metrics()} for v in views]
-    metric, order = ranked_members(rows, metric, mode)
+    """The metric the members rank by, its mode, and member -> its rank (1: the best) for
+    the members with a finite value of it; the others have none."""
+    metric, order = ranked_members(
+        [{"member": v.index, **v.metrics()} for v in views], metric, mode
+    )
+    ranked = [int(row["member"]) for row in order if math.isfinite(row.get(metric, math.nan))]
     mode = mode or ("min" if "loss" in metric else "max")
-    return metric, mode, member_ranks([views[int(row["member"])] for row in order], metric)
+    return metric, mode, {member: rank for rank, member in enumerate(ranked, 1)}
 
 
 def _columns(views: Sequence[MemberView]) -> list[str]:
     """The results columns: every metric a member's latest row has, in first-seen order."""
-    columns: dict[str, None] = {}
-    for view in views:
-        for key in view.metrics():
-            columns.setdefault(key)
-    return list(columns)
+    return list(dict.fromkeys(key for view in views for key in view.metrics()))
 
 
 def _fmt(value: Any) -> str:
@@ -112,60 +100,58 @@ def _heading(column: str, metric: str, mode: str) -> str:
     return f"{escape(column)}{arrow}"
 
 
-def _cell(text: str, width: int, bold: bool = False, title: str = "") -> str:
-    weight = "font-weight:bold;" if bold else ""
-    tip = f" title='{escape(title, quote=True)}'" if title else ""
-    return (
-        f"<span{tip} style='display:inline-block;width:{width}px;overflow:hidden;"
-        f"text-overflow:ellipsis;white-space:nowrap;vertical-align:middle;{weight}'>"
-        f"{text}</span>"
-    )
-
-
-def _swatch(colour: str) -> str:
-    return f"<span style='color:{colour}'>&#x25A0;</span>"
-
-
-def _cells(view: MemberView, active: bool, rank: int | None) -> list[str]:
-    """The member's `#`, rank, settings, state and epoch (a stopped member's: the epoch it
-    stopped in, its last row's), as HTML."""
-    epoch = (view.row or {}).get("epoch", "-")
+def _cells(view: MemberView, columns: Sequence[str], active: bool, rank: int | None) -> list[str]:
+    """The member's `#`, rank, settings, state, epoch (a stopped member's: the epoch it
+    stopped in, its last row's) and results, as HTML."""
+    values = view.metrics()
     return [
-        f"{_swatch(view.colour)} {view.index}",
+        f"<span style='color:{view.colour}'>&#x25A0;</span> {view.index}",
         "-" if rank is None else str(rank),
         escape(view.label or "-"),
         escape(view.state(active)),
-        str(epoch),
+        str((view.row or {}).get("epoch", "-")),
+        *(_fmt(values.get(c)) for c in columns),
     ]
+
+
+def _line(cells: Sequence[tuple[str, int, bool, str]]) -> str:
+    """A row of the live table: (HTML, width, bold, title) per cell."""
+    spans = []
+    for text, width, bold, title in cells:
+        tip = f" title='{escape(title, quote=True)}'" if title else ""
+        spans.append(
+            f"<span{tip} style='display:inline-block;width:{width}px;overflow:hidden;"
+            f"text-overflow:ellipsis;white-space:nowrap;vertical-align:middle;"
+            f"{'font-weight:bold;' * bold}'>{text}</span>"
+        )
+    return f"<div style='font-size:90%;white-space:nowrap'>{''.join(spans)}</div>"
 
 
 def head_html(views: Sequence[MemberView], metric: str, mode: str) -> str:
     """The live table's header row."""
-    cells = [_cell(escape(name), width, bold=True) for name, width in _WIDTHS.items()]
-    cells += [_cell(_heading(c, metric, mode), _METRIC_WIDTH, bold=True) for c in _columns(views)]
-    return f"<div style='font-size:90%;white-space:nowrap'>{''.join(cells)}</div>"
+    columns = _columns(views)
+    cells = [(escape(name), width, True, "") for name, width in _WIDTHS.items()]
+    return _line(cells + [(_heading(c, metric, mode), _METRIC_WIDTH, True, "") for c in columns])
 
 
 def row_html(
     view: MemberView, views: Sequence[MemberView], metric: str, active: bool, rank: int | None
 ) -> str:
     """A member's row of the live table (its Stop button is a widget beside it)."""
-    number, shown_rank, label, state, epoch = _cells(view, active, rank)
+    columns, state = _columns(views), view.state(active)
+    number, shown_rank, label, _, epoch, *values = _cells(view, columns, active, rank)
     colour = "#b26a00" if view.stopped is not None else "inherit"
-    values = view.metrics()
+    widths = list(_WIDTHS.values())
     cells = [
-        _cell(number, _WIDTHS["#"]),
-        _cell(shown_rank, _WIDTHS["rank"]),
-        _cell(label, _WIDTHS["settings"], title=view.label),
-        _cell(
-            f"<span style='color:{colour}'>{state}</span>",
-            _WIDTHS["state"],
-            title=view.state(active),
-        ),
-        _cell(epoch, _WIDTHS["epoch"]),
+        (number, widths[0], False, ""),
+        (shown_rank, widths[1], False, ""),
+        (label, widths[2], False, view.label),
+        (f"<span style='color:{colour}'>{escape(state)}</span>", widths[3], False, state),
+        (epoch, widths[4], False, ""),
     ]
-    cells += [_cell(_fmt(values.get(c)), _METRIC_WIDTH, bold=c == metric) for c in _columns(views)]
-    return f"<div style='font-size:90%;white-space:nowrap'>{''.join(cells)}</div>"
+    return _line(
+        cells + [(v, _METRIC_WIDTH, c == metric, "") for v, c in zip(values, columns, strict=True)]
+    )
 
 
 def members_table_html(
@@ -178,9 +164,9 @@ def members_table_html(
     head = "".join(f"<th {style}>{_heading(c, metric, mode)}</th>" for c in [*_WIDTHS, *columns])
     body = []
     for view in views:
-        values = view.metrics()
-        cells = _cells(view, active, ranks.get(view.index)) + [
-            f"<b>{_fmt(values.get(c))}</b>" if c == metric else _fmt(values.get(c)) for c in columns
+        cells = _cells(view, columns, active, ranks.get(view.index))
+        cells[5:] = [
+            f"<b>{v}</b>" if c == metric else v for v, c in zip(cells[5:], columns, strict=True)
         ]
         body.append("<tr>" + "".join(f"<td {style}>{c}</td>" for c in cells) + "</tr>")
     return (

@@ -46,7 +46,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from nitro.core.events import Events
-from nitro.core.metrics import split_modes
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState
 from nitro.data import is_index_addressable
@@ -54,7 +53,7 @@ from nitro.data.prefetch import EpochStream
 from nitro.engine import swaps
 from nitro.engine.diagnostics import data_wait_advice, divergence_message, shape_error
 from nitro.engine.evaluation import delete, evaluate_split, finalize_metrics
-from nitro.engine.member_axis import SINGLE
+from nitro.engine.member_axis import SINGLE, add_train_metrics
 from nitro.engine.profiling import PASS_THROUGH
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl
@@ -69,7 +68,6 @@ from nitro.engine.swaps import (
     roll_back_host,
 )
 from nitro.errors import DivergenceError, Once
-from nitro.experiments.routing import select
 from nitro.programs.specs import ProgramSet
 
 __all__ = ["finish_epoch", "train_epochs"]
@@ -882,15 +880,9 @@ def _drain(item: _Pending) -> None:
 def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
     """Read back one call (it has finished once its report arrives), free its batches, and
     account each of its steps."""
-    if run.members.stacked:
-        try:
-            run.members.complete(state, item, run.events, item.program)
-        finally:
-            delete(item.metrics)
-        return
     setup = run.setup
     residency = setup.experiment.train_metrics_residency
-    metrics = item.metrics
+    metrics = None  # the call's train metrics, on the host
     staged = item.staged
     profiler = run.profiler
     try:
@@ -899,7 +891,7 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
         waited = time.perf_counter() - begin
         profiler.mark("readback", item.index)
         if residency is not None:
-            metrics = setup.placement.gather(metrics)
+            metrics = setup.placement.gather(item.metrics)
         if item.before is not None and run.probation is None and reports[:, 1].any():
             # the program kept nothing: back to the call's input, and its finite steps again
             # (on probation, the roll-back goes back further, to its own copy)
@@ -909,6 +901,13 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
     totals = state.totals
     assert totals is not None  # set when the epoch began
     totals.device_seconds += waited
+    if run.members.stacked:  # each member's steps, stopped where they were not finite
+        try:
+            run.members.complete(state, item, reports, metrics, run.events)
+        finally:
+            delete(item.metrics)
+            profiler.mark("bookkeeping", item.index)
+        return
     count, micro = staged.count, staged.group
     program = item.program
     probation = run.probation
@@ -949,20 +948,18 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
             state.data_state = after[(offset + 1) * micro - 1] if after is not None else None
             totals.steps += 1
             losses.append(value)
-            if residency is None:
-                continue
-            step_metrics = (
-                metrics if count == 1 else jax.tree.map(lambda a, i=offset: a[i], metrics)
+        if residency is not None:
+            add_train_metrics(
+                setup,
+                totals,
+                program,
+                metrics,
+                staged,
+                len(losses),
+                lambda *args, **fields: _host_guarded(
+                    run, state, lambda: run.runtime.call_host_hook(run.setup, *args, **fields)
+                ),
             )
-            for part in range(micro):  # each micro-batch's train metrics
-                batch_metrics = (
-                    step_metrics
-                    if micro == 1
-                    else jax.tree.map(lambda a, m=part: a[m], step_metrics)
-                )
-                _train_metrics(
-                    run, state, totals, program, batch_metrics, staged, offset * micro + part
-                )
     finally:
         if losses:  # the call's steps counted so far, in one event
             run.events.steps(first, losses)
@@ -1008,22 +1005,3 @@ def _restored(run: _Epoch, item: _Pending, bad: int):
         out = program(*args)
         variables, healthy = out.variables, out.healthy
     return variables
-
-
-def _train_metrics(
-    run: _Epoch, state: TrainState, totals, program, metrics, staged, offset: int
-) -> None:
-    setup = run.setup
-    if setup.experiment.train_metrics_residency == "device":
-        totals.train_metrics.add(program.metric_specs, metrics, staged.n_real)
-        return
-    host = staged.host if not staged.stacked else staged.host[offset]
-    batch = setup.splits["train"].hook_fields["train_metrics"]
-    fields = setup.placement.gather(select(host, batch))
-    values = _host_guarded(
-        run,
-        state,
-        lambda: run.runtime.call_host_hook(run.setup, "train_metrics", metrics, **fields),
-    )
-    specs, leaves = split_modes(values, "train_metrics")
-    totals.train_metrics.add(specs, leaves, staged.n_real)

@@ -8,6 +8,8 @@ apart.
 
 - `SINGLE` (`Single`): a plain run. The loop takes its own path: no member axis, no stacking,
   nothing added to a call but the look-up of `stacked`.
+- `epoch_row` and `add_train_metrics`: an epoch's row and a call's train metrics, for a run
+  and for each member alike.
 - `Stacked`: a population. Its members (`Member`: each a run's setup, run-time record and
   train state) have their variables stacked on a leading member axis (the loop's state is a
   `PopulationState`, with one `healthy` flag per member), its programs are the run's vmapped
@@ -22,6 +24,7 @@ apart.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import itertools
 import math
 import warnings
@@ -49,6 +52,7 @@ __all__ = [
     "PopulationState",
     "Single",
     "Stacked",
+    "add_train_metrics",
     "apply_prunes",
     "check_member_layout",
     "member_placement",
@@ -83,24 +87,24 @@ class Single:
 
     def rows(self, setup: RunSetup, runtime: RunTime, state: Any, finalize: Callable) -> list:
         """The row of the epoch just trained, before evaluation (`epoch_row`)."""
-        row = {"epoch": state.epoch + 1, "step": state.step}
-        scale = state.variables.loss_scale
-        return [epoch_row(setup, runtime, state.totals, row, scale, state.history, finalize)]
+        return [epoch_row(setup, runtime, state, state.step, state.variables.loss_scale, finalize)]
 
 
 def epoch_row(
     setup: RunSetup,
     runtime: RunTime,
-    totals: EpochTotals,
-    row: dict[str, Any],
+    state: TrainState,
+    step: int,
     scale: Any,
-    history: Sequence[Mapping[str, Any]],
     finalize: Callable,
 ) -> dict[str, Any]:
-    """A run's (or a member's) row of the epoch just trained, before evaluation: `row` (its
-    epoch and step) with its training loss (NaN, with a count, where `check_divergence=False`
-    trained through non-finite steps), float16's loss `scale` (`history`: the rows committed
-    before) and the train metrics (`finalize`: the `finalize_metrics` hook's call)."""
+    """A run's (or a member's) row of the epoch just trained, before evaluation: its epoch
+    and `step`, its training loss (NaN, with a count, where `check_divergence=False` trained
+    through non-finite steps), float16's loss `scale` and the train metrics (`finalize`: the
+    `finalize_metrics` hook's call), from `state`'s running sums and history."""
+    totals, history = state.totals, state.history
+    assert totals is not None  # set when the epoch began
+    row: dict[str, Any] = {"epoch": state.epoch + 1, "step": step}
     if totals.nonfinite:  # check_divergence=False trained through them: the mean is NaN
         row["loss"] = math.nan
         row["nonfinite_steps"] = totals.nonfinite
@@ -121,6 +125,39 @@ def epoch_row(
     return row
 
 
+def add_train_metrics(
+    setup: RunSetup,
+    totals: EpochTotals,
+    program: Any,
+    metrics: Any,
+    staged: Any,
+    steps: int,
+    call_hook: Callable[..., Any],
+) -> None:
+    """Add the train metrics of a call's first `steps` steps (each micro-batch's) to
+    `totals`: as the program computed them (`train_metrics_residency="device"`), or from the
+    `train_metrics` host hook (`call_hook("train_metrics", metrics, **fields)`)."""
+    micro, device = staged.group, setup.experiment.train_metrics_residency == "device"
+    for offset in range(steps):
+        step_metrics = metrics if staged.count == 1 else unstack(metrics, offset)
+        for sub in range(micro):
+            batch_metrics = step_metrics if micro == 1 else unstack(step_metrics, sub)
+            if device:
+                totals.train_metrics.add(program.metric_specs, batch_metrics, staged.n_real)
+                continue
+            host = staged.host[offset * micro + sub] if staged.stacked else staged.host
+            batch_fields = setup.splits["train"].hook_fields["train_metrics"]
+            fields = setup.placement.gather(select(host, batch_fields))
+            values = call_hook("train_metrics", batch_metrics, **fields)
+            specs, leaves = split_modes(values, "train_metrics")
+            totals.train_metrics.add(specs, leaves, staged.n_real)
+
+
+def unstack(tree: Any, index: int) -> Any:
+    """Member (or step) `index`'s slice of a stacked tree (new arrays)."""
+    return jax.tree.map(lambda leaf: leaf[index], tree)
+
+
 SINGLE = Single()
 
 
@@ -128,7 +165,8 @@ SINGLE = Single()
 class Member:
     """One member: its settings (the values of the population's axes), and the records a
     single run of those settings would have. Its `state` holds its counters, history and
-    validations; its variables live stacked in the `PopulationState`."""
+    validations and, as a run's, the running sums of its epoch under way (`state.totals`);
+    its variables live stacked in the `PopulationState`."""
 
     index: int
     settings: Mapping[str, Any]
@@ -138,7 +176,6 @@ class Member:
     state: TrainState
     stopped: str | None = None  # why it stopped training ("diverged at step 12"), or None
     stopped_at: int | None = None  # the steps it trained before it stopped
-    totals: EpochTotals | None = None  # its running sums of the epoch under way
 
     @property
     def label(self) -> str:
@@ -210,11 +247,6 @@ def shown_settings(settings: Mapping[str, Any]) -> dict[str, Any]:
         k: v if isinstance(v, (int, float, str, bool, type(None))) else repr(v)
         for k, v in settings.items()
     }
-
-
-def unstack(tree: Any, index: int) -> Any:
-    """Member `index`'s slice of a stacked tree (new arrays)."""
-    return jax.tree.map(lambda leaf: leaf[index], tree)
 
 
 class Stacked:
@@ -295,42 +327,34 @@ class Stacked:
     def start_epoch(self, state: PopulationState) -> EpochTotals:
         """The epoch's shared totals (its time), and each member's running sums."""
         for member in self.members:
-            if member.totals is None:
-                member.totals = EpochTotals(train_metrics=MetricAccumulator("train_metrics"))
-        resumed = self.members[0].totals  # a resumed epoch's time so far (`keep_time`)
+            if member.state.totals is None:
+                member.state.totals = SINGLE.start_epoch(member.state)
+        resumed = self.members[0].state.totals  # a resumed epoch's time so far (`keep_time`)
         assert resumed is not None
-        return EpochTotals(
-            train_metrics=MetricAccumulator("train_metrics"),
-            seconds=resumed.seconds,
-            wait_seconds=resumed.wait_seconds,
-        )
+        totals = SINGLE.start_epoch(state)
+        totals.seconds, totals.wait_seconds = resumed.seconds, resumed.wait_seconds
+        return totals
 
     def keep_time(self, state: PopulationState) -> None:
-        """After the loop: each member's running sums of an epoch under way (a run stopped
-        in its middle) take the epoch's time so far, which its checkpoint saves."""
+        """After the loop: each member's epoch under way (a run stopped in its middle) takes
+        the position and the time so far, which its checkpoint saves (`_partial_epoch`)."""
         shared = state.totals
         for member in self.members:
-            if shared is not None and member.totals is not None:
-                member.totals.seconds = shared.seconds
-                member.totals.wait_seconds = shared.wait_seconds
+            if shared is not None and (totals := member.state.totals) is not None:
+                totals.seconds, totals.wait_seconds = shared.seconds, shared.wait_seconds
+                member.state.position = state.position
 
-    def complete(self, state: PopulationState, item: Any, events: Events, program: Any) -> None:
-        """Read one call back: each member's losses and finiteness codes, its train metrics;
-        a member whose step was not finite stops there, and the others train on."""
-        staged = item.staged
-        lead = self.members[0].setup
-        try:
-            reports = np.asarray(item.report).reshape(self.count, -1, 2)
-            metrics = None
-            if lead.experiment.train_metrics_residency is not None:
-                metrics = jax.device_get(item.metrics)
-        finally:
-            staged.free()
+    def complete(self, state: PopulationState, item: Any, reports: Any, metrics: Any, events):
+        """Account a call the loop read back (`reports`: its losses and finiteness codes,
+        `metrics`: its train metrics on the host, or None): each member's; a member whose
+        step was not finite stops there, and the others train on."""
+        staged, program = item.staged, item.program
+        reports = reports.reshape(self.count, -1, 2)
         losses = reports[..., 0].astype(np.float64)
         codes = reports[..., 1]
         steps = reports.shape[1]
         for i, member in enumerate(self.members):
-            totals = member.totals
+            totals = member.state.totals
             assert totals is not None  # set when the epoch began
             limit = steps  # the steps of this call the member trained
             if member.stopped_at is not None:
@@ -354,13 +378,20 @@ class Stacked:
             totals.add_losses(losses[i, :limit])  # as a single run adds its steps' losses
             totals.steps += limit
             if metrics is not None:
-                self._train_metrics(member, program, unstack(metrics, i), staged, i, limit)
-        count, micro = staged.count, staged.group
-        state.step += count
-        state.position += count * micro
-        shared = state.totals
-        assert shared is not None  # set when the epoch began
-        shared.steps += count
+                part = staged.parts[i] if isinstance(staged, _Together) else staged
+                add_train_metrics(
+                    member.setup,
+                    totals,
+                    program,
+                    unstack(metrics, i),
+                    part,
+                    limit,
+                    functools.partial(member.runtime.call_host_hook, member.setup),
+                )
+        state.step += staged.count
+        state.position += staged.count * staged.group
+        assert state.totals is not None  # set when the epoch began
+        state.totals.steps += staged.count
         events.member_steps(item.index + 1, losses)  # steps count from 1, as a run's
         stopped = [m for m in self.members if m.stopped is not None]
         if len(stopped) == self.count and any(
@@ -370,28 +401,6 @@ class Stacked:
                 "every member of the population stopped: "
                 + "; ".join(f"{m.label}: {m.stopped}" for m in self.members)
             )
-
-    def _train_metrics(self, member: Member, program, metrics, staged, i: int, limit: int):
-        setup, totals = member.setup, member.totals
-        assert totals is not None
-        micro = staged.group
-        part = staged.part(i) if isinstance(staged, _Together) else staged
-        for offset in range(limit):
-            step_metrics = metrics if staged.count == 1 else unstack(metrics, offset)
-            for sub in range(micro):  # each micro-batch's train metrics
-                batch_metrics = step_metrics if micro == 1 else unstack(step_metrics, sub)
-                if setup.experiment.train_metrics_residency == "device":
-                    totals.train_metrics.add(program.metric_specs, batch_metrics, part.n_real)
-                    continue
-                host = part.host if not part.stacked else part.host[offset * micro + sub]
-                fields = setup.placement.gather(
-                    select(host, setup.splits["train"].hook_fields["train_metrics"])
-                )
-                values = member.runtime.call_host_hook(
-                    setup, "train_metrics", batch_metrics, **fields
-                )
-                specs, leaves = split_modes(values, "train_metrics")
-                totals.train_metrics.add(specs, leaves, part.n_real)
 
     # ------------------------------------------------------------------------------------------
     # an epoch's rows
@@ -405,18 +414,13 @@ class Stacked:
         rows: list[dict[str, Any] | None] = []
         scale = state.variables.loss_scale  # float16's: each member's own, stacked
         for i, member in enumerate(self.members):
-            totals = member.totals
-            assert totals is not None  # set when the epoch began
-            if member.stopped is not None and not totals.steps:
+            totals = member.state.totals
+            if member.stopped is not None and not (totals and totals.steps):
                 rows.append(None)
                 continue
-            step = state.step if member.stopped is None else member.stopped_at
+            step = state.step if member.stopped_at is None else member.stopped_at
             own = None if scale is None else [leaf[i] for leaf in scale]
-            row = {"epoch": state.epoch + 1, "step": step}
-            history = member.state.history
-            rows.append(
-                epoch_row(member.setup, member.runtime, totals, row, own, history, finalize)
-            )
+            rows.append(epoch_row(member.setup, member.runtime, member.state, step, own, finalize))
         return rows
 
     def commit(self, state: PopulationState, rows, shared: dict[str, Any], events: Events):
@@ -424,7 +428,7 @@ class Stacked:
         its history; the `member_rows` event; returns the rows as `history()` shows them."""
         shown = []
         for member, row in zip(self.members, rows, strict=True):
-            member.totals = None
+            member.state.totals, member.state.position = None, 0
             if row is None:  # stopped before this epoch: its record ended at the stop
                 continue
             row.update(shared)
@@ -485,9 +489,6 @@ class _Together:
     @property
     def stacked(self) -> bool:
         return self.count * self.group > 1
-
-    def part(self, member: int) -> Any:
-        return self.parts[member]
 
     def free(self) -> None:
         for part in self.parts:

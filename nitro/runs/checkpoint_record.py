@@ -285,12 +285,16 @@ class CheckpointRecord:
             jax=data.get("jax"),
         )
 
-    def train_state(self, variables: Variables, *, seed: int) -> TrainState:
-        """The state a run's checkpoint saved: `variables` (its arrays, read and placed) and
-        the counters, seed and history recorded here (`seed`: where it records none). It
-        resumes at the start of the epoch after its last committed one, or, for a run stopped
-        in the middle of an epoch, at the next batch of that epoch with its running sums."""
-        member, partial = self.member, self.member.partial_epoch
+    def train_state(
+        self, variables: Variables, *, seed: int, member: MemberRecord | None = None
+    ) -> TrainState:
+        """The state a run's checkpoint saved (or a population's `member`): `variables` (its
+        arrays, read and placed) and the counters, seed and history recorded here (`seed`:
+        where it records none). It resumes at the start of the epoch after its last committed
+        one, or, for a run stopped in the middle of an epoch, at the next batch of that epoch
+        with its running sums."""
+        member = member or self.member
+        partial = member.partial_epoch
         return TrainState(
             variables=variables,
             step=self.step,

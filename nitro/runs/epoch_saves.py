@@ -18,13 +18,11 @@ from nitro.core.events import Events
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import HistoryRows, TrainState, scalars
 from nitro.runs.checkpoint_record import POPULATION, CheckpointRecord, MemberRecord, PartialEpoch
-from nitro.runs.checkpoint_trees import (
-    host_tree,
-)
+from nitro.runs.checkpoint_trees import host_tree
 from nitro.runs.checkpoint_writer import CheckpointStore, Save
 from nitro.runs.run_dirs import member_run_id
 
-__all__ = ["EpochSaves", "finite", "population_save", "resume_point", "run_record"]
+__all__ = ["EpochSaves", "finite", "member_record", "population_save", "resume_point", "run_record"]
 
 
 @dataclasses.dataclass
@@ -256,14 +254,8 @@ def run_record(
 ) -> CheckpointRecord:
     """The record of a run's save: its counters, history and epoch under way, with what a
     resume compares (`history`, `validations`: the converted rows kept across saves)."""
-    member = MemberRecord(
-        seed=state.seed,
-        history=(history or HistoryRows()).to_json(state.history),
-        metrics=scalars(row),
-        validations=(validations or HistoryRows()).to_json(state.validations),
-        partial_epoch=_partial_epoch(state),
-        device=dict(device),
-        logger=logger_state,
+    member = member_record(
+        state, row, device, logger_state, history, validations, _partial_epoch(state)
     )
     return CheckpointRecord.of(
         setup,
@@ -277,60 +269,78 @@ def run_record(
     )
 
 
+def member_record(
+    state: TrainState,
+    row: Mapping[str, Any],
+    device: Mapping[str, Any],
+    logger_state: Any,
+    history: HistoryRows | None,
+    validations: HistoryRows | None,
+    partial_epoch: PartialEpoch | None,
+    **fields: Any,
+) -> MemberRecord:
+    """A run's (or a population member's, with its `fields`) part of a save: its seed,
+    history, validations, newest metrics (`row`), epoch under way, Device values and its
+    loggers' state."""
+    return MemberRecord(
+        seed=state.seed,
+        history=(history or HistoryRows()).to_json(state.history),
+        metrics=scalars(row),
+        validations=(validations or HistoryRows()).to_json(state.validations),
+        partial_epoch=partial_epoch,
+        device=dict(device),
+        logger=logger_state,
+        **fields,
+    )
+
+
 def population_save(
     files: Any, members: Sequence[Any], state: Any, reason: str | None, reporters: Any
 ) -> Save:
-    """Every member of a population as one save: the stacked variables, and the record of
-    each member's counters, history, epoch under way and loggers (`reporters`: each member's
-    `LoggingReporter`, or None) beside the shared counters; ranked by its best member's
-    value of the checkpointer's metric. `files`: the population's (`PopulationFiles`)."""
+    """Every member of a population as one save: the stacked variables, and each member's
+    record (`member_record`, `reporters`: each member's `LoggingReporter`, or None) beside
+    the shared counters; ranked by its best healthy member's value of the checkpointer's
+    metric. `files`: the population's (`PopulationFiles`)."""
     store = files.store
     assert store is not None
-    checkpointer = store.config
-    healthy = np.asarray(state.healthy).tolist()
-    loggers = reporters if reporters is not None else [None] * len(members)
-    entries = []
-    best = None
-    for member, token, (history, validations), ok, reporter in zip(
-        members, files.settings, files.rows, healthy, loggers, strict=True
-    ):
-        row = member.state.last_row
-        value = row.get(checkpointer.metric)
-        if ok and (value := finite(value)) is not None:
-            if best is None or checkpointer.better(value, best):
-                best = value
-        partial = None
-        if member.totals is not None and state.position:  # stopped mid-epoch
-            partial = PartialEpoch.of(state.position, member.totals)
-        entries.append(
-            MemberRecord(
-                index=member.index,
-                run_id=member_run_id(files.run_id, member.index),
-                settings=token,
-                seed=member.setup.seed,
-                healthy=bool(ok),
-                stopped=member.stopped,
-                stopped_at=member.stopped_at,
-                history=history.to_json(member.state.history),
-                validations=validations.to_json(member.state.validations),
-                metrics=scalars(row),
-                partial_epoch=partial,
-                device=member.runtime.device_values(),
-                logger=reporter.logger.state() if reporter is not None else None,
-            )
+    config, healthy = store.config, np.asarray(state.healthy).tolist()
+    best, loggers = None, reporters or [None] * len(members)
+    for member, ok in zip(members, healthy, strict=True):
+        value = finite(member.state.last_row.get(config.metric)) if ok else None
+        if value is not None and (best is None or config.better(value, best)):
+            best = value
+    entries = tuple(
+        member_record(
+            member.state,
+            member.state.last_row,
+            member.runtime.device_values(),
+            reporter.logger.state() if reporter is not None else None,
+            history,
+            validations,
+            _partial_epoch(member.state),
+            index=member.index,
+            run_id=member_run_id(files.run_id, member.index),
+            settings=token,
+            healthy=bool(ok),
+            stopped=member.stopped,
+            stopped_at=member.stopped_at,
         )
+        for member, token, (history, validations), ok, reporter in zip(
+            members, files.settings, files.rows, healthy, loggers, strict=True
+        )
+    )
     setup = members[0].setup
     record = CheckpointRecord.of(
         setup,
         run_id=files.run_id,
         step=state.step,
         epoch=state.epoch,
-        members=tuple(entries),
+        members=entries,
         kind=POPULATION,
         position=state.position,
         batches=state.batches,
         prune=dict(state.prune),
-        metrics={checkpointer.metric: best} if best is not None else {},
+        metrics={config.metric: best} if best is not None else {},
         stop_reason=reason,
     )
     return Save(state.step, host_tree(setup, state.variables), record, best)

@@ -7,6 +7,7 @@ and a population alike) and its record as the run's new `TrainState` (a populati
 
 from __future__ import annotations
 
+import itertools
 import os
 import sys
 import warnings
@@ -23,9 +24,8 @@ from nitro.core.train_state import TrainState, Variables
 from nitro.errors import PopulationError, SetupError
 from nitro.experiments.declaration import FieldKind, field_specs
 from nitro.optim.fed_optimizer import describe_optimizer
-from nitro.runs.checkpoint_reads import SavedStep, read_checkpoint, resolve_checkpoint
+from nitro.runs.checkpoint_reads import SavedStep, resolve_checkpoint
 from nitro.runs.checkpoint_record import (
-    POPULATION,
     CheckpointRecord,
     config_of,
     config_token,
@@ -103,14 +103,7 @@ def restore(
     found = files.resume_from
     assert found is not None  # planned: a run that resumes
     note = say or events.note
-    saved, record = read_checkpoint(*found, targets=restore_targets(setup, state.variables))
-    if record.kind == POPULATION:
-        raise SetupError(
-            f"{str(found.path)!r} is a population's checkpoint (every member's state at "
-            f"once): Population(..., resume={str(found.directory.parent)!r}) continues it, and "
-            f"Nitro(..., weights=({str(found.directory.parent)!r}, i)) starts a run from "
-            f"member i's weights"
-        )
+    saved, record = files.read(restore_targets(setup, state.variables))
     _check_config(setup, record)
     for line in _drift_notes(setup, record, device):
         note(line)
@@ -129,20 +122,20 @@ def restore(
 def restore_population(
     files: Any, members: Sequence[Any], state: Any, reporters: Sequence[Any] | None, note: Callable
 ) -> None:
-    """Continue the checkpoint a population's files found (`files.resume_from`): every
-    member's variables, optimizer state, healthy flag, why it stopped, history and the
+    """Continue the checkpoint a population's files found, as `restore` continues a run's:
+    every member's variables, optimizer state, healthy flag, why it stopped, history and the
     running sums of its epoch under way, and the shared counters, into `state` (the fresh
     stacked state) and the members (`reporters`: each member's `LoggingReporter`, which
     reattaches its logger runs); refused, naming what differs, when the members' settings
     or the program do not."""
     found = files.resume_from
-    assert found is not None
     saved, record = files.read()
     lead = members[0]
     lines = setting_differences([m.settings for m in record.members], files.settings)
-    batches, before = state.batches, record.batches
-    if before != batches:
-        lines.append(f"  batches: the checkpoint's {before!r}, this population's {batches!r}")
+    if record.batches != state.batches:
+        lines.append(
+            f"  batches: the checkpoint's {record.batches!r}, this population's {state.batches!r}"
+        )
     lines += record.graphconst_differences(lead.setup, "the checkpoint's", "this population's")
     if lines:
         raise PopulationError(
@@ -153,27 +146,24 @@ def restore_population(
             f"{str(found.directory.parent / 'population.json')!r}), or start a new one "
             f"(without resume=, or with another run_dir)"
         )
-    state.variables = restore_variables(
+    variables = restore_variables(
         lead.setup, state.variables, saved, record, found, here="this population's", note=note
     )
-    entries = record.members
-    state.healthy = jnp.asarray([e.healthy for e in entries])
-    if state.place is not None:  # laid out as the population lays out its members
-        state.variables, state.healthy = state.place(state.variables), state.place(state.healthy)
+    healthy = jnp.asarray([e.healthy for e in record.members])
+    place = state.place or (lambda tree: tree)  # as the population lays out its members
+    state.variables, state.healthy = place((variables, healthy))
     state.step, state.epoch, state.position = record.step, record.epoch, record.position
     state.prune = dict(record.prune)
-    for member, entry in zip(members, entries, strict=True):
-        member.state.history = list(entry.history)
-        member.state.validations = list(entry.validations)
-        member.state.step, member.state.epoch = state.step, state.epoch
+    for member, entry, reporter in itertools.zip_longest(members, record.members, reporters or ()):
+        member.state = record.train_state(
+            member.state.variables, seed=member.state.seed, member=entry
+        )
         member.stopped, member.stopped_at = entry.stopped, entry.stopped_at
         if member.stopped is not None:  # its counters stay where it stopped
             member.state.step = int(member.stopped_at or 0)
             member.state.epoch = int(member.state.last_row.get("epoch", 0))
-        partial = entry.partial_epoch
-        member.totals = partial.totals() if partial is not None else None
-    for reporter, entry in zip(reporters or (), entries, strict=False):
-        reporter.reattach(entry.logger)
+        if reporter is not None:
+            reporter.reattach(entry.logger)
     said_resumed(files, "population", state.epoch, state.step, note)
 
 

@@ -80,9 +80,10 @@ def write_run_json(run_dir: str | os.PathLike, info: dict[str, Any], name: str =
     os.replace(temporary, path)
 
 
-def read_run_json(run_dir: str | os.PathLike) -> dict[str, Any]:
+def read_run_json(run_dir: str | os.PathLike, name: str = RUN_JSON) -> dict[str, Any]:
+    """`run.json` (or another JSON file of the run, `name`); empty when it cannot be read."""
     try:
-        return json.loads((Path(run_dir) / RUN_JSON).read_text())
+        return json.loads((Path(run_dir) / name).read_text())
     except (OSError, ValueError):
         return {}
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -33,7 +32,7 @@ from nitro.runs.checkpoint_trees import restore_targets
 from nitro.runs.checkpoint_writer import CheckpointStore, await_writers, warm_up
 from nitro.runs.epoch_saves import EpochSaves
 from nitro.runs.identity import RunIdentity, record_name, recorded
-from nitro.runs.resume import check_no_writer, resume_source, warn_user
+from nitro.runs.resume import resume_source, warn_user
 from nitro.runs.run_dirs import (
     KIND,
     MEMBER_KIND,
@@ -84,6 +83,11 @@ class RunFiles:
     KIND: ClassVar[str] = RUN
     WRITES: ClassVar[str] = (
         "(every run writes its run.json, even with checkpointer=None and logger=None)"
+    )
+    OTHER_KIND: ClassVar[str] = (
+        "{path!r} is a population's checkpoint (every member's state at once): "
+        "Population(..., resume={run_dir!r}) continues it, and "
+        "Nitro(..., weights=({run_dir!r}, i)) starts a run from member i's weights"
     )
 
     def __post_init__(self) -> None:
@@ -180,6 +184,17 @@ class RunFiles:
         if self.claim is not None:
             self.hold(take_over=self.claim)
             self.claim = None
+
+    def read(self, targets: Any = None) -> tuple[Any, CheckpointRecord]:
+        """(the state tree, the record) of the checkpoint this run resumes from (read onto
+        `targets`' shardings); refused when another kind of run saved it (`OTHER_KIND`)."""
+        found = self.resume_from
+        assert found is not None  # planned: a run that resumes
+        saved, record = read_checkpoint(*found, targets=targets)
+        if record.kind != self.KIND:
+            where = {"path": str(found.path), "run_dir": str(found.directory.parent)}
+            raise SetupError(self.OTHER_KIND.format(**where))
+        return saved, record
 
     # ------------------------------------------------------------------------------------------
     # one writer
@@ -397,6 +412,10 @@ class PopulationFiles(RunFiles):
     BUILD: ClassVar[str] = "Population"
     KIND: ClassVar[str] = POPULATION
     WRITES: ClassVar[str] = "(or checkpointer=None, logger=None to write nothing)"
+    OTHER_KIND: ClassVar[str] = (
+        "{path!r} is a single run's checkpoint, not a population's: "
+        "Nitro(..., resume={run_dir!r}) continues it"
+    )
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -416,9 +435,7 @@ class PopulationFiles(RunFiles):
         if resume is None:
             return None
         if isinstance(resume, CheckpointRef):
-            path = Path(resume.path).absolute()
-            check_no_writer(path)
-            return resolve_checkpoint(CheckpointRef(os.fspath(path), resume.which))
+            return resume_source(setup, identity, say)
         cls_name = setup.cls.__name__
         root = Path(setup.run_dir) if setup.run_dir is not None else experiment_root(cls_name)
         if population_of(root) is not None and read_run_json(root).get("kind") != MEMBER_KIND:
@@ -431,7 +448,8 @@ class PopulationFiles(RunFiles):
         for run in list_runs(root):
             info = read_run_json(run.path)
             if run.checkpoints and info.get("kind") == KIND and identity.same_experiment(info):
-                same = _recorded_settings(run.path) == [dict(s) for s in settings]
+                listed = read_run_json(run.path, POPULATION_JSON).get("members") or ()
+                same = [m.get("settings") for m in listed] == [dict(s) for s in settings]
                 candidates.append((same, run.latest_epoch or 0, max(run.checkpoints), run))
         if not candidates:
             warn_user(
@@ -452,69 +470,27 @@ class PopulationFiles(RunFiles):
         """Write run.json, population.json and each member's run.json (those missing). The
         population's run.json records the configuration its members share (`setup`: the
         first member's, the axes left out)."""
-        count, axes = len(self.settings), sorted({k for m in self.settings for k in m})
+        axes = sorted({k for m in self.settings for k in m})
         shared = {
             part: {k: v for k, v in values.items() if k not in axes}
             for part, values in run_config(setup).items()
         }
-        common = self._write_own_json(setup, shared, kind=KIND, members=count)
+        common = self._write_own_json(setup, shared, kind=KIND, members=len(self.settings))
         members = [
-            {"settings": dict(settings), "seed": seed}
-            for settings, seed in zip(self.settings, self.seeds, strict=True)
+            {
+                "run_id": member_run_id(self.run_id, i),
+                "member": i,
+                "settings": dict(s),
+                "seed": seed,
+            }
+            for i, (s, seed) in enumerate(zip(self.settings, self.seeds, strict=True))
         ]
         if not (self.run_dir / POPULATION_JSON).is_file():
-            write_run_json(
-                self.run_dir,
-                {
-                    "run_id": self.run_id,
-                    "experiment": setup.owner,
-                    "axes": axes,
-                    "members": [
-                        {
-                            "member": i,
-                            "run_id": member_run_id(self.run_id, i),
-                            "dir": member_dir(".", i).name,
-                            **m,
-                        }
-                        for i, m in enumerate(members)
-                    ],
-                },
-                POPULATION_JSON,
-            )
-        for i, (m, config) in enumerate(zip(members, self.configs, strict=True)):
-            directory = member_dir(self.run_dir, i)
-            if read_run_json(directory):
-                continue
-            write_run_json(
-                directory,
-                {
-                    "run_id": member_run_id(self.run_id, i),
-                    "kind": MEMBER_KIND,
-                    "member": i,
-                    "population": self.run_id,
-                    **common,
-                    **m,
-                    "config": config,
-                },
-            )
-
-    def read(self) -> tuple[Any, CheckpointRecord]:
-        """(the state tree, the record) of the checkpoint this population resumes from;
-        refused when it is not a population's."""
-        assert self.resume_from is not None  # planned: a population that resumes
-        directory, step = self.resume_from
-        saved, record = read_checkpoint(directory, step)
-        if record.kind != KIND:
-            raise SetupError(
-                f"{str(self.resume_from.path)!r} is a single run's checkpoint, not a "
-                f"population's: Nitro(..., resume={str(directory.parent)!r}) continues it"
-            )
-        return saved, record
-
-
-def _recorded_settings(run_dir: Path) -> list[dict[str, Any]] | None:
-    try:
-        info = json.loads((run_dir / POPULATION_JSON).read_text())
-        return [dict(m["settings"]) for m in info["members"]]
-    except (OSError, ValueError, KeyError, TypeError):
-        return None
+            listed = [{**m, "dir": member_dir(".", m["member"]).name} for m in members]
+            info = {"run_id": self.run_id, "experiment": setup.owner, "axes": axes}
+            write_run_json(self.run_dir, {**info, "members": listed}, POPULATION_JSON)
+        for member, config in zip(members, self.configs, strict=True):
+            directory = member_dir(self.run_dir, member["member"])
+            if not read_run_json(directory):
+                own = {"kind": MEMBER_KIND, "population": self.run_id, **common, "config": config}
+                write_run_json(directory, {**member, **own})
