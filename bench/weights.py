@@ -72,7 +72,7 @@ def timed(fn) -> float:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     path = os.path.join(tempfile.mkdtemp(prefix="weights-"), "convnext.safetensors")

@@ -286,6 +286,28 @@ def test_nnx_names_load_as_they_are_without_conversion():
     assert_same(leaves(model), leaves(original))
 
 
+class WithDropout(nnx.Module):
+    def __init__(self, rngs: nnx.Rngs):
+        self.linear = nnx.Linear(3, 3, rngs=rngs)
+        self.dropout = nnx.Dropout(0.5, rngs=rngs)
+
+
+def test_a_saved_models_rng_state_is_ignored_not_refused():
+    original = WithDropout(nnx.Rngs(1))
+    state = nnx.to_pure_dict(nnx.state(original))
+    flat = {
+        jax.tree_util.keystr(path, simple=True, separator="."): np.asarray(
+            jax.random.key_data(v) if jnp.issubdtype(v.dtype, jax.dtypes.prng_key) else v
+        )
+        for path, v in jax.tree_util.tree_flatten_with_path(state)[0]
+    }
+    assert "dropout.rngs.key" in flat
+    model = WithDropout(nnx.Rngs(2))
+    report = nitro.weights.load(flat, model)
+    assert report.ignored == ("dropout.rngs.count", "dropout.rngs.key")
+    np.testing.assert_array_equal(model.linear.kernel[...], original.linear.kernel[...])
+
+
 # ---------------------------------------------------------------------------------------------
 # the round trip
 

@@ -269,7 +269,7 @@ class ModelLayout:
     leaves: dict[str, nnx.Variable]  # dotted path -> variable (RNG state left out)
     offered: list[Binding]  # PyTorch names first, then each leaf's own NNX name
     written: list[Binding]  # the binding `to_torch` writes for each leaf
-    ignored: set[str]  # PyTorch names no NNX leaf keeps: BatchNorm's `num_batches_tracked`
+    ignored: set[str]  # names no weight takes: BatchNorm's `num_batches_tracked`, RNG state
     # (`<path>.layers.`, `<path>.`) for each `nnx.Sequential`: PyTorch's `nn.Sequential`
     # names its layers `0`, `1`, ... where NNX's names them `layers.0`
     aliases: list[tuple[str, str]]
@@ -278,14 +278,13 @@ class ModelLayout:
 def model_layout(model: nnx.Module) -> ModelLayout:
     """The model's leaves and their bindings, from one walk over its graph."""
     nodes = list(nnx.iter_graph(model))
-    leaves = {
-        dotted(path): node
-        for path, node in nodes
-        if isinstance(node, nnx.Variable) and not isinstance(node, nnx.RngState)
-    }
+    variables = [(dotted(path), node) for path, node in nodes if isinstance(node, nnx.Variable)]
+    leaves = {path: node for path, node in variables if not isinstance(node, nnx.RngState)}
     offered: list[Binding] = []
     written: list[Binding] = []
-    ignored: set[str] = set()
+    # RNG state (a Dropout's key and count) is no weight: a file that holds it (a Nitro run,
+    # an orbax checkpoint of `nnx.state(model)`) loads without it
+    ignored = {path for path, node in variables if isinstance(node, nnx.RngState)}
     aliases: list[tuple[str, str]] = []
     for path, module in nodes:
         if not isinstance(module, nnx.Module):

@@ -61,7 +61,8 @@ class LoadReport:
     loaded: Mapping[str, LoadedLeaf]  # model leaf path -> where it came from
     left: tuple[str, ...]  # model leaves left at their initial values
     unused: tuple[str, ...]  # source keys that filled no leaf
-    ignored: tuple[str, ...] = ()  # source keys no NNX leaf keeps (`num_batches_tracked`)
+    # source keys no weight takes: PyTorch's `num_batches_tracked`, a saved model's RNG state
+    ignored: tuple[str, ...] = ()
 
     @property
     def converted(self) -> dict[str, str]:
@@ -340,8 +341,10 @@ def _converted_all(checked: list[_Checked]) -> dict[str, np.ndarray]:
         return found
 
     size = sum(x.nbytes for c in checked for x in c.sources)
-    workers = min(8, os.cpu_count() or 1)
-    if size < PARALLEL_BYTES or workers == 1:
+    # half the cores at most: on a machine of few cores, busy with other work, threads that
+    # hand the GIL back and forth between many small copies are slower than one
+    workers = min(8, (os.cpu_count() or 1) // 2)
+    if size < PARALLEL_BYTES or workers <= 1:
         return dict(pair for c in checked for pair in convert(c))
     from concurrent.futures import ThreadPoolExecutor
 

@@ -237,9 +237,7 @@ def _read_nitro(path: Path) -> dict[str, np.ndarray]:
         )
     arrays: dict[str, np.ndarray] = {}
     for part in ("params", "model_state"):
-        arrays.update(
-            {k: np.asarray(v) for k, v in flatten(saved.get(part) or {}).items() if k != "rngs"}
-        )
+        arrays.update({k: np.asarray(v) for k, v in flatten(saved.get(part) or {}).items()})
     return arrays
 
 
