@@ -9,8 +9,8 @@ Public names load on first use (PEP 562), so `import nitro.bundle` in a serving 
 imports JAX and nothing of Flax or Optax.
 
 Packages by layer, bottom-up (docs/architecture.md): `experiments`, `data`, `optim`, `core`,
-`programs`, `runs`, `weights`, `loggers`, `engine`, `serving`, `handle`, `mcp`, `examples`, `cli` (the
-`nitro` command). Modules: `errors` (every error raised on purpose), `_version`
+`programs`, `runs`, `weights`, `models`, `loggers`, `engine`, `serving`, `handle`, `mcp`,
+`examples`, `cli` (the `nitro` command). Modules: `errors` (every error raised on purpose), `_version`
 (`__version__`), and the public import paths `bundle`, `serve`, `manual`, `staleness`, `events`,
 `progress`, `runner`, `dispatch` and `datasets`, each standing for a module inside a package
 (`_public_path`).
@@ -72,6 +72,7 @@ _SUBMODULES = (
     "dispatch",
     "events",
     "loggers",
+    "models",
     "progress",
     "runner",
     "staleness",
@@ -118,6 +119,7 @@ __all__ = [
     "fields",
     "load_ipython_extension",
     "loggers",
+    "models",
     "on_phase",
     "preset_of",
     "presets",
@@ -150,7 +152,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from nitro import data, loggers, weights
+    from nitro import data, loggers, models, weights
     from nitro.core import events, progress
     from nitro.core.events import on_phase
     from nitro.data import datasets

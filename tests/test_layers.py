@@ -25,6 +25,7 @@ LAYERS = [
     "programs",
     "runs",
     "weights",
+    "models",
     "loggers",
     "engine",
     "serving",
@@ -56,6 +57,7 @@ PUBLIC = {
     "nitro.loggers",
     "nitro.mcp",
     "nitro.weights",
+    "nitro.models",
 }
 
 
