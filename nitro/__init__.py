@@ -9,8 +9,8 @@ Public names load on first use (PEP 562), so `import nitro.bundle` in a serving 
 imports JAX and nothing of Flax or Optax.
 
 Packages by layer, bottom-up (docs/architecture.md): `experiments`, `data`, `optim`, `core`,
-`programs`, `runs`, `loggers`, `engine`, `serving`, `handle`, `mcp`, `examples`, `cli` (the
-`nitro` command). Modules: `errors` (every error raised on purpose), `_version`
+`programs`, `runs`, `weights`, `models`, `loggers`, `engine`, `serving`, `handle`, `mcp`,
+`examples`, `cli` (the `nitro` command). Modules: `errors` (every error raised on purpose), `_version`
 (`__version__`), and the public import paths `bundle`, `serve`, `manual`, `staleness`, `events`,
 `progress`, `runner`, `dispatch` and `datasets`, each standing for a module inside a package
 (`_public_path`).
@@ -62,7 +62,8 @@ _EXPORTS = {
     "run_to_resume": "nitro.runs.resume",
     "Interrupted": "nitro.errors",
     "WeightsError": "nitro.errors",
-    "average": "nitro.runs.weights",
+    "average": "nitro.runs.initial_weights",
+    "Partial": "nitro.weights.partial",
     "OptimizerError": "nitro.errors",
 }
 _SUBMODULES = (
@@ -71,9 +72,11 @@ _SUBMODULES = (
     "dispatch",
     "events",
     "loggers",
+    "models",
     "progress",
     "runner",
     "staleness",
+    "weights",
 )
 
 __all__ = [
@@ -96,6 +99,7 @@ __all__ = [
     "MetricError",
     "Nitro",
     "OptimizerError",
+    "Partial",
     "Population",
     "PopulationError",
     "Precision",
@@ -115,6 +119,7 @@ __all__ = [
     "fields",
     "load_ipython_extension",
     "loggers",
+    "models",
     "on_phase",
     "preset_of",
     "presets",
@@ -125,6 +130,7 @@ __all__ = [
     "set_compilation_cache",
     "staleness",
     "unload_ipython_extension",
+    "weights",
     "WeightsError",
 ]
 
@@ -146,7 +152,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from nitro import data, loggers
+    from nitro import data, loggers, models, weights
     from nitro.core import events, progress
     from nitro.core.events import on_phase
     from nitro.data import datasets
@@ -185,9 +191,10 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     )
     from nitro.runs.checkpoints import Checkpointer
     from nitro.runs.early_stopping import EarlyStopping
+    from nitro.runs.initial_weights import average
     from nitro.runs.resume import run_to_resume
     from nitro.runs.run_dirs import saved_runs
-    from nitro.runs.weights import average
+    from nitro.weights.partial import Partial
 
 
 def load_ipython_extension(ipython) -> None:

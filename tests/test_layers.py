@@ -24,6 +24,8 @@ LAYERS = [
     "core",
     "programs",
     "runs",
+    "weights",
+    "models",
     "loggers",
     "engine",
     "serving",
@@ -54,6 +56,8 @@ PUBLIC = {
     "nitro.data",
     "nitro.loggers",
     "nitro.mcp",
+    "nitro.weights",
+    "nitro.models",
 }
 
 

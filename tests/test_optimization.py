@@ -110,7 +110,7 @@ def test_weight_decay_with_sgd_and_a_mask_matches_add_decayed_weights_before_the
         optimizer=optax.sgd, learning_rate=0.1, weight_decay=0.3, decay_mask=kernels_of_hidden
     )
     graphdef, params, _ = nnx.split(Plain().build_model(nnx.Rngs(0)), nnx.Param, ...)
-    flags = [path == "hidden.kernel" for path in nitro.runs.weights.leaf_paths(params)]
+    flags = [path == "hidden.kernel" for path in nitro.optim.param_groups.leaf_paths(params)]
     mask = lambda p: jax.tree.unflatten(jax.tree.structure(p), flags)  # noqa: E731
     expected = reference(optax.chain(optax.add_decayed_weights(0.3, mask), optax.sgd(0.1)))
     assert_close(params_of(n), expected)
@@ -205,7 +205,8 @@ def test_parameter_groups_match_optax_partition_with_the_ratios():
     n = trained(Grouped(), learning_rate=LR, group_lr={"body": 0.1})
     graphdef, params, _ = nnx.split(Plain().build_model(nnx.Rngs(0)), nnx.Param, ...)
     labels = [
-        "body" if p.startswith("hidden") else "head" for p in nitro.runs.weights.leaf_paths(params)
+        "body" if p.startswith("hidden") else "head"
+        for p in nitro.optim.param_groups.leaf_paths(params)
     ]
     expected = reference(
         optax.partition(
@@ -229,7 +230,8 @@ def test_groups_decay_and_clipping_compose_like_their_optax_chain():
     )
     graphdef, params, _ = nnx.split(Plain().build_model(nnx.Rngs(0)), nnx.Param, ...)
     labels = [
-        "body" if p.startswith("hidden") else "head" for p in nitro.runs.weights.leaf_paths(params)
+        "body" if p.startswith("hidden") else "head"
+        for p in nitro.optim.param_groups.leaf_paths(params)
     ]
     expected = reference(
         optax.chain(

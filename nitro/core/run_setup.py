@@ -173,6 +173,8 @@ class ModelSetup:
     param_count: int
     weights_origin: str  # "build_model", or where `weights=` came from
     weights_checkpoint: SavedWeights | None = None  # when they came from a checkpoint
+    # leaf path -> the file and key it came from, or "build_model" (`weights=nitro.Partial`)
+    weights_from: Mapping[str, str] | None = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -67,7 +67,8 @@ from nitro.optim.schedules import bind_schedules, check_schedule_values, optimiz
 from nitro.programs.compile_cache import configure_persistent_cache
 from nitro.programs.tracing import EVAL_SEED
 from nitro.runs.checkpoint_record import setting_token
-from nitro.runs.weights import AveragedWeights, CheckpointWeights, WeightsSource, copy_array
+from nitro.runs.initial_weights import AveragedWeights, CheckpointWeights, WeightsSource, copy_array
+from nitro.weights.partial import Partial
 
 __all__ = [
     "batch_size",
@@ -99,7 +100,7 @@ def build(
     *,
     events: Events,
     data: Mapping[str, Any] | None = None,
-    weights: WeightsSource | CheckpointWeights | AveragedWeights | None = None,
+    weights: WeightsSource | CheckpointWeights | AveragedWeights | Partial | None = None,
     dispatch: DispatchChoice | None = None,
 ) -> tuple[RunSetup, RunTime, TrainState]:
     """The setup sequence of `Nitro(e, **keywords)`: nothing compiles here. `dispatch` is an
@@ -186,6 +187,7 @@ def build(
             param_count=int(sum(np.size(x) for x in jax.tree.leaves(params))),
             weights_origin=model.origin,
             weights_checkpoint=model.checkpoint,
+            weights_from=freeze(model.leaves_from),
         ),
         optimizer=optimizer,
         schedules=tuple(schedules),
@@ -471,12 +473,13 @@ class BuiltModel(NamedTuple):
     model_state: Any  # nnx.State of the other variables
     origin: str  # "build_model", or where `weights=` came from
     checkpoint: SavedWeights | None  # when the weights came from a checkpoint
+    leaves_from: Mapping[str, str] | None = None  # leaf -> its source, for `weights=Partial`
 
 
 def _build_model(
     instance: Any,
     seed: int,
-    weights: WeightsSource | CheckpointWeights | AveragedWeights | None,
+    weights: WeightsSource | CheckpointWeights | AveragedWeights | Partial | None,
     events: Events,
     linen_init,
 ) -> BuiltModel:
@@ -504,6 +507,10 @@ def _build_model(
             f"build_model must return a flax.nnx.Module, a flax.linen.Module or an "
             f"equinox.Module; got {type(model).__name__}"
         )
+    if isinstance(weights, Partial):  # into the model itself: layouts follow its modules' types
+        loaded = weights.load_into(model)
+        graphdefs, params, rest = model_graphdefs(model)
+        return BuiltModel(graphdefs, params, rest, loaded.origin, None, loaded.leaves)
     graphdefs, params, rest = model_graphdefs(model)
     if weights is None:
         return BuiltModel(graphdefs, params, rest, "build_model", None)

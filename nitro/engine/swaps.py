@@ -27,7 +27,7 @@ from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState
 from nitro.experiments.fingerprint import CodeFingerprint
 from nitro.programs.specs import ProgramSet
-from nitro.runs.weights import copy_array
+from nitro.runs.initial_weights import copy_array
 
 __all__ = [
     "PROBATION_COPY_BYTES",

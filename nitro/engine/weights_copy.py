@@ -11,7 +11,7 @@ from collections.abc import Callable
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState
 from nitro.engine.runner import RunControl, RunGuard, at_step_boundary
-from nitro.runs.weights import WeightsSource
+from nitro.runs.initial_weights import WeightsSource
 
 __all__ = ["copy_weights"]
 

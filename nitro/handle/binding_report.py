@@ -162,6 +162,18 @@ def _fields(setup: RunSetup) -> tuple[str, list[str]]:
     return title, lines or ["no fields"]
 
 
+def _weights(setup: RunSetup) -> list[str]:
+    """Where the initial weights came from (`weights=`); for `weights=nitro.Partial`, which
+    leaves came from the file and which from build_model."""
+    lines = [setup.model.weights_origin]
+    by_source: dict[str, list[str]] = {}
+    for path, origin in (setup.model.weights_from or {}).items():
+        by_source.setdefault(origin.split(": ")[0], []).append(path)
+    for source, paths in by_source.items():
+        lines.append(f"{source}: {len(paths)} leaves: {_paths(paths)}")
+    return lines
+
+
 def binding_report(
     setup: RunSetup,
     runtime: RunTime,
@@ -243,6 +255,9 @@ def binding_report(
     if setup.total_steps is not None:
         lines.append(f"horizon: {setup.total_steps:,} optimizer steps")
     sections.append(("schedules", lines))
+
+    if setup.model.weights_origin != "build_model":
+        sections.append(("weights", _weights(setup)))
 
     lines = []
     optimizer = setup.optimizer

@@ -54,11 +54,12 @@ from nitro.handle.signature import keyword_signature, keywords_doc
 from nitro.handle.summary import ModelSummary
 from nitro.optim.schedules import bind_schedules, check_schedule_values
 from nitro.programs.specs import ProgramSet
+from nitro.runs.initial_weights import AveragedWeights, CheckpointWeights, WeightsSource
 from nitro.runs.resume import restore
 from nitro.runs.run_files import RunFiles
 from nitro.runs.run_origin import OriginProbe
 from nitro.runs.watched_metrics import check_watched_metrics
-from nitro.runs.weights import AveragedWeights, CheckpointWeights, WeightsSource
+from nitro.weights.partial import Partial
 
 __all__ = ["EXTENSIONS", "Nitro", "check_experiment", "experiment_to_run", "weights_source"]
 
@@ -842,11 +843,12 @@ def weights_source(weights: Any):
         return None
     if isinstance(weights, Nitro):
         return weights._weights_copy()
-    if isinstance(weights, (WeightsSource, CheckpointWeights, AveragedWeights)):
+    if isinstance(weights, (WeightsSource, CheckpointWeights, AveragedWeights, Partial)):
         return weights
     if isinstance(weights, (str, os.PathLike, tuple)):
         return CheckpointWeights.of(weights)
     raise SetupError(
         f"weights= takes a Nitro handle, a run directory or checkpoint path, (run_dir, "
-        f"'best' | 'latest'), or nitro.average(run_dir, k=3); got {type(weights).__name__}"
+        f"'best' | 'latest'), nitro.average(run_dir, k=3), or nitro.Partial(file, "
+        f"into='backbone') (a PyTorch or safetensors file); got {type(weights).__name__}"
     )

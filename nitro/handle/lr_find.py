@@ -25,7 +25,7 @@ from nitro.engine.dispatch import MAX_STEPS as FUSED_LIMIT
 from nitro.errors import DivergenceError, Interrupted, OptimizerError, ScheduleError, SetupError
 from nitro.handle.handle import EXTENSIONS, Nitro
 from nitro.handle.population import Population
-from nitro.runs.weights import WeightsSource
+from nitro.runs.initial_weights import WeightsSource
 
 __all__ = ["LRFindResult", "lr_find"]
 

@@ -20,7 +20,7 @@ from nitro.handle.run_handle import RunHandle, scalar_frame
 from nitro.programs.compile_cache import graphconst_keys
 from nitro.programs.train_step import train_step_spec
 from nitro.runs.epoch_saves import finite
-from nitro.runs.weights import WeightsSource
+from nitro.runs.initial_weights import WeightsSource
 
 __all__ = ["PopulationMembers", "check_axis", "check_one_program", "check_shared"]
 

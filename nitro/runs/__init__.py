@@ -23,7 +23,7 @@ Internal, except the names the facade re-exports (`nitro.Checkpointer`, `nitro.E
 - `checkpoint_reads`: reading saved steps: listing, ranking, one step's arrays and record
 - `training_config`: the training keywords a checkpoint records and a resume compares
 - `early_stopping`: `EarlyStopping`, ending a run when a validation metric stops improving
-- `weights`: the weights a run starts from (`weights=`, `nitro.average`) and their fit
+- `initial_weights`: the weights a run starts from (`weights=`, `nitro.average`) and their fit
 """
 
 __all__: list[str] = []
