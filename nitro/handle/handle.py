@@ -15,7 +15,7 @@ import dataclasses
 import inspect
 import math
 import os
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -374,28 +374,17 @@ class Nitro(RunHandle):
 
         return profile_handle(self, steps, trace=trace, python=python)
 
-    def _after_epoch(
-        self,
-        state: TrainState,
-        row: dict[str, Any],
-        epochs_left: int | None = None,
-        stop_at: int | None = None,
-    ) -> str | None:
-        """The run's files after a committed epoch; `stop_at`: the call's stop step, whose
-        epoch is its last (the run's end saves it, with its stop reason)."""
-        runtime = self._runtime
-        if epochs_left is None and stop_at is not None and state.step >= stop_at:
-            epochs_left = 0
-        return self._files.saves.after_epoch(
-            self._setup,
-            state,
-            row,
-            self._events,
-            runtime.device_values(),
-            epochs_left,
-            lazy=runtime.restores is True,
-            measuring=runtime.dispatch.measuring,
+    def _saving(self, state: TrainState) -> tuple[Sequence[Mapping[str, Any]], Callable]:
+        runtime, saves = self._runtime, self._files.saves
+        device, lazy = runtime.device_values(), runtime.restores is True
+        return state.history, lambda reason, best: saves.snapshot(
+            self._setup, state, device, reason, best, lazy
         )
+
+    def _verdict(self, state: TrainState) -> str | None:
+        stopping = self._setup.early_stop
+        stops = stopping is not None and stopping.should_stop(state.history)
+        return "early_stop" if stops else None
 
     @property
     def _counters(self) -> TrainState:
@@ -416,14 +405,6 @@ class Nitro(RunHandle):
 
     def _loop_left(self, state: TrainState) -> None:
         self._state = state
-
-    def _end_save(self, state: TrainState, reason: str, events: Events) -> str:
-        runtime = self._runtime
-        lazy = runtime.restores is True
-        self._files.saves.end_run(
-            self._setup, state, events, reason, runtime.device_values(), lazy=lazy
-        )
-        return reason
 
     # ------------------------------------------------------------------------------------------
     # evaluation and prediction

@@ -14,7 +14,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import threading
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -52,7 +52,7 @@ from nitro.handle.population_members import (
 from nitro.handle.run_handle import scalar_frame
 from nitro.programs.specs import ProgramSet
 from nitro.runs.checkpoint_record import setting_token
-from nitro.runs.epoch_saves import population_save
+from nitro.runs.epoch_saves import finite, population_save
 from nitro.runs.resume import restore_population
 from nitro.runs.run_files import PopulationFiles
 from nitro.runs.run_origin import OriginProbe, run_config
@@ -340,30 +340,29 @@ class Population(PopulationMembers):
     def _runtimes(self) -> list[RunTime]:
         return [m.runtime for m in self._members]
 
-    def _end_save(self, state: PopulationState, reason: str, events: Events) -> str:
-        reason = self._ended(reason) or reason
-        self._files.saves.end(state, events, reason, lambda _: self._save(state, reason))
-        return reason
+    def _saving(self, state: PopulationState) -> tuple[list[dict[str, Any]], Callable]:
+        """Each committed epoch as the saves rank it (its best member's value of the
+        checkpointer's metric), and the population as a save (`population_save`)."""
+        store, best = self._files.store, {}
+        if store is None:  # nothing is saved: neither is read
+            return [], population_save
+        metric, better = store.config.metric, store.config.better
+        for row in (r for m in self._members for r in m.state.history):
+            value, seen = finite(row.get(metric)), best.setdefault(row["epoch"], None)
+            if value is not None and (seen is None or better(value, seen)):
+                best[row["epoch"]] = value
+        members, files, value = self._members, self._files, best.get(state.epoch)
+        rows = [{metric: best.get(epoch)} for epoch in range(1, state.epoch + 1)]
+        return rows, lambda why, new: population_save(files, members, state, why, new, value)
 
-    def _save(self, state: PopulationState, reason: str | None):
-        return population_save(self._files, self._members, state, reason)
-
-    def _after_epoch(
-        self, state: Any, row: Any, epochs_left: int | None = None, stop_at: int | None = None
-    ) -> str | None:
-        """After an epoch's rows: stop each member whose monitored metric stopped improving
-        (`early_stop=`) as its single run would have stopped, save, and end the run once
-        every member has stopped."""
+    def _verdict(self, state: PopulationState) -> str | None:
+        """Stop each member whose monitored metric stopped improving (`early_stop=`) as its
+        single run would have stopped; the run ends once every member has stopped."""
         self._stacked().early_stops(state)
-        store = self._files.store
-        if store is not None and store.due(state.epoch):
-            self._files.saves.save(self._save(state, None), self._events)
-        return self._ended(None)
+        return self._end_reason(None)
 
-    def _ended(self, reason: str | None) -> str | None:
-        """Why the run ended: once every member has stopped, early stopping's verdict (or a
-        stop request: the prunings), else `reason`."""
-        if all(m.stopped is not None for m in self._members):
+    def _end_reason(self, reason: str | None) -> str | None:
+        if all(m.stopped is not None for m in self._members):  # early stopping, or prunings
             return "early_stop" if self._members[0].setup.early_stop is not None else "requested"
         return reason
 

@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 import weakref
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any, NoReturn, Self, overload
 
 import numpy as np
@@ -79,19 +79,45 @@ class RunHandle:
     def _check_trainable(self) -> None:
         """Refuse a `train()` that cannot start, before anything is claimed."""
 
+    def _saving(self, state: Any) -> tuple[Sequence[Mapping[str, Any]], Callable]:
+        """What the run's saves rank and take of `state`: the committed epochs' rows (the
+        last the newest) and `snapshot(reason, best)`, the state as a save
+        (`nitro.runs.epoch_saves.EpochSaves`)."""
+        raise NotImplementedError
+
+    def _verdict(self, state: Any) -> str | None:
+        """After a committed epoch: why the run ends there (early stopping), or None."""
+        raise NotImplementedError
+
+    def _end_reason(self, reason: str | None) -> str | None:
+        """The run's stop reason, given the loop's (a population's: once every member has
+        stopped, early stopping's verdict, or a stop request's)."""
+        return reason
+
     def _after_epoch(
         self, state: Any, row: Any, epochs_left: int | None = None, stop_at: int | None = None
     ) -> str | None:
         """The run's files after a committed epoch (`row`: a population's every member's);
-        `stop_at`: the call's stop step. Returns why the run ends there, or None."""
-        raise NotImplementedError
+        `stop_at`: the call's stop step, whose epoch is its last (the run's end saves it,
+        with its stop reason). Returns why the run ends there, or None."""
+        if epochs_left is None and stop_at is not None and state.step >= stop_at:
+            epochs_left = 0
+        verdict = self._verdict(state)
+        rows, snapshot = self._saving(state)
+        measuring = self._lead_runtime.dispatch.measuring
+        saves = self._files.saves
+        return saves.after_epoch(
+            state, rows, self._events, snapshot, verdict, epochs_left, measuring
+        )
 
     def _loop_left(self, state: Any) -> None:
         """The loop has returned (or raised) with `state`."""
 
     def _end_save(self, state: Any, reason: str, events: Events) -> str:
         """The save at the run's end (with its stop reason); the run's final stop reason."""
-        raise NotImplementedError
+        reason = self._end_reason(reason) or reason
+        self._files.saves.end(state, events, reason, self._saving(state)[1])
+        return reason
 
     def _train_run(self, target: int, stop_at: int | None, events: Events) -> str:
         """One run between start_run and end_run: the loop and its end's save; its stop reason."""

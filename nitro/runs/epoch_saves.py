@@ -48,24 +48,24 @@ class EpochSaves:
 
     def after_epoch(
         self,
-        setup: RunSetup,
-        state: TrainState,
-        row: dict[str, Any],
+        state: Any,
+        rows: Sequence[Mapping[str, Any]],
         events: Events,
-        device: Mapping[str, Any],
+        snapshot: Callable[[str | None, bool], Save],
+        verdict: str | None = None,
         epochs_left: int | None = None,
-        lazy: bool = False,
         measuring: bool = False,
     ) -> str | None:
-        """Checkpoint the committed epoch (when due), then ask early stopping. `device`: the
-        Device fields' values now (the checkpoint records them). `epochs_left`: the epochs
-        the call trains after this one; at this epoch's pace, when they end (and the call's
-        end saves) sooner than the budget would allow another save, this one is not due.
-        `lazy`: no later call donates the variables (`RunTime.restores`), so a save copies them
-        to the host when it is written, and a save that a newer one replaces copies nothing.
-        `measuring`: "auto" is timing its call sizes (for a few seconds of training), and a
-        write beside them would slow the calls it compares: under a budget, no save is due
-        mid-call until it decides (the call's end saves its newest epoch, as always)."""
+        """Checkpoint the committed epoch (when due); returns `verdict` (early stopping's).
+        `rows`: the committed epochs' rows as the checkpointer's metric ranks them, the last
+        this epoch's (a run's history; a population's best member's of each epoch);
+        `snapshot(reason, best)`: the committed state as a save (a run's `snapshot`).
+        `epochs_left`: the epochs the call trains after this one; at this epoch's pace, when
+        they end (and the call's end saves) sooner than the budget would allow another save,
+        this one is not due. `measuring`: "auto" is timing its call sizes (for a few seconds
+        of training), and a write beside them would slow the calls it compares: under a
+        budget, no save is due mid-call until it decides (the call's end saves its newest
+        epoch, as always)."""
         store = self.store
         now = time.perf_counter()
         began, self.epoch_began = self.epoch_began, now
@@ -73,29 +73,26 @@ class EpochSaves:
         if epochs_left is not None and began is not None:
             ends_in = epochs_left * (now - began)
         hold = measuring and (epochs_left is None or epochs_left > 0)  # mid-call
-        verdict = None
-        if setup.early_stop is not None and setup.early_stop.should_stop(state.history):
-            verdict = "early_stop"
         if store is None:
             return verdict
-        best = self._new_best(store, state, row)
+        best = self._new_best(store, rows)
         if epochs_left == 0 or verdict is not None:
-            # the run's end saves this epoch, with its stop reason (`end_run`)
+            # the run's end saves this epoch, with its stop reason (`end`)
             self._end_best = best
             if best:
                 self._held = None
         elif store.due(state.epoch, ends_in=ends_in, hold=hold):
-            self.save(self._snapshot(setup, state, row, device, None, lazy, best), events)
+            self.save(snapshot(None, best), events)
         elif best:  # kept on the host, written with the next save or at the call's end
-            self._held = self._snapshot(setup, state, row, device, None, lazy, best=True)
+            self._held = snapshot(None, True)
         return verdict
 
-    def _new_best(self, store: CheckpointStore, state: TrainState, row: Mapping) -> bool:
-        """Whether the epoch just committed (`row`, the history's last) is the run's best so
-        far by the checkpointer's metric and mode."""
+    def _new_best(self, store: CheckpointStore, rows: Sequence[Mapping[str, Any]]) -> bool:
+        """Whether the epoch just committed (the last of `rows`) is the run's best so far by
+        the checkpointer's metric and mode."""
         config = store.config
-        value = finite(row.get(config.metric))
-        history = state.history
+        value = finite(rows[-1].get(config.metric)) if rows else None
+        history = rows
         if self._best_rows != len(history) - 1:  # another history: a resume, restore_best
             self._best = None
             for earlier in history[:-1]:
@@ -108,29 +105,10 @@ class EpochSaves:
         self._best = value
         return True
 
-    def end_run(
-        self,
-        setup: RunSetup,
-        state: TrainState,
-        events: Events,
-        reason: str,
-        device: Mapping[str, Any],
-        lazy: bool = False,
-    ) -> None:
-        """A run that ends at an epoch boundary leaves its newest epoch saved (`lazy`: as
-        `after_epoch`); see `end`."""
-        row = state.last_row
-        self.end(
-            state,
-            events,
-            reason,
-            lambda best: self._snapshot(setup, state, row, device, reason, lazy, best),
-        )
-
     def end(self, state: Any, events: Events, reason: str | None, snapshot: Callable) -> None:
         """A run (or population) that ends at an epoch boundary leaves its newest epoch saved,
-        one stopped in the middle of an epoch the step it stopped on (`snapshot(best)`: the
-        save). `train()` returns at once: the save is written in the background, and the next
+        one stopped in the middle of an epoch the step it stopped on (`snapshot(reason,
+        best)`: the save, as `after_epoch`'s). `train()` returns at once: the save is written in the background, and the next
         save, a reader of the run's checkpoints, `close()` and the process's end wait for it.
         A stopped run waits for its save, to say where it resumes from."""
         store = self.store
@@ -147,7 +125,7 @@ class EpochSaves:
             stopped and store.saved_step != state.step
         ):
             recorded_earlier = False
-            self.save(snapshot(at_boundary and end_best), events, last=True)
+            self.save(snapshot(reason, at_boundary and end_best), events, last=True)
         else:
             self._write_held()
             store.close_later()  # the writes finish, then the manager's threads end
@@ -170,19 +148,22 @@ class EpochSaves:
             held, save = None, save._replace(best=True)
         store.save(*save[:4], then_close=last, best=save.best, earlier=held)
 
-    def _snapshot(
+    def snapshot(
         self,
         setup: RunSetup,
         state: TrainState,
-        row: Mapping[str, Any],
         device: Mapping[str, Any],
         reason: str | None,
-        lazy: bool,
         best: bool,
+        lazy: bool = False,
     ) -> Save:
-        """The committed state as a save: host copies (`host_tree`) and its JSON record."""
+        """A run's committed state as a save: host copies (`host_tree`) and its JSON record.
+        `device`: the Device fields' values now (the record holds them); `lazy`: no later call
+        donates the variables (`RunTime.restores`), so the host copies are made when the save
+        is written, and a save that a newer one replaces copies nothing."""
         store = self.store
         assert store is not None
+        row = state.last_row
         return Save(
             state.step,
             host_tree(setup, state.variables, lazy=lazy),
@@ -294,19 +275,16 @@ def member_record(
     )
 
 
-def population_save(files: Any, members: Sequence[Any], state: Any, reason: str | None) -> Save:
+def population_save(
+    files: Any, members: Sequence[Any], state: Any, reason: str | None, best: bool, value: Any
+) -> Save:
     """Every member of a population as one save: the stacked variables, and each member's
-    record (`member_record`, with its logger runs' state) beside
-    the shared counters; ranked by its best healthy member's value of the checkpointer's
-    metric. `files`: the population's (`PopulationFiles`)."""
+    record (`member_record`, with its logger runs' state) beside the shared counters; ranked
+    by `value` (its best member's of the checkpointer's metric). `files`: the population's
+    (`PopulationFiles`)."""
     store = files.store
     assert store is not None
     config, healthy = store.config, np.asarray(state.healthy).tolist()
-    best = None
-    for member, ok in zip(members, healthy, strict=True):
-        value = finite(member.state.last_row.get(config.metric)) if ok else None
-        if value is not None and (best is None or config.better(value, best)):
-            best = value
     entries = tuple(
         member_record(
             member.state,
@@ -338,10 +316,10 @@ def population_save(files: Any, members: Sequence[Any], state: Any, reason: str 
         position=state.position,
         batches=state.batches,
         prune=dict(state.prune),
-        metrics={config.metric: best} if best is not None else {},
+        metrics={config.metric: value} if value is not None else {},
         stop_reason=reason,
     )
-    return Save(state.step, host_tree(setup, state.variables), record, best)
+    return Save(state.step, host_tree(setup, state.variables), record, value, best)
 
 
 def _partial_epoch(state: TrainState) -> PartialEpoch | None:
