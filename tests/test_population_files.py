@@ -280,6 +280,21 @@ def test_defaults_save_cheaply_and_nothing_is_written_without_checkpoints_or_log
     assert not Path("runs").exists()
 
 
+def test_the_best_epoch_off_the_save_schedule_is_kept_as_a_single_runs_is():
+    # every=2 saves epoch 2; by mode="max" the best val_loss is epoch 1's (it falls each
+    # epoch): held on the host and written with the run's end save, as a single run's
+    keep = nitro.Checkpointer(k=1, mode="max", every=2, budget=None)
+    pop = nitro.Population(
+        Digits(max_epochs=2, **SMALL), checkpointer=keep, progress=False, **AXES
+    ).train()
+    pop.wait()
+    best = pop.history()["val_loss"].groupby(level="epoch").max()
+    assert best[1] > best[2]  # epoch 1 is the best by mode="max"
+    assert plain_steps(pop.run_dir) == [9, 18]
+    assert plain(pop.run_dir, 9)["meta"]["metrics"]["val_loss"] == pytest.approx(best[1])
+    assert pop.checkpoints()["val_loss"].tolist() == pytest.approx([best[1], best[2]])
+
+
 def test_one_writer_per_population_directory():
     busy = nitro.Population(
         Digits(max_epochs=10**6, **SMALL), run_dir="busy", progress=False, **AXES
