@@ -5,7 +5,9 @@ One protocol for both: `train(epochs=, steps=, background=)` on a worker thread,
 `reporter`, `on_phase`, `run_dir`, `run_id`, `target_epoch`, `dispatch`, `checkpoints()`,
 `validate`, `evaluate`, `predict`, `history()` and the live edits. A subclass
 builds its `_files` (`nitro.runs.run_files.RunFiles`, a population's `PopulationFiles`), its
-events, control and guard, and says how one run of its trains (`_train_run`); the rest is here.
+events, control and guard, and says what its saves take and rank (`_saving`) and when early
+stopping ends its run (`_verdict`); the loop, its saves (one `EpochSaves` policy) and the rest
+are here.
 """
 
 from __future__ import annotations
