@@ -4,7 +4,8 @@ source, into="backbone")`), the rest as `build_model` initialized it.
 At setup the model `build_model` returned gets the sub-tree `into` filled from `source` by
 `nitro.weights.load` (PyTorch layouts converted, `key_map` applied); nothing compiles. The
 handle's `weights_origin` and the binding report's `weights` section say which leaves came
-from the file and which from `build_model`.
+from the file and which from `build_model`; a model `build_model` filled from a file itself
+(`nitro.models.create(pretrained=...)`) is named there too (`origin_in_model`).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from nitro.weights.layouts import dotted, model_layout
 from nitro.weights.loading import KeyMap, LoadReport, load
 from nitro.weights.weight_files import describe_source
 
-__all__ = ["Partial", "PartialLoad"]
+__all__ = ["Partial", "PartialLoad", "origin_in_model"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +121,18 @@ class Partial:
                 f"flax.nnx.Module; into names the sub-module the weights fill"
             )
         return node
+
+
+def origin_in_model(model: nnx.Module) -> str:
+    """The run's `weights_origin` when `build_model` made the weights: "build_model", and the
+    file each module of it was filled from where the module says so (its `weights_origin`
+    attribute, which `nitro.models.create(pretrained=...)` sets)."""
+    found = []
+    for path, node in nnx.iter_graph(model):
+        origin = getattr(node, "weights_origin", None) if isinstance(node, nnx.Module) else None
+        if isinstance(origin, str):
+            found.append(f"{dotted(path) or type(node).__name__} {origin}")
+    return "build_model: " + "; ".join(found) if found else "build_model"
 
 
 def _children(node: Any):
