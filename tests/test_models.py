@@ -207,6 +207,14 @@ def test_a_run_whose_build_model_loads_pretrained_weights_names_the_file_as_thei
     )
     assert dict(n.binding_report().sections)["weights"] == [n.weights_origin]
 
+    # where the weights came from stays beside the model: the same architecture loaded from
+    # another file is the same graph (one compiled program), and a fresh one names no file
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    elsewhere.write_bytes(open(path, "rb").read())
+    other = nitro.models.create("resnet18", num_classes=2, pretrained=elsewhere)
+    fresh = nitro.models.create("resnet18", num_classes=2)
+    assert nnx.graphdef(other) == nnx.graphdef(n.model) == nnx.graphdef(fresh)
+
 
 def test_pretrained_rgb_weights_fit_a_one_channel_input_by_summing_the_first_convolution(tmp_path):
     path = _timm_like_checkpoint(tmp_path, "resnet18", num_classes=1000)

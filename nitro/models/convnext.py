@@ -172,7 +172,6 @@ class ConvNeXt(nnx.Module):
         self.num_classes = num_classes
         self.classifier = "head.fc"  # timm's names of the classifier and the first convolution
         self.first_conv = "stem.0"
-        self.weights_origin: str | None = None  # set by pretrained= (where from)
         self.stem = nnx.List(
             [
                 nnx.Conv(

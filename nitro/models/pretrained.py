@@ -22,6 +22,7 @@ from nitro.errors import WeightsError
 from nitro.models.convnext import ConvNeXt
 from nitro.models.resnet import ResNet
 from nitro.weights import LoadReport, load, read
+from nitro.weights.partial import note_origin
 from nitro.weights.weight_files import describe_source
 
 __all__ = ["hub_file", "load_pretrained"]
@@ -112,8 +113,8 @@ def load_pretrained(
 ) -> LoadReport:
     """Fill `model`, just built, from `source` (a path or a Hub id) in place. Every leaf but
     a new classifier's must come from `source`, and every array of it must fill one; else a
-    `WeightsError` names them (the model may then hold some of the weights: drop it). The
-    model's `weights_origin` attribute then says where its weights came from."""
+    `WeightsError` names them (the model may then hold some of the weights: drop it). A run
+    whose model holds it names where its weights came from in `weights_origin`."""
     if revision is not None and not _is_hub_id(str(source)):
         raise WeightsError(
             f"revision={revision!r} pins a Hugging Face Hub id, but pretrained={str(source)!r} "
@@ -137,5 +138,5 @@ def load_pretrained(
     origin = f"pretrained from {where} ({len(report.loaded)} leaves, "
     origin += f"{len(report.converted)} converted from PyTorch layout"
     origin += f"; {', '.join(report.left)} at initial values)" if report.left else ")"
-    model.weights_origin = origin  # the run's `weights_origin` names it (`origin_in_model`)
+    note_origin(model, origin)  # the run's `weights_origin` names it
     return report

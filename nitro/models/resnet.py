@@ -175,7 +175,6 @@ class ResNet(nnx.Module):
         self.num_classes = num_classes
         self.classifier = "fc"  # timm's names of the classifier and the first convolution
         self.first_conv = "conv1.0" if stem_type else "conv1"
-        self.weights_origin: str | None = None  # set by pretrained= (where from)
         cin = 64
         if stem_type:
             first = 3 * (stem_width // 4) if stem_type == "deep_tiered" else stem_width

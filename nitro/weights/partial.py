@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -22,7 +23,11 @@ from nitro.weights.layouts import dotted, model_layout
 from nitro.weights.loading import KeyMap, LoadReport, load
 from nitro.weights.weight_files import describe_source
 
-__all__ = ["Partial", "PartialLoad", "origin_in_model"]
+__all__ = ["Partial", "PartialLoad", "note_origin", "origin_in_model"]
+
+# where a module's weights came from, by module: kept beside the model, not on it, so that the
+# text stays out of the model's graph (which keys the compile cache)
+_ORIGINS: weakref.WeakKeyDictionary[nnx.Module, str] = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,14 +128,20 @@ class Partial:
         return node
 
 
+def note_origin(module: nnx.Module, origin: str) -> None:
+    """Say where `module`'s weights came from (`nitro.models.create(pretrained=...)` does); a
+    run whose `build_model` returns it, or a model holding it, names it in `weights_origin`."""
+    _ORIGINS[module] = origin
+
+
 def origin_in_model(model: nnx.Module) -> str:
     """The run's `weights_origin` when `build_model` made the weights: "build_model", and the
-    file each module of it was filled from where the module says so (its `weights_origin`
-    attribute, which `nitro.models.create(pretrained=...)` sets)."""
+    file each module of it was filled from where `note_origin` recorded one."""
     found = []
     for path, node in nnx.iter_graph(model):
-        origin = getattr(node, "weights_origin", None) if isinstance(node, nnx.Module) else None
-        if isinstance(origin, str):
+        hashable = isinstance(node, nnx.Module) and type(node).__hash__ is not None
+        origin = _ORIGINS.get(node) if hashable else None  # (nnx.List, nnx.Dict are not)
+        if origin is not None:
             found.append(f"{dotted(path) or type(node).__name__} {origin}")
     return "build_model: " + "; ".join(found) if found else "build_model"
 
