@@ -18,6 +18,7 @@ from flax import nnx
 from huggingface_hub.file_download import repo_folder_name
 from safetensors.numpy import load_file
 
+import nitro
 import nitro.models
 import nitro.weights
 from nitro.errors import WeightsError
@@ -169,15 +170,50 @@ def test_pretrained_from_a_file_loads_every_leaf_and_a_new_classifier_starts_fre
     path = _timm_like_checkpoint(tmp_path, "convnextv2_atto", num_classes=1000)
     saved = load_file(path)
     model = nitro.models.create("convnextv2_atto", num_classes=9, pretrained=path)
-    # the model's weights in PyTorch's names and layout (not the drop paths' RNG state)
-    loaded = {k: v for k, v in nitro.weights.to_torch(model).items() if ".rngs." not in k}
+    loaded = nitro.weights.to_torch(model)  # the model's weights in PyTorch's names and layout
     fresh = nitro.weights.to_torch(nitro.models.create("convnextv2_atto", num_classes=9))
-    assert sorted(loaded) == sorted(k for k in saved if ".rngs." not in k)
+    assert sorted(loaded) == sorted(saved)
     for key, array in loaded.items():
         expected = fresh[key] if key.startswith("head.fc.") else saved[key]
         assert np.array_equal(array, expected), key
     same = nitro.models.create("convnextv2_atto", num_classes=1000, pretrained=path)
     assert np.array_equal(nitro.weights.to_torch(same)["head.fc.weight"], saved["head.fc.weight"])
+
+
+def test_a_run_whose_build_model_loads_pretrained_weights_names_the_file_as_their_origin(
+    tmp_path,
+):
+    path = _timm_like_checkpoint(tmp_path, "resnet18", num_classes=1000)
+
+    @nitro.experiment
+    class Backbone:
+        def build_data(self):
+            x = np.zeros((4, 32, 32, 3), np.float32)
+            return {"train": nitro.data.ArrayLoader({"x": x, "y": np.zeros(4, np.int32)}, 2)}
+
+        def build_model(self, rngs):
+            return nitro.models.create("resnet18", num_classes=2, pretrained=path)
+
+        def forward(self, model, *, x):
+            return model(x)
+
+        def loss(self, outputs, *, y):
+            return outputs.mean()
+
+    n = nitro.Nitro(Backbone(), progress=False)
+    assert n.weights_origin == (
+        f"build_model: ResNet pretrained from {path} (100 leaves, 80 converted from PyTorch "
+        f"layout; fc.bias, fc.kernel at initial values)"
+    )
+    assert dict(n.binding_report().sections)["weights"] == [n.weights_origin]
+
+    # where the weights came from stays beside the model: the same architecture loaded from
+    # another file is the same graph (one compiled program), and a fresh one names no file
+    elsewhere = tmp_path / "elsewhere.safetensors"
+    elsewhere.write_bytes(open(path, "rb").read())
+    other = nitro.models.create("resnet18", num_classes=2, pretrained=elsewhere)
+    fresh = nitro.models.create("resnet18", num_classes=2)
+    assert nnx.graphdef(other) == nnx.graphdef(n.model) == nnx.graphdef(fresh)
 
 
 def test_pretrained_rgb_weights_fit_a_one_channel_input_by_summing_the_first_convolution(tmp_path):

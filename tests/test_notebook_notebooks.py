@@ -164,3 +164,22 @@ def test_a_saved_run_shows_its_record_in_nbconvert_html_without_widgets(tmp_path
     assert "<b>done</b> · epoch 2/2 · step 8" in html
     assert "data:image/png;base64," in html  # the final curves
     assert "LivePanel(" not in html and "live training panel" not in html
+
+
+def test_the_pretrained_notebook_fine_tunes_exports_and_serves_from_a_weights_file(tmp_path):
+    texts = _execute("fine_tune_pretrained.ipynb", tmp_path)
+
+    checkpoint = tmp_path / "convnextv2_atto.safetensors"
+    assert checkpoint.exists()  # the stand-in for a downloaded checkpoint
+    # every leaf but the new classifier came from the file, and the handle says so
+    _find(
+        texts,
+        rf"build_model: ConvNeXt pretrained from {re.escape(str(checkpoint))} \(138 leaves, "
+        r"57 converted from PyTorch layout; head\.fc\.bias, head\.fc\.kernel at initial values\)",
+    )
+    _find(texts, r"val_acc")  # the history of the frozen and the unfrozen epoch
+    manifest = json.loads((tmp_path / "exports/digits-convnext/manifest.json").read_text())
+    assert str(checkpoint) in manifest["provenance"]["weights_origin"]
+    assert manifest["inputs"] == [{"name": "pixels", "dtype": "uint8", "shape": [-1, 8, 8]}]
+    _find(texts, r"bundle accuracy on 16 test digits: \d")
+    _find(texts, r"served logits match the bundle's: \(16, 10\)")

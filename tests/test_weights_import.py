@@ -312,6 +312,19 @@ def test_a_saved_models_rng_state_is_ignored_not_refused():
 # the round trip
 
 
+def test_a_model_with_dropout_saves_no_rng_state_in_pytorch_layout(tmp_path):
+    """A Dropout's key and count are no weights: a PyTorch `state_dict` has none, and
+    `load_state_dict(strict=True)` would refuse them."""
+    model = WithDropout(nnx.Rngs(1))
+    assert sorted(nitro.weights.to_torch(model)) == ["linear.bias", "linear.weight"]
+    path = nitro.weights.save(tmp_path / "dropout.safetensors", model)
+    assert sorted(load_file(str(path))) == ["linear.bias", "linear.weight"]
+    again = WithDropout(nnx.Rngs(2))
+    report = nitro.weights.load(path, again)
+    assert report.left == report.unused == ()
+    assert again.linear.kernel[...].tobytes() == model.linear.kernel[...].tobytes()
+
+
 def test_saved_in_pytorch_layout_and_loaded_back_the_weights_are_bitwise_equal(tmp_path):
     original = Net(nnx.Rngs(1))
     path = nitro.weights.save(tmp_path / "net.safetensors", original)

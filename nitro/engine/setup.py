@@ -68,7 +68,7 @@ from nitro.programs.compile_cache import configure_persistent_cache
 from nitro.programs.tracing import EVAL_SEED
 from nitro.runs.checkpoint_record import setting_token
 from nitro.runs.initial_weights import AveragedWeights, CheckpointWeights, WeightsSource, copy_array
-from nitro.weights.partial import Partial
+from nitro.weights.partial import Partial, origin_in_model
 
 __all__ = [
     "batch_size",
@@ -513,7 +513,7 @@ def _build_model(
         return BuiltModel(graphdefs, params, rest, loaded.origin, None, loaded.leaves)
     graphdefs, params, rest = model_graphdefs(model)
     if weights is None:
-        return BuiltModel(graphdefs, params, rest, "build_model", None)
+        return BuiltModel(graphdefs, params, rest, origin_in_model(model), None)
     found = weights.resolve(params, rest)
     return BuiltModel(graphdefs, found.params, found.model_state, found.origin, found.checkpoint)
 

@@ -339,7 +339,8 @@ class Nitro(RunHandle):
 
     @property
     def weights_origin(self) -> str:
-        """Where the initial weights came from: "build_model" or the `weights=` source."""
+        """Where the initial weights came from: "build_model" (naming the file a module of it was
+        loaded from, as `nitro.models.create(pretrained=...)` does) or the `weights=` source."""
         return self._setup.model.weights_origin
 
     @property

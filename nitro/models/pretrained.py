@@ -22,6 +22,8 @@ from nitro.errors import WeightsError
 from nitro.models.convnext import ConvNeXt
 from nitro.models.resnet import ResNet
 from nitro.weights import LoadReport, load, read
+from nitro.weights.partial import note_origin
+from nitro.weights.weight_files import describe_source
 
 __all__ = ["hub_file", "load_pretrained"]
 
@@ -111,16 +113,18 @@ def load_pretrained(
 ) -> LoadReport:
     """Fill `model`, just built, from `source` (a path or a Hub id) in place. Every leaf but
     a new classifier's must come from `source`, and every array of it must fill one; else a
-    `WeightsError` names them (the model may then hold some of the weights: drop it)."""
+    `WeightsError` names them (the model may then hold some of the weights: drop it). A run
+    whose model holds it names where its weights came from in `weights_origin`."""
     if revision is not None and not _is_hub_id(str(source)):
         raise WeightsError(
             f"revision={revision!r} pins a Hugging Face Hub id, but pretrained={str(source)!r} "
             f"is a local path: drop revision="
         )
+    where = describe_source(source)
     if _is_hub_id(str(source)):
-        source = hub_file(
-            str(source).removeprefix("hf-hub:"), revision=revision, cache_dir=cache_dir
-        )
+        hub_id = str(source).removeprefix("hf-hub:")
+        source = hub_file(hub_id, revision=revision, cache_dir=cache_dir)
+        where = f"{hub_id}" + (f"@{revision}" if revision else "") + f" ({source})"
     arrays: dict[str, Any] = read(source)
     first, classifier = f"{model.first_conv}.weight", f"{model.classifier}."
     if first in arrays:
@@ -131,4 +135,8 @@ def load_pretrained(
     report = load(arrays, model, strict=False)
     if report.unused or any(not path.startswith(classifier) for path in report.left):
         load(arrays, model)  # strict: refuses, naming the keys and leaves that do not fit
+    origin = f"pretrained from {where} ({len(report.loaded)} leaves, "
+    origin += f"{len(report.converted)} converted from PyTorch layout"
+    origin += f"; {', '.join(report.left)} at initial values)" if report.left else ")"
+    note_origin(model, origin)  # the run's `weights_origin` names it
     return report

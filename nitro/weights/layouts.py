@@ -270,6 +270,7 @@ class ModelLayout:
     offered: list[Binding]  # PyTorch names first, then each leaf's own NNX name
     written: list[Binding]  # the binding `to_torch` writes for each leaf
     ignored: set[str]  # names no weight takes: BatchNorm's `num_batches_tracked`, RNG state
+    counters: set[str]  # BatchNorm's `num_batches_tracked`, which `to_torch` writes as PyTorch
     # (`<path>.layers.`, `<path>.`) for each `nnx.Sequential`: PyTorch's `nn.Sequential`
     # names its layers `0`, `1`, ... where NNX's names them `layers.0`
     aliases: list[tuple[str, str]]
@@ -284,7 +285,8 @@ def model_layout(model: nnx.Module) -> ModelLayout:
     written: list[Binding] = []
     # RNG state (a Dropout's key and count) is no weight: a file that holds it (a Nitro run,
     # an orbax checkpoint of `nnx.state(model)`) loads without it
-    ignored = {path for path, node in variables if isinstance(node, nnx.RngState)}
+    rng_state = {path for path, node in variables if isinstance(node, nnx.RngState)}
+    counters: set[str] = set()
     aliases: list[tuple[str, str]] = []
     for path, module in nodes:
         if not isinstance(module, nnx.Module):
@@ -295,13 +297,13 @@ def model_layout(model: nnx.Module) -> ModelLayout:
         attention = isinstance(module, nnx.MultiHeadAttention)
         written += _attention_written(found) if attention else found
         if isinstance(module, nnx.BatchNorm):
-            ignored.add(f"{prefix}num_batches_tracked")
+            counters.add(f"{prefix}num_batches_tracked")
         if isinstance(module, nnx.Sequential):
             aliases.append((f"{prefix}layers.", prefix))
     same = [SAME(name, name) for name in leaves]
     filled = {t for b in written for t in b.targets}
     written += [b for b in same if b.targets[0] not in filled]
-    return ModelLayout(leaves, offered + same, written, ignored, aliases)
+    return ModelLayout(leaves, offered + same, written, rng_state | counters, counters, aliases)
 
 
 def _attention_written(found: list[Binding]) -> list[Binding]:
@@ -316,14 +318,16 @@ def to_torch(model: nnx.Module) -> dict[str, np.ndarray]:
     Linear and Conv kernels transposed, BatchNorm's statistics as `running_mean` and
     `running_var` (with `num_batches_tracked`, as PyTorch saves it), attention fused as
     `nn.MultiheadAttention`'s `in_proj_weight`, an `nnx.Sequential`'s layers numbered as
-    `nn.Sequential` numbers them (`features.0`). `nitro.weights.load` reads it back exactly."""
+    `nn.Sequential` numbers them (`features.0`). RNG state (a Dropout's key and count) is no
+    weight and is left out, as a PyTorch `state_dict` has none. `nitro.weights.load` reads it
+    back exactly."""
     layout = model_layout(model)
     arrays: dict[str, np.ndarray] = {}
     for binding in layout.written:
         values = [np.asarray(layout.leaves[t].get_value()) for t in binding.targets]
         for name, array in zip(binding.sources, binding.to_torch(values), strict=True):
             arrays[pytorch_name(name, layout.aliases)] = array
-    for name in layout.ignored:
+    for name in layout.counters:
         arrays[pytorch_name(name, layout.aliases)] = np.zeros((), np.int64)
     return arrays
 

@@ -4,13 +4,15 @@ source, into="backbone")`), the rest as `build_model` initialized it.
 At setup the model `build_model` returned gets the sub-tree `into` filled from `source` by
 `nitro.weights.load` (PyTorch layouts converted, `key_map` applied); nothing compiles. The
 handle's `weights_origin` and the binding report's `weights` section say which leaves came
-from the file and which from `build_model`.
+from the file and which from `build_model`; a model `build_model` filled from a file itself
+(`nitro.models.create(pretrained=...)`) is named there too (`origin_in_model`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -21,7 +23,11 @@ from nitro.weights.layouts import dotted, model_layout
 from nitro.weights.loading import KeyMap, LoadReport, load
 from nitro.weights.weight_files import describe_source
 
-__all__ = ["Partial", "PartialLoad"]
+__all__ = ["Partial", "PartialLoad", "note_origin", "origin_in_model"]
+
+# where a module's weights came from, by module: kept beside the model, not on it, so that the
+# text stays out of the model's graph (which keys the compile cache)
+_ORIGINS: weakref.WeakKeyDictionary[nnx.Module, str] = weakref.WeakKeyDictionary()
 
 
 @dataclasses.dataclass(frozen=True)
@@ -120,6 +126,24 @@ class Partial:
                 f"flax.nnx.Module; into names the sub-module the weights fill"
             )
         return node
+
+
+def note_origin(module: nnx.Module, origin: str) -> None:
+    """Say where `module`'s weights came from (`nitro.models.create(pretrained=...)` does); a
+    run whose `build_model` returns it, or a model holding it, names it in `weights_origin`."""
+    _ORIGINS[module] = origin
+
+
+def origin_in_model(model: nnx.Module) -> str:
+    """The run's `weights_origin` when `build_model` made the weights: "build_model", and the
+    file each module of it was filled from where `note_origin` recorded one."""
+    found = []
+    for path, node in nnx.iter_graph(model):
+        hashable = isinstance(node, nnx.Module) and type(node).__hash__ is not None
+        origin = _ORIGINS.get(node) if hashable else None  # (nnx.List, nnx.Dict are not)
+        if origin is not None:
+            found.append(f"{dotted(path) or type(node).__name__} {origin}")
+    return "build_model: " + "; ".join(found) if found else "build_model"
 
 
 def _children(node: Any):
