@@ -285,9 +285,13 @@ def test_the_best_epoch_off_the_save_schedule_is_kept_as_a_single_runs_is():
     # epoch): held on the host and written with the run's end save, as a single run's
     keep = nitro.Checkpointer(k=1, mode="max", every=2, budget=None)
     pop = nitro.Population(
-        Digits(max_epochs=2, **SMALL), checkpointer=keep, progress=False, **AXES
-    ).train()
-    pop.wait()
+        Digits(max_epochs=2, **SMALL),
+        checkpointer=keep,
+        progress=False,
+        learning_rate=[1e-3, 1e-2],
+        scale=[1.0, 0.5],
+    )
+    pop.train().wait()
     best = pop.history()["val_loss"].groupby(level="epoch").max()
     assert best[1] > best[2]  # epoch 1 is the best by mode="max"
     assert plain_steps(pop.run_dir) == [9, 18]
