@@ -7,7 +7,13 @@ size. Prints p50 and p99 latency, requests/s, rows/s and the error count, and th
 served requests/s to calls/s of the loaded bundle called in this process, one call at a time,
 on the same batches. Clients, server and baseline share this machine's cores.
 
+`--batching on,off` serves each configuration with the server's dynamic batching on and off
+(a fresh server each), `--repeat 2` runs the whole list twice, alternating, and the summary
+gives served rows/s with batching on over off, and the rows per program call from the
+server's statistics (`GET /v2/models/digits/stats`).
+
     python bench/serve.py [--clients 16] [--requests 2000] [--batches 1,32] [--protocols http,grpc]
+    python bench/serve.py --batches 1 --batching on,off --repeat 2
 """
 
 from __future__ import annotations
@@ -38,13 +44,13 @@ def export_digits(directory: str) -> None:
     nitro.Nitro(Digits(), seed=0, progress=False).export(directory, name="digits")
 
 
-def start_server(directory: str, log) -> tuple[subprocess.Popen, int, int]:
+def start_server(directory: str, log, *extra: str) -> tuple[subprocess.Popen, int, int]:
     import tritonclient.http as http_client
 
     port, grpc_port = free_port(), free_port()
     process = subprocess.Popen(
         [sys.executable, "-m", "nitro.serve", directory, "--port", str(port)]
-        + ["--grpc-port", str(grpc_port), "--log-level", "error"],
+        + ["--grpc-port", str(grpc_port), "--log-level", "error", *extra],
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -78,7 +84,9 @@ def make_caller(protocol: str, port: int, grpc_port: int, x: np.ndarray):
     wanted = [module.InferRequestedOutput("output")]
 
     def call():
-        return client.infer("digits", [tensor], outputs=wanted).as_numpy("output")
+        result = client.infer("digits", [tensor], outputs=wanted)
+        assert result is not None  # an answer or an exception
+        return result.as_numpy("output")
 
     return call
 
@@ -129,71 +137,120 @@ def in_process_rate(bundle, x: np.ndarray, seconds: float = 2.0) -> float:
     return calls / (time.perf_counter() - start)
 
 
+def statistics_of(port: int) -> tuple[int, int]:
+    """Rows served and program calls of the digits model, from the server's statistics."""
+    import tritonclient.http as http_client
+
+    stats = http_client.InferenceServerClient(f"127.0.0.1:{port}").get_inference_statistics(
+        "digits"
+    )["model_stats"][0]
+    return stats["inference_count"], stats["execution_count"]
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n")[0])
     parser.add_argument("--clients", type=int, default=16)
     parser.add_argument("--requests", type=int, default=2000)
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--protocols", default="http,grpc")
+    parser.add_argument("--batching", default="on", help="on, off or on,off")
+    parser.add_argument("--batch-delay", default="0", help="ms, passed to nitro serve")
+    parser.add_argument("--repeat", type=int, default=1, help="runs of the whole list")
     parser.add_argument("--max-seconds", type=float, default=120.0, help="per configuration")
     args = parser.parse_args(argv)
 
     import nitro.bundle
 
     rows = []
+    batches = [int(b) for b in args.batches.split(",")]
     with tempfile.TemporaryDirectory() as root:
         directory = os.path.join(root, "digits")
         export_digits(directory)
         bundle = nitro.bundle.load(directory)
-        with open(os.path.join(root, "server.log"), "w") as log:
-            process, port, grpc_port = start_server(directory, log)
-            try:
-                print(
-                    f"digits MLP bundle, {args.clients} clients, {args.requests} requests per "
-                    f"row, loopback, {os.cpu_count()} cores shared by clients and server"
-                )
-                print(
-                    f"{'protocol':>8} {'batch':>5} {'p50 ms':>7} {'p99 ms':>7} {'req/s':>7} "
-                    f"{'rows/s':>8} {'errors':>6} {'in-process calls/s':>18} {'served/in-process':>17}"
-                )
-                for batch in [int(b) for b in args.batches.split(",")]:
-                    x = np.random.default_rng(batch).normal(size=(batch, 64)).astype(np.float32)
-                    baseline = in_process_rate(bundle, x)
-                    for protocol in args.protocols.split(","):
-                        latencies, errors, seconds = load(
-                            protocol, port, grpc_port, x, args.clients, args.requests,
-                            args.max_seconds,
-                        )  # fmt: skip
-                        done = len(latencies)
-                        q = statistics.quantiles(latencies, n=100) if done > 1 else [0.0] * 99
-                        row = {
-                            "protocol": protocol,
-                            "batch": batch,
-                            "p50_ms": 1e3 * q[49],
-                            "p99_ms": 1e3 * q[98],
-                            "requests_per_s": done / seconds,
-                            "errors": len(errors),
-                            "completed": done,
-                            "in_process_calls_per_s": baseline,
-                        }
-                        row["ratio"] = row["requests_per_s"] / baseline
-                        rows.append(row)
-                        print(
-                            f"{protocol:>8} {batch:>5} {row['p50_ms']:7.2f} {row['p99_ms']:7.2f} "
-                            f"{row['requests_per_s']:7.0f} {row['requests_per_s'] * batch:8.0f} "
-                            f"{len(errors):>6} {baseline:18.0f} {row['ratio']:17.3f}"
+        inputs = {
+            b: np.random.default_rng(b).normal(size=(b, 64)).astype(np.float32) for b in batches
+        }
+        baselines = {b: in_process_rate(bundle, x) for b, x in inputs.items()}
+        print(
+            f"digits MLP bundle, {args.clients} clients, {args.requests} requests per "
+            f"row, loopback, {os.cpu_count()} cores shared by clients and server"
+        )
+        print(
+            f"{'batching':>8} {'protocol':>8} {'batch':>5} {'p50 ms':>7} {'p99 ms':>7} "
+            f"{'req/s':>7} {'rows/s':>8} {'errors':>6} {'rows/call':>9} "
+            f"{'in-process calls/s':>18} {'served/in-process':>17}"
+        )
+        for _ in range(args.repeat):
+            for batching in args.batching.split(","):
+                flags = ["--batching" if batching == "on" else "--no-batching"]
+                flags += ["--batch-delay", args.batch_delay]
+                with open(os.path.join(root, "server.log"), "a") as log:
+                    process, port, grpc_port = start_server(directory, log, *flags)
+                    try:
+                        for batch in batches:
+                            for protocol in args.protocols.split(","):
+                                before = statistics_of(port)
+                                row = measure(args, protocol, port, grpc_port, inputs[batch])
+                                after = statistics_of(port)
+                                served, calls = (a - b for a, b in zip(after, before, strict=True))
+                                row |= {"batching": batching, "batch": batch}
+                                row["rows_per_call"] = served / max(calls, 1)
+                                row["in_process_calls_per_s"] = baselines[batch]
+                                row["ratio"] = row["requests_per_s"] / baselines[batch]
+                                rows.append(row)
+                                print(
+                                    f"{batching:>8} {protocol:>8} {batch:>5} "
+                                    f"{row['p50_ms']:7.2f} {row['p99_ms']:7.2f} "
+                                    f"{row['requests_per_s']:7.0f} "
+                                    f"{row['requests_per_s'] * batch:8.0f} {row['errors']:>6} "
+                                    f"{row['rows_per_call']:9.1f} {baselines[batch]:18.0f} "
+                                    f"{row['ratio']:17.3f}"
+                                )
+                                for line in row.pop("notes"):
+                                    print(f"         {line}")
+                    finally:
+                        process.terminate()
+                        try:
+                            process.wait(timeout=20)
+                        except subprocess.TimeoutExpired:
+                            process.kill()
+        if "on" in args.batching and "off" in args.batching:
+            print("served rows/s, batching on / off (mean over repeats):")
+            for batch in batches:
+                for protocol in args.protocols.split(","):
+                    rate = {
+                        b: statistics.mean(
+                            r["requests_per_s"] * batch
+                            for r in rows
+                            if (r["batching"], r["protocol"], r["batch"]) == (b, protocol, batch)
                         )
-                        if errors:
-                            print(f"         first error: {errors[0]}")
-                        if done + len(errors) < args.requests:
-                            print(f"         stopped after {args.max_seconds:.0f} s: {done} done")
-            finally:
-                process.terminate()
-                try:
-                    process.wait(timeout=20)
-                except subprocess.TimeoutExpired:
-                    process.kill()
+                        for b in ("on", "off")
+                    }
+                    print(
+                        f"  {protocol} batch {batch}: {rate['on']:.0f} / {rate['off']:.0f} = "
+                        f"{rate['on'] / rate['off']:.2f}x"
+                    )
     return rows
+
+
+def measure(args, protocol: str, port: int, grpc_port: int, x: np.ndarray) -> dict:
+    latencies, errors, seconds = load(
+        protocol, port, grpc_port, x, args.clients, args.requests, args.max_seconds
+    )
+    done = len(latencies)
+    q = statistics.quantiles(latencies, n=100) if done > 1 else [0.0] * 99
+    notes = [f"first error: {errors[0]}"] if errors else []
+    if done + len(errors) < args.requests:
+        notes.append(f"stopped after {args.max_seconds:.0f} s: {done} done")
+    return {
+        "protocol": protocol,
+        "p50_ms": 1e3 * q[49],
+        "p99_ms": 1e3 * q[98],
+        "requests_per_s": done / seconds,
+        "errors": len(errors),
+        "completed": done,
+        "notes": notes,
+    }
 
 
 if __name__ == "__main__":

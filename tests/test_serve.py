@@ -14,6 +14,7 @@ import subprocess
 import sys
 import threading
 import time
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +23,7 @@ import pytest
 from toys import Toy
 
 import nitro
+import nitro.bundle
 
 # kserve and tritonclient.grpc register the same protobuf messages: only the server imports kserve
 if importlib.util.find_spec("kserve") is None:
@@ -53,6 +55,8 @@ class Counts(Toy):
 
 class Server:
     """`python -m nitro.serve DIR ...` in a subprocess, stopped by `stop()`."""
+
+    root: Any  # where the fixture exported the served bundles
 
     def __init__(self, directories, log_path, *extra: str):
         self.port, self.grpc_port = free_port(), free_port()
@@ -238,7 +242,10 @@ def test_integer_inputs_refuse_fractions_and_values_out_of_range(handles, served
 
     # gRPC carries INT8 values in 32-bit int_contents: the same checks apply
     import grpc
-    from tritonclient.grpc import service_pb2, service_pb2_grpc
+    from tritonclient.grpc import service_pb2 as _pb2
+    from tritonclient.grpc import service_pb2_grpc
+
+    service_pb2: Any = _pb2  # generated messages, unknown to the type checker
 
     def request(levels_values):
         tensors = [
@@ -259,7 +266,7 @@ def test_integer_inputs_refuse_fractions_and_values_out_of_range(handles, served
             stub.ModelInfer(request([1, 2, 300, 4, 5]), timeout=120)
         assert raised.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert "input 'levels': 300 is out of the range of INT8 (-128 to 127)" in (
-            raised.value.details()
+            str(raised.value.details())
         )
         answer = stub.ModelInfer(request(levels), timeout=120)
         assert list(answer.outputs[0].shape) == [1, 2]
@@ -424,7 +431,7 @@ def malformed_requests() -> list[tuple[str, str, bytes, dict]]:
         changed["inputs"][0]["datatype"] = datatype
         cases.append(("POST", infer, *_binary(changed, raw)))
     cases.append(("POST", infer, *_binary({"inputs": 5}, raw)))
-    cases.append(("POST", infer, *_binary([1, 2], raw)))
+    cases.append(("POST", infer, *_binary([1, 2], raw)))  # pyright: ignore[reportArgumentType]
     cases.append(("POST", infer, *_binary({"inputs": [{"name": "x"}]}, raw)))
     cases.append(("POST", infer, *_binary({"inputs": ["x"]}, raw)))
     # wrong routes, methods and protocol versions
@@ -473,7 +480,10 @@ def test_a_run_of_malformed_requests_gets_4xx_each_and_good_requests_still_work(
 
 def test_malformed_grpc_requests_get_invalid_argument(served):
     import grpc
-    from tritonclient.grpc import service_pb2, service_pb2_grpc
+    from tritonclient.grpc import service_pb2 as _pb2
+    from tritonclient.grpc import service_pb2_grpc
+
+    service_pb2: Any = _pb2  # generated messages, unknown to the type checker
 
     channel = grpc.insecure_channel(served.grpc_url)
     stub = service_pb2_grpc.GRPCInferenceServiceStub(channel)
@@ -504,6 +514,101 @@ def test_malformed_grpc_requests_get_invalid_argument(served):
     answer = stub.ModelInfer(request([2, 5]), timeout=120)
     assert list(answer.outputs[0].shape) == [2, 2]
     channel.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# dynamic batching
+
+
+def _stats(url: str, model: str) -> tuple[int, int, dict[int, int]]:
+    """Rows served, program calls and calls by padded width, from Triton's statistics API."""
+    stats = http_client.InferenceServerClient(url).get_inference_statistics(model)
+    model_stats = stats["model_stats"][0]
+    widths = {b["batch_size"]: b["compute_infer"]["count"] for b in model_stats["batch_stats"]}
+    return model_stats["inference_count"], model_stats["execution_count"], widths
+
+
+def _flood(served, model: str, requests: int, threads: int = 16, bad=None):
+    """`threads` clients (half REST, half gRPC) each sending `requests` requests of 1 to 4
+    random rows, and `bad()` (a failing request) between them; (x, output) pairs, errors."""
+    answers, errors, refusals = [], [], []
+
+    def client(index: int):
+        rng = np.random.default_rng(100 + index)
+        url, infer = (served.url, infer_http) if index % 2 else (served.grpc_url, infer_grpc)
+        for _ in range(requests):
+            x = rng.normal(size=(int(rng.integers(1, 5)), 5)).astype(np.float32)
+            try:
+                answers.append((x, infer(url, model, x)))
+            except Exception as error:  # noqa: BLE001 - reported by the test
+                errors.append(error)
+            if bad is not None and index == 0:
+                refusals.append(bad())
+
+    workers = [threading.Thread(target=client, args=(i,)) for i in range(threads)]
+    for worker in workers:
+        worker.start()
+    for worker in workers:
+        worker.join(timeout=300)
+    return answers, errors, refusals
+
+
+def _padded(bundle, x: np.ndarray, width: int) -> np.ndarray:
+    """The bundle run on `x` padded to `width` rows (its last row repeated), sliced back."""
+    rows = np.concatenate([x, np.repeat(x[-1:], width - len(x), axis=0)])
+    return bundle(x=rows)["output"][: len(x)]
+
+
+def test_concurrent_requests_are_batched_and_each_gets_the_bundles_outputs(served):
+    bundle = nitro.bundle.load(str(served.root / "toy"))
+    rows_before, calls_before, _ = _stats(served.url, "toy")
+    answers, errors, _ = _flood(served, "toy", requests=12)
+    rows_after, calls_after, widths = _stats(served.url, "toy")
+    assert errors == [] and len(answers) == 16 * 12
+    # every row was served once; fewer calls than requests: requests were joined
+    assert rows_after - rows_before == sum(len(x) for x, _ in answers)
+    assert calls_after - calls_before < len(answers)
+    assert max(widths) > 4  # a call wider than any single request's padding
+    # XLA's results on CPU depend on the width of the call (batch 1 and batch 8 of the same
+    # row differ in the last bits), not on the other rows: each answer is bitwise the bundle's
+    # outputs for its rows in a call of one of the widths the server pads to
+    for x, output in answers:
+        candidates = [_padded(bundle, x, w) for w in (1, 2, 4, 8, 16, 32, 64) if w >= len(x)]
+        assert any(np.array_equal(output, c) for c in candidates)
+
+
+def test_a_bad_request_in_a_flood_of_good_ones_fails_alone(served):
+    bundle = nitro.bundle.load(str(served.root / "toy"))
+
+    def bad():
+        tensor = http_client.InferInput("x", [3, 4], "FP32")
+        tensor.set_data_from_numpy(np.zeros((3, 4), np.float32))
+        try:
+            http_client.InferenceServerClient(served.url).infer("toy", [tensor])
+        except InferenceServerException as error:
+            return error.status(), error.message()
+        return None
+
+    answers, errors, refusals = _flood(served, "toy", requests=10, bad=bad)
+    assert errors == [] and len(answers) == 16 * 10
+    assert refusals == [("400", "input 'x' must be FP32[batch, 5]; got shape [3, 4]")] * 10
+    for x, output in answers:
+        candidates = [_padded(bundle, x, w) for w in (1, 2, 4, 8, 16, 32, 64) if w >= len(x)]
+        assert any(np.array_equal(output, c) for c in candidates)
+
+
+def test_with_batching_off_each_request_is_its_own_call(served, tmp_path):
+    server = Server([served.root / "toy"], tmp_path / "server.log", "--no-batching")
+    try:
+        bundle = nitro.bundle.load(str(served.root / "toy"))
+        answers, errors, _ = _flood(server, "toy", requests=6)
+        rows, calls, widths = _stats(server.url, "toy")
+        assert errors == [] and calls == len(answers) == 16 * 6
+        assert rows == sum(len(x) for x, _ in answers) and set(widths) <= {1, 2, 4}
+        for x, output in answers:  # padded to its own power of two, as before batching
+            assert np.array_equal(output, _padded(bundle, x, 1 << (len(x) - 1).bit_length()))
+    finally:
+        server.stop()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -547,7 +652,7 @@ def test_a_reexported_bundle_reloads_through_the_repository_api_without_failing_
 ):
     handle = handles["reload"]
     before = handle.predict({"x": X7})
-    hammer = Hammer(served.url, "reload", X7)
+    hammer = Hammer(served.url, "reload", X7, threads=8)  # joined into batches
     try:
         _wait_for(lambda: len(hammer.outputs) > 5, "requests before the re-export")
         handle.train()
@@ -605,3 +710,14 @@ def test_nitro_serve_names_a_directory_that_holds_no_bundle(tmp_path):
     )
     assert done.returncode == 2
     assert f"no bundle at {tmp_path / 'missing'}: the directory does not exist" in done.stderr
+
+
+def test_nitro_serve_refuses_a_negative_batch_delay(tmp_path):
+    done = subprocess.run(
+        [sys.executable, "-m", "nitro.serve", str(tmp_path), "--batch-delay", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert "(nitro serve --batch-delay) must be 0 to 60000 milliseconds, got -1.0" in done.stderr

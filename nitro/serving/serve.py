@@ -41,7 +41,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "--max-batch",
         type=int,
         default=1024,
-        help="most rows one request may carry (default: 1024)",
+        help="most rows one request, or one batch of requests, may carry (default: 1024)",
+    )
+    parser.add_argument(
+        "--batching",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="join concurrent requests for one model into one call (default: on)",
+    )
+    parser.add_argument(
+        "--batch-delay",
+        type=float,
+        default=0.0,
+        metavar="MS",
+        help="how long a batch of several requests that is not full waits for more, in "
+        "milliseconds (default: 0: requests that arrived during the previous call go at once)",
     )
     parser.add_argument(
         "--watch",
@@ -77,6 +91,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             grpc_port=None if args.no_grpc else args.grpc_port,
             max_request_bytes=int(args.max_request_mb * (1 << 20)),
             max_batch=args.max_batch,
+            batching=args.batching,
+            batch_delay_ms=args.batch_delay,
             watch=args.watch,
             log_level=args.log_level,
         )

@@ -12,6 +12,9 @@ repository, the model server) and adds what a bundle needs on top:
 - it binds 127.0.0.1 unless told otherwise (KServe's own servers bind every interface);
 - a batch is padded to a power of two (at most `max_batch` rows, by repeating its last row, as
   `Nitro.predict` pads), so a bundle compiles at most log2(max_batch) + 1 programs;
+- with `batching` on, concurrent requests for one model, each checked on its own first, are
+  joined into one call of up to `max_batch` rows (`Batcher`) and the outputs sliced back;
+  `GET /v2/models/NAME/stats` counts rows and calls as Triton's statistics extension does;
 - `POST /v2/repository/models/NAME/load` re-reads the bundle's directory, and `watch=True`
   reloads it when an export swaps the directory in (or a copy rewrites its manifest). A
   request holds the bundle it started with, so a reload never fails a request in flight.
@@ -28,7 +31,10 @@ import asyncio
 import logging
 import os
 import threading
+import time
+from collections import Counter, deque
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -54,7 +60,7 @@ with kserve_imports():
     from kserve.protocol.rest.server import RESTServer
     from kserve.utils.utils import generate_uuid
 
-__all__ = ["BundleModel", "BundleRepository", "serve"]
+__all__ = ["Batcher", "BundleModel", "BundleRepository", "Stats", "serve"]
 
 log = logging.getLogger("nitro.serving.server")
 
@@ -63,15 +69,162 @@ def _bucket(rows: int, max_batch: int) -> int:
     return min(1 << (rows - 1).bit_length(), max_batch)
 
 
-class BundleModel(kserve.Model):
-    """One bundle directory served under the bundle's name."""
+@dataclass
+class _Waiting:
+    """A checked request waiting for its batch, with the bundle it started with."""
 
-    def __init__(self, directory: str, *, max_batch: int = 1024, name: str | None = None):
+    bundle: bundles.Bundle
+    arrays: dict[str, np.ndarray]
+    rows: int
+    answer: asyncio.Future
+    arrived: float
+
+
+@dataclass
+class Stats:
+    """What a model has served: rows (`inferences`), calls of its program (`executions`, fewer
+    than rows when requests were batched together) and calls by padded width."""
+
+    inferences: int = 0
+    executions: int = 0
+    last_ms: int = 0
+    seconds: float = 0.0
+    widths: Counter[int] = field(default_factory=Counter)
+
+    def count(self, rows: int, width: int, seconds: float) -> None:
+        self.inferences += rows
+        self.executions += 1
+        self.seconds += seconds
+        self.widths[width] += 1
+        self.last_ms = int(time.time() * 1000)
+
+    def triton(self, name: str) -> dict[str, Any]:
+        """As Triton's statistics extension answers `GET /v2/models/NAME/stats`."""
+        total = {"count": self.executions, "ns": int(self.seconds * 1e9)}
+        return {
+            "model_stats": [
+                {
+                    "name": name,
+                    "version": "1",
+                    "last_inference": self.last_ms,
+                    "inference_count": self.inferences,
+                    "execution_count": self.executions,
+                    "inference_stats": {"success": total, "compute_infer": total},
+                    "batch_stats": [
+                        {"batch_size": width, "compute_infer": {"count": n, "ns": 0}}
+                        for width, n in sorted(self.widths.items())
+                    ],
+                }
+            ]
+        }
+
+
+class Batcher:
+    """Joins concurrent requests for one model into one call of at most `max_batch` rows.
+
+    A request arriving while nothing else waits and no call runs is sent at once. Requests that
+    arrive while a call runs wait for it and go together in the next; with `delay` > 0 s, a
+    batch of several that is not yet full waits up to `delay` after its oldest request arrived
+    for more (Triton's `max_queue_delay_microseconds`, which Triton applies to a lone request
+    too). A batch holds requests of one bundle object, so a reload flushes the old bundle's
+    requests first and never mixes two bundles in a call.
+    """
+
+    def __init__(self, name: str, max_batch: int, delay: float, stats: Stats):
+        self.name, self.max_batch, self.delay, self.stats = name, max_batch, delay, stats
+        self.waiting: deque[_Waiting] = deque()
+        self.arrived = asyncio.Event()
+        self.worker: asyncio.Task | None = None
+
+    async def __call__(self, current: bundles.Bundle, arrays: dict[str, np.ndarray], rows: int):
+        loop = asyncio.get_running_loop()
+        answer = loop.create_future()
+        self.waiting.append(_Waiting(current, arrays, rows, answer, loop.time()))
+        self.arrived.set()
+        if self.worker is None or self.worker.done():
+            self.worker = loop.create_task(self._drain())
+        return await answer
+
+    def _rows_waiting(self) -> int:
+        return sum(w.rows for w in self.waiting)
+
+    async def _drain(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.waiting:
+            await asyncio.sleep(0)  # requests already read join this batch
+            if self.delay > 0 and len(self.waiting) > 1:
+                deadline = self.waiting[0].arrived + self.delay
+                while self._rows_waiting() < self.max_batch and loop.time() < deadline:
+                    self.arrived.clear()
+                    try:
+                        await asyncio.wait_for(self.arrived.wait(), deadline - loop.time())
+                    except TimeoutError:
+                        break
+            batch = [self.waiting.popleft()]
+            rows = batch[0].rows
+            while (
+                self.waiting
+                and self.waiting[0].bundle is batch[0].bundle
+                and rows + self.waiting[0].rows <= self.max_batch
+            ):
+                rows += self.waiting[0].rows
+                batch.append(self.waiting.popleft())
+            await self._run(loop, batch, rows)
+
+    async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[_Waiting], rows: int):
+        current = batch[0].bundle
+        width = _bucket(rows, self.max_batch)
+        start = time.perf_counter()
+        try:
+            arrays = {
+                name: np.concatenate(
+                    [w.arrays[name] for w in batch]
+                    + [np.repeat(batch[-1].arrays[name][-1:], width - rows, axis=0)]
+                )
+                for name in batch[0].arrays
+            }
+            results = await loop.run_in_executor(None, current, arrays)
+        except Exception as error:  # noqa: BLE001 - every request of the batch gets it
+            for waiting in batch:
+                if not waiting.answer.done():
+                    waiting.answer.set_exception(_failure(self.name, error))
+            return
+        self.stats.count(rows, width, time.perf_counter() - start)
+        first = 0
+        for waiting in batch:
+            if not waiting.answer.done():  # a client that went away leaves a cancelled answer
+                part = {k: v[first : first + waiting.rows] for k, v in results.items()}
+                waiting.answer.set_result(part)
+            first += waiting.rows
+
+
+def _failure(model: str, error: Exception) -> Exception:
+    if isinstance(error, bundles.BundleError):
+        return InvalidInput(str(error))
+    return InferenceError(f"{model} failed: {type(error).__name__}: {error}")
+
+
+class BundleModel(kserve.Model):
+    """One bundle directory served under the bundle's name; with `batching`, concurrent
+    requests are joined into one call (`Batcher`), waiting at most `batch_delay` seconds."""
+
+    def __init__(
+        self,
+        directory: str,
+        *,
+        max_batch: int = 1024,
+        name: str | None = None,
+        batching: bool = False,
+        batch_delay: float = 0.0,
+    ):
         self.directory = os.path.abspath(directory)
         self.max_batch = max_batch
         self.bundle = self._load()
         super().__init__(name or self.bundle.name)
         self._reloading = threading.Lock()
+        self.stats = Stats()
+        self.batching, self.batch_delay = batching, batch_delay
+        self.batcher = Batcher(self.name, max_batch, batch_delay, self.stats) if batching else None
         self.ready = True
 
     def _load(self) -> bundles.Bundle:
@@ -107,18 +260,10 @@ class BundleModel(kserve.Model):
         current = self.bundle  # a reload swaps self.bundle; this request keeps its own
         arrays, rows = decode_inputs(payload, current, model=self.name, max_batch=self.max_batch)
         pad = all(s.shape[:1] == (bundles.BATCH,) for s in current.outputs)
-        width = _bucket(rows, self.max_batch) if pad else rows
-        if width > rows:
-            arrays = {
-                k: np.concatenate([v, np.repeat(v[-1:], width - rows, axis=0)])
-                for k, v in arrays.items()
-            }
-        try:
-            results = await asyncio.get_running_loop().run_in_executor(None, current, arrays)
-        except bundles.BundleError as error:
-            raise InvalidInput(str(error)) from None
-        except Exception as error:  # noqa: BLE001 - not the client's fault: a 500
-            raise InferenceError(f"{self.name} failed: {type(error).__name__}: {error}") from None
+        if self.batcher is not None and pad:  # checked above: a bad request fails alone
+            results = await self.batcher(current, arrays, rows)
+        else:
+            results = await self._call(current, arrays, rows, pad)
         outputs = []
         binary = payload.use_binary_outputs
         for spec in current.outputs:
@@ -134,6 +279,24 @@ class BundleModel(kserve.Model):
             requested_outputs=payload.request_outputs,
         )
 
+    async def _call(
+        self, current: bundles.Bundle, arrays: dict[str, np.ndarray], rows: int, pad: bool
+    ) -> dict[str, np.ndarray]:
+        """One request as its own call, padded to its power of two."""
+        width = _bucket(rows, self.max_batch) if pad else rows
+        if width > rows:
+            arrays = {
+                k: np.concatenate([v, np.repeat(v[-1:], width - rows, axis=0)])
+                for k, v in arrays.items()
+            }
+        start = time.perf_counter()
+        try:
+            results = await asyncio.get_running_loop().run_in_executor(None, current, arrays)
+        except Exception as error:  # noqa: BLE001 - BundleError a 400, the rest a 500
+            raise _failure(self.name, error) from None
+        self.stats.count(rows, width, time.perf_counter() - start)
+        return results
+
 
 class BundleRepository(ModelRepository):
     """The served bundles; `load(name)` (the model repository API) re-reads one from disk."""
@@ -148,14 +311,20 @@ class BundleRepository(ModelRepository):
                     f"{model.directory}); export one under another name: n.export(dir, name=...)"
                 )
             self.directories[model.name] = model.directory
-        self.max_batch = models[0].max_batch if models else 1024
+        first = models[0] if models else None
+        self.options: dict[str, Any] = (
+            {"max_batch": first.max_batch, "batching": first.batching}
+            | {"batch_delay": first.batch_delay}
+            if first
+            else {}
+        )
 
     def load(self, name: str) -> bool:
         model = self.get_model(name)
         if model is None:
             if name not in self.directories:
                 raise ModelNotFound(name)
-            model = BundleModel(self.directories[name], max_batch=self.max_batch, name=name)
+            model = BundleModel(self.directories[name], name=name, **self.options)
             self.update(model)
             return model.ready
         return model.load()
@@ -195,6 +364,7 @@ class _Server(kserve.ModelServer):
         # a list of the base class, as kserve declares it (it only reads the list)
         self._register_and_check_atleast_one_model_is_ready(list(models))
         _kserve_app.add_middleware(RequestGate, limit=self.max_request_bytes)
+        _kserve_app.add_api_route("/v2/models/{model_name}/stats", self.stats, methods=["GET"])
         for kind in (ValueError, KeyError, TypeError, IndexError, AttributeError):
             _kserve_app.add_exception_handler(kind, undecodable)
         self._rest_server = RESTServer(
@@ -223,6 +393,12 @@ class _Server(kserve.ModelServer):
         self.setup_event_loop()
         self.register_signal_handler()
         asyncio.run(self._serve())
+
+    async def stats(self, model_name: str) -> dict[str, Any]:
+        model = self.repository.get_model(model_name)
+        if not isinstance(model, BundleModel):
+            raise ModelNotFound(model_name)
+        return model.stats.triton(model.name)
 
     async def _serve(self):
         stop = asyncio.Event()
@@ -280,10 +456,15 @@ def serve(
     grpc_port: int | None = 8081,
     max_request_bytes: int = 16 << 20,
     max_batch: int = 1024,
+    batching: bool = True,
+    batch_delay_ms: float = 0.0,
     watch: bool = False,
     log_level: str = "info",
 ) -> None:
     """Serve the bundles in `directories` until interrupted (SIGINT or SIGTERM).
+
+    With `batching`, concurrent requests for one model are joined into one call of at most
+    `max_batch` rows; a batch of several that is not full waits up to `batch_delay_ms` for more.
 
     >>> serve(["exports/digits"], port=8080, grpc_port=8081)   # doctest: +SKIP
     """
@@ -291,7 +472,13 @@ def serve(
         raise ValueError("name at least one bundle directory to serve")
     if max_batch < 1:
         raise ValueError(f"max_batch must be at least 1, got {max_batch}")
-    models = [BundleModel(d, max_batch=max_batch) for d in directories]
+    if not 0 <= batch_delay_ms <= 60_000:
+        raise ValueError(
+            f"batch_delay_ms (nitro serve --batch-delay) must be 0 to 60000 milliseconds, "
+            f"got {batch_delay_ms}"
+        )
+    options = {"batching": batching, "batch_delay": batch_delay_ms / 1000}
+    models = [BundleModel(d, max_batch=max_batch, **options) for d in directories]
     repository = BundleRepository(models)
     server = _Server(
         repository,
