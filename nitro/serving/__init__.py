@@ -7,6 +7,7 @@ Public import paths: `nitro.bundle` (loading) and `nitro.serve` (`nitro serve`).
 - `export`: writing a bundle (`Nitro.export`)
 - `bundle`: loading a bundle
 - `server`: the KServe adapters (model, repository, model server)
+- `paging`: weight sets paged between disk, host memory and the device within budgets
 - `transport`: the wire's hardening (limits, framing and request checks, one host for gRPC)
 - `serve`: the `nitro serve` command
 """

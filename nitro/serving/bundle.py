@@ -49,10 +49,12 @@ __all__ = [
     "WEIGHTS",
     "Bundle",
     "BundleError",
+    "Program",
     "TensorSpec",
     "load",
     "read_weights",
     "value_problem",
+    "weights_from_bytes",
 ]
 
 FORMAT = "nitro-bundle"
@@ -109,10 +111,14 @@ _SAFETENSORS_DTYPES = {
 
 def read_weights(path: str) -> dict[str, np.ndarray]:
     """The tensors of a safetensors file as NumPy arrays (bfloat16 included)."""
+    with open(path, "rb") as file:
+        return weights_from_bytes(file.read(), path)
+
+
+def weights_from_bytes(data: bytes, path: str) -> dict[str, np.ndarray]:
+    """The tensors of a safetensors file's contents (read from `path`, named in errors)."""
     from safetensors import SafetensorError, deserialize
 
-    with open(path, "rb") as file:
-        data = file.read()
     try:
         tensors = deserialize(data)
     except SafetensorError as error:
@@ -337,22 +343,44 @@ def value_problem(data: Any, dtype: np.dtype, wire: str) -> str | None:
     return None
 
 
+@dataclasses.dataclass(frozen=True)
+class Program:
+    """A bundle's deserialized program and its compiled call, shared by the bundles whose
+    program file has the same sha256 and whose inputs are the same (`key`)."""
+
+    key: str
+    exported: Any  # jax.export.Exported
+    call: Any  # jax.jit of exported.call: compiles once per batch width
+
+
+def _program_key(manifest: Mapping[str, Any]) -> str:
+    """The program file's sha256 and the input signature: bundles with one key run one program."""
+    signature = hashlib.sha256(json.dumps(manifest["inputs"], sort_keys=True).encode())
+    return f"{manifest['files'][PROGRAM]['sha256']}:{signature.hexdigest()[:16]}"
+
+
 class Bundle:
     """A loaded bundle: call it with its inputs by name; it returns its outputs by name.
 
     `inputs` and `outputs` are `TensorSpec`s (BATCH, -1, marks the batch axis); `manifest` is
-    the parsed manifest.json, with the frozen Device values and the provenance of the export.
+    the parsed manifest.json, with the frozen Device values and the provenance of the export;
+    `program` the (shareable) compiled program, `weights` the tensors as NumPy arrays.
     """
 
-    def __init__(self, directory: str, manifest: dict[str, Any], exported, weights):
+    def __init__(self, directory: str, manifest: dict[str, Any], program: Program, weights):
         self.directory = directory
         self.manifest = manifest
         self.name: str = manifest["name"]
         self.inputs = tuple(TensorSpec.from_json(e) for e in manifest["inputs"])
         self.outputs = tuple(TensorSpec.from_json(e) for e in manifest["outputs"])
-        self._exported = exported
-        self._weights = jax.device_put(weights)
-        self._call = jax.jit(exported.call)
+        self.program = program
+        self.weights: dict[str, np.ndarray] = weights  # on the host; placed on the first call
+        self._placed = None
+
+    @property
+    def weights_bytes(self) -> int:
+        """The bytes of the weights' tensors (what they take in memory, on host or device)."""
+        return sum(int(t.nbytes) for t in self.weights.values())
 
     def __call__(
         self, inputs: Mapping[str, Any] | None = None, /, **named: Any
@@ -360,7 +388,14 @@ class Bundle:
         """Run the program: `bundle(x=xs)` or `bundle({"x": xs})` -> {"output": array}."""
         given = {**(inputs or {}), **named}
         arrays = self.check_inputs(given)
-        results = self._call(self._weights, arrays)
+        if self._placed is None:
+            self._placed = jax.device_put(self.weights)
+        return self.run(self._placed, arrays)
+
+    def run(self, weights: Mapping[str, Any], arrays: Mapping[str, np.ndarray]):
+        """The program on checked `arrays` with `weights` (this bundle's, or another weight
+        set of its program, on the host or the device) -> {output name: array}."""
+        results = self.program.call(weights, arrays)
         return {spec.name: np.asarray(results[spec.name]) for spec in self.outputs}
 
     def check_inputs(self, given: Mapping[str, Any]) -> dict[str, np.ndarray]:
@@ -429,26 +464,33 @@ class Bundle:
         return f"<nitro bundle {self.name!r} ({ins}) -> ({outs}) from {self.directory}>"
 
 
-def load(directory: str | os.PathLike) -> Bundle:
+def load(directory: str | os.PathLike, *, programs: dict[str, Program] | None = None) -> Bundle:
     """Load the bundle in `directory`, checking every file against the manifest.
 
     A missing or damaged file, a manifest from a newer format, or one that does not match the
     program (its keys, or an input's or output's name, dtype or shape) raises `BundleError`
-    naming the file, the key and what was expected.
+    naming the file, the key and what was expected. With `programs` (a dict the caller keeps),
+    bundles of one program (the program file's sha256 and the inputs) share its
+    deserialization and compiled calls.
     """
     directory = os.fspath(directory)
     manifest = _read_manifest(directory)
     program_path = _check_file(directory, PROGRAM, manifest)
     weights_path = _check_file(directory, WEIGHTS, manifest)
-    with open(program_path, "rb") as file:
-        blob = file.read()
-    try:
-        exported = jax_export.deserialize(bytearray(blob))
-    except Exception as error:  # noqa: BLE001 - any failure means an unreadable program
-        raise BundleError(
-            f"{program_path} cannot be deserialized by jax {jax.__version__} ({error}); "
-            f"re-export with a jax version close to this one"
-        ) from None
+    key = _program_key(manifest)
+    program = (programs or {}).get(key)
+    if program is None:
+        with open(program_path, "rb") as file:
+            blob = file.read()
+        try:
+            exported = jax_export.deserialize(bytearray(blob))
+        except Exception as error:  # noqa: BLE001 - any failure means an unreadable program
+            raise BundleError(
+                f"{program_path} cannot be deserialized by jax {jax.__version__} ({error}); "
+                f"re-export with a jax version close to this one"
+            ) from None
+        program = Program(key, exported, jax.jit(exported.call))
+    exported = program.exported
     _check_signature(directory, manifest, exported)
     weights = read_weights(weights_path)
     (expected, _), _ = jax.tree.unflatten(exported.in_tree, exported.in_avals)
@@ -466,4 +508,6 @@ def load(directory: str | os.PathLike) -> Bundle:
                 f"{weights_path}: tensor {name!r} is {tensor.dtype}{list(tensor.shape)}, but the "
                 f"program expects {aval.dtype}{list(aval.shape)}; re-export the bundle"
             )
-    return Bundle(directory, manifest, exported, weights)
+    if programs is not None:
+        programs.setdefault(key, program)
+    return Bundle(directory, manifest, program, weights)

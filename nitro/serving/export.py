@@ -348,9 +348,16 @@ def write_bundle(
         "Python int (write x.reshape(x.shape[0], -1), not a fixed batch width)."
     )
     try:
-        exported = jax_export.export(jax.jit(program), platforms=platforms)(
-            weight_specs, input_specs
-        )
+        # no source locations in the program: its digest names the computation alone, so
+        # bundles of one architecture share one program whatever called export
+        limit = jax.config.values["jax_traceback_in_locations_limit"]
+        jax.config.update("jax_traceback_in_locations_limit", 0)
+        try:
+            exported = jax_export.export(jax.jit(program), platforms=platforms)(
+                weight_specs, input_specs
+            )
+        finally:
+            jax.config.update("jax_traceback_in_locations_limit", limit)
     except Exception as error:
         _refuse_host_callbacks(program, weight_specs, source.inputs, error)
         kind = type(error).__name__

@@ -58,6 +58,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         "milliseconds (default: 0: requests that arrived during the previous call go at once)",
     )
     parser.add_argument(
+        "--device-memory",
+        metavar="BYTES",
+        help="most bytes of weights held on the device (2GB, 500MB, or a fraction of its "
+        "memory such as 0.5); others move in on demand, least recently used out first "
+        "(default: no limit)",
+    )
+    parser.add_argument(
+        "--host-memory",
+        metavar="BYTES",
+        help="most bytes of weights held in host memory (as --device-memory); others are read "
+        "again from their bundle's weights file on demand (default: no limit)",
+    )
+    parser.add_argument(
         "--watch",
         action="store_true",
         help="reload a bundle when it is exported again to its directory",
@@ -93,6 +106,8 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             max_batch=args.max_batch,
             batching=args.batching,
             batch_delay_ms=args.batch_delay,
+            device_memory_budget=args.device_memory,
+            host_memory_budget=args.host_memory,
             watch=args.watch,
             log_level=args.log_level,
         )

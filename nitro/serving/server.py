@@ -40,6 +40,7 @@ from typing import Any
 import numpy as np
 
 from nitro.serving import bundle as bundles
+from nitro.serving.paging import Pager, WeightSet, device_memory, host_memory, parse_budget
 from nitro.serving.transport import (
     HostGRPCServer,
     RequestGate,
@@ -60,7 +61,7 @@ with kserve_imports():
     from kserve.protocol.rest.server import RESTServer
     from kserve.utils.utils import generate_uuid
 
-__all__ = ["Batcher", "BundleModel", "BundleRepository", "Stats", "serve"]
+__all__ = ["Batcher", "BundleModel", "BundleRepository", "Served", "Stats", "serve"]
 
 log = logging.getLogger("nitro.serving.server")
 
@@ -69,11 +70,24 @@ def _bucket(rows: int, max_batch: int) -> int:
     return min(1 << (rows - 1).bit_length(), max_batch)
 
 
-@dataclass
-class _Waiting:
-    """A checked request waiting for its batch, with the bundle it started with."""
+@dataclass(frozen=True, eq=False)
+class Served:
+    """A bundle as served: its specs and (shared) program, and its weight set in the pager.
+    A request holds the `Served` it started with: a reload swaps in a new one whole."""
 
     bundle: bundles.Bundle
+    weights: WeightSet
+    pager: Pager
+
+    def __call__(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return self.bundle.run(self.pager.device(self.weights), arrays)
+
+
+@dataclass
+class _Waiting:
+    """A checked request waiting for its batch, with the weights it started with."""
+
+    served: Served
     arrays: dict[str, np.ndarray]
     rows: int
     answer: asyncio.Future
@@ -126,8 +140,8 @@ class Batcher:
     arrive while a call runs wait for it and go together in the next; with `delay` > 0 s, a
     batch of several that is not yet full waits up to `delay` after its oldest request arrived
     for more (Triton's `max_queue_delay_microseconds`, which Triton applies to a lone request
-    too). A batch holds requests of one bundle object, so a reload flushes the old bundle's
-    requests first and never mixes two bundles in a call.
+    too). A batch holds requests of one `Served`, so a reload flushes the old weights'
+    requests first and never mixes two weight sets in a call.
     """
 
     def __init__(self, name: str, max_batch: int, delay: float, stats: Stats):
@@ -136,7 +150,7 @@ class Batcher:
         self.arrived = asyncio.Event()
         self.worker: asyncio.Task | None = None
 
-    async def __call__(self, current: bundles.Bundle, arrays: dict[str, np.ndarray], rows: int):
+    async def __call__(self, current: Served, arrays: dict[str, np.ndarray], rows: int):
         loop = asyncio.get_running_loop()
         answer = loop.create_future()
         self.waiting.append(_Waiting(current, arrays, rows, answer, loop.time()))
@@ -164,7 +178,7 @@ class Batcher:
             rows = batch[0].rows
             while (
                 self.waiting
-                and self.waiting[0].bundle is batch[0].bundle
+                and self.waiting[0].served is batch[0].served
                 and rows + self.waiting[0].rows <= self.max_batch
             ):
                 rows += self.waiting[0].rows
@@ -172,7 +186,7 @@ class Batcher:
             await self._run(loop, batch, rows)
 
     async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[_Waiting], rows: int):
-        current = batch[0].bundle
+        current = batch[0].served
         width = _bucket(rows, self.max_batch)
         start = time.perf_counter()
         try:
@@ -206,7 +220,8 @@ def _failure(model: str, error: Exception) -> Exception:
 
 class BundleModel(kserve.Model):
     """One bundle directory served under the bundle's name; with `batching`, concurrent
-    requests are joined into one call (`Batcher`), waiting at most `batch_delay` seconds."""
+    requests are joined into one call (`Batcher`), waiting at most `batch_delay` seconds.
+    Models that share `programs` compile a program once; their weights are paged by `pager`."""
 
     def __init__(
         self,
@@ -216,34 +231,71 @@ class BundleModel(kserve.Model):
         name: str | None = None,
         batching: bool = False,
         batch_delay: float = 0.0,
+        pager: Pager | None = None,
+        programs: dict[str, bundles.Program] | None = None,
     ):
         self.directory = os.path.abspath(directory)
         self.max_batch = max_batch
-        self.bundle = self._load()
-        super().__init__(name or self.bundle.name)
+        self.pager = pager if pager is not None else Pager()
+        self.programs = programs if programs is not None else {}
+        self.program_loads = self.weight_swaps = 0
+        self.served = self._load(name)
+        super().__init__(name or self.served.bundle.name)
         self._reloading = threading.Lock()
         self.stats = Stats()
         self.batching, self.batch_delay = batching, batch_delay
         self.batcher = Batcher(self.name, max_batch, batch_delay, self.stats) if batching else None
         self.ready = True
 
-    def _load(self) -> bundles.Bundle:
-        loaded = bundles.load(self.directory)
-        # compile batch 1 now: a ready model answers its first request without compiling
-        loaded({s.name: np.zeros((1, *s.shape[1:]), s.dtype) for s in loaded.inputs})
-        return loaded
+    @property
+    def bundle(self) -> bundles.Bundle:
+        return self.served.bundle
+
+    def _load(self, name: str | None) -> Served:
+        """Read the directory; a program the server has not compiled is compiled for batch 1
+        now, so a ready model answers its first request without compiling."""
+        compiled = len(self.programs)
+        loaded = bundles.load(self.directory, programs=self.programs)
+        weights = WeightSet(name or loaded.name, loaded)
+        self.pager.add(weights)  # refuses weights larger than a budget alone
+        loaded.weights = {}  # the pager holds them from here on, within its budgets
+        served = Served(loaded, weights, self.pager)
+        if len(self.programs) > compiled:
+            self.program_loads += 1
+            try:
+                served({s.name: np.zeros((1, *s.shape[1:]), s.dtype) for s in loaded.inputs})
+            except BaseException:
+                self.pager.remove(weights)
+                raise
+        return served
 
     def load(self) -> bool:
         self.reload()
         return self.ready
 
     def reload(self) -> bundles.Bundle:
-        """Read the directory again and serve the new bundle; on error keep the old one."""
+        """Read the directory again and serve the new bundle; on error keep the old one. With
+        the program unchanged only the weights are replaced (nothing compiles)."""
         with self._reloading:
-            self.bundle = self._load()
+            old = self.served
+            self.served = self._load(self.name)
+            if self.served.bundle.program is old.bundle.program:
+                self.weight_swaps += 1
+            self.pager.remove(old.weights)  # calls holding the old weights still finish
             self.ready = True
             log.info("reloaded %s from %s", self.name, self.directory)
-            return self.bundle
+            return self.served.bundle
+
+    def statistics(self) -> dict[str, Any]:
+        """Triton's statistics for this model, with its weights' paging under `weights`."""
+        answer = self.stats.triton(self.name)
+        answer["model_stats"][0]["weights"] = self.served.weights.stats() | {
+            "program": self.served.bundle.program.key,
+            "program_loads": self.program_loads,
+            "weight_swaps": self.weight_swaps,
+        }
+        answer["paging"] = self.pager.stats() | {"programs": len(self.programs)}
+        return answer
 
     def get_input_types(self) -> list[dict[str, Any]]:
         return [wire_spec(s) for s in self.bundle.inputs]
@@ -257,16 +309,18 @@ class BundleModel(kserve.Model):
                 f"{self.name} speaks the Open Inference Protocol (V2): POST "
                 f"/v2/models/{self.name}/infer with {{'inputs': [...]}}"
             )
-        current = self.bundle  # a reload swaps self.bundle; this request keeps its own
-        arrays, rows = decode_inputs(payload, current, model=self.name, max_batch=self.max_batch)
-        pad = all(s.shape[:1] == (bundles.BATCH,) for s in current.outputs)
+        current = self.served  # a reload swaps self.served; this request keeps its own
+        arrays, rows = decode_inputs(
+            payload, current.bundle, model=self.name, max_batch=self.max_batch
+        )
+        pad = all(s.shape[:1] == (bundles.BATCH,) for s in current.bundle.outputs)
         if self.batcher is not None and pad:  # checked above: a bad request fails alone
             results = await self.batcher(current, arrays, rows)
         else:
             results = await self._call(current, arrays, rows, pad)
         outputs = []
         binary = payload.use_binary_outputs
-        for spec in current.outputs:
+        for spec in current.bundle.outputs:
             value = results[spec.name][:rows] if pad else results[spec.name]
             output = InferOutput(spec.name, list(value.shape), wire_dtype(value.dtype.name))
             output.set_data_from_numpy(np.asarray(value, order="C"), binary_data=binary)
@@ -280,7 +334,7 @@ class BundleModel(kserve.Model):
         )
 
     async def _call(
-        self, current: bundles.Bundle, arrays: dict[str, np.ndarray], rows: int, pad: bool
+        self, current: Served, arrays: dict[str, np.ndarray], rows: int, pad: bool
     ) -> dict[str, np.ndarray]:
         """One request as its own call, padded to its power of two."""
         width = _bucket(rows, self.max_batch) if pad else rows
@@ -314,7 +368,7 @@ class BundleRepository(ModelRepository):
         first = models[0] if models else None
         self.options: dict[str, Any] = (
             {"max_batch": first.max_batch, "batching": first.batching}
-            | {"batch_delay": first.batch_delay}
+            | {"batch_delay": first.batch_delay, "pager": first.pager, "programs": first.programs}
             if first
             else {}
         )
@@ -398,7 +452,7 @@ class _Server(kserve.ModelServer):
         model = self.repository.get_model(model_name)
         if not isinstance(model, BundleModel):
             raise ModelNotFound(model_name)
-        return model.stats.triton(model.name)
+        return model.statistics()
 
     async def _serve(self):
         stop = asyncio.Event()
@@ -458,6 +512,8 @@ def serve(
     max_batch: int = 1024,
     batching: bool = True,
     batch_delay_ms: float = 0.0,
+    device_memory_budget: str | None = None,
+    host_memory_budget: str | None = None,
     watch: bool = False,
     log_level: str = "info",
 ) -> None:
@@ -465,6 +521,9 @@ def serve(
 
     With `batching`, concurrent requests for one model are joined into one call of at most
     `max_batch` rows; a batch of several that is not full waits up to `batch_delay_ms` for more.
+    Bundles of one program compile it once; their weights move to the device on demand within
+    `device_memory_budget` (bytes as '2GB' or a fraction as '0.5'; None: no limit) and are held
+    on the host within `host_memory_budget`, least recently used out first.
 
     >>> serve(["exports/digits"], port=8080, grpc_port=8081)   # doctest: +SKIP
     """
@@ -477,8 +536,19 @@ def serve(
             f"batch_delay_ms (nitro serve --batch-delay) must be 0 to 60000 milliseconds, "
             f"got {batch_delay_ms}"
         )
-    options = {"batching": batching, "batch_delay": batch_delay_ms / 1000}
-    models = [BundleModel(d, max_batch=max_batch, **options) for d in directories]
+    pager = Pager(
+        None
+        if device_memory_budget is None
+        else parse_budget(device_memory_budget, total=device_memory()),
+        None
+        if host_memory_budget is None
+        else parse_budget(host_memory_budget, total=host_memory(), option="--host-memory"),
+    )
+    options = {"batching": batching, "batch_delay": batch_delay_ms / 1000, "pager": pager}
+    programs: dict[str, bundles.Program] = {}
+    models = [
+        BundleModel(d, max_batch=max_batch, programs=programs, **options) for d in directories
+    ]
     repository = BundleRepository(models)
     server = _Server(
         repository,
