@@ -12,14 +12,22 @@ on the same batches. Clients, server and baseline share this machine's cores.
 gives served rows/s with batching on over off, and the rows per program call from the
 server's statistics (`GET /v2/models/digits/stats`).
 
+`--paging M,K` measures paging instead: M bundles of one CNN (about 25 MB of weights each,
+differently seeded), served with `--device-memory` room for K weight sets, gRPC clients sending
+batch-1 requests over the models with Zipf(`--zipf`) popularity. Prints the swap-in p50 and
+p99 from the server's statistics, request latency, hits and evictions, and the time of
+`POST .../load` after a weight-only re-export against one that changes the program.
+
     python bench/serve.py [--clients 16] [--requests 2000] [--batches 1,32] [--protocols http,grpc]
     python bench/serve.py --batches 1 --batching on,off --repeat 2
+    python bench/serve.py --paging 50,5 --clients 8 --requests 2000
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import socket
 import statistics
 import subprocess
@@ -44,12 +52,168 @@ def export_digits(directory: str) -> None:
     nitro.Nitro(Digits(), seed=0, progress=False).export(directory, name="digits")
 
 
-def start_server(directory: str, log, *extra: str) -> tuple[subprocess.Popen, int, int]:
+def export_cnns(root: str, count: int, scale: float = 1.0) -> list[str]:
+    """`count` bundles of one CNN on 8x8 digits (conv 64, conv 128, dense 8192 -> 768 -> 10:
+    about 6.3 M parameters, 25 MB), each from its own seed."""
+    import optax
+    from flax import nnx
+
+    import nitro
+    from nitro import Device
+
+    class CNN(nnx.Module):
+        def __init__(self, *, rngs: nnx.Rngs):
+            self.conv1 = nnx.Conv(1, 64, (3, 3), rngs=rngs)
+            self.conv2 = nnx.Conv(64, 128, (3, 3), rngs=rngs)
+            self.hidden = nnx.Linear(8 * 8 * 128, 768, rngs=rngs)
+            self.out = nnx.Linear(768, 10, rngs=rngs)
+
+        def __call__(self, x):
+            x = nnx.relu(self.conv1(x.reshape(x.shape[0], 8, 8, 1)))
+            x = nnx.relu(self.conv2(x))
+            return self.out(nnx.relu(self.hidden(x.reshape(x.shape[0], -1))))
+
+    @nitro.experiment
+    class DigitsCNN:
+        scale: Device[float] = 1.0
+
+        def build_data(self):
+            return nitro.datasets.digits(batch_size=64)
+
+        def build_model(self, rngs: nnx.Rngs):
+            return CNN(rngs=rngs)
+
+        def forward(self, model, *, x):
+            return model(x * self.scale)
+
+        def loss(self, logits, *, y):
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    directories = []
+    for index in range(count):
+        directory = os.path.join(root, f"cnn{index:02d}")
+        handle = nitro.Nitro(DigitsCNN(scale=scale), seed=index, progress=False)
+        handle.export(directory, name=f"cnn{index:02d}")
+        directories.append(directory)
+    return directories
+
+
+def paging(args) -> dict:
+    """Zipf traffic over M CNN bundles with room for K on the device (see the docstring)."""
+    import tritonclient.grpc as grpc_client
+    import tritonclient.http as http_client
+
+    import nitro.bundle
+
+    models, resident = (int(v) for v in args.paging.split(","))
+    with tempfile.TemporaryDirectory() as root:
+        began = time.perf_counter()
+        directories = export_cnns(root, models)
+        size = nitro.bundle.load(directories[0]).weights_bytes
+        print(f"exported {models} CNN bundles of {size / 1e6:.1f} MB weights in "
+              f"{time.perf_counter() - began:.0f} s")  # fmt: skip
+        budget = int(size * (resident + 0.5))
+        log = open(os.path.join(root, "server.log"), "w")  # noqa: SIM115 - closed below
+        try:
+            process, port, grpc_port = start_server(
+                directories, log, "--device-memory", str(budget)
+            )
+        except RuntimeError:
+            log.close()
+            print(open(os.path.join(root, "server.log")).read()[-3000:])
+            raise
+        try:
+            ranks = np.arange(1, models + 1, dtype=np.float64)
+            popularity = ranks**-args.zipf / (ranks**-args.zipf).sum()
+            remaining, lock = [args.requests], threading.Lock()
+            latencies: list[float] = []
+            errors: list[str] = []
+
+            def worker(index: int):
+                rng = np.random.default_rng(index)
+                client = grpc_client.InferenceServerClient(f"127.0.0.1:{grpc_port}")
+                x = rng.normal(size=(1, 64)).astype(np.float32)
+                tensor = grpc_client.InferInput("x", [1, 64], "FP32")
+                tensor.set_data_from_numpy(x)
+                mine = []
+                while True:
+                    with lock:
+                        if remaining[0] == 0:
+                            break
+                        remaining[0] -= 1
+                    name = f"cnn{int(rng.choice(models, p=popularity)):02d}"
+                    start = time.perf_counter()
+                    try:
+                        client.infer(name, [tensor])
+                        mine.append(time.perf_counter() - start)
+                    except Exception as error:  # noqa: BLE001 - counted and reported
+                        errors.append(f"{type(error).__name__}: {error}")
+                with lock:
+                    latencies.extend(mine)
+
+            threads = [threading.Thread(target=worker, args=(i,)) for i in range(args.clients)]
+            start = time.perf_counter()
+            for thread in threads:
+                thread.start()
+            for thread in threads:
+                thread.join()
+            seconds = time.perf_counter() - start
+            http = http_client.InferenceServerClient(f"127.0.0.1:{port}")
+            stats = [http.get_inference_statistics(f"cnn{i:02d}") for i in range(models)]
+            weights = [s["model_stats"][0]["weights"] for s in stats]
+            pager = stats[0]["paging"]
+            q = statistics.quantiles(latencies, n=100)
+            hits, misses = sum(w["hits"] for w in weights), sum(w["misses"] for w in weights)
+            print(
+                f"{args.requests} batch-1 gRPC requests from {args.clients} clients, Zipf("
+                f"{args.zipf}) over {models} models, device room for {resident} "
+                f"({budget / 1e6:.0f} MB): {len(latencies) / seconds:.0f} requests/s, "
+                f"{len(errors)} errors"
+            )
+            print(
+                f"  swap-in: p50 {pager['swap_in_ms']['p50']} ms, p99 {pager['swap_in_ms']['p99']}"
+                f" ms over {pager['swap_in_ms']['count']} uploads; hits {hits}, misses {misses}, "
+                f"evictions {sum(w['evictions'] for w in weights)}; programs "
+                f"{pager['programs']}"
+            )
+            print(f"  request latency: p50 {1e3 * q[49]:.1f} ms, p99 {1e3 * q[98]:.1f} ms")
+            if errors:
+                print(f"  first error: {errors[0]}")
+            # a weight-only re-export against one that changes the program (a Device value)
+            reload_seconds = {}
+            for kind, scale in (("weight-only", 1.0), ("program change", 2.0)):
+                export_cnns(os.path.join(root, kind), 1, scale=scale)
+                shutil.rmtree(directories[0])
+                shutil.copytree(os.path.join(root, kind, "cnn00"), directories[0])
+                start = time.perf_counter()
+                http.load_model("cnn00")
+                reload_seconds[kind] = time.perf_counter() - start
+            print(
+                f"  reload of cnn00: weight-only {1e3 * reload_seconds['weight-only']:.0f} ms, "
+                f"program change {1e3 * reload_seconds['program change']:.0f} ms"
+            )
+        finally:
+            process.terminate()
+            try:
+                process.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                process.kill()
+            log.close()
+    return {"swap_in_ms": pager["swap_in_ms"], "errors": len(errors), "reload_s": reload_seconds}
+
+
+def start_server(directory: str | list[str], log, *extra: str) -> tuple[subprocess.Popen, int, int]:
     import tritonclient.http as http_client
 
     port, grpc_port = free_port(), free_port()
     process = subprocess.Popen(
-        [sys.executable, "-m", "nitro.serve", directory, "--port", str(port)]
+        [
+            sys.executable,
+            "-m",
+            "nitro.serve",
+            *([directory] if isinstance(directory, str) else directory),
+        ]
+        + ["--port", str(port)]
         + ["--grpc-port", str(grpc_port), "--log-level", "error", *extra],
         stdout=log,
         stderr=subprocess.STDOUT,
@@ -157,7 +321,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--batch-delay", default="0", help="ms, passed to nitro serve")
     parser.add_argument("--repeat", type=int, default=1, help="runs of the whole list")
     parser.add_argument("--max-seconds", type=float, default=120.0, help="per configuration")
+    parser.add_argument("--paging", help="M,K: M bundles of one CNN, room for K (see above)")
+    parser.add_argument("--zipf", type=float, default=1.1, help="popularity exponent, --paging")
     args = parser.parse_args(argv)
+    if args.paging:
+        return [paging(args)]
 
     import nitro.bundle
 

@@ -91,6 +91,7 @@ def test_a_flood_across_paged_bundles_gets_each_its_own_weights_bitwise(paged):
     stats = {name: _statistics(paged.url, name) for name in SEEDS}
     weights = {name: s["model_stats"][0]["weights"] for name, s in stats.items()}
     paging = stats["first"]["paging"]
+    assert paging["swap_in_ms"]["count"] == sum(w["misses"] for w in weights.values())
     assert paging["programs"] == 1 and len({w["program"] for w in weights.values()}) == 1
     assert [w["program_loads"] for w in weights.values()] == [1, 0, 0]
     assert paging["device_budget"] == paged.budget["device"]

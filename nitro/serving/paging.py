@@ -79,6 +79,16 @@ def host_memory() -> int | None:
         return None
 
 
+def _quantiles(seconds: deque[float]) -> dict[str, Any]:
+    """Count, p50 and p99 in milliseconds of the recorded times."""
+    times = sorted(seconds)
+
+    def quantile(q: float) -> float | None:
+        return round(times[min(len(times) - 1, int(q * len(times)))] * 1e3, 3) if times else None
+
+    return {"count": len(times), "p50": quantile(0.5), "p99": quantile(0.99)}
+
+
 def _figure(size: int) -> str:
     return f"{size / 1e6:.1f} MB ({size} bytes)" if size >= 100_000 else f"{size} bytes"
 
@@ -114,13 +124,6 @@ class WeightSet:
         return bundles.weights_from_bytes(data, self.path)
 
     def stats(self) -> dict[str, Any]:
-        times = sorted(self.swap_seconds)
-
-        def quantile(q: float) -> float | None:
-            return (
-                round(times[min(len(times) - 1, int(q * len(times)))] * 1000, 3) if times else None
-            )
-
         return {
             "bytes": self.nbytes,
             "resident": self.device is not None,
@@ -129,7 +132,7 @@ class WeightSet:
             "misses": self.misses,
             "evictions": self.evictions,
             "disk_reads": self.disk_reads,
-            "swap_in_ms": {"count": len(times), "p50": quantile(0.5), "p99": quantile(0.99)},
+            "swap_in_ms": _quantiles(self.swap_seconds),
         }
 
 
@@ -141,6 +144,7 @@ class Pager:
         self.resident: OrderedDict[WeightSet, None] = OrderedDict()  # least recent first
         self.in_host: OrderedDict[WeightSet, None] = OrderedDict()
         self.device_used = self.host_used = 0
+        self.swap_seconds: deque[float] = deque(maxlen=10_000)  # every set's, for the stats
         self.changed = threading.Condition()
 
     def add(self, weights: WeightSet) -> None:
@@ -200,6 +204,7 @@ class Pager:
                 weights.device = placed
                 weights.misses += 1
                 weights.swap_seconds.append(seconds)
+                self.swap_seconds.append(seconds)
                 self.resident[weights] = None
                 self._keep_host(weights, host)
                 self.changed.notify_all()
@@ -239,4 +244,5 @@ class Pager:
                 "resident": [w.name for w in self.resident],
                 "host_budget": self.host_budget,
                 "host_used": self.host_used,
+                "swap_in_ms": _quantiles(self.swap_seconds),
             }
