@@ -105,6 +105,7 @@ class WeightSet:
         self.nbytes = loaded.weights_bytes
         self.host: dict[str, np.ndarray] | None = loaded.weights
         self.device: dict[str, Any] | None = None
+        self.removed = False  # replaced by a reload: a late call uploads it for itself only
         self.uploading = threading.Lock()  # one upload of a set at a time
         self.hits = self.misses = self.evictions = self.disk_reads = 0
         self.swap_seconds: deque[float] = deque(maxlen=1000)
@@ -171,6 +172,7 @@ class Pager:
                 del self.in_host[weights]
                 self.host_used -= weights.nbytes
             weights.device = weights.host = None
+            weights.removed = True
             self.changed.notify_all()
 
     def device(self, weights: WeightSet) -> Mapping[str, Any]:
@@ -201,12 +203,15 @@ class Pager:
                     self.changed.notify_all()
                 raise
             with self.changed:
-                weights.device = placed
                 weights.misses += 1
                 weights.swap_seconds.append(seconds)
                 self.swap_seconds.append(seconds)
-                self.resident[weights] = None
-                self._keep_host(weights, host)
+                if weights.removed:
+                    self.device_used -= weights.nbytes
+                else:
+                    weights.device = placed
+                    self.resident[weights] = None
+                    self._keep_host(weights, host)
                 self.changed.notify_all()
             return placed
 

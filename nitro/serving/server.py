@@ -15,14 +15,17 @@ repository, the model server) and adds what a bundle needs on top:
 - with `batching` on, concurrent requests for one model, each checked on its own first, are
   joined into one call of up to `max_batch` rows (`Batcher`) and the outputs sliced back;
   `GET /v2/models/NAME/stats` counts rows and calls as Triton's statistics extension does;
+- bundles whose program has one digest and input signature share it, compiled once; their
+  weights are paged between disk, host and device within the budgets (`paging.py`);
 - `POST /v2/repository/models/NAME/load` re-reads the bundle's directory, and `watch=True`
-  reloads it when an export swaps the directory in (or a copy rewrites its manifest). A
-  request holds the bundle it started with, so a reload never fails a request in flight.
+  reloads it when an export swaps the directory in (or a copy rewrites its manifest); with the
+  program unchanged only the weights are replaced. A request holds the bundle and weights it
+  started with, so a reload never fails a request in flight.
 
 The wire's hardening (the body limit, the binary framing and request checks, the 4xx answers,
 the gRPC server on one host) is in `transport.py`.
 
-Imports nothing of Nitro beyond `nitro.bundle`.
+Imports nothing of Nitro beyond `nitro.bundle` and `paging` (which imports only `nitro.bundle`).
 """
 
 from __future__ import annotations
