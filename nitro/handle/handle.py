@@ -463,6 +463,25 @@ class Nitro(RunHandle):
                 dtype=dtype,
             )
 
+    def publish(
+        self, name: str, *, to: str, weights: str | None = None, dtype: str | None = None
+    ) -> dict[str, Any]:
+        """Replace the weights of the model `name` served by `nitro serve` at `to` with this
+        handle's: exports into the directory the server serves it from and has it load that.
+        With the program unchanged only the weights are swapped (nothing compiles); a changed
+        program is a full reload. Requests get the old weights or the new, never a mix.
+
+        Returns `replaced` ("weights" or "program"), `program`, `directory` and `manifest`.
+        `weights` and `dtype` as for `export`. See docs/export.md.
+        """
+        from nitro.serving.publish import publish
+
+        self._check_stale("publish")
+        with self._guard.hold("publishing"):
+            self._files.wait()
+            variables = evaluation.weights_of(self._setup, self._state, weights)
+            return publish(self, to, name, variables=variables, dtype=dtype)
+
     # ------------------------------------------------------------------------------------------
     # finding a learning rate
 

@@ -9,6 +9,7 @@ Public import paths: `nitro.bundle` (loading) and `nitro.serve` (`nitro serve`).
 - `server`: the KServe adapters (model, repository, model server)
 - `paging`: weight sets paged between disk, host memory and the device within budgets
 - `transport`: the wire's hardening (limits, framing and request checks, one host for gRPC)
+- `publish`: a handle's weights swapped into a running server (`Nitro.publish`)
 - `serve`: the `nitro serve` command
 """
 

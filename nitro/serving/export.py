@@ -310,8 +310,11 @@ def write_bundle(
     directory: str | os.PathLike,
     *,
     platforms: tuple[str, ...] = DEFAULT_PLATFORMS,
+    accept: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Lower `source` with a symbolic batch axis and write the bundle; returns the manifest.
+    `accept`, if given, sees the manifest before anything is written and may refuse it by
+    raising.
 
     Re-exporting to the same directory writes the new bundle beside it and swaps it in whole:
     the directory holds the previous bundle or the new one, never a mix, and an export that
@@ -416,6 +419,8 @@ def write_bundle(
         bundle.WEIGHTS: _serialize_weights(source.weights),
         **source.files,
     }
+    if accept is not None:
+        accept(manifest)
     _publish(directory, files, manifest)
     record_compile(
         ProgramKind.EXPORT.value,
@@ -439,6 +444,7 @@ def export_handle(
     platforms: tuple[str, ...] = DEFAULT_PLATFORMS,
     variables: Any = None,
     dtype: str | None = None,
+    accept: Callable[[dict[str, Any]], None] | None = None,
 ) -> dict[str, Any]:
     """Export a handle's current weights (or `variables`: e.g. the moving average) and its
     eval-mode forward; returns the manifest.
@@ -596,7 +602,7 @@ def export_handle(
         owner=handle.owner,
         files={PATCH: patch} if patch is not None else {},
     )
-    return write_bundle(source, directory, platforms=platforms)
+    return write_bundle(source, directory, platforms=platforms, accept=accept)
 
 
 def _bundle_precision(dtype: Any, setup: Any):

@@ -297,6 +297,11 @@ class BundleModel(kserve.Model):
             "program_loads": self.program_loads,
             "weight_swaps": self.weight_swaps,
         }
+        answer["model_stats"][0]["bundle"] = {  # what `Nitro.publish` exports into
+            "directory": self.directory,
+            "inputs": self.bundle.manifest["inputs"],
+            "platforms": self.bundle.manifest["program"]["platforms"],
+        }
         answer["paging"] = self.pager.stats() | {"programs": len(self.programs)}
         return answer
 
