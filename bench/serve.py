@@ -193,11 +193,7 @@ def paging(args) -> dict:
                 f"program change {1e3 * reload_seconds['program change']:.0f} ms"
             )
         finally:
-            process.terminate()
-            try:
-                process.wait(timeout=20)
-            except subprocess.TimeoutExpired:
-                process.kill()
+            stop_server(process)
             log.close()
     return {"swap_in_ms": pager["swap_in_ms"], "errors": len(errors), "reload_s": reload_seconds}
 
@@ -231,6 +227,14 @@ def start_server(directory: str | list[str], log, *extra: str) -> tuple[subproce
         if time.monotonic() > deadline:
             raise RuntimeError("the server did not become ready in 120 s")
         time.sleep(0.1)
+
+
+def stop_server(process: subprocess.Popen) -> None:
+    process.terminate()
+    try:
+        process.wait(timeout=20)
+    except subprocess.TimeoutExpired:
+        process.kill()
 
 
 def make_caller(protocol: str, port: int, grpc_port: int, x: np.ndarray):
@@ -377,11 +381,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                                 for line in row.pop("notes"):
                                     print(f"         {line}")
                     finally:
-                        process.terminate()
-                        try:
-                            process.wait(timeout=20)
-                        except subprocess.TimeoutExpired:
-                            process.kill()
+                        stop_server(process)
         if "on" in args.batching and "off" in args.batching:
             print("served rows/s, batching on / off (mean over repeats):")
             for batch in batches:
