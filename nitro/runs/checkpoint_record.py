@@ -103,8 +103,8 @@ _MEMBER_ONLY = ("index", "run_id", "settings", "healthy", "stopped", "stopped_at
 @dataclasses.dataclass(frozen=True)
 class MemberRecord:
     """One member's part of a checkpoint: its history, validations within epochs, the
-    metrics of its newest epoch, its epoch under way, its Device values and its loggers'
-    state; in a population also its index, run id, settings, whether its steps are finite
+    metrics of its newest epoch, its epoch under way, its Device values, its loggers'
+    state, the batches a spike's roll-back left out and its rewinds; in a population also its index, run id, settings, whether its steps are finite
     and why and at which step it stopped."""
 
     seed: int | None = None
@@ -120,6 +120,8 @@ class MemberRecord:
     healthy: bool = True
     stopped: str | None = None
     stopped_at: int | None = None
+    skipped_batches: tuple[Mapping[str, Any], ...] = ()
+    rewinds: tuple[Mapping[str, Any], ...] = ()
 
     def to_json(self, in_population: bool) -> dict[str, Any]:
         """Its JSON fields (made JSON-safe by `CheckpointRecord.to_json`); a run's lack the
@@ -147,6 +149,8 @@ class MemberRecord:
             healthy=bool(data.get("healthy", True)),
             stopped=data.get("stopped"),
             stopped_at=int(stopped_at) if stopped_at is not None else None,
+            skipped_batches=tuple(HistoryRows.from_json(data.get("skipped_batches"))),
+            rewinds=tuple(HistoryRows.from_json(data.get("rewinds"))),
         )
 
 
@@ -307,6 +311,8 @@ class CheckpointRecord:
             totals=partial.totals() if partial else None,
             epoch_trained=partial.trained if partial else False,
             data_state=partial.data_state if partial else None,
+            skipped_batches=[dict(row) for row in member.skipped_batches],
+            rewinds=[dict(row) for row in member.rewinds],
         )
 
 

@@ -261,8 +261,8 @@ def member_record(
     **fields: Any,
 ) -> MemberRecord:
     """A run's (or a population member's, with its `fields`) part of a save: its seed,
-    history, validations, newest metrics (`row`), epoch under way, Device values and its
-    loggers' state."""
+    history, validations, newest metrics (`row`), epoch under way, Device values, its
+    loggers' state, the batches a spike's roll-back left out and its rewinds."""
     return MemberRecord(
         seed=state.seed,
         history=(history or HistoryRows()).to_json(state.history),
@@ -271,6 +271,8 @@ def member_record(
         partial_epoch=partial_epoch,
         device=dict(device),
         logger=logger_state,
+        skipped_batches=tuple(getattr(state, "skipped_batches", ())),
+        rewinds=tuple(getattr(state, "rewinds", ())),
         **fields,
     )
 
