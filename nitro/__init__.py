@@ -65,6 +65,9 @@ _EXPORTS = {
     "average": "nitro.runs.initial_weights",
     "Partial": "nitro.weights.partial",
     "OptimizerError": "nitro.errors",
+    "SpikeError": "nitro.errors",
+    "Snapshots": "nitro.engine.snapshots",
+    "Spike": "nitro.engine.spikes",
 }
 _SUBMODULES = (
     "data",
@@ -108,6 +111,9 @@ __all__ = [
     "RunningError",
     "ScheduleError",
     "SetupError",
+    "Snapshots",
+    "Spike",
+    "SpikeError",
     "average",
     "cache_reset",
     "cache_stats",
@@ -157,6 +163,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from nitro.core.events import on_phase
     from nitro.data import datasets
     from nitro.engine import dispatch, runner
+    from nitro.engine.snapshots import Snapshots
+    from nitro.engine.spikes import Spike
     from nitro.errors import (
         CompilationCacheError,
         DivergenceError,
@@ -170,6 +178,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
         RunningError,
         ScheduleError,
         SetupError,
+        SpikeError,
         WeightsError,
     )
     from nitro.experiments.declaration import Device, FieldKind, GraphConst, experiment, fields

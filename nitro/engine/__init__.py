@@ -22,6 +22,9 @@ below; never the handle.
 - `live_edit`: code edited while a handle trains, re-frozen and compiled beside the run
 - `swaps`: the records of live edits, and the loop's side of a swap
 - `profiling`: `n.profile()`'s measurements: each call's time taken apart, the device's peak
+- `snapshots`: the run's state kept on the host at a cadence (`snapshots=`), as checkpoint
+  records, and restored as a resume restores
+- `spikes`: `spike=`'s watch over each call's losses, and the roll-back it asks for
 - `member_axis`: who the loop, evaluation and prediction train: `SINGLE` (a run) or `Stacked` (a
   population's members, on a leading axis), and a population's records (its members, the
   stacked state, pruning)

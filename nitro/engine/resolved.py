@@ -17,6 +17,8 @@ from nitro.core.provenance import Resolved
 from nitro.engine.run_keywords import DEFAULT
 
 if TYPE_CHECKING:
+    from nitro.engine.snapshots import Snapshots
+    from nitro.engine.spikes import Spike
     from nitro.optim.ema import EMA
     from nitro.optim.precision import Precision
     from nitro.optim.sam import SAM
@@ -36,6 +38,8 @@ class RunKeywords:
     checkpointer: Checkpointer | None
     logger: Any  # a logger or a LoggerGroup (nitro.loggers), or None
     early_stop: EarlyStopping | None
+    snapshots: Snapshots | None
+    spike: Spike | None
     resume: Literal[False, "auto"] | str | tuple[str, Literal["best", "latest"]]
     preemption: bool | Literal["auto"]
     name: str | None

@@ -189,6 +189,24 @@ def _early_stop(value):
     return value
 
 
+def _snapshots(value):
+    from nitro.engine.snapshots import check_snapshots
+
+    try:
+        return check_snapshots(value)
+    except SetupError as error:
+        raise ValueError(str(error)) from None
+
+
+def _spike(value):
+    from nitro.engine.spikes import check_spike
+
+    try:
+        return check_spike(value)
+    except SetupError as error:
+        raise ValueError(str(error)) from None
+
+
 def _resume(value):
     if value is False or value == "auto":
         return value
@@ -421,6 +439,27 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             _early_stop,
             none="never stops early",
             type="EarlyStopping | None",
+        ),
+        RunKeyword(
+            "snapshots",
+            True,
+            "keep the run's state in host memory at a cadence, to rewind to (n.rewind), fork "
+            "from (n.fork) and roll a spike back to: a nitro.Snapshots(every=, keep=, "
+            "max_bytes=), an int (every that many steps), True (nitro.Snapshots(): as often "
+            "as 1% of training time allows) or False (docs/time-travel.md)",
+            _snapshots,
+            none="keeps none",
+            type="Snapshots | int | bool | None",
+        ),
+        RunKeyword(
+            "spike",
+            None,
+            "roll the run back over a loss spike, leaving out the batches of the call that "
+            "spiked: a nitro.Spike(rtol=, window=, max_rollbacks=), True (nitro.Spike()) or "
+            "None (docs/time-travel.md)",
+            _spike,
+            none="off",
+            type="Spike | bool | None",
         ),
         RunKeyword(
             "resume",

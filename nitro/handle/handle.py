@@ -52,6 +52,7 @@ from nitro.handle.displays import handle_html, short_repr
 from nitro.handle.run_handle import RunHandle
 from nitro.handle.signature import keyword_signature, keywords_doc
 from nitro.handle.summary import ModelSummary
+from nitro.handle.time_travel import TimeTravel
 from nitro.optim.schedules import bind_schedules, check_schedule_values
 from nitro.programs.specs import ProgramSet
 from nitro.runs.initial_weights import AveragedWeights, CheckpointWeights, WeightsSource
@@ -128,7 +129,7 @@ def check_experiment(experiment: Any) -> type:
     return cls
 
 
-class Nitro(RunHandle):
+class Nitro(TimeTravel, RunHandle):
     """The handle of one run of an experiment.
 
     >>> import nitro

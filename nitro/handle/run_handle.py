@@ -28,7 +28,7 @@ from nitro.core import progress
 from nitro.core.events import Events
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState
-from nitro.engine import evaluation, live_edit, loop, prediction, swaps
+from nitro.engine import evaluation, live_edit, prediction, swaps
 from nitro.engine.dispatch import DispatchChoice
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import (
@@ -43,6 +43,7 @@ from nitro.engine.runner import (
 from nitro.engine.swaps import LiveEdit
 from nitro.errors import Interrupted, RunningError
 from nitro.experiments.declaration import edit_generation
+from nitro.handle.time_travel import train_epochs
 from nitro.programs.specs import ProgramSet
 from nitro.programs.staleness import stale_changes, stale_report
 from nitro.runs.run_files import RunFiles
@@ -126,13 +127,10 @@ class RunHandle:
         members, state = self._trainees()
         self._files.open(self._lead_setup, events)
         try:
-            state, reason = loop.train_epochs(
-                self._lead_setup,
-                self._lead_runtime,
+            state, reason = train_epochs(
+                self,
                 state,
-                self._programs,
                 events,
-                self._control,
                 target,
                 after_epoch=lambda state, row, left: self._after_epoch(state, row, left, stop_at),
                 stop_at=stop_at,
