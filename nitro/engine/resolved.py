@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from nitro.optim.ema import EMA
     from nitro.optim.precision import Precision
     from nitro.optim.sam import SAM
+    from nitro.programs.compile_options import CompileOptions
     from nitro.runs.checkpoints import Checkpointer
     from nitro.runs.early_stopping import EarlyStopping
 
@@ -64,6 +65,7 @@ class RunKeywords:
     ema: EMA | None
     sam: SAM | None
     precision: Precision
+    compile_options: CompileOptions | None
     steps_per_dispatch: Any  # "auto", an int K, or a DispatchChoice to continue
     prefetch: Literal["auto", "threads", "processes", "inline"]
     persistent_workers: bool

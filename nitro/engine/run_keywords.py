@@ -241,6 +241,12 @@ def _precision(value):
         raise ValueError(str(error)) from None
 
 
+def _compile_options(value):
+    from nitro.programs.compile_options import CompileOptions
+
+    return CompileOptions.of(value)
+
+
 def _steps_per_dispatch(value):
     if value == "auto" or isinstance(value, DispatchChoice):  # n.dispatch: continue it
         return value
@@ -646,6 +652,17 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "float32 (or a nitro.Precision(...))",
             _precision,
             type=Literal["float32", "bfloat16", "float16"] | str,
+        ),
+        RunKeyword(
+            "compile_options",
+            None,
+            "XLA compiler options for every program the handle compiles, as JAX's "
+            ".compile(compiler_options=...) takes them: a dict of option -> value, or of "
+            "program kind ('train', 'eval', 'predict', 'metrics') -> such a dict; they key the "
+            "compile cache (an unknown option is refused before setup)",
+            _compile_options,
+            none="XLA's defaults",
+            type="dict[str, bool | int | float | str] | None",
         ),
         RunKeyword(
             "steps_per_dispatch",

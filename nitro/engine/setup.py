@@ -202,6 +202,7 @@ def build(
         max_steps=keywords.max_steps,
         val_every_steps=keywords.val_every_steps,
         frozen_statistics=_frozen_statistics(instance, keywords, model.model_state, optimizer),
+        compile_options=keywords.compile_options,
     )
     runtime = RunTime(
         experiment=instance,

@@ -49,6 +49,7 @@ PROGRAM_KEYWORDS = {
     "decay_to": "where weight decay pulls is part of the optimizer's structure",
     "decay_mask": "which leaves decay is part of the optimizer's structure",
     "eval_splits": "the population validates one set of splits",
+    "compile_options": "XLA's options compile the program",
 }
 
 
