@@ -37,6 +37,7 @@ class RunKeywords:
     checkpointer: Checkpointer | None
     logger: Any  # a logger or a LoggerGroup (nitro.loggers), or None
     early_stop: EarlyStopping | None
+    restore_best: bool
     resume: Literal[False, "auto"] | str | tuple[str, Literal["best", "latest"]]
     preemption: bool | Literal["auto"]
     name: str | None

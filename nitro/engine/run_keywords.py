@@ -429,6 +429,15 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             type="EarlyStopping | None",
         ),
         RunKeyword(
+            "restore_best",
+            False,
+            "end each train() on the weights of the run's best checkpoint by the checkpointer's "
+            "metric (Keras's restore_best_weights); the optimizer state, counters and history "
+            "stay the last step's",
+            _bool("restore_best"),
+            type=bool,
+        ),
+        RunKeyword(
             "resume",
             False,
             "'auto' (this experiment's run: the one its name last trained, else the furthest "
