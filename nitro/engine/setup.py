@@ -814,6 +814,7 @@ def _bind_schedules(
             if s.kind is not FieldKind.DEVICE
         },
         total_steps=total,
+        device_values=device_values,
     )
     check_schedule_values(
         schedules,
