@@ -743,10 +743,13 @@ class EvaluateWithin(Boundary):
 
 class TakeSnapshots(Boundary):
     """The snapshots `snapshots=` keeps (`nitro.engine.snapshots`): at a stream's first call,
-    of the variables before it; after a call is read back, of the input of the call in
+    of the variables before it (always at a run's first: where each `train()` began); after a call is read back, of the input of the call in
     flight where no call donates the variables (the state of the step just counted, at no
     wait); where calls donate them, the call in flight is read back first and the variables
     copied to the host before the next call."""
+
+    def __init__(self) -> None:
+        self.began = False  # the run's first call is past: its state is kept whatever the cadence
 
     def opens(self, run: _Epoch) -> bool:
         return run.runtime.snapshots is not None and not run.members.stacked
@@ -754,7 +757,8 @@ class TakeSnapshots(Boundary):
     def before_call(self, run: _Epoch, state: TrainState) -> None:
         ring, call = run.runtime.snapshots, run.in_flight
         if call is None:
-            if ring.due(state.step):
+            first, self.began = not self.began, True
+            if ring.due(state.step, first):
                 copy_now = not _restores(run, state)
                 ring.take(run.setup, state, state.variables, run.runtime.device_values(), copy_now)
         elif call.before is None and ring.due(state.step):

@@ -6,8 +6,8 @@ of host arrays it writes (`host_tree`), so restoring one is a resume's restore
 (`restore_variables`, then `CheckpointRecord.train_state`), and the run's checkpoints on disk
 are its older snapshots (`restore_point` reads either).
 
-The loop takes one between two calls once it is due (`TakeSnapshots`): at a stream's first
-call, before anything is dispatched; or, where no call donates the variables (the calls the
+The loop takes one between two calls once it is due (`TakeSnapshots`), and one where each
+`train()` call begins: at a stream's first call, before anything is dispatched; or, where no call donates the variables (the calls the
 loop restores itself, `RunTime.restores`), once a call is read back, from the input of the
 call in flight, which is the state of the step just counted: nothing waits for it. A worker
 thread then copies the arrays to the host and builds the record, and lets the device arrays
@@ -202,12 +202,15 @@ class SnapshotRing:
         with self._lock:
             return list(self._entries)
 
-    def due(self, step: int) -> bool:
+    def due(self, step: int, begins: bool = False) -> bool:
         """Whether a snapshot of step `step` is due now ("auto": once the one before it is
-        copied)."""
+        copied); `begins`: a run (a `train()` call) begins there, and its state is kept
+        whatever the cadence, so a rewind can always undo a call."""
         last, every = self._last_step, self.policy.every
         if self.off is not None or last == step:
             return False
+        if begins:
+            return True
         if every == "auto":
             copying = self._copying
             if copying is not None and not copying.ready.is_set():
