@@ -1028,7 +1028,9 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
 def _watch_spikes(run: _Epoch, state: TrainState, item: _Pending, reports: np.ndarray) -> None:
     """`spike=`: raise `SpikeRollback` when a step of the call read back spiked, naming the
     call's batches by their indices in the source's epoch (none of its steps is counted)."""
-    found = run.spikes.first_spike(item.index, reports)
+    spikes = run.spikes
+    assert spikes is not None  # watched only with `spike=`
+    found = spikes.first_spike(item.index, reports)
     if found is None:
         return
     offset, why = found

@@ -65,6 +65,8 @@ from nitro.mcp.members import (
 )
 from nitro.mcp.paths import PathPolicy
 from nitro.mcp.registry import RUNS, RunRecord, RunRegistry, RunStatus
+from nitro.mcp.rewinds import fork as fork_run
+from nitro.mcp.rewinds import rewind as rewind_run
 
 __all__ = ["ToolSession"]
 
@@ -887,3 +889,16 @@ class ToolSession:
             "start fresh): nitro_validate, nitro_evaluate, nitro_predict, nitro_export and "
             "nitro_train (run_id, epochs) take this run_id",
         }
+
+    def rewind(self, run_id: str, step: int | None = None) -> dict[str, Any]:
+        return rewind_run(self, run_id, step)
+
+    def fork(
+        self,
+        run_id: str,
+        step: int | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        keywords: Mapping[str, Any] | None = None,
+        wait_seconds: float = 60.0,
+    ) -> dict[str, Any]:
+        return fork_run(self, run_id, step, overrides, keywords, wait_seconds)

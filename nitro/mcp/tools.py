@@ -1,4 +1,4 @@
-"""The twelve agent tools as an MCP server: argument schemas, descriptions, dispatch.
+"""The fourteen agent tools as an MCP server: argument schemas, descriptions, dispatch.
 
 Each tool is declared once: a name, a description for the agent, and a pydantic model of its
 arguments; the model gives the input schema the client lists and checks every call (an unknown
@@ -233,6 +233,36 @@ class MemberArguments(_Arguments):
     wait_seconds: float = Field(60.0, ge=0, le=600, description=WAIT)
 
 
+class RewindArguments(_Arguments):
+    run_id: str = Field(description=RUN_ID)
+    step: int | None = Field(
+        None,
+        ge=0,
+        description="the step to go back to (a snapshot in memory or a checkpoint); leave it "
+        "out to list the steps the run can go back to",
+    )
+
+
+class ForkArguments(_Arguments):
+    run_id: str = Field(description=RUN_ID)
+    step: int | None = Field(
+        None,
+        ge=0,
+        description="the step to fork at (nitro_rewind without step lists them); default: the "
+        "run's state now (it must not be training)",
+    )
+    overrides: dict[str, Any] | None = Field(
+        None, description='Device or Host field values of the fork, e.g. {"scale": 2.0}'
+    )
+    keywords: dict[str, Any] | None = Field(
+        None,
+        description="run keywords of the fork that keep its program (learning_rate, "
+        "max_epochs, early_stop, checkpointer, ...), in nitro_train's JSON forms; "
+        "one that changes the program (accum, sam, a GraphConst field) is refused",
+    )
+    wait_seconds: float = Field(60.0, ge=0, le=600, description=WAIT)
+
+
 @dataclasses.dataclass(frozen=True)
 class ToolSpec:
     name: str
@@ -347,6 +377,25 @@ TOOLS: dict[str, ToolSpec] = {
             MemberArguments,
             "member",
         ),
+        ToolSpec(
+            "nitro_rewind",
+            "Take a run (not training) back to an earlier step, a snapshot in memory or a "
+            "checkpoint: weights, optimizer state, data position, random streams, history and "
+            "Device values as they were, so nitro_train with its run_id trains on bit for bit "
+            "as before. The steps after it stay in the history as an abandoned branch. "
+            "Without step it lists the steps the run can go back to.",
+            RewindArguments,
+            "rewind",
+        ),
+        ToolSpec(
+            "nitro_fork",
+            "A new run starting from a run's snapshot at step, with other Device or Host field "
+            "values or run keywords that keep its program (a learning rate, max_epochs); answers "
+            "its run id (nitro_train trains it, beside its parent). With no changes it trains "
+            "on bit for bit as the parent did.",
+            ForkArguments,
+            "fork",
+        ),
     ]
 }
 
@@ -402,12 +451,13 @@ INSTRUCTIONS = (
     "Nitro trains JAX/Flax experiments in the session this server belongs to. nitro_train "
     "answers a run id at once; poll nitro_status until status is not 'running', then read "
     "the metrics, nitro_evaluate or nitro_predict. nitro_stop stops a run cleanly. "
-    "nitro_population trains many variants at once; nitro_member takes one as a run."
+    "nitro_population trains many variants at once; nitro_member takes one as a run. "
+    "nitro_rewind goes back to an earlier step; nitro_fork starts a new run from one."
 )
 
 
 def build_server(session: ToolSession) -> Server:
-    """An MCP server (the SDK's low-level `Server`) offering the twelve tools on `session`."""
+    """An MCP server (the SDK's low-level `Server`) offering the fourteen tools on `session`."""
 
     async def list_tools(ctx, params) -> types.ListToolsResult:
         return types.ListToolsResult(
