@@ -41,6 +41,8 @@ COMMANDS = (
     "export",
     "mcp",
     "reload",
+    "rewind",
+    "fork",
 )
 
 
@@ -103,7 +105,8 @@ class NitroMagics(Magics):
         "member",
         nargs="?",
         metavar="MEMBER",
-        help="stop: the member of a population to stop (its index); the others train on",
+        help="stop: the member of a population to stop (its index); the others train on; "
+        "rewind, fork: the step",
     )
     @magic_arguments.argument(
         "--run", "-r", help="export: the handle to export (default: the latest, _nitro)"
@@ -243,6 +246,13 @@ class NitroMagics(Magics):
         %nitro reload            check the watched files now: reload the edited ones (a
                                  run training takes the edit live) and say what is stale;
                                  for file systems whose saves the watcher does not see
+        %nitro rewind [RUN] [STEP]
+            take RUN back to STEP, a snapshot in memory or a checkpoint (without STEP: the
+            steps it can go back to); training on repeats the same steps bit for bit, and
+            the steps after it stay in its history as an abandoned branch (n.rewind(STEP))
+        %nitro fork [RUN] [STEP]
+            a new handle starting from RUN's snapshot at STEP (default: its state now),
+            stored as `RUN_fork` (and `_nitro`); it trains beside RUN (n.fork(STEP))
         %nitro mcp start [--port P] [--root DIR] [--allow DIR ...]
             serve this kernel's runs to a coding agent over MCP (loopback only; prints
             the file holding the token and client configuration); `%nitro mcp stop`
@@ -251,7 +261,7 @@ class NitroMagics(Magics):
             directory (or --root) and the --allow'ed directories.
         """
         args = magic_arguments.parse_argstring(self.nitro, _without_comment(line))
-        if args.member is not None and args.command != "stop":
+        if args.member is not None and args.command not in ("stop", "rewind", "fork"):
             raise UsageError(
                 f"%nitro {args.command} takes one target, got {args.target!r} and "
                 f"{args.member!r}; a member is for `%nitro stop POP MEMBER`"
@@ -468,6 +478,31 @@ class NitroMagics(Magics):
             print("nitro: no run is training")
         for name, target in targets:
             runs.stop(target, name)
+
+    def _stepped(self, args, what: str) -> tuple[str, nitro.Nitro, int | None]:
+        """`%nitro rewind|fork [RUN] [STEP]`: the handle (default: the latest) and the step."""
+        target, step = args.target, args.member
+        if step is None and target is not None and target.isdigit():
+            target, step = None, target
+        if step is not None and not step.isdigit():
+            raise UsageError(f"%nitro {what}: STEP is a step number (%nitro {what} RUN 120)")
+        name, handle = self._handle(target, what)
+        return name, handle, int(step) if step is not None else None
+
+    def _rewind(self, args):
+        name, handle, step = self._stepped(args, "rewind")
+        if step is None:
+            return handle.snapshots
+        self._idle(name, handle, f"rewind {name} {step}").rewind(step)
+        return handle
+
+    def _fork(self, args):
+        name, handle, step = self._stepped(args, "fork")
+        fork = handle.fork(step)
+        stored = f"{name}_fork" if name.isidentifier() else "_nitro"
+        self._ns[stored] = self._ns["_nitro"] = fork
+        print(f"nitro: the fork is `{stored}`; %nitro train {stored} trains it")
+        return fork
 
     def _wait(self, args) -> None:
         targets = self._targets(args.target, "wait")

@@ -250,6 +250,18 @@ def test_a_fork_takes_device_values_schedules_and_keywords_that_keep_its_program
     assert scaled.device_value("scale") == 3.0 and toy.device_value("scale") == 1.0
 
 
+def test_a_fork_of_a_run_given_its_data_trains_on_that_data():
+    data = {"train": nitro.data.ArrayLoader({"x": X[::-1].copy(), "y": Y[::-1].copy()}, 16)}
+    parent = nitro.Nitro(
+        Toy(max_epochs=2), data=data, progress=False, snapshots=EVERY_STEP, steps_per_dispatch=1
+    )
+    parent.train()
+    fork = parent.fork(3)
+    fork.train()
+    same_history(parent.history(), fork.history())
+    same_parameters(parent, fork)
+
+
 def test_a_fork_that_would_change_the_program_is_refused_naming_the_change():
     parent = nitro.Nitro(Toy(max_epochs=1), progress=False, snapshots=EVERY_STEP)
     parent.train()
@@ -263,6 +275,8 @@ def test_a_fork_that_would_change_the_program_is_refused_naming_the_change():
         parent.fork(2, accum=2)
     with pytest.raises(TypeError, match="unknown change 'widht'.*width"):
         parent.fork(2, widht=16)
+    with pytest.raises(nitro.SetupError, match="'train' batches' x: float32.16, 5. -> float32.8"):
+        parent.fork(2, batch_size=8)  # a Host field build_data reads
 
 
 def test_a_fork_of_now_is_refused_while_the_parent_trains_and_both_train_at_once():

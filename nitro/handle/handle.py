@@ -153,6 +153,7 @@ class Nitro(TimeTravel, RunHandle):
         instance = replace(experiment)  # frozen copy of the configuration
         weights = keywords.pop("weights", None)
         data = keywords.pop("data", None)
+        self._data = data  # `data=` as given: a fork takes the same splits
         resolved = RunKeywords.of(resolve_run_keywords(instance, keywords))
         if resolved.restore_best and resolved.checkpointer is None:
             raise SetupError(

@@ -282,6 +282,14 @@ def _program_differences(parent: RunSetup, fork: RunSetup, parent_state, fork_st
             for u in sorted(set(codes[0]) | set(codes[1]))
             if codes[0].get(u) != codes[1].get(u)
         ]
+    for split in sorted(set(parent.splits) & set(fork.splits)):
+        before, after = dict(parent.splits[split].batch_spec), dict(fork.splits[split].batch_spec)
+        shown = lambda spec: f"{spec[1]}{list(spec[0])}" if spec else "none"  # noqa: E731
+        lines += [
+            f"the {split!r} batches' {name}: {shown(before.get(name))} -> {shown(after.get(name))}"
+            for name in sorted(set(before) | set(after))
+            if before.get(name) != after.get(name)
+        ]
     for name in ("params", "model_state", "opt_state", "ema", "loss_scale"):
         a, b = getattr(parent_state.variables, name), getattr(fork_state.variables, name)
         layout = lambda v: jax.tree.map(lambda x: (np.shape(x), str(x.dtype)), v)  # noqa: E731
@@ -333,6 +341,7 @@ class TimeTravel:
 
     _state: TrainState
     _forked_from: dict[str, Any] | None = None
+    _data: Any = None  # `data=` as given to the handle
 
     @property
     def snapshots(self):
@@ -364,7 +373,7 @@ class TimeTravel:
             [{"step": step, **row} for step, row in sorted(rows.items())],
             columns=pd.Index(["step", "epoch", "position", "where", "path"]),
         )
-        return frame.set_index("step")
+        return frame.astype({"position": "Int64"}).set_index("step")
 
     def rewind(self, step: int) -> Self:
         """Go back to step `step`, a snapshot in memory or a checkpoint on disk (`n.snapshots`
@@ -445,7 +454,7 @@ class TimeTravel:
         given.update(keywords)
         experiment = replace(h._runtime.experiment, **fields)
         build: Any = type(self)  # Nitro
-        fork = build(experiment, data=dict(h.splits), **given)
+        fork = build(experiment, data=getattr(h, "_data", None), **given)
         differences = _program_differences(parent, fork._setup, h._state, fork._state)
         if differences:
             fork.close()
