@@ -199,6 +199,7 @@ def test_a_rewind_while_training_in_the_background_is_refused_and_changes_nothin
 
 FORKS = {
     "default step": ({}, {}),
+    "fused calls": ({"steps_per_dispatch": 2}, {}),
     "accumulation": ({"accum": 2}, {}),
     "SAM": ({"sam": 0.05}, {}),
     "EMA": ({"ema": 0.9}, {}),
@@ -218,13 +219,14 @@ def test_a_fork_with_no_changes_trains_on_bitwise_as_its_parent(setting):
         Toy(max_epochs=3, **fields),
         progress=False,
         snapshots=EVERY_STEP,
-        steps_per_dispatch=1,
-        **keywords,
+        **{"steps_per_dispatch": 1, **keywords},
     )
     if setting == "a Device field":
         parent.set_device(scale=0.25)  # the live value the fork takes from the snapshot
     parent.train()
-    fork = parent.fork(5 if parent.setup.accum == 1 else 4)  # mid-epoch 2
+    k = {"accumulation": 3, "fused calls": 6}.get(setting, 5)  # in the middle of epoch 2
+    assert parent.snapshots.loc[k, "position"] > 0
+    fork = parent.fork(k)
     assert fork.run_dir != parent.run_dir and fork.forked_from["run_id"] == parent.run_id
     fork.train()
     same_history(parent.history(), fork.history())
@@ -409,10 +411,12 @@ def test_skipped_batches_survive_a_resume():
     same_parameters(whole, resumed)
 
 
-def test_spike_and_snapshots_are_refused_for_a_population_for_now():
+def test_a_population_refuses_spike_for_now_and_keeps_no_snapshots():
     pop = nitro.Population(Toy(max_epochs=1), learning_rate=[1e-3, 1e-2], spike=nitro.Spike())
     with pytest.raises(nitro.PopulationError, match="spike= is not supported for a population"):
         pop.train()
+    pop = nitro.Population(Toy(max_epochs=1), learning_rate=[1e-3, 1e-2], snapshots=1)
+    assert pop.train().epoch == 1
     with pytest.raises(nitro.SetupError, match=r"Spike\(window=0\)"):
         nitro.Spike(window=0)
     with warnings.catch_warnings():

@@ -75,16 +75,13 @@ def train_epochs(
     (`SpikeRollback`) rolls the run back to its newest snapshot before the call that spiked,
     leaves that call's batches out, and trains on."""
     setup = handle._lead_setup
-    if members.stacked:
-        given = setup.given_keywords
-        for name in ("spike", "snapshots"):
-            if name in given and given[name] not in (None, False):
-                raise PopulationError(
-                    f"{name}= is not supported for a population yet: a population's members "
-                    f"train in one program, and going back is a run's for now. Train a member "
-                    f"on its own to use it (pop.members[i] is a plain handle), or leave {name}= "
-                    f"out"
-                )
+    if members.stacked:  # a population keeps no snapshots (yet): refused where it matters
+        if setup.keywords["spike"].value is not None:
+            raise PopulationError(
+                "spike= is not supported for a population yet: its members train in one "
+                "program, and a roll-back is a single run's for now. Train a member as a run "
+                "to use it (pop.best() or pop.member(i) is one), or leave spike= out"
+            )
     else:
         prepare(handle)
     while True:
