@@ -192,6 +192,7 @@ class SnapshotRing:
         self._last_step: int | None = None
         self._last_time = 0.0
         self._cost = 0.0  # seconds the last snapshot took: the loop's and the copy's
+        self.seconds = 0.0  # seconds every snapshot took so far, the loop's and the copies'
         self._copying: Snapshot | None = None
         self._history_rows = HistoryRows()
         self._validation_rows = HistoryRows()
@@ -280,6 +281,7 @@ class SnapshotRing:
                 entry.error = error
             finally:
                 self._cost = spent + time.perf_counter() - start
+                self.seconds += self._cost
                 entry.ready.set()
 
         _worker().submit(finish)

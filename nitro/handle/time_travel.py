@@ -39,8 +39,15 @@ from nitro.runs.run_dirs import checkpoint_dir
 __all__ = ["TimeTravel", "train_epochs"]
 
 # run keywords a fork does not take from its parent: where it lives and what it resumes are
-# its own, and a logger object belongs to the run it logs
+# its own, and a logger object belongs to the run it logs (None, logging nothing, is taken)
 _NOT_INHERITED = ("resume", "run_dir", "name", "logger")
+
+
+def _inherited(given: Mapping[str, Any]) -> dict[str, Any]:
+    keywords = {k: v for k, v in given.items() if k not in _NOT_INHERITED}
+    if "logger" in given and given["logger"] is None:
+        keywords["logger"] = None
+    return keywords
 
 
 # ---------------------------------------------------------------------------------------------
@@ -443,7 +450,7 @@ class TimeTravel:
         else:
             snapshot, saved = _point(h, step)
         parent: RunSetup = h._setup
-        given = {k: v for k, v in parent.given_keywords.items() if k not in _NOT_INHERITED}
+        given = _inherited(parent.given_keywords)
         if "schedules" in keywords:
             keywords["schedules"] = {**dict(given.get("schedules") or {}), **keywords["schedules"]}
         if "steps_per_dispatch" not in given:
