@@ -136,6 +136,10 @@ def test_a_rewind_to_a_checkpoint_on_disk_moves_the_later_ones_aside_and_replays
     n.train()
     first, weights = n.history(), parameters(n)
     assert n.snapshots.index.tolist() == [8, 16, 24]
+    fork = n.fork(16)  # from a checkpoint too
+    fork.train()
+    same_history(first, fork.history())
+    same_parameters(n, fork)
     n.rewind(8)
     assert (n.step, n.epoch) == (8, 1)
     assert n.snapshots.index.tolist() == [8]  # the branch's later checkpoints moved aside
