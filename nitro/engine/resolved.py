@@ -38,6 +38,7 @@ class RunKeywords:
     logger: Any  # a logger or a LoggerGroup (nitro.loggers), or None
     early_stop: EarlyStopping | None
     restore_best: bool
+    restore_optimizer: bool | None
     resume: Literal[False, "auto"] | str | tuple[str, Literal["best", "latest"]]
     preemption: bool | Literal["auto"]
     name: str | None

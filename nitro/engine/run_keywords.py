@@ -438,6 +438,17 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             type=bool,
         ),
         RunKeyword(
+            "restore_optimizer",
+            None,
+            "whether the optimizer state is read with the weights: resume= reads it unless "
+            "False (a fresh optimizer state on the resumed model, which may be another "
+            "optimizer); weights= starts it afresh unless True (the state of the handle or "
+            "single run's checkpoint the weights come from)",
+            _bool("restore_optimizer"),
+            none="resume= restores it, weights= starts afresh",
+            type=bool | None,
+        ),
+        RunKeyword(
             "resume",
             False,
             "'auto' (this experiment's run: the one its name last trained, else the furthest "
