@@ -247,6 +247,12 @@ def _compile_options(value):
     return CompileOptions.of(value)
 
 
+def _remat(value):
+    from nitro.programs.remat import Remat
+
+    return Remat.of(value)
+
+
 def _steps_per_dispatch(value):
     if value == "auto" or isinstance(value, DispatchChoice):  # n.dispatch: continue it
         return value
@@ -672,6 +678,17 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             _compile_options,
             none="XLA's defaults",
             type="dict[str, bool | int | float | str] | None",
+        ),
+        RunKeyword(
+            "remat",
+            None,
+            "which modules recompute their activations in the backward pass instead of keeping "
+            "them (less memory, more compute): a policy ('full', 'dots' or a jax.checkpoint "
+            "policy) for the model's layers, module paths ('blocks'), or a dict path -> policy; "
+            "it keys the train step",
+            _remat,
+            none="no rematerialization",
+            type="str | list[str] | dict[str, str] | None",
         ),
         RunKeyword(
             "steps_per_dispatch",

@@ -121,6 +121,7 @@ def build(
         events,
         linen_init=(splits_given, hooks, fields_by_hook),
     )
+    remat = _remat(instance, keywords, model)
     params, rest = placement.lay_out(model.params, model.model_state)
     optimizer, opt_state = _build_optimizer(instance, keywords, splits_given, params, placement)
     precision = _precision(cls, keywords)
@@ -203,6 +204,7 @@ def build(
         val_every_steps=keywords.val_every_steps,
         frozen_statistics=_frozen_statistics(instance, keywords, model.model_state, optimizer),
         compile_options=keywords.compile_options,
+        remat=remat,
     )
     runtime = RunTime(
         experiment=instance,
@@ -228,6 +230,24 @@ def build(
         seed=keywords.seed,
     )
     return setup, runtime, state
+
+
+def _remat(instance: Any, keywords: RunKeywords, model: BuiltModel):
+    """`remat=` resolved against the model: the modules it names (refused for a path the
+    model does not have, and for a `train_step` hook, which differentiates by itself)."""
+    if keywords.remat is None:
+        return None
+    if has_method(type(instance), "train_step"):
+        raise SetupError(
+            f"remat= applies to the train step Nitro builds; {type(instance).__qualname__} "
+            f"defines train_step, which takes its gradients itself: leave remat= out and wrap "
+            f"the modules in nnx.remat inside it"
+        )
+    try:
+        merged = nnx.merge(model.graphdefs[0], model.params, model.model_state)
+        return keywords.remat.resolve(merged)
+    except ValueError as error:
+        raise SetupError(str(error)) from None
 
 
 def _frozen_statistics(
