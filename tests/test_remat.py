@@ -63,8 +63,8 @@ def test_remat_keys_the_train_step_and_names_itself_in_the_explanation():
     assert [record.program for record in new] == ["train step"]  # evaluation: unchanged
     assert "remat" in new[0].reason and "blocks.0: full" in new[0].reason
     report = str(n.binding_report())
-    assert "remat = Remat('full' on the layers)  [Nitro keyword]" in report
-    assert "remat  [Nitro keyword]\n  'full' on blocks.0, blocks.1, blocks.2\n" in report
+    assert "remat = Remat('full' on the model)  [Nitro keyword]" in report
+    assert "remat  [Nitro keyword]\n  'full' on blocks.0, blocks.1, blocks.2, head, stem\n" in report
     assert "train step scratch" in report and "without remat" in report
 
 
@@ -72,7 +72,7 @@ def test_a_policy_callable_applies_to_the_layers_keyed_by_its_values():
     policies = jax.checkpoint_policies
     n = nitro.Nitro(Deep(width=5), remat=policies.save_only_these_names("a"), **quiet())
     n.train()
-    assert "SaveOnlyTheseNames on blocks.0, blocks.1, blocks.2" in n.binding_report()
+    assert "SaveOnlyTheseNames on blocks.0, blocks.1, blocks.2, head, stem" in n.binding_report()
     before = len(cache_stats().compiles)
     nitro.Nitro(Deep(width=5), remat=policies.save_only_these_names("a"), **quiet()).train()
     assert len(cache_stats().compiles) == before  # an equal policy: the same program

@@ -4,8 +4,9 @@ the train step's backward pass instead of keeping them from the forward pass, an
 
 A policy is `"full"` (keep nothing: each module keeps only its inputs), `"dots"` (keep the
 matrix products, `jax.checkpoint_policies.dots_saveable`), or a `jax.checkpoint` policy
-callable. Given alone it applies to the model's layers: the modules held in its top-most lists
-(`nnx.List`), else its direct submodules. Module paths (`"blocks"`, `"blocks.0.attention"`, a
+callable. Given alone it applies to the model's composite modules, the ones holding modules of
+their own (a transformer's blocks and the attention inside each), or to every module when none
+holds others. Module paths (`"blocks"`, `"blocks.0.attention"`, a
 list of them, or a dict path -> policy) name the modules instead; a path naming a list applies
 to each module in it. Inside the traced train step each named module's `__call__` runs under
 `nnx.remat`; the values computed are the same, only what the backward pass keeps changes.
@@ -31,7 +32,7 @@ POLICIES: dict[str, Callable[..., bool]] = {
     "full": jax.checkpoint_policies.nothing_saveable,
     "dots": jax.checkpoint_policies.dots_saveable,
 }
-_LAYERS = ""  # a rule's path meaning "the model's layers"
+_LAYERS = ""  # a rule's path meaning "the model's composite modules"
 _EXAMPLE = "remat='full', remat=['blocks'] or remat={'blocks': 'dots'}"
 
 Policy = str | Callable[..., bool]
@@ -59,7 +60,7 @@ def _path(value: Any) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class Remat:
-    """The `remat=` keyword: `rules` as given ((module path, or "" for the model's layers;
+    """The `remat=` keyword: `rules` as given ((module path, or "" for the model's composites;
     policy)), and once resolved against the model, `modules`: each module's path with its
     policy."""
 
@@ -102,10 +103,10 @@ class Remat:
         chosen: dict[str, Policy] = {}
         for path, policy in self.rules:
             if path == _LAYERS:
-                found = _layers(modules, lists)
+                found = _composites(modules)
                 if not found:
                     raise ValueError(
-                        f"remat={_show(policy)} applies to the model's layers, and "
+                        f"remat={_show(policy)} applies to the model's modules, and "
                         f"{type(model).__name__} has no submodules: name none, or build it "
                         f"of modules"
                     )
@@ -130,10 +131,10 @@ class Remat:
 
     def describe(self) -> str:
         """`'full' on blocks.0, blocks.1`, grouped by policy (before `resolve`: the rules, the
-        model's layers as `the layers`)."""
+        model's composite modules as `the model`)."""
         by_policy: dict[str, list[str]] = {}
         for path, policy in self.modules or self.rules:
-            by_policy.setdefault(_show(policy), []).append(path or "the layers")
+            by_policy.setdefault(_show(policy), []).append(path or "the model")
         return "; ".join(f"{policy} on {_listed(paths)}" for policy, paths in by_policy.items())
 
     def __repr__(self) -> str:
@@ -177,13 +178,11 @@ def module_paths(model: nnx.Module) -> tuple[list[str], dict[str, list[str]]]:
     return modules, lists
 
 
-def _layers(modules: list[str], lists: Mapping[str, list[str]]) -> list[str]:
-    """The modules of the top-most lists, else the direct submodules."""
-    found: list[str] = []
-    for name in sorted(lists, key=lambda n: n.count(".")):
-        if not any(name == p or name.startswith(p + ".") for p in found):
-            found.extend(lists[name])
-    return found or [p for p in modules if "." not in p]
+def _composites(modules: list[str]) -> list[str]:
+    """The modules holding modules of their own (a transformer's blocks and their attention),
+    else every module: a leaf such as a Linear keeps little beyond its input anyway."""
+    held = [p for p in modules if any(q.startswith(p + ".") for q in modules)]
+    return held or modules
 
 
 def _show(policy: Policy) -> str:
