@@ -247,6 +247,12 @@ def _compile_options(value):
     return CompileOptions.of(value)
 
 
+def _hooks(value):
+    from nitro.experiments.hooks import Hooks
+
+    return Hooks.of(value)
+
+
 def _remat(value):
     from nitro.programs.remat import Remat
 
@@ -678,6 +684,17 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             _compile_options,
             none="XLA's defaults",
             type="dict[str, bool | int | float | str] | None",
+        ),
+        RunKeyword(
+            "hooks",
+            None,
+            "hook functions that override the experiment's methods of those names for this "
+            "handle, each taking self first: nitro.hooks(loss=fn) | nitro.hooks(metrics=g), "
+            "or a dict; a set mixes no traced with host hooks, and a traced hook captures no "
+            "jax array",
+            _hooks,
+            none="the experiment's own methods",
+            type="dict[str, Callable] | nitro.Hooks | None",
         ),
         RunKeyword(
             "remat",

@@ -107,9 +107,16 @@ def build(
     earlier handle's steps-per-dispatch choice (`weights=` a handle) to continue, unless
     `steps_per_dispatch` says otherwise."""
     configure_persistent_cache()  # before build_model, so its init ops are cached too
+    if keywords.hooks is not None:  # hooks=: the class with those methods, the same fields
+        instance = keywords.hooks.experiment(instance)
     cls = type(instance)
     hooks, hook_functions = freeze_hooks(cls)
     residency = resolve_residency(instance)
+    if keywords.hooks is not None:
+        try:
+            keywords.hooks.check(residency)
+        except ValueError as error:
+            raise SetupError(str(error)) from None
     fields_by_hook = hooks_fields(cls, hooks)
     splits_given = _build_data(instance, data, events, keywords.seed)
     placement = _placement(keywords)
