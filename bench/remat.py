@@ -32,7 +32,7 @@ def scratch_bytes(handle) -> int:
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="few, short rounds (smoke test)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--epochs", type=int, default=2)
@@ -50,9 +50,7 @@ def main(argv: list[str] | None = None) -> dict:
     loops = {"without": plain, "remat": recomputed}
     print(f"lm: {spec.description}; remat={args.policy!r}, {rounds} rounds of {epochs} epochs")
     rates = alternate_rounds(loops, rounds, 1, epochs)
-    speed = statistics.median(
-        r / p for r, p in zip(rates["remat"], rates["without"], strict=True)
-    )
+    speed = statistics.median(r / p for r, p in zip(rates["remat"], rates["without"], strict=True))
     close_handles(loops)
     memory = remat_bytes / plain_bytes
     print(

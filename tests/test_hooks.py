@@ -117,5 +117,5 @@ def test_a_live_edit_of_the_class_keeps_the_hooks_given(tmp_path):
     assert n.validate()["val_loss"] == pytest.approx(2 * plain)
     module.edit("return model(x)", "return 0.0 * model(x)")  # uniform outputs: loss log(10)
     edit = n.apply_edits().wait(DEADLINE)
-    assert edit.record["changed"] == ["forward"], edit
+    assert edit.record is not None and edit.record["changed"] == ["forward"], edit
     assert n.validate()["val_loss"] == pytest.approx(2 * np.log(10), rel=1e-6)

@@ -64,7 +64,9 @@ def test_remat_keys_the_train_step_and_names_itself_in_the_explanation():
     assert "remat" in new[0].reason and "blocks.0: full" in new[0].reason
     report = str(n.binding_report())
     assert "remat = Remat('full' on the model)  [Nitro keyword]" in report
-    assert "remat  [Nitro keyword]\n  'full' on blocks.0, blocks.1, blocks.2, head, stem\n" in report
+    assert (
+        "remat  [Nitro keyword]\n  'full' on blocks.0, blocks.1, blocks.2, head, stem\n" in report
+    )
     assert "train step scratch" in report and "without remat" in report
 
 

@@ -17,11 +17,11 @@ from nitro.core.provenance import Resolved
 from nitro.engine.run_keywords import DEFAULT
 
 if TYPE_CHECKING:
+    from nitro.experiments.hooks import Hooks
     from nitro.optim.ema import EMA
     from nitro.optim.precision import Precision
     from nitro.optim.sam import SAM
     from nitro.programs.compile_options import CompileOptions
-    from nitro.experiments.hooks import Hooks
     from nitro.programs.remat import Remat
     from nitro.runs.checkpoints import Checkpointer
     from nitro.runs.early_stopping import EarlyStopping

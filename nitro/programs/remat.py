@@ -35,7 +35,7 @@ POLICIES: dict[str, Callable[..., bool]] = {
 _LAYERS = ""  # a rule's path meaning "the model's composite modules"
 _EXAMPLE = "remat='full', remat=['blocks'] or remat={'blocks': 'dots'}"
 
-Policy = str | Callable[..., bool]
+Policy = str | Callable[..., Any]
 
 
 def _policy(value: Any, where: str) -> Policy:
@@ -74,7 +74,14 @@ class Remat:
         if value is None or value == "none" or isinstance(value, Remat):
             return value if isinstance(value, Remat) else None
         if isinstance(value, str) and value in POLICIES or callable(value):
-            return cls(((_LAYERS, _policy(value, "remat="),),))
+            return cls(
+                (
+                    (
+                        _LAYERS,
+                        _policy(value, "remat="),
+                    ),
+                )
+            )
         if isinstance(value, str):
             return cls(((_path(value), "full"),))
         if isinstance(value, Mapping):
@@ -164,7 +171,9 @@ def module_paths(model: nnx.Module) -> tuple[list[str], dict[str, list[str]]]:
     """(the paths of `model`'s submodules, in order; each list of modules' path -> the paths
     of the modules it holds)."""
     modules, lists = [], {}
-    nodes = sorted(nnx.iter_graph(model), key=lambda item: [(isinstance(k, int), f"{k:09}") for k in item[0]])
+    nodes = sorted(
+        nnx.iter_graph(model), key=lambda item: [(isinstance(k, int), f"{k:09}") for k in item[0]]
+    )
     for path, node in nodes:
         if not path:
             continue

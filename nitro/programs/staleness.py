@@ -19,7 +19,6 @@ from collections.abc import Mapping
 
 from nitro.core.run_setup import RunSetup
 from nitro.experiments.declaration import edit_generation, is_experiment
-from nitro.experiments.hooks import with_hooks
 from nitro.experiments.fingerprint import (
     CodeFingerprint,
     Fingerprinter,
@@ -27,6 +26,7 @@ from nitro.experiments.fingerprint import (
     diff_parts,
     is_library_module,
 )
+from nitro.experiments.hooks import with_hooks
 from nitro.programs.compile_cache import ProgramKind
 from nitro.programs.specs import PROGRAM_UNITS, programs_using
 
