@@ -50,6 +50,7 @@ class RunKeywords:
     max_steps: int | None
     val_every_steps: int | None
     eval_splits: tuple[str, ...] | None
+    validation_split: float | None
     schedules: Mapping[str, Any]  # key -> schedule
     learning_rate: float
     optimizer: Any  # an optax GradientTransformation or factory, a dict of them, or None

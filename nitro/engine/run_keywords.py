@@ -538,6 +538,19 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             type=str | tuple[str, ...] | None,
         ),
         RunKeyword(
+            "validation_split",
+            None,
+            "hold out the last fraction of the 'train' split's arrays as the 'val' split, split "
+            "before any shuffling (Keras's validation_split)",
+            _number(
+                "validation_split",
+                ranges.Range(0.0, 1.0, low_in=False).with_example(0.2),
+                off="no split held out",
+            ),
+            none="no split held out",
+            type=float | None,
+        ),
+        RunKeyword(
             "schedules",
             {},
             "key -> schedule for optimizer hyperparameters or Device fields",

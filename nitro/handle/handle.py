@@ -581,6 +581,9 @@ class Nitro(RunHandle):
                 if s.kind is not FieldKind.DEVICE
             },
             total_steps=setup.total_steps,
+            device_values={
+                n: self._runtime.feed.device_value(n) for n in setup.experiment.device_specs
+            },
         )
         feed = self._runtime.feed
         check_schedule_values(
