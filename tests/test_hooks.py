@@ -119,3 +119,9 @@ def test_a_live_edit_of_the_class_keeps_the_hooks_given(tmp_path):
     edit = n.apply_edits().wait(DEADLINE)
     assert edit.record is not None and edit.record["changed"] == ["forward"], edit
     assert n.validate()["val_loss"] == pytest.approx(2 * np.log(10), rel=1e-6)
+
+
+def test_a_population_runs_one_set_of_hooks():
+    pop = nitro.Population(Toy(), seed=[0, 1], hooks={"loss": doubled}, **quiet())
+    pop.train()
+    assert sorted(set(pop.history().index.get_level_values("member"))) == [0, 1]

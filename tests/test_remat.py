@@ -106,3 +106,11 @@ def test_a_bad_policy_is_refused_naming_it(value, expected):
 
 def test_none_is_no_rematerialization():
     assert nitro.Nitro(Toy(), remat="none", **quiet()).keywords["remat"].value is None
+
+
+def test_a_population_shares_one_remat_and_refuses_one_per_member():
+    pop = nitro.Population(Deep(width=6), seed=[0, 1], remat="full", **quiet())
+    pop.train()
+    assert sorted(set(pop.history().index.get_level_values("member"))) == [0, 1]
+    with pytest.raises(nitro.PopulationError, match="remat cannot vary across a population"):
+        nitro.Population(Deep(width=6), seed=[0, 1], remat=["full", "none"], **quiet())
