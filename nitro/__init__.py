@@ -65,6 +65,8 @@ _EXPORTS = {
     "WeightsError": "nitro.errors",
     "average": "nitro.runs.initial_weights",
     "Partial": "nitro.weights.partial",
+    "Hooks": "nitro.experiments.hooks",
+    "hooks": "nitro.experiments.hooks",
     "OptimizerError": "nitro.errors",
 }
 _SUBMODULES = (
@@ -95,6 +97,7 @@ __all__ = [
     "ExperimentError",
     "FieldKind",
     "GraphConst",
+    "Hooks",
     "HostFieldError",
     "Interrupted",
     "LRFindResult",
@@ -120,6 +123,7 @@ __all__ = [
     "experiment",
     "explain_compiles",
     "fields",
+    "hooks",
     "load_ipython_extension",
     "loggers",
     "models",

@@ -928,6 +928,7 @@ class Nitro(RunHandle):
             self.run_dir,
             self.run_id,
             history=self._state.history,
+            programs=self._programs,
         )
 
     @property

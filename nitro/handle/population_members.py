@@ -50,6 +50,8 @@ PROGRAM_KEYWORDS = {
     "decay_mask": "which leaves decay is part of the optimizer's structure",
     "eval_splits": "the population validates one set of splits",
     "compile_options": "XLA's options compile the program",
+    "hooks": "the members run one program, from one set of hooks",
+    "remat": "what the backward pass recomputes is part of the train step",
 }
 
 
