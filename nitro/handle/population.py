@@ -37,6 +37,7 @@ from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_keywords import RUN_KEYWORDS, resolve_run_keywords
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunGuard
+from nitro.engine.search import Proposal, split_search
 from nitro.engine.setup import build
 from nitro.errors import PopulationError, SetupError
 from nitro.experiments.declaration import field_specs
@@ -89,6 +90,7 @@ class Population(PopulationMembers):
         batches: str | None = None,
         mesh_axis: str = "members",
         preset: str | None = None,
+        search: Any = None,
         **keywords: Any,
     ):
         experiment = experiment_to_run(
@@ -96,7 +98,7 @@ class Population(PopulationMembers):
         )
         cls = check_experiment(experiment)
         origin = OriginProbe(cls)  # git runs beside the members' setup
-        given = {"members": members, "batches": batches, "mesh_axis": mesh_axis}
+        given = {"members": members, "batches": batches, "mesh_axis": mesh_axis, "search": search}
         self._given = (experiment, {k: v for k, v in given.items() if v is not None} | keywords)
         if mesh_axis not in ("members", "batch"):
             raise PopulationError(
@@ -110,6 +112,14 @@ class Population(PopulationMembers):
                 f"a fair comparison of the settings) or 'own' (each member its seed's data order)"
             )
         self._mesh_axis = mesh_axis
+        proposal, self._scheduler = split_search(search)
+        if proposal is not None:
+            if members is not None:
+                raise PopulationError(
+                    f"Population() takes members= or search={proposal.kind}(...), not both: "
+                    f"the search fills the members"
+                )
+            members = proposal
         # shared by every member, as Nitro(...) takes them: where the weights start, the splits
         self._weights = weights_source(keywords.pop("weights", None))
         self._data = keywords.pop("data", None)
@@ -146,7 +156,12 @@ class Population(PopulationMembers):
         self._batches_mode = batches
         specs = {s.name: s for s in field_specs(cls)}
         for name in dict.fromkeys(k for s in settings for k in s):
-            check_axis(cls, specs, name)
+            try:
+                check_axis(cls, specs, name)
+            except PopulationError as error:
+                if not isinstance(members, Proposal):
+                    raise
+                raise PopulationError(f"{members.kind} space key {name!r}: {error}") from None
         for name, value in shared.items():
             check_shared(specs, name, value)
         self._settings = settings
