@@ -18,12 +18,14 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from nitro.core import events as events_module
 from nitro.core import progress
 from nitro.core.events import Events
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState
+from nitro.engine import loop
 from nitro.engine.live_edit import live_instance
 from nitro.engine.member_axis import (
     Member,
@@ -33,11 +35,12 @@ from nitro.engine.member_axis import (
     check_member_layout,
     shown_settings,
 )
+from nitro.engine.population_search import Search, full_variables, shrink
 from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_keywords import RUN_KEYWORDS, resolve_run_keywords
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunGuard
-from nitro.engine.search import Proposal, split_search
+from nitro.engine.search import Halving, Proposal, split_search
 from nitro.engine.setup import build
 from nitro.errors import PopulationError, SetupError
 from nitro.experiments.declaration import field_specs
@@ -210,6 +213,7 @@ class Population(PopulationMembers):
         except SetupError as error:
             raise PopulationError(str(error)) from None
         self._programs = ProgramSet(lead.setup, len(settings), own_batches=batches == "own")
+        self._search = None if self._scheduler is None else self._searching(devices, mesh_axis)
         self._axis: Stacked | None = None  # the loop's members object: stacked on first use
         self._stacking = threading.Lock()  # pop.stop(i) may stack before the run's thread
         guard = self._guard  # not the population: its run directory's lock must not keep it
@@ -231,7 +235,10 @@ class Population(PopulationMembers):
         if self._files.resume_from is not None:
             with events_module.using(self._events):
                 state = self._stacked().state
-                restore_population(self._files, self._members, state, self._say)
+                record = restore_population(self._files, self._members, state, self._say)
+                training = None if self._search is None else self._search.restore(record.search)
+                if training is not None and len(training) < len(self._members):
+                    self._shrink([self._members[i] for i in training])
         self._files.claim_planned()
 
     def _build_member(
@@ -300,7 +307,49 @@ class Population(PopulationMembers):
             if self._axis is None:
                 members, say = self._members, self._say
                 self._axis = Stacked.of(members, self._batches_mode, self._mesh_axis, say)
+                if self._search is not None:
+                    self._axis.on_losses = self._search.add_losses
             return self._axis
+
+    def _searching(self, devices: int, mesh_axis: str) -> Search:
+        """The scheduler of `search=` at work, its settings checked against the members."""
+        scheduler = self._scheduler
+        assert scheduler is not None
+        lead = self._members[0].setup
+        if isinstance(scheduler, Halving) and devices > 1 and mesh_axis == "members":
+            sizes = scheduler.sizes(len(self._members))
+            if any(size % devices for size in sizes):
+                raise PopulationError(
+                    f"Halving shrinks the population to {' -> '.join(map(str, sizes))} members, "
+                    f"which do not all divide across n_devs={devices} devices: give keep= or "
+                    f"rungs= whose sizes do, or mesh_axis='batch'"
+                )
+        metric = scheduler.metric
+        if scheduler.unit == "steps" and metric not in (None, "loss"):
+            every = lead.val_every_steps
+            points = scheduler.rungs if isinstance(scheduler, Halving) else [scheduler.interval]
+            if every is None or any(p is not None and p % every for p in points):
+                raise PopulationError(
+                    f"{type(scheduler).__name__}(unit='steps', metric={metric!r}) ranks by an "
+                    f"evaluation within the epoch at each boundary: give val_every_steps= a "
+                    f"divisor of its boundaries, or metric='loss' (the training loss since the "
+                    f"last boundary)"
+                )
+        return Search(scheduler, self._members, self._say)
+
+    def _shrink(self, kept: list[Member]) -> None:
+        """The population down to the members `kept`: their variables gathered, and the
+        programs made for their count (compiled once, on their first call)."""
+        with self._stacking:
+            axis = self._axis = shrink(self._stacked_unlocked(), kept)
+            axis.on_losses = self._search.add_losses if self._search is not None else None
+        own = self._batches_mode == "own"
+        self._programs = ProgramSet(self._lead_setup, len(kept), own_batches=own)
+        self._lead_runtime.dispatch.for_members(len(kept))
+
+    def _stacked_unlocked(self) -> Stacked:
+        assert self._axis is not None  # stacked before a search shrinks it
+        return self._axis
 
     # ------------------------------------------------------------------------------------------
     # training and evaluation
@@ -348,6 +397,52 @@ class Population(PopulationMembers):
                 + "): pop.best() or pop.member(i) is a handle that trains on"
             )
 
+    def _train_run(self, target: int, stop_at: int | None, events: Events) -> str:
+        """A run's loop, in segments that end at the search's boundaries (`search=`): between
+        two, with every call read back, the boundary is taken (PBT's exploit, a rung that
+        shrinks the population). Without boundaries it is one segment, the run's own."""
+        search = self._search
+        if search is None:
+            return super()._train_run(target, stop_at, events)
+        self._files.open(self._lead_setup, events)
+        members, state = self._trainees()
+        reason = "completed"
+        try:
+            while True:
+                if search.due(state):
+                    kept = search.apply(members, state)
+                    if kept is not None:
+                        self._shrink(kept)
+                    members, state = self._trainees()
+                until, stop = search.segment(state, target, stop_at)
+                before = (state.step, state.epoch, state.epoch_trained)
+                _, reason = loop.train_epochs(  # it trains `state` in place
+                    self._lead_setup,
+                    self._lead_runtime,
+                    state,
+                    self._programs,
+                    events,
+                    self._control,
+                    until,
+                    # the saves see the call's epochs left, not the segment's
+                    after_epoch=lambda state, row, _: self._after_epoch(
+                        state, row, None if stop_at is not None else target - state.epoch, stop_at
+                    ),
+                    stop_at=stop,
+                    members=members,
+                )
+                ended = (state.epoch >= target and not state.epoch_trained) or (
+                    stop_at is not None and state.step >= stop_at
+                )
+                moved = (state.step, state.epoch, state.epoch_trained) != before
+                if ended or not moved or reason not in ("completed", "max_steps"):
+                    break
+                if self._end_reason(None) is not None:  # every member has stopped
+                    break
+        finally:
+            self._loop_left(state)
+        return self._end_save(state, reason, events)
+
     def _loop_left(self, state: PopulationState) -> None:
         self._stacked().keep_time(state)
         self._release_workers(final=False)  # worker processes live as the run
@@ -368,7 +463,21 @@ class Population(PopulationMembers):
                 best[row["epoch"]] = value
         members, files, value = self._members, self._files, best.get(state.epoch)
         rows = [{metric: best.get(epoch)} for epoch in range(1, state.epoch + 1)]
-        return rows, lambda why, new: population_save(files, members, state, why, new, value)
+        search = self._search
+
+        def snapshot(why: str | None, new: bool):
+            if search is None:
+                return population_save(files, members, state, why, new, value)
+            axis, view = self._stacked(), state
+            if axis.count < len(members):  # every member's variables, as before it shrank
+                healthy = np.zeros(len(members), bool)
+                healthy[[m.index for m in axis.members]] = np.asarray(state.healthy)
+                full = full_variables(axis, members)
+                view = dataclasses.replace(state, variables=full, healthy=healthy)
+            record = search.to_json(axis.members)
+            return population_save(files, members, view, why, new, value, search=record)
+
+        return rows, snapshot
 
     def _verdict(self, state: PopulationState) -> str | None:
         """Stop each member whose monitored metric stopped improving (`early_stop=`) as its
@@ -393,10 +502,10 @@ class Population(PopulationMembers):
             raise TypeError(f"pop.stop(member) takes a member index, got {member!r}")
         if not 0 <= member < len(self):
             raise IndexError(f"member {member} of a population of {len(self)}")
-        state = self._stacked().state  # a run that has not stacked its members yet finds it so
-        state.prune[member] = why or f"stopped by pop.stop({member})"
+        axis = self._stacked()  # a run that has not stacked its members yet finds it so
+        axis.state.prune[member] = why or f"stopped by pop.stop({member})"
         if not self.running:
-            apply_prunes(self._members, state, self._say)
+            apply_prunes(axis.members, axis.state, self._say)
         return self
 
     def _trainees(self) -> tuple[Stacked, PopulationState]:
@@ -405,6 +514,6 @@ class Population(PopulationMembers):
 
     def _evaluation(self, rows: Any) -> Any:
         """Every member's loss and metrics, a DataFrame indexed by member, its settings first."""
-        members = zip(self._members, rows, strict=True)
+        members = zip(self._stacked().members, rows, strict=True)
         shown = [{"member": m.index, **shown_settings(m.settings), **row} for m, row in members]
         return scalar_frame(shown, ["member"])
