@@ -25,7 +25,6 @@ from nitro.core import progress
 from nitro.core.events import Events
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState
-from nitro.engine import loop
 from nitro.engine.live_edit import live_instance
 from nitro.engine.member_axis import (
     Member,
@@ -397,51 +396,19 @@ class Population(PopulationMembers):
                 + "): pop.best() or pop.member(i) is a handle that trains on"
             )
 
-    def _train_run(self, target: int, stop_at: int | None, events: Events) -> str:
-        """A run's loop, in segments that end at the search's boundaries (`search=`): between
-        two, with every call read back, the boundary is taken (PBT's exploit, a rung that
-        shrinks the population). Without boundaries it is one segment, the run's own."""
+    def _segment(
+        self, state: PopulationState, target: int, stop_at: int | None
+    ) -> tuple[int, int | None]:
+        """The search's boundary due here is taken (PBT's exploit, a rung that shrinks the
+        population), and the stretch trained next ends at its next one."""
         search = self._search
         if search is None:
-            return super()._train_run(target, stop_at, events)
-        self._files.open(self._lead_setup, events)
-        members, state = self._trainees()
-        reason = "completed"
-        try:
-            while True:
-                if search.due(state):
-                    kept = search.apply(members, state)
-                    if kept is not None:
-                        self._shrink(kept)
-                    members, state = self._trainees()
-                until, stop = search.segment(state, target, stop_at)
-                before = (state.step, state.epoch, state.epoch_trained)
-                _, reason = loop.train_epochs(  # it trains `state` in place
-                    self._lead_setup,
-                    self._lead_runtime,
-                    state,
-                    self._programs,
-                    events,
-                    self._control,
-                    until,
-                    # the saves see the call's epochs left, not the segment's
-                    after_epoch=lambda state, row, _: self._after_epoch(
-                        state, row, None if stop_at is not None else target - state.epoch, stop_at
-                    ),
-                    stop_at=stop,
-                    members=members,
-                )
-                ended = (state.epoch >= target and not state.epoch_trained) or (
-                    stop_at is not None and state.step >= stop_at
-                )
-                moved = (state.step, state.epoch, state.epoch_trained) != before
-                if ended or not moved or reason not in ("completed", "max_steps"):
-                    break
-                if self._end_reason(None) is not None:  # every member has stopped
-                    break
-        finally:
-            self._loop_left(state)
-        return self._end_save(state, reason, events)
+            return target, stop_at
+        if search.due(state):
+            kept = search.apply(self._stacked(), state)
+            if kept is not None:
+                self._shrink(kept)
+        return search.segment(state, target, stop_at)
 
     def _loop_left(self, state: PopulationState) -> None:
         self._stacked().keep_time(state)
