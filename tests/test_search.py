@@ -265,3 +265,67 @@ def test_a_steps_search_stopped_between_boundaries_resumes_exactly():
     pd.testing.assert_frame_equal(
         without_timing(resumed.history()), without_timing(whole.history())
     )
+
+
+# ---------------------------------------------------------------------------------------------
+# successive halving
+
+
+class Steps:
+    """A reporter keeping every call's `member_steps` losses."""
+
+    def __init__(self):
+        self.losses: list[np.ndarray] = []
+
+    def member_steps(self, first, losses):
+        self.losses.append(np.asarray(losses))
+
+
+EIGHT = dict(learning_rate=[1e-4, 3e-4, 1e-3, 2e-3, 3e-3, 5e-3, 1e-2, 2e-2])
+
+
+def test_halving_shrinks_the_population_at_each_rung_compiling_once_per_size(fresh_cache):
+    steps = Steps()
+    keywords: dict[str, Any] = dict(steps_per_dispatch=3, checkpointer=None, logger=None)
+    pop = nitro.Population(
+        Digits(max_epochs=3, **SMALL),
+        search=nitro.Halving(rungs=[1, 2]),
+        progress=steps,
+        **EIGHT,
+        **keywords,
+    ).train()
+    reasons = [str(r.reason) for r in nitro.explain_compiles() if r.program.endswith("train step")]
+    assert len(reasons) == 3 and reasons[0] == "new program"
+    assert reasons[1].startswith("setting members: 8 -> 4;")
+    assert reasons[2].startswith("setting members: 4 -> 2;")
+
+    lineage = pop.lineage()
+    assert lineage.groupby("rung")["kept"].agg(["size", "sum"]).values.tolist() == [[8, 4], [4, 2]]
+    kept = lineage[(lineage["rung"] == 2) & lineage["kept"]]["member"].tolist()
+    assert sorted(pop.stopped) == sorted(set(range(8)) - set(kept))
+    assert all(why.startswith("halved at rung") for why in pop.stopped.values())
+    # every call reports a row per member, NaN for those left out
+    assert {losses.shape[0] for losses in steps.losses} == {8}
+    assert np.isnan(steps.losses[-1][sorted(pop.stopped)]).all()
+    assert np.isfinite(steps.losses[-1][kept]).all()
+
+    plain = nitro.Population(Digits(max_epochs=3, **SMALL), progress=False, **EIGHT, **keywords)
+    plain.train(epochs=1)
+    first = int(lineage[(lineage["rung"] == 1) & ~lineage["kept"]]["member"].iloc[0])
+    for a, b in zip(
+        pop.member(first).state.variables.params,
+        plain.member(first).state.variables.params,
+        strict=True,
+    ):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # its weights at its rung
+    plain.train()
+    for member in kept:  # trained on in smaller programs: as in the whole population, to 1e-5
+        np.testing.assert_allclose(
+            pop.history().loc[member]["val_loss"],
+            plain.history().loc[member]["val_loss"],
+            rtol=0,
+            atol=1e-5,
+        )
+    assert (
+        pop.best().given_keywords["learning_rate"] == EIGHT["learning_rate"][pop.ranking()[1][0][0]]
+    )
