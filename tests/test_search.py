@@ -311,7 +311,7 @@ def test_halving_shrinks_the_population_at_each_rung_compiling_once_per_size(fre
 
     plain = nitro.Population(Digits(max_epochs=3, **SMALL), progress=False, **EIGHT, **keywords)
     plain.train(epochs=1)
-    first = int(lineage[(lineage["rung"] == 1) & ~lineage["kept"]]["member"].iloc[0])
+    first = int(lineage.query("rung == 1 and not kept")["member"].tolist()[0])
     for a, b in zip(
         pop.member(first).state.variables.params,
         plain.member(first).state.variables.params,
