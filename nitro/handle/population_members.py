@@ -114,7 +114,11 @@ class PopulationMembers(RunHandle):
         fields = {k: v for k, v in now.items() if k in member.runtime.feed.device_dtypes}
         if fields:  # PBT's values now: its Device fields on the experiment, the others keywords
             experiment = replace(experiment, **fields)
-        given.update({k: v for k, v in now.items() if k not in fields})
+        for name, value in now.items():  # a hyperparameter no run keyword sets: a constant
+            if name in RUN_KEYWORDS:
+                given[name] = value
+            elif name not in fields:
+                given["schedules"] = {**dict(given.get("schedules") or {}), name: value}
         return Nitro(experiment, weights=weights, **{**data, **given, **keywords})
 
     # ------------------------------------------------------------------------------------------
