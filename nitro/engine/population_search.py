@@ -35,7 +35,7 @@ from nitro.engine.member_axis import Member, PopulationState, Stacked, unstack
 from nitro.engine.search import PBT, Halving, Scheduler
 from nitro.errors import PopulationError
 
-__all__ = ["Search", "shrink"]
+__all__ = ["Search", "full_variables", "shrink"]
 
 # member settings that are not fed values a PBT step could perturb
 NOT_PERTURBED = ("seed", "schedules", "group_lr")
@@ -149,8 +149,9 @@ class Search:
             if self.unit == "steps" and (scheduler.metric or "loss") == "loss":
                 total, count = self.sums.get(member.index, [0.0, 0])
                 rows.append({"member": member.index, "loss": total / count if count else math.nan})
-            elif self.unit == "steps":
-                last = member.state.validations[-1] if member.state.validations else {}
+            elif self.unit == "steps":  # the newest evaluation: within an epoch, or its end
+                found = [*member.state.validations[-1:], *member.state.history[-1:]]
+                last = max(found, key=lambda row: row.get("step", 0), default={})
                 rows.append({"member": member.index, **last})
             else:
                 rows.append({"member": member.index, **member.state.last_row})
@@ -182,10 +183,9 @@ class Search:
         scheduler = self.scheduler
         assert isinstance(scheduler, PBT)
         metric, ranked = self._ranked(training)
-        count = int(len(ranked) * scheduler.quantile) if len(ranked) > 1 else 0
-        count = max(1, count) if len(ranked) > 1 else 0
-        if not count:
+        if len(ranked) < 2:
             return
+        count = max(1, int(len(ranked) * scheduler.quantile))  # at most half: two sets apart
         rng = np.random.default_rng([scheduler.seed, state.step])
         best, worst = ranked[:count], ranked[-count:]
         position = {m.index: p for p, m in enumerate(stacked.members)}

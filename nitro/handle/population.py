@@ -340,15 +340,12 @@ class Population(PopulationMembers):
         """The population down to the members `kept`: their variables gathered, and the
         programs made for their count (compiled once, on their first call)."""
         with self._stacking:
-            axis = self._axis = shrink(self._stacked_unlocked(), kept)
+            assert self._axis is not None  # stacked before a search shrinks it
+            axis = self._axis = shrink(self._axis, kept)
             axis.on_losses = self._search.add_losses if self._search is not None else None
         own = self._batches_mode == "own"
         self._programs = ProgramSet(self._lead_setup, len(kept), own_batches=own)
         self._lead_runtime.dispatch.for_members(len(kept))
-
-    def _stacked_unlocked(self) -> Stacked:
-        assert self._axis is not None  # stacked before a search shrinks it
-        return self._axis
 
     # ------------------------------------------------------------------------------------------
     # training and evaluation
