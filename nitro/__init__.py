@@ -12,7 +12,7 @@ Packages by layer, bottom-up (docs/architecture.md): `experiments`, `data`, `opt
 `programs`, `runs`, `weights`, `models`, `loggers`, `engine`, `serving`, `handle`, `mcp`,
 `examples`, `cli` (the `nitro` command). Modules: `errors` (every error raised on purpose), `_version`
 (`__version__`), and the public import paths `bundle`, `serve`, `manual`, `staleness`, `events`,
-`progress`, `runner`, `dispatch` and `datasets`, each standing for a module inside a package
+`progress`, `runner`, `dispatch`, `datasets` and `search`, each standing for a module inside a package
 (`_public_path`).
 """
 
@@ -33,6 +33,8 @@ _EXPORTS = {
     "set_compilation_cache": "nitro.programs.compile_cache",
     "Nitro": "nitro.handle",
     "Population": "nitro.handle",
+    "PBT": "nitro.engine.search",
+    "Halving": "nitro.engine.search",
     "LRFindResult": "nitro.handle.lr_find",
     "PopulationError": "nitro.errors",
     "Device": "nitro.experiments",
@@ -79,6 +81,7 @@ _SUBMODULES = (
     "progress",
     "runner",
     "runs",
+    "search",
     "staleness",
     "weights",
 )
@@ -106,6 +109,8 @@ __all__ = [
     "ReduceOnPlateau",
     "OptimizerError",
     "Partial",
+    "PBT",
+    "Halving",
     "Population",
     "PopulationError",
     "Precision",
@@ -135,6 +140,7 @@ __all__ = [
     "runner",
     "runs",
     "saved_runs",
+    "search",
     "set_compilation_cache",
     "staleness",
     "unload_ipython_extension",
@@ -164,7 +170,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from nitro.core import events, progress
     from nitro.core.events import on_phase
     from nitro.data import datasets
-    from nitro.engine import dispatch, runner
+    from nitro.engine import dispatch, runner, search
+    from nitro.engine.search import PBT, Halving
     from nitro.errors import (
         CompilationCacheError,
         DivergenceError,

@@ -126,13 +126,15 @@ def restore(
     return restored, record
 
 
-def restore_population(files: Any, members: Sequence[Any], state: Any, note: Callable) -> None:
+def restore_population(
+    files: Any, members: Sequence[Any], state: Any, note: Callable
+) -> CheckpointRecord:
     """Continue the checkpoint a population's files found, as `restore` continues a run's:
     every member's variables, optimizer state, healthy flag, why it stopped, history and the
     running sums of its epoch under way, and the shared counters, into `state` (the fresh
     stacked state) and the members (each member's `LoggingReporter` reattaches its logger
     runs); refused, naming what differs, when the members' settings
-    or the program do not."""
+    or the program do not. Returns the checkpoint's record."""
     found = files.resume_from
     saved, record = files.read()
     lead = members[0]
@@ -170,6 +172,7 @@ def restore_population(files: Any, members: Sequence[Any], state: Any, note: Cal
         if member.logging is not None:
             member.logging.reattach(entry.logger)
     said_resumed(files, "population", state.epoch, state.step, note)
+    return record
 
 
 def said_resumed(files: Any, what: str, epoch: int, step: int, note: Callable) -> None:
