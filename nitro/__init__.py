@@ -188,6 +188,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
         WeightsError,
     )
     from nitro.experiments.declaration import Device, FieldKind, GraphConst, experiment, fields
+    from nitro.experiments.hooks import Hooks, hooks
     from nitro.experiments.presets import preset_of, presets
     from nitro.handle.handle import Nitro
     from nitro.handle.lr_find import LRFindResult
