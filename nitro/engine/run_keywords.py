@@ -602,7 +602,8 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
         RunKeyword(
             "decay_to",
             "zero",
-            "where weight decay pulls: 'zero', 'init' (L2-SP), or a model or tree of anchors",
+            "where weight decay pulls: 'zero', 'init' (L2-SP), a model or tree of anchors, or "
+            "parameter group -> 'zero' | 'init'",
             _decay_to,
             type=Literal["zero", "init"],
         ),
