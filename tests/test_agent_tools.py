@@ -1,4 +1,4 @@
-"""The twelve agent tools, driven by the MCP SDK's client over stdio and over streamable HTTP."""
+"""The thirteen agent tools, driven by the MCP SDK's client over stdio and over streamable HTTP."""
 
 from __future__ import annotations
 
@@ -28,10 +28,11 @@ TOOL_NAMES = {
     "nitro_stop",
     "nitro_population",
     "nitro_member",
+    "nitro_render",
 }
 
 
-def test_the_twelve_tools_are_listed_with_their_input_schemas(connect):
+def test_the_thirteen_tools_are_listed_with_their_input_schemas(connect):
     async def scenario():
         async with connect() as session:
             tools = (await session.list_tools()).tools
