@@ -127,7 +127,9 @@ def test_render_writes_files_and_tensorboard_images(trained, tmp_path):
         str(tmp_path / "one.svg"),
     ]
     assert all((tmp_path / p).stat().st_size > 0 for p in gallery.paths)
-    logged = nitro.Nitro(Digits(max_epochs=1), seed=0, progress=False, logger=nitro.loggers.TensorBoardLogger())
+    logged = nitro.Nitro(
+        Digits(max_epochs=1), seed=0, progress=False, logger=nitro.loggers.TensorBoardLogger()
+    )
     logged.show_batch(samples=4, where="logger")
     events = EventAccumulator(logged.run_dir)
     events.Reload()

@@ -324,7 +324,11 @@ def confusion(
                 f"{truth.dtype}{list(truth.shape)}: name the label field with labels=..."
             )
         for one in members:
-            outputs = part.outputs if one is None else jax.tree.map(lambda a: a[one], part.outputs)
+            outputs = (
+                part.outputs
+                if one is None
+                else jax.tree.map(lambda a, one=one: a[one], part.outputs)
+            )
             logits = _logits(handle, outputs)
             width = logits.shape[-1]
             matrix = counts.setdefault(one, np.zeros((width, width), np.int64))
