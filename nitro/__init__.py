@@ -12,7 +12,7 @@ Packages by layer, bottom-up (docs/architecture.md): `experiments`, `data`, `opt
 `programs`, `runs`, `weights`, `models`, `loggers`, `engine`, `serving`, `handle`, `mcp`,
 `examples`, `cli` (the `nitro` command). Modules: `errors` (every error raised on purpose), `_version`
 (`__version__`), and the public import paths `bundle`, `serve`, `manual`, `staleness`, `events`,
-`progress`, `runner`, `dispatch` and `datasets`, each standing for a module inside a package
+`progress`, `runner`, `dispatch`, `datasets` and `gallery`, each standing for a module inside a package
 (`_public_path`).
 """
 
@@ -71,6 +71,7 @@ _SUBMODULES = (
     "datasets",
     "dispatch",
     "events",
+    "gallery",
     "loggers",
     "models",
     "progress",
@@ -117,6 +118,7 @@ __all__ = [
     "experiment",
     "explain_compiles",
     "fields",
+    "gallery",
     "load_ipython_extension",
     "loggers",
     "models",
@@ -157,6 +159,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from nitro.core.events import on_phase
     from nitro.data import datasets
     from nitro.engine import dispatch, runner
+    from nitro.handle import gallery
     from nitro.errors import (
         CompilationCacheError,
         DivergenceError,

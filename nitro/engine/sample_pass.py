@@ -12,34 +12,16 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from typing import Any
 
-import jax
-import numpy as np
-
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import EvalOutput, TrainState
 from nitro.engine.evaluation import _eval_block, _real, delete, read_one_late, weights_of
 from nitro.engine.member_axis import SINGLE
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl
+from nitro.engine.sample_rows import SampleRows, rows_of
 from nitro.programs.specs import ProgramSet
 
-__all__ = ["SampleRows", "sample_pass"]
-
-
-class SampleRows:
-    """One batch's real rows on the host: `fields` (every field the batch carried to the
-    device, and its host fields), `outputs` (forward's, a member axis first for a
-    population), `losses` (f32[rows], `[members, rows]`; None when the loss couples samples
-    or the split has no loss fields) and `start`, the first row's index in the split."""
-
-    __slots__ = ("fields", "losses", "outputs", "start")
-
-    def __init__(self, fields: dict[str, np.ndarray], outputs: Any, losses: Any, start: int):
-        self.fields, self.outputs, self.losses, self.start = fields, outputs, losses, start
-
-    @property
-    def rows(self) -> int:
-        return len(next(iter(self.fields.values())))
+__all__ = ["sample_pass"]
 
 
 class _First:
@@ -102,19 +84,9 @@ def sample_pass(
     def account(staged, result: EvalOutput) -> None:
         nonlocal start
         try:
-            read = setup.placement.gather(result)
-            batch = setup.placement.gather(dict(staged.device))
-            reals = np.atleast_1d(np.asarray(staged.n_real)).tolist()
-            for i, real in enumerate(reals):
-                one = read if staged.count == 1 else jax.tree.map(lambda a, i=i: a[i], read)
-                fields = batch if staged.count == 1 else {k: v[i] for k, v in batch.items()}
-                host = staged.host if staged.count == 1 else (staged.host or [None] * (i + 1))[i]
-                cut = (slice(None), slice(0, real)) if stacked else slice(0, real)
-                fields = {k: np.asarray(v)[:real] for k, v in {**(host or {}), **fields}.items()}
-                outputs = jax.tree.map(lambda a, cut=cut: np.asarray(a)[cut], one.outputs)
-                losses = None if one.losses is None else np.asarray(one.losses)[cut]
-                take(SampleRows(fields, outputs, losses, start))
-                start += real
+            for rows in rows_of(setup, staged, result, stacked, start):
+                take(rows)
+                start += rows.rows
         finally:
             staged.free()
             delete(result)

@@ -157,12 +157,15 @@ class Visualizer:
             return None
         return hook
 
-    def draw(self, ax: Any, experiment: Any, shown: Shown, roles: Roles, say) -> None:
-        import matplotlib.pyplot as plt
-
+    def draw(
+        self, ax: Any, experiment: Any, shown: Shown, roles: Roles, say, pyplot: bool = True
+    ) -> None:
         hook = self.hook(experiment)
         if hook is not None:
-            plt.sca(ax)
+            if pyplot:
+                import matplotlib.pyplot as plt
+
+                plt.sca(ax)
             takes_ax = "ax" in inspect.signature(hook).parameters
             try:
                 sample = dict(shown.sample)
@@ -238,25 +241,33 @@ def draw_grid(
     experiment: Any,
     visualizer: Visualizer,
     say: Callable[[str], None],
+    pyplot: bool = True,
 ) -> Gallery:
-    """One figure of `shown`, a grid of at most `COLUMNS` a row, each drawn by `visualizer`."""
-    import matplotlib.pyplot as plt
-
+    """One figure of `shown`, a grid of at most `COLUMNS` a row, each drawn by `visualizer`.
+    `pyplot` False: with matplotlib's object API alone, safe off the main thread (a hook then
+    draws on its `ax` or returns an image; `plt.gca()` is not its cell)."""
     count = max(len(shown), 1)
     columns = min(count, COLUMNS)
     rows = -(-count // columns)
-    figure, axes = plt.subplots(
-        rows, columns, figsize=(1.9 * columns, 2.2 * rows), squeeze=False, layout="constrained"
-    )
+    size = {"figsize": (1.9 * columns, 2.2 * rows), "layout": "constrained"}
+    if pyplot:
+        import matplotlib.pyplot as plt
+
+        figure = plt.figure(**size)
+    else:
+        from matplotlib.figure import Figure
+
+        figure = Figure(**size)
     try:
-        cells = axes.ravel().tolist()
+        cells = figure.subplots(rows, columns, squeeze=False).ravel().tolist()
         for ax, one in zip(cells, shown, strict=False):
-            visualizer.draw(ax, experiment, one, roles, say)
+            visualizer.draw(ax, experiment, one, roles, say, pyplot)
         for ax in cells[len(shown) :]:
             ax.axis("off")
         figure.suptitle(title, fontsize="medium")
     finally:
-        plt.close(figure)  # drawn here, shown by the Gallery: never twice by pyplot
+        if pyplot:
+            plt.close(figure)  # drawn here, shown by the Gallery: never twice by pyplot
     table = []
     for one in shown:
         row: dict[str, Any] = {"index": one.index}

@@ -19,7 +19,8 @@ import jax
 import numpy as np
 
 from nitro.data.prefetch import _source_iterator
-from nitro.engine.sample_pass import SampleRows, sample_pass
+from nitro.engine.sample_pass import sample_pass
+from nitro.engine.sample_rows import SampleRows
 from nitro.errors import SetupError
 from nitro.handle.confusion import Confusion
 from nitro.handle.gallery import Gallery, Roles, Shown, Visualizer, draw_grid
