@@ -302,7 +302,6 @@ class Events:
         `validations()` row)."""
         self._deliver("member_validated", rows)
 
-
     def wants(self, name: str) -> bool:
         """Whether a reporter takes event `name` (what costs to gather is gathered only then)."""
         return bool(self._bound[name])
