@@ -159,7 +159,6 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from nitro.core.events import on_phase
     from nitro.data import datasets
     from nitro.engine import dispatch, runner
-    from nitro.handle import gallery
     from nitro.errors import (
         CompilationCacheError,
         DivergenceError,
@@ -177,6 +176,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     )
     from nitro.experiments.declaration import Device, FieldKind, GraphConst, experiment, fields
     from nitro.experiments.presets import preset_of, presets
+    from nitro.handle import gallery
     from nitro.handle.handle import Nitro
     from nitro.handle.lr_find import LRFindResult
     from nitro.handle.population import Population
