@@ -40,7 +40,7 @@ class GalleryReporter:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description=(__doc__ or "").splitlines()[0])
     parser.add_argument("--calls", type=int, default=40)
     parser.add_argument("--share", type=float, default=0.01)
     args = parser.parse_args()
@@ -48,9 +48,9 @@ def main() -> None:
     import matplotlib
 
     matplotlib.use("Agg")
-    from matplotlib.figure import Figure
-
     import io
+
+    from matplotlib.figure import Figure
 
     warm = Figure(layout="constrained")  # a panel has drawn its curves: matplotlib is warm
     warm.subplots(2, 2)[0, 0].imshow([[0.0, 1.0]])
