@@ -141,7 +141,7 @@ class LivePanel(widgets.VBox):
         self.curves = widgets.Box(
             self.plots, layout=widgets.Layout(display="none", flex_flow="row wrap")
         )
-        # validation samples with the current predictions (`gallery.py`), when shown
+        # validation samples with the current predictions (`sample_gallery.py`), when shown
         self.gallery = widgets.Image(
             format="png", layout=widgets.Layout(display="none", max_width="100%")
         )

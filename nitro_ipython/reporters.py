@@ -170,7 +170,7 @@ class PanelReporter:
         self._handle: Callable[[], Any] = lambda: None
         # the gallery's samples: None shows one when the experiment has a `visualize` hook
         self.gallery_samples = gallery
-        self.gallery = None  # the run's `GalleryRenderer`, when it shows one
+        self.gallery = None  # the run's `sample_gallery.GalleryRenderer`, when it shows one
         worker.panel_reporters.add(self)
 
     # ------------------------------------------------------------------------------------------
@@ -296,7 +296,7 @@ class PanelReporter:
         gallery.take(handle.experiment, handle.setup.split("val").hook_fields, samples, title)
 
     def _start_gallery(self, handle) -> None:
-        from .gallery import SAMPLES, GalleryRenderer
+        from .sample_gallery import SAMPLES, GalleryRenderer
 
         if self.gallery is not None:
             self.gallery.stop()

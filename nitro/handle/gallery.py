@@ -127,7 +127,7 @@ def default_view(ax: Any, shown: Shown, roles: Roles) -> None:
 
 
 def _title(ax: Any, shown: Shown, roles: Roles) -> None:
-    label = _scalar(shown.sample[roles.labels[0]]) if roles.labels else None
+    label = _scalar(shown.sample.get(roles.labels[0])) if roles.labels else None
     parts, color = [], "black"
     if label is not None:
         parts.append(_text(label))
@@ -173,18 +173,18 @@ class Visualizer:
                     drawn = hook(sample, shown.output, ax=ax)
                 else:
                     drawn = hook(sample, shown.output)
+                if isinstance(drawn, str):
+                    ax.set_title(drawn, fontsize="small")
+                elif drawn is not None:
+                    image = np.asarray(drawn)
+                    ax.imshow(image if _image(image) is None else _image(image), cmap="gray")
+                    ax.set_xticks([])
+                    ax.set_yticks([])
             except Exception as error:  # noqa: BLE001 - a drawing hook never stops the run
                 self.failed = hook.__code__
                 say(_failure(hook, error))
                 ax.clear()
             else:
-                if drawn is not None and not isinstance(drawn, str):
-                    image = _image(np.asarray(drawn))
-                    ax.imshow(np.asarray(drawn) if image is None else image, cmap="gray")
-                    ax.set_xticks([])
-                    ax.set_yticks([])
-                elif isinstance(drawn, str):
-                    ax.set_title(drawn, fontsize="small")
                 if not ax.get_title():
                     _title(ax, shown, roles)
                 return
@@ -272,7 +272,7 @@ def draw_grid(
     for one in shown:
         row: dict[str, Any] = {"index": one.index}
         for name in roles.labels:
-            row[name] = _scalar(one.sample[name])
+            row[name] = _scalar(one.sample.get(name))
         if one.output is not None:
             row["prediction"] = prediction_of(one.output)
         if one.loss is not None:

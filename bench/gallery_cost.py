@@ -4,11 +4,11 @@ settings, in alternating calls of `train(epochs=2)` on two live handles (warm: c
 
 The reporter is the panel's path without a notebook: validation hands it its first call
 (`val_samples`), it copies the samples when the gallery will draw them, and
-`nitro_ipython.gallery.GalleryRenderer` draws them on its own thread within its share of the
+`nitro_ipython.sample_gallery.GalleryRenderer` draws them on its own thread within its share of the
 run's time (default 1%). Printed: the median call time each way, their ratio (the cost: at
 most 1.02 is the aim), the galleries drawn and the share of the time spent drawing them.
 
-    python bench/gallery.py [--calls 40] [--share 0.01]
+    python bench/gallery_cost.py [--calls 40] [--share 0.01]
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ class GalleryReporter:
     """The panel reporter's gallery path, shown into nothing."""
 
     def __init__(self, share: float):
-        from nitro_ipython.gallery import GalleryRenderer
+        from nitro_ipython.sample_gallery import GalleryRenderer
 
         self.handle = None
         self.gallery = GalleryRenderer(lambda png: None, print, share=share)
