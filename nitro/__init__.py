@@ -57,6 +57,7 @@ _EXPORTS = {
     "ASAM": "nitro.optim.sam",
     "Precision": "nitro.optim.precision",
     "EarlyStopping": "nitro.runs.early_stopping",
+    "ReduceOnPlateau": "nitro.optim.plateau",
     "on_phase": "nitro.core.events",
     "saved_runs": "nitro.runs.run_dirs",
     "run_to_resume": "nitro.runs.resume",
@@ -76,6 +77,7 @@ _SUBMODULES = (
     "models",
     "progress",
     "runner",
+    "runs",
     "staleness",
     "weights",
 )
@@ -99,6 +101,7 @@ __all__ = [
     "LRFindResult",
     "MetricError",
     "Nitro",
+    "ReduceOnPlateau",
     "OptimizerError",
     "Partial",
     "Population",
@@ -128,6 +131,7 @@ __all__ = [
     "progress",
     "run_to_resume",
     "runner",
+    "runs",
     "saved_runs",
     "set_compilation_cache",
     "staleness",
@@ -154,7 +158,7 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from nitro import data, loggers, models, weights
+    from nitro import data, loggers, models, runs, weights
     from nitro.core import events, progress
     from nitro.core.events import on_phase
     from nitro.data import datasets
@@ -181,6 +185,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from nitro.handle.lr_find import LRFindResult
     from nitro.handle.population import Population
     from nitro.optim.ema import EMA
+    from nitro.optim.plateau import ReduceOnPlateau
     from nitro.optim.precision import Precision
     from nitro.optim.sam import ASAM, SAM
     from nitro.programs import staleness

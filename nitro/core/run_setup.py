@@ -230,6 +230,8 @@ class RunSetup:
     # freeze_batch_stats=True: (model-state leaf, its group's fed learning rate), the leaf
     # kept while that rate is 0
     frozen_statistics: tuple[tuple[int, str], ...] = ()
+    # compile_options=: the XLA options each program kind compiles with (None: XLA's defaults)
+    compile_options: Any = None
 
     @property
     def cls(self) -> type:

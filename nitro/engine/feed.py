@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from nitro.optim.plateau import ReduceOnPlateau
 from nitro.optim.schedules import BoundSchedule
 from nitro.programs.tracing import RNG_FIELD
 
@@ -137,6 +138,32 @@ class StepFeed:
         # each a new object, assigned whole: the loop reads them between calls without a lock
         self._scheduled, self._opt, self._dev = scheduled, opt, dev
         self._version += 1
+
+    def react(self, history: Sequence[Mapping[str, Any]]) -> list[str]:
+        """Let each `ReduceOnPlateau` schedule decide its scale from the committed `history`
+        (after an epoch's validation, and as a run starts: a resumed run's history decides
+        as the uninterrupted run's did); the keys whose value changed, which the next call
+        follows (nothing recompiles). Cheap without such schedules."""
+        changed = [
+            (name, evaluator.fn)
+            for name, evaluator in [
+                *((key, ev) for ev, _, key in self._opt.values()),
+                *self._dev.items(),
+            ]
+            if isinstance(evaluator.fn, ReduceOnPlateau) and evaluator.fn.react(history)
+        ]
+        if not changed:
+            return []
+        fresh = {id(fn): _Evaluator(fn) for _, fn in changed}  # their cached values are stale
+        opt = {
+            name: (fresh.get(id(ev.fn), ev), factor, key)
+            for name, (ev, factor, key) in self._opt.items()
+        }
+        scheduled = [(i, *opt[name][:2]) for i, name in enumerate(self.hyper_names) if name in opt]
+        dev = {name: fresh.get(id(ev.fn), ev) for name, ev in self._dev.items()}
+        self._scheduled, self._opt, self._dev = scheduled, opt, dev
+        self._version += 1
+        return list(dict.fromkeys(name for name, _ in changed))
 
     def hparams(self, step: int):
         if not self._opt:

@@ -45,6 +45,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nitro.core import progress
 from nitro.core.events import Events
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState
@@ -191,6 +192,7 @@ def train_epochs(
     members, whose rows `after_epoch` then gets as a list (`finish_epoch`).
     """
     run = _Epoch(setup, runtime, programs, events, control, members, state)
+    members.react(runtime, state)  # a resumed run's plateaus decide as the first run's did
     runtime.dispatch.start_run()
     run.dispatched = state.step
     run.target = target
@@ -288,6 +290,8 @@ def finish_epoch(
         committed = rows[0]
         committed.update(timing)
         state.history.append(committed)
+    for note in members.react(runtime, state):  # ReduceOnPlateau, from the next call on
+        progress.note(note)
     state.epoch += 1
     state.position = 0
     state.data_state = None

@@ -81,6 +81,11 @@ class Single:
         """The train split's stream of `epoch`."""
         return runtime.prefetcher("train").epoch(epoch, **options)
 
+    def react(self, runtime: RunTime, state: Any) -> list[str]:
+        """Plateau schedules decide from the committed history (`StepFeed.react`): what
+        changed, as notes."""
+        return _reactions("", runtime, state)
+
     def start_epoch(self, state: Any) -> EpochTotals:
         """The running sums of an epoch."""
         return EpochTotals(train_metrics=MetricAccumulator("train_metrics"))
@@ -151,6 +156,18 @@ def add_train_metrics(
             values = call_hook("train_metrics", batch_metrics, **fields)
             specs, leaves = split_modes(values, "train_metrics")
             totals.train_metrics.add(specs, leaves, staged.n_real)
+
+
+def _reactions(label: str, runtime: RunTime, state: TrainState) -> list[str]:
+    """What `ReduceOnPlateau` schedules changed after `state`'s history, as notes."""
+    notes = []
+    for key in runtime.feed.react(state.history):
+        value = runtime.feed.hyperparams_at(state.step).get(key)
+        if value is None:  # a Device field's
+            value = float(np.asarray(runtime.feed.device_value(key)))
+        last = state.history[-1] if state.history else {}
+        notes.append(f"{label}{key} reduced to {value:.4g} after epoch {last.get('epoch', 0)}")
+    return notes
 
 
 def unstack(tree: Any, index: int) -> Any:
@@ -326,6 +343,10 @@ class Stacked:
             apply_prunes(self.members, state, self.say)
         run.healthy = state.healthy
         return all(m.stopped is not None for m in self.members)
+
+    def react(self, runtime: RunTime, state: PopulationState) -> list[str]:
+        """Each member's plateau schedules decide from its own history."""
+        return [n for m in self.members for n in _reactions(f"{m.label}: ", m.runtime, m.state)]
 
     def start_epoch(self, state: PopulationState) -> EpochTotals:
         """The epoch's shared totals (its time), and each member's running sums."""

@@ -241,6 +241,12 @@ def _precision(value):
         raise ValueError(str(error)) from None
 
 
+def _compile_options(value):
+    from nitro.programs.compile_options import CompileOptions
+
+    return CompileOptions.of(value)
+
+
 def _steps_per_dispatch(value):
     if value == "auto" or isinstance(value, DispatchChoice):  # n.dispatch: continue it
         return value
@@ -423,6 +429,15 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             type="EarlyStopping | None",
         ),
         RunKeyword(
+            "restore_best",
+            False,
+            "end each train() on the weights of the run's best checkpoint by the checkpointer's "
+            "metric (Keras's restore_best_weights); the optimizer state, counters and history "
+            "stay the last step's",
+            _bool("restore_best"),
+            type=bool,
+        ),
+        RunKeyword(
             "resume",
             False,
             "'auto' (this experiment's run: the one its name last trained, else the furthest "
@@ -509,6 +524,19 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             _eval_splits,
             none="('val',) when build_data has one",
             type=str | tuple[str, ...] | None,
+        ),
+        RunKeyword(
+            "validation_split",
+            None,
+            "hold out the last fraction of the 'train' split's arrays as the 'val' split, split "
+            "before any shuffling (Keras's validation_split)",
+            _number(
+                "validation_split",
+                ranges.Range(0.0, 1.0, low_in=False).with_example(0.2),
+                off="no split held out",
+            ),
+            none="no split held out",
+            type=float | None,
         ),
         RunKeyword(
             "schedules",
@@ -646,6 +674,17 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "float32 (or a nitro.Precision(...))",
             _precision,
             type=Literal["float32", "bfloat16", "float16"] | str,
+        ),
+        RunKeyword(
+            "compile_options",
+            None,
+            "XLA compiler options for every program the handle compiles, as JAX's "
+            ".compile(compiler_options=...) takes them: a dict of option -> value, or of "
+            "program kind ('train', 'eval', 'predict', 'metrics') -> such a dict; they key the "
+            "compile cache (an unknown option is refused before setup)",
+            _compile_options,
+            none="XLA's defaults",
+            type="dict[str, bool | int | float | str] | None",
         ),
         RunKeyword(
             "steps_per_dispatch",

@@ -111,7 +111,7 @@ def build(
     hooks, hook_functions = freeze_hooks(cls)
     residency = resolve_residency(instance)
     fields_by_hook = hooks_fields(cls, hooks)
-    splits_given = _build_data(instance, data, events, keywords.seed)
+    splits_given = _build_data(instance, data, events, keywords.seed, keywords.validation_split)
     placement = _placement(keywords)
     device_specs, device_dtypes, device_values = _device_fields(instance, placement)
     model = _build_model(
@@ -202,6 +202,7 @@ def build(
         max_steps=keywords.max_steps,
         val_every_steps=keywords.val_every_steps,
         frozen_statistics=_frozen_statistics(instance, keywords, model.model_state, optimizer),
+        compile_options=keywords.compile_options,
     )
     runtime = RunTime(
         experiment=instance,
@@ -398,7 +399,9 @@ def resolve_residency(instance: Any) -> dict[str, str]:
 # data, Device fields, model, optimizer
 
 
-def _build_data(instance: Any, data: Any, events: Events, seed: int) -> dict[str, Any]:
+def _build_data(
+    instance: Any, data: Any, events: Events, seed: int, validation_split: float | None = None
+) -> dict[str, Any]:
     events.phase("building data")
     if data is None:
         data = instance.build_data()
@@ -409,10 +412,37 @@ def _build_data(instance: Any, data: Any, events: Events, seed: int) -> dict[str
         )
     size = getattr(instance, "batch_size", None)
     size = size if isinstance(size, int) and not isinstance(size, bool) else None
-    return {
-        split: _seeded(_restartable(split, adopt(split, source, size)), seed)
-        for split, source in data.items()
-    }
+    adopted = {split: adopt(split, source, size) for split, source in data.items()}
+    if validation_split is not None:
+        adopted = _held_out(adopted, validation_split)
+    return {split: _seeded(_restartable(split, source), seed) for split, source in adopted.items()}
+
+
+def _held_out(splits: Mapping[str, Any], fraction: float) -> dict[str, Any]:
+    """`validation_split=`: a 'val' split of the last `fraction` of the 'train' arrays."""
+    where = f"validation_split={fraction}"
+    if "val" in splits:
+        raise SetupError(
+            f"{where} holds out a 'val' split from 'train', and build_data returns a 'val' "
+            f"split already: leave validation_split out, or return no 'val' split"
+        )
+    train = splits.get("train")
+    if not isinstance(train, ArrayLoader):
+        raise SetupError(
+            f"{where} holds out the last part of array data, and the 'train' split is "
+            f"{'missing' if train is None else type(train).__name__}: give 'train' as a "
+            f"nitro.data.ArrayLoader (or a dict of arrays), or return a 'val' split from "
+            f"build_data"
+        )
+    held = int(train.num_samples) - int(train.num_samples * (1.0 - fraction))
+    if held < 1 or train.num_samples - held < train.global_batch_size:
+        raise SetupError(
+            f"{where} of {train.num_samples} samples holds out {held}, leaving "
+            f"{train.num_samples - held} to train on in batches of {train.global_batch_size}: "
+            f"give a fraction that leaves at least one sample out and one batch in"
+        )
+    kept, val = train.holding_out(fraction)
+    return {**splits, "train": kept, "val": val}
 
 
 def _seeded(source: Any, seed: int) -> Any:
@@ -813,6 +843,7 @@ def _bind_schedules(
             if s.kind is not FieldKind.DEVICE
         },
         total_steps=total,
+        device_values=device_values,
     )
     check_schedule_values(
         schedules,

@@ -54,6 +54,7 @@ from nitro.handle.signature import keyword_signature, keywords_doc
 from nitro.handle.summary import ModelSummary
 from nitro.optim.schedules import bind_schedules, check_schedule_values
 from nitro.programs.specs import ProgramSet
+from nitro.runs.checkpoint_reads import resolve_checkpoint
 from nitro.runs.initial_weights import AveragedWeights, CheckpointWeights, WeightsSource
 from nitro.runs.resume import restore
 from nitro.runs.run_files import RunFiles
@@ -152,6 +153,12 @@ class Nitro(RunHandle):
         weights = keywords.pop("weights", None)
         data = keywords.pop("data", None)
         resolved = RunKeywords.of(resolve_run_keywords(instance, keywords))
+        if resolved.restore_best and resolved.checkpointer is None:
+            raise SetupError(
+                "restore_best=True loads the run's best checkpoint at the end of train(), and "
+                "checkpointer=None saves none: keep the default checkpointer (or pass "
+                "checkpointer=nitro.Checkpointer(...)), or leave restore_best out"
+            )
         if weights is not None and resolved.resume:
             raise SetupError(
                 "resume= and weights= are exclusive: resume= continues a run (its weights, "
@@ -574,6 +581,9 @@ class Nitro(RunHandle):
                 if s.kind is not FieldKind.DEVICE
             },
             total_steps=setup.total_steps,
+            device_values={
+                n: self._runtime.feed.device_value(n) for n in setup.experiment.device_specs
+            },
         )
         feed = self._runtime.feed
         check_schedule_values(
@@ -723,23 +733,59 @@ class Nitro(RunHandle):
 
     def restore_best(self) -> Nitro:
         """Load the weights (parameters and model state) of this run's best checkpoint by the
-        checkpointer's metric; the optimizer state, counters and history stay."""
+        checkpointer's metric; the optimizer state, counters and history stay.
+        `Nitro(..., restore_best=True)` does it at the end of each `train()`."""
         with self._guard.hold("restoring its best weights"):
-            self._files.wait()
-            source = CheckpointWeights.of((str(self._files.run_dir), "best"))
-            found = source.resolve(*self._trees())
-            place = self._setup.placement.put_like  # on the live leaves' shardings
-            state = self._state
-            variables = dataclasses.replace(
-                state.variables,
-                params=place(jax.tree.leaves(found.params), state.variables.params),
-                model_state=place(jax.tree.leaves(found.model_state), state.variables.model_state),
-            )
-            # a new state, swapped in under the guard: the loop stays its only in-place writer
-            self._state = dataclasses.replace(state, variables=variables)
-            self._checkpoint = found.checkpoint
-        self._say(f"restored the weights of {found.origin}")
+            self._load_best()
         return self
+
+    def _load_best(self) -> None:
+        """`restore_best()`'s work, under the guard (or on the run's thread, at its end)."""
+        self._files.wait()
+        source = CheckpointWeights.of((str(self._files.run_dir), "best"))
+        found = source.resolve(*self._trees())
+        place = self._setup.placement.put_like  # on the live leaves' shardings
+        state = self._state
+        variables = dataclasses.replace(
+            state.variables,
+            params=place(jax.tree.leaves(found.params), state.variables.params),
+            model_state=place(jax.tree.leaves(found.model_state), state.variables.model_state),
+        )
+        # a new state, swapped in under the guard: the loop stays its only in-place writer
+        self._state = dataclasses.replace(state, variables=variables)
+        self._checkpoint = found.checkpoint
+        self._say(f"restored the weights of {found.origin}")
+
+    def _finish(self, reason: str) -> None:
+        """`restore_best=True`: the run ends on its best checkpoint's weights (none saved
+        yet: it keeps the last step's, and says so)."""
+        if not self._setup.keywords["restore_best"].value:
+            return
+        if self.best_checkpoint is None:
+            self._say("restore_best: no checkpoint saved yet; the weights stay the last step's")
+            return
+        self._load_best()
+
+    @property
+    def best_checkpoint(self) -> str | None:
+        """The path of this run's best checkpoint by the checkpointer's metric (the newest
+        when it watches none); None before the first save or with `checkpointer=None`."""
+        if self._files.store is None:
+            return None
+        self._files.wait()
+        try:
+            found = resolve_checkpoint((str(self._files.run_dir), "best"), read=False)
+        except SetupError:  # nothing saved yet
+            return None
+        return str(found.path)
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds this run has trained: its epochs' `epoch_seconds` (a resumed run's earlier
+        epochs too) and the epoch under way."""
+        state = self._state
+        done = sum(float(row.get("epoch_seconds") or 0.0) for row in state.history)
+        return done + (state.totals.seconds if state.totals is not None else 0.0)
 
     @property
     def hyperparameters(self) -> dict[str, float]:

@@ -49,6 +49,7 @@ PROGRAM_KEYWORDS = {
     "decay_to": "where weight decay pulls is part of the optimizer's structure",
     "decay_mask": "which leaves decay is part of the optimizer's structure",
     "eval_splits": "the population validates one set of splits",
+    "compile_options": "XLA's options compile the program",
 }
 
 
@@ -169,6 +170,11 @@ def check_axis(cls: type, specs: Mapping[str, Any], name: str) -> None:
 def check_shared(specs: Mapping[str, Any], name: str, value: Any) -> None:
     if name not in RUN_KEYWORDS and name not in specs:
         raise PopulationError(f"{name} is neither a run keyword nor a field of the experiment")
+    if name == "restore_best" and value:
+        raise PopulationError(
+            "restore_best=True is a single run's: a population saves its members together, "
+            "ranked by their best member; pop.best() is a handle of the best member's weights"
+        )
 
 
 def check_one_program(members: Sequence[Member]) -> None:

@@ -141,7 +141,12 @@ class RunHandle:
             )
         finally:
             self._loop_left(state)
-        return self._end_save(state, reason, events)
+        reason = self._end_save(state, reason, events)
+        self._finish(reason)
+        return reason
+
+    def _finish(self, reason: str) -> None:
+        """The run's last work before its end is reported (a run's `restore_best=`)."""
 
     def _after_run(self) -> None:
         """After the run has let go of the handle: an edit compiled after its last call is

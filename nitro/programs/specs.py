@@ -20,6 +20,7 @@ once; a population's (`members=N`) are the same programs vmapped over a leading 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -235,6 +236,7 @@ class ProgramSet:
     def _get(self, slot: tuple, make_spec: Callable[[RunSetup], ProgramSpec], args) -> Program:
         program = self._slots.get(slot)
         if program is None:
+            make_spec = functools.partial(_optioned, make_spec, slot[0])
             program = CACHE.lookup(make_spec(self.setup), args)
             self._makers[slot] = (make_spec, abstract_arguments(args))  # before the slot:
             self._slots[slot] = program  # `for_setup` on another thread reads both
@@ -324,6 +326,13 @@ class ProgramSet:
             if warm:
                 warm_up(program, item.arguments)
         return compiled
+
+
+def _optioned(make_spec: Callable[[RunSetup], ProgramSpec], kind: str, setup: RunSetup):
+    """`make_spec`'s spec for `setup`, compiled with the XLA options `compile_options=` gives
+    programs of `kind` (a slot's first name: train, eval, predict, metrics)."""
+    options = setup.compile_options
+    return make_spec(setup).with_options(options.for_kind(kind) if options else {})
 
 
 @dataclasses.dataclass(frozen=True)
