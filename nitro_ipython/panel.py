@@ -145,6 +145,7 @@ class LivePanel(widgets.VBox):
         self.gallery = widgets.Image(
             format="png", layout=widgets.Layout(display="none", max_width="100%")
         )
+        self.gallery.add_class("nitro-gallery-live")
         self.edits = widgets.HTML()  # the key to the curves' marks of live edits
         self.notes = widgets.HTML()
         # what the live panel alone says (a background run's commands): never in its record

@@ -35,9 +35,9 @@ class GalleryRenderer:
         show: Callable[[bytes], None],
         say: Callable[[str], None],
         samples: int = SAMPLES,
-        share: float = SHARE,
+        share: float | None = None,
     ):
-        self.samples, self.share = samples, share
+        self.samples, self.share = samples, SHARE if share is None else share
         self._show, self._say = show, say
         self._condition = threading.Condition()
         self._job: tuple | None = None
