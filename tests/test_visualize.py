@@ -138,6 +138,22 @@ def test_render_writes_files_and_tensorboard_images(trained, tmp_path):
     assert events.Images("batch/train")[0].encoded_image_string.startswith(b"\x89PNG")
 
 
+def test_render_sends_the_figure_to_mlflow_as_an_artifact(trained, tmp_path, monkeypatch):
+    pytest.importorskip("mlflow", reason="MLflowLogger needs pip install 'nitro[mlflow]'")
+    from mlflow.tracking import MlflowClient
+
+    monkeypatch.setenv("MLFLOW_ALLOW_FILE_STORE", "true")
+    store = (tmp_path / "mlruns").as_uri()
+    logger = nitro.loggers.MLflowLogger(store)
+    n = nitro.Nitro(Digits(max_epochs=1), seed=0, progress=False, logger=logger)
+    n.train()
+    n.top_losses(4, where="logger")
+    n.close()
+    client = MlflowClient(tracking_uri=store)
+    figures = {a.path for a in client.list_artifacts(logger.run_id, "figures/top_losses/val")}
+    assert figures == {f"figures/top_losses/val/step_{n.step}.png"}
+
+
 def test_render_refuses_a_logger_it_does_not_have_and_bad_counts(trained):
     with pytest.raises(nitro.SetupError, match=r"loggers \(JSONLinesLogger\) store no images"):
         trained.render(where="logger")

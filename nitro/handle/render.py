@@ -133,7 +133,7 @@ def _logger(handle: Any, member: int | None) -> Any:
     from nitro.loggers import BaseLogger
 
     kinds = [type(one) for one in logging.logger.loggers]
-    if all(getattr(kind, "log_figure", None) is BaseLogger.log_figure for kind in kinds):
+    if all(getattr(kind, "log_figure", None) in (None, BaseLogger.log_figure) for kind in kinds):
         raise SetupError(
             f"render(where='logger'): the run's loggers "
             f"({', '.join(kind.__name__ for kind in kinds)}) store no images; add one that "
