@@ -174,3 +174,25 @@ def test_a_population_answers_per_member():
     assert [m.accuracy for m in matrices] == pytest.approx(scores)
     assert all(m.total == 180 for m in matrices)
     assert len(worst.rows) == 3 and "member 1" in worst.title
+
+
+def test_fused_evaluation_calls_give_the_same_rows_and_counts_as_single_batches():
+    fused = nitro.Nitro(
+        Digits(max_epochs=1, batch_size=16), seed=0, progress=False, steps_per_dispatch=2
+    )
+    fused.train()
+    fused.validate()
+    with counting_compiles() as compiled:
+        matrix = fused.confusion()
+        worst = fused.top_losses(5)
+        shown = fused.render(batches=3, samples=40)
+    assert compiled == {"cache": 0, "jax": 0}
+    val = nitro.datasets.digits_arrays()["val"]
+    logits = fused.predict({"x": val["x"]})
+    expected = np.zeros((10, 10), np.int64)
+    np.add.at(expected, (val["y"], logits.argmax(-1)), 1)
+    np.testing.assert_array_equal(matrix.matrix, expected)  # 12 batches, the last one short
+    losses = np.asarray(optax.softmax_cross_entropy_with_integer_labels(logits, val["y"]))
+    assert [r["index"] for r in worst.rows] == np.argsort(-losses)[:5].tolist()
+    assert [r["index"] for r in shown.rows] == list(range(40))
+    assert [r["y"] for r in shown.rows] == val["y"][:40].tolist()
