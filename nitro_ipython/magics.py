@@ -251,6 +251,7 @@ class NitroMagics(Magics):
             first batch alone, compiling nothing (n.show_batch()); --top-losses K: the K
             samples with the highest loss (n.top_losses(K)); --confusion: the confusion
             matrix and per-class metrics (n.confusion()); --out also writes the figure
+            (a file, or a directory)
         %nitro history [RUN]     the history table (a population's: every member's)
         %nitro plot [RUN]        the history's curves
         %nitro panel [RUN]       RUN's live panel in this cell (for a run or population
@@ -566,10 +567,7 @@ class NitroMagics(Magics):
         self._idle(name, handle, "render")
         split = args.split or "val"
         if args.confusion:
-            result = handle.confusion(split)
-            if args.out is not None and not isinstance(result, list):
-                result.plot(args.out)
-            return result
+            return handle.confusion(split, where=where)
         if args.top_losses is not None:
             return handle.top_losses(args.top_losses, split, where=where)
         return handle.render(split, where=where)

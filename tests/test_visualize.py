@@ -131,10 +131,11 @@ def test_render_writes_files_and_tensorboard_images(trained, tmp_path):
         Digits(max_epochs=1), seed=0, progress=False, logger=nitro.loggers.TensorBoardLogger()
     )
     logged.show_batch(samples=4, where="logger")
+    logged.confusion(where="logger")
     events = EventAccumulator(logged.run_dir)
     events.Reload()
     images = events.Tags()["images"]
-    assert "batch/train" in images
+    assert {"batch/train", "confusion/val"} <= set(images)
     assert events.Images("batch/train")[0].encoded_image_string.startswith(b"\x89PNG")
 
 

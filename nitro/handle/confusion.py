@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import dataclasses
+import functools
 import io
 from collections.abc import Sequence
 from typing import Any
@@ -33,6 +34,12 @@ class Confusion:
     classes: Sequence[Any]
     split: str
     title: str = ""
+    paths: list[str] = dataclasses.field(default_factory=list)  # the files written
+
+    @functools.cached_property
+    def figure(self):
+        """The plot (`plot()`), drawn once."""
+        return self.plot()
 
     @property
     def total(self) -> int:
@@ -112,7 +119,7 @@ class Confusion:
 
     def _repr_html_(self) -> str:
         buffer = io.BytesIO()
-        self.plot().savefig(buffer, format="png")
+        self.figure.savefig(buffer, format="png")
         image = base64.b64encode(buffer.getvalue()).decode()
         return (
             f"<div><img src='data:image/png;base64,{image}'/>"

@@ -146,12 +146,11 @@ def _logger(handle: Any, member: int | None) -> Any:
     return logging.logger
 
 
-def _deliver(
-    handle: Any, gallery: Gallery, where: Any, name: str, member: int | None = None
-) -> Gallery:
-    """Send the figure `where` it goes: "inline" (returned, shown by the notebook),
-    "logger" (each of the run's loggers that stores images), a file name with an image
-    suffix, or a directory (`<name>_step<step>.png` in it); or a list of them."""
+def _deliver(handle: Any, gallery: Any, where: Any, name: str, member: int | None = None) -> Any:
+    """Send the figure of `gallery` (a `Gallery` or a `Confusion`) `where` it goes:
+    "inline" (returned, shown by the notebook), "logger" (each of the run's loggers that
+    stores images; a confusion also as the loggers' confusion matrix), a file name with an
+    image suffix, or a directory (`<name>_step<step>.png` in it); or a list of them."""
     places = [where] if isinstance(where, (str, os.PathLike)) else list(where)
     for place in places:
         if place == "inline":
@@ -159,6 +158,8 @@ def _deliver(
         if place == "logger":
             logger = _logger(handle, member)
             logger.log_figure(name, gallery.figure, step=handle.step)
+            if isinstance(gallery, Confusion):
+                logger.log_confusion(gallery.matrix, list(gallery.classes), epoch=handle.epoch)
             logger.flush()
             continue
         if not isinstance(place, (str, os.PathLike)):
@@ -304,6 +305,7 @@ def confusion(
     classes: Sequence[Any] | None = None,
     member: int | None = None,
     weights: str | None = None,
+    where: Any = "inline",
 ) -> Any:
     """See `RunHandle.confusion`."""
     setup = handle._lead_setup
@@ -353,7 +355,8 @@ def confusion(
         who = handle.cls.__name__ + (f" member {one}" if one is not None else "")
         result = Confusion(matrix, tuple(names), split)
         result.title = f"{who} on {split!r}: accuracy {result.accuracy:.3f}"
-        out.append(result)
+        name = f"confusion/{split}" + (f"/member_{one}" if one is not None else "")
+        out.append(_deliver(handle, result, where, name, one))
     return _answer(handle, member, out)
 
 

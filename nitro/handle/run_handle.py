@@ -639,15 +639,17 @@ class RunHandle:
         classes: Sequence[Any] | None = None,
         member: int | None = None,
         weights: str | None = None,
+        where: Any = "inline",
     ) -> Any:
         """A classifier's confusion matrix on `split` (a `Confusion`: `.matrix`, `.table()`,
         `.per_class()` precision, recall, F1 and support, `.plot()`), counted exactly from one
         pass of the evaluation program validation runs. `labels` names the label field (by
         default the loss's one integer field besides forward's inputs); `classes` names the
-        classes. A population's: one per member."""
+        classes; `where` as `render`'s (the loggers also get the matrix itself). A
+        population's: one per member."""
         from nitro.handle.render import confusion
 
-        return confusion(self, split, labels, classes, member, weights)
+        return confusion(self, split, labels, classes, member, weights, where)
 
     _stale_checked: tuple[int, float] = (-1, 0.0)
     _stale_seen: str | None = None

@@ -620,7 +620,7 @@ class ToolSession:
                 "per_class": [
                     one.per_class().round(4).reset_index().to_dict("records") for one in results
                 ],
-                "images": [_png(one.plot()) for one in results],
+                "images": [_png(one.figure) for one in results],
             }
         if view == "data":
             found = run.show_batch(split, samples=samples)
