@@ -584,6 +584,7 @@ class Nitro(RunHandle):
             device_values={
                 n: self._runtime.feed.device_value(n) for n in setup.experiment.device_specs
             },
+            device_sets=tuple(setup.experiment.device_sets),
         )
         feed = self._runtime.feed
         check_schedule_values(
@@ -808,7 +809,17 @@ class Nitro(RunHandle):
             metrics=metrics,
             title=self.cls.__name__,
             swaps=self._state.swaps,
+            best=self.best_by,
         )
+
+    @property
+    def best_by(self) -> tuple[str, str]:
+        """(metric, "min" or "max"): what "best" means for this run, as its checkpointer ranks
+        (else its early stopping watches; else `val_loss` with a 'val' split, else `loss`)."""
+        watcher = self._setup.checkpointer or self._setup.early_stop
+        if watcher is not None and any(watcher.metric in row for row in self._state.history):
+            return watcher.metric, watcher.mode
+        return ("val_loss" if "val" in self._setup.eval_splits else "loss"), "min"
 
     def summary(
         self, batch: Mapping[str, Any] | None = None, *, split: str | None = None, depth=None
