@@ -18,6 +18,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from nitro.data.loaders import is_one_shot
 from nitro.data.prefetch import _source_iterator
 from nitro.engine.sample_pass import sample_pass
 from nitro.engine.sample_rows import SampleRows
@@ -73,6 +74,12 @@ def _data_rows(handle: Any, split: str, batches: int, samples: int) -> list[Samp
     """The first batches of `split` as its source gives them, on the host: no program, no
     device transfer."""
     source = handle._lead_setup.split(split).source
+    if is_one_shot(source):
+        raise SetupError(
+            f"show_batch reads the {split!r} split from its source, and that source is an "
+            f"iterator: reading it would take batches the run needs. Give the split as "
+            f"something iterable again (a list, an ArrayLoader, nitro.data.FromFactory(fn))"
+        )
     rows, start = [], 0
     for count, (_, batch) in enumerate(_source_iterator(source, 0, 0)):
         if count >= batches or start >= samples:
