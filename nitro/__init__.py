@@ -12,7 +12,7 @@ Packages by layer, bottom-up (docs/architecture.md): `experiments`, `data`, `opt
 `programs`, `runs`, `weights`, `models`, `loggers`, `engine`, `serving`, `handle`, `mcp`,
 `examples`, `cli` (the `nitro` command). Modules: `errors` (every error raised on purpose), `_version`
 (`__version__`), and the public import paths `bundle`, `serve`, `manual`, `staleness`, `events`,
-`progress`, `runner`, `dispatch`, `datasets` and `gallery`, each standing for a module inside a package
+`progress`, `runner`, `dispatch`, `datasets`, `search` and `gallery`, each standing for a module inside a package
 (`_public_path`).
 """
 
@@ -33,6 +33,8 @@ _EXPORTS = {
     "set_compilation_cache": "nitro.programs.compile_cache",
     "Nitro": "nitro.handle",
     "Population": "nitro.handle",
+    "PBT": "nitro.engine.search",
+    "Halving": "nitro.engine.search",
     "LRFindResult": "nitro.handle.lr_find",
     "PopulationError": "nitro.errors",
     "Device": "nitro.experiments",
@@ -65,6 +67,8 @@ _EXPORTS = {
     "WeightsError": "nitro.errors",
     "average": "nitro.runs.initial_weights",
     "Partial": "nitro.weights.partial",
+    "Hooks": "nitro.experiments.hooks",
+    "hooks": "nitro.experiments.hooks",
     "OptimizerError": "nitro.errors",
 }
 _SUBMODULES = (
@@ -78,6 +82,7 @@ _SUBMODULES = (
     "progress",
     "runner",
     "runs",
+    "search",
     "staleness",
     "weights",
 )
@@ -96,6 +101,7 @@ __all__ = [
     "ExperimentError",
     "FieldKind",
     "GraphConst",
+    "Hooks",
     "HostFieldError",
     "Interrupted",
     "LRFindResult",
@@ -104,6 +110,8 @@ __all__ = [
     "ReduceOnPlateau",
     "OptimizerError",
     "Partial",
+    "PBT",
+    "Halving",
     "Population",
     "PopulationError",
     "Precision",
@@ -122,6 +130,7 @@ __all__ = [
     "explain_compiles",
     "fields",
     "gallery",
+    "hooks",
     "load_ipython_extension",
     "loggers",
     "models",
@@ -133,6 +142,7 @@ __all__ = [
     "runner",
     "runs",
     "saved_runs",
+    "search",
     "set_compilation_cache",
     "staleness",
     "unload_ipython_extension",
@@ -162,7 +172,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from nitro.core import events, progress
     from nitro.core.events import on_phase
     from nitro.data import datasets
-    from nitro.engine import dispatch, runner
+    from nitro.engine import dispatch, runner, search
+    from nitro.engine.search import PBT, Halving
     from nitro.errors import (
         CompilationCacheError,
         DivergenceError,

@@ -47,6 +47,7 @@ ALIASES = {
     "dispatch": "engine",
     "datasets": "data",
     "gallery": "handle",
+    "search": "engine",
 }
 
 

@@ -238,6 +238,8 @@ class RunSetup:
     frozen_statistics: tuple[tuple[int, str], ...] = ()
     # compile_options=: the XLA options each program kind compiles with (None: XLA's defaults)
     compile_options: Any = None
+    # remat=: the modules the train step rematerializes, resolved against the model (a Remat)
+    remat: Any = None
 
     @property
     def cls(self) -> type:

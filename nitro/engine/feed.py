@@ -387,6 +387,47 @@ class StepFeed:
             )
         return array
 
+    def scheduled(self, name: str) -> bool:
+        """Whether a schedule sets the fed value `name` (a hyperparameter's bare name, whose
+        schedule reaches its groups too, or a Device field)."""
+        if name in self.device_dtypes:
+            return name in self._dev
+        return any(key == name for _, _, key in self._opt.values())
+
+    def value(self, name: str) -> Any:
+        """The constant fed as `name`: a hyperparameter by its bare name (`learning_rate`;
+        a group's share follows it through its factor) or a Device field, on the host."""
+        if name in self.device_dtypes:
+            value = self._device_host[name]
+            if np.ndim(value) == 0 and np.issubdtype(value.dtype, np.floating):
+                return float(str(value[()]))
+            return self.device_value(name)
+        for fed, constant in zip(self.hyper_names, self._constants, strict=True):
+            key, factor = self._sources.get(fed, (fed, 1.0))
+            if key == name:  # float32's shortest reading: 0.001, not 0.0010000000474974513
+                return float(str(constant)) if factor == 1.0 else float(constant) / factor
+        raise KeyError(name)
+
+    def set_value(self, name: str, value: Any) -> None:
+        """Feed `value` as the constant `name` from the next call on (`value`'s reading; a
+        group's hyperparameter takes its factor of it). Nothing recompiles."""
+        if name in self.device_dtypes:
+            self.set_constant(name, value)
+            return
+        constants = self._constants.copy()
+        for i, fed in enumerate(self.hyper_names):
+            key, factor = self._sources.get(fed, (fed, 1.0))
+            if key == name:
+                constants[i] = value * factor
+        self._constants, self._hparams_host = constants, constants.copy()
+        self._hparams = self.placement.put_replicated(constants)
+        self._version += 1
+
+    def fed_names(self) -> list[str]:
+        """The names `value` reads: the hyperparameters' bare names and the Device fields."""
+        keys = (self._sources.get(fed, (fed, 1.0))[0] for fed in self.hyper_names)
+        return [*dict.fromkeys(keys), *self.device_dtypes]
+
 
 def _stacked(values: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:
     return {name: np.stack([v[name] for v in values]) for name in values[0]}

@@ -108,9 +108,16 @@ def build(
     earlier handle's steps-per-dispatch choice (`weights=` a handle) to continue, unless
     `steps_per_dispatch` says otherwise."""
     configure_persistent_cache()  # before build_model, so its init ops are cached too
+    if keywords.hooks is not None:  # hooks=: the class with those methods, the same fields
+        instance = keywords.hooks.experiment(instance)
     cls = type(instance)
     hooks, hook_functions = freeze_hooks(cls)
     residency = resolve_residency(instance)
+    if keywords.hooks is not None:
+        try:
+            keywords.hooks.check(residency)
+        except ValueError as error:
+            raise SetupError(str(error)) from None
     fields_by_hook = hooks_fields(cls, hooks)
     splits_given = _build_data(instance, data, events, keywords.seed, keywords.validation_split)
     placement = _placement(keywords)
@@ -122,6 +129,7 @@ def build(
         events,
         linen_init=(splits_given, hooks, fields_by_hook),
     )
+    remat = _remat(instance, keywords, model)
     params, rest = placement.lay_out(model.params, model.model_state)
     optimizer, opt_state = _build_optimizer(instance, keywords, splits_given, params, placement)
     precision = _precision(cls, keywords)
@@ -213,6 +221,7 @@ def build(
         val_every_steps=keywords.val_every_steps,
         frozen_statistics=_frozen_statistics(instance, keywords, model.model_state, optimizer),
         compile_options=keywords.compile_options,
+        remat=remat,
     )
     runtime = RunTime(
         experiment=instance,
@@ -238,6 +247,24 @@ def build(
         seed=keywords.seed,
     )
     return setup, runtime, state
+
+
+def _remat(instance: Any, keywords: RunKeywords, model: BuiltModel):
+    """`remat=` resolved against the model: the modules it names (refused for a path the
+    model does not have, and for a `train_step` hook, which differentiates by itself)."""
+    if keywords.remat is None:
+        return None
+    if has_method(type(instance), "train_step"):
+        raise SetupError(
+            f"remat= applies to the train step Nitro builds; {type(instance).__qualname__} "
+            f"defines train_step, which takes its gradients itself: leave remat= out and wrap "
+            f"the modules in nnx.remat inside it"
+        )
+    try:
+        merged = nnx.merge(model.graphdefs[0], model.params, model.model_state)
+        return keywords.remat.resolve(merged)
+    except ValueError as error:
+        raise SetupError(str(error)) from None
 
 
 def _frozen_statistics(

@@ -122,23 +122,44 @@ class RunHandle:
         self._files.saves.end(state, events, reason, self._saving(state)[1])
         return reason
 
+    def _segment(self, state: Any, target: int, stop_at: int | None) -> tuple[int, int | None]:
+        """Where the next stretch of a run's loop ends (its target epoch and stop step): the
+        call's own, or sooner, at a boundary of the handle's (a population's search: taken
+        here, between two stretches, with every call read back)."""
+        return target, stop_at
+
     def _train_run(self, target: int, stop_at: int | None, events: Events) -> str:
-        """One run between start_run and end_run: the loop and its end's save; its stop reason."""
+        """One run between start_run and end_run: the loop (in stretches, `_segment`) and its
+        end's save; its stop reason."""
         members, state = self._trainees()
         self._files.open(self._lead_setup, events)
         try:
-            state, reason = loop.train_epochs(
-                self._lead_setup,
-                self._lead_runtime,
-                state,
-                self._programs,
-                events,
-                self._control,
-                target,
-                after_epoch=lambda state, row, left: self._after_epoch(state, row, left, stop_at),
-                stop_at=stop_at,
-                members=members,
-            )
+            while True:
+                until, stop = self._segment(state, target, stop_at)
+                members, state = self._trainees()
+                before = (state.step, state.epoch, state.epoch_trained)
+                state, reason = loop.train_epochs(
+                    self._lead_setup,
+                    self._lead_runtime,
+                    state,
+                    self._programs,
+                    events,
+                    self._control,
+                    until,
+                    # the saves count the call's epochs left, not the stretch's
+                    after_epoch=lambda state, row, _: self._after_epoch(
+                        state, row, None if stop_at is not None else target - state.epoch, stop_at
+                    ),
+                    stop_at=stop,
+                    members=members,
+                )
+                if (until, stop) == (target, stop_at) or reason not in ("completed", "max_steps"):
+                    break
+                ended = (state.epoch >= target and not state.epoch_trained) or (
+                    stop_at is not None and state.step >= stop_at
+                )
+                if ended or (state.step, state.epoch, state.epoch_trained) == before:
+                    break  # the call's end, or nothing left to train (every member stopped)
         finally:
             self._loop_left(state)
         reason = self._end_save(state, reason, events)

@@ -229,6 +229,7 @@ class ProgramSet:
         self.own_batches = own_batches
         self._slots: dict[tuple, Program] = {}
         self._makers: dict[tuple, tuple[Callable[[RunSetup], ProgramSpec], Any]] = {}
+        self._without_remat: dict[tuple, int | None] = {}  # `scratch_without_remat`'s figures
 
     def _eval(self, spec: ProgramSpec) -> ProgramSpec:
         return spec if self.members is None else population_eval_spec(spec, self.members)
@@ -314,6 +315,25 @@ class ProgramSet:
             else:
                 pending.append(PendingProgram(slot, spec, arguments, program))
         return new, pending
+
+    def scratch_without_remat(self) -> list[tuple[str, int | None, int | None]]:
+        """For `remat=`: (title, scratch bytes, the scratch bytes it has without remat) of
+        each train program held, from XLA's memory analysis. The program without remat is
+        compiled for it once, outside the cache (its figure is kept)."""
+        rows = []
+        for slot, program in sorted(self._slots.items(), key=lambda item: str(item[0])):
+            if slot[0] != "train" or self.setup.remat is None:
+                continue
+            if slot not in self._without_remat:
+                make, arguments = self._makers[slot]
+                spec = make(dataclasses.replace(self.setup, remat=None))
+                jitted = jax.jit(spec.build(set()), donate_argnums=spec.donate_argnums)
+                options = dict(spec.compile_options) or None
+                compiled = jitted.lower(*arguments).compile(compiler_options=options)
+                memory = compiled.memory_analysis()
+                self._without_remat[slot] = getattr(memory, "temp_size_in_bytes", None)
+            rows.append((program.title, program.cost().temp_bytes, self._without_remat[slot]))
+        return rows
 
     def compile_pending(self, pending: list[PendingProgram], warm: bool = False) -> list[Program]:
         """Compile (or find in the cache) each pending program into its slot; with `warm`,
