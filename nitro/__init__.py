@@ -12,7 +12,7 @@ Packages by layer, bottom-up (docs/architecture.md): `experiments`, `data`, `opt
 `programs`, `runs`, `weights`, `models`, `loggers`, `engine`, `serving`, `handle`, `mcp`,
 `examples`, `cli` (the `nitro` command). Modules: `errors` (every error raised on purpose), `_version`
 (`__version__`), and the public import paths `bundle`, `serve`, `manual`, `staleness`, `events`,
-`progress`, `runner`, `dispatch`, `datasets` and `search`, each standing for a module inside a package
+`progress`, `runner`, `dispatch`, `datasets`, `search` and `gallery`, each standing for a module inside a package
 (`_public_path`).
 """
 
@@ -76,6 +76,7 @@ _SUBMODULES = (
     "datasets",
     "dispatch",
     "events",
+    "gallery",
     "loggers",
     "models",
     "progress",
@@ -128,6 +129,7 @@ __all__ = [
     "experiment",
     "explain_compiles",
     "fields",
+    "gallery",
     "hooks",
     "load_ipython_extension",
     "loggers",
@@ -190,6 +192,7 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from nitro.experiments.declaration import Device, FieldKind, GraphConst, experiment, fields
     from nitro.experiments.hooks import Hooks, hooks
     from nitro.experiments.presets import preset_of, presets
+    from nitro.handle import gallery
     from nitro.handle.handle import Nitro
     from nitro.handle.lr_find import LRFindResult
     from nitro.handle.population import Population

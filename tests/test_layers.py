@@ -46,6 +46,7 @@ ALIASES = {
     "runner": "engine",
     "dispatch": "engine",
     "datasets": "data",
+    "gallery": "handle",
     "search": "engine",
 }
 

@@ -14,6 +14,9 @@ below; never the handle.
 - `evaluation`: the evaluation loop and the weights it uses
 - `diagnostics`: what the loop says when something goes wrong
 - `prediction`: a batch through the predict program, in chunks of one compiled width
+- `sample_pass`: a split's fields, outputs and per-sample losses from the eval program, on the
+  host (what render, top losses and confusion read); `sample_rows`: one call's samples on the
+  host, and the first validation call's for reporters that draw samples (`val_samples`)
 - `dispatch`: steps per program call (a fixed K or "auto")
 - `stepwise`: a fused call's steps one at a time, and "auto"'s bit-for-bit check of a size
 - `feed`: per-step hyperparameters and Device values fed as arguments

@@ -102,14 +102,16 @@ def eval_spec(
                 setup, "forward", compute_view, module, **precision.cast_compute(inputs)
             )
             outputs = precision.cast_output(outputs)
-            loss_sum = None
+            loss_sum = losses = None
             if return_outputs:
                 tracing.check_batch_axis(outputs, inputs)
             if with_loss:
-                loss_sum, _ = _masked_loss_sum(
+                loss_sum, losses = _masked_loss_sum(
                     setup, view, outputs, select(batch, fields["loss"]), n_real
                 )
-            return EvalOutput(loss_sum=loss_sum, outputs=outputs if return_outputs else None)
+            if not return_outputs:
+                return EvalOutput(loss_sum=loss_sum)
+            return EvalOutput(loss_sum=loss_sum, outputs=outputs, losses=losses)
 
         if batches == 1:
             return evaluate
@@ -149,7 +151,8 @@ def eval_spec(
 
 
 def _masked_loss_sum(setup, view, outputs, fields, n_real):
-    """Sum of per-sample losses over the real samples of a (padded) batch.
+    """Sum of per-sample losses over the real samples of a (padded) batch, and the
+    per-sample losses (None when the loss couples samples).
 
     Each sample's loss is the `loss` hook applied to a batch of one, which is exact for a loss
     that is a mean of per-sample terms; the padded rows are masked out. A loss that couples
@@ -172,11 +175,11 @@ def _masked_loss_sum(setup, view, outputs, fields, n_real):
         )
 
     try:
-        per_sample = jax.vmap(one)(outputs, fields)
-        return jnp.sum(jnp.where(mask, per_sample.astype(jnp.float32), 0.0)), True
+        per_sample = jax.vmap(one)(outputs, fields).astype(jnp.float32)
+        return jnp.sum(jnp.where(mask, per_sample, 0.0)), per_sample
     except (TypeError, ValueError, IndexError):
         whole = tracing.check_scalar_loss(tracing.call(setup, "loss", view, outputs, **fields))
-        return whole.astype(jnp.float32) * n_real, False
+        return whole.astype(jnp.float32) * n_real, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,7 +266,7 @@ class ProgramSet:
     ) -> Program:
         info = self.setup.splits[split]
         return self._get(
-            ("eval", split, info.width, batches),
+            ("eval", split, info.width, batches, return_outputs),
             lambda setup: self._eval(
                 eval_spec(
                     setup,
