@@ -18,6 +18,13 @@ class Grouped(Toy):
         return "hidden" if path.startswith("hidden") else "out"
 
 
+def shown_html(handle) -> str:
+    """What a notebook shows for `handle`: IPython's own formatters' HTML."""
+    from IPython.core.formatters import format_display_data
+
+    return format_display_data(handle)[0]["text/html"]
+
+
 def text(html: str) -> str:
     return " ".join(unescape(re.sub("<[^>]+>", " ", html)).split())
 
@@ -25,7 +32,7 @@ def text(html: str) -> str:
 def test_the_display_names_the_run_and_how_it_trains(tmp_path):
     n = nitro.Nitro(Grouped(), run_dir=tmp_path, accum=2, group_lr={"hidden": 0.1}, progress=False)
     n.train()
-    shown = text(n._repr_html_())
+    shown = text(shown_html(n))
     assert f"run {n.run_id} in {tmp_path}" in shown
     assert "batch size 16" in shown and "accumulation 2 micro-batches a step" in shown
     assert re.search(r"parameter groups hidden \(\d+\), out \(\d+\)", shown)
@@ -38,7 +45,7 @@ def test_a_long_history_is_thinned_and_its_best_epoch_marked_in_the_table_and_th
     history = n.history()
     best = int(history["val_loss"].to_numpy().argmin()) + 1
     assert n.best_by == ("val_loss", "min")
-    html = n._repr_html_().split("nitro-history", 1)[1]
+    html = shown_html(n).split("nitro-history", 1)[1]
     assert f"{best} ★ best val_loss" in text(html)
     left_out = [int(k) for k in re.findall(r"\.\.\. (\d+) epochs \.\.\.", text(html))]
     shown = html.count("<tr") - 1 - len(left_out)  # less the header and the gaps' rows
