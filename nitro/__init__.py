@@ -12,7 +12,7 @@ Packages by layer, bottom-up (docs/architecture.md): `experiments`, `data`, `opt
 `programs`, `runs`, `weights`, `models`, `loggers`, `engine`, `serving`, `handle`, `mcp`,
 `examples`, `cli` (the `nitro` command). Modules: `errors` (every error raised on purpose), `_version`
 (`__version__`), and the public import paths `bundle`, `serve`, `manual`, `staleness`, `events`,
-`progress`, `runner`, `dispatch` and `datasets`, each standing for a module inside a package
+`progress`, `runner`, `dispatch`, `datasets`, `search` and `gallery`, each standing for a module inside a package
 (`_public_path`).
 """
 
@@ -33,6 +33,8 @@ _EXPORTS = {
     "set_compilation_cache": "nitro.programs.compile_cache",
     "Nitro": "nitro.handle",
     "Population": "nitro.handle",
+    "PBT": "nitro.engine.search",
+    "Halving": "nitro.engine.search",
     "LRFindResult": "nitro.handle.lr_find",
     "PopulationError": "nitro.errors",
     "Device": "nitro.experiments",
@@ -65,6 +67,8 @@ _EXPORTS = {
     "WeightsError": "nitro.errors",
     "average": "nitro.runs.initial_weights",
     "Partial": "nitro.weights.partial",
+    "Hooks": "nitro.experiments.hooks",
+    "hooks": "nitro.experiments.hooks",
     "OptimizerError": "nitro.errors",
     "SpikeError": "nitro.errors",
     "Snapshots": "nitro.engine.snapshots",
@@ -75,11 +79,13 @@ _SUBMODULES = (
     "datasets",
     "dispatch",
     "events",
+    "gallery",
     "loggers",
     "models",
     "progress",
     "runner",
     "runs",
+    "search",
     "staleness",
     "weights",
 )
@@ -98,6 +104,7 @@ __all__ = [
     "ExperimentError",
     "FieldKind",
     "GraphConst",
+    "Hooks",
     "HostFieldError",
     "Interrupted",
     "LRFindResult",
@@ -106,6 +113,8 @@ __all__ = [
     "ReduceOnPlateau",
     "OptimizerError",
     "Partial",
+    "PBT",
+    "Halving",
     "Population",
     "PopulationError",
     "Precision",
@@ -126,6 +135,8 @@ __all__ = [
     "experiment",
     "explain_compiles",
     "fields",
+    "gallery",
+    "hooks",
     "load_ipython_extension",
     "loggers",
     "models",
@@ -137,6 +148,7 @@ __all__ = [
     "runner",
     "runs",
     "saved_runs",
+    "search",
     "set_compilation_cache",
     "staleness",
     "unload_ipython_extension",
@@ -166,7 +178,8 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
     from nitro.core import events, progress
     from nitro.core.events import on_phase
     from nitro.data import datasets
-    from nitro.engine import dispatch, runner
+    from nitro.engine import dispatch, runner, search
+    from nitro.engine.search import PBT, Halving
     from nitro.engine.snapshots import Snapshots
     from nitro.engine.spikes import Spike
     from nitro.errors import (
@@ -186,7 +199,9 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
         WeightsError,
     )
     from nitro.experiments.declaration import Device, FieldKind, GraphConst, experiment, fields
+    from nitro.experiments.hooks import Hooks, hooks
     from nitro.experiments.presets import preset_of, presets
+    from nitro.handle import gallery
     from nitro.handle.handle import Nitro
     from nitro.handle.lr_find import LRFindResult
     from nitro.handle.population import Population

@@ -32,6 +32,7 @@ COMMANDS = (
     "validate",
     "evaluate",
     "predict",
+    "render",
     "history",
     "plot",
     "panel",
@@ -160,7 +161,26 @@ class NitroMagics(Magics):
         "notebook with these GraphConst values; RUN_ID (or a run directory) names the run",
     )
     @magic_arguments.argument(
-        "--split", "-s", default="test", help="evaluate: the split to evaluate (default: test)"
+        "--split",
+        "-s",
+        help="evaluate: the split to evaluate (default: test); render: the split to draw "
+        "(default: val; with --data: train)",
+    )
+    @magic_arguments.argument(
+        "--data", action="store_true", help="render: the data alone (compiles nothing)"
+    )
+    @magic_arguments.argument(
+        "--top-losses",
+        dest="top_losses",
+        type=int,
+        metavar="K",
+        help="render: the K samples with the highest loss",
+    )
+    @magic_arguments.argument(
+        "--confusion", action="store_true", help="render: the confusion matrix of a classifier"
+    )
+    @magic_arguments.argument(
+        "--out", metavar="PATH", help="render: also write the figure to PATH (a file or directory)"
     )
     @magic_arguments.argument(
         "--batch",
@@ -228,6 +248,13 @@ class NitroMagics(Magics):
                                  row per member)
         %nitro evaluate [RUN] [--split S]
         %nitro predict [RUN] [--batch VAR]
+        %nitro render [RUN] [--split S] [--data] [--top-losses K] [--confusion] [--out PATH]
+            a grid of samples of the 'val' split with their labels and predictions, drawn
+            by the experiment's visualize hook (n.render()); --data: the 'train' split's
+            first batch alone, compiling nothing (n.show_batch()); --top-losses K: the K
+            samples with the highest loss (n.top_losses(K)); --confusion: the confusion
+            matrix and per-class metrics (n.confusion()); --out also writes the figure
+            (a file, or a directory)
         %nitro history [RUN]     the history table (a population's: every member's)
         %nitro plot [RUN]        the history's curves
         %nitro panel [RUN]       RUN's live panel in this cell (for a run or population
@@ -555,7 +582,30 @@ class NitroMagics(Magics):
         return self._idle(*self._run(args.target, "validate"), "validate").validate()
 
     def _evaluate(self, args):
-        return self._idle(*self._run(args.target, "evaluate"), "evaluate").evaluate(args.split)
+        handle = self._idle(*self._run(args.target, "evaluate"), "evaluate")
+        return handle.evaluate(args.split or "test")
+
+    def _render(self, args):
+        result = self._rendered(args)
+        if not isinstance(result, list):
+            return result
+        from IPython.display import display
+
+        for one in result:  # a population's: one per member
+            display(one)
+
+    def _rendered(self, args):
+        name, handle = self._run(args.target, "render")
+        where = "inline" if args.out is None else ["inline", args.out]
+        if args.data:
+            return handle.show_batch(args.split or "train", where=where)
+        self._idle(name, handle, "render")
+        split = args.split or "val"
+        if args.confusion:
+            return handle.confusion(split, where=where)
+        if args.top_losses is not None:
+            return handle.top_losses(args.top_losses, split, where=where)
+        return handle.render(split, where=where)
 
     def _predict(self, args):
         name, handle = self._handle(args.target, "predict")

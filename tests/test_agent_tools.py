@@ -1,4 +1,4 @@
-"""The fourteen agent tools, driven by the MCP SDK's client over stdio and over streamable HTTP."""
+"""The fifteen agent tools, driven by the MCP SDK's client over stdio and over streamable HTTP."""
 
 from __future__ import annotations
 
@@ -28,12 +28,13 @@ TOOL_NAMES = {
     "nitro_stop",
     "nitro_population",
     "nitro_member",
+    "nitro_render",
     "nitro_rewind",
     "nitro_fork",
 }
 
 
-def test_the_fourteen_tools_are_listed_with_their_input_schemas(connect):
+def test_the_fifteen_tools_are_listed_with_their_input_schemas(connect):
     async def scenario():
         async with connect() as session:
             tools = (await session.list_tools()).tools
@@ -706,3 +707,36 @@ def test_an_agent_rewinds_a_run_and_forks_it_as_a_person_does(http_server):
     assert forked["result"]["forked_from"]["run_id"] == done["handle_run_id"]
     assert "fork(accum=...) changes the program" in refused
     assert trained["step"] == 8 and trained["metrics"]["val_loss"] == done["metrics"]["val_loss"]
+
+
+def test_render_answers_images_as_the_protocols_image_content(connect):
+    import base64
+
+    async def scenario():
+        async with connect() as session:
+            started = await call(session, "nitro_train", experiment="agent_toys.Quick")
+            run_id = started["run_id"]
+            await poll(session, run_id, lambda s: s["status"] != "running")
+            samples = await session.call_tool(
+                "nitro_render", {"run_id": run_id, "samples": 4, "split": "val"}
+            )
+            matrix = await session.call_tool(
+                "nitro_render", {"run_id": run_id, "view": "confusion"}
+            )
+            wrong = await refusal(session, "nitro_render", run_id=run_id, split="tset")
+            return samples, matrix, wrong
+
+    samples, matrix, wrong = anyio.run(scenario)
+    for result in (samples, matrix):
+        assert not result.is_error
+        images = [c for c in result.content if c.type == "image"]
+        assert len(images) == 1 and images[0].mime_type == "image/png"
+        assert base64.b64decode(images[0].data).startswith(b"\x89PNG")
+    rows = samples.structured_content["rows"][0]
+    assert [row["index"] for row in rows] == [0, 1, 2, 3]
+    assert {"y", "prediction", "loss"} <= set(rows[0])
+    confusion = matrix.structured_content
+    assert sum(map(sum, confusion["matrix"][0])) == sum(
+        r["support"] for r in confusion["per_class"][0]
+    )
+    assert "split: run" in wrong and "no split 'tset'" in wrong

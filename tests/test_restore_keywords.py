@@ -55,3 +55,50 @@ def test_runs_read_gives_a_saved_steps_record_without_a_handle(tmp_path):
     assert np.isfinite(one.metrics["loss"])
     with pytest.raises(nitro.SetupError, match="no checkpoint at .*missing.*does not exist"):
         nitro.runs.read(Path(tmp_path) / "missing")
+
+
+def leaves(handle) -> list[np.ndarray]:
+    return [np.asarray(x) for x in handle.state.variables.opt_state]
+
+
+def test_restore_optimizer_false_resumes_the_model_with_a_fresh_optimizer_even_another(tmp_path):
+    import optax
+
+    first = nitro.Nitro(Toy(max_epochs=1), run_dir=tmp_path, progress=False, logger=None)
+    first.train()
+    first.close()
+    resumed = nitro.Nitro(
+        Toy(max_epochs=2),
+        resume=str(tmp_path),
+        restore_optimizer=False,
+        optimizer=optax.sgd,
+        progress=False,
+        logger=None,
+    )
+    fresh = nitro.Nitro(Toy(), optimizer=optax.sgd, checkpointer=None, progress=False, logger=None)
+    assert (resumed.epoch, resumed.step) == (1, 4)  # the counters, history and weights go on
+    for a, b in zip(leaves(resumed), leaves(fresh), strict=True):
+        np.testing.assert_array_equal(a, b)
+    assert resumed.train().step == 8
+
+
+def test_restore_optimizer_true_takes_the_optimizer_state_with_the_weights(tmp_path):
+    import optax
+
+    source = nitro.Nitro(Toy(max_epochs=1), run_dir=tmp_path, progress=False, logger=None)
+    source.train()
+    source.wait()
+    quiet = {"progress": False, "logger": None, "checkpointer": None}
+    from_dir = nitro.Nitro(Toy(), weights=str(tmp_path), restore_optimizer=True, **quiet)
+    from_handle = nitro.Nitro(Toy(), weights=source, restore_optimizer=True, **quiet)
+    plain = nitro.Nitro(Toy(), weights=source, **quiet)
+    for a, b, c in zip(leaves(from_dir), leaves(from_handle), leaves(source), strict=True):
+        np.testing.assert_array_equal(a, c)
+        np.testing.assert_array_equal(b, c)
+    assert int(leaves(plain)[0].ravel()[0]) == 0 and int(leaves(from_dir)[0].ravel()[0]) == 4
+    with pytest.raises(nitro.SetupError, match=r"does not fit this run's optimizer \(optax.sgd"):
+        nitro.Nitro(
+            Toy(), weights=str(tmp_path), restore_optimizer=True, optimizer=optax.sgd, **quiet
+        )
+    with pytest.raises(nitro.SetupError, match="an average, a population member"):
+        nitro.Nitro(Toy(), weights=nitro.average(tmp_path, k=1), restore_optimizer=True, **quiet)

@@ -111,6 +111,7 @@ class Reporter(Protocol):
     def member_steps(self, first: int, losses: Any) -> None: ...
     def member_rows(self, rows: Sequence[Mapping[str, Any]]) -> None: ...
     def member_validated(self, rows: Sequence[Mapping[str, Any]]) -> None: ...
+    def val_samples(self, samples: Any) -> None: ...
 
 
 EVENT_NAMES = (
@@ -127,6 +128,7 @@ EVENT_NAMES = (
     "member_steps",
     "member_rows",
     "member_validated",
+    "val_samples",
 )
 
 
@@ -308,6 +310,15 @@ class Events:
         that trains, each with its `member` index, `step`, `epoch` and metrics (its
         `validations()` row)."""
         self._deliver("member_validated", rows)
+
+    def wants(self, name: str) -> bool:
+        """Whether a reporter takes event `name` (what costs to gather is gathered only then)."""
+        return bool(self._bound[name])
+
+    def val_samples(self, samples: Any) -> None:
+        """A validation's first call (`nitro.engine.sample_rows.ValSamples`: its split and
+        `rows()`, read during the call), for reporters that draw samples; a run's alone."""
+        self._deliver("val_samples", samples)
 
 
 _LOCAL = threading.local()

@@ -69,11 +69,14 @@ class StepOutput:
 @dataclasses.dataclass(frozen=True)
 class EvalOutput:
     """What one eval forward or predict call returns: the sum of the per-sample losses over
-    the real samples (f32[], eval forward only) and `forward`'s outputs (when asked for);
-    None where not computed. A fused call over K batches stacks each on a leading axis."""
+    the real samples (f32[], eval forward only), `forward`'s outputs (when asked for) and,
+    with them, each sample's loss (f32[batch], padded rows included; None when the loss
+    couples samples); None where not computed. A fused call over K batches stacks each on a
+    leading axis."""
 
     loss_sum: Any = None
     outputs: Any = None
+    losses: Any = None
 
 
 @dataclasses.dataclass

@@ -19,10 +19,12 @@ from nitro.engine.run_keywords import DEFAULT
 if TYPE_CHECKING:
     from nitro.engine.snapshots import Snapshots
     from nitro.engine.spikes import Spike
+    from nitro.experiments.hooks import Hooks
     from nitro.optim.ema import EMA
     from nitro.optim.precision import Precision
     from nitro.optim.sam import SAM
     from nitro.programs.compile_options import CompileOptions
+    from nitro.programs.remat import Remat
     from nitro.runs.checkpoints import Checkpointer
     from nitro.runs.early_stopping import EarlyStopping
 
@@ -42,6 +44,7 @@ class RunKeywords:
     snapshots: Snapshots | None
     spike: Spike | None
     restore_best: bool
+    restore_optimizer: bool | None
     resume: Literal[False, "auto"] | str | tuple[str, Literal["best", "latest"]]
     preemption: bool | Literal["auto"]
     name: str | None
@@ -72,6 +75,8 @@ class RunKeywords:
     sam: SAM | None
     precision: Precision
     compile_options: CompileOptions | None
+    remat: Remat | None
+    hooks: Hooks | None
     steps_per_dispatch: Any  # "auto", an int K, or a DispatchChoice to continue
     prefetch: Literal["auto", "threads", "processes", "inline"]
     persistent_workers: bool

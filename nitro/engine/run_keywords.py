@@ -265,6 +265,18 @@ def _compile_options(value):
     return CompileOptions.of(value)
 
 
+def _hooks(value):
+    from nitro.experiments.hooks import Hooks
+
+    return Hooks.of(value)
+
+
+def _remat(value):
+    from nitro.programs.remat import Remat
+
+    return Remat.of(value)
+
+
 def _steps_per_dispatch(value):
     if value == "auto" or isinstance(value, DispatchChoice):  # n.dispatch: continue it
         return value
@@ -477,6 +489,17 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             type=bool,
         ),
         RunKeyword(
+            "restore_optimizer",
+            None,
+            "whether the optimizer state is read with the weights: resume= reads it unless "
+            "False (a fresh optimizer state on the resumed model, which may be another "
+            "optimizer); weights= starts it afresh unless True (the state of the handle or "
+            "single run's checkpoint the weights come from)",
+            _bool("restore_optimizer"),
+            none="resume= restores it, weights= starts afresh",
+            type=bool | None,
+        ),
+        RunKeyword(
             "resume",
             False,
             "'auto' (this experiment's run: the one its name last trained, else the furthest "
@@ -618,7 +641,8 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
         RunKeyword(
             "decay_to",
             "zero",
-            "where weight decay pulls: 'zero', 'init' (L2-SP), or a model or tree of anchors",
+            "where weight decay pulls: 'zero', 'init' (L2-SP), a model or tree of anchors, or "
+            "parameter group -> 'zero' | 'init'",
             _decay_to,
             type=Literal["zero", "init"],
         ),
@@ -724,6 +748,28 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             _compile_options,
             none="XLA's defaults",
             type="dict[str, bool | int | float | str] | None",
+        ),
+        RunKeyword(
+            "hooks",
+            None,
+            "hook functions that override the experiment's methods of those names for this "
+            "handle, each taking self first: nitro.hooks(loss=fn) | nitro.hooks(metrics=g), "
+            "or a dict; a set mixes no traced with host hooks, and a traced hook captures no "
+            "jax array",
+            _hooks,
+            none="the experiment's own methods",
+            type="dict[str, Callable] | nitro.Hooks | None",
+        ),
+        RunKeyword(
+            "remat",
+            None,
+            "which modules recompute their activations in the backward pass instead of keeping "
+            "them (less memory, more compute): a policy ('full', 'dots' or a jax.checkpoint "
+            "policy) for the model's layers, module paths ('blocks'), or a dict path -> policy; "
+            "it keys the train step",
+            _remat,
+            none="no rematerialization",
+            type="str | list[str] | dict[str, str] | None",
         ),
         RunKeyword(
             "steps_per_dispatch",

@@ -55,7 +55,8 @@ from nitro.handle.summary import ModelSummary
 from nitro.handle.time_travel import TimeTravel
 from nitro.optim.schedules import bind_schedules, check_schedule_values
 from nitro.programs.specs import ProgramSet
-from nitro.runs.checkpoint_reads import resolve_checkpoint
+from nitro.runs.checkpoint_reads import read_checkpoint, resolve_checkpoint
+from nitro.runs.checkpoint_trees import leaves_from
 from nitro.runs.initial_weights import AveragedWeights, CheckpointWeights, WeightsSource
 from nitro.runs.resume import restore
 from nitro.runs.run_files import RunFiles
@@ -217,6 +218,7 @@ class Nitro(TimeTravel, RunHandle):
                     self._events,
                     runtime.device_values(),
                     say=self._say,
+                    fresh_optimizer=resolved.restore_optimizer is False,
                 )
                 if self._state.seed != self._setup.seed:
                     self._continue_seed(instance, resolved, keywords, data)
@@ -230,10 +232,67 @@ class Nitro(TimeTravel, RunHandle):
                 epochs=(record.epoch,),
                 metrics=(record.metrics,),
             )
+        if weights is not None and resolved.restore_optimizer:
+            self._state.variables = dataclasses.replace(
+                self._state.variables, opt_state=self._optimizer_of(weights)
+            )
         self._files.claim_planned()
         self._target_epoch = max(self._setup.max_epochs, self._state.epoch)
         self._run_target = self._target_epoch  # the latest run's aim, `train(steps=)`'s too
         self._events.phase("ready")
+
+    def _optimizer_of(self, weights: Any) -> list[Any]:
+        """`restore_optimizer=True` with `weights=`: the optimizer state of the handle or the
+        single run's checkpoint the weights came from, which must fit this run's optimizer."""
+        template = self._state.variables.opt_state
+        what = "weights=" + (
+            type(weights).__name__ if not isinstance(weights, str) else repr(weights)
+        )
+        if template is None:
+            raise SetupError("restore_optimizer=True: this run has no optimizer (no 'train' split)")
+        if isinstance(weights, Nitro):
+            with weights._guard.hold("copying its optimizer state"):
+                leaves = weights._state.variables.opt_state
+                found = None if leaves is None else [jax.numpy.array(x, copy=True) for x in leaves]
+            where = f"the handle given as weights= ({weights.cls.__name__} at step {weights.step})"
+        elif isinstance(weights, (str, os.PathLike, tuple)) and not (
+            isinstance(weights, tuple) and isinstance(weights[1], int)
+        ):
+            directory, step = resolve_checkpoint(weights)
+            saved, _ = read_checkpoint(directory, step)
+            where = f"the checkpoint {str(directory / str(step))!r}"
+            found = leaves_from(
+                "optimizer state",
+                saved.get("opt_state", {}),
+                self._setup.model.leaf_paths["optimizer state"],
+                template,
+                misfit=f"restore_optimizer=True: the optimizer state of {where} does not fit "
+                f"this run's optimizer ({self._optimizer_text()}): give the optimizer it was "
+                f"trained with, or leave restore_optimizer out:",
+                here="this run's",
+            )
+        else:
+            raise SetupError(
+                f"restore_optimizer=True continues the optimizer state of what {what} names: a "
+                f"Nitro handle or a single run's checkpoint; an average, a population member "
+                f"or a weights file holds none. Leave restore_optimizer out for a fresh one"
+            )
+        if (
+            found is None
+            or len(found) != len(template)
+            or any(np.shape(a) != np.shape(b) for a, b in zip(found, template, strict=False))
+        ):
+            raise SetupError(
+                f"restore_optimizer=True: the optimizer state of {where} does not fit this "
+                f"run's optimizer ({self._optimizer_text()}): give the optimizer it was "
+                f"trained with, or leave restore_optimizer out"
+            )
+        put = self._setup.placement.put_like
+        return put(found, template)
+
+    def _optimizer_text(self) -> str:
+        optimizer = self._setup.optimizer
+        return optimizer.description if optimizer is not None else "none"
 
     def _continue_seed(
         self, instance: Any, resolved: RunKeywords, given: Mapping[str, Any], data: Any
@@ -586,6 +645,7 @@ class Nitro(TimeTravel, RunHandle):
             device_values={
                 n: self._runtime.feed.device_value(n) for n in setup.experiment.device_specs
             },
+            device_sets=tuple(setup.experiment.device_sets),
         )
         feed = self._runtime.feed
         check_schedule_values(
@@ -810,7 +870,17 @@ class Nitro(TimeTravel, RunHandle):
             metrics=metrics,
             title=self.cls.__name__,
             swaps=self._state.swaps,
+            best=self.best_by,
         )
+
+    @property
+    def best_by(self) -> tuple[str, str]:
+        """(metric, "min" or "max"): what "best" means for this run, as its checkpointer ranks
+        (else its early stopping watches; else `val_loss` with a 'val' split, else `loss`)."""
+        watcher = self._setup.checkpointer or self._setup.early_stop
+        if watcher is not None and any(watcher.metric in row for row in self._state.history):
+            return watcher.metric, watcher.mode
+        return ("val_loss" if "val" in self._setup.eval_splits else "loss"), "min"
 
     def summary(
         self, batch: Mapping[str, Any] | None = None, *, split: str | None = None, depth=None
@@ -860,6 +930,7 @@ class Nitro(TimeTravel, RunHandle):
             self.run_dir,
             self.run_id,
             history=self._state.history,
+            programs=self._programs,
         )
 
     @property

@@ -1,8 +1,9 @@
 """Agent tools over the Model Context Protocol: a coding agent drives runs in a live session.
 
-Fourteen tools (`nitro_setup`, `nitro_train`, `nitro_validate`, `nitro_evaluate`,
+Fifteen tools (`nitro_setup`, `nitro_train`, `nitro_validate`, `nitro_evaluate`,
 `nitro_predict`, `nitro_export`, `nitro_runs`, `nitro_status`, `nitro_logger`, `nitro_stop`,
-`nitro_population`, `nitro_member`, `nitro_rewind`, `nitro_fork`) on the official MCP SDK (`pip install 'nitro[agents]'`):
+`nitro_population`, `nitro_member`, `nitro_render`, `nitro_rewind`, `nitro_fork`) on the
+official MCP SDK (`pip install 'nitro[agents]'`):
 
 - from a shell, `python -m nitro.mcp` serves them over stdio;
 - in a notebook, `%nitro mcp start` serves the live kernel's session over streamable HTTP on

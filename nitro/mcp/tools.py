@@ -1,4 +1,4 @@
-"""The fourteen agent tools as an MCP server: argument schemas, descriptions, dispatch.
+"""The fifteen agent tools as an MCP server: argument schemas, descriptions, dispatch.
 
 Each tool is declared once: a name, a description for the agent, and a pydantic model of its
 arguments; the model gives the input schema the client lists and checks every call (an unknown
@@ -12,6 +12,7 @@ argument or a value of the wrong type is an error naming the argument). The work
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import functools
 import json
@@ -215,6 +216,22 @@ class PopulationArguments(_NewHandle):
     )
 
 
+class RenderArguments(_Arguments):
+    run_id: str = Field(description=RUN_ID)
+    view: Literal["samples", "data", "top_losses", "confusion"] = Field(
+        "samples",
+        description="samples: a grid of samples with their labels and predictions; data: the "
+        "data alone (compiles nothing); top_losses: the k samples with the highest loss; "
+        "confusion: a classifier's confusion matrix and per-class precision, recall, F1",
+    )
+    split: str | None = Field(None, description="the split (default: val; for data: train)")
+    k: int = Field(9, ge=1, le=64, description="top_losses: how many samples")
+    samples: int = Field(16, ge=1, le=64, description="samples, data: how many samples")
+    member: int | None = Field(
+        None, ge=0, description="a population's member (default: every member, one image each)"
+    )
+
+
 class MemberArguments(_Arguments):
     run_id: str = Field(description="a population's run id (nitro_population, nitro_runs)")
     member: int | None = Field(
@@ -370,6 +387,15 @@ TOOLS: dict[str, ToolSpec] = {
             "population",
         ),
         ToolSpec(
+            "nitro_render",
+            "Look at what a run's model does: images (PNG) of samples with their labels and "
+            "predictions, of the data alone, of the samples with the highest loss, or of a "
+            "classifier's confusion matrix, with their rows as JSON. Uses the evaluation "
+            "program the run already has; the data view compiles nothing.",
+            RenderArguments,
+            "render",
+        ),
+        ToolSpec(
             "nitro_member",
             "Take the best member of a population (by metric, default val_loss), or member i, "
             "as a new single run with its settings and current weights; the other tools "
@@ -457,7 +483,7 @@ INSTRUCTIONS = (
 
 
 def build_server(session: ToolSession) -> Server:
-    """An MCP server (the SDK's low-level `Server`) offering the fourteen tools on `session`."""
+    """An MCP server (the SDK's low-level `Server`) offering the fifteen tools on `session`."""
 
     async def list_tools(ctx, params) -> types.ListToolsResult:
         return types.ListToolsResult(
@@ -474,7 +500,14 @@ def build_server(session: ToolSession) -> Server:
         except ToolFailure as failure:
             message = types.TextContent(type="text", text=str(failure))
             return types.CallToolResult(content=[message], is_error=True)
-        return types.CallToolResult(content=_text(result), structured_content=result)
+        images = result.pop("images", None) or []
+        content = _text(result) + [
+            types.ImageContent(
+                type="image", data=base64.b64encode(png).decode(), mime_type="image/png"
+            )
+            for png in images
+        ]
+        return types.CallToolResult(content=content, structured_content=result)
 
     return Server(
         "nitro",

@@ -103,6 +103,7 @@ def bind_schedules(
     other_fields: Mapping[str, str],
     total_steps: int | None,
     device_values: Mapping[str, Any] | None = None,
+    device_sets: tuple[str, ...] = (),
 ) -> list[BoundSchedule]:
     """Bind each key to `opt.<hyperparameter>` or `device.<field>`.
 
@@ -129,6 +130,12 @@ def bind_schedules(
             target = "device"
             if not in_device:
                 raise ScheduleError(_no_target(label, "Device field", device_fields))
+            if name in device_sets:
+                raise ScheduleError(
+                    f"schedule key {label!r} names the Device field {name!r}, a buffer set (a "
+                    f"dict or tuple of arrays): a schedule gives one value a step. Change the "
+                    f"set with n.set_device({name}=...), or schedule a Device field of its own"
+                )
         elif name in other_fields:
             raise ScheduleError(
                 f"schedule key {name!r} names a {other_fields[name]} field; only Device fields "

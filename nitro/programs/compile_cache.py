@@ -100,7 +100,8 @@ class ProgramSpec:
             return self
         shown = ", ".join(f"{k}={v!r}" for k, v in sorted(options.items()))
         static = {**self.static, "compile options": shown}
-        return dataclasses.replace(self, static=static, compile_options=dict(options))
+        merged = {**self.compile_options, **options}
+        return dataclasses.replace(self, static=static, compile_options=merged)
 
     @property
     def title(self) -> str:

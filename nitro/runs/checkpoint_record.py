@@ -169,6 +169,8 @@ class CheckpointRecord:
       swaps: the live edits swapped in while training (a run's).
       position, batches, prune: a population's position in the epoch under way, whether
         its members share batches, and the members it was asked to prune.
+      search: a population's search (`PBT`, `Halving`) as it stood: its boundaries applied,
+        its lineage, each member's fed values, the members that train.
       graphconst, code, optimizer, training, checkpointer: what a resume compares.
       preset: the preset the experiment was built from (None: none, or an earlier release).
       format, nitro, jax: the record's format and the versions that wrote it.
@@ -186,6 +188,7 @@ class CheckpointRecord:
     position: int = 0
     batches: str = "shared"
     prune: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    search: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     graphconst: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     code: Mapping[str, str] = dataclasses.field(default_factory=dict)
     optimizer: str | None = None
@@ -249,6 +252,7 @@ class CheckpointRecord:
             del data["swaps"]
         else:
             del data["members"], data["position"], data["batches"], data["prune"]
+            del data["search"]
             data.update(self.member.to_json(in_population=False))
         return json_safe(data)
 
@@ -278,6 +282,7 @@ class CheckpointRecord:
             position=int(data.get("position") or 0),
             batches=data.get("batches") or "shared",
             prune={int(k): str(v) for k, v in (data.get("prune") or {}).items()},
+            search=dict(data.get("search") or {}),
             graphconst=dict(data.get("graphconst") or {}),
             code=dict(data.get("code") or {}),
             optimizer=data.get("optimizer"),

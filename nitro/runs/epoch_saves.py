@@ -278,12 +278,18 @@ def member_record(
 
 
 def population_save(
-    files: Any, members: Sequence[Any], state: Any, reason: str | None, best: bool, value: Any
+    files: Any,
+    members: Sequence[Any],
+    state: Any,
+    reason: str | None,
+    best: bool,
+    value: Any,
+    search: Mapping[str, Any] | None = None,
 ) -> Save:
     """Every member of a population as one save: the stacked variables, and each member's
     record (`member_record`, with its logger runs' state) beside the shared counters; ranked
     by `value` (its best member's of the checkpointer's metric). `files`: the population's
-    (`PopulationFiles`)."""
+    (`PopulationFiles`); `search`: its search's record, as it stands."""
     store = files.store
     assert store is not None
     config, healthy = store.config, np.asarray(state.healthy).tolist()
@@ -318,6 +324,7 @@ def population_save(
         position=state.position,
         batches=state.batches,
         prune=dict(state.prune),
+        search=dict(search or {}),
         metrics={config.metric: value} if value is not None else {},
         stop_reason=reason,
     )
