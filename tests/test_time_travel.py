@@ -256,6 +256,24 @@ def test_a_fork_takes_device_values_schedules_and_keywords_that_keep_its_program
     assert scaled.device_value("scale") == 3.0 and toy.device_value("scale") == 1.0
 
 
+def test_a_fork_takes_edited_hooks_where_a_live_edit_would():
+    parent = nitro.Nitro(Toy(max_epochs=2), progress=False, snapshots=EVERY_STEP)
+    parent.train()
+
+    def doubled(self, logits, *, y):
+        return 2 * optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    fork = parent.fork(4, hooks=nitro.hooks(loss=doubled))
+    fork.train()
+    assert fork.history()["loss"].iloc[0] == parent.history()["loss"].iloc[0]
+    assert fork.history()["loss"].iloc[1] == pytest.approx(
+        2 * parent.history()["loss"].iloc[1], rel=0.05
+    )
+    added = nitro.hooks(metrics=lambda self, logits, *, y: {"acc": (logits.argmax(-1) == y)})
+    with pytest.raises(nitro.SetupError, match=r"the hooks: added \['metrics'\]"):
+        parent.fork(4, hooks=added)
+
+
 def test_a_fork_of_a_run_given_its_data_trains_on_that_data():
     data = {"train": nitro.data.ArrayLoader({"x": X[::-1].copy(), "y": Y[::-1].copy()}, 16)}
     parent = nitro.Nitro(

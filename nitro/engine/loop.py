@@ -855,6 +855,10 @@ def _roll_back(run: _Epoch, state: TrainState, cause: _RollBack) -> None:
     # else: too large to have been copied: the guard kept the weights from before the
     # non-finite step, and the counters say where that is
     back_to = state.step
+    if runtime.snapshots is not None:  # those of the edited code's steps are of no branch
+        runtime.snapshots.drop_after(back_to)
+    if runtime.spikes is not None:
+        runtime.spikes.forget_after(back_to)
     run.dispatched = state.step
     run.healthy = run.setup.placement.put_replicated(jnp.asarray(True))
     edit = probation.swap.edit

@@ -261,9 +261,13 @@ def _go_back(
 # what a fork may change
 
 
-def _program_differences(parent: RunSetup, fork: RunSetup, parent_state, fork_state) -> list[str]:
+def _program_differences(
+    parent: RunSetup, fork: RunSetup, parent_state, fork_state, edits: bool = False
+) -> list[str]:
     """What differs between the programs (and the state's layout) of two setups of one
-    experiment, one line each (empty: the same programs)."""
+    experiment, one line each (empty: the same programs). `edits`: the fork was given edited
+    hooks (`hooks=`), whose code may differ where a live edit's may (`live_edit.refreeze`'s
+    rules: the same hooks, taking the same batch fields, metrics where they ran)."""
     lines = [
         f"GraphConst {name}: {parent.experiment.graphconst.get(name)!r} -> "
         f"{fork.experiment.graphconst.get(name)!r}"
@@ -285,7 +289,19 @@ def _program_differences(parent: RunSetup, fork: RunSetup, parent_state, fork_st
             f"the code of {u}"
             for u in sorted(set(codes[0]) | set(codes[1]))
             if codes[0].get(u) != codes[1].get(u)
+            and not (edits and u in parent.experiment.hooks and u in fork.experiment.hooks)
         ]
+    a, b = parent.experiment, fork.experiment
+    if set(a.hooks) != set(b.hooks):
+        added, removed = sorted(set(b.hooks) - set(a.hooks)), sorted(set(a.hooks) - set(b.hooks))
+        lines.append(f"the hooks: added {added or 'none'}, removed {removed or 'none'}")
+    lines += [
+        f"the batch fields hook {hook!r} takes"
+        for hook in sorted(set(a.hook_fields) & set(b.hook_fields))
+        if a.hook_fields[hook] != b.hook_fields[hook]
+    ]
+    if dict(a.residency) != dict(b.residency):
+        lines.append(f"where metrics run: {dict(a.residency)} -> {dict(b.residency)}")
     for split in sorted(set(parent.splits) & set(fork.splits)):
         before, after = dict(parent.splits[split].batch_spec), dict(fork.splits[split].batch_spec)
         shown = lambda spec: f"{spec[1]}{list(spec[0])}" if spec else "none"  # noqa: E731
@@ -436,10 +452,12 @@ class TimeTravel:
     def fork(self, step: int | None = None, **changes: Any) -> Any:
         """A new handle that starts from this run's snapshot (or checkpoint) of step `step`
         (None: its state now, refused while it trains) with `changes`: Device and Host
-        fields, schedules (merged over this run's `schedules=`), and run keywords that leave
-        the programs as they are (the learning rate, max_epochs, early stopping, the
-        checkpointer, ...). A change that would change a program (a GraphConst field,
-        `accum=`, `sam=`, another optimizer) is refused, naming it. The fork has a run
+        fields, schedules (merged over this run's `schedules=`), run keywords that leave the
+        programs as they are (the learning rate, max_epochs, early stopping, the
+        checkpointer, ...), and edited hooks (`hooks=nitro.hooks(loss=...)`) where a live
+        edit's rules take them (the same hooks, batch fields and model layout; their programs
+        compile). Any other change of a program (a GraphConst field, `accum=`, `sam=`,
+        another optimizer) is refused, naming it. The fork has a run
         directory of its own; both handles can train, in the background at once. With no
         changes it trains on bit for bit as this run did from `step`."""
         h: Any = self
@@ -459,7 +477,9 @@ class TimeTravel:
         experiment = replace(h._runtime.experiment, **fields)
         build: Any = type(self)  # Nitro
         fork = build(experiment, data=getattr(h, "_data", None), **given)
-        differences = _program_differences(parent, fork._setup, h._state, fork._state)
+        differences = _program_differences(
+            parent, fork._setup, h._state, fork._state, edits="hooks" in keywords
+        )
         if differences:
             fork.close()
             named = ", ".join(f"{k}=..." for k in changes) or "no change"
