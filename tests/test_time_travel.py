@@ -329,6 +329,7 @@ class Spiky:
 
     poison: str | None = "large"
     max_epochs: int = 3
+    dropped: int = 1  # poison=None: the batches left out, the last of them batch 5
 
     def build_data(self):
         x, y = X.copy(), Y
@@ -338,7 +339,7 @@ class Spiky:
         elif self.poison == "nan":
             x[rows] = np.nan
         else:
-            keep = np.r_[0 : rows.start, rows.stop : len(x)]
+            keep = np.r_[0 : (POISONED + 1 - self.dropped) * 8, rows.stop : len(x)]
             x, y = x[keep], y[keep]
         val = {"x": X[:16], "y": Y[:16]}
         return {
@@ -356,28 +357,30 @@ class Spiky:
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
 
-SPIKE = nitro.Spike(rtol=1.0, window=3, max_rollbacks=5)
+SPIKE = nitro.Spike(rtol=1.0, window=2, max_rollbacks=5)
 
 
 @pytest.mark.parametrize(
-    ("poison", "check_divergence"), [("large", True), ("nan", True), ("nan", False)]
+    ("poison", "keywords"),
+    [
+        ("large", {}),
+        ("nan", {}),
+        ("nan", {"check_divergence": False}),  # calls that donate their variables
+        ("large", {"steps_per_dispatch": 2}),  # the call of batches 4 and 5 left out
+        ("large", {"accum": 2}),  # the step of micro-batches 4 and 5 left out
+    ],
 )
-def test_a_run_that_rolled_back_over_a_batch_equals_one_whose_data_never_had_it(
-    poison, check_divergence
-):
+def test_a_run_that_rolled_back_over_a_batch_equals_one_whose_data_never_had_it(poison, keywords):
+    keywords = {"steps_per_dispatch": 1, **keywords}
     run = nitro.Nitro(
-        Spiky(poison=poison),
-        progress=False,
-        snapshots=EVERY_STEP,
-        spike=SPIKE,
-        steps_per_dispatch=1,
-        check_divergence=check_divergence,
+        Spiky(poison=poison), progress=False, snapshots=EVERY_STEP, spike=SPIKE, **keywords
     )
     run.train()
-    skipped = run.skipped_batches()
-    assert skipped[["epoch", "index"]].values.tolist() == [[1, 5], [2, 5], [3, 5]]
+    dropped = 2 if keywords["steps_per_dispatch"] == 2 or "accum" in keywords else 1
+    left_out = [[epoch, index] for epoch in (1, 2, 3) for index in range(6 - dropped, 6)]
+    assert run.skipped_batches()[["epoch", "index"]].values.tolist() == left_out
     assert [r["reason"] for r in run.state.rewinds] == ["spike"] * 3
-    clean = nitro.Nitro(Spiky(poison=None), progress=False, steps_per_dispatch=1)
+    clean = nitro.Nitro(Spiky(poison=None, dropped=dropped), progress=False, **keywords)
     clean.train()
     same_history(clean.history(), run.history())
     same_parameters(clean, run)
