@@ -15,7 +15,7 @@ itself, between two of the loop's calls, leaving out the batches of the call tha
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
 import jax
@@ -212,7 +212,7 @@ def _go_back(
     snapshot: Snapshot | None,
     saved: SavedStep | None,
     reason: str,
-    skipped: list[dict[str, Any]] = (),  # pyright: ignore[reportArgumentType]
+    skipped: Sequence[Mapping[str, Any]] = (),
     why: str | None = None,
 ) -> TrainState:
     """The state of `snapshot` (or `saved`), as a new `TrainState` with `state`'s rewinds and
