@@ -283,6 +283,12 @@ class PanelReporter:
         self.curves.add_marker(dict(row))
         self._show_edits()
 
+    def rewound(self, row):
+        """A rewind (or a spike's roll-back): the curves after its step dimmed, as an
+        abandoned branch, and a mark where the run went back to."""
+        if self._members is None:
+            self.curves.rewind(dict(row))
+
     def val_samples(self, samples):
         """A validation's first call: the gallery's samples, when it will draw them."""
         gallery, handle = self.gallery, self._handle()
