@@ -151,6 +151,12 @@ class CurveData:
             losses = np.asarray(self.losses, np.float64).reshape(self.members, -1).T
             return list(self.steps), losses, [list(r) for r in self.rows], self.version
 
+    def add_mark(self, step: int, label: str) -> None:
+        """A mark on the loss curve at `step` (a population's search: "PBT: 3<-1")."""
+        with self.lock:
+            self.markers.append((step, label))
+            self.version += 1
+
     def marks(self) -> list[tuple[int, str]]:
         with self.lock:
             return list(self.markers)
@@ -341,6 +347,7 @@ class CurveFigure:
         for step, label in marks:
             color = "#c0392b" if label.endswith("(rolled back)") else "#8e44ad"
             color = "#7f8c8d" if label.startswith("rewound") else color
+            color = "#27ae60" if label.startswith(("PBT", "halving")) else color
             self._marks.append(ax.axvline(step, color=color, lw=0.8, ls="--", alpha=0.8))
             self._marks.append(
                 ax.text(

@@ -283,6 +283,12 @@ class PanelReporter:
         self.curves.add_marker(dict(row))
         self._show_edits()
 
+    def searched(self, row):
+        """A population's search acted (a PBT exploit, a halving rung): a mark on the loss
+        curve at its step, named below the curves with the live edits."""
+        self.curves.add_mark(int(row["step"]), str(row["label"]))
+        self._show_edits()
+
     def rewound(self, row):
         """A rewind (or a spike's roll-back): the curves after its step dimmed, as an
         abandoned branch, and a mark where the run went back to."""

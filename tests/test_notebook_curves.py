@@ -180,3 +180,15 @@ def test_a_rewind_dims_the_abandoned_branch_and_marks_where_the_run_went_back_to
     assert dimmed and max(max(line.get_xdata()) for line in dimmed) == 60
     labels = [t.get_text().strip() for t in loss.texts]
     assert "rewound from 60" in labels
+
+
+def test_a_population_search_marks_its_exploits_and_rungs_on_the_loss_plot():
+    data = CurveData(members=4)
+    data.add_steps(1, np.linspace(1.0, 0.5, 40)[None, :] * np.arange(1, 5)[:, None])
+    data.add_mark(18, "PBT: 0<-3")
+    data.add_mark(36, "halving: 4 -> 2")
+    figure = CurveFigure()
+    figure.png(data)
+    loss = figure.figure.axes[0]
+    labels = {t.get_text().strip(): t.get_color() for t in loss.texts}
+    assert labels.get("PBT: 0<-3") == labels.get("halving: 4 -> 2") == "#27ae60"

@@ -329,3 +329,27 @@ def test_halving_shrinks_the_population_at_each_rung_compiling_once_per_size(fre
     assert (
         pop.best().given_keywords["learning_rate"] == EIGHT["learning_rate"][pop.ranking()[1][0][0]]
     )
+
+
+class Marks:
+    """A progress reporter that keeps the search's `searched` events (the panel's marks)."""
+
+    def __init__(self):
+        self.rows: list[dict[str, Any]] = []
+
+    def searched(self, row):
+        self.rows.append(dict(row))
+
+
+def test_a_search_tells_the_reporters_what_it_did_for_the_panels_marks():
+    marks = Marks()
+    pbt = nitro.PBT(every=2, factors=(1.0,), seed=0)
+    keywords = {**QUIET, "progress": marks}
+    pop = nitro.Population(Digits(max_epochs=4, **SMALL), search=pbt, **RATES, **keywords).train()
+    assert [(r["step"], r["label"]) for r in marks.rows] == [(18, "PBT: 0<-3")]
+    assert marks.rows[0]["rows"][0]["copied_from"] == pop.lineage()["copied_from"][0]
+    marks = Marks()
+    halving = nitro.Halving(rungs=[1], keep=0.5)
+    keywords = {**QUIET, "progress": marks}
+    nitro.Population(Digits(max_epochs=2, **SMALL), search=halving, **RATES, **keywords).train()
+    assert [(r["step"], r["label"]) for r in marks.rows] == [(9, "halving: 4 -> 2")]

@@ -106,6 +106,7 @@ class Reporter(Protocol):
     def validated(self, row: Mapping[str, Any]) -> None: ...
     def swapped(self, row: Mapping[str, Any]) -> None: ...
     def rewound(self, row: Mapping[str, Any]) -> None: ...
+    def searched(self, row: Mapping[str, Any]) -> None: ...
     def note(self, message: str, done: bool = False) -> None: ...
     def end_run(self, handle: Any) -> None: ...
     def member_steps(self, first: int, losses: Any) -> None: ...
@@ -123,6 +124,7 @@ EVENT_NAMES = (
     "validated",
     "swapped",
     "rewound",
+    "searched",
     "note",
     "end_run",
     "member_steps",
@@ -286,6 +288,11 @@ class Events:
         "rewind" or "spike"); the steps between are an abandoned branch
         (`TrainState.rewinds`)."""
         self._deliver("rewound", row)
+
+    def searched(self, row: Mapping[str, Any]) -> None:
+        """A population's search acted at step `row["step"]` (`row["label"]`: "PBT: 3<-1",
+        "halving: 8 -> 4"; the rest of the row is what `pop.lineage()` records)."""
+        self._deliver("searched", row)
 
     def note(self, message: str, done: bool = False) -> None:
         self._deliver("note", message, done)

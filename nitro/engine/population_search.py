@@ -45,10 +45,17 @@ class Search:
     """A population's scheduler at work: where its boundaries are, what it did at each (its
     `lineage`), each member's current fed values, and which members still train."""
 
-    def __init__(self, scheduler: Scheduler, members: Sequence[Member], say: Callable):
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        members: Sequence[Member],
+        say: Callable,
+        mark: Callable[[dict[str, Any]], None] | None = None,
+    ):
         self.scheduler = scheduler
         self.members = list(members)
         self.say = say
+        self.mark = mark  # the `searched` event: a mark on the panel's curves
         self.applied = 0  # the last boundary applied (an epoch, or a step)
         self.lineage: list[dict[str, Any]] = []
         self.sums: dict[int, list[float]] = {}  # member -> [loss sum, steps] since a boundary
@@ -222,6 +229,9 @@ class Search:
             for row in self.lineage[-count:]
         )
         self.say(f"PBT at step {state.step}: {taken}")
+        if self.mark is not None:
+            moves = ", ".join(f"{r['member']}<-{r['copied_from']}" for r in self.lineage[-count:])
+            self.mark({"step": state.step, "label": f"PBT: {moves}", "rows": self.lineage[-count:]})
 
     def _set_values(self, member: Member, values: Mapping[str, Any]) -> None:
         """Feed `values` to `member` from its next call (each as its feed reads it back)."""
@@ -260,6 +270,9 @@ class Search:
             f"halving at {where}: {keep} of {len(ranked)} members train on "
             f"({', '.join(str(m.index) for m, _ in ranked[:keep])})"
         )
+        if self.mark is not None:
+            label = f"halving: {len(ranked)} -> {keep}"
+            self.mark({"step": state.step, "label": label, "rows": self.lineage[-len(ranked) :]})
         return sorted((m for m, _ in ranked[:keep]), key=lambda m: m.index)
 
     # ------------------------------------------------------------------------------------------

@@ -334,7 +334,7 @@ class Population(PopulationMembers):
                     f"divisor of its boundaries, or metric='loss' (the training loss since the "
                     f"last boundary)"
                 )
-        return Search(scheduler, self._members, self._say)
+        return Search(scheduler, self._members, self._say, mark=self._events.searched)
 
     def _shrink(self, kept: list[Member]) -> None:
         """The population down to the members `kept`: their variables gathered, and the
