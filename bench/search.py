@@ -173,7 +173,7 @@ def pbt_run(experiment, learning_rates: list[float], seed: int, search=None) -> 
         wall = time.perf_counter() - begin
         history = pop.history()
         final = history.xs(history.index.get_level_values("epoch").max(), level="epoch")
-        best = int(final["val_loss"].idxmin())
+        best = int(final.index.to_numpy()[np.argmin(final["val_loss"].to_numpy())])
         if search is None:
             schedule = [(0, learning_rates[best])]
         else:
@@ -182,9 +182,10 @@ def pbt_run(experiment, learning_rates: list[float], seed: int, search=None) -> 
         # the val_loss of the weights the best member ends with, epoch by epoch: before an
         # exploit at the end of epoch e, those weights were the donor's
         lineage = pop.lineage()
-        donors = {} if lineage.empty else {
-            (int(r.epoch), int(r.member)): int(r.copied_from) for r in lineage.itertuples()
-        }
+        donors = {}
+        if not lineage.empty:
+            for epoch, taker, donor in lineage[["epoch", "member", "copied_from"]].to_numpy():
+                donors[int(epoch), int(taker)] = int(donor)
         curve, member = [], best
         for epoch in sorted(history.index.get_level_values("epoch").unique(), reverse=True):
             member = donors.get((int(epoch), member), member)
@@ -226,7 +227,10 @@ def plot(grid: dict, pbt: dict, path: str) -> None:
 def pbt_main(args: argparse.Namespace) -> None:
     """PBT with 8 members against an 8-point grid of constant learning rates."""
     experiment = Noisy(
-        dim=args.dim, samples=args.samples, noise=args.noise, cond=args.cond,
+        dim=args.dim,
+        samples=args.samples,
+        noise=args.noise,
+        cond=args.cond,
         max_epochs=args.epochs,
     )
     grid_rates = [float(x) for x in np.geomspace(args.low, args.high, 8)]
@@ -261,7 +265,7 @@ def pbt_main(args: argparse.Namespace) -> None:
         f"PBT lower in {wins} of {len(rounds)} rounds"
     )
     if args.plot:
-        plot(*rounds[0], args.plot)
+        plot(rounds[0][0], rounds[0][1], args.plot)
         print(f"curves of round 1: {args.plot}")
 
 
