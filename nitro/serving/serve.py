@@ -54,9 +54,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         type=float,
         default=0.0,
         metavar="MS",
-        help="how long a batch that is not full waits for more while the model is busy, in "
-        "milliseconds; a lone request to an idle model never waits (default: 0: requests "
-        "that arrived during the previous call go at once)",
+        help="how long a batch of several requests that is not full waits for more, in "
+        "milliseconds (default: 0: requests that arrived during the previous call go at once)",
     )
     parser.add_argument(
         "--device-memory",

@@ -165,12 +165,11 @@ class Batcher:
     """Joins concurrent requests for one model into one call of at most `max_batch` rows.
 
     A request arriving while nothing else waits and no call runs is sent at once. Requests that
-    arrive while a call runs wait for it and go together in the next. With `delay` > 0 s, a
-    batch that is not yet full waits up to `delay` after its oldest request arrived for more
-    (Triton's `max_queue_delay_microseconds`) when the model is busy: the batch holds several
-    requests, or requests arrived while the previous call ran. A lone request to an idle
-    model never waits (Triton holds it too). A batch holds requests of one `Served`, so a
-    reload flushes the old weights' requests first and never mixes two weight sets in a call.
+    arrive while a call runs wait for it and go together in the next; with `delay` > 0 s, a
+    batch of several that is not yet full waits up to `delay` after its oldest request arrived
+    for more (Triton's `max_queue_delay_microseconds`, which Triton applies to a lone request
+    too). A batch holds requests of one `Served`, so a reload flushes the old weights'
+    requests first and never mixes two weight sets in a call.
     """
 
     def __init__(self, name: str, max_batch: int, delay: float, stats: Stats):
@@ -178,13 +177,10 @@ class Batcher:
         self.waiting: deque[_Waiting] = deque()
         self.arrived = asyncio.Event()
         self.worker: asyncio.Task | None = None
-        self.arrivals = 0
-        self.busy = False  # requests arrived while the previous call ran
 
     async def __call__(self, current: Served, arrays: dict[str, np.ndarray], rows: int):
         loop = asyncio.get_running_loop()
         answer = loop.create_future()
-        self.arrivals += 1
         self.waiting.append(_Waiting(current, arrays, rows, answer, loop.time()))
         self.arrived.set()
         if self.worker is None or self.worker.done():
@@ -198,7 +194,7 @@ class Batcher:
         loop = asyncio.get_running_loop()
         while self.waiting:
             await asyncio.sleep(0)  # requests already read join this batch
-            if self.delay > 0 and (len(self.waiting) > 1 or self.busy):
+            if self.delay > 0 and len(self.waiting) > 1:
                 deadline = self.waiting[0].arrived + self.delay
                 while self._rows_waiting() < self.max_batch and loop.time() < deadline:
                     self.arrived.clear()
@@ -220,7 +216,7 @@ class Batcher:
     async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[_Waiting], rows: int):
         current = batch[0].served
         width = _bucket(rows, self.max_batch)
-        start, arrivals = time.perf_counter(), self.arrivals
+        start = time.perf_counter()
         try:
             arrays = {
                 name: np.concatenate(
@@ -235,8 +231,6 @@ class Batcher:
                 if not waiting.answer.done():
                     waiting.answer.set_exception(_failure(self.name, error))
             return
-        finally:
-            self.busy = self.arrivals > arrivals
         self.stats.count(rows, width, time.perf_counter() - start)
         first = 0
         for waiting in batch:
@@ -577,8 +571,7 @@ def serve(
     """Serve the bundles in `directories` until interrupted (SIGINT or SIGTERM).
 
     With `batching`, concurrent requests for one model are joined into one call of at most
-    `max_batch` rows; while the model is busy, a batch that is not full waits up to
-    `batch_delay_ms` for more.
+    `max_batch` rows; a batch of several that is not full waits up to `batch_delay_ms` for more.
     Bundles of one program compile it once; their weights move to the device on demand within
     `device_memory_budget` (bytes as '2GB' or a fraction as '0.5'; None: no limit) and are held
     on the host within `host_memory_budget`, least recently used out first.
