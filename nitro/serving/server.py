@@ -46,8 +46,10 @@ import numpy as np
 from nitro.serving import bundle as bundles
 from nitro.serving.paging import Pager, WeightSet, device_memory, host_memory, parse_budget
 from nitro.serving.transport import (
+    BinaryDataPlane,
     HostGRPCServer,
     RequestGate,
+    UntimedRESTServer,
     decode_inputs,
     kserve_imports,
     undecodable,
@@ -62,7 +64,6 @@ with kserve_imports():
     from kserve.model_repository import ModelRepository
     from kserve.model_server import app as _kserve_app
     from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
-    from kserve.protocol.rest.server import RESTServer
     from kserve.utils.utils import generate_uuid
 
 __all__ = ["Batcher", "BundleModel", "BundleRepository", "Programs", "Served", "Stats", "serve"]
@@ -367,9 +368,12 @@ class BundleModel(kserve.Model):
         outputs = []
         binary = payload.use_binary_outputs
         for spec in current.bundle.outputs:
-            value = results[spec.name][:rows] if pad else results[spec.name]
+            value = np.asarray(results[spec.name][:rows] if pad else results[spec.name], order="C")
             output = InferOutput(spec.name, list(value.shape), wire_dtype(value.dtype.name))
-            output.set_data_from_numpy(np.asarray(value, order="C"), binary_data=binary)
+            if payload.from_grpc:
+                output.set_data_from_numpy(value, binary_data=binary)
+            else:  # encoded once, as each requested output asks (binary or JSON)
+                output.data = value
             outputs.append(output)
         return InferResponse(
             response_id=payload.id or generate_uuid(),
@@ -461,6 +465,7 @@ class _Server(kserve.ModelServer):
             grace_period=5,
         )
         self.repository = repository
+        self.dataplane = BinaryDataPlane(model_registry=repository)
         self.host = host
         self.max_request_bytes = max_request_bytes
         self.watch = watch
@@ -472,7 +477,7 @@ class _Server(kserve.ModelServer):
         _kserve_app.add_api_route("/v2/models/{model_name}/stats", self.stats, methods=["GET"])
         for kind in (ValueError, KeyError, TypeError, IndexError, AttributeError):
             _kserve_app.add_exception_handler(kind, undecodable)
-        self._rest_server = RESTServer(
+        self._rest_server = UntimedRESTServer(
             FASTAPI_APP_IMPORT_STRING,
             self.dataplane,
             self.model_repository_extension,
