@@ -12,7 +12,7 @@ Packages by layer, bottom-up (docs/architecture.md): `experiments`, `data`, `opt
 `programs`, `runs`, `weights`, `models`, `loggers`, `engine`, `serving`, `handle`, `mcp`,
 `examples`, `cli` (the `nitro` command). Modules: `errors` (every error raised on purpose), `_version`
 (`__version__`), and the public import paths `bundle`, `serve`, `manual`, `staleness`, `events`,
-`progress`, `runner`, `dispatch` and `datasets`, each standing for a module inside a package
+`progress`, `runner`, `dispatch`, `datasets`, `search` and `gallery`, each standing for a module inside a package
 (`_public_path`).
 """
 
@@ -33,6 +33,8 @@ _EXPORTS = {
     "set_compilation_cache": "nitro.programs.compile_cache",
     "Nitro": "nitro.handle",
     "Population": "nitro.handle",
+    "PBT": "nitro.engine.search",
+    "Halving": "nitro.engine.search",
     "LRFindResult": "nitro.handle.lr_find",
     "PopulationError": "nitro.errors",
     "Device": "nitro.experiments",
@@ -57,6 +59,7 @@ _EXPORTS = {
     "ASAM": "nitro.optim.sam",
     "Precision": "nitro.optim.precision",
     "EarlyStopping": "nitro.runs.early_stopping",
+    "ReduceOnPlateau": "nitro.optim.plateau",
     "on_phase": "nitro.core.events",
     "saved_runs": "nitro.runs.run_dirs",
     "run_to_resume": "nitro.runs.resume",
@@ -64,17 +67,25 @@ _EXPORTS = {
     "WeightsError": "nitro.errors",
     "average": "nitro.runs.initial_weights",
     "Partial": "nitro.weights.partial",
+    "Hooks": "nitro.experiments.hooks",
+    "hooks": "nitro.experiments.hooks",
     "OptimizerError": "nitro.errors",
+    "SpikeError": "nitro.errors",
+    "Snapshots": "nitro.engine.snapshots",
+    "Spike": "nitro.engine.spikes",
 }
 _SUBMODULES = (
     "data",
     "datasets",
     "dispatch",
     "events",
+    "gallery",
     "loggers",
     "models",
     "progress",
     "runner",
+    "runs",
+    "search",
     "staleness",
     "weights",
 )
@@ -93,13 +104,17 @@ __all__ = [
     "ExperimentError",
     "FieldKind",
     "GraphConst",
+    "Hooks",
     "HostFieldError",
     "Interrupted",
     "LRFindResult",
     "MetricError",
     "Nitro",
+    "ReduceOnPlateau",
     "OptimizerError",
     "Partial",
+    "PBT",
+    "Halving",
     "Population",
     "PopulationError",
     "Precision",
@@ -108,6 +123,9 @@ __all__ = [
     "RunningError",
     "ScheduleError",
     "SetupError",
+    "Snapshots",
+    "Spike",
+    "SpikeError",
     "average",
     "cache_reset",
     "cache_stats",
@@ -117,6 +135,8 @@ __all__ = [
     "experiment",
     "explain_compiles",
     "fields",
+    "gallery",
+    "hooks",
     "load_ipython_extension",
     "loggers",
     "models",
@@ -126,7 +146,9 @@ __all__ = [
     "progress",
     "run_to_resume",
     "runner",
+    "runs",
     "saved_runs",
+    "search",
     "set_compilation_cache",
     "staleness",
     "unload_ipython_extension",
@@ -152,11 +174,14 @@ def __dir__() -> list[str]:
 
 
 if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
-    from nitro import data, loggers, models, weights
+    from nitro import data, loggers, models, runs, weights
     from nitro.core import events, progress
     from nitro.core.events import on_phase
     from nitro.data import datasets
-    from nitro.engine import dispatch, runner
+    from nitro.engine import dispatch, runner, search
+    from nitro.engine.search import PBT, Halving
+    from nitro.engine.snapshots import Snapshots
+    from nitro.engine.spikes import Spike
     from nitro.errors import (
         CompilationCacheError,
         DivergenceError,
@@ -170,14 +195,18 @@ if TYPE_CHECKING:  # pragma: no cover - for type checkers and IDEs
         RunningError,
         ScheduleError,
         SetupError,
+        SpikeError,
         WeightsError,
     )
     from nitro.experiments.declaration import Device, FieldKind, GraphConst, experiment, fields
+    from nitro.experiments.hooks import Hooks, hooks
     from nitro.experiments.presets import preset_of, presets
+    from nitro.handle import gallery
     from nitro.handle.handle import Nitro
     from nitro.handle.lr_find import LRFindResult
     from nitro.handle.population import Population
     from nitro.optim.ema import EMA
+    from nitro.optim.plateau import ReduceOnPlateau
     from nitro.optim.precision import Precision
     from nitro.optim.sam import ASAM, SAM
     from nitro.programs import staleness

@@ -28,6 +28,7 @@ __all__ = [
     "RunningError",
     "ScheduleError",
     "SetupError",
+    "SpikeError",
     "WeightsError",
     "did_you_mean",
 ]
@@ -61,6 +62,11 @@ class DataWorkerError(RuntimeError):
 
 class DivergenceError(FloatingPointError):
     """Training produced a non-finite loss or gradient; the handle kept the last good weights."""
+
+
+class SpikeError(DivergenceError):
+    """A run's loss spiked more often than `nitro.Spike(max_rollbacks=)` lets it roll back;
+    the message names the spike and the batches the roll-backs left out."""
 
 
 class HostFieldError(AttributeError):

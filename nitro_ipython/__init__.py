@@ -17,7 +17,8 @@
 `%nitro mcp start` serves the kernel's runs to a coding agent (`agents.py`).
 
 Also: `runs.py` (handles by name, their live numbers, status lines, the runs an agent
-started), `curves.py` (training curves redrawn in place), `record.py` (the static record a run
+started), `curves.py` (training curves redrawn in place), `sample_gallery.py` (the panel's
+gallery of validation samples, drawn on its own thread), `record.py` (the static record a run
 leaves in its cell), `failures.py` (a failed run's folded traceback), `cache_table.py`
 (`%nitro cache` as tables).
 

@@ -6,7 +6,8 @@ thread) at twice the size they are displayed at, so they stay sharp on
 high-density screens and are never stretched. The figure is built once per run and its lines
 are moved as data arrives; a redraw costs a few tens of milliseconds. A live edit swapped in
 (or rolled back) while the run trains is a labelled vertical line on the loss plot at its
-step (`CurveData.add_marker`).
+step (`CurveData.add_marker`); the branches a rewind left are drawn dimmed under the run's
+curves, with a mark where it went back to (`CurveData.rewind`).
 """
 
 from __future__ import annotations
@@ -54,6 +55,8 @@ class CurveData:
         self.losses: list[list[float]] = [[] for _ in range(members)]
         self.rows: list[list[dict[str, Any]]] = [[] for _ in range(members)]
         self.markers: list[tuple[int, str]] = []  # (step, label): the live edits' swaps
+        # the branches rewinds left (a run's): their steps and losses, and their rows
+        self.abandoned: list[tuple[list[int], list[float], list[dict[str, Any]]]] = []
         self.version = 0
         self._ended: set[int] = set()  # members whose curves ended (stopped)
         self._stride = 1
@@ -122,6 +125,25 @@ class CurveData:
             else:
                 self.markers.append((row["step"], label))
             self.version += 1
+
+    def rewind(self, row: dict[str, Any]) -> None:
+        """A run went back to `row["step"]` (`n.rewind`, a spike's roll-back): its curves
+        after that step become an abandoned branch, drawn dimmed, and a mark says where."""
+        to = row["step"]
+        with self.lock:
+            kept = sum(1 for step in self.steps if step <= to)
+            rows = self.rows[0]
+            left = [r for r in rows if r.get("step", 0) > to]
+            self.abandoned.append((self.steps[kept:], self.losses[0][kept:], left))
+            del self.steps[kept:], self.losses[0][kept:]
+            self.rows[0] = [r for r in rows if r.get("step", 0) <= to]
+            self.markers.append((to, f"rewound from {row.get('from_step')}"))
+            self.version += 1
+
+    def branches(self) -> list[tuple[list[int], list[float], list[dict[str, Any]]]]:
+        """The abandoned branches: (steps, losses, rows) each."""
+        with self.lock:
+            return [(list(s), list(v), list(r)) for s, v, r in self.abandoned]
 
     def snapshot(self):
         """(steps, losses [steps, members], each member's rows, version)."""
@@ -220,6 +242,8 @@ class CurveFigure:
         self._legends: dict[int, tuple] = {}
         self._marks: list[Any] = []  # the artists of the drawn swap markers
         self._marked: list[tuple[int, str]] = []
+        self._dimmed: list[Any] = []  # the artists of the abandoned branches
+        self._branched: list = []
         self._above = None  # the loss plot's note of the members above it
 
     @property
@@ -278,6 +302,7 @@ class CurveFigure:
             color="#c0392b",
         )  # fmt: skip
         self._figure, self._layout, self._lines = figure, layout, lines
+        self._dimmed, self._branched = [], []
         self._legends, self._marks, self._marked = {}, [], []
 
     def _name_members(self, ax) -> None:
@@ -315,6 +340,7 @@ class CurveFigure:
         self._marks = []
         for step, label in marks:
             color = "#c0392b" if label.endswith("(rolled back)") else "#8e44ad"
+            color = "#7f8c8d" if label.startswith("rewound") else color
             self._marks.append(ax.axvline(step, color=color, lw=0.8, ls="--", alpha=0.8))
             self._marks.append(
                 ax.text(
@@ -329,6 +355,30 @@ class CurveFigure:
                 )
             )
         self._marked = list(marks)
+
+    def _draw_branches(self, branches: list) -> None:
+        """The branches rewinds left, dimmed, under the run's curves."""
+        if branches == self._branched:
+            return
+        for artist in self._dimmed:
+            artist.remove()
+        self._dimmed = []
+        for steps, losses, rows in branches:
+            for (index, name, member), line in self._lines.items():
+                if member:
+                    continue
+                if name == "step loss":
+                    xs, ys = steps, losses
+                else:
+                    x = "step" if index == 0 else "epoch"
+                    points = [(r[x], r[name]) for r in rows if name in r and x in r]
+                    xs, ys = [p[0] for p in points], [p[1] for p in points]
+                if xs:
+                    (dimmed,) = self._figure.axes[index].plot(
+                        xs, ys, line.get_linestyle(), color=line.get_color(), alpha=0.25, lw=1
+                    )
+                    self._dimmed.append(dimmed)
+        self._branched = branches
 
     def _place_mark_labels(self) -> None:
         """Each edit's label beside its line, inside the plot: to the line's left in the
@@ -376,6 +426,7 @@ class CurveFigure:
         if layout != self._layout:
             self._build(layout)
         self._draw_marks(data.marks())
+        self._draw_branches(data.branches())
         for (index, name, member), line in self._lines.items():
             if name == "step loss":
                 line.set_data(steps, losses[:, member])

@@ -32,6 +32,7 @@ COMMANDS = (
     "validate",
     "evaluate",
     "predict",
+    "render",
     "history",
     "plot",
     "panel",
@@ -41,6 +42,8 @@ COMMANDS = (
     "export",
     "mcp",
     "reload",
+    "rewind",
+    "fork",
 )
 
 
@@ -103,7 +106,8 @@ class NitroMagics(Magics):
         "member",
         nargs="?",
         metavar="MEMBER",
-        help="stop: the member of a population to stop (its index); the others train on",
+        help="stop: the member of a population to stop (its index); the others train on; "
+        "rewind, fork: the step",
     )
     @magic_arguments.argument(
         "--run", "-r", help="export: the handle to export (default: the latest, _nitro)"
@@ -157,7 +161,26 @@ class NitroMagics(Magics):
         "notebook with these GraphConst values; RUN_ID (or a run directory) names the run",
     )
     @magic_arguments.argument(
-        "--split", "-s", default="test", help="evaluate: the split to evaluate (default: test)"
+        "--split",
+        "-s",
+        help="evaluate: the split to evaluate (default: test); render: the split to draw "
+        "(default: val; with --data: train)",
+    )
+    @magic_arguments.argument(
+        "--data", action="store_true", help="render: the data alone (compiles nothing)"
+    )
+    @magic_arguments.argument(
+        "--top-losses",
+        dest="top_losses",
+        type=int,
+        metavar="K",
+        help="render: the K samples with the highest loss",
+    )
+    @magic_arguments.argument(
+        "--confusion", action="store_true", help="render: the confusion matrix of a classifier"
+    )
+    @magic_arguments.argument(
+        "--out", metavar="PATH", help="render: also write the figure to PATH (a file or directory)"
     )
     @magic_arguments.argument(
         "--batch",
@@ -225,6 +248,13 @@ class NitroMagics(Magics):
                                  row per member)
         %nitro evaluate [RUN] [--split S]
         %nitro predict [RUN] [--batch VAR]
+        %nitro render [RUN] [--split S] [--data] [--top-losses K] [--confusion] [--out PATH]
+            a grid of samples of the 'val' split with their labels and predictions, drawn
+            by the experiment's visualize hook (n.render()); --data: the 'train' split's
+            first batch alone, compiling nothing (n.show_batch()); --top-losses K: the K
+            samples with the highest loss (n.top_losses(K)); --confusion: the confusion
+            matrix and per-class metrics (n.confusion()); --out also writes the figure
+            (a file, or a directory)
         %nitro history [RUN]     the history table (a population's: every member's)
         %nitro plot [RUN]        the history's curves
         %nitro panel [RUN]       RUN's live panel in this cell (for a run or population
@@ -243,6 +273,13 @@ class NitroMagics(Magics):
         %nitro reload            check the watched files now: reload the edited ones (a
                                  run training takes the edit live) and say what is stale;
                                  for file systems whose saves the watcher does not see
+        %nitro rewind [RUN] [STEP]
+            take RUN back to STEP, a snapshot in memory or a checkpoint (without STEP: the
+            steps it can go back to); training on repeats the same steps bit for bit, and
+            the steps after it stay in its history as an abandoned branch (n.rewind(STEP))
+        %nitro fork [RUN] [STEP]
+            a new handle starting from RUN's snapshot at STEP (default: its state now),
+            stored as `RUN_fork` (and `_nitro`); it trains beside RUN (n.fork(STEP))
         %nitro mcp start [--port P] [--root DIR] [--allow DIR ...]
             serve this kernel's runs to a coding agent over MCP (loopback only; prints
             the file holding the token and client configuration); `%nitro mcp stop`
@@ -251,7 +288,7 @@ class NitroMagics(Magics):
             directory (or --root) and the --allow'ed directories.
         """
         args = magic_arguments.parse_argstring(self.nitro, _without_comment(line))
-        if args.member is not None and args.command != "stop":
+        if args.member is not None and args.command not in ("stop", "rewind", "fork"):
             raise UsageError(
                 f"%nitro {args.command} takes one target, got {args.target!r} and "
                 f"{args.member!r}; a member is for `%nitro stop POP MEMBER`"
@@ -469,6 +506,31 @@ class NitroMagics(Magics):
         for name, target in targets:
             runs.stop(target, name)
 
+    def _stepped(self, args, what: str) -> tuple[str, nitro.Nitro, int | None]:
+        """`%nitro rewind|fork [RUN] [STEP]`: the handle (default: the latest) and the step."""
+        target, step = args.target, args.member
+        if step is None and target is not None and target.isdigit():
+            target, step = None, target
+        if step is not None and not step.isdigit():
+            raise UsageError(f"%nitro {what}: STEP is a step number (%nitro {what} RUN 120)")
+        name, handle = self._handle(target, what)
+        return name, handle, int(step) if step is not None else None
+
+    def _rewind(self, args):
+        name, handle, step = self._stepped(args, "rewind")
+        if step is None:
+            return handle.snapshots
+        self._idle(name, handle, f"rewind {name} {step}").rewind(step)
+        return handle
+
+    def _fork(self, args):
+        name, handle, step = self._stepped(args, "fork")
+        fork = handle.fork(step)
+        stored = f"{name}_fork" if name.isidentifier() else "_nitro"
+        self._ns[stored] = self._ns["_nitro"] = fork
+        print(f"nitro: the fork is `{stored}`; %nitro train {stored} trains it")
+        return fork
+
     def _wait(self, args) -> None:
         targets = self._targets(args.target, "wait")
         if not targets:
@@ -520,7 +582,30 @@ class NitroMagics(Magics):
         return self._idle(*self._run(args.target, "validate"), "validate").validate()
 
     def _evaluate(self, args):
-        return self._idle(*self._run(args.target, "evaluate"), "evaluate").evaluate(args.split)
+        handle = self._idle(*self._run(args.target, "evaluate"), "evaluate")
+        return handle.evaluate(args.split or "test")
+
+    def _render(self, args):
+        result = self._rendered(args)
+        if not isinstance(result, list):
+            return result
+        from IPython.display import display
+
+        for one in result:  # a population's: one per member
+            display(one)
+
+    def _rendered(self, args):
+        name, handle = self._run(args.target, "render")
+        where = "inline" if args.out is None else ["inline", args.out]
+        if args.data:
+            return handle.show_batch(args.split or "train", where=where)
+        self._idle(name, handle, "render")
+        split = args.split or "val"
+        if args.confusion:
+            return handle.confusion(split, where=where)
+        if args.top_losses is not None:
+            return handle.top_losses(args.top_losses, split, where=where)
+        return handle.render(split, where=where)
 
     def _predict(self, args):
         name, handle = self._handle(args.target, "predict")

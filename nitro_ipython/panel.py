@@ -141,6 +141,11 @@ class LivePanel(widgets.VBox):
         self.curves = widgets.Box(
             self.plots, layout=widgets.Layout(display="none", flex_flow="row wrap")
         )
+        # validation samples with the current predictions (`sample_gallery.py`), when shown
+        self.gallery = widgets.Image(
+            format="png", layout=widgets.Layout(display="none", max_width="100%")
+        )
+        self.gallery.add_class("nitro-gallery-live")
         self.edits = widgets.HTML()  # the key to the curves' marks of live edits
         self.notes = widgets.HTML()
         # what the live panel alone says (a background run's commands): never in its record
@@ -155,7 +160,7 @@ class LivePanel(widgets.VBox):
         self.member_buttons: list[widgets.Button] = []
         self.member_rows: list[widgets.HBox] = []
         self.table: widgets.VBox | None = None
-        parts = [self.header, self.progress, self.status, self.metrics, self.curves]
+        parts = [self.header, self.progress, self.status, self.metrics, self.curves, self.gallery]
         if members is not None:
             self._build_table(len(members))
             parts.append(self.table)
@@ -229,6 +234,11 @@ class LivePanel(widgets.VBox):
         for plot in self.plots[len(images) :]:
             plot.layout.display = "none"
         self.curves.layout.display = ""
+
+    def show_gallery(self, png: bytes) -> None:
+        """Show the gallery of validation samples (a PNG; any thread)."""
+        self.gallery.value = png
+        self.gallery.layout.display = ""
 
     def say(self, text: str) -> None:
         """A line beside the title while the panel lives ("training in the background;

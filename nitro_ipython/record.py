@@ -7,6 +7,7 @@ notebook, nbconvert's HTML and GitHub's renderer all show it; the curves are a s
 
 from __future__ import annotations
 
+import base64
 from collections.abc import Sequence
 from html import escape
 from typing import Any
@@ -38,11 +39,13 @@ def record_html(
     edits: Sequence[tuple[int, str]] = (),
     last_seen: bool = False,
     table: str = "",
+    gallery: bytes | None = None,
 ) -> str:
     """The final panel as static HTML: title, bar, status line, latest metrics, a
     population's members' `table`, the key to the curves' marks of live edits (`edits`:
-    (step, label)), notes; `last_seen`: a live run's stand-in, whose phase is what the run
-    did when it was last updated."""
+    (step, label)), notes, the gallery of validation samples (`gallery`, a PNG, kept as an
+    image in the HTML); `last_seen`: a live run's stand-in, whose phase is what the run did
+    when it was last updated."""
     colour = _BAR_COLOURS[BAR_STYLE.get(parts[0], "info")]
     percent = max(0.0, min(1.0, fraction)) * 100
     bar = (
@@ -57,7 +60,16 @@ def record_html(
         metrics_html(row),
         table,
         f"<div>{edits_html(list(edits))}</div>" if edits else "",
+        _gallery_html(gallery) if gallery else "",
         f"<div>{notes_html(notes)}</div>" if notes else "",
         "</div>",
     ]
     return "".join(pieces)
+
+
+def _gallery_html(png: bytes) -> str:
+    data = base64.b64encode(png).decode()
+    return (
+        "<div class='nitro-gallery'><img alt='validation samples' style='max-width:100%' "
+        f"src='data:image/png;base64,{data}'/></div>"
+    )

@@ -130,6 +130,7 @@ class PanelReporter:
         mode: str | None = None,
         refresh: float = 4.0,
         curve_interval: float = 0.5,
+        gallery: int | None = None,
     ):
         from .curves import CurveData, CurveRenderer
 
@@ -167,6 +168,9 @@ class PanelReporter:
         self._lock = threading.Lock()  # the notes
         self._drawing = threading.Lock()  # the training thread's and the curve thread's
         self._handle: Callable[[], Any] = lambda: None
+        # the gallery's samples: None shows one when the experiment has a `visualize` hook
+        self.gallery_samples = gallery
+        self.gallery = None  # the run's `sample_gallery.GalleryRenderer`, when it shows one
         worker.panel_reporters.add(self)
 
     # ------------------------------------------------------------------------------------------
@@ -198,6 +202,7 @@ class PanelReporter:
             for row in getattr(getattr(handle, "state", None), "swaps", ()):
                 self.curves.add_marker(dict(row))
         self._sync_stopped()
+        self._start_gallery(handle)
         self.panel = worker.claim_panel()
         _PANELS[handle] = self
         if self.panel is not None:
@@ -277,6 +282,49 @@ class PanelReporter:
         named below the curves (the note comes as a note)."""
         self.curves.add_marker(dict(row))
         self._show_edits()
+
+    def rewound(self, row):
+        """A rewind (or a spike's roll-back): the curves after its step dimmed, as an
+        abandoned branch, and a mark where the run went back to."""
+        if self._members is None:
+            self.curves.rewind(dict(row))
+
+    def val_samples(self, samples):
+        """A validation's first call: the gallery's samples, when it will draw them."""
+        gallery, handle = self.gallery, self._handle()
+        if gallery is None or handle is None or self.panel is None or samples.split != "val":
+            return
+        if not gallery.wants():
+            return
+        step = handle.step
+        edits = [label for at, label in self.curves.marks() if at <= step]
+        title = f"{self._title} · 'val' · step {step}" + (f" · after {edits[-1]}" if edits else "")
+        gallery.take(handle.experiment, handle.setup.split("val").hook_fields, samples, title)
+
+    def _start_gallery(self, handle) -> None:
+        from .sample_gallery import SAMPLES, GalleryRenderer
+
+        if self.gallery is not None:
+            self.gallery.stop()
+        wanted = self.gallery_samples
+        if wanted is None:
+            wanted = SAMPLES if hasattr(handle.experiment, "visualize") else 0
+        if wanted <= 0 or self._members is not None or "val" not in handle.splits:
+            self.gallery = None
+            return
+        self.gallery = GalleryRenderer(self._show_gallery, self._gallery_note, samples=wanted)
+
+    def _show_gallery(self, png: bytes) -> None:
+        panel = self.panel
+        if panel is not None:
+            panel.show_gallery(png)
+            self._standin_stale = True  # the stand-in keeps it too, at the next tick
+
+    def _gallery_note(self, message: str) -> None:
+        if self.panel is not None:
+            self.show_note(message)
+        else:
+            self._lines.note(message)
 
     def phase(self, phase):
         self.stats.follow(phase)
@@ -485,9 +533,18 @@ class PanelReporter:
             table = members_table_html(self._views, metric, mode, self.active, ranks)
             lines = [view.line(self.active, ranks.get(view.index)) for view in self._views]
         edits, fraction = self.curves.marks(), self._fraction()
+        gallery = self.gallery.png if self.gallery is not None else None
         return (
             record_html(
-                self._title, parts, fraction, self._row, notes, edits, last_seen, table=table
+                self._title,
+                parts,
+                fraction,
+                self._row,
+                notes,
+                edits,
+                last_seen,
+                table=table,
+                gallery=gallery,
             ),
             record_text(self._title, parts, last_seen, lines),
         )
@@ -532,6 +589,8 @@ class PanelReporter:
         panel = self.panel
         self._ended = False
         self.renderer.stop()
+        if self.gallery is not None:
+            self.gallery.stop()  # the drawing under way ends in the record
         self._phase = phase
         self._sync_stopped()
         self._table_key = None  # the final refresh draws the table as the run left it

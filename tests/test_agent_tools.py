@@ -1,4 +1,4 @@
-"""The twelve agent tools, driven by the MCP SDK's client over stdio and over streamable HTTP."""
+"""The fifteen agent tools, driven by the MCP SDK's client over stdio and over streamable HTTP."""
 
 from __future__ import annotations
 
@@ -28,10 +28,13 @@ TOOL_NAMES = {
     "nitro_stop",
     "nitro_population",
     "nitro_member",
+    "nitro_render",
+    "nitro_rewind",
+    "nitro_fork",
 }
 
 
-def test_the_twelve_tools_are_listed_with_their_input_schemas(connect):
+def test_the_fifteen_tools_are_listed_with_their_input_schemas(connect):
     async def scenario():
         async with connect() as session:
             tools = (await session.list_tools()).tools
@@ -67,6 +70,8 @@ def test_the_twelve_tools_are_listed_with_their_input_schemas(connect):
     )
     assert schemas["nitro_member"]["required"] == ["run_id"]
     assert {"member", "metric", "mode", "keywords"} <= set(schemas["nitro_member"]["properties"])
+    assert schemas["nitro_rewind"]["required"] == ["run_id"]
+    assert {"step", "overrides", "keywords"} <= set(schemas["nitro_fork"]["properties"])
 
 
 def test_a_run_trains_in_the_background_and_status_reports_its_metrics(connect):
@@ -666,3 +671,72 @@ def test_nitro_train_builds_a_preset_of_the_class_and_the_run_records_it(http_se
     assert unknown == (
         "nitro_train: preset: Digits has no preset 'tiny'. Its presets: 'small', 'large'."
     )
+
+
+def test_an_agent_rewinds_a_run_and_forks_it_as_a_person_does(http_server):
+    async def scenario():
+        async with http_session(http_server.url, http_server.token) as session:
+            keywords = {"snapshots": {"every": 1, "keep": 50}, "steps_per_dispatch": 1}
+            started = await call(
+                session,
+                "nitro_train",
+                experiment="agent_toys.Quick",
+                max_epochs=2,
+                keywords=keywords,
+            )
+            run_id = started["run_id"]
+            done = await poll(session, run_id, lambda s: s["status"] != "running")
+            listed = await call(session, "nitro_rewind", run_id=run_id)
+            rewound = await call(session, "nitro_rewind", run_id=run_id, step=3)
+            missing = await refusal(session, "nitro_rewind", run_id=run_id, step=999)
+            forked = await call(
+                session, "nitro_fork", run_id=run_id, step=3, overrides={"scale": 2.0}
+            )
+            refused = await refusal(
+                session, "nitro_fork", run_id=run_id, step=3, keywords={"accum": 2}
+            )
+            again = await call(session, "nitro_train", run_id=run_id)
+            trained = await poll(session, again["run_id"], lambda s: s["status"] != "running")
+            return done, listed, rewound, missing, forked, refused, trained
+
+    done, listed, rewound, missing, forked, refused, trained = anyio.run(scenario)
+    assert {row["step"] for row in listed["snapshots"]} >= {0, 3, 7}
+    assert (rewound["from_step"], rewound["step"], rewound["epoch"]) == (8, 3, 0)
+    assert "has no snapshot or checkpoint of step 999" in missing
+    assert forked["status"] == "done" and forked["result"]["step"] == 3
+    assert forked["result"]["forked_from"]["run_id"] == done["handle_run_id"]
+    assert "fork(accum=...) changes the program" in refused
+    assert trained["step"] == 8 and trained["metrics"]["val_loss"] == done["metrics"]["val_loss"]
+
+
+def test_render_answers_images_as_the_protocols_image_content(connect):
+    import base64
+
+    async def scenario():
+        async with connect() as session:
+            started = await call(session, "nitro_train", experiment="agent_toys.Quick")
+            run_id = started["run_id"]
+            await poll(session, run_id, lambda s: s["status"] != "running")
+            samples = await session.call_tool(
+                "nitro_render", {"run_id": run_id, "samples": 4, "split": "val"}
+            )
+            matrix = await session.call_tool(
+                "nitro_render", {"run_id": run_id, "view": "confusion"}
+            )
+            wrong = await refusal(session, "nitro_render", run_id=run_id, split="tset")
+            return samples, matrix, wrong
+
+    samples, matrix, wrong = anyio.run(scenario)
+    for result in (samples, matrix):
+        assert not result.is_error
+        images = [c for c in result.content if c.type == "image"]
+        assert len(images) == 1 and images[0].mime_type == "image/png"
+        assert base64.b64decode(images[0].data).startswith(b"\x89PNG")
+    rows = samples.structured_content["rows"][0]
+    assert [row["index"] for row in rows] == [0, 1, 2, 3]
+    assert {"y", "prediction", "loss"} <= set(rows[0])
+    confusion = matrix.structured_content
+    assert sum(map(sum, confusion["matrix"][0])) == sum(
+        r["support"] for r in confusion["per_class"][0]
+    )
+    assert "split: run" in wrong and "no split 'tset'" in wrong

@@ -46,6 +46,8 @@ ALIASES = {
     "runner": "engine",
     "dispatch": "engine",
     "datasets": "data",
+    "gallery": "handle",
+    "search": "engine",
 }
 
 

@@ -398,3 +398,54 @@ def test_without_chromium_the_browser_tests_skip_and_say_how_to_install_it(monke
     monkeypatch.setattr(browser, "CHROMIUM", "/nonexistent/chromium")
     with pytest.raises(pytest.skip.Exception, match=r"make browser.*apt-get install chromium"):
         require_browser()
+
+
+def test_the_gallery_shows_refreshes_and_survives_a_save_and_reopen_as_an_image(lab):
+    import nbformat
+
+    cells = [
+        "%load_ext nitro\nimport nitro_ipython.sample_gallery as sample_gallery\n"
+        "sample_gallery.SHARE = 0.5  # redraw soon after each drawing, to see it refresh\n"
+        "from nitro.examples.digits import Digits",
+        "gal = Digits(max_epochs=30_000)\n%nitro train gal --background",
+    ]
+    notebook = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell(c) for c in cells])
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3"}
+    nbformat.write(notebook, lab.root / "gallery.ipynb")
+    gallery = (
+        "[...window.jupyterapp.shell.currentWidget.content.widgets[1].node"
+        ".querySelectorAll('img.nitro-gallery-live')].filter(i => i.naturalWidth > 0)"
+        ".map(i => i.src)[0]"
+    )
+    lab.open("gallery.ipynb")
+    lab.run(0)
+    lab.start(1)
+    lab.wait_done(1)
+    first = lab.wait_for(gallery, 120, what="the live gallery")
+    lab.wait_for(f"({gallery}) !== arguments[0]", 120, first, what="a refreshed gallery")
+    lab.screenshot("live-gallery", lab.cell(1))
+    _stop(lab, 1)
+    record = (
+        "const img = nb.content.widgets[1].node.querySelector('.nitro-record .nitro-gallery img');"
+        "return img ? [img.naturalWidth, img.src.slice(0, 22)] : null;"
+    )
+    lab.wait_for(
+        "window.jupyterapp.shell.currentWidget.content.widgets[1].node"
+        ".querySelector('.nitro-record .nitro-gallery img')?.naturalWidth > 0",
+        120,
+        what="the gallery in the record",
+    )
+    lab.save_and_close()
+    lab.open("gallery.ipynb")
+    lab.wait_for(
+        "window.jupyterapp.shell.currentWidget.content.widgets[1].node"
+        ".querySelector('.nitro-record .nitro-gallery img')?.naturalWidth > 0",
+        120,
+        what="the gallery in the reopened record",
+    )
+    width, source = lab.js(record)
+    assert width > 400 and source == "data:image/png;base64,"
+    page = lab.js("return nb.content.node.innerText;")
+    assert "Error displaying widget" not in page and "model not found" not in page
+    lab.screenshot("gallery-reopened", lab.cell(1))
+    lab.save_and_close()

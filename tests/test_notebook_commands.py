@@ -90,3 +90,15 @@ def test_train_a_class_with_a_preset_stores_its_run_and_runs_shows_the_preset(ke
         "UsageError: %nitro train sized --preset small: --preset builds the experiment from its "
         "class, and sized is a Sized; name the class: `%nitro train Sized --preset small`"
     )
+
+
+def test_rewind_and_fork_go_back_in_a_run_and_branch_from_it(kernel):
+    kernel.run("tt = tiny_exp.Tiny(batches=3, max_epochs=2)\n%nitro train tt")
+    listed = kernel.run("%nitro rewind tt_run").data()[-1]  # the steps it can go back to
+    assert re.search(r"\n0 +0 +0 +memory", listed), listed
+    kernel.run("%nitro rewind tt_run 0")
+    assert kernel.eval("(tt_run.step, len(tt_run.state.rewinds))") == "(0, 1)"
+    said = kernel.run("%nitro fork tt_run").stdout.splitlines()
+    assert re.fullmatch(r"nitro: forked from run \S+ at step 0 \(epoch 0\)", said[0]), said
+    assert said[1] == "nitro: the fork is `tt_run_fork`; %nitro train tt_run_fork trains it"
+    assert kernel.eval("_nitro is tt_run_fork and tt_run_fork.forked_from['step'] == 0") == "True"

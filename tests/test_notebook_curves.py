@@ -163,3 +163,20 @@ def test_each_plot_is_its_own_image_cut_where_no_plot_crosses():
     joined = np.concatenate([np.asarray(image.convert("RGBA")) for image in images], axis=1)
     assert joined.shape == whole.shape
     assert np.abs(joined.astype(int) - whole.astype(int)).mean() < 1  # the same picture
+
+
+def test_a_rewind_dims_the_abandoned_branch_and_marks_where_the_run_went_back_to():
+    data = _run(epochs=3)
+    data.rewind({"step": 30, "from_step": 60})
+    assert data.steps[-1] == 30 and [r["epoch"] for r in data.rows[0]] == [1]
+    ((steps, losses, rows),) = data.branches()
+    assert (steps[0], steps[-1], [r["epoch"] for r in rows]) == (31, 60, [2, 3])
+    for step in range(31, 41):  # trained on from there
+        data.add_step(step, 1.0)
+    figure = CurveFigure()
+    figure.png(data)
+    loss = figure.figure.axes[0]
+    dimmed = [line for line in loss.get_lines() if line.get_alpha() == 0.25]
+    assert dimmed and max(max(line.get_xdata()) for line in dimmed) == 60
+    labels = [t.get_text().strip() for t in loss.texts]
+    assert "rewound from 60" in labels

@@ -90,7 +90,8 @@ class Reporter(Protocol):
             each read-back step (a reporter may take a call's steps at once instead, with
     `steps(first, losses)`) and `end_epoch` with the epoch's history row; `phase` on every phase
             change; `validated` for an evaluation within an epoch; `swapped` when a live edit's code
-        is swapped in (or rolled back); `note` for short messages (compiles, advice); `end_run` when
+        is swapped in (or rolled back); `rewound` when the run goes back to an earlier step (a
+        rewind, a spike's roll-back); `note` for short messages (compiles, advice); `end_run` when
         the run ends. A population (`nitro.Population`) reports `start_run`, `start_epoch`, `phase`,
     `note` and `end_run` as a run does, and its members' steps and rows with `member_steps` and
     `member_rows`."""
@@ -104,11 +105,13 @@ class Reporter(Protocol):
     def end_epoch(self, row: Mapping[str, Any]) -> None: ...
     def validated(self, row: Mapping[str, Any]) -> None: ...
     def swapped(self, row: Mapping[str, Any]) -> None: ...
+    def rewound(self, row: Mapping[str, Any]) -> None: ...
     def note(self, message: str, done: bool = False) -> None: ...
     def end_run(self, handle: Any) -> None: ...
     def member_steps(self, first: int, losses: Any) -> None: ...
     def member_rows(self, rows: Sequence[Mapping[str, Any]]) -> None: ...
     def member_validated(self, rows: Sequence[Mapping[str, Any]]) -> None: ...
+    def val_samples(self, samples: Any) -> None: ...
 
 
 EVENT_NAMES = (
@@ -119,11 +122,13 @@ EVENT_NAMES = (
     "end_epoch",
     "validated",
     "swapped",
+    "rewound",
     "note",
     "end_run",
     "member_steps",
     "member_rows",
     "member_validated",
+    "val_samples",
 )
 
 
@@ -276,6 +281,12 @@ class Events:
         digest, what compiled (`nitro.engine.live_edit.swap_row`)."""
         self._deliver("swapped", row)
 
+    def rewound(self, row: Mapping[str, Any]) -> None:
+        """The run went back from step `row["from_step"]` to `row["step"]` (`row["reason"]`:
+        "rewind" or "spike"); the steps between are an abandoned branch
+        (`TrainState.rewinds`)."""
+        self._deliver("rewound", row)
+
     def note(self, message: str, done: bool = False) -> None:
         self._deliver("note", message, done)
 
@@ -299,6 +310,15 @@ class Events:
         that trains, each with its `member` index, `step`, `epoch` and metrics (its
         `validations()` row)."""
         self._deliver("member_validated", rows)
+
+    def wants(self, name: str) -> bool:
+        """Whether a reporter takes event `name` (what costs to gather is gathered only then)."""
+        return bool(self._bound[name])
+
+    def val_samples(self, samples: Any) -> None:
+        """A validation's first call (`nitro.engine.sample_rows.ValSamples`: its split and
+        `rows()`, read during the call), for reporters that draw samples; a run's alone."""
+        self._deliver("val_samples", samples)
 
 
 _LOCAL = threading.local()

@@ -74,6 +74,8 @@ class StopPolicy(Protocol):
     @property
     def metric(self) -> str: ...
     @property
+    def mode(self) -> str: ...
+    @property
     def patience(self) -> int: ...
     def check(
         self,
@@ -136,7 +138,7 @@ class ExperimentSetup:
     owner: str  # "module.QualName", the cache's name for the experiment
     graphconst: Mapping[str, Hashable]  # GraphConst field -> value
     device_specs: Mapping[str, FieldSpec]
-    device_dtypes: Mapping[str, DTypeLike]  # Device field -> its dtype
+    device_dtypes: Mapping[str, DTypeLike]  # Device field (a buffer set's part) -> its dtype
     hooks: Mapping[str, Callable]  # name -> callable taking the (view of the) experiment first
     hook_functions: Mapping[str, Callable]  # name -> the frozen function, for host hooks
     hook_fields: Mapping[str, HookFields]  # traced/metric hook -> the batch fields it takes
@@ -146,6 +148,10 @@ class ExperimentSetup:
     preset: str | None = None  # the preset the experiment was built from
     # field -> its value at setup, as JSON (`setting_token`), frozen
     values: Mapping[str, Any] = dataclasses.field(default_factory=FrozenDict)
+    # a buffer set's Device field -> (its tree's structure, its parts' names, fed one by one)
+    device_sets: Mapping[str, tuple[Any, tuple[str, ...]]] = dataclasses.field(
+        default_factory=FrozenDict
+    )
 
     @property
     def manual(self) -> bool:
@@ -230,6 +236,10 @@ class RunSetup:
     # freeze_batch_stats=True: (model-state leaf, its group's fed learning rate), the leaf
     # kept while that rate is 0
     frozen_statistics: tuple[tuple[int, str], ...] = ()
+    # compile_options=: the XLA options each program kind compiles with (None: XLA's defaults)
+    compile_options: Any = None
+    # remat=: the modules the train step rematerializes, resolved against the model (a Remat)
+    remat: Any = None
 
     @property
     def cls(self) -> type:

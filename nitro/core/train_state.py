@@ -69,11 +69,14 @@ class StepOutput:
 @dataclasses.dataclass(frozen=True)
 class EvalOutput:
     """What one eval forward or predict call returns: the sum of the per-sample losses over
-    the real samples (f32[], eval forward only) and `forward`'s outputs (when asked for);
-    None where not computed. A fused call over K batches stacks each on a leading axis."""
+    the real samples (f32[], eval forward only), `forward`'s outputs (when asked for) and,
+    with them, each sample's loss (f32[batch], padded rows included; None when the loss
+    couples samples); None where not computed. A fused call over K batches stacks each on a
+    leading axis."""
 
     loss_sum: Any = None
     outputs: Any = None
+    losses: Any = None
 
 
 @dataclasses.dataclass
@@ -174,6 +177,11 @@ class TrainState:
         under way (a `grain.IterDataset`'s, a `datasets.IterableDataset`'s: see
         `nitro.data.iter_state`); None when it has none, and at an epoch boundary. A resume
         restores it rather than replaying the epoch to `position`.
+      skipped_batches: one row per training batch a spike's roll-back left out (`spike=`):
+        its epoch (counted from 1, as the history's), its index in the source's epoch, the
+        step and loss of the spike. The loop's streams leave them out.
+      rewinds: one row per rewind (`n.rewind`, a spike's roll-back): the step it left and
+        the one it went back to, why, and the abandoned branch's history rows.
     """
 
     variables: Variables
@@ -187,10 +195,19 @@ class TrainState:
     totals: EpochTotals | None = None
     epoch_trained: bool = False
     data_state: Any = None
+    skipped_batches: list[Mapping[str, Any]] = dataclasses.field(default_factory=list)
+    rewinds: list[Mapping[str, Any]] = dataclasses.field(default_factory=list)
 
     @property
     def last_row(self) -> Mapping[str, Any]:
         return self.history[-1] if self.history else {}
+
+    def skipped_in(self, epoch: int) -> frozenset[int]:
+        """The source's batch indices the epoch `epoch` (counted from 0, as `self.epoch`)
+        leaves out."""
+        if not self.skipped_batches:
+            return frozenset()
+        return frozenset(r["index"] for r in self.skipped_batches if r["epoch"] == epoch + 1)
 
 
 def scalars(row: Mapping[str, Any]) -> dict[str, Any]:

@@ -41,6 +41,8 @@ __all__ = [
     "PrefetchSettings",
     "Prefetcher",
     "StagedBatch",
+    "consumed",
+    "epoch_indices",
     "pad_batch",
 ]
 
@@ -505,17 +507,21 @@ class Prefetcher:
         block: int | Iterable[int] = 1,
         group: int = 1,
         state: Any = None,
+        skip: frozenset[int] = frozenset(),
     ) -> EpochStream:
         """The staged batches of one epoch from batch `start`. With `block > 1` or
         `group > 1`: calls of `block` steps of `group` stacked batches each; the epoch's
         remainder goes one step per call. `block` may be a sequence of call sizes, one per
         call in turn (the last repeats): the steps-per-call measurement alternates sizes.
         `state`: the source's iterator state after batch `start - 1` (a checkpoint's), which
-        an iterator that takes one resumes from instead of replaying the epoch to `start`."""
+        an iterator that takes one resumes from instead of replaying the epoch to `start`.
+        `skip`: the source's batch indices this epoch leaves out (a spike's roll-back): the
+        epoch is then the source's batches less those, `start` counting the batches kept,
+        and each staged batch keeps its index in the source."""
         if self.path == "inline":
-            stream: EpochStream = _InlineStream(self, epoch, start, block, group, state)
+            stream: EpochStream = _InlineStream(self, epoch, start, block, group, state, skip)
         else:
-            stream = _ThreadedStream(self, epoch, start, block, group, state)
+            stream = _ThreadedStream(self, epoch, start, block, group, state, skip)
         return stream
 
 
@@ -584,23 +590,54 @@ def _call_sizes(block: int | Iterable[int]) -> Iterator[int]:
     return sizes()
 
 
+def consumed(start: int, skip: frozenset[int]) -> int:
+    """The source's batches an epoch has gone through once it has yielded `start` batches,
+    leaving out the indices in `skip`.
+
+    >>> consumed(3, frozenset()), consumed(3, frozenset({1})), consumed(0, frozenset({0}))
+    (3, 4, 0)
+    """
+    if not skip or not start:
+        return start
+    kept = (index for index in itertools.count() if index not in skip)
+    return next(itertools.islice(kept, start - 1, None)) + 1
+
+
+def epoch_indices(start: int, end: int, skip: frozenset[int]) -> Iterator[int]:
+    """The source's batch indices an epoch yields from its `start`-th batch on, up to `end`
+    (its length), less `skip`.
+
+    >>> list(epoch_indices(2, 6, frozenset({1, 4})))
+    [3, 5]
+    """
+    return (index for index in range(consumed(start, skip), end) if index not in skip)
+
+
 def _source_iterator(
-    source: Any, epoch: int, start: int, state: Any = None, states: dict[int, Any] | None = None
+    source: Any,
+    epoch: int,
+    start: int,
+    state: Any = None,
+    states: dict[int, Any] | None = None,
+    skip: frozenset[int] = frozenset(),
 ) -> Iterator[tuple[int, Any]]:
-    """(index, batch) pairs of the epoch from batch `start`. A plain iterable resumes from
-    `state` when its iterator takes one, else by replaying to `start`; its iterator's state
-    after each batch goes into `states` (when it has one)."""
+    """(index, batch) pairs of the epoch from batch `start` (less `skip`: `start` counts the
+    batches kept). A plain iterable resumes from `state` when its iterator takes one, else by
+    replaying to `start`; its iterator's state after each batch goes into `states` (when it
+    has one)."""
     if is_index_addressable(source):
         plan = source.begin_epoch(epoch)
-        for index in range(start, len(source)):
+        for index in epoch_indices(start, len(source), skip):
             yield index, source.batch_at(index, plan)
         return
     # an epoch-aware stream (HFIterableSource) gives each epoch's pass itself
-    iterator, read_state = open_epoch(source, epoch, start, state)
-    for index, batch in zip(itertools.count(start), iterator):
+    begin = consumed(start, skip)
+    iterator, read_state = open_epoch(source, epoch, begin, state)
+    for index, batch in zip(itertools.count(begin), iterator):
         if read_state is not None and states is not None:
             states[index] = read_state()  # before the batch is handed on: it is that batch's
-        yield index, batch
+        if index not in skip:
+            yield index, batch
 
 
 def _steps_of(items: list, group: int) -> list[list]:
@@ -645,16 +682,17 @@ class _InlineStream(EpochStream):
         block: int | Iterable[int] = 1,
         group: int = 1,
         state: Any = None,
+        skip: frozenset[int] = frozenset(),
     ):
         self.owner = owner
         source = owner.source
         gathers = callable(getattr(source, "block_at", None)) and is_index_addressable(source)
-        fast = gathers and not owner.keep_host and owner.pad_to is None
+        fast = gathers and not owner.keep_host and owner.pad_to is None and not skip
         self.states = None if is_index_addressable(source) else {}
         self.iterator = (
             _Batches(source, epoch, start)
             if fast
-            else _source_iterator(source, epoch, start, state, self.states)
+            else _source_iterator(source, epoch, start, state, self.states, skip)
         )
         self._sizes = _call_sizes(block)
         self.block, self.group = next(self._sizes), group
@@ -707,8 +745,10 @@ class _ThreadedStream(EpochStream):
         block: int | Iterable[int] = 1,
         group: int = 1,
         state: Any = None,
+        skip: frozenset[int] = frozenset(),
     ):
         self.owner = owner
+        self.skip = skip
         self.states = None if is_index_addressable(owner.source) else {}
         self._sizes = _call_sizes(block)
         self.block, self.group = next(self._sizes), group
@@ -829,7 +869,7 @@ class _ThreadedStream(EpochStream):
         pending: dict[int, concurrent.futures.Future] = {}
         try:
             submit, result = self._builders(source, epoch)
-            indices = iter(range(start, len(source)))
+            indices = epoch_indices(start, len(source), self.skip)
             depth = self.settings.host_depth
 
             def submit_more():
@@ -872,7 +912,7 @@ class _ThreadedStream(EpochStream):
 
     def _produce(self, source, epoch: int, start: int, state: Any) -> None:
         try:
-            for item in _source_iterator(source, epoch, start, state, self.states):
+            for item in _source_iterator(source, epoch, start, state, self.states, self.skip):
                 if not self._put(self.host, item):
                     return
             self._put(self.host, _END)

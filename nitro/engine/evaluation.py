@@ -12,6 +12,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from nitro.core import events as events_module
 from nitro.core.metrics import MetricAccumulator, flatten_metrics, split_modes
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import EvalOutput, TrainState, Variables
@@ -19,6 +20,7 @@ from nitro.engine.feed import StepFeed
 from nitro.engine.member_axis import SINGLE
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl
+from nitro.engine.sample_rows import ValSamples
 from nitro.errors import SetupError
 from nitro.experiments.routing import select
 from nitro.programs.specs import ProgramSet
@@ -133,6 +135,8 @@ def evaluate_split(
         nonlocal staged_now
         staged_now = staged
         try:
+            if watching is not None and staged.index == 0:
+                watching.val_samples(ValSamples(setup, split, staged, result))
             if staged.count == 1:
                 outputs = None
                 if has_metrics and residency == "host":
@@ -149,6 +153,9 @@ def evaluate_split(
             delete(result)
 
     staged_now = None
+    watching = events_module.current()  # a reporter that draws samples gets the first call
+    if stacked or watching is None or not watching.wants("val_samples"):
+        watching = None
 
     def dispatch(staged) -> EvalOutput:
         count = staged.count

@@ -24,6 +24,7 @@ from typing import Any
 import jax
 import numpy as np
 
+from nitro.optim.plateau import ReduceOnPlateau
 from nitro.optim.schedules import BoundSchedule
 from nitro.programs.tracing import RNG_FIELD
 
@@ -89,8 +90,10 @@ class StepFeed:
         device_values: Mapping[str, Any],
         device_dtypes: Mapping[str, Any],
         placement,
+        device_sets: Mapping[str, tuple[Any, tuple[str, ...]]] | None = None,
     ):
         self.placement = placement
+        self.sets = dict(device_sets or {})  # a buffer set's field -> (structure, its parts)
         self._rng_words: np.ndarray | None = None  # the seed's key words, for `rngs`
         self.hyper_names = tuple(hyper_names)
         self.device_dtypes = dict(device_dtypes)
@@ -137,6 +140,32 @@ class StepFeed:
         # each a new object, assigned whole: the loop reads them between calls without a lock
         self._scheduled, self._opt, self._dev = scheduled, opt, dev
         self._version += 1
+
+    def react(self, history: Sequence[Mapping[str, Any]]) -> list[str]:
+        """Let each `ReduceOnPlateau` schedule decide its scale from the committed `history`
+        (after an epoch's validation, and as a run starts: a resumed run's history decides
+        as the uninterrupted run's did); the keys whose value changed, which the next call
+        follows (nothing recompiles). Cheap without such schedules."""
+        changed = [
+            (name, evaluator.fn)
+            for name, evaluator in [
+                *((key, ev) for ev, _, key in self._opt.values()),
+                *self._dev.items(),
+            ]
+            if isinstance(evaluator.fn, ReduceOnPlateau) and evaluator.fn.react(history)
+        ]
+        if not changed:
+            return []
+        fresh = {id(fn): _Evaluator(fn) for _, fn in changed}  # their cached values are stale
+        opt = {
+            name: (fresh.get(id(ev.fn), ev), factor, key)
+            for name, (ev, factor, key) in self._opt.items()
+        }
+        scheduled = [(i, *opt[name][:2]) for i, name in enumerate(self.hyper_names) if name in opt]
+        dev = {name: fresh.get(id(ev.fn), ev) for name, ev in self._dev.items()}
+        self._scheduled, self._opt, self._dev = scheduled, opt, dev
+        self._version += 1
+        return list(dict.fromkeys(name for name, _ in changed))
 
     def hparams(self, step: int):
         if not self._opt:
@@ -304,7 +333,11 @@ class StepFeed:
         return self._device
 
     def device_value(self, name: str) -> Any:
-        """A Device field's current value on the host (a Python scalar for 0-d values)."""
+        """A Device field's current value on the host (a Python scalar for 0-d values; a
+        buffer set as its dict or tuple of parts)."""
+        if name in self.sets:
+            treedef, parts = self.sets[name]
+            return treedef.unflatten([self.device_value(part) for part in parts])
         value = self._device_host[name]
         return value.item() if np.ndim(value) == 0 else np.array(value)
 
@@ -314,7 +347,30 @@ class StepFeed:
         }
 
     def set_constant(self, name: str, value: Any) -> None:
-        """Write a Device field (coerced to its dtype; its shape must not change)."""
+        """Write a Device field (coerced to its dtype; its shape must not change). A buffer
+        set's every part is checked before any is written."""
+        if name in self.sets:
+            treedef, parts = self.sets[name]
+            leaves, given = jax.tree_util.tree_flatten(value)
+            if given != treedef:
+                shown = ", ".join(parts)
+                raise ValueError(
+                    f"Device field {name!r} is a buffer set of {len(parts)} parts ({shown}); "
+                    f"the new value has another structure ({given}): give the same keys or "
+                    f"items, each an array of its part's shape"
+                )
+            arrays = {
+                part: self._checked(part, leaf) for part, leaf in zip(parts, leaves, strict=True)
+            }
+        else:
+            arrays = {name: self._checked(name, value)}
+        self._device_host.update(arrays)
+        placed = {part: self.placement.put_replicated(array) for part, array in arrays.items()}
+        self._device = {**self._device, **placed}
+        self._version += 1
+
+    def _checked(self, name: str, value: Any) -> np.ndarray:
+        """`value` as Device field (or part) `name` takes it: its dtype, its shape."""
         dtype = self.device_dtypes[name]
         try:
             array = np.asarray(value, dtype=dtype)
@@ -329,9 +385,48 @@ class StepFeed:
                 f"Device field {name!r} has shape {old.shape}; the new value has shape "
                 f"{array.shape}. A different shape would need a new program: build a new handle"
             )
-        self._device_host[name] = array
-        self._device = {**self._device, name: self.placement.put_replicated(array)}
+        return array
+
+    def scheduled(self, name: str) -> bool:
+        """Whether a schedule sets the fed value `name` (a hyperparameter's bare name, whose
+        schedule reaches its groups too, or a Device field)."""
+        if name in self.device_dtypes:
+            return name in self._dev
+        return any(key == name for _, _, key in self._opt.values())
+
+    def value(self, name: str) -> Any:
+        """The constant fed as `name`: a hyperparameter by its bare name (`learning_rate`;
+        a group's share follows it through its factor) or a Device field, on the host."""
+        if name in self.device_dtypes:
+            value = self._device_host[name]
+            if np.ndim(value) == 0 and np.issubdtype(value.dtype, np.floating):
+                return float(str(value[()]))
+            return self.device_value(name)
+        for fed, constant in zip(self.hyper_names, self._constants, strict=True):
+            key, factor = self._sources.get(fed, (fed, 1.0))
+            if key == name:  # float32's shortest reading: 0.001, not 0.0010000000474974513
+                return float(str(constant)) if factor == 1.0 else float(constant) / factor
+        raise KeyError(name)
+
+    def set_value(self, name: str, value: Any) -> None:
+        """Feed `value` as the constant `name` from the next call on (`value`'s reading; a
+        group's hyperparameter takes its factor of it). Nothing recompiles."""
+        if name in self.device_dtypes:
+            self.set_constant(name, value)
+            return
+        constants = self._constants.copy()
+        for i, fed in enumerate(self.hyper_names):
+            key, factor = self._sources.get(fed, (fed, 1.0))
+            if key == name:
+                constants[i] = value * factor
+        self._constants, self._hparams_host = constants, constants.copy()
+        self._hparams = self.placement.put_replicated(constants)
         self._version += 1
+
+    def fed_names(self) -> list[str]:
+        """The names `value` reads: the hyperparameters' bare names and the Device fields."""
+        keys = (self._sources.get(fed, (fed, 1.0))[0] for fed in self.hyper_names)
+        return [*dict.fromkeys(keys), *self.device_dtypes]
 
 
 def _stacked(values: Sequence[Mapping[str, np.ndarray]]) -> dict[str, np.ndarray]:

@@ -45,11 +45,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from nitro.core import progress
 from nitro.core.events import Events
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState
 from nitro.data import is_index_addressable
-from nitro.data.prefetch import EpochStream
+from nitro.data.prefetch import EpochStream, epoch_indices
 from nitro.engine import swaps
 from nitro.engine.diagnostics import data_wait_advice, divergence_message, shape_error
 from nitro.engine.evaluation import delete, evaluate_split, finalize_metrics
@@ -57,6 +58,7 @@ from nitro.engine.member_axis import SINGLE, add_train_metrics
 from nitro.engine.profiling import PASS_THROUGH
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunControl
+from nitro.engine.spikes import SpikeRollback
 from nitro.engine.stepwise import one_at_a_time
 from nitro.engine.swaps import (
     HostHookFailed,
@@ -138,6 +140,7 @@ class _Epoch:
         self.in_flight: _Pending | None = None  # the call dispatched and not read back yet
         self.switchable = False  # the stream under way can reopen with other call sizes
         self.boundaries = Boundaries(_boundaries(setup))
+        self.spikes = runtime.spikes if not members.stacked else None  # `spike=`'s watch
 
     def settle(self, state: TrainState) -> _Pending | None:
         """Read back the call in flight, if any: every step so far counted, the weights
@@ -191,6 +194,7 @@ def train_epochs(
     members, whose rows `after_epoch` then gets as a list (`finish_epoch`).
     """
     run = _Epoch(setup, runtime, programs, events, control, members, state)
+    members.react(runtime, state)  # a resumed run's plateaus decide as the first run's did
     runtime.dispatch.start_run()
     run.dispatched = state.step
     run.target = target
@@ -232,6 +236,7 @@ def train_epochs(
                         state.epoch + 1,
                         block=_capped(run, plan.blocks(updates), state.step),
                         group=run.setup.accum,
+                        **_skips(state, state.epoch + 1),
                     ),
                 )
         if stop.is_set():
@@ -288,6 +293,8 @@ def finish_epoch(
         committed = rows[0]
         committed.update(timing)
         state.history.append(committed)
+    for note in members.react(runtime, state):  # ReduceOnPlateau, from the next call on
+        progress.note(note)
     state.epoch += 1
     state.position = 0
     state.data_state = None
@@ -347,6 +354,7 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
                     block=_capped(run, blocks, state.step),
                     group=setup.accum,
                     state=state.data_state,
+                    **_skips(state, state.epoch),
                 )
             upcoming = None
             try:
@@ -363,7 +371,8 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
         totals.seconds += time.perf_counter() - begin
     if ended in ("interrupted", "max_steps"):
         return False
-    if split.batches is not None and state.position < split.batches:
+    left_out = sum(1 for index in state.skipped_in(state.epoch) if index < (split.batches or 0))
+    if split.batches is not None and state.position < split.batches - left_out:
         warnings.warn(
             f"the 'train' split's len() says {split.batches} batches, but its iterator ended "
             f"after {state.position}; the epoch ended there. Make len() match what it yields "
@@ -372,6 +381,13 @@ def _train_epoch(run: _Epoch, state: TrainState, target: int) -> bool:
             stacklevel=2,
         )
     return True
+
+
+def _skips(state: TrainState, epoch: int) -> dict[str, frozenset[int]]:
+    """The stream options that leave out the batches a spike's roll-back skipped in `epoch`
+    (none: the stream as ever)."""
+    skip = state.skipped_in(epoch)
+    return {"skip": skip} if skip else {}
 
 
 def _aligned(blocks: int | Iterable[int], step_in_epoch: int) -> int | Iterable[int]:
@@ -486,6 +502,11 @@ def _run_stream(run: _Epoch, state: TrainState, stream) -> str:
             run.in_flight = None
         _roll_back(run, state, rollback)
         ended = "switch"  # reopen the stream where the state now is
+    except SpikeRollback:
+        pending, run.in_flight = run.in_flight, None
+        if pending is not None:  # dispatched after the spike: drain it, count nothing
+            _drain(pending)
+        raise
     except DivergenceError:
         pending, run.in_flight = run.in_flight, None
         if pending is not None:  # skipped by the guard: drain it, count nothing
@@ -720,13 +741,47 @@ class EvaluateWithin(Boundary):
         return None
 
 
+class TakeSnapshots(Boundary):
+    """The snapshots `snapshots=` keeps (`nitro.engine.snapshots`): at a stream's first call,
+    of the variables before it (always at a run's first: where each `train()` began); after a call is read back, of the input of the call in
+    flight where no call donates the variables (the state of the step just counted, at no
+    wait); where calls donate them, the call in flight is read back first and the variables
+    copied to the host before the next call."""
+
+    def __init__(self) -> None:
+        self.began = False  # the run's first call is past: its state is kept whatever the cadence
+
+    def opens(self, run: _Epoch) -> bool:
+        return run.runtime.snapshots is not None and not run.members.stacked
+
+    def before_call(self, run: _Epoch, state: TrainState) -> None:
+        ring, call = run.runtime.snapshots, run.in_flight
+        if call is None:
+            first, self.began = not self.began, True
+            if ring.due(state.step, first):
+                copy_now = not _restores(run, state)
+                ring.take(run.setup, state, state.variables, run.runtime.device_values(), copy_now)
+        elif call.before is None and ring.due(state.step):
+            run.settle(state)
+            ring.take(run.setup, state, state.variables, run.runtime.device_values(), True)
+            run.restart_timing()  # no timed interval spans the copy
+
+    def after_call(self, run: _Epoch, state: TrainState, done: _Pending | None) -> str | None:
+        ring, call = run.runtime.snapshots, run.in_flight
+        if done is not None and call is not None and call.before is not None:
+            if ring.due(state.step):
+                ring.take(run.setup, state, call.before, run.runtime.device_values(), False)
+        return None
+
+
 def _boundaries(setup: RunSetup) -> list[Boundary]:
     """The boundary steps of a run of `setup`, in the order they run: those a request may
-    call for at any time (a copy of the weights, a live edit, "auto"'s measurement), and
-    the evaluations `val_every_steps` asks for."""
+    call for at any time (a copy of the weights, a live edit, "auto"'s measurement), the
+    evaluations `val_every_steps` asks for, and the snapshots."""
     steps: list[Boundary] = [ServeCopies(), SwapIn(), MeasureDispatch()]
     if setup.val_every_steps is not None:
         steps.append(EvaluateWithin())
+    steps.append(TakeSnapshots())
     return steps
 
 
@@ -800,6 +855,10 @@ def _roll_back(run: _Epoch, state: TrainState, cause: _RollBack) -> None:
     # else: too large to have been copied: the guard kept the weights from before the
     # non-finite step, and the counters say where that is
     back_to = state.step
+    if runtime.snapshots is not None:  # those of the edited code's steps are of no branch
+        runtime.snapshots.drop_after(back_to)
+    if runtime.spikes is not None:
+        runtime.spikes.forget_after(back_to)
     run.dispatched = state.step
     run.healthy = run.setup.placement.put_replicated(jnp.asarray(True))
     edit = probation.swap.edit
@@ -901,6 +960,8 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
     totals = state.totals
     assert totals is not None  # set when the epoch began
     totals.device_seconds += waited
+    if run.spikes is not None and run.probation is None:
+        _watch_spikes(run, state, item, reports)
     if run.members.stacked:  # each member's steps, stopped where they were not finite
         try:
             run.members.complete(state, item, reports, metrics, run.events)
@@ -966,6 +1027,30 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
         profiler.mark("bookkeeping", item.index)
     if probation is not None and state.step >= probation.until:
         run.probation = None  # the edit's first steps were finite: it stays
+
+
+def _watch_spikes(run: _Epoch, state: TrainState, item: _Pending, reports: np.ndarray) -> None:
+    """`spike=`: raise `SpikeRollback` when a step of the call read back spiked, naming the
+    call's batches by their indices in the source's epoch (none of its steps is counted)."""
+    spikes = run.spikes
+    assert spikes is not None  # watched only with `spike=`
+    found = spikes.first_spike(item.index, reports)
+    if found is None:
+        return
+    offset, why = found
+    delete(item.metrics)
+    staged = item.staged
+    count = staged.count * staged.group
+    skip = state.skipped_in(state.epoch)
+    indices = epoch_indices(state.position, state.position + count + len(skip), skip)
+    raise SpikeRollback(
+        first=item.index,
+        step=item.index + offset + 1,
+        loss=float(reports[offset, 0]),
+        why=why,
+        epoch=state.epoch,
+        batches=list(itertools.islice(indices, count)),
+    )
 
 
 def _restores(run: _Epoch, state: TrainState) -> bool:

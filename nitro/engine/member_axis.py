@@ -81,6 +81,11 @@ class Single:
         """The train split's stream of `epoch`."""
         return runtime.prefetcher("train").epoch(epoch, **options)
 
+    def react(self, runtime: RunTime, state: Any) -> list[str]:
+        """Plateau schedules decide from the committed history (`StepFeed.react`): what
+        changed, as notes."""
+        return _reactions("", runtime, state)
+
     def start_epoch(self, state: Any) -> EpochTotals:
         """The running sums of an epoch."""
         return EpochTotals(train_metrics=MetricAccumulator("train_metrics"))
@@ -151,6 +156,18 @@ def add_train_metrics(
             values = call_hook("train_metrics", batch_metrics, **fields)
             specs, leaves = split_modes(values, "train_metrics")
             totals.train_metrics.add(specs, leaves, staged.n_real)
+
+
+def _reactions(label: str, runtime: RunTime, state: TrainState) -> list[str]:
+    """What `ReduceOnPlateau` schedules changed after `state`'s history, as notes."""
+    notes = []
+    for key in runtime.feed.react(state.history):
+        value = runtime.feed.hyperparams_at(state.step).get(key)
+        if value is None:  # a Device field's
+            value = float(np.asarray(runtime.feed.device_value(key)))
+        last = state.history[-1] if state.history else {}
+        notes.append(f"{label}{key} reduced to {value:.4g} after epoch {last.get('epoch', 0)}")
+    return notes
 
 
 def unstack(tree: Any, index: int) -> Any:
@@ -235,12 +252,13 @@ def apply_prunes(members: Sequence[Member], state: PopulationState, say) -> None
     calls: each one's `healthy` flag turns False, so from the next call on its variables stay
     as they are; the others train on as they would have."""
     asked, state.prune = state.prune, {}
+    position = {m.index: p for p, m in enumerate(members)}  # a shrunk population's rows
     for index, why in asked.items():
-        member = members[index]
-        if member.stopped is not None:
-            continue
+        if index not in position or members[position[index]].stopped is not None:
+            continue  # stopped already (a shrunk population left it out)
+        member = members[position[index]]
         member.stopped, member.stopped_at = why, state.step
-        state.healthy = state.healthy.at[index].set(False)
+        state.healthy = state.healthy.at[position[index]].set(False)
         say(f"{member.label} stopped at step {state.step}: {why}; the other members train on")
 
 
@@ -257,9 +275,20 @@ class Stacked:
 
     stacked = True
 
-    def __init__(self, members: Sequence[Member], state: PopulationState, say: Callable):
+    def __init__(
+        self,
+        members: Sequence[Member],
+        state: PopulationState,
+        say: Callable,
+        size: int | None = None,
+    ):
         self.members = tuple(members)
         self.count = len(self.members)
+        # the population's members, these and those a search left out (`member_steps` has
+        # a row for each)
+        self.size = size or self.count
+        # a call's losses, `[members, steps]`, to whoever asks (a search's running sums)
+        self.on_losses: Callable[[Sequence[Member], np.ndarray], None] | None = None
         self.state = state
         self.say = say
         self.own = state.batches == "own"
@@ -326,6 +355,10 @@ class Stacked:
             apply_prunes(self.members, state, self.say)
         run.healthy = state.healthy
         return all(m.stopped is not None for m in self.members)
+
+    def react(self, runtime: RunTime, state: PopulationState) -> list[str]:
+        """Each member's plateau schedules decide from its own history."""
+        return [n for m in self.members for n in _reactions(f"{m.label}: ", m.runtime, m.state)]
 
     def start_epoch(self, state: PopulationState) -> EpochTotals:
         """The epoch's shared totals (its time), and each member's running sums."""
@@ -395,7 +428,13 @@ class Stacked:
         state.position += staged.count * staged.group
         assert state.totals is not None  # set when the epoch began
         state.totals.steps += staged.count
-        events.member_steps(item.index + 1, losses)  # steps count from 1, as a run's
+        if self.on_losses is not None:
+            self.on_losses(self.members, losses)
+        shown = losses
+        if self.size > self.count:  # a row for each member, NaN for those left out
+            shown = np.full((self.size, losses.shape[1]), np.nan)
+            shown[[m.index for m in self.members]] = losses
+        events.member_steps(item.index + 1, shown)  # steps count from 1, as a run's
         for member, own in zip(self.members, losses, strict=True):
             if member.events.reporters:
                 member.events.steps(item.index + 1, own.tolist())

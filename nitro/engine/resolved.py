@@ -17,9 +17,14 @@ from nitro.core.provenance import Resolved
 from nitro.engine.run_keywords import DEFAULT
 
 if TYPE_CHECKING:
+    from nitro.engine.snapshots import Snapshots
+    from nitro.engine.spikes import Spike
+    from nitro.experiments.hooks import Hooks
     from nitro.optim.ema import EMA
     from nitro.optim.precision import Precision
     from nitro.optim.sam import SAM
+    from nitro.programs.compile_options import CompileOptions
+    from nitro.programs.remat import Remat
     from nitro.runs.checkpoints import Checkpointer
     from nitro.runs.early_stopping import EarlyStopping
 
@@ -36,6 +41,10 @@ class RunKeywords:
     checkpointer: Checkpointer | None
     logger: Any  # a logger or a LoggerGroup (nitro.loggers), or None
     early_stop: EarlyStopping | None
+    snapshots: Snapshots | None
+    spike: Spike | None
+    restore_best: bool
+    restore_optimizer: bool | None
     resume: Literal[False, "auto"] | str | tuple[str, Literal["best", "latest"]]
     preemption: bool | Literal["auto"]
     name: str | None
@@ -46,6 +55,7 @@ class RunKeywords:
     max_steps: int | None
     val_every_steps: int | None
     eval_splits: tuple[str, ...] | None
+    validation_split: float | None
     schedules: Mapping[str, Any]  # key -> schedule
     learning_rate: float
     optimizer: Any  # an optax GradientTransformation or factory, a dict of them, or None
@@ -64,6 +74,9 @@ class RunKeywords:
     ema: EMA | None
     sam: SAM | None
     precision: Precision
+    compile_options: CompileOptions | None
+    remat: Remat | None
+    hooks: Hooks | None
     steps_per_dispatch: Any  # "auto", an int K, or a DispatchChoice to continue
     prefetch: Literal["auto", "threads", "processes", "inline"]
     persistent_workers: bool

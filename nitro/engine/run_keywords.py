@@ -189,6 +189,24 @@ def _early_stop(value):
     return value
 
 
+def _snapshots(value):
+    from nitro.engine.snapshots import check_snapshots
+
+    try:
+        return check_snapshots(value)
+    except SetupError as error:
+        raise ValueError(str(error)) from None
+
+
+def _spike(value):
+    from nitro.engine.spikes import check_spike
+
+    try:
+        return check_spike(value)
+    except SetupError as error:
+        raise ValueError(str(error)) from None
+
+
 def _resume(value):
     if value is False or value == "auto":
         return value
@@ -239,6 +257,24 @@ def _precision(value):
         return Precision.of(value)
     except ValueError as error:
         raise ValueError(str(error)) from None
+
+
+def _compile_options(value):
+    from nitro.programs.compile_options import CompileOptions
+
+    return CompileOptions.of(value)
+
+
+def _hooks(value):
+    from nitro.experiments.hooks import Hooks
+
+    return Hooks.of(value)
+
+
+def _remat(value):
+    from nitro.programs.remat import Remat
+
+    return Remat.of(value)
 
 
 def _steps_per_dispatch(value):
@@ -423,6 +459,47 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             type="EarlyStopping | None",
         ),
         RunKeyword(
+            "snapshots",
+            True,
+            "keep the run's state in host memory at a cadence, to rewind to (n.rewind), fork "
+            "from (n.fork) and roll a spike back to: a nitro.Snapshots(every=, keep=, "
+            "max_bytes=), an int (every that many steps), True (nitro.Snapshots(): as often "
+            "as 1% of training time allows) or False (docs/time-travel.md)",
+            _snapshots,
+            none="keeps none",
+            type="Snapshots | int | bool | None",
+        ),
+        RunKeyword(
+            "spike",
+            None,
+            "roll the run back over a loss spike, leaving out the batches of the call that "
+            "spiked: a nitro.Spike(rtol=, window=, max_rollbacks=), True (nitro.Spike()) or "
+            "None (docs/time-travel.md)",
+            _spike,
+            none="off",
+            type="Spike | bool | None",
+        ),
+        RunKeyword(
+            "restore_best",
+            False,
+            "end each train() on the weights of the run's best checkpoint by the checkpointer's "
+            "metric (Keras's restore_best_weights); the optimizer state, counters and history "
+            "stay the last step's",
+            _bool("restore_best"),
+            type=bool,
+        ),
+        RunKeyword(
+            "restore_optimizer",
+            None,
+            "whether the optimizer state is read with the weights: resume= reads it unless "
+            "False (a fresh optimizer state on the resumed model, which may be another "
+            "optimizer); weights= starts it afresh unless True (the state of the handle or "
+            "single run's checkpoint the weights come from)",
+            _bool("restore_optimizer"),
+            none="resume= restores it, weights= starts afresh",
+            type=bool | None,
+        ),
+        RunKeyword(
             "resume",
             False,
             "'auto' (this experiment's run: the one its name last trained, else the furthest "
@@ -511,6 +588,19 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             type=str | tuple[str, ...] | None,
         ),
         RunKeyword(
+            "validation_split",
+            None,
+            "hold out the last fraction of the 'train' split's arrays as the 'val' split, split "
+            "before any shuffling (Keras's validation_split)",
+            _number(
+                "validation_split",
+                ranges.Range(0.0, 1.0, low_in=False).with_example(0.2),
+                off="no split held out",
+            ),
+            none="no split held out",
+            type=float | None,
+        ),
+        RunKeyword(
             "schedules",
             {},
             "key -> schedule for optimizer hyperparameters or Device fields",
@@ -551,7 +641,8 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
         RunKeyword(
             "decay_to",
             "zero",
-            "where weight decay pulls: 'zero', 'init' (L2-SP), or a model or tree of anchors",
+            "where weight decay pulls: 'zero', 'init' (L2-SP), a model or tree of anchors, or "
+            "parameter group -> 'zero' | 'init'",
             _decay_to,
             type=Literal["zero", "init"],
         ),
@@ -646,6 +737,39 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "float32 (or a nitro.Precision(...))",
             _precision,
             type=Literal["float32", "bfloat16", "float16"] | str,
+        ),
+        RunKeyword(
+            "compile_options",
+            None,
+            "XLA compiler options for every program the handle compiles, as JAX's "
+            ".compile(compiler_options=...) takes them: a dict of option -> value, or of "
+            "program kind ('train', 'eval', 'predict', 'metrics') -> such a dict; they key the "
+            "compile cache (an unknown option is refused before setup)",
+            _compile_options,
+            none="XLA's defaults",
+            type="dict[str, bool | int | float | str] | None",
+        ),
+        RunKeyword(
+            "hooks",
+            None,
+            "hook functions that override the experiment's methods of those names for this "
+            "handle, each taking self first: nitro.hooks(loss=fn) | nitro.hooks(metrics=g), "
+            "or a dict; a set mixes no traced with host hooks, and a traced hook captures no "
+            "jax array",
+            _hooks,
+            none="the experiment's own methods",
+            type="dict[str, Callable] | nitro.Hooks | None",
+        ),
+        RunKeyword(
+            "remat",
+            None,
+            "which modules recompute their activations in the backward pass instead of keeping "
+            "them (less memory, more compute): a policy ('full', 'dots' or a jax.checkpoint "
+            "policy) for the model's layers, module paths ('blocks'), or a dict path -> policy; "
+            "it keys the train step",
+            _remat,
+            none="no rematerialization",
+            type="str | list[str] | dict[str, str] | None",
         ),
         RunKeyword(
             "steps_per_dispatch",

@@ -10,6 +10,8 @@ beside the setup (`train_epochs(setup, runtime, state, ...)`):
 - `prefetchers`: one per split, with its worker threads and its counters;
 - `live`: the live edits: the newest, and the swap compiled beside the run that waits for
   the loop's next dispatch boundary (`nitro.engine.live_edit`);
+- `snapshots`, `spikes`: the run's snapshots in host memory and its watch over loss spikes
+  (`nitro.engine.snapshots`, `nitro.engine.spikes`);
 - `profiler`: while `n.profile()` trains, the timer the loop marks each call's parts on
   (`nitro.engine.profiling`); None otherwise, and the loop marks `PASS_THROUGH`, whose marks
   do nothing.
@@ -47,6 +49,10 @@ class RunTime:
     # the guard's keeping is the loop's (`nitro.engine.loop.RESTORE_BYTES`): no call donates the
     # variables. Decided at the handle's first call, for its life; None before it
     restores: bool | None = None
+    # the snapshots in host memory (`nitro.engine.snapshots.SnapshotRing`; None: none kept
+    # yet, or `snapshots=False`) and the watch over loss spikes (`spikes.SpikeWatch`)
+    snapshots: Any = None
+    spikes: Any = None
 
     def prefetcher(self, split: str) -> Prefetcher:
         return self.prefetchers[split]

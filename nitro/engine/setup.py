@@ -54,6 +54,7 @@ from nitro.engine.run_time import RunTime
 from nitro.errors import PlacementError, RoutingError, SetupError
 from nitro.experiments.declaration import FieldKind, field_specs, has_method
 from nitro.experiments.equinox import as_nnx_model
+from nitro.experiments.field_types import buffer_set_type
 from nitro.experiments.fingerprint import CodeFingerprint, Fingerprinter
 from nitro.experiments.linen import bridge_linen, is_linen
 from nitro.experiments.presets import preset_of
@@ -107,13 +108,20 @@ def build(
     earlier handle's steps-per-dispatch choice (`weights=` a handle) to continue, unless
     `steps_per_dispatch` says otherwise."""
     configure_persistent_cache()  # before build_model, so its init ops are cached too
+    if keywords.hooks is not None:  # hooks=: the class with those methods, the same fields
+        instance = keywords.hooks.experiment(instance)
     cls = type(instance)
     hooks, hook_functions = freeze_hooks(cls)
     residency = resolve_residency(instance)
+    if keywords.hooks is not None:
+        try:
+            keywords.hooks.check(residency)
+        except ValueError as error:
+            raise SetupError(str(error)) from None
     fields_by_hook = hooks_fields(cls, hooks)
-    splits_given = _build_data(instance, data, events, keywords.seed)
+    splits_given = _build_data(instance, data, events, keywords.seed, keywords.validation_split)
     placement = _placement(keywords)
-    device_specs, device_dtypes, device_values = _device_fields(instance, placement)
+    device_specs, device_dtypes, device_values, device_sets = _device_fields(instance, placement)
     model = _build_model(
         instance,
         keywords.seed,
@@ -121,6 +129,7 @@ def build(
         events,
         linen_init=(splits_given, hooks, fields_by_hook),
     )
+    remat = _remat(instance, keywords, model)
     params, rest = placement.lay_out(model.params, model.model_state)
     optimizer, opt_state = _build_optimizer(instance, keywords, splits_given, params, placement)
     precision = _precision(cls, keywords)
@@ -143,7 +152,15 @@ def build(
     eval_splits = _eval_splits(keywords, splits)
     takes_rngs = any(spec.takes_rngs for spec in fields_by_hook.values())
     total_steps, schedules, feed = _bind_schedules(
-        instance, keywords, splits, optimizer, device_specs, device_dtypes, device_values, placement
+        instance,
+        keywords,
+        splits,
+        optimizer,
+        device_specs,
+        device_dtypes,
+        device_values,
+        placement,
+        device_sets,
     )
     if takes_rngs:  # the train step's keys: fold_in(key(seed), step), fed with each step
         feed.seed_keys(keywords.seed)
@@ -160,6 +177,7 @@ def build(
         ),
         device_specs=FrozenDict(device_specs),
         device_dtypes=FrozenDict(device_dtypes),
+        device_sets=FrozenDict(device_sets),
         hooks=FrozenDict(hooks),
         hook_functions=FrozenDict(hook_functions),
         hook_fields=FrozenDict(fields_by_hook),
@@ -202,6 +220,8 @@ def build(
         max_steps=keywords.max_steps,
         val_every_steps=keywords.val_every_steps,
         frozen_statistics=_frozen_statistics(instance, keywords, model.model_state, optimizer),
+        compile_options=keywords.compile_options,
+        remat=remat,
     )
     runtime = RunTime(
         experiment=instance,
@@ -227,6 +247,24 @@ def build(
         seed=keywords.seed,
     )
     return setup, runtime, state
+
+
+def _remat(instance: Any, keywords: RunKeywords, model: BuiltModel):
+    """`remat=` resolved against the model: the modules it names (refused for a path the
+    model does not have, and for a `train_step` hook, which differentiates by itself)."""
+    if keywords.remat is None:
+        return None
+    if has_method(type(instance), "train_step"):
+        raise SetupError(
+            f"remat= applies to the train step Nitro builds; {type(instance).__qualname__} "
+            f"defines train_step, which takes its gradients itself: leave remat= out and wrap "
+            f"the modules in nnx.remat inside it"
+        )
+    try:
+        merged = nnx.merge(model.graphdefs[0], model.params, model.model_state)
+        return keywords.remat.resolve(merged)
+    except ValueError as error:
+        raise SetupError(str(error)) from None
 
 
 def _frozen_statistics(
@@ -398,7 +436,9 @@ def resolve_residency(instance: Any) -> dict[str, str]:
 # data, Device fields, model, optimizer
 
 
-def _build_data(instance: Any, data: Any, events: Events, seed: int) -> dict[str, Any]:
+def _build_data(
+    instance: Any, data: Any, events: Events, seed: int, validation_split: float | None = None
+) -> dict[str, Any]:
     events.phase("building data")
     if data is None:
         data = instance.build_data()
@@ -409,10 +449,37 @@ def _build_data(instance: Any, data: Any, events: Events, seed: int) -> dict[str
         )
     size = getattr(instance, "batch_size", None)
     size = size if isinstance(size, int) and not isinstance(size, bool) else None
-    return {
-        split: _seeded(_restartable(split, adopt(split, source, size)), seed)
-        for split, source in data.items()
-    }
+    adopted = {split: adopt(split, source, size) for split, source in data.items()}
+    if validation_split is not None:
+        adopted = _held_out(adopted, validation_split)
+    return {split: _seeded(_restartable(split, source), seed) for split, source in adopted.items()}
+
+
+def _held_out(splits: Mapping[str, Any], fraction: float) -> dict[str, Any]:
+    """`validation_split=`: a 'val' split of the last `fraction` of the 'train' arrays."""
+    where = f"validation_split={fraction}"
+    if "val" in splits:
+        raise SetupError(
+            f"{where} holds out a 'val' split from 'train', and build_data returns a 'val' "
+            f"split already: leave validation_split out, or return no 'val' split"
+        )
+    train = splits.get("train")
+    if not isinstance(train, ArrayLoader):
+        raise SetupError(
+            f"{where} holds out the last part of array data, and the 'train' split is "
+            f"{'missing' if train is None else type(train).__name__}: give 'train' as a "
+            f"nitro.data.ArrayLoader (or a dict of arrays), or return a 'val' split from "
+            f"build_data"
+        )
+    held = int(train.num_samples) - int(train.num_samples * (1.0 - fraction))
+    if held < 1 or train.num_samples - held < train.global_batch_size:
+        raise SetupError(
+            f"{where} of {train.num_samples} samples holds out {held}, leaving "
+            f"{train.num_samples - held} to train on in batches of {train.global_batch_size}: "
+            f"give a fraction that leaves at least one sample out and one batch in"
+        )
+    kept, val = train.holding_out(fraction)
+    return {**splits, "train": kept, "val": val}
 
 
 def _seeded(source: Any, seed: int) -> Any:
@@ -455,14 +522,22 @@ def _device_dtype(spec_type: Any, value: Any):
 
 
 def _device_fields(instance: Any, placement: Placement):
-    """Device fields, converted to their declared dtype once and replicated."""
+    """Device fields, converted to their declared dtype once and replicated. A buffer set (a
+    dict or tuple of arrays) is fed as its parts, each under its path (`table['w']`), and
+    put together again where a hook reads the field (`device_sets`)."""
     specs = {s.name: s for s in field_specs(type(instance)) if s.kind is FieldKind.DEVICE}
-    dtypes, values = {}, {}
+    dtypes, values, sets = {}, {}, {}
     for name, spec in specs.items():
         raw = getattr(instance, name)
-        dtypes[name] = _device_dtype(spec.type, raw)
-        values[name] = placement.put_replicated(jnp.asarray(raw, dtype=dtypes[name]))
-    return specs, dtypes, values
+        parts = [(name, spec.type, raw)]
+        if buffer_set_type(spec.type) is not None:
+            leaves, treedef = jax.tree_util.tree_flatten_with_path(raw)
+            parts = [(name + jax.tree_util.keystr(path), None, v) for path, v in leaves]
+            sets[name] = (treedef, tuple(part for part, _, _ in parts))
+        for part, tp, value in parts:
+            dtypes[part] = _device_dtype(tp, value)
+            values[part] = placement.put_replicated(jnp.asarray(value, dtype=dtypes[part]))
+    return specs, dtypes, values, sets
 
 
 class BuiltModel(NamedTuple):
@@ -795,6 +870,7 @@ def _bind_schedules(
     device_dtypes: Mapping[str, Any],
     device_values: Mapping[str, Any],
     placement: Placement,
+    device_sets: Mapping[str, Any],
 ):
     total = None
     train = splits.get("train")
@@ -813,6 +889,8 @@ def _bind_schedules(
             if s.kind is not FieldKind.DEVICE
         },
         total_steps=total,
+        device_values=device_values,
+        device_sets=tuple(device_sets),
     )
     check_schedule_values(
         schedules,
@@ -829,6 +907,7 @@ def _bind_schedules(
         schedules=schedules,
         device_values=device_values,
         device_dtypes=device_dtypes,
+        device_sets=device_sets,
         placement=placement,
     )
     return total, schedules, feed

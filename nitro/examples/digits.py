@@ -62,6 +62,10 @@ class Digits:
     def loss(self, logits, *, y):
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
 
+    def visualize(self, sample, output=None):
+        """One digit as its 8x8 image (`n.render()`, `n.top_losses()`)."""
+        return sample["x"].reshape(8, 8)
+
     def metrics(self, logits, *, y):
         return {"acc": (logits.argmax(-1) == y).mean()}
 

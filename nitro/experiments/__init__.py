@@ -11,6 +11,7 @@ The lowest layer: it imports nothing of nitro but `nitro.errors`.
 - `trace_view`: the `self` traced hooks see; records GraphConst reads
 - `routing`: which batch fields each hook receives
 - `fingerprint`: digests of the code a program runs (hooks, helpers, classes)
+- `hooks`: hooks as values (`hooks=`): sets of hook functions overriding the methods of a class
 - `linen`: Flax Linen modules through `flax.nnx.bridge`
 - `equinox`: equinox modules, their arrays as NNX variables
 """

@@ -32,7 +32,7 @@ from typing import Any, Literal
 
 from nitro.errors import ExperimentError
 
-__all__ = ["check_field_value", "fits_type"]
+__all__ = ["buffer_set_type", "check_field_value", "fits_type"]
 
 _UNKNOWN = None  # "cannot tell": the value is accepted
 
@@ -173,11 +173,36 @@ def _describe(tp: Any) -> str:
 
 
 def _device_expected(tp: Any, value: Any) -> str | None:
+    container = buffer_set_type(tp)
+    if container is not None:  # a buffer set: a dict or tuple of numbers or numeric arrays
+        parts = _parts(value) if isinstance(value, container) else None
+        if parts and all(_numeric_kind(part) is not None for part in parts):
+            return None
+        return f"a {container.__name__} of numbers or numeric arrays (a buffer set)"
     scalar = _scalar_annotation(tp)
     kinds = _DEVICE_KINDS.get(scalar, _NUMERIC_KINDS)
     expected = _describe(scalar) if scalar is not None else "a number or a numeric array"
     kind = _numeric_kind(value)
     return None if kind is not None and kind in kinds else expected
+
+
+def buffer_set_type(tp: Any) -> type | None:
+    """`dict` or `tuple` for a Device field that holds a buffer set (`Device[dict]`,
+    `Device[dict[str, jax.Array]]`, `Device[tuple]`, ...); None for one array."""
+    origin = typing.get_origin(tp)
+    if origin is typing.Annotated:
+        return buffer_set_type(typing.get_args(tp)[0])
+    container = origin or tp
+    return container if container in (dict, tuple) else None
+
+
+def _parts(value: Any) -> list[Any]:
+    """A buffer set's parts, nested dicts and tuples walked."""
+    if isinstance(value, dict):
+        return [p for v in value.values() for p in _parts(v)]
+    if isinstance(value, tuple):
+        return [p for v in value for p in _parts(v)]
+    return [value]
 
 
 def _scalar_annotation(tp: Any) -> type | None:

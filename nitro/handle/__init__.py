@@ -16,6 +16,11 @@
 - `summary`: `n.summary()`, the model's modules, output shapes and sizes (eval_shape, no compile)
 - `signature`: `Nitro(...)`'s signature and keyword help, generated from the run keywords
 - `profile`: `n.profile(steps=20)`, a few steps under `jax.profiler` and where a call's time went
+- `render`: `n.render()`, `n.show_batch()`, `n.top_losses()`, `n.confusion()`: what the model
+  does to samples; `gallery`: samples drawn in one figure (the `visualize` hook, the default
+  views); `confusion`: a confusion matrix and its per-class metrics
+- `time_travel`: `n.snapshots`, `n.rewind(step)`, `n.fork(step, **changes)` and the roll-back over
+  a loss spike (`spike=`), on the run's snapshots and checkpoints
 """
 
 from nitro.handle import lr_find as _lr_find  # noqa: F401 - registers `Nitro.lr_find`

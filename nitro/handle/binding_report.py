@@ -17,6 +17,7 @@ from nitro.core.run_setup import RunSetup
 from nitro.engine.run_time import RunTime
 from nitro.errors import ExperimentError
 from nitro.experiments.presets import presets
+from nitro.programs.specs import ProgramSet
 from nitro.runs.checkpoint_record import setting_token
 
 __all__ = ["BindingReport", "binding_report"]
@@ -174,6 +175,26 @@ def _weights(setup: RunSetup) -> list[str]:
     return lines
 
 
+def _remat(setup: RunSetup, programs: ProgramSet) -> list[str]:
+    """What `remat=` recomputes, and each train program's scratch memory against the same
+    program without it (XLA's memory analysis)."""
+    from nitro.core.progress import format_bytes
+
+    lines = [setup.remat.describe()]
+    for title, scratch, without in programs.scratch_without_remat():
+        if scratch is None or without is None:
+            lines.append(f"{title}: XLA reports no memory analysis here")
+            continue
+        change = f" ({(scratch - without) / without:+.0%})" if without else ""
+        lines.append(
+            f"{title} scratch {format_bytes(scratch)}, without remat "
+            f"{format_bytes(without)}{change}"
+        )
+    if len(lines) == 1:
+        lines.append("its memory shows once the train step is compiled")
+    return lines
+
+
 def binding_report(
     setup: RunSetup,
     runtime: RunTime,
@@ -181,10 +202,12 @@ def binding_report(
     run_dir: str | None = None,
     run_id: str | None = None,
     history: Sequence[Mapping[str, Any]] = (),
+    programs: ProgramSet | None = None,
 ) -> BindingReport:
     """Where every value came from: splits, hook fields, run keywords, schedules, optimizer,
     mixed precision, Device fields (as the run-time record holds them now; `history`: the
-    committed epochs, for float16's loss scale at the last one)."""
+    committed epochs, for float16's loss scale at the last one; `programs`: the handle's, for
+    what `remat=` saves)."""
     experiment = setup.experiment
     feed = runtime.feed
     sections = [_fields(setup)]
@@ -294,6 +317,9 @@ def binding_report(
     if setup.precision is not None and setup.precision.mixed:  # float32: the keyword says it
         source = setup.keywords["precision"].source
         sections.append((f"precision  [{source}]", _precision(setup, history)))
+
+    if setup.remat is not None and programs is not None:
+        sections.append((f"remat  [{setup.keywords['remat'].source}]", _remat(setup, programs)))
 
     sharding = _sharding(setup)
     if sharding:

@@ -52,8 +52,11 @@ from nitro.handle.displays import handle_html, short_repr
 from nitro.handle.run_handle import RunHandle
 from nitro.handle.signature import keyword_signature, keywords_doc
 from nitro.handle.summary import ModelSummary
+from nitro.handle.time_travel import TimeTravel
 from nitro.optim.schedules import bind_schedules, check_schedule_values
 from nitro.programs.specs import ProgramSet
+from nitro.runs.checkpoint_reads import read_checkpoint, resolve_checkpoint
+from nitro.runs.checkpoint_trees import leaves_from
 from nitro.runs.initial_weights import AveragedWeights, CheckpointWeights, WeightsSource
 from nitro.runs.resume import restore
 from nitro.runs.run_files import RunFiles
@@ -128,7 +131,7 @@ def check_experiment(experiment: Any) -> type:
     return cls
 
 
-class Nitro(RunHandle):
+class Nitro(TimeTravel, RunHandle):
     """The handle of one run of an experiment.
 
     >>> import nitro
@@ -151,7 +154,14 @@ class Nitro(RunHandle):
         instance = replace(experiment)  # frozen copy of the configuration
         weights = keywords.pop("weights", None)
         data = keywords.pop("data", None)
+        self._data = data  # `data=` as given: a fork takes the same splits
         resolved = RunKeywords.of(resolve_run_keywords(instance, keywords))
+        if resolved.restore_best and resolved.checkpointer is None:
+            raise SetupError(
+                "restore_best=True loads the run's best checkpoint at the end of train(), and "
+                "checkpointer=None saves none: keep the default checkpointer (or pass "
+                "checkpointer=nitro.Checkpointer(...)), or leave restore_best out"
+            )
         if weights is not None and resolved.resume:
             raise SetupError(
                 "resume= and weights= are exclusive: resume= continues a run (its weights, "
@@ -208,6 +218,7 @@ class Nitro(RunHandle):
                     self._events,
                     runtime.device_values(),
                     say=self._say,
+                    fresh_optimizer=resolved.restore_optimizer is False,
                 )
                 if self._state.seed != self._setup.seed:
                     self._continue_seed(instance, resolved, keywords, data)
@@ -221,10 +232,67 @@ class Nitro(RunHandle):
                 epochs=(record.epoch,),
                 metrics=(record.metrics,),
             )
+        if weights is not None and resolved.restore_optimizer:
+            self._state.variables = dataclasses.replace(
+                self._state.variables, opt_state=self._optimizer_of(weights)
+            )
         self._files.claim_planned()
         self._target_epoch = max(self._setup.max_epochs, self._state.epoch)
         self._run_target = self._target_epoch  # the latest run's aim, `train(steps=)`'s too
         self._events.phase("ready")
+
+    def _optimizer_of(self, weights: Any) -> list[Any]:
+        """`restore_optimizer=True` with `weights=`: the optimizer state of the handle or the
+        single run's checkpoint the weights came from, which must fit this run's optimizer."""
+        template = self._state.variables.opt_state
+        what = "weights=" + (
+            type(weights).__name__ if not isinstance(weights, str) else repr(weights)
+        )
+        if template is None:
+            raise SetupError("restore_optimizer=True: this run has no optimizer (no 'train' split)")
+        if isinstance(weights, Nitro):
+            with weights._guard.hold("copying its optimizer state"):
+                leaves = weights._state.variables.opt_state
+                found = None if leaves is None else [jax.numpy.array(x, copy=True) for x in leaves]
+            where = f"the handle given as weights= ({weights.cls.__name__} at step {weights.step})"
+        elif isinstance(weights, (str, os.PathLike, tuple)) and not (
+            isinstance(weights, tuple) and isinstance(weights[1], int)
+        ):
+            directory, step = resolve_checkpoint(weights)
+            saved, _ = read_checkpoint(directory, step)
+            where = f"the checkpoint {str(directory / str(step))!r}"
+            found = leaves_from(
+                "optimizer state",
+                saved.get("opt_state", {}),
+                self._setup.model.leaf_paths["optimizer state"],
+                template,
+                misfit=f"restore_optimizer=True: the optimizer state of {where} does not fit "
+                f"this run's optimizer ({self._optimizer_text()}): give the optimizer it was "
+                f"trained with, or leave restore_optimizer out:",
+                here="this run's",
+            )
+        else:
+            raise SetupError(
+                f"restore_optimizer=True continues the optimizer state of what {what} names: a "
+                f"Nitro handle or a single run's checkpoint; an average, a population member "
+                f"or a weights file holds none. Leave restore_optimizer out for a fresh one"
+            )
+        if (
+            found is None
+            or len(found) != len(template)
+            or any(np.shape(a) != np.shape(b) for a, b in zip(found, template, strict=False))
+        ):
+            raise SetupError(
+                f"restore_optimizer=True: the optimizer state of {where} does not fit this "
+                f"run's optimizer ({self._optimizer_text()}): give the optimizer it was "
+                f"trained with, or leave restore_optimizer out"
+            )
+        put = self._setup.placement.put_like
+        return put(found, template)
+
+    def _optimizer_text(self) -> str:
+        optimizer = self._setup.optimizer
+        return optimizer.description if optimizer is not None else "none"
 
     def _continue_seed(
         self, instance: Any, resolved: RunKeywords, given: Mapping[str, Any], data: Any
@@ -574,6 +642,10 @@ class Nitro(RunHandle):
                 if s.kind is not FieldKind.DEVICE
             },
             total_steps=setup.total_steps,
+            device_values={
+                n: self._runtime.feed.device_value(n) for n in setup.experiment.device_specs
+            },
+            device_sets=tuple(setup.experiment.device_sets),
         )
         feed = self._runtime.feed
         check_schedule_values(
@@ -723,23 +795,59 @@ class Nitro(RunHandle):
 
     def restore_best(self) -> Nitro:
         """Load the weights (parameters and model state) of this run's best checkpoint by the
-        checkpointer's metric; the optimizer state, counters and history stay."""
+        checkpointer's metric; the optimizer state, counters and history stay.
+        `Nitro(..., restore_best=True)` does it at the end of each `train()`."""
         with self._guard.hold("restoring its best weights"):
-            self._files.wait()
-            source = CheckpointWeights.of((str(self._files.run_dir), "best"))
-            found = source.resolve(*self._trees())
-            place = self._setup.placement.put_like  # on the live leaves' shardings
-            state = self._state
-            variables = dataclasses.replace(
-                state.variables,
-                params=place(jax.tree.leaves(found.params), state.variables.params),
-                model_state=place(jax.tree.leaves(found.model_state), state.variables.model_state),
-            )
-            # a new state, swapped in under the guard: the loop stays its only in-place writer
-            self._state = dataclasses.replace(state, variables=variables)
-            self._checkpoint = found.checkpoint
-        self._say(f"restored the weights of {found.origin}")
+            self._load_best()
         return self
+
+    def _load_best(self) -> None:
+        """`restore_best()`'s work, under the guard (or on the run's thread, at its end)."""
+        self._files.wait()
+        source = CheckpointWeights.of((str(self._files.run_dir), "best"))
+        found = source.resolve(*self._trees())
+        place = self._setup.placement.put_like  # on the live leaves' shardings
+        state = self._state
+        variables = dataclasses.replace(
+            state.variables,
+            params=place(jax.tree.leaves(found.params), state.variables.params),
+            model_state=place(jax.tree.leaves(found.model_state), state.variables.model_state),
+        )
+        # a new state, swapped in under the guard: the loop stays its only in-place writer
+        self._state = dataclasses.replace(state, variables=variables)
+        self._checkpoint = found.checkpoint
+        self._say(f"restored the weights of {found.origin}")
+
+    def _finish(self, reason: str) -> None:
+        """`restore_best=True`: the run ends on its best checkpoint's weights (none saved
+        yet: it keeps the last step's, and says so)."""
+        if not self._setup.keywords["restore_best"].value:
+            return
+        if self.best_checkpoint is None:
+            self._say("restore_best: no checkpoint saved yet; the weights stay the last step's")
+            return
+        self._load_best()
+
+    @property
+    def best_checkpoint(self) -> str | None:
+        """The path of this run's best checkpoint by the checkpointer's metric (the newest
+        when it watches none); None before the first save or with `checkpointer=None`."""
+        if self._files.store is None:
+            return None
+        self._files.wait()
+        try:
+            found = resolve_checkpoint((str(self._files.run_dir), "best"), read=False)
+        except SetupError:  # nothing saved yet
+            return None
+        return str(found.path)
+
+    @property
+    def elapsed(self) -> float:
+        """Seconds this run has trained: its epochs' `epoch_seconds` (a resumed run's earlier
+        epochs too) and the epoch under way."""
+        state = self._state
+        done = sum(float(row.get("epoch_seconds") or 0.0) for row in state.history)
+        return done + (state.totals.seconds if state.totals is not None else 0.0)
 
     @property
     def hyperparameters(self) -> dict[str, float]:
@@ -762,7 +870,17 @@ class Nitro(RunHandle):
             metrics=metrics,
             title=self.cls.__name__,
             swaps=self._state.swaps,
+            best=self.best_by,
         )
+
+    @property
+    def best_by(self) -> tuple[str, str]:
+        """(metric, "min" or "max"): what "best" means for this run, as its checkpointer ranks
+        (else its early stopping watches; else `val_loss` with a 'val' split, else `loss`)."""
+        watcher = self._setup.checkpointer or self._setup.early_stop
+        if watcher is not None and any(watcher.metric in row for row in self._state.history):
+            return watcher.metric, watcher.mode
+        return ("val_loss" if "val" in self._setup.eval_splits else "loss"), "min"
 
     def summary(
         self, batch: Mapping[str, Any] | None = None, *, split: str | None = None, depth=None
@@ -812,6 +930,7 @@ class Nitro(RunHandle):
             self.run_dir,
             self.run_id,
             history=self._state.history,
+            programs=self._programs,
         )
 
     @property

@@ -52,6 +52,8 @@ _DROPPED = (
     "progress",
     "learning_rate",
     "schedules",
+    "snapshots",  # a probe goes back nowhere
+    "spike",
 )
 
 

@@ -7,7 +7,7 @@ from typing import Any
 
 from nitro.core.train_state import TIMING_COLUMNS
 
-__all__ = ["plot_history"]
+__all__ = ["best_row", "plot_history"]
 
 _SKIP = {"step", *TIMING_COLUMNS}
 
@@ -28,16 +28,29 @@ def swap_epochs(frame, swaps: Iterable[Mapping[str, Any]]) -> list[tuple[float, 
     return marks
 
 
+def best_row(frame, metric: str, mode: str) -> Any:
+    """The index (epoch) of the history's best row by `metric` ("min" or "max"), or None
+    when no row has a value of it."""
+    if metric not in frame:
+        return None
+    series = frame[metric].dropna()
+    if series.empty:
+        return None
+    return series.idxmin() if mode == "min" else series.idxmax()
+
+
 def plot_history(
     frame,
     path=None,
     metrics: Iterable[str] | None = None,
     title: str = "",
     swaps: Iterable[Mapping[str, Any]] = (),
+    best: tuple[str, str] | None = None,
 ):
     """One panel per quantity: the loss with its validation counterpart, then each metric;
     a dashed line at each live edit's swap (`swaps`: the rows of `n.state.swaps`), labelled
-    with what changed.
+    with what changed; a dotted line at the best epoch by `best` (metric, "min" or "max"),
+    its point starred.
 
     Returns the matplotlib Figure; writes a PNG when `path` is given.
     """
@@ -62,6 +75,7 @@ def plot_history(
                 base = column[len(prefix) :]
         groups.setdefault(base, []).append(column)
     marks = swap_epochs(frame, swaps)
+    best_epoch = best_row(frame, *best) if best is not None else None
     figure = Figure(figsize=(4.2 * len(groups), 3.2), layout="constrained")
     axes = figure.subplots(1, len(groups), squeeze=False)[0]
     for ax, (base, names) in zip(axes, groups.items(), strict=True):
@@ -81,6 +95,19 @@ def plot_history(
                 fontsize=7,
                 color=color,
             )
+        if best_epoch is not None:
+            assert best is not None
+            ax.axvline(best_epoch, linestyle=":", linewidth=1, color="tab:green", gid="best-epoch")
+            if best[0] in names:
+                ax.plot(
+                    [best_epoch],
+                    [frame[best[0]][best_epoch]],
+                    marker="*",
+                    markersize=12,
+                    color="tab:green",
+                    linestyle="none",
+                    label=f"best {best[0]}",
+                )
         ax.set_xlabel("epoch")
         ax.set_title(base)
         ax.grid(alpha=0.3)

@@ -18,6 +18,7 @@ from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import numpy as np
 
 from nitro.core import events as events_module
 from nitro.core import progress
@@ -33,10 +34,12 @@ from nitro.engine.member_axis import (
     check_member_layout,
     shown_settings,
 )
+from nitro.engine.population_search import Search, full_variables, shrink
 from nitro.engine.resolved import RunKeywords
 from nitro.engine.run_keywords import RUN_KEYWORDS, resolve_run_keywords
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import RunGuard
+from nitro.engine.search import Halving, Proposal, split_search
 from nitro.engine.setup import build
 from nitro.errors import PopulationError, SetupError
 from nitro.experiments.declaration import field_specs
@@ -89,6 +92,7 @@ class Population(PopulationMembers):
         batches: str | None = None,
         mesh_axis: str = "members",
         preset: str | None = None,
+        search: Any = None,
         **keywords: Any,
     ):
         experiment = experiment_to_run(
@@ -96,7 +100,7 @@ class Population(PopulationMembers):
         )
         cls = check_experiment(experiment)
         origin = OriginProbe(cls)  # git runs beside the members' setup
-        given = {"members": members, "batches": batches, "mesh_axis": mesh_axis}
+        given = {"members": members, "batches": batches, "mesh_axis": mesh_axis, "search": search}
         self._given = (experiment, {k: v for k, v in given.items() if v is not None} | keywords)
         if mesh_axis not in ("members", "batch"):
             raise PopulationError(
@@ -110,6 +114,14 @@ class Population(PopulationMembers):
                 f"a fair comparison of the settings) or 'own' (each member its seed's data order)"
             )
         self._mesh_axis = mesh_axis
+        proposal, self._scheduler = split_search(search)
+        if proposal is not None:
+            if members is not None:
+                raise PopulationError(
+                    f"Population() takes members= or search={proposal.kind}(...), not both: "
+                    f"the search fills the members"
+                )
+            members = proposal
         # shared by every member, as Nitro(...) takes them: where the weights start, the splits
         self._weights = weights_source(keywords.pop("weights", None))
         self._data = keywords.pop("data", None)
@@ -146,7 +158,12 @@ class Population(PopulationMembers):
         self._batches_mode = batches
         specs = {s.name: s for s in field_specs(cls)}
         for name in dict.fromkeys(k for s in settings for k in s):
-            check_axis(cls, specs, name)
+            try:
+                check_axis(cls, specs, name)
+            except PopulationError as error:
+                if not isinstance(members, Proposal):
+                    raise
+                raise PopulationError(f"{members.kind} space key {name!r}: {error}") from None
         for name, value in shared.items():
             check_shared(specs, name, value)
         self._settings = settings
@@ -195,6 +212,7 @@ class Population(PopulationMembers):
         except SetupError as error:
             raise PopulationError(str(error)) from None
         self._programs = ProgramSet(lead.setup, len(settings), own_batches=batches == "own")
+        self._search = None if self._scheduler is None else self._searching(devices, mesh_axis)
         self._axis: Stacked | None = None  # the loop's members object: stacked on first use
         self._stacking = threading.Lock()  # pop.stop(i) may stack before the run's thread
         guard = self._guard  # not the population: its run directory's lock must not keep it
@@ -216,7 +234,10 @@ class Population(PopulationMembers):
         if self._files.resume_from is not None:
             with events_module.using(self._events):
                 state = self._stacked().state
-                restore_population(self._files, self._members, state, self._say)
+                record = restore_population(self._files, self._members, state, self._say)
+                training = None if self._search is None else self._search.restore(record.search)
+                if training is not None and len(training) < len(self._members):
+                    self._shrink([self._members[i] for i in training])
         self._files.claim_planned()
 
     def _build_member(
@@ -285,7 +306,46 @@ class Population(PopulationMembers):
             if self._axis is None:
                 members, say = self._members, self._say
                 self._axis = Stacked.of(members, self._batches_mode, self._mesh_axis, say)
+                if self._search is not None:
+                    self._axis.on_losses = self._search.add_losses
             return self._axis
+
+    def _searching(self, devices: int, mesh_axis: str) -> Search:
+        """The scheduler of `search=` at work, its settings checked against the members."""
+        scheduler = self._scheduler
+        assert scheduler is not None
+        lead = self._members[0].setup
+        if isinstance(scheduler, Halving) and devices > 1 and mesh_axis == "members":
+            sizes = scheduler.sizes(len(self._members))
+            if any(size % devices for size in sizes):
+                raise PopulationError(
+                    f"Halving shrinks the population to {' -> '.join(map(str, sizes))} members, "
+                    f"which do not all divide across n_devs={devices} devices: give keep= or "
+                    f"rungs= whose sizes do, or mesh_axis='batch'"
+                )
+        metric = scheduler.metric
+        if scheduler.unit == "steps" and metric not in (None, "loss"):
+            every = lead.val_every_steps
+            points = scheduler.rungs if isinstance(scheduler, Halving) else [scheduler.interval]
+            if every is None or any(p is not None and p % every for p in points):
+                raise PopulationError(
+                    f"{type(scheduler).__name__}(unit='steps', metric={metric!r}) ranks by an "
+                    f"evaluation within the epoch at each boundary: give val_every_steps= a "
+                    f"divisor of its boundaries, or metric='loss' (the training loss since the "
+                    f"last boundary)"
+                )
+        return Search(scheduler, self._members, self._say)
+
+    def _shrink(self, kept: list[Member]) -> None:
+        """The population down to the members `kept`: their variables gathered, and the
+        programs made for their count (compiled once, on their first call)."""
+        with self._stacking:
+            assert self._axis is not None  # stacked before a search shrinks it
+            axis = self._axis = shrink(self._axis, kept)
+            axis.on_losses = self._search.add_losses if self._search is not None else None
+        own = self._batches_mode == "own"
+        self._programs = ProgramSet(self._lead_setup, len(kept), own_batches=own)
+        self._lead_runtime.dispatch.for_members(len(kept))
 
     # ------------------------------------------------------------------------------------------
     # training and evaluation
@@ -333,6 +393,20 @@ class Population(PopulationMembers):
                 + "): pop.best() or pop.member(i) is a handle that trains on"
             )
 
+    def _segment(
+        self, state: PopulationState, target: int, stop_at: int | None
+    ) -> tuple[int, int | None]:
+        """The search's boundary due here is taken (PBT's exploit, a rung that shrinks the
+        population), and the stretch trained next ends at its next one."""
+        search = self._search
+        if search is None:
+            return target, stop_at
+        if search.due(state):
+            kept = search.apply(self._stacked(), state)
+            if kept is not None:
+                self._shrink(kept)
+        return search.segment(state, target, stop_at)
+
     def _loop_left(self, state: PopulationState) -> None:
         self._stacked().keep_time(state)
         self._release_workers(final=False)  # worker processes live as the run
@@ -353,7 +427,21 @@ class Population(PopulationMembers):
                 best[row["epoch"]] = value
         members, files, value = self._members, self._files, best.get(state.epoch)
         rows = [{metric: best.get(epoch)} for epoch in range(1, state.epoch + 1)]
-        return rows, lambda why, new: population_save(files, members, state, why, new, value)
+        search = self._search
+
+        def snapshot(why: str | None, new: bool):
+            if search is None:
+                return population_save(files, members, state, why, new, value)
+            axis, view = self._stacked(), state
+            if axis.count < len(members):  # every member's variables, as before it shrank
+                healthy = np.zeros(len(members), bool)
+                healthy[[m.index for m in axis.members]] = np.asarray(state.healthy)
+                full = full_variables(axis, members)
+                view = dataclasses.replace(state, variables=full, healthy=healthy)
+            record = search.to_json(axis.members)
+            return population_save(files, members, view, why, new, value, search=record)
+
+        return rows, snapshot
 
     def _verdict(self, state: PopulationState) -> str | None:
         """Stop each member whose monitored metric stopped improving (`early_stop=`) as its
@@ -378,10 +466,10 @@ class Population(PopulationMembers):
             raise TypeError(f"pop.stop(member) takes a member index, got {member!r}")
         if not 0 <= member < len(self):
             raise IndexError(f"member {member} of a population of {len(self)}")
-        state = self._stacked().state  # a run that has not stacked its members yet finds it so
-        state.prune[member] = why or f"stopped by pop.stop({member})"
+        axis = self._stacked()  # a run that has not stacked its members yet finds it so
+        axis.state.prune[member] = why or f"stopped by pop.stop({member})"
         if not self.running:
-            apply_prunes(self._members, state, self._say)
+            apply_prunes(axis.members, axis.state, self._say)
         return self
 
     def _trainees(self) -> tuple[Stacked, PopulationState]:
@@ -390,6 +478,6 @@ class Population(PopulationMembers):
 
     def _evaluation(self, rows: Any) -> Any:
         """Every member's loss and metrics, a DataFrame indexed by member, its settings first."""
-        members = zip(self._members, rows, strict=True)
+        members = zip(self._stacked().members, rows, strict=True)
         shown = [{"member": m.index, **shown_settings(m.settings), **row} for m, row in members]
         return scalar_frame(shown, ["member"])

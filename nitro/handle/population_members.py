@@ -4,17 +4,21 @@ refusals of axes and values they cannot share (`check_axis`, `check_shared`,
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from nitro.core.progress import ranked_members
 from nitro.core.train_state import Variables
 from nitro.engine.member_axis import Member, Stacked, shown_settings, unstack
+from nitro.engine.population_search import Search
 from nitro.engine.run_keywords import RUN_KEYWORDS
 from nitro.errors import PopulationError
 from nitro.experiments.declaration import FieldKind
+from nitro.experiments.presets import replace
 from nitro.handle.handle import Nitro
 from nitro.handle.run_handle import RunHandle, scalar_frame
 from nitro.programs.compile_cache import graphconst_keys
@@ -49,6 +53,9 @@ PROGRAM_KEYWORDS = {
     "decay_to": "where weight decay pulls is part of the optimizer's structure",
     "decay_mask": "which leaves decay is part of the optimizer's structure",
     "eval_splits": "the population validates one set of splits",
+    "compile_options": "XLA's options compile the program",
+    "hooks": "the members run one program, from one set of hooks",
+    "remat": "what the backward pass recomputes is part of the train step",
 }
 
 
@@ -58,6 +65,8 @@ class PopulationMembers(RunHandle):
     _members: list[Member]
     _axis: Stacked | None
     _data: Any
+    _weights: Any
+    _search: Search | None
 
     def __len__(self) -> int:
         return len(self._members)
@@ -88,17 +97,121 @@ class PopulationMembers(RunHandle):
         if member.stopped is not None:  # its weights are those of its stop
             epoch, step = member.state.epoch, member.stopped_at
         with self._guard.hold(f"taking member {index} as a handle"):
-            variables = member.state.variables
-            if self._axis is not None:  # its slice of the stacked variables (new arrays)
+            own = member.state.variables  # a member a search left out keeps its own
+            variables = jax.tree.map(jnp.asarray, Variables(own.params, own.model_state))
+            rows = [m.index for m in self._axis.members] if self._axis is not None else []
+            if index in rows:  # its slice of the stacked variables (new arrays)
+                assert self._axis is not None
                 stacked = self._axis.state.variables
-                variables = unstack(Variables(stacked.params, stacked.model_state), index)
+                position = rows.index(index)
+                variables = unstack(Variables(stacked.params, stacked.model_state), position)
             where = (
                 f"{member.label} of a {self.cls.__name__} population at epoch {epoch}, step {step}"
             )
-            weights = WeightsSource.of(member.setup.model, variables, where)
+            changes = self._schedule_text(index)
+            weights = WeightsSource.of(member.setup.model, variables, where + changes)
         data = {} if self._data is None else {"data": self._data}
         given = dict(member.setup.given_keywords)
-        return Nitro(member.experiment, weights=weights, **{**data, **given, **keywords})
+        experiment, now = member.experiment, self._values_now(index)
+        fields = {k: v for k, v in now.items() if k in member.runtime.feed.device_dtypes}
+        if fields:  # PBT's values now: its Device fields on the experiment, the others keywords
+            experiment = replace(experiment, **fields)
+        for name, value in now.items():  # a hyperparameter no run keyword sets: a constant
+            if name in RUN_KEYWORDS:
+                given[name] = value
+            elif name not in fields:
+                given["schedules"] = {**dict(given.get("schedules") or {}), name: value}
+        return Nitro(experiment, weights=weights, **{**data, **given, **keywords})
+
+    # ------------------------------------------------------------------------------------------
+    # a search's record (search=nitro.PBT(...), nitro.Halving(...))
+
+    def lineage(self):
+        """What the population's search did, a pandas DataFrame (empty without one). PBT: one
+        row per exploit: `step`, `epoch`, the `member` that took the state of `copied_from`,
+        the `metric` both were ranked by with their `value` and `donor_value`, and each
+        perturbed value before (`old_<name>`) and after (`new_<name>`). Halving: one row per
+        member ranked at each rung: `step`, `epoch`, `rung`, `member`, `metric`, `value`,
+        its `rank` and whether it was `kept`."""
+        import pandas as pd
+
+        rows = []
+        for row in self._search.lineage if self._search is not None else ():
+            shown = {k: v for k, v in row.items() if k not in ("old", "new")}
+            shown.update({f"old_{k}": v for k, v in row.get("old", {}).items()})
+            shown.update({f"new_{k}": v for k, v in row.get("new", {}).items()})
+            rows.append(shown)
+        return pd.DataFrame(rows)
+
+    def _values_now(self, index: int) -> dict[str, Any]:
+        """The fed values PBT set for member `index`, as they are now (empty: none)."""
+        search = self._search
+        if search is None or not search.names:
+            return {}
+        return dict(search.values[index])
+
+    def schedule(self, index: int | None = None) -> dict[str, list[tuple[int, Any]]]:
+        """The values member `index`'s weights were trained with (default: the best member's,
+        as `best()` ranks), following PBT's lineage back through each member whose state it
+        took: fed name -> `[(first step, value), ...]`, each value fed from its step on
+        (steps counted from 0). Empty without PBT. `replay()` trains a run on it."""
+        search = self._search
+        if search is None or not search.names:
+            return {}
+        index = self._ranked_first() if index is None else index
+        if not 0 <= index < len(self):
+            raise IndexError(f"member {index} of a population of {len(self)}")
+        changes, member, bound = [], index, None
+        while True:
+            taken = [
+                r
+                for r in search.lineage
+                if r["member"] == member and (bound is None or r["step"] < bound)
+            ]
+            if not taken:
+                changes.append((0, search.initial[member]))
+                break
+            last = max(taken, key=lambda r: r["step"])
+            changes.append((int(last["step"]), last["new"]))
+            member, bound = int(last["copied_from"]), int(last["step"])
+        schedule: dict[str, list[tuple[int, Any]]] = {}
+        for step, values in reversed(changes):
+            for name, value in values.items():
+                points = schedule.setdefault(name, [])
+                if not points or points[-1][1] != value:
+                    points.append((step, value))
+        return schedule
+
+    def _schedule_text(self, index: int) -> str:
+        schedule = self.schedule(index)
+        if not any(len(points) > 1 for points in schedule.values()):
+            return ""
+        return "; trained with " + "; ".join(
+            f"{name} " + ", ".join(f"{value:.4g} from step {step}" for step, value in points)
+            for name, points in schedule.items()
+        )
+
+    def replay(self, index: int | None = None, **keywords: Any) -> Nitro:
+        """A `Nitro` handle that trains member `index` (default: the best) from the start,
+        its PBT-perturbed values fed as schedules of its steps (`schedule(index)`): the
+        population's search, replayed as a plain run (its weights are not copied from other
+        members, so it does not reproduce the member bit for bit). `keywords` go to `Nitro`."""
+        index = self._ranked_first() if index is None else index
+        schedule = self.schedule(index)
+        member = self._members[index]
+        given = {k: v for k, v in member.setup.given_keywords.items() if k not in schedule}
+        schedules = dict(given.pop("schedules", None) or {})
+        schedules.update({name: piecewise(points) for name, points in schedule.items()})
+        experiment = member.experiment
+        data = {} if self._data is None else {"data": self._data}
+        weights = {} if self._weights is None else {"weights": self._weights}
+        return Nitro(experiment, schedules=schedules, **{**data, **weights, **given, **keywords})
+
+    def _ranked_first(self) -> int:
+        _, ranked = self.ranking()
+        if not ranked:
+            raise PopulationError("no member has a finite metric to choose by: train first")
+        return ranked[0][0]
 
     def ranking(
         self, metric: str | None = None, mode: str | None = None
@@ -169,6 +282,11 @@ def check_axis(cls: type, specs: Mapping[str, Any], name: str) -> None:
 def check_shared(specs: Mapping[str, Any], name: str, value: Any) -> None:
     if name not in RUN_KEYWORDS and name not in specs:
         raise PopulationError(f"{name} is neither a run keyword nor a field of the experiment")
+    if name == "restore_best" and value:
+        raise PopulationError(
+            "restore_best=True is a single run's: a population saves its members together, "
+            "ranked by their best member; pop.best() is a handle of the best member's weights"
+        )
 
 
 def check_one_program(members: Sequence[Member]) -> None:
@@ -204,3 +322,15 @@ def _program_identity(member: Member) -> dict[str, Any]:
         "Device fields": tuple((k, str(v)) for k, v in feed.device_dtypes.items()),
         "batches": tuple(sorted((k, str(v.batch_spec)) for k, v in setup.splits.items())),
     }
+
+
+def piecewise(points: Sequence[tuple[int, Any]]) -> Callable[[Any], Any]:
+    """A schedule of steps that feeds each value from its first step on (`points`: `(step,
+    value)` pairs, the first at step 0); it takes an array of steps too."""
+    starts = np.asarray([step for step, _ in points])
+    values = np.asarray([value for _, value in points])
+
+    def schedule(step: Any) -> Any:
+        return values[np.searchsorted(starts, step, side="right") - 1]
+
+    return schedule

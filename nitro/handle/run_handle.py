@@ -28,7 +28,7 @@ from nitro.core import progress
 from nitro.core.events import Events
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState
-from nitro.engine import evaluation, live_edit, loop, prediction, swaps
+from nitro.engine import evaluation, live_edit, prediction, swaps
 from nitro.engine.dispatch import DispatchChoice
 from nitro.engine.run_time import RunTime
 from nitro.engine.runner import (
@@ -43,6 +43,7 @@ from nitro.engine.runner import (
 from nitro.engine.swaps import LiveEdit
 from nitro.errors import Interrupted, RunningError
 from nitro.experiments.declaration import edit_generation
+from nitro.handle.time_travel import train_epochs
 from nitro.programs.specs import ProgramSet
 from nitro.programs.staleness import stale_changes, stale_report
 from nitro.runs.run_files import RunFiles
@@ -64,6 +65,7 @@ class RunHandle:
     _error: BaseException | None = None
     _target_epoch = 0  # where a stopped run resumes to
     _run_target = 0  # the latest run's aim, `train(steps=)`'s too
+    _visualizer: Any = None  # the visualize hook's drawer (`nitro.handle.gallery.Visualizer`)
 
     # ------------------------------------------------------------------------------------------
     # what a subclass says
@@ -121,26 +123,49 @@ class RunHandle:
         self._files.saves.end(state, events, reason, self._saving(state)[1])
         return reason
 
+    def _segment(self, state: Any, target: int, stop_at: int | None) -> tuple[int, int | None]:
+        """Where the next stretch of a run's loop ends (its target epoch and stop step): the
+        call's own, or sooner, at a boundary of the handle's (a population's search: taken
+        here, between two stretches, with every call read back)."""
+        return target, stop_at
+
     def _train_run(self, target: int, stop_at: int | None, events: Events) -> str:
-        """One run between start_run and end_run: the loop and its end's save; its stop reason."""
+        """One run between start_run and end_run: the loop (in stretches, `_segment`) and its
+        end's save; its stop reason."""
         members, state = self._trainees()
         self._files.open(self._lead_setup, events)
         try:
-            state, reason = loop.train_epochs(
-                self._lead_setup,
-                self._lead_runtime,
-                state,
-                self._programs,
-                events,
-                self._control,
-                target,
-                after_epoch=lambda state, row, left: self._after_epoch(state, row, left, stop_at),
-                stop_at=stop_at,
-                members=members,
-            )
+            while True:
+                until, stop = self._segment(state, target, stop_at)
+                members, state = self._trainees()
+                before = (state.step, state.epoch, state.epoch_trained)
+                state, reason = train_epochs(
+                    self,
+                    state,
+                    events,
+                    until,
+                    # the saves count the call's epochs left, not the stretch's
+                    after_epoch=lambda state, row, _: self._after_epoch(
+                        state, row, None if stop_at is not None else target - state.epoch, stop_at
+                    ),
+                    stop_at=stop,
+                    members=members,
+                )
+                if (until, stop) == (target, stop_at) or reason not in ("completed", "max_steps"):
+                    break
+                ended = (state.epoch >= target and not state.epoch_trained) or (
+                    stop_at is not None and state.step >= stop_at
+                )
+                if ended or (state.step, state.epoch, state.epoch_trained) == before:
+                    break  # the call's end, or nothing left to train (every member stopped)
         finally:
             self._loop_left(state)
-        return self._end_save(state, reason, events)
+        reason = self._end_save(state, reason, events)
+        self._finish(reason)
+        return reason
+
+    def _finish(self, reason: str) -> None:
+        """The run's last work before its end is reported (a run's `restore_best=`)."""
 
     def _after_run(self) -> None:
         """After the run has let go of the handle: an edit compiled after its last call is
@@ -575,6 +600,75 @@ class RunHandle:
                 weights,
                 members=members,
             )
+
+    # ------------------------------------------------------------------------------------------
+    # looking at samples (nitro.handle.render; docs/visualize.md)
+
+    def render(
+        self,
+        split: str = "val",
+        batches: int = 1,
+        predictions: bool = True,
+        where: Any = "inline",
+        *,
+        samples: int = 16,
+        member: int | None = None,
+        weights: str | None = None,
+    ) -> Any:
+        """A grid of the first `samples` samples of the first `batches` batches of `split`,
+        in one matplotlib figure (a `Gallery`), each drawn by the experiment's
+        `visualize(self, sample, output=None)` hook (or the default views), titled with its
+        label and prediction. `predictions=False` draws the data alone and compiles nothing;
+        predictions come from the evaluation program validation runs. `where`: "inline"
+        (shown by the notebook), "logger" (the run's loggers: TensorBoard images, MLflow
+        and W&B artifacts), a file or directory path, or a list of them. A population's: one
+        gallery per member (`member=` picks one)."""
+        from nitro.handle.render import render
+
+        return render(self, split, batches, predictions, where, samples, member, weights)
+
+    def show_batch(self, split: str = "train", *, samples: int = 16, where: Any = "inline"):
+        """The first `samples` samples of `split`'s first batch as its source gives them:
+        `render(predictions=False)`, which compiles nothing and never touches the device."""
+        from nitro.handle.render import show_batch
+
+        return show_batch(self, split, samples, where)
+
+    def top_losses(
+        self,
+        k: int = 9,
+        split: str = "val",
+        *,
+        where: Any = "inline",
+        member: int | None = None,
+        weights: str | None = None,
+    ) -> Any:
+        """The `k` samples of `split` with the highest loss, drawn as `render` draws (highest
+        first; `.table()` lists their rows, labels, predictions and losses), from one pass of
+        the evaluation program validation runs. A population's: one per member."""
+        from nitro.handle.render import top_losses
+
+        return top_losses(self, k, split, where, member, weights)
+
+    def confusion(
+        self,
+        split: str = "val",
+        *,
+        labels: str | None = None,
+        classes: Sequence[Any] | None = None,
+        member: int | None = None,
+        weights: str | None = None,
+        where: Any = "inline",
+    ) -> Any:
+        """A classifier's confusion matrix on `split` (a `Confusion`: `.matrix`, `.table()`,
+        `.per_class()` precision, recall, F1 and support, `.plot()`), counted exactly from one
+        pass of the evaluation program validation runs. `labels` names the label field (by
+        default the loss's one integer field besides forward's inputs); `classes` names the
+        classes; `where` as `render`'s (the loggers also get the matrix itself). A
+        population's: one per member."""
+        from nitro.handle.render import confusion
+
+        return confusion(self, split, labels, classes, member, weights, where)
 
     _stale_checked: tuple[int, float] = (-1, 0.0)
     _stale_seen: str | None = None

@@ -210,6 +210,13 @@ class LoggingReporter:
         self.logger.log_other(f"live_edit/step_{row.get('step')}", dict(row))
         self.logger.flush()
 
+    def rewound(self, row: Mapping[str, Any]) -> None:
+        """A rewind (or a spike's roll-back): logged under `rewind/step_N` (N the step it
+        left), so each backend's record marks the steps after `row["step"]` as abandoned."""
+        marker = {k: v for k, v in row.items() if k not in ("history", "validations")}
+        self.logger.log_other(f"rewind/step_{row.get('from_step')}", marker)
+        self.logger.flush()
+
     def phase(self, phase: str) -> None:
         if phase not in _BUSY_PHASES:
             self.logger.flush()

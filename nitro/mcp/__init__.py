@@ -1,8 +1,9 @@
 """Agent tools over the Model Context Protocol: a coding agent drives runs in a live session.
 
-Twelve tools (`nitro_setup`, `nitro_train`, `nitro_validate`, `nitro_evaluate`,
+Fifteen tools (`nitro_setup`, `nitro_train`, `nitro_validate`, `nitro_evaluate`,
 `nitro_predict`, `nitro_export`, `nitro_runs`, `nitro_status`, `nitro_logger`, `nitro_stop`,
-`nitro_population`, `nitro_member`) on the official MCP SDK (`pip install 'nitro[agents]'`):
+`nitro_population`, `nitro_member`, `nitro_render`, `nitro_rewind`, `nitro_fork`) on the
+official MCP SDK (`pip install 'nitro[agents]'`):
 
 - from a shell, `python -m nitro.mcp` serves them over stdio;
 - in a notebook, `%nitro mcp start` serves the live kernel's session over streamable HTTP on
@@ -14,7 +15,8 @@ Paths the tools take stay inside the session's root and the directories the user
 Modules: `registry` (the runs the tools started), `lookup` (experiments by name, checked
 overrides), `json_keywords` (run keywords from JSON), `convert` (JSON in and out), `paths` (where
 tools may read and write), `describe` (what status says about a run or a population),
-`members` (what only a population has: its members), `session` (what each tool does), `tools` (argument schemas and the
+`members` (what only a population has: its members), `rewinds` (`nitro_rewind` and
+`nitro_fork`), `session` (what each tool does), `tools` (argument schemas and the
 MCP server), `http` (the loopback server). Only `registry` loads without the SDK; the rest
 load on first use.
 

@@ -7,6 +7,8 @@ for the keywords whose values are Python objects.
 | `early_stop` | `null` or `{"metric": "val_loss", "mode": "min", "patience": 5, "min_delta": 1e-4}` | `nitro.EarlyStopping(...)` |
 | `logger` | `null` (no logging), `"jsonl"`, `"csv"`, `"tensorboard"`, or a list of them | the loggers, writing into the run directory |
 | `resume` | `"auto"`, `false`, a run directory or checkpoint path, `[run_dir, "best" or "latest"]` | the same, the pair as a tuple |
+| `snapshots` | `true`, `false`/`null`, an int (every that many steps) or `{"every": 100, "keep": 8, "max_bytes": ...}` | `nitro.Snapshots(...)` or None |
+| `spike` | `null`, `true` or `{"rtol": 1.0, "window": 20, "max_rollbacks": 3}` | `nitro.Spike(...)` or None |
 
 `weights` (a run id, a path or `[run_dir, "best"]`) is resolved by the session, which knows
 the runs. `optimizer`, `schedules` and `data` have no JSON form: the experiment defines them.
@@ -91,6 +93,22 @@ def _early_stop(where: str, value: Any) -> Any:
     return None if value is None else _from_fields(where, EarlyStopping, value)
 
 
+def _snapshots(where: str, value: Any) -> Any:
+    from nitro.engine.snapshots import Snapshots
+
+    if value is None or isinstance(value, (bool, int)):
+        return value  # the engine's check: True, an int, False or None
+    return _from_fields(where, Snapshots, value)
+
+
+def _spike(where: str, value: Any) -> Any:
+    from nitro.engine.spikes import Spike
+
+    if value is None or isinstance(value, bool):
+        return value
+    return _from_fields(where, Spike, value)
+
+
 def _logger(where: str, value: Any) -> Any:
     if value is None:
         return None
@@ -131,6 +149,8 @@ _JSON_FORMS: dict[str, Callable[[str, Any], Any]] = {
     "early_stop": _early_stop,
     "logger": _logger,
     "resume": checkpoint_pair,
+    "snapshots": _snapshots,
+    "spike": _spike,
 }
 
 

@@ -65,6 +65,8 @@ from nitro.mcp.members import (
 )
 from nitro.mcp.paths import PathPolicy
 from nitro.mcp.registry import RUNS, RunRecord, RunRegistry, RunStatus
+from nitro.mcp.rewinds import fork as fork_run
+from nitro.mcp.rewinds import rewind as rewind_run
 
 __all__ = ["ToolSession"]
 
@@ -589,6 +591,54 @@ class ToolSession:
             f"all (numpy.load reads .npy and .npz)",
         }
 
+    def render(
+        self,
+        run_id: str,
+        view: str = "samples",
+        split: str | None = None,
+        k: int = 9,
+        samples: int = 16,
+        member: int | None = None,
+    ) -> dict[str, Any]:
+        """A run's samples as PNG images (`images`, for the protocol's image content) and
+        their rows: its predictions (`n.render`), its data alone (`n.show_batch`), its
+        highest losses (`n.top_losses`) or its confusion matrix (`n.confusion`)."""
+        run = self._handle(run_id, "render", idle=view != "data", population=True).handle
+        split = split or ("train" if view == "data" else "val")
+        if split not in run.splits:
+            raise ToolFailure(
+                f"split: run {run_id} has no split {split!r}; its splits: "
+                f"{', '.join(run.splits) or 'none'}"
+            )
+        if view == "confusion":
+            found = run.confusion(split, member=member)
+            results = found if isinstance(found, list) else [found]
+            return {
+                "run_id": run_id,
+                "view": view,
+                "split": split,
+                "accuracy": [one.accuracy for one in results],
+                "matrix": [one.matrix.tolist() for one in results],
+                "per_class": [
+                    one.per_class().round(4).reset_index().to_dict("records") for one in results
+                ],
+                "images": [_png(one.figure) for one in results],
+            }
+        if view == "data":
+            found = run.show_batch(split, samples=samples)
+        elif view == "top_losses":
+            found = run.top_losses(k, split, member=member)
+        else:
+            found = run.render(split, samples=samples, member=member)
+        galleries = found if isinstance(found, list) else [found]
+        return {
+            "run_id": run_id,
+            "view": view,
+            "split": split,
+            "rows": [jsonable(g.rows) for g in galleries],
+            "images": [g.png() for g in galleries],
+        }
+
     def export(
         self,
         dir: str,
@@ -887,3 +937,25 @@ class ToolSession:
             "start fresh): nitro_validate, nitro_evaluate, nitro_predict, nitro_export and "
             "nitro_train (run_id, epochs) take this run_id",
         }
+
+    def rewind(self, run_id: str, step: int | None = None) -> dict[str, Any]:
+        return rewind_run(self, run_id, step)
+
+    def fork(
+        self,
+        run_id: str,
+        step: int | None = None,
+        overrides: Mapping[str, Any] | None = None,
+        keywords: Mapping[str, Any] | None = None,
+        wait_seconds: float = 60.0,
+    ) -> dict[str, Any]:
+        return fork_run(self, run_id, step, overrides, keywords, wait_seconds)
+
+
+def _png(figure: Any) -> bytes:
+    """A matplotlib figure as PNG bytes."""
+    import io
+
+    buffer = io.BytesIO()
+    figure.savefig(buffer, format="png")
+    return buffer.getvalue()

@@ -1,4 +1,4 @@
-"""The twelve agent tools as an MCP server: argument schemas, descriptions, dispatch.
+"""The fifteen agent tools as an MCP server: argument schemas, descriptions, dispatch.
 
 Each tool is declared once: a name, a description for the agent, and a pydantic model of its
 arguments; the model gives the input schema the client lists and checks every call (an unknown
@@ -12,6 +12,7 @@ argument or a value of the wrong type is an error naming the argument). The work
 
 from __future__ import annotations
 
+import base64
 import dataclasses
 import functools
 import json
@@ -215,6 +216,22 @@ class PopulationArguments(_NewHandle):
     )
 
 
+class RenderArguments(_Arguments):
+    run_id: str = Field(description=RUN_ID)
+    view: Literal["samples", "data", "top_losses", "confusion"] = Field(
+        "samples",
+        description="samples: a grid of samples with their labels and predictions; data: the "
+        "data alone (compiles nothing); top_losses: the k samples with the highest loss; "
+        "confusion: a classifier's confusion matrix and per-class precision, recall, F1",
+    )
+    split: str | None = Field(None, description="the split (default: val; for data: train)")
+    k: int = Field(9, ge=1, le=64, description="top_losses: how many samples")
+    samples: int = Field(16, ge=1, le=64, description="samples, data: how many samples")
+    member: int | None = Field(
+        None, ge=0, description="a population's member (default: every member, one image each)"
+    )
+
+
 class MemberArguments(_Arguments):
     run_id: str = Field(description="a population's run id (nitro_population, nitro_runs)")
     member: int | None = Field(
@@ -229,6 +246,36 @@ class MemberArguments(_Arguments):
         None,
         description="other run keywords of the new run (run_dir, checkpointer, early_stop, "
         "logger, ...), in nitro_train's JSON forms; the member's settings are its keywords",
+    )
+    wait_seconds: float = Field(60.0, ge=0, le=600, description=WAIT)
+
+
+class RewindArguments(_Arguments):
+    run_id: str = Field(description=RUN_ID)
+    step: int | None = Field(
+        None,
+        ge=0,
+        description="the step to go back to (a snapshot in memory or a checkpoint); leave it "
+        "out to list the steps the run can go back to",
+    )
+
+
+class ForkArguments(_Arguments):
+    run_id: str = Field(description=RUN_ID)
+    step: int | None = Field(
+        None,
+        ge=0,
+        description="the step to fork at (nitro_rewind without step lists them); default: the "
+        "run's state now (it must not be training)",
+    )
+    overrides: dict[str, Any] | None = Field(
+        None, description='Device or Host field values of the fork, e.g. {"scale": 2.0}'
+    )
+    keywords: dict[str, Any] | None = Field(
+        None,
+        description="run keywords of the fork that keep its program (learning_rate, "
+        "max_epochs, early_stop, checkpointer, ...), in nitro_train's JSON forms; "
+        "one that changes the program (accum, sam, a GraphConst field) is refused",
     )
     wait_seconds: float = Field(60.0, ge=0, le=600, description=WAIT)
 
@@ -340,12 +387,40 @@ TOOLS: dict[str, ToolSpec] = {
             "population",
         ),
         ToolSpec(
+            "nitro_render",
+            "Look at what a run's model does: images (PNG) of samples with their labels and "
+            "predictions, of the data alone, of the samples with the highest loss, or of a "
+            "classifier's confusion matrix, with their rows as JSON. Uses the evaluation "
+            "program the run already has; the data view compiles nothing.",
+            RenderArguments,
+            "render",
+        ),
+        ToolSpec(
             "nitro_member",
             "Take the best member of a population (by metric, default val_loss), or member i, "
             "as a new single run with its settings and current weights; the other tools "
             "(nitro_validate, nitro_train, nitro_export, ...) work on its run id.",
             MemberArguments,
             "member",
+        ),
+        ToolSpec(
+            "nitro_rewind",
+            "Take a run (not training) back to an earlier step, a snapshot in memory or a "
+            "checkpoint: weights, optimizer state, data position, random streams, history and "
+            "Device values as they were, so nitro_train with its run_id trains on bit for bit "
+            "as before. The steps after it stay in the history as an abandoned branch. "
+            "Without step it lists the steps the run can go back to.",
+            RewindArguments,
+            "rewind",
+        ),
+        ToolSpec(
+            "nitro_fork",
+            "A new run starting from a run's snapshot at step, with other Device or Host field "
+            "values or run keywords that keep its program (a learning rate, max_epochs); answers "
+            "its run id (nitro_train trains it, beside its parent). With no changes it trains "
+            "on bit for bit as the parent did.",
+            ForkArguments,
+            "fork",
         ),
     ]
 }
@@ -402,12 +477,13 @@ INSTRUCTIONS = (
     "Nitro trains JAX/Flax experiments in the session this server belongs to. nitro_train "
     "answers a run id at once; poll nitro_status until status is not 'running', then read "
     "the metrics, nitro_evaluate or nitro_predict. nitro_stop stops a run cleanly. "
-    "nitro_population trains many variants at once; nitro_member takes one as a run."
+    "nitro_population trains many variants at once; nitro_member takes one as a run. "
+    "nitro_rewind goes back to an earlier step; nitro_fork starts a new run from one."
 )
 
 
 def build_server(session: ToolSession) -> Server:
-    """An MCP server (the SDK's low-level `Server`) offering the twelve tools on `session`."""
+    """An MCP server (the SDK's low-level `Server`) offering the fifteen tools on `session`."""
 
     async def list_tools(ctx, params) -> types.ListToolsResult:
         return types.ListToolsResult(
@@ -424,7 +500,14 @@ def build_server(session: ToolSession) -> Server:
         except ToolFailure as failure:
             message = types.TextContent(type="text", text=str(failure))
             return types.CallToolResult(content=[message], is_error=True)
-        return types.CallToolResult(content=_text(result), structured_content=result)
+        images = result.pop("images", None) or []
+        content = _text(result) + [
+            types.ImageContent(
+                type="image", data=base64.b64encode(png).decode(), mime_type="image/png"
+            )
+            for png in images
+        ]
+        return types.CallToolResult(content=content, structured_content=result)
 
     return Server(
         "nitro",

@@ -8,6 +8,7 @@ Imports only `nitro.errors` and `nitro.experiments`.
 - `param_groups`: the `param_group` hook; dotted leaf paths
 - `weight_decay`: decoupled decay toward zero, the initial weights or an anchor
 - `schedules`: schedules bound to hyperparameters by name
+- `plateau`: `nitro.ReduceOnPlateau`, a fed value that drops when a metric stops improving
 - `ranges`: the range of every numeric hyperparameter, checked at setup in one place
 - `ema`, `sam`: the moving average; SAM and ASAM perturbations
 - `stages`: the train step's stages: accumulation, SAM's gradient, the update, the average

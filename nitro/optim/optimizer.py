@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -317,6 +317,32 @@ def _decayed(settings: OptimizerSettings, paths, leaves) -> tuple[bool, ...] | N
     return decay_flags(settings.decay_mask, paths, leaves)
 
 
+def _group_anchors(by_group: Mapping[str, str], labels: Sequence[str] | None, params: Any) -> Any:
+    """`decay_to={"backbone": "init", "head": "zero"}`: each group's anchor, as a tree shaped
+    like the parameters (a group not named pulls toward zero)."""
+    if labels is None:
+        raise OptimizerError(
+            f"decay_to={dict(by_group)!r} names parameter groups, and this run has none: define "
+            f"param_group(self, path) on the experiment, or give decay_to='zero' or 'init'"
+        )
+    known = sorted(set(labels))
+    for group, toward in by_group.items():
+        if group not in known:
+            raise OptimizerError(
+                f"decay_to[{group!r}]: no such parameter group; the groups are {', '.join(known)}"
+            )
+        if toward not in ("zero", "init"):
+            raise OptimizerError(
+                f"decay_to[{group!r}]={toward!r}: a group's anchor is 'zero' or 'init' (the "
+                f"weights the run starts from)"
+            )
+    anchors = [
+        jnp.array(leaf, copy=True) if by_group.get(label) == "init" else jnp.zeros_like(leaf)
+        for label, leaf in zip(labels, jax.tree.leaves(params), strict=True)
+    ]
+    return jax.tree.unflatten(jax.tree.structure(params), anchors)
+
+
 def _write_anchor(state: Any, leaves: list, decayed, labels) -> Any:
     """Replace the anchors `init` copied from the parameters with the given ones."""
 
@@ -348,7 +374,14 @@ def build_optimizer(settings: OptimizerSettings, params: Any) -> tuple[Optimizer
     paths, leaves = leaf_paths(params), jax.tree.leaves(params)
     labels = group_labels(settings.param_group, settings.group_lr, paths)
     decayed = _decayed(settings, paths, leaves)
-    toward = settings.decay_to if isinstance(settings.decay_to, str) else "given"
+    decay_to = settings.decay_to
+    if (
+        isinstance(decay_to, Mapping)
+        and decay_to
+        and all(isinstance(v, str) for v in decay_to.values())
+    ):
+        decay_to = _group_anchors(decay_to, labels, params)
+    toward = decay_to if isinstance(decay_to, str) else "given"
 
     def stage(group: str | None) -> optax.GradientTransformation:
         base = make_base()
@@ -380,9 +413,7 @@ def build_optimizer(settings: OptimizerSettings, params: Any) -> tuple[Optimizer
     if any(isinstance(node, optax.MultiStepsState) for node in _states(opt_state)):
         raise _multi_steps_refused(None)
     if toward == "given":
-        opt_state = _write_anchor(
-            opt_state, anchor_leaves(settings.decay_to, params), decayed, labels
-        )
+        opt_state = _write_anchor(opt_state, anchor_leaves(decay_to, params), decayed, labels)
     fed, slots = _fed(settings, opt_state, labels, uses_lr)
     if description is None:  # a given transformation
         own = {

@@ -20,6 +20,7 @@ import numpy as np
 
 from nitro.errors import ScheduleError
 from nitro.optim import ranges
+from nitro.optim.plateau import ReduceOnPlateau
 
 __all__ = [
     "BoundSchedule",
@@ -45,6 +46,8 @@ class BoundSchedule:
 
 
 def normalize_schedule(key: str, value: Any, total_steps: int | None) -> tuple[Callable, str]:
+    if isinstance(value, ReduceOnPlateau):
+        return value, "plateau"
     if isinstance(value, (int, float, np.number)) and not isinstance(value, bool):
         constant = float(value)
         return (lambda step, _c=constant: _c), "constant"
@@ -99,11 +102,14 @@ def bind_schedules(
     device_fields: Mapping[str, Any],
     other_fields: Mapping[str, str],
     total_steps: int | None,
+    device_values: Mapping[str, Any] | None = None,
+    device_sets: tuple[str, ...] = (),
 ) -> list[BoundSchedule]:
     """Bind each key to `opt.<hyperparameter>` or `device.<field>`.
 
     `other_fields` maps GraphConst/Host field names to their kind, for the error that says they
-    cannot be scheduled.
+    cannot be scheduled. A `ReduceOnPlateau` gets a copy of its own, starting from its
+    `start=` or the value it schedules (`hyperparams`' constant, `device_values`' value).
     """
     bound: dict[str, BoundSchedule] = {}
     for namespace, name, value in _flatten(spec):
@@ -124,6 +130,12 @@ def bind_schedules(
             target = "device"
             if not in_device:
                 raise ScheduleError(_no_target(label, "Device field", device_fields))
+            if name in device_sets:
+                raise ScheduleError(
+                    f"schedule key {label!r} names the Device field {name!r}, a buffer set (a "
+                    f"dict or tuple of arrays): a schedule gives one value a step. Change the "
+                    f"set with n.set_device({name}=...), or schedule a Device field of its own"
+                )
         elif name in other_fields:
             raise ScheduleError(
                 f"schedule key {name!r} names a {other_fields[name]} field; only Device fields "
@@ -140,6 +152,16 @@ def bind_schedules(
                 f"({', '.join(sorted(hyperparams)) or 'none: the optimizer injects none'}) and "
                 f"no Device field ({', '.join(sorted(device_fields)) or 'none'}).{hint}"
             )
+        if isinstance(value, ReduceOnPlateau):
+            base = hyperparams[name] if target == "opt" else (device_values or {}).get(name)
+            if base is None and value.start is None:
+                raise ScheduleError(
+                    f"schedule {label!r}: ReduceOnPlateau needs the value it scales: give "
+                    f"ReduceOnPlateau(..., start=<value or schedule>)"
+                )
+            value = value.bound(base)
+            if callable(value.start):  # a schedule, or a factory of the total step count
+                value.start, _ = normalize_schedule(label, value.start, total_steps)
         fn, form = normalize_schedule(label, value, total_steps)
         schedule = BoundSchedule(label, target, name, fn, form)
         if schedule.qualified in bound:

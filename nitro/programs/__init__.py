@@ -11,6 +11,8 @@ Internal, except `nitro.staleness` and `nitro.manual` (public import paths of `s
 - `manual`: `nitro.manual.Step` for `train_step` hooks, one optimizer per model
 - `specs`: evaluation, prediction and device-metric specs; `ProgramSet`
 - `staleness`: what an edit changed and which programs it reaches
+- `compile_options`: `compile_options=`, XLA's options per program kind, checked with XLA
+- `remat`: `remat=`, the modules the train step's backward pass recomputes and their policies
 - `costs`: what a compiled program costs (FLOPs, bytes accessed, memory), as XLA reports it
 - `population`: a population's programs: the train step and eval forward, vmapped over members
 """

@@ -91,6 +91,17 @@ class ProgramSpec:
     arg_names: Sequence[str]
     donate_argnums: tuple[int, ...] = ()
     leaf_labels: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    # XLA options for `.compile(compiler_options=...)` (`compile_options=`); keyed in `static`
+    compile_options: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+
+    def with_options(self, options: Mapping[str, Any]) -> ProgramSpec:
+        """This spec compiled with the XLA `options` (the same spec when there are none)."""
+        if not options:
+            return self
+        shown = ", ".join(f"{k}={v!r}" for k, v in sorted(options.items()))
+        static = {**self.static, "compile options": shown}
+        merged = {**self.compile_options, **options}
+        return dataclasses.replace(self, static=static, compile_options=merged)
 
     @property
     def title(self) -> str:
@@ -449,7 +460,8 @@ class CompileCache:
             run_events.phase(f"compiling {spec.title}")
         start = time.perf_counter()
         try:
-            compiled = jax.jit(fn, donate_argnums=spec.donate_argnums).lower(*args).compile()
+            lowered = jax.jit(fn, donate_argnums=spec.donate_argnums).lower(*args)
+            compiled = lowered.compile(compiler_options=dict(spec.compile_options) or None)
         finally:
             if run_events is not None:
                 run_events.phase(previous)
@@ -542,6 +554,17 @@ class _Missing:
 _MISSING = _Missing()
 
 CACHE = CompileCache()
+
+
+def compile_with_options(options: Mapping[str, Any]) -> None:
+    """Compile a one-operation program with the XLA `options` (outside the cache): XLA
+    raises for an option it does not know or a value it cannot take (`compile_options=`)."""
+
+    def compile_options_check(x):  # its name, where an option writes files (xla_dump_to)
+        return x + 1
+
+    lowered = jax.jit(compile_options_check).lower(jax.numpy.zeros((), "float32"))
+    lowered.compile(compiler_options=dict(options))
 
 
 def cache_stats() -> CacheStats:

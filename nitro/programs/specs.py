@@ -20,6 +20,7 @@ once; a population's (`members=N`) are the same programs vmapped over a leading 
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -101,14 +102,16 @@ def eval_spec(
                 setup, "forward", compute_view, module, **precision.cast_compute(inputs)
             )
             outputs = precision.cast_output(outputs)
-            loss_sum = None
+            loss_sum = losses = None
             if return_outputs:
                 tracing.check_batch_axis(outputs, inputs)
             if with_loss:
-                loss_sum, _ = _masked_loss_sum(
+                loss_sum, losses = _masked_loss_sum(
                     setup, view, outputs, select(batch, fields["loss"]), n_real
                 )
-            return EvalOutput(loss_sum=loss_sum, outputs=outputs if return_outputs else None)
+            if not return_outputs:
+                return EvalOutput(loss_sum=loss_sum)
+            return EvalOutput(loss_sum=loss_sum, outputs=outputs, losses=losses)
 
         if batches == 1:
             return evaluate
@@ -148,7 +151,8 @@ def eval_spec(
 
 
 def _masked_loss_sum(setup, view, outputs, fields, n_real):
-    """Sum of per-sample losses over the real samples of a (padded) batch.
+    """Sum of per-sample losses over the real samples of a (padded) batch, and the
+    per-sample losses (None when the loss couples samples).
 
     Each sample's loss is the `loss` hook applied to a batch of one, which is exact for a loss
     that is a mean of per-sample terms; the padded rows are masked out. A loss that couples
@@ -171,11 +175,11 @@ def _masked_loss_sum(setup, view, outputs, fields, n_real):
         )
 
     try:
-        per_sample = jax.vmap(one)(outputs, fields)
-        return jnp.sum(jnp.where(mask, per_sample.astype(jnp.float32), 0.0)), True
+        per_sample = jax.vmap(one)(outputs, fields).astype(jnp.float32)
+        return jnp.sum(jnp.where(mask, per_sample, 0.0)), per_sample
     except (TypeError, ValueError, IndexError):
         whole = tracing.check_scalar_loss(tracing.call(setup, "loss", view, outputs, **fields))
-        return whole.astype(jnp.float32) * n_real, False
+        return whole.astype(jnp.float32) * n_real, None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -225,6 +229,7 @@ class ProgramSet:
         self.own_batches = own_batches
         self._slots: dict[tuple, Program] = {}
         self._makers: dict[tuple, tuple[Callable[[RunSetup], ProgramSpec], Any]] = {}
+        self._without_remat: dict[tuple, int | None] = {}  # `scratch_without_remat`'s figures
 
     def _eval(self, spec: ProgramSpec) -> ProgramSpec:
         return spec if self.members is None else population_eval_spec(spec, self.members)
@@ -232,6 +237,7 @@ class ProgramSet:
     def _get(self, slot: tuple, make_spec: Callable[[RunSetup], ProgramSpec], args) -> Program:
         program = self._slots.get(slot)
         if program is None:
+            make_spec = functools.partial(_optioned, make_spec, slot[0])
             program = CACHE.lookup(make_spec(self.setup), args)
             self._makers[slot] = (make_spec, abstract_arguments(args))  # before the slot:
             self._slots[slot] = program  # `for_setup` on another thread reads both
@@ -260,7 +266,7 @@ class ProgramSet:
     ) -> Program:
         info = self.setup.splits[split]
         return self._get(
-            ("eval", split, info.width, batches),
+            ("eval", split, info.width, batches, return_outputs),
             lambda setup: self._eval(
                 eval_spec(
                     setup,
@@ -310,6 +316,25 @@ class ProgramSet:
                 pending.append(PendingProgram(slot, spec, arguments, program))
         return new, pending
 
+    def scratch_without_remat(self) -> list[tuple[str, int | None, int | None]]:
+        """For `remat=`: (title, scratch bytes, the scratch bytes it has without remat) of
+        each train program held, from XLA's memory analysis. The program without remat is
+        compiled for it once, outside the cache (its figure is kept)."""
+        rows = []
+        for slot, program in sorted(self._slots.items(), key=lambda item: str(item[0])):
+            if slot[0] != "train" or self.setup.remat is None:
+                continue
+            if slot not in self._without_remat:
+                make, arguments = self._makers[slot]
+                spec = make(dataclasses.replace(self.setup, remat=None))
+                jitted = jax.jit(spec.build(set()), donate_argnums=spec.donate_argnums)
+                options = dict(spec.compile_options) or None
+                compiled = jitted.lower(*arguments).compile(compiler_options=options)
+                memory = compiled.memory_analysis()
+                self._without_remat[slot] = getattr(memory, "temp_size_in_bytes", None)
+            rows.append((program.title, program.cost().temp_bytes, self._without_remat[slot]))
+        return rows
+
     def compile_pending(self, pending: list[PendingProgram], warm: bool = False) -> list[Program]:
         """Compile (or find in the cache) each pending program into its slot; with `warm`,
         run each once on zeros (`warm_up`), so its first real call costs what later ones do."""
@@ -321,6 +346,13 @@ class ProgramSet:
             if warm:
                 warm_up(program, item.arguments)
         return compiled
+
+
+def _optioned(make_spec: Callable[[RunSetup], ProgramSpec], kind: str, setup: RunSetup):
+    """`make_spec`'s spec for `setup`, compiled with the XLA options `compile_options=` gives
+    programs of `kind` (a slot's first name: train, eval, predict, metrics)."""
+    options = setup.compile_options
+    return make_spec(setup).with_options(options.for_kind(kind) if options else {})
 
 
 @dataclasses.dataclass(frozen=True)

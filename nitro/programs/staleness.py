@@ -26,6 +26,7 @@ from nitro.experiments.fingerprint import (
     diff_parts,
     is_library_module,
 )
+from nitro.experiments.hooks import with_hooks
 from nitro.programs.compile_cache import ProgramKind
 from nitro.programs.specs import PROGRAM_UNITS, programs_using
 
@@ -52,7 +53,11 @@ def current_class(cls: type) -> type:
     After a re-run cell or a module reload that is a new class; the namespace is found through
     the globals of the class's own functions (a module's dict survives `importlib.reload`).
     Returns `cls` itself when the name is gone or bound to something else (`class_is_gone`).
+    A class given hooks (`hooks=`) is its live class with the same hooks.
     """
+    given = cls.__dict__.get("__nitro_hooks__")
+    if given is not None:
+        return with_hooks(current_class(given[0]), given[1])
     target = _bound_to_name(cls)
     return target if isinstance(target, type) else cls
 
@@ -66,6 +71,9 @@ def class_is_gone(cls: type) -> bool:
     >>> class_is_gone(nitro.Nitro)
     False
     """
+    given = cls.__dict__.get("__nitro_hooks__")
+    if given is not None:
+        return class_is_gone(given[0])
     if "<locals>" in cls.__qualname__:
         return False
     return not isinstance(_bound_to_name(cls), type)

@@ -34,7 +34,19 @@ __all__ = [
 
 
 def view(setup: RunSetup, device: Mapping[str, Any], reads: set[str]) -> TraceView:
-    return TraceView(setup.cls, setup.experiment.graphconst, device, reads)
+    return TraceView(setup.cls, setup.experiment.graphconst, with_sets(setup, device), reads)
+
+
+def with_sets(setup: RunSetup, device: Mapping[str, Any]) -> Mapping[str, Any]:
+    """`device` with each buffer set's parts put together as the field the hooks read."""
+    sets = setup.experiment.device_sets
+    if not sets:
+        return device
+    device = dict(device)
+    for name, (treedef, parts) in sets.items():
+        if parts and parts[0] in device:
+            device[name] = treedef.unflatten([device.pop(part) for part in parts])
+    return device
 
 
 # The train step's random keys travel with its Device fields under this name (not an
@@ -139,7 +151,7 @@ def fingerprint(setup: RunSetup, *units: str) -> CodeFingerprint:
 def leaf_labels(setup: RunSetup, batch: str, fields, *arguments: tuple[str, str]):
     """Readable names for arguments' leaves, for compile explanations."""
     labels = {f"{batch}['{name}']": name for hook in fields.values() for name in hook}
-    labels.update({f"device fields['{name}']": name for name in setup.experiment.device_specs})
+    labels.update({f"device fields[{name!r}]": name for name in setup.experiment.device_dtypes})
     for prefix, which in arguments:
         for i, path in enumerate(setup.model.leaf_paths.get(which, ())):
             labels[f"{prefix}[{i}]"] = f"{which} {path}"

@@ -53,6 +53,7 @@ from nitro.optim.optimizer import OptimizerSetup
 from nitro.optim.precision import FLOAT32
 from nitro.programs import tracing
 from nitro.programs.compile_cache import Opaque, ProgramKind, ProgramSpec, Traced
+from nitro.programs.remat import remat_options
 
 __all__ = ["TRAIN_UNITS", "step_function", "train_step_spec"]
 
@@ -107,6 +108,8 @@ def step_function(
             module = nnx.merge(
                 model.graphdef_train, precision.cast_compute(params), rest, copy=True
             )
+            if setup.remat is not None:  # remat=: the named modules recompute in the backward
+                setup.remat.apply(module)
             # made inside the differentiated function, so the model may draw from it
             key = batch.get(tracing.RNG_FIELD)
             rngs = nnx.Rngs(key) if key is not None else None
@@ -404,10 +407,12 @@ def train_step_spec(
             "sam": repr(setup.sam),
             "precision": (setup.precision or FLOAT32).program_key,
             **({"frozen statistics": setup.frozen_statistics} if setup.frozen_statistics else {}),
+            **({"remat": setup.remat.program_key} if setup.remat is not None else {}),
             # the argument shardings key it too; named, so an explanation says which
             **({"sharding": setup.placement.sharding} if setup.placement.sharded else {}),
         },
         graphconst=setup.experiment.graphconst,
+        compile_options=remat_options(setup.remat, setup.placement.devices[0].platform),
         arg_names=("variables", "healthy", "device fields", "hyperparameters", batch),
         donate_argnums=() if restore else (0,),
         leaf_labels=tracing.leaf_labels(

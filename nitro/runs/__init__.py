@@ -26,4 +26,25 @@ Internal, except the names the facade re-exports (`nitro.Checkpointer`, `nitro.E
 - `initial_weights`: the weights a run starts from (`weights=`, `nitro.average`) and their fit
 """
 
-__all__: list[str] = []
+from typing import Any
+
+__all__ = ["read"]
+
+
+def read(source: Any, which: str = "latest") -> Any:
+    """The `CheckpointRecord` of a saved step, read without a handle and without its arrays:
+    its run id, step, epoch, metrics, stop reason, history (`record.member.history`), the
+    configuration a resume compares, and the versions that wrote it. `source`: a run
+    directory (its newest checkpoint; `which="best"` its best by the checkpointer's metric),
+    its `checkpoints` directory, or one step's directory.
+
+    >>> import nitro, tempfile
+    >>> from nitro.examples.digits import Digits
+    >>> n = nitro.Nitro(Digits(max_epochs=1), run_dir=tempfile.mkdtemp(), progress=False)
+    >>> record = nitro.runs.read(n.train().run_dir)
+    >>> record.step, record.epoch, record.stop_reason, sorted(record.metrics)[:2]
+    (9, 1, 'completed', ['data_wait_frac', 'device_ms'])
+    """
+    from nitro.runs.checkpoint_reads import read_record
+
+    return read_record(source, which)

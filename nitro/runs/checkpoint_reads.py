@@ -297,6 +297,15 @@ def read_checkpoint(
             ) from error
 
 
+def read_record(source: Any, which: str = "latest") -> CheckpointRecord:
+    """The record of a saved step, without a handle and without its arrays (`nitro.runs.read`):
+    `source` is what `resolve_checkpoint` takes (a run directory, its checkpoints directory,
+    one step's directory, or `(run_dir, "best" | "latest")`)."""
+    found = resolve_checkpoint(source, which, read=False)
+    with _reader(found.directory) as manager:
+        return dict(_records(manager, found.directory))[found.step]
+
+
 class SavedStep(NamedTuple):
     """One saved checkpoint: its checkpoints directory and step."""
 

@@ -103,8 +103,8 @@ _MEMBER_ONLY = ("index", "run_id", "settings", "healthy", "stopped", "stopped_at
 @dataclasses.dataclass(frozen=True)
 class MemberRecord:
     """One member's part of a checkpoint: its history, validations within epochs, the
-    metrics of its newest epoch, its epoch under way, its Device values and its loggers'
-    state; in a population also its index, run id, settings, whether its steps are finite
+    metrics of its newest epoch, its epoch under way, its Device values, its loggers'
+    state, the batches a spike's roll-back left out and its rewinds; in a population also its index, run id, settings, whether its steps are finite
     and why and at which step it stopped."""
 
     seed: int | None = None
@@ -120,6 +120,8 @@ class MemberRecord:
     healthy: bool = True
     stopped: str | None = None
     stopped_at: int | None = None
+    skipped_batches: tuple[Mapping[str, Any], ...] = ()
+    rewinds: tuple[Mapping[str, Any], ...] = ()
 
     def to_json(self, in_population: bool) -> dict[str, Any]:
         """Its JSON fields (made JSON-safe by `CheckpointRecord.to_json`); a run's lack the
@@ -147,6 +149,8 @@ class MemberRecord:
             healthy=bool(data.get("healthy", True)),
             stopped=data.get("stopped"),
             stopped_at=int(stopped_at) if stopped_at is not None else None,
+            skipped_batches=tuple(HistoryRows.from_json(data.get("skipped_batches"))),
+            rewinds=tuple(HistoryRows.from_json(data.get("rewinds"))),
         )
 
 
@@ -165,6 +169,8 @@ class CheckpointRecord:
       swaps: the live edits swapped in while training (a run's).
       position, batches, prune: a population's position in the epoch under way, whether
         its members share batches, and the members it was asked to prune.
+      search: a population's search (`PBT`, `Halving`) as it stood: its boundaries applied,
+        its lineage, each member's fed values, the members that train.
       graphconst, code, optimizer, training, checkpointer: what a resume compares.
       preset: the preset the experiment was built from (None: none, or an earlier release).
       format, nitro, jax: the record's format and the versions that wrote it.
@@ -182,6 +188,7 @@ class CheckpointRecord:
     position: int = 0
     batches: str = "shared"
     prune: Mapping[int, str] = dataclasses.field(default_factory=dict)
+    search: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     graphconst: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     code: Mapping[str, str] = dataclasses.field(default_factory=dict)
     optimizer: str | None = None
@@ -245,6 +252,7 @@ class CheckpointRecord:
             del data["swaps"]
         else:
             del data["members"], data["position"], data["batches"], data["prune"]
+            del data["search"]
             data.update(self.member.to_json(in_population=False))
         return json_safe(data)
 
@@ -274,6 +282,7 @@ class CheckpointRecord:
             position=int(data.get("position") or 0),
             batches=data.get("batches") or "shared",
             prune={int(k): str(v) for k, v in (data.get("prune") or {}).items()},
+            search=dict(data.get("search") or {}),
             graphconst=dict(data.get("graphconst") or {}),
             code=dict(data.get("code") or {}),
             optimizer=data.get("optimizer"),
@@ -307,6 +316,8 @@ class CheckpointRecord:
             totals=partial.totals() if partial else None,
             epoch_trained=partial.trained if partial else False,
             data_state=partial.data_state if partial else None,
+            skipped_batches=[dict(row) for row in member.skipped_batches],
+            rewinds=[dict(row) for row in member.rewinds],
         )
 
 

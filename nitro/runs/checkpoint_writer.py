@@ -457,6 +457,23 @@ class CheckpointStore:
         self.wait()
         self._close_manager()
 
+    def abandon_after(self, step: int, into: Path) -> list[int]:
+        """Move the saved steps after `step` (a branch a rewind left) into the directory
+        `into`, out of the checkpoints orbax lists, once the writes in flight are done: the
+        run's later saves and its resume see the branch it goes on with, and nothing is
+        deleted. Returns the steps moved."""
+        self.close()
+        moved = []
+        if self.directory.is_dir():
+            for child in sorted(self.directory.iterdir(), key=lambda p: p.name):
+                if child.name.isdigit() and int(child.name) > step:
+                    into.mkdir(parents=True, exist_ok=True)
+                    os.replace(child, into / child.name)  # one rename: a step moves whole
+                    moved.append(int(child.name))
+        if self.saved_step is not None and self.saved_step > step:
+            self.saved_step = self.saved_epoch = None
+        return sorted(moved)
+
     def record_reason(self, step: int, reason: str) -> bool:
         """Record in saved step `step`'s JSON record why the run ended there (`stop_reason`),
         for a run stopped at an epoch boundary after that epoch was saved (call after

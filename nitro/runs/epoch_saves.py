@@ -261,8 +261,8 @@ def member_record(
     **fields: Any,
 ) -> MemberRecord:
     """A run's (or a population member's, with its `fields`) part of a save: its seed,
-    history, validations, newest metrics (`row`), epoch under way, Device values and its
-    loggers' state."""
+    history, validations, newest metrics (`row`), epoch under way, Device values, its
+    loggers' state, the batches a spike's roll-back left out and its rewinds."""
     return MemberRecord(
         seed=state.seed,
         history=(history or HistoryRows()).to_json(state.history),
@@ -271,17 +271,25 @@ def member_record(
         partial_epoch=partial_epoch,
         device=dict(device),
         logger=logger_state,
+        skipped_batches=tuple(getattr(state, "skipped_batches", ())),
+        rewinds=tuple(getattr(state, "rewinds", ())),
         **fields,
     )
 
 
 def population_save(
-    files: Any, members: Sequence[Any], state: Any, reason: str | None, best: bool, value: Any
+    files: Any,
+    members: Sequence[Any],
+    state: Any,
+    reason: str | None,
+    best: bool,
+    value: Any,
+    search: Mapping[str, Any] | None = None,
 ) -> Save:
     """Every member of a population as one save: the stacked variables, and each member's
     record (`member_record`, with its logger runs' state) beside the shared counters; ranked
     by `value` (its best member's of the checkpointer's metric). `files`: the population's
-    (`PopulationFiles`)."""
+    (`PopulationFiles`); `search`: its search's record, as it stands."""
     store = files.store
     assert store is not None
     config, healthy = store.config, np.asarray(state.healthy).tolist()
@@ -316,6 +324,7 @@ def population_save(
         position=state.position,
         batches=state.batches,
         prune=dict(state.prune),
+        search=dict(search or {}),
         metrics={config.metric: value} if value is not None else {},
         stop_reason=reason,
     )

@@ -93,12 +93,15 @@ def restore(
     events: Events,
     device: Mapping[str, Any],
     say: Callable[[str], None] | None = None,
+    fresh_optimizer: bool = False,
 ) -> tuple[TrainState, CheckpointRecord]:
     """The state a run resumes from, read from the checkpoint `files` (its `RunFiles`) planned
     to continue (a new `TrainState`; `state`, the fresh one, gives the arrays' shapes and
     stays as it was), and the checkpoint's record. `device`: the Device fields' values now,
     compared with the saved ones. `say`: how to tell the person what the resume continues and
-    what differs (default: an event note; a handle without progress prints them)."""
+    what differs (default: an event note; a handle without progress prints them).
+    `fresh_optimizer` (`restore_optimizer=False`): the optimizer state starts afresh (the
+    state's own), so the run may go on with another optimizer."""
     found = files.resume_from
     assert found is not None  # planned: a run that resumes
     note = say or events.note
@@ -106,25 +109,32 @@ def restore(
     _check_config(setup, record)
     for line in _drift_notes(setup, record, device):
         note(line)
-    if state.variables.opt_state is not None and "opt_state" not in saved:
+    fresh = fresh_optimizer and state.variables.opt_state is not None
+    if fresh:
+        note("restore_optimizer=False: the optimizer state starts afresh")
+    elif state.variables.opt_state is not None and "opt_state" not in saved:
         raise SetupError(
             f"the checkpoint at {str(found.directory)!r} step {found.step} holds no optimizer "
             f"state (it was saved by a run without a 'train' split); resume needs one: use "
             f"weights= to start from its weights instead"
         )
-    variables = restore_variables(setup, state.variables, saved, record, found, note=note)
+    variables = restore_variables(
+        setup, state.variables, saved, record, found, note=note, fresh_optimizer=fresh
+    )
     restored = record.train_state(variables, seed=state.seed)
     said_resumed(files, "run", restored.epoch, restored.step, note)
     return restored, record
 
 
-def restore_population(files: Any, members: Sequence[Any], state: Any, note: Callable) -> None:
+def restore_population(
+    files: Any, members: Sequence[Any], state: Any, note: Callable
+) -> CheckpointRecord:
     """Continue the checkpoint a population's files found, as `restore` continues a run's:
     every member's variables, optimizer state, healthy flag, why it stopped, history and the
     running sums of its epoch under way, and the shared counters, into `state` (the fresh
     stacked state) and the members (each member's `LoggingReporter` reattaches its logger
     runs); refused, naming what differs, when the members' settings
-    or the program do not."""
+    or the program do not. Returns the checkpoint's record."""
     found = files.resume_from
     saved, record = files.read()
     lead = members[0]
@@ -162,6 +172,7 @@ def restore_population(files: Any, members: Sequence[Any], state: Any, note: Cal
         if member.logging is not None:
             member.logging.reattach(entry.logger)
     said_resumed(files, "population", state.epoch, state.step, note)
+    return record
 
 
 def said_resumed(files: Any, what: str, epoch: int, step: int, note: Callable) -> None:
@@ -307,6 +318,7 @@ def restore_variables(
     *,
     here: str = "this run's",
     note: Callable[[str], Any] | None = None,
+    fresh_optimizer: bool = False,
 ) -> Variables:
     """A checkpoint's parameters, model state, optimizer state, moving average (with its
     step count) and float16 loss scale, shaped like `template` (a single run's variables, or
@@ -321,7 +333,7 @@ def restore_variables(
         "model state", saved.get("model_state", {}), paths["model state"], template.model_state
     )
     opt = None
-    if template.opt_state is not None:
+    if template.opt_state is not None and not fresh_optimizer:
         opt = leaves_from(
             "optimizer state",
             saved.get("opt_state", {}),
@@ -331,7 +343,7 @@ def restore_variables(
             here=here,
         )
     differences = training_differences(record.training, training_config(setup))
-    if differences is not None:
+    if differences is not None and not fresh_optimizer:
         warn_user(differences)
     ema = ema_steps = None
     if template.ema is not None:
@@ -367,7 +379,7 @@ def restore_variables(
     return Variables(
         params=place(params, template.params),  # pyright: ignore[reportArgumentType]
         model_state=place(rest, template.model_state),  # pyright: ignore[reportArgumentType]
-        opt_state=place(opt, template.opt_state),
+        opt_state=template.opt_state if fresh_optimizer else place(opt, template.opt_state),
         ema=place(ema, template.ema),
         ema_steps=(
             place_like(ema_steps, template.ema_steps, put) if ema_steps is not None else None

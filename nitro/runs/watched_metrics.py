@@ -14,6 +14,7 @@ import numpy as np
 from nitro.core.run_setup import RunSetup, SplitSetup
 from nitro.core.train_state import TrainState, Variables
 from nitro.errors import SetupError
+from nitro.optim.plateau import ReduceOnPlateau
 
 __all__ = ["check_watched_metrics", "metric_names"]
 
@@ -29,9 +30,17 @@ def check_watched_metrics(
     early_stop, checkpointer = setup.early_stop, setup.checkpointer
     known = {"loss", "val_loss"} | {f"{split}_loss" for split in setup.eval_splits}
     names: set[str] | None = None
-    watched = [w.metric for w in (early_stop, checkpointer) if w is not None]
+    plateaus = [s for s in setup.schedules if isinstance(s.fn, ReduceOnPlateau)]
+    watched = [
+        w.metric for w in (early_stop, checkpointer, *(s.fn for s in plateaus)) if w is not None
+    ]
     if any(metric not in known for metric in watched):
         names = metric_names(setup, state, experiment, device)
+    for schedule in plateaus:
+        plateau = schedule.fn
+        assert isinstance(plateau, ReduceOnPlateau)
+        produced = None if names is None else names | {"loss"}
+        plateau.check(schedule.key, produced, tuple(setup.splits), setup.eval_splits)
     if early_stop is not None:
         early_stop.check(
             tuple(setup.splits),
