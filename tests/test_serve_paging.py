@@ -100,6 +100,8 @@ def test_a_flood_across_paged_bundles_gets_each_its_own_weights_bitwise(paged):
     assert paging["programs"] == 1 and len({w["program"] for w in weights.values()}) == 1
     assert [w["program_loads"] for w in weights.values()] == [1, 0, 0]
     assert paging["device_budget"] == paged.budget["device"]
+    # host copies live in the device's pinned host memory (XLA's CPU client has one too)
+    assert paging["host_memory_kind"] == "pinned_host"
     assert paging["device_used"] <= paged.budget["device"] and len(paging["resident"]) <= 2
     assert paging["host_used"] <= paged.budget["host"]
     assert sum(w["evictions"] for w in weights.values()) > 0

@@ -101,6 +101,34 @@ def _figure(size: int) -> str:
     return f"{size / 1e6:.1f} MB ({size} bytes)" if size >= 100_000 else f"{size} bytes"
 
 
+def _memory(kind: str) -> Any:
+    """A sharding on the first device in its memory of `kind` ("pinned_host", "device"), or
+    None where the platform has no such memory."""
+    device = jax.devices()[0]
+    if kind not in {m.kind for m in device.addressable_memories()}:
+        return None
+    return jax.sharding.SingleDeviceSharding(device, memory_kind=kind)
+
+
+def pin(host: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A host copy in the device's pinned host memory where it has one (page-locked: the
+    upload is one DMA, no staging copy), else the numpy arrays as they are."""
+    pinned = _memory("pinned_host")
+    return host if pinned is None else jax.device_put(dict(host), pinned)
+
+
+def upload(host: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A host copy (pinned or numpy) on the device, in its own memory."""
+    device = _memory("device")
+    placed = jax.device_put(dict(host), device) if device is not None else jax.device_put(host)
+    return jax.block_until_ready(placed)
+
+
+def host_memory_kind() -> str:
+    """Where host copies live: "pinned_host" where the platform has it, else "numpy"."""
+    return "pinned_host" if _memory("pinned_host") is not None else "numpy"
+
+
 class WeightSet:
     """One bundle's weights: the file they come from, the host copy, the device copy."""
 
@@ -111,7 +139,7 @@ class WeightSet:
         self.file = open(self.path, "rb")  # noqa: SIM115 - closed with the weight set
         self.sha256: str = loaded.manifest["files"][bundles.WEIGHTS]["sha256"]
         self.nbytes = loaded.weights_bytes
-        self.host: dict[str, np.ndarray] | None = loaded.weights
+        self.host: Mapping[str, Any] | None = loaded.weights  # pinned once paged (`pin`)
         self.device: dict[str, Any] | None = None
         self.removed = False  # replaced by a reload: a late call uploads it for itself only
         self.uploading = threading.Lock()  # one upload of a set at a time
@@ -120,7 +148,7 @@ class WeightSet:
         self.hits = self.misses = self.evictions = self.evicted_in_flight = self.disk_reads = 0
         self.swap_seconds: deque[float] = deque(maxlen=1000)
 
-    def read_host(self) -> dict[str, np.ndarray]:
+    def read_host(self) -> Mapping[str, Any]:
         """The host copy, read again from the weights file when it was dropped."""
         host = self.host
         if host is not None:
@@ -229,7 +257,7 @@ class Pager:
             try:
                 start = time.perf_counter()
                 host = weights.read_host()
-                placed = jax.block_until_ready(jax.device_put(host))
+                placed = upload(host)
                 seconds = time.perf_counter() - start
             except BaseException:
                 with self.changed:
@@ -277,12 +305,12 @@ class Pager:
             idle.evictions += 1
             idle.evicted_in_flight += idle.in_flight
 
-    def _keep_host(self, weights: WeightSet, host: dict[str, np.ndarray]) -> None:
+    def _keep_host(self, weights: WeightSet, host: Mapping[str, Any]) -> None:
         """Hold `host` as the set's host copy, dropping least recent copies over the budget."""
         if weights in self.in_host:
             self.in_host.move_to_end(weights)
             return
-        weights.host = host
+        weights.host = pin(host)
         self.in_host[weights] = None
         self.host_used += weights.nbytes
         while self.host_budget is not None and self.host_used > self.host_budget:
@@ -294,6 +322,7 @@ class Pager:
     def stats(self) -> dict[str, Any]:
         with self.changed:
             return {
+                "host_memory_kind": host_memory_kind(),
                 "device_budget": self.device_budget,
                 "device_used": self.device_used,
                 "device_peak": self.device_peak,
