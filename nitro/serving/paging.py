@@ -36,7 +36,6 @@ from contextlib import contextmanager
 from typing import Any
 
 import jax
-import numpy as np
 
 from nitro.serving import bundle as bundles
 
