@@ -139,7 +139,7 @@ class WeightSet:
         self.sha256: str = loaded.manifest["files"][bundles.WEIGHTS]["sha256"]
         self.nbytes = loaded.weights_bytes
         self.host: Mapping[str, Any] | None = loaded.weights  # pinned once paged (`pin`)
-        self.device: dict[str, Any] | None = None
+        self.device: Mapping[str, Any] | None = None
         self.removed = False  # replaced by a reload: a late call uploads it for itself only
         self.uploading = threading.Lock()  # one upload of a set at a time
         self.holders = 0  # calls running with the device copy: it is not evicted meanwhile
