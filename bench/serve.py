@@ -1,16 +1,22 @@
 """Serving throughput: `nitro serve` on loopback against calling the same bundle in-process.
 
-Exports the digits MLP (64-256-256-10), starts `python -m nitro.serve` on free loopback ports,
-and drives it with Triton's clients (`tritonclient`): `--clients` threads, each with its own
-client, send `--requests` requests in all (after a short warm-up) for each protocol and batch
-size. Prints p50 and p99 latency, requests/s, rows/s and the error count, and the ratio of the
-served requests/s to calls/s of the loaded bundle called in this process, one call at a time,
-on the same batches. Clients, server and baseline share this machine's cores.
+Exports the digits MLP (64-256-256-10; `--model cnn`: the CNN of `--paging` below, whose call costs more),
+starts `python -m nitro.serve` on free loopback ports, and drives it with Triton's clients
+(`tritonclient`): `--clients` threads, each with its own client, send `--requests` requests in
+all (after a short warm-up) for each protocol and batch size. Prints p50 and p99 latency,
+requests/s, rows/s, the error count, the CPU time per request of the server process and of
+this process (the clients), and the ratio of the served requests/s to calls/s of the loaded
+bundle called in this process, one call at a time, on the same batches. Clients, server and
+baseline share this machine's cores.
 
-`--batching on,off` serves each configuration with the server's dynamic batching on and off
-(a fresh server each), `--repeat 2` runs the whole list twice, alternating, and the summary
-gives served rows/s with batching on over off, and the rows per program call from the
-server's statistics (`GET /v2/models/digits/stats`).
+`--batching on,off` starts a server with the dynamic batching on and one with it off, both up
+for the whole run, and measures each configuration on one then the other, so load from
+elsewhere on the machine hits both alike; `--repeat 2` runs the whole list twice. The summary
+gives served rows/s with batching on over off, the CPU per request and the rows served per CPU
+second of server and clients together (what rows/s would be with cores of their own, which a
+shared machine does not give); each row gives the rows per program call and the mean time of
+a call as the server's event loop sees it (from its start to its result back on the loop),
+from the server's statistics (`GET /v2/models/NAME/stats`).
 
 `--paging M,K` measures paging instead: M bundles of one CNN (about 25 MB of weights each,
 differently seeded), served with `--device-memory` room for K weight sets, gRPC clients sending
@@ -19,7 +25,7 @@ p99 from the server's statistics, request latency, hits and evictions, and the t
 `POST .../load` after a weight-only re-export against one that changes the program.
 
     python bench/serve.py [--clients 16] [--requests 2000] [--batches 1,32] [--protocols http,grpc]
-    python bench/serve.py --batches 1 --batching on,off --repeat 2
+    python bench/serve.py --batches 1 --batching on,off --repeat 2 [--model cnn]
     python bench/serve.py --paging 50,5 --clients 8 --requests 2000
 """
 
@@ -237,7 +243,7 @@ def stop_server(process: subprocess.Popen) -> None:
         process.kill()
 
 
-def make_caller(protocol: str, port: int, grpc_port: int, x: np.ndarray):
+def make_caller(protocol: str, port: int, grpc_port: int, x: np.ndarray, model: str):
     """A function sending one request with `x`, for one thread."""
     if protocol == "http":
         import tritonclient.http as module
@@ -252,14 +258,14 @@ def make_caller(protocol: str, port: int, grpc_port: int, x: np.ndarray):
     wanted = [module.InferRequestedOutput("output")]
 
     def call():
-        result = client.infer("digits", [tensor], outputs=wanted)
+        result = client.infer(model, [tensor], outputs=wanted)
         assert result is not None  # an answer or an exception
         return result.as_numpy("output")
 
     return call
 
 
-def load(protocol, port, grpc_port, x, clients: int, requests: int, max_seconds: float):
+def load(protocol, port, grpc_port, x, clients: int, requests: int, max_seconds: float, model: str):
     """Latencies (s), errors and wall time of `requests` requests from `clients` threads."""
     remaining = [requests]
     lock = threading.Lock()
@@ -268,7 +274,7 @@ def load(protocol, port, grpc_port, x, clients: int, requests: int, max_seconds:
     deadline = time.monotonic() + max_seconds
 
     def worker():
-        call = make_caller(protocol, port, grpc_port, x)
+        call = make_caller(protocol, port, grpc_port, x, model)
         for _ in range(3):  # warm up this client's connection
             call()
         mine = []
@@ -305,14 +311,16 @@ def in_process_rate(bundle, x: np.ndarray, seconds: float = 2.0) -> float:
     return calls / (time.perf_counter() - start)
 
 
-def statistics_of(port: int) -> tuple[int, int]:
-    """Rows served and program calls of the digits model, from the server's statistics."""
+def statistics_of(port: int, model: str) -> tuple[int, int, int]:
+    """Rows served, program calls and their nanoseconds (from the call's start to its result
+    reaching the server's event loop), from the server's statistics."""
     import tritonclient.http as http_client
 
-    stats = http_client.InferenceServerClient(f"127.0.0.1:{port}").get_inference_statistics(
-        "digits"
-    )["model_stats"][0]
-    return stats["inference_count"], stats["execution_count"]
+    stats = http_client.InferenceServerClient(f"127.0.0.1:{port}").get_inference_statistics(model)[
+        "model_stats"
+    ][0]
+    ns = stats["inference_stats"]["compute_infer"]["ns"]
+    return stats["inference_count"], stats["execution_count"], ns
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -322,6 +330,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--batches", default="1,32")
     parser.add_argument("--protocols", default="http,grpc")
     parser.add_argument("--batching", default="on", help="on, off or on,off")
+    parser.add_argument(
+        "--model", default="digits", choices=("digits", "cnn"), help="the served bundle"
+    )
     parser.add_argument("--batch-delay", default="0", help="ms, passed to nitro serve")
     parser.add_argument("--repeat", type=int, default=1, help="runs of the whole list")
     parser.add_argument("--max-seconds", type=float, default=120.0, help="per configuration")
@@ -335,76 +346,114 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     rows = []
     batches = [int(b) for b in args.batches.split(",")]
+    protocols, batchings = args.protocols.split(","), args.batching.split(",")
     with tempfile.TemporaryDirectory() as root:
-        directory = os.path.join(root, "digits")
-        export_digits(directory)
+        if args.model == "cnn":
+            directory, model = export_cnns(root, 1)[0], "cnn00"
+        else:
+            directory, model = os.path.join(root, "digits"), "digits"
+            export_digits(directory)
         bundle = nitro.bundle.load(directory)
         inputs = {
             b: np.random.default_rng(b).normal(size=(b, 64)).astype(np.float32) for b in batches
         }
         baselines = {b: in_process_rate(bundle, x) for b, x in inputs.items()}
         print(
-            f"digits MLP bundle, {args.clients} clients, {args.requests} requests per "
-            f"row, loopback, {os.cpu_count()} cores shared by clients and server"
+            f"{model} bundle, {args.clients} clients, {args.requests} requests per row, "
+            f"loopback, {os.cpu_count()} cores shared by clients and server"
         )
         print(
             f"{'batching':>8} {'protocol':>8} {'batch':>5} {'p50 ms':>7} {'p99 ms':>7} "
-            f"{'req/s':>7} {'rows/s':>8} {'errors':>6} {'rows/call':>9} "
-            f"{'in-process calls/s':>18} {'served/in-process':>17}"
+            f"{'req/s':>7} {'rows/s':>8} {'errors':>6} {'rows/call':>9} {'call ms':>7} {'server us':>9} "
+            f"{'client us':>9} {'in-process calls/s':>18} {'served/in-process':>17}"
         )
-        for _ in range(args.repeat):
-            for batching in args.batching.split(","):
+        log = open(os.path.join(root, "server.log"), "a")  # noqa: SIM115 - closed below
+        servers = {}
+        try:
+            for batching in batchings:  # up at once: the runs alternate, so drift hits both
                 flags = ["--batching" if batching == "on" else "--no-batching"]
-                flags += ["--batch-delay", args.batch_delay]
-                with open(os.path.join(root, "server.log"), "a") as log:
-                    process, port, grpc_port = start_server(directory, log, *flags)
-                    try:
-                        for batch in batches:
-                            for protocol in args.protocols.split(","):
-                                before = statistics_of(port)
-                                row = measure(args, protocol, port, grpc_port, inputs[batch])
-                                after = statistics_of(port)
-                                served, calls = (a - b for a, b in zip(after, before, strict=True))
-                                row |= {"batching": batching, "batch": batch}
-                                row["rows_per_call"] = served / max(calls, 1)
-                                row["in_process_calls_per_s"] = baselines[batch]
-                                row["ratio"] = row["requests_per_s"] / baselines[batch]
-                                rows.append(row)
-                                print(
-                                    f"{batching:>8} {protocol:>8} {batch:>5} "
-                                    f"{row['p50_ms']:7.2f} {row['p99_ms']:7.2f} "
-                                    f"{row['requests_per_s']:7.0f} "
-                                    f"{row['requests_per_s'] * batch:8.0f} {row['errors']:>6} "
-                                    f"{row['rows_per_call']:9.1f} {baselines[batch]:18.0f} "
-                                    f"{row['ratio']:17.3f}"
-                                )
-                                for line in row.pop("notes"):
-                                    print(f"         {line}")
-                    finally:
-                        stop_server(process)
-        if "on" in args.batching and "off" in args.batching:
-            print("served rows/s, batching on / off (mean over repeats):")
+                servers[batching] = start_server(
+                    directory, log, *flags, "--batch-delay", args.batch_delay
+                )
+            for _ in range(args.repeat):
+                for batch in batches:
+                    for protocol in protocols:
+                        for batching in batchings:
+                            process, port, grpc_port = servers[batching]
+                            before = statistics_of(port, model)
+                            row = measure(
+                                args, protocol, process, port, grpc_port, inputs[batch], model
+                            )
+                            after = statistics_of(port, model)
+                            served, calls, ns = (a - b for a, b in zip(after, before, strict=True))
+                            row |= {"batching": batching, "batch": batch}
+                            row["rows_per_call"] = served / max(calls, 1)
+                            row["call_ms"] = ns / 1e6 / max(calls, 1)
+                            row["in_process_calls_per_s"] = baselines[batch]
+                            row["ratio"] = row["requests_per_s"] / baselines[batch]
+                            rows.append(row)
+                            print(
+                                f"{batching:>8} {protocol:>8} {batch:>5} "
+                                f"{row['p50_ms']:7.2f} {row['p99_ms']:7.2f} "
+                                f"{row['requests_per_s']:7.0f} "
+                                f"{row['requests_per_s'] * batch:8.0f} {row['errors']:>6} "
+                                f"{row['rows_per_call']:9.1f} {row['call_ms']:7.2f} "
+                                f"{row['server_us']:9.0f} "
+                                f"{row['client_us']:9.0f} {baselines[batch]:18.0f} "
+                                f"{row['ratio']:17.3f}"
+                            )
+                            for line in row.pop("notes"):
+                                print(f"         {line}")
+        finally:
+            for process, _, _ in servers.values():
+                stop_server(process)
+            log.close()
+        if "on" in batchings and "off" in batchings:
+            print(
+                "batching on / off (mean over repeats): served rows/s; CPU per request of the "
+                "server and the clients; rows per CPU second of both (what rows/s would be on "
+                "cores of their own)"
+            )
             for batch in batches:
-                for protocol in args.protocols.split(","):
-                    rate = {
-                        b: statistics.mean(
-                            r["requests_per_s"] * batch
+                for protocol in protocols:
+                    mean = {
+                        (b, key): statistics.mean(
+                            r[key]
                             for r in rows
                             if (r["batching"], r["protocol"], r["batch"]) == (b, protocol, batch)
                         )
                         for b in ("on", "off")
+                        for key in ("requests_per_s", "server_us", "client_us")
+                    }
+                    on, off = mean["on", "requests_per_s"], mean["off", "requests_per_s"]
+                    per_cpu = {
+                        b: 1e6 * batch / (mean[b, "server_us"] + mean[b, "client_us"])
+                        for b in ("on", "off")
                     }
                     print(
-                        f"  {protocol} batch {batch}: {rate['on']:.0f} / {rate['off']:.0f} = "
-                        f"{rate['on'] / rate['off']:.2f}x"
+                        f"  {protocol} batch {batch}: {on * batch:.0f} / {off * batch:.0f} = "
+                        f"{on / off:.2f}x; server {mean['on', 'server_us']:.0f} / "
+                        f"{mean['off', 'server_us']:.0f} us, clients "
+                        f"{mean['on', 'client_us']:.0f} / {mean['off', 'client_us']:.0f} us; "
+                        f"{per_cpu['on']:.0f} / {per_cpu['off']:.0f} rows per CPU second = "
+                        f"{per_cpu['on'] / per_cpu['off']:.2f}x"
                     )
     return rows
 
 
-def measure(args, protocol: str, port: int, grpc_port: int, x: np.ndarray) -> dict:
+def measure(args, protocol: str, process, port: int, grpc_port: int, x, model: str) -> dict:
+    """One load; with the CPU seconds per request of the server and of this process (the
+    clients), which share the machine's cores."""
+    import psutil
+
+    server = psutil.Process(process.pid)
+    server_before, clients_before = sum(server.cpu_times()[:2]), sum(os.times()[:2])
     latencies, errors, seconds = load(
-        protocol, port, grpc_port, x, args.clients, args.requests, args.max_seconds
+        protocol, port, grpc_port, x, args.clients, args.requests, args.max_seconds, model
     )
+    sent = len(latencies) + len(errors) + 3 * args.clients  # and each client's warm-up
+    server_us = 1e6 * (sum(server.cpu_times()[:2]) - server_before) / sent
+    client_us = 1e6 * (sum(os.times()[:2]) - clients_before) / sent
     done = len(latencies)
     q = statistics.quantiles(latencies, n=100) if done > 1 else [0.0] * 99
     notes = [f"first error: {errors[0]}"] if errors else []
@@ -417,6 +466,8 @@ def measure(args, protocol: str, port: int, grpc_port: int, x: np.ndarray) -> di
         "requests_per_s": done / seconds,
         "errors": len(errors),
         "completed": done,
+        "server_us": server_us,
+        "client_us": client_us,
         "notes": notes,
     }
 

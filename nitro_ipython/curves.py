@@ -57,6 +57,7 @@ class CurveData:
         self.markers: list[tuple[int, str]] = []  # (step, label): the live edits' swaps
         # the branches rewinds left (a run's): their steps and losses, and their rows
         self.abandoned: list[tuple[list[int], list[float], list[dict[str, Any]]]] = []
+        self.parent_rows: list[dict[str, Any]] = []  # a fork's parent's, after the fork step
         self.version = 0
         self._ended: set[int] = set()  # members whose curves ended (stopped)
         self._stride = 1
@@ -140,10 +141,20 @@ class CurveData:
             self.markers.append((to, f"rewound from {row.get('from_step')}"))
             self.version += 1
 
-    def branches(self) -> list[tuple[list[int], list[float], list[dict[str, Any]]]]:
-        """The abandoned branches: (steps, losses, rows) each."""
+    def overlay(self, rows: list[dict[str, Any]]) -> None:
+        """A fork's parent's history rows after the fork step, drawn dimmed under the fork's
+        curves (replacing the ones given before: the parent may train on)."""
         with self.lock:
-            return [(list(s), list(v), list(r)) for s, v, r in self.abandoned]
+            if rows != self.parent_rows:
+                self.parent_rows = rows
+                self.version += 1
+
+    def branches(self) -> list[tuple[list[int], list[float], list[dict[str, Any]]]]:
+        """The branches drawn dimmed: those rewinds abandoned, and a fork's parent's rows
+        after the fork step: (steps, losses, rows) each."""
+        with self.lock:
+            branches = [(list(s), list(v), list(r)) for s, v, r in self.abandoned]
+            return branches + ([([], [], list(self.parent_rows))] if self.parent_rows else [])
 
     def snapshot(self):
         """(steps, losses [steps, members], each member's rows, version)."""

@@ -201,6 +201,10 @@ class PanelReporter:
             self._add_rows(handle.history().reset_index().to_dict("records"))
             for row in getattr(getattr(handle, "state", None), "swaps", ()):
                 self.curves.add_marker(dict(row))
+            forked = getattr(handle, "forked_from", None)
+            if forked:
+                self.curves.add_mark(int(forked["step"]), f"forked from {forked['run_id']}")
+        self._overlay_parent(handle)
         self._sync_stopped()
         self._start_gallery(handle)
         self.panel = worker.claim_panel()
@@ -248,10 +252,23 @@ class PanelReporter:
     def member_rows(self, rows: Sequence[Mapping[str, Any]]):
         self._end_epoch(rows)
 
+    def _overlay_parent(self, handle: Any) -> None:
+        """A fork's panel: its parent's curves from the fork step on, dimmed beneath its own
+        (read again at each epoch: the parent may train on beside it)."""
+        parent = getattr(handle, "parent", None)
+        forked = getattr(handle, "forked_from", None)
+        if parent is None or not forked or self._members is not None:
+            return
+        after = [r for r in parent.history().reset_index().to_dict("records")]
+        self.curves.overlay([r for r in after if r.get("step", 0) > forked["step"]])
+
     def _end_epoch(self, rows: Sequence[Mapping[str, Any]]) -> None:
         self._epoch = int(rows[0].get("epoch", self._epoch + 1)) if rows else self._epoch + 1
         self._in_epoch = False
         self._add_rows(rows)
+        handle = self._handle()
+        if handle is not None:
+            self._overlay_parent(handle)
         if self.panel is None:
             if not worker.is_quiet():  # an agent's run: the agent reads it through its tools
                 if self._members is None:

@@ -102,3 +102,14 @@ def test_rewind_and_fork_go_back_in_a_run_and_branch_from_it(kernel):
     assert re.fullmatch(r"nitro: forked from run \S+ at step 0 \(epoch 0\)", said[0]), said
     assert said[1] == "nitro: the fork is `tt_run_fork`; %nitro train tt_run_fork trains it"
     assert kernel.eval("_nitro is tt_run_fork and tt_run_fork.forked_from['step'] == 0") == "True"
+
+
+def test_a_forks_panel_overlays_its_parents_curves_from_the_fork_step(kernel):
+    kernel.run("ft = tiny_exp.Tiny(batches=3, max_epochs=2)\n%nitro train ft")
+    kernel.run("ft_fork = ft_run.fork(step=3)\n%nitro train ft_fork")
+    branches = kernel.eval(
+        "[[r['epoch'] for r in b[2]] for b in ft_fork.reporter.curves.branches()]"
+    )
+    assert branches == "[[2]]"  # the parent's epoch after the fork step, drawn dimmed
+    marks = kernel.eval("[label for _, label in ft_fork.reporter.curves.marks()]")
+    assert f"forked from {kernel.eval('ft_run.run_id').strip(chr(39))}" in marks

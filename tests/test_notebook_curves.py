@@ -192,3 +192,20 @@ def test_a_population_search_marks_its_exploits_and_rungs_on_the_loss_plot():
     loss = figure.figure.axes[0]
     labels = {t.get_text().strip(): t.get_color() for t in loss.texts}
     assert labels.get("PBT: 0<-3") == labels.get("halving: 4 -> 2") == "#27ae60"
+
+
+def test_a_forks_parent_is_drawn_dimmed_beneath_it_from_the_fork_step():
+    data = _run(epochs=2)
+    parent = [{"epoch": 3, "step": 60, "loss": 0.5, "val_loss": 0.55, "acc": 0.9, "val_acc": 0.8}]
+    data.overlay(parent)
+    data.add_mark(40, "forked from run-a")
+    figure = CurveFigure()
+    figure.png(data)
+    dimmed = [
+        line
+        for ax in figure.figure.axes
+        for line in ax.get_lines()
+        if line.get_alpha() == 0.25 and len(line.get_xdata())
+    ]
+    assert dimmed and {max(line.get_xdata()) for line in dimmed} <= {60, 3}
+    assert "forked from run-a" in [t.get_text().strip() for t in figure.figure.axes[0].texts]

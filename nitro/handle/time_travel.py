@@ -15,6 +15,7 @@ itself, between two of the loop's calls, leaving out the batches of the call tha
 from __future__ import annotations
 
 import dataclasses
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any, Self
 
@@ -447,7 +448,15 @@ class TimeTravel:
     @property
     def forked_from(self) -> dict[str, Any] | None:
         """The run and step this handle was forked from (`n.fork`), or None."""
-        return dict(self._forked_from) if self._forked_from is not None else None
+        if self._forked_from is None:
+            return None
+        return {k: v for k, v in self._forked_from.items() if k != "parent"}
+
+    @property
+    def parent(self) -> Any:
+        """The handle this one was forked from, while it lives (`n.fork`); else None."""
+        ref = (self._forked_from or {}).get("parent")
+        return ref() if ref is not None else None
 
     def fork(self, step: int | None = None, **changes: Any) -> Any:
         """A new handle that starts from this run's snapshot (or checkpoint) of step `step`
@@ -502,7 +511,12 @@ class TimeTravel:
         _restore_device(fork, {k: v for k, v in record.member.device.items() if k not in fields})
         fork._state = state
         fork._target_epoch = fork._run_target = max(fork.max_epochs, state.epoch)
-        fork._forked_from = {"run_id": h.run_id, "run_dir": h.run_dir, "step": state.step}
+        fork._forked_from = {
+            "run_id": h.run_id,
+            "run_dir": h.run_dir,
+            "step": state.step,
+            "parent": weakref.ref(h),  # the panel overlays its curves on the fork's
+        }
         fork._say(f"forked from run {h.run_id} at step {state.step} (epoch {state.epoch})")
         return fork
 

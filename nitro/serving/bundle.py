@@ -401,18 +401,19 @@ class Bundle:
     def check_inputs(self, given: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """The inputs as arrays, after checking names, dtypes and shapes (BundleError names
         the input and what was expected)."""
-        expected = ", ".join(str(s) for s in self.inputs)
         unknown = sorted(set(given) - {s.name for s in self.inputs})
         if unknown:
             raise BundleError(
-                f"{self.name} has no input {', '.join(map(repr, unknown))}; it takes {expected}"
+                f"{self.name} has no input {', '.join(map(repr, unknown))}; it takes "
+                f"{', '.join(map(str, self.inputs))}"
             )
         arrays = {}
         batch = None
         for spec in self.inputs:
             if spec.name not in given:
                 raise BundleError(
-                    f"{self.name} needs input {spec.name!r} ({spec}); it takes {expected}"
+                    f"{self.name} needs input {spec.name!r} ({spec}); it takes "
+                    f"{', '.join(map(str, self.inputs))}"
                 )
             value = given[spec.name]
             if not hasattr(value, "dtype"):  # a list or a number: converted by the input's dtype

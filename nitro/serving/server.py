@@ -15,8 +15,9 @@ repository, the model server) and adds what a bundle needs on top:
 - with `batching` on, concurrent requests for one model, each checked on its own first, are
   joined into one call of up to `max_batch` rows (`Batcher`) and the outputs sliced back;
   `GET /v2/models/NAME/stats` counts rows and calls as Triton's statistics extension does;
-- bundles whose program has one digest and input signature share it, compiled once; their
-  weights are paged between disk, host and device within the budgets (`paging.py`);
+- bundles whose program has one digest and input signature share it, compiled once
+  (`Programs`, which drops a program no served bundle uses any more); their weights are paged
+  between disk, host and device within the budgets (`paging.py`);
 - `POST /v2/repository/models/NAME/load` re-reads the bundle's directory, and `watch=True`
   reloads it when an export swaps the directory in (or a copy rewrites its manifest); with the
   program unchanged only the weights are replaced. A request holds the bundle and weights it
@@ -45,8 +46,10 @@ import numpy as np
 from nitro.serving import bundle as bundles
 from nitro.serving.paging import Pager, WeightSet, device_memory, host_memory, parse_budget
 from nitro.serving.transport import (
+    BinaryDataPlane,
     HostGRPCServer,
     RequestGate,
+    UntimedRESTServer,
     decode_inputs,
     kserve_imports,
     undecodable,
@@ -61,10 +64,9 @@ with kserve_imports():
     from kserve.model_repository import ModelRepository
     from kserve.model_server import app as _kserve_app
     from kserve.protocol.infer_type import InferOutput, InferRequest, InferResponse
-    from kserve.protocol.rest.server import RESTServer
     from kserve.utils.utils import generate_uuid
 
-__all__ = ["Batcher", "BundleModel", "BundleRepository", "Served", "Stats", "serve"]
+__all__ = ["Batcher", "BundleModel", "BundleRepository", "Programs", "Served", "Stats", "serve"]
 
 log = logging.getLogger("nitro.serving.server")
 
@@ -83,7 +85,31 @@ class Served:
     pager: Pager
 
     def __call__(self, arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        return self.bundle.run(self.pager.device(self.weights), arrays)
+        with self.pager.hold(self.weights) as placed:
+            return self.bundle.run(placed, arrays)
+
+
+class Programs(dict[str, bundles.Program]):
+    """The compiled programs by key (`bundles.load` adds what it compiles), shared by the
+    served bundles; a program that no served bundle uses any more is dropped."""
+
+    def __init__(self):
+        super().__init__()
+        self.users: Counter[str] = Counter()
+        self.lock = threading.Lock()
+
+    def replace(self, old: bundles.Program | None, new: bundles.Program | None) -> None:
+        """A model serves `new` instead of `old` (None: nothing, as at start or after a failed
+        load); programs left unused, or compiled by a load that failed, are dropped."""
+        with self.lock:
+            if new is not None:
+                self.users[new.key] += 1
+                self.setdefault(new.key, new)
+            if old is not None:
+                self.users[old.key] -= 1
+            for key in [k for k in self if self.users[k] <= 0]:
+                del self[key]
+                del self.users[key]
 
 
 @dataclass
@@ -235,14 +261,15 @@ class BundleModel(kserve.Model):
         batching: bool = False,
         batch_delay: float = 0.0,
         pager: Pager | None = None,
-        programs: dict[str, bundles.Program] | None = None,
+        programs: Programs | None = None,
     ):
         self.directory = os.path.abspath(directory)
         self.max_batch = max_batch
         self.pager = pager if pager is not None else Pager()
-        self.programs = programs if programs is not None else {}
+        self.programs = programs if programs is not None else Programs()
         self.program_loads = self.weight_swaps = 0
         self.served = self._load(name)
+        self.programs.replace(None, self.served.bundle.program)
         super().__init__(name or self.served.bundle.name)
         self._reloading = threading.Lock()
         self.stats = Stats()
@@ -257,19 +284,21 @@ class BundleModel(kserve.Model):
     def _load(self, name: str | None) -> Served:
         """Read the directory; a program the server has not compiled is compiled for batch 1
         now, so a ready model answers its first request without compiling."""
-        compiled = len(self.programs)
+        known = {id(p) for p in self.programs.values()}
         loaded = bundles.load(self.directory, programs=self.programs)
+        compiled = id(loaded.program) not in known
         weights = WeightSet(name or loaded.name, loaded)
-        self.pager.add(weights)  # refuses weights larger than a budget alone
-        loaded.weights = {}  # the pager holds them from here on, within its budgets
-        served = Served(loaded, weights, self.pager)
-        if len(self.programs) > compiled:
-            self.program_loads += 1
-            try:
+        try:
+            self.pager.add(weights)  # refuses weights larger than a budget alone
+            loaded.weights = {}  # the pager holds them from here on, within its budgets
+            served = Served(loaded, weights, self.pager)
+            if compiled:
+                self.program_loads += 1
                 served({s.name: np.zeros((1, *s.shape[1:]), s.dtype) for s in loaded.inputs})
-            except BaseException:
-                self.pager.remove(weights)
-                raise
+        except BaseException:
+            self.pager.remove(weights)
+            self.programs.replace(None, None)  # drops a program only this load compiled
+            raise
         return served
 
     def load(self) -> bool:
@@ -282,12 +311,21 @@ class BundleModel(kserve.Model):
         with self._reloading:
             old = self.served
             self.served = self._load(self.name)
+            self.programs.replace(old.bundle.program, self.served.bundle.program)
             if self.served.bundle.program is old.bundle.program:
                 self.weight_swaps += 1
             self.pager.remove(old.weights)  # calls holding the old weights still finish
             self.ready = True
             log.info("reloaded %s from %s", self.name, self.directory)
             return self.served.bundle
+
+    def stop(self) -> None:
+        """Unloaded (`POST /v2/repository/models/NAME/unload`): its weights leave the pager
+        (calls holding them finish) and a program no other model serves is dropped."""
+        with self._reloading:
+            self.ready = False
+            self.pager.remove(self.served.weights)
+            self.programs.replace(self.served.bundle.program, None)
 
     def statistics(self) -> dict[str, Any]:
         """Triton's statistics for this model, with its weights' paging under `weights`."""
@@ -322,16 +360,20 @@ class BundleModel(kserve.Model):
             payload, current.bundle, model=self.name, max_batch=self.max_batch
         )
         pad = all(s.shape[:1] == (bundles.BATCH,) for s in current.bundle.outputs)
-        if self.batcher is not None and pad:  # checked above: a bad request fails alone
-            results = await self.batcher(current, arrays, rows)
-        else:
-            results = await self._call(current, arrays, rows, pad)
+        with self.pager.request(current.weights):
+            if self.batcher is not None and pad:  # checked above: a bad request fails alone
+                results = await self.batcher(current, arrays, rows)
+            else:
+                results = await self._call(current, arrays, rows, pad)
         outputs = []
         binary = payload.use_binary_outputs
         for spec in current.bundle.outputs:
-            value = results[spec.name][:rows] if pad else results[spec.name]
+            value = np.asarray(results[spec.name][:rows] if pad else results[spec.name], order="C")
             output = InferOutput(spec.name, list(value.shape), wire_dtype(value.dtype.name))
-            output.set_data_from_numpy(np.asarray(value, order="C"), binary_data=binary)
+            if payload.from_grpc:
+                output.set_data_from_numpy(value, binary_data=binary)
+            else:  # encoded once, as each requested output asks (binary or JSON)
+                output.data = value
             outputs.append(output)
         return InferResponse(
             response_id=payload.id or generate_uuid(),
@@ -381,15 +423,20 @@ class BundleRepository(ModelRepository):
             else {}
         )
 
-    def load(self, name: str) -> bool:
+    async def load(self, name: str) -> bool:  # pyright: ignore[reportIncompatibleMethodOverride]
+        """Read the model's directory again, off the event loop: requests go on meanwhile."""
         model = self.get_model(name)
+        loop = asyncio.get_running_loop()
         if model is None:
             if name not in self.directories:
                 raise ModelNotFound(name)
-            model = BundleModel(self.directories[name], name=name, **self.options)
+            directory = self.directories[name]
+            model = await loop.run_in_executor(
+                None, lambda: BundleModel(directory, name=name, **self.options)
+            )
             self.update(model)
             return model.ready
-        return model.load()
+        return await loop.run_in_executor(None, model.load)
 
     def model_for(self, directory: str) -> BundleModel | None:
         for model in self.get_models().values():
@@ -418,6 +465,7 @@ class _Server(kserve.ModelServer):
             grace_period=5,
         )
         self.repository = repository
+        self.dataplane = BinaryDataPlane(model_registry=repository)
         self.host = host
         self.max_request_bytes = max_request_bytes
         self.watch = watch
@@ -429,7 +477,7 @@ class _Server(kserve.ModelServer):
         _kserve_app.add_api_route("/v2/models/{model_name}/stats", self.stats, methods=["GET"])
         for kind in (ValueError, KeyError, TypeError, IndexError, AttributeError):
             _kserve_app.add_exception_handler(kind, undecodable)
-        self._rest_server = RESTServer(
+        self._rest_server = UntimedRESTServer(
             FASTAPI_APP_IMPORT_STRING,
             self.dataplane,
             self.model_repository_extension,
@@ -553,7 +601,7 @@ def serve(
         else parse_budget(host_memory_budget, total=host_memory(), option="--host-memory"),
     )
     options = {"batching": batching, "batch_delay": batch_delay_ms / 1000, "pager": pager}
-    programs: dict[str, bundles.Program] = {}
+    programs = Programs()
     models = [
         BundleModel(d, max_batch=max_batch, programs=programs, **options) for d in directories
     ]
