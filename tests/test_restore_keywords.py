@@ -41,7 +41,14 @@ def test_restore_best_needs_checkpoints_and_is_a_single_runs():
 
 
 def test_runs_read_gives_a_saved_steps_record_without_a_handle(tmp_path):
-    n = nitro.Nitro(Toy(max_epochs=3), run_dir=tmp_path, learning_rate=1.0, progress=False)
+    every_epoch = nitro.Checkpointer(budget=None)  # saves each epoch however busy the machine
+    n = nitro.Nitro(
+        Toy(max_epochs=3),
+        run_dir=tmp_path,
+        learning_rate=1.0,
+        checkpointer=every_epoch,
+        progress=False,
+    )
     n.train()
     newest = nitro.runs.read(tmp_path)
     assert (newest.run_id, newest.step, newest.epoch) == (n.run_id, 12, 3)

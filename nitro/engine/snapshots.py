@@ -24,11 +24,11 @@ within `budget` of training time, at most one a `min_seconds`; the ring keeps th
 
 from __future__ import annotations
 
-import concurrent.futures
+import collections
 import dataclasses
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -145,17 +145,42 @@ class Snapshot:
         return self
 
 
-_WORKER: concurrent.futures.ThreadPoolExecutor | None = None
+_PENDING: collections.deque[Callable[[], None]] = collections.deque()
+_WORKER: threading.Thread | None = None
 _WORKER_LOCK = threading.Lock()
 
 
-def _worker() -> concurrent.futures.ThreadPoolExecutor:
-    """One thread for every ring's copies (each takes milliseconds)."""
+def _submit(job: Callable[[], None]) -> None:
+    """Run `job` on the copying thread: one for every ring's copies (each takes
+    milliseconds), started when one is asked for and gone once none is left, so no thread
+    outlives the run that took the snapshots (`settle`)."""
     global _WORKER
     with _WORKER_LOCK:
+        _PENDING.append(job)
         if _WORKER is None:
-            _WORKER = concurrent.futures.ThreadPoolExecutor(1, "nitro-snapshots")
-        return _WORKER
+            _WORKER = threading.Thread(target=_drain, name="nitro-snapshots", daemon=True)
+            _WORKER.start()
+
+
+def _drain() -> None:
+    global _WORKER
+    while True:
+        with _WORKER_LOCK:
+            if not _PENDING:
+                _WORKER = None
+                return
+            job = _PENDING.popleft()
+        job()  # a copy records its own error on its snapshot
+
+
+def settle() -> None:
+    """Wait until every copy asked for is done and the copying thread has ended."""
+    while True:
+        with _WORKER_LOCK:
+            worker = _WORKER
+        if worker is None:
+            return
+        worker.join()
 
 
 def detached(state: TrainState, variables: Any = None) -> TrainState:
@@ -284,7 +309,7 @@ class SnapshotRing:
                 self.seconds += self._cost
                 entry.ready.set()
 
-        _worker().submit(finish)
+        _submit(finish)
         return entry
 
     def at(self, step: int) -> Snapshot | None:

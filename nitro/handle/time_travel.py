@@ -26,7 +26,7 @@ from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import TrainState, scalars
 from nitro.engine import loop
 from nitro.engine.run_keywords import KEYWORD_ONLY, RUN_KEYWORDS
-from nitro.engine.snapshots import Snapshot, SnapshotRing, detached, restore_point
+from nitro.engine.snapshots import Snapshot, SnapshotRing, detached, restore_point, settle
 from nitro.engine.spikes import SpikeRollback, SpikeWatch
 from nitro.errors import PopulationError, SetupError, SpikeError, did_you_mean
 from nitro.experiments.declaration import FieldKind, field_specs
@@ -92,22 +92,25 @@ def train_epochs(
             )
     else:
         prepare(handle)
-    while True:
-        try:
-            return loop.train_epochs(
-                handle._lead_setup,
-                handle._lead_runtime,
-                state,
-                handle._programs,
-                events,
-                handle._control,
-                target,
-                after_epoch=after_epoch,
-                stop_at=stop_at,
-                members=members,
-            )
-        except SpikeRollback as spike:
-            _roll_back(handle, state, spike)
+    try:
+        while True:
+            try:
+                return loop.train_epochs(
+                    handle._lead_setup,
+                    handle._lead_runtime,
+                    state,
+                    handle._programs,
+                    events,
+                    handle._control,
+                    target,
+                    after_epoch=after_epoch,
+                    stop_at=stop_at,
+                    members=members,
+                )
+            except SpikeRollback as spike:
+                _roll_back(handle, state, spike)
+    finally:
+        settle()  # the run's snapshot copies done, their thread gone
 
 
 def _roll_back(handle: Any, state: TrainState, spike: SpikeRollback) -> None:

@@ -7,7 +7,7 @@ argument or a value of the wrong type is an error naming the argument). The work
 
 >>> server = build_server(ToolSession())
 >>> sorted(TOOLS)[:3]
-['nitro_evaluate', 'nitro_export', 'nitro_logger']
+['nitro_evaluate', 'nitro_export', 'nitro_fork']
 """
 
 from __future__ import annotations
