@@ -53,6 +53,17 @@ class Counts(Toy):
         return {"x": counts.astype(jnp.float32) + levels.astype(jnp.float32)}
 
 
+@nitro.experiment
+class Tagged(Toy):
+    """Each row carries an id that the bundle returns as it came (echo)."""
+
+    def export_inputs(self):
+        return {
+            "x": jax.ShapeDtypeStruct((5,), jnp.float32),
+            "id": jax.ShapeDtypeStruct((), jnp.int32),
+        }
+
+
 class Server:
     """`python -m nitro.serve DIR ...` in a subprocess, stopped by `stop()`."""
 
@@ -122,14 +133,18 @@ def handles():
     wide = nitro.Nitro(Toy(width=32), seed=1, progress=False)
     reloaded = nitro.Nitro(Toy(max_epochs=1), seed=2, progress=False)
     counts = nitro.Nitro(Counts(), weights=toy, progress=False)
-    return {"toy": toy, "wide": wide, "reload": reloaded, "counts": counts}
+    tagged = nitro.Nitro(Tagged(), weights=toy, progress=False)
+    return {"toy": toy, "wide": wide, "reload": reloaded, "counts": counts, "tagged": tagged}
+
+
+EXPORTS = {"tagged": {"echo": ("id",)}}
 
 
 @pytest.fixture(scope="module")
 def served(handles, tmp_path_factory):
     root = tmp_path_factory.mktemp("served")
     for name, handle in handles.items():
-        handle.export(str(root / name), name=name)
+        handle.export(str(root / name), name=name, **EXPORTS.get(name, {}))
     server = Server([root / n for n in handles], root / "server.log", "--max-request-mb", "1")
     server.root = root
     yield server
@@ -161,11 +176,32 @@ def test_health_readiness_and_metadata_come_from_the_manifest(served):
     assert status == 404 and b"nothing" in body
 
 
+def test_an_echoed_id_comes_back_with_the_outputs_and_the_metadata_names_it(handles, served):
+    x, ids = RNG.normal(size=(3, 5)).astype(np.float32), np.array([11, 7, -3], np.int32)
+    inputs = [
+        grpc_client.InferInput("x", [3, 5], "FP32"),
+        grpc_client.InferInput("id", [3], "INT32"),
+    ]
+    inputs[0].set_data_from_numpy(x)
+    inputs[1].set_data_from_numpy(ids)
+    result = grpc_client.InferenceServerClient(served.grpc_url).infer("tagged", inputs)
+    np.testing.assert_array_equal(result.as_numpy("id"), ids)
+    np.testing.assert_allclose(
+        result.as_numpy("output"), handles["toy"].predict({"x": x}), atol=1e-6
+    )
+    metadata = http_client.InferenceServerClient(served.url).get_model_metadata("tagged")
+    assert metadata["outputs"] == [
+        {"name": "output", "datatype": "FP32", "shape": [-1, 2]},
+        {"name": "id", "datatype": "INT32", "shape": [-1]},
+    ]
+
+
 def test_several_bundles_are_served_at_once(handles, served):
     status, body = served.request("GET", "/v2/models")
     assert status == 200 and sorted(json.loads(body)["models"]) == [
         "counts",
         "reload",
+        "tagged",
         "toy",
         "wide",
     ]

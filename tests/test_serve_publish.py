@@ -90,10 +90,9 @@ def test_a_publish_the_server_cannot_take_names_the_fix_and_changes_nothing(serv
     with pytest.raises(PublishError) as unfit:
         counts.publish("model", to=served.url)
     assert (
-        "the export's inputs [{'name': 'counts', 'dtype': 'int32', 'shape': [-1, 5]}, "
-        "{'name': 'levels', 'dtype': 'int8', 'shape': [-1, 5]}] do not fit the inputs 'model' "
-        f"is served with at http://{served.url}: [{{'name': 'x', 'dtype': 'float32', "
-        "'shape': [-1, 5]}]; nothing was written"
+        "the export's inputs (counts: int32[batch, 5], levels: int8[batch, 5]) do not fit the "
+        f"inputs 'model' is served with at http://{served.url} (x: float32[batch, 5]); nothing "
+        "was written"
     ) in str(unfit.value)
     assert (served.root / "model" / "manifest.json").read_bytes() == manifest
     assert np.array_equal(infer_http(served.url, "model", X7), answer)

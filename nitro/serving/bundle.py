@@ -49,6 +49,7 @@ __all__ = [
     "WEIGHTS",
     "Bundle",
     "BundleError",
+    "OutputError",
     "Program",
     "TensorSpec",
     "load",
@@ -58,7 +59,7 @@ __all__ = [
 ]
 
 FORMAT = "nitro-bundle"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: echoed inputs, a postprocess hook (a bundle without them is written as 1)
 MANIFEST = "manifest.json"
 PROGRAM = "program.jaxexport"
 WEIGHTS = "weights.safetensors"
@@ -69,23 +70,64 @@ class BundleError(ValueError):
     """A bundle is damaged, or a call passed inputs the bundle does not take."""
 
 
+class OutputError(RuntimeError):
+    """A call's outputs are not what the manifest says (an output of another shape or dtype,
+    or a postprocess hook that raised): the call returns nothing."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """One input or output on the wire: its name, NumPy dtype name and shape (BATCH = -1)."""
+    """One input or output on the wire: its name, NumPy dtype name, shape (BATCH = -1 for a
+    variable axis) and axis names (`("batch", None)`: the first axis is the batch, the second
+    unnamed; by default "batch" for each variable axis). `echo` names the input an output
+    returns unchanged."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
+    axes: tuple[str | None, ...] = ()
+    echo: str | None = None
+
+    def __post_init__(self):
+        if not self.axes:
+            named = tuple("batch" if d == BATCH else None for d in self.shape)
+            object.__setattr__(self, "axes", named)
 
     @classmethod
     def from_json(cls, entry: Mapping[str, Any]) -> TensorSpec:
-        return cls(str(entry["name"]), str(entry["dtype"]), tuple(int(d) for d in entry["shape"]))
+        return cls(
+            str(entry["name"]),
+            str(entry["dtype"]),
+            tuple(int(d) for d in entry["shape"]),
+            tuple(entry.get("axes") or ()),
+            entry.get("echo"),
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        entry = {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "axes": list(self.axes),
+        }
+        return entry if self.echo is None else {**entry, "echo": self.echo}
 
     def shape_text(self) -> str:
-        return "[" + ", ".join("batch" if d == BATCH else str(d) for d in self.shape) + "]"
+        return (
+            "["
+            + ", ".join(
+                (axis or "?") if d == BATCH else str(d)
+                for d, axis in zip(self.shape, self.axes, strict=True)
+            )
+            + "]"
+        )
+
+    def fits(self, shape: tuple[int, ...], rows: int | None) -> bool:
+        """`shape` is this spec's, its batch axis `rows` long (any length when None)."""
+        return len(shape) == len(self.shape) and all(
+            have == want or (want == BATCH and (rows is None or axis != "batch" or have == rows))
+            for want, have, axis in zip(self.shape, shape, self.axes, strict=True)
+        )
 
     def __str__(self) -> str:
         return f"{self.name}: {self.dtype}{self.shape_text()}"
@@ -229,6 +271,25 @@ def _check_specs(path: str, key: str, entries: Any) -> None:
                 f"{where}['shape'] must be a list of sizes (-1 for the batch axis), not "
                 f"{shape!r}; re-export the bundle"
             )
+        axes = entry.get("axes", [None] * len(shape))
+        if (
+            not isinstance(axes, list)
+            or len(axes) != len(shape)
+            or not all(a is None or (isinstance(a, str) and a) for a in axes)
+        ):
+            raise BundleError(
+                f"{where}['axes'] must name each of the {len(shape)} axes (a name or null), "
+                f"not {axes!r}; re-export the bundle"
+            )
+
+
+def _program_outputs(manifest: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The manifest's entries for what the program returns: its outputs but the echoed inputs,
+    or with a postprocess hook, the hook's `program_outputs`."""
+    hook = manifest.get("postprocess")
+    if hook is not None:
+        return hook["program_outputs"]
+    return [entry for entry in manifest["outputs"] if "echo" not in entry]
 
 
 def _check_signature(directory: str, manifest: Mapping[str, Any], exported) -> None:
@@ -245,14 +306,15 @@ def _check_signature(directory: str, manifest: Mapping[str, Any], exported) -> N
             f"{program} does not take (weights, inputs) and return outputs by name; it was not "
             f"written by n.export. Re-export the bundle"
         ) from None
+    entries = {"inputs": manifest["inputs"], "outputs": _program_outputs(manifest)}
     for key, avals, verb in (("inputs", inputs, "takes"), ("outputs", outputs, "returns")):
-        listed = [entry["name"] for entry in manifest[key]]
+        listed = [entry["name"] for entry in entries[key]]
         if sorted(listed) != sorted(avals):
             raise BundleError(
                 f"{path}: {key!r} names {listed}, but {program} {verb} {sorted(avals)}; "
                 f"re-export the bundle"
             )
-        for index, entry in enumerate(manifest[key]):
+        for index, entry in enumerate(entries[key]):
             aval = avals[entry["name"]]
             dims = [d if isinstance(d, int) else BATCH for d in aval.shape]
             spec = TensorSpec(entry["name"], np.dtype(aval.dtype).name, tuple(dims))
@@ -267,6 +329,17 @@ def _check_signature(directory: str, manifest: Mapping[str, Any], exported) -> N
                     f"{where} has shape {entry['shape']}, but {program} {verb} {spec} "
                     f"(-1 is the batch axis); re-export the bundle"
                 )
+    wire = {entry["name"]: entry for entry in manifest["inputs"]}
+    for index, entry in enumerate(manifest["outputs"]):
+        source = wire.get(entry["echo"]) if "echo" in entry else None
+        if "echo" in entry and (
+            source is None or (source["dtype"], source["shape"]) != (entry["dtype"], entry["shape"])
+        ):
+            raise BundleError(
+                f"{path}: outputs[{index}] ({entry['name']!r}) echoes input "
+                f"{entry['echo']!r}, which the bundle does not take with that dtype and shape; "
+                f"re-export the bundle"
+            )
 
 
 def _check_file(directory: str, name: str, manifest: Mapping[str, Any]) -> str:
@@ -373,6 +446,7 @@ class Bundle:
         self.name: str = manifest["name"]
         self.inputs = tuple(TensorSpec.from_json(e) for e in manifest["inputs"])
         self.outputs = tuple(TensorSpec.from_json(e) for e in manifest["outputs"])
+        self.program_outputs = tuple(TensorSpec.from_json(e) for e in _program_outputs(manifest))
         self.program = program
         self.weights: dict[str, np.ndarray] = weights  # on the host; placed on the first call
         self._placed = None
@@ -396,7 +470,38 @@ class Bundle:
         """The program on checked `arrays` with `weights` (this bundle's, or another weight
         set of its program, on the host or the device) -> {output name: array}."""
         results = self.program.call(weights, arrays)
-        return {spec.name: np.asarray(results[spec.name]) for spec in self.outputs}
+        outputs = {spec.name: np.asarray(results[spec.name]) for spec in self.program_outputs}
+        for spec in self.outputs:
+            if spec.echo is not None:  # the wire input, unchanged
+                outputs[spec.name] = np.asarray(arrays[spec.echo])
+        rows = next(iter(arrays.values())).shape[0]  # every input has the batch axis first
+        return self.check_outputs(outputs, rows)
+
+    def check_outputs(self, outputs: Mapping[str, Any], rows: int) -> dict[str, np.ndarray]:
+        """`outputs` in the manifest's order, after checking each one's dtype and shape against
+        it (the batch axis `rows` long); OutputError names an output that differs."""
+        extra = sorted(set(outputs) - {s.name for s in self.outputs})
+        if extra:
+            raise OutputError(
+                f"{self.name} returned {', '.join(map(repr, extra))}, which its manifest does "
+                f"not list (it lists {', '.join(map(str, self.outputs))}); re-export the bundle"
+            )
+        checked = {}
+        for spec in self.outputs:
+            if spec.name not in outputs:
+                raise OutputError(
+                    f"{self.name} returned no output {spec.name!r} ({spec}); re-export the bundle"
+                )
+            value = np.asarray(outputs[spec.name])
+            if value.dtype != np.dtype(spec.dtype) or not spec.fits(tuple(value.shape), rows):
+                raise OutputError(
+                    f"{self.name}'s output {spec.name!r} is {value.dtype.name}"
+                    f"{list(value.shape)} for {rows} row{'s' * (rows != 1)}, but its manifest "
+                    f"says {spec}; the bundle's program or hook does not return what it was "
+                    f"exported with"
+                )
+            checked[spec.name] = value
+        return checked
 
     def check_inputs(self, given: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """The inputs as arrays, after checking names, dtypes and shapes (BundleError names
@@ -436,10 +541,7 @@ class Bundle:
                     f"input {spec.name!r} must be {spec.dtype}{spec.shape_text()}; {got}. "
                     f"Convert it, e.g. x.astype('{spec.dtype}')"
                 )
-            fits = len(shape) == len(spec.shape) and all(
-                want == BATCH or want == have for want, have in zip(spec.shape, shape, strict=True)
-            )
-            if not fits:
+            if not spec.fits(shape, None):
                 fix = ""
                 if shape == spec.shape[1:] and spec.shape[:1] == (BATCH,):
                     fix = f". For a single example, add the batch axis: {spec.name}[None]"

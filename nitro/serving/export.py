@@ -77,6 +77,7 @@ class ExportSource:
     provenance: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     owner: str = ""
     files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)  # more of the bundle's
+    echo: tuple[str, ...] = ()  # wire inputs returned unchanged as outputs of the same name
 
 
 def _dims(shape) -> list[int]:
@@ -305,6 +306,27 @@ def _refuse_host_callbacks(
     ) from error
 
 
+def _check_echo(echo: Any, wire: Mapping[str, Any], outputs: list[str]) -> tuple[str, ...]:
+    """`echo=`: names of wire inputs, none of them also an output of forward."""
+    if isinstance(echo, str) or not isinstance(echo, (tuple, list)):
+        raise ExportError(f"echo must be a tuple of input names, e.g. echo=('id',); got {echo!r}")
+    for name in echo:
+        if name not in wire:
+            raise ExportError(
+                f"echo names {name!r}, which is not an input of the bundle (it takes "
+                f"{', '.join(map(str, wire.values()))}); declare it in export_inputs(self), "
+                f"e.g. {{{name!r}: jax.ShapeDtypeStruct((), jnp.int32)}}"
+            )
+        if name in outputs:
+            raise ExportError(
+                f"echo names {name!r}, but forward already returns an output {name!r}; rename "
+                f"one of them (export_outputs(self) names forward's outputs)"
+            )
+    if len(set(echo)) != len(echo):
+        raise ExportError(f"echo names an input twice: {tuple(echo)!r}; name each once")
+    return tuple(echo)
+
+
 def write_bundle(
     source: ExportSource,
     directory: str | os.PathLike,
@@ -387,20 +409,23 @@ def write_bundle(
     seconds = time.perf_counter() - start
 
     outputs = jax.tree.unflatten(exported.out_tree, exported.out_avals)
+    wire = {
+        n: bundle.TensorSpec(n, np.dtype(s.dtype).name, (bundle.BATCH, *s.shape))
+        for n, s in source.inputs.items()
+    }
+    echoed = [dataclasses.replace(wire[n], echo=n) for n in _check_echo(source.echo, wire, order)]
     manifest = {
         "format": bundle.FORMAT,
-        "format_version": bundle.FORMAT_VERSION,
+        "format_version": bundle.FORMAT_VERSION if echoed else 1,
         "name": source.name,
-        "inputs": [
-            bundle.TensorSpec(n, np.dtype(s.dtype).name, (bundle.BATCH, *s.shape)).to_json()
-            for n, s in source.inputs.items()
-        ],
+        "inputs": [spec.to_json() for spec in wire.values()],
         "outputs": [
             bundle.TensorSpec(
                 n, np.dtype(outputs[n].dtype).name, tuple(_dims(outputs[n].shape))
             ).to_json()
             for n in order
-        ],
+        ]
+        + [spec.to_json() for spec in echoed],
         "device_values": {k: _jsonable(v) for k, v in source.device_values.items()},
         "program": {
             "platforms": list(exported.platforms),
@@ -445,6 +470,7 @@ def export_handle(
     variables: Any = None,
     dtype: str | None = None,
     accept: Callable[[dict[str, Any]], None] | None = None,
+    echo: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """Export a handle's current weights (or `variables`: e.g. the moving average) and its
     eval-mode forward; returns the manifest.
@@ -458,7 +484,7 @@ def export_handle(
     >>> from nitro.examples.digits import Digits
     >>> n = nitro.Nitro(Digits(), progress=False)
     >>> export_handle(n, "exports/digits")["inputs"]
-    [{'name': 'x', 'dtype': 'float32', 'shape': [-1, 64]}]
+    [{'name': 'x', 'dtype': 'float32', 'shape': [-1, 64], 'axes': ['batch', None]}]
     """
     from flax import nnx
 
@@ -476,6 +502,12 @@ def export_handle(
     preprocess = has_method(cls, "export_preprocess")
     forward_fields = setup.experiment.hook_fields["forward"]
     forward_hook = setup.experiment.hooks["forward"]
+    takes = hook_fields(cls, "export_preprocess", ()) if preprocess else forward_fields
+    echo_only = {
+        e
+        for e in (echo if isinstance(echo, (tuple, list)) else ())
+        if not takes.takes_all and e not in (*takes.required, *takes.optional)
+    }
 
     # Weights: parameters then other model state, as host arrays named by their model path.
     # The caller holds the handle (no step runs meanwhile).
@@ -515,6 +547,7 @@ def export_handle(
         frozen = {k: jnp.asarray(v) for k, v in device.items()}
         view = TraceView(cls, setup.experiment.graphconst, precision.cast_compute(frozen))
         model = nnx.merge(model_setup.graphdef_eval, params, rest, copy=True)
+        inputs = {k: v for k, v in inputs.items() if k not in echo_only}  # returned as sent
         fields = view.export_preprocess(**inputs) if preprocess else inputs
         if not isinstance(fields, Mapping):
             raise ExportError(
@@ -559,7 +592,7 @@ def export_handle(
                 )
             inputs[str(key)] = jax.ShapeDtypeStruct(tuple(spec.shape), spec.dtype)
     else:
-        wire = hook_fields(cls, "export_preprocess", ()) if preprocess else forward_fields
+        wire = takes
         split = next((s for s in ("train", *handle.splits) if s in handle.splits), None)
         if split is None:
             raise ExportError(
@@ -601,6 +634,7 @@ def export_handle(
         },
         owner=handle.owner,
         files={PATCH: patch} if patch is not None else {},
+        echo=tuple(echo) if isinstance(echo, (tuple, list)) else echo,
     )
     return write_bundle(source, directory, platforms=platforms, accept=accept)
 

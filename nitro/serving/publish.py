@@ -21,6 +21,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+from nitro.serving import bundle
 from nitro.serving.export import ExportError, export_handle
 
 __all__ = ["PublishError", "publish"]
@@ -103,10 +104,14 @@ def publish(
         )
 
     def accept(manifest: dict[str, Any]) -> None:
-        if manifest["inputs"] != served["inputs"]:
+        new, old = (
+            ", ".join(str(bundle.TensorSpec.from_json(e)) for e in entries)
+            for entries in (manifest["inputs"], served["inputs"])
+        )
+        if new != old:  # by name, dtype, shape and axes (a bundle from before axes: the default)
             raise PublishError(
-                f"the export's inputs {manifest['inputs']} do not fit the inputs {name!r} is "
-                f"served with at {base}: {served['inputs']}; nothing was written. Serve it "
+                f"the export's inputs ({new}) do not fit the inputs {name!r} is served with "
+                f"at {base} ({old}); nothing was written. Serve it "
                 f"as a new model (n.export('exports/NEW', name='NEW'), then `nitro serve` it), "
                 f"or give the experiment the served inputs (export_inputs)"
             )
