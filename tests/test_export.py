@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -101,6 +102,25 @@ class Tagged(Toy):
 class TaggedClash(Tagged):
     def export_outputs(self):
         return {"id": None}
+
+
+@nitro.experiment
+class Labelled(Tagged):
+    """A host hook turns the logits into a label and its probability; the id is echoed."""
+
+    def postprocess(self, outputs, **inputs):
+        logits = outputs["output"].astype(np.float64) * self.width / 8
+        probabilities = np.exp(logits - logits.max(1, keepdims=True))
+        probabilities /= probabilities.sum(1, keepdims=True)
+        return {"label": probabilities.argmax(1), "p": probabilities.max(1)}
+
+
+@nitro.experiment
+class Failing(Tagged):
+    def postprocess(self, outputs, **inputs):
+        if (inputs["id"] < 0).any():
+            raise ValueError("ids must not be negative")
+        return {"label": outputs["output"].argmax(1)[:2]}  # wrong from 3 rows on
 
 
 @pytest.fixture(scope="module")
@@ -632,5 +652,42 @@ def test_an_echoed_input_comes_back_unchanged_beside_the_outputs(trained, tmp_pa
     with pytest.raises(ExportError, match=r"echo names 'key', which is not an input.*id: int32"):
         n.export(str(tmp_path / "other"), echo=("key",))
     clash = nitro.Nitro(TaggedClash(), weights=trained, progress=False)
-    with pytest.raises(ExportError, match=r"forward already returns an output 'id'; rename"):
+    with pytest.raises(ExportError, match=r"the bundle already returns an output 'id'; rename"):
         clash.export(str(tmp_path / "other"), echo=("id",))
+
+
+def test_a_postprocess_hook_runs_its_recorded_source_when_the_loader_trusts_it(trained, tmp_path):
+    n = nitro.Nitro(Labelled(), weights=trained, progress=False)
+    manifest = n.export(str(tmp_path / "labelled"), echo=("id",))
+    hook = manifest["postprocess"]
+    assert hook["source"].startswith("def postprocess(self, outputs, **inputs):\n")
+    assert hook["sha256"] == hashlib.sha256(hook["source"].encode()).hexdigest()
+    assert hook["fields"] == {"width": 8, "offset": 0.0, "scale": 1.0}
+    assert [e["name"] for e in hook["program_outputs"]] == ["output"]
+    assert [(e["name"], e["dtype"], e["shape"]) for e in manifest["outputs"]] == [
+        ("label", "int64", [-1]),
+        ("p", "float64", [-1]),
+        ("id", "int32", [-1]),
+    ]
+    with pytest.raises(
+        nitro.bundle.BundleError, match=r"holds a postprocess hook .*trust_code=True"
+    ):
+        nitro.bundle.load(tmp_path / "labelled")
+    model = nitro.bundle.load(tmp_path / "labelled", trust_code=True)
+    x, ids = batch(4), np.arange(4, dtype=np.int32)
+    result = model(x=x, id=ids)
+    np.testing.assert_array_equal(result["label"], trained.predict({"x": x}).argmax(1))
+    assert result["p"].shape == (4,) and (result["p"] >= 0.5).all()
+    np.testing.assert_array_equal(result["id"], ids)
+
+
+def test_a_hook_that_raises_or_returns_another_shape_gives_no_outputs(trained, tmp_path):
+    nitro.Nitro(Failing(), weights=trained, progress=False).export(str(tmp_path / "failing"))
+    model = nitro.bundle.load(tmp_path / "failing", trust_code=True)
+    assert model(x=batch(2), id=np.array([1, 2], np.int32))["label"].shape == (2,)
+    with pytest.raises(nitro.bundle.OutputError, match=r"postprocess hook raised ValueError: ids"):
+        model(x=batch(3), id=np.array([1, -2, 3], np.int32))
+    with pytest.raises(
+        nitro.bundle.OutputError, match=r"output 'label' is int64\[2\] for 3 rows, but its manifest"
+    ):
+        model(x=batch(3), id=np.array([1, 2, 3], np.int32))

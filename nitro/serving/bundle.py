@@ -12,7 +12,9 @@ DIR/
 This module imports only the standard library, NumPy, JAX and safetensors, so a serving process
 loads a bundle without the training stack (`import nitro.bundle` runs no other nitro module
 but two leaves, `nitro._version` and `nitro._public_path`).
-One bundle serves every batch size; each new size compiles once in this process.
+One bundle serves every batch size; each new size compiles once in this process. A call checks
+its inputs and its outputs against the manifest; a bundle's postprocess hook (Python recorded
+in the manifest, run after the program) loads only with `trust_code=True`.
 
 >>> import nitro                                   # the training process exports
 >>> from nitro.examples.digits import Digits
@@ -50,6 +52,7 @@ __all__ = [
     "Bundle",
     "BundleError",
     "OutputError",
+    "Postprocess",
     "Program",
     "TensorSpec",
     "load",
@@ -417,6 +420,99 @@ def value_problem(data: Any, dtype: np.dtype, wire: str) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class Postprocess:
+    """A bundle's host hook, `postprocess(self, outputs, **inputs)`, from its recorded source.
+
+    It runs on the host after the program: `outputs` are the program's outputs and `inputs`
+    the wire inputs, as NumPy arrays, and it returns {output name: array}; `self` holds the
+    experiment's GraphConst and Device values recorded at export (`fields`). The source runs
+    with `np` (NumPy) in scope; it imports what else it uses.
+    """
+
+    source: str
+    fields: Mapping[str, Any]
+    function: Any = dataclasses.field(repr=False, default=None)
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()
+
+    @classmethod
+    def compile(cls, source: str, fields: Mapping[str, Any], where: str) -> Postprocess:
+        """The hook defined by `source` (ValueError naming `where` if it defines none)."""
+        namespace: dict[str, Any] = {"np": np, "__name__": "nitro_bundle_postprocess"}
+        try:
+            exec(compile(source, f"<postprocess of {where}>", "exec"), namespace)  # noqa: S102
+        except Exception as error:  # noqa: BLE001 - any failure: the source does not define it
+            raise ValueError(
+                f"the postprocess source of {where} does not run on its own "
+                f"({type(error).__name__}: {error}); it must be a plain `def postprocess(self, "
+                f"outputs, **inputs)` that imports what it uses (np is NumPy)"
+            ) from None
+        function = namespace.get("postprocess")
+        if not callable(function):
+            raise ValueError(f"the postprocess source of {where} defines no function `postprocess`")
+        return cls(source, dict(fields), function)
+
+    def __call__(
+        self, name: str, outputs: dict[str, np.ndarray], inputs: Mapping[str, np.ndarray]
+    ) -> dict[str, Any]:
+        """The hook's outputs; OutputError names the hook when it raises or returns no dict."""
+        import types
+
+        try:
+            result = self.function(types.SimpleNamespace(**self.fields), dict(outputs), **inputs)
+        except Exception as error:
+            raise OutputError(
+                f"{name}'s postprocess hook raised {type(error).__name__}: {error}; the call "
+                f"returns no outputs"
+            ) from error
+        if not isinstance(result, Mapping) or not all(isinstance(k, str) for k in result):
+            raise OutputError(
+                f"{name}'s postprocess hook returned {type(result).__name__}; it must return a "
+                f"dict {{output name: array}}"
+            )
+        return dict(result)
+
+
+def _postprocess(
+    directory: str, manifest: Mapping[str, Any], trust_code: bool
+) -> Postprocess | None:
+    """The manifest's postprocess hook, compiled when `trust_code`; refused otherwise."""
+    entry = manifest.get("postprocess")
+    if entry is None:
+        return None
+    path = os.path.join(directory, MANIFEST)
+    if not (
+        isinstance(entry, dict)
+        and isinstance(entry.get("source"), str)
+        and isinstance(entry.get("sha256"), str)
+        and isinstance(entry.get("fields"), dict)
+    ):
+        raise BundleError(
+            f"{path}: 'postprocess' must hold its source, sha256 and fields; re-export the bundle"
+        )
+    _check_specs(path, "postprocess.program_outputs", entry.get("program_outputs"))
+    digest = hashlib.sha256(entry["source"].encode()).hexdigest()
+    if digest != entry["sha256"]:
+        raise BundleError(
+            f"{path}: the postprocess source does not match its sha256 (edited after the "
+            f"export); re-export the bundle"
+        )
+    if not trust_code:
+        raise BundleError(
+            f"{directory} holds a postprocess hook (manifest.json's 'postprocess', sha256 "
+            f"{digest[:16]}...) that runs the Python source recorded in the bundle on this "
+            f"host. Read it there; if you trust where the bundle came from, load it with "
+            f"nitro.bundle.load(dir, trust_code=True), or serve it with nitro serve --trust-code"
+        )
+    try:
+        return Postprocess.compile(entry["source"], entry["fields"], manifest["name"])
+    except ValueError as error:
+        raise BundleError(f"{path}: {error}; re-export the bundle") from None
+
+
+@dataclasses.dataclass(frozen=True)
 class Program:
     """A bundle's deserialized program and its compiled call, shared by the bundles whose
     program file has the same sha256 and whose inputs are the same (`key`)."""
@@ -440,7 +536,14 @@ class Bundle:
     `program` the (shareable) compiled program, `weights` the tensors as NumPy arrays.
     """
 
-    def __init__(self, directory: str, manifest: dict[str, Any], program: Program, weights):
+    def __init__(
+        self,
+        directory: str,
+        manifest: dict[str, Any],
+        program: Program,
+        weights,
+        postprocess: Postprocess | None = None,
+    ):
         self.directory = directory
         self.manifest = manifest
         self.name: str = manifest["name"]
@@ -448,6 +551,7 @@ class Bundle:
         self.outputs = tuple(TensorSpec.from_json(e) for e in manifest["outputs"])
         self.program_outputs = tuple(TensorSpec.from_json(e) for e in _program_outputs(manifest))
         self.program = program
+        self.postprocess = postprocess  # run on the host after the program
         self.weights: dict[str, np.ndarray] = weights  # on the host; placed on the first call
         self._placed = None
 
@@ -471,6 +575,8 @@ class Bundle:
         set of its program, on the host or the device) -> {output name: array}."""
         results = self.program.call(weights, arrays)
         outputs = {spec.name: np.asarray(results[spec.name]) for spec in self.program_outputs}
+        if self.postprocess is not None:
+            outputs = self.postprocess(self.name, outputs, arrays)
         for spec in self.outputs:
             if spec.echo is not None:  # the wire input, unchanged
                 outputs[spec.name] = np.asarray(arrays[spec.echo])
@@ -567,8 +673,16 @@ class Bundle:
         return f"<nitro bundle {self.name!r} ({ins}) -> ({outs}) from {self.directory}>"
 
 
-def load(directory: str | os.PathLike, *, programs: dict[str, Program] | None = None) -> Bundle:
+def load(
+    directory: str | os.PathLike,
+    *,
+    programs: dict[str, Program] | None = None,
+    trust_code: bool = False,
+) -> Bundle:
     """Load the bundle in `directory`, checking every file against the manifest.
+
+    A bundle with a postprocess hook runs Python source recorded in it: it loads only with
+    `trust_code=True` (BundleError otherwise, naming the flag), the choice to run it.
 
     A missing or damaged file, a manifest from a newer format, or one that does not match the
     program (its keys, or an input's or output's name, dtype or shape) raises `BundleError`
@@ -578,6 +692,7 @@ def load(directory: str | os.PathLike, *, programs: dict[str, Program] | None = 
     """
     directory = os.fspath(directory)
     manifest = _read_manifest(directory)
+    postprocess = _postprocess(directory, manifest, trust_code)
     program_path = _check_file(directory, PROGRAM, manifest)
     weights_path = _check_file(directory, WEIGHTS, manifest)
     key = _program_key(manifest)
@@ -613,4 +728,4 @@ def load(directory: str | os.PathLike, *, programs: dict[str, Program] | None = 
             )
     if programs is not None:
         programs.setdefault(key, program)
-    return Bundle(directory, manifest, program, weights)
+    return Bundle(directory, manifest, program, weights, postprocess)

@@ -21,6 +21,11 @@ Optional experiment hooks shape the wire:
 - `export_preprocess(self, **wire)`: traced into the bundle; returns the fields `forward` takes.
 - `export_outputs(self)`: {name: dtype or None} naming `forward`'s outputs (one entry per output
   array, the keys of a dict output) and optionally casting them.
+- `postprocess(self, outputs, **inputs)`: run on the host after the program, in NumPy; its
+  source, fingerprint and `self`'s values are recorded in the manifest, and the loader runs
+  that text (only when trusted: `nitro.bundle.load(dir, trust_code=True)`).
+
+`echo=` names wire inputs returned unchanged as outputs. Specs name their axes ("batch" first).
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ class ExportSource:
     owner: str = ""
     files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)  # more of the bundle's
     echo: tuple[str, ...] = ()  # wire inputs returned unchanged as outputs of the same name
+    postprocess: bundle.Postprocess | None = None  # run on the host after the program
 
 
 def _dims(shape) -> list[int]:
@@ -306,6 +312,58 @@ def _refuse_host_callbacks(
     ) from error
 
 
+def _probe_postprocess(
+    name: str,
+    hook: bundle.Postprocess,
+    wire: Mapping[str, bundle.TensorSpec],
+    program_outputs: list[bundle.TensorSpec],
+) -> list[bundle.TensorSpec]:
+    """The hook's outputs, from calls on zeros of 1 and 2 rows: an axis whose length differs
+    between the two is variable (-1), named "batch" when it is the first and as long as the
+    rows. Each output must have the batch axis first (the server pads and slices by rows)."""
+    seen: list[dict[str, np.ndarray]] = []
+
+    def zeros(spec: bundle.TensorSpec, rows: int) -> np.ndarray:
+        return np.zeros([rows if d == bundle.BATCH else d for d in spec.shape], spec.dtype)
+
+    for rows in (1, 2):
+        outputs = {spec.name: zeros(spec, rows) for spec in program_outputs}
+        inputs = {spec.name: zeros(spec, rows) for spec in wire.values()}
+        try:
+            result = hook(name, outputs, inputs)
+        except bundle.OutputError as error:
+            raise ExportError(
+                f"{error} when export called it on zeros of {rows} row{'s' * (rows != 1)} "
+                f"(outputs {', '.join(map(str, program_outputs))}); make it work for any batch"
+            ) from error.__cause__
+        seen.append({k: np.asarray(v) for k, v in result.items()})
+    if not seen[0] or list(seen[0]) != list(seen[1]):
+        raise ExportError(
+            f"postprocess returned {sorted(seen[0])} for 1 row and {sorted(seen[1])} for 2; "
+            f"return the same non-empty dict {{output name: array}} for every batch"
+        )
+    specs = []
+    for key, one in seen[0].items():
+        two = seen[1][key]
+        if one.ndim != two.ndim or one.dtype != two.dtype or one.ndim == 0:
+            raise ExportError(
+                f"postprocess output {key!r} is {one.dtype}{list(one.shape)} for 1 row and "
+                f"{two.dtype}{list(two.shape)} for 2; each output must have the batch axis "
+                f"first and one dtype and rank for every batch"
+            )
+        if (one.shape[0], two.shape[0]) != (1, 2):
+            raise ExportError(
+                f"postprocess output {key!r} has {one.shape[0]} and {two.shape[0]} rows for "
+                f"batches of 1 and 2; put the batch axis first, one row per input row"
+            )
+        shape = tuple(
+            a if a == b else bundle.BATCH for a, b in zip(one.shape, two.shape, strict=True)
+        )
+        axes = ("batch",) + (None,) * (one.ndim - 1)
+        specs.append(bundle.TensorSpec(key, one.dtype.name, shape, axes))
+    return specs
+
+
 def _check_echo(echo: Any, wire: Mapping[str, Any], outputs: list[str]) -> tuple[str, ...]:
     """`echo=`: names of wire inputs, none of them also an output of forward."""
     if isinstance(echo, str) or not isinstance(echo, (tuple, list)):
@@ -319,8 +377,8 @@ def _check_echo(echo: Any, wire: Mapping[str, Any], outputs: list[str]) -> tuple
             )
         if name in outputs:
             raise ExportError(
-                f"echo names {name!r}, but forward already returns an output {name!r}; rename "
-                f"one of them (export_outputs(self) names forward's outputs)"
+                f"echo names {name!r}, but the bundle already returns an output {name!r}; "
+                f"rename one of them (export_outputs(self) names forward's outputs)"
             )
     if len(set(echo)) != len(echo):
         raise ExportError(f"echo names an input twice: {tuple(echo)!r}; name each once")
@@ -413,19 +471,21 @@ def write_bundle(
         n: bundle.TensorSpec(n, np.dtype(s.dtype).name, (bundle.BATCH, *s.shape))
         for n, s in source.inputs.items()
     }
-    echoed = [dataclasses.replace(wire[n], echo=n) for n in _check_echo(source.echo, wire, order)]
+    program_outputs = [
+        bundle.TensorSpec(n, np.dtype(outputs[n].dtype).name, tuple(_dims(outputs[n].shape)))
+        for n in order
+    ]
+    client = program_outputs
+    if source.postprocess is not None:
+        client = _probe_postprocess(source.name, source.postprocess, wire, program_outputs)
+    names = [spec.name for spec in client]
+    echoed = [dataclasses.replace(wire[n], echo=n) for n in _check_echo(source.echo, wire, names)]
     manifest = {
         "format": bundle.FORMAT,
-        "format_version": bundle.FORMAT_VERSION if echoed else 1,
+        "format_version": bundle.FORMAT_VERSION if echoed or source.postprocess is not None else 1,
         "name": source.name,
         "inputs": [spec.to_json() for spec in wire.values()],
-        "outputs": [
-            bundle.TensorSpec(
-                n, np.dtype(outputs[n].dtype).name, tuple(_dims(outputs[n].shape))
-            ).to_json()
-            for n in order
-        ]
-        + [spec.to_json() for spec in echoed],
+        "outputs": [spec.to_json() for spec in (*client, *echoed)],
         "device_values": {k: _jsonable(v) for k, v in source.device_values.items()},
         "program": {
             "platforms": list(exported.platforms),
@@ -439,6 +499,13 @@ def write_bundle(
         "provenance": {k: _jsonable(v) for k, v in source.provenance.items()},
         "files": {},
     }
+    if source.postprocess is not None:  # what runs after the program, exactly
+        manifest["postprocess"] = {
+            "source": source.postprocess.source,
+            "sha256": source.postprocess.sha256,
+            "fields": dict(source.postprocess.fields),
+            "program_outputs": [spec.to_json() for spec in program_outputs],
+        }
     files = {
         bundle.PROGRAM: bytes(blob),
         bundle.WEIGHTS: _serialize_weights(source.weights),
@@ -619,6 +686,9 @@ def export_handle(
         for s in field_specs(cls)
         if s.kind is FieldKind.GRAPHCONST
     }
+    hook = None
+    if has_method(cls, "postprocess"):
+        hook = _host_hook(cls, {**graphconst, **device})
     origin, patch = provenance(cls)
     source = ExportSource(
         name=name or cls.__name__.lower(),
@@ -635,8 +705,35 @@ def export_handle(
         owner=handle.owner,
         files={PATCH: patch} if patch is not None else {},
         echo=tuple(echo) if isinstance(echo, (tuple, list)) else echo,
+        postprocess=hook,
     )
     return write_bundle(source, directory, platforms=platforms, accept=accept)
+
+
+def _host_hook(cls: type, fields: Mapping[str, Any]) -> bundle.Postprocess:
+    """`cls.postprocess` as recorded source, compiled on its own as a loader will."""
+    import inspect
+    import textwrap
+
+    function = inspect.getattr_static(cls, "postprocess")
+    where = f"{cls.__qualname__}.postprocess"
+    if not inspect.isfunction(function):
+        raise ExportError(
+            f"{where} must be a plain method `def postprocess(self, outputs, **inputs)`, not a "
+            f"{type(function).__name__}"
+        )
+    try:
+        text = textwrap.dedent(inspect.getsource(function))
+    except (OSError, TypeError) as error:
+        raise ExportError(
+            f"cannot read the source of {where} ({error}), which the bundle records; define "
+            f"it in a file or a notebook cell"
+        ) from None
+    recorded = json.loads(json.dumps({k: _jsonable(v) for k, v in fields.items()}))
+    try:
+        return bundle.Postprocess.compile(text, recorded, where)
+    except ValueError as error:
+        raise ExportError(str(error)) from None
 
 
 def _bundle_precision(dtype: Any, setup: Any):

@@ -262,8 +262,10 @@ class BundleModel(kserve.Model):
         batch_delay: float = 0.0,
         pager: Pager | None = None,
         programs: Programs | None = None,
+        trust_code: bool = False,
     ):
         self.directory = os.path.abspath(directory)
+        self.trust_code = trust_code  # run a bundle's postprocess hook (nitro serve --trust-code)
         self.max_batch = max_batch
         self.pager = pager if pager is not None else Pager()
         self.programs = programs if programs is not None else Programs()
@@ -285,7 +287,7 @@ class BundleModel(kserve.Model):
         """Read the directory; a program the server has not compiled is compiled for batch 1
         now, so a ready model answers its first request without compiling."""
         known = {id(p) for p in self.programs.values()}
-        loaded = bundles.load(self.directory, programs=self.programs)
+        loaded = bundles.load(self.directory, programs=self.programs, trust_code=self.trust_code)
         compiled = id(loaded.program) not in known
         weights = WeightSet(name or loaded.name, loaded)
         try:
@@ -572,6 +574,7 @@ def serve(
     host_memory_budget: str | None = None,
     watch: bool = False,
     log_level: str = "info",
+    trust_code: bool = False,
 ) -> None:
     """Serve the bundles in `directories` until interrupted (SIGINT or SIGTERM).
 
@@ -579,7 +582,8 @@ def serve(
     `max_batch` rows; a batch of several that is not full waits up to `batch_delay_ms` for more.
     Bundles of one program compile it once; their weights move to the device on demand within
     `device_memory_budget` (bytes as '2GB' or a fraction as '0.5'; None: no limit) and are held
-    on the host within `host_memory_budget`, least recently used out first.
+    on the host within `host_memory_budget`, least recently used out first. A bundle with a
+    postprocess hook (Python recorded in the bundle) is served only with `trust_code`.
 
     >>> serve(["exports/digits"], port=8080, grpc_port=8081)   # doctest: +SKIP
     """
@@ -600,7 +604,12 @@ def serve(
         if host_memory_budget is None
         else parse_budget(host_memory_budget, total=host_memory(), option="--host-memory"),
     )
-    options = {"batching": batching, "batch_delay": batch_delay_ms / 1000, "pager": pager}
+    options = {
+        "batching": batching,
+        "batch_delay": batch_delay_ms / 1000,
+        "pager": pager,
+        "trust_code": trust_code,
+    }
     programs = Programs()
     models = [
         BundleModel(d, max_batch=max_batch, programs=programs, **options) for d in directories
