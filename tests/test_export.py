@@ -691,3 +691,21 @@ def test_a_hook_that_raises_or_returns_another_shape_gives_no_outputs(trained, t
         nitro.bundle.OutputError, match=r"output 'label' is int64\[2\] for 3 rows, but its manifest"
     ):
         model(x=batch(3), id=np.array([1, 2, 3], np.int32))
+
+
+def test_batch_sizes_pad_a_call_to_the_smallest_that_fits(trained, tmp_path):
+    manifest = trained.export(str(tmp_path / "sized"), batch_sizes=(1, 8, 32))
+    assert manifest["program"]["batch_sizes"] == [1, 8, 32]
+    model = nitro.bundle.load(tmp_path / "sized")
+    assert [model.width(rows) for rows in (1, 2, 8, 9, 32, 33, 70)] == [1, 8, 8, 32, 32, 64, 96]
+    for rows in (3, 5, 70):
+        x = batch(rows)
+        result = model(x=x)["output"]
+        assert result.shape == (rows, 2)
+        np.testing.assert_allclose(result, trained.predict({"x": x}), atol=1e-6)
+    assert model.program.call._cache_size() == 2  # widths 8 and 32 (70 rows: 3 calls of 32)
+    for wrong in ((8, 1), (0, 4), (2.0,), ()):
+        with pytest.raises(
+            ExportError, match=r"batch_sizes must be .*e\.g\. batch_sizes=\(1, 8, 32\)"
+        ):
+            trained.export(str(tmp_path / "wrong"), batch_sizes=wrong)

@@ -150,7 +150,7 @@ def handles():
     }
 
 
-EXPORTS = {"tagged": {"echo": ("id",)}, "labelled": {"echo": ("id",)}}
+EXPORTS = {"tagged": {"echo": ("id",), "batch_sizes": (2, 4)}, "labelled": {"echo": ("id",)}}
 
 
 @pytest.fixture(scope="module")
@@ -204,6 +204,7 @@ def test_an_echoed_id_comes_back_with_the_outputs_and_the_metadata_names_it(hand
     np.testing.assert_allclose(
         result.as_numpy("output"), handles["toy"].predict({"x": x}), atol=1e-6
     )
+    assert _stats(served.url, "tagged")[2] == {4: 1}  # 3 rows: the bundle's batch size 4
     metadata = http_client.InferenceServerClient(served.url).get_model_metadata("tagged")
     assert metadata["outputs"] == [
         {"name": "output", "datatype": "FP32", "shape": [-1, 2]},

@@ -508,6 +508,7 @@ class Nitro(TimeTravel, RunHandle):
         weights: str | None = None,
         dtype: str | None = None,
         echo: tuple[str, ...] = (),
+        batch_sizes: tuple[int, ...] | None = None,
     ) -> dict[str, Any]:
         """Write the current weights and eval-mode forward as a bundle that runs without Nitro
         (`nitro.bundle.load(directory)`) and serves with `nitro serve`; returns its manifest.
@@ -516,7 +517,9 @@ class Nitro(TimeTravel, RunHandle):
         defaults to cpu, cuda, rocm and tpu; `weights="ema"` exports the moving average of
         the weights; `dtype` is the bundle's: "float32" (the default), "bfloat16", "float16"
         or "compute" (the run's `precision=`); `echo` names wire inputs returned unchanged as
-        outputs (an id passed through). See docs/export.md.
+        outputs (an id passed through); `batch_sizes` (e.g. (1, 8, 32)) the sizes a loader or
+        server pads a call to, the smallest that fits (`nitro serve` compiles each as it loads
+        the bundle). See docs/export.md.
         """
         from nitro.serving.export import DEFAULT_PLATFORMS, export_handle
 
@@ -532,6 +535,7 @@ class Nitro(TimeTravel, RunHandle):
                 variables=variables,
                 dtype=dtype,
                 echo=echo,
+                batch_sizes=batch_sizes,
             )
 
     def publish(

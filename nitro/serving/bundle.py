@@ -215,6 +215,17 @@ def _read_manifest(directory: str) -> dict[str, Any]:
         raise BundleError(f"{path}: 'name' must be a non-empty string; re-export the bundle")
     for key in ("inputs", "outputs"):
         _check_specs(path, key, manifest[key])
+    sizes = (manifest.get("program") or {}).get("batch_sizes")
+    if sizes is not None and not (
+        isinstance(sizes, list)
+        and sizes
+        and all(type(n) is int and n >= 1 for n in sizes)
+        and sizes == sorted(set(sizes))
+    ):
+        raise BundleError(
+            f"{path}: program['batch_sizes'] must be increasing batch sizes, not {sizes!r}; "
+            f"re-export the bundle"
+        )
     files = manifest["files"]
     if not isinstance(files, dict):
         raise BundleError(f"{path}: 'files' must be an object; re-export the bundle")
@@ -552,6 +563,8 @@ class Bundle:
         self.program_outputs = tuple(TensorSpec.from_json(e) for e in _program_outputs(manifest))
         self.program = program
         self.postprocess = postprocess  # run on the host after the program
+        sizes = manifest.get("program", {}).get("batch_sizes")
+        self.batch_sizes: tuple[int, ...] = tuple(sizes or ())  # what a call is padded to
         self.weights: dict[str, np.ndarray] = weights  # on the host; placed on the first call
         self._placed = None
 
@@ -573,15 +586,41 @@ class Bundle:
     def run(self, weights: Mapping[str, Any], arrays: Mapping[str, np.ndarray]):
         """The program on checked `arrays` with `weights` (this bundle's, or another weight
         set of its program, on the host or the device) -> {output name: array}."""
-        results = self.program.call(weights, arrays)
-        outputs = {spec.name: np.asarray(results[spec.name]) for spec in self.program_outputs}
+        rows = next(iter(arrays.values())).shape[0]  # every input has the batch axis first
+        width = self.width(rows)
+        if width == rows and (not self.batch_sizes or rows <= self.batch_sizes[-1]):
+            results = self.program.call(weights, arrays)
+            outputs = {spec.name: np.asarray(results[spec.name]) for spec in self.program_outputs}
+        else:  # padded (repeating the last row) to a batch size, in calls of at most the largest
+            step = min(width, self.batch_sizes[-1])
+            padded = {
+                k: np.concatenate([v, np.repeat(v[-1:], width - rows, 0)])
+                for k, v in arrays.items()
+            }
+            parts = [
+                self.program.call(weights, {k: v[first : first + step] for k, v in padded.items()})
+                for first in range(0, width, step)
+            ]
+            outputs = {
+                spec.name: np.concatenate([np.asarray(p[spec.name]) for p in parts])[:rows]
+                for spec in self.program_outputs
+            }
         if self.postprocess is not None:
             outputs = self.postprocess(self.name, outputs, arrays)
         for spec in self.outputs:
             if spec.echo is not None:  # the wire input, unchanged
                 outputs[spec.name] = np.asarray(arrays[spec.echo])
-        rows = next(iter(arrays.values())).shape[0]  # every input has the batch axis first
         return self.check_outputs(outputs, rows)
+
+    def width(self, rows: int, max_batch: int | None = None) -> int:
+        """The rows a call of `rows` runs with: the smallest of `batch_sizes` that holds them
+        (beyond the largest, a multiple of it, run in calls of the largest); without batch
+        sizes, `rows`, or with `max_batch` the next power of two up to it (`nitro serve`)."""
+        if self.batch_sizes:
+            fit = next((size for size in self.batch_sizes if size >= rows), None)
+            largest = self.batch_sizes[-1]
+            return fit if fit is not None else -(-rows // largest) * largest
+        return rows if max_batch is None else min(1 << (rows - 1).bit_length(), max_batch)
 
     def check_outputs(self, outputs: Mapping[str, Any], rows: int) -> dict[str, np.ndarray]:
         """`outputs` in the manifest's order, after checking each one's dtype and shape against

@@ -26,6 +26,8 @@ Optional experiment hooks shape the wire:
   that text (only when trusted: `nitro.bundle.load(dir, trust_code=True)`).
 
 `echo=` names wire inputs returned unchanged as outputs. Specs name their axes ("batch" first).
+`batch_sizes=` records the sizes a loader pads a call to (the program keeps its symbolic batch:
+compiled for a size, it runs as a program exported for that size does).
 """
 
 from __future__ import annotations
@@ -84,6 +86,7 @@ class ExportSource:
     files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)  # more of the bundle's
     echo: tuple[str, ...] = ()  # wire inputs returned unchanged as outputs of the same name
     postprocess: bundle.Postprocess | None = None  # run on the host after the program
+    batch_sizes: tuple[int, ...] = ()  # what a call is padded to (compiled when loaded)
 
 
 def _dims(shape) -> list[int]:
@@ -364,6 +367,23 @@ def _probe_postprocess(
     return specs
 
 
+def _check_batch_sizes(sizes: Any) -> tuple[int, ...]:
+    """`batch_sizes=`: increasing batch sizes, e.g. (1, 8, 32)."""
+    example = "e.g. batch_sizes=(1, 8, 32)"
+    if sizes is None:
+        return ()
+    if isinstance(sizes, (str, int)) or not isinstance(sizes, (tuple, list)) or not sizes:
+        raise ExportError(
+            f"batch_sizes must be a non-empty tuple of sizes, {example}; got {sizes!r}"
+        )
+    if not all(type(n) is int and n >= 1 for n in sizes) or list(sizes) != sorted(set(sizes)):
+        raise ExportError(
+            f"batch_sizes must be whole numbers of rows of at least 1, increasing, each once "
+            f"({example}); got {tuple(sizes)!r}"
+        )
+    return tuple(sizes)
+
+
 def _check_echo(echo: Any, wire: Mapping[str, Any], outputs: list[str]) -> tuple[str, ...]:
     """`echo=`: names of wire inputs, none of them also an output of forward."""
     if isinstance(echo, str) or not isinstance(echo, (tuple, list)):
@@ -451,7 +471,7 @@ def write_bundle(
         raise
     # A fixed batch width can pass the symbolic trace and fail only when the program is
     # compiled for another size: trace two concrete sizes too (no compile).
-    for rows in (1, 2):
+    for rows in sorted({1, 2, *source.batch_sizes}):
         concrete = {
             name: jax.ShapeDtypeStruct((rows, *spec.shape), spec.dtype)
             for name, spec in source.inputs.items()
@@ -478,6 +498,13 @@ def write_bundle(
     client = program_outputs
     if source.postprocess is not None:
         client = _probe_postprocess(source.name, source.postprocess, wire, program_outputs)
+    unpadded = [str(spec) for spec in program_outputs if spec.axes[:1] != ("batch",)]
+    if source.batch_sizes and unpadded:
+        raise ExportError(
+            f"batch_sizes pads a call to a batch size and slices the outputs back, but forward's "
+            f"output {unpadded[0]} has no batch axis first; return one row per input row, or "
+            f"leave batch_sizes out"
+        )
     names = [spec.name for spec in client]
     echoed = [dataclasses.replace(wire[n], echo=n) for n in _check_echo(source.echo, wire, names)]
     manifest = {
@@ -491,6 +518,7 @@ def write_bundle(
             "platforms": list(exported.platforms),
             "calling_convention_version": exported.calling_convention_version,
             "batch_symbol": "batch",
+            **({"batch_sizes": list(source.batch_sizes)} if source.batch_sizes else {}),
         },
         "weights": {
             "tensors": len(source.weights),
@@ -538,6 +566,7 @@ def export_handle(
     dtype: str | None = None,
     accept: Callable[[dict[str, Any]], None] | None = None,
     echo: tuple[str, ...] = (),
+    batch_sizes: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     """Export a handle's current weights (or `variables`: e.g. the moving average) and its
     eval-mode forward; returns the manifest.
@@ -561,6 +590,7 @@ def export_handle(
     from nitro.experiments.trace_view import TraceView
     from nitro.programs.tracing import EVAL_SEED
 
+    sizes = _check_batch_sizes(batch_sizes)  # before anything is traced
     setup, state = handle.setup, handle.state
     variables = variables if variables is not None else state.variables
     precision = _bundle_precision(dtype, setup)
@@ -706,6 +736,7 @@ def export_handle(
         files={PATCH: patch} if patch is not None else {},
         echo=tuple(echo) if isinstance(echo, (tuple, list)) else echo,
         postprocess=hook,
+        batch_sizes=sizes,
     )
     return write_bundle(source, directory, platforms=platforms, accept=accept)
 

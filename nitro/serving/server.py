@@ -11,7 +11,9 @@ repository, the model server) and adds what a bundle needs on top:
 
 - it binds 127.0.0.1 unless told otherwise (KServe's own servers bind every interface);
 - a batch is padded to a power of two (at most `max_batch` rows, by repeating its last row, as
-  `Nitro.predict` pads), so a bundle compiles at most log2(max_batch) + 1 programs;
+  `Nitro.predict` pads), so a bundle compiles at most log2(max_batch) + 1 programs; a bundle
+  exported with `batch_sizes` is padded to the smallest of them that fits instead, each
+  compiled when it loads;
 - with `batching` on, concurrent requests for one model, each checked on its own first, are
   joined into one call of up to `max_batch` rows (`Batcher`) and the outputs sliced back;
   `GET /v2/models/NAME/stats` counts rows and calls as Triton's statistics extension does;
@@ -69,10 +71,6 @@ with kserve_imports():
 __all__ = ["Batcher", "BundleModel", "BundleRepository", "Programs", "Served", "Stats", "serve"]
 
 log = logging.getLogger("nitro.serving.server")
-
-
-def _bucket(rows: int, max_batch: int) -> int:
-    return min(1 << (rows - 1).bit_length(), max_batch)
 
 
 @dataclass(frozen=True, eq=False)
@@ -216,7 +214,7 @@ class Batcher:
 
     async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[_Waiting], rows: int):
         current = batch[0].served
-        width = _bucket(rows, self.max_batch)
+        width = current.bundle.width(rows, self.max_batch)
         start = time.perf_counter()
         try:
             arrays = {
@@ -294,9 +292,10 @@ class BundleModel(kserve.Model):
             self.pager.add(weights)  # refuses weights larger than a budget alone
             loaded.weights = {}  # the pager holds them from here on, within its budgets
             served = Served(loaded, weights, self.pager)
-            if compiled:
+            if compiled:  # batch 1, or each of the bundle's batch sizes
                 self.program_loads += 1
-                served({s.name: np.zeros((1, *s.shape[1:]), s.dtype) for s in loaded.inputs})
+                for rows in loaded.batch_sizes or (1,):
+                    served({s.name: np.zeros((rows, *s.shape[1:]), s.dtype) for s in loaded.inputs})
         except BaseException:
             self.pager.remove(weights)
             self.programs.replace(None, None)  # drops a program only this load compiled
@@ -389,7 +388,7 @@ class BundleModel(kserve.Model):
         self, current: Served, arrays: dict[str, np.ndarray], rows: int, pad: bool
     ) -> dict[str, np.ndarray]:
         """One request as its own call, padded to its power of two."""
-        width = _bucket(rows, self.max_batch) if pad else rows
+        width = current.bundle.width(rows, self.max_batch) if pad else rows
         if width > rows:
             arrays = {
                 k: np.concatenate([v, np.repeat(v[-1:], width - rows, axis=0)])
