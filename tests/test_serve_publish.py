@@ -22,7 +22,7 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("publish")
     handle = nitro.Nitro(Toy(max_epochs=1), seed=3, progress=False)
     handle.train()
-    handle.export(str(root / "model"), name="model")
+    handle.export(str(root / "model"), name="model", batch_sizes=(4, 8))
     server = Server([root / "model"], root / "server.log")
     server.root, server.handle = root, handle  # pyright: ignore[reportAttributeAccessIssue]
     yield server
@@ -49,6 +49,7 @@ def test_publish_swaps_the_served_weights_and_keeps_the_program(served):
     assert done["replaced"] == "weights" and done["model"] == "model"
     assert done["directory"] == str(served.root / "model")
     assert done["program"] == before["program"]
+    assert done["manifest"]["program"]["batch_sizes"] == [4, 8]  # the served bundle's
     assert _serves(served, served.root / "model")
     assert not np.array_equal(infer_http(served.url, "model", X7), old)
     np.testing.assert_allclose(

@@ -1,8 +1,10 @@
 """Publishing a handle's weights to a running `nitro serve` (`Nitro.publish`).
 
 ```
-GET  /v2/models/NAME/stats            the served bundle's directory, inputs and platforms
-export into that directory            refused before writing if the inputs differ
+GET  /v2/models/NAME/stats            the served bundle's directory, inputs, platforms, echoed
+                                      inputs and batch sizes
+export into that directory            with the same echo and batch sizes; refused before
+                                      writing if the inputs differ
 POST /v2/repository/models/NAME/load  the server re-reads it: weights only if the program is same
 GET  /v2/models/NAME/stats            which of the two it did
 ```
@@ -124,6 +126,8 @@ def publish(
         variables=variables,
         dtype=dtype,
         accept=accept,
+        echo=tuple(served.get("echo") or ()),  # the served bundle's, so its clients keep them
+        batch_sizes=tuple(served.get("batch_sizes") or ()) or None,
     )
     status, answer = _call(base, "POST", f"/v2/repository/models/{urllib.parse.quote(name)}/load")
     if status != 200:

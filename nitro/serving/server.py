@@ -340,6 +340,8 @@ class BundleModel(kserve.Model):
             "directory": self.directory,
             "inputs": self.bundle.manifest["inputs"],
             "platforms": self.bundle.manifest["program"]["platforms"],
+            "echo": [spec.echo for spec in self.bundle.outputs if spec.echo is not None],
+            "batch_sizes": list(self.bundle.batch_sizes),
         }
         answer["paging"] = self.pager.stats() | {"programs": len(self.programs)}
         return answer
