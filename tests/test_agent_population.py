@@ -383,3 +383,49 @@ def test_the_tools_for_runs_validate_train_on_and_read_the_files_of_a_population
     assert (pruned["epoch"], pruned["step"]) == (1, pop.stopped_at[1])
     assert pruned["step"] < trained["step"]
     assert "nitro_train: epochs: population pop already trained its 2 epochs" in finished_run
+
+
+def test_an_agent_starts_a_searched_population_and_bad_search_settings_are_refused(connect):
+    space = {"learning_rate": {"log_uniform": [1e-3, 1e-1]}}
+    search = [{"random": {"space": space, "n": 4, "seed": 3}}, {"halving": {"rungs": [1]}}]
+
+    async def scenario():
+        async with connect() as session:
+            started = await call(
+                session,
+                "nitro_population",
+                experiment=DIGITS,
+                overrides={"width": 16, "batch_size": 128},
+                search=search,
+                max_epochs=2,
+            )
+            done = await poll(session, started["run_id"], finished, timeout=300)
+            refused = [
+                await refusal(
+                    session,
+                    "nitro_population",
+                    experiment=DIGITS,
+                    search={"random": {"space": {"width": {"choice": [16, 32]}}, "n": 2}},
+                ),
+                await refusal(
+                    session, "nitro_population", experiment=DIGITS, search={"pbt": {"every": 0}}
+                ),
+                await refusal(
+                    session,
+                    "nitro_population",
+                    experiment=DIGITS,
+                    search={"random": {"space": {"learning_rate": {"normal": [0, 1]}}, "n": 2}},
+                ),
+            ]
+            return started, done, refused
+
+    started, done, (graphconst, every, distribution) = anyio.run(scenario)
+    assert started["members"] == 4 and done["status"] == "done"
+    assert len(done["stopped"]) == 2  # the halving rung stopped half of them
+    assert graphconst.startswith(
+        "nitro_population: search: Random space key 'width': width cannot vary"
+    )
+    assert every.startswith("nitro_population: search.pbt: PBT(every=0): give a whole number")
+    assert distribution.startswith(
+        "nitro_population: search.random.space.learning_rate: give one of log_uniform, uniform"
+    )

@@ -197,3 +197,24 @@ def test_fused_evaluation_calls_give_the_same_rows_and_counts_as_single_batches(
     assert [r["index"] for r in worst.rows] == np.argsort(-losses)[:5].tolist()
     assert [r["index"] for r in shown.rows] == list(range(40))
     assert [r["y"] for r in shown.rows] == val["y"][:40].tolist()
+
+
+def test_render_sends_the_figure_to_wandb_as_an_image(tmp_path, monkeypatch):
+    pytest.importorskip("wandb", reason="WandbLogger needs pip install 'nitro[wandb]'")
+    import glob
+
+    from test_loggers_tracking import finished_wandb_records, wandb_history
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb-home"))
+    logger = nitro.loggers.WandbLogger("nitro-tests", dir=tmp_path)
+    n = nitro.Nitro(Digits(max_epochs=1), seed=0, progress=False, logger=logger)
+    n.train()
+    n.render(samples=4, where="logger")
+    n.close()
+    # offline, W&B writes a resumed run (the render's, after training) in a directory of its own
+    *_, run_dir = sorted(glob.glob(str(tmp_path / "wandb" / f"offline-run-*-{logger.run_id}")))
+    records = finished_wandb_records(f"{run_dir}/run-{logger.run_id}.wandb")  # finished too
+    logged = [k for row in wandb_history(records) for k in row if k.endswith("._type")]
+    assert any(key.startswith("render") for key in logged), logged
+    assert glob.glob(f"{run_dir}/files/media/images/render/*.png")

@@ -5,7 +5,10 @@ A metrics hook returns a dict. Each value is
 - a bare scalar or array: the mean over real samples (weighted by each batch's real count);
 - `(value, count)`: summed, and divided once at the end by the summed counts;
 - `(value, "sum" | "max" | "min" | "concat")`: summed, maxed, mined, or joined along the
-  batch axis (for AUROC and the like, reduced in `finalize_metrics`).
+  batch axis (for AUROC and the like, reduced in `finalize_metrics`);
+- a metric object of a library made for JAX (`clu.metrics`: `Accuracy.from_model_output(...)`,
+  `Average`, `Std`, or any object with `merge` and `compute`, a pytree of arrays): merged over
+  the batches as the library defines, and computed once at the end.
 
 A mode applies leaf by leaf to a nested dict, and a nested dict may mix modes. The set of keys,
 the modes and the shapes are fixed by the first batch.
@@ -13,6 +16,7 @@ the modes and the shapes are fixed by the first batch.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -43,6 +47,15 @@ def split_modes(values: Any, hook: str) -> tuple[list[tuple[str, str]], list[tup
     leaves: list[tuple[Any, Any]] = []
 
     def visit(path: str, value: Any, inherited: tuple[str, Any] | None) -> None:
+        if _is_metric_object(value):
+            if inherited is not None:
+                raise MetricError(
+                    f"metric {path!r} of `{hook}` is a library metric ({type(value).__name__}), "
+                    f"which merges over batches itself: return it without a mode"
+                )
+            specs.append((path, "merge"))
+            leaves.append((value, None))
+            return
         if _is_mode_pair(value) and inherited is None:
             inner, mode = value
             if mode is None:
@@ -87,6 +100,16 @@ def split_modes(values: Any, hook: str) -> tuple[list[tuple[str, str]], list[tup
     return specs, leaves
 
 
+def _is_metric_object(value: Any) -> bool:
+    """A library's metric (clu.metrics): a dataclass pytree that merges and computes."""
+    return (
+        dataclasses.is_dataclass(value)
+        and not isinstance(value, type)
+        and callable(getattr(value, "merge", None))
+        and callable(getattr(value, "compute", None))
+    )
+
+
 class MetricAccumulator:
     """Reduces per-batch metric values over a split."""
 
@@ -104,8 +127,14 @@ class MetricAccumulator:
         elif specs != self.specs:
             self._raise_changed(specs)
         for i, ((path, mode), (value, count)) in enumerate(zip(specs, leaves, strict=True)):
-            value = np.asarray(value)
             previous = self.totals[i]
+            if mode == "merge":  # a library's metric object: its own merge
+                import jax
+
+                value = jax.device_get(value)
+                self.totals[i] = value if previous is None else previous.merge(value)
+                continue
+            value = np.asarray(value)
             if previous is not None and mode != "concat" and np.shape(previous) != value.shape:
                 raise MetricError(
                     f"metric {path!r} of `{self.hook}` changed shape between batches: "
@@ -162,7 +191,9 @@ class MetricAccumulator:
         for (path, mode), total, count in zip(
             self.specs or [], self.totals, self.counts, strict=True
         ):
-            if mode in ("mean", "count"):
+            if mode == "merge":
+                value = np.asarray(total.compute())
+            elif mode in ("mean", "count"):
                 value = total / count
             elif mode == "concat":
                 value = np.concatenate(total, axis=0)

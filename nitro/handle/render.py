@@ -168,6 +168,8 @@ def _deliver(handle: Any, gallery: Any, where: Any, name: str, member: int | Non
             if isinstance(gallery, Confusion):
                 logger.log_confusion(gallery.matrix, list(gallery.classes), epoch=handle.epoch)
             logger.flush()
+            if not handle.running:  # a logger run it reopened (W&B's) ends again, written
+                logger.finish(handle.stop_reason or "completed")
             continue
         if not isinstance(place, (str, os.PathLike)):
             raise TypeError(

@@ -15,8 +15,8 @@ Paths the tools take stay inside the session's root and the directories the user
 Modules: `registry` (the runs the tools started), `lookup` (experiments by name, checked
 overrides), `json_keywords` (run keywords from JSON), `convert` (JSON in and out), `paths` (where
 tools may read and write), `describe` (what status says about a run or a population),
-`members` (what only a population has: its members), `rewinds` (`nitro_rewind` and
-`nitro_fork`), `session` (what each tool does), `tools` (argument schemas and the
+`members` (what only a population has: its members), `search_json` (`nitro_population`'s
+`search` in JSON), `rewinds` (`nitro_rewind` and `nitro_fork`), `session` (what each tool does), `tools` (argument schemas and the
 MCP server), `http` (the loopback server). Only `registry` loads without the SDK; the rest
 load on first use.
 

@@ -39,6 +39,7 @@ from typing import Any
 
 from nitro._version import __version__
 from nitro.engine.member_axis import shown_settings
+from nitro.engine.search import split_search
 from nitro.errors import PopulationError
 from nitro.experiments.declaration import field_specs, has_method
 from nitro.handle.handle import Nitro
@@ -67,6 +68,7 @@ from nitro.mcp.paths import PathPolicy
 from nitro.mcp.registry import RUNS, RunRecord, RunRegistry, RunStatus
 from nitro.mcp.rewinds import fork as fork_run
 from nitro.mcp.rewinds import rewind as rewind_run
+from nitro.mcp.search_json import search_from_json
 
 __all__ = ["ToolSession"]
 
@@ -802,6 +804,7 @@ class ToolSession:
         run_id: str | None = None,
         wait_seconds: float = 60.0,
         preset: str | None = None,
+        search: Any = None,
     ) -> dict[str, Any]:
         _check_amount(epochs, steps)
         if run_id is not None:
@@ -814,6 +817,7 @@ class ToolSession:
                 "axes": axes,
                 "members": members,
                 "max_epochs": max_epochs,
+                "search": search,
             }
             self._continues(run_id, others)
             return self._continue(run_id, epochs, steps)
@@ -821,9 +825,22 @@ class ToolSession:
         shared = {name: f"keywords.{name}" for name in keywords or {}}
         shared |= {name: name for name, value in typed.items() if value is not None}
         shared |= {name: f"overrides.{name}" for name in overrides or {}}
-        where = shared | varied_by(axes, members, shared)
-        argument = "members" if members is not None else "axes"
-        count = len(members) if members is not None else math.prod(map(len, (axes or {}).values()))
+        searched = None if search is None else search_from_json(search)
+        proposal = split_search(searched)[0] if searched is not None else None
+        if proposal is not None:  # the members come from the search's space
+            where = shared | {name: f"search.space.{name}" for name in proposal.space}
+        else:
+            where = shared | varied_by(axes, members, shared)
+        argument = (
+            "search" if proposal is not None else "members" if members is not None else "axes"
+        )
+        count = (
+            len(proposal)
+            if proposal is not None
+            else len(members)
+            if members is not None
+            else math.prod(map(len, (axes or {}).values()))
+        )
         instance, checked = self._new_handle_plan(experiment, overrides, keywords, typed, preset)
         # a list would be an axis: a shared value that is a list (eval_splits) goes as a tuple
         checked: dict[str, Any] = {
@@ -834,7 +851,9 @@ class ToolSession:
 
         def build(record: RunRecord) -> Population:
             try:
-                population = Population(instance, members=members, **(axes or {}), **checked)
+                population = Population(
+                    instance, members=members, search=searched, **(axes or {}), **checked
+                )
             except PopulationError as error:
                 refused.append(error)
                 raise

@@ -198,6 +198,14 @@ class PopulationArguments(_NewHandle):
         description='instead of axes, each member\'s values: [{"learning_rate": 0.001}, '
         '{"learning_rate": 0.01, "seed": 1}]',
     )
+    search: dict[str, Any] | list[dict[str, Any]] | None = Field(
+        None,
+        description="a search inside the population (docs/search.md): members drawn from a "
+        'space, {"random": {"space": {"learning_rate": {"log_uniform": [0.0001, 0.1]}}, "n": 8, '
+        '"seed": 0}} (or "sobol"; instead of axes), and/or what happens while they train, '
+        '{"pbt": {"every": 2}} or {"halving": {"rungs": [1, 2], "keep": 0.5}}; a list gives one '
+        "of each",
+    )
     max_epochs: int | None = Field(None, ge=1, description="epochs every member trains to")
     epochs: int | None = Field(None, ge=1, description="train this many epochs (more)")
     steps: int | None = Field(
