@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -86,6 +87,42 @@ class TwoOutputs(Toy):
         return {"a": None, "b": None}
 
 
+@nitro.experiment
+class Tagged(Toy):
+    """Each row carries an id on the wire that forward does not take."""
+
+    def export_inputs(self):
+        return {
+            "x": jax.ShapeDtypeStruct((5,), jnp.float32),
+            "id": jax.ShapeDtypeStruct((), jnp.int32),
+        }
+
+
+@nitro.experiment
+class TaggedClash(Tagged):
+    def export_outputs(self):
+        return {"id": None}
+
+
+@nitro.experiment
+class Labelled(Tagged):
+    """A host hook turns the logits into a label and its probability; the id is echoed."""
+
+    def postprocess(self, outputs, **inputs):
+        logits = outputs["output"].astype(np.float64) * self.width / 8
+        probabilities = np.exp(logits - logits.max(1, keepdims=True))
+        probabilities /= probabilities.sum(1, keepdims=True)
+        return {"label": probabilities.argmax(1), "p": probabilities.max(1)}
+
+
+@nitro.experiment
+class Failing(Tagged):
+    def postprocess(self, outputs, **inputs):
+        if (inputs["id"] < 0).any():
+            raise ValueError("ids must not be negative")
+        return {"label": outputs["output"].argmax(1)[:2]}  # wrong from 3 rows on
+
+
 @pytest.fixture(scope="module")
 def trained():
     n = nitro.Nitro(Toy(), seed=0, progress=False)
@@ -153,8 +190,12 @@ def test_the_manifest_records_the_wire_device_values_and_provenance(trained, exp
         1,
         "toy",
     )
-    assert manifest["inputs"] == [{"name": "x", "dtype": "float32", "shape": [-1, 5]}]
-    assert manifest["outputs"] == [{"name": "output", "dtype": "float32", "shape": [-1, 2]}]
+    assert manifest["inputs"] == [
+        {"name": "x", "dtype": "float32", "shape": [-1, 5], "axes": ["batch", None]}
+    ]
+    assert manifest["outputs"] == [
+        {"name": "output", "dtype": "float32", "shape": [-1, 2], "axes": ["batch", None]}
+    ]
     assert manifest["device_values"] == {"scale": 1.0}
     assert manifest["program"]["platforms"] == ["cpu", "cuda", "rocm", "tpu"]
     assert manifest["weights"] == {"tensors": 4, "elements": trained.param_count}
@@ -453,10 +494,10 @@ def test_a_changed_program_fails_its_checksum(damaged):
 
 def test_a_manifest_from_a_newer_format_says_to_upgrade(damaged):
     manifest = json.loads((damaged / "manifest.json").read_text())
-    manifest["format_version"] = 2
+    manifest["format_version"] = 3
     (damaged / "manifest.json").write_text(json.dumps(manifest))
     with pytest.raises(
-        nitro.bundle.BundleError, match=r"format 2; this nitro\.bundle reads format 1.*Upgrade"
+        nitro.bundle.BundleError, match=r"format 3; this nitro\.bundle reads format 2.*Upgrade"
     ):
         nitro.bundle.load(damaged)
 
@@ -492,7 +533,7 @@ TAMPERINGS = {
         r"takes x: float32\[batch, 5\]",
     ),
     "a wrong output shape": (
-        lambda m: _edit(m["outputs"][0], shape=[3]),
+        lambda m: _edit(m["outputs"][0], shape=[3], axes=[None]),
         r"outputs\[0\] \('output'\) has shape \[3\], but \S+ returns output: float32\[batch, 2\]",
     ),
     "a wrong input dtype": (
@@ -506,6 +547,14 @@ TAMPERINGS = {
     "a shape that is not a list of sizes": (
         lambda m: _edit(m["inputs"][0], shape="[-1, 5]"),
         r"inputs\[0\]\['shape'\] must be a list of sizes \(-1 for the batch axis\)",
+    ),
+    "axes that do not match the shape": (
+        lambda m: _edit(m["inputs"][0], axes=["batch"]),
+        r"inputs\[0\]\['axes'\] must name each of the 2 axes \(a name or null\)",
+    ),
+    "an echo of an input the bundle does not take": (
+        lambda m: m["outputs"].append({**m["inputs"][0], "name": "id", "echo": "id"}),
+        r"outputs\[1\] \('id'\) echoes input 'id', which the bundle does not take",
     ),
     "a name that is not a string": (
         lambda m: _edit(m, name=5),
@@ -580,3 +629,83 @@ def test_a_handle_trained_on_a_mesh_exports_for_one_device(tmp_path):
         name for name in nitro.bundle.read_weights(str(tmp_path / "bundle" / "weights.safetensors"))
     }
     assert {"norm.mean", "norm.var", "hidden.kernel"} <= names  # BatchNorm statistics travel too
+
+
+def test_an_echoed_input_comes_back_unchanged_beside_the_outputs(trained, tmp_path):
+    n = nitro.Nitro(Tagged(), weights=trained, progress=False)
+    manifest = n.export(str(tmp_path / "tagged"), echo=("id",))
+    assert manifest["format_version"] == nitro.bundle.FORMAT_VERSION
+    assert manifest["outputs"][1] == {
+        "name": "id",
+        "dtype": "int32",
+        "shape": [-1],
+        "axes": ["batch"],
+        "echo": "id",
+    }
+    model = nitro.bundle.load(tmp_path / "tagged")
+    assert [str(s) for s in model.outputs] == ["output: float32[batch, 2]", "id: int32[batch]"]
+    x, ids = batch(3), np.array([7, -1, 2**31 - 1], np.int32)
+    result = model(x=x, id=ids)
+    assert list(result) == ["output", "id"]
+    np.testing.assert_array_equal(result["id"], ids)
+    np.testing.assert_allclose(result["output"], trained.predict({"x": x}), atol=1e-6)
+    with pytest.raises(ExportError, match=r"echo names 'key', which is not an input.*id: int32"):
+        n.export(str(tmp_path / "other"), echo=("key",))
+    clash = nitro.Nitro(TaggedClash(), weights=trained, progress=False)
+    with pytest.raises(ExportError, match=r"the bundle already returns an output 'id'; rename"):
+        clash.export(str(tmp_path / "other"), echo=("id",))
+
+
+def test_a_postprocess_hook_runs_its_recorded_source_when_the_loader_trusts_it(trained, tmp_path):
+    n = nitro.Nitro(Labelled(), weights=trained, progress=False)
+    manifest = n.export(str(tmp_path / "labelled"), echo=("id",))
+    hook = manifest["postprocess"]
+    assert hook["source"].startswith("def postprocess(self, outputs, **inputs):\n")
+    assert hook["sha256"] == hashlib.sha256(hook["source"].encode()).hexdigest()
+    assert hook["fields"] == {"width": 8, "offset": 0.0, "scale": 1.0}
+    assert [e["name"] for e in hook["program_outputs"]] == ["output"]
+    assert [(e["name"], e["dtype"], e["shape"]) for e in manifest["outputs"]] == [
+        ("label", "int64", [-1]),
+        ("p", "float64", [-1]),
+        ("id", "int32", [-1]),
+    ]
+    with pytest.raises(
+        nitro.bundle.BundleError, match=r"holds a postprocess hook .*trust_code=True"
+    ):
+        nitro.bundle.load(tmp_path / "labelled")
+    model = nitro.bundle.load(tmp_path / "labelled", trust_code=True)
+    x, ids = batch(4), np.arange(4, dtype=np.int32)
+    result = model(x=x, id=ids)
+    np.testing.assert_array_equal(result["label"], trained.predict({"x": x}).argmax(1))
+    assert result["p"].shape == (4,) and (result["p"] >= 0.5).all()
+    np.testing.assert_array_equal(result["id"], ids)
+
+
+def test_a_hook_that_raises_or_returns_another_shape_gives_no_outputs(trained, tmp_path):
+    nitro.Nitro(Failing(), weights=trained, progress=False).export(str(tmp_path / "failing"))
+    model = nitro.bundle.load(tmp_path / "failing", trust_code=True)
+    assert model(x=batch(2), id=np.array([1, 2], np.int32))["label"].shape == (2,)
+    with pytest.raises(nitro.bundle.OutputError, match=r"postprocess hook raised ValueError: ids"):
+        model(x=batch(3), id=np.array([1, -2, 3], np.int32))
+    with pytest.raises(
+        nitro.bundle.OutputError, match=r"output 'label' is int64\[2\] for 3 rows, but its manifest"
+    ):
+        model(x=batch(3), id=np.array([1, 2, 3], np.int32))
+
+
+def test_batch_sizes_pad_a_call_to_the_smallest_that_fits(trained, tmp_path):
+    manifest = trained.export(str(tmp_path / "sized"), batch_sizes=(1, 8, 32))
+    assert manifest["program"]["batch_sizes"] == [1, 8, 32]
+    model = nitro.bundle.load(tmp_path / "sized")
+    assert [model.width(rows) for rows in (1, 2, 8, 9, 32, 33, 70)] == [1, 8, 8, 32, 32, 64, 96]
+    for rows in (3, 5, 70):
+        x = batch(rows)
+        result = model(x=x)["output"]
+        assert result.shape == (rows, 2)
+        np.testing.assert_allclose(result, trained.predict({"x": x}), atol=1e-6)
+    assert model.program.call._cache_size() == 2  # widths 8 and 32 (70 rows: 3 calls of 32)
+    for wrong in ((8, 1), (0, 4), (2.0,), ()):
+        with pytest.raises(
+            ExportError, match=r"batch_sizes must be .*e\.g\. batch_sizes=\(1, 8, 32\)"
+        ):
+            trained.export(str(tmp_path / "wrong"), batch_sizes=wrong)

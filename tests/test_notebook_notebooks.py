@@ -180,6 +180,8 @@ def test_the_pretrained_notebook_fine_tunes_exports_and_serves_from_a_weights_fi
     _find(texts, r"val_acc")  # the history of the frozen and the unfrozen epoch
     manifest = json.loads((tmp_path / "exports/digits-convnext/manifest.json").read_text())
     assert str(checkpoint) in manifest["provenance"]["weights_origin"]
-    assert manifest["inputs"] == [{"name": "pixels", "dtype": "uint8", "shape": [-1, 8, 8]}]
+    assert manifest["inputs"] == [
+        {"name": "pixels", "dtype": "uint8", "shape": [-1, 8, 8], "axes": ["batch", None, None]}
+    ]
     _find(texts, r"bundle accuracy on 16 test digits: \d")
     _find(texts, r"served logits match the bundle's: \(16, 10\)")

@@ -53,6 +53,26 @@ class Counts(Toy):
         return {"x": counts.astype(jnp.float32) + levels.astype(jnp.float32)}
 
 
+@nitro.experiment
+class Tagged(Toy):
+    """Each row carries an id that the bundle returns as it came (echo)."""
+
+    def export_inputs(self):
+        return {
+            "x": jax.ShapeDtypeStruct((5,), jnp.float32),
+            "id": jax.ShapeDtypeStruct((), jnp.int32),
+        }
+
+
+@nitro.experiment
+class Labelled(Tagged):
+    """A host hook after the program: the label and its logit instead of the logits."""
+
+    def postprocess(self, outputs, **inputs):
+        logits = outputs["output"]
+        return {"label": logits.argmax(1).astype(np.int32), "logit": logits.max(1)}
+
+
 class Server:
     """`python -m nitro.serve DIR ...` in a subprocess, stopped by `stop()`."""
 
@@ -122,15 +142,25 @@ def handles():
     wide = nitro.Nitro(Toy(width=32), seed=1, progress=False)
     reloaded = nitro.Nitro(Toy(max_epochs=1), seed=2, progress=False)
     counts = nitro.Nitro(Counts(), weights=toy, progress=False)
-    return {"toy": toy, "wide": wide, "reload": reloaded, "counts": counts}
+    tagged = nitro.Nitro(Tagged(), weights=toy, progress=False)
+    labelled = nitro.Nitro(Labelled(), weights=toy, progress=False)
+    return {
+        **{"toy": toy, "wide": wide, "reload": reloaded, "counts": counts},
+        **{"tagged": tagged, "labelled": labelled},
+    }
+
+
+EXPORTS = {"tagged": {"echo": ("id",), "batch_sizes": (2, 4)}, "labelled": {"echo": ("id",)}}
 
 
 @pytest.fixture(scope="module")
 def served(handles, tmp_path_factory):
     root = tmp_path_factory.mktemp("served")
     for name, handle in handles.items():
-        handle.export(str(root / name), name=name)
-    server = Server([root / n for n in handles], root / "server.log", "--max-request-mb", "1")
+        handle.export(str(root / name), name=name, **EXPORTS.get(name, {}))
+    server = Server(
+        [root / n for n in handles], root / "server.log", "--max-request-mb", "1", "--trust-code"
+    )
     server.root = root
     yield server
     server.stop()
@@ -161,11 +191,63 @@ def test_health_readiness_and_metadata_come_from_the_manifest(served):
     assert status == 404 and b"nothing" in body
 
 
+def test_an_echoed_id_comes_back_with_the_outputs_and_the_metadata_names_it(handles, served):
+    x, ids = RNG.normal(size=(3, 5)).astype(np.float32), np.array([11, 7, -3], np.int32)
+    inputs = [
+        grpc_client.InferInput("x", [3, 5], "FP32"),
+        grpc_client.InferInput("id", [3], "INT32"),
+    ]
+    inputs[0].set_data_from_numpy(x)
+    inputs[1].set_data_from_numpy(ids)
+    result = grpc_client.InferenceServerClient(served.grpc_url).infer("tagged", inputs)
+    np.testing.assert_array_equal(result.as_numpy("id"), ids)
+    np.testing.assert_allclose(
+        result.as_numpy("output"), handles["toy"].predict({"x": x}), atol=1e-6
+    )
+    assert _stats(served.url, "tagged")[2] == {4: 1}  # 3 rows: the bundle's batch size 4
+    metadata = http_client.InferenceServerClient(served.url).get_model_metadata("tagged")
+    assert metadata["outputs"] == [
+        {"name": "output", "datatype": "FP32", "shape": [-1, 2]},
+        {"name": "id", "datatype": "INT32", "shape": [-1]},
+    ]
+
+
+def test_a_postprocess_hook_names_the_outputs_and_runs_only_with_trust_code(handles, served):
+    x, ids = RNG.normal(size=(3, 5)).astype(np.float32), np.array([4, 5, 6], np.int32)
+    inputs = [
+        http_client.InferInput("x", [3, 5], "FP32"),
+        http_client.InferInput("id", [3], "INT32"),
+    ]
+    inputs[0].set_data_from_numpy(x)
+    inputs[1].set_data_from_numpy(ids)
+    client = http_client.InferenceServerClient(served.url)
+    result = client.infer("labelled", inputs)
+    logits = handles["toy"].predict({"x": x})
+    np.testing.assert_array_equal(result.as_numpy("label"), logits.argmax(1))
+    np.testing.assert_allclose(result.as_numpy("logit"), logits.max(1), atol=1e-6)
+    np.testing.assert_array_equal(result.as_numpy("id"), ids)
+    assert [o["name"] for o in client.get_model_metadata("labelled")["outputs"]] == [
+        "label",
+        "logit",
+        "id",
+    ]
+    done = subprocess.run(
+        [sys.executable, "-m", "nitro.serve", str(served.root / "labelled"), "--port", "1"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2 and "holds a postprocess hook" in done.stderr
+    assert "nitro serve --trust-code" in done.stderr
+
+
 def test_several_bundles_are_served_at_once(handles, served):
     status, body = served.request("GET", "/v2/models")
     assert status == 200 and sorted(json.loads(body)["models"]) == [
         "counts",
+        "labelled",
         "reload",
+        "tagged",
         "toy",
         "wide",
     ]

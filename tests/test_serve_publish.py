@@ -22,7 +22,7 @@ def served(tmp_path_factory):
     root = tmp_path_factory.mktemp("publish")
     handle = nitro.Nitro(Toy(max_epochs=1), seed=3, progress=False)
     handle.train()
-    handle.export(str(root / "model"), name="model")
+    handle.export(str(root / "model"), name="model", batch_sizes=(4, 8))
     server = Server([root / "model"], root / "server.log")
     server.root, server.handle = root, handle  # pyright: ignore[reportAttributeAccessIssue]
     yield server
@@ -49,6 +49,7 @@ def test_publish_swaps_the_served_weights_and_keeps_the_program(served):
     assert done["replaced"] == "weights" and done["model"] == "model"
     assert done["directory"] == str(served.root / "model")
     assert done["program"] == before["program"]
+    assert done["manifest"]["program"]["batch_sizes"] == [4, 8]  # the served bundle's
     assert _serves(served, served.root / "model")
     assert not np.array_equal(infer_http(served.url, "model", X7), old)
     np.testing.assert_allclose(
@@ -90,10 +91,9 @@ def test_a_publish_the_server_cannot_take_names_the_fix_and_changes_nothing(serv
     with pytest.raises(PublishError) as unfit:
         counts.publish("model", to=served.url)
     assert (
-        "the export's inputs [{'name': 'counts', 'dtype': 'int32', 'shape': [-1, 5]}, "
-        "{'name': 'levels', 'dtype': 'int8', 'shape': [-1, 5]}] do not fit the inputs 'model' "
-        f"is served with at http://{served.url}: [{{'name': 'x', 'dtype': 'float32', "
-        "'shape': [-1, 5]}]; nothing was written"
+        "the export's inputs (counts: int32[batch, 5], levels: int8[batch, 5]) do not fit the "
+        f"inputs 'model' is served with at http://{served.url} (x: float32[batch, 5]); nothing "
+        "was written"
     ) in str(unfit.value)
     assert (served.root / "model" / "manifest.json").read_bytes() == manifest
     assert np.array_equal(infer_http(served.url, "model", X7), answer)

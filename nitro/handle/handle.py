@@ -507,6 +507,8 @@ class Nitro(TimeTravel, RunHandle):
         platforms: tuple[str, ...] | None = None,
         weights: str | None = None,
         dtype: str | None = None,
+        echo: tuple[str, ...] = (),
+        batch_sizes: tuple[int, ...] | None = None,
     ) -> dict[str, Any]:
         """Write the current weights and eval-mode forward as a bundle that runs without Nitro
         (`nitro.bundle.load(directory)`) and serves with `nitro serve`; returns its manifest.
@@ -514,7 +516,10 @@ class Nitro(TimeTravel, RunHandle):
         `name` names the bundle (default: the experiment class, lower case); `platforms`
         defaults to cpu, cuda, rocm and tpu; `weights="ema"` exports the moving average of
         the weights; `dtype` is the bundle's: "float32" (the default), "bfloat16", "float16"
-        or "compute" (the run's `precision=`). See docs/export.md.
+        or "compute" (the run's `precision=`); `echo` names wire inputs returned unchanged as
+        outputs (an id passed through); `batch_sizes` (e.g. (1, 8, 32)) the sizes a loader or
+        server pads a call to, the smallest that fits (`nitro serve` compiles each as it loads
+        the bundle). See docs/export.md.
         """
         from nitro.serving.export import DEFAULT_PLATFORMS, export_handle
 
@@ -529,6 +534,8 @@ class Nitro(TimeTravel, RunHandle):
                 platforms=DEFAULT_PLATFORMS if platforms is None else platforms,
                 variables=variables,
                 dtype=dtype,
+                echo=echo,
+                batch_sizes=batch_sizes,
             )
 
     def publish(

@@ -12,7 +12,9 @@ DIR/
 This module imports only the standard library, NumPy, JAX and safetensors, so a serving process
 loads a bundle without the training stack (`import nitro.bundle` runs no other nitro module
 but two leaves, `nitro._version` and `nitro._public_path`).
-One bundle serves every batch size; each new size compiles once in this process.
+One bundle serves every batch size; each new size compiles once in this process. A call checks
+its inputs and its outputs against the manifest; a bundle's postprocess hook (Python recorded
+in the manifest, run after the program) loads only with `trust_code=True`.
 
 >>> import nitro                                   # the training process exports
 >>> from nitro.examples.digits import Digits
@@ -49,6 +51,8 @@ __all__ = [
     "WEIGHTS",
     "Bundle",
     "BundleError",
+    "OutputError",
+    "Postprocess",
     "Program",
     "TensorSpec",
     "load",
@@ -58,7 +62,7 @@ __all__ = [
 ]
 
 FORMAT = "nitro-bundle"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: echoed inputs, a postprocess hook (a bundle without them is written as 1)
 MANIFEST = "manifest.json"
 PROGRAM = "program.jaxexport"
 WEIGHTS = "weights.safetensors"
@@ -69,23 +73,64 @@ class BundleError(ValueError):
     """A bundle is damaged, or a call passed inputs the bundle does not take."""
 
 
+class OutputError(RuntimeError):
+    """A call's outputs are not what the manifest says (an output of another shape or dtype,
+    or a postprocess hook that raised): the call returns nothing."""
+
+
 @dataclasses.dataclass(frozen=True)
 class TensorSpec:
-    """One input or output on the wire: its name, NumPy dtype name and shape (BATCH = -1)."""
+    """One input or output on the wire: its name, NumPy dtype name, shape (BATCH = -1 for a
+    variable axis) and axis names (`("batch", None)`: the first axis is the batch, the second
+    unnamed; by default "batch" for each variable axis). `echo` names the input an output
+    returns unchanged."""
 
     name: str
     dtype: str
     shape: tuple[int, ...]
+    axes: tuple[str | None, ...] = ()
+    echo: str | None = None
+
+    def __post_init__(self):
+        if not self.axes:
+            named = tuple("batch" if d == BATCH else None for d in self.shape)
+            object.__setattr__(self, "axes", named)
 
     @classmethod
     def from_json(cls, entry: Mapping[str, Any]) -> TensorSpec:
-        return cls(str(entry["name"]), str(entry["dtype"]), tuple(int(d) for d in entry["shape"]))
+        return cls(
+            str(entry["name"]),
+            str(entry["dtype"]),
+            tuple(int(d) for d in entry["shape"]),
+            tuple(entry.get("axes") or ()),
+            entry.get("echo"),
+        )
 
     def to_json(self) -> dict[str, Any]:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape)}
+        entry = {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "axes": list(self.axes),
+        }
+        return entry if self.echo is None else {**entry, "echo": self.echo}
 
     def shape_text(self) -> str:
-        return "[" + ", ".join("batch" if d == BATCH else str(d) for d in self.shape) + "]"
+        return (
+            "["
+            + ", ".join(
+                (axis or "?") if d == BATCH else str(d)
+                for d, axis in zip(self.shape, self.axes, strict=True)
+            )
+            + "]"
+        )
+
+    def fits(self, shape: tuple[int, ...], rows: int | None) -> bool:
+        """`shape` is this spec's, its batch axis `rows` long (any length when None)."""
+        return len(shape) == len(self.shape) and all(
+            have == want or (want == BATCH and (rows is None or axis != "batch" or have == rows))
+            for want, have, axis in zip(self.shape, shape, self.axes, strict=True)
+        )
 
     def __str__(self) -> str:
         return f"{self.name}: {self.dtype}{self.shape_text()}"
@@ -170,6 +215,17 @@ def _read_manifest(directory: str) -> dict[str, Any]:
         raise BundleError(f"{path}: 'name' must be a non-empty string; re-export the bundle")
     for key in ("inputs", "outputs"):
         _check_specs(path, key, manifest[key])
+    sizes = (manifest.get("program") or {}).get("batch_sizes")
+    if sizes is not None and not (
+        isinstance(sizes, list)
+        and sizes
+        and all(type(n) is int and n >= 1 for n in sizes)
+        and sizes == sorted(set(sizes))
+    ):
+        raise BundleError(
+            f"{path}: program['batch_sizes'] must be increasing batch sizes, not {sizes!r}; "
+            f"re-export the bundle"
+        )
     files = manifest["files"]
     if not isinstance(files, dict):
         raise BundleError(f"{path}: 'files' must be an object; re-export the bundle")
@@ -229,6 +285,25 @@ def _check_specs(path: str, key: str, entries: Any) -> None:
                 f"{where}['shape'] must be a list of sizes (-1 for the batch axis), not "
                 f"{shape!r}; re-export the bundle"
             )
+        axes = entry.get("axes", [None] * len(shape))
+        if (
+            not isinstance(axes, list)
+            or len(axes) != len(shape)
+            or not all(a is None or (isinstance(a, str) and a) for a in axes)
+        ):
+            raise BundleError(
+                f"{where}['axes'] must name each of the {len(shape)} axes (a name or null), "
+                f"not {axes!r}; re-export the bundle"
+            )
+
+
+def _program_outputs(manifest: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """The manifest's entries for what the program returns: its outputs but the echoed inputs,
+    or with a postprocess hook, the hook's `program_outputs`."""
+    hook = manifest.get("postprocess")
+    if hook is not None:
+        return hook["program_outputs"]
+    return [entry for entry in manifest["outputs"] if "echo" not in entry]
 
 
 def _check_signature(directory: str, manifest: Mapping[str, Any], exported) -> None:
@@ -245,14 +320,15 @@ def _check_signature(directory: str, manifest: Mapping[str, Any], exported) -> N
             f"{program} does not take (weights, inputs) and return outputs by name; it was not "
             f"written by n.export. Re-export the bundle"
         ) from None
+    entries = {"inputs": manifest["inputs"], "outputs": _program_outputs(manifest)}
     for key, avals, verb in (("inputs", inputs, "takes"), ("outputs", outputs, "returns")):
-        listed = [entry["name"] for entry in manifest[key]]
+        listed = [entry["name"] for entry in entries[key]]
         if sorted(listed) != sorted(avals):
             raise BundleError(
                 f"{path}: {key!r} names {listed}, but {program} {verb} {sorted(avals)}; "
                 f"re-export the bundle"
             )
-        for index, entry in enumerate(manifest[key]):
+        for index, entry in enumerate(entries[key]):
             aval = avals[entry["name"]]
             dims = [d if isinstance(d, int) else BATCH for d in aval.shape]
             spec = TensorSpec(entry["name"], np.dtype(aval.dtype).name, tuple(dims))
@@ -267,6 +343,17 @@ def _check_signature(directory: str, manifest: Mapping[str, Any], exported) -> N
                     f"{where} has shape {entry['shape']}, but {program} {verb} {spec} "
                     f"(-1 is the batch axis); re-export the bundle"
                 )
+    wire = {entry["name"]: entry for entry in manifest["inputs"]}
+    for index, entry in enumerate(manifest["outputs"]):
+        source = wire.get(entry["echo"]) if "echo" in entry else None
+        if "echo" in entry and (
+            source is None or (source["dtype"], source["shape"]) != (entry["dtype"], entry["shape"])
+        ):
+            raise BundleError(
+                f"{path}: outputs[{index}] ({entry['name']!r}) echoes input "
+                f"{entry['echo']!r}, which the bundle does not take with that dtype and shape; "
+                f"re-export the bundle"
+            )
 
 
 def _check_file(directory: str, name: str, manifest: Mapping[str, Any]) -> str:
@@ -344,6 +431,99 @@ def value_problem(data: Any, dtype: np.dtype, wire: str) -> str | None:
 
 
 @dataclasses.dataclass(frozen=True)
+class Postprocess:
+    """A bundle's host hook, `postprocess(self, outputs, **inputs)`, from its recorded source.
+
+    It runs on the host after the program: `outputs` are the program's outputs and `inputs`
+    the wire inputs, as NumPy arrays, and it returns {output name: array}; `self` holds the
+    experiment's GraphConst and Device values recorded at export (`fields`). The source runs
+    with `np` (NumPy) in scope; it imports what else it uses.
+    """
+
+    source: str
+    fields: Mapping[str, Any]
+    function: Any = dataclasses.field(repr=False, default=None)
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.source.encode()).hexdigest()
+
+    @classmethod
+    def compile(cls, source: str, fields: Mapping[str, Any], where: str) -> Postprocess:
+        """The hook defined by `source` (ValueError naming `where` if it defines none)."""
+        namespace: dict[str, Any] = {"np": np, "__name__": "nitro_bundle_postprocess"}
+        try:
+            exec(compile(source, f"<postprocess of {where}>", "exec"), namespace)  # noqa: S102
+        except Exception as error:  # noqa: BLE001 - any failure: the source does not define it
+            raise ValueError(
+                f"the postprocess source of {where} does not run on its own "
+                f"({type(error).__name__}: {error}); it must be a plain `def postprocess(self, "
+                f"outputs, **inputs)` that imports what it uses (np is NumPy)"
+            ) from None
+        function = namespace.get("postprocess")
+        if not callable(function):
+            raise ValueError(f"the postprocess source of {where} defines no function `postprocess`")
+        return cls(source, dict(fields), function)
+
+    def __call__(
+        self, name: str, outputs: dict[str, np.ndarray], inputs: Mapping[str, np.ndarray]
+    ) -> dict[str, Any]:
+        """The hook's outputs; OutputError names the hook when it raises or returns no dict."""
+        import types
+
+        try:
+            result = self.function(types.SimpleNamespace(**self.fields), dict(outputs), **inputs)
+        except Exception as error:
+            raise OutputError(
+                f"{name}'s postprocess hook raised {type(error).__name__}: {error}; the call "
+                f"returns no outputs"
+            ) from error
+        if not isinstance(result, Mapping) or not all(isinstance(k, str) for k in result):
+            raise OutputError(
+                f"{name}'s postprocess hook returned {type(result).__name__}; it must return a "
+                f"dict {{output name: array}}"
+            )
+        return dict(result)
+
+
+def _postprocess(
+    directory: str, manifest: Mapping[str, Any], trust_code: bool
+) -> Postprocess | None:
+    """The manifest's postprocess hook, compiled when `trust_code`; refused otherwise."""
+    entry = manifest.get("postprocess")
+    if entry is None:
+        return None
+    path = os.path.join(directory, MANIFEST)
+    if not (
+        isinstance(entry, dict)
+        and isinstance(entry.get("source"), str)
+        and isinstance(entry.get("sha256"), str)
+        and isinstance(entry.get("fields"), dict)
+    ):
+        raise BundleError(
+            f"{path}: 'postprocess' must hold its source, sha256 and fields; re-export the bundle"
+        )
+    _check_specs(path, "postprocess.program_outputs", entry.get("program_outputs"))
+    digest = hashlib.sha256(entry["source"].encode()).hexdigest()
+    if digest != entry["sha256"]:
+        raise BundleError(
+            f"{path}: the postprocess source does not match its sha256 (edited after the "
+            f"export); re-export the bundle"
+        )
+    if not trust_code:
+        raise BundleError(
+            f"{directory} holds a postprocess hook (manifest.json's 'postprocess', sha256 "
+            f"{digest[:16]}...) that runs the Python source recorded in the bundle on this "
+            f"host. Read it there; if you trust where the bundle came from, load it with "
+            f"nitro.bundle.load(dir, trust_code=True), or serve it with nitro serve --trust-code"
+        )
+    try:
+        return Postprocess.compile(entry["source"], entry["fields"], manifest["name"])
+    except ValueError as error:
+        raise BundleError(f"{path}: {error}; re-export the bundle") from None
+
+
+@dataclasses.dataclass(frozen=True)
 class Program:
     """A bundle's deserialized program and its compiled call, shared by the bundles whose
     program file has the same sha256 and whose inputs are the same (`key`)."""
@@ -367,13 +547,24 @@ class Bundle:
     `program` the (shareable) compiled program, `weights` the tensors as NumPy arrays.
     """
 
-    def __init__(self, directory: str, manifest: dict[str, Any], program: Program, weights):
+    def __init__(
+        self,
+        directory: str,
+        manifest: dict[str, Any],
+        program: Program,
+        weights,
+        postprocess: Postprocess | None = None,
+    ):
         self.directory = directory
         self.manifest = manifest
         self.name: str = manifest["name"]
         self.inputs = tuple(TensorSpec.from_json(e) for e in manifest["inputs"])
         self.outputs = tuple(TensorSpec.from_json(e) for e in manifest["outputs"])
+        self.program_outputs = tuple(TensorSpec.from_json(e) for e in _program_outputs(manifest))
         self.program = program
+        self.postprocess = postprocess  # run on the host after the program
+        sizes = manifest.get("program", {}).get("batch_sizes")
+        self.batch_sizes: tuple[int, ...] = tuple(sizes or ())  # what a call is padded to
         self.weights: dict[str, np.ndarray] = weights  # on the host; placed on the first call
         self._placed = None
 
@@ -395,8 +586,67 @@ class Bundle:
     def run(self, weights: Mapping[str, Any], arrays: Mapping[str, np.ndarray]):
         """The program on checked `arrays` with `weights` (this bundle's, or another weight
         set of its program, on the host or the device) -> {output name: array}."""
-        results = self.program.call(weights, arrays)
-        return {spec.name: np.asarray(results[spec.name]) for spec in self.outputs}
+        rows = next(iter(arrays.values())).shape[0]  # every input has the batch axis first
+        width = self.width(rows)
+        if width == rows and (not self.batch_sizes or rows <= self.batch_sizes[-1]):
+            results = self.program.call(weights, arrays)
+            outputs = {spec.name: np.asarray(results[spec.name]) for spec in self.program_outputs}
+        else:  # padded (repeating the last row) to a batch size, in calls of at most the largest
+            step = min(width, self.batch_sizes[-1])
+            padded = {
+                k: np.concatenate([v, np.repeat(v[-1:], width - rows, 0)])
+                for k, v in arrays.items()
+            }
+            parts = [
+                self.program.call(weights, {k: v[first : first + step] for k, v in padded.items()})
+                for first in range(0, width, step)
+            ]
+            outputs = {
+                spec.name: np.concatenate([np.asarray(p[spec.name]) for p in parts])[:rows]
+                for spec in self.program_outputs
+            }
+        if self.postprocess is not None:
+            outputs = self.postprocess(self.name, outputs, arrays)
+        for spec in self.outputs:
+            if spec.echo is not None:  # the wire input, unchanged
+                outputs[spec.name] = np.asarray(arrays[spec.echo])
+        return self.check_outputs(outputs, rows)
+
+    def width(self, rows: int, max_batch: int | None = None) -> int:
+        """The rows a call of `rows` runs with: the smallest of `batch_sizes` that holds them
+        (beyond the largest, a multiple of it, run in calls of the largest); without batch
+        sizes, `rows`, or with `max_batch` the next power of two up to it (`nitro serve`)."""
+        if self.batch_sizes:
+            fit = next((size for size in self.batch_sizes if size >= rows), None)
+            largest = self.batch_sizes[-1]
+            return fit if fit is not None else -(-rows // largest) * largest
+        return rows if max_batch is None else min(1 << (rows - 1).bit_length(), max_batch)
+
+    def check_outputs(self, outputs: Mapping[str, Any], rows: int) -> dict[str, np.ndarray]:
+        """`outputs` in the manifest's order, after checking each one's dtype and shape against
+        it (the batch axis `rows` long); OutputError names an output that differs."""
+        extra = sorted(set(outputs) - {s.name for s in self.outputs})
+        if extra:
+            raise OutputError(
+                f"{self.name} returned {', '.join(map(repr, extra))}, which its manifest does "
+                f"not list (it lists {', '.join(map(str, self.outputs))}); re-export the bundle"
+            )
+        checked = {}
+        for spec in self.outputs:
+            if spec.name not in outputs:
+                raise OutputError(
+                    f"{self.name} returned no output {spec.name!r} ({spec}); re-export the bundle"
+                )
+            value = np.asarray(outputs[spec.name])
+            if value.dtype != np.dtype(spec.dtype) or not spec.fits(tuple(value.shape), rows):
+                raise OutputError(
+                    f"{self.name}'s output {spec.name!r} is {value.dtype.name}"
+                    f"{list(value.shape)} for {rows} row{'s' * (rows != 1)}, but its manifest "
+                    f"says {spec}; the bundle's program or hook does not return what it was "
+                    f"exported with"
+                )
+            checked[spec.name] = value
+        return checked
 
     def check_inputs(self, given: Mapping[str, Any]) -> dict[str, np.ndarray]:
         """The inputs as arrays, after checking names, dtypes and shapes (BundleError names
@@ -436,10 +686,7 @@ class Bundle:
                     f"input {spec.name!r} must be {spec.dtype}{spec.shape_text()}; {got}. "
                     f"Convert it, e.g. x.astype('{spec.dtype}')"
                 )
-            fits = len(shape) == len(spec.shape) and all(
-                want == BATCH or want == have for want, have in zip(spec.shape, shape, strict=True)
-            )
-            if not fits:
+            if not spec.fits(shape, None):
                 fix = ""
                 if shape == spec.shape[1:] and spec.shape[:1] == (BATCH,):
                     fix = f". For a single example, add the batch axis: {spec.name}[None]"
@@ -465,8 +712,16 @@ class Bundle:
         return f"<nitro bundle {self.name!r} ({ins}) -> ({outs}) from {self.directory}>"
 
 
-def load(directory: str | os.PathLike, *, programs: dict[str, Program] | None = None) -> Bundle:
+def load(
+    directory: str | os.PathLike,
+    *,
+    programs: dict[str, Program] | None = None,
+    trust_code: bool = False,
+) -> Bundle:
     """Load the bundle in `directory`, checking every file against the manifest.
+
+    A bundle with a postprocess hook runs Python source recorded in it: it loads only with
+    `trust_code=True` (BundleError otherwise, naming the flag), the choice to run it.
 
     A missing or damaged file, a manifest from a newer format, or one that does not match the
     program (its keys, or an input's or output's name, dtype or shape) raises `BundleError`
@@ -476,6 +731,7 @@ def load(directory: str | os.PathLike, *, programs: dict[str, Program] | None = 
     """
     directory = os.fspath(directory)
     manifest = _read_manifest(directory)
+    postprocess = _postprocess(directory, manifest, trust_code)
     program_path = _check_file(directory, PROGRAM, manifest)
     weights_path = _check_file(directory, WEIGHTS, manifest)
     key = _program_key(manifest)
@@ -511,4 +767,4 @@ def load(directory: str | os.PathLike, *, programs: dict[str, Program] | None = 
             )
     if programs is not None:
         programs.setdefault(key, program)
-    return Bundle(directory, manifest, program, weights)
+    return Bundle(directory, manifest, program, weights, postprocess)

@@ -21,6 +21,13 @@ Optional experiment hooks shape the wire:
 - `export_preprocess(self, **wire)`: traced into the bundle; returns the fields `forward` takes.
 - `export_outputs(self)`: {name: dtype or None} naming `forward`'s outputs (one entry per output
   array, the keys of a dict output) and optionally casting them.
+- `postprocess(self, outputs, **inputs)`: run on the host after the program, in NumPy; its
+  source, fingerprint and `self`'s values are recorded in the manifest, and the loader runs
+  that text (only when trusted: `nitro.bundle.load(dir, trust_code=True)`).
+
+`echo=` names wire inputs returned unchanged as outputs. Specs name their axes ("batch" first).
+`batch_sizes=` records the sizes a loader pads a call to (the program keeps its symbolic batch:
+compiled for a size, it runs as a program exported for that size does).
 """
 
 from __future__ import annotations
@@ -77,6 +84,9 @@ class ExportSource:
     provenance: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     owner: str = ""
     files: Mapping[str, bytes] = dataclasses.field(default_factory=dict)  # more of the bundle's
+    echo: tuple[str, ...] = ()  # wire inputs returned unchanged as outputs of the same name
+    postprocess: bundle.Postprocess | None = None  # run on the host after the program
+    batch_sizes: tuple[int, ...] = ()  # what a call is padded to (compiled when loaded)
 
 
 def _dims(shape) -> list[int]:
@@ -305,6 +315,96 @@ def _refuse_host_callbacks(
     ) from error
 
 
+def _probe_postprocess(
+    name: str,
+    hook: bundle.Postprocess,
+    wire: Mapping[str, bundle.TensorSpec],
+    program_outputs: list[bundle.TensorSpec],
+) -> list[bundle.TensorSpec]:
+    """The hook's outputs, from calls on zeros of 1 and 2 rows: an axis whose length differs
+    between the two is variable (-1), named "batch" when it is the first and as long as the
+    rows. Each output must have the batch axis first (the server pads and slices by rows)."""
+    seen: list[dict[str, np.ndarray]] = []
+
+    def zeros(spec: bundle.TensorSpec, rows: int) -> np.ndarray:
+        return np.zeros([rows if d == bundle.BATCH else d for d in spec.shape], spec.dtype)
+
+    for rows in (1, 2):
+        outputs = {spec.name: zeros(spec, rows) for spec in program_outputs}
+        inputs = {spec.name: zeros(spec, rows) for spec in wire.values()}
+        try:
+            result = hook(name, outputs, inputs)
+        except bundle.OutputError as error:
+            raise ExportError(
+                f"{error} when export called it on zeros of {rows} row{'s' * (rows != 1)} "
+                f"(outputs {', '.join(map(str, program_outputs))}); make it work for any batch"
+            ) from error.__cause__
+        seen.append({k: np.asarray(v) for k, v in result.items()})
+    if not seen[0] or list(seen[0]) != list(seen[1]):
+        raise ExportError(
+            f"postprocess returned {sorted(seen[0])} for 1 row and {sorted(seen[1])} for 2; "
+            f"return the same non-empty dict {{output name: array}} for every batch"
+        )
+    specs = []
+    for key, one in seen[0].items():
+        two = seen[1][key]
+        if one.ndim != two.ndim or one.dtype != two.dtype or one.ndim == 0:
+            raise ExportError(
+                f"postprocess output {key!r} is {one.dtype}{list(one.shape)} for 1 row and "
+                f"{two.dtype}{list(two.shape)} for 2; each output must have the batch axis "
+                f"first and one dtype and rank for every batch"
+            )
+        if (one.shape[0], two.shape[0]) != (1, 2):
+            raise ExportError(
+                f"postprocess output {key!r} has {one.shape[0]} and {two.shape[0]} rows for "
+                f"batches of 1 and 2; put the batch axis first, one row per input row"
+            )
+        shape = tuple(
+            a if a == b else bundle.BATCH for a, b in zip(one.shape, two.shape, strict=True)
+        )
+        axes = ("batch",) + (None,) * (one.ndim - 1)
+        specs.append(bundle.TensorSpec(key, one.dtype.name, shape, axes))
+    return specs
+
+
+def _check_batch_sizes(sizes: Any) -> tuple[int, ...]:
+    """`batch_sizes=`: increasing batch sizes, e.g. (1, 8, 32)."""
+    example = "e.g. batch_sizes=(1, 8, 32)"
+    if sizes is None:
+        return ()
+    if isinstance(sizes, (str, int)) or not isinstance(sizes, (tuple, list)) or not sizes:
+        raise ExportError(
+            f"batch_sizes must be a non-empty tuple of sizes, {example}; got {sizes!r}"
+        )
+    if not all(type(n) is int and n >= 1 for n in sizes) or list(sizes) != sorted(set(sizes)):
+        raise ExportError(
+            f"batch_sizes must be whole numbers of rows of at least 1, increasing, each once "
+            f"({example}); got {tuple(sizes)!r}"
+        )
+    return tuple(sizes)
+
+
+def _check_echo(echo: Any, wire: Mapping[str, Any], outputs: list[str]) -> tuple[str, ...]:
+    """`echo=`: names of wire inputs, none of them also an output of forward."""
+    if isinstance(echo, str) or not isinstance(echo, (tuple, list)):
+        raise ExportError(f"echo must be a tuple of input names, e.g. echo=('id',); got {echo!r}")
+    for name in echo:
+        if name not in wire:
+            raise ExportError(
+                f"echo names {name!r}, which is not an input of the bundle (it takes "
+                f"{', '.join(map(str, wire.values()))}); declare it in export_inputs(self), "
+                f"e.g. {{{name!r}: jax.ShapeDtypeStruct((), jnp.int32)}}"
+            )
+        if name in outputs:
+            raise ExportError(
+                f"echo names {name!r}, but the bundle already returns an output {name!r}; "
+                f"rename one of them (export_outputs(self) names forward's outputs)"
+            )
+    if len(set(echo)) != len(echo):
+        raise ExportError(f"echo names an input twice: {tuple(echo)!r}; name each once")
+    return tuple(echo)
+
+
 def write_bundle(
     source: ExportSource,
     directory: str | os.PathLike,
@@ -371,7 +471,7 @@ def write_bundle(
         raise
     # A fixed batch width can pass the symbolic trace and fail only when the program is
     # compiled for another size: trace two concrete sizes too (no compile).
-    for rows in (1, 2):
+    for rows in sorted({1, 2, *source.batch_sizes}):
         concrete = {
             name: jax.ShapeDtypeStruct((rows, *spec.shape), spec.dtype)
             for name, spec in source.inputs.items()
@@ -387,25 +487,38 @@ def write_bundle(
     seconds = time.perf_counter() - start
 
     outputs = jax.tree.unflatten(exported.out_tree, exported.out_avals)
+    wire = {
+        n: bundle.TensorSpec(n, np.dtype(s.dtype).name, (bundle.BATCH, *s.shape))
+        for n, s in source.inputs.items()
+    }
+    program_outputs = [
+        bundle.TensorSpec(n, np.dtype(outputs[n].dtype).name, tuple(_dims(outputs[n].shape)))
+        for n in order
+    ]
+    client = program_outputs
+    if source.postprocess is not None:
+        client = _probe_postprocess(source.name, source.postprocess, wire, program_outputs)
+    unpadded = [str(spec) for spec in program_outputs if spec.axes[:1] != ("batch",)]
+    if source.batch_sizes and unpadded:
+        raise ExportError(
+            f"batch_sizes pads a call to a batch size and slices the outputs back, but forward's "
+            f"output {unpadded[0]} has no batch axis first; return one row per input row, or "
+            f"leave batch_sizes out"
+        )
+    names = [spec.name for spec in client]
+    echoed = [dataclasses.replace(wire[n], echo=n) for n in _check_echo(source.echo, wire, names)]
     manifest = {
         "format": bundle.FORMAT,
-        "format_version": bundle.FORMAT_VERSION,
+        "format_version": bundle.FORMAT_VERSION if echoed or source.postprocess is not None else 1,
         "name": source.name,
-        "inputs": [
-            bundle.TensorSpec(n, np.dtype(s.dtype).name, (bundle.BATCH, *s.shape)).to_json()
-            for n, s in source.inputs.items()
-        ],
-        "outputs": [
-            bundle.TensorSpec(
-                n, np.dtype(outputs[n].dtype).name, tuple(_dims(outputs[n].shape))
-            ).to_json()
-            for n in order
-        ],
+        "inputs": [spec.to_json() for spec in wire.values()],
+        "outputs": [spec.to_json() for spec in (*client, *echoed)],
         "device_values": {k: _jsonable(v) for k, v in source.device_values.items()},
         "program": {
             "platforms": list(exported.platforms),
             "calling_convention_version": exported.calling_convention_version,
             "batch_symbol": "batch",
+            **({"batch_sizes": list(source.batch_sizes)} if source.batch_sizes else {}),
         },
         "weights": {
             "tensors": len(source.weights),
@@ -414,6 +527,13 @@ def write_bundle(
         "provenance": {k: _jsonable(v) for k, v in source.provenance.items()},
         "files": {},
     }
+    if source.postprocess is not None:  # what runs after the program, exactly
+        manifest["postprocess"] = {
+            "source": source.postprocess.source,
+            "sha256": source.postprocess.sha256,
+            "fields": dict(source.postprocess.fields),
+            "program_outputs": [spec.to_json() for spec in program_outputs],
+        }
     files = {
         bundle.PROGRAM: bytes(blob),
         bundle.WEIGHTS: _serialize_weights(source.weights),
@@ -445,6 +565,8 @@ def export_handle(
     variables: Any = None,
     dtype: str | None = None,
     accept: Callable[[dict[str, Any]], None] | None = None,
+    echo: tuple[str, ...] = (),
+    batch_sizes: tuple[int, ...] | None = None,
 ) -> dict[str, Any]:
     """Export a handle's current weights (or `variables`: e.g. the moving average) and its
     eval-mode forward; returns the manifest.
@@ -458,7 +580,7 @@ def export_handle(
     >>> from nitro.examples.digits import Digits
     >>> n = nitro.Nitro(Digits(), progress=False)
     >>> export_handle(n, "exports/digits")["inputs"]
-    [{'name': 'x', 'dtype': 'float32', 'shape': [-1, 64]}]
+    [{'name': 'x', 'dtype': 'float32', 'shape': [-1, 64], 'axes': ['batch', None]}]
     """
     from flax import nnx
 
@@ -468,6 +590,7 @@ def export_handle(
     from nitro.experiments.trace_view import TraceView
     from nitro.programs.tracing import EVAL_SEED
 
+    sizes = _check_batch_sizes(batch_sizes)  # before anything is traced
     setup, state = handle.setup, handle.state
     variables = variables if variables is not None else state.variables
     precision = _bundle_precision(dtype, setup)
@@ -476,6 +599,12 @@ def export_handle(
     preprocess = has_method(cls, "export_preprocess")
     forward_fields = setup.experiment.hook_fields["forward"]
     forward_hook = setup.experiment.hooks["forward"]
+    takes = hook_fields(cls, "export_preprocess", ()) if preprocess else forward_fields
+    echo_only = {
+        e
+        for e in (echo if isinstance(echo, (tuple, list)) else ())
+        if not takes.takes_all and e not in (*takes.required, *takes.optional)
+    }
 
     # Weights: parameters then other model state, as host arrays named by their model path.
     # The caller holds the handle (no step runs meanwhile).
@@ -515,6 +644,7 @@ def export_handle(
         frozen = {k: jnp.asarray(v) for k, v in device.items()}
         view = TraceView(cls, setup.experiment.graphconst, precision.cast_compute(frozen))
         model = nnx.merge(model_setup.graphdef_eval, params, rest, copy=True)
+        inputs = {k: v for k, v in inputs.items() if k not in echo_only}  # returned as sent
         fields = view.export_preprocess(**inputs) if preprocess else inputs
         if not isinstance(fields, Mapping):
             raise ExportError(
@@ -559,7 +689,7 @@ def export_handle(
                 )
             inputs[str(key)] = jax.ShapeDtypeStruct(tuple(spec.shape), spec.dtype)
     else:
-        wire = hook_fields(cls, "export_preprocess", ()) if preprocess else forward_fields
+        wire = takes
         split = next((s for s in ("train", *handle.splits) if s in handle.splits), None)
         if split is None:
             raise ExportError(
@@ -586,6 +716,9 @@ def export_handle(
         for s in field_specs(cls)
         if s.kind is FieldKind.GRAPHCONST
     }
+    hook = None
+    if has_method(cls, "postprocess"):
+        hook = _host_hook(cls, {**graphconst, **device})
     origin, patch = provenance(cls)
     source = ExportSource(
         name=name or cls.__name__.lower(),
@@ -601,8 +734,37 @@ def export_handle(
         },
         owner=handle.owner,
         files={PATCH: patch} if patch is not None else {},
+        echo=tuple(echo) if isinstance(echo, (tuple, list)) else echo,
+        postprocess=hook,
+        batch_sizes=sizes,
     )
     return write_bundle(source, directory, platforms=platforms, accept=accept)
+
+
+def _host_hook(cls: type, fields: Mapping[str, Any]) -> bundle.Postprocess:
+    """`cls.postprocess` as recorded source, compiled on its own as a loader will."""
+    import inspect
+    import textwrap
+
+    function = inspect.getattr_static(cls, "postprocess")
+    where = f"{cls.__qualname__}.postprocess"
+    if not inspect.isfunction(function):
+        raise ExportError(
+            f"{where} must be a plain method `def postprocess(self, outputs, **inputs)`, not a "
+            f"{type(function).__name__}"
+        )
+    try:
+        text = textwrap.dedent(inspect.getsource(function))
+    except (OSError, TypeError) as error:
+        raise ExportError(
+            f"cannot read the source of {where} ({error}), which the bundle records; define "
+            f"it in a file or a notebook cell"
+        ) from None
+    recorded = json.loads(json.dumps({k: _jsonable(v) for k, v in fields.items()}))
+    try:
+        return bundle.Postprocess.compile(text, recorded, where)
+    except ValueError as error:
+        raise ExportError(str(error)) from None
 
 
 def _bundle_precision(dtype: Any, setup: Any):

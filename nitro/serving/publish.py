@@ -1,8 +1,10 @@
 """Publishing a handle's weights to a running `nitro serve` (`Nitro.publish`).
 
 ```
-GET  /v2/models/NAME/stats            the served bundle's directory, inputs and platforms
-export into that directory            refused before writing if the inputs differ
+GET  /v2/models/NAME/stats            the served bundle's directory, inputs, platforms, echoed
+                                      inputs and batch sizes
+export into that directory            with the same echo and batch sizes; refused before
+                                      writing if the inputs differ
 POST /v2/repository/models/NAME/load  the server re-reads it: weights only if the program is same
 GET  /v2/models/NAME/stats            which of the two it did
 ```
@@ -21,6 +23,7 @@ import urllib.parse
 import urllib.request
 from typing import Any
 
+from nitro.serving import bundle
 from nitro.serving.export import ExportError, export_handle
 
 __all__ = ["PublishError", "publish"]
@@ -103,10 +106,14 @@ def publish(
         )
 
     def accept(manifest: dict[str, Any]) -> None:
-        if manifest["inputs"] != served["inputs"]:
+        new, old = (
+            ", ".join(str(bundle.TensorSpec.from_json(e)) for e in entries)
+            for entries in (manifest["inputs"], served["inputs"])
+        )
+        if new != old:  # by name, dtype, shape and axes (a bundle from before axes: the default)
             raise PublishError(
-                f"the export's inputs {manifest['inputs']} do not fit the inputs {name!r} is "
-                f"served with at {base}: {served['inputs']}; nothing was written. Serve it "
+                f"the export's inputs ({new}) do not fit the inputs {name!r} is served with "
+                f"at {base} ({old}); nothing was written. Serve it "
                 f"as a new model (n.export('exports/NEW', name='NEW'), then `nitro serve` it), "
                 f"or give the experiment the served inputs (export_inputs)"
             )
@@ -119,6 +126,8 @@ def publish(
         variables=variables,
         dtype=dtype,
         accept=accept,
+        echo=tuple(served.get("echo") or ()),  # the served bundle's, so its clients keep them
+        batch_sizes=tuple(served.get("batch_sizes") or ()) or None,
     )
     status, answer = _call(base, "POST", f"/v2/repository/models/{urllib.parse.quote(name)}/load")
     if status != 200:

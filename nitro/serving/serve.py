@@ -76,6 +76,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
         help="reload a bundle when it is exported again to its directory",
     )
     parser.add_argument(
+        "--trust-code",
+        action="store_true",
+        help="serve bundles with a postprocess hook, which runs the Python source recorded in "
+        "the bundle (its manifest's 'postprocess'); without it such a bundle is refused",
+    )
+    parser.add_argument(
         "--log-level",
         default="info",
         choices=("debug", "info", "warning", "error"),
@@ -110,6 +116,7 @@ def run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
             host_memory_budget=args.host_memory,
             watch=args.watch,
             log_level=args.log_level,
+            trust_code=args.trust_code,
         )
     except (BundleError, ValueError) as error:
         parser.exit(2, f"{parser.prog}: {error}\n")

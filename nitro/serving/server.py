@@ -11,7 +11,9 @@ repository, the model server) and adds what a bundle needs on top:
 
 - it binds 127.0.0.1 unless told otherwise (KServe's own servers bind every interface);
 - a batch is padded to a power of two (at most `max_batch` rows, by repeating its last row, as
-  `Nitro.predict` pads), so a bundle compiles at most log2(max_batch) + 1 programs;
+  `Nitro.predict` pads), so a bundle compiles at most log2(max_batch) + 1 programs; a bundle
+  exported with `batch_sizes` is padded to the smallest of them that fits instead, each
+  compiled when it loads;
 - with `batching` on, concurrent requests for one model, each checked on its own first, are
   joined into one call of up to `max_batch` rows (`Batcher`) and the outputs sliced back;
   `GET /v2/models/NAME/stats` counts rows and calls as Triton's statistics extension does;
@@ -69,10 +71,6 @@ with kserve_imports():
 __all__ = ["Batcher", "BundleModel", "BundleRepository", "Programs", "Served", "Stats", "serve"]
 
 log = logging.getLogger("nitro.serving.server")
-
-
-def _bucket(rows: int, max_batch: int) -> int:
-    return min(1 << (rows - 1).bit_length(), max_batch)
 
 
 @dataclass(frozen=True, eq=False)
@@ -216,7 +214,7 @@ class Batcher:
 
     async def _run(self, loop: asyncio.AbstractEventLoop, batch: list[_Waiting], rows: int):
         current = batch[0].served
-        width = _bucket(rows, self.max_batch)
+        width = current.bundle.width(rows, self.max_batch)
         start = time.perf_counter()
         try:
             arrays = {
@@ -262,8 +260,10 @@ class BundleModel(kserve.Model):
         batch_delay: float = 0.0,
         pager: Pager | None = None,
         programs: Programs | None = None,
+        trust_code: bool = False,
     ):
         self.directory = os.path.abspath(directory)
+        self.trust_code = trust_code  # run a bundle's postprocess hook (nitro serve --trust-code)
         self.max_batch = max_batch
         self.pager = pager if pager is not None else Pager()
         self.programs = programs if programs is not None else Programs()
@@ -285,16 +285,17 @@ class BundleModel(kserve.Model):
         """Read the directory; a program the server has not compiled is compiled for batch 1
         now, so a ready model answers its first request without compiling."""
         known = {id(p) for p in self.programs.values()}
-        loaded = bundles.load(self.directory, programs=self.programs)
+        loaded = bundles.load(self.directory, programs=self.programs, trust_code=self.trust_code)
         compiled = id(loaded.program) not in known
         weights = WeightSet(name or loaded.name, loaded)
         try:
             self.pager.add(weights)  # refuses weights larger than a budget alone
             loaded.weights = {}  # the pager holds them from here on, within its budgets
             served = Served(loaded, weights, self.pager)
-            if compiled:
+            if compiled:  # batch 1, or each of the bundle's batch sizes
                 self.program_loads += 1
-                served({s.name: np.zeros((1, *s.shape[1:]), s.dtype) for s in loaded.inputs})
+                for rows in loaded.batch_sizes or (1,):
+                    served({s.name: np.zeros((rows, *s.shape[1:]), s.dtype) for s in loaded.inputs})
         except BaseException:
             self.pager.remove(weights)
             self.programs.replace(None, None)  # drops a program only this load compiled
@@ -339,6 +340,8 @@ class BundleModel(kserve.Model):
             "directory": self.directory,
             "inputs": self.bundle.manifest["inputs"],
             "platforms": self.bundle.manifest["program"]["platforms"],
+            "echo": [spec.echo for spec in self.bundle.outputs if spec.echo is not None],
+            "batch_sizes": list(self.bundle.batch_sizes),
         }
         answer["paging"] = self.pager.stats() | {"programs": len(self.programs)}
         return answer
@@ -387,7 +390,7 @@ class BundleModel(kserve.Model):
         self, current: Served, arrays: dict[str, np.ndarray], rows: int, pad: bool
     ) -> dict[str, np.ndarray]:
         """One request as its own call, padded to its power of two."""
-        width = _bucket(rows, self.max_batch) if pad else rows
+        width = current.bundle.width(rows, self.max_batch) if pad else rows
         if width > rows:
             arrays = {
                 k: np.concatenate([v, np.repeat(v[-1:], width - rows, axis=0)])
@@ -572,6 +575,7 @@ def serve(
     host_memory_budget: str | None = None,
     watch: bool = False,
     log_level: str = "info",
+    trust_code: bool = False,
 ) -> None:
     """Serve the bundles in `directories` until interrupted (SIGINT or SIGTERM).
 
@@ -579,7 +583,8 @@ def serve(
     `max_batch` rows; a batch of several that is not full waits up to `batch_delay_ms` for more.
     Bundles of one program compile it once; their weights move to the device on demand within
     `device_memory_budget` (bytes as '2GB' or a fraction as '0.5'; None: no limit) and are held
-    on the host within `host_memory_budget`, least recently used out first.
+    on the host within `host_memory_budget`, least recently used out first. A bundle with a
+    postprocess hook (Python recorded in the bundle) is served only with `trust_code`.
 
     >>> serve(["exports/digits"], port=8080, grpc_port=8081)   # doctest: +SKIP
     """
@@ -600,7 +605,12 @@ def serve(
         if host_memory_budget is None
         else parse_budget(host_memory_budget, total=host_memory(), option="--host-memory"),
     )
-    options = {"batching": batching, "batch_delay": batch_delay_ms / 1000, "pager": pager}
+    options = {
+        "batching": batching,
+        "batch_delay": batch_delay_ms / 1000,
+        "pager": pager,
+        "trust_code": trust_code,
+    }
     programs = Programs()
     models = [
         BundleModel(d, max_batch=max_batch, programs=programs, **options) for d in directories
