@@ -282,6 +282,7 @@ def test_a_fork_of_a_run_given_its_data_trains_on_that_data():
     parent.train()
     fork = parent.fork(3)
     fork.train()
+    assert fork.forked_from["step"] == 3 and fork.step == parent.step == 8
     same_history(parent.history(), fork.history())
     same_parameters(parent, fork)
 
