@@ -15,6 +15,10 @@ For each model, in one process, alternating rounds, medians of the seconds one e
 - a population: `nitro.Population(e, learning_rate=[8 values])`, one epoch of all 8;
 - 8 sequential Keras 3 `fit` runs (the JAX backend, one model each), when keras is installed.
 
+`--spike` adds the same population under `spike=nitro.Spike()` (each call keeps a copy of
+the members' variables on the device, to roll a spiking member back), timed in the same
+alternating rounds: the copy's cost against the population without it.
+
 `--n-devs D` runs the population on a mesh of D devices (on CPU, D fake devices over the
 same cores: XLA_FLAGS is set before JAX starts), its members split across the devices
 (`--mesh-axis members`) or each batch (`--mesh-axis batch`).
@@ -25,7 +29,7 @@ per second. Ratios only mean something within one process on one machine: other 
 moves every figure.
 
     python bench/population.py [--rounds 5] [--members 8] [--tile 4] [--models small,cnn,lm]
-                               [--n-devs 2 --mesh-axis members|batch]
+                               [--n-devs 2 --mesh-axis members|batch] [--spike]
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ if "--n-devs" in sys.argv:  # fake CPU devices: only before JAX starts
         os.environ.get("XLA_FLAGS", "") + f" --xla_force_host_platform_device_count={_devices}"
     )
 
+import jax  # noqa: E402
 from dispatch import MODELS as DIGITS  # noqa: E402
 from loops import WithNitro, experiment_for, keras_loop  # noqa: E402
 from overhead import train_arrays  # noqa: E402
@@ -82,7 +87,13 @@ def timed(fn) -> float:
 
 
 def bench_model(
-    name: str, members: int, rounds: int, tile: int, n_devs: int = 1, mesh_axis: str = "members"
+    name: str,
+    members: int,
+    rounds: int,
+    tile: int,
+    n_devs: int = 1,
+    mesh_axis: str = "members",
+    spike: bool = False,
 ) -> None:
     nitro.cache_reset()  # count this model's programs alone
     spec, data = MODELS[name]
@@ -96,6 +107,16 @@ def bench_model(
         n_devs=n_devs,
         mesh_axis=mesh_axis,
     )
+    spiked = None  # `--spike`: the same population, each call's start kept for a roll-back
+    if spike:
+        spiked = nitro.Population(
+            experiment_for(spec, arrays),
+            learning_rate=rates(members),
+            progress=False,
+            n_devs=n_devs,
+            mesh_axis=mesh_axis,
+            spike=nitro.Spike(),
+        )
     keras = [keras_loop(spec, arrays) for _ in range(members)]
     keras = [k for k in keras if k is not None]
     # warm every program with one epoch each, and train on until "auto" has decided: the
@@ -107,17 +128,24 @@ def bench_model(
     population.train(epochs=1)
     settle(lambda: one.run(1), lambda: one.handle.dispatch)
     settle(lambda: population.train(epochs=1), lambda: getattr(population, "dispatch", None))
+    if spiked is not None:
+        spiked.train(epochs=1)
+        settle(lambda: spiked.train(epochs=1), lambda: getattr(spiked, "dispatch", None))
     for run in keras:
         run.run(1)
     times: dict[str, list[float]] = {"one": [], "sequential": [], "population": []}
     if keras:
         times["keras"] = []
+    if spiked is not None:
+        times["spike"] = []
     for _ in range(rounds):
         times["one"].append(timed(lambda: one.run(1)))
         times["sequential"].append(timed(lambda: [run.run(1) for run in sequential]))
         times["population"].append(timed(lambda: population.train(epochs=1)))
         if keras:
             times["keras"].append(timed(lambda: [run.run(1) for run in keras]))
+        if spiked is not None:
+            times["spike"].append(timed(lambda: spiked.train(epochs=1)))
     median = {k: statistics.median(v) for k, v in times.items()}
     batches = one.batches
     placed = f", on {n_devs} devices by {mesh_axis}" if n_devs > 1 else ""
@@ -134,6 +162,7 @@ def bench_model(
         ("sequential", f"{members} sequential Nitro runs"),
         ("population", f"population of {members}"),
         ("keras", f"{members} sequential Keras fits"),
+        ("spike", "population, spike=Spike()"),
     ):
         if key not in median:
             continue
@@ -152,6 +181,14 @@ def bench_model(
     )
     if "keras" in median:
         print(f"  Keras sequential / population: {median['keras'] / median['population']:.2f}x")
+    if spiked is not None:
+        size = sum(x.nbytes for x in jax.tree.leaves(one.handle.state.variables))
+        print(
+            f"  spike= / population: {median['spike'] / median['population']:.3f}x the time "
+            f"(steps per call {spiked.steps_per_call}; a copy of {members} members' variables "
+            f"per call, {members * size / 2**20:.2f} MiB with the optimizer state; "
+            f"roll-backs taken: {len(spiked.skipped_batches())} batches)"
+        )
     kinds = [p["kind"] for p in nitro.cache_stats().programs]
     print(f"  population train-step programs compiled: {kinds.count('population train step')}")
 
@@ -164,12 +201,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--models", default="small", help="of " + ",".join(MODELS))
     parser.add_argument("--n-devs", type=int, default=1, help="devices of the population's mesh")
     parser.add_argument("--mesh-axis", default="members", choices=("members", "batch"))
+    parser.add_argument(
+        "--spike", action="store_true", help="also time the population under spike=nitro.Spike()"
+    )
     args = parser.parse_args(argv)
     unknown = [name for name in args.models.split(",") if name not in MODELS]
     if unknown:
         parser.error(f"--models: unknown {', '.join(unknown)}; choose from {', '.join(MODELS)}")
     for name in args.models.split(","):
-        bench_model(name, args.members, args.rounds, args.tile, args.n_devs, args.mesh_axis)
+        bench_model(
+            name, args.members, args.rounds, args.tile, args.n_devs, args.mesh_axis, args.spike
+        )
 
 
 if __name__ == "__main__":

@@ -437,10 +437,8 @@ def test_skipped_batches_survive_a_resume():
     same_parameters(whole, resumed)
 
 
-def test_a_population_refuses_spike_for_now_and_keeps_no_snapshots():
-    pop = nitro.Population(Toy(max_epochs=1), learning_rate=[1e-3, 1e-2], spike=nitro.Spike())
-    with pytest.raises(nitro.PopulationError, match="spike= is not supported for a population"):
-        pop.train()
+def test_a_population_keeps_no_snapshots_and_spike_settings_are_checked():
+    # a population's spikes roll its members back one by one: tests/test_population_spikes.py
     pop = nitro.Population(Toy(max_epochs=1), learning_rate=[1e-3, 1e-2], snapshots=1)
     assert pop.train().epoch == 1
     with pytest.raises(nitro.SetupError, match=r"Spike\(window=0\)"):

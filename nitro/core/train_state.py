@@ -209,6 +209,11 @@ class TrainState:
             return frozenset()
         return frozenset(r["index"] for r in self.skipped_batches if r["epoch"] == epoch + 1)
 
+    def steps_sat_out(self) -> int:
+        """The steps a population's member sat out: its spikes' roll-backs (`spike=`), each
+        the steps of the call that spiked. Its own step is the population's less these."""
+        return sum(int(r.get("steps", 0)) for r in self.rewinds if r.get("reason") == "spike")
+
 
 def scalars(row: Mapping[str, Any]) -> dict[str, Any]:
     """A history row's scalar columns (what a checkpoint records of it)."""

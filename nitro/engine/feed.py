@@ -443,18 +443,28 @@ class StackedFeed:
         self.place = place
         self.hyper_names = self.feeds[0].hyper_names
         self.device_dtypes = self.feeds[0].device_dtypes
+        # the steps each member sat out (a spike's roll-back, `spike=`): its values are those
+        # of its own step, the population's less these
+        self.lags = [0] * len(self.feeds)
+
+    def _own(self) -> Sequence[tuple[StepFeed, int]]:
+        return tuple(zip(self.feeds, self.lags, strict=True))
 
     def hparams(self, step: int):
-        return self.place(np.stack([feed.hparams_host(step) for feed in self.feeds]))
+        return self.place(np.stack([feed.hparams_host(step - lag) for feed, lag in self._own()]))
 
     def hparams_block(self, start: int, count: int):
-        return self.place(np.stack([feed.hparams_host(start, count) for feed in self.feeds]))
+        return self.place(
+            np.stack([feed.hparams_host(start - lag, count) for feed, lag in self._own()])
+        )
 
     def device(self, step: int) -> dict[str, Any]:
-        return self.place(_stacked([feed.device_host(step) for feed in self.feeds]))
+        return self.place(_stacked([feed.device_host(step - lag) for feed, lag in self._own()]))
 
     def device_block(self, start: int, count: int) -> dict[str, Any]:
-        return self.place(_stacked([feed.device_host(start, count) for feed in self.feeds]))
+        return self.place(
+            _stacked([feed.device_host(start - lag, count) for feed, lag in self._own()])
+        )
 
     def current_device(self) -> dict[str, Any]:
         """Every member's Device fields as they are now (what evaluation sees)."""

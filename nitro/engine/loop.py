@@ -70,6 +70,7 @@ from nitro.engine.swaps import (
     roll_back_host,
 )
 from nitro.errors import DivergenceError, Once
+from nitro.programs.population import copy_members, take_members
 from nitro.programs.specs import ProgramSet
 
 __all__ = ["finish_epoch", "train_epochs"]
@@ -94,6 +95,8 @@ class _Pending:
     program: Any  # the program that ran it (a live edit may swap programs before it is read)
     before: Any = None  # a `restore` program's input variables, until its verdicts are read
     output: Any = None  # and its output (compared, never read: the next call may donate it)
+    # a population's under `spike=`: a copy of the variables and the flags it started from
+    start: tuple[Any, Any] | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -568,6 +571,9 @@ def _dispatch(run: _Epoch, state: TrainState, staged) -> tuple[_Pending, bool]:
     if count == 1 and plan.probing and plan.recall(program, _updates(run.setup)):
         switch = True  # an earlier handle of this program measured: its choice
     before = state.variables if restore else None  # not donated: kept as it is
+    start = None  # `spike=` in a population: the call's start, for a member's roll-back
+    if run.members.stacked and run.members.spike is not None:
+        start = (copy_members(state.variables), run.healthy)
     try:
         if stepwise:
             single = functools.partial(_program, run, state, index, count=1, micro=micro)
@@ -590,7 +596,8 @@ def _dispatch(run: _Epoch, state: TrainState, staged) -> tuple[_Pending, bool]:
         state.healthy = out.healthy  # type: ignore[attr-defined]
     run.dispatched += count
     after = out.variables if before is not None else None
-    return _Pending(index, out.report, out.metrics, staged, program, before, after), switch
+    call = _Pending(index, out.report, out.metrics, staged, program, before, after, start)
+    return call, switch
 
 
 # ---------------------------------------------------------------------------------------------
@@ -967,6 +974,8 @@ def _complete(run: _Epoch, state: TrainState, item: _Pending) -> None:
             run.members.complete(state, item, reports, metrics, run.events)
         finally:
             delete(item.metrics)
+            if run.members.rolled_back:
+                _members_back(run, state, item)
             profiler.mark("bookkeeping", item.index)
         return
     count, micro = staged.count, staged.group
@@ -1051,6 +1060,37 @@ def _watch_spikes(run: _Epoch, state: TrainState, item: _Pending, reports: np.nd
         epoch=state.epoch,
         batches=list(itertools.islice(indices, count)),
     )
+
+
+def _members_back(run: _Epoch, state: TrainState, item: _Pending) -> None:
+    """`spike=` in a population: the members whose loss spiked in `item` go back to its
+    start, by a select along the member axis (the others' arrays stay theirs, bit for bit).
+    The call in flight was dispatched on their spiking weights: it is dropped, and its batches
+    dispatched again on the state now (the others compute it as they did the first time)."""
+    members = run.members
+    back, members.rolled_back = members.rolled_back, {}
+    assert item.start is not None  # kept by every call under `spike=`
+    pending, run.in_flight = run.in_flight, None
+    if pending is not None:  # its input (the state after `item`), kept as its start
+        assert pending.start is not None
+        jax.block_until_ready(pending.report)
+        delete(pending.metrics)
+        delete(state.variables)  # its output, of no branch
+        now, healthy = pending.start
+    else:
+        now, healthy = state.variables, state.healthy  # type: ignore[attr-defined]
+    mask = np.zeros(members.count, bool)
+    mask[list(back)] = True
+    flags = np.asarray(healthy).copy()
+    for position, stops in back.items():  # a member past max_rollbacks stays stopped
+        flags[position] = not stops
+    state.variables = take_members(mask, item.start[0], now)
+    place = state.place or run.setup.placement.put_replicated  # type: ignore[attr-defined]
+    state.healthy = run.healthy = place(jnp.asarray(flags))  # type: ignore[attr-defined]
+    members.before_call(run, state)  # the members' own steps, fed from here on
+    if pending is not None:
+        run.dispatched = pending.index
+        run.in_flight, _ = _dispatch(run, state, pending.staged)
 
 
 def _restores(run: _Epoch, state: TrainState) -> bool:

@@ -41,6 +41,7 @@ from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import EpochTotals, TrainState, Variables
 from nitro.engine.diagnostics import divergence_message
 from nitro.engine.feed import StackedFeed
+from nitro.engine.member_spikes import check_member_spike, spike_stops, watch_members
 from nitro.engine.run_time import RunTime
 from nitro.errors import DivergenceError, PopulationError
 from nitro.experiments.routing import select
@@ -192,7 +193,10 @@ class Member:
     runtime: RunTime
     state: TrainState
     stopped: str | None = None  # why it stopped training ("diverged at step 12"), or None
-    stopped_at: int | None = None  # the steps it trained before it stopped
+    stopped_at: int | None = None  # the population's steps when it stopped
+    # the steps it sat out (its spikes' roll-backs, `spike=`): its own step is the
+    # population's less these
+    sat_out: int = 0
     # its own event path, as a run's: its steps, rows and validations (its logger run's)
     events: Events = dataclasses.field(default_factory=Events)
     logging: Any = None  # its logger run's `LoggingReporter` on that path (None: no logger)
@@ -294,9 +298,15 @@ class Stacked:
         self.own = state.batches == "own"
         place = state.place or self.members[0].setup.placement.put_replicated
         self._feed = StackedFeed([m.runtime.feed for m in self.members], place)
+        self._feed.lags = [m.sat_out for m in self.members]
         # the guard keeps a member's variables in the program (its select, per member): the
         # loop never restores a population's calls
         self.members[0].runtime.restores = False
+        # `spike=`: each member's watch; the loop keeps each call's starting variables, and
+        # puts back those of the members `rolled_back` (position -> whether it stops)
+        self.spike = self.members[0].setup.keywords["spike"].value
+        watch_members(self.members, self.spike)
+        self.rolled_back: dict[int, bool] = {}
 
     @classmethod
     def of(cls, members: Sequence[Member], batches: str, mesh_axis: str, say: Callable) -> Stacked:
@@ -354,6 +364,7 @@ class Stacked:
         if state.prune:
             apply_prunes(self.members, state, self.say)
         run.healthy = state.healthy
+        self._feed.lags = [m.sat_out for m in self.members]  # a resume's, a shrink's
         return all(m.stopped is not None for m in self.members)
 
     def react(self, runtime: RunTime, state: PopulationState) -> list[str]:
@@ -389,12 +400,21 @@ class Stacked:
         losses = reports[..., 0].astype(np.float64)
         codes = reports[..., 1]
         steps = reports.shape[1]
+        firsts = [item.index - m.sat_out + 1 for m in self.members]  # each one's own steps
         for i, member in enumerate(self.members):
             totals = member.state.totals
             assert totals is not None  # set when the epoch began
             limit = steps  # the steps of this call the member trained
             if member.stopped_at is not None:
                 limit = max(0, min(steps, member.stopped_at - item.index))
+            if self.spike is not None and limit:
+                stops = check_member_spike(
+                    member, self.spike, state, item, reports[i, :limit], self.say
+                )
+                if stops is not None:  # it sits the call out: back to the call's start
+                    self.rolled_back[i] = stops
+                    losses[i] = np.nan
+                    continue
             bad = np.flatnonzero(codes[i, :limit])
             if bad.size:
                 offset = int(bad[0])
@@ -435,10 +455,12 @@ class Stacked:
             shown = np.full((self.size, losses.shape[1]), np.nan)
             shown[[m.index for m in self.members]] = losses
         events.member_steps(item.index + 1, shown)  # steps count from 1, as a run's
-        for member, own in zip(self.members, losses, strict=True):
-            if member.events.reporters:
-                member.events.steps(item.index + 1, own.tolist())
+        for i, (member, own) in enumerate(zip(self.members, losses, strict=True)):
+            if member.events.reporters and i not in self.rolled_back:
+                member.events.steps(firsts[i], own.tolist())
         stopped = [m for m in self.members if m.stopped is not None]
+        if len(stopped) == self.count:
+            spike_stops(self.members)
         if len(stopped) == self.count and any(
             (m.stopped or "").startswith("diverged") for m in stopped
         ):
@@ -464,6 +486,7 @@ class Stacked:
                 rows.append(None)
                 continue
             step = state.step if member.stopped_at is None else member.stopped_at
+            step -= member.sat_out  # its own steps (`spike=`: less those it sat out)
             own = None if scale is None else [leaf[i] for leaf in scale]
             rows.append(epoch_row(member.setup, member.runtime, member.state, step, own, finalize))
         return rows
@@ -510,7 +533,8 @@ class Stacked:
         rows = []
         for member, metrics in zip(self.members, results, strict=True):
             if member.stopped is None:
-                row = {"step": state.step, "epoch": state.epoch + 1, **metrics}
+                step = state.step - member.sat_out  # its own
+                row = {"step": step, "epoch": state.epoch + 1, **metrics}
                 member.state.validations.append(row)
                 member.events.validated(row)
                 rows.append({"member": member.index, **row})

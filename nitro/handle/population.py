@@ -298,7 +298,11 @@ class Population(PopulationMembers):
     def stopped_at(self) -> dict[int, int]:
         """Member -> the steps it trained before it stopped, for the members that did: its
         history's last row has that step, and its weights are those of that step."""
-        return {m.index: int(m.stopped_at or 0) for m in self._members if m.stopped is not None}
+        return {
+            m.index: int(m.stopped_at or 0) - m.sat_out
+            for m in self._members
+            if m.stopped is not None
+        }
 
     def _stacked(self) -> Stacked:
         """The members stacked, once: the loop's members object, with the stacked state."""

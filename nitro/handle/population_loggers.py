@@ -112,11 +112,11 @@ class MemberLogging:
         population, stopped, index = self.population, member.stopped, member.index
         run_dir = str(member_dir(self.files.run_dir, index))
         run_id = member_run_id(self.files.run_id, index)
-        step = population.step if stopped is None else member.stopped_at
+        step = (population.step if stopped is None else member.stopped_at) - member.sat_out
         reason = population.stop_reason
         if stopped is not None:  # a stopped member's epoch and end stay where it stopped
             kind = "early_stop" if stopped.startswith("early stop") else "requested"
-            reason = "error" if stopped.startswith("diverged") else kind
+            reason = "error" if stopped.startswith(("diverged", "spiked")) else kind
         tags = {k: str(plain_value(v)) for k, v in member.settings.items()}
         return SimpleNamespace(
             setup=member.setup,

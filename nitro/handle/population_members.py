@@ -86,6 +86,39 @@ class PopulationMembers(RunHandle):
         member's last), as `Nitro.last_metrics` is a run's; empty before its first epoch."""
         return [dict(m.state.last_row) for m in self._members]
 
+    def skipped_batches(self, member: int | None = None):
+        """The training batches a spike's roll-back left out for a member (`spike=`), a
+        DataFrame as `Nitro.skipped_batches()` is a run's: the epoch (counted from 1), the
+        batch's index in the source's epoch, and the step (the member's own) and loss of the
+        spike. `member=None`: every member's, with a column `member` first."""
+        import pandas as pd
+
+        columns = ["epoch", "index", "step", "loss"]
+        if member is not None:
+            if isinstance(member, bool) or not isinstance(member, int):
+                raise TypeError(f"skipped_batches(member) takes a member index, got {member!r}")
+            if not 0 <= member < len(self):
+                raise IndexError(f"member {member} of a population of {len(self)}")
+            rows = [dict(r) for r in self._members[member].state.skipped_batches]
+            return pd.DataFrame(rows, columns=pd.Index(columns))
+        rows = [{"member": m.index, **r} for m in self._members for r in m.state.skipped_batches]
+        return pd.DataFrame(rows, columns=pd.Index(["member", *columns]))
+
+    def rewind(self, step: int) -> Any:
+        """Refused: a population keeps no snapshots to go back to."""
+        raise PopulationError(
+            f"pop.rewind({step!r}): a population keeps no snapshots, so it cannot go back; "
+            f"its checkpoints resume it (nitro.Population(..., resume=...)), spike= rolls a "
+            f"member back over a loss spike, and pop.member(i) is a run that can rewind"
+        )
+
+    def fork(self, step: int | None = None, **changes: Any) -> Any:
+        """Refused: a population keeps no snapshots to fork from."""
+        raise PopulationError(
+            "pop.fork(...): a population keeps no snapshots to fork from; pop.member(i) is a "
+            "run that can fork, and nitro.Population(..., weights=...) starts a new population"
+        )
+
     def member(self, index: int, **keywords: Any) -> Nitro:
         """A `Nitro` handle of member `index`: its settings as keywords, its current weights
         via `weights=` (the optimizer state and counters start fresh, as `weights=` does);
@@ -93,9 +126,9 @@ class PopulationMembers(RunHandle):
         if not 0 <= index < len(self):
             raise IndexError(f"member {index} of a population of {len(self)}")
         member = self._members[index]
-        epoch, step = self.epoch, self.step
+        epoch, step = self.epoch, self.step - member.sat_out
         if member.stopped is not None:  # its weights are those of its stop
-            epoch, step = member.state.epoch, member.stopped_at
+            epoch, step = member.state.epoch, int(member.stopped_at or 0) - member.sat_out
         with self._guard.hold(f"taking member {index} as a handle"):
             own = member.state.variables  # a member a search left out keeps its own
             variables = jax.tree.map(jnp.asarray, Variables(own.params, own.model_state))

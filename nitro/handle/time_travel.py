@@ -28,7 +28,7 @@ from nitro.engine import loop
 from nitro.engine.run_keywords import KEYWORD_ONLY, RUN_KEYWORDS
 from nitro.engine.snapshots import Snapshot, SnapshotRing, detached, restore_point, settle
 from nitro.engine.spikes import SpikeRollback, SpikeWatch
-from nitro.errors import PopulationError, SetupError, SpikeError, did_you_mean
+from nitro.errors import SetupError, SpikeError, did_you_mean
 from nitro.experiments.declaration import FieldKind, field_specs
 from nitro.experiments.presets import replace
 from nitro.programs.train_step import train_step_spec
@@ -82,15 +82,7 @@ def train_epochs(
     """`loop.train_epochs` on the handle's setup, run time and programs; a spike
     (`SpikeRollback`) rolls the run back to its newest snapshot before the call that spiked,
     leaves that call's batches out, and trains on."""
-    setup = handle._lead_setup
-    if members.stacked:  # a population keeps no snapshots (yet): refused where it matters
-        if setup.keywords["spike"].value is not None:
-            raise PopulationError(
-                "spike= is not supported for a population yet: its members train in one "
-                "program, and a roll-back is a single run's for now. Train a member as a run "
-                "to use it (pop.best() or pop.member(i) is one), or leave spike= out"
-            )
-    else:
+    if not members.stacked:  # a population's members roll back on their own (member_spikes)
         prepare(handle)
     try:
         while True:

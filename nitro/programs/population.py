@@ -16,6 +16,9 @@ Arguments, as a single run's with a member axis in front:
   one step, `batch[K, N]` for a stack of K (steps, or micro-batches), so that a stack's
   rows are sliced as a single run's are;
 - eval forward: `(variables[N], device fields[N], batch, real samples)`.
+
+Under `spike=`, `copy_members` keeps the state each call starts from and `take_members` puts a
+spiking member's slice of it back (`nitro.engine.member_spikes`).
 """
 
 from __future__ import annotations
@@ -25,11 +28,12 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 
 from nitro.optim import guard
 from nitro.programs.compile_cache import ProgramKind, ProgramSpec
 
-__all__ = ["population_eval_spec", "population_train_spec"]
+__all__ = ["copy_members", "population_eval_spec", "population_train_spec", "take_members"]
 
 
 def _masked(fn: Callable) -> Callable:
@@ -91,3 +95,21 @@ def population_train_spec(
 def population_eval_spec(spec: ProgramSpec, members: int) -> ProgramSpec:
     """A run's eval forward or predict `spec` for `members` members at once."""
     return _vmapped(spec, ProgramKind.POPULATION_EVAL, members, (0, 0, None, None))
+
+
+@jax.jit
+def copy_members(variables: Any) -> Any:
+    """A copy of a population's variables on their devices (new buffers, as laid out): the
+    state a call starts from, kept while the call may donate its own (`spike=`)."""
+    return jax.tree.map(jnp.copy, variables)
+
+
+@jax.jit
+def take_members(back: Any, before: Any, now: Any) -> Any:
+    """`before`'s slice of each member `back` (bool[N]) flags, `now`'s of the others: a select
+    along the member axis, exact (the other members' arrays are `now`'s, bit for bit)."""
+
+    def take(old: Any, new: Any) -> Any:
+        return jnp.where(back.reshape((-1,) + (1,) * (new.ndim - 1)), old, new)
+
+    return jax.tree.map(take, before, now)

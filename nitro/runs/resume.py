@@ -166,8 +166,10 @@ def restore_population(
             member.state.variables, seed=member.state.seed, member=entry
         )
         member.stopped, member.stopped_at = entry.stopped, entry.stopped_at
+        member.sat_out = member.state.steps_sat_out()  # its spikes' roll-backs
+        member.state.step -= member.sat_out
         if member.stopped is not None:  # its counters stay where it stopped
-            member.state.step = int(member.stopped_at or 0)
+            member.state.step = int(member.stopped_at or 0) - member.sat_out
             member.state.epoch = int(member.state.last_row.get("epoch", 0))
         if member.logging is not None:
             member.logging.reattach(entry.logger)
