@@ -128,7 +128,7 @@ def test_past_max_rollbacks_only_that_member_stops_with_its_weights_from_before_
         Marked(), gain=gains, spike=once, steps_per_dispatch=1, progress=False
     ).train()
     assert list(pop.stopped) == [1]
-    assert pop.stopped[1].startswith("spiked at step 13 (epoch 2, batches [5]): a non-finite")
+    assert pop.stopped[1].startswith("spiked at step 13 (epoch 2, batch 5): a non-finite")
     assert "batches left out so far: epoch 1 batch 5 (step 6)" in pop.stopped[1]
     assert pop.stopped_at == {1: 12}  # its own steps: 7 in epoch 1, 5 in epoch 2
     assert member_history(pop, 1)["step"].tolist() == [7, 12]
@@ -152,7 +152,7 @@ def test_when_every_member_stops_on_its_spikes_the_run_raises_a_spike_error_nami
     with pytest.raises(
         nitro.SpikeError,
         match=r"every member of the population stopped: member 0 \(gain=nan\): spiked at "
-        r"step 6 \(epoch 1, batches \[5\]\).*member 1 \(gain=nan\): spiked at step 6",
+        r"step 6 \(epoch 1, batch 5\).*member 1 \(gain=nan\): spiked at step 6",
     ):
         pop.train()
     assert pop.stopped_at == {0: 5, 1: 5}

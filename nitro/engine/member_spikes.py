@@ -56,7 +56,7 @@ def check_member_spike(
     staged = item.staged
     loss, step = float(reports[offset, 0]), own_first + offset + 1
     batches = list(range(state.position, state.position + staged.count * staged.group))
-    where = f"step {step} (epoch {state.epoch + 1}, batches {batches})"
+    where = f"step {step} (epoch {state.epoch + 1}, {_batches(batches)})"
     rewinds = member.state.rewinds
     done = sum(1 for row in rewinds if row.get("reason") == "spike")
     stops = done >= policy.max_rollbacks
@@ -74,10 +74,10 @@ def check_member_spike(
         "why": why,
     }
     if stops:
-        earlier = [
-            f"epoch {r['epoch']} batch {r['index']} (step {r['step']})"
-            for r in member.state.skipped_batches
-        ]
+        calls: dict[tuple[int, int], list[int]] = {}  # (epoch, step) -> its batches
+        for r in member.state.skipped_batches:
+            calls.setdefault((r["epoch"], r["step"]), []).append(r["index"])
+        earlier = [f"epoch {e} {_batches(b)} (step {s})" for (e, s), b in calls.items()]
         member.stopped = (
             f"spiked at {where}: {why}, after {done} roll-back{'s' * (done != 1)} "
             f"(Spike(max_rollbacks={policy.max_rollbacks})); batches left out so far: "
@@ -101,6 +101,13 @@ def check_member_spike(
     rewinds.append(row)
     member.events.rewound(row)
     return stops
+
+
+def _batches(indices: Sequence[int]) -> str:
+    """A call's batch indices (consecutive) as words: "batch 5", "batches 4-5"."""
+    if len(indices) == 1:
+        return f"batch {indices[0]}"
+    return f"batches {indices[0]}-{indices[-1]}"
 
 
 def spike_stops(members: Sequence[Any]) -> None:
