@@ -15,10 +15,10 @@ For each model, in one process, alternating rounds, medians of the seconds one e
 - a population: `nitro.Population(e, learning_rate=[8 values])`, one epoch of all 8;
 - 8 sequential Keras 3 `fit` runs (the JAX backend, one model each), when keras is installed.
 
-`--spike` adds the same population under `spike=nitro.Spike(rtol=1e6)` (each call keeps a
-copy of the members' variables on the device, to roll a spiking member back; only a
-non-finite loss spikes, so no member rolls back), timed in the same alternating rounds: the
-copy's cost against the population without it.
+`--spike` adds the same population under `spike=nitro.Spike(rtol=1e6)` at the steps per
+call the population chose (its calls keep their input variables, not donated, to roll a
+spiking member back; only a non-finite loss spikes, so no member rolls back), timed in the
+same alternating rounds: what keeping the input costs against the population without it.
 
 `--n-devs D` runs the population on a mesh of D devices (on CPU, D fake devices over the
 same cores: XLA_FLAGS is set before JAX starts), its members split across the devices
@@ -108,16 +108,6 @@ def bench_model(
         n_devs=n_devs,
         mesh_axis=mesh_axis,
     )
-    spiked = None  # `--spike`: the same population, each call's start kept for a roll-back
-    if spike:
-        spiked = nitro.Population(
-            experiment_for(spec, arrays),
-            learning_rate=rates(members),
-            progress=False,
-            n_devs=n_devs,
-            mesh_axis=mesh_axis,
-            spike=nitro.Spike(rtol=1e6),  # only a non-finite loss spikes: no roll-back
-        )
     keras = [keras_loop(spec, arrays) for _ in range(members)]
     keras = [k for k in keras if k is not None]
     # warm every program with one epoch each, and train on until "auto" has decided: the
@@ -129,9 +119,18 @@ def bench_model(
     population.train(epochs=1)
     settle(lambda: one.run(1), lambda: one.handle.dispatch)
     settle(lambda: population.train(epochs=1), lambda: getattr(population, "dispatch", None))
-    if spiked is not None:
+    spiked = None  # `--spike`: the same population, each call's input kept for a roll-back
+    if spike:  # at the steps per call the population chose: the same calls, timed
+        spiked = nitro.Population(
+            experiment_for(spec, arrays),
+            learning_rate=rates(members),
+            progress=False,
+            n_devs=n_devs,
+            mesh_axis=mesh_axis,
+            steps_per_dispatch=population.steps_per_call or 1,
+            spike=nitro.Spike(rtol=1e6),  # only a non-finite loss spikes: no roll-back
+        )
         spiked.train(epochs=1)
-        settle(lambda: spiked.train(epochs=1), lambda: getattr(spiked, "dispatch", None))
     for run in keras:
         run.run(1)
     times: dict[str, list[float]] = {"one": [], "sequential": [], "population": []}
@@ -186,8 +185,8 @@ def bench_model(
         size = sum(x.nbytes for x in jax.tree.leaves(one.handle.state.variables))
         print(
             f"  spike= / population: {median['spike'] / median['population']:.3f}x the time "
-            f"(steps per call {spiked.steps_per_call}; a copy of {members} members' variables "
-            f"per call, {members * size / 2**20:.2f} MiB with the optimizer state; "
+            f"(steps per call {spiked.steps_per_call}; each call's input kept, not donated: "
+            f"{members * size / 2**20:.2f} MiB of variables with the optimizer state; "
             f"roll-backs taken: {len(spiked.skipped_batches())} batches)"
         )
     kinds = [p["kind"] for p in nitro.cache_stats().programs]

@@ -70,7 +70,7 @@ from nitro.engine.swaps import (
     roll_back_host,
 )
 from nitro.errors import DivergenceError, Once
-from nitro.programs.population import copy_members, take_members
+from nitro.programs.population import take_members
 from nitro.programs.specs import ProgramSet
 
 __all__ = ["finish_epoch", "train_epochs"]
@@ -95,7 +95,7 @@ class _Pending:
     program: Any  # the program that ran it (a live edit may swap programs before it is read)
     before: Any = None  # a `restore` program's input variables, until its verdicts are read
     output: Any = None  # and its output (compared, never read: the next call may donate it)
-    # a population's under `spike=`: a copy of the variables and the flags it started from
+    # a population's under `spike=`: the variables (not donated) and flags it started from
     start: tuple[Any, Any] | None = None
 
 
@@ -571,9 +571,9 @@ def _dispatch(run: _Epoch, state: TrainState, staged) -> tuple[_Pending, bool]:
     if count == 1 and plan.probing and plan.recall(program, _updates(run.setup)):
         switch = True  # an earlier handle of this program measured: its choice
     before = state.variables if restore else None  # not donated: kept as it is
-    start = None  # `spike=` in a population: the call's start, for a member's roll-back
+    start = None  # `spike=` in a population: the call's input (not donated), for a roll-back
     if run.members.stacked and run.members.spike is not None:
-        start = (copy_members(state.variables), run.healthy)
+        start = (state.variables, run.healthy)
     try:
         if stepwise:
             single = functools.partial(_program, run, state, index, count=1, micro=micro)
@@ -1075,8 +1075,9 @@ def _members_back(run: _Epoch, state: TrainState, item: _Pending) -> None:
         assert pending.start is not None
         jax.block_until_ready(pending.report)
         delete(pending.metrics)
-        delete(state.variables)  # its output, of no branch
         now, healthy = pending.start
+        inputs = {id(leaf) for leaf in jax.tree.leaves(now)}  # a leaf passed through stays
+        delete([x for x in jax.tree.leaves(state.variables) if id(x) not in inputs])
     else:
         now, healthy = state.variables, state.healthy  # type: ignore[attr-defined]
     mask = np.zeros(members.count, bool)

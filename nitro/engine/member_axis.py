@@ -41,7 +41,7 @@ from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import EpochTotals, TrainState, Variables
 from nitro.engine.diagnostics import divergence_message
 from nitro.engine.feed import StackedFeed
-from nitro.engine.member_spikes import check_member_spike, spike_stops, watch_members
+from nitro.engine.member_spikes import MembersWatch, roll_back_member, spike_stops
 from nitro.engine.run_time import RunTime
 from nitro.errors import DivergenceError, PopulationError
 from nitro.experiments.routing import select
@@ -305,7 +305,7 @@ class Stacked:
         # `spike=`: each member's watch; the loop keeps each call's starting variables, and
         # puts back those of the members `rolled_back` (position -> whether it stops)
         self.spike = self.members[0].setup.keywords["spike"].value
-        watch_members(self.members, self.spike)
+        self.watch = MembersWatch(self.spike, self.count) if self.spike is not None else None
         self.rolled_back: dict[int, bool] = {}
 
     @classmethod
@@ -401,20 +401,25 @@ class Stacked:
         codes = reports[..., 1]
         steps = reports.shape[1]
         firsts = [item.index - m.sat_out + 1 for m in self.members]  # each one's own steps
+        limits = np.array(  # the steps of this call each member trained
+            [
+                steps if m.stopped_at is None else max(0, min(steps, m.stopped_at - item.index))
+                for m in self.members
+            ]
+        )
+        spikes = {} if self.watch is None else self.watch.first_spikes(losses, codes, limits)
         for i, member in enumerate(self.members):
             totals = member.state.totals
             assert totals is not None  # set when the epoch began
-            limit = steps  # the steps of this call the member trained
-            if member.stopped_at is not None:
-                limit = max(0, min(steps, member.stopped_at - item.index))
-            if self.spike is not None and limit:
-                stops = check_member_spike(
-                    member, self.spike, state, item, reports[i, :limit], self.say
+            limit = int(limits[i])
+            if i in spikes:  # it sits the call out: back to the call's start
+                assert self.spike is not None  # watched only under spike=
+                found, loss = spikes[i], float(losses[i, spikes[i][0]])
+                self.rolled_back[i] = roll_back_member(
+                    member, self.spike, state, item, found, loss, self.say
                 )
-                if stops is not None:  # it sits the call out: back to the call's start
-                    self.rolled_back[i] = stops
-                    losses[i] = np.nan
-                    continue
+                losses[i] = np.nan
+                continue
             bad = np.flatnonzero(codes[i, :limit])
             if bad.size:
                 offset = int(bad[0])

@@ -1,15 +1,16 @@
-"""`spike=` in a population: each member's watch over its own losses, and what a member's
+"""`spike=` in a population: every member's watch over its own losses, and what a member's
 roll-back records.
 
-A population's members train as one program, so a member's roll-back is its own: the loop
-keeps the members' variables from the start of each call (`copy_members`, on the device),
-and when member i's loss spikes in a call (`SpikeWatch`, as a run's), its slice goes back to
-that copy by a select along the member axis (`take_members`) while the others keep theirs.
-The member sits the call out: its batches are left out for it alone (`skipped_batches` in its
-record), and from then on it is fed the values of its own step, the population's less the
-steps it sat out (`Member.sat_out`), so it trains as a run whose data never yielded those
-batches. Past `max_rollbacks`, the member stops with the weights from before the call, as a
-diverged member stops, and the others train on.
+A population's members train as one program, so a member's roll-back is its own. Under
+`spike=` the train step does not donate its variables, and the loop holds each call's input
+until the call is read back; when member i's loss spikes in a call (`MembersWatch`: a run's
+rule, for every member at once), its slice goes back to that input by a select along the
+member axis (`take_members`), while the others keep theirs. The member sits the call out:
+its batches are left out for it alone (`skipped_batches` in its record), and from then on it
+is fed the values of its own step, the population's less the steps it sat out
+(`Member.sat_out`), so it trains as a run whose data never yielded those batches. Past
+`max_rollbacks`, the member stops with the weights from before the call, as a diverged member
+stops, and the others train on.
 """
 
 from __future__ import annotations
@@ -19,42 +20,118 @@ from typing import Any
 
 import numpy as np
 
-from nitro.engine.spikes import Spike, SpikeWatch
+from nitro.engine.spikes import Spike
 from nitro.errors import SpikeError
 
-__all__ = ["check_member_spike", "spike_stops", "watch_members"]
+__all__ = ["MembersWatch", "roll_back_member", "spike_stops"]
 
 
-def watch_members(members: Sequence[Any], policy: Spike | None) -> None:
-    """Each member's watch over its losses (on its run-time record), under `spike=`."""
-    if policy is None:
-        return
-    for member in members:
-        if member.runtime.spikes is None:
-            member.runtime.spikes = SpikeWatch(policy)
+class MembersWatch:
+    """Every member's recent finite losses and the spike test of a call's, for all members at
+    once (numpy over the member and step axes): `SpikeWatch`'s rule, member by member. A
+    member's window is its last `window` finite losses since the population started or
+    resumed, `recent[member]` oldest first, NaN where it has fewer."""
+
+    def __init__(self, policy: Spike, count: int):
+        self.policy = policy
+        self.recent = np.full((count, policy.window), np.nan)
+        self.full = False  # every member's window holds `window` losses
+
+    def take(self, other: MembersWatch, rows: Sequence[int]) -> None:
+        """The windows of `other`'s members `rows` (a population shrunk to them)."""
+        self.recent = other.recent[list(rows)].copy()
+        self.full = not np.isnan(self.recent).any()
+
+    def _calm(self, losses: np.ndarray) -> bool:
+        """The common call, in a few array operations: every member trained every step, all
+        finite, its windows full, and no step over its window's mean. Then the losses join
+        the windows."""
+        window, steps = self.policy.window, losses.shape[1]
+        joined = np.concatenate([np.zeros((len(losses), 1)), self.recent, losses], axis=1)
+        sums = np.cumsum(joined, axis=1)
+        mean = (sums[:, window : window + steps] - sums[:, :steps]) / window
+        if (losses - mean > self.policy.rtol * np.abs(mean)).any():
+            return False
+        self.recent = joined[:, -window:]
+        return True
+
+    def first_spikes(
+        self, losses: np.ndarray, codes: np.ndarray, limits: np.ndarray
+    ) -> dict[int, tuple[int, str]]:
+        """Member (row) -> the offset of its first spiking step in the call and why it
+        spikes, for the members whose loss spiked; the others' losses join their windows.
+        `losses`, `codes`: the call's `[members, steps]`; `limits`: the steps each member
+        trained (a stopped member's fewer)."""
+        policy, window = self.policy, self.policy.window
+        steps = losses.shape[1]
+        if (
+            self.full
+            and limits.min() >= steps
+            and not codes.any()
+            and np.isfinite(losses).all()
+            and self._calm(losses)
+        ):
+            return {}
+        trained = np.arange(steps) < limits[:, None]
+        with np.errstate(invalid="ignore", over="ignore"):
+            broken = trained & ((codes != 0) | ~np.isfinite(losses))
+            joined = np.concatenate([self.recent, np.where(trained, losses, np.nan)], axis=1)
+            seen = ~np.isnan(joined)
+            sums = np.cumsum(np.where(seen, joined, 0.0), axis=1)
+            counts = np.cumsum(seen, axis=1)
+            zero = np.zeros((len(losses), 1))
+            sums, counts = np.hstack([zero, sums]), np.hstack([zero, counts])
+            # step k's window: the `window` values before it, recent ones and the call's
+            total = sums[:, window : window + steps] - sums[:, :steps]
+            number = counts[:, window : window + steps] - counts[:, :steps]
+            mean = total / np.maximum(number, 1)
+            high = trained & (number >= window) & (losses - mean > policy.rtol * np.abs(mean))
+        spiked = broken | high
+        found: dict[int, tuple[int, str]] = {}
+        for row in np.flatnonzero(spiked.any(axis=1)):
+            offset = int(np.argmax(spiked[row]))
+            loss = float(losses[row, offset])
+            if broken[row, offset]:
+                kind = "a non-finite loss" if not np.isfinite(loss) else "a non-finite step"
+                found[int(row)] = (offset, f"{kind} ({loss})")
+            else:
+                found[int(row)] = (
+                    offset,
+                    f"loss {loss:.6g} over the mean {mean[row, offset]:.6g} of the "
+                    f"{int(number[row, offset])} steps before it by more than "
+                    f"rtol={policy.rtol:g} times it",
+                )
+        calm = np.ones(len(losses), bool)
+        calm[list(found)] = False  # a spiking member's window stays as before the call
+        whole = calm & (limits >= steps)  # NaN only in front: its last values are its window
+        self.recent[whole] = joined[whole, -window:]
+        for row in np.flatnonzero(calm & ~whole):  # stopped within the call: its values
+            kept = joined[row][seen[row]][-window:]
+            self.recent[row] = np.nan
+            if len(kept):
+                self.recent[row, window - len(kept) :] = kept
+        self.full = self.full or not np.isnan(self.recent).any()
+        return found
 
 
-def check_member_spike(
+def roll_back_member(
     member: Any,
     policy: Spike,
     state: Any,
     item: Any,
-    reports: np.ndarray,
+    found: tuple[int, str],
+    loss: float,
     say: Callable[[str], None],
-) -> bool | None:
-    """Member `member`'s part of the call `item` (`reports`: its steps' (loss, guard code)
-    rows it trained): None when no step spiked (the losses join its window). Else the call
-    is rolled back for it alone, recorded in its rewinds and skipped batches (and its logger
-    runs hear of it); returns True when that was past `max_rollbacks`, and the member stops
-    there (with its weights from before the call), False when it trains on."""
-    watch = member.runtime.spikes
+) -> bool:
+    """Member `member`'s loss spiked in the call `item` (`found`: the offset of the step and
+    why, `loss` its loss): the call is rolled back for it alone, recorded in its rewinds and
+    skipped batches (and its logger runs hear of it). Returns True when that was past
+    `max_rollbacks`, and the member stops there (with its weights from before the call),
+    False when it trains on."""
     own_first = item.index - member.sat_out  # the member's own steps before the call
-    found = watch.first_spike(own_first, reports)
-    if found is None:
-        return None
     offset, why = found
     staged = item.staged
-    loss, step = float(reports[offset, 0]), own_first + offset + 1
+    step = own_first + offset + 1
     batches = list(range(state.position, state.position + staged.count * staged.group))
     where = f"step {step} (epoch {state.epoch + 1}, {_batches(batches)})"
     rewinds = member.state.rewinds

@@ -334,7 +334,10 @@ def shrink(stacked: Stacked, kept: Sequence[Member]) -> Stacked:
     gathered = jax.tree.map(lambda leaf: jnp.take(leaf, rows, axis=0), state.variables)
     place = state.place or (lambda tree: tree)
     state.variables, state.healthy = place((gathered, jnp.take(state.healthy, rows)))
-    return Stacked(kept, state, stacked.say, size=stacked.size)
+    shrunk = Stacked(kept, state, stacked.say, size=stacked.size)
+    if stacked.watch is not None and shrunk.watch is not None:  # `spike=`: their windows
+        shrunk.watch.take(stacked.watch, [position[m.index] for m in kept])
+    return shrunk
 
 
 def full_variables(stacked: Stacked, members: Sequence[Member]) -> Variables:

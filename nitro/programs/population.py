@@ -17,8 +17,9 @@ Arguments, as a single run's with a member axis in front:
   rows are sliced as a single run's are;
 - eval forward: `(variables[N], device fields[N], batch, real samples)`.
 
-Under `spike=`, `copy_members` keeps the state each call starts from and `take_members` puts a
-spiking member's slice of it back (`nitro.engine.member_spikes`).
+Under `spike=` the train step keeps its input (no donation: the loop holds each call's
+starting variables until the call is read back), and `take_members` puts a spiking member's
+slice of them back (`nitro.engine.member_spikes`).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import jax.numpy as jnp
 from nitro.optim import guard
 from nitro.programs.compile_cache import ProgramKind, ProgramSpec
 
-__all__ = ["copy_members", "population_eval_spec", "population_train_spec", "take_members"]
+__all__ = ["population_eval_spec", "population_train_spec", "take_members"]
 
 
 def _masked(fn: Callable) -> Callable:
@@ -79,29 +80,34 @@ def _vmapped(
 
 
 def population_train_spec(
-    spec: ProgramSpec, members: int, *, stacked: bool, own_batches: bool, guarded: bool
+    spec: ProgramSpec,
+    members: int,
+    *,
+    stacked: bool,
+    own_batches: bool,
+    guarded: bool,
+    keep_input: bool = False,
 ) -> ProgramSpec:
     """A run's train step `spec` (one step or fused ones) for `members` members at once;
     `stacked`: its batch is a stack (of steps or micro-batches); `own_batches`: the batches
     carry a member axis too (each member's own data order), after the stack's; `guarded`:
-    the step has the guard (else a stopped member is kept by a select of its own)."""
+    the step has the guard (else a stopped member is kept by a select of its own);
+    `keep_input` (`spike=`): the variables are not donated, so the call's input lives on for a
+    member's roll-back."""
     batch_axis = (1 if stacked else 0) if own_batches else None
     spec = _vmapped(
         spec, ProgramKind.POPULATION_STEP, members, (0, 0, 0, 0, batch_axis), mask=not guarded
     )
-    return dataclasses.replace(spec, static={**spec.static, "own batches": own_batches})
+    static = {**spec.static, "own batches": own_batches}
+    if not keep_input:
+        return dataclasses.replace(spec, static=static)
+    static["donates its input"] = "no (spike=: kept for a member's roll-back)"
+    return dataclasses.replace(spec, static=static, donate_argnums=())
 
 
 def population_eval_spec(spec: ProgramSpec, members: int) -> ProgramSpec:
     """A run's eval forward or predict `spec` for `members` members at once."""
     return _vmapped(spec, ProgramKind.POPULATION_EVAL, members, (0, 0, None, None))
-
-
-@jax.jit
-def copy_members(variables: Any) -> Any:
-    """A copy of a population's variables on their devices (new buffers, as laid out): the
-    state a call starts from, kept while the call may donate its own (`spike=`)."""
-    return jax.tree.map(jnp.copy, variables)
 
 
 @jax.jit

@@ -255,8 +255,9 @@ class ProgramSet:
                 return spec
             stacked = steps > 1 or micro > 1
             guarded = setup.check_divergence
+            keep = setup.keywords["spike"].value is not None  # a member's roll-back reads it
             return population_train_spec(
-                spec, members, stacked=stacked, own_batches=own, guarded=guarded
+                spec, members, stacked=stacked, own_batches=own, guarded=guarded, keep_input=keep
             )
 
         return self._get(("train", steps, micro, restore), make, args)
