@@ -18,7 +18,8 @@ For each model, in one process, alternating rounds, medians of the seconds one e
 `--spike` adds the same population under `spike=nitro.Spike(rtol=1e6)` at the steps per
 call the population chose (its calls keep their input variables, not donated, to roll a
 spiking member back; only a non-finite loss spikes, so no member rolls back), timed in the
-same alternating rounds: what keeping the input costs against the population without it.
+same alternating rounds: what keeping the input costs against the population without it, in
+wall time and in the process's CPU time (which other work on the machine moves less).
 
 `--n-devs D` runs the population on a mesh of D devices (on CPU, D fake devices over the
 same cores: XLA_FLAGS is set before JAX starts), its members split across the devices
@@ -138,14 +139,23 @@ def bench_model(
         times["keras"] = []
     if spiked is not None:
         times["spike"] = []
+    cpu: dict[str, list[float]] = {"population": [], "spike": []}  # `--spike`: CPU seconds
+
+    def both(key: str, train) -> None:
+        """One epoch of `train`, its wall time into `times` and, under `--spike`, the
+        process's CPU time into `cpu` (less moved by other work on the machine)."""
+        begin = time.process_time()
+        times[key].append(timed(train))
+        cpu[key].append(time.process_time() - begin)
+
     for _ in range(rounds):
         times["one"].append(timed(lambda: one.run(1)))
         times["sequential"].append(timed(lambda: [run.run(1) for run in sequential]))
-        times["population"].append(timed(lambda: population.train(epochs=1)))
+        both("population", lambda: population.train(epochs=1))
         if keras:
             times["keras"].append(timed(lambda: [run.run(1) for run in keras]))
         if spiked is not None:
-            times["spike"].append(timed(lambda: spiked.train(epochs=1)))
+            both("spike", lambda: spiked.train(epochs=1))
     median = {k: statistics.median(v) for k, v in times.items()}
     batches = one.batches
     placed = f", on {n_devs} devices by {mesh_axis}" if n_devs > 1 else ""
@@ -183,8 +193,10 @@ def bench_model(
         print(f"  Keras sequential / population: {median['keras'] / median['population']:.2f}x")
     if spiked is not None:
         size = sum(x.nbytes for x in jax.tree.leaves(one.handle.state.variables))
+        used = {k: statistics.median(v) for k, v in cpu.items()}
         print(
-            f"  spike= / population: {median['spike'] / median['population']:.3f}x the time "
+            f"  spike= / population: {median['spike'] / median['population']:.3f}x the time, "
+            f"{used['spike'] / used['population']:.3f}x the CPU time "
             f"(steps per call {spiked.steps_per_call}; each call's input kept, not donated: "
             f"{members * size / 2**20:.2f} MiB of variables with the optimizer state; "
             f"roll-backs taken: {len(spiked.skipped_batches())} batches)"

@@ -28,6 +28,8 @@ below; never the handle.
 - `snapshots`: the run's state kept on the host at a cadence (`snapshots=`), as checkpoint
   records, and restored as a resume restores
 - `spikes`: `spike=`'s watch over each call's losses, and the roll-back it asks for
+- `member_spikes`: `spike=` in a population: every member's losses judged at once, and a
+  member's roll-back and its record
 - `member_axis`: who the loop, evaluation and prediction train: `SINGLE` (a run) or `Stacked` (a
   population's members, on a leading axis), and a population's records (its members, the
   stacked state, pruning)

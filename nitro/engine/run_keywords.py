@@ -473,8 +473,8 @@ RUN_KEYWORDS: dict[str, RunKeyword] = {
             "spike",
             None,
             "roll the run back over a loss spike, leaving out the batches of the call that "
-            "spiked: a nitro.Spike(rtol=, window=, max_rollbacks=), True (nitro.Spike()) or "
-            "None (docs/time-travel.md)",
+            "spiked (in a population, each member alone): a nitro.Spike(rtol=, window=, "
+            "max_rollbacks=), True (nitro.Spike()) or None (docs/time-travel.md)",
             _spike,
             none="off",
             type="Spike | bool | None",
