@@ -263,6 +263,37 @@ def population():
     }
 
 
+def population_spikes():
+    """`spike=` in a population of 4 on the 4-device mesh (its members split, or each batch):
+    members 1 and 3 roll back over batch 5 of every epoch, bit for bit the members of the
+    population trained on the data without it (tests/test_population_spikes.py); members 0
+    and 2 as in the population without `spike=`."""
+    from test_population_spikes import SPIKE, Marked, member_history
+
+    gains = [1.0, float("nan"), 1.0, 1e3]
+    found = {}
+    for axis in ("members", "batch"):
+        keywords = dict(gain=gains, steps_per_dispatch=1, n_devs=4, mesh_axis=axis)
+        pop = nitro.Population(Marked(), spike=SPIKE, progress=False, **keywords).train()
+        clean = nitro.Population(Marked(dropped=1), progress=False, **keywords).train()
+        plain = nitro.Population(Marked(), progress=False, **keywords).train()
+        same = []
+        for index, other in ((0, plain), (1, clean), (2, plain), (3, clean)):
+            mine = member_history(pop, index)
+            weights = zip(
+                pop.member(index).state.variables.params,
+                other.member(index).state.variables.params,
+                strict=True,
+            )
+            same.append(
+                mine.equals(member_history(other, index)[mine.columns])
+                and all(np.array_equal(np.asarray(a), np.asarray(b)) for a, b in weights)
+            )
+        skipped = pop.skipped_batches()[["member", "epoch", "index"]].astype(int)
+        found[axis] = {"skipped": skipped.values.tolist(), "same": same}
+    return found
+
+
 def main():
     results = {"devices": jax.device_count(), "flags": os.environ.get("XLA_FLAGS", "")}
     results["one"] = run(1)
@@ -278,6 +309,7 @@ def main():
     results["too_many"] = error_of(lambda: nitro.Nitro(MeshToy(), n_devs=8, progress=False))
     results["live_edit"] = live_edit()
     results["population"] = population()
+    results["population_spikes"] = population_spikes()
     json.dump(results, sys.stdout)
 
 
