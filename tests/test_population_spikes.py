@@ -15,6 +15,9 @@ population trained on the same data without `spike=`.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import jax.numpy as jnp
 import numpy as np
 import optax
@@ -164,6 +167,11 @@ def test_a_member_s_skipped_batches_survive_a_resume(tmp_path):
     first = nitro.Population(Marked(), run_dir=tmp_path / "cut", **keywords)
     first.train(steps=7)  # member 1 rolled back over batch 5 of epoch 1, one step after it
     assert first.skipped_batches(1)["index"].tolist() == [5]
+    # its logger run marks the roll-back; member 0's has none
+    lines = (Path(first.run_dir) / "member-1" / "metrics.jsonl").read_text().splitlines()
+    marks = [json.loads(line)["value"] for line in lines if '"rewind/step_5"' in line]
+    assert [(m["step"], m["reason"], m["steps"]) for m in marks] == [(5, "spike", 1)]
+    assert "rewind/" not in (Path(first.run_dir) / "member-0" / "metrics.jsonl").read_text()
     first.close()
     resumed = nitro.Population(Marked(), run_dir=tmp_path / "cut", resume="auto", **keywords)
     assert resumed.step == 7
