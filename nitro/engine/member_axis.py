@@ -17,7 +17,8 @@ apart.
   (`StackedFeed`), and each member keeps its own running sums, history rows, validations and
   verdicts: a member whose step is not finite stops (its `healthy` flag stays False) and the
   others train on; the run raises `DivergenceError` when every member has stopped and one of
-  them diverged. Pruning (`apply_prunes`) and the members' layout on the devices
+  them diverged. Under `spike=` a member whose loss spikes rolls back alone instead
+  (`nitro.engine.member_spikes`). Pruning (`apply_prunes`) and the members' layout on the devices
   (`member_placement`) are here too.
 """
 

@@ -291,7 +291,8 @@ class Population(PopulationMembers):
 
     @property
     def stopped(self) -> dict[int, str]:
-        """Member -> why it stopped training (a diverged member), for the members that did."""
+        """Member -> why it stopped training (it diverged, stopped early, was pruned, or
+        spiked past `Spike(max_rollbacks=)`), for the members that did."""
         return {m.index: m.stopped for m in self._members if m.stopped is not None}
 
     @property
