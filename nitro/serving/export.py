@@ -60,6 +60,7 @@ __all__ = [
     "ExportError",
     "ExportSource",
     "check_axes",
+    "check_batch_sizes",
     "export_handle",
     "write_bundle",
 ]
@@ -376,7 +377,7 @@ def _probe_postprocess(
     return specs
 
 
-def _check_batch_sizes(sizes: Any) -> tuple[int, ...]:
+def check_batch_sizes(sizes: Any) -> tuple[int, ...]:
     """`batch_sizes=`: increasing batch sizes, e.g. (1, 8, 32)."""
     example = "e.g. batch_sizes=(1, 8, 32)"
     if sizes is None:
@@ -685,7 +686,7 @@ def export_handle(
     from nitro.experiments.trace_view import TraceView
     from nitro.programs.tracing import EVAL_SEED
 
-    sizes = _check_batch_sizes(batch_sizes)  # before anything is traced
+    sizes = check_batch_sizes(batch_sizes)  # before anything is traced
     named_axes = check_axes(axes)
     setup, state = handle.setup, handle.state
     variables = variables if variables is not None else state.variables
