@@ -108,22 +108,25 @@ def _differences(
         )
     if "outputs" not in served:  # a server from before outputs were listed: inputs alone
         return found
-    new, old = manifest.get("postprocess"), served.get("postprocess")
-    if (new and new["sha256"]) != (old and old["sha256"]):
-        if old is None:
+    new, old = (
+        str((entry or {}).get("sha256", ""))
+        for entry in (manifest.get("postprocess"), served.get("postprocess"))
+    )
+    if new != old:
+        if not old:
             found["postprocess"] = (
-                f"the export has a postprocess hook (sha256 {new['sha256'][:12]}) and {name!r} "
-                f"is served without one at {base}"
+                f"the export has a postprocess hook (sha256 {new[:12]}) and {name!r} is served "
+                f"without one at {base}"
             )
-        elif new is None:
+        elif not new:
             found["postprocess"] = (
                 f"the export has no postprocess hook and {name!r} is served with one (sha256 "
-                f"{old['sha256'][:12]}) at {base}"
+                f"{old[:12]}) at {base}"
             )
         else:
             found["postprocess"] = (
-                f"the export's postprocess hook (sha256 {new['sha256'][:12]}) is not the one "
-                f"{where} (sha256 {old['sha256'][:12]})"
+                f"the export's postprocess hook (sha256 {new[:12]}) is not the one {where} "
+                f"(sha256 {old[:12]})"
             )
     if specs(manifest["outputs"]) != specs(served["outputs"]):
         found["outputs"] = (
