@@ -26,8 +26,8 @@ Optional experiment hooks shape the wire:
   that text (only when trusted: `nitro.bundle.load(dir, trust_code=True)`).
 
 `echo=` names wire inputs returned unchanged as outputs. Specs name their axes ("batch" first);
-`axes=` names the others. `batch_sizes=` records the sizes a loader pads a call to (the program keeps its symbolic batch:
-compiled for a size, it runs as a program exported for that size does).
+`axes=` names the others. `batch_sizes=` records the sizes a loader pads a call to (the program
+keeps its symbolic batch: compiled for a size, it runs as a program exported for that size does).
 """
 
 from __future__ import annotations
