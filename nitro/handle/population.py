@@ -249,7 +249,9 @@ class Population(PopulationMembers):
             configs=[run_config(m.setup) for m in self._members],
             logs=loggers.get("logger", True) is not None,
         )
-        self._logging = MemberLogging(self, self._members, self._files, **loggers)
+        self._logging = MemberLogging(
+            self, self._members, self._files, programs=lambda: self._programs, **loggers
+        )
         if self._logging.reporters:  # logger=None costs nothing
             self._events.add(self._logging)
         if self._files.resume_from is not None:
