@@ -176,6 +176,34 @@ def test_a_rewind_moves_the_later_named_checkpoints_aside_and_saves_them_again()
     assert n.snapshots.index.tolist() == [8, 16, 24]
 
 
+def test_a_population_names_its_checkpoints_and_resumes_from_them(tmp_path):
+    from nitro.examples.digits import Digits
+
+    small = dict(width=16, batch_size=128, max_epochs=2)  # 9 steps an epoch
+    axes = dict(learning_rate=[1e-3, 1e-2])
+    keep = nitro.Checkpointer(budget=None, name="pop-{epoch}-{step}")
+    run_dir = str(tmp_path / "pop")
+    pop = nitro.Population(
+        Digits(**small), run_dir=run_dir, checkpointer=keep, progress=False, **axes
+    )
+    pop.train().wait()
+    assert sorted(os.listdir(Path(run_dir) / "checkpoints")) == ["pop-1-9", "pop-2-18"]
+    assert pop.checkpoints()["name"].tolist() == ["pop-1-9", "pop-2-18"]
+    saved = read_plain(Path(run_dir) / "checkpoints", 18)
+    assert [m["member"] for m in saved["meta"]["members"]] == [0, 1]
+    again = nitro.Population(
+        Digits(**{**small, "max_epochs": 3}),
+        run_dir=run_dir,
+        resume="auto",
+        checkpointer=keep,
+        progress=False,
+        **axes,
+    )
+    assert again.step == 18
+    again.train().wait()
+    assert again.checkpoints()["name"].tolist()[-1] == "pop-3-27"
+
+
 # ---------------------------------------------------------------------------------------------
 # bad names
 
@@ -185,6 +213,8 @@ def test_a_name_that_cannot_work_is_refused_when_the_checkpointer_is_built():
         nitro.Checkpointer(name="epoch-{epochs}")
     with pytest.raises(nitro.SetupError, match="without path separators"):
         nitro.Checkpointer(name="runs/{step}")
+    with pytest.raises(nitro.SetupError, match=r"without fields names every checkpoint alike"):
+        nitro.Checkpointer(name="nitro.runs.checkpoint_name")
 
     def positional(epoch, step):
         return f"{epoch}-{step}"
@@ -223,7 +253,10 @@ def test_a_hook_returning_a_bad_name_is_refused_naming_it_and_saves_nothing(retu
 
 
 def test_two_checkpoints_given_one_name_are_refused_and_the_first_is_kept():
-    keep = nitro.Checkpointer(budget=None, name="latest")
+    def latest(*, epoch, step, metric, score):
+        return "latest"
+
+    keep = nitro.Checkpointer(budget=None, name=latest)
     n = nitro.Nitro(Toy(max_epochs=3), checkpointer=keep, progress=False)
     with pytest.raises(nitro.SetupError, match=r"step 8 'latest', the name of step 4's") as e:
         n.train()

@@ -102,7 +102,8 @@ class Checkpointer:
 
     def _check_name(self) -> None:
         """Refuse a name that could never work, before any training: a format string with
-        other fields, a hook that does not take the four keywords."""
+        other fields or none, or whose names are no file names; a hook that does not take the
+        four keywords."""
         name = self.name
         if name is None:
             return
@@ -115,10 +116,18 @@ class Checkpointer:
                     f"{error}); its fields are {{epoch}}, {{step}}, {{metric}} and {{score}}, "
                     f"e.g. name='epoch-{{epoch:04d}}-step-{{step}}'"
                 ) from None
+            if text == name.format(**_fields(2, 2, self.metric + "_", 0.25)):
+                raise SetupError(
+                    f"Checkpointer(name={name!r}): a format string without fields names every "
+                    f"checkpoint alike, and each needs a name of its own; put {{step}} in it "
+                    f"(e.g. name='epoch-{{epoch:04d}}-step-{{step}}'), or pass a function "
+                    f"itself (name=nitro.runs.checkpoint_name), not its name"
+                )
             if name_problem(text, 1) is not None:
                 raise SetupError(
-                    f"Checkpointer(name={name!r}): the names it gives must be "
-                    f"{name_problem(text, 1)}; give a name without path separators"
+                    f"Checkpointer(name={name!r}): a checkpoint's name must be "
+                    f"{name_problem(text, 1)}; change the format string (e.g. "
+                    f"name='epoch-{{epoch:04d}}-step-{{step}}')"
                 )
             return
         if not callable(name):
@@ -146,16 +155,16 @@ class Checkpointer:
             return None
         if isinstance(name, str):
             given = name.format(**_fields(epoch, step, self.metric, score))
-            source = f"Checkpointer(name={name!r})"
+            source, fix = f"Checkpointer(name={name!r})", "Change the format string"
         else:
             given = name(epoch=epoch, step=step, metric=self.metric, score=score)
-            source = f"Checkpointer(name={_hook(name)})"
+            source, fix = f"Checkpointer(name={_hook(name)})", "Return a file name"
         problem = name_problem(given, step)
         if problem is not None:
             raise SetupError(
                 f"{source} named the checkpoint of epoch {epoch}, step {step}: a checkpoint's "
-                f"name must be {problem}. Return a file name such as "
-                f"nitro.runs.checkpoint_name gives ('epoch-0006-step-4500-val_loss=0.0417')"
+                f"name must be {problem}. {fix} such as nitro.runs.checkpoint_name gives "
+                f"('epoch-0006-step-4500-val_loss=0.0417'), unique to the step"
             )
         return given
 
