@@ -160,6 +160,34 @@ def test_a_rewind_restores_the_device_values_the_snapshot_was_taken_with():
     assert n.device_value("scale") == 0.5 and n.experiment.scale == 0.5
 
 
+def test_a_rewind_undoes_the_schedule_changes_made_after_its_step_and_keeps_the_earlier():
+    lr = lambda rate: lambda step: rate  # noqa: E731
+
+    def run(*edits):
+        n = nitro.Nitro(
+            Dropped(max_epochs=3), progress=False, steps_per_dispatch=1, snapshots=EVERY_STEP
+        )
+        for steps, rate in edits:
+            n.train(steps=steps)
+            n.set_schedule(learning_rate=lr(rate))
+        n.train()
+        return n
+
+    plain, early = run(), run((4, 0.05))
+    n = run((4, 0.05), (8, 0.2))  # changed at step 4, then at step 12
+    n.rewind(6)  # after the first change, before the second: the first holds
+    n.train()
+    same_history(early.history(), n.history())
+    same_parameters(early, n)
+    n.rewind(2)  # before both: the run's own learning rate
+    n.train()
+    same_history(plain.history(), n.history())
+    same_parameters(plain, n)
+    fork = run((4, 0.05), (8, 0.2)).fork(6)  # a fork inherits the changes up to its step
+    fork.train()
+    same_history(early.history(), fork.history())
+
+
 def test_a_rewind_to_a_step_with_no_snapshot_lists_the_steps_there_are():
     n = nitro.Nitro(Toy(max_epochs=1), progress=False, snapshots=2, steps_per_dispatch=1)
     n.train()

@@ -122,6 +122,7 @@ class StepFeed:
         self._device_host = {k: np.asarray(v) for k, v in device_values.items()}
         self._version = 0  # bumped when a constant changes: cached blocks are stale
         self._blocks: dict[tuple, Any] = {}
+        self._given = (self._scheduled, self._opt, self._dev)  # the run's own schedules
 
     def set_schedules(self, schedules: Sequence[BoundSchedule]) -> None:
         """Follow `schedules` from the next call on (a live change, from another thread):
@@ -139,6 +140,15 @@ class StepFeed:
         dev = {**self._dev, **{s.name: _Evaluator(s.fn) for s in schedules if s.target == "device"}}
         # each a new object, assigned whole: the loop reads them between calls without a lock
         self._scheduled, self._opt, self._dev = scheduled, opt, dev
+        self._version += 1
+
+    def reset_schedules(self) -> None:
+        """Follow the run's own schedules again (`schedules=`), dropping every live change
+        (`set_schedules`): a rewind replays the changes made up to its step on top."""
+        self._scheduled, self._opt, self._dev = self._given
+        if not np.array_equal(self._hparams_host, self._constants):  # a schedule's last values
+            self._hparams_host = self._constants.copy()
+            self._hparams = self.placement.put_replicated(self._constants)
         self._version += 1
 
     def react(self, history: Sequence[Mapping[str, Any]]) -> list[str]:

@@ -180,6 +180,8 @@ class Nitro(TimeTravel, RunHandle):
         self._guard_with(RunGuard(lambda: f"this {cls.__name__} handle"))
         self._checkpoint: SavedWeights | None = None
         self._live_scheduled: set[str] = set()  # Device fields scheduled by set_schedule
+        # each set_schedule's (step, schedules): a rewind or fork replays those up to its step
+        self._schedule_edits: list[tuple[int, dict[str, Any]]] = []
         self._stale_checked = (edit_generation(), 0.0)
         source = weights_source(weights)
         with events_module.using(self._events):
@@ -636,7 +638,23 @@ class Nitro(TimeTravel, RunHandle):
         (`learning_rate=optax.cosine_decay_schedule(...)`, a callable of the step, a factory
         of the total step count, or a number for a constant); checked the same way.
 
-        The change lasts for this handle: a resumed run follows its `schedules=` keyword."""
+        The change lasts for this handle: a resumed run follows its `schedules=` keyword. A
+        rewind (`n.rewind`) to a step before the change undoes it, and a fork (`n.fork`)
+        inherits the changes made up to its step."""
+        self._apply_schedules(schedules)
+        self._schedule_edits.append((self.step, dict(schedules)))
+        return self
+
+    def _replay_schedules(self, step: int, edits: Sequence[tuple[int, dict[str, Any]]]) -> None:
+        """The run's own schedules, then the live changes of `edits` made at `step` or
+        before, as this handle's: what a rewind or fork to `step` follows."""
+        self._runtime.feed.reset_schedules()
+        self._live_scheduled = set()
+        self._schedule_edits = [(at, dict(s)) for at, s in edits if at <= step]
+        for _, schedules in self._schedule_edits:
+            self._apply_schedules(schedules)
+
+    def _apply_schedules(self, schedules: Mapping[str, Any]) -> None:
         setup = self._setup
         optimizer = setup.optimizer
         bound = bind_schedules(
@@ -665,7 +683,6 @@ class Nitro(TimeTravel, RunHandle):
             optimizer.check_schedules(s.name for s in bound if s.target == "opt")
         feed.set_schedules(bound)
         self._live_scheduled.update(s.name for s in bound if s.target == "device")
-        return self
 
     def fine_tune(
         self,

@@ -244,6 +244,7 @@ def _go_back(
     row["validations"] = [scalars(r) for r in state.validations[len(restored.validations) :]]
     restored.rewinds = [*state.rewinds, row]
     restored.skipped_batches = [*restored.skipped_batches, *skipped]
+    handle._replay_schedules(restored.step, handle._schedule_edits)
     _restore_device(handle, record.member.device)
     if runtime.snapshots is not None:
         runtime.snapshots.drop_after(restored.step)
@@ -510,6 +511,16 @@ class TimeTravel:
         )
         if "seed" in keywords:
             state.seed = fork._setup.seed
+        # the parent's live schedule changes up to the step, under the fork's own
+        named = set(keywords.get("schedules") or ())
+        fork._replay_schedules(
+            state.step,
+            [
+                (at, kept)
+                for at, s in h._schedule_edits
+                if (kept := {k: v for k, v in s.items() if k not in named})
+            ],
+        )
         # the snapshot's Device values, where no change names them
         _restore_device(fork, {k: v for k, v in record.member.device.items() if k not in fields})
         fork._state = state
