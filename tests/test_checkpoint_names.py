@@ -66,6 +66,7 @@ def test_named_checkpoints_show_on_disk_and_every_reader_lists_and_reads_them():
     record = nitro.runs.read(path)
     assert (record.step, record.epoch) == (8, 2)
     assert nitro.runs.read(n.run_dir).step == 16
+    assert nitro.runs.read(n.run_dir).stop_reason == "completed"
     assert nitro.runs.read(n.run_dir, "best").epoch == 1
     arrays = nitro.weights.read(path)
     plain = read_plain(Path(n.run_dir) / "checkpoints", 8)
