@@ -237,6 +237,7 @@ def test_a_name_that_cannot_work_is_refused_when_the_checkpointer_is_built():
         (lambda step: "..", r"does not start with '\.'"),
         (lambda step: "7", r"not another step's number"),
         (lambda step: "deleting", r"other than 'deleting' or 'metadata'"),
+        (lambda step: {}[step], r"raised KeyError: 4, naming"),
     ],
 )
 def test_a_hook_returning_a_bad_name_is_refused_naming_it_and_saves_nothing(returns, expected):
@@ -249,7 +250,7 @@ def test_a_hook_returning_a_bad_name_is_refused_naming_it_and_saves_nothing(retu
         n.train()
     message = str(raised.value)
     assert "Checkpointer(name=" in message and "bad_name" in message
-    assert "epoch 1, step 4" in message and "Return a file name" in message
+    assert "epoch 1, step 4" in message and "return a file name" in message.lower()
     assert n.checkpoints().empty
 
 

@@ -157,8 +157,15 @@ class Checkpointer:
             given = name.format(**_fields(epoch, step, self.metric, score))
             source, fix = f"Checkpointer(name={name!r})", "Change the format string"
         else:
-            given = name(epoch=epoch, step=step, metric=self.metric, score=score)
             source, fix = f"Checkpointer(name={_hook(name)})", "Return a file name"
+            try:
+                given = name(epoch=epoch, step=step, metric=self.metric, score=score)
+            except Exception as error:
+                raise SetupError(
+                    f"{source} raised {type(error).__name__}: {error}, naming the checkpoint "
+                    f"of epoch {epoch}, step {step}. Fix the hook: it must return a file name "
+                    f"such as nitro.runs.checkpoint_name gives, unique to the step"
+                ) from error
         problem = name_problem(given, step)
         if problem is not None:
             raise SetupError(
