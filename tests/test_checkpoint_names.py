@@ -142,6 +142,36 @@ def test_a_run_saved_with_step_directories_goes_on_with_names_and_keeps_its_best
     assert (plain.step, plain.epoch) == (16, 4)
 
 
+class Notes:
+    """A progress reporter that keeps the notes a run reports."""
+
+    def __init__(self):
+        self.notes: list[str] = []
+
+    def note(self, message, done=False):
+        self.notes.append(message)
+
+
+def test_a_stopped_run_saves_where_it_stopped_under_its_name_and_records_why():
+    named = nitro.Checkpointer(budget=None, name="toy-e{epoch}-s{step}")
+    notes = Notes()
+    cut = nitro.Nitro(ToyWithMetrics(max_epochs=9), checkpointer=named, max_steps=6, progress=notes)
+    cut.train().wait()  # step 6: the middle of epoch 2 (4 steps an epoch)
+    assert listed(cut) == ["toy-e1-s4", "toy-e1-s6"]  # epoch 1 committed, 2 steps into epoch 2
+    path = Path(cut.run_dir) / "checkpoints" / "toy-e1-s6"
+    assert any(f"saved {path}: resume= continues from there" in n for n in notes.notes), notes
+    assert nitro.runs.read(path).stop_reason == "max_steps"
+
+    # a stop that comes while epoch 2 is saved: that save, under its name, records why
+    between = nitro.Nitro(ToyWithMetrics(max_epochs=9), checkpointer=named, progress=False)
+    between.on_phase(lambda c: between.stop() if (c.phase, c.epoch) == ("checkpointing", 2) else 0)
+    between.train()
+    assert (between.stop_reason, between.step) == ("requested", 8)
+    assert listed(between) == ["toy-e1-s4", "toy-e2-s8"]
+    assert nitro.runs.read(between.run_dir).stop_reason == "requested"
+    assert nitro.runs.read(Path(between.run_dir) / "checkpoints" / "toy-e1-s4").stop_reason is None
+
+
 def test_an_experiment_names_its_checkpoints_through_its_checkpointer_method():
     @nitro.experiment
     class Named(Toy):

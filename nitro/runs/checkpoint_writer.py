@@ -305,9 +305,12 @@ class CheckpointStore:
         self.names.names[save.step] = name
 
     def step_path(self, step: int) -> Path:
-        """Where step `step`'s checkpoint is (or is written): its name's directory."""
+        """Where step `step`'s checkpoint is: its name's directory (or, for a step saved
+        before under another name or none, the directory that holds it)."""
         name = self.names.names.get(step)
-        return self.directory / name if name is not None else step_path(self.directory, step)
+        if name is not None and (self.directory / name).is_dir():
+            return self.directory / name
+        return step_path(self.directory, step)
 
     def close_later(self) -> None:
         """Finish the writes in flight and close the manager, in the background."""

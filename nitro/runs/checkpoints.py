@@ -65,8 +65,9 @@ class Checkpointer:
         by `metric` is saved all the same); None saves every `every` epochs.
       name: what each checkpoint's directory is called: a hook called as
         `name(epoch=, step=, metric=, score=)` returning a str (`nitro.runs.checkpoint_name`:
-        `epoch-0006-step-4500-val_loss=0.0416831`; `score` is None where the epoch has no
-        value of `metric`), or a format string with those fields; None: the step number.
+        `epoch-0006-step-4500-val_loss=0.0416831`; `epoch`: the epochs completed; `score` is
+        None where the epoch has no value of `metric`), or a format string with those fields;
+        None: the step number.
         Each name must be unique in the run, without path separators.
 
     >>> Checkpointer(k=5, metric="val_acc", mode="max")
