@@ -73,6 +73,11 @@ def test_named_checkpoints_show_on_disk_and_every_reader_lists_and_reads_them():
     assert plain["meta"]["epoch"] == 2
     for name, value in flat(plain["state"]["params"]).items():
         assert np.array_equal(arrays[name], value), name
+    averaged = nitro.Nitro(ToyWithMetrics(), weights=nitro.average(n.run_dir, k=2), progress=False)
+    expected = (
+        flat(read_plain(path.parent, 4)["state"]["params"])["out.kernel"] + arrays["out.kernel"]
+    ) / 2
+    assert np.allclose(parameters(averaged)["out.kernel"], expected)
     # and its items are plain orbax by path too
     state = ocp.StandardCheckpointer().restore(path.absolute() / "state")
     assert np.array_equal(flat(state["params"])["out.kernel"], arrays["out.kernel"])
@@ -196,6 +201,8 @@ def test_a_rewind_moves_the_later_named_checkpoints_aside_and_saves_them_again()
         "epoch-0002-step-16",
         "epoch-0003-step-24",
     ]
+    fork = n.fork(16)  # from its named checkpoint on disk
+    assert (fork.step, fork.epoch) == (16, 2)
     n.rewind(8)
     assert (n.step, n.epoch) == (8, 1)
     assert listed(n) == names[:1]
