@@ -260,9 +260,9 @@ class Nitro(TimeTravel, RunHandle):
         elif isinstance(weights, (str, os.PathLike, tuple)) and not (
             isinstance(weights, tuple) and isinstance(weights[1], int)
         ):
-            directory, step = resolve_checkpoint(weights)
-            saved, _ = read_checkpoint(directory, step)
-            where = f"the checkpoint {str(directory / str(step))!r}"
+            found_at = resolve_checkpoint(weights)
+            saved, _ = read_checkpoint(*found_at)
+            where = f"the checkpoint {str(found_at.path)!r}"
             found = leaves_from(
                 "optimizer state",
                 saved.get("opt_state", {}),
