@@ -12,7 +12,9 @@ For each model, in one process, alternating rounds, medians of the seconds one e
 - one run: `nitro.Nitro(e)` with its defaults (`steps_per_dispatch="auto"`);
 - 8 sequential runs: 8 handles at 8 learning rates, one epoch each, one after another (they
   share one compiled program);
-- a population: `nitro.Population(e, learning_rate=[8 values])`, one epoch of all 8;
+- a population: `nitro.Population(e, learning_rate=[8 values])`, one epoch of all 8, and the
+  same population with the other member axis (`vectorize=`: vmapped, or each member's step
+  unrolled in the program) than its default `"auto"` picked;
 - 8 sequential Keras 3 `fit` runs (the JAX backend, one model each), when keras is installed.
 
 `--spike` adds the same population under `spike=nitro.Spike(rtol=1e6)` at the steps per
@@ -109,6 +111,14 @@ def bench_model(
         n_devs=n_devs,
         mesh_axis=mesh_axis,
     )
+    other = nitro.Population(  # the member axis the default did not pick, for comparison
+        experiment_for(spec, arrays),
+        learning_rate=rates(members),
+        progress=False,
+        n_devs=n_devs,
+        mesh_axis=mesh_axis,
+        vectorize=not population.vectorized,
+    )
     keras = [keras_loop(spec, arrays) for _ in range(members)]
     keras = [k for k in keras if k is not None]
     # warm every program with one epoch each, and train on until "auto" has decided: the
@@ -118,8 +128,10 @@ def bench_model(
     for run in sequential:
         run.run(1)
     population.train(epochs=1)
+    other.train(epochs=1)
     settle(lambda: one.run(1), lambda: one.handle.dispatch)
     settle(lambda: population.train(epochs=1), lambda: getattr(population, "dispatch", None))
+    settle(lambda: other.train(epochs=1), lambda: getattr(other, "dispatch", None))
     spiked = None  # `--spike`: the same population, each call's input kept for a roll-back
     if spike:  # at the steps per call the population chose: the same calls, timed
         spiked = nitro.Population(
@@ -129,12 +141,13 @@ def bench_model(
             n_devs=n_devs,
             mesh_axis=mesh_axis,
             steps_per_dispatch=population.steps_per_call or 1,
+            vectorize=population.vectorized,
             spike=nitro.Spike(rtol=1e6),  # only a non-finite loss spikes: no roll-back
         )
         spiked.train(epochs=1)
     for run in keras:
         run.run(1)
-    times: dict[str, list[float]] = {"one": [], "sequential": [], "population": []}
+    times: dict[str, list[float]] = {"one": [], "sequential": [], "population": [], "other": []}
     if keras:
         times["keras"] = []
     if spiked is not None:
@@ -152,6 +165,7 @@ def bench_model(
         times["one"].append(timed(lambda: one.run(1)))
         times["sequential"].append(timed(lambda: [run.run(1) for run in sequential]))
         both("population", lambda: population.train(epochs=1))
+        times["other"].append(timed(lambda: other.train(epochs=1)))
         if keras:
             times["keras"].append(timed(lambda: [run.run(1) for run in keras]))
         if spiked is not None:
@@ -163,14 +177,16 @@ def bench_model(
         f"\n{spec.description}: {batches} steps an epoch, {members} members, {rounds} rounds"
         f"{placed}"
     )
+    shape = "vmapped" if population.vectorized else "unrolled"
     print(
         f"  steps per call: one run {one.handle.dispatch.steps}, "
-        f"population {population.steps_per_call}"
+        f"population {population.steps_per_call} (members {shape}: vectorize='auto')"
     )
     for key, label in (
         ("one", "one run"),
         ("sequential", f"{members} sequential Nitro runs"),
         ("population", f"population of {members}"),
+        ("other", f"  {'vmapped' if other.vectorized else 'unrolled'} instead"),
         ("keras", f"{members} sequential Keras fits"),
         ("spike", "population, spike="),
     ):
@@ -189,6 +205,10 @@ def bench_model(
         f"  sequential / population: {median['sequential'] / median['population']:.2f}x "
         f"(the population's speed-up over {members} runs one after another)"
     )
+    print(
+        f"  {'vmapped' if other.vectorized else 'unrolled'} / {shape}: "
+        f"{median['other'] / median['population']:.2f}x the time"
+    )
     if "keras" in median:
         print(f"  Keras sequential / population: {median['keras'] / median['population']:.2f}x")
     if spiked is not None:
@@ -202,7 +222,10 @@ def bench_model(
             f"roll-backs taken: {len(spiked.skipped_batches())} batches)"
         )
     kinds = [p["kind"] for p in nitro.cache_stats().programs]
-    print(f"  population train-step programs compiled: {kinds.count('population train step')}")
+    print(
+        f"  population train-step programs compiled: {kinds.count('population train step')} "
+        f"(both populations)"
+    )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -75,6 +75,18 @@ def _without_comment(line: str) -> str:
     return line
 
 
+def _axes_option(given: str) -> tuple[str, tuple[str | None, ...]]:
+    """`--axes x=batch,height,width` as ("x", ("batch", "height", "width")); an empty name
+    leaves its axis unnamed."""
+    name, equals, names = given.partition("=")
+    if not (name and equals and names):
+        raise UsageError(
+            f"--axes takes NAME=AXIS,AXIS,... (e.g. --axes x=batch,height,width; an empty "
+            f"name leaves an axis unnamed: x=batch,,width), got {given!r}"
+        )
+    return name, tuple(axis or None for axis in names.split(","))
+
+
 @magics_class
 class NitroMagics(Magics):
     """`%nitro COMMAND [TARGET] [options]`; see `%nitro?`."""
@@ -114,6 +126,27 @@ class NitroMagics(Magics):
     )
     @magic_arguments.argument(
         "--name", help="export: the bundle's name (default: the experiment class, lower case)"
+    )
+    @magic_arguments.argument(
+        "--echo",
+        nargs="+",
+        metavar="INPUT",
+        help="export: wire inputs returned unchanged as outputs of the same name (n.export's echo=)",
+    )
+    @magic_arguments.argument(
+        "--batch-sizes",
+        dest="batch_sizes",
+        nargs="+",
+        type=int,
+        metavar="SIZE",
+        help="export: the batch sizes a call is padded to, increasing (n.export's batch_sizes=)",
+    )
+    @magic_arguments.argument(
+        "--axes",
+        action="append",
+        metavar="NAME=AXIS,AXIS",
+        help="export: name the axes of an input or output, 'batch' first, an empty name for an "
+        "unnamed axis, e.g. --axes x=batch,height,width (n.export's axes=); once per tensor",
     )
     @magic_arguments.argument(
         "--epochs", "-e", type=int, help="train this many more epochs (default: to max_epochs)"
@@ -267,9 +300,11 @@ class NitroMagics(Magics):
             the readback; each program's FLOPs, memory and FLOP/s against the device's peak
             (n.profile(steps=N); the trace is in RUN's run directory, under profile/)
         %nitro bind [RUN]        where every value of the run came from
-        %nitro export DIR [--run RUN] [--name NAME]
+        %nitro export DIR [--run RUN] [--name NAME] [--echo INPUT ...]
+                          [--batch-sizes SIZE ...] [--axes NAME=AXIS,AXIS ...]
             write RUN's current weights and eval-mode forward as a bundle that runs without
-            Nitro (nitro.bundle.load(DIR)) and serves with `nitro serve DIR`
+            Nitro (nitro.bundle.load(DIR)) and serves with `nitro serve DIR`; --echo,
+            --batch-sizes and --axes are n.export's echo=, batch_sizes= and axes=
         %nitro reload            check the watched files now: reload the edited ones (a
                                  run training takes the edit live) and say what is stale;
                                  for file systems whose saves the watcher does not see
@@ -680,8 +715,15 @@ class NitroMagics(Magics):
     def _export(self, args) -> None:
         if args.target is None:
             raise UsageError("%nitro export needs a directory: %nitro export exports/digits")
+        axes = dict(_axes_option(given) for given in args.axes or ())
         name, handle = self._handle(args.run, "export")
-        manifest = handle.export(args.target, name=args.name)
+        manifest = handle.export(
+            args.target,
+            name=args.name,
+            echo=tuple(args.echo or ()),
+            batch_sizes=tuple(args.batch_sizes) if args.batch_sizes else None,
+            axes=axes or None,
+        )
         wire = ", ".join(f"{i['name']} {i['dtype']}{i['shape']}" for i in manifest["inputs"])
         print(
             f"nitro: exported {name} (step {handle.step}) to {args.target} as bundle "

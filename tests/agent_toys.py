@@ -105,3 +105,17 @@ class Tokens(ToyWithMetrics):
 
     def forward(self, model, *, x):
         return model(x)
+
+
+@nitro.experiment
+class Tagged(ToyWithMetrics):
+    """Each row of the export's wire carries an id beside x, which forward does not take."""
+
+    def export_inputs(self):
+        import jax
+        import jax.numpy as jnp
+
+        return {
+            "x": jax.ShapeDtypeStruct((5,), jnp.float32),
+            "id": jax.ShapeDtypeStruct((), jnp.int32),
+        }

@@ -5,7 +5,7 @@ with this folder and the checkout on PYTHONPATH, so the experiments they train a
 classes (`lifecycle_toys.Wide`, ...) the test process resumes:
 
 - `saves`: trains `Wide` with a checkpoint every epoch until killed; prints "training <pid>"
-  at its first step. `zygote()` forks such children from one process that has imported
+  at its first step. A RUN_DIR given as `named:<dir>` names the checkpoints `wide-<step>`. `zygote()` forks such children from one process that has imported
   everything already (no JAX backend is started before the fork), so each starts in a
   fraction of a second instead of the seconds importing JAX takes.
 - `full`: trains `Dropped` for 5 epochs, writes its parameters and history to OUT.
@@ -179,10 +179,13 @@ def main(argv: list[str] | None = None) -> None:
     mode, run_dir, *rest = argv if argv is not None else sys.argv[1:]
     every_epoch = nitro.Checkpointer(budget=None)
     if mode == "saves":
+        named = run_dir.startswith("named:")
         n = nitro.Nitro(
             Wide(),
-            run_dir=run_dir,
-            checkpointer=nitro.Checkpointer(k=2, budget=None),
+            run_dir=run_dir.removeprefix("named:"),
+            checkpointer=nitro.Checkpointer(
+                k=2, budget=None, name="wide-{step:05d}" if named else None
+            ),
             progress=SayTraining(),
             logger=None,
         )

@@ -56,9 +56,9 @@ def test_the_fifteen_tools_are_listed_with_their_input_schemas(connect):
     assert pair[1]["enum"] == ["best", "latest"]
     assert {"weights", "keywords"} <= set(schemas["nitro_evaluate"]["properties"])
     assert schemas["nitro_export"]["required"] == ["dir"]
-    assert {"run_id", "experiment", "weights", "name", "platforms"} <= set(
-        schemas["nitro_export"]["properties"]
-    )
+    assert {"run_id", "experiment", "weights", "name", "platforms", "echo", "batch_sizes"} | {
+        "axes"
+    } <= set(schemas["nitro_export"]["properties"])
     assert schemas["nitro_predict"]["required"] == ["run_id", "inputs"]
     assert schemas["nitro_status"]["required"] == ["run_id"]
     assert schemas["nitro_stop"]["properties"]["wait_seconds"]["default"] == 30.0
@@ -291,6 +291,56 @@ def test_export_writes_bundles_that_predict_what_the_run_predicts(connect, tmp_p
     assert from_checkpoint["result"]["manifest"]["program"]["platforms"] == ["cpu"]
     assert "nitro_export: run_id: give the run to export (run_id), or an experiment" in neither
     assert "argument 'platforms.0': Input should be 'cpu', 'cuda', 'rocm' or 'tpu'" in platform
+
+
+def test_export_takes_echo_batch_sizes_and_axes_with_the_checks_of_n_export(connect, tmp_path):
+    async def scenario():
+        async with connect() as session:
+            started = await call(session, "nitro_train", experiment="agent_toys.Tagged", seed=1)
+            await poll(session, started["run_id"], lambda s: s["status"] != "running")
+            run_id = started["run_id"]
+            shaped = await call(
+                session,
+                "nitro_export",
+                run_id=run_id,
+                dir=str(tmp_path / "tagged"),
+                platforms=["cpu"],
+                echo=["id"],
+                batch_sizes=[2, 8],
+                axes={"x": ["batch", "feature"], "output": ["batch", "class"]},
+            )
+            refused = [
+                await refusal(session, "nitro_export", run_id=run_id, dir="x", **wrong)
+                for wrong in (
+                    {"batch_sizes": [8, 2]},
+                    {"axes": {"x": ["batch", ""]}},
+                    {"axes": {"x": ["batch", "height", "width"]}},
+                    {"echo": ["key"]},
+                )
+            ]
+            return shaped, refused
+
+    shaped, (sizes, form, rank, echo) = anyio.run(scenario)
+    manifest = shaped["result"]["manifest"]
+    assert manifest["program"]["batch_sizes"] == [2, 8]
+    assert [(e["name"], e["axes"], e.get("echo")) for e in manifest["outputs"]] == [
+        ("output", ["batch", "class"], None),
+        ("id", ["batch"], "id"),
+    ]
+    model = nitro.bundle.load(shaped["result"]["directory"])
+    assert [str(s) for s in model.inputs] == ["x: float32[batch, feature=5]", "id: int32[batch]"]
+    ids = np.array([3, 1, 4], np.int32)
+    np.testing.assert_array_equal(model(x=np.zeros((3, 5), np.float32), id=ids)["id"], ids)
+    assert sizes.startswith("nitro_export: batch_sizes must be whole numbers of rows of at least")
+    assert "got (8, 2)" in sizes
+    assert form.startswith(
+        "nitro_export: axes['x'] = ('batch', ''): each axis name must be a non-empty string"
+    )
+    assert (
+        "ExportError: axes['x'] names 3 axes ('batch', 'height', 'width'), but x: "
+        "float32[batch, 5] has 2; give one name (or None) per axis"
+    ) in rank
+    assert "ExportError: echo names 'key', which is not an input of the bundle" in echo
 
 
 def test_a_finished_run_continues_for_more_epochs_under_a_new_run_id(connect):

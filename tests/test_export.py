@@ -709,3 +709,75 @@ def test_batch_sizes_pad_a_call_to_the_smallest_that_fits(trained, tmp_path):
             ExportError, match=r"batch_sizes must be .*e\.g\. batch_sizes=\(1, 8, 32\)"
         ):
             trained.export(str(tmp_path / "wrong"), batch_sizes=wrong)
+
+
+@nitro.experiment
+class Grid(Toy):
+    """Takes a one-row grid of five cells on the wire: an input of three axes."""
+
+    def export_inputs(self):
+        return {"grid": jax.ShapeDtypeStruct((1, 5), jnp.float32)}
+
+    def export_preprocess(self, *, grid):
+        return {"x": grid.reshape(grid.shape[0], 5)}
+
+
+def test_axes_name_the_axes_of_inputs_and_outputs_beside_the_batch(trained, tmp_path):
+    n = nitro.Nitro(Grid(), weights=trained, progress=False)
+    axes = {"grid": ("batch", "height", "width"), "output": ("batch", "class")}
+    manifest = n.export(str(tmp_path / "grid"), axes=axes)
+    assert manifest["inputs"] == [
+        {
+            "name": "grid",
+            "dtype": "float32",
+            "shape": [-1, 1, 5],
+            "axes": ["batch", "height", "width"],
+        }
+    ]
+    assert manifest["outputs"][0]["axes"] == ["batch", "class"]
+    model = nitro.bundle.load(tmp_path / "grid")
+    assert [str(s) for s in model.inputs] == ["grid: float32[batch, height=1, width=5]"]
+    assert model.outputs[0].axes == ("batch", "class")
+    x = batch(3)
+    np.testing.assert_allclose(
+        model(grid=x[:, None, :])["output"], trained.predict({"x": x}), atol=1e-6
+    )
+    tagged = nitro.Nitro(Tagged(), weights=trained, progress=False)
+    echoed = tagged.export(str(tmp_path / "tagged"), echo=("id",), axes={"id": ("batch",)})
+    assert echoed["outputs"][1]["axes"] == ["batch"]  # an echoed input keeps its input's names
+
+
+@pytest.mark.parametrize(
+    ("axes", "message"),
+    [
+        (
+            {"grid": ("batch", "cells")},
+            "axes['grid'] names 2 axes ('batch', 'cells'), but grid: float32[batch, 1, 5] has "
+            "3; give one name (or None) per axis, 'batch' for the batch axis: e.g. "
+            "axes={'grid': ('batch', 'axis1', 'axis2')}",
+        ),
+        (
+            {"grid": ("rows", "height", "width")},
+            "axes['grid'] = ('rows', 'height', 'width') does not name the batch axis of grid: "
+            "float32[batch, 1, 5] 'batch' (and only it",
+        ),
+        (
+            {"output": ("batch", "batch")},
+            "axes['output'] = ('batch', 'batch') names an axis twice",
+        ),
+        (
+            {"image": ("batch", "height", "width")},
+            "axes names 'image', which the bundle neither takes nor returns (inputs grid: "
+            "float32[batch, 1, 5]; outputs output: float32[batch, 2]); name those",
+        ),
+        (["grid"], "axes must be a dict {input or output name: a name per axis}"),
+        ({"grid": "batch"}, "axes['grid'] must be a tuple with a name (or None) for each axis"),
+        ({"grid": ("batch", "", None)}, "each axis name must be a non-empty string or None"),
+    ],
+)
+def test_axes_that_do_not_fit_the_wire_are_refused_naming_the_fix(trained, tmp_path, axes, message):
+    n = nitro.Nitro(Grid(), weights=trained, progress=False)
+    with pytest.raises(ExportError) as error:
+        n.export(str(tmp_path / "wrong"), axes=axes)
+    assert message in str(error.value)
+    assert not (tmp_path / "wrong").exists()

@@ -683,7 +683,7 @@ def test_a_checkpointer_ranking_by_a_metric_the_run_does_not_produce_is_refused(
     )
     keep = nitro.Checkpointer(metric="val_acc", mode="max", k=1, budget=None)
     n = nitro.Nitro(ToyWithMetrics(max_epochs=2), checkpointer=keep, progress=False).train()
-    assert n.checkpoints().columns.tolist() == ["step", "epoch", "val_acc", "path"]
+    assert n.checkpoints().columns.tolist() == ["step", "epoch", "val_acc", "name", "path"]
 
 
 def test_early_stopping_refuses_patience_below_1_and_a_bad_mode():

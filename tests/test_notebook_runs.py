@@ -206,6 +206,51 @@ def test_export_writes_a_bundle_of_the_latest_run_that_matches_predict(kernel, t
     ]
 
 
+def test_export_takes_echo_batch_sizes_and_axes_with_the_checks_of_n_export(kernel, tmp_path):
+    target = tmp_path / "tagged"
+    kernel.run(
+        """
+        import jax, jax.numpy as jnp
+
+        @nitro.experiment
+        class TaggedTiny(tiny_exp.Tiny):
+            def export_inputs(self):
+                return {"x": jax.ShapeDtypeStruct((4,), jnp.float32),
+                        "id": jax.ShapeDtypeStruct((), jnp.int32)}
+
+        tagged = TaggedTiny(batches=2)
+        """
+    )
+    kernel.run("%nitro train tagged")
+    cell = kernel.run(
+        f"%nitro export {target} --echo id --batch-sizes 2 8 --axes x=batch,feature "
+        f"--axes output=batch,"
+    )
+    assert f"nitro: exported tagged_run (step 2) to {target}" in cell.stdout
+    manifest = json.loads((target / "manifest.json").read_text())
+    assert manifest["program"]["batch_sizes"] == [2, 8]
+    assert [(e["name"], e["axes"]) for e in manifest["inputs"]] == [
+        ("x", ["batch", "feature"]),
+        ("id", ["batch"]),
+    ]
+    assert [(e["name"], e["axes"], e.get("echo")) for e in manifest["outputs"]] == [
+        ("output", ["batch", None], None),
+        ("id", ["batch"], "id"),
+    ]
+    wrong = tmp_path / "wrong"
+    sizes = kernel.run(f"%nitro export {wrong} --batch-sizes 8 2", check=False)
+    assert "ExportError" in sizes.error and "got (8, 2)" in sizes.error
+    rank = kernel.run(f"%nitro export {wrong} --axes x=batch,height,width", check=False)
+    assert (
+        "axes['x'] names 3 axes ('batch', 'height', 'width'), but x: float32[batch, 4] has 2"
+    ) in rank.error
+    echo = kernel.run(f"%nitro export {wrong} --echo key", check=False)
+    assert "echo names 'key', which is not an input of the bundle" in echo.error
+    form = kernel.run(f"%nitro export {wrong} --axes x", check=False)
+    assert "--axes takes NAME=AXIS,AXIS,... (e.g. --axes x=batch,height,width" in form.error
+    assert not wrong.exists()
+
+
 def test_an_experiment_defined_in_a_cell_exports_and_a_magic_takes_a_trailing_comment(
     kernel, tmp_path
 ):

@@ -30,14 +30,41 @@ def _alone(settings, epochs, **shared):
     return n.train()
 
 
-def test_each_member_equals_its_settings_trained_alone():
+def test_an_unrolled_member_trains_bit_for_bit_as_it_would_alone():
+    # "auto" on one CPU device: each member's step one after another in the program, each
+    # computing as a run's step does
+    pop = nitro.Population(Digits(max_epochs=2, **SMALL), learning_rate=[1e-3, 3e-3])
+    assert not pop.vectorized
+    pop.train()
+    for i, rate in enumerate((1e-3, 3e-3)):
+        alone = _alone({"learning_rate": rate}, 2)
+        assert pop.history().loc[i]["val_loss"].tolist() == alone.history()["val_loss"].tolist()
+        member = pop.member(i)
+        for a, b in zip(member.state.variables.params, alone.state.variables.params, strict=True):
+            assert np.array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_vectorize_auto_unrolls_small_populations_on_one_cpu_device_and_bad_values_are_refused():
+    many = nitro.Population(Digits(**SMALL), learning_rate=list(np.geomspace(1e-4, 1e-1, 17)))
+    assert many.vectorized  # past 16 members the unrolled program would compile too long
+    with pytest.raises(nitro.PopulationError, match=r"vectorize='yes': pass True"):
+        nitro.Population(Digits(**SMALL), learning_rate=[1e-3, 1e-2], vectorize="yes")
+
+
+@pytest.mark.parametrize("vectorize", [True, False])
+def test_each_member_equals_its_settings_trained_alone(vectorize):
     schedules = [
         {"learning_rate": optax.cosine_decay_schedule(3e-3, 120)},
         {"learning_rate": optax.linear_schedule(1e-3, 1e-2, 60)},
     ]
     pop = nitro.Population(
-        Digits(max_epochs=3, **SMALL), schedules=schedules, scale=[1.0, 0.5], progress=False
+        Digits(max_epochs=3, **SMALL),
+        schedules=schedules,
+        scale=[1.0, 0.5],
+        progress=False,
+        vectorize=vectorize,
     )
+    assert pop.vectorized is vectorize
     assert len(pop) == 4
     pop.train()
     history = pop.history()

@@ -3,6 +3,9 @@ the numbers are the ones without it, the program is keyed by it, and a bad value
 
 from __future__ import annotations
 
+import json
+import re
+
 import jax
 import numpy as np
 import pytest
@@ -114,3 +117,34 @@ def test_a_population_shares_one_remat_and_refuses_one_per_member():
     assert sorted(set(pop.history().index.get_level_values("member"))) == [0, 1]
     with pytest.raises(nitro.PopulationError, match="remat cannot vary across a population"):
         nitro.Population(Deep(width=6), seed=[0, 1], remat=["full", "none"], **quiet())
+
+
+def test_a_population_logs_its_train_steps_scratch_with_and_without_remat(tmp_path):
+    pop = nitro.Population(
+        Deep(width=6),
+        seed=[0, 1],
+        remat="full",
+        progress=False,
+        checkpointer=None,
+        run_dir=str(tmp_path / "pop"),
+    )
+    pop.train(epochs=1)
+    pop.train(epochs=1)  # its start logs the report again, with the train step compiled
+    for member in (0, 1):
+        lines = (tmp_path / "pop" / f"member-{member}" / "metrics.jsonl").read_text().splitlines()
+        reports = [
+            record["value"]
+            for record in map(json.loads, lines)
+            if record["type"] == "other" and record["key"] == "binding_report"
+        ]
+        assert len(reports) == 2
+        assert (
+            "remat  [Nitro keyword]\n  'full' on blocks.0, blocks.1, blocks.2, head, stem\n"
+            in reports[0]
+        )
+        assert "its memory shows once the train step is compiled" in reports[0]
+        assert re.search(
+            r"\n  population train step scratch [\d.]+ \w+, without remat [\d.]+ \w+ "
+            r"\([+-]\d+%\)\n",
+            reports[1],
+        )

@@ -150,7 +150,10 @@ def handles():
     }
 
 
-EXPORTS = {"tagged": {"echo": ("id",), "batch_sizes": (2, 4)}, "labelled": {"echo": ("id",)}}
+EXPORTS = {
+    "tagged": {"echo": ("id",), "batch_sizes": (2, 4), "axes": {"x": ("batch", "feature")}},
+    "labelled": {"echo": ("id",)},
+}
 
 
 @pytest.fixture(scope="module")
@@ -205,11 +208,26 @@ def test_an_echoed_id_comes_back_with_the_outputs_and_the_metadata_names_it(hand
         result.as_numpy("output"), handles["toy"].predict({"x": x}), atol=1e-6
     )
     assert _stats(served.url, "tagged")[2] == {4: 1}  # 3 rows: the bundle's batch size 4
-    metadata = http_client.InferenceServerClient(served.url).get_model_metadata("tagged")
+    client = http_client.InferenceServerClient(served.url)
+    metadata = client.get_model_metadata("tagged")
     assert metadata["outputs"] == [
         {"name": "output", "datatype": "FP32", "shape": [-1, 2]},
         {"name": "id", "datatype": "INT32", "shape": [-1]},
     ]
+    # KServe V2 metadata has no field for axis names: the statistics' bundle entry has them
+    bundle = client.get_inference_statistics("tagged")["model_stats"][0]["bundle"]
+    assert [(e["name"], e["axes"]) for e in bundle["inputs"]] == [
+        ("x", ["batch", "feature"]),
+        ("id", ["batch"]),
+    ]
+    assert bundle["outputs"][1] == {
+        "name": "id",
+        "dtype": "int32",
+        "shape": [-1],
+        "axes": ["batch"],
+        "echo": "id",
+    }
+    assert bundle["postprocess"] is None
 
 
 def test_a_postprocess_hook_names_the_outputs_and_runs_only_with_trust_code(handles, served):

@@ -260,9 +260,9 @@ class Nitro(TimeTravel, RunHandle):
         elif isinstance(weights, (str, os.PathLike, tuple)) and not (
             isinstance(weights, tuple) and isinstance(weights[1], int)
         ):
-            directory, step = resolve_checkpoint(weights)
-            saved, _ = read_checkpoint(directory, step)
-            where = f"the checkpoint {str(directory / str(step))!r}"
+            found_at = resolve_checkpoint(weights)
+            saved, _ = read_checkpoint(*found_at)
+            where = f"the checkpoint {str(found_at.path)!r}"
             found = leaves_from(
                 "optimizer state",
                 saved.get("opt_state", {}),
@@ -511,6 +511,7 @@ class Nitro(TimeTravel, RunHandle):
         dtype: str | None = None,
         echo: tuple[str, ...] = (),
         batch_sizes: tuple[int, ...] | None = None,
+        axes: Mapping[str, tuple[str | None, ...]] | None = None,
     ) -> dict[str, Any]:
         """Write the current weights and eval-mode forward as a bundle that runs without Nitro
         (`nitro.bundle.load(directory)`) and serves with `nitro serve`; returns its manifest.
@@ -521,7 +522,8 @@ class Nitro(TimeTravel, RunHandle):
         or "compute" (the run's `precision=`); `echo` names wire inputs returned unchanged as
         outputs (an id passed through); `batch_sizes` (e.g. (1, 8, 32)) the sizes a loader or
         server pads a call to, the smallest that fits (`nitro serve` compiles each as it loads
-        the bundle). See docs/export.md.
+        the bundle); `axes` names the axes of inputs and outputs, "batch" first (e.g.
+        `{"image": ("batch", "height", "width")}`). See docs/export.md.
         """
         from nitro.serving.export import DEFAULT_PLATFORMS, export_handle
 
@@ -538,15 +540,26 @@ class Nitro(TimeTravel, RunHandle):
                 dtype=dtype,
                 echo=echo,
                 batch_sizes=batch_sizes,
+                axes=axes,
             )
 
     def publish(
-        self, name: str, *, to: str, weights: str | None = None, dtype: str | None = None
+        self,
+        name: str,
+        *,
+        to: str,
+        weights: str | None = None,
+        dtype: str | None = None,
+        axes: Mapping[str, tuple[str | None, ...]] | None = None,
     ) -> dict[str, Any]:
         """Replace the weights of the model `name` served by `nitro serve` at `to` with this
         handle's: exports into the directory the server serves it from and has it load that.
         With the program unchanged only the weights are swapped (nothing compiles); a changed
         program is a full reload. Requests get the old weights or the new, never a mix.
+
+        The served client contract is kept: inputs, outputs, axis names (`axes`: by default
+        the served ones) and the postprocess hook must be the served ones, or nothing is
+        written and `PublishError` names what differs.
 
         Returns `replaced` ("weights" or "program"), `program`, `directory` and `manifest`.
         `weights` and `dtype` as for `export`. See docs/export.md.
@@ -557,7 +570,7 @@ class Nitro(TimeTravel, RunHandle):
         with self._guard.hold("publishing"):
             self._files.wait()
             variables = evaluation.weights_of(self._setup, self._state, weights)
-            return publish(self, to, name, variables=variables, dtype=dtype)
+            return publish(self, to, name, variables=variables, dtype=dtype, axes=axes)
 
     # ------------------------------------------------------------------------------------------
     # finding a learning rate

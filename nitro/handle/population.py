@@ -68,6 +68,12 @@ __all__ = ["Population"]
 FILE_KEYWORDS = ("run_dir", "checkpointer", "resume")
 
 
+# "auto" unrolls populations of at most this many members on one CPU device: bench/population.py
+# measured the unrolled step faster than the vmapped one there (a vmapped convolution runs as a
+# grouped one, 4.5x slower on the digits CNN), while its compile time grows with the members
+UNROLLED_MEMBERS = 16
+
+
 class Population(PopulationMembers):
     """Members of one experiment, differing in fed values, trained by one program.
 
@@ -93,6 +99,7 @@ class Population(PopulationMembers):
         mesh_axis: str = "members",
         preset: str | None = None,
         search: Any = None,
+        vectorize: bool | str = "auto",
         **keywords: Any,
     ):
         experiment = experiment_to_run(
@@ -101,7 +108,15 @@ class Population(PopulationMembers):
         cls = check_experiment(experiment)
         origin = OriginProbe(cls)  # git runs beside the members' setup
         given = {"members": members, "batches": batches, "mesh_axis": mesh_axis, "search": search}
+        given["vectorize"] = None if vectorize == "auto" else vectorize
         self._given = (experiment, {k: v for k, v in given.items() if v is not None} | keywords)
+        if vectorize not in ("auto", True, False):
+            raise PopulationError(
+                f"vectorize={vectorize!r}: pass True (one vmapped step for every member), False "
+                f"(each member's step one after another in one program) or 'auto' (False for "
+                f"up to {UNROLLED_MEMBERS} members on one CPU device, where XLA runs a vmapped "
+                f"convolution as a slow grouped one; True elsewhere)"
+            )
         if mesh_axis not in ("members", "batch"):
             raise PopulationError(
                 f"mesh_axis={mesh_axis!r}: pass 'members' (each device trains its share of the "
@@ -211,7 +226,13 @@ class Population(PopulationMembers):
             )
         except SetupError as error:
             raise PopulationError(str(error)) from None
-        self._programs = ProgramSet(lead.setup, len(settings), own_batches=batches == "own")
+        if vectorize == "auto":  # unrolled where it is faster, and compiles in reasonable time
+            cpu = lead.setup.placement.devices[0].platform == "cpu"
+            vectorize = not (cpu and devices == 1 and len(settings) <= UNROLLED_MEMBERS)
+        self._vectorize = bool(vectorize)
+        self._programs = ProgramSet(
+            lead.setup, len(settings), own_batches=batches == "own", vectorize=self._vectorize
+        )
         self._search = None if self._scheduler is None else self._searching(devices, mesh_axis)
         self._axis: Stacked | None = None  # the loop's members object: stacked on first use
         self._stacking = threading.Lock()  # pop.stop(i) may stack before the run's thread
@@ -228,7 +249,9 @@ class Population(PopulationMembers):
             configs=[run_config(m.setup) for m in self._members],
             logs=loggers.get("logger", True) is not None,
         )
-        self._logging = MemberLogging(self, self._members, self._files, **loggers)
+        self._logging = MemberLogging(
+            self, self._members, self._files, programs=lambda: self._programs, **loggers
+        )
         if self._logging.reporters:  # logger=None costs nothing
             self._events.add(self._logging)
         if self._files.resume_from is not None:
@@ -349,11 +372,21 @@ class Population(PopulationMembers):
             axis = self._axis = shrink(self._axis, kept)
             axis.on_losses = self._search.add_losses if self._search is not None else None
         own = self._batches_mode == "own"
-        self._programs = ProgramSet(self._lead_setup, len(kept), own_batches=own)
+        self._programs = ProgramSet(
+            self._lead_setup, len(kept), own_batches=own, vectorize=self._vectorize
+        )
         self._lead_runtime.dispatch.for_members(len(kept))
 
     # ------------------------------------------------------------------------------------------
     # training and evaluation
+
+    @property
+    def vectorized(self) -> bool:
+        """True: one vmapped step trains every member; False: the program steps each member
+        after the other (`Population(..., vectorize=)`; "auto" picks False for up to 16
+        members on one CPU device, where a vmapped convolution runs as a much slower grouped
+        one)."""
+        return self._vectorize
 
     @property
     def batches(self) -> str:

@@ -6,7 +6,7 @@ handle. See docs/population.md.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from types import SimpleNamespace
 from typing import Any
 
@@ -98,8 +98,10 @@ class MemberLogging:
         members: Sequence[Any],
         files: PopulationFiles,
         logger: Any = _DEFAULT,
+        programs: Callable[[], Any] = lambda: None,
     ):
         self.population, self.members, self.files = population, members, files
+        self.programs = programs  # the population's programs now, for what `remat=` saves
         made = member_loggers(logger, len(members), files.run_id)  # None: a member logs nothing
         self.reporters = [LoggingReporter(LoggerGroup([logger])) for logger in made]
         for member, reporter in zip(members, self.reporters, strict=False):
@@ -127,7 +129,7 @@ class MemberLogging:
             epoch=population.epoch if stopped is None else member.state.epoch,
             stop_reason=reason,
             binding_report=lambda: binding_report(
-                member.setup, member.runtime, step, run_dir, run_id
+                member.setup, member.runtime, step, run_dir, run_id, programs=self.programs()
             ),
         )
 

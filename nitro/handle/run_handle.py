@@ -301,8 +301,9 @@ class RunHandle:
         return self._files.run_id
 
     def checkpoints(self):
-        """This run's saved checkpoints: a DataFrame of step, epoch and the checkpointer's
-        metric (a population's: its best member's), empty when none are saved yet."""
+        """This run's saved checkpoints: a DataFrame of step, epoch, the checkpointer's
+        metric (a population's: its best member's), name (its directory's: the step, or
+        `Checkpointer(name=)`'s) and path, empty when none are saved yet."""
         import pandas as pd
 
         from nitro.runs.checkpoint_reads import describe_saved

@@ -3,7 +3,7 @@ for the keywords whose values are Python objects.
 
 | keyword | JSON | becomes |
 |---|---|---|
-| `checkpointer` | `true`, `false`/`null` (none), or `{"k": 3, "metric": "val_acc", "mode": "max", "every": 1, "budget": null}` | `nitro.Checkpointer(...)` or None |
+| `checkpointer` | `true`, `false`/`null` (none), or `{"k": 3, "metric": "val_acc", "mode": "max", "every": 1, "budget": null, "name": "e{epoch}-s{step}"}` (`name`: a format string, or left out for step directories) | `nitro.Checkpointer(...)` or None |
 | `early_stop` | `null` or `{"metric": "val_loss", "mode": "min", "patience": 5, "min_delta": 1e-4}` | `nitro.EarlyStopping(...)` |
 | `logger` | `null` (no logging), `"jsonl"`, `"csv"`, `"tensorboard"`, or a list of them | the loggers, writing into the run directory |
 | `resume` | `"auto"`, `false`, a run directory or checkpoint path, `[run_dir, "best" or "latest"]` | the same, the pair as a tuple |

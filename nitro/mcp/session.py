@@ -648,13 +648,26 @@ class ToolSession:
         platforms: list[str] | None = None,
         run_id: str | None = None,
         wait_seconds: float = 300.0,
+        echo: list[str] | None = None,
+        batch_sizes: list[int] | None = None,
+        axes: dict[str, list[str | None]] | None = None,
         **new_handle: Any,
     ) -> dict[str, Any]:
+        from nitro.serving.export import ExportError, check_axes, check_batch_sizes
+
         directory = self.paths.check("dir", dir)
+        try:  # their form, before a handle is found or built (their fit: the export's)
+            sizes = check_batch_sizes(batch_sizes) or None
+            named = check_axes(axes) or None
+        except ExportError as error:
+            raise ToolFailure(str(error)) from None
+        kept = tuple(echo or ())
 
         def action(handle: Nitro) -> dict[str, Any]:
             chosen = tuple(platforms) if platforms else None
-            manifest = handle.export(str(directory), name, platforms=chosen)
+            manifest = handle.export(
+                str(directory), name, platforms=chosen, echo=kept, batch_sizes=sizes, axes=named
+            )
             return {"directory": str(directory), "manifest": manifest}
 
         if run_id is None and new_handle.get("experiment") is None:

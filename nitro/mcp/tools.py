@@ -144,6 +144,20 @@ class ExportArguments(_NewHandle):
     platforms: list[Literal["cpu", "cuda", "rocm", "tpu"]] | None = Field(
         None, min_length=1, description="platforms to lower for; default all four"
     )
+    echo: list[str] | None = Field(
+        None,
+        description='wire inputs returned unchanged as outputs of the same name (an id), e.g. ["id"]',
+    )
+    batch_sizes: list[int] | None = Field(
+        None,
+        description="the batch sizes a call is padded to (the smallest that fits), increasing, "
+        "e.g. [1, 8, 32]; each is compiled when the bundle is served",
+    )
+    axes: dict[str, list[str | None]] | None = Field(
+        None,
+        description='names of the axes of inputs and outputs, "batch" for the batch axis, '
+        'null for an unnamed one, e.g. {"x": ["batch", "height", "width"]}',
+    )
     wait_seconds: float = Field(300.0, ge=0, le=600, description=WAIT)
 
 
@@ -345,7 +359,8 @@ TOOLS: dict[str, ToolSpec] = {
         ToolSpec(
             "nitro_export",
             "Write a run's model (run_id), or an experiment's with weights from a checkpoint, as "
-            "a serving bundle into dir (nitro.bundle.load, nitro serve); answers its manifest.",
+            "a serving bundle into dir (nitro.bundle.load, nitro serve); answers its manifest. "
+            "echo, batch_sizes and axes shape the client contract as n.export's keywords do.",
             ExportArguments,
             "export",
         ),

@@ -221,18 +221,28 @@ class ProgramSet:
     programs for edited code (a live edit) without a call.
 
     `members=N` (a population): every program is the run's, vmapped over a leading member
-    axis of N; `own_batches`: each member's batches carry that axis too."""
+    axis of N; `own_batches`: each member's batches carry that axis too; `vectorize`: the
+    member axis vmapped (else each member's step unrolled, one after another)."""
 
-    def __init__(self, setup: RunSetup, members: int | None = None, own_batches: bool = False):
+    def __init__(
+        self,
+        setup: RunSetup,
+        members: int | None = None,
+        own_batches: bool = False,
+        vectorize: bool = True,
+    ):
         self.setup = setup
         self.members = members
         self.own_batches = own_batches
+        self.vectorize = vectorize
         self._slots: dict[tuple, Program] = {}
         self._makers: dict[tuple, tuple[Callable[[RunSetup], ProgramSpec], Any]] = {}
         self._without_remat: dict[tuple, int | None] = {}  # `scratch_without_remat`'s figures
 
     def _eval(self, spec: ProgramSpec) -> ProgramSpec:
-        return spec if self.members is None else population_eval_spec(spec, self.members)
+        if self.members is None:
+            return spec
+        return population_eval_spec(spec, self.members, self.vectorize)
 
     def _get(self, slot: tuple, make_spec: Callable[[RunSetup], ProgramSpec], args) -> Program:
         program = self._slots.get(slot)
@@ -257,7 +267,13 @@ class ProgramSet:
             guarded = setup.check_divergence
             keep = setup.keywords["spike"].value is not None  # a member's roll-back reads it
             return population_train_spec(
-                spec, members, stacked=stacked, own_batches=own, guarded=guarded, keep_input=keep
+                spec,
+                members,
+                stacked=stacked,
+                own_batches=own,
+                guarded=guarded,
+                vectorize=self.vectorize,
+                keep_input=keep,
             )
 
         return self._get(("train", steps, micro, restore), make, args)
@@ -305,7 +321,7 @@ class ProgramSet:
         """The programs of this set for `setup` (the same experiment with edited code): a
         new set holding every program whose code and settings the edit leaves as they were,
         and the programs it still has to compile (`compile_pending`)."""
-        new = ProgramSet(setup, self.members, self.own_batches)
+        new = ProgramSet(setup, self.members, self.own_batches, self.vectorize)
         pending = []
         for slot, program in list(self._slots.items()):  # the loop may add slots meanwhile
             make, arguments = self._makers[slot]

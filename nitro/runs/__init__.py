@@ -2,7 +2,9 @@
 the weights a run starts from.
 
 Internal, except the names the facade re-exports (`nitro.Checkpointer`, `nitro.EarlyStopping`,
-`nitro.saved_runs`, `nitro.average`). Imports `programs` and below.
+`nitro.saved_runs`, `nitro.average`) and those here: `read`, `checkpoint_name` (the default
+name of named checkpoints, `Checkpointer(name=nitro.runs.checkpoint_name)`) and `NamedSteps`
+(their orbax step naming, for reading them with plain orbax). Imports `programs` and below.
 
 - `run_dirs`: run directories, the runs of an experiment on disk (`nitro.saved_runs`), which
   directories are a population's
@@ -16,6 +18,8 @@ Internal, except the names the facade re-exports (`nitro.Checkpointer`, `nitro.E
 - `resume`: which checkpoint `resume=` continues, what differs, its `Variables` read back
 - `watched_metrics`: an early stop or checkpointer watching a metric the run lacks, refused
 - `checkpoints`: `Checkpointer`, the policy of when a run saves and which checkpoints it keeps
+- `checkpoint_names`: what checkpoints are called on disk (`Checkpointer(name=)`), orbax's
+  step naming that finds them (`NamedSteps`)
 - `checkpoint_record`: `CheckpointRecord`, the typed JSON record of a saved step (a run's or a
   population's, its members' `MemberRecord`s), written by `to_json`, read by `from_json`
 - `checkpoint_writer`: `CheckpointStore`, the background writer of a run's orbax checkpoints
@@ -28,7 +32,9 @@ Internal, except the names the facade re-exports (`nitro.Checkpointer`, `nitro.E
 
 from typing import Any
 
-__all__ = ["read"]
+from nitro.runs.checkpoint_names import NamedSteps, checkpoint_name
+
+__all__ = ["NamedSteps", "checkpoint_name", "read"]
 
 
 def read(source: Any, which: str = "latest") -> Any:

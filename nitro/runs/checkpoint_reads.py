@@ -17,6 +17,7 @@ import numpy as np
 
 from nitro.core.run_setup import CheckpointRef
 from nitro.errors import SetupError
+from nitro.runs.checkpoint_names import NamedSteps, step_of, step_path
 from nitro.runs.checkpoint_record import CheckpointRecord
 from nitro.runs.checkpoint_trees import flatten
 from nitro.runs.checkpoint_writer import (
@@ -51,7 +52,9 @@ class _reader:
         await_writers(self.directory)
         self._held = ORBAX.held()
         self._held.__enter__()
-        options = ocp.CheckpointManagerOptions(read_only=True, save_interval_steps=0, create=False)
+        options = ocp.CheckpointManagerOptions(
+            read_only=True, save_interval_steps=0, create=False, step_name_format=NamedSteps()
+        )
         absl = logging.getLogger("absl")
         absl.addFilter(quiet_read_only)
         try:
@@ -79,11 +82,12 @@ def _meta_args():
 def _skip(directory: Path, step: int, why: str) -> None:
     """Warn of a damaged step, unless it is gone: a live run's writer removed it (its keep
     policy) while it was read, which is no damage."""
-    if not (directory / str(step)).exists():
+    path = step_path(directory.absolute(), step)
+    if not path.exists():
         return
     warnings.warn(
-        f"skipping the damaged checkpoint {str(directory.absolute() / str(step))!r} ({why}); the other "
-        f"checkpoints are used. Delete that step directory once you no longer need it.",
+        f"skipping the damaged checkpoint {str(path)!r} ({why}); the other "
+        f"checkpoints are used. Delete that checkpoint's directory once you no longer need it.",
         RuntimeWarning,
         stacklevel=4,
     )
@@ -163,7 +167,8 @@ def describe_checkpoints(directory: str | os.PathLike):
 
 
 def describe_saved(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """One row per readable saved checkpoint of a run: step, epoch, the metric and the path."""
+    """One row per readable saved checkpoint of a run: step, epoch, the metric, its name (its
+    directory's) and its path."""
     directory = Path(run_dir) / "checkpoints"
     await_writers(directory)
     if not directory.is_dir():
@@ -176,7 +181,8 @@ def describe_saved(run_dir: str | os.PathLike) -> list[dict[str, Any]]:
                 row.update(manager.metrics(step) or {})
             except Exception:  # noqa: BLE001 - the step itself reads: list it without them
                 pass
-            row["path"] = str(directory / str(step))
+            path = step_path(directory, step)
+            row["name"], row["path"] = path.name, str(path)
             rows.append(row)
         return rows
 
@@ -215,7 +221,7 @@ def _restore_item(manager, step: int, targets: Mapping[tuple[str, ...], Any]) ->
 
     handler = ocp.StandardCheckpointHandler()
     try:
-        tree = handler.metadata(epath.Path(manager.directory) / str(step) / "state").tree
+        tree = handler.metadata(epath.Path(step_path(manager.directory, step)) / "state").tree
     finally:
         handler.close()
     if not targets and all(getattr(m, "sharding", None) is None for m in flatten(tree).values()):
@@ -292,7 +298,7 @@ def read_checkpoint(
             return _restore(manager, step, targets)
         except Exception as error:  # noqa: BLE001 - orbax and tensorstore raise many kinds
             raise SetupError(
-                f"the checkpoint {str(directory / str(step))!r} cannot be read "
+                f"the checkpoint {str(step_path(directory, step))!r} cannot be read "
                 f"({describe_error(error)}); it is damaged. Use another of the run's checkpoints"
             ) from error
 
@@ -314,7 +320,8 @@ class SavedStep(NamedTuple):
 
     @property
     def path(self) -> Path:
-        return self.directory / str(self.step)
+        """Its directory: the step's number, or its name (`Checkpointer(name=)`)."""
+        return step_path(self.directory, self.step)
 
 
 def resolve_checkpoint(
@@ -325,7 +332,8 @@ def resolve_checkpoint(
     targets: Mapping[tuple[str, ...], Any] | None = None,
 ) -> SavedStep:
     """Where a checkpoint is: a run directory (its newest or best checkpoint), a checkpoints
-    directory, or one step's directory; `(run_dir, "best" | "latest")` chooses.
+    directory, or one checkpoint's directory (its step or its name);
+    `(run_dir, "best" | "latest")` chooses.
 
     The chosen step is read whole first. A damaged one (an empty step directory, a truncated
     or corrupted file) is skipped with a warning naming it, and the next one is taken: the
@@ -349,8 +357,8 @@ def resolve_checkpoint(
     step = None
     if (path / "checkpoints").is_dir():
         directory = path / "checkpoints"
-    elif path.name.isdigit() and path.parent.is_dir() and (path / "state").exists():
-        directory, step = path.parent, int(path.name)
+    elif (path / "state").exists() and step_of(path) is not None:
+        directory, step = path.parent, step_of(path)
     else:
         directory = path
     with _reader(directory) as manager:

@@ -223,7 +223,7 @@ class CheckpointRecord:
             code={unit: fp.digest for unit, fp in setup.experiment.code.items()},
             optimizer=describe_optimizer(setup.optimizer) if setup.optimizer is not None else None,
             training=training_config(setup),
-            checkpointer=dataclasses.asdict(checkpointer) if checkpointer is not None else None,  # pyright: ignore[reportArgumentType]  # a Checkpointer: the keyword's check
+            checkpointer=_checkpointer_json(checkpointer),
             preset=setup.experiment.preset,
             **fields,
         )
@@ -319,6 +319,18 @@ class CheckpointRecord:
             skipped_batches=[dict(row) for row in member.skipped_batches],
             rewinds=[dict(row) for row in member.rewinds],
         )
+
+
+def _checkpointer_json(checkpointer: Any) -> dict[str, Any] | None:
+    """A run's `Checkpointer` as its records keep it: its fields, a naming hook by its
+    qualified name."""
+    if checkpointer is None:
+        return None
+    fields = {f.name: getattr(checkpointer, f.name) for f in dataclasses.fields(checkpointer)}
+    name = fields.get("name")
+    if name is not None and not isinstance(name, str):
+        fields["name"] = getattr(name, "__qualname__", None) or type(name).__name__
+    return fields
 
 
 # ---------------------------------------------------------------------------------------------

@@ -24,6 +24,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from nitro.core.run_setup import CheckpointPolicy
+from nitro.errors import SetupError
+from nitro.runs.checkpoint_names import NamedSteps, named_paths, step_path
 from nitro.runs.checkpoint_trees import materialized
 
 if TYPE_CHECKING:
@@ -183,6 +185,10 @@ class CheckpointStore:
         # for the writes (a reader, `wait()`, the process's end).
         self._rest_until = 0.0
         self._hurry = 0  # callers waiting for the writes
+        # the checkpoints' names (`Checkpointer(name=)`): orbax's step naming, and each name
+        # given in this run -> its step (those on disk read at the first name given)
+        self.names = NamedSteps()
+        self._given: dict[str, int] | None = None
         _OPEN.add(self)
 
     def _open(self, ranked: bool = True):
@@ -212,6 +218,7 @@ class CheckpointStore:
                 enable_async_checkpointing=True,
                 cleanup_tmp_directories=True,
                 todelete_subdir=DELETING,
+                step_name_format=self.names,
                 **ranking,
             )
             self._empty_trash()  # what a killed process was deleting
@@ -267,11 +274,43 @@ class CheckpointStore:
         (`best`), which is written before it. `earlier`: a best epoch held since (one the
         budget did not save), written first. `then_close`: the run ends here; once written,
         the manager closes (unless another save is waiting)."""
+        saves = (earlier,) if earlier is not None else ()
+        for named in (*saves, Save(step, tree, record, value)):
+            self.give_name(named)
         if self.saved_step is None or step >= self.saved_step:  # not a best held since
             self.saved_epoch = record.epoch
             self.saved_step = step
-        saves = (earlier,) if earlier is not None else ()
         self._submit(_Job((*saves, Save(step, tree, record, value, best)), then_close))
+
+    def give_name(self, save: Save) -> None:
+        """Give `save` its name (`Checkpointer(name=)`, on the caller's thread, so a hook's
+        error reaches it): checked, and unique in the run. A save held to be written later
+        is named as it is held, so a bad name stops the run at the epoch that gave it."""
+        value = save.value
+        score = float(value) if value is not None and math.isfinite(value) else None
+        name = self.config.name_of(epoch=save.record.epoch, step=save.step, score=score)
+        if name is None or save.step in self.names.names:
+            return  # unnamed, or named already (a step saved again keeps its first name)
+        if self._given is None:
+            self._given = {path.name: step for step, path in named_paths(self.directory).items()}
+        other = self._given.get(name)
+        if other is not None and other != save.step:
+            raise SetupError(
+                f"Checkpointer(name=...) named the checkpoint of step {save.step} {name!r}, "
+                f"the name of step {other}'s checkpoint in {str(self.directory)!r}: each "
+                f"checkpoint needs a name of its own. Put the step in the name (its step= "
+                f"argument, or {{step}} in a format string)"
+            )
+        self._given[name] = save.step
+        self.names.names[save.step] = name
+
+    def step_path(self, step: int) -> Path:
+        """Where step `step`'s checkpoint is: its name's directory (or, for a step saved
+        before under another name or none, the directory that holds it)."""
+        name = self.names.names.get(step)
+        if name is not None and (self.directory / name).is_dir():
+            return self.directory / name
+        return step_path(self.directory, step)
 
     def close_later(self) -> None:
         """Finish the writes in flight and close the manager, in the background."""
@@ -359,6 +398,7 @@ class CheckpointStore:
                     manager.wait_until_finished()
                     self._empty_trash()
                     ORBAX.started_write(manager, lambda error: self._failed(error, None))
+                    name = self.names.build_name(step)
                     manager.save(
                         step,
                         args=ocp.args.Composite(
@@ -367,6 +407,8 @@ class CheckpointStore:
                         ),
                         metrics=metrics,
                         force=True,
+                        # a named checkpoint's step, where every reader finds it
+                        custom_metadata={"step": step, "name": name},
                     )
             except Exception as error:  # noqa: BLE001 - a full disk must not end the run
                 self._failed(error, step)
@@ -464,12 +506,14 @@ class CheckpointStore:
         deleted. Returns the steps moved."""
         self.close()
         moved = []
-        if self.directory.is_dir():
-            for child in sorted(self.directory.iterdir(), key=lambda p: p.name):
-                if child.name.isdigit() and int(child.name) > step:
-                    into.mkdir(parents=True, exist_ok=True)
-                    os.replace(child, into / child.name)  # one rename: a step moves whole
-                    moved.append(int(child.name))
+        for saved, child in sorted(named_paths(self.directory).items()):
+            if saved > step:
+                into.mkdir(parents=True, exist_ok=True)
+                os.replace(child, into / child.name)  # one rename: a checkpoint moves whole
+                moved.append(saved)
+                self.names.names.pop(saved, None)
+                if self._given is not None:  # the run's later checkpoints may reuse its name
+                    self._given.pop(child.name, None)
         if self.saved_step is not None and self.saved_step > step:
             self.saved_step = self.saved_epoch = None
         return sorted(moved)
@@ -480,7 +524,7 @@ class CheckpointStore:
         `close()`). The record is replaced whole (a new file renamed over it), so a reader
         sees the old record or the new one; False where it is not there to update, or says
         why already."""
-        path = self.directory / str(step) / "meta" / "metadata"  # orbax's JSON item file
+        path = self.step_path(step) / "meta" / "metadata"  # orbax's JSON item file
         try:
             meta = json.loads(path.read_text())
             if not isinstance(meta, dict) or meta.get("step") != step or meta.get("stop_reason"):

@@ -85,6 +85,7 @@ class EpochSaves:
             self.save(snapshot(None, best), events)
         elif best:  # kept on the host, written with the next save or at the call's end
             self._held = snapshot(None, True)
+            store.give_name(self._held)
         return verdict
 
     def _new_best(self, store: CheckpointStore, rows: Sequence[Mapping[str, Any]]) -> bool:
@@ -213,7 +214,7 @@ def resume_point(state: Any, store: CheckpointStore, saved: bool) -> str:
         where = f"the end of epoch {state.epoch}"
     if saved:
         return (
-            f"stopped at step {state.step} ({where}); saved {store.directory / str(state.step)}: "
+            f"stopped at step {state.step} ({where}); saved {store.step_path(state.step)}: "
             f"resume= continues from there"
         )
     return (

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from nitro.errors import SetupError
+from nitro.runs.checkpoint_names import step_path
 from nitro.runs.run_dirs import RunInfo, list_runs, read_run_json
 
 __all__ = [
@@ -179,7 +180,7 @@ class Choice:
 def _progress(run: RunInfo) -> tuple[int, int, int]:
     """How far a run got; of two as far, the one that saved last (run ids started in the same
     second sort by their random suffix, not by time)."""
-    newest = run.path / "checkpoints" / str(max(run.checkpoints, default=0))
+    newest = step_path(run.path / "checkpoints", max(run.checkpoints, default=0))
     try:
         saved = newest.stat().st_mtime_ns
     except OSError:

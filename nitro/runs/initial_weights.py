@@ -125,9 +125,10 @@ class CheckpointWeights:
         shaped like the given model's."""
         from nitro.runs.checkpoint_reads import read_checkpoint, resolve_checkpoint
 
-        directory, step = resolve_checkpoint(self.source)
-        saved, record = read_checkpoint(directory, step)
-        where, index = str(directory / str(step)), self.member
+        found = resolve_checkpoint(self.source)
+        directory, step = found
+        saved, record = read_checkpoint(*found)
+        where, index = str(found.path), self.member
         if (record.kind == KIND) != (index is not None):
             raise WeightsError(
                 f"{where!r} is a population's checkpoint, which holds every member's weights: "

@@ -26,6 +26,7 @@ from nitro.core.events import Events
 from nitro.core.run_setup import RunSetup
 from nitro.core.train_state import HistoryRows, TrainState
 from nitro.errors import SetupError
+from nitro.runs.checkpoint_names import named_paths
 from nitro.runs.checkpoint_reads import SavedStep, read_checkpoint
 from nitro.runs.checkpoint_record import POPULATION, RUN, CheckpointRecord, config_of
 from nitro.runs.checkpoint_trees import restore_targets
@@ -386,7 +387,7 @@ def saved_steps(directory: Path) -> list[int]:
     await_writers(directory)
     if not directory.is_dir():
         return []
-    return sorted(int(p.name) for p in directory.iterdir() if p.name.isdigit())
+    return sorted(named_paths(directory))
 
 
 # ---------------------------------------------------------------------------------------------

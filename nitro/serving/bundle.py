@@ -82,8 +82,8 @@ class OutputError(RuntimeError):
 class TensorSpec:
     """One input or output on the wire: its name, NumPy dtype name, shape (BATCH = -1 for a
     variable axis) and axis names (`("batch", None)`: the first axis is the batch, the second
-    unnamed; by default "batch" for each variable axis). `echo` names the input an output
-    returns unchanged."""
+    unnamed; by default "batch" for each variable axis; `("batch", "height", "width")` shows as
+    `[batch, height=8, width=8]`). `echo` names the input an output returns unchanged."""
 
     name: str
     dtype: str
@@ -119,7 +119,7 @@ class TensorSpec:
         return (
             "["
             + ", ".join(
-                (axis or "?") if d == BATCH else str(d)
+                (axis or "?") if d == BATCH else str(d) if axis is None else f"{axis}={d}"
                 for d, axis in zip(self.shape, self.axes, strict=True)
             )
             + "]"

@@ -25,9 +25,9 @@ Optional experiment hooks shape the wire:
   source, fingerprint and `self`'s values are recorded in the manifest, and the loader runs
   that text (only when trusted: `nitro.bundle.load(dir, trust_code=True)`).
 
-`echo=` names wire inputs returned unchanged as outputs. Specs name their axes ("batch" first).
-`batch_sizes=` records the sizes a loader pads a call to (the program keeps its symbolic batch:
-compiled for a size, it runs as a program exported for that size does).
+`echo=` names wire inputs returned unchanged as outputs. Specs name their axes ("batch" first);
+`axes=` names the others. `batch_sizes=` records the sizes a loader pads a call to (the program
+keeps its symbolic batch: compiled for a size, it runs as a program exported for that size does).
 """
 
 from __future__ import annotations
@@ -55,7 +55,15 @@ from nitro.programs.compile_cache import ProgramKind, record_compile
 from nitro.runs.run_origin import PATCH, package_versions, provenance, run_config
 from nitro.serving import bundle
 
-__all__ = ["DEFAULT_PLATFORMS", "ExportError", "ExportSource", "export_handle", "write_bundle"]
+__all__ = [
+    "DEFAULT_PLATFORMS",
+    "ExportError",
+    "ExportSource",
+    "check_axes",
+    "check_batch_sizes",
+    "export_handle",
+    "write_bundle",
+]
 
 DEFAULT_PLATFORMS = ("cpu", "cuda", "rocm", "tpu")
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,127}$")
@@ -87,6 +95,8 @@ class ExportSource:
     echo: tuple[str, ...] = ()  # wire inputs returned unchanged as outputs of the same name
     postprocess: bundle.Postprocess | None = None  # run on the host after the program
     batch_sizes: tuple[int, ...] = ()  # what a call is padded to (compiled when loaded)
+    # {input or output name: a name or None per axis, "batch" first}, checked by check_axes
+    axes: Mapping[str, tuple[str | None, ...]] = dataclasses.field(default_factory=dict)
 
 
 def _dims(shape) -> list[int]:
@@ -367,7 +377,7 @@ def _probe_postprocess(
     return specs
 
 
-def _check_batch_sizes(sizes: Any) -> tuple[int, ...]:
+def check_batch_sizes(sizes: Any) -> tuple[int, ...]:
     """`batch_sizes=`: increasing batch sizes, e.g. (1, 8, 32)."""
     example = "e.g. batch_sizes=(1, 8, 32)"
     if sizes is None:
@@ -403,6 +413,76 @@ def _check_echo(echo: Any, wire: Mapping[str, Any], outputs: list[str]) -> tuple
     if len(set(echo)) != len(echo):
         raise ExportError(f"echo names an input twice: {tuple(echo)!r}; name each once")
     return tuple(echo)
+
+
+_AXES_EXAMPLE = "e.g. axes={'x': ('batch', 'height', 'width')}"
+
+
+def check_axes(axes: Any) -> dict[str, tuple[str | None, ...]]:
+    """`axes=`: {input or output name: a name (or None) per axis, "batch" first}, checked for
+    its form before anything is traced (its fit to the shapes is checked by the export)."""
+    if axes is None:
+        return {}
+    if not isinstance(axes, Mapping):
+        raise ExportError(
+            f"axes must be a dict {{input or output name: a name per axis}}, {_AXES_EXAMPLE}; "
+            f"got {axes!r}"
+        )
+    checked = {}
+    for key, names in axes.items():
+        if not isinstance(key, str) or not key:
+            raise ExportError(f"axes keys are input or output names, {_AXES_EXAMPLE}; got {key!r}")
+        if isinstance(names, str) or not isinstance(names, (tuple, list)):
+            raise ExportError(
+                f"axes[{key!r}] must be a tuple with a name (or None) for each axis, 'batch' "
+                f"first, {_AXES_EXAMPLE}; got {names!r}"
+            )
+        if not all(n is None or (isinstance(n, str) and n) for n in names):
+            raise ExportError(
+                f"axes[{key!r}] = {tuple(names)!r}: each axis name must be a non-empty string "
+                f"or None (unnamed), {_AXES_EXAMPLE}"
+            )
+        named = [n for n in names if n is not None]
+        if len(set(named)) != len(named):
+            raise ExportError(
+                f"axes[{key!r}] = {tuple(names)!r} names an axis twice; give each axis its own name"
+            )
+        checked[key] = tuple(names)
+    return checked
+
+
+def _name_axes(
+    specs: list[bundle.TensorSpec], axes: Mapping[str, tuple[str | None, ...]]
+) -> tuple[list[bundle.TensorSpec], list[str]]:
+    """`specs` with the axes `axes` names for them, and what does not fit: a count of names
+    other than the rank, or "batch" named anywhere but the batch axis."""
+    named, problems = [], []
+    for spec in specs:
+        names = axes.get(spec.name)
+        if names is None:
+            named.append(spec)
+            continue
+        example = tuple(a if a == "batch" else f"axis{i}" for i, a in enumerate(spec.axes))
+        fix = (
+            f"give one name (or None) per axis, 'batch' for the batch axis: e.g. "
+            f"axes={{{spec.name!r}: {example!r}}}"
+        )
+        if len(names) != len(spec.shape):
+            problems.append(
+                f"axes[{spec.name!r}] names {len(names)} ax{'es' if len(names) != 1 else 'is'} "
+                f"{tuple(names)!r}, but {spec} has {len(spec.shape)}; {fix}"
+            )
+        elif any(
+            (old == "batch") != (new == "batch") for old, new in zip(spec.axes, names, strict=True)
+        ):
+            problems.append(
+                f"axes[{spec.name!r}] = {tuple(names)!r} does not name the batch axis of {spec} "
+                f"'batch' (and only it: the server pads and slices by it); {fix}"
+            )
+        else:
+            spec = dataclasses.replace(spec, axes=tuple(names))
+        named.append(spec)
+    return named, problems
 
 
 def write_bundle(
@@ -506,7 +586,20 @@ def write_bundle(
             f"leave batch_sizes out"
         )
     names = [spec.name for spec in client]
-    echoed = [dataclasses.replace(wire[n], echo=n) for n in _check_echo(source.echo, wire, names)]
+    echo = _check_echo(source.echo, wire, names)
+    axes = check_axes(source.axes)
+    named_wire, wrong = _name_axes(list(wire.values()), axes)
+    wire = {spec.name: spec for spec in named_wire}
+    client, wrong_outputs = _name_axes(client, axes)
+    wrong += wrong_outputs
+    unknown = sorted(set(axes) - set(wire) - set(names))
+    if unknown:
+        wrong.append(
+            f"axes names {', '.join(map(repr, unknown))}, which the bundle neither takes nor "
+            f"returns (inputs {', '.join(map(str, wire.values()))}; outputs "
+            f"{', '.join(map(str, client))}); name those"
+        )
+    echoed = [dataclasses.replace(wire[n], echo=n) for n in echo]
     manifest = {
         "format": bundle.FORMAT,
         "format_version": bundle.FORMAT_VERSION if echoed or source.postprocess is not None else 1,
@@ -539,8 +632,10 @@ def write_bundle(
         bundle.WEIGHTS: _serialize_weights(source.weights),
         **source.files,
     }
-    if accept is not None:
+    if accept is not None:  # before the axes' errors: a publish names the contract it breaks
         accept(manifest)
+    if wrong:
+        raise ExportError(wrong[0])
     _publish(directory, files, manifest)
     record_compile(
         ProgramKind.EXPORT.value,
@@ -567,6 +662,7 @@ def export_handle(
     accept: Callable[[dict[str, Any]], None] | None = None,
     echo: tuple[str, ...] = (),
     batch_sizes: tuple[int, ...] | None = None,
+    axes: Mapping[str, tuple[str | None, ...]] | None = None,
 ) -> dict[str, Any]:
     """Export a handle's current weights (or `variables`: e.g. the moving average) and its
     eval-mode forward; returns the manifest.
@@ -590,7 +686,8 @@ def export_handle(
     from nitro.experiments.trace_view import TraceView
     from nitro.programs.tracing import EVAL_SEED
 
-    sizes = _check_batch_sizes(batch_sizes)  # before anything is traced
+    sizes = check_batch_sizes(batch_sizes)  # before anything is traced
+    named_axes = check_axes(axes)
     setup, state = handle.setup, handle.state
     variables = variables if variables is not None else state.variables
     precision = _bundle_precision(dtype, setup)
@@ -737,6 +834,7 @@ def export_handle(
         echo=tuple(echo) if isinstance(echo, (tuple, list)) else echo,
         postprocess=hook,
         batch_sizes=sizes,
+        axes=named_axes,
     )
     return write_bundle(source, directory, platforms=platforms, accept=accept)
 

@@ -1,10 +1,11 @@
 """Publishing a handle's weights to a running `nitro serve` (`Nitro.publish`).
 
 ```
-GET  /v2/models/NAME/stats            the served bundle's directory, inputs, platforms, echoed
-                                      inputs and batch sizes
-export into that directory            with the same echo and batch sizes; refused before
-                                      writing if the inputs differ
+GET  /v2/models/NAME/stats            the served bundle's directory, inputs, outputs, axes,
+                                      postprocess hook, platforms, echoed inputs, batch sizes
+export into that directory            with the same echo, batch sizes and axis names; refused
+                                      before writing if the inputs, the outputs or the hook
+                                      differ
 POST /v2/repository/models/NAME/load  the server re-reads it: weights only if the program is same
 GET  /v2/models/NAME/stats            which of the two it did
 ```
@@ -84,12 +85,71 @@ def _model_stats(base: str, name: str) -> dict[str, Any]:
     return stats[0]
 
 
+def _differences(
+    manifest: dict[str, Any], served: dict[str, Any], name: str, base: str
+) -> dict[str, str]:
+    """What of the export's client contract differs from the served bundle's: its inputs,
+    its postprocess hook (by sha256) and its outputs, each by name, dtype, shape and axes."""
+
+    def specs(entries: list[dict[str, Any]]) -> list[bundle.TensorSpec]:
+        return [bundle.TensorSpec.from_json(e) for e in entries]
+
+    def listed(entries: list[dict[str, Any]]) -> str:
+        return ", ".join(
+            f"{spec} (echoes {spec.echo})" if spec.echo else str(spec) for spec in specs(entries)
+        )
+
+    where = f"{name!r} is served with at {base}"
+    found = {}
+    if specs(manifest["inputs"]) != specs(served["inputs"]):
+        found["inputs"] = (
+            f"the export's inputs ({listed(manifest['inputs'])}) do not fit the inputs {where} "
+            f"({listed(served['inputs'])})"
+        )
+    if "outputs" not in served:  # a server from before outputs were listed: inputs alone
+        return found
+    new, old = (
+        str((entry or {}).get("sha256", ""))
+        for entry in (manifest.get("postprocess"), served.get("postprocess"))
+    )
+    if new != old:
+        if not old:
+            found["postprocess"] = (
+                f"the export has a postprocess hook (sha256 {new[:12]}) and {name!r} is served "
+                f"without one at {base}"
+            )
+        elif not new:
+            found["postprocess"] = (
+                f"the export has no postprocess hook and {name!r} is served with one (sha256 "
+                f"{old[:12]}) at {base}"
+            )
+        else:
+            found["postprocess"] = (
+                f"the export's postprocess hook (sha256 {new[:12]}) is not the one {where} "
+                f"(sha256 {old[:12]})"
+            )
+    if specs(manifest["outputs"]) != specs(served["outputs"]):
+        found["outputs"] = (
+            f"the export's outputs ({listed(manifest['outputs'])}) are not the outputs {where} "
+            f"({listed(served['outputs'])})"
+        )
+    return found
+
+
 def publish(
-    handle: Any, url: str, name: str, *, variables: Any = None, dtype: str | None = None
+    handle: Any,
+    url: str,
+    name: str,
+    *,
+    variables: Any = None,
+    dtype: str | None = None,
+    axes: Any = None,
 ) -> dict[str, Any]:
     """Export `handle` into the directory the server at `url` serves `name` from and have the
     server load it. Returns what it did: `replaced` is "weights" (the program digest was
-    unchanged, nothing compiled) or "program" (a full reload).
+    unchanged, nothing compiled) or "program" (a full reload). The export keeps the served
+    bundle's client contract: its inputs, outputs, axis names and postprocess hook must be the
+    served ones, or nothing is written. `axes` defaults to the served bundle's names.
 
     >>> n.publish("digits", to="http://127.0.0.1:8080")   # doctest: +SKIP
     {'model': 'digits', 'replaced': 'weights', ...}
@@ -104,18 +164,26 @@ def publish(
             f"{base} serves {name!r} from {directory}, which is not a directory on this "
             f"machine; publish from the machine that serves it"
         )
+    if axes is None:  # the served bundle's names, so its clients keep them
+        axes = {
+            e["name"]: tuple(e["axes"])
+            for e in (*served["inputs"], *served.get("outputs", ()))
+            if "axes" in e
+        }
 
     def accept(manifest: dict[str, Any]) -> None:
-        new, old = (
-            ", ".join(str(bundle.TensorSpec.from_json(e)) for e in entries)
-            for entries in (manifest["inputs"], served["inputs"])
-        )
-        if new != old:  # by name, dtype, shape and axes (a bundle from before axes: the default)
+        found = _differences(manifest, served, name, base)
+        if found:
+            fixes = {
+                "inputs": "the served inputs (export_inputs)",
+                "postprocess": f"the served postprocess hook (its source is under 'postprocess' "
+                f"in {os.path.join(directory, bundle.MANIFEST)})",
+                "outputs": "the served outputs and their axes (export_outputs, postprocess, axes=)",
+            }
             raise PublishError(
-                f"the export's inputs ({new}) do not fit the inputs {name!r} is served with "
-                f"at {base} ({old}); nothing was written. Serve it "
-                f"as a new model (n.export('exports/NEW', name='NEW'), then `nitro serve` it), "
-                f"or give the experiment the served inputs (export_inputs)"
+                f"{'; '.join(found.values())}; nothing was written. Serve it as a new model "
+                f"(n.export('exports/NEW', name='NEW'), then `nitro serve` it), or give the "
+                f"experiment {' and '.join(fixes[kind] for kind in found)}"
             )
 
     manifest = export_handle(
@@ -128,6 +196,7 @@ def publish(
         accept=accept,
         echo=tuple(served.get("echo") or ()),  # the served bundle's, so its clients keep them
         batch_sizes=tuple(served.get("batch_sizes") or ()) or None,
+        axes=axes,
     )
     status, answer = _call(base, "POST", f"/v2/repository/models/{urllib.parse.quote(name)}/load")
     if status != 200:

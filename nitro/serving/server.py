@@ -245,6 +245,12 @@ def _failure(model: str, error: Exception) -> Exception:
     return InferenceError(f"{model} failed: {type(error).__name__}: {error}")
 
 
+def _hook_of(manifest: dict[str, Any]) -> dict[str, str] | None:
+    """The served postprocess hook's fingerprint and source, or None without one."""
+    hook = manifest.get("postprocess")
+    return None if hook is None else {"sha256": hook["sha256"], "source": hook["source"]}
+
+
 class BundleModel(kserve.Model):
     """One bundle directory served under the bundle's name; with `batching`, concurrent
     requests are joined into one call (`Batcher`), waiting at most `batch_delay` seconds.
@@ -338,7 +344,9 @@ class BundleModel(kserve.Model):
         }
         answer["model_stats"][0]["bundle"] = {  # what `Nitro.publish` exports into
             "directory": self.directory,
-            "inputs": self.bundle.manifest["inputs"],
+            "inputs": self.bundle.manifest["inputs"],  # with their axes' names
+            "outputs": self.bundle.manifest["outputs"],
+            "postprocess": _hook_of(self.bundle.manifest),
             "platforms": self.bundle.manifest["program"]["platforms"],
             "echo": [spec.echo for spec in self.bundle.outputs if spec.echo is not None],
             "batch_sizes": list(self.bundle.batch_sizes),

@@ -217,7 +217,7 @@ def _is_nitro_checkpoint(path: Path) -> bool:
         return True
     if (path / "state").is_dir():
         return True
-    return any(p.name.isdigit() and (p / "state").is_dir() for p in path.iterdir())
+    return any((p / "state").is_dir() and (p / "meta").is_dir() for p in path.iterdir())
 
 
 def _read_nitro(path: Path) -> dict[str, np.ndarray]:
@@ -226,13 +226,13 @@ def _read_nitro(path: Path) -> dict[str, np.ndarray]:
     from nitro.runs.run_dirs import KIND
 
     try:
-        directory, step = resolve_checkpoint(path)
-        saved, record = read_checkpoint(directory, step)
+        found = resolve_checkpoint(path)
+        saved, record = read_checkpoint(*found)
     except SetupError as error:
         raise WeightsError(str(error)) from error
     if record.kind == KIND:
         raise WeightsError(
-            f"{str(directory / str(step))!r} is a population's checkpoint, which holds every "
+            f"{str(found.path)!r} is a population's checkpoint, which holds every "
             f"member's weights: read one member's, `<run_dir>/member-<i>`"
         )
     arrays: dict[str, np.ndarray] = {}
