@@ -104,21 +104,19 @@ def bench_model(
     arrays = data(tile)
     one = WithNitro(spec, arrays)
     sequential = [WithNitro(spec, arrays, learning_rate=lr) for lr in rates(members)]
-    population = nitro.Population(
-        experiment_for(spec, arrays),
-        learning_rate=rates(members),
-        progress=False,
-        n_devs=n_devs,
-        mesh_axis=mesh_axis,
-    )
-    other = nitro.Population(  # the member axis the default did not pick, for comparison
-        experiment_for(spec, arrays),
-        learning_rate=rates(members),
-        progress=False,
-        n_devs=n_devs,
-        mesh_axis=mesh_axis,
-        vectorize=not population.vectorized,
-    )
+
+    def make(**keywords):
+        return nitro.Population(
+            experiment_for(spec, arrays),
+            learning_rate=rates(members),
+            progress=False,
+            n_devs=n_devs,
+            mesh_axis=mesh_axis,
+            **keywords,
+        )
+
+    population = make()
+    other = make(vectorize=not population.vectorized)  # the member axis "auto" did not pick
     keras = [keras_loop(spec, arrays) for _ in range(members)]
     keras = [k for k in keras if k is not None]
     # warm every program with one epoch each, and train on until "auto" has decided: the
@@ -134,12 +132,7 @@ def bench_model(
     settle(lambda: other.train(epochs=1), lambda: getattr(other, "dispatch", None))
     spiked = None  # `--spike`: the same population, each call's input kept for a roll-back
     if spike:  # at the steps per call the population chose: the same calls, timed
-        spiked = nitro.Population(
-            experiment_for(spec, arrays),
-            learning_rate=rates(members),
-            progress=False,
-            n_devs=n_devs,
-            mesh_axis=mesh_axis,
+        spiked = make(
             steps_per_dispatch=population.steps_per_call or 1,
             vectorize=population.vectorized,
             spike=nitro.Spike(rtol=1e6),  # only a non-finite loss spikes: no roll-back
