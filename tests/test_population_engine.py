@@ -114,8 +114,10 @@ def _private_imports(path: Path) -> list[str]:
 def test_population_code_imports_no_private_helper_of_the_run():
     modules = [
         "engine/member_axis.py",
+        "engine/member_spikes.py",
         "handle/population.py",
         "handle/population_loggers.py",
+        "handle/population_members.py",
         "handle/lr_find.py",
         "programs/population.py",
     ]
