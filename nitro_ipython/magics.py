@@ -110,8 +110,8 @@ class NitroMagics(Magics):
         nargs="?",
         metavar="TARGET",
         help="train: an experiment instance, a handle or a nitro.Population; stop, wait, "
-        "status, validate, evaluate, history, panel: a handle or a population; predict, plot, "
-        "profile, bind: a handle (default: the latest, _nitro); export: a directory; mcp: "
+        "status, validate, evaluate, history, panel, bind: a handle or a population; predict, "
+        "plot, profile: a handle (default: the latest, _nitro); export: a directory; mcp: "
         "start or stop",
     )
     @magic_arguments.argument(
@@ -299,7 +299,7 @@ class NitroMagics(Magics):
             call's time went: waiting for data, host-side Python, the device program and
             the readback; each program's FLOPs, memory and FLOP/s against the device's peak
             (n.profile(steps=N); the trace is in RUN's run directory, under profile/)
-        %nitro bind [RUN]        where every value of the run came from
+        %nitro bind [RUN]        where every value of the run (or population) came from
         %nitro export DIR [--run RUN] [--name NAME] [--echo INPUT ...]
                           [--batch-sizes SIZE ...] [--axes NAME=AXIS,AXIS ...]
             write RUN's current weights and eval-mode forward as a bundle that runs without
@@ -401,7 +401,7 @@ class NitroMagics(Magics):
             raise UsageError(
                 f"{name!r} is a nitro.Population; %nitro {what} takes a handle: "
                 f"`{name}.best()` or `{name}.member(i)` is one (%nitro train, stop, wait, "
-                f"status, validate, evaluate, history and panel take a population)"
+                f"status, validate, evaluate, history, panel and bind take a population)"
             )
         raise UsageError(
             f"{name!r} is a {type(value).__name__}, not a run; %nitro {what} takes a handle "
@@ -689,6 +689,9 @@ class NitroMagics(Magics):
         return handle.profile(steps=args.steps)
 
     def _bind(self, args):
+        value = self._value(args.target) if args.target is not None else None
+        if isinstance(value, nitro.Population):  # its first member's, after its own section
+            return _Shown(value.binding_report())
         return _Shown(self._handle(args.target, "bind")[1].binding_report())
 
     def _reload(self, args) -> None:

@@ -98,6 +98,10 @@ def test_a_population_trained_with_the_magic_leaves_a_record_of_every_member_ran
     assert set(curves["data"]) == {"image/png", "text/plain"}  # every member's curves
     assert _comms(kernel) == before  # every widget of the panel closed
 
+    bound = kernel.run("%nitro bind pop").data()[-1]  # its section, then member 0's report
+    assert bound.startswith("population\n  members = 6  (this report: member 0, ")
+    assert "learning_rate = 0.001  [member 0's setting]" in bound
+
     again = kernel.run("%nitro train pop").stdout
     assert "pop already trained its 2 epochs" in again and "--epochs N" in again
     more = kernel.run("%nitro train pop --epochs 1")

@@ -177,3 +177,15 @@ def test_members_list_and_shared_keywords():
     assert pop.steps_per_call == 1
     with pytest.raises(nitro.PopulationError, match="members= or list-valued axes"):
         nitro.Population(Digits(), members=[{}], seed=[0, 1])
+
+
+def test_a_populations_binding_report_names_its_member_axis_and_the_members_settings():
+    pop = nitro.Population(Digits(**SMALL), learning_rate=[1e-3, 1e-2], scale=[1.0, 0.5])
+    report = pop.binding_report(3)
+    population = dict(report.sections)["population"]
+    assert population[0] == "members = 4  (this report: member 3, learning_rate=0.01 scale=0.5)"
+    assert "member axis = unrolled, one member's step after another  [vectorize]" in population
+    assert "learning_rate = 0.01  [member 3's setting]" in dict(report.sections)["run keywords"]
+    assert "scale = 0.5  [given]" in report
+    with pytest.raises(nitro.PopulationError, match="has 4 members, numbered 0 to 3"):
+        pop.binding_report(4)

@@ -44,6 +44,7 @@ from nitro.engine.setup import build
 from nitro.errors import PopulationError, SetupError
 from nitro.experiments.declaration import field_specs
 from nitro.experiments.presets import replace
+from nitro.handle.binding_report import BindingReport, binding_report
 from nitro.handle.handle import check_experiment, experiment_to_run, weights_source
 from nitro.handle.population_loggers import MemberLogging
 from nitro.handle.population_members import (
@@ -387,6 +388,55 @@ class Population(PopulationMembers):
         members on one CPU device, where a vmapped convolution runs as a much slower grouped
         one)."""
         return self._vectorize
+
+    def binding_report(self, member: int = 0) -> BindingReport:
+        """Where every value of member `member` came from (its settings among the run
+        keywords and Device fields, as `Nitro(...).binding_report()` shows a run's), after a
+        section on the population: its members, their axes, how its program goes over them
+        (`vectorize=`) and which batches they read. `%nitro bind POP` shows member 0's."""
+        count = len(self._members)
+        if isinstance(member, bool) or not isinstance(member, int) or not 0 <= member < count:
+            raise PopulationError(
+                f"binding_report(member={member!r}): this population has {count} members, "
+                f"numbered 0 to {count - 1}"
+            )
+        chosen = self._members[member]
+        axes = sorted({k for s in self._settings for k in s})
+        shape = "vmapped" if self._vectorize else "unrolled, one member's step after another"
+        lines = [
+            f"members = {count}  (this report: member {member}, "
+            f"{progress.settings_label(chosen.settings) or 'no settings'})",
+            f"axes = {', '.join(axes) or 'none'}",
+            f"member axis = {shape}  [vectorize]",
+            f"batches = {self._batches_mode!r}",
+            f"logger = {'a logger run per member' if self._logging.reporters else 'none'}",
+        ]
+        report = binding_report(
+            chosen.setup,
+            chosen.runtime,
+            self.step,
+            self.run_dir,
+            self.run_id,
+            history=chosen.state.history,
+            programs=self._programs,
+        )
+        own = set(chosen.settings)
+
+        def keyword(line: str) -> str | None:  # the member's settings are the population's
+            name = line.split(" = ", 1)[0]
+            if name in ("logger", "progress"):  # the population's own, above
+                return None
+            if name in own:
+                return line.replace("[Nitro keyword]", f"[member {member}'s setting]")
+            return line
+
+        sections = [
+            (title, [kept for line in body if (kept := keyword(line)) is not None])
+            if title == "run keywords"
+            else (title, body)
+            for title, body in report.sections
+        ]
+        return BindingReport([("population", lines), *sections])
 
     @property
     def batches(self) -> str:
