@@ -225,7 +225,11 @@ def test_a_run_whose_worker_processes_are_signalled_with_it_saves_and_exits_75(t
         start_new_session=True,  # its own process group, as a job step's
     )
     try:
-        assert script.stdout is not None and script.stdout.readline() == "training\n"
+        assert script.stdout is not None
+        line = script.stdout.readline()
+        if line != "training\n":  # it ended before its first step: say how
+            out, err = script.communicate(timeout=180)
+            raise AssertionError(f"no first step (exit {script.returncode}): {line}{out}\n{err}")
         workers = workers_of(script.pid)
         os.killpg(script.pid, signal.SIGTERM)
         _, err = script.communicate(timeout=180)
