@@ -177,8 +177,10 @@ def test_a_rewind_undoes_the_schedule_changes_made_after_its_step_and_keeps_the_
     n = run((4, 0.05), (8, 0.2))  # changed at step 4, then at step 12
     n.rewind(6)  # after the first change, before the second: the first holds
     n.train()
-    assert n.history()["loss"].tolist() == early.history()["loss"].tolist() != (
-        plain.history()["loss"].tolist()
+    assert (
+        n.history()["loss"].tolist()
+        == early.history()["loss"].tolist()
+        != (plain.history()["loss"].tolist())
     )
     same_history(early.history(), n.history())
     same_parameters(early, n)
