@@ -336,5 +336,5 @@ def test_panel_and_history_take_a_population_as_they_take_a_run(kernel):
     history = kernel.run("%nitro history popt").data()[-1]
     assert "member" in history and "learning_rate" in history and "val_loss" in history
     plot = kernel.run("%nitro plot popt", check=False)
-    assert "'popt' is a nitro.Population" in plot.error and "history and panel" in plot.error
+    assert "'popt' is a nitro.Population" in plot.error and "history, panel and bind" in plot.error
     assert "popt.best()" in plot.error
