@@ -71,7 +71,7 @@ FILE_KEYWORDS = ("run_dir", "checkpointer", "resume")
 
 # "auto" unrolls populations of at most this many members on one CPU device: bench/population.py
 # measured the unrolled step faster than the vmapped one there (a vmapped convolution runs as a
-# grouped one, 4.5x slower on the digits CNN), while its compile time grows with the members
+# grouped one, 7.6x slower on the digits CNN), while its compile time grows with the members
 UNROLLED_MEMBERS = 16
 
 
