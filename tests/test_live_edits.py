@@ -385,7 +385,9 @@ def test_a_host_metrics_edit_that_raises_rolls_back_on_its_first_call_and_the_ru
     wait_until(lambda: n.epoch >= 1, "the first validation")
     module.edit("(outputs.argmax(-1) == y).mean() * 1.0", "1 - acuracy")  # a typo
     edit = n.apply_edits().wait(DEADLINE)
-    assert edit.status == "swapped", edit  # it compiled nothing: the hook runs on the host
+    # it swapped at once, compiling nothing (the hook runs on the host); the validation that
+    # rolls it back may already have run on a busy machine (the swaps record both, below)
+    assert edit.status in ("swapped", "rolled back") and edit.programs == (), edit
     wait_until(lambda: edit.status == "rolled back", "the first validation on the edit")
     epoch = n.epoch
     wait_until(lambda: n.epoch > epoch + 1, "validations after the roll-back")

@@ -183,11 +183,13 @@ def test_batches_are_deleted_after_a_divergence():
 
 
 def _new_arrays(held: list) -> list:
-    """Arrays alive now that were not among `held` (which this test keeps alive, so their ids
-    stay theirs). Counting all live arrays instead fails when another thread frees its own."""
+    """Batch-shaped arrays (inputs, outputs, per-sample losses: a leading axis of BATCH) alive
+    now that were not among `held` (which this test keeps alive, so their ids stay theirs).
+    Counting all live arrays instead fails when another thread frees its own, or makes some:
+    a run of an earlier test winding down in this process (a 10-class model's arrays)."""
     gc.collect()
     ids = {id(a) for a in held}
-    return [a for a in jax.live_arrays() if id(a) not in ids]
+    return [a for a in jax.live_arrays() if id(a) not in ids and a.shape[:1] == (BATCH,)]
 
 
 @pytest.mark.parametrize("experiment", [PipeWithMetrics, PipeWithDeviceMetrics])
