@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from system import fill, mounted
-from toys import Toy, X
+from toys import Tagged, Toy, X
 
 import nitro
 import nitro.bundle
@@ -85,17 +85,6 @@ class HostTransform(Toy):
 class TwoOutputs(Toy):
     def export_outputs(self):
         return {"a": None, "b": None}
-
-
-@nitro.experiment
-class Tagged(Toy):
-    """Each row carries an id on the wire that forward does not take."""
-
-    def export_inputs(self):
-        return {
-            "x": jax.ShapeDtypeStruct((5,), jnp.float32),
-            "id": jax.ShapeDtypeStruct((), jnp.int32),
-        }
 
 
 @nitro.experiment

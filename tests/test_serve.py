@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from toys import Toy
+from toys import Tagged, Toy
 
 import nitro
 import nitro.bundle
@@ -51,17 +51,6 @@ class Counts(Toy):
 
     def export_preprocess(self, *, counts, levels):
         return {"x": counts.astype(jnp.float32) + levels.astype(jnp.float32)}
-
-
-@nitro.experiment
-class Tagged(Toy):
-    """Each row carries an id that the bundle returns as it came (echo)."""
-
-    def export_inputs(self):
-        return {
-            "x": jax.ShapeDtypeStruct((5,), jnp.float32),
-            "id": jax.ShapeDtypeStruct((), jnp.int32),
-        }
 
 
 @nitro.experiment

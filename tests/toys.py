@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import nnx
@@ -66,3 +68,15 @@ class Toy:
 class ToyWithMetrics(Toy):
     def metrics(self, logits, *, y):
         return {"acc": (logits.argmax(-1) == y).mean()}
+
+
+@nitro.experiment
+class Tagged(Toy):
+    """Each row carries an id on the wire that forward does not take (a bundle may return it
+    as it came: echo)."""
+
+    def export_inputs(self):
+        return {
+            "x": jax.ShapeDtypeStruct((5,), jnp.float32),
+            "id": jax.ShapeDtypeStruct((), jnp.int32),
+        }
