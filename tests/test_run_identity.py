@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -173,3 +174,39 @@ def test_another_process_writing_a_run_is_refused_and_its_lock_is_gone_once_it_i
     assert n.step > 0  # the killed writer's lock went with it
     holder = json.loads((run_dir / "run.lock").read_text())
     assert (holder["pid"], holder["run_id"]) == (os.getpid(), n.run_id)
+
+
+def test_a_run_another_process_is_writing_lists_its_checkpoints_without_warnings(tmp_path):
+    """Its writer removes old steps (the keep policy) while they are listed: no listing warns
+    of damage or comes back empty."""
+    run_dir = tmp_path / "wide"
+    code = "import lifecycle_toys; lifecycle_toys.main()"
+    writer = subprocess.Popen(
+        [sys.executable, "-c", code, "saves", str(run_dir)],
+        env=child_env(),
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert writer.stdout is not None
+        assert writer.stdout.readline().strip() == f"training {writer.pid}"
+        deadline = time.monotonic() + 120  # a generous wait for its saves to cycle
+        while _listed(run_dir) < 2:
+            assert time.monotonic() < deadline and writer.poll() is None
+            time.sleep(0.05)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(40):
+                assert _listed(run_dir) >= 1
+        assert writer.poll() is None  # it was writing all along
+    finally:
+        writer.send_signal(signal.SIGKILL)
+        writer.wait(timeout=60)
+        if writer.stdout is not None:
+            writer.stdout.close()
+
+
+def _listed(run_dir: Path) -> int:
+    """How many checkpoints `nitro.saved_runs` lists for the run."""
+    runs = nitro.saved_runs(run_dir)
+    return int(runs["checkpoints"].iloc[0]) if len(runs) else 0

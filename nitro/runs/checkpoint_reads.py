@@ -58,7 +58,7 @@ class _reader:
         absl = logging.getLogger("absl")
         absl.addFilter(quiet_read_only)
         try:
-            self.manager = ocp.CheckpointManager(self.directory, options=options)
+            self.manager = self._open(ocp, options)
         except BaseException:
             self._held.__exit__(None, None, None)
             raise
@@ -66,11 +66,28 @@ class _reader:
             absl.removeFilter(quiet_read_only)
         return self.manager
 
+    def _open(self, ocp, options):
+        """The manager, listed again (up to 5 times) when a step it listed was gone when it
+        read it: another process's writer removed it (its keep policy), which is no damage. A
+        failure while the directory stood still is raised."""
+        for _ in range(4):
+            before = _names(self.directory)
+            try:
+                return ocp.CheckpointManager(self.directory, options=options)
+            except (ValueError, FileNotFoundError):
+                if _names(self.directory) == before:
+                    raise
+        return ocp.CheckpointManager(self.directory, options=options)
+
     def __exit__(self, *exc):
         try:
             self.manager.close()
         finally:
             self._held.__exit__(*exc)
+
+
+def _names(directory: Path) -> list[str]:
+    return sorted(p.name for p in directory.iterdir()) if directory.is_dir() else []
 
 
 def _meta_args():

@@ -210,10 +210,10 @@ def resume_source(
         return resolve_checkpoint(resume, targets=targets)
     name = setup.cls.__name__
     root = Path(setup.run_dir) if setup.run_dir is not None else experiment_root(name)
+    check_free(root)  # run_dir= names a run another writer holds: its checkpoints change
     runs = list_runs(root)
     if [run.path for run in runs] == [root.absolute()]:  # run_dir= names one run: that one
         if runs[0].checkpoints:
-            check_free(root)
             say(f"resume='auto' continues {kind} {runs[0].run_id}: the {kind} run_dir= names")
             return resolve_checkpoint(root, targets=targets)
         choice = None
