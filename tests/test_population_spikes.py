@@ -213,3 +213,28 @@ def test_a_population_refuses_rewind_and_fork_naming_what_can():
         pop.rewind(3)
     with pytest.raises(nitro.PopulationError, match=r"pop.member\(i\) is a run that can fork"):
         pop.fork()
+
+
+def test_a_member_that_rolled_back_counts_its_own_steps_in_python_and_over_the_tools():
+    import anyio
+    from agent_client import call, http_session
+
+    from nitro.mcp import HttpServer, RunRegistry, ToolSession
+
+    pop = nitro.Population(
+        Marked(max_epochs=1), gain=[1.0, 1e3], spike=SPIKE, steps_per_dispatch=1, progress=False
+    ).train()
+    assert pop.skipped_batches(1)["index"].tolist() == [POISONED]
+    assert pop.member_steps == [pop.step, pop.step - 1] == [8, 7]
+    assert pop.history()["step"].tolist() == [8, 7]  # each member's row has its own
+    server = HttpServer(ToolSession(registry=RunRegistry(), namespace={"pop": pop})).start()
+
+    async def scenario():
+        async with http_session(server.url, server.token) as session:
+            return await call(session, "nitro_status", run_id="pop")
+
+    try:
+        status = anyio.run(scenario)
+    finally:
+        server.stop()
+    assert [m["step"] for m in status["member_status"]] == [8, 7]

@@ -202,6 +202,11 @@ class Member:
     events: Events = dataclasses.field(default_factory=Events)
     logging: Any = None  # its logger run's `LoggingReporter` on that path (None: no logger)
 
+    def own_step(self, step: int) -> int:
+        """Its own steps when the population has trained `step`: less those it sat out
+        (`spike=`), and where it stopped for a member that did."""
+        return (step if self.stopped_at is None else int(self.stopped_at)) - self.sat_out
+
     @property
     def label(self) -> str:
         shown = ", ".join(f"{k}={_short(v)}" for k, v in self.settings.items())
@@ -491,8 +496,7 @@ class Stacked:
             if member.stopped is not None and not (totals and totals.steps):
                 rows.append(None)
                 continue
-            step = state.step if member.stopped_at is None else member.stopped_at
-            step -= member.sat_out  # its own steps (`spike=`: less those it sat out)
+            step = member.own_step(state.step)
             own = None if scale is None else [leaf[i] for leaf in scale]
             rows.append(epoch_row(member.setup, member.runtime, member.state, step, own, finalize))
         return rows
@@ -539,8 +543,7 @@ class Stacked:
         rows = []
         for member, metrics in zip(self.members, results, strict=True):
             if member.stopped is None:
-                step = state.step - member.sat_out  # its own
-                row = {"step": step, "epoch": state.epoch + 1, **metrics}
+                row = {"step": member.own_step(state.step), "epoch": state.epoch + 1, **metrics}
                 member.state.validations.append(row)
                 member.events.validated(row)
                 rows.append({"member": member.index, **row})

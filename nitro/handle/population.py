@@ -323,11 +323,13 @@ class Population(PopulationMembers):
     def stopped_at(self) -> dict[int, int]:
         """Member -> the steps it trained before it stopped, for the members that did: its
         history's last row has that step, and its weights are those of that step."""
-        return {
-            m.index: int(m.stopped_at or 0) - m.sat_out
-            for m in self._members
-            if m.stopped is not None
-        }
+        return {m.index: m.own_step(self.step) for m in self._members if m.stopped is not None}
+
+    @property
+    def member_steps(self) -> list[int]:
+        """Each member's own steps so far, in member order: the population's `step` less the
+        batches a spike's roll-back left out for it (`spike=`), or where it stopped."""
+        return [m.own_step(self.step) for m in self._members]
 
     def _stacked(self) -> Stacked:
         """The members stacked, once: the loop's members object, with the stacked state."""

@@ -114,7 +114,7 @@ class MemberLogging:
         population, stopped, index = self.population, member.stopped, member.index
         run_dir = str(member_dir(self.files.run_dir, index))
         run_id = member_run_id(self.files.run_id, index)
-        step = (population.step if stopped is None else member.stopped_at) - member.sat_out
+        step = member.own_step(population.step)
         reason = population.stop_reason
         if stopped is not None:  # a stopped member's epoch and end stay where it stopped
             kind = "early_stop" if stopped.startswith("early stop") else "requested"

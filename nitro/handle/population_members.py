@@ -126,9 +126,9 @@ class PopulationMembers(RunHandle):
         if not 0 <= index < len(self):
             raise IndexError(f"member {index} of a population of {len(self)}")
         member = self._members[index]
-        epoch, step = self.epoch, self.step - member.sat_out
+        epoch, step = self.epoch, member.own_step(self.step)
         if member.stopped is not None:  # its weights are those of its stop
-            epoch, step = member.state.epoch, int(member.stopped_at or 0) - member.sat_out
+            epoch = member.state.epoch
         with self._guard.hold(f"taking member {index} as a handle"):
             own = member.state.variables  # a member a search left out keeps its own
             variables = jax.tree.map(jnp.asarray, Variables(own.params, own.model_state))

@@ -53,12 +53,12 @@ def axes_of(settings: Sequence[Mapping[str, Any]]) -> dict[str, list[Any]]:
 def member_rows(population: Population, losses: Sequence[Any]) -> list[dict[str, Any]]:
     """Each member's settings, why it stopped, its own epoch and step (a stopped member's
     stay where it stopped), its latest loss (`losses`) and latest epoch's metrics."""
-    stopped, latest = population.stopped, population.last_metrics
+    stopped, latest, steps = population.stopped, population.last_metrics, population.member_steps
     answer = []
     for m, setting in enumerate(population.members):
         metrics = {k: v for k, v in latest[m].items() if k not in ("step", "stopped")}
         epoch = int(metrics.pop("epoch", 0)) if m in stopped else population.epoch
-        step = population.stopped_at.get(m, population.step)
+        step = steps[m]  # its own: less the batches a spike's roll-back left out for it
         answer.append(
             {
                 "member": m,

@@ -167,9 +167,8 @@ def restore_population(
         )
         member.stopped, member.stopped_at = entry.stopped, entry.stopped_at
         member.sat_out = member.state.steps_sat_out()  # its spikes' roll-backs
-        member.state.step -= member.sat_out
+        member.state.step = member.own_step(member.state.step)
         if member.stopped is not None:  # its counters stay where it stopped
-            member.state.step = int(member.stopped_at or 0) - member.sat_out
             member.state.epoch = int(member.state.last_row.get("epoch", 0))
         if member.logging is not None:
             member.logging.reattach(entry.logger)
