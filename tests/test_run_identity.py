@@ -6,6 +6,7 @@ Real orbax, real files, real child processes (tests/lifecycle_toys.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -13,6 +14,7 @@ import subprocess
 import sys
 import time
 import warnings
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -141,10 +143,10 @@ def test_a_resume_takes_an_idle_handles_run_over_and_the_first_handle_writes_no_
     assert first.epoch == 1
 
 
-def test_another_process_writing_a_run_is_refused_and_its_lock_is_gone_once_it_is_killed(
-    tmp_path,
-):
-    run_dir = tmp_path / "wide"
+@contextlib.contextmanager
+def _writer(run_dir: Path, saved: int) -> Iterator[subprocess.Popen]:
+    """Another process training `Wide` into `run_dir` with a checkpoint every epoch, once
+    `nitro.saved_runs` lists `saved` of its checkpoints; killed afterwards."""
     code = "import lifecycle_toys; lifecycle_toys.main()"
     writer = subprocess.Popen(
         [sys.executable, "-c", code, "saves", str(run_dir)],
@@ -155,50 +157,11 @@ def test_another_process_writing_a_run_is_refused_and_its_lock_is_gone_once_it_i
     try:
         assert writer.stdout is not None
         assert writer.stdout.readline().strip() == f"training {writer.pid}"
-        checkpoints = run_dir / "checkpoints"
-        deadline = time.monotonic() + 120  # a generous wait for its first saved step
-        while not any(p.name.isdigit() for p in checkpoints.glob("*")):
+        deadline = time.monotonic() + 120  # a generous wait for its saves
+        while _listed(run_dir) < saved:
             assert time.monotonic() < deadline and writer.poll() is None
             time.sleep(0.05)
-        with pytest.raises(SetupError) as refused:
-            nitro.Nitro(Wide(), run_dir=str(run_dir), resume="auto", progress=False)
-        message = str(refused.value)
-        assert "another process holds run.lock" in message
-        assert f"(pid {writer.pid} on " in message
-        assert "a process that dies releases the lock" in message
-    finally:
-        writer.send_signal(signal.SIGKILL)
-        writer.wait(timeout=60)
-
-    n = nitro.Nitro(Wide(), run_dir=str(run_dir), resume="auto", progress=False, logger=None)
-    assert n.step > 0  # the killed writer's lock went with it
-    holder = json.loads((run_dir / "run.lock").read_text())
-    assert (holder["pid"], holder["run_id"]) == (os.getpid(), n.run_id)
-
-
-def test_a_run_another_process_is_writing_lists_its_checkpoints_without_warnings(tmp_path):
-    """Its writer removes old steps (the keep policy) while they are listed: no listing warns
-    of damage or comes back empty."""
-    run_dir = tmp_path / "wide"
-    code = "import lifecycle_toys; lifecycle_toys.main()"
-    writer = subprocess.Popen(
-        [sys.executable, "-c", code, "saves", str(run_dir)],
-        env=child_env(),
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        assert writer.stdout is not None
-        assert writer.stdout.readline().strip() == f"training {writer.pid}"
-        deadline = time.monotonic() + 120  # a generous wait for its saves to cycle
-        while _listed(run_dir) < 2:
-            assert time.monotonic() < deadline and writer.poll() is None
-            time.sleep(0.05)
-        with warnings.catch_warnings():
-            warnings.simplefilter("error")
-            for _ in range(40):
-                assert _listed(run_dir) >= 1
-        assert writer.poll() is None  # it was writing all along
+        yield writer
     finally:
         writer.send_signal(signal.SIGKILL)
         writer.wait(timeout=60)
@@ -210,3 +173,33 @@ def _listed(run_dir: Path) -> int:
     """How many checkpoints `nitro.saved_runs` lists for the run."""
     runs = nitro.saved_runs(run_dir)
     return int(runs["checkpoints"].iloc[0]) if len(runs) else 0
+
+
+def test_another_process_writing_a_run_is_refused_and_its_lock_is_gone_once_it_is_killed(
+    tmp_path,
+):
+    run_dir = tmp_path / "wide"
+    with _writer(run_dir, saved=1) as writer:
+        with pytest.raises(SetupError) as refused:
+            nitro.Nitro(Wide(), run_dir=str(run_dir), resume="auto", progress=False)
+        message = str(refused.value)
+        assert "another process holds run.lock" in message
+        assert f"(pid {writer.pid} on " in message
+        assert "a process that dies releases the lock" in message
+
+    n = nitro.Nitro(Wide(), run_dir=str(run_dir), resume="auto", progress=False, logger=None)
+    assert n.step > 0  # the killed writer's lock went with it
+    holder = json.loads((run_dir / "run.lock").read_text())
+    assert (holder["pid"], holder["run_id"]) == (os.getpid(), n.run_id)
+
+
+def test_a_run_another_process_is_writing_lists_its_checkpoints_without_warnings(tmp_path):
+    """Its writer removes old steps (the keep policy) while they are listed: no listing warns
+    of damage or comes back empty."""
+    run_dir = tmp_path / "wide"
+    with _writer(run_dir, saved=2) as writer:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            for _ in range(40):
+                assert _listed(run_dir) >= 1
+        assert writer.poll() is None  # it was writing all along
