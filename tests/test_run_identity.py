@@ -55,7 +55,10 @@ def test_run_json_records_the_experiment_the_notebook_and_the_name(script):
 
 
 def test_resume_auto_takes_no_run_of_a_same_named_class_of_another_module(capsys):
-    theirs = nitro.Nitro(other_module_toy()(max_epochs=2), progress=False).train()
+    every_epoch = nitro.Checkpointer(budget=None)  # both epochs saved, however busy the machine
+    theirs = nitro.Nitro(
+        other_module_toy()(max_epochs=2), checkpointer=every_epoch, progress=False
+    ).train()
     with pytest.warns(RuntimeWarning, match="found no checkpoint") as warned:
         n = nitro.Nitro(Toy(max_epochs=1), resume="auto", progress=False)
     assert warned[0].filename == __file__  # the warning points at the line above
