@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -206,3 +207,26 @@ def test_a_run_another_process_is_writing_lists_its_checkpoints_without_warnings
             for _ in range(40):
                 assert _listed(run_dir) >= 1
         assert writer.poll() is None  # it was writing all along
+
+
+def test_handles_made_in_one_second_never_share_a_run_id_or_another_process_s_directory(
+    monkeypatch,
+):
+    """A run id is the second plus 4 random hex digits: the draw is made to repeat, and to
+    name a directory another process made in this second."""
+    draws = iter(["aaaa", "aaaa", "bbbb", "cccc", "dddd"])
+    real = secrets.token_hex
+    monkeypatch.setattr(secrets, "token_hex", lambda nbytes=None: next(draws, None) or real(nbytes))
+    first = nitro.Nitro(Toy(), progress=False)
+    for second in {time.strftime("%Y%m%d-%H%M%S", time.localtime(time.time() + d)) for d in (0, 1)}:
+        (Path("runs") / "Toy" / f"{second}-bbbb").mkdir(parents=True)  # another process's
+        (Path("runs") / "Toy" / f"{second}-cccc").mkdir(parents=True)
+    second = nitro.Nitro(Toy(), progress=False)
+    assert first.run_id.endswith("-aaaa")
+    assert second.run_id.endswith("-dddd") or second.run_id[:15] != first.run_id[:15]
+    assert second.run_dir == str(Path.cwd() / "runs" / "Toy" / second.run_id)
+    second.train()
+    first.train()  # each writes its own directory
+    assert {first.run_dir, second.run_dir} == {
+        str(p.absolute()) for p in Path("runs/Toy").iterdir() if (p / "run.json").is_file()
+    }

@@ -24,6 +24,7 @@ import dataclasses
 import json
 import os
 import secrets
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -53,9 +54,19 @@ RUNS_ROOT = "runs"
 RUN_JSON = "run.json"
 
 
+_ISSUED: set[str] = set()  # the run ids this process gave out
+_ISSUING = threading.Lock()
+
+
 def new_run_id() -> str:
-    """A sortable timestamp plus a short random suffix: `20261130-181500-a3f9`."""
-    return time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+    """A sortable timestamp plus a short random suffix: `20261130-181500-a3f9`, never one
+    this process gave out before (handles made in a loop share their second)."""
+    with _ISSUING:
+        while True:
+            run_id = time.strftime("%Y%m%d-%H%M%S") + "-" + secrets.token_hex(2)
+            if run_id not in _ISSUED:
+                _ISSUED.add(run_id)
+                return run_id
 
 
 def experiment_root(experiment_name: str, root: str | os.PathLike = RUNS_ROOT) -> Path:

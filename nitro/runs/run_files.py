@@ -364,8 +364,11 @@ def new_run_dir(
     `runs/<Experiment>/<new run id>` (also when `run_dir=` names `besides`, the run an
     earlier checkpoint is resumed from)."""
     if run_dir is None or Path(run_dir).absolute() == besides:
-        run_id = new_run_id()
-        return default_run_dir(experiment_name, run_id), run_id
+        while True:  # not the directory of another process's run of the same second
+            run_id = new_run_id()
+            path = default_run_dir(experiment_name, run_id)
+            if not path.exists():
+                return path, run_id
     path = Path(run_dir).absolute()
     existing = read_run_json(path)
     steps = saved_steps(checkpoint_dir(path))
